@@ -1,0 +1,96 @@
+"""ftmem: in-memory fault tolerance for PyTorch training.
+
+Public API (the simple path)::
+
+    import ftmem
+    state = {"model": model, "optim": optimizer, "rng": ftmem.RNGState()}
+    step = ftmem.load(state)
+    for step in range(step, total):
+        train_one_step()
+        ftmem.save(state, step=step + 1)
+
+Layout of the package: client/ runs in the ranks; smp/ is the per-node snapshot
+management process; protocol/ defines the messages between them; shm.py names and maps
+the shared memory; config.py and errors.py hold settings and exceptions; cli.py is the
+``ftmem`` command; testing/ has fault injection for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from ftmem.client import Checkpointer, RNGState, SnapshotHandle
+from ftmem.config import ClientConfig, SmpConfig
+from ftmem.errors import (
+    CorruptSnapshotError,
+    FtmemError,
+    InconsistentSnapshotError,
+    ProtocolError,
+    SmpStartError,
+    SmpUnavailableError,
+    SnapshotMismatchError,
+)
+
+__all__ = [
+    "Checkpointer",
+    "ClientConfig",
+    "CorruptSnapshotError",
+    "FtmemError",
+    "InconsistentSnapshotError",
+    "ProtocolError",
+    "RNGState",
+    "SmpConfig",
+    "SmpStartError",
+    "SmpUnavailableError",
+    "SnapshotHandle",
+    "SnapshotMismatchError",
+    "close",
+    "heartbeat",
+    "load",
+    "save",
+    "stats",
+    "wait",
+]
+
+_default: Checkpointer | None = None
+
+
+def _checkpointer() -> Checkpointer:
+    global _default
+    if _default is None:
+        _default = Checkpointer()
+    return _default
+
+
+def save(state: Mapping[str, Any], step: int) -> SnapshotHandle:
+    """Snapshot ``state`` as ``step`` into the node's SMP; return at once (see Checkpointer.save)."""
+    return _checkpointer().save(state, step)
+
+
+def load(state: MutableMapping[str, Any], *, allow_fresh_start: bool | None = None) -> int:
+    """Restore the newest step every rank holds, in place; return it (0: nothing to restore)."""
+    return _checkpointer().load(state, allow_fresh_start=allow_fresh_start)
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Wait for the last snapshot's copy and commit; True if it was committed."""
+    return _checkpointer().wait(timeout)
+
+
+def heartbeat(step: int = 0) -> None:
+    """Report training progress to the SMP (for hang detection by ftmem-launch)."""
+    _checkpointer().heartbeat(step)
+
+
+def stats() -> dict[str, Any]:
+    """Figures of the last snapshot: stall (save + fence), copy time, skipped count."""
+    return _checkpointer().stats()
+
+
+def close() -> None:
+    """Finish the pending snapshot (bounded) and release the connection to the SMP."""
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None

@@ -1,0 +1,137 @@
+"""Restoring a committed snapshot into a live state, in place: verify, plan, then apply.
+
+Nothing is changed until the whole snapshot has passed its checksums and every tensor has
+found its place (:func:`plan_restore`); :func:`apply_restore` then copies and calls
+``load_state_dict`` on the Stateful objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ftmem.client.flatten import (
+    TENSOR_MARK,
+    StoredSnapshot,
+    StoredTensor,
+    decode_skeleton,
+    is_stateful,
+)
+from ftmem.client.staging import hash_bytes
+from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
+from ftmem.shm import MappedSegment
+
+
+def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment) -> None:
+    """Check every tensor's and the objects' checksum.
+
+    Raises:
+        CorruptSnapshotError: naming the first extent whose bytes do not match.
+    """
+    v = seg.view
+    if hash_bytes(v[snap.objects_offset : snap.objects_offset + snap.objects_nbytes]) != snap.objects_hash:
+        raise CorruptSnapshotError(f"step {snap.step}: objects fail their checksum")
+    for t in snap.tensors:
+        if hash_bytes(v[t.offset : t.offset + t.nbytes]) != t.hash:
+            raise CorruptSnapshotError(f"step {snap.step}: tensor {t.name!r} fails its checksum")
+
+
+@dataclass
+class RestorePlan:
+    """What :func:`apply_restore` will do: copies into tensors, then per-key finishing calls."""
+
+    copies: list[tuple[StoredTensor, torch.Tensor]] = field(default_factory=list)
+    finish: list[Callable[[], None]] = field(default_factory=list)
+
+
+def _is_mark(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 2 and obj[0] == TENSOR_MARK and type(obj[1]) is int
+
+
+def _live_tensors(obj: Any, prefix: tuple[Any, ...], out: dict[tuple[Any, ...], torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _live_tensors(v, (*prefix, k), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _live_tensors(v, (*prefix, i), out)
+
+
+def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects: bytes) -> RestorePlan:
+    """Match the snapshot to ``state`` without changing anything.
+
+    Raises:
+        CorruptSnapshotError: the skeleton is malformed or refers to missing tensors.
+        SnapshotMismatchError: a key of ``state`` is missing from the snapshot, or a plain
+            tensor in ``state`` has another shape or dtype than the stored one.
+    """
+    skeleton = decode_skeleton(objects)
+    plan = RestorePlan()
+    stored = snap.tensors
+
+    def build(skel: Any, live: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...], counts: list[int]) -> Any:
+        if _is_mark(skel):
+            idx = skel[1]
+            if not 0 <= idx < len(stored):
+                raise CorruptSnapshotError(f"skeleton refers to tensor {idx} of {len(stored)}")
+            st = stored[idx]
+            target = live.get(path)
+            if target is not None and target.dtype == st.dtype and tuple(target.shape) == st.shape:
+                counts[0] += 1
+            else:
+                target = torch.empty(st.shape, dtype=st.dtype)
+                counts[1] += 1
+            plan.copies.append((st, target))
+            return target
+        if isinstance(skel, dict):
+            return {k: build(v, live, (*path, k), counts) for k, v in skel.items()}
+        if isinstance(skel, list):
+            return [build(v, live, (*path, i), counts) for i, v in enumerate(skel)]
+        if isinstance(skel, tuple):
+            return tuple(build(v, live, (*path, i), counts) for i, v in enumerate(skel))
+        return skel
+
+    for key, value in state.items():
+        if key not in skeleton:
+            raise SnapshotMismatchError(f"key {key!r} of the state is not in snapshot {snap.step}")
+        live: dict[tuple[Any, ...], torch.Tensor] = {}
+        counts = [0, 0]  # in place, newly allocated
+        if isinstance(value, torch.Tensor):
+            _live_tensors(value, (), live)
+            new = build(skeleton[key], live, (), counts)
+            if new is not value:
+                raise SnapshotMismatchError(
+                    f"tensor {key!r}: stored shape/dtype differ from the state's {tuple(value.shape)} {value.dtype}"
+                )
+        elif is_stateful(value):
+            _live_tensors(value.state_dict(), (), live)
+            new_sd = build(skeleton[key], live, (), counts)
+            if not (isinstance(value, torch.nn.Module) and counts[1] == 0):
+                plan.finish.append(lambda v=value, sd=new_sd: v.load_state_dict(sd))
+        else:
+            _live_tensors(value, (), live)
+            new_value = build(skeleton[key], live, (), counts)
+            plan.finish.append(lambda k=key, nv=new_value: state.__setitem__(k, nv))
+    return plan
+
+
+def apply_restore(plan: RestorePlan, seg: MappedSegment, chunk: int = 16 << 20) -> None:
+    """Copy every planned tensor out of the slot, then run the finishing calls."""
+    for st, target in plan.copies:
+        src = seg.tensor[st.offset : st.offset + st.nbytes]
+        if st.nbytes == 0:
+            continue
+        if target.is_contiguous() and target.device.type == "cpu":
+            dst = target.reshape(-1).view(torch.uint8)
+            for i in range(0, st.nbytes, chunk):
+                j = min(st.nbytes, i + chunk)
+                dst[i:j].copy_(src[i:j])
+        else:
+            target.copy_(src.view(st.dtype).view(st.shape))
+    for fn in plan.finish:
+        fn()

@@ -1,0 +1,52 @@
+"""RNGState: a Stateful holding this process's random number generators.
+
+Add it to the state with one line, ``state["rng"] = ftmem.RNGState()``; every rank then
+saves and restores its own Python, NumPy (if installed), torch CPU and CUDA generators.
+Everything is stored as tensors and plain values (no pickled objects).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+
+class RNGState:
+    """Save and restore the per-rank RNG state (python, numpy, torch CPU, CUDA when present)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the current generator states."""
+        version, internal, gauss = random.getstate()
+        sd: dict[str, Any] = {
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                       "gauss": gauss},
+            "torch": torch.get_rng_state(),
+        }
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+            sd["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                           "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state_all()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore the generator states saved by :meth:`state_dict`."""
+        py = sd["python"]
+        random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+        torch.set_rng_state(sd["torch"])
+        if "numpy" in sd:
+            import numpy as np
+
+            n = sd["numpy"]
+            np.random.set_state(
+                (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+            )
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(sd["cuda"])

@@ -1,0 +1,129 @@
+"""SmpClient: a process's only link to its node's SMP (one DEALER socket, one owner thread)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ftmem._logging import get_logger
+from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME
+from ftmem.errors import ProtocolError, SmpRequestError, SmpUnavailableError
+from ftmem.protocol import messages as m
+from ftmem.protocol.wire import decode, encode
+
+log = get_logger(__name__)
+
+_SLICE_MS = 200  # how often a waiting request checks that the SMP process still exists
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SmpClient:
+    """Request/reply to the SMP serving ``run_dir``.
+
+    Not thread-safe: each thread that talks to the SMP owns its own SmpClient (ZeroMQ
+    sockets belong to one thread).
+
+    Resource handling: :meth:`close` (idempotent; context manager) closes the socket.
+
+    Error handling: every request waits at most ``timeout`` and raises SmpUnavailableError
+    if the SMP does not answer, SmpUnavailableError sooner if the SMP's process is gone,
+    and SmpRequestError if it answers with an error.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        timeout: timedelta = timedelta(seconds=30),
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.timeout = timeout
+        sock_path = self.run_dir / SOCKET_NAME
+        if not sock_path.exists():
+            raise SmpUnavailableError(
+                f"no SMP serves {self.run_dir} (missing {SOCKET_NAME}); start one with "
+                f"`python -m ftmem.smp --run-dir {self.run_dir}` or run under ftmem-launch"
+            )
+        try:
+            self._key: bytes | None = (self.run_dir / AUTH_KEY_NAME).read_bytes()
+            ready = json.loads((self.run_dir / READY_NAME).read_text())
+            self.smp_pid: int | None = int(ready["pid"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"ipc://{sock_path}")
+        self._ids = itertools.count(1)
+
+    def request(self, payload: Any, timeout: timedelta | None = None) -> dict[str, Any]:
+        """Send one request and return the reply's data.
+
+        Raises:
+            SmpUnavailableError: no reply within the timeout, or the SMP process is gone.
+            SmpRequestError: the SMP replied with an error.
+        """
+        if self._sock is None:
+            raise SmpUnavailableError("client is closed")
+        req_id = next(self._ids)
+        self._sock.send(encode(payload, req_id, self._key), copy=True)
+        limit = (timeout or self.timeout).total_seconds() * 1000
+        waited = 0.0
+        while waited < limit:
+            step = min(_SLICE_MS, limit - waited)
+            if self._sock.poll(step, zmq.POLLIN):
+                frame = self._sock.recv(copy=True)
+                try:
+                    rid, kind, reply = decode(frame, self._key)
+                except ProtocolError as exc:
+                    raise SmpUnavailableError(f"unreadable reply from the SMP: {exc}") from exc
+                if rid != req_id or kind is not m.Kind.REPLY:
+                    log.debug("dropping stale reply %d (waiting for %d)", rid, req_id)
+                    continue
+                assert isinstance(reply, m.Reply)
+                if not reply.ok:
+                    raise SmpRequestError(f"SMP refused {type(payload).__name__}: {reply.error}")
+                return reply.data
+            waited += step
+            if self.smp_pid is not None and not _pid_alive(self.smp_pid):
+                raise SmpUnavailableError(
+                    f"the SMP (pid {self.smp_pid}) serving {self.run_dir} is gone"
+                )
+        raise SmpUnavailableError(
+            f"the SMP serving {self.run_dir} did not answer {type(payload).__name__} "
+            f"within {limit / 1000:.1f} s"
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Return the SMP's STATUS document."""
+        return self.request(m.Status())
+
+    def close(self) -> None:
+        """Close the socket (and the context if this client made it)."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+            if self._own_ctx:
+                self._ctx.term()
+
+    def __enter__(self) -> SmpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,390 @@
+"""Checkpointer: per-step snapshots of a training state into the node's SMP, and restore.
+
+    ckpt = Checkpointer()
+    step = ckpt.load(state)            # agreed over the default process group; 0 = fresh
+    for step in range(step, total):
+        train_one_step()
+        ckpt.save(state, step=step + 1)  # returns at once; the copy runs in the background
+
+``save`` copies module buffers and small objects eagerly, queues the rest (parameters and
+optimizer state, which only ``optimizer.step()`` changes) for the background copy, and
+registers a step pre-hook on every optimizer in the state: the fence that waits for the
+copy before the optimizer changes those tensors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftmem._logging import get_logger
+from ftmem.client import agreement
+from ftmem.client.flatten import (
+    Flat,
+    Layout,
+    encode_skeleton,
+    flatten_state,
+    parse_layout,
+    plan_layout,
+    signature_of,
+)
+from ftmem.client.restore import apply_restore, plan_restore, verify_snapshot
+from ftmem.client.smp_client import SmpClient
+from ftmem.client.staging import (
+    CopyJob,
+    CopyWorker,
+    copy_tensor,
+    hash_bytes,
+    register_pinned,
+    start_cuda_copies,
+)
+from ftmem.config import ClientConfig
+from ftmem.errors import (
+    CorruptSnapshotError,
+    FtmemError,
+    InconsistentSnapshotError,
+    SnapshotMismatchError,
+)
+from ftmem.protocol import messages as m
+from ftmem.shm import MappedSegment
+
+log = get_logger(__name__)
+
+_OK, _CORRUPT, _MISMATCH = 2, 1, 0
+
+
+@dataclass
+class SnapshotHandle:
+    """The result of one :meth:`Checkpointer.save`: skipped, or a copy that will commit."""
+
+    step: int
+    skipped: bool
+    reason: str = ""
+    _job: CopyJob | None = None
+
+    def done(self) -> bool:
+        """True once the snapshot is committed, failed, or was skipped."""
+        return self._job is None or self._job.finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the copy and the commit; return True if committed, False if skipped.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+            FtmemError: the copy or the commit failed.
+        """
+        if self._job is None:
+            return False
+        if not self._job.finished.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not committed within {timeout} s")
+        if self._job.error is not None:
+            raise FtmemError(f"snapshot of step {self.step} failed: {self._job.error}")
+        return True
+
+
+class Checkpointer:
+    """Takes snapshots of a state into the node's SMP and restores them.
+
+    Resource handling: connects lazily; :meth:`close` (idempotent, also at interpreter
+    exit) waits (bounded) for the pending commit, stops the copy thread and closes sockets.
+
+    Error handling: :class:`SmpUnavailableError` when the SMP does not answer within the
+    configured timeout (sooner when its process is gone); load raises
+    :class:`InconsistentSnapshotError`, :class:`SnapshotMismatchError` or
+    :class:`CorruptSnapshotError` rather than restore something wrong.
+    """
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        self._client: SmpClient | None = None
+        self._worker: CopyWorker | None = None
+        self._rank: int | None = None
+        self._segments: dict[str, MappedSegment] = {}
+        self._layout: Layout | None = None
+        self._sig: Any = None
+        self._job: CopyJob | None = None
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._skipped = 0
+        self._last_save_s = 0.0
+        self._last_fence_s = 0.0
+        self._closed = False
+        self._optimizers: list[torch.optim.Optimizer] = []
+        atexit.register(self.close)
+
+    # -- connection ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        if self._rank is None:
+            self._rank = agreement.current_rank()
+        return self._rank
+
+    def _connect(self) -> SmpClient:
+        if self._client is None:
+            client = SmpClient(self.config.run_dir, self.config.request_timeout)
+            info = client.request(
+                m.Hello(rank=self.rank, pid=os.getpid(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+            )
+            self._shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))
+            self._client = client
+            self._worker = CopyWorker(self.config.run_dir, self.config.request_timeout)
+        return self._client
+
+    def _segment(self, path: str, capacity: int) -> MappedSegment:
+        seg = self._segments.get(path)
+        if seg is None or seg.nbytes != capacity:
+            seg = MappedSegment(Path(path), capacity, self._shm_dir)
+            self._segments[path] = seg
+            # Forget mappings of files the SMP replaced (one live file per slot).
+            for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
+                self._segments.pop(old).close()
+        return seg
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, state: Mapping[str, Any], step: int) -> SnapshotHandle:
+        """Snapshot ``state`` as ``step``; return at once with a handle.
+
+        The snapshot is skipped (counted, never waited for) when the previous copy is still
+        running or the SMP has no free slot.
+
+        Raises:
+            ValueError: bad step or a state that cannot be snapshotted.
+            SmpUnavailableError: the SMP is gone or does not answer.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        t0 = time.perf_counter()
+        client = self._connect()
+        prev = self._job
+        if prev is not None and not prev.finished.is_set():
+            if not prev.copied.is_set():
+                return self._skip(step, "the previous copy is still running", t0)
+            prev.finished.wait(self.config.request_timeout.total_seconds())
+        flat = flatten_state(state)
+        sig = signature_of(flat)
+        if sig != self._sig or self._layout is None:
+            self._layout, self._sig = plan_layout(flat), sig
+        layout = self._layout
+        objects = encode_skeleton(flat.skeleton)
+        total = layout.tensors_end + len(objects)
+        decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
+        if decision["action"] == "resize":
+            want = int(total * (1 + self.config.arena_headroom)) + 1
+            client.request(m.Prepare(rank=self.rank, slot=int(decision["slot"]), nbytes=want),
+                           timeout=self.config.prepare_timeout)
+            decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
+        if decision["action"] != "write":
+            return self._skip(step, str(decision.get("reason", decision["action"])), t0)
+        seg = self._segment(str(decision["path"]), int(decision["capacity"]))
+        self._hook_optimizers(state)
+        job = self._stage(flat, layout, objects, seg, step, int(decision["slot"]), int(decision["gen"]))
+        job.stall_s = self._last_save_s = time.perf_counter() - t0
+        job.skipped = self._skipped
+        self._job = job
+        assert self._worker is not None
+        self._worker.submit(job)
+        return SnapshotHandle(step=step, skipped=False, _job=job)
+
+    def _skip(self, step: int, reason: str, t0: float) -> SnapshotHandle:
+        self._skipped += 1
+        self._last_save_s = time.perf_counter() - t0
+        log.debug("snapshot of step %d skipped: %s", step, reason)
+        return SnapshotHandle(step=step, skipped=True, reason=reason)
+
+    def _stage(self, flat: Flat, layout: Layout, objects: bytes, seg: MappedSegment,
+               step: int, slot: int, gen: int) -> CopyJob:
+        """Copy the eager part now; return the job that copies the rest in the background."""
+        off = layout.tensors_end
+        seg.tensor[off : off + len(objects)].copy_(torch.frombuffer(bytearray(objects), dtype=torch.uint8))
+        obj_hash = hash_bytes(seg.view[off : off + len(objects)])
+        lazy_ptrs = _optimizer_storage_ptrs(flat.skeleton, self._optimizers)
+        job = CopyJob(rank=self.rank, step=step, slot=slot, gen=gen, seg=seg, layout=layout,
+                      tensors=flat.tensors, lazy=[], hashes=[None] * len(flat.tensors),
+                      objects=(off, len(objects), obj_hash), chunk=self.config.chunk_bytes)
+        cuda: list[int] = []
+        for i, t in enumerate(flat.tensors):
+            if t.device.type == "cuda":
+                cuda.append(i)
+                job.lazy.append(i)
+            elif lazy_ptrs and t.untyped_storage().data_ptr() in lazy_ptrs:
+                job.lazy.append(i)
+            else:  # buffers, RNG, anything the forward pass or the user may change
+                job.hashes[i] = copy_tensor(t, seg, layout.extents[i].offset, self.config.chunk_bytes)
+        if cuda:
+            register_pinned(seg)
+            start_cuda_copies(job, cuda)
+        job.lazy.sort(key=lambda i: -flat.tensors[i].nbytes)
+        return job
+
+    # -- the fence -------------------------------------------------------------------------
+    def _hook_optimizers(self, state: Mapping[str, Any]) -> None:
+        found = [v for v in _walk_values(state) if isinstance(v, torch.optim.Optimizer)]
+        self._optimizers = found
+        for opt in found:
+            if opt not in self._hooked:
+                opt.register_step_pre_hook(self._fence_hook)
+                self._hooked.add(opt)
+
+    def _fence_hook(self, *_: Any) -> None:
+        t0 = time.perf_counter()
+        job = self._job
+        if job is not None and not job.copied.is_set():
+            job.copied.wait()
+        self._last_fence_s = time.perf_counter() - t0
+        if job is not None and job.error is not None:
+            log.error("snapshot of step %d failed; training goes on: %s", job.step, job.error)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the pending snapshot's copy and commit; True if one was committed."""
+        job = self._job
+        if job is None:
+            return False
+        t0 = time.perf_counter()
+        job.copied.wait(timeout)
+        self._last_fence_s = time.perf_counter() - t0
+        return SnapshotHandle(job.step, False, _job=job).wait(timeout)
+
+    def heartbeat(self, step: int = 0) -> None:
+        """Tell the SMP that training makes progress (used for hang detection)."""
+        self._connect().request(m.Heartbeat(rank=self.rank, step=step))
+
+    def stats(self) -> dict[str, Any]:
+        """Figures of the last snapshot: stall (save + fence), copy time, skips."""
+        job = self._job
+        return {
+            "last_save_s": self._last_save_s,
+            "last_fence_s": self._last_fence_s,
+            "last_stall_s": self._last_save_s + self._last_fence_s,
+            "last_copy_s": job.copy_s if job is not None else 0.0,
+            "last_step": job.step if job is not None else None,
+            "skipped": self._skipped,
+        }
+
+    # -- load ------------------------------------------------------------------------------
+    def load(self, state: MutableMapping[str, Any], *, allow_fresh_start: bool | None = None) -> int:
+        """Restore the newest step every rank holds (in place); return it, or 0 if none.
+
+        All ranks of the default process group must call this together.
+
+        Raises:
+            InconsistentSnapshotError: some ranks hold snapshots and others none (unless
+                fresh starts are allowed), or no step is common to all ranks.
+            CorruptSnapshotError: no common step passes its checksums on every rank.
+            SnapshotMismatchError: the snapshot does not fit ``state``.
+        """
+        allow = self.config.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
+        self.wait_quietly()
+        client = self._connect()
+        snaps = client.request(m.Query(rank=self.rank))["snapshots"]
+        excluded: set[int] = set()
+        for _ in range(agreement.MAX_CANDIDATES + 1):
+            mine = [int(s["step"]) for s in snaps if int(s["step"]) not in excluded]
+            everyone = agreement.gather_candidates(mine)
+            step = agreement.newest_common(everyone)
+            if step is None:
+                if not any(everyone) and not excluded:
+                    return 0
+                holders = [r for r, c in enumerate(everyone) if c]
+                msg = (f"no snapshot step is held by every rank (ranks holding some: {holders}; "
+                       f"failed checks: {sorted(excluded)})")
+                if allow:
+                    log.warning("%s; starting fresh as allowed", msg)
+                    client.request(m.DiscardNewer(rank=self.rank, step=0))
+                    return 0
+                if excluded:
+                    raise CorruptSnapshotError(msg)
+                raise InconsistentSnapshotError(msg)
+            snap = next(s for s in snaps if int(s["step"]) == step)
+            code, plan, seg, err = self._prepare_restore(state, snap)
+            agreed = agreement.min_over_ranks(code)
+            if agreed == _OK:
+                assert plan is not None and seg is not None
+                apply_restore(plan, seg, self.config.chunk_bytes)
+                client.request(m.DiscardNewer(rank=self.rank, step=step))
+                log.info("restored step %d", step)
+                return step
+            if agreed == _MISMATCH:
+                raise SnapshotMismatchError(err or f"snapshot {step} does not fit another rank's state")
+            log.warning("step %d cannot be restored on every rank (%s); trying an older one",
+                        step, err or "another rank failed its checksum")
+            excluded.add(step)
+        raise CorruptSnapshotError("no restorable snapshot step")
+
+    def _prepare_restore(self, state: MutableMapping[str, Any], snap: dict[str, Any]) -> tuple[int, Any, Any, str]:
+        try:
+            seg = self._segment(str(snap["path"]), int(snap["capacity"]))
+            stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
+            verify_snapshot(stored, seg)
+            objects = bytes(seg.view[stored.objects_offset : stored.objects_offset + stored.objects_nbytes])
+            return _OK, plan_restore(state, stored, objects), seg, ""
+        except (CorruptSnapshotError, OSError, ValueError) as exc:
+            log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)
+            return _CORRUPT, None, None, str(exc)
+        except SnapshotMismatchError as exc:
+            return _MISMATCH, None, None, str(exc)
+
+    # -- shutdown --------------------------------------------------------------------------
+    def wait_quietly(self, timeout: float | None = None) -> None:
+        """Wait for a pending commit, logging (not raising) a failure."""
+        job = self._job
+        if job is not None:
+            limit = timeout if timeout is not None else self.config.request_timeout.total_seconds()
+            if not job.finished.wait(limit):
+                log.warning("snapshot of step %d still pending after %.0f s", job.step, limit)
+            elif job.error is not None:
+                log.warning("snapshot of step %d failed: %s", job.step, job.error)
+
+    def close(self) -> None:
+        """Finish the pending commit (bounded), stop the copy thread, close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self.wait_quietly()
+        if self._worker is not None:
+            self._worker.close()
+        if self._client is not None:
+            self._client.close()
+        self._job = None
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+
+
+def _walk_values(obj: Any) -> list[Any]:
+    out = []
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        else:
+            out.append(v)
+    return out
+
+
+def _optimizer_storage_ptrs(skeleton: Any, optimizers: list[torch.optim.Optimizer]) -> set[int]:
+    """Storages that only the optimizers mutate: their parameters and their state tensors."""
+    ptrs: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.add(p.untyped_storage().data_ptr())
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    ptrs.add(v.untyped_storage().data_ptr())
+    return ptrs

@@ -1,0 +1,122 @@
+"""Settings of ftmem's components as dataclasses, and every environment variable in one place."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+# Environment variables ftmem reads (the launcher sets the first four for its ranks).
+ENV_RUN_DIR = "FTMEM_RUN_DIR"  # the SMP's run directory; holds smp.sock
+ENV_RUN_ID = "FTMEM_RUN_ID"  # names the run (shared-memory names, default run dir)
+ENV_NODE = "FTMEM_NODE"  # names this node
+ENV_GENERATION = "FTMEM_GENERATION"  # restart generation common to all nodes (informational)
+ENV_REQUEST_TIMEOUT = "FTMEM_REQUEST_TIMEOUT"  # seconds a rank waits for an SMP reply
+ENV_ALLOW_FRESH_START = "FTMEM_ALLOW_FRESH_START"  # "1": load returns 0 if ranks disagree
+ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
+ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.testing.faults)
+
+SOCKET_NAME = "smp.sock"
+AUTH_KEY_NAME = "auth.key"
+READY_NAME = "smp.ready"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def default_run_id() -> str:
+    """Return the run id from FTMEM_RUN_ID, else TORCHELASTIC_RUN_ID, else ``"default"``."""
+    rid = os.environ.get(ENV_RUN_ID) or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", rid)[:64]
+
+
+def default_run_dir(run_id: str | None = None) -> Path:
+    """Return FTMEM_RUN_DIR if set, else ``/tmp/ftmem-<uid>/<run_id>``."""
+    env = os.environ.get(ENV_RUN_DIR)
+    if env:
+        return Path(env)
+    return Path("/tmp") / f"ftmem-{os.getuid()}" / (run_id or default_run_id())
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return ``value`` if it is a safe name for files and shared memory, else raise ValueError."""
+    if not _NAME_RE.match(value):
+        raise ValueError(f"{kind} {value!r} must match {_NAME_RE.pattern}")
+    return value
+
+
+@dataclass(kw_only=True, slots=True)
+class SmpConfig:
+    """Settings of one snapshot management process (SMP)."""
+
+    run_dir: Path
+    """Directory (made 0700) holding the SMP's socket, key and readiness files."""
+    run_id: str = "default"
+    """Names the run; part of every shared-memory file name."""
+    node: str = "node0"
+    """Names this node; part of every shared-memory file name."""
+    slots: int = 2
+    """Snapshot slots per rank (>= 2): one being written while the newest committed is kept."""
+    max_message_bytes: int = 16 << 20
+    """Largest message accepted on the rank socket; larger ones are dropped by ZeroMQ."""
+    shm_dir: Path = Path("/dev/shm")
+    """Where the arena files live (a tmpfs)."""
+    parent_pid: int | None = None
+    """If set, the SMP exits (cleaning up) when this process is gone."""
+    poll_interval: timedelta = timedelta(milliseconds=100)
+    """How often the loop wakes up to check signals, the parent and finished allocations."""
+
+    def __post_init__(self) -> None:
+        check_name("run_id", self.run_id)
+        check_name("node", self.node)
+        if self.slots < 2:
+            raise ValueError(f"slots must be >= 2, got {self.slots}")
+        if self.max_message_bytes < 4096:
+            raise ValueError("max_message_bytes must be >= 4096")
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ endpoint ranks connect to."""
+        return f"ipc://{self.run_dir / SOCKET_NAME}"
+
+
+def _env_seconds(name: str, default: float) -> timedelta:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return timedelta(seconds=default)
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from exc
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0")
+    return timedelta(seconds=value)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    """Settings of the client that runs in each training rank."""
+
+    run_dir: Path = field(default_factory=default_run_dir)
+    """The SMP's run directory (FTMEM_RUN_DIR)."""
+    request_timeout: timedelta = field(
+        default_factory=lambda: _env_seconds(ENV_REQUEST_TIMEOUT, 30.0)
+    )
+    """Longest wait for one SMP reply (FTMEM_REQUEST_TIMEOUT); a dead SMP is noticed sooner."""
+    prepare_timeout: timedelta = timedelta(seconds=600)
+    """Longest wait for the SMP to create and pre-fault a rank's arena (first save, resize)."""
+    chunk_bytes: int = 16 << 20
+    """The background copy moves and hashes tensors in pieces of this size."""
+    allow_fresh_start: bool = field(
+        default_factory=lambda: os.environ.get(ENV_ALLOW_FRESH_START, "") == "1"
+    )
+    """If ranks disagree (some have a snapshot, some none), start fresh instead of raising."""
+    arena_headroom: float = 0.10
+    """Extra fraction allocated over the first snapshot's size, so small growth needs no resize."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096:
+            raise ValueError("chunk_bytes must be >= 4096")
+        if self.arena_headroom < 0:
+            raise ValueError("arena_headroom must be >= 0")

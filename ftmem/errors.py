@@ -1,0 +1,35 @@
+"""The exceptions ftmem raises. Everything ftmem raises on purpose derives from FtmemError."""
+
+from __future__ import annotations
+
+
+class FtmemError(Exception):
+    """Base class of every error ftmem raises on purpose."""
+
+
+class ProtocolError(FtmemError):
+    """A message was malformed, too large, of the wrong version or failed authentication."""
+
+
+class SmpUnavailableError(FtmemError):
+    """The node's SMP did not answer in time, or is not running."""
+
+
+class SmpStartError(FtmemError):
+    """The SMP did not become ready before its deadline, or exited while starting."""
+
+
+class SmpRequestError(FtmemError):
+    """The SMP answered a request with an error."""
+
+
+class CorruptSnapshotError(FtmemError):
+    """Snapshot data failed its checksum (or its layout is inconsistent) and was not restored."""
+
+
+class InconsistentSnapshotError(FtmemError):
+    """Ranks disagree: some hold a snapshot and others none, or no step is common to all ranks."""
+
+
+class SnapshotMismatchError(FtmemError):
+    """A snapshot does not fit the state it is loaded into (missing keys, shapes or dtypes)."""

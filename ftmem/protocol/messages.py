@@ -1,0 +1,209 @@
+"""Typed messages between a rank (or a tool) and its node's SMP.
+
+Every request is one :class:`Kind` plus a frozen dataclass payload; every reply is a
+:class:`Reply` that says ok or carries an error. Payloads travel as JSON (see wire.py);
+``from_fields`` checks each field's type so nothing unexpected reaches the SMP's logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftmem.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Values are part of the wire format: never renumber."""
+
+    REPLY = 1
+    PING = 2
+    HELLO = 3
+    BEGIN = 4
+    PREPARE = 5
+    COMMIT = 6
+    ABORT = 7
+    QUERY = 8
+    DISCARD_NEWER = 9
+    HEARTBEAT = 10
+    STATUS = 11
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Liveness check; the reply carries the SMP's pid."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A rank (re)started: forget any slot it was writing (a torn copy is never kept)."""
+
+    rank: int
+    pid: int
+    local_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """Ask for a slot to write ``step`` into; reply has ``slot`` or ``skip`` or ``resize``."""
+
+    rank: int
+    step: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """(Re)create ``slot`` of ``rank`` with room for ``nbytes`` (pre-faulted); reply when done."""
+
+    rank: int
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """The copy of ``step`` into ``slot`` is complete; ``layout`` describes it (JSON text)."""
+
+    rank: int
+    slot: int
+    gen: int
+    step: int
+    layout: str
+    stall_s: float = 0.0
+    copy_s: float = 0.0
+    skipped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Give back a slot whose copy failed."""
+
+    rank: int
+    slot: int
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """List the committed snapshots of ``rank``, newest first, with their layouts."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiscardNewer:
+    """``rank`` restored ``step``: committed snapshots newer than it belong to an abandoned run."""
+
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Training made progress (used for hang detection)."""
+
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Ask for the SMP's state (all ranks, all slots)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to every request: ``ok`` plus fields, or ``ok=False`` and ``error``."""
+
+    ok: bool
+    error: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Payload = (
+    Ping | Hello | Begin | Prepare | Commit | Abort | Query | DiscardNewer | Heartbeat | Status | Reply
+)
+
+PAYLOAD_TYPES: dict[Kind, type[Any]] = {
+    Kind.REPLY: Reply,
+    Kind.PING: Ping,
+    Kind.HELLO: Hello,
+    Kind.BEGIN: Begin,
+    Kind.PREPARE: Prepare,
+    Kind.COMMIT: Commit,
+    Kind.ABORT: Abort,
+    Kind.QUERY: Query,
+    Kind.DISCARD_NEWER: DiscardNewer,
+    Kind.HEARTBEAT: Heartbeat,
+    Kind.STATUS: Status,
+}
+KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}
+
+_MAX_INT = 1 << 62
+
+
+def _check(name: str, value: Any, tp: Any) -> None:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for alt in typing.get_args(tp):
+            try:
+                _check(name, value, alt)
+                return
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"field {name!r} has the wrong type")
+    if tp is type(None):
+        if value is not None:
+            raise ProtocolError(f"field {name!r} must be null")
+        return
+    if tp is int:
+        if type(value) is not int or not -_MAX_INT <= value <= _MAX_INT:
+            raise ProtocolError(f"field {name!r} must be an integer")
+        return
+    if tp is float:
+        if type(value) not in (int, float):
+            raise ProtocolError(f"field {name!r} must be a number")
+        return
+    if tp in (str, bool):
+        if type(value) is not tp:
+            raise ProtocolError(f"field {name!r} must be {tp.__name__}")
+        return
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"field {name!r} must be an object")
+        return
+    raise ProtocolError(f"field {name!r}: unsupported type {tp!r}")
+
+
+def from_fields(kind: Kind, fields: Any) -> Any:
+    """Build the payload dataclass of ``kind`` from decoded JSON, checking every field.
+
+    Raises:
+        ProtocolError: unknown or missing fields, or a field of the wrong type.
+    """
+    cls = PAYLOAD_TYPES[kind]
+    if not isinstance(fields, dict):
+        raise ProtocolError("payload must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(fields) - set(known)
+    if unknown:
+        raise ProtocolError(f"unknown fields {sorted(unknown)} for {kind.name}")
+    for name, f in known.items():
+        if name in fields:
+            _check(name, fields[name], hints[name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"missing field {name!r} for {kind.name}")
+    return cls(**fields)
+
+
+def to_fields(payload: Any) -> dict[str, Any]:
+    """Return the JSON-ready fields of a payload dataclass."""
+    return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)}

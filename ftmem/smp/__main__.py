@@ -1,0 +1,93 @@
+"""``python -m ftmem.smp``: run one node's snapshot management process.
+
+Start it by hand beside plain torchrun::
+
+    python -m ftmem.smp --run-dir /tmp/ftmem-demo &
+    FTMEM_RUN_DIR=/tmp/ftmem-demo torchrun --nproc-per-node 2 examples/train_gpt.py
+
+It prints ``READY {...}`` on stdout (or on ``--ready-fd``) once it serves, and on SIGTERM
+or SIGINT removes its shared memory and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from ftmem._logging import configure, get_logger
+from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id
+from ftmem.errors import SmpStartError
+from ftmem.smp.daemon import SmpDaemon
+
+log = get_logger("ftmem.smp")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """Return the SMP's argument parser."""
+    p = argparse.ArgumentParser(prog="python -m ftmem.smp", description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="run directory (0700) holding smp.sock; default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run-id>")
+    p.add_argument("--run-id", default=None, help="run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')")
+    p.add_argument("--node", default=None, help="node name (default $FTMEM_NODE or node0)")
+    p.add_argument("--slots", type=int, default=2, help="snapshot slots per rank (>= 2)")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="write 'READY {json}' to this inherited fd when serving (else to stdout)")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this pid is gone")
+    p.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest request accepted")
+    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for the arenas")
+    p.add_argument("--poll-interval", type=float, default=0.1, help="seconds between housekeeping checks")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SmpConfig:
+    """Build an SmpConfig from parsed arguments (environment fallbacks applied)."""
+    run_id = args.run_id or default_run_id()
+    return SmpConfig(
+        run_dir=(args.run_dir or default_run_dir(run_id)).absolute(),
+        run_id=run_id,
+        node=args.node or os.environ.get(ENV_NODE) or "node0",
+        slots=args.slots,
+        max_message_bytes=args.max_message_bytes,
+        shm_dir=args.shm_dir,
+        parent_pid=args.parent_pid,
+        poll_interval=timedelta(seconds=args.poll_interval),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the SMP until SIGTERM/SIGINT (or its parent's death); return the exit code."""
+    args = get_args_parser().parse_args(argv)
+    configure(args.log_level)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"ftmem.smp: {exc}", file=sys.stderr)
+        return 2
+    daemon = SmpDaemon(config)
+    daemon.install_signal_handlers()
+    try:
+        daemon.start()
+    except (SmpStartError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        daemon.close()
+        return 1
+    try:
+        line = daemon.ready_line()
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, line.encode())
+            os.close(args.ready_fd)
+        else:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        daemon.serve_forever()
+    finally:
+        daemon.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

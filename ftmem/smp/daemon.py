@@ -1,0 +1,409 @@
+"""SmpDaemon: owns the SMP's ZeroMQ context, its rank socket, the arenas and the poll loop.
+
+One thread (the caller of :meth:`SmpDaemon.serve_forever`) owns the ROUTER socket. Arena
+creation (pre-faulting costs ~1 s/GiB) runs on a named worker thread so the loop keeps
+answering other ranks; its result comes back through a queue and the deferred reply is
+sent by the loop thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import zmq
+
+from ftmem import shm
+from ftmem._logging import get_logger
+from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
+from ftmem.errors import ProtocolError, SmpStartError
+from ftmem.protocol import messages as m
+from ftmem.protocol.wire import decode, encode, peek_request_id
+from ftmem.smp.store import RankSlots, SlotState, StoreError
+
+log = get_logger(__name__)
+
+_MAX_RANK = 1 << 20
+_MAX_STEP = 1 << 62
+_MAX_SLOT_BYTES = 1 << 40
+
+
+@dataclass(slots=True)
+class _AllocJob:
+    ident: bytes
+    req_id: int
+    rank: int
+    slots: list[tuple[int, Path, int]]  # (slot index, new path, capacity)
+    error: str = ""
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` with mode 0700 (or check an existing one is ours and private)."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = run_dir.stat()
+    if st.st_uid != os.getuid():
+        raise SmpStartError(f"run directory {run_dir} belongs to uid {st.st_uid}, not to us")
+    if st.st_mode & 0o077:
+        os.chmod(run_dir, 0o700)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SmpDaemon:
+    """The snapshot management process's server.
+
+    Resource handling: :meth:`start` creates the run directory files (key, socket, ready
+    file); :meth:`close` (idempotent, also on context exit) closes the socket, removes every
+    arena file of this run and node, and the files it created.
+
+    Error handling: a malformed, oversized, unauthenticated or out-of-place request gets an
+    error reply (or is dropped when it cannot be answered) and the loop keeps serving.
+    """
+
+    def __init__(self, config: SmpConfig) -> None:
+        self.config = config
+        self.ranks: dict[int, RankSlots] = {}
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._key: bytes = b""
+        self._stop = threading.Event()
+        self._jobs: queue.Queue[_AllocJob | None] = queue.Queue()
+        self._done: queue.Queue[_AllocJob] = queue.Queue()
+        self._pending_allocs = 0
+        self._alloc_thread: threading.Thread | None = None
+        self._closed = False
+        self.bad_messages = 0
+        self.started_at = time.time()
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the run-directory files, remove stale arenas of this run/node, bind the socket."""
+        cfg = self.config
+        prepare_run_dir(cfg.run_dir)
+        ready = cfg.run_dir / READY_NAME
+        if ready.exists():
+            try:
+                other = int(json.loads(ready.read_text())["pid"])
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                other = -1
+            if other > 0 and other != os.getpid() and _pid_alive(other):
+                raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
+            ready.unlink()
+        self._remove_stale_arenas()
+        key_path = cfg.run_dir / AUTH_KEY_NAME
+        key_path.unlink(missing_ok=True)
+        self._key = secrets.token_bytes(32)
+        fd = os.open(key_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self._key)
+        (cfg.run_dir / SOCKET_NAME).unlink(missing_ok=True)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        # An unreachable peer (a rank that died) must not make the loop block on send.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.bind(cfg.endpoint)
+        self._sock = sock
+        self._alloc_thread = threading.Thread(
+            target=self._alloc_worker, name="ftmem-smp-alloc", daemon=True
+        )
+        self._alloc_thread.start()
+        info = {"pid": os.getpid(), "endpoint": cfg.endpoint, "node": cfg.node, "run_id": cfg.run_id}
+        tmp = ready.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, ready)
+        log.info("[%s/smp] serving %s (pid %d)", cfg.node, cfg.endpoint, os.getpid())
+
+    def ready_line(self) -> str:
+        """The line written to the readiness pipe: ``READY {json}``."""
+        info = {"pid": os.getpid(), "endpoint": self.config.endpoint, "node": self.config.node}
+        return "READY " + json.dumps(info) + "\n"
+
+    def request_stop(self, signum: int | None = None, frame: FrameType | None = None) -> None:
+        """Ask the loop to end (safe from a signal handler)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """Turn SIGTERM and SIGINT into a clean stop (main thread only)."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    def close(self) -> None:
+        """Stop the worker, close the socket, remove arenas and run-directory files."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        if self._alloc_thread is not None:
+            self._alloc_thread.join(timeout=30)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        removed = self._remove_stale_arenas()
+        for name in (SOCKET_NAME, AUTH_KEY_NAME, READY_NAME):
+            (self.config.run_dir / name).unlink(missing_ok=True)
+        log.info("[%s/smp] stopped; removed %d arena files", self.config.node, removed)
+
+    def __enter__(self) -> SmpDaemon:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _remove_stale_arenas(self) -> int:
+        prefix = f"ftmem-{self.config.run_id}-{self.config.node}-r"
+        n = 0
+        for p in self.config.shm_dir.glob(prefix + "*"):
+            shm.remove_segment(p)
+            n += 1
+        return n
+
+    # -- loop ------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Serve requests until :meth:`request_stop` or the parent process is gone."""
+        assert self._sock is not None, "start() first"
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        interval_ms = max(1, int(self.config.poll_interval.total_seconds() * 1000))
+        while not self._stop.is_set():
+            timeout = 5 if self._pending_allocs else interval_ms
+            events = dict(poller.poll(timeout))
+            if self._sock in events:
+                for _ in range(256):  # bounded burst so allocations and signals get a turn
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._handle_frames(frames)
+            self._finish_allocations()
+            ppid = self.config.parent_pid
+            if ppid is not None and not _pid_alive(ppid):
+                log.warning("[%s/smp] parent %d is gone; stopping", self.config.node, ppid)
+                break
+
+    def _send(self, ident: bytes, req_id: int, reply: m.Reply) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, encode(reply, req_id, self._key)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("reply to a gone peer dropped: %s", exc)
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.bad_messages += 1
+            log.warning("[%s/smp] dropped a message of %d frames", self.config.node, len(frames))
+            if len(frames) >= 2:
+                self._send(frames[0], 0, m.Reply(ok=False, error="expected exactly one frame"))
+            return
+        ident, frame = frames
+        try:
+            req_id, kind, payload = decode(frame, self._key, self.config.max_message_bytes)
+            if kind is m.Kind.REPLY:
+                raise ProtocolError("a reply is not a request")
+            reply = self._dispatch(ident, req_id, payload)
+        except (ProtocolError, StoreError, ValueError) as exc:
+            self.bad_messages += 1
+            log.warning("[%s/smp] bad request: %s", self.config.node, exc)
+            self._send(ident, peek_request_id(frame) or 0, m.Reply(ok=False, error=str(exc)))
+            return
+        if reply is not None:
+            self._send(ident, req_id, reply)
+
+    # -- handlers --------------------------------------------------------------------------
+    def _rank(self, rank: int) -> RankSlots:
+        if not 0 <= rank < _MAX_RANK:
+            raise ValueError(f"rank {rank} out of range")
+        rs = self.ranks.get(rank)
+        if rs is None:
+            rs = self.ranks[rank] = RankSlots(rank=rank, nslots=self.config.slots)
+        return rs
+
+    @staticmethod
+    def _check_step(step: int) -> None:
+        if not 0 <= step < _MAX_STEP:
+            raise ValueError(f"step {step} out of range")
+
+    def _dispatch(self, ident: bytes, req_id: int, p: Any) -> m.Reply | None:
+        node = self.config.node
+        if isinstance(p, m.Ping):
+            return m.Reply(ok=True, data={"pid": os.getpid()})
+        if isinstance(p, m.Hello):
+            rs = self._rank(p.rank)
+            torn = rs.restarted(p.pid)
+            if torn:
+                log.info("[%s/%d] rank restarted; dropped torn slots %s", node, p.rank, torn)
+            return m.Reply(ok=True, data=self._hello_data())
+        if isinstance(p, m.Heartbeat):
+            self._check_step(p.step)
+            self._rank(p.rank).progress(p.step)
+            return m.Reply(ok=True)
+        if isinstance(p, m.Begin):
+            return self._begin(p)
+        if isinstance(p, m.Prepare):
+            return self._prepare(ident, req_id, p)
+        if isinstance(p, m.Commit):
+            return self._commit(p)
+        if isinstance(p, m.Abort):
+            self._rank(p.rank).abort(p.slot, p.gen)
+            return m.Reply(ok=True)
+        if isinstance(p, m.Query):
+            rs = self._rank(p.rank)
+            snaps = [
+                {"step": s.step, "slot": s.index, "gen": s.gen, "path": s.path,
+                 "capacity": s.capacity, "layout": s.layout}
+                for s in rs.committed()
+            ]
+            return m.Reply(ok=True, data={"snapshots": snaps})
+        if isinstance(p, m.DiscardNewer):
+            self._check_step(p.step)
+            dropped = self._rank(p.rank).discard_newer(p.step)
+            if dropped:
+                log.info("[%s/%d %d] dropped newer steps %s of an abandoned run", node, p.rank, p.step, dropped)
+            return m.Reply(ok=True, data={"dropped": dropped})
+        if isinstance(p, m.Status):
+            return m.Reply(ok=True, data=self.status())
+        raise ProtocolError(f"unexpected request {type(p).__name__}")
+
+    def _hello_data(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "node": self.config.node,
+            "run_id": self.config.run_id,
+            "slots": self.config.slots,
+            "shm_dir": str(self.config.shm_dir),
+        }
+
+    def _begin(self, p: m.Begin) -> m.Reply:
+        self._check_step(p.step)
+        if not 0 < p.nbytes <= _MAX_SLOT_BYTES:
+            raise ValueError(f"nbytes {p.nbytes} out of range")
+        rs = self._rank(p.rank)
+        rs.progress(p.step)
+        d = rs.begin(p.step, p.nbytes)
+        if d.action == "skip":
+            rs.skipped += 1
+            return m.Reply(ok=True, data={"action": "skip", "reason": d.reason})
+        s = rs.slot(d.slot)
+        return m.Reply(
+            ok=True,
+            data={"action": d.action, "slot": s.index, "gen": s.gen, "path": s.path,
+                  "capacity": s.capacity},
+        )
+
+    def _commit(self, p: m.Commit) -> m.Reply:
+        self._check_step(p.step)
+        rs = self._rank(p.rank)
+        s = rs.slot(p.slot)
+        _check_layout(p.layout, s.capacity)
+        rs.commit(p.slot, p.gen, p.step, p.layout)
+        rs.progress(p.step)
+        rs.last_stall_s, rs.last_copy_s, rs.skipped = p.stall_s, p.copy_s, max(rs.skipped, p.skipped)
+        log.debug("[%s/%d %d] committed slot %d", self.config.node, p.rank, p.step, p.slot)
+        return m.Reply(ok=True)
+
+    def _prepare(self, ident: bytes, req_id: int, p: m.Prepare) -> m.Reply | None:
+        if not 0 < p.nbytes <= _MAX_SLOT_BYTES:
+            raise ValueError(f"nbytes {p.nbytes} out of range")
+        rs = self._rank(p.rank)
+        capacity = shm.round_capacity(p.nbytes)
+        targets = [rs.start_resize(p.slot)]
+        # Grow every other free slot now too, so the next saves need no resize.
+        for s in rs.slots:
+            if s.index != p.slot and s.state in (SlotState.FREE, SlotState.EMPTY) and s.capacity < capacity:
+                targets.append(rs.start_resize(s.index))
+        job = _AllocJob(ident, req_id, p.rank, [])
+        for s in targets:
+            name = shm.slot_file_name(self.config.run_id, self.config.node, p.rank, s.index, s.gen + 1)
+            old = Path(s.path) if s.path else None
+            job.slots.append((s.index, self.config.shm_dir / name, capacity))
+            if old is not None:
+                shm.remove_segment(old)
+        self._pending_allocs += 1
+        self._jobs.put(job)
+        log.info("[%s/%d] allocating %d slot(s) of %.1f MiB", self.config.node, p.rank,
+                 len(targets), capacity / 2**20)
+        return None  # the reply is sent when the allocation finishes
+
+    def _alloc_worker(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            for _, path, capacity in job.slots:
+                try:
+                    shm.create_segment(path, capacity)
+                except OSError as exc:
+                    job.error = f"cannot create {path.name} ({capacity} bytes): {exc}"
+                    log.error("[%s/smp] %s", self.config.node, job.error)
+                    break
+            self._done.put(job)
+
+    def _finish_allocations(self) -> None:
+        while True:
+            try:
+                job = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._pending_allocs -= 1
+            rs = self._rank(job.rank)
+            for index, path, capacity in job.slots:
+                ok = not job.error and path.exists()
+                if not ok:
+                    shm.remove_segment(path)
+                rs.finish_resize(index, str(path), capacity, ok)
+            if job.error:
+                self._send(job.ident, job.req_id, m.Reply(ok=False, error=job.error))
+            else:
+                self._send(job.ident, job.req_id, m.Reply(ok=True))
+
+    def status(self) -> dict[str, Any]:
+        """Return the SMP's state: identity, and each rank's slots, progress and statistics."""
+        return {
+            "pid": os.getpid(),
+            "run_id": self.config.run_id,
+            "node": self.config.node,
+            "endpoint": self.config.endpoint,
+            "uptime_s": time.time() - self.started_at,
+            "bad_messages": self.bad_messages,
+            "ranks": {str(r): rs.describe() for r, rs in sorted(self.ranks.items())},
+        }
+
+
+def _check_layout(layout: str, capacity: int) -> None:
+    """Check a committed layout's JSON shape and that every extent lies inside the slot."""
+    try:
+        doc = json.loads(layout)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"layout is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
+        raise ValueError("layout must be an object with a 'tensors' list")
+    extents = list(doc["tensors"])
+    if isinstance(doc.get("objects"), dict):
+        extents.append(doc["objects"])
+    for e in extents:
+        if not isinstance(e, dict):
+            raise ValueError("layout extent must be an object")
+        off, n = e.get("offset"), e.get("nbytes")
+        if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off + n > capacity:
+            raise ValueError(f"layout extent {off}+{n} is outside the slot of {capacity} bytes")

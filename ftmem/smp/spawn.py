@@ -1,0 +1,139 @@
+"""Start an SMP as a child process with a readiness handshake and a deadline; stop it in steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+from ftmem._logging import get_logger
+from ftmem.errors import SmpStartError
+
+log = get_logger(__name__)
+
+
+class SmpProcess:
+    """A running SMP child.
+
+    Resource handling: :meth:`stop` (idempotent, also on context exit) sends SIGTERM, waits,
+    then SIGKILLs and waits again; the SMP removes its shared memory on SIGTERM.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], info: dict[str, Any], log_file: IO[bytes] | None) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.info = info
+        self.endpoint: str = str(info.get("endpoint", ""))
+        self._log_file = log_file
+
+    def poll(self) -> int | None:
+        """Return the exit code if the SMP has exited, else None."""
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the SMP (a test's way to lose it) and reap it."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+
+    def stop(self, timeout: timedelta = timedelta(seconds=10)) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL and wait; return the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout.total_seconds())
+            except subprocess.TimeoutExpired:
+                log.warning("SMP %d ignored SIGTERM for %s; killing", self.pid, timeout)
+                self.popen.kill()
+                try:
+                    self.popen.wait(timeout=timeout.total_seconds())
+                except subprocess.TimeoutExpired:
+                    log.error("SMP %d still alive after SIGKILL (D state?)", self.pid)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return self.popen.returncode
+
+    def __enter__(self) -> SmpProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_smp(
+    *,
+    run_dir: Path | str,
+    run_id: str = "default",
+    node: str = "node0",
+    slots: int = 2,
+    start_timeout: timedelta = timedelta(seconds=60),
+    parent_pid: int | None = None,
+    env: dict[str, str] | None = None,
+    log_path: Path | str | None = None,
+    extra_args: list[str] | None = None,
+) -> SmpProcess:
+    """Spawn ``python -m ftmem.smp`` and return once it serves.
+
+    The child writes ``READY {json}`` to a pipe; this waits for that line until
+    ``start_timeout``. Its stderr goes to ``log_path`` (or is inherited).
+
+    Error handling: raises SmpStartError (and kills the child) if it exits or misses the
+    deadline.
+    """
+    rfd, wfd = os.pipe()
+    cmd = [sys.executable, "-m", "ftmem.smp", "--run-dir", str(run_dir), "--run-id", run_id,
+           "--node", node, "--slots", str(slots), "--ready-fd", str(wfd)]
+    if parent_pid is not None:
+        cmd += ["--parent-pid", str(parent_pid)]
+    cmd += extra_args or []
+    log_file = open(log_path, "ab") if log_path is not None else None
+    try:
+        popen = subprocess.Popen(
+            cmd, pass_fds=(wfd,), env=env, stdin=subprocess.DEVNULL,
+            stdout=log_file if log_file else None, stderr=log_file if log_file else None,
+        )
+    except BaseException:
+        os.close(rfd)
+        os.close(wfd)
+        if log_file:
+            log_file.close()
+        raise
+    # Close our copy of the write end so the child's death shows up as EOF at once.
+    os.close(wfd)
+    deadline = time.monotonic() + start_timeout.total_seconds()
+    buf = b""
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SmpStartError(f"SMP pid {popen.pid} not ready within {start_timeout}")
+            ready, _, _ = select.select([rfd], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(rfd, 4096)
+                if not chunk:
+                    code = popen.wait(timeout=10)
+                    raise SmpStartError(f"SMP exited with code {code} before it was ready")
+                buf += chunk
+        line = buf.split(b"\n", 1)[0].decode()
+        if not line.startswith("READY "):
+            raise SmpStartError(f"unexpected readiness line {line!r}")
+        info = json.loads(line[6:])
+    except BaseException:
+        if popen.poll() is None:
+            popen.kill()
+        popen.wait(timeout=30)
+        if log_file:
+            log_file.close()
+        raise
+    finally:
+        os.close(rfd)
+    log.info("SMP %d ready at %s", popen.pid, info.get("endpoint"))
+    return SmpProcess(popen, info, log_file)

@@ -1,0 +1,212 @@
+"""Per-rank snapshot slots and their state machine (pure: no sockets, no files).
+
+Slot states::
+
+    EMPTY --prepare--> ALLOCATING --allocated--> FREE --begin--> WRITING --commit--> COMMITTED
+                                                  ^                 |  abort / rank restarted
+                                                  +-----------------+
+    COMMITTED --begin (only if it is not the newest committed)--> WRITING
+
+The newest committed slot of a rank is never handed out for writing, so a crash at any
+moment leaves the newest committed snapshot intact ("never block, never tear": when no
+other slot is available the save is skipped, not waited for).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SlotState(enum.Enum):
+    """Life-cycle state of one slot."""
+
+    EMPTY = "empty"
+    ALLOCATING = "allocating"
+    FREE = "free"
+    WRITING = "writing"
+    COMMITTED = "committed"
+
+
+@dataclass(slots=True)
+class Slot:
+    """One slot: a shared-memory file and what it holds."""
+
+    index: int
+    state: SlotState = SlotState.EMPTY
+    gen: int = 0
+    path: str = ""
+    capacity: int = 0
+    step: int | None = None
+    layout: str = ""
+    seq: int = 0
+    """Commit sequence number: larger means committed later."""
+    pinned: int = 0
+    """Holders (peer exchange, flush) that need the data kept; pinned slots are not reused."""
+
+    def describe(self) -> dict[str, Any]:
+        """Return a JSON-ready summary (no layout)."""
+        return {
+            "slot": self.index,
+            "state": self.state.value,
+            "gen": self.gen,
+            "capacity": self.capacity,
+            "step": self.step,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BeginDecision:
+    """What :meth:`RankSlots.begin` decided: write into ``slot``, ``resize`` it, or ``skip``."""
+
+    action: str  # "write" | "resize" | "skip"
+    slot: int = -1
+    reason: str = ""
+
+
+class StoreError(Exception):
+    """A request does not fit the slot's state (stale gen, wrong state, bad index)."""
+
+
+@dataclass(slots=True)
+class RankSlots:
+    """All slots of one rank plus its progress and statistics."""
+
+    rank: int
+    nslots: int
+    slots: list[Slot] = field(default_factory=list)
+    pid: int | None = None
+    last_progress_time: float | None = None
+    last_progress_step: int | None = None
+    skipped: int = 0
+    last_stall_s: float = 0.0
+    last_copy_s: float = 0.0
+    commits: int = 0
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            self.slots = [Slot(index=i) for i in range(self.nslots)]
+
+    # -- queries ---------------------------------------------------------------------------
+    def committed(self) -> list[Slot]:
+        """Committed slots, newest step first (ties: later commit first)."""
+        done = [s for s in self.slots if s.state is SlotState.COMMITTED]
+        return sorted(done, key=lambda s: (s.step or 0, s.seq), reverse=True)
+
+    def newest(self) -> Slot | None:
+        """The most recently committed slot, or None."""
+        done = [s for s in self.slots if s.state is SlotState.COMMITTED]
+        return max(done, key=lambda s: s.seq) if done else None
+
+    def slot(self, index: int) -> Slot:
+        """Return slot ``index`` or raise StoreError."""
+        if not 0 <= index < len(self.slots):
+            raise StoreError(f"rank {self.rank} has no slot {index}")
+        return self.slots[index]
+
+    # -- transitions -----------------------------------------------------------------------
+    def progress(self, step: int | None, now: float | None = None) -> None:
+        """Record that the rank made progress (a save or a heartbeat)."""
+        self.last_progress_time = time.time() if now is None else now
+        if step is not None:
+            self.last_progress_step = step
+
+    def restarted(self, pid: int) -> list[int]:
+        """The rank (re)started: free the slots it was writing (torn); return their indices."""
+        self.pid = pid
+        torn = []
+        for s in self.slots:
+            if s.state is SlotState.WRITING:
+                s.state, s.step, s.layout = SlotState.FREE, None, ""
+                torn.append(s.index)
+        return torn
+
+    def begin(self, step: int, nbytes: int) -> BeginDecision:
+        """Choose the slot to write ``step`` (``nbytes``) into, without ever touching the newest."""
+        if any(s.state is SlotState.WRITING for s in self.slots):
+            return BeginDecision("skip", reason="a copy is still being written")
+        newest = self.newest()
+        usable = [
+            s
+            for s in self.slots
+            if s.pinned == 0
+            and s is not newest
+            and s.state in (SlotState.FREE, SlotState.EMPTY, SlotState.COMMITTED)
+        ]
+        if not usable:
+            return BeginDecision("skip", reason="no slot is free (all held)")
+        # Prefer never-committed slots, then the oldest committed one.
+        usable.sort(key=lambda s: (s.state is SlotState.COMMITTED, s.seq))
+        fitting = [s for s in usable if s.state is not SlotState.EMPTY and s.capacity >= nbytes]
+        if not fitting:
+            return BeginDecision("resize", slot=usable[0].index)
+        target = fitting[0]
+        target.state, target.step, target.layout = SlotState.WRITING, step, ""
+        return BeginDecision("write", slot=target.index)
+
+    def commit(self, index: int, gen: int, step: int, layout: str) -> None:
+        """Mark slot ``index`` committed with ``step`` and its layout."""
+        s = self.slot(index)
+        if s.state is not SlotState.WRITING or s.gen != gen or s.step != step:
+            raise StoreError(
+                f"commit of step {step} to slot {index} gen {gen} does not match "
+                f"its state {s.state.value} step {s.step} gen {s.gen}"
+            )
+        self._seq += 1
+        s.state, s.layout, s.seq = SlotState.COMMITTED, layout, self._seq
+        self.commits += 1
+
+    def abort(self, index: int, gen: int) -> None:
+        """Give back a slot whose copy failed."""
+        s = self.slot(index)
+        if s.state is SlotState.WRITING and s.gen == gen:
+            s.state, s.step, s.layout = SlotState.FREE, None, ""
+
+    def discard_newer(self, step: int) -> list[int]:
+        """Free committed slots with a step newer than ``step``; return the steps dropped."""
+        dropped = []
+        for s in self.slots:
+            if s.state is SlotState.COMMITTED and s.step is not None and s.step > step:
+                if s.pinned:
+                    continue
+                dropped.append(s.step)
+                s.state, s.step, s.layout = SlotState.FREE, None, ""
+        return dropped
+
+    def start_resize(self, index: int) -> Slot:
+        """Mark a reusable slot ALLOCATING (its file is about to be replaced)."""
+        s = self.slot(index)
+        if s is self.newest() or s.pinned or s.state in (SlotState.WRITING, SlotState.ALLOCATING):
+            raise StoreError(f"slot {index} of rank {self.rank} cannot be resized now")
+        s.state, s.step, s.layout = SlotState.ALLOCATING, None, ""
+        return s
+
+    def finish_resize(self, index: int, path: str, capacity: int, ok: bool) -> None:
+        """The new file of slot ``index`` exists (ok) or could not be made (EMPTY again)."""
+        s = self.slot(index)
+        s.gen += 1
+        if ok:
+            s.state, s.path, s.capacity = SlotState.FREE, path, capacity
+        else:
+            s.state, s.path, s.capacity = SlotState.EMPTY, "", 0
+
+    def describe(self) -> dict[str, Any]:
+        """Return a JSON-ready summary for STATUS."""
+        newest = self.newest()
+        committed = self.committed()
+        return {
+            "pid": self.pid,
+            "newest_committed": newest.step if newest else None,
+            "committed_steps": [s.step for s in committed],
+            "last_progress_time": self.last_progress_time,
+            "last_progress_step": self.last_progress_step,
+            "skipped": self.skipped,
+            "last_stall_s": self.last_stall_s,
+            "last_copy_s": self.last_copy_s,
+            "commits": self.commits,
+            "bytes_held": sum(s.capacity for s in self.slots),
+            "slots": [s.describe() for s in self.slots],
+        }

@@ -1,0 +1,1 @@
+"""Testing aids: deterministic fault injection (faults.py)."""
