@@ -18,9 +18,8 @@ the shared memory; config.py and errors.py hold settings and exceptions; cli.py 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftmem.client import Checkpointer, RNGState, SnapshotHandle
 from ftmem.config import ClientConfig, SmpConfig
 from ftmem.errors import (
     CorruptSnapshotError,
@@ -31,6 +30,9 @@ from ftmem.errors import (
     SmpUnavailableError,
     SnapshotMismatchError,
 )
+
+if TYPE_CHECKING:
+    from ftmem.client import Checkpointer, RNGState, SnapshotHandle
 
 __all__ = [
     "Checkpointer",
@@ -54,11 +56,23 @@ __all__ = [
 ]
 
 _default: Checkpointer | None = None
+_LAZY = {"Checkpointer", "RNGState", "SnapshotHandle"}
+
+
+def __getattr__(name: str) -> Any:
+    # The client (and torch) load on first use, so the SMP and the CLI start fast.
+    if name in _LAZY:
+        import ftmem.client
+
+        return getattr(ftmem.client, name)
+    raise AttributeError(f"module 'ftmem' has no attribute {name!r}")
 
 
 def _checkpointer() -> Checkpointer:
     global _default
     if _default is None:
+        from ftmem.client import Checkpointer
+
         _default = Checkpointer()
     return _default
 

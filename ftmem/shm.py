@@ -11,9 +11,12 @@ import os
 import stat
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
 
 log = get_logger(__name__)
 
@@ -39,6 +42,8 @@ def _prefault(mm: mmap.mmap, nbytes: int) -> None:
     except (OSError, ValueError):
         pass
     # Older kernels: write one byte per page, which allocates it in the tmpfs.
+    import torch
+
     view = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
     view[:: mmap.PAGESIZE].zero_()
     del view
@@ -93,6 +98,8 @@ class MappedSegment:
             self._mm = mmap.mmap(fd, expect_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
+        import torch
+
         self.path = resolved
         self.nbytes = expect_bytes
         self.tensor: torch.Tensor = torch.frombuffer(self._mm, dtype=torch.uint8)

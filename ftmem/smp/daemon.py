@@ -89,6 +89,7 @@ class SmpDaemon:
         self._pending_allocs = 0
         self._alloc_thread: threading.Thread | None = None
         self._closed = False
+        self._owns_run_dir = False
         self.bad_messages = 0
         self.started_at = time.time()
 
@@ -106,6 +107,7 @@ class SmpDaemon:
             if other > 0 and other != os.getpid() and _pid_alive(other):
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
             ready.unlink()
+        self._owns_run_dir = True
         self._remove_stale_arenas()
         key_path = cfg.run_dir / AUTH_KEY_NAME
         key_path.unlink(missing_ok=True)
@@ -159,6 +161,8 @@ class SmpDaemon:
             self._sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
+        if not self._owns_run_dir:
+            return  # refused to start: the files belong to another SMP
         removed = self._remove_stale_arenas()
         for name in (SOCKET_NAME, AUTH_KEY_NAME, READY_NAME):
             (self.config.run_dir / name).unlink(missing_ok=True)

@@ -1,0 +1,275 @@
+"""Baseline checkpointing systems measured by ``bench/snapshot.py``: torch.save and DCP.
+
+Every function takes the benchmark state (see :class:`BenchState`) and returns raw timings in
+seconds (one entry per repeat); ``bench/snapshot.py`` turns them into medians and ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+logger = logging.getLogger(__name__)
+
+_LAYER_BYTES_MAX = 64 * 2**20
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchState:
+    """A model of large ``nn.Linear`` layers with initialised AdamW state."""
+
+    model: nn.Module
+    """The model; its parameters hold about a third of :attr:`nbytes`."""
+    optimizer: torch.optim.AdamW
+    """AdamW with ``exp_avg``/``exp_avg_sq`` allocated (one step taken, gradients dropped)."""
+    nbytes: int
+    """Bytes of every tensor in the model and optimizer state dicts."""
+
+    def state_dicts(self) -> dict[str, Any]:
+        """Return ``{"model": ..., "optim": ...}`` state dicts (tensors shared, not copied)."""
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    @property
+    def gib(self) -> float:
+        """The state's size in GiB."""
+        return self.nbytes / 2**30
+
+
+@dataclass(kw_only=True, slots=True)
+class Timings:
+    """Named lists of durations (seconds), one entry per repeat."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+    """Metric name -> one duration per repeat."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Metric name -> a remark shown beside it (warm-up, location)."""
+
+    def add(self, name: str, seconds: float) -> None:
+        """Append one measured duration to ``name``."""
+        self.values.setdefault(name, []).append(seconds)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Return the bytes of every tensor nested in dicts/lists/tuples of ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def build_state(size_gib: float, *, seed: int = 0) -> BenchState:
+    """Build a model + AdamW whose parameters are ``size_gib / 3`` GiB, optimizer state 2x that.
+
+    Layers are square ``nn.Linear`` (with bias) of at most 64 MiB of weights each, so the
+    state is many large tensors plus a few small ones (biases, ``step`` scalars).
+    """
+    if size_gib <= 0:
+        raise ValueError(f"size must be positive, got {size_gib}")
+    param_bytes = size_gib * 2**30 / 3
+    width = 4096 if param_bytes >= 8 * _LAYER_BYTES_MAX else 2048
+    n_layers = max(1, round(param_bytes / (width * width * 4)))
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(n_layers):
+        layer = nn.Linear(width, width)
+        with torch.no_grad():
+            layer.weight.normal_(0.0, 0.02, generator=gen)
+            layer.bias.zero_()
+        layers.append(layer)
+    model = nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state = BenchState(model=model, optimizer=optimizer, nbytes=0)
+    state.nbytes = tensor_bytes(state.state_dicts())
+    logger.info(
+        "state: %d x Linear(%d, %d), %.3f GiB with AdamW state", n_layers, width, width, state.gib
+    )
+    return state
+
+
+def _fsync_dir_tree(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_torch_save(
+    state: BenchState, *, shm_dir: str, disk_dir: str, repeats: int, out: Timings
+) -> None:
+    """Measure torch.save to /dev/shm and to disk (+fsync), then torch.load + load_state_dict.
+
+    The restore reads the /dev/shm file (``weights_only=True``) and calls ``load_state_dict`` on
+    the model and the optimizer.
+    """
+    sd = state.state_dicts()
+    shm_path = os.path.join(shm_dir, "torch_save.pt")
+    disk_path = os.path.join(disk_dir, "torch_save.pt")
+
+    def save_disk() -> None:
+        with open(disk_path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    try:
+        for _ in range(repeats):
+            if os.path.exists(shm_path):
+                os.unlink(shm_path)
+            out.add("torch.save /dev/shm", _timed(lambda: torch.save(sd, shm_path)))
+        for _ in range(repeats):
+            if os.path.exists(disk_path):
+                os.unlink(disk_path)
+            out.add("torch.save disk+fsync", _timed(save_disk))
+        os.unlink(disk_path)
+
+        def restore() -> None:
+            loaded = torch.load(shm_path, weights_only=True)
+            state.model.load_state_dict(loaded["model"])
+            state.optimizer.load_state_dict(loaded["optim"])
+
+        for _ in range(repeats):
+            out.add("torch.load + load_state_dict (/dev/shm)", _timed(restore))
+    finally:
+        for path in (shm_path, disk_path):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def bench_dcp_save(
+    state: BenchState, *, shm_dir: str, disk_dir: str, repeats: int, out: Timings
+) -> None:
+    """Measure sync ``dcp.save`` (no process group) to /dev/shm and disk, and ``dcp.load``.
+
+    ``dcp.load`` reads the /dev/shm checkpoint in place into the live model and optimizer
+    tensors. FileSystemWriter's defaults apply (one file per rank, fsync'd, one thread).
+    """
+    sd = state.state_dicts()
+    for label, base in (("/dev/shm", shm_dir), ("disk+fsync", disk_dir)):
+        for i in range(repeats):
+            path = os.path.join(base, f"dcp_{i}")
+            t0 = time.perf_counter()
+            dcp.save(sd, checkpoint_id=path, no_dist=True)
+            out.add(f"dcp.save {label}", time.perf_counter() - t0)
+            if i < repeats - 1 or base != shm_dir:
+                shutil.rmtree(path)
+    last = os.path.join(shm_dir, f"dcp_{repeats - 1}")
+    try:
+        for _ in range(repeats):
+            target = state.state_dicts()
+            t0 = time.perf_counter()
+            dcp.load(target, checkpoint_id=last, no_dist=True)
+            out.add("dcp.load in place (/dev/shm)", time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(last, ignore_errors=True)
+
+
+def bench_dcp_async_save(
+    state: BenchState,
+    *,
+    disk_dir: str,
+    repeats: int,
+    async_staging: bool,
+    simulate: Callable[[], None],
+    out: Timings,
+) -> None:
+    """Measure ``dcp.async_save`` with one reused ``DefaultStager`` (thread executor, to disk).
+
+    With ``async_staging`` the stager copies in its own thread and ``async_save`` returns an
+    ``AsyncSaveResponse``: recorded are the time blocked in the call, the time until staged and
+    until uploaded (both from the call), and the stall when training waits for staging before
+    ``optimizer.step()`` after ``simulate()`` (the forward/backward stand-in). Without it,
+    staging happens inside the call. The first call (which allocates the staging buffers) is a
+    warm-up, reported apart.
+    """
+    tag = "async staging" if async_staging else "sync staging"
+    # Pinned memory and non-blocking copies need an accelerator; on CPU these are the options.
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=async_staging,
+            use_non_blocking_copy=False,
+        )
+    )
+    sd = state.state_dicts()
+    try:
+        for i in range(repeats + 1):
+            path = os.path.join(disk_dir, f"dcp_async_{i}")
+            t0 = time.perf_counter()
+            resp = dcp.async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
+            t_block = time.perf_counter() - t0
+            if async_staging:
+                assert isinstance(resp, dcp.state_dict_saver.AsyncSaveResponse)
+                resp.staging_completion.result()
+                t_staged = time.perf_counter() - t0
+                resp.upload_completion.result()
+            else:
+                t_staged = t_block
+                assert isinstance(resp, Future)
+                resp.result()
+            t_done = time.perf_counter() - t0
+            shutil.rmtree(path)
+            if i == 0:
+                out.notes[f"dcp.async_save ({tag}) blocking"] = (
+                    f"warm-up call (allocates staging buffers): {t_block:.3f} s blocking, "
+                    f"{t_staged:.3f} s until staged"
+                )
+                continue
+            out.add(f"dcp.async_save ({tag}) blocking", t_block)
+            if async_staging:
+                out.add(f"dcp.async_save ({tag}) until staged", t_staged)
+            out.add(f"dcp.async_save ({tag}) until done", t_done)
+        if async_staging:
+            # Same pattern as ftmem: call, forward/backward, then wait for staging before the
+            # optimizer may change the tensors (DCP leaves that wait to the user).
+            for i in range(repeats):
+                path = os.path.join(disk_dir, f"dcp_async_fence_{i}")
+                t0 = time.perf_counter()
+                resp = dcp.async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
+                t_block = time.perf_counter() - t0
+                simulate()
+                t1 = time.perf_counter()
+                assert isinstance(resp, dcp.state_dict_saver.AsyncSaveResponse)
+                resp.staging_completion.result()
+                out.add(
+                    f"dcp.async_save ({tag}) stall with fence", t_block + time.perf_counter() - t1
+                )
+                resp.upload_completion.result()
+                shutil.rmtree(path)
+    finally:
+        stager.close()
+
+
+def make_temp_dirs(disk_root: str | None) -> tuple[str, str]:
+    """Return fresh (shm_dir, disk_dir) temp directories for one size's baseline files."""
+    shm_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir="/dev/shm")
+    disk_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir=disk_root)
+    return shm_dir, disk_dir

@@ -1,0 +1,549 @@
+"""Snapshot benchmark: ftmem against torch.save and torch.distributed.checkpoint, same run.
+
+Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
+
+    python bench/snapshot.py                       # 0.5 and 2 GiB, 5 repeats
+    python bench/snapshot.py --quick               # 0.25 GiB, 3 repeats (a smoke test)
+    python bench/snapshot.py --sizes 0.5,2 --repeats 5 --out docs/benchmarks.md
+
+For each state size it builds square ``nn.Linear`` layers whose parameters are a third of the
+size, takes one AdamW step so ``exp_avg``/``exp_avg_sq`` exist, then measures, one system after
+the other and freeing each one's files and buffers before the next:
+
+* ``torch.save`` to /dev/shm and to disk + fsync; ``torch.load(weights_only=True)`` +
+  ``load_state_dict`` from /dev/shm;
+* ``dcp.save`` (sync, ``no_dist=True``) to /dev/shm and disk; ``dcp.load`` in place;
+* ``dcp.async_save`` with one reused ``DefaultStager``, with async staging and without;
+* ftmem with an SMP started in a temporary run directory: the stall (time blocked in
+  ``ftmem.save`` plus at the optimizer-step fence after a simulated forward/backward), the
+  background copy bandwidth (``ftmem.stats()["last_copy_s"]``) and ``ftmem.load`` in place.
+
+It writes the tables into ``--out`` between ``<!-- bench:snapshot:start -->`` and
+``<!-- bench:snapshot:end -->`` (the rest of the file is kept). Every number is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+try:
+    from bench import _baselines as baselines
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import _baselines as baselines  # type: ignore[no-redef]
+
+logger = logging.getLogger("bench.snapshot")
+
+START_MARK = "<!-- bench:snapshot:start -->"
+END_MARK = "<!-- bench:snapshot:end -->"
+GOAL_SIZE_GIB = 2.0
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One reported metric: a list of measurements and how to show them."""
+
+    system: str
+    metric: str
+    values: tuple[float, ...]
+    unit: str
+    """"s" (durations, also shown per GiB) or "GB/s" (bandwidths)."""
+
+    @property
+    def median(self) -> float:
+        """The median of the measurements."""
+        return statistics.median(self.values)
+
+
+def _rows_from(
+    timings: baselines.Timings, system_of: Callable[[str], tuple[str, str]]
+) -> list[Row]:
+    rows = []
+    for name, values in timings.values.items():
+        system, metric = system_of(name)
+        rows.append(Row(system=system, metric=metric, values=tuple(values), unit="s"))
+    return rows
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """Split 'dcp.async_save (x) blocking' into ('dcp.async_save (x)', 'blocking')."""
+    for system in (
+        "dcp.async_save (async staging)",
+        "dcp.async_save (sync staging)",
+        "torch.save",
+        "dcp.save",
+    ):
+        if name.startswith(system + " "):
+            return system, name[len(system) + 1 :]
+    if name.startswith("torch.load"):
+        return "torch.load", name[len("torch.load") + 1 :]
+    if name.startswith("dcp.load"):
+        return "dcp.load", name[len("dcp.load") + 1 :]
+    return name, ""
+
+
+# --------------------------------------------------------------------------- simulated work
+
+
+def make_simulator(kind: str, seconds: float) -> Callable[[], None]:
+    """Return a stand-in for forward + backward lasting ``seconds``.
+
+    ``compute`` runs 256x256 matmuls on the calling thread (one intra-op thread), leaving the
+    other core to background copies, as a training rank would; ``sleep`` just sleeps.
+    """
+    if kind == "sleep":
+        return lambda: time.sleep(seconds)
+    a = torch.randn(256, 256) / 16
+
+    def compute() -> None:
+        x = a
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            x = torch.tanh(x @ a)
+
+    return compute
+
+
+# --------------------------------------------------------------------------- ftmem
+
+
+@dataclass(kw_only=True, slots=True)
+class FtmemResult:
+    """What the ftmem part measured for one size."""
+
+    rows: list[Row]
+    notes: list[str]
+
+
+def bench_ftmem(
+    state: baselines.BenchState, *, repeats: int, simulate: Callable[[], None]
+) -> FtmemResult:
+    """Measure ftmem's stall, background copy and restore on ``state``.
+
+    Starts an SMP in a temporary run directory (``FTMEM_RUN_DIR``), saves once as a warm-up
+    (arena allocation and pre-faulting; reported, not counted), then per repeat: ``save``,
+    ``simulate()``, ``optimizer.step()`` (ftmem's fence runs as a step pre-hook; a hook of ours
+    registered after it stamps the time the fence let go; gradients are None so the step itself
+    does nothing), ``handle.wait()`` for the commit and ``ftmem.stats()``. Then ``ftmem.load``
+    in place, ``repeats`` times, and one check that a load really restores clobbered data.
+
+    Resource handling: the SMP is stopped and the run directory removed on exit, and
+    ``ftmem.close()`` is called even when a measurement fails.
+    """
+    import ftmem
+    from ftmem.smp.spawn import start_smp
+
+    rows: list[Row] = []
+    notes: list[str] = []
+    stall: list[float] = []
+    in_save: list[float] = []
+    fence: list[float] = []
+    lib_stall: list[float] = []
+    copy_bw: list[float] = []
+    commit: list[float] = []
+    skipped = 0
+    run_dir = tempfile.mkdtemp(prefix="ftmem-bench-run-")
+    os.environ["FTMEM_RUN_DIR"] = run_dir
+    st = {"model": state.model, "optim": state.optimizer}
+    try:
+        t0 = time.perf_counter()
+        with start_smp(run_dir=run_dir) as smp:
+            notes.append(f"SMP start (readiness handshake): {time.perf_counter() - t0:.3f} s")
+            logger.info("SMP pid %s in %s", smp.pid, run_dir)
+            t0 = time.perf_counter()
+            h = ftmem.save(st, step=1)
+            t_call = time.perf_counter() - t0
+            ok = h.wait(timeout=300.0)
+            t_commit = time.perf_counter() - t0
+            notes.append(
+                f"warm-up save (allocates and pre-faults the arenas; not counted): "
+                f"{t_call:.3f} s in save, {t_commit:.3f} s until committed "
+                f"(committed={ok}, skipped={h.skipped})"
+            )
+            released: list[float] = []
+            hook = state.optimizer.register_step_pre_hook(
+                lambda *_: released.append(time.perf_counter())
+            )
+            try:
+                for i in range(repeats):
+                    step = i + 2
+                    t0 = time.perf_counter()
+                    h = ftmem.save(st, step=step)
+                    t_save = time.perf_counter() - t0
+                    simulate()
+                    released.clear()
+                    t1 = time.perf_counter()
+                    state.optimizer.step()
+                    t_fence = released[0] - t1
+                    t2 = time.perf_counter()
+                    ok = h.wait(timeout=120.0)
+                    t_wait = time.perf_counter() - t2
+                    s = ftmem.stats()
+                    if h.skipped or not ok:
+                        skipped += 1
+                        notes.append(f"step {step}: skipped={h.skipped} committed={ok}")
+                        continue
+                    in_save.append(t_save)
+                    fence.append(t_fence)
+                    stall.append(t_save + t_fence)
+                    commit.append(t_wait)
+                    lib_stall.append(float(s["last_stall_s"]))
+                    if s.get("last_copy_s"):
+                        copy_bw.append(state.nbytes / float(s["last_copy_s"]) / 1e9)
+                notes.append(f"ftmem.stats() after the last save: {s}")
+            finally:
+                hook.remove()
+            last_step = repeats + 1
+            load_s: list[float] = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                got = ftmem.load(st)
+                load_s.append(time.perf_counter() - t0)
+                if got != last_step:
+                    notes.append(f"ftmem.load returned step {got}, expected {last_step}")
+            notes.append(_check_restore(ftmem, st, state))
+    finally:
+        try:
+            ftmem.close()
+        finally:
+            os.environ.pop("FTMEM_RUN_DIR", None)
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if skipped:
+        notes.append(f"{skipped} of {repeats} snapshots skipped or not committed (not counted)")
+    for metric, values in (
+        ("stall (save + fence)", stall),
+        ("  blocked in save", in_save),
+        ("  blocked at fence", fence),
+        ('stats()["last_stall_s"]', lib_stall),
+        ("commit wait after step (handle.wait)", commit),
+        ("load in place", load_s),
+    ):
+        if values:
+            rows.append(Row(system="ftmem", metric=metric, values=tuple(values), unit="s"))
+    if copy_bw:
+        rows.append(
+            Row(system="ftmem", metric="background copy", values=tuple(copy_bw), unit="GB/s")
+        )
+    return FtmemResult(rows=rows, notes=notes)
+
+
+def _check_restore(ftmem: Any, st: dict[str, Any], state: baselines.BenchState) -> str:
+    """Clobber one weight and one moment, load, and say whether both came back."""
+    weight = next(iter(state.model.parameters()))
+    moment = state.optimizer.state[weight]["exp_avg_sq"]
+    want_w, want_m = weight.detach().clone(), moment.clone()
+    with torch.no_grad():
+        weight.fill_(123.0)
+        moment.fill_(-1.0)
+    ftmem.load(st)
+    weight = next(iter(state.model.parameters()))
+    moment = state.optimizer.state[weight]["exp_avg_sq"]
+    ok = torch.equal(weight, want_w) and torch.equal(moment, want_m)
+    return f"restore check (clobber a weight and an exp_avg_sq, load, compare): {'ok' if ok else 'MISMATCH'}"
+
+
+# --------------------------------------------------------------------------- one size
+
+
+@dataclass(kw_only=True, slots=True)
+class SizeResult:
+    """Everything measured for one state size."""
+
+    size_gib: float
+    nbytes: int
+    rows: list[Row]
+    notes: list[str]
+
+
+def bench_size(
+    size_gib: float,
+    *,
+    repeats: int,
+    disk_root: str | None,
+    simulate: Callable[[], None],
+    with_ftmem: bool,
+    with_baselines: bool,
+) -> SizeResult:
+    """Build a state of ``size_gib`` and measure every system on it, freeing files in between."""
+    state = baselines.build_state(size_gib)
+    rows: list[Row] = []
+    notes: list[str] = []
+    if with_baselines:
+        timings = baselines.Timings()
+        shm_dir, disk_dir = baselines.make_temp_dirs(disk_root)
+        try:
+            logger.info("[%.2f GiB] torch.save / torch.load", size_gib)
+            baselines.bench_torch_save(
+                state, shm_dir=shm_dir, disk_dir=disk_dir, repeats=repeats, out=timings
+            )
+            gc.collect()
+            logger.info("[%.2f GiB] dcp.save / dcp.load", size_gib)
+            baselines.bench_dcp_save(
+                state, shm_dir=shm_dir, disk_dir=disk_dir, repeats=repeats, out=timings
+            )
+            gc.collect()
+            for async_staging in (True, False):
+                logger.info("[%.2f GiB] dcp.async_save async_staging=%s", size_gib, async_staging)
+                baselines.bench_dcp_async_save(
+                    state,
+                    disk_dir=disk_dir,
+                    repeats=repeats,
+                    async_staging=async_staging,
+                    simulate=simulate,
+                    out=timings,
+                )
+                gc.collect()
+        finally:
+            shutil.rmtree(shm_dir, ignore_errors=True)
+            shutil.rmtree(disk_dir, ignore_errors=True)
+        rows += _rows_from(timings, _split_name)
+        notes += [f"{k}: {v}" for k, v in timings.notes.items()]
+    if with_ftmem:
+        logger.info("[%.2f GiB] ftmem", size_gib)
+        try:
+            result = bench_ftmem(state, repeats=repeats, simulate=simulate)
+            rows += result.rows
+            notes += [f"ftmem {n}" for n in result.notes]
+        except Exception as e:  # report what failed, keep the baseline figures
+            logger.exception("ftmem measurement failed")
+            notes.append(f"ftmem measurement FAILED: {type(e).__name__}: {e}")
+    nbytes = state.nbytes
+    del state
+    gc.collect()
+    return SizeResult(size_gib=size_gib, nbytes=nbytes, rows=rows, notes=notes)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fs_type(path: str) -> str:
+    best = ("", "?")
+    real = os.path.realpath(path)
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best[0]):
+            best = (mp, part.fstype)
+    return f"{best[1]} at {best[0]}"
+
+
+def machine_facts(disk_root: str) -> list[str]:
+    """Return bullet lines describing the machine and software."""
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = psutil.virtual_memory().total / 2**30
+    return [
+        f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"CPU: {cpu}, {os.cpu_count()} logical cores; memory {mem:.1f} GiB",
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"Linux {platform.release()}; torch intra-op threads: {torch.get_num_threads()}",
+        f"/dev/shm: {_fs_type('/dev/shm')}; disk dir {disk_root}: {_fs_type(disk_root)}",
+    ]
+
+
+def _fmt_row(row: Row, gib: float) -> str:
+    lo, hi = min(row.values), max(row.values)
+    if row.unit == "GB/s":
+        return (
+            f"| {row.system} | {row.metric} | {row.median:.2f} GB/s | {lo:.2f}-{hi:.2f} | "
+            f"{row.median / 1.073741824:.2f} GiB/s |"
+        )
+    return (
+        f"| {row.system} | {row.metric} | {row.median:.4f} s | {lo:.4f}-{hi:.4f} | "
+        f"{row.median / gib:.4f} s/GiB |"
+    )
+
+
+def _find(rows: list[Row], system: str, metric: str) -> Row | None:
+    for r in rows:
+        if r.system == system and r.metric.strip() == metric:
+            return r
+    return None
+
+
+def goals_table(result: SizeResult) -> list[str]:
+    """Return the Goals table for ``result`` (the size nearest 2 GiB)."""
+    gib = result.nbytes / 2**30
+    rows = result.rows
+    stall = _find(rows, "ftmem", "stall (save + fence)")
+    dcp_block = _find(rows, "dcp.async_save (async staging)", "blocking")
+    copy = _find(rows, "ftmem", "background copy")
+    load = _find(rows, "ftmem", "load in place")
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else ("met" if ok else "missed")
+
+    lines = [
+        f"Goals, checked on the {gib:.2f} GiB state (medians):",
+        "",
+        "| goal | measured | verdict |",
+        "|---|---|---|",
+    ]
+    if stall:
+        per = stall.median / gib
+        lines.append(f"| stall <= 0.01 s/GiB | {per:.4f} s/GiB | {verdict(per <= 0.01)} |")
+    else:
+        lines.append("| stall <= 0.01 s/GiB | - | not measured |")
+    if stall and dcp_block:
+        ratio = stall.median / dcp_block.median
+        lines.append(
+            f"| stall <= 1/5 of dcp.async_save blocking (same run) | {stall.median:.4f} s vs "
+            f"{dcp_block.median:.4f} s = {ratio:.2f}x | {verdict(ratio <= 0.2)} |"
+        )
+    else:
+        lines.append("| stall <= 1/5 of dcp.async_save blocking (same run) | - | not measured |")
+    if copy:
+        lines.append(
+            f"| background copy >= 10 GB/s | {copy.median:.2f} GB/s | "
+            f"{verdict(copy.median >= 10)} |"
+        )
+    else:
+        lines.append("| background copy >= 10 GB/s | - | not measured |")
+    if load:
+        per = load.median / gib
+        lines.append(f"| load <= 0.1 s/GiB | {per:.4f} s/GiB | {verdict(per <= 0.1)} |")
+    else:
+        lines.append("| load <= 0.1 s/GiB | - | not measured |")
+    return lines
+
+
+def render(
+    results: list[SizeResult], *, command: str, facts: list[str], repeats: int, sim: str
+) -> str:
+    """Render the benchmark section (between the markers) as Markdown."""
+    out = [START_MARK, "## Snapshot: ftmem vs torch.save vs DCP", ""]
+    out += ["Generated by `bench/snapshot.py`; every figure below was measured in this run.", ""]
+    out += ["```", command, "```", ""]
+    out += [f"- {f}" for f in facts]
+    out += [
+        f"- each figure: median of {repeats} repeats, with min-max; per-GiB columns divide the "
+        "median by the state size (params + AdamW exp_avg + exp_avg_sq, fp32)",
+        f"- forward/backward stand-in between a save and `optimizer.step()`: {sim}",
+        "- torch.save/dcp.save to /dev/shm and to the disk dir (file fsync'd); restores read "
+        "the /dev/shm copy; dcp.async_save writes to the disk dir with one reused "
+        "`DefaultStager` (thread executor; pinned memory and non-blocking copies need an "
+        "accelerator, so off); 'until staged'/'until done' count from the call; 'stall with "
+        "fence' = blocking + waiting for staging after the forward/backward stand-in, the same "
+        "pattern as ftmem's stall",
+        "",
+    ]
+    for r in results:
+        gib = r.nbytes / 2**30
+        out += [f"### {gib:.2f} GiB state (requested {r.size_gib:g} GiB)", ""]
+        out += ["| system | metric | median | min-max | per GiB |", "|---|---|---|---|---|"]
+        out += [_fmt_row(row, gib) for row in r.rows]
+        out += [""]
+        if r.notes:
+            out += [f"- {n}" for n in r.notes]
+            out += [""]
+    if results:
+        goal = min(results, key=lambda r: abs(r.nbytes / 2**30 - GOAL_SIZE_GIB))
+        out += ["### Goals", "", *goals_table(goal), ""]
+    out.append(END_MARK)
+    return "\n".join(out) + "\n"
+
+
+def write_report(path: Path, section: str) -> None:
+    """Write ``section`` into ``path``, replacing only the text between the markers."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        text = path.read_text()
+        start, end = text.find(START_MARK), text.find(END_MARK)
+        if start != -1 and end > start:
+            text = text[:start] + section.rstrip("\n") + text[end + len(END_MARK) :]
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+    else:
+        text = "# Benchmarks\n\n" + section
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """Return the benchmark's argument parser."""
+    p = argparse.ArgumentParser(description="ftmem snapshot benchmark vs torch.save and DCP")
+    p.add_argument("--sizes", default="0.5,2", help="comma-separated state sizes in GiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="0.25 GiB, 3 repeats")
+    p.add_argument("--out", default="docs/benchmarks.md")
+    p.add_argument("--disk-dir", default=None, help="directory on disk (default: $TMPDIR)")
+    p.add_argument("--fwd-bwd-s", type=float, default=1.0, help="forward/backward stand-in (s)")
+    p.add_argument("--simulate", choices=("compute", "sleep"), default="compute")
+    p.add_argument("--skip-ftmem", action="store_true", help="baselines only")
+    p.add_argument("--skip-baselines", action="store_true", help="ftmem only")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write the report."""
+    args = get_args_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    sizes = [0.25] if args.quick else [float(s) for s in args.sizes.split(",") if s]
+    repeats = 3 if args.quick and args.repeats == 5 else args.repeats
+    if repeats < 1 or not sizes:
+        raise ValueError("need at least one size and one repeat")
+    disk_root = args.disk_dir or tempfile.gettempdir()
+    simulate = make_simulator(args.simulate, args.fwd_bwd_s)
+    sim = (
+        f"{args.fwd_bwd_s:g} s of 256x256 matmuls on the main thread"
+        if args.simulate == "compute"
+        else f"time.sleep({args.fwd_bwd_s:g})"
+    )
+    results = []
+    for size in sizes:
+        results.append(
+            bench_size(
+                size,
+                repeats=repeats,
+                disk_root=disk_root,
+                simulate=simulate,
+                with_ftmem=not args.skip_ftmem,
+                with_baselines=not args.skip_baselines,
+            )
+        )
+    command = "python bench/snapshot.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    section = render(
+        results,
+        command=command.strip(),
+        facts=machine_facts(disk_root),
+        repeats=repeats,
+        sim=sim,
+    )
+    write_report(Path(args.out), section)
+    print(section)
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Train a small GPT on synthetic tokens, with an in-memory snapshot after every step (ftmem).
+
+What it shows: a training loop that calls ``ftmem.load(state)`` once and ``ftmem.save(state,
+step=...)`` after each step, where ``state`` holds the model, the AdamW optimizer, the LR
+scheduler, the data loader's position and the RNG state. Killing a rank and restarting every
+rank resumes from the newest snapshot that every rank committed, and the run ends bit for bit
+where an uninterrupted run ends: compare the ``[rank R] digest`` lines.
+
+Commands (from the repository root, with ftmem installed: ``pip install -e .``):
+
+    # 1. Plain torchrun plus a hand-started SMP (one per node).
+    export FTMEM_RUN_DIR=$(mktemp -d)
+    python -m ftmem.smp --run-dir "$FTMEM_RUN_DIR" &          # prints when it is ready
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20
+    # kill rank 1 right after the snapshot of step 12 is committed, then restart both ranks:
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 \
+        --fail-at-step 12 --fail-rank 1        # exits non-zero: rank 1 was SIGKILLed
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 \
+        --fail-at-step 12 --fail-rank 1        # prints "resumed from step 12"; same digest
+    kill %1                                    # SIGTERM stops the SMP
+
+    # 2. The same with torchrun's own restart (the injection is skipped once resumed past it):
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py \
+        --steps 20 --fail-at-step 12 --fail-rank 1
+
+    # 3. With the ftmem launcher, which starts the SMP and restarts the ranks itself:
+    ftmem-launch --nproc-per-node 2 examples/train_gpt.py --steps 20 --fail-at-step 12 --fail-rank 1
+
+    # Baseline without snapshots (reference digest; the benchmark's "no snapshot" case):
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 --no-ftmem
+
+A single process (``python examples/train_gpt.py``) trains without DDP. Every rank prints
+``[rank R] resumed from step N`` after ``ftmem.load``, and at the end ``[rank R] final step N``,
+``[rank R] mean step time X s`` and ``[rank R] digest <sha256>``: the digest covers every byte
+of the parameters (sorted by name) and of the optimizer state (per parameter index, sorted
+keys, ``step`` included), the same on every rank; with persistent buffers (``--batchnorm``) a
+per-rank ``[rank R] buffers sha256 <hex>`` line follows. ``--batchnorm`` adds a
+BatchNorm1d whose running statistics the forward pass mutates; ``--d-model``/``--n-layers``/
+``--vocab`` scale the state (about 16 bytes of state per parameter: weights + two AdamW moments,
+e.g. ``--d-model 1024 --n-layers 8 --vocab 8192`` is ~0.1 G parameters, ~1.6 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger("train_gpt")
+
+
+# --------------------------------------------------------------------------- model
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with a causal mask."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of n_heads {n_heads}")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
+        mask = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+        # Not persistent: derived from seq_len, so it is neither saved nor restored.
+        self.register_buffer("mask", mask.view(1, 1, seq_len, seq_len), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q = q.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
+        k = k.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
+        v = v.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, seq_len, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model),
+            nn.GELU(),
+            nn.Linear(4 * d_model, d_model),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer: token + position embedding, pre-LN blocks, LM head.
+
+    With ``batchnorm=True`` a BatchNorm1d over the channels sits before the final LayerNorm,
+    so the forward pass mutates buffers (its running statistics) in training mode.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab: int,
+        seq_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        dropout: float,
+        batchnorm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, seq_len, dropout) for _ in range(n_layers)
+        )
+        self.bn = nn.BatchNorm1d(d_model) if batchnorm else None
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape (batch, time, vocab) for token ids of shape (batch, time)."""
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        if self.bn is not None:
+            x = self.bn(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(self.ln_f(x))
+
+
+# --------------------------------------------------------------------------- data
+
+
+class SyntheticTokens:
+    """An endless, deterministic stream of token batches whose whole state is its position.
+
+    Batch ``p`` of rank ``r`` is generated from a ``torch.Generator`` seeded from
+    ``(seed, r, p)``, so restoring ``position`` reproduces exactly the same batches. Each row is
+    a noisy arithmetic progression modulo ``vocab`` (learnable, so the loss goes down).
+    """
+
+    def __init__(self, *, vocab: int, seq_len: int, batch_size: int, seed: int, rank: int) -> None:
+        self.vocab = vocab
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.position = 0
+
+    def _generator(self) -> torch.Generator:
+        key = f"{self.seed}/{self.rank}/{self.position}".encode()
+        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
+        return torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (inputs, targets), each (batch_size, seq_len) int64, and advance by one."""
+        g = self._generator()
+        n, t = self.batch_size, self.seq_len + 1
+        start = torch.randint(0, self.vocab, (n, 1), generator=g)
+        stride = torch.randint(1, 8, (n, 1), generator=g)
+        seq = (start + stride * torch.arange(t)) % self.vocab
+        noise = torch.rand(n, t, generator=g) < 0.1
+        seq = torch.where(noise, torch.randint(0, self.vocab, (n, t), generator=g), seq)
+        self.position += 1
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the loader's state: its position in the stream."""
+        return {"position": self.position}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the position saved by :meth:`state_dict`."""
+        self.position = int(state_dict["position"])
+
+
+# --------------------------------------------------------------------------- digest
+
+
+def _update_tensor(h: Any, name: str, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Return a sha256 over the parameters and the optimizer's state, in a fixed order.
+
+    Covers every parameter (sorted by name) and, for every parameter index of
+    ``optimizer.state_dict()``, every state tensor (sorted keys, ``step`` included) and scalar.
+    Under DDP it is the same on every rank.
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        _update_tensor(h, f"param.{name}", p)
+    opt_state = optimizer.state_dict()["state"]
+    for idx in sorted(opt_state):
+        for key in sorted(opt_state[idx]):
+            value = opt_state[idx][key]
+            if isinstance(value, torch.Tensor):
+                _update_tensor(h, f"optim.{idx}.{key}", value)
+            else:
+                h.update(f"optim.{idx}.{key}={value!r}|".encode())
+    return h.hexdigest()
+
+
+def buffers_digest(model: nn.Module) -> str | None:
+    """Return a sha256 over the persistent buffers (sorted by name), or None if there are none.
+
+    BatchNorm running statistics differ between ranks (each sees its own batches), so this is
+    a per-rank figure, printed apart from the digest.
+    """
+    params = {name for name, _ in model.named_parameters()}
+    buffers = sorted((k, v) for k, v in model.state_dict().items() if k not in params)
+    if not buffers:
+        return None
+    h = hashlib.sha256()
+    for name, t in buffers:
+        _update_tensor(h, f"buffer.{name}", t)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- training
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """Return the example's argument parser."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument(
+        "--lr-decay-steps",
+        type=int,
+        default=0,
+        help="length of the cosine schedule (default: --steps)",
+    )
+    p.add_argument("--batchnorm", action="store_true", help="add a BatchNorm1d (buffers)")
+    p.add_argument("--no-ftmem", action="store_true", help="train without snapshots")
+    p.add_argument("--save-every", type=int, default=1, help="snapshot every K steps")
+    p.add_argument("--fail-at-step", type=int, default=0, help="inject a failure after step N")
+    p.add_argument("--fail-rank", type=int, default=0, help="the rank that fails")
+    p.add_argument("--fail-mode", choices=("kill", "hang"), default="kill")
+    p.add_argument("--log-every", type=int, default=5, help="log the loss every K steps")
+    return p
+
+
+def _lr_lambda(warmup: int, total: int) -> Any:
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def _inject_failure(mode: str, rank: int, step: int) -> None:
+    print(f"[rank {rank}] injecting failure ({mode}) after step {step}", flush=True)
+    sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+    os.kill(os.getpid(), sig)
+
+
+def train(args: argparse.Namespace) -> int:
+    """Run the training loop described by ``args``; return the process exit code."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if world > 1:
+        dist.init_process_group("gloo")
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model: nn.Module = GPT(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        dropout=args.dropout,
+        batchnorm=args.batchnorm,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: %.2f M parameters", n_params / 1e6)
+    torch.manual_seed(args.seed + 1000 * rank + 1)  # per-rank dropout masks
+    train_model = DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    total_sched = args.lr_decay_steps or args.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(args.warmup_steps, total_sched)
+    )
+    loader = SyntheticTokens(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        rank=rank,
+    )
+
+    ftmem: Any = None
+    start = 0
+    state: dict[str, Any] = {
+        "model": model,
+        "optim": optimizer,
+        "sched": scheduler,
+        "data": loader,
+    }
+    if not args.no_ftmem:
+        # Imported here so that --no-ftmem runs without the package installed.
+        import ftmem
+
+        state["rng"] = ftmem.RNGState()
+        start = ftmem.load(state)
+    print(f"[rank {rank}] resumed from step {start}", flush=True)
+
+    step_times: list[float] = []
+    step = start
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        inputs, targets = loader.next_batch()
+        logits = train_model(inputs)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        handle = None
+        if ftmem is not None and (step + 1) % args.save_every == 0:
+            handle = ftmem.save(state, step=step + 1)
+        step_times.append(time.perf_counter() - t0)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            logger.info(
+                "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
+            )
+        if step + 1 == args.fail_at_step and rank == args.fail_rank and start < args.fail_at_step:
+            if handle is not None and not handle.wait(timeout=60.0):
+                logger.warning("snapshot of step %d not committed before the failure", step + 1)
+            _inject_failure(args.fail_mode, rank, step + 1)
+    final_step = max(start, args.steps)
+
+    if ftmem is not None:
+        ftmem.close()
+    mean = sum(step_times) / len(step_times) if step_times else 0.0
+    print(f"[rank {rank}] final step {final_step}", flush=True)
+    print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
+    print(f"[rank {rank}] digest {state_digest(model, optimizer)}", flush=True)
+    buffers = buffers_digest(model)
+    if buffers is not None:
+        print(f"[rank {rank}] buffers sha256 {buffers}", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, set up logging and train."""
+    args = get_args_parser().parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
+    )
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

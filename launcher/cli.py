@@ -1,0 +1,212 @@
+"""The ``ftmem-launch`` command line: torchrun's flags plus an ``ftmem`` group.
+
+Shaped like ``torch.distributed.run``: :func:`get_args_parser`, :func:`config_from_args`,
+:func:`run` and a ``@record`` :func:`main`. Every ``--ftmem-*`` flag also reads
+``PET_FTMEM_*`` from the environment (torch's ``env`` action), like torchrun's flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+from argparse import ArgumentParser, Namespace
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.distributed.argparse_util import env
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.launcher.api import LaunchConfig
+from torch.distributed.run import get_args_parser as torchrun_args_parser
+from torch.distributed.run import config_from_args as torchrun_config_from_args
+from torch.distributed.run import parse_min_max_nnodes
+
+from launcher.config import DEFAULT_MAX_RESTARTS, FtmemLaunchConfig
+
+log = logging.getLogger(__name__)
+
+
+def get_args_parser() -> ArgumentParser:
+    """torchrun's parser with ftmem's defaults and the ``ftmem`` argument group."""
+    parser = torchrun_args_parser()
+    parser.prog = "ftmem-launch"
+    parser.description = (
+        "torchrun drop-in that keeps per-step snapshots in memory (the node's SMP) and "
+        "restarts every rank from them after a crash, hang, SMP loss or node loss."
+    )
+    if "PET_MAX_RESTARTS" not in os.environ:
+        parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
+    group = parser.add_argument_group("ftmem")
+    group.add_argument(
+        "--ftmem-run-dir",
+        action=env,
+        type=str,
+        default=None,
+        help="This node's SMP run directory (socket, smp.log, events). Default: a new "
+        "directory under /tmp/ftmem-<uid>/, removed after a successful run.",
+    )
+    group.add_argument(
+        "--ftmem-node",
+        action=env,
+        type=str,
+        default=None,
+        help="This node's name (FTMEM_NODE, shared-memory names). Default: <hostname>-<pid>.",
+    )
+    group.add_argument(
+        "--ftmem-hang-timeout",
+        action=env,
+        type=float,
+        default=120.0,
+        help="Seconds without progress (ftmem.save / ftmem.heartbeat) after a rank's first "
+        "report before it is SIGKILLed and all ranks restart; 0 disables. Default: 120.",
+    )
+    group.add_argument(
+        "--ftmem-first-progress-timeout",
+        action=env,
+        type=float,
+        default=0.0,
+        help="Seconds from a rank's start to its first report (start-up + load + first "
+        "step) before it counts as hung; 0 (default) disables.",
+    )
+    group.add_argument(
+        "--ftmem-slots",
+        action=env,
+        type=int,
+        default=2,
+        help="Snapshot slots per rank in the SMP (>= 2). Default: 2.",
+    )
+    group.add_argument(
+        "--ftmem-smp-start-timeout",
+        action=env,
+        type=float,
+        default=60.0,
+        help="Seconds the SMP may take to become ready. Default: 60.",
+    )
+    group.add_argument(
+        "--ftmem-no-progress-restarts",
+        action=env,
+        type=int,
+        default=3,
+        help="Stop after this many restarts in a row without a newer committed step; "
+        "0 disables. Default: 3.",
+    )
+    group.add_argument(
+        "--ftmem-status-interval",
+        action=env,
+        type=float,
+        default=1.0,
+        help="Seconds between the agent's SMP status polls (hang detection). Default: 1.",
+    )
+    group.add_argument(
+        "--ftmem-smp-log-level",
+        action=env,
+        type=str,
+        default="INFO",
+        help="Log level of the SMP (its log is <run dir>/smp.log). Default: INFO.",
+    )
+    return parser
+
+
+def parse_args(args: list[str] | None) -> Namespace:
+    """Parse ``args`` (default: ``sys.argv[1:]``)."""
+    return get_args_parser().parse_args(args)
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=float(value))
+
+
+def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
+    """Build the ftmem part of the configuration from parsed arguments."""
+    return FtmemLaunchConfig(
+        run_dir=Path(args.ftmem_run_dir) if args.ftmem_run_dir else None,
+        node=args.ftmem_node or None,
+        slots=int(args.ftmem_slots),
+        smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
+        hang_timeout=_seconds(args.ftmem_hang_timeout),
+        first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),
+        status_interval=_seconds(args.ftmem_status_interval),
+        no_progress_restarts=int(args.ftmem_no_progress_restarts),
+        smp_log_level=str(args.ftmem_smp_log_level),
+    )
+
+
+def config_from_args(
+    args: Namespace,
+) -> tuple[LaunchConfig, FtmemLaunchConfig, Callable[..., Any] | str, list[str]]:
+    """torchrun's ``config_from_args`` plus the ftmem configuration."""
+    config, cmd, cmd_args = torchrun_config_from_args(args)
+    return config, ftmem_config_from_args(args), cmd, cmd_args
+
+
+def _apply_standalone(args: Namespace) -> None:
+    """torchrun's ``--standalone`` and single-node defaults (as in ``torch.distributed.run.run``)."""
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _raise_signal(signum: int, frame: FrameType | None) -> None:
+    sig = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sig.name}", sigval=sig)
+
+
+def install_signal_handlers(names: str) -> None:
+    """Turn the termination signals into ``SignalException`` from the start.
+
+    elastic installs the same handlers only when the first ranks start; installing them
+    now lets a signal during the SMP start or the rendezvous still clean up.
+    """
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, _raise_signal)
+
+
+def configure_logging() -> None:
+    """Log the launcher's events to stderr (level from FTMEM_LOG_LEVEL, default INFO)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level = os.environ.get("FTMEM_LOG_LEVEL", "INFO").upper()
+    for name in ("launcher", "ftmem"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False
+
+
+def run(args: Namespace) -> dict[int, Any]:
+    """Run the agent described by parsed ``args`` on this node."""
+    from launcher.agent import launch_agent
+
+    _apply_standalone(args)
+    install_signal_handlers(args.signals_to_handle)
+    config, ftmem, cmd, cmd_args = config_from_args(args)
+    return launch_agent(config, ftmem, cmd, cmd_args)
+
+
+@record
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``ftmem-launch`` console script."""
+    configure_logging()
+    run(parse_args(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Settings of ``ftmem-launch``: the ``--ftmem-*`` options and the safe elastic defaults.
+
+torchrun's own settings stay in ``torch.distributed.launcher.api.LaunchConfig``; this module
+holds what ftmem adds (:class:`FtmemLaunchConfig`) and the defaults where torch's break
+restarts (see :func:`apply_safe_rdzv_defaults` and docs/launcher.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# Environment variables the launcher sets for each rank (the names match ftmem/config.py).
+ENV_RUN_DIR = "FTMEM_RUN_DIR"
+ENV_RUN_ID = "FTMEM_RUN_ID"
+ENV_NODE = "FTMEM_NODE"
+ENV_GENERATION = "FTMEM_GENERATION"
+ENV_AGENT_PID = "FTMEM_AGENT_PID"
+"""The agent's pid; the exec shim kills the rank if its parent is no longer this pid."""
+
+# torch's switch for the shared rendezvous TCPStore; "1" gives each generation its own store.
+ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+MAX_SOCKET_PATH = 100
+"""Longest run-dir + ``/smp.sock`` path we accept (the kernel limit for ipc sockets is 107)."""
+SOCKET_NAME = "smp.sock"
+
+SAFE_RDZV_DEFAULTS: dict[str, Any] = {
+    # torch waits 600 s for a replacement node; ftmem bounds it (override with --rdzv-conf).
+    "join_timeout": 300,
+    # Dead node noticed after keep_alive_interval * keep_alive_max_attempt = 5 s (torch: 15 s).
+    # max_attempt must stay >= 3: a heartbeat is skipped when the last one is younger than
+    # the interval, so 2 attempts declared live nodes dead and split the job in two.
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 5,
+}
+
+DEFAULT_MAX_RESTARTS = 10
+"""torchrun's default is 0, which would make a fault-tolerance launcher give up at once."""
+
+_NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def safe_name(value: str, limit: int = 64) -> str:
+    """Return ``value`` made safe for ftmem names (``[A-Za-z0-9_.-]{1,64}``)."""
+    cleaned = _NAME_RE.sub("_", value)[:limit]
+    return cleaned or "default"
+
+
+def default_node_name() -> str:
+    """Return a node name unique on this host: ``<hostname>-<agent pid>``."""
+    host = socket.gethostname().split(".")[0]
+    return safe_name(f"{safe_name(host, 40)}-{os.getpid()}")
+
+
+def default_run_dir(run_id: str, node: str) -> Path:
+    """Return ``<tmp>/ftmem-<uid>/<run_id>-<node>``, shortened to fit the socket limit."""
+    base = Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}"
+    name = f"{run_id[:24]}-{node}"
+    room = MAX_SOCKET_PATH - len(str(base)) - len(SOCKET_NAME) - 2
+    return base / name[-max(room, 8) :]
+
+
+@dataclass(kw_only=True, slots=True)
+class FtmemLaunchConfig:
+    """What ``ftmem-launch`` adds to torchrun's LaunchConfig (the ``--ftmem-*`` flags)."""
+
+    run_dir: Path | None = None
+    """The node's SMP run directory (ipc socket, logs); None: a fresh one under /tmp."""
+    node: str | None = None
+    """This node's name (FTMEM_NODE, shared-memory names); None: ``<hostname>-<pid>``."""
+    slots: int = 2
+    """Snapshot slots per rank that the SMP keeps (>= 2)."""
+    smp_start_timeout: timedelta = timedelta(seconds=60)
+    """Deadline for the SMP's readiness handshake."""
+    smp_stop_timeout: timedelta = timedelta(seconds=10)
+    """How long the SMP may take to exit after SIGTERM before it is SIGKILLed."""
+    hang_timeout: timedelta = timedelta(seconds=120)
+    """A rank that reported progress and then none for this long is SIGKILLed; 0 disables."""
+    first_progress_timeout: timedelta = timedelta(0)
+    """A rank that never reports progress this long after its start is SIGKILLed; 0 disables."""
+    status_interval: timedelta = timedelta(seconds=1)
+    """How often the monitor asks the SMP for each rank's progress."""
+    no_progress_restarts: int = 3
+    """Stop after this many restarts in a row without a newer committed step; 0 disables."""
+    smp_log_level: str = "INFO"
+    """Log level passed to the SMP (its log goes to ``<run_dir>/smp.log``)."""
+    keep_run_dir: bool = False
+    """Keep an auto-created run directory after a successful run (it is kept after a failure)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for the SMP (tests)."""
+
+    def __post_init__(self) -> None:
+        if self.slots < 2:
+            raise ValueError(f"--ftmem-slots must be >= 2, got {self.slots}")
+        for name in ("smp_start_timeout", "smp_stop_timeout", "status_interval"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be > 0")
+        for name in ("hang_timeout", "first_progress_timeout"):
+            if getattr(self, name) < timedelta(0):
+                raise ValueError(f"{name} must be >= 0 (0 disables it)")
+        if self.no_progress_restarts < 0:
+            raise ValueError("--ftmem-no-progress-restarts must be >= 0")
+        if self.node is not None and safe_name(self.node) != self.node:
+            raise ValueError(f"--ftmem-node {self.node!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        if self.run_dir is not None:
+            sock = len(str(Path(self.run_dir).absolute())) + 1 + len(SOCKET_NAME)
+            if sock > MAX_SOCKET_PATH:
+                raise ValueError(
+                    f"--ftmem-run-dir {self.run_dir} is too long for an ipc socket path "
+                    f"({sock} > {MAX_SOCKET_PATH} characters); choose a shorter one"
+                )
+
+
+def apply_safe_rdzv_defaults(rdzv_configs: dict[str, Any]) -> dict[str, Any]:
+    """Fill in ftmem's rendezvous defaults for every key the user did not set.
+
+    Returns the keys that were filled in (for the start-up log).
+    """
+    filled: dict[str, Any] = {}
+    for key, value in SAFE_RDZV_DEFAULTS.items():
+        if key not in rdzv_configs:
+            rdzv_configs[key] = value
+            filled[key] = value
+    attempts = int(rdzv_configs.get("keep_alive_max_attempt", 3))
+    if attempts < 3:
+        raise ValueError(
+            f"keep_alive_max_attempt={attempts} splits the job on a skipped heartbeat; use >= 3"
+        )
+    return filled
+
+
+def apply_safe_env_defaults(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Give each rendezvous round its own TCPStore unless the user chose otherwise.
+
+    The shared store (torch's default since ~2.5) hands stale keys of the previous
+    generation to restarted ranks (cascaded restarts, hangs in init_process_group).
+    Returns the variables that were set.
+    """
+    env = os.environ if environ is None else environ
+    if ENV_DISABLE_SHARED_STORE not in env:
+        env[ENV_DISABLE_SHARED_STORE] = "1"
+        return {ENV_DISABLE_SHARED_STORE: "1"}
+    return {}

@@ -1,0 +1,69 @@
+"""Ranks: how they are spawned (exec shim with a parent-death signal) and their ftmem env.
+
+elastic's ``start_processes`` spawns the ranks (each in its own session); ftmem-launch only
+wraps the command so that every rank dies with its agent (``_exec_shim.py`` sets
+``PR_SET_PDEATHSIG`` and then execs the real command, keeping the pid), and adds the
+``FTMEM_*`` variables the ftmem client reads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from launcher.config import ENV_AGENT_PID, ENV_GENERATION, ENV_NODE, ENV_RUN_DIR, ENV_RUN_ID
+
+SHIM_PATH = Path(__file__).with_name("_exec_shim.py")
+
+
+def wrap_entrypoint(
+    entrypoint: Callable[..., Any] | str, args: list[str]
+) -> tuple[Callable[..., Any] | str, list[str]]:
+    """Return ``(entrypoint, args)`` that run the same command through the exec shim.
+
+    Function entrypoints (``--run-path``) run in multiprocessing children and are left as
+    they are (no parent-death signal for them; documented).
+    """
+    if not isinstance(entrypoint, str):
+        return entrypoint, args
+    return sys.executable, ["-S", str(SHIM_PATH), entrypoint, *args]
+
+
+def rank_env(*, run_dir: Path, run_id: str, node: str, generation: int) -> dict[str, str]:
+    """The ``FTMEM_*`` variables every rank of this node gets."""
+    return {
+        ENV_RUN_DIR: str(run_dir),
+        ENV_RUN_ID: run_id,
+        ENV_NODE: node,
+        ENV_GENERATION: str(generation),
+        ENV_AGENT_PID: str(os.getpid()),
+    }
+
+
+def kill_rank(pid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
+    """Send ``sig`` to a rank's process group (it leads its own session); False if gone."""
+    try:
+        os.killpg(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def describe_exit(exitcode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL"`` for a process exit code (negative: signal)."""
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"

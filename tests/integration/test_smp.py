@@ -1,0 +1,135 @@
+"""The SMP as a real process: readiness, hostile input on its socket, shutdown, loss."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ftmem.client.smp_client import SmpClient
+from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
+from ftmem.errors import SmpRequestError, SmpStartError, SmpUnavailableError
+from ftmem.protocol import messages as m
+from ftmem.protocol.wire import decode, encode
+from ftmem.smp.spawn import SmpProcess, start_smp
+from tests.conftest import pid_gone, shm_files
+
+
+def raw_socket(run_dir: Path) -> zmq.Socket[bytes]:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{run_dir / SOCKET_NAME}")
+    return s
+
+
+def test_ready_status_and_private_files(smp: SmpProcess, run_dir: Path) -> None:
+    assert (run_dir.stat().st_mode & 0o777) == 0o700
+    assert ((run_dir / AUTH_KEY_NAME).stat().st_mode & 0o777) == 0o600
+    with SmpClient(run_dir) as c:
+        st = c.status()
+    assert st["pid"] == smp.pid and st["ranks"] == {}
+
+
+def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_dir: Path) -> None:
+    key = (run_dir / AUTH_KEY_NAME).read_bytes()
+    s = raw_socket(run_dir)
+    good = encode(m.Ping(), 1, key)
+    bad = [
+        b"",
+        b"garbage",
+        b"FTMQ" + os.urandom(40),
+        good[:-5],  # truncated
+        encode(m.Ping(), 2, None),  # unauthenticated
+        encode(m.Ping(), 3, b"w" * 32),  # wrong key
+        good[:4] + b"\x09\x00" + good[6:],  # wrong version
+        encode(m.Commit(rank=0, slot=9, gen=0, step=1, layout="{}"), 4, key),  # out of place
+        encode(m.Begin(rank=-1, step=1, nbytes=1), 5, key),
+        encode(m.Begin(rank=0, step=1, nbytes=1 << 50), 6, key),
+    ]
+    for frame in bad:
+        s.send(frame)
+        assert s.poll(10_000), "no reply to a bad message"
+        rid, kind, reply = decode(s.recv(), key)
+        assert kind is m.Kind.REPLY and reply.ok is False and reply.error
+    # multi-frame message: error reply
+    s.send_multipart([good, b"extra"])
+    assert s.poll(10_000)
+    assert decode(s.recv(), key)[2].ok is False
+    # oversized: dropped by ZeroMQ (MAXMSGSIZE) without harming the SMP
+    s.send(b"x" * (17 << 20))
+    s.close()
+    with SmpClient(run_dir) as c:
+        assert c.request(m.Ping())["pid"] == smp.pid
+        assert c.status()["bad_messages"] >= len(bad)
+    assert smp.poll() is None
+
+
+def test_refused_request_raises(smp: SmpProcess, run_dir: Path) -> None:
+    with SmpClient(run_dir) as c, pytest.raises(SmpRequestError):
+        c.request(m.Commit(rank=0, slot=0, gen=0, step=1, layout="{}"))
+
+
+def test_sigterm_removes_shared_memory(run_dir: Path, run_id: str) -> None:
+    smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
+    try:
+        with SmpClient(run_dir) as c:
+            c.request(m.Hello(rank=0, pid=os.getpid()))
+            assert c.request(m.Begin(rank=0, step=1, nbytes=1000))["action"] == "resize"
+            c.request(m.Prepare(rank=0, slot=0, nbytes=1000), timeout=timedelta(seconds=60))
+        assert len(shm_files(run_id)) == 2
+        for f in shm_files(run_id):
+            assert (os.stat(f"/dev/shm/{f}").st_mode & 0o777) == 0o600
+    finally:
+        code = smp.stop()
+    assert code == 0
+    assert shm_files(run_id) == []
+    assert not (run_dir / SOCKET_NAME).exists()
+
+
+def test_killed_smp_gives_clear_error_quickly(run_dir: Path, run_id: str) -> None:
+    smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
+    c = SmpClient(run_dir, timeout=timedelta(seconds=60))
+    try:
+        smp.kill()
+        t0 = time.monotonic()
+        with pytest.raises(SmpUnavailableError, match="gone"):
+            c.request(m.Ping())
+        assert time.monotonic() - t0 < 5
+    finally:
+        c.close()
+        smp.stop()
+        for f in shm_files(run_id):
+            os.unlink(f"/dev/shm/{f}")
+
+
+def test_no_smp_is_a_clear_error(run_dir: Path) -> None:
+    with pytest.raises(SmpUnavailableError, match="no SMP serves"):
+        SmpClient(run_dir)
+
+
+def test_second_smp_on_same_dir_refuses(smp: SmpProcess, run_dir: Path, run_id: str) -> None:
+    with pytest.raises(SmpStartError):
+        start_smp(run_dir=run_dir, run_id=run_id, start_timeout=timedelta(seconds=60))
+    with SmpClient(run_dir) as c:
+        assert c.request(m.Ping())["pid"] == smp.pid
+
+
+def test_exits_with_parent(run_dir: Path, run_id: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        smp = start_smp(run_dir=run_dir, run_id=run_id, parent_pid=parent.pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        assert smp.popen.wait(timeout=20) == 0
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert pid_gone(smp.pid) and shm_files(run_id) == []
