@@ -74,6 +74,8 @@ def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects:
     plan = RestorePlan()
     stored = snap.tensors
 
+    seen: set[tuple[Any, ...]] = set()
+
     def build(skel: Any, live: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...], counts: list[int]) -> Any:
         if _is_mark(skel):
             idx = skel[1]
@@ -81,7 +83,13 @@ def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects:
                 raise CorruptSnapshotError(f"skeleton refers to tensor {idx} of {len(stored)}")
             st = stored[idx]
             target = live.get(path)
-            if target is not None and target.dtype == st.dtype and tuple(target.shape) == st.shape:
+            if target is not None and (target.dtype != st.dtype or tuple(target.shape) != st.shape):
+                raise SnapshotMismatchError(
+                    f"{st.name}: snapshot holds {st.dtype} {list(st.shape)}, the state "
+                    f"{target.dtype} {list(target.shape)}"
+                )
+            seen.add(path)
+            if target is not None:
                 counts[0] += 1
             else:
                 target = torch.empty(st.shape, dtype=st.dtype)
@@ -103,14 +111,18 @@ def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects:
         counts = [0, 0]  # in place, newly allocated
         if isinstance(value, torch.Tensor):
             _live_tensors(value, (), live)
-            new = build(skeleton[key], live, (), counts)
-            if new is not value:
-                raise SnapshotMismatchError(
-                    f"tensor {key!r}: stored shape/dtype differ from the state's {tuple(value.shape)} {value.dtype}"
-                )
+            if build(skeleton[key], live, (), counts) is not value:
+                raise SnapshotMismatchError(f"{key!r} is a tensor in the state but not in the snapshot")
         elif is_stateful(value):
             _live_tensors(value.state_dict(), (), live)
+            seen.clear()
             new_sd = build(skeleton[key], live, (), counts)
+            if isinstance(value, torch.nn.Module) and seen != set(live):
+                missing = sorted(".".join(map(str, p)) for p in set(live) - seen)[:5]
+                extra = sorted(".".join(map(str, p)) for p in seen - set(live))[:5]
+                raise SnapshotMismatchError(
+                    f"module {key!r} does not match snapshot {snap.step}: missing {missing}, unexpected {extra}"
+                )
             if not (isinstance(value, torch.nn.Module) and counts[1] == 0):
                 plan.finish.append(lambda v=value, sd=new_sd: v.load_state_dict(sd))
         else:

@@ -1,0 +1,205 @@
+"""Snapshots in one process against a real SMP: bitwise round trips, the fence, corruption."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import ftmem
+from ftmem.client.smp_client import SmpClient
+from ftmem.config import ClientConfig
+from ftmem.errors import CorruptSnapshotError, SmpUnavailableError, SnapshotMismatchError
+from ftmem.smp.spawn import SmpProcess
+from tests.conftest import shm_files
+
+
+def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int = 1) -> None:
+    for _ in range(n):
+        model(torch.randn(16, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.clone() for t in model.state_dict().values()]
+    for st in opt.state.values():
+        out += [t.clone() for t in st.values()]
+    return out
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def ckpt(smp: SmpProcess, run_dir: Path):  # type: ignore[no-untyped-def]
+    c = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+    yield c
+    c.close()
+
+
+def fresh(run_dir: Path) -> ftmem.Checkpointer:
+    return ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+
+
+def test_nothing_to_restore_returns_zero_untouched(ckpt: ftmem.Checkpointer) -> None:
+    model, opt = make()
+    before = snapshot_of(model, opt)
+    assert ckpt.load({"model": model, "optim": opt}) == 0
+    assert equal(before, snapshot_of(model, opt))
+
+
+def test_round_trip_is_bitwise_with_buffers_rng_and_objects(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
+    model, opt = make()
+    train(model, opt, 3)
+    extra = {"pos": 17, "name": "x", "t": torch.arange(6)}
+    state = {"model": model, "optim": opt, "rng": ftmem.RNGState(), "extra": extra}
+    h = ckpt.save(state, step=3)
+    expect = snapshot_of(model, opt)
+    expect_rand = torch.rand(4)
+    # Forward mutates BatchNorm buffers right after save (eagerly copied), step waits at the fence.
+    train(model, opt, 2)
+    assert h.wait(30) is True
+    model2, opt2 = make(seed=1)
+    train(model2, opt2, 1)  # optimizer state exists but differs
+    extra2 = {"pos": 0, "name": "", "t": torch.zeros(6, dtype=torch.int64)}
+    state2 = {"model": model2, "optim": opt2, "rng": ftmem.RNGState(), "extra": extra2}
+    other = fresh(run_dir)
+    try:
+        assert other.load(state2) == 3
+    finally:
+        other.close()
+    assert equal(expect, snapshot_of(model2, opt2))
+    assert state2["extra"]["pos"] == 17 and state2["extra"]["name"] == "x"
+    assert torch.equal(state2["extra"]["t"], torch.arange(6))
+    assert torch.equal(torch.rand(4), expect_rand)
+
+
+def test_fresh_optimizer_state_is_created(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
+    model, opt = make()
+    train(model, opt, 2)
+    ckpt.save({"model": model, "optim": opt}, step=2).wait(30)
+    model2, opt2 = make(seed=5)
+    other = fresh(run_dir)
+    try:
+        assert other.load({"model": model2, "optim": opt2}) == 2
+    finally:
+        other.close()
+    assert equal(snapshot_of(model, opt), snapshot_of(model2, opt2))
+    train(model, opt)
+    train(model2, opt2)  # the same batch would be needed for equality; just check it runs
+
+
+def test_corrupted_newest_falls_back_to_older_step(ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str) -> None:
+    model, opt = make()
+    state = {"model": model, "optim": opt}
+    train(model, opt)
+    ckpt.save(state, step=1).wait(30)
+    at1 = snapshot_of(model, opt)
+    train(model, opt)
+    ckpt.save(state, step=2).wait(30)
+    with SmpClient(run_dir) as c:
+        st = c.status()["ranks"]["0"]
+    slot2 = next(s for s in st["slots"] if s["step"] == 2)
+    path = next(f for f in shm_files(run_id) if f"-s{slot2['slot']}-g{slot2['gen']}" in f)
+    with open(f"/dev/shm/{path}", "r+b") as f:  # flip one byte of a parameter
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x01]))
+    model2, opt2 = make(seed=3)
+    other = fresh(run_dir)
+    try:
+        assert other.load({"model": model2, "optim": opt2}) == 1
+    finally:
+        other.close()
+    assert equal(at1, snapshot_of(model2, opt2))
+
+
+def test_all_corrupted_raises_and_leaves_state_untouched(ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str) -> None:
+    model, opt = make()
+    state = {"model": model, "optim": opt}
+    train(model, opt)
+    ckpt.save(state, step=1).wait(30)
+    for f in shm_files(run_id):
+        with open(f"/dev/shm/{f}", "r+b") as fh:
+            fh.seek(8)
+            fh.write(b"\xff\xfe\xfd")
+    model2, opt2 = make(seed=3)
+    before = snapshot_of(model2, opt2)
+    other = fresh(run_dir)
+    try:
+        with pytest.raises(CorruptSnapshotError):
+            other.load({"model": model2, "optim": opt2})
+    finally:
+        other.close()
+    assert equal(before, snapshot_of(model2, opt2))
+
+
+def test_shape_mismatch_is_refused(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
+    model, opt = make()
+    ckpt.save({"model": model}, step=1).wait(30)
+    other = fresh(run_dir)
+    try:
+        with pytest.raises(SnapshotMismatchError):
+            other.load({"model": torch.nn.Linear(3, 3)})
+        with pytest.raises(SnapshotMismatchError):
+            other.load({"model": model, "missing": torch.zeros(1)})
+    finally:
+        other.close()
+
+
+def test_lazy_copy_is_fenced_by_optimizer_step(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
+    torch.manual_seed(0)
+    big = torch.nn.Linear(2048, 2048)
+    opt = torch.optim.SGD(big.parameters(), lr=0.5)
+    big(torch.randn(4, 2048)).sum().backward()
+    state = {"model": big, "optim": opt}
+    h = ckpt.save(state, step=1)
+    expect = big.weight.detach().clone()
+    opt.step()  # the pre-hook must wait for the copy before SGD changes the weight
+    h.wait(30)
+    assert not torch.equal(big.weight, expect)
+    big2 = torch.nn.Linear(2048, 2048)
+    other = fresh(run_dir)
+    try:
+        assert other.load({"model": big2, "optim": torch.optim.SGD(big2.parameters(), lr=0.5)}) == 1
+    finally:
+        other.close()
+    assert torch.equal(big2.weight, expect)
+
+
+def test_killed_smp_makes_save_fail_fast(run_dir: Path, run_id: str) -> None:
+    from ftmem.smp.spawn import start_smp
+
+    smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
+    c = ftmem.Checkpointer(ClientConfig(run_dir=run_dir, request_timeout=timedelta(seconds=60)))
+    try:
+        model, opt = make()
+        c.save({"model": model}, step=1).wait(30)
+        smp.kill()
+        import time
+
+        t0 = time.monotonic()
+        with pytest.raises(SmpUnavailableError):
+            c.save({"model": model}, step=2)
+        with pytest.raises(SmpUnavailableError):
+            c.load({"model": model})
+        assert time.monotonic() - t0 < 10
+    finally:
+        c.close()
+        smp.stop()
+        for f in shm_files(run_id):
+            os.unlink(f"/dev/shm/{f}")
