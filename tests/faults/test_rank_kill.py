@@ -1,0 +1,51 @@
+"""Two ranks + one SMP as real processes: a rank is SIGKILLed, both restart, and the run ends
+bitwise equal to a run without failure (the test restarts the ranks as a launcher would)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftmem.smp.spawn import SmpProcess
+from tests.conftest import Procs
+from tests.faults._ranks import SMALL, run_ranks
+
+
+@pytest.fixture
+def env(run_dir: Path, smp: SmpProcess) -> dict[str, str]:
+    return {"FTMEM_RUN_DIR": str(run_dir)}
+
+
+def baseline(procs: Procs, workdir: Path, extra: list[str]) -> str:
+    run = run_ranks(procs, workdir, [*SMALL, *extra, "--no-ftmem"], tag="baseline")
+    assert run.codes == [0, 0], run.outputs
+    (digest,) = run.digests()
+    return digest
+
+
+def test_kill_after_commit_resumes_from_that_step_bitwise(procs: Procs, run_dir: Path, env: dict[str, str]) -> None:
+    expect = baseline(procs, run_dir, [])
+    args = [*SMALL, "--fail-at-step", "12", "--fail-rank", "1"]
+    first = run_ranks(procs, run_dir, args, env_extra=env, tag="first")
+    assert first.codes[1] == -9, first.outputs
+    assert first.codes[0] != 0  # its peer died under it
+    second = run_ranks(procs, run_dir, args, env_extra=env, tag="second")
+    assert second.codes == [0, 0], second.outputs
+    assert second.resumed() == [12, 12]
+    assert second.digests() == {expect}
+
+
+def test_kill_inside_copy_restores_previous_step_bitwise_with_batchnorm(
+    procs: Procs, run_dir: Path, env: dict[str, str]
+) -> None:
+    expect = baseline(procs, run_dir, ["--batchnorm"])
+    args = [*SMALL, "--batchnorm"]
+    fault = {**env, "FTMEM_FAULT": "in_copy:rank=1:step=12"}
+    first = run_ranks(procs, run_dir, args, env_extra=fault, tag="first")
+    assert first.codes[1] == -9, first.outputs
+    second = run_ranks(procs, run_dir, args, env_extra=env, tag="second")
+    assert second.codes == [0, 0], second.outputs
+    # rank 1 died before committing step 12, so step 11 is the newest common one: never torn.
+    assert second.resumed() == [11, 11]
+    assert second.digests() == {expect}
