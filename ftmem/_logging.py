@@ -33,9 +33,7 @@ def configure(level: str | int | None = None) -> None:
     root = logging.getLogger("ftmem")
     if not any(getattr(h, "_ftmem", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler._ftmem = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(lvl if isinstance(lvl, int) else lvl.upper())

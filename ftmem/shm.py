@@ -10,7 +10,6 @@ import mmap
 import os
 import stat
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
@@ -92,9 +91,7 @@ class MappedSegment:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != expect_bytes:
-                raise ValueError(
-                    f"segment {path} has size {st.st_size}, expected {expect_bytes}"
-                )
+                raise ValueError(f"segment {path} has size {st.st_size}, expected {expect_bytes}")
             self._mm = mmap.mmap(fd, expect_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)

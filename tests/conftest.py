@@ -55,8 +55,12 @@ def shm_files(run_id: str) -> list[str]:
 @pytest.fixture
 def smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
     """A running SMP; stopped after the test, which then checks it left nothing behind."""
-    proc = start_smp(run_dir=run_dir, run_id=run_id, start_timeout=timedelta(seconds=60),
-                     log_path=run_dir / "smp.log")
+    proc = start_smp(
+        run_dir=run_dir,
+        run_id=run_id,
+        start_timeout=timedelta(seconds=60),
+        log_path=run_dir / "smp.log",
+    )
     try:
         yield proc
     finally:
@@ -73,8 +77,15 @@ class Procs:
 
     def spawn(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
         f = open(log, "w")  # closed with the process
-        p = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, cwd=REPO)
+        p = subprocess.Popen(
+            args,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            cwd=REPO,
+        )
         f.close()
         self.procs.append(p)
         return p

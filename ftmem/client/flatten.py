@@ -28,9 +28,22 @@ _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.d
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-        torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
         torch.float8_e5m2,
     )
 }
@@ -91,7 +104,11 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
     for key, value in state.items():
         if not isinstance(key, str):
             raise ValueError(f"top-level key {key!r} must be a string")
-        sd = value.state_dict() if is_stateful(value) and not isinstance(value, torch.Tensor) else value
+        sd = (
+            value.state_dict()
+            if is_stateful(value) and not isinstance(value, torch.Tensor)
+            else value
+        )
         skeleton[key] = walk(sd, key)
     return Flat(tensors, names, skeleton)
 
@@ -157,7 +174,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def signature_of(flat: Flat) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
     """The layout signature of a flattened state."""
     return tuple(
-        (n, dtype_name(t.dtype), tuple(t.shape)) for n, t in zip(flat.names, flat.tensors, strict=True)
+        (n, dtype_name(t.dtype), tuple(t.shape))
+        for n, t in zip(flat.names, flat.tensors, strict=True)
     )
 
 
@@ -175,16 +193,21 @@ def plan_layout(flat: Flat) -> Layout:
     return Layout(tuple(sorted(extents, key=lambda e: e.index)), offset)
 
 
-def layout_json(
-    layout: Layout, step: int, hashes: list[str], objects: tuple[int, int, str]
-) -> str:
+def layout_json(layout: Layout, step: int, hashes: list[str], objects: tuple[int, int, str]) -> str:
     """Return the committed description of a snapshot (JSON text, sent to the SMP)."""
     doc = {
         "version": LAYOUT_VERSION,
         "step": step,
         "tensors": [
-            {"i": e.index, "name": e.name, "dtype": e.dtype, "shape": list(e.shape),
-             "offset": e.offset, "nbytes": e.nbytes, "hash": h}
+            {
+                "i": e.index,
+                "name": e.name,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "offset": e.offset,
+                "nbytes": e.nbytes,
+                "hash": h,
+            }
             for e, h in zip(layout.extents, hashes, strict=True)
         ],
         "objects": {"offset": objects[0], "nbytes": objects[1], "hash": objects[2]},
@@ -242,7 +265,9 @@ def parse_layout(text: str, capacity: int) -> StoredSnapshot:
                 raise CorruptSnapshotError(f"tensor {e['name']!r} has an inconsistent extent")
             if int(e["i"]) != n:
                 raise CorruptSnapshotError("tensor indices are out of order")
-            tensors.append(StoredTensor(n, str(e["name"]), dtype, shape, off, nbytes, str(e["hash"])))
+            tensors.append(
+                StoredTensor(n, str(e["name"]), dtype, shape, off, nbytes, str(e["hash"]))
+            )
         obj = doc["objects"]
         ooff, on = int(obj["offset"]), int(obj["nbytes"])
         if ooff < 0 or on < 0 or ooff + on > capacity:

@@ -7,6 +7,7 @@ found its place (:func:`plan_restore`); :func:`apply_restore` then copies and ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,10 @@ def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment) -> None:
         CorruptSnapshotError: naming the first extent whose bytes do not match.
     """
     v = seg.view
-    if hash_bytes(v[snap.objects_offset : snap.objects_offset + snap.objects_nbytes]) != snap.objects_hash:
+    if (
+        hash_bytes(v[snap.objects_offset : snap.objects_offset + snap.objects_nbytes])
+        != snap.objects_hash
+    ):
         raise CorruptSnapshotError(f"step {snap.step}: objects fail their checksum")
     for t in snap.tensors:
         if hash_bytes(v[t.offset : t.offset + t.nbytes]) != t.hash:
@@ -48,10 +52,14 @@ class RestorePlan:
 
 
 def _is_mark(obj: Any) -> bool:
-    return isinstance(obj, tuple) and len(obj) == 2 and obj[0] == TENSOR_MARK and type(obj[1]) is int
+    return (
+        isinstance(obj, tuple) and len(obj) == 2 and obj[0] == TENSOR_MARK and type(obj[1]) is int
+    )
 
 
-def _live_tensors(obj: Any, prefix: tuple[Any, ...], out: dict[tuple[Any, ...], torch.Tensor]) -> None:
+def _live_tensors(
+    obj: Any, prefix: tuple[Any, ...], out: dict[tuple[Any, ...], torch.Tensor]
+) -> None:
     if isinstance(obj, torch.Tensor):
         out[prefix] = obj
     elif isinstance(obj, dict):
@@ -62,7 +70,9 @@ def _live_tensors(obj: Any, prefix: tuple[Any, ...], out: dict[tuple[Any, ...], 
             _live_tensors(v, (*prefix, i), out)
 
 
-def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects: bytes) -> RestorePlan:
+def plan_restore(
+    state: MutableMapping[str, Any], snap: StoredSnapshot, objects: bytes
+) -> RestorePlan:
     """Match the snapshot to ``state`` without changing anything.
 
     Raises:
@@ -76,7 +86,12 @@ def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects:
 
     seen: set[tuple[Any, ...]] = set()
 
-    def build(skel: Any, live: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...], counts: list[int]) -> Any:
+    def build(
+        skel: Any,
+        live: dict[tuple[Any, ...], torch.Tensor],
+        path: tuple[Any, ...],
+        counts: list[int],
+    ) -> Any:
         if _is_mark(skel):
             idx = skel[1]
             if not 0 <= idx < len(stored):
@@ -112,7 +127,9 @@ def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects:
         if isinstance(value, torch.Tensor):
             _live_tensors(value, (), live)
             if build(skeleton[key], live, (), counts) is not value:
-                raise SnapshotMismatchError(f"{key!r} is a tensor in the state but not in the snapshot")
+                raise SnapshotMismatchError(
+                    f"{key!r} is a tensor in the state but not in the snapshot"
+                )
         elif is_stateful(value):
             _live_tensors(value.state_dict(), (), live)
             seen.clear()
@@ -124,11 +141,11 @@ def plan_restore(state: MutableMapping[str, Any], snap: StoredSnapshot, objects:
                     f"module {key!r} does not match snapshot {snap.step}: missing {missing}, unexpected {extra}"
                 )
             if not (isinstance(value, torch.nn.Module) and counts[1] == 0):
-                plan.finish.append(lambda v=value, sd=new_sd: v.load_state_dict(sd))
+                plan.finish.append(functools.partial(value.load_state_dict, new_sd))
         else:
             _live_tensors(value, (), live)
             new_value = build(skeleton[key], live, (), counts)
-            plan.finish.append(lambda k=key, nv=new_value: state.__setitem__(k, nv))
+            plan.finish.append(functools.partial(state.__setitem__, key, new_value))
     return plan
 
 

@@ -20,8 +20,11 @@ class RNGState:
         """Return the current generator states."""
         version, internal, gauss = random.getstate()
         sd: dict[str, Any] = {
-            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                       "gauss": gauss},
+            "python": {
+                "version": version,
+                "state": torch.tensor(internal, dtype=torch.int64),
+                "gauss": gauss,
+            },
             "torch": torch.get_rng_state(),
         }
         try:
@@ -30,9 +33,15 @@ class RNGState:
             pass
         else:
             name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-            sd["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                           "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["numpy"] = {
+                "name": str(name),
+                "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached": float(cached),
+            }
+        cuda_on = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if cuda_on:
             sd["cuda"] = torch.cuda.get_rng_state_all()
         return sd
 
@@ -46,7 +55,13 @@ class RNGState:
 
             n = sd["numpy"]
             np.random.set_state(
-                (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+                (
+                    n["name"],
+                    n["keys"].numpy().astype(np.uint32),
+                    n["pos"],
+                    n["has_gauss"],
+                    n["cached"],
+                )
             )
         if "cuda" in sd and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(sd["cuda"])

@@ -87,7 +87,7 @@ class SmpClient:
         waited = 0.0
         while waited < limit:
             step = min(_SLICE_MS, limit - waited)
-            if self._sock.poll(step, zmq.POLLIN):
+            if self._sock.poll(int(step), zmq.POLLIN):
                 frame = self._sock.recv(copy=True)
                 try:
                     rid, kind, reply = decode(frame, self._key)

@@ -21,7 +21,6 @@ import time
 import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +133,11 @@ class Checkpointer:
         if self._client is None:
             client = SmpClient(self.config.run_dir, self.config.request_timeout)
             info = client.request(
-                m.Hello(rank=self.rank, pid=os.getpid(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                m.Hello(
+                    rank=self.rank,
+                    pid=os.getpid(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                )
             )
             self._shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))
             self._client = client
@@ -181,14 +184,18 @@ class Checkpointer:
         decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
         if decision["action"] == "resize":
             want = int(total * (1 + self.config.arena_headroom)) + 1
-            client.request(m.Prepare(rank=self.rank, slot=int(decision["slot"]), nbytes=want),
-                           timeout=self.config.prepare_timeout)
+            client.request(
+                m.Prepare(rank=self.rank, slot=int(decision["slot"]), nbytes=want),
+                timeout=self.config.prepare_timeout,
+            )
             decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
         if decision["action"] != "write":
             return self._skip(step, str(decision.get("reason", decision["action"])), t0)
         seg = self._segment(str(decision["path"]), int(decision["capacity"]))
         self._hook_optimizers(state)
-        job = self._stage(flat, layout, objects, seg, step, int(decision["slot"]), int(decision["gen"]))
+        job = self._stage(
+            flat, layout, objects, seg, step, int(decision["slot"]), int(decision["gen"])
+        )
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
         self._job = job
@@ -202,16 +209,36 @@ class Checkpointer:
         log.debug("snapshot of step %d skipped: %s", step, reason)
         return SnapshotHandle(step=step, skipped=True, reason=reason)
 
-    def _stage(self, flat: Flat, layout: Layout, objects: bytes, seg: MappedSegment,
-               step: int, slot: int, gen: int) -> CopyJob:
+    def _stage(
+        self,
+        flat: Flat,
+        layout: Layout,
+        objects: bytes,
+        seg: MappedSegment,
+        step: int,
+        slot: int,
+        gen: int,
+    ) -> CopyJob:
         """Copy the eager part now; return the job that copies the rest in the background."""
         off = layout.tensors_end
-        seg.tensor[off : off + len(objects)].copy_(torch.frombuffer(bytearray(objects), dtype=torch.uint8))
+        seg.tensor[off : off + len(objects)].copy_(
+            torch.frombuffer(bytearray(objects), dtype=torch.uint8)
+        )
         obj_hash = hash_bytes(seg.view[off : off + len(objects)])
         lazy_ptrs = _optimizer_storage_ptrs(flat.skeleton, self._optimizers)
-        job = CopyJob(rank=self.rank, step=step, slot=slot, gen=gen, seg=seg, layout=layout,
-                      tensors=flat.tensors, lazy=[], hashes=[None] * len(flat.tensors),
-                      objects=(off, len(objects), obj_hash), chunk=self.config.chunk_bytes)
+        job = CopyJob(
+            rank=self.rank,
+            step=step,
+            slot=slot,
+            gen=gen,
+            seg=seg,
+            layout=layout,
+            tensors=flat.tensors,
+            lazy=[],
+            hashes=[None] * len(flat.tensors),
+            objects=(off, len(objects), obj_hash),
+            chunk=self.config.chunk_bytes,
+        )
         cuda: list[int] = []
         for i, t in enumerate(flat.tensors):
             if t.device.type == "cuda":
@@ -220,7 +247,9 @@ class Checkpointer:
             elif lazy_ptrs and t.untyped_storage().data_ptr() in lazy_ptrs:
                 job.lazy.append(i)
             else:  # buffers, RNG, anything the forward pass or the user may change
-                job.hashes[i] = copy_tensor(t, seg, layout.extents[i].offset, self.config.chunk_bytes)
+                job.hashes[i] = copy_tensor(
+                    t, seg, layout.extents[i].offset, self.config.chunk_bytes
+                )
         if cuda:
             register_pinned(seg)
             start_cuda_copies(job, cuda)
@@ -272,7 +301,9 @@ class Checkpointer:
         }
 
     # -- load ------------------------------------------------------------------------------
-    def load(self, state: MutableMapping[str, Any], *, allow_fresh_start: bool | None = None) -> int:
+    def load(
+        self, state: MutableMapping[str, Any], *, allow_fresh_start: bool | None = None
+    ) -> int:
         """Restore the newest step every rank holds (in place); return it, or 0 if none.
 
         All ranks of the default process group must call this together.
@@ -296,8 +327,10 @@ class Checkpointer:
                 if not any(everyone) and not excluded:
                     return 0
                 holders = [r for r, c in enumerate(everyone) if c]
-                msg = (f"no snapshot step is held by every rank (ranks holding some: {holders}; "
-                       f"failed checks: {sorted(excluded)})")
+                msg = (
+                    f"no snapshot step is held by every rank (ranks holding some: {holders}; "
+                    f"failed checks: {sorted(excluded)})"
+                )
                 if allow:
                     log.warning("%s; starting fresh as allowed", msg)
                     client.request(m.DiscardNewer(rank=self.rank, step=0))
@@ -315,18 +348,27 @@ class Checkpointer:
                 log.info("restored step %d", step)
                 return step
             if agreed == _MISMATCH:
-                raise SnapshotMismatchError(err or f"snapshot {step} does not fit another rank's state")
-            log.warning("step %d cannot be restored on every rank (%s); trying an older one",
-                        step, err or "another rank failed its checksum")
+                raise SnapshotMismatchError(
+                    err or f"snapshot {step} does not fit another rank's state"
+                )
+            log.warning(
+                "step %d cannot be restored on every rank (%s); trying an older one",
+                step,
+                err or "another rank failed its checksum",
+            )
             excluded.add(step)
         raise CorruptSnapshotError("no restorable snapshot step")
 
-    def _prepare_restore(self, state: MutableMapping[str, Any], snap: dict[str, Any]) -> tuple[int, Any, Any, str]:
+    def _prepare_restore(
+        self, state: MutableMapping[str, Any], snap: dict[str, Any]
+    ) -> tuple[int, Any, Any, str]:
         try:
             seg = self._segment(str(snap["path"]), int(snap["capacity"]))
             stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
             verify_snapshot(stored, seg)
-            objects = bytes(seg.view[stored.objects_offset : stored.objects_offset + stored.objects_nbytes])
+            objects = bytes(
+                seg.view[stored.objects_offset : stored.objects_offset + stored.objects_nbytes]
+            )
             return _OK, plan_restore(state, stored, objects), seg, ""
         except (CorruptSnapshotError, OSError, ValueError) as exc:
             log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)

@@ -86,7 +86,9 @@ class CopyJob:
         if not self.copied.wait(timeout):
             raise TimeoutError(f"copy of step {self.step} not done within {timeout} s")
         if self.error is not None and not isinstance(self.error, _CommitError):
-            raise FtmemError(f"snapshot copy of step {self.step} failed: {self.error}") from self.error
+            raise FtmemError(
+                f"snapshot copy of step {self.step} failed: {self.error}"
+            ) from self.error
 
 
 class _CommitError(FtmemError):
@@ -166,8 +168,16 @@ class CopyWorker:
 
             text = layout_json(job.layout, job.step, [h or "" for h in job.hashes], job.objects)
             client.request(
-                m.Commit(rank=job.rank, slot=job.slot, gen=job.gen, step=job.step, layout=text,
-                         stall_s=job.stall_s, copy_s=job.copy_s, skipped=job.skipped)
+                m.Commit(
+                    rank=job.rank,
+                    slot=job.slot,
+                    gen=job.gen,
+                    step=job.step,
+                    layout=text,
+                    stall_s=job.stall_s,
+                    copy_s=job.copy_s,
+                    skipped=job.skipped,
+                )
             )
             job.committed = True
         except FtmemError as exc:
@@ -192,7 +202,7 @@ def start_cuda_copies(job: CopyJob, cuda_indices: list[int]) -> None:
     """
     if not cuda_indices:
         return
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for i in cuda_indices:
@@ -201,7 +211,7 @@ def start_cuda_copies(job: CopyJob, cuda_indices: list[int]) -> None:
             dst = job.seg.tensor[e.offset : e.offset + e.nbytes].view(src.dtype).view(src.shape)
             dst.copy_(src, non_blocking=True)
             src.record_stream(stream)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
     job.cuda_event = event
 
@@ -214,7 +224,8 @@ def register_pinned(seg: MappedSegment) -> None:
     if not torch.cuda.is_available() or id(seg) in _pinned:
         return
     ptr = seg.tensor.data_ptr()
-    err = torch.cuda.cudart().cudaHostRegister(ptr, seg.nbytes, 0)
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = cudart.cudaHostRegister(ptr, seg.nbytes, 0)
     if int(err) != 0:
         log.warning("cudaHostRegister of %s failed (%s); copies will be synchronous", seg.path, err)
         return

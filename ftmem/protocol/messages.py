@@ -128,7 +128,17 @@ class Reply:
 
 
 Payload = (
-    Ping | Hello | Begin | Prepare | Commit | Abort | Query | DiscardNewer | Heartbeat | Status | Reply
+    Ping
+    | Hello
+    | Begin
+    | Prepare
+    | Commit
+    | Abort
+    | Query
+    | DiscardNewer
+    | Heartbeat
+    | Status
+    | Reply
 )
 
 PAYLOAD_TYPES: dict[Kind, type[Any]] = {

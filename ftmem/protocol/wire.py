@@ -66,14 +66,18 @@ def decode(
     if magic != MAGIC:
         raise ProtocolError("bad magic: not an ftmem message")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported (want {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            f"protocol version {version} is not supported (want {PROTOCOL_VERSION})"
+        )
     try:
         kind = Kind(kind_v)
     except ValueError as exc:
         raise ProtocolError(f"unknown message kind {kind_v}") from exc
     mac_len = MAC_BYTES if key is not None else 0
     if len(frame) != _HEADER.size + length + mac_len:
-        raise ProtocolError("message length does not match its header (truncated or unauthenticated?)")
+        raise ProtocolError(
+            "message length does not match its header (truncated or unauthenticated?)"
+        )
     body_end = _HEADER.size + length
     if key is not None:
         expect = hmac.new(key, frame[:body_end], hashlib.sha256).digest()

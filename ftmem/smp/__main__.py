@@ -28,17 +28,33 @@ log = get_logger("ftmem.smp")
 def get_args_parser() -> argparse.ArgumentParser:
     """Return the SMP's argument parser."""
     p = argparse.ArgumentParser(prog="python -m ftmem.smp", description=__doc__.split("\n")[0])
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="run directory (0700) holding smp.sock; default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run-id>")
-    p.add_argument("--run-id", default=None, help="run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="run directory (0700) holding smp.sock; default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run-id>",
+    )
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help="run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')",
+    )
     p.add_argument("--node", default=None, help="node name (default $FTMEM_NODE or node0)")
     p.add_argument("--slots", type=int, default=2, help="snapshot slots per rank (>= 2)")
-    p.add_argument("--ready-fd", type=int, default=None,
-                   help="write 'READY {json}' to this inherited fd when serving (else to stdout)")
+    p.add_argument(
+        "--ready-fd",
+        type=int,
+        default=None,
+        help="write 'READY {json}' to this inherited fd when serving (else to stdout)",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this pid is gone")
-    p.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest request accepted")
+    p.add_argument(
+        "--max-message-bytes", type=int, default=16 << 20, help="largest request accepted"
+    )
     p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for the arenas")
-    p.add_argument("--poll-interval", type=float, default=0.1, help="seconds between housekeeping checks")
+    p.add_argument(
+        "--poll-interval", type=float, default=0.1, help="seconds between housekeeping checks"
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p
 

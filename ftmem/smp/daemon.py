@@ -129,7 +129,12 @@ class SmpDaemon:
             target=self._alloc_worker, name="ftmem-smp-alloc", daemon=True
         )
         self._alloc_thread.start()
-        info = {"pid": os.getpid(), "endpoint": cfg.endpoint, "node": cfg.node, "run_id": cfg.run_id}
+        info = {
+            "pid": os.getpid(),
+            "endpoint": cfg.endpoint,
+            "node": cfg.node,
+            "run_id": cfg.run_id,
+        }
         tmp = ready.with_suffix(".tmp")
         tmp.write_text(json.dumps(info))
         os.replace(tmp, ready)
@@ -274,8 +279,14 @@ class SmpDaemon:
         if isinstance(p, m.Query):
             rs = self._rank(p.rank)
             snaps = [
-                {"step": s.step, "slot": s.index, "gen": s.gen, "path": s.path,
-                 "capacity": s.capacity, "layout": s.layout}
+                {
+                    "step": s.step,
+                    "slot": s.index,
+                    "gen": s.gen,
+                    "path": s.path,
+                    "capacity": s.capacity,
+                    "layout": s.layout,
+                }
                 for s in rs.committed()
             ]
             return m.Reply(ok=True, data={"snapshots": snaps})
@@ -283,7 +294,13 @@ class SmpDaemon:
             self._check_step(p.step)
             dropped = self._rank(p.rank).discard_newer(p.step)
             if dropped:
-                log.info("[%s/%d %d] dropped newer steps %s of an abandoned run", node, p.rank, p.step, dropped)
+                log.info(
+                    "[%s/%d %d] dropped newer steps %s of an abandoned run",
+                    node,
+                    p.rank,
+                    p.step,
+                    dropped,
+                )
             return m.Reply(ok=True, data={"dropped": dropped})
         if isinstance(p, m.Status):
             return m.Reply(ok=True, data=self.status())
@@ -311,8 +328,13 @@ class SmpDaemon:
         s = rs.slot(d.slot)
         return m.Reply(
             ok=True,
-            data={"action": d.action, "slot": s.index, "gen": s.gen, "path": s.path,
-                  "capacity": s.capacity},
+            data={
+                "action": d.action,
+                "slot": s.index,
+                "gen": s.gen,
+                "path": s.path,
+                "capacity": s.capacity,
+            },
         )
 
     def _commit(self, p: m.Commit) -> m.Reply:
@@ -322,7 +344,11 @@ class SmpDaemon:
         _check_layout(p.layout, s.capacity)
         rs.commit(p.slot, p.gen, p.step, p.layout)
         rs.progress(p.step)
-        rs.last_stall_s, rs.last_copy_s, rs.skipped = p.stall_s, p.copy_s, max(rs.skipped, p.skipped)
+        rs.last_stall_s, rs.last_copy_s, rs.skipped = (
+            p.stall_s,
+            p.copy_s,
+            max(rs.skipped, p.skipped),
+        )
         log.debug("[%s/%d %d] committed slot %d", self.config.node, p.rank, p.step, p.slot)
         return m.Reply(ok=True)
 
@@ -334,19 +360,30 @@ class SmpDaemon:
         targets = [rs.start_resize(p.slot)]
         # Grow every other free slot now too, so the next saves need no resize.
         for s in rs.slots:
-            if s.index != p.slot and s.state in (SlotState.FREE, SlotState.EMPTY) and s.capacity < capacity:
+            if (
+                s.index != p.slot
+                and s.state in (SlotState.FREE, SlotState.EMPTY)
+                and s.capacity < capacity
+            ):
                 targets.append(rs.start_resize(s.index))
         job = _AllocJob(ident, req_id, p.rank, [])
         for s in targets:
-            name = shm.slot_file_name(self.config.run_id, self.config.node, p.rank, s.index, s.gen + 1)
+            name = shm.slot_file_name(
+                self.config.run_id, self.config.node, p.rank, s.index, s.gen + 1
+            )
             old = Path(s.path) if s.path else None
             job.slots.append((s.index, self.config.shm_dir / name, capacity))
             if old is not None:
                 shm.remove_segment(old)
         self._pending_allocs += 1
         self._jobs.put(job)
-        log.info("[%s/%d] allocating %d slot(s) of %.1f MiB", self.config.node, p.rank,
-                 len(targets), capacity / 2**20)
+        log.info(
+            "[%s/%d] allocating %d slot(s) of %.1f MiB",
+            self.config.node,
+            p.rank,
+            len(targets),
+            capacity / 2**20,
+        )
         return None  # the reply is sent when the allocation finishes
 
     def _alloc_worker(self) -> None:

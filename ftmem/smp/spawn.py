@@ -26,7 +26,9 @@ class SmpProcess:
     then SIGKILLs and waits again; the SMP removes its shared memory on SIGTERM.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], info: dict[str, Any], log_file: IO[bytes] | None) -> None:
+    def __init__(
+        self, popen: subprocess.Popen[bytes], info: dict[str, Any], log_file: IO[bytes] | None
+    ) -> None:
         self.popen = popen
         self.pid = popen.pid
         self.info = info
@@ -89,16 +91,33 @@ def start_smp(
     deadline.
     """
     rfd, wfd = os.pipe()
-    cmd = [sys.executable, "-m", "ftmem.smp", "--run-dir", str(run_dir), "--run-id", run_id,
-           "--node", node, "--slots", str(slots), "--ready-fd", str(wfd)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftmem.smp",
+        "--run-dir",
+        str(run_dir),
+        "--run-id",
+        run_id,
+        "--node",
+        node,
+        "--slots",
+        str(slots),
+        "--ready-fd",
+        str(wfd),
+    ]
     if parent_pid is not None:
         cmd += ["--parent-pid", str(parent_pid)]
     cmd += extra_args or []
     log_file = open(log_path, "ab") if log_path is not None else None
     try:
         popen = subprocess.Popen(
-            cmd, pass_fds=(wfd,), env=env, stdin=subprocess.DEVNULL,
-            stdout=log_file if log_file else None, stderr=log_file if log_file else None,
+            cmd,
+            pass_fds=(wfd,),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file if log_file else None,
+            stderr=log_file if log_file else None,
         )
     except BaseException:
         os.close(rfd)

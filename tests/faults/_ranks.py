@@ -14,8 +14,24 @@ from pathlib import Path
 from tests.conftest import REPO, Procs
 
 EXAMPLE = str(REPO / "examples" / "train_gpt.py")
-SMALL = ["--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--vocab", "128",
-         "--seq-len", "32", "--batch-size", "4", "--steps", "20", "--log-every", "100"]
+SMALL = [
+    "--d-model",
+    "64",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--vocab",
+    "128",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--steps",
+    "20",
+    "--log-every",
+    "100",
+]
 
 
 def free_port() -> int:
@@ -40,9 +56,16 @@ class RankRun:
         return [int(x) for x in self.lines(r"\] resumed from step (\d+)")]
 
 
-def run_ranks(procs: Procs, workdir: Path, args: list[str], *, world: int = 2,
-              env_extra: dict[str, str] | None = None, timeout: float = 120.0,
-              tag: str = "run") -> RankRun:
+def run_ranks(
+    procs: Procs,
+    workdir: Path,
+    args: list[str],
+    *,
+    world: int = 2,
+    env_extra: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    tag: str = "run",
+) -> RankRun:
     """Start ``world`` ranks of the example, wait (bounded) for all to exit, return codes + output.
 
     When one rank dies, the others fail in their next collective and exit; any rank still
@@ -52,9 +75,17 @@ def run_ranks(procs: Procs, workdir: Path, args: list[str], *, world: int = 2,
     ps = []
     logs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", **(env_extra or {}))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            **(env_extra or {}),
+        )
         log = workdir / f"{tag}-rank{r}.log"
         logs.append(log)
         ps.append(procs.spawn([sys.executable, EXAMPLE, *args], env, log))

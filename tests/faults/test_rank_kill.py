@@ -24,7 +24,9 @@ def baseline(procs: Procs, workdir: Path, extra: list[str]) -> str:
     return digest
 
 
-def test_kill_after_commit_resumes_from_that_step_bitwise(procs: Procs, run_dir: Path, env: dict[str, str]) -> None:
+def test_kill_after_commit_resumes_from_that_step_bitwise(
+    procs: Procs, run_dir: Path, env: dict[str, str]
+) -> None:
     expect = baseline(procs, run_dir, [])
     args = [*SMALL, "--fail-at-step", "12", "--fail-rank", "1"]
     first = run_ranks(procs, run_dir, args, env_extra=env, tag="first")

@@ -57,7 +57,7 @@ def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_
     for frame in bad:
         s.send(frame)
         assert s.poll(10_000), "no reply to a bad message"
-        rid, kind, reply = decode(s.recv(), key)
+        _rid, kind, reply = decode(s.recv(), key)
         assert kind is m.Kind.REPLY and reply.ok is False and reply.error
     # multi-frame message: error reply
     s.send_multipart([good, b"extra"])

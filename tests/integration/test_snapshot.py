@@ -61,7 +61,9 @@ def test_nothing_to_restore_returns_zero_untouched(ckpt: ftmem.Checkpointer) -> 
     assert equal(before, snapshot_of(model, opt))
 
 
-def test_round_trip_is_bitwise_with_buffers_rng_and_objects(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
+def test_round_trip_is_bitwise_with_buffers_rng_and_objects(
+    ckpt: ftmem.Checkpointer, run_dir: Path
+) -> None:
     model, opt = make()
     train(model, opt, 3)
     extra = {"pos": 17, "name": "x", "t": torch.arange(6)}
@@ -102,7 +104,9 @@ def test_fresh_optimizer_state_is_created(ckpt: ftmem.Checkpointer, run_dir: Pat
     train(model2, opt2)  # the same batch would be needed for equality; just check it runs
 
 
-def test_corrupted_newest_falls_back_to_older_step(ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str) -> None:
+def test_corrupted_newest_falls_back_to_older_step(
+    ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str
+) -> None:
     model, opt = make()
     state = {"model": model, "optim": opt}
     train(model, opt)
@@ -128,7 +132,9 @@ def test_corrupted_newest_falls_back_to_older_step(ckpt: ftmem.Checkpointer, run
     assert equal(at1, snapshot_of(model2, opt2))
 
 
-def test_all_corrupted_raises_and_leaves_state_untouched(ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str) -> None:
+def test_all_corrupted_raises_and_leaves_state_untouched(
+    ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str
+) -> None:
     model, opt = make()
     state = {"model": model, "optim": opt}
     train(model, opt)
@@ -149,7 +155,7 @@ def test_all_corrupted_raises_and_leaves_state_untouched(ckpt: ftmem.Checkpointe
 
 
 def test_shape_mismatch_is_refused(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
-    model, opt = make()
+    model, _opt = make()
     ckpt.save({"model": model}, step=1).wait(30)
     other = fresh(run_dir)
     try:
@@ -187,7 +193,7 @@ def test_killed_smp_makes_save_fail_fast(run_dir: Path, run_id: str) -> None:
     smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
     c = ftmem.Checkpointer(ClientConfig(run_dir=run_dir, request_timeout=timedelta(seconds=60)))
     try:
-        model, opt = make()
+        model, _opt = make()
         c.save({"model": model}, step=1).wait(30)
         smp.kill()
         import time

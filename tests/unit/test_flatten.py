@@ -21,7 +21,10 @@ from ftmem.errors import CorruptSnapshotError
 
 def test_flatten_stateful_and_nested() -> None:
     model = torch.nn.Linear(3, 2)
-    state = {"model": model, "extra": {"step": 4, "t": torch.ones(2), "l": [1, (2, torch.zeros(1))]}}
+    state = {
+        "model": model,
+        "extra": {"step": 4, "t": torch.ones(2), "l": [1, (2, torch.zeros(1))]},
+    }
     flat = flatten_state(state)
     assert flat.names == ["model.weight", "model.bias", "extra.t", "extra.l.1.1"]
     sk = decode_skeleton(encode_skeleton(flat.skeleton))
@@ -35,7 +38,9 @@ def test_arbitrary_objects_are_refused() -> None:
 
 
 def test_layout_is_aligned_and_largest_first() -> None:
-    flat = flatten_state({"a": torch.zeros(3), "b": torch.zeros(1000), "c": torch.zeros(5, dtype=torch.int8)})
+    flat = flatten_state(
+        {"a": torch.zeros(3), "b": torch.zeros(1000), "c": torch.zeros(5, dtype=torch.int8)}
+    )
     lay = plan_layout(flat)
     by_name = {e.name: e for e in lay.extents}
     assert by_name["b"].offset == 0

@@ -75,7 +75,9 @@ def test_unknown_and_missing_fields_are_refused() -> None:
     import xxhash
 
     for body in (b'{"rank":0,"pid":1,"evil":1}', b'{"rank":0}', b"[1,2]", b"\xff\xfe"):
-        head = _HEADER.pack(b"FTMQ", 1, int(m.Kind.HELLO), 1, len(body), xxhash.xxh64_intdigest(body))
+        head = _HEADER.pack(
+            b"FTMQ", 1, int(m.Kind.HELLO), 1, len(body), xxhash.xxh64_intdigest(body)
+        )
         with pytest.raises(ProtocolError):
             decode(head + body, None)
 

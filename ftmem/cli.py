@@ -1,0 +1,79 @@
+"""The ``ftmem`` command: ``ftmem status`` shows what a node's SMP holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ftmem.config import default_run_dir
+
+
+def _fmt_age(t: float | None) -> str:
+    return "-" if t is None else f"{time.time() - t:.1f}s ago"
+
+
+def print_status(st: dict[str, Any]) -> None:
+    """Print one SMP's STATUS document as a table."""
+    print(
+        f"node {st['node']}  run {st['run_id']}  smp pid {st['pid']}  up {st['uptime_s']:.0f}s  "
+        f"bad messages {st['bad_messages']}"
+    )
+    print(
+        f"{'rank':>5} {'pid':>8} {'committed':>10} {'steps':>12} {'held MiB':>9} "
+        f"{'stall ms':>9} {'copy ms':>8} {'skipped':>8} {'progress':>14}"
+    )
+    for rank, r in st["ranks"].items():
+        steps = ",".join(str(s) for s in r["committed_steps"]) or "-"
+        newest = "-" if r["newest_committed"] is None else str(r["newest_committed"])
+        print(
+            f"{rank:>5} {r['pid'] or '-':>8} {newest:>10} {steps:>12} "
+            f"{r['bytes_held'] / 2**20:>9.1f} {r['last_stall_s'] * 1e3:>9.2f} "
+            f"{r['last_copy_s'] * 1e3:>8.1f} {r['skipped']:>8} {_fmt_age(r['last_progress_time']):>14}"
+        )
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """Return the parser of the ``ftmem`` command."""
+    p = argparse.ArgumentParser(prog="ftmem", description="ftmem tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="show what the node's SMP holds")
+    s.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="the SMP's run directory (default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run id>)",
+    )
+    s.add_argument("--json", action="store_true", help="print the raw STATUS document")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the SMP")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ftmem`` console script."""
+    args = get_args_parser().parse_args(argv)
+    from ftmem.client.smp_client import SmpClient
+    from ftmem.errors import FtmemError
+
+    if args.cmd == "status":
+        run_dir = args.run_dir or default_run_dir()
+        try:
+            with SmpClient(run_dir, timeout=timedelta(seconds=args.timeout)) as c:
+                st = c.status()
+        except FtmemError as exc:
+            print(f"ftmem status: {exc}", file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(st, indent=2))
+        else:
+            print_status(st)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

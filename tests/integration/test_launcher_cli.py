@@ -1,0 +1,139 @@
+"""ftmem-launch's command line, configuration and pure monitor logic (no processes)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser as torchrun_args_parser
+
+from launcher.cli import config_from_args, get_args_parser
+from launcher.config import (
+    FtmemLaunchConfig,
+    apply_safe_env_defaults,
+    apply_safe_rdzv_defaults,
+    default_run_dir,
+)
+from launcher.monitor import (
+    NoProgressGuard,
+    RankProcess,
+    RankProgress,
+    all_resumed,
+    find_hangs,
+    min_committed,
+)
+
+FTMEM_FLAGS = {
+    "--ftmem-run-dir",
+    "--ftmem-node",
+    "--ftmem-hang-timeout",
+    "--ftmem-first-progress-timeout",
+    "--ftmem-slots",
+    "--ftmem-smp-start-timeout",
+    "--ftmem-no-progress-restarts",
+    "--ftmem-status-interval",
+    "--ftmem-smp-log-level",
+}
+
+
+def _flags(parser: object) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}  # type: ignore[attr-defined]
+
+
+def test_accepts_every_torchrun_flag_plus_the_frozen_ftmem_group() -> None:
+    ours, torchs = _flags(get_args_parser()), _flags(torchrun_args_parser())
+    assert torchs <= ours
+    assert ours - torchs == FTMEM_FLAGS, "a new --ftmem flag needs docs/launcher.md"
+
+
+def test_defaults_and_config() -> None:
+    args = get_args_parser().parse_args(["--nproc-per-node", "2", "train.py", "--x", "1"])
+    config, ft, cmd, cmd_args = config_from_args(args)
+    assert config.max_restarts == 10  # torchrun: 0
+    assert ft.hang_timeout == timedelta(seconds=120)
+    assert ft.no_progress_restarts == 3 and ft.slots == 2
+    assert cmd_args[-3:] == ["train.py", "--x", "1"]
+
+
+def test_pet_env_overrides_max_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_FTMEM_HANG_TIMEOUT", "7")
+    args = get_args_parser().parse_args(["t.py"])
+    assert args.max_restarts == 2 and args.ftmem_hang_timeout == 7.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"slots": 1}, {"hang_timeout": timedelta(seconds=-1)}, {"no_progress_restarts": -1},
+     {"node": "a/b"}, {"run_dir": Path("/tmp/" + "x" * 100)},
+     {"status_interval": timedelta(0)}],
+)
+def test_invalid_settings_raise_value_error(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        FtmemLaunchConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_safe_rdzv_defaults_respect_the_user() -> None:
+    conf: dict[str, object] = {"join_timeout": 30}
+    filled = apply_safe_rdzv_defaults(conf)
+    assert conf["join_timeout"] == 30 and "join_timeout" not in filled
+    assert conf["keep_alive_max_attempt"] == 5 and conf["keep_alive_interval"] == 1
+    with pytest.raises(ValueError):
+        apply_safe_rdzv_defaults({"keep_alive_max_attempt": 2})
+
+
+def test_separate_store_per_round_unless_the_user_chose() -> None:
+    env: dict[str, str] = {}
+    assert apply_safe_env_defaults(env) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    assert apply_safe_env_defaults(env) == {} and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+
+
+def test_default_run_dir_fits_an_ipc_socket() -> None:
+    d = default_run_dir("r" * 64, "n" * 64)
+    assert len(str(d)) + len("/smp.sock") <= 100
+
+
+def _prog(rank: int, pid: int | None, t: float | None, step: int | None = 1,
+          committed: int | None = 1) -> RankProgress:
+    return RankProgress(rank, pid, t, step, committed)
+
+
+def test_find_hangs_counts_only_this_incarnation_and_stalest_first() -> None:
+    procs = [RankProcess(0, 100, 1000.0), RankProcess(1, 101, 1000.0)]
+    hang = timedelta(seconds=10)
+    # the previous generation's reports (other pid, or before the spawn) never count
+    stale = {0: _prog(0, 99, 1005.0), 1: _prog(1, 101, 990.0)}
+    assert find_hangs(procs, stale, 2000.0, hang) == []
+    # start-up / load: no report yet -> no hang unless a first-progress timeout is set
+    assert find_hangs(procs, {}, 2000.0, hang) == []
+    first = find_hangs(procs, {}, 2000.0, hang, timedelta(seconds=60))
+    assert [v.rank for v in first] == [0, 1]
+    live = {0: _prog(0, 100, 1015.0), 1: _prog(1, 101, 1012.0, step=7)}
+    assert find_hangs(procs, live, 1020.0, hang) == []
+    verdicts = find_hangs(procs, live, 1023.0, hang)
+    assert [(v.rank, v.last_step) for v in verdicts] == [(1, 7)]
+    assert find_hangs(procs, live, 1030.0, hang)[0].rank == 1
+    assert find_hangs(procs, live, 1e9, timedelta(0)) == []  # disabled
+
+
+def test_all_resumed_and_min_committed() -> None:
+    procs = [RankProcess(0, 100, 1000.0), RankProcess(1, 101, 1000.0)]
+    prog = {0: _prog(0, 100, 1001.0, committed=5), 1: _prog(1, 101, 999.0, committed=4)}
+    assert not all_resumed(procs, prog)
+    prog[1] = _prog(1, 101, 1002.0, committed=4)
+    assert all_resumed(procs, prog)
+    assert min_committed([0, 1], prog) == 4
+    assert min_committed([0, 1, 2], prog) is None
+
+
+def test_no_progress_guard() -> None:
+    g = NoProgressGuard(limit=2)
+    assert not g.on_failure(None)  # first failure: nothing to compare with
+    assert not g.on_failure(None)  # 1 restart without progress
+    assert g.on_failure(None)  # 2 -> stop
+    g = NoProgressGuard(limit=2)
+    assert [g.on_failure(s) for s in (3, 3, 5, 5, 6)] == [False, False, False, False, False]
+    assert g.on_failure(6) and g.best == 6
+    assert not any(NoProgressGuard(limit=0).on_failure(None) for _ in range(5))
