@@ -106,7 +106,7 @@ class ClientConfig:
     """Longest wait for one SMP reply (FTMEM_REQUEST_TIMEOUT); a dead SMP is noticed sooner."""
     prepare_timeout: timedelta = timedelta(seconds=600)
     """Longest wait for the SMP to create and pre-fault a rank's arena (first save, resize)."""
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = 2 << 20
     """The background copy moves and hashes tensors in pieces of this size."""
     allow_fresh_start: bool = field(
         default_factory=lambda: os.environ.get(ENV_ALLOW_FRESH_START, "") == "1"

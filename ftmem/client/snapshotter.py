@@ -343,7 +343,7 @@ class Checkpointer:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert plan is not None and seg is not None
-                apply_restore(plan, seg, self.config.chunk_bytes)
+                apply_restore(plan, seg)
                 client.request(m.DiscardNewer(rank=self.rank, step=step))
                 log.info("restored step %d", step)
                 return step

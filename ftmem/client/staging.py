@@ -73,7 +73,7 @@ class CopyJob:
     objects: tuple[int, int, str]
     stall_s: float = 0.0
     skipped: int = 0
-    chunk: int = 16 << 20
+    chunk: int = 2 << 20
     cuda_event: Any = None
     copied: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)

@@ -209,3 +209,19 @@ def test_killed_smp_makes_save_fail_fast(run_dir: Path, run_id: str) -> None:
         smp.stop()
         for f in shm_files(run_id):
             os.unlink(f"/dev/shm/{f}")
+
+
+def test_save_is_skipped_not_blocked_when_no_slot_is_free(
+    ckpt: ftmem.Checkpointer, run_dir: Path
+) -> None:
+    from ftmem.protocol import messages as m
+
+    model, _ = make()
+    assert ckpt.save({"model": model}, step=1).wait(30)
+    with SmpClient(run_dir) as other:  # another writer holds the only reusable slot
+        assert other.request(m.Begin(rank=0, step=2, nbytes=64))["action"] == "write"
+    h = ckpt.save({"model": model}, step=3)
+    assert h.skipped and not h.wait(1) and ckpt.stats()["skipped"] == 1
+    with SmpClient(run_dir) as c:
+        r = c.status()["ranks"]["0"]
+    assert r["newest_committed"] == 1 and r["skipped"] == 1
