@@ -9,7 +9,7 @@ import pytest
 
 from ftmem.smp.spawn import SmpProcess
 from tests.conftest import Procs
-from tests.faults._ranks import SMALL, run_ranks
+from tests.faults._ranks import SMALL, RankRun, run_ranks
 
 
 @pytest.fixture
@@ -18,10 +18,14 @@ def env(run_dir: Path, smp: SmpProcess) -> dict[str, str]:
 
 
 def baseline(procs: Procs, workdir: Path, extra: list[str]) -> str:
+    return baseline_run(procs, workdir, extra).digests().pop()
+
+
+def baseline_run(procs: Procs, workdir: Path, extra: list[str]) -> RankRun:
     run = run_ranks(procs, workdir, [*SMALL, *extra, "--no-ftmem"], tag="baseline")
     assert run.codes == [0, 0], run.outputs
-    (digest,) = run.digests()
-    return digest
+    assert len(run.digests()) == 1
+    return run
 
 
 def test_kill_after_commit_resumes_from_that_step_bitwise(
@@ -41,7 +45,10 @@ def test_kill_after_commit_resumes_from_that_step_bitwise(
 def test_kill_inside_copy_restores_previous_step_bitwise_with_batchnorm(
     procs: Procs, run_dir: Path, env: dict[str, str]
 ) -> None:
-    expect = baseline(procs, run_dir, ["--batchnorm"])
+    ref = baseline_run(procs, run_dir, ["--batchnorm"])
+    expect = ref.digests().pop()
+    expect_buffers = sorted(ref.lines(r"(\[rank \d\] buffers sha256 [0-9a-f]+)"))
+    assert len(expect_buffers) == 2
     args = [*SMALL, "--batchnorm"]
     fault = {**env, "FTMEM_FAULT": "in_copy:rank=1:step=12"}
     first = run_ranks(procs, run_dir, args, env_extra=fault, tag="first")
@@ -51,3 +58,5 @@ def test_kill_inside_copy_restores_previous_step_bitwise_with_batchnorm(
     # rank 1 died before committing step 12, so step 11 is the newest common one: never torn.
     assert second.resumed() == [11, 11]
     assert second.digests() == {expect}
+    # BatchNorm running statistics (mutated by every forward) match per rank too.
+    assert sorted(second.lines(r"(\[rank \d\] buffers sha256 [0-9a-f]+)")) == expect_buffers
