@@ -1,4 +1,4 @@
-"""The ``ftmem`` command: ``ftmem status`` shows what a node's SMP holds."""
+"""The ``ftmem`` command: ``ftmem status`` (what a node's SMP holds), ``ftmem keygen``."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print the raw STATUS document")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the SMP")
+    k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
+    k.add_argument("path", type=Path, help="file to create (must not exist)")
     return p
 
 
@@ -71,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(st, indent=2))
         else:
             print_status(st)
+        return 0
+    if args.cmd == "keygen":
+        from ftmem.exchange import keys
+
+        try:
+            keys.write_key_file(args.path, keys.generate())
+        except OSError as exc:
+            print(f"ftmem keygen: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.path} (mode 0600)")
         return 0
     return 2
 

@@ -33,6 +33,7 @@ class Kind(enum.IntEnum):
     DISCARD_NEWER = 9
     HEARTBEAT = 10
     STATUS = 11
+    PEER = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,15 @@ class Status:
 
 
 @dataclass(frozen=True, slots=True)
+class Peer:
+    """An SMP-to-SMP message: a JSON header plus raw buffer frames of the given sizes/checksums."""
+
+    header: dict[str, Any]
+    sizes: list[int] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to every request: ``ok`` plus fields, or ``ok=False`` and ``error``."""
 
@@ -153,6 +163,7 @@ PAYLOAD_TYPES: dict[Kind, type[Any]] = {
     Kind.DISCARD_NEWER: DiscardNewer,
     Kind.HEARTBEAT: Heartbeat,
     Kind.STATUS: Status,
+    Kind.PEER: Peer,
 }
 KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}
 
@@ -184,6 +195,14 @@ def _check(name: str, value: Any, tp: Any) -> None:
     if tp in (str, bool):
         if type(value) is not tp:
             raise ProtocolError(f"field {name!r} must be {tp.__name__}")
+        return
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"field {name!r} must be a list")
+        (item,) = typing.get_args(tp) or (Any,)
+        if item is not Any:
+            for v in value:
+                _check(name, v, item)
         return
     if origin is dict or tp is dict:
         if not isinstance(value, dict):

@@ -1,0 +1,84 @@
+"""CURVE key pairs for the SMP-to-SMP mesh: make them, write them (0600), read them back.
+
+A job uses one key pair: every SMP of the job serves with it and connects with it, and only
+clients presenting its public key are admitted, so a peer must hold the secret key (from the
+key file the user provides, or handed out per job through the rendezvous store).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from ftmem.errors import FtmemError
+
+
+class KeyFileError(FtmemError):
+    """A key file is missing, malformed, or readable by others."""
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeyPair:
+    """A CURVE key pair, each key 40 bytes of Z85 text."""
+
+    public: bytes
+    secret: bytes
+
+    def __post_init__(self) -> None:
+        for name, k in (("public", self.public), ("secret", self.secret)):
+            if len(k) != 40:
+                raise KeyFileError(f"{name} key must be 40 Z85 characters")
+        if zmq.curve_public(self.secret) != self.public:
+            raise KeyFileError("public key does not belong to the secret key")
+
+    def to_json(self) -> str:
+        """The key pair as JSON text (for a key file or the rendezvous store)."""
+        return json.dumps({"public": self.public.decode(), "secret": self.secret.decode()})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CurveKeyPair:
+        """Parse :meth:`to_json`'s output. Raises KeyFileError."""
+        try:
+            doc = json.loads(text)
+            return cls(public=str(doc["public"]).encode(), secret=str(doc["secret"]).encode())
+        except (ValueError, KeyError, TypeError) as exc:
+            raise KeyFileError(f"malformed key pair: {exc}") from exc
+
+
+def generate() -> CurveKeyPair:
+    """Return a new random key pair."""
+    public, secret = zmq.curve_keypair()
+    return CurveKeyPair(public=public, secret=secret)
+
+
+def write_key_file(path: Path, pair: CurveKeyPair) -> None:
+    """Write ``pair`` to a new file ``path`` with mode 0600 (never overwrites)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(pair.to_json() + "\n")
+
+
+def read_key_file(path: Path) -> CurveKeyPair:
+    """Read a key file, refusing one that group or others may read.
+
+    Raises:
+        KeyFileError: missing, not a regular file, too open, or malformed.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read key file {path}: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyFileError(f"key file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise KeyFileError(
+            f"key file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+        )
+    if st.st_size > 4096:
+        raise KeyFileError(f"key file {path} is too large")
+    return CurveKeyPair.from_json(Path(path).read_text())

@@ -1,0 +1,53 @@
+"""PeerTransport: how SMPs of a group move fragments to each other (interface only).
+
+Call order:
+    1) (every node) ``endpoint = t.start()``: bind, return the address peers connect to.
+    2) (every node, each generation) ``t.connect({node: endpoint, ...})``: the group's peers.
+    3) (any node) ``t.send(node, header, buffers)``: queue one message; never blocks longer
+       than the send timeout (a slow or dead peer makes it raise, not hang).
+    4) (any node) ``t.recv(timeout)``: the next message from any peer, or None.
+    5) (every node) ``t.close()``: idempotent, bounded.
+
+One thread owns a transport: the SMP's exchange thread. Implementations: zmq_transport.py
+(TCP + CURVE). Every received message has been authenticated, size-checked and its buffers
+checksummed before ``recv`` returns it; bad messages are dropped and counted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMessage:
+    """One message from a peer: who sent it, a small JSON header, and raw buffers."""
+
+    sender: str
+    header: dict[str, Any]
+    buffers: list[memoryview]
+
+
+class PeerTransport(ABC):
+    """Moves headers plus raw buffers between the SMPs of a group (see the module docstring)."""
+
+    @abstractmethod
+    def start(self) -> str:
+        """Bind and return this node's endpoint."""
+
+    @abstractmethod
+    def connect(self, peers: dict[str, str]) -> None:
+        """Connect to ``peers`` (node name -> endpoint), replacing the previous set."""
+
+    @abstractmethod
+    def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
+        """Send one message to ``node``. Raises PeerUnavailableError if it cannot be queued."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> PeerMessage | None:
+        """Return the next valid message, or None after ``timeout_s``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets (idempotent, bounded)."""
