@@ -184,10 +184,13 @@ class Checkpointer:
         decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
         if decision["action"] == "resize":
             want = int(total * (1 + self.config.arena_headroom)) + 1
-            client.request(
+            made = client.request(
                 m.Prepare(rank=self.rank, slot=int(decision["slot"]), nbytes=want),
                 timeout=self.config.prepare_timeout,
             )
+            # Map (and populate the page tables of) every new slot now, not on a later save.
+            for slot in made.get("slots", []):
+                self._segment(str(slot["path"]), int(slot["capacity"]))
             decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
         if decision["action"] != "write":
             return self._skip(step, str(decision.get("reason", decision["action"])), t0)

@@ -416,7 +416,8 @@ class SmpDaemon:
             if job.error:
                 self._send(job.ident, job.req_id, m.Reply(ok=False, error=job.error))
             else:
-                self._send(job.ident, job.req_id, m.Reply(ok=True))
+                made = [{"slot": i, "path": str(p), "capacity": c} for i, p, c in job.slots]
+                self._send(job.ident, job.req_id, m.Reply(ok=True, data={"slots": made}))
 
     def status(self) -> dict[str, Any]:
         """Return the SMP's state: identity, and each rank's slots, progress and statistics."""
