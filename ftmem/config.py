@@ -15,6 +15,7 @@ ENV_NODE = "FTMEM_NODE"  # names this node
 ENV_GENERATION = "FTMEM_GENERATION"  # restart generation common to all nodes (informational)
 ENV_REQUEST_TIMEOUT = "FTMEM_REQUEST_TIMEOUT"  # seconds a rank waits for an SMP reply
 ENV_ALLOW_FRESH_START = "FTMEM_ALLOW_FRESH_START"  # "1": load returns 0 if ranks disagree
+ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"  # set by ftmem-launch: the step the node had committed
 ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
 ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.testing.faults)
 

@@ -6,77 +6,76 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - the SMP's lifecycle: started before the first ranks, kept across rank restarts, restarted
   (with the ranks) when it dies, stopped when the agent shuts down;
 - a generation id common to all nodes (the rendezvous round), passed to the ranks;
+- stable global ranks: a node keeps its ranks across rounds, a replacement takes the lost
+  node's, and MASTER_ADDR/PORT follow global rank 0;
 - hang detection from the SMP's per-rank progress (SIGKILL, then elastic's restart);
 - the no-progress guard, and one log line per failure and per recovery.
 
-The private hooks it overrides (``_rendezvous``, ``_start_workers``, ``_stop_workers``,
-``_monitor_workers``, ``_shutdown``) are those of torch 2.6-2.14; see docs/launcher.md.
+The private hooks it overrides (``_rendezvous``, ``_assign_worker_ranks``,
+``_start_workers``, ``_stop_workers``, ``_restart_workers``, ``_monitor_workers``,
+``_shutdown``) are those of torch 2.13 (and, as far as read, 2.6-2.14); the launcher tests
+pin their behaviour, so run them on every supported torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import os
-import shutil
 import signal
+import socket
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import torch.distributed.elastic.rendezvous.registry as rdzv_registry
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
+    Worker,
     WorkerGroup,
     WorkerSpec,
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.launcher.api import (
-    LaunchConfig,
-    _get_addr_and_port,
-    _get_entrypoint_name,
-)
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from launcher.config import (
     FtmemLaunchConfig,
-    apply_safe_env_defaults,
-    apply_safe_rdzv_defaults,
-    default_node_name,
-    default_run_dir,
-    safe_name,
 )
 from launcher.monitor import (
+    EventLog,
     HangVerdict,
     NoProgressGuard,
     RankProcess,
+    RankProgress,
     StatusPoller,
     all_resumed,
     find_hangs,
     min_committed,
 )
+from launcher.report import (
+    Recovery,
+    log_failure,
+    log_last_failure,
+    report_resumed,
+    tail_lines,
+)
 from launcher.smp_runner import SmpRunner
-from launcher.workers import describe_exit, kill_rank, rank_env, wrap_entrypoint
+from launcher.workers import (
+    assign_slots,
+    describe_exit,
+    kill_rank,
+    proc_state,
+    rank_env,
+)
 
 log = logging.getLogger(__name__)
 
+# Keys in the rendezvous round's store (a fresh prefix every round, so never stale).
 _GENERATION_KEY = "ftmem/generation"
-
-
-@dataclass(slots=True)
-class _Recovery:
-    """A failure being recovered from: when it was detected and what it was."""
-
-    detected: float
-    what: str
-    committed: int | None
+_SLOT_KEY = "ftmem/slot"
+_ASSIGNED_KEY = "ftmem/slots"
+_MASTER_KEY = "ftmem/master"
 
 
 class FtmemElasticAgent(LocalElasticAgent):
@@ -101,31 +100,120 @@ class FtmemElasticAgent(LocalElasticAgent):
             smp.run_dir, ftmem.status_interval, request_timeout=timedelta(seconds=5)
         )
         self._guard = NoProgressGuard(ftmem.no_progress_restarts)
+        self.events = EventLog(smp.run_dir / "events.jsonl", smp.node)
+        """The machine-readable event log (JSON lines) in the run directory."""
         self.generation = -1
         """The rendezvous round the current ranks belong to (same on every node)."""
         self._procs: list[RankProcess] = []
         self._hang_killed: dict[int, HangVerdict] = {}
-        self._recovery: _Recovery | None = None
-        self._prev_group_rank: int | None = None
+        self._recovery: Recovery | None = None
+        self._slot: int | None = None
+        """This node's block of global ranks (stable across rounds), None: elastic's."""
+        self._prev_ranks: list[int] | None = None
         self._smp_failed = False
+        self._last_failure: tuple[int | None, str, list[str]] | None = None
         self.stop_reason: str | None = None
         """Why the agent gave up early (the no-progress guard), for the final report."""
 
     # -- rendezvous -------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
-        self.generation = self._exchange_generation(worker_group)
-        rank = worker_group.group_rank
-        if self._prev_group_rank is not None and rank != self._prev_group_rank:
-            log.warning(
-                "[%s] group rank changed %s -> %s after a membership change: ranks of this "
-                "node now restore other ranks' snapshots",
+        settings = getattr(self._rdzv_handler, "settings", None)  # the c10d/etcd-v2 handler
+        if settings is not None:
+            log.info(
+                "[%s] joining the rendezvous: %d-%d nodes, join timeout %.0f s",
                 self._node,
-                self._prev_group_rank,
-                rank,
+                settings.min_nodes,
+                settings.max_nodes,
+                settings.timeout.join.total_seconds(),
             )
-        self._prev_group_rank = rank
+        else:
+            log.info("[%s] joining the rendezvous", self._node)
+        super()._rendezvous(worker_group)
+        self._share_master(worker_group)
+        self.generation = self._exchange_generation(worker_group)
+        ranks = [w.global_rank for w in worker_group.workers]
+        if self._prev_ranks is not None and ranks != self._prev_ranks:
+            log.warning(
+                "[%s] global ranks changed %s -> %s (elastic's numbering): this node's "
+                "ranks now find other ranks' snapshots in its SMP",
+                self._node,
+                self._prev_ranks,
+                ranks,
+            )
+        self._prev_ranks = ranks
+
+    def _stable_ranks(self, spec: WorkerSpec) -> bool:
+        return (
+            self._ft.rank_assignment == "stable"
+            and spec.rdzv_handler.get_backend() != "static"
+            and not spec.master_addr
+        )
+
+    def _assign_worker_ranks(
+        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    ) -> list[Worker]:
+        """Keep every node's global ranks across rounds (elastic renumbers by node order).
+
+        Each agent publishes the slot (block of ``local_world_size`` global ranks) it held
+        in the previous round; group rank 0 assigns slots with :func:`assign_slots` and
+        publishes them. Nodes of different sizes fall back to elastic's assignment.
+        """
+        if not self._stable_ranks(spec):
+            self._slot = None
+            workers: list[Worker] = super()._assign_worker_ranks(
+                store, group_rank, group_world_size, spec
+            )
+            return workers
+        mine = {"slot": self._slot, "size": spec.local_world_size}
+        store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
+        if group_rank == 0:
+            keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
+            infos = [json.loads(raw) for raw in store.multi_get(keys)]
+            same_size = len({info["size"] for info in infos}) == 1
+            slots = assign_slots([info["slot"] for info in infos]) if same_size else None
+            store.set(_ASSIGNED_KEY, json.dumps(slots))
+        assigned = json.loads(store.get(_ASSIGNED_KEY))
+        if assigned is None:
+            log.warning("[%s] nodes differ in size: elastic assigns the ranks", self._node)
+            self._slot = None
+            workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+            return workers
+        self._slot = int(assigned[group_rank])
+        size = spec.local_world_size
+        world = size * group_world_size
+        base = self._slot * size
+        return [
+            Worker(
+                local_rank=i,
+                global_rank=base + i,
+                role_rank=base + i,
+                world_size=world,
+                role_world_size=world,
+            )
+            for i in range(size)
+        ]
+
+    def _share_master(self, worker_group: WorkerGroup) -> None:
+        """Point MASTER_ADDR/PORT at the node that holds global rank 0.
+
+        The ranks' rank 0 serves their TCPStore, so it must run where MASTER_ADDR points;
+        elastic points it at group rank 0, which may now hold another slot.
+        """
+        store = worker_group.store
+        if self._slot is None or store is None:
+            return
+        if worker_group.spec.rdzv_handler.use_agent_store:
+            return  # the ranks use group rank 0's agent store, wherever rank 0 runs
+        if self._slot == 0:
+            if worker_group.group_rank == 0:
+                addr, port = worker_group.master_addr, worker_group.master_port
+            else:
+                spec = worker_group.spec
+                addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
+            store.set(_MASTER_KEY, json.dumps([addr, port]))
+        addr, port = json.loads(store.get(_MASTER_KEY))
+        worker_group.master_addr, worker_group.master_port = str(addr), int(port)
 
     def _exchange_generation(self, worker_group: WorkerGroup) -> int:
         """Agree on the generation: group rank 0 publishes the rendezvous round."""
@@ -143,25 +231,36 @@ class FtmemElasticAgent(LocalElasticAgent):
     # -- start / stop ranks -----------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        if self._smp.ensure_running():
-            self._poller.forget()
-        self._smp_failed = False
+        # The ranks (and an SMP started now) inherit the agent's environment.
+        expected = self._recovery.committed if self._recovery is not None else None
         os.environ.update(
             rank_env(
                 run_dir=self._smp.run_dir,
                 run_id=self._smp.run_id,
                 node=self._node,
                 generation=self.generation,
+                expected_step=expected,
             )
         )
+        if self._smp.ensure_running():
+            self._poller.forget()
+        self._smp_failed = False
         start = time.time()
-        pids = super()._start_workers(worker_group)
+        pids: dict[int, Any] = super()._start_workers(worker_group)
         self._procs = [
             RankProcess(rank=w.global_rank, pid=pids[w.local_rank], start_time=start)
             for w in worker_group.workers
         ]
         self._hang_killed.clear()
         self._poller.start()
+        self.events.write(
+            "ranks_started",
+            generation=self.generation,
+            ranks=[p.rank for p in self._procs],
+            pids=[p.pid for p in self._procs],
+            smp_pid=self._smp.pid,
+            smp_starts=self._smp.starts,
+        )
         log.info(
             "[%s] generation %d: started ranks %s (pids %s)",
             self._node,
@@ -173,14 +272,37 @@ class FtmemElasticAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
+        self._kill_stopped("while the ranks are stopped")
         LocalElasticAgent._shutdown(self, signal.SIGTERM, self._shutdown_timeout)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         try:
+            self._kill_stopped("at shutdown")
             super()._shutdown(death_sig, timeout)
         finally:
             self._poller.close()
             self._smp.stop()
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._recovery is None:
+            # elastic restarts healthy ranks when another node (re)joins the rendezvous,
+            # typically because that node's ranks failed; it is not charged as a restart.
+            ranks = [w.global_rank for w in worker_group.workers]
+            committed = self._committed_now(ranks)
+            what = "a membership change (another node re-joined the rendezvous)"
+            log.warning(
+                "[%s] RESTART: %s (generation %d); newest committed step on this node: %s",
+                self._node,
+                what,
+                self.generation,
+                committed,
+            )
+            self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
+            self._poller.set_fast(True)
+            self.events.write(
+                "restart", reason="membership", generation=self.generation, committed=committed
+            )
+        super()._restart_workers(worker_group)
 
     # -- monitoring -------------------------------------------------------------------------
 
@@ -188,12 +310,36 @@ class FtmemElasticAgent(LocalElasticAgent):
         smp_exit = None if self._smp_failed else self._smp.poll()
         if smp_exit is not None:
             return self._on_smp_death(worker_group, smp_exit)
-        result = super()._monitor_workers(worker_group)
+        self._kill_stopped_peers()
+        result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result)
         elif result.state == WorkerState.HEALTHY:
             self._check_progress()
         return result
+
+    def _kill_stopped_peers(self) -> None:
+        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks.
+
+        elastic SIGTERMs the survivors of a failure and waits up to 30 s for them; a
+        stopped process cannot act on SIGTERM, so without this the restart would stall.
+        """
+        states = {p.pid: proc_state(p.pid) for p in self._procs}
+        if any(s in (None, "Z", "X") for s in states.values()):
+            self._kill_stopped("while a peer exited")
+
+    def _kill_stopped(self, why: str) -> None:
+        """SIGKILL the node's stopped (``T``) ranks: they cannot act on SIGTERM."""
+        for proc in self._procs:
+            if proc_state(proc.pid) == "T":
+                log.warning(
+                    "[%s/%d] pid %d is stopped (SIGSTOP?) %s; SIGKILL",
+                    self._node,
+                    proc.rank,
+                    proc.pid,
+                    why,
+                )
+                kill_rank(proc.pid)
 
     def _check_progress(self) -> None:
         latest = self._poller.latest()
@@ -204,27 +350,53 @@ class FtmemElasticAgent(LocalElasticAgent):
             self._report_resumed(progress)
         if self._hang_killed:
             return
+        # A rank that already exited (e.g. finished while its peers still work) is not hung.
+        running = [p for p in self._procs if proc_state(p.pid) not in (None, "Z", "X")]
         hangs = find_hangs(
-            self._procs,
+            running,
             progress,
             fetched,
             self._ft.hang_timeout,
             self._ft.first_progress_timeout,
         )
         if hangs:
-            verdict = hangs[0]
-            self._hang_killed[verdict.pid] = verdict
-            others = ", ".join(f"rank {h.rank} idle {h.idle_s:.1f} s" for h in hangs[1:])
-            log.error(
-                "[%s/%d] HANG: %s (last step %s); SIGKILL pid %d%s",
-                self._node,
-                verdict.rank,
-                verdict.reason,
-                verdict.last_step,
-                verdict.pid,
-                f" (also idle: {others})" if others else "",
-            )
-            kill_rank(verdict.pid)
+            self._kill_hung(hangs)
+
+    def _kill_hung(self, hangs: list[HangVerdict]) -> None:
+        """SIGKILL every hung rank (a stopped one ignores the SIGTERM elastic would send).
+
+        When one rank hangs, its peers block in collectives and stop reporting too, so the
+        whole node usually shows up here; a rank the kernel reports stopped (``T``) or in
+        uninterruptible sleep (``D``) is named first as the likely cause.
+        """
+        states = {h.pid: proc_state(h.pid) for h in hangs}
+        hangs = sorted(hangs, key=lambda h: (states[h.pid] not in ("T", "D"), -h.idle_s))
+        verdict = hangs[0]
+        for h in hangs:
+            self._hang_killed[h.pid] = h
+        others = ", ".join(f"rank {h.rank} idle {h.idle_s:.1f} s" for h in hangs[1:])
+        state = states[verdict.pid]
+        log.error(
+            "[%s/%d] HANG: %s (last step %s%s); SIGKILL pid %d%s",
+            self._node,
+            verdict.rank,
+            verdict.reason,
+            verdict.last_step,
+            f", process state {state}" if state in ("T", "D") else "",
+            verdict.pid,
+            f" and the other idle ranks ({others})" if others else "",
+        )
+        for h in hangs:
+            kill_rank(h.pid)
+        self.events.write(
+            "hang",
+            rank=verdict.rank,
+            pid=verdict.pid,
+            idle_s=round(verdict.idle_s, 3),
+            last_step=verdict.last_step,
+            process_state=state,
+            killed=[h.rank for h in hangs],
+        )
 
     def _committed_now(self, ranks: list[int]) -> int | None:
         progress = self._poller.fetch() if self._smp.is_alive() else None
@@ -239,15 +411,29 @@ class FtmemElasticAgent(LocalElasticAgent):
         committed = self._committed_now(ranks)
         failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
         root_rank, root = failures[0] if failures else (None, None)
-        if root is None:
+        cause = next(iter(self._hang_killed.values()), None)
+        if cause is not None:
+            root_rank = cause.rank
+            what = f"HANG ({cause.reason}, last step {cause.last_step}), killed"
+        elif root is None:
             what = f"worker group {result.state.name}"
-        elif root.pid in self._hang_killed:
-            what = f"HANG ({self._hang_killed[root.pid].reason}), killed"
         else:
             what = describe_exit(root.exitcode)
         self._check_guard(committed)
         self._log_failure(root_rank, what, committed, failures)
-        self._recovery = _Recovery(detected=now, what=what, committed=committed)
+        if root is not None:
+            self._last_failure = (root_rank, what, self._tail_of(root.local_rank))
+        self.events.write(
+            "failed",
+            rank=root_rank,
+            what=what,
+            exitcode=None if root is None else root.exitcode,
+            generation=self.generation,
+            committed=committed,
+            restarts_left=self._remaining_restarts,
+        )
+        self._recovery = Recovery(detected=now, what=what, committed=committed)
+        self._poller.set_fast(True)
 
     def _log_failure(
         self,
@@ -258,29 +444,24 @@ class FtmemElasticAgent(LocalElasticAgent):
     ) -> None:
         spec = self._worker_group.spec
         left = self._remaining_restarts
+        if left > 0:
+            outcome = f"restarting ({spec.max_restarts - left + 1}/{spec.max_restarts})"
+        elif self.stop_reason:
+            outcome = "not restarting (no-progress guard)"
+        else:
+            outcome = f"no restarts left (max {spec.max_restarts})"
         stopped = [r for r, f in failures[1:] if f.exitcode == -signal.SIGTERM]
-        log.error(
-            "[%s/%s] FAILED: %s (generation %d); newest committed step on this node: %s; "
-            "%s%s",
-            self._node,
-            "-" if rank is None else rank,
-            what,
-            self.generation,
-            committed,
-            f"restarting ({spec.max_restarts - left + 1}/{spec.max_restarts})"
-            if left > 0
-            else f"no restarts left (max {spec.max_restarts})",
-            f"; ranks {stopped} stopped by the agent" if stopped else "",
-        )
+        log_failure(self._node, rank, what, self.generation, committed, outcome, stopped)
 
     def _check_guard(self, committed: int | None) -> None:
         if self._guard.on_failure(committed) and self._remaining_restarts > 0:
             self.stop_reason = (
-                f"{self._guard.streak} restarts in a row without a newer committed step "
+                f"{self._guard.streak} restart(s) in a row without a newer committed step "
                 f"(newest committed: {self._guard.best}); stopping "
                 f"(--ftmem-no-progress-restarts {self._guard.limit})"
             )
             log.error("[%s] NO PROGRESS: %s", self._node, self.stop_reason)
+            self.events.write("no_progress_stop", reason=self.stop_reason)
             self._remaining_restarts = 0
 
     def _on_smp_death(self, worker_group: WorkerGroup, exitcode: int) -> RunResult:
@@ -291,154 +472,29 @@ class FtmemElasticAgent(LocalElasticAgent):
         committed = min_committed(ranks, latest[1]) if latest is not None else None
         what = f"SMP pid {pid} died ({describe_exit(exitcode)})"
         failure = ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="<N/A>")
-        failure.message = f"the node's SMP died ({describe_exit(exitcode)}); see {self._smp.log_path}"
+        failure.message = (
+            f"the node's SMP died ({describe_exit(exitcode)}); see {self._smp.log_path}"
+        )
         self._check_guard(committed)
         self._log_failure(None, what, committed, [])
-        self._recovery = _Recovery(detected=time.time(), what=what, committed=committed)
+        self.events.write(
+            "smp_died", pid=pid, exitcode=exitcode, generation=self.generation, committed=committed
+        )
+        self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
+        self._poller.set_fast(True)
         return RunResult(state=WorkerState.FAILED, failures={ranks[0]: failure})
 
-    def _report_resumed(self, progress: dict[int, Any]) -> None:
+    def _tail_of(self, local_rank: int) -> list[str]:
+        """The last lines of a rank's stderr file (empty if its output is not in a file)."""
+        paths = getattr(self._pcontext, "stderrs", None) or {}
+        return tail_lines(paths.get(local_rank))
+
+    def report_last_failure(self) -> None:
+        """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
+        log_last_failure(self._node, self.stop_reason, self._last_failure)
+
+    def _report_resumed(self, progress: dict[int, RankProgress]) -> None:
         rec, self._recovery = self._recovery, None
         assert rec is not None
-        steps = [progress[p.rank].last_progress_step for p in self._procs]
-        known = [s for s in steps if s is not None]
-        log.warning(
-            "[%s] RESUMED after %s: generation %d, %d local ranks stepping again "
-            "(first step %s, newest committed before the failure %s); detect->resumed %.2f s",
-            self._node,
-            rec.what,
-            self.generation,
-            len(self._procs),
-            min(known) if known else "?",
-            rec.committed,
-            time.time() - rec.detected,
-        )
-
-
-def launch_agent(
-    config: LaunchConfig,
-    ftmem: FtmemLaunchConfig,
-    entrypoint: Callable[..., Any] | str,
-    args: list[str],
-) -> dict[int, Any]:
-    """Run one node's ftmem-launch agent to completion (torch's ``launch_agent`` + the SMP).
-
-    Returns each local rank's return value by global rank. Raises ``ChildFailedError``
-    when the ranks failed beyond ``max_restarts`` or the no-progress guard stopped them,
-    and ``SignalException`` when the agent was told to stop.
-
-    Resource handling: the SMP is started before the first rendezvous (so its start-up
-    overlaps the wait for other nodes) and is stopped on every exit path; ranks are spawned
-    through the exec shim, so they die with the agent even if it is SIGKILLed.
-    """
-    if not config.run_id or config.run_id == "none":
-        config.run_id = uuid.uuid4().hex
-        log.warning("no --rdzv-id given; generated run id %s", config.run_id)
-    entrypoint_name = _get_entrypoint_name(entrypoint, args)
-    run_id = safe_name(config.run_id)
-    node = ftmem.node or default_node_name()
-    run_dir = ftmem.run_dir or default_run_dir(run_id, node)
-    env_set = apply_safe_env_defaults()
-    rdzv_set = apply_safe_rdzv_defaults(config.rdzv_configs)
-    log.info(
-        "[%s] ftmem-launch: run id %s, run dir %s, nodes %s:%s x %d ranks, max restarts %d, "
-        "hang timeout %s s, safe defaults applied: %s",
-        node,
-        run_id,
-        run_dir,
-        config.min_nodes,
-        config.max_nodes,
-        config.nproc_per_node,
-        config.max_restarts,
-        ftmem.hang_timeout.total_seconds() or "off",
-        {**env_set, **rdzv_set} or "none (all set by the user)",
-    )
-    rdzv_parameters = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **config.rdzv_configs,
-    )
-    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    wrapped, wrapped_args = wrap_entrypoint(entrypoint, args)
-    # Options newer torch versions added to WorkerSpec are passed only where they exist.
-    optional = {
-        name: getattr(config, name, None)
-        for name in (
-            "numa_options",
-            "duplicate_stdout_filters",
-            "duplicate_stderr_filters",
-            "virtual_local_rank",
-        )
-    }
-    spec_fields = {f.name for f in dataclasses.fields(WorkerSpec)}
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        entrypoint=wrapped,
-        args=tuple(wrapped_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        **{k: v for k, v in optional.items() if k in spec_fields and v is not None},
-    )
-    smp = SmpRunner(
-        run_dir=run_dir,
-        run_id=run_id,
-        node=node,
-        slots=ftmem.slots,
-        start_timeout=ftmem.smp_start_timeout,
-        stop_timeout=ftmem.smp_stop_timeout,
-        log_level=ftmem.smp_log_level,
-        extra_env=ftmem.extra_env,
-    )
-    agent = FtmemElasticAgent(
-        spec=spec,
-        logs_specs=config.logs_specs,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
-        ftmem=ftmem,
-        smp=smp,
-    )
-    shutdown_rdzv = True
-    succeeded = False
-    try:
-        smp.start()
-        result = agent.run()
-        if result is None:  # the rendezvous was closed gracefully
-            succeeded = True
-            return {}
-        if result.is_failed():
-            if agent.stop_reason:
-                log.error("[%s] stopped: %s", node, agent.stop_reason)
-            raise ChildFailedError(name=entrypoint_name, failures=result.failures)
-        succeeded = True
-        return result.return_values
-    except SignalException:
-        # Like torch: a signalled agent must not close the rendezvous for the other nodes.
-        shutdown_rdzv = False
-        raise
-    finally:
-        smp.stop()
-        if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
-        _cleanup_run_dir(run_dir, auto=ftmem.run_dir is None, keep=not succeeded)
-
-
-def _cleanup_run_dir(run_dir: Path, *, auto: bool, keep: bool) -> None:
-    """Remove an auto-created run dir after success; say where it is otherwise."""
-    if not auto:
-        return
-    if keep:
-        log.info("run dir kept for inspection: %s", run_dir)
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
+        self._poller.set_fast(False)
+        report_resumed(self._node, self.generation, rec, self._procs, progress, self.events)

@@ -23,11 +23,11 @@ from torch.distributed.argparse_util import env
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig
-from torch.distributed.run import get_args_parser as torchrun_args_parser
 from torch.distributed.run import config_from_args as torchrun_config_from_args
+from torch.distributed.run import get_args_parser as torchrun_args_parser
 from torch.distributed.run import parse_min_max_nnodes
 
-from launcher.config import DEFAULT_MAX_RESTARTS, FtmemLaunchConfig
+from launcher.config import DEFAULT_MAX_RESTARTS, FtmemLaunchConfig, resolve_names
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,16 @@ def get_args_parser() -> ArgumentParser:
         "0 disables. Default: 3.",
     )
     group.add_argument(
+        "--ftmem-rank-assignment",
+        action=env,
+        type=str,
+        choices=("stable", "elastic"),
+        default="stable",
+        help="stable (default): every node keeps its global ranks across restarts and a "
+        "replacement node takes the lost node's, so each rank finds its own snapshot; "
+        "elastic: torchrun's numbering (by node order in each round).",
+    )
+    group.add_argument(
         "--ftmem-status-interval",
         action=env,
         type=float,
@@ -134,6 +144,7 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         status_interval=_seconds(args.ftmem_status_interval),
         no_progress_restarts=int(args.ftmem_no_progress_restarts),
         smp_log_level=str(args.ftmem_smp_log_level),
+        rank_assignment=str(args.ftmem_rank_assignment),
     )
 
 
@@ -141,8 +152,19 @@ def config_from_args(
     args: Namespace,
 ) -> tuple[LaunchConfig, FtmemLaunchConfig, Callable[..., Any] | str, list[str]]:
     """torchrun's ``config_from_args`` plus the ftmem configuration."""
+    ftmem = ftmem_config_from_args(args)
+    resolve_names(ftmem, args.rdzv_id)
+    assert ftmem.run_dir is not None
+    # Rank output goes to the console *and* to files (torchrun: console only), so that the
+    # final report can quote the failing rank's last lines; an explicit choice wins.
+    if str(args.tee) == "0" and str(args.redirects) == "0":
+        args.tee = "3"
+    if args.log_dir is None:
+        # torch creates the log dir at once; create the run dir first, private (0700).
+        ftmem.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        args.log_dir = str(ftmem.run_dir / "logs")
     config, cmd, cmd_args = torchrun_config_from_args(args)
-    return config, ftmem_config_from_args(args), cmd, cmd_args
+    return config, ftmem, cmd, cmd_args
 
 
 def _apply_standalone(args: Namespace) -> None:
@@ -193,7 +215,7 @@ def configure_logging() -> None:
 
 def run(args: Namespace) -> dict[int, Any]:
     """Run the agent described by parsed ``args`` on this node."""
-    from launcher.agent import launch_agent
+    from launcher.launch import launch_agent
 
     _apply_standalone(args)
     install_signal_handlers(args.signals_to_handle)

@@ -21,6 +21,8 @@ ENV_RUN_DIR = "FTMEM_RUN_DIR"
 ENV_RUN_ID = "FTMEM_RUN_ID"
 ENV_NODE = "FTMEM_NODE"
 ENV_GENERATION = "FTMEM_GENERATION"
+ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"
+"""Newest step this node's ranks had committed before the restart ("" if none / first start)."""
 ENV_AGENT_PID = "FTMEM_AGENT_PID"
 """The agent's pid; the exec shim kills the rank if its parent is no longer this pid."""
 
@@ -91,8 +93,11 @@ class FtmemLaunchConfig:
     """Stop after this many restarts in a row without a newer committed step; 0 disables."""
     smp_log_level: str = "INFO"
     """Log level passed to the SMP (its log goes to ``<run_dir>/smp.log``)."""
-    keep_run_dir: bool = False
-    """Keep an auto-created run directory after a successful run (it is kept after a failure)."""
+    rank_assignment: str = "stable"
+    """``stable``: every node keeps its global ranks across rounds (a replacement node takes
+    the lost node's); ``elastic``: elastic's order of the node descriptors."""
+    auto_run_dir: bool = False
+    """The run directory was made up by ftmem-launch: removed after a successful run."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the SMP (tests)."""
 
@@ -105,6 +110,8 @@ class FtmemLaunchConfig:
         for name in ("hang_timeout", "first_progress_timeout"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
+        if self.rank_assignment not in ("stable", "elastic"):
+            raise ValueError("--ftmem-rank-assignment must be 'stable' or 'elastic'")
         if self.no_progress_restarts < 0:
             raise ValueError("--ftmem-no-progress-restarts must be >= 0")
         if self.node is not None and safe_name(self.node) != self.node:
@@ -148,3 +155,12 @@ def apply_safe_env_defaults(environ: dict[str, str] | None = None) -> dict[str, 
         env[ENV_DISABLE_SHARED_STORE] = "1"
         return {ENV_DISABLE_SHARED_STORE: "1"}
     return {}
+
+
+def resolve_names(config: FtmemLaunchConfig, run_id: str) -> None:
+    """Fill in the node name and the run directory if the user gave none."""
+    if config.node is None:
+        config.node = default_node_name()
+    if config.run_dir is None:
+        config.run_dir = default_run_dir(safe_name(run_id), config.node)
+        config.auto_run_dir = True

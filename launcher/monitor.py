@@ -15,6 +15,7 @@ heartbeat (``--ftmem-first-progress-timeout`` optionally bounds the time before 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+_FAST_POLL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +142,7 @@ def find_hangs(
 
 def all_resumed(procs: list[RankProcess], progress: dict[int, RankProgress]) -> bool:
     """True once every rank in ``procs`` has reported progress since its start (pure)."""
-    return bool(procs) and all(
-        current_progress(p, progress.get(p.rank)) is not None for p in procs
-    )
+    return bool(procs) and all(current_progress(p, progress.get(p.rank)) is not None for p in procs)
 
 
 def min_committed(ranks: list[int], progress: dict[int, RankProgress]) -> int | None:
@@ -201,6 +202,7 @@ class StatusPoller:
         self._latest: tuple[float, dict[int, RankProgress]] | None = None
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._fast = threading.Event()
 
     def start(self) -> None:
         """Start polling (no-op if running)."""
@@ -224,6 +226,13 @@ class StatusPoller:
         """The newest answer as ``(time fetched, progress by rank)``, or None."""
         with self._lock:
             return self._latest
+
+    def set_fast(self, fast: bool) -> None:
+        """Poll every 0.1 s (while a recovery is timed) instead of every ``interval``."""
+        if fast:
+            self._fast.set()
+        else:
+            self._fast.clear()
 
     def forget(self) -> None:
         """Drop the cached answer (after the SMP was replaced)."""
@@ -257,4 +266,26 @@ class StatusPoller:
                 self.fetch()
             except Exception:
                 log.exception("status poll failed")
-            self._stop.wait(self._interval.total_seconds())
+            wait = self._interval.total_seconds()
+            self._stop.wait(min(wait, _FAST_POLL_S) if self._fast.is_set() else wait)
+
+
+class EventLog:
+    """Appends one JSON object per event to a file (``<run dir>/events.jsonl``).
+
+    Each line has ``time`` (``time.time()``), ``node``, ``event`` and the event's fields, so
+    a timeline can be plotted. Error handling: a failed write is logged, never raised.
+    """
+
+    def __init__(self, path: Path, node: str) -> None:
+        self.path = path
+        self.node = node
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append ``event`` with ``fields``."""
+        record = {"time": time.time(), "node": self.node, "event": event, **fields}
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+        except OSError as exc:
+            log.warning("cannot write the event log %s: %s", self.path, exc)

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.config import ENV_AGENT_PID, ENV_GENERATION, ENV_NODE, ENV_RUN_DIR, ENV_RUN_ID
+from launcher.config import (
+    ENV_AGENT_PID,
+    ENV_EXPECTED_STEP,
+    ENV_GENERATION,
+    ENV_NODE,
+    ENV_RUN_DIR,
+    ENV_RUN_ID,
+)
 
 SHIM_PATH = Path(__file__).with_name("_exec_shim.py")
 
@@ -33,13 +40,21 @@ def wrap_entrypoint(
     return sys.executable, ["-S", str(SHIM_PATH), entrypoint, *args]
 
 
-def rank_env(*, run_dir: Path, run_id: str, node: str, generation: int) -> dict[str, str]:
-    """The ``FTMEM_*`` variables every rank of this node gets."""
+def rank_env(
+    *, run_dir: Path, run_id: str, node: str, generation: int, expected_step: int | None = None
+) -> dict[str, str]:
+    """The ``FTMEM_*`` variables every rank of this node gets.
+
+    ``expected_step`` is the newest step all of this node's ranks had committed before the
+    failure that caused this restart ("" on the first start or if none): a restore that
+    finds nothing although a step was expected means snapshots were lost (e.g. the SMP).
+    """
     return {
         ENV_RUN_DIR: str(run_dir),
         ENV_RUN_ID: run_id,
         ENV_NODE: node,
         ENV_GENERATION: str(generation),
+        ENV_EXPECTED_STEP: "" if expected_step is None else str(expected_step),
         ENV_AGENT_PID: str(os.getpid()),
     }
 
@@ -67,3 +82,31 @@ def describe_exit(exitcode: int) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state in ``/proc/<pid>/stat`` (``T``: stopped, ``D``: uninterruptible)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return None
+
+
+def assign_slots(previous: list[int | None]) -> list[int]:
+    """Give each node (by group rank) a slot: its block of global ranks (pure).
+
+    ``previous[i]`` is the slot the node with group rank ``i`` held in the previous round
+    (None for a new node). A node keeps its slot if it still exists (< the node count) and
+    no node with a lower group rank kept it; the other nodes take the free slots in order.
+    So survivors keep their global ranks and a replacement takes the lost node's ranks.
+    """
+    n = len(previous)
+    slots: list[int | None] = [None] * n
+    taken: set[int] = set()
+    for i, prev in enumerate(previous):
+        if prev is not None and 0 <= prev < n and prev not in taken:
+            slots[i] = prev
+            taken.add(prev)
+    free = iter(s for s in range(n) if s not in taken)
+    return [s if s is not None else next(free) for s in slots]

@@ -47,7 +47,7 @@ from ftmem.client.staging import (
     register_pinned,
     start_cuda_copies,
 )
-from ftmem.config import ClientConfig
+from ftmem.config import ENV_EXPECTED_STEP, ClientConfig
 from ftmem.errors import (
     CorruptSnapshotError,
     FtmemError,
@@ -328,6 +328,13 @@ class Checkpointer:
             step = agreement.newest_common(everyone)
             if step is None:
                 if not any(everyone) and not excluded:
+                    lost = _expected_step()
+                    if lost > 0 and not allow:
+                        raise InconsistentSnapshotError(
+                            f"the run had committed step {lost} but no snapshot is left "
+                            "(the SMP was restarted?); set FTMEM_ALLOW_FRESH_START=1 to start "
+                            "from step 0"
+                        )
                     return 0
                 holders = [r for r, c in enumerate(everyone) if c]
                 msg = (
@@ -405,6 +412,13 @@ class Checkpointer:
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+
+
+def _expected_step() -> int:
+    """The newest step any rank's launcher says its node had committed (0 if unknown)."""
+    raw = os.environ.get(ENV_EXPECTED_STEP, "")
+    mine = int(raw) if raw.isdigit() else 0
+    return -agreement.min_over_ranks(-mine)
 
 
 def _walk_values(obj: Any) -> list[Any]:

@@ -207,7 +207,9 @@ class SmpDaemon:
                     self._handle_frames(frames)
             self._finish_allocations()
             ppid = self.config.parent_pid
-            if ppid is not None and not _pid_alive(ppid):
+            # getppid: once the parent dies we are reparented at once, even while the dead
+            # parent is an unreaped zombie (which kill(pid, 0) would still report alive).
+            if ppid is not None and (os.getppid() != ppid or not _pid_alive(ppid)):
                 log.warning("[%s/smp] parent %d is gone; stopping", self.config.node, ppid)
                 break
 

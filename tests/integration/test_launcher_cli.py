@@ -23,6 +23,7 @@ from launcher.monitor import (
     find_hangs,
     min_committed,
 )
+from launcher.workers import assign_slots
 
 FTMEM_FLAGS = {
     "--ftmem-run-dir",
@@ -34,6 +35,7 @@ FTMEM_FLAGS = {
     "--ftmem-no-progress-restarts",
     "--ftmem-status-interval",
     "--ftmem-smp-log-level",
+    "--ftmem-rank-assignment",
 }
 
 
@@ -47,9 +49,14 @@ def test_accepts_every_torchrun_flag_plus_the_frozen_ftmem_group() -> None:
     assert ours - torchs == FTMEM_FLAGS, "a new --ftmem flag needs docs/launcher.md"
 
 
-def test_defaults_and_config() -> None:
-    args = get_args_parser().parse_args(["--nproc-per-node", "2", "train.py", "--x", "1"])
-    config, ft, cmd, cmd_args = config_from_args(args)
+def test_defaults_and_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "rd"
+    args = get_args_parser().parse_args(
+        ["--nproc-per-node", "2", "--ftmem-run-dir", str(run_dir), "train.py", "--x", "1"]
+    )
+    config, ft, _cmd, cmd_args = config_from_args(args)
+    assert (run_dir / "logs").is_dir() and run_dir.stat().st_mode & 0o777 == 0o700
+    assert args.tee == "3" and ft.auto_run_dir is False
     assert config.max_restarts == 10  # torchrun: 0
     assert ft.hang_timeout == timedelta(seconds=120)
     assert ft.no_progress_restarts == 3 and ft.slots == 2
@@ -65,9 +72,15 @@ def test_pet_env_overrides_max_restarts(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"slots": 1}, {"hang_timeout": timedelta(seconds=-1)}, {"no_progress_restarts": -1},
-     {"node": "a/b"}, {"run_dir": Path("/tmp/" + "x" * 100)},
-     {"status_interval": timedelta(0)}],
+    [
+        {"slots": 1},
+        {"hang_timeout": timedelta(seconds=-1)},
+        {"no_progress_restarts": -1},
+        {"node": "a/b"},
+        {"run_dir": Path("/tmp/" + "x" * 100)},
+        {"status_interval": timedelta(0)},
+        {"rank_assignment": "random"},
+    ],
 )
 def test_invalid_settings_raise_value_error(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -95,8 +108,9 @@ def test_default_run_dir_fits_an_ipc_socket() -> None:
     assert len(str(d)) + len("/smp.sock") <= 100
 
 
-def _prog(rank: int, pid: int | None, t: float | None, step: int | None = 1,
-          committed: int | None = 1) -> RankProgress:
+def _prog(
+    rank: int, pid: int | None, t: float | None, step: int | None = 1, committed: int | None = 1
+) -> RankProgress:
     return RankProgress(rank, pid, t, step, committed)
 
 
@@ -135,5 +149,17 @@ def test_no_progress_guard() -> None:
     assert g.on_failure(None)  # 2 -> stop
     g = NoProgressGuard(limit=2)
     assert [g.on_failure(s) for s in (3, 3, 5, 5, 6)] == [False, False, False, False, False]
+    assert not g.on_failure(6)
     assert g.on_failure(6) and g.best == 6
     assert not any(NoProgressGuard(limit=0).on_failure(None) for _ in range(5))
+
+
+def test_assign_slots_keeps_survivors_and_fills_gaps() -> None:
+    assert assign_slots([None, None, None]) == [0, 1, 2]
+    # node c (was slot 2) now sorts before the replacement: it keeps slot 2
+    assert assign_slots([0, 2, None]) == [0, 2, 1]
+    # the slot-0 node was replaced: the newcomer takes slot 0
+    assert assign_slots([1, 2, None]) == [1, 2, 0]
+    # shrink: a slot beyond the node count is re-assigned; duplicates go to the lower rank
+    assert assign_slots([2, 1]) == [0, 1]
+    assert assign_slots([1, 1]) == [1, 0]

@@ -25,8 +25,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 # A model small enough that a step takes tens of milliseconds on one core.
-TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--vocab", "64",
-        "--seq-len", "16", "--batch-size", "2", "--log-every", "1"]
+TINY = [
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--vocab",
+    "64",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--log-every",
+    "1",
+]
 DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]+)")
 
 
@@ -79,7 +93,11 @@ class Launch:
         with open(log, "w") as f:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "launcher", *args],
-                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=REPO,
             )
         self.pid = self.popen.pid
 
@@ -108,8 +126,10 @@ class Launch:
             if time.monotonic() > deadline or self.popen.poll() is not None:
                 if len(found := list(rx.finditer(self.text()))) >= count:
                     return found
-                pytest.fail(f"{pattern!r} x{count} not seen in {timeout} s "
-                            f"(exit {self.popen.poll()}); log tail:\n{self.text()[-3000:]}")
+                pytest.fail(
+                    f"{pattern!r} x{count} not seen in {timeout} s "
+                    f"(exit {self.popen.poll()}); log tail:\n{self.text()[-3000:]}"
+                )
             time.sleep(0.1)
 
     def wait(self, timeout: float) -> int:
@@ -117,8 +137,9 @@ class Launch:
         deadline = time.monotonic() + timeout
         while self.popen.poll() is None:
             if time.monotonic() > deadline:
-                pytest.fail(f"agent still running after {timeout} s; log tail:\n"
-                            f"{self.text()[-3000:]}")
+                pytest.fail(
+                    f"agent still running after {timeout} s; log tail:\n{self.text()[-3000:]}"
+                )
             self.descendants()
             time.sleep(0.1)
         return int(self.popen.returncode)
@@ -129,8 +150,14 @@ class Launch:
         os.kill(self.pid, sig)
 
     def kill_all(self) -> None:
-        """SIGKILL the agent's group and every descendant seen; reap the agent."""
+        """Stop the agent (SIGTERM, bounded wait), then SIGKILL its group and every descendant."""
         self.descendants()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)  # lets it stop its SMP (frees the arenas)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -175,13 +202,36 @@ class Launcher:
         self.launches.append(launch)
         return launch
 
-    def single_node(self, run_id: str, nproc: int, ftmem: list[str], script: list[str],
-                    name: str = "agent", **env: str) -> Launch:
+    def single_node(
+        self,
+        run_id: str,
+        nproc: int,
+        ftmem: list[str],
+        script: list[str],
+        name: str = "agent",
+        **env: str,
+    ) -> Launch:
         """One node, c10d rendezvous on a free local port."""
-        args = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
-                "--monitor-interval", "0.1", "--ftmem-node", "n0",
-                "--ftmem-run-dir", str(self.tmp / f"{name}-rd"), *ftmem, *script]
+        args = [
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--rdzv-id",
+            run_id,
+            "--monitor-interval",
+            "0.1",
+            "--ftmem-node",
+            "n0",
+            "--ftmem-run-dir",
+            str(self.tmp / f"{name}-rd"),
+            *ftmem,
+            *script,
+        ]
         return self.start(args, name, **env)
 
     def cleanup(self) -> None:
@@ -217,8 +267,9 @@ def reference_digests(launcher: Launcher, steps: int) -> dict[int, str]:
     key = (str(steps),)
     if key not in _REFERENCE:
         rid = launcher.new_run_id()
-        ref = launcher.single_node(rid, 2, [], [str(EXAMPLE), "--steps", str(steps), *TINY],
-                                   name="reference")
+        ref = launcher.single_node(
+            rid, 2, [], [str(EXAMPLE), "--steps", str(steps), *TINY], name="reference"
+        )
         assert ref.wait(90) == 0, ref.text()[-3000:]
         _REFERENCE[key] = digests(ref.text())
         assert len(_REFERENCE[key]) == 2

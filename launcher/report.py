@@ -1,0 +1,125 @@
+"""One log line per failure and per recovery, and the final report.
+
+Every line starts with ``[node/rank]``; the same events go to the JSON-lines event log
+(:class:`launcher.monitor.EventLog`) so a timeline can be plotted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from launcher.monitor import EventLog, RankProcess, RankProgress, current_progress
+
+log = logging.getLogger("launcher.agent")
+
+
+@dataclass(slots=True)
+class Recovery:
+    """A failure being recovered from: when it was detected and what it was."""
+
+    detected: float
+    """``time.time()`` of the detection."""
+    what: str
+    committed: int | None
+    """The node's newest step committed by all its ranks at the detection."""
+
+
+def tail_lines(path: str | None, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of a file (empty if there is none)."""
+    if not path or not os.path.isfile(path):
+        return []
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in f.readlines()[-lines:]]
+    except OSError:
+        return []
+
+
+def log_failure(
+    node: str,
+    rank: int | None,
+    what: str,
+    generation: int,
+    committed: int | None,
+    outcome: str,
+    stopped: list[int],
+) -> None:
+    """``[node/rank] FAILED: <what> (generation g); newest committed step ...; <outcome>``."""
+    log.error(
+        "[%s/%s] FAILED: %s (generation %d); newest committed step on this node: %s; %s%s",
+        node,
+        "-" if rank is None else rank,
+        what,
+        generation,
+        committed,
+        outcome,
+        f"; ranks {stopped} stopped by the agent" if stopped else "",
+    )
+
+
+def log_last_failure(
+    node: str, stop_reason: str | None, last: tuple[int | None, str, list[str]] | None
+) -> None:
+    """Before torchrun's summary: why the agent stopped and the failing rank's last lines."""
+    if stop_reason:
+        log.error("[%s] stopped: %s", node, stop_reason)
+    if last is None or not last[2]:
+        return
+    rank, what, tail = last
+    log.error(
+        "[%s/%s] last failure: %s; the rank's last %d lines of stderr:\n%s",
+        node,
+        "-" if rank is None else rank,
+        what,
+        len(tail),
+        "\n".join(f"    {line}" for line in tail),
+    )
+
+
+def report_resumed(
+    node: str,
+    generation: int,
+    rec: Recovery,
+    procs: list[RankProcess],
+    progress: dict[int, RankProgress],
+    events: EventLog,
+) -> None:
+    """Log (and record) that every local rank reported progress again after a failure.
+
+    The resume moment is the newest of the ranks' progress reports at the poll that saw
+    them all (the 0.1 s polling during a recovery bounds the error); it is split into
+    detect -> spawn (stop, rendezvous, SMP restart) and spawn -> stepping (start-up,
+    ``import torch``, ``ftmem.load``, the first step).
+    """
+    times = [current_progress(p, progress.get(p.rank)) for p in procs]
+    resumed = max(t for t in times if t is not None)
+    spawned = min(p.start_time for p in procs)
+    steps = [progress[p.rank].last_progress_step for p in procs if p.rank in progress]
+    first = min((s for s in steps if s is not None), default=None)
+    total = resumed - rec.detected
+    log.warning(
+        "[%s] RESUMED after %s: generation %d, %d local rank(s) stepping again at step %s "
+        "(newest committed before the failure: %s); detect->resumed %.2f s "
+        "(detect->spawn %.2f s, spawn->stepping %.2f s)",
+        node,
+        rec.what,
+        generation,
+        len(procs),
+        first,
+        rec.committed,
+        total,
+        spawned - rec.detected,
+        resumed - spawned,
+    )
+    events.write(
+        "resumed",
+        after=rec.what,
+        generation=generation,
+        step=first,
+        committed_before=rec.committed,
+        detect_to_resumed_s=round(total, 3),
+        detect_to_spawn_s=round(spawned - rec.detected, 3),
+        spawn_to_stepping_s=round(resumed - spawned, 3),
+    )

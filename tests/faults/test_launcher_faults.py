@@ -1,0 +1,194 @@
+"""ftmem-launch on one node under faults: rank killed, rank hung, SMP killed, agent killed.
+
+Each run restores from the node's SMP and must end with the digest of a failure-free run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.integration.test_launcher_support import (
+    EXAMPLE,
+    TINY,
+    Launcher,
+    digests,
+    launcher_env,
+    reference_digests,
+    shm_files,
+    wait_gone,
+)
+
+__all__ = ["launcher_env"]  # the fixture
+
+STEPS = 12
+RESUMED = r"RESUMED after .*detect->resumed ([0-9.]+) s"
+
+
+def test_rank_sigkill_restarts_all_ranks_from_memory(launcher_env: Launcher) -> None:
+    ref = reference_digests(launcher_env, STEPS)
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        [],
+        [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--fail-at-step", "6", "--fail-rank", "1"],
+    )
+    assert agent.wait(90) == 0, agent.text()[-3000:]
+    text = agent.text()
+    assert re.search(
+        r"\[n0/1\] FAILED: signal SIGKILL .* newest committed step on this node: 6", text
+    ), text[-3000:]
+    assert text.count("resumed from step 6") == 2
+    assert re.search(RESUMED, text)
+    assert digests(text) == ref
+    assert shm_files(rid) == []
+    events = [
+        json.loads(line)
+        for line in (launcher_env.tmp / "agent-rd" / "events.jsonl").read_text().splitlines()
+    ]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["ranks_started", "failed", "ranks_started", "resumed"], kinds
+    assert events[1]["rank"] == 1 and events[1]["exitcode"] == -signal.SIGKILL
+    assert events[3]["committed_before"] == 6 and events[3]["detect_to_resumed_s"] > 0
+
+
+def test_sigstopped_rank_is_detected_as_hung_and_restarted(launcher_env: Launcher) -> None:
+    ref = reference_digests(launcher_env, STEPS)
+    rid = launcher_env.new_run_id()
+    hang_timeout = 3.0
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        ["--ftmem-hang-timeout", str(hang_timeout), "--ftmem-status-interval", "0.5"],
+        [
+            str(EXAMPLE),
+            "--steps",
+            str(STEPS),
+            *TINY,
+            "--fail-at-step",
+            "6",
+            "--fail-rank",
+            "1",
+            "--fail-mode",
+            "hang",
+        ],
+    )
+    agent.wait_for(r"injecting failure \(hang\)", 60)
+    injected = time.monotonic()
+    agent.wait_for(r"HANG: no progress", hang_timeout + 10)
+    detected = time.monotonic() - injected
+    assert detected < hang_timeout + 5, f"hang detected after {detected:.1f} s"
+    assert agent.wait(90) == 0, agent.text()[-3000:]
+    text = agent.text()
+    assert re.search(
+        r"\[n0/1\] HANG: no progress for [0-9.]+ s \(last step 6, process state T\)", text
+    ), text[-3000:]
+    assert text.count("resumed from step 6") == 2
+    assert digests(text) == ref
+
+
+def test_smp_sigkill_restarts_smp_and_ranks(launcher_env: Launcher) -> None:
+    rid = launcher_env.new_run_id()
+    # With its SMP gone nothing is left to restore: allow the fresh start explicitly.
+    agent = launcher_env.single_node(
+        rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY], FTMEM_ALLOW_FRESH_START="1"
+    )
+    first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
+    agent.wait_for(r"step 3 loss", 60)
+    smp_pid = int(first.group(1))
+    import os
+
+    os.kill(smp_pid, signal.SIGKILL)
+    agent.wait_for(rf"FAILED: SMP pid {smp_pid} died \(signal SIGKILL\)", 15)
+    agent.wait_for(r"SMP pid \d+ ready in [0-9.]+ s .*start #2", 30)
+    agent.wait_for(RESUMED, 60)
+    assert agent.text().count("resumed from step 0") == 4
+    kids = agent.descendants()
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(40) == 1
+    assert not wait_gone(kids, 10)
+    assert shm_files(rid) == []
+
+
+@pytest.mark.timeout(240)
+def test_smp_sigkill_without_fresh_start_stops_with_a_clear_message(launcher_env: Launcher) -> None:
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        ["--ftmem-no-progress-restarts", "1", "--ftmem-status-interval", "0.2"],
+        [str(EXAMPLE), "--steps", "100000", *TINY],
+    )
+    first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
+    # Give the agent's status poll time to learn a committed step (what it passes to restarts).
+    agent.wait_for(r"step 10 loss", 60)
+    time.sleep(1.0)
+    os.kill(int(first.group(1)), signal.SIGKILL)
+    code = agent.wait(200)
+    text = agent.text()
+    assert code != 0, text[-3000:]
+    assert "no snapshot is left" in text and "FTMEM_ALLOW_FRESH_START" in text
+    assert "resumed from step 0" not in text.split("SMP pid")[-1]
+    assert shm_files(rid) == []
+
+
+def test_agent_sigkill_leaves_no_orphans(launcher_env: Launcher) -> None:
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY])
+    agent.wait_for(r"step 3 loss", 60)
+    kids = agent.descendants()
+    assert len(kids) >= 3
+    agent.signal(signal.SIGKILL)  # the agent alone, not its group
+    agent.popen.wait(10)  # its parent (a shell, a scheduler) reaps it
+    alive = wait_gone(kids, 5)
+    assert not alive, f"orphans of the SIGKILLed agent: {alive}"
+    # the SMP removed its shared memory when it saw its parent go
+    deadline = time.monotonic() + 5
+    while shm_files(rid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert shm_files(rid) == []
+
+
+def test_stopped_rank_does_not_stall_the_restart_after_a_peer_dies(
+    launcher_env: Launcher,
+) -> None:
+    """Rank 1 is SIGSTOPped, then rank 0 is SIGKILLed: elastic would SIGTERM rank 1 and
+    wait 30 s for it; the agent SIGKILLs the stopped rank at once."""
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        ["--ftmem-hang-timeout", "0"],
+        [
+            str(EXAMPLE),
+            "--steps",
+            str(STEPS),
+            *TINY,
+            "--fail-at-step",
+            "6",
+            "--fail-rank",
+            "1",
+            "--fail-mode",
+            "hang",
+        ],
+    )
+    agent.wait_for(r"injecting failure \(hang\)", 60)
+    started = json.loads(
+        (launcher_env.tmp / "agent-rd" / "events.jsonl").read_text().splitlines()[0]
+    )
+    rank0 = started["pids"][started["ranks"].index(0)]
+    time.sleep(0.5)
+    killed = time.monotonic()
+    import os
+
+    os.kill(rank0, signal.SIGKILL)
+    agent.wait_for(r"\[n0/1\] pid \d+ is stopped .* SIGKILL", 5)
+    agent.wait_for(r"RESUMED after signal SIGKILL", 30)
+    assert time.monotonic() - killed < 20
+    assert agent.wait(60) == 0, agent.text()[-3000:]

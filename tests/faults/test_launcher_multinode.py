@@ -1,0 +1,206 @@
+"""Two ftmem-launch agents on loopback (2 nodes x 1 rank, c10d rendezvous)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+from tests.integration.test_launcher_support import (
+    EXAMPLE,
+    TINY,
+    Launch,
+    Launcher,
+    digests,
+    free_port,
+    launcher_env,
+    reference_digests,
+    shm_files,
+    wait_gone,
+)
+
+__all__ = ["launcher_env"]  # the fixture
+
+STEPS = 12
+
+
+def _two_nodes(
+    launcher: Launcher, run_id: str, script: list[str], ftmem: list[str] | None = None
+) -> tuple[Launch, Launch]:
+    """Node a hosts the c10d store (is_host=1) and starts first; node b joins it."""
+    port = free_port()
+
+    def node(name: str, host: int) -> Launch:
+        return launcher.start(
+            [
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                run_id,
+                "--rdzv-conf",
+                f"is_host={host}",
+                "--monitor-interval",
+                "0.1",
+                "--ftmem-node",
+                name,
+                "--ftmem-run-dir",
+                str(launcher.tmp / f"{name}-rd"),
+                *(ftmem or []),
+                *script,
+            ],
+            name,
+        )
+
+    a = node("a", 1)
+    a.wait_for(r"SMP pid \d+ ready", 60)
+    return a, node("b", 0)
+
+
+def test_rank_killed_on_one_node_restarts_both_nodes(launcher_env: Launcher) -> None:
+    ref = reference_digests(launcher_env, STEPS)
+    rid = launcher_env.new_run_id()
+    a, b = _two_nodes(
+        launcher_env,
+        rid,
+        [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--fail-at-step", "6", "--fail-rank", "1"],
+    )
+    assert a.wait(120) == 0 and b.wait(60) == 0, a.text()[-2000:] + b.text()[-2000:]
+    both = a.text() + b.text()
+    assert re.search(r"\[b/1\] FAILED: signal SIGKILL", b.text()), b.text()[-3000:]
+    assert re.search(r"\[a(/0)?\] (RESTART|FAILED)", a.text()), a.text()[-3000:]
+    for launch in (a, b):
+        assert re.search(r"RESUMED after .*generation 1.*detect->resumed", launch.text())
+    assert both.count("resumed from step 6") == 2
+    assert {**digests(a.text()), **digests(b.text())} == ref
+    assert shm_files(rid) == []
+
+
+def test_agent_killed_on_one_node_leaves_no_orphans_and_the_other_waits(
+    launcher_env: Launcher,
+) -> None:
+    rid = launcher_env.new_run_id()
+    a, b = _two_nodes(launcher_env, rid, [str(EXAMPLE), "--steps", "100000", *TINY])
+    for launch in (a, b):
+        launch.wait_for(r"step 3 loss", 60)
+    b_kids = b.descendants()
+    assert len(b_kids) >= 2  # SMP + rank
+    b.signal(signal.SIGKILL)
+    b.popen.wait(10)
+    assert not wait_gone(b_kids, 5), "orphans on the killed node"
+    # node a: its rank fails on the broken collective, it re-joins and waits for a peer
+    a.wait_for(r"\[a/0\] FAILED", 30)
+    a.wait_for(r"\[a\] joining the rendezvous", 30, count=2)
+    time.sleep(3)
+    assert a.popen.poll() is None, "node a should wait for a replacement node"
+    assert "RESUMED" not in a.text()
+
+
+RANKS_SCRIPT = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"GEN {os.environ['FTMEM_GENERATION']} NODE {os.environ['FTMEM_NODE']} "
+      f"RANK {dist.get_rank()} SUM {int(t.item())}", flush=True)
+while True:  # a collective now and then, so a lost peer fails this rank
+    time.sleep(0.2)
+    dist.all_reduce(t)
+"""
+
+
+def test_replacement_node_takes_the_lost_nodes_ranks_survivors_keep_theirs(
+    launcher_env: Launcher,
+) -> None:
+    """3 nodes; the one holding global rank 0 is lost and replaced.
+
+    elastic would renumber (by node order: a=0, c=1, new b=2); ftmem-launch keeps a=1, c=2
+    and gives rank 0 to the replacement, with MASTER_ADDR/PORT moved to it.
+    """
+    script = launcher_env.tmp / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    rid, port = launcher_env.new_run_id(), free_port()
+
+    def node(name: str, host: int, log: str) -> Launch:
+        return launcher_env.start(
+            [
+                "--nnodes",
+                "3",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                rid,
+                "--rdzv-conf",
+                f"is_host={host}",
+                "--monitor-interval",
+                "0.1",
+                "--ftmem-node",
+                name,
+                "--ftmem-run-dir",
+                str(launcher_env.tmp / f"{log}-rd"),
+                str(script),
+            ],
+            log,
+        )
+
+    # Node order (by agent pid) b < a < c, so b gets group rank 0 and global rank 0;
+    # a hosts the rendezvous store, so b can be lost without ending the job.
+    b = node("b", 0, "b")
+    time.sleep(0.3)
+    a = node("a", 1, "a")
+    time.sleep(0.3)
+    c = node("c", 0, "c")
+    gen0 = {}
+    for launch in (a, b, c):
+        m = launch.wait_for(r"GEN 0 NODE (\w+) RANK (\d+) SUM 3", 90)[0]
+        gen0[m.group(1)] = int(m.group(2))
+    assert gen0 == {"b": 0, "a": 1, "c": 2}
+    b_kids = b.descendants()
+    b.signal(signal.SIGKILL)
+    b.popen.wait(10)
+    assert not wait_gone(b_kids, 5)
+    b2 = node("b", 0, "b2")
+    gen1 = {}
+    for launch in (a, c, b2):
+        m = launch.wait_for(r"GEN ([1-9]\d*) NODE (\w+) RANK (\d+) SUM 3", 90)[0]
+        gen1[m.group(2)] = int(m.group(3))
+    assert gen1 == {"a": 1, "c": 2, "b": 0}
+
+
+def test_rank_hung_on_one_node_is_killed_and_both_nodes_resume(launcher_env: Launcher) -> None:
+    """A SIGSTOPped rank on node b blocks node a's rank too: both go idle, b's stopped rank
+    is named and killed, both nodes restart from step 6 with the failure-free digest."""
+    ref = reference_digests(launcher_env, STEPS)
+    rid = launcher_env.new_run_id()
+    a, b = _two_nodes(
+        launcher_env,
+        rid,
+        [
+            str(EXAMPLE),
+            "--steps",
+            str(STEPS),
+            *TINY,
+            "--fail-at-step",
+            "6",
+            "--fail-rank",
+            "1",
+            "--fail-mode",
+            "hang",
+        ],
+        ["--ftmem-hang-timeout", "3", "--ftmem-status-interval", "0.5"],
+    )
+    assert a.wait(120) == 0 and b.wait(60) == 0, a.text()[-2000:] + b.text()[-2000:]
+    assert re.search(r"\[b/1\] HANG: no progress .*process state T", b.text()), b.text()[-3000:]
+    for launch in (a, b):
+        assert re.search(r"RESUMED after .*detect->resumed", launch.text())
+    assert (a.text() + b.text()).count("resumed from step 6") == 2
+    assert {**digests(a.text()), **digests(b.text())} == ref
