@@ -33,3 +33,7 @@ class InconsistentSnapshotError(FtmemError):
 
 class SnapshotMismatchError(FtmemError):
     """A snapshot does not fit the state it is loaded into (missing keys, shapes or dtypes)."""
+
+
+class UnrecoverableError(FtmemError):
+    """More fragments (or nodes) of an erasure-coding group are lost than its parity covers."""

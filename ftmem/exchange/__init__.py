@@ -13,11 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ftmem.errors import UnrecoverableError
 from ftmem.exchange.placement import (
     GroupPlan,
     RebuildPlan,
     StripePlan,
-    UnrecoverableError,
     parity_bytes_per_node,
     plan_group,
     plan_groups,

@@ -45,7 +45,8 @@ import numpy as np
 import xxhash
 from pyeclib.ec_iface import ECDriver
 
-from ftmem.exchange.placement import ALIGN, UnrecoverableError
+from ftmem.errors import UnrecoverableError
+from ftmem.exchange.placement import ALIGN
 
 __all__ = [
     "EC_TYPE",

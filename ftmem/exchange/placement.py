@@ -49,17 +49,13 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ftmem.errors import FtmemError
+from ftmem.errors import UnrecoverableError
 
 ALIGN = 64
 """Chunk sizes are rounded up to this many bytes (ISA-L works on aligned vectors)."""
 
 DEFAULT_MAX_GROUP_SIZE = 8
 """Default cap on the number of nodes per erasure-coding group."""
-
-
-class UnrecoverableError(FtmemError):
-    """More fragments (or nodes) are lost than the parity can make up for."""
 
 
 @dataclass(frozen=True, slots=True)
