@@ -65,6 +65,9 @@ class SmpConfig:
     """Where the arena files live (a tmpfs)."""
     parent_pid: int | None = None
     """If set, the SMP exits (cleaning up) when this process is gone."""
+    adopt: bool = True
+    """At start, serve again the committed slots a killed SMP of this run and node left in
+    shm_dir (their commit records are checked; data checksums are checked at load)."""
     poll_interval: timedelta = timedelta(milliseconds=100)
     """How often the loop wakes up to check signals, the parent and finished allocations."""
 

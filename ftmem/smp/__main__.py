@@ -55,6 +55,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--poll-interval", type=float, default=0.1, help="seconds between housekeeping checks"
     )
+    p.add_argument(
+        "--no-adopt",
+        action="store_true",
+        help="discard (instead of serving again) committed slots a killed SMP left behind",
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p
 
@@ -71,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
         shm_dir=args.shm_dir,
         parent_pid=args.parent_pid,
         poll_interval=timedelta(seconds=args.poll_interval),
+        adopt=not args.no_adopt,
     )
 
 

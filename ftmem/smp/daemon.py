@@ -28,6 +28,7 @@ from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
 from ftmem.errors import ProtocolError, SmpStartError
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
+from ftmem.smp import records
 from ftmem.smp.store import RankSlots, SlotState, StoreError
 
 log = get_logger(__name__)
@@ -108,7 +109,10 @@ class SmpDaemon:
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
             ready.unlink()
         self._owns_run_dir = True
-        self._remove_stale_arenas()
+        if cfg.adopt:
+            self._adopt_left_slots()
+        else:
+            self._remove_stale_arenas()
         key_path = cfg.run_dir / AUTH_KEY_NAME
         key_path.unlink(missing_ok=True)
         self._key = secrets.token_bytes(32)
@@ -179,6 +183,25 @@ class SmpDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _adopt_left_slots(self) -> None:
+        prefix = f"ftmem-{self.config.run_id}-{self.config.node}-r"
+        found, leftovers = records.scan(self.config.shm_dir, prefix, self.config.slots)
+        for p in leftovers:
+            shm.remove_segment(p)
+            records.remove_record(p)
+        for a in found:
+            r = a.record
+            self._rank(r.rank).adopt(
+                r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout
+            )
+        if found:
+            log.info(
+                "[%s/smp] adopted %d committed slot(s) left by a previous SMP: %s",
+                self.config.node,
+                len(found),
+                ", ".join(f"rank {a.record.rank} step {a.record.step}" for a in found),
+            )
 
     def _remove_stale_arenas(self) -> int:
         prefix = f"ftmem-{self.config.run_id}-{self.config.node}-r"
@@ -294,7 +317,11 @@ class SmpDaemon:
             return m.Reply(ok=True, data={"snapshots": snaps})
         if isinstance(p, m.DiscardNewer):
             self._check_step(p.step)
-            dropped = self._rank(p.rank).discard_newer(p.step)
+            rs = self._rank(p.rank)
+            for sl in rs.slots:
+                if sl.state is SlotState.COMMITTED and (sl.step or 0) > p.step and not sl.pinned:
+                    records.remove_record(sl.path)
+            dropped = rs.discard_newer(p.step)
             if dropped:
                 log.info(
                     "[%s/%d %d] dropped newer steps %s of an abandoned run",
@@ -328,6 +355,8 @@ class SmpDaemon:
             rs.skipped += 1
             return m.Reply(ok=True, data={"action": "skip", "reason": d.reason})
         s = rs.slot(d.slot)
+        if d.action == "write":
+            records.remove_record(s.path)  # its old data is about to be overwritten
         return m.Reply(
             ok=True,
             data={
@@ -345,6 +374,23 @@ class SmpDaemon:
         s = rs.slot(p.slot)
         _check_layout(p.layout, s.capacity)
         rs.commit(p.slot, p.gen, p.step, p.layout)
+        try:
+            records.write_record(
+                s.path,
+                records.CommitRecord(
+                    rank=p.rank,
+                    slot=p.slot,
+                    gen=s.gen,
+                    capacity=s.capacity,
+                    step=p.step,
+                    seq=s.seq,
+                    layout=p.layout,
+                ),
+            )
+        except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost
+            log.warning(
+                "[%s/%d %d] cannot write commit record: %s", self.config.node, p.rank, p.step, exc
+            )
         rs.progress(p.step)
         rs.last_stall_s, rs.last_copy_s, rs.skipped = (
             p.stall_s,
@@ -376,6 +422,7 @@ class SmpDaemon:
             old = Path(s.path) if s.path else None
             job.slots.append((s.index, self.config.shm_dir / name, capacity))
             if old is not None:
+                records.remove_record(old)
                 shm.remove_segment(old)
         self._pending_allocs += 1
         self._jobs.put(job)

@@ -44,6 +44,9 @@ class SmpProcess:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(timeout=30)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
 
     def stop(self, timeout: timedelta = timedelta(seconds=10)) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL and wait; return the exit code."""

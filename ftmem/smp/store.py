@@ -193,6 +193,15 @@ class RankSlots:
         else:
             s.state, s.path, s.capacity = SlotState.EMPTY, "", 0
 
+    def adopt(
+        self, index: int, gen: int, path: str, capacity: int, step: int, seq: int, layout: str
+    ) -> None:
+        """Take over a committed slot left by a previous SMP of this node (see records.py)."""
+        s = self.slot(index)
+        s.state, s.gen, s.path, s.capacity = SlotState.COMMITTED, gen, path, capacity
+        s.step, s.seq, s.layout = step, seq, layout
+        self._seq = max(self._seq, seq)
+
     def describe(self) -> dict[str, Any]:
         """Return a JSON-ready summary for STATUS."""
         newest = self.newest()

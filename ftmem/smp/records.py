@@ -1,0 +1,145 @@
+"""Commit records: a small sidecar file per committed slot, so a restarted SMP can adopt them.
+
+The slot files live in /dev/shm and survive the SMP's death (only a clean shutdown removes
+them). When a slot is committed, the SMP writes ``<slot file>.commit`` (tmp + rename, so it
+is complete or absent) holding the layout and identity of what the slot holds; when the slot
+is handed out for writing again, or dropped, the record is removed first. A record present
+therefore names committed data; the data's own checksums are still verified at every load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ftmem._logging import get_logger
+
+log = get_logger(__name__)
+
+SUFFIX = ".commit"
+RECORD_VERSION = 1
+_MAX_RECORD_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """What a committed slot holds, as written next to it."""
+
+    rank: int
+    slot: int
+    gen: int
+    capacity: int
+    step: int
+    seq: int
+    layout: str
+
+
+def record_path(slot_path: Path | str) -> Path:
+    """The record file of a slot file."""
+    return Path(str(slot_path) + SUFFIX)
+
+
+def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
+    """Write the record of ``slot_path`` atomically (tmp + rename)."""
+    body = json.dumps(
+        {
+            "version": RECORD_VERSION,
+            "rank": rec.rank,
+            "slot": rec.slot,
+            "gen": rec.gen,
+            "capacity": rec.capacity,
+            "step": rec.step,
+            "seq": rec.seq,
+            "layout": rec.layout,
+        },
+        separators=(",", ":"),
+    )
+    text = json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})
+    final = record_path(slot_path)
+    tmp = final.with_name(final.name + ".tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, final)
+
+
+def remove_record(slot_path: Path | str) -> None:
+    """Remove the record of a slot (before its data is overwritten or dropped)."""
+    if slot_path:
+        record_path(slot_path).unlink(missing_ok=True)
+
+
+def read_record(path: Path) -> CommitRecord:
+    """Read and check one record file. Raises ValueError if it is malformed or corrupt."""
+    if path.stat().st_size > _MAX_RECORD_BYTES:
+        raise ValueError("record too large")
+    outer = json.loads(path.read_text())
+    body = outer["record"]
+    if not isinstance(body, str) or xxhash.xxh64_hexdigest(body.encode()) != outer["xxh64"]:
+        raise ValueError("record checksum mismatch")
+    d: dict[str, Any] = json.loads(body)
+    if d.get("version") != RECORD_VERSION:
+        raise ValueError(f"record version {d.get('version')} not supported")
+    fields = {k: d[k] for k in ("rank", "slot", "gen", "capacity", "step", "seq")}
+    if not all(type(v) is int and v >= 0 for v in fields.values()) or not isinstance(
+        d["layout"], str
+    ):
+        raise ValueError("record fields have the wrong types")
+    return CommitRecord(layout=d["layout"], **fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Adoptable:
+    """A slot file with a valid record that a restarted SMP can serve again."""
+
+    path: Path
+    record: CommitRecord
+
+
+def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list[Path]]:
+    """Split the files starting with ``prefix`` into adoptable slots and leftovers to remove.
+
+    A slot file is adoptable when its name parses, its record is valid and agrees with the
+    name, and its size equals the recorded capacity; for each (rank, slot) the newest
+    generation wins.
+    """
+    name_re = re.compile(re.escape(prefix) + r"(\d+)-s(\d+)-g(\d+)$")
+    best: dict[tuple[int, int], Adoptable] = {}
+    leftovers: list[Path] = []
+    for p in sorted(shm_dir.glob(prefix + "*")):
+        if p.name.endswith(SUFFIX):
+            if not Path(str(p)[: -len(SUFFIX)]).exists():
+                leftovers.append(p)
+            continue
+        match = name_re.match(p.name)
+        if match is None:
+            leftovers.append(p)
+            continue
+        rank, slot, gen = (int(g) for g in match.groups())
+        try:
+            rec = read_record(record_path(p))
+            ok = (rec.rank, rec.slot, rec.gen) == (
+                rank,
+                slot,
+                gen,
+            ) and p.stat().st_size == rec.capacity
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.debug("not adopting %s: %s", p.name, exc)
+            ok = False
+        if not ok or slot >= nslots:
+            leftovers.append(p)
+            continue
+        prev = best.get((rank, slot))
+        if prev is None or prev.record.gen < gen:
+            if prev is not None:
+                leftovers.append(prev.path)
+            best[(rank, slot)] = Adoptable(p, rec)
+        else:
+            leftovers.append(p)
+    return sorted(best.values(), key=lambda a: (a.record.rank, a.record.slot)), leftovers
