@@ -93,6 +93,8 @@ class ZmqPeerTransport(PeerTransport):
         r.curve_publickey = self.keys.public
         r.zap_domain = ZAP_DOMAIN.encode()
         r.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        # A replacement node reconnects under the lost node's name: it takes the name over.
+        r.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.port == 0:
             self.port = r.bind_to_random_port(f"tcp://{self.host}")
         else:

@@ -1,0 +1,194 @@
+"""Erasure-coding benchmark: StripeCodec encode and rebuild throughput (ISA-L via pyeclib).
+
+Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
+
+    python bench/ec.py              # 256 MiB of data per pass, 5 repeats (about a minute)
+    python bench/ec.py --quick      # 64 MiB, 3 repeats (a smoke test, ~15 s)
+
+For n=3, m=1 and n=4, m=2 (k = n - m data columns) and stripes of 1, 4 and 16 MiB of data
+(``k`` chunks each), it streams a random buffer stripe by stripe and measures, as GB/s of
+protected data (stripe data bytes / time, median over the repeats):
+
+* ``pyeclib``: ``ECDriver.encode`` alone on each contiguous stripe (numpy view, no copy);
+* ``encode_stripe``: :meth:`StripeCodec.encode_stripe` (the same, plus xxh3 of every fragment);
+* ``encode``: :meth:`StripeCodec.encode` with ``k`` separate chunk views (gathered into the
+  codec's reused stripe buffer first: the case of chunks received from ``k`` nodes);
+* ``rebuild``: :meth:`StripeCodec.reconstruct` of ``m`` lost data columns from the others and
+  the parity, every fragment checksum-verified;
+* ``ms/stripe``: encode_stripe time per stripe, i.e. how long each call holds the GIL.
+
+Every configuration and malloc setting runs in a fresh interpreter (``MALLOC_*`` variables
+removed): "tuned" calls :func:`ftmem.exchange.codec.tune_malloc`, "default" leaves glibc as it
+is. Columns are measured in the order shown, so "pyeclib" under "default" is glibc untouched;
+later columns run after the codec's own first allocations, which can already raise glibc's
+dynamic mmap threshold (the default's speed depends on the process's allocation history).
+The markdown table goes to stdout; nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+
+from ftmem.exchange.codec import EC_TYPE, EncodedStripe, StripeCodec, tune_malloc
+from ftmem.exchange.placement import chunk_bytes_for
+
+MiB = 1 << 20
+CASES = [(3, 1), (4, 2)]
+STRIPES_MIB = [1, 4, 16]
+
+
+def _median_gbps(nbytes: int, repeats: int, run: Callable[[], None]) -> tuple[float, float]:
+    """Run ``run`` once to warm up, then ``repeats`` times; (median GB/s, median seconds)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return nbytes / med / 1e9, med
+
+
+def measure(
+    n: int, m: int, stripe_mib: int, data: np.ndarray[Any, Any], repeats: int, tune: bool
+) -> dict[str, Any]:
+    """Measure one (n, m, stripe size) configuration on ``data``."""
+    k = n - m
+    chunk = chunk_bytes_for(k, stripe_mib * MiB)
+    stripe = k * chunk
+    count = data.nbytes // stripe
+    nbytes = count * stripe
+    codec = StripeCodec(k, m, tune=tune)
+    driver = codec._driver  # the same ECDriver, to time pyeclib alone
+    # pyeclib's stub says bytes; its C code takes any buffer without a release hook (numpy).
+    arrays = [cast(bytes, data[i * stripe : (i + 1) * stripe]) for i in range(count)]
+    views = [memoryview(a) for a in arrays]
+    lengths = [chunk] * k
+
+    def raw() -> None:
+        for a in arrays:
+            driver.encode(a)
+
+    def in_place() -> None:
+        for v in views:
+            codec.encode_stripe(v, lengths)
+
+    def gathered() -> None:
+        for v in views:
+            codec.encode([v[c * chunk : (c + 1) * chunk] for c in range(k)], chunk)
+
+    lost = list(range(m))
+    encoded: list[EncodedStripe] = []
+
+    def rebuild() -> None:
+        for v, enc in zip(views, encoded, strict=True):
+            frags: dict[int, Any] = {c: v[c * chunk : (c + 1) * chunk] for c in range(m, k)}
+            frags.update({k + t: p for t, p in enumerate(enc.parity)})
+            codec.reconstruct(
+                frags, lost, chunk_bytes=chunk, lengths=lengths, checksums=enc.checksums
+            )
+
+    out: dict[str, Any] = {"n": n, "m": m, "stripe_mib": stripe_mib, "tuned": tune}
+    out["pyeclib"], _ = _median_gbps(nbytes, repeats, raw)
+    out["encode_stripe"], secs = _median_gbps(nbytes, repeats, in_place)
+    out["ms_per_stripe"] = secs / count * 1e3
+    out["encode"], _ = _median_gbps(nbytes, repeats, gathered)
+    encoded.extend(codec.encode_stripe(v, lengths) for v in views)
+    out["rebuild"], _ = _median_gbps(nbytes, repeats, rebuild)
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Measure one configuration in this (fresh) process and print it as one JSON line."""
+    tuned = args.malloc == "tuned"
+    if tuned and not tune_malloc():
+        raise SystemExit("mallopt is not available: cannot measure the tuned setting")
+    # os.urandom makes one block above glibc's 32 MiB cap, so no free of a smaller large
+    # block raises glibc's dynamic mmap threshold before the "default" measurement.
+    data = np.frombuffer(os.urandom(args.data_mib * MiB), dtype=np.uint8)
+    print(json.dumps(measure(args.n, args.m, args.stripe_mib, data, args.repeats, tuned)))
+
+
+def run_worker(malloc: str, n: int, m: int, stripe_mib: int, args: argparse.Namespace) -> Any:
+    """Run :func:`worker` in a fresh interpreter with no ``MALLOC_*`` variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--malloc", malloc]
+    cmd += ["--n", str(n), "--m", str(m), "--stripe-mib", str(stripe_mib)]
+    cmd += ["--data-mib", str(args.data_mib), "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {cmd[2:]} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict[str, Any]], data_mib: int, repeats: int) -> str:
+    """The results as a markdown table, with the setup above it."""
+    from importlib.metadata import version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    head = [
+        f"pyeclib {version('pyeclib')} `{EC_TYPE}`, one thread, {cpu}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}; {data_mib} MiB of data "
+        f"per pass, median of {repeats}. GB/s of protected (data) bytes.",
+        "",
+        "| n | m | stripe | malloc | pyeclib encode | encode_stripe (+xxh3) | encode (gather k chunks) "
+        "| rebuild m lost | ms/stripe (GIL held) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = sorted(rows, key=lambda r: (r["n"], r["stripe_mib"], not r["tuned"]))
+    for r in rows:
+        head.append(
+            f"| {r['n']} | {r['m']} | {r['stripe_mib']} MiB | "
+            f"{'tuned' if r['tuned'] else 'default'} | {r['pyeclib']:.1f} | "
+            f"{r['encode_stripe']:.1f} | {r['encode']:.1f} | {r['rebuild']:.1f} | "
+            f"{r['ms_per_stripe']:.2f} |"
+        )
+    return "\n".join(head)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run both malloc settings in subprocesses, print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
+    p.add_argument("--data-mib", type=int, default=None, help="data per pass (default 256)")
+    p.add_argument("--repeats", type=int, default=None, help="timed passes (default 5)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--malloc", choices=["tuned", "default"], default="tuned", help=argparse.SUPPRESS
+    )
+    p.add_argument("--n", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--stripe-mib", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.data_mib = args.data_mib or (64 if args.quick else 256)
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    if args.worker:
+        worker(args)
+        return
+    rows = [
+        run_worker(malloc, n, m, stripe_mib, args)
+        for n, m in CASES
+        for stripe_mib in STRIPES_MIB
+        for malloc in ("tuned", "default")
+    ]
+    print(table(rows, args.data_mib, args.repeats))
+
+
+if __name__ == "__main__":
+    main()
