@@ -110,6 +110,8 @@ class ClientConfig:
     """Longest wait for one SMP reply (FTMEM_REQUEST_TIMEOUT); a dead SMP is noticed sooner."""
     prepare_timeout: timedelta = timedelta(seconds=600)
     """Longest wait for the SMP to create and pre-fault a rank's arena (first save, resize)."""
+    fence_timeout: timedelta = timedelta(seconds=300)
+    """Longest wait at the optimizer fence for a copy; past it the snapshot is abandoned."""
     chunk_bytes: int = 2 << 20
     """The background copy moves and hashes tensors in pieces of this size."""
     allow_fresh_start: bool = field(

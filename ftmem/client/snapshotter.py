@@ -113,6 +113,7 @@ class Checkpointer:
         self._sig: Any = None
         self._job: CopyJob | None = None
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self._skipped = 0
         self._last_save_s = 0.0
@@ -171,9 +172,9 @@ class Checkpointer:
         client = self._connect()
         prev = self._job
         if prev is not None and not prev.finished.is_set():
-            if not prev.copied.is_set():
-                return self._skip(step, "the previous copy is still running", t0)
-            prev.finished.wait(self.config.request_timeout.total_seconds())
+            # Never wait: not even for the SMP's ack of the previous commit.
+            what = "copy" if not prev.copied.is_set() else "commit"
+            return self._skip(step, f"the previous {what} is still running", t0)
         flat = flatten_state(state)
         sig = signature_of(flat)
         if sig != self._sig or self._layout is None:
@@ -265,14 +266,22 @@ class Checkpointer:
         self._optimizers = found
         for opt in found:
             if opt not in self._hooked:
-                opt.register_step_pre_hook(self._fence_hook)
+                self._hooks.append(opt.register_step_pre_hook(self._fence_hook))
                 self._hooked.add(opt)
 
     def _fence_hook(self, *_: Any) -> None:
         t0 = time.perf_counter()
         job = self._job
         if job is not None and not job.copied.is_set():
-            job.copied.wait()
+            limit = self.config.fence_timeout.total_seconds()
+            if not job.copied.wait(limit):
+                # The optimizer is about to change the sources: this snapshot must not commit.
+                job.cancelled = True
+                log.error(
+                    "copy of step %d not done after %.0f s at the fence; abandoning it",
+                    job.step,
+                    limit,
+                )
         self._last_fence_s = time.perf_counter() - t0
         if job is not None and job.error is not None:
             log.error("snapshot of step %d failed; training goes on: %s", job.step, job.error)
@@ -282,9 +291,6 @@ class Checkpointer:
         job = self._job
         if job is None:
             return False
-        t0 = time.perf_counter()
-        job.copied.wait(timeout)
-        self._last_fence_s = time.perf_counter() - t0
         return SnapshotHandle(job.step, False, _job=job).wait(timeout)
 
     def heartbeat(self, step: int = 0) -> None:
@@ -404,6 +410,9 @@ class Checkpointer:
         self._closed = True
         atexit.unregister(self.close)
         self.wait_quietly()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         if self._worker is not None:
             self._worker.close()
         if self._client is not None:

@@ -80,6 +80,8 @@ class CopyJob:
     error: BaseException | None = None
     copy_s: float = 0.0
     committed: bool = False
+    cancelled: bool = False
+    """Set by the fence when it gave up waiting: the copy may be torn, so it must not commit."""
 
     def wait_copied(self, timeout: float | None = None) -> None:
         """The fence: return once the source tensors may change; raise if the copy failed."""
@@ -162,6 +164,11 @@ class CopyWorker:
             return
         job.copy_s = time.perf_counter() - t0
         job.copied.set()
+        if job.cancelled:
+            job.error = FtmemError(f"copy of step {job.step} was abandoned at the fence")
+            self._abort(job, client)
+            job.finished.set()
+            return
         faults.maybe_inject(faults.Point.BEFORE_COMMIT, job.rank, job.step)
         try:
             from ftmem.client.flatten import layout_json
