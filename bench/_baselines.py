@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 logger = logging.getLogger(__name__)
+
+# no_dist=True is the intent here: single-process DCP, no process group.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 _LAYER_BYTES_MAX = 64 * 2**20
 
@@ -176,7 +187,7 @@ def bench_dcp_save(
         for i in range(repeats):
             path = os.path.join(base, f"dcp_{i}")
             t0 = time.perf_counter()
-            dcp.save(sd, checkpoint_id=path, no_dist=True)
+            dcp_save(sd, checkpoint_id=path, no_dist=True)
             out.add(f"dcp.save {label}", time.perf_counter() - t0)
             if i < repeats - 1 or base != shm_dir:
                 shutil.rmtree(path)
@@ -185,7 +196,7 @@ def bench_dcp_save(
         for _ in range(repeats):
             target = state.state_dicts()
             t0 = time.perf_counter()
-            dcp.load(target, checkpoint_id=last, no_dist=True)
+            dcp_load(target, checkpoint_id=last, no_dist=True)
             out.add("dcp.load in place (/dev/shm)", time.perf_counter() - t0)
     finally:
         shutil.rmtree(last, ignore_errors=True)
@@ -224,10 +235,10 @@ def bench_dcp_async_save(
         for i in range(repeats + 1):
             path = os.path.join(disk_dir, f"dcp_async_{i}")
             t0 = time.perf_counter()
-            resp = dcp.async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
+            resp = dcp_async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
             t_block = time.perf_counter() - t0
             if async_staging:
-                assert isinstance(resp, dcp.state_dict_saver.AsyncSaveResponse)
+                assert isinstance(resp, AsyncSaveResponse)
                 resp.staging_completion.result()
                 t_staged = time.perf_counter() - t0
                 resp.upload_completion.result()
@@ -253,11 +264,11 @@ def bench_dcp_async_save(
             for i in range(repeats):
                 path = os.path.join(disk_dir, f"dcp_async_fence_{i}")
                 t0 = time.perf_counter()
-                resp = dcp.async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
+                resp = dcp_async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
                 t_block = time.perf_counter() - t0
                 simulate()
                 t1 = time.perf_counter()
-                assert isinstance(resp, dcp.state_dict_saver.AsyncSaveResponse)
+                assert isinstance(resp, AsyncSaveResponse)
                 resp.staging_completion.result()
                 out.add(
                     f"dcp.async_save ({tag}) stall with fence", t_block + time.perf_counter() - t1
@@ -273,3 +284,34 @@ def make_temp_dirs(disk_root: str | None) -> tuple[str, str]:
     shm_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir="/dev/shm")
     disk_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir=disk_root)
     return shm_dir, disk_dir
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+_MEDIAN_RE = re.compile(r"^\[rank 0\] median step time ([0-9.]+) s$", re.MULTILINE)
+
+
+def bench_train_example(args: list[str], *, run_dir: str | None, timeout_s: float = 900.0) -> float:
+    """Run ``examples/train_gpt.py`` in one process; return its median step time (s).
+
+    With ``run_dir`` (an SMP's run directory) it snapshots every step; without it the run
+    passes ``--no-ftmem``. The repository root is put on PYTHONPATH for ``import ftmem``.
+
+    Error handling: raises RuntimeError with the tail of the output if the run fails.
+    """
+    env = dict(os.environ)
+    root = str(EXAMPLE.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.pop("FTMEM_RUN_DIR", None)
+    cmd = [sys.executable, str(EXAMPLE), *args]
+    if run_dir is None:
+        cmd.append("--no-ftmem")
+    else:
+        env["FTMEM_RUN_DIR"] = run_dir
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    match = _MEDIAN_RE.search(proc.stdout)
+    if proc.returncode != 0 or match is None:
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    return float(match.group(1))

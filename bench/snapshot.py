@@ -152,15 +152,8 @@ def bench_ftmem(
     import ftmem
     from ftmem.smp.spawn import start_smp
 
-    rows: list[Row] = []
+    out = baselines.Timings()
     notes: list[str] = []
-    stall: list[float] = []
-    in_save: list[float] = []
-    fence: list[float] = []
-    lib_stall: list[float] = []
-    copy_bw: list[float] = []
-    commit: list[float] = []
-    skipped = 0
     run_dir = tempfile.mkdtemp(prefix="ftmem-bench-run-")
     os.environ["FTMEM_RUN_DIR"] = run_dir
     st = {"model": state.model, "optim": state.optimizer}
@@ -173,53 +166,18 @@ def bench_ftmem(
             h = ftmem.save(st, step=1)
             t_call = time.perf_counter() - t0
             ok = h.wait(timeout=300.0)
-            t_commit = time.perf_counter() - t0
             notes.append(
                 f"warm-up save (allocates and pre-faults the arenas; not counted): "
-                f"{t_call:.3f} s in save, {t_commit:.3f} s until committed "
+                f"{t_call:.3f} s in save, {time.perf_counter() - t0:.3f} s until committed "
                 f"(committed={ok}, skipped={h.skipped})"
             )
-            released: list[float] = []
-            hook = state.optimizer.register_step_pre_hook(
-                lambda *_: released.append(time.perf_counter())
-            )
-            try:
-                for i in range(repeats):
-                    step = i + 2
-                    t0 = time.perf_counter()
-                    h = ftmem.save(st, step=step)
-                    t_save = time.perf_counter() - t0
-                    simulate()
-                    released.clear()
-                    t1 = time.perf_counter()
-                    state.optimizer.step()
-                    t_fence = released[0] - t1
-                    t2 = time.perf_counter()
-                    ok = h.wait(timeout=120.0)
-                    t_wait = time.perf_counter() - t2
-                    s = ftmem.stats()
-                    if h.skipped or not ok:
-                        skipped += 1
-                        notes.append(f"step {step}: skipped={h.skipped} committed={ok}")
-                        continue
-                    in_save.append(t_save)
-                    fence.append(t_fence)
-                    stall.append(t_save + t_fence)
-                    commit.append(t_wait)
-                    lib_stall.append(float(s["last_stall_s"]))
-                    if s.get("last_copy_s"):
-                        copy_bw.append(state.nbytes / float(s["last_copy_s"]) / 1e9)
-                notes.append(f"ftmem.stats() after the last save: {s}")
-            finally:
-                hook.remove()
-            last_step = repeats + 1
-            load_s: list[float] = []
+            _ftmem_saves(ftmem, st, state, repeats=repeats, simulate=simulate, out=out)
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 got = ftmem.load(st)
-                load_s.append(time.perf_counter() - t0)
-                if got != last_step:
-                    notes.append(f"ftmem.load returned step {got}, expected {last_step}")
+                out.add("load in place", time.perf_counter() - t0)
+                if got != repeats + 1:
+                    notes.append(f"ftmem.load returned step {got}, expected {repeats + 1}")
             notes.append(_check_restore(ftmem, st, state))
     finally:
         try:
@@ -227,23 +185,61 @@ def bench_ftmem(
         finally:
             os.environ.pop("FTMEM_RUN_DIR", None)
             shutil.rmtree(run_dir, ignore_errors=True)
-    if skipped:
-        notes.append(f"{skipped} of {repeats} snapshots skipped or not committed (not counted)")
-    for metric, values in (
-        ("stall (save + fence)", stall),
-        ("  blocked in save", in_save),
-        ("  blocked at fence", fence),
-        ('stats()["last_stall_s"]', lib_stall),
-        ("commit wait after step (handle.wait)", commit),
-        ("load in place", load_s),
-    ):
-        if values:
-            rows.append(Row(system="ftmem", metric=metric, values=tuple(values), unit="s"))
-    if copy_bw:
+    notes += [f"{k}: {v}" for k, v in out.notes.items()]
+    bandwidth = out.values.pop("background copy", [])
+    rows = [Row(system="ftmem", metric=k, values=tuple(v), unit="s") for k, v in out.values.items()]
+    if bandwidth:
         rows.append(
-            Row(system="ftmem", metric="background copy", values=tuple(copy_bw), unit="GB/s")
+            Row(system="ftmem", metric="background copy", values=tuple(bandwidth), unit="GB/s")
         )
     return FtmemResult(rows=rows, notes=notes)
+
+
+def _ftmem_saves(
+    ftmem: Any,
+    st: dict[str, Any],
+    state: baselines.BenchState,
+    *,
+    repeats: int,
+    simulate: Callable[[], None],
+    out: baselines.Timings,
+) -> None:
+    """Run ``repeats`` save / forward-backward / optimizer.step cycles into ``out``.
+
+    "background copy" is recorded in GB/s; skipped or uncommitted snapshots are not counted.
+    """
+    released: list[float] = []
+    hook = state.optimizer.register_step_pre_hook(lambda *_: released.append(time.perf_counter()))
+    skipped = 0
+    try:
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            h = ftmem.save(st, step=i + 2)
+            t_save = time.perf_counter() - t0
+            simulate()
+            released.clear()
+            t1 = time.perf_counter()
+            state.optimizer.step()  # ftmem's fence hook runs first, then ours stamps `released`
+            t_fence = released[0] - t1
+            t2 = time.perf_counter()
+            ok = h.wait(timeout=120.0)
+            t_wait = time.perf_counter() - t2
+            s = ftmem.stats()
+            if h.skipped or not ok:
+                skipped += 1
+                continue
+            out.add("stall (save + fence)", t_save + t_fence)
+            out.add("  blocked in save", t_save)
+            out.add("  blocked at fence", t_fence)
+            out.add('stats()["last_stall_s"]', float(s["last_stall_s"]))
+            out.add("commit wait after step (handle.wait)", t_wait)
+            if s.get("last_copy_s"):
+                out.add("background copy", state.nbytes / float(s["last_copy_s"]) / 1e9)
+        out.notes["ftmem.stats() after the last save"] = str(s)
+    finally:
+        hook.remove()
+    if skipped:
+        out.notes["skipped"] = f"{skipped} of {repeats} snapshots skipped or uncommitted"
 
 
 def _check_restore(ftmem: Any, st: dict[str, Any], state: baselines.BenchState) -> str:
@@ -258,7 +254,8 @@ def _check_restore(ftmem: Any, st: dict[str, Any], state: baselines.BenchState) 
     weight = next(iter(state.model.parameters()))
     moment = state.optimizer.state[weight]["exp_avg_sq"]
     ok = torch.equal(weight, want_w) and torch.equal(moment, want_m)
-    return f"restore check (clobber a weight and an exp_avg_sq, load, compare): {'ok' if ok else 'MISMATCH'}"
+    verdict = "ok" if ok else "MISMATCH"
+    return f"restore check (clobber a weight and an exp_avg_sq, load, compare): {verdict}"
 
 
 # --------------------------------------------------------------------------- one size
@@ -332,6 +329,66 @@ def bench_size(
     return SizeResult(size_gib=size_gib, nbytes=nbytes, rows=rows, notes=notes)
 
 
+@dataclass(kw_only=True, slots=True)
+class E2eResult:
+    """Median step times of examples/train_gpt.py without and with ftmem snapshots."""
+
+    args: list[str]
+    plain: list[float]
+    ftmem: list[float]
+    notes: list[str]
+
+
+def bench_e2e(args: list[str], *, rounds: int, with_ftmem: bool) -> E2eResult:
+    """Run the example ``rounds`` times without and (alternating) with a snapshot every step.
+
+    Each ftmem run gets a fresh SMP and run directory, so it starts from step 0.
+    """
+    result = E2eResult(args=args, plain=[], ftmem=[], notes=[])
+    for _ in range(rounds):
+        result.plain.append(baselines.bench_train_example(args, run_dir=None))
+        if not with_ftmem:
+            continue
+        try:
+            from ftmem.smp.spawn import start_smp
+
+            run_dir = tempfile.mkdtemp(prefix="ftmem-bench-e2e-")
+            try:
+                with start_smp(run_dir=run_dir):
+                    result.ftmem.append(baselines.bench_train_example(args, run_dir=run_dir))
+            finally:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        except Exception as e:  # keep the plain figures; say what failed
+            logger.exception("end-to-end ftmem run failed")
+            result.notes.append(f"ftmem run FAILED: {type(e).__name__}: {e}")
+            break
+    return result
+
+
+def render_e2e(e2e: E2eResult) -> list[str]:
+    """Render the end-to-end comparison as Markdown lines."""
+    cmd = "python examples/train_gpt.py " + " ".join(e2e.args)
+    out = ["### End to end: examples/train_gpt.py, one process", ""]
+    out += [
+        f"`{cmd}` with `--no-ftmem`, and with a snapshot after every step (fresh SMP per run); "
+        "each run's median step time (the first step, which allocates the arenas, is one of "
+        "the steps), runs alternating.",
+        "",
+        "| run | median step time per run | median |",
+        "|---|---|---|",
+    ]
+    for name, values in (("no snapshot", e2e.plain), ("ftmem every step", e2e.ftmem)):
+        if values:
+            runs = ", ".join(f"{v:.4f}" for v in values)
+            out.append(f"| {name} | {runs} s | {statistics.median(values):.4f} s |")
+    if e2e.plain and e2e.ftmem:
+        diff = statistics.median(e2e.ftmem) - statistics.median(e2e.plain)
+        rel = diff / statistics.median(e2e.plain)
+        out += ["", f"Difference of the medians: {diff * 1e3:+.1f} ms per step ({rel:+.1%})."]
+    out += [f"- {n}" for n in e2e.notes]
+    return [*out, ""]
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -345,7 +402,7 @@ def _fs_type(path: str) -> str:
     return f"{best[1]} at {best[0]}"
 
 
-def machine_facts(disk_root: str) -> list[str]:
+def machine_facts(disk_root: str, load_at_start: float) -> list[str]:
     """Return bullet lines describing the machine and software."""
     cpu = platform.processor() or "?"
     try:
@@ -363,6 +420,8 @@ def machine_facts(disk_root: str) -> list[str]:
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"Linux {platform.release()}; torch intra-op threads: {torch.get_num_threads()}",
         f"/dev/shm: {_fs_type('/dev/shm')}; disk dir {disk_root}: {_fs_type(disk_root)}",
+        f"1-minute load average at start / end: {load_at_start:.2f} / {os.getloadavg()[0]:.2f} "
+        "(the machine may be shared: compare systems within this run only)",
     ]
 
 
@@ -429,11 +488,27 @@ def goals_table(result: SizeResult) -> list[str]:
         lines.append(f"| load <= 0.1 s/GiB | {per:.4f} s/GiB | {verdict(per <= 0.1)} |")
     else:
         lines.append("| load <= 0.1 s/GiB | - | not measured |")
+    dcp_fence = _find(rows, "dcp.async_save (async staging)", "stall with fence")
+    if stall and dcp_fence:
+        lines += [
+            "",
+            "For reference (not a goal): with async staging, `dcp.async_save` returns before "
+            "copying anything, so its blocking time leaves out the wait for staging that must "
+            "come before `optimizer.step()`. With that wait (same pattern as ftmem's fence): "
+            f"ftmem {stall.median:.4f} s vs dcp.async_save {dcp_fence.median:.4f} s = "
+            f"{stall.median / dcp_fence.median:.2f}x.",
+        ]
     return lines
 
 
 def render(
-    results: list[SizeResult], *, command: str, facts: list[str], repeats: int, sim: str
+    results: list[SizeResult],
+    *,
+    command: str,
+    facts: list[str],
+    repeats: int,
+    sim: str,
+    e2e: E2eResult | None = None,
 ) -> str:
     """Render the benchmark section (between the markers) as Markdown."""
     out = [START_MARK, "## Snapshot: ftmem vs torch.save vs DCP", ""]
@@ -461,6 +536,8 @@ def render(
         if r.notes:
             out += [f"- {n}" for n in r.notes]
             out += [""]
+    if e2e is not None:
+        out += render_e2e(e2e)
     if results:
         goal = min(results, key=lambda r: abs(r.nbytes / 2**30 - GOAL_SIZE_GIB))
         out += ["### Goals", "", *goals_table(goal), ""]
@@ -498,6 +575,17 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-dir", default=None, help="directory on disk (default: $TMPDIR)")
     p.add_argument("--fwd-bwd-s", type=float, default=1.0, help="forward/backward stand-in (s)")
     p.add_argument("--simulate", choices=("compute", "sleep"), default="compute")
+    p.add_argument(
+        "--e2e-rounds",
+        type=int,
+        default=2,
+        help="end-to-end runs of examples/train_gpt.py per variant (0: none)",
+    )
+    p.add_argument(
+        "--e2e-args",
+        default="--steps 12 --d-model 768 --n-layers 4 --vocab 8192",
+        help="arguments for the end-to-end runs (~0.5 GB of state by default)",
+    )
     p.add_argument("--skip-ftmem", action="store_true", help="baselines only")
     p.add_argument("--skip-baselines", action="store_true", help="ftmem only")
     return p
@@ -519,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.simulate == "compute"
         else f"time.sleep({args.fwd_bwd_s:g})"
     )
+    load_at_start = os.getloadavg()[0]
     results = []
     for size in sizes:
         results.append(
@@ -531,13 +620,19 @@ def main(argv: list[str] | None = None) -> int:
                 with_baselines=not args.skip_baselines,
             )
         )
+    e2e = None
+    if args.e2e_rounds > 0:
+        e2e_args = "--steps 8" if args.quick else args.e2e_args
+        logger.info("end to end: examples/train_gpt.py %s", e2e_args)
+        e2e = bench_e2e(e2e_args.split(), rounds=args.e2e_rounds, with_ftmem=not args.skip_ftmem)
     command = "python bench/snapshot.py " + " ".join(sys.argv[1:] if argv is None else argv)
     section = render(
         results,
         command=command.strip(),
-        facts=machine_facts(disk_root),
+        facts=machine_facts(disk_root, load_at_start),
         repeats=repeats,
         sim=sim,
+        e2e=e2e,
     )
     write_report(Path(args.out), section)
     print(section)

@@ -19,25 +19,24 @@ Commands (from the repository root, with ftmem installed: ``pip install -e .``):
         --fail-at-step 12 --fail-rank 1        # prints "resumed from step 12"; same digest
     kill %1                                    # SIGTERM stops the SMP
 
-    # 2. The same with torchrun's own restart (the injection is skipped once resumed past it):
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py \
-        --steps 20 --fail-at-step 12 --fail-rank 1
-
-    # 3. With the ftmem launcher, which starts the SMP and restarts the ranks itself:
+    # 2. With the ftmem launcher, which starts the SMP and restarts the ranks itself:
     ftmem-launch --nproc-per-node 2 examples/train_gpt.py --steps 20 --fail-at-step 12 --fail-rank 1
 
     # Baseline without snapshots (reference digest; the benchmark's "no snapshot" case):
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 --no-ftmem
 
+The SMP keeps the snapshots of its run until it stops: a new run (rather than a restart) needs
+a new SMP or run directory, else it resumes where the last one ended.
+
 A single process (``python examples/train_gpt.py``) trains without DDP. Every rank prints
 ``[rank R] resumed from step N`` after ``ftmem.load``, and at the end ``[rank R] final step N``,
-``[rank R] mean step time X s`` and ``[rank R] digest <sha256>``: the digest covers every byte
+``[rank R] mean step time X s`` (and the median) and ``[rank R] digest <sha256>``: the digest covers every byte
 of the parameters (sorted by name) and of the optimizer state (per parameter index, sorted
 keys, ``step`` included), the same on every rank; with persistent buffers (``--batchnorm``) a
 per-rank ``[rank R] buffers sha256 <hex>`` line follows. ``--batchnorm`` adds a
 BatchNorm1d whose running statistics the forward pass mutates; ``--d-model``/``--n-layers``/
-``--vocab`` scale the state (about 16 bytes of state per parameter: weights + two AdamW moments,
-e.g. ``--d-model 1024 --n-layers 8 --vocab 8192`` is ~0.1 G parameters, ~1.6 GB).
+``--vocab`` scale the state (12 bytes per parameter: fp32 weights + two AdamW moments), e.g.
+``--d-model 768 --n-layers 4 --vocab 8192`` is ~41 M parameters, ~0.5 GB of state.
 """
 
 from __future__ import annotations
@@ -48,9 +47,11 @@ import logging
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,6 +68,8 @@ logger = logging.getLogger("train_gpt")
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask."""
+
+    mask: torch.Tensor
 
     def __init__(self, d_model: int, n_heads: int, seq_len: int, dropout: float) -> None:
         super().__init__()
@@ -91,7 +94,8 @@ class CausalSelfAttention(nn.Module):
         att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
         att = self.attn_drop(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        return self.resid_drop(self.proj(y))
+        out: torch.Tensor = self.resid_drop(self.proj(y))
+        return out
 
 
 class Block(nn.Module):
@@ -111,7 +115,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -151,7 +156,8 @@ class GPT(nn.Module):
             x = block(x)
         if self.bn is not None:
             x = self.bn(x.transpose(1, 2)).transpose(1, 2)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
 
 
 # --------------------------------------------------------------------------- data
@@ -275,9 +281,17 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--batchnorm", action="store_true", help="add a BatchNorm1d (buffers)")
     p.add_argument("--no-ftmem", action="store_true", help="train without snapshots")
     p.add_argument("--save-every", type=int, default=1, help="snapshot every K steps")
-    p.add_argument("--fail-at-step", type=int, default=0, help="inject a failure after step N")
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=0,
+        help="after the snapshot of step N is committed, fail (once: not when resumed at >= N)",
+    )
     p.add_argument("--fail-rank", type=int, default=0, help="the rank that fails")
     p.add_argument("--fail-mode", choices=("kill", "hang"), default="kill")
+    p.add_argument(
+        "--pg-timeout", type=float, default=300.0, help="gloo init/collective timeout (s)"
+    )
     p.add_argument("--log-every", type=int, default=5, help="log the loss every K steps")
     return p
 
@@ -305,7 +319,8 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if world > 1:
-        dist.init_process_group("gloo")
+        # Bounded, so that a peer that never comes (or died) fails the rank instead of hanging.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model: nn.Module = GPT(
@@ -351,7 +366,6 @@ def train(args: argparse.Namespace) -> int:
     print(f"[rank {rank}] resumed from step {start}", flush=True)
 
     step_times: list[float] = []
-    step = start
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         inputs, targets = loader.next_batch()
@@ -364,13 +378,19 @@ def train(args: argparse.Namespace) -> int:
         handle = None
         if ftmem is not None and (step + 1) % args.save_every == 0:
             handle = ftmem.save(state, step=step + 1)
+        elif ftmem is not None:
+            ftmem.heartbeat(step + 1)  # progress for hang detection between snapshots
         step_times.append(time.perf_counter() - t0)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             logger.info(
                 "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
             )
         if step + 1 == args.fail_at_step and rank == args.fail_rank and start < args.fail_at_step:
-            if handle is not None and not handle.wait(timeout=60.0):
+            try:
+                committed = handle is not None and handle.wait(timeout=60.0)
+            except TimeoutError:
+                committed = False
+            if not committed:
                 logger.warning("snapshot of step %d not committed before the failure", step + 1)
             _inject_failure(args.fail_mode, rank, step + 1)
     final_step = max(start, args.steps)
@@ -380,6 +400,9 @@ def train(args: argparse.Namespace) -> int:
     mean = sum(step_times) / len(step_times) if step_times else 0.0
     print(f"[rank {rank}] final step {final_step}", flush=True)
     print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
+    if step_times:
+        median = statistics.median(step_times)
+        print(f"[rank {rank}] median step time {median:.4f} s", flush=True)
     print(f"[rank {rank}] digest {state_digest(model, optimizer)}", flush=True)
     buffers = buffers_digest(model)
     if buffers is not None:
@@ -391,7 +414,13 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, set up logging and train."""
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.save_every < 1 or args.steps < 0:
+        parser.error("--save-every must be >= 1 and --steps >= 0")
+    if args.fail_at_step % args.save_every:
+        # Else the restart resumes before the failure step and fails again, for ever.
+        parser.error("--fail-at-step must be a multiple of --save-every")
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
         level=logging.INFO,
