@@ -8,6 +8,7 @@ found its place (:func:`plan_restore`); :func:`apply_restore` then copies and ca
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -157,16 +158,32 @@ def plan_restore(
     return plan
 
 
-def apply_restore(plan: RestorePlan, seg: MappedSegment) -> None:
-    """Copy every planned tensor out of the slot, then run the finishing calls."""
+def restore_threads() -> int:
+    """Threads used to verify and copy at load (the training loop is not running then)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def apply_restore(
+    plan: RestorePlan, seg: MappedSegment, threads: int = 1, piece: int = 16 << 20
+) -> None:
+    """Copy every planned tensor out of the slot (in parallel pieces), then run the finishing calls."""
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for st, target in plan.copies:
         if st.nbytes == 0:
             continue
         src = seg.tensor[st.offset : st.offset + st.nbytes]
         if target.is_contiguous() and target.device.type == "cpu":
-            # One copy per tensor: torch spreads large copies over its intra-op threads.
-            target.reshape(-1).view(torch.uint8).copy_(src)
+            dst = target.reshape(-1).view(torch.uint8)
+            jobs += [(dst[i : i + piece], src[i : i + piece]) for i in range(0, st.nbytes, piece)]
         else:
             target.copy_(src.view(st.dtype).view(st.shape))
+    if threads > 1 and len(jobs) > 1:
+        # copy_ releases the GIL: pieces are copied on several cores at once.
+        with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore") as pool:
+            for _ in pool.map(lambda j: j[0].copy_(j[1]), jobs):
+                pass
+    else:
+        for dst, src in jobs:
+            dst.copy_(src)
     for fn in plan.finish:
         fn()

@@ -37,7 +37,7 @@ from ftmem.client.flatten import (
     plan_layout,
     signature_of,
 )
-from ftmem.client.restore import apply_restore, plan_restore, verify_snapshot
+from ftmem.client.restore import apply_restore, plan_restore, restore_threads, verify_snapshot
 from ftmem.client.smp_client import SmpClient
 from ftmem.client.staging import (
     CopyJob,
@@ -359,7 +359,7 @@ class Checkpointer:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert plan is not None and seg is not None
-                apply_restore(plan, seg)
+                apply_restore(plan, seg, threads=restore_threads())
                 client.request(m.DiscardNewer(rank=self.rank, step=step))
                 log.info("restored step %d", step)
                 return step
@@ -381,7 +381,7 @@ class Checkpointer:
         try:
             seg = self._segment(str(snap["path"]), int(snap["capacity"]))
             stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
-            verify_snapshot(stored, seg)
+            verify_snapshot(stored, seg, threads=restore_threads())
             objects = bytes(
                 seg.view[stored.objects_offset : stored.objects_offset + stored.objects_nbytes]
             )
