@@ -292,6 +292,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pg-timeout", type=float, default=300.0, help="gloo init/collective timeout (s)"
     )
+    p.add_argument(
+        "--init-method",
+        default="env://",
+        help="process group init method (tests use file:// to avoid racing for a free port)",
+    )
     p.add_argument("--log-every", type=int, default=5, help="log the loss every K steps")
     return p
 
@@ -320,7 +325,13 @@ def train(args: argparse.Namespace) -> int:
     torch.use_deterministic_algorithms(True)
     if world > 1:
         # Bounded, so that a peer that never comes (or died) fails the rank instead of hanging.
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=args.init_method,
+            timeout=timedelta(seconds=args.pg_timeout),
+            rank=rank,
+            world_size=world,
+        )
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model: nn.Module = GPT(

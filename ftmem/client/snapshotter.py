@@ -172,9 +172,12 @@ class Checkpointer:
         client = self._connect()
         prev = self._job
         if prev is not None and not prev.finished.is_set():
-            # Never wait: not even for the SMP's ack of the previous commit.
-            what = "copy" if not prev.copied.is_set() else "commit"
-            return self._skip(step, f"the previous {what} is still running", t0)
+            if not prev.copied.is_set():
+                return self._skip(step, "the previous copy is still running", t0)
+            # The copy is done and only the SMP's ack of its COMMIT is in flight (one IPC round
+            # trip). Wait for it rather than skip: ranks that skip different steps can end up
+            # with no step in common, and then nothing can be restored.
+            prev.finished.wait(self.config.request_timeout.total_seconds())
         flat = flatten_state(state)
         sig = signature_of(flat)
         if sig != self._sig or self._layout is None:

@@ -71,6 +71,10 @@ def run_ranks(
     When one rank dies, the others fail in their next collective and exit; any rank still
     running after ``timeout`` is killed (its code is then -9).
     """
+    # A file store: a TCP port picked in advance can be taken by another process before
+    # rank 0 binds it, and rank 1 then waits on a stranger's socket.
+    store = workdir / f"{tag}-{time.monotonic_ns()}.store"
+    args = [*args, "--init-method", f"file://{store}"]
     port = free_port()
     ps = []
     logs = []

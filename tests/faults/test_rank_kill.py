@@ -22,7 +22,14 @@ def baseline(procs: Procs, workdir: Path, extra: list[str]) -> str:
 
 
 def baseline_run(procs: Procs, workdir: Path, extra: list[str]) -> RankRun:
-    run = run_ranks(procs, workdir, [*SMALL, *extra, "--no-ftmem"], tag="baseline")
+    # The reference is plain torch (no ftmem). Under heavy concurrent load we saw its gloo
+    # ranks hang twice in ~40 runs; it is not what is tested, so it gets one retry.
+    for attempt in range(2):
+        run = run_ranks(
+            procs, workdir, [*SMALL, *extra, "--no-ftmem"], tag=f"baseline{attempt}", timeout=45.0
+        )
+        if run.codes == [0, 0]:
+            break
     assert run.codes == [0, 0], run.outputs
     assert len(run.digests()) == 1
     return run

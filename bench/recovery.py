@@ -1,0 +1,954 @@
+"""Recovery benchmark: failure -> all ranks stepping again, ftmem-launch vs torchrun + DCP.
+
+Usage (from the repository root; ftmem installed, e.g. ``pip install -e .``):
+
+    python bench/recovery.py                       # 3 repeats per system (~3-6 min)
+    python bench/recovery.py --quick               # 1 repeat per system (~1-2 min)
+    python bench/recovery.py --repeats 5 --out docs/benchmarks.md
+
+Both systems train the same model on the same data: ``examples/train_gpt.py`` (default size,
+2 ranks, gloo, one node), and rank 1 SIGKILLs itself right after step ``--fail-at-step``:
+
+* **ftmem**: ``ftmem-launch --standalone --nproc-per-node 2 --ftmem-run-dir DIR
+  examples/train_gpt.py ... --fail-at-step N --fail-rank 1``, a snapshot after every step;
+  the launcher restarts both ranks, which ``ftmem.load`` from the node's SMP.
+* **torchrun + DCP**: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` (with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) runs this very script as a worker
+  (``--_dcp-worker``), which imports the example's model, data, schedule and digest code with
+  ``importlib``, runs the same training loop, and every ``--dcp-every`` steps writes a
+  ``torch.distributed.checkpoint.save`` to a disk directory (files fsync'd); on restart it
+  ``dcp.load``s the newest complete checkpoint (model, AdamW, LR schedule, data position and
+  the per-rank RNG state, so the run stays bitwise deterministic).
+
+A failure-free ``--no-ftmem`` run gives the reference digest; every recovered run must end
+with it. The time line of each recovery comes from timestamps in the logs (the example's and
+the worker's ``logging`` lines, elastic's log lines with ``LOGGER=INFO``): rank death (the
+failing rank's log line of step N) -> detected (elastic's first reaction) -> ranks stopped
+-> ranks spawned ("Starting worker group") -> process start + ``import torch`` + process group
++ model built (the ``model:`` line) -> restored (``restored step``) -> first step done. It
+writes its tables into ``--out`` between ``<!-- bench:recovery:start -->`` and
+``<!-- bench:recovery:end -->`` (the rest of the file is kept). Every number is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+START_MARK = "<!-- bench:recovery:start -->"
+END_MARK = "<!-- bench:recovery:end -->"
+GOAL_RATIO = 1.0 / 3.0
+FAIL_RANK = 1
+WORKER_FLAG = "--_dcp-worker"
+
+logger = logging.getLogger("bench.recovery")
+
+
+# --------------------------------------------------------------------------- the DCP worker
+
+
+def _load_example() -> ModuleType:
+    """Import ``examples/train_gpt.py`` as a module (it is not part of a package)."""
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {EXAMPLE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _newest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
+    """Return (step, path) of the newest complete DCP checkpoint (``.metadata`` written)."""
+    best: tuple[int, Path] | None = None
+    if not ckpt_dir.is_dir():
+        return None
+    for entry in ckpt_dir.iterdir():
+        m = re.fullmatch(r"step_(\d+)", entry.name)
+        if m and (entry / ".metadata").is_file():
+            step = int(m.group(1))
+            if best is None or step > best[0]:
+                best = (step, entry)
+    return best
+
+
+def dcp_worker(argv: Sequence[str]) -> int:
+    """The torchrun entry point of the torchrun + DCP system (``--_dcp-worker``).
+
+    ``argv``: ``--ckpt-dir DIR --ckpt-every K -- <examples/train_gpt.py arguments>``. Runs the
+    example's training loop (same model, data, optimizer, schedule, seeds, failure injection
+    and digest) with a ``dcp.save`` every K steps instead of ``ftmem.save`` after every step.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.nn.parallel import DistributedDataParallel
+
+    wp = argparse.ArgumentParser(prog="recovery.py --_dcp-worker")
+    wp.add_argument("--ckpt-dir", type=Path, required=True)
+    wp.add_argument("--ckpt-every", type=int, required=True)
+    wp.add_argument("example_args", nargs=argparse.REMAINDER)
+    wargs = wp.parse_args(list(argv))
+    example_argv = list(wargs.example_args)
+    if example_argv[:1] == ["--"]:
+        example_argv = example_argv[1:]
+
+    ex = _load_example()
+    args = ex.get_args_parser().parse_args(example_argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
+    )
+    log = logging.getLogger("dcp_worker")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if world > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=getattr(args, "init_method", "env://"),
+            timeout=datetime.timedelta(seconds=args.pg_timeout),
+            rank=rank,
+            world_size=world,
+        )
+
+    # Exactly the example's construction order, so that the seeds line up.
+    torch.manual_seed(args.seed)
+    model = ex.GPT(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        dropout=args.dropout,
+        batchnorm=args.batchnorm,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %.2f M parameters", n_params / 1e6)
+    torch.manual_seed(args.seed + 1000 * rank + 1)
+    train_model = DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    total_sched = args.lr_decay_steps or args.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, ex._lr_lambda(args.warmup_steps, total_sched)
+    )
+    loader = ex.SyntheticTokens(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        rank=rank,
+    )
+    rng_key = f"rng_rank{rank}"  # per-rank key: DCP de-duplicates equal keys across ranks
+
+    def checkpoint_state() -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "sched": scheduler.state_dict(),
+            "data": loader.state_dict(),
+            rng_key: torch.get_rng_state(),
+        }
+
+    start = 0
+    newest = _newest_checkpoint(wargs.ckpt_dir)
+    if newest is not None:
+        step, path = newest
+        t0 = time.perf_counter()
+        state = checkpoint_state()  # the structure to load into (initialises AdamW state)
+        dcp_load(state, checkpoint_id=str(path))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        scheduler.load_state_dict(state["sched"])
+        loader.load_state_dict(state["data"])
+        torch.set_rng_state(state[rng_key])
+        start = step
+        log.info("restored step %d (dcp.load %.3f s)", step, time.perf_counter() - t0)
+    print(f"[rank {rank}] resumed from step {start}", flush=True)
+
+    # Fail once: the example's rule (not when resumed at >= N) would fail again after a
+    # restore from an older checkpoint, so only the first incarnation fails (one node here).
+    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    step_times: list[float] = []
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        inputs, targets = loader.next_batch()
+        logits = train_model(inputs)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        scheduler.step()
+        step_times.append(time.perf_counter() - t0)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            log.info("step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0])
+        if (step + 1) % wargs.ckpt_every == 0:
+            t1 = time.perf_counter()
+            dcp_save(checkpoint_state(), checkpoint_id=str(wargs.ckpt_dir / f"step_{step + 1:06d}"))
+            log.info("checkpoint of step %d: dcp.save %.3f s", step + 1, time.perf_counter() - t1)
+        if step + 1 == args.fail_at_step and rank == args.fail_rank and first_start:
+            print(f"[rank {rank}] injecting failure (kill) after step {step + 1}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    print(f"[rank {rank}] final step {max(start, args.steps)}", flush=True)
+    if step_times:
+        mean = sum(step_times) / len(step_times)
+        print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
+        median = statistics.median(step_times)
+        print(f"[rank {rank}] median step time {median:.4f} s", flush=True)
+    print(f"[rank {rank}] digest {ex.state_digest(model, optimizer)}", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- running jobs
+
+
+def _tool(name: str, module: str) -> list[str]:
+    """The console script ``name`` if on PATH, else ``python -m module``."""
+    path = shutil.which(name)
+    return [path] if path else [sys.executable, "-m", module]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Pids of every descendant of ``pid`` (read from /proc; empty if it is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out.extend(kids)
+        todo.extend(kids)
+    return out
+
+
+def run_job(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
+) -> tuple[int | None, float]:
+    """Run ``cmd`` in its own session, output to ``log_path``; return (exit code, seconds).
+
+    On a timeout (exit code None) the launcher gets SIGTERM (it stops its ranks and SMP), then
+    the session and every process it started get SIGKILL. elastic starts ranks in sessions of
+    their own, so they are found as descendants of the launcher, by pid.
+    """
+    t0 = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        rc: int | None = None
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            logger.error("timeout after %.0f s: %s (log %s)", timeout, " ".join(cmd), log_path)
+        finally:
+            if proc.poll() is None:
+                kids = _descendants(proc.pid)
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    pass
+                for pid in [*kids, *_descendants(proc.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+    return rc, time.monotonic() - t0
+
+
+# --------------------------------------------------------------------------- log parsing
+
+_PY_LINE = re.compile(
+    r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}) \[rank (\d+)\] (\S+) [A-Z]+: (.*)$"
+)
+_GLOG_LINE = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{6}) +\d+ \S+\] (.*)$")
+_DIGEST = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]{64})")
+_MEDIAN = re.compile(r"\[rank (\d+)\] median step time ([0-9.]+) s")
+
+
+@dataclass(slots=True)
+class LogLine:
+    """One timestamped line: a rank's ``logging`` line (rank set) or elastic's (rank None)."""
+
+    t: float
+    rank: int | None
+    msg: str
+
+
+def parse_log(text: str, year: int) -> tuple[list[LogLine], dict[int, str], list[float]]:
+    """Return the timestamped lines (by time), the digest per rank, and the median step times.
+
+    Digests and median step times are those printed last per rank (the final incarnation).
+    """
+    lines: list[LogLine] = []
+    digests: dict[int, str] = {}
+    medians: dict[int, float] = {}
+    for raw in text.splitlines():
+        m = _PY_LINE.search(raw)
+        if m:
+            ts = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            lines.append(LogLine(ts, int(m.group(2)), m.group(4)))
+            continue
+        g = _GLOG_LINE.match(raw)
+        if g:
+            mo, d, hh, mm, ss, us = (int(x) for x in g.groups()[:6])
+            ts = datetime.datetime(year, mo, d, hh, mm, ss, us).timestamp()
+            lines.append(LogLine(ts, None, g.group(7)))
+            continue
+        m = _DIGEST.search(raw)
+        if m:
+            digests[int(m.group(1))] = m.group(2)
+            continue
+        m = _MEDIAN.search(raw)
+        if m:
+            medians[int(m.group(1))] = float(m.group(2))
+    lines.sort(key=lambda line: line.t)
+    return lines, digests, list(medians.values())
+
+
+PHASES: tuple[tuple[str, str], ...] = (
+    ("detect", "rank death -> elastic's first reaction (SIGTERM to the survivor)"),
+    ("stop", "-> survivor stopped, failure handled ('Rendezvous'ing worker group')"),
+    ("rendezvous", "-> new ranks being spawned ('Starting worker group')"),
+    ("spawn+import", "-> 'model:' line on all ranks: process start, import torch, PG init, model"),
+    ("restore", "-> 'restored step' on all ranks: DDP wrap, optimizer, ftmem.load / dcp.load"),
+    ("first step", "-> first step after the restore logged on all ranks"),
+)
+
+
+@dataclass(slots=True)
+class Result:
+    """One failure run of one system, as measured from its logs."""
+
+    system: str
+    repeat: int
+    rc: int | None
+    wall_s: float
+    digest_ok: bool
+    restored: int | None = None
+    steps_lost: int | None = None
+    step_time_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    death_to_resumed_s: float | None = None
+    detect_to_resumed_s: float | None = None
+    launcher_detect_to_resumed_s: float | None = None
+    load1: float | None = None
+    """The 1-minute load average when the run started (a shared machine)."""
+    checkpoint_s: list[float] = field(default_factory=list)
+    load_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def time_lost_s(self) -> float | None:
+        """Rank death -> all ranks stepping again, plus the re-done steps."""
+        if None in (self.death_to_resumed_s, self.steps_lost, self.step_time_s):
+            return None
+        assert self.death_to_resumed_s is not None and self.step_time_s is not None
+        assert self.steps_lost is not None
+        return self.death_to_resumed_s + self.steps_lost * self.step_time_s
+
+
+def _first(lines: list[LogLine], pred: Callable[[LogLine], bool], after: float) -> LogLine | None:
+    return next((ln for ln in lines if ln.t >= after and pred(ln)), None)
+
+
+def analyse(
+    res: Result, text: str, fail_step: int, year: int, events: list[dict[str, Any]] | None
+) -> None:
+    """Fill ``res`` from the run's combined log (and ftmem's events.jsonl)."""
+    lines, _, medians = parse_log(text, year)
+    step_re = re.compile(r"step (\d+) loss ")
+    death = next(
+        (
+            ln
+            for ln in lines
+            if ln.rank == FAIL_RANK
+            and (m := step_re.match(ln.msg))
+            and int(m.group(1)) == fail_step
+        ),
+        None,
+    )
+    if death is None:
+        res.error = f"no log line of step {fail_step} on rank {FAIL_RANK}"
+        return
+    t_death = death.t
+
+    def elastic(pattern: str, after: float) -> LogLine | None:
+        return _first(lines, lambda ln: ln.rank is None and pattern in ln.msg, after)
+
+    failed = elastic("failed (exitcode", t_death)
+    sigterm = elastic("closing signal SIGTERM", t_death)
+    if failed is None:
+        res.error = "elastic never reported the failure"
+        return
+    t_detect = min(failed.t, sigterm.t) if sigterm is not None else failed.t
+    rdzv = elastic("Rendezvous'ing worker group", failed.t)
+    t_stopped = rdzv.t if rdzv is not None else failed.t
+    spawn = elastic("Starting worker group", t_stopped)
+    t_spawn: float | None = spawn.t if spawn is not None else None
+    if t_spawn is None and events:  # ftmem-launch: its own event, just after the spawn
+        starts = [e for e in events if e.get("event") == "ranks_started" and e["time"] >= t_stopped]
+        t_spawn = starts[0]["time"] if starts else None
+    after = t_spawn if t_spawn is not None else t_stopped
+
+    def all_ranks(pred: Callable[[LogLine], bool], since: float) -> float | None:
+        ts = []
+        for rank in (0, 1):
+            ln = _first(lines, lambda x, r=rank: x.rank == r and pred(x), since)  # type: ignore[misc]
+            if ln is None:
+                return None
+            ts.append(ln.t)
+        return max(ts)
+
+    t_ready = all_ranks(lambda ln: ln.msg.startswith("model: "), after)
+    restored_lines = [ln for ln in lines if ln.t >= after and ln.msg.startswith("restored step ")]
+    if t_ready is None or not restored_lines:
+        res.error = "the restarted ranks did not log 'model:' and 'restored step'"
+        return
+    res.restored = int(restored_lines[0].msg.split()[2])
+    t_restored = all_ranks(lambda ln: ln.msg.startswith("restored step "), after)
+    first = res.restored + 1
+    t_resumed = all_ranks(
+        lambda ln: (m := step_re.match(ln.msg)) is not None and int(m.group(1)) == first,
+        t_restored or after,
+    )
+    if t_restored is None or t_resumed is None:
+        res.error = "no first step after the restore on every rank"
+        return
+    res.steps_lost = fail_step - res.restored
+    res.step_time_s = statistics.median(medians) if medians else None
+    res.phases = {
+        "detect": t_detect - t_death,
+        "stop": t_stopped - t_detect,
+        "rendezvous": (t_spawn - t_stopped) if t_spawn is not None else float("nan"),
+        "spawn+import": (t_ready - t_spawn) if t_spawn is not None else float("nan"),
+        "restore": t_restored - t_ready,
+        "first step": t_resumed - t_restored,
+    }
+    res.death_to_resumed_s = t_resumed - t_death
+    res.detect_to_resumed_s = t_resumed - t_detect
+    res.checkpoint_s = [
+        float(m.group(1))
+        for ln in lines
+        if (m := re.search(r"dcp\.save ([0-9.]+) s", ln.msg)) is not None
+    ]
+    res.load_s = [
+        float(m.group(1))
+        for ln in lines
+        if (m := re.search(r"dcp\.load ([0-9.]+) s", ln.msg)) is not None
+    ]
+    if events:
+        resumed = [e for e in events if e.get("event") == "resumed"]
+        if resumed:
+            res.launcher_detect_to_resumed_s = float(resumed[0]["detect_to_resumed_s"])
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+@dataclass(slots=True)
+class Setup:
+    """What every run shares."""
+
+    steps: int
+    fail_step: int
+    dcp_every: int
+    timeout: float
+    workdir: Path
+    year: int
+    ref_digest: str = ""
+    ref_step_time: float | None = None
+    commands: dict[str, str] = field(default_factory=dict)
+
+
+def _env(setup: Setup) -> dict[str, str]:
+    env = dict(os.environ)
+    # torchrun leaves a log directory in $TMPDIR per run: keep it inside our temp dir.
+    tmp = setup.workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
+    env["LOGLEVEL"] = "INFO"  # elastic's "Starting worker group" etc.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("FTMEM_RUN_DIR", None)
+    return env
+
+
+def _example_args(setup: Setup) -> list[str]:
+    return ["--steps", str(setup.steps), "--log-every", "1"]
+
+
+def _show(cmd: list[str], setup: Setup) -> str:
+    """A command for the docs: repository-relative, temp dirs as placeholders."""
+    out = []
+    for part in cmd:
+        part = part.replace(str(setup.workdir), "$TMP").replace(str(REPO) + "/", "")
+        if part == sys.executable:
+            part = "python"
+        elif os.path.isabs(part) and shutil.which(os.path.basename(part)) == part:
+            part = os.path.basename(part)
+        out.append(part)
+    return " ".join(out)
+
+
+def run_reference(setup: Setup) -> None:
+    """The failure-free ``--no-ftmem`` run under torchrun: reference digest and step time."""
+    cmd = [
+        *_tool("torchrun", "torch.distributed.run"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        *_example_args(setup),
+        "--no-ftmem",
+    ]
+    setup.commands["reference"] = _show(cmd, setup)
+    log_path = setup.workdir / "reference.log"
+    rc, wall = run_job(cmd, _env(setup), log_path, setup.timeout)
+    _, digests, medians = parse_log(log_path.read_text(errors="replace"), setup.year)
+    if rc != 0 or len(digests) != 2 or len(set(digests.values())) != 1:
+        raise RuntimeError(f"reference run failed (rc {rc}); log {log_path} (kept with --keep)")
+    setup.ref_digest = next(iter(digests.values()))
+    setup.ref_step_time = statistics.median(medians) if medians else None
+    logger.info("reference: digest %s..., %.1f s", setup.ref_digest[:12], wall)
+
+
+def run_ftmem(setup: Setup, repeat: int) -> Result:
+    """One ftmem-launch run with rank 1 SIGKILLed after ``fail_step``."""
+    run_dir = setup.workdir / f"ft{repeat}"
+    cmd = [
+        *_tool("ftmem-launch", "launcher"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--ftmem-run-dir",
+        str(run_dir),
+        str(EXAMPLE),
+        *_example_args(setup),
+        "--fail-at-step",
+        str(setup.fail_step),
+        "--fail-rank",
+        str(FAIL_RANK),
+    ]
+    setup.commands["ftmem"] = _show(cmd, setup).replace(f"$TMP/ft{repeat}", "$RUN_DIR")
+    log_path = setup.workdir / f"ftmem{repeat}.log"
+    load1 = os.getloadavg()[0]
+    rc, wall = run_job(cmd, _env(setup), log_path, setup.timeout)
+    events: list[dict[str, Any]] = []
+    events_path = run_dir / "events.jsonl"
+    if events_path.is_file():
+        events = [json.loads(x) for x in events_path.read_text().splitlines() if x.strip()]
+    return _finish("ftmem-launch", repeat, rc, wall, log_path, setup, events, load1)
+
+
+def run_dcp(setup: Setup, repeat: int) -> Result:
+    """One torchrun + DCP run with rank 1 SIGKILLed after ``fail_step``."""
+    ckpt_dir = setup.workdir / f"dcp{repeat}"
+    ckpt_dir.mkdir()
+    cmd = [
+        *_tool("torchrun", "torch.distributed.run"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(Path(__file__).resolve()),
+        WORKER_FLAG,
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--ckpt-every",
+        str(setup.dcp_every),
+        "--",
+        *_example_args(setup),
+        "--fail-at-step",
+        str(setup.fail_step),
+        "--fail-rank",
+        str(FAIL_RANK),
+    ]
+    shown = _show(cmd, setup).replace(f"$TMP/dcp{repeat}", "$CKPT_DIR")
+    setup.commands["dcp"] = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " + shown
+    log_path = setup.workdir / f"dcp{repeat}.log"
+    load1 = os.getloadavg()[0]
+    rc, wall = run_job(cmd, _env(setup), log_path, setup.timeout)
+    return _finish("torchrun + DCP", repeat, rc, wall, log_path, setup, None, load1)
+
+
+def _finish(
+    system: str,
+    repeat: int,
+    rc: int | None,
+    wall: float,
+    log_path: Path,
+    setup: Setup,
+    events: list[dict[str, Any]] | None,
+    load1: float,
+) -> Result:
+    text = log_path.read_text(errors="replace")
+    _, digests, _ = parse_log(text, setup.year)
+    ok = len(digests) == 2 and all(d == setup.ref_digest for d in digests.values())
+    res = Result(system=system, repeat=repeat, rc=rc, wall_s=wall, digest_ok=ok, load1=load1)
+    analyse(res, text, setup.fail_step, setup.year, events)
+    if rc != 0:
+        res.error = (res.error + f"; exit code {rc}").lstrip("; ")
+    logger.info(
+        "%s #%d: rc %s, %.1f s, digest %s, restored %s, death->resumed %s s, time lost %s s%s",
+        system,
+        repeat,
+        rc,
+        wall,
+        "ok" if ok else "MISMATCH",
+        res.restored,
+        _fmt(res.death_to_resumed_s),
+        _fmt(res.time_lost_s),
+        f" ({res.error}; log {log_path})" if res.error else "",
+    )
+    return res
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def _stat(values: Sequence[float | None], digits: int = 2, unit: str = "") -> str:
+    """``median (min-max)`` over the measured values."""
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return "n/a"
+    med = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{med:.{digits}f}{unit}"
+    return f"{med:.{digits}f}{unit} ({min(vals):.{digits}f}-{max(vals):.{digits}f})"
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and v == v]
+    return statistics.median(vals) if vals else None
+
+
+def render(
+    setup: Setup,
+    results: dict[str, list[Result]],
+    argv: list[str],
+    machine: dict[str, str],
+) -> str:
+    """The markdown section, between the markers."""
+    ft, dc = results["ftmem-launch"], results["torchrun + DCP"]
+    repeats = max(len(ft), len(dc))
+    out = [
+        START_MARK,
+        "## Recovery: failure to resumed, ftmem-launch vs torchrun + DCP",
+        "",
+        "Generated by `bench/recovery.py`; every figure below was measured in this run.",
+        "",
+        "```",
+        " ".join(["python bench/recovery.py", *argv]),
+        "```",
+        "",
+        f"- date: {machine['date']}",
+        f"- CPU: {machine['cpu']}; Python {machine['python']}, torch {machine['torch']}, "
+        f"Linux {machine['kernel']}",
+        f"- 1-minute load average at start / end: {machine['load']} (the machine may be shared: "
+        "compare the systems within this run only)",
+        f"- model: `examples/train_gpt.py` default size ({machine['params']} parameters: "
+        "d_model 256, 4 layers, vocab 512, seq 64, batch 8 per rank; AdamW, dropout 0.1), "
+        f"2 ranks (gloo) on one node, {setup.steps} steps; failure-free step time "
+        f"{_fmt(setup.ref_step_time, 3)} s (median of the reference run)",
+        f"- failure: rank {FAIL_RANK} SIGKILLs itself right after step {setup.fail_step} "
+        "(`--fail-at-step`), once; "
+        f"{repeats} run(s) per system, alternating; figures are median (min-max) over the runs",
+        f"- torchrun + DCP: `dcp.save` every K = {setup.dcp_every} steps (a fixed interval, "
+        f"not Young/Daly) to a directory on the local disk (/tmp, files fsync'd); the failure "
+        f"at step {setup.fail_step} lies in the middle of an interval, so the steps lost are "
+        "K/2, the expected loss of a failure at a uniformly random time. ftmem snapshots "
+        "every step.",
+        "",
+        "Commands (`$RUN_DIR`, `$CKPT_DIR`: fresh temporary directories per run; "
+        "`LOGLEVEL=INFO` is set for all, so that elastic logs its phases):",
+        "",
+        "```",
+        f"# reference (failure-free): {setup.commands.get('reference', '')}",
+        f"# ftmem:  {setup.commands.get('ftmem', '')}",
+        f"# DCP:    {setup.commands.get('dcp', '')}",
+        "```",
+        "",
+        "The DCP worker is `bench/recovery.py --_dcp-worker`: it imports the example with "
+        "`importlib`, builds the same model, data, AdamW and LR schedule in the same order, "
+        "runs the same loop and prints the same digest; its checkpoint holds the model and "
+        "optimizer (`get_state_dict`), the schedule, the data position and each rank's RNG "
+        "state, and a restart `dcp.load`s the newest complete one (`.metadata` present).",
+        "",
+        "| system | rank death -> all ranks stepping | detect -> stepping | steps lost "
+        "| step time | time lost | final digest = failure-free |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rs in (("ftmem-launch", ft), ("torchrun + DCP", dc)):
+        digest = f"{sum(r.digest_ok for r in rs)}/{len(rs)}"
+        out.append(
+            f"| {name} | {_stat([r.death_to_resumed_s for r in rs], unit=' s')} "
+            f"| {_stat([r.detect_to_resumed_s for r in rs], unit=' s')} "
+            f"| {_stat([None if r.steps_lost is None else float(r.steps_lost) for r in rs], 0)} "
+            f"| {_stat([r.step_time_s for r in rs], 3, ' s')} "
+            f"| {_stat([r.time_lost_s for r in rs], unit=' s')} | {digest} |"
+        )
+    out += [
+        "",
+        "time lost = (rank death -> all ranks stepping again) + steps lost x step time (the "
+        "run's own median step time after the restart); steps lost = failure step - restored "
+        "step. 'detect -> stepping' leaves out the detection latency (the first row of the "
+        "split), which is the same mechanism in both systems.",
+        "",
+        "Split of rank death -> all ranks stepping again (seconds, median (min-max)):",
+        "",
+        "| phase | what ends it | ftmem-launch | torchrun + DCP |",
+        "|---|---|---|---|",
+    ]
+    for key, what in PHASES:
+        out.append(
+            f"| {key} | {what} | {_stat([r.phases.get(key) for r in ft])} "
+            f"| {_stat([r.phases.get(key) for r in dc])} |"
+        )
+    out.append(
+        f"| total | | {_stat([r.death_to_resumed_s for r in ft])} "
+        f"| {_stat([r.death_to_resumed_s for r in dc])} |"
+    )
+    out += [
+        "",
+        "Every run (in the order run):",
+        "",
+        "| run | load avg at start | death -> stepping | spawn+import | step time | restored "
+        "| time lost | digest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for pair in zip(ft, dc, strict=True):
+        for r in pair:
+            out.append(
+                f"| {r.system} #{r.repeat} | {_fmt(r.load1)} | {_fmt(r.death_to_resumed_s)} s "
+                f"| {_fmt(r.phases.get('spawn+import'))} s | {_fmt(r.step_time_s, 3)} s "
+                f"| {r.restored} | {_fmt(r.time_lost_s)} s | {'ok' if r.digest_ok else 'DIFFERS'} |"
+            )
+    ckpt = [c for r in dc for c in r.checkpoint_s]
+    launcher = [r.launcher_detect_to_resumed_s for r in ft]
+    out += [
+        "",
+        "Notes:",
+        "",
+        "- Timestamps: the ranks' `logging` lines (ms resolution) and elastic's log lines; rank "
+        f"death is rank {FAIL_RANK}'s log line of step {setup.fail_step} (the kill follows "
+        "it after the wait for that step's commit in the ftmem run, not timed). 'restore' "
+        "starts at the `model:` line, so it also holds the DDP wrap (a broadcast), the "
+        "optimizer and schedule construction; 'spawn+import' is process start, `import torch`, "
+        "`init_process_group` and the model build of the slower rank.",
+        f"- ftmem-launch's own RESUMED line (detect -> resumed, from the SMP's progress "
+        f"reports): {_stat(launcher)} s; its 'detect' is the `failed` event, written after the "
+        "survivor was stopped (the end of 'stop' here).",
+        f"- torchrun + DCP checkpoint cost while training: `dcp.save` blocking "
+        f"{_stat(ckpt, 3, ' s')} per checkpoint and rank ({len(ckpt)} saves), i.e. "
+        + (
+            f"{100 * statistics.median(ckpt) / setup.dcp_every / setup.ref_step_time:.0f}% "
+            f"of the training time at K = {setup.dcp_every}"
+            if ckpt and setup.ref_step_time
+            else "n/a"
+        )
+        + "; this overhead is paid on every interval, failure or not, and is not in 'time "
+        "lost'. A longer interval (e.g. Young/Daly for a realistic MTBF) cuts it but makes "
+        "the expected steps lost (K/2) grow.",
+    ]
+    out += [
+        f"- Inside 'restore', `dcp.load` + `set_state_dict` themselves took "
+        f"{_stat([x for r in dc for x in r.load_s], 3, ' s')} per rank (page-cached files "
+        "written seconds before); the example does not time `ftmem.load` apart from the DDP "
+        "wrap, so ftmem's row is the whole phase.",
+        "- Not resolved: 'spawn+import' cannot be split into process start, `import torch` and "
+        "`init_process_group`: the example logs nothing before its model is built. It is "
+        "the longest phase and the one that varies most with the machine's load (see every "
+        "run above). ftmem-launch's 'stop' also holds stopping elastic's log tailers (its "
+        "default `--tee 3`; by torch's code they poll every 0.1 s), which torchrun without "
+        "`--tee` does not have.",
+    ]
+    failed = [r for r in ft + dc if r.error or not r.digest_ok]
+    for r in failed:
+        out.append(
+            f"- run {r.system} #{r.repeat}: {r.error or 'ok'}; digest "
+            f"{'ok' if r.digest_ok else 'DIFFERS from the failure-free run'}"
+        )
+    ft_lost = _median([r.time_lost_s for r in ft])
+    dc_lost = _median([r.time_lost_s for r in dc])
+    out += ["", "### Goal", ""]
+    if ft_lost is not None and dc_lost:
+        ratio = ft_lost / dc_lost
+        verdict = "met" if ratio <= GOAL_RATIO else "missed"
+        out.append(
+            f"Total time lost per failure, ftmem / torchrun + DCP (medians): {ft_lost:.2f} s / "
+            f"{dc_lost:.2f} s = **{ratio:.2f}**; goal (issue 6) <= {GOAL_RATIO:.2f}: "
+            f"**{verdict}** (at K = {setup.dcp_every} and this model's "
+            f"{_fmt(setup.ref_step_time, 3)} s steps; the ratio falls as K x step time grows, "
+            "since DCP re-does K/2 steps on average and ftmem none)."
+        )
+        step = _median([r.step_time_s for r in dc]) or setup.ref_step_time
+        dc_restart = _median([r.death_to_resumed_s for r in dc])
+        if step and dc_restart is not None:
+            need = (ft_lost / GOAL_RATIO - dc_restart) / step
+            out.append("")
+            out.append(
+                f"Derived from these medians: the goal needs DCP to re-do at least "
+                f"({ft_lost:.2f} s / {GOAL_RATIO:.2f} - {dc_restart:.2f} s) / {step:.3f} s = "
+                f"{need:.0f} steps per failure, i.e. K >= {2 * need:.0f} steps "
+                f"({2 * need * step:.0f} s of training between checkpoints) if failures "
+                "strike at uniformly random times."
+            )
+        out.append("")
+        out.append(
+            "Both restarts are dominated by the same floor: spawning the ranks, `import torch` "
+            "and the process group (the 'spawn+import' row), which ftmem-launch cannot avoid "
+            "because it restarts the rank processes as torchrun does."
+        )
+    else:
+        out.append("Not evaluated: a system has no measured time lost (see the notes).")
+    out += ["", END_MARK]
+    return "\n".join(out) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace the text between the markers in ``path`` (append the markers if absent)."""
+    text = path.read_text() if path.exists() else ""
+    start, end = text.find(START_MARK), text.find(END_MARK)
+    if start != -1 and end > start:
+        new = text[:start] + section.rstrip("\n") + text[end + len(END_MARK) :]
+    else:
+        sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
+        new = text + sep + section
+    path.write_text(new)
+
+
+def _machine(params: str) -> dict[str, str]:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    from importlib.metadata import version
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": f"{cpu}, {os.cpu_count()} logical cores",
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "kernel": platform.release(),
+        "params": params,
+        "load": f"{os.getloadavg()[0]:.2f}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the benchmark (or the DCP worker)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [WORKER_FLAG]:
+        return dcp_worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--quick", action="store_true", help="1 repeat per system")
+    p.add_argument("--repeats", type=int, default=None, help="runs per system (default 3)")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--steps", type=int, default=20, help="training steps per run")
+    p.add_argument("--fail-at-step", type=int, default=15, help="rank 1 dies after this step")
+    p.add_argument("--dcp-every", type=int, default=10, help="DCP checkpoint interval K (steps)")
+    p.add_argument("--timeout", type=float, default=180.0, help="per run (s)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    args = p.parse_args(argv)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if not 0 < args.fail_at_step < args.steps or repeats < 1 or args.dcp_every < 1:
+        p.error("need 0 < --fail-at-step < --steps, --repeats >= 1, --dcp-every >= 1")
+    if args.fail_at_step % args.dcp_every == 0:
+        logger.warning("the failure step is a DCP checkpoint step: DCP loses no steps")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    load_start = f"{os.getloadavg()[0]:.2f}"
+    workdir = Path(tempfile.mkdtemp(prefix="ftrcv-", dir="/tmp"))
+    setup = Setup(
+        steps=args.steps,
+        fail_step=args.fail_at_step,
+        dcp_every=args.dcp_every,
+        timeout=args.timeout,
+        workdir=workdir,
+        year=datetime.datetime.now().year,
+    )
+    results: dict[str, list[Result]] = {"ftmem-launch": [], "torchrun + DCP": []}
+    try:
+        run_reference(setup)
+        ref_text = (workdir / "reference.log").read_text(errors="replace")
+        m = re.search(r"model: ([0-9.]+ M) parameters", ref_text)
+        params = m.group(1) if m else "?"
+        for i in range(repeats):
+            results["ftmem-launch"].append(run_ftmem(setup, i))
+            results["torchrun + DCP"].append(run_dcp(setup, i))
+    finally:
+        if args.keep:
+            logger.info("logs kept in %s", workdir)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    machine = _machine(params)
+    machine["load"] = f"{load_start} / {machine['load']}"
+    shown_argv = [a if not a.startswith(str(REPO) + "/") else a[len(str(REPO)) + 1 :] for a in argv]
+    section = render(setup, results, shown_argv, machine)
+    write_section(args.out, section)
+    print(section)
+    bad = [r for rs in results.values() for r in rs if r.error or not r.digest_ok]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
