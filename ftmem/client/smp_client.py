@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import zmq
 
 from ftmem._logging import get_logger
+from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME
 from ftmem.errors import ProtocolError, SmpRequestError, SmpUnavailableError
 from ftmem.protocol import messages as m
@@ -20,16 +20,6 @@ from ftmem.protocol.wire import decode, encode
 log = get_logger(__name__)
 
 _SLICE_MS = 200  # how often a waiting request checks that the SMP process still exists
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SmpClient:
@@ -101,7 +91,7 @@ class SmpClient:
                     raise SmpRequestError(f"SMP refused {type(payload).__name__}: {reply.error}")
                 return reply.data
             waited += step
-            if self.smp_pid is not None and not _pid_alive(self.smp_pid):
+            if self.smp_pid is not None and not pid_alive(self.smp_pid):
                 raise SmpUnavailableError(
                     f"the SMP (pid {self.smp_pid}) serving {self.run_dir} is gone"
                 )

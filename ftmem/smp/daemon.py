@@ -24,6 +24,7 @@ import zmq
 
 from ftmem import shm
 from ftmem._logging import get_logger
+from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
 from ftmem.errors import ProtocolError, SmpStartError
 from ftmem.protocol import messages as m
@@ -55,16 +56,6 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise SmpStartError(f"run directory {run_dir} belongs to uid {st.st_uid}, not to us")
     if st.st_mode & 0o077:
         os.chmod(run_dir, 0o700)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SmpDaemon:
@@ -105,7 +96,7 @@ class SmpDaemon:
                 other = int(json.loads(ready.read_text())["pid"])
             except (ValueError, KeyError, TypeError, json.JSONDecodeError):
                 other = -1
-            if other > 0 and other != os.getpid() and _pid_alive(other):
+            if other > 0 and other != os.getpid() and pid_alive(other):
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
             ready.unlink()
         self._owns_run_dir = True
@@ -232,7 +223,7 @@ class SmpDaemon:
             ppid = self.config.parent_pid
             # getppid: once the parent dies we are reparented at once, even while the dead
             # parent is an unreaped zombie (which kill(pid, 0) would still report alive).
-            if ppid is not None and (os.getppid() != ppid or not _pid_alive(ppid)):
+            if ppid is not None and (os.getppid() != ppid or not pid_alive(ppid)):
                 log.warning("[%s/smp] parent %d is gone; stopping", self.config.node, ppid)
                 break
 
