@@ -16,13 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-# Environment variables the launcher sets for each rank (the names match ftmem/config.py).
-ENV_RUN_DIR = "FTMEM_RUN_DIR"
-ENV_RUN_ID = "FTMEM_RUN_ID"
-ENV_NODE = "FTMEM_NODE"
-ENV_GENERATION = "FTMEM_GENERATION"
-ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"
-"""Newest step this node's ranks had committed before the restart ("" if none / first start)."""
+# The FTMEM_* variables the launcher sets for each rank are named in ftmem/config.py; only the
+# launcher's own one is here.
 ENV_AGENT_PID = "FTMEM_AGENT_PID"
 """The agent's pid; the exec shim kills the rank if its parent is no longer this pid."""
 

@@ -6,6 +6,8 @@ initialised default process group the "group" is this process alone.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -55,8 +57,6 @@ def min_over_ranks(value: int) -> int:
 
 def current_rank() -> int:
     """This process's global rank (the process group's, else $RANK, else 0)."""
-    import os
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))

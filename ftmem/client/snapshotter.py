@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -114,7 +113,6 @@ class Checkpointer:
         self._job: CopyJob | None = None
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._hooks: list[Any] = []
-        self._lock = threading.Lock()
         self._skipped = 0
         self._last_save_s = 0.0
         self._last_fence_s = 0.0
@@ -232,7 +230,7 @@ class Checkpointer:
             torch.frombuffer(bytearray(objects), dtype=torch.uint8)
         )
         obj_hash = hash_bytes(seg.view[off : off + len(objects)])
-        lazy_ptrs = _optimizer_storage_ptrs(flat.skeleton, self._optimizers)
+        lazy_ptrs = _optimizer_storage_ptrs(self._optimizers)
         job = CopyJob(
             rank=self.rank,
             step=step,
@@ -447,7 +445,7 @@ def _walk_values(obj: Any) -> list[Any]:
     return out
 
 
-def _optimizer_storage_ptrs(skeleton: Any, optimizers: list[torch.optim.Optimizer]) -> set[int]:
+def _optimizer_storage_ptrs(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     """Storages that only the optimizers mutate: their parameters and their state tensors."""
     ptrs: set[int] = set()
     for opt in optimizers:

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from ftmem._logging import get_logger
-from ftmem.client.flatten import Layout
+from ftmem.client.flatten import Layout, layout_json
 from ftmem.client.smp_client import SmpClient
 from ftmem.errors import FtmemError
 from ftmem.protocol import messages as m
@@ -79,7 +79,6 @@ class CopyJob:
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     copy_s: float = 0.0
-    committed: bool = False
     cancelled: bool = False
     """Set by the fence when it gave up waiting: the copy may be torn, so it must not commit."""
 
@@ -171,8 +170,6 @@ class CopyWorker:
             return
         faults.maybe_inject(faults.Point.BEFORE_COMMIT, job.rank, job.step)
         try:
-            from ftmem.client.flatten import layout_json
-
             text = layout_json(job.layout, job.step, [h or "" for h in job.hashes], job.objects)
             client.request(
                 m.Commit(
@@ -186,7 +183,6 @@ class CopyWorker:
                     skipped=job.skipped,
                 )
             )
-            job.committed = True
         except FtmemError as exc:
             log.error("commit of step %d failed: %s", job.step, exc)
             job.error = _CommitError(str(exc))
