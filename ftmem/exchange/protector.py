@@ -16,35 +16,57 @@ Rebuild (a node that lost its memory calls :meth:`rebuild`; survivors keep calli
 the rebuild plan, FETCHes k fragments per stripe it took part in (data ranges from the column
 nodes, parity with its checksums from holders), and reconstructs its own data and its parity.
 
+Every header carries the protector's *epoch* (the launcher's generation): after the group is
+reconfigured (:meth:`reconfigure`), late messages of an earlier epoch are dropped. A node that
+cannot take part in a step's protection sends ABORT; every node then gives the step up
+(:class:`StepAborted`). A node also sends its *manifest* (what its snapshot bytes are: ranks and
+layouts, opaque here) with its size; every peer keeps it, so a rebuilt node gets its own back.
+
 One thread owns a protector and its transport. The snapshot bytes are the caller's: the
-protector reads them (``memoryview``) until :meth:`forget` of that step.
+protector reads them (``memoryview`` or :class:`SegmentedBytes`) until :meth:`forget` of that
+step. Messages of kinds the protector does not know go to ``on_other`` (the SMP's exchange
+service uses this for its own agreement messages).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftmem._logging import get_logger
+from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.codec import StripeCodec
 from ftmem.exchange.placement import (
+    Fetch,
     FragmentKind,
     GroupPlan,
     StripePlan,
     rebuild_plan,
     stripe_map,
 )
+from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 
 log = get_logger(__name__)
 
+_MAX_NODE_BYTES = 1 << 44
+
+
+class StepAborted(FtmemError):
+    """A node of the group gave up protecting this step (its data was gone, or it failed)."""
+
+
+class ExchangeInterrupted(FtmemError):
+    """The caller's ``interrupted()`` became true during a wait (e.g. the group changed)."""
+
 
 @dataclass
 class _Step:
-    data: memoryview | None = None
+    data: SegmentedBytes | None = None
     sizes: dict[int, int] = field(default_factory=dict)
+    manifests: dict[int, bytes] = field(default_factory=dict)
     stripes: dict[int, StripePlan] | None = None
     columns: dict[tuple[int, int], bytes] = field(default_factory=dict)
     parity: dict[tuple[int, int], bytes] = field(default_factory=dict)
@@ -52,6 +74,7 @@ class _Step:
     held: set[int] = field(default_factory=set)
     encoded: set[int] = field(default_factory=set)
     held_sent: bool = False
+    aborted: bool = False
 
 
 class GroupProtector:
@@ -68,6 +91,9 @@ class GroupProtector:
         transport: PeerTransport,
         stripe_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
+        epoch: int = 0,
+        on_other: Callable[[PeerMessage], None] | None = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> None:
         if me not in plan.nodes:
             raise ValueError(f"node {me} is not in group {plan.nodes}")
@@ -81,13 +107,35 @@ class GroupProtector:
         self._fetched: dict[tuple[int, int, int], bytes] = {}
         self._meta: dict[int, dict[int, int]] = {}
         self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.epoch = epoch
+        self.on_other = on_other
+        self.interrupted = interrupted or (lambda: False)
+        self.dropped = 0
+        self.sent_bytes = 0
 
     # -- helpers -----------------------------------------------------------------------------
     def _peers(self) -> list[int]:
         return [n for n in self.plan.nodes if n != self.me]
 
     def _send(self, node: int, header: dict[str, Any], bufs: list[Any] | None = None) -> None:
-        self.transport.send(str(node), header, bufs or [])
+        header["e"] = self.epoch
+        bufs = bufs or []
+        self.sent_bytes += sum(memoryview(b).nbytes for b in bufs)
+        self.transport.send(str(node), header, bufs)
+
+    def reconfigure(self, transport: PeerTransport, epoch: int) -> None:
+        """Use ``transport`` from now on and drop messages of earlier epochs.
+
+        Held steps (data, parity, checksums, manifests) are kept: they serve the rebuild.
+        Steps not yet protected are given up, as are pending fetches.
+        """
+        self.transport = transport
+        self.epoch = epoch
+        for step in [s for s, st in self.steps.items() if not st.held_sent]:
+            del self.steps[step]
+        self._fetched.clear()
+        self._meta.clear()
+        self._sums.clear()
 
     def _st(self, step: int) -> _Step:
         return self.steps.setdefault(step, _Step())
@@ -100,7 +148,7 @@ class GroupProtector:
             for s in st.stripes.values():
                 for col, c in enumerate(s.columns):
                     if c.node == self.me and c.length:
-                        piece = st.data[c.offset : c.offset + c.length]
+                        piece = st.data.read(c.offset, c.length)
                         self._send(
                             s.encoder,
                             {"t": "data", "step": step, "stripe": s.index, "col": col},
@@ -164,19 +212,44 @@ class GroupProtector:
     def _handle(self, msg: PeerMessage) -> None:
         h = msg.header
         try:
+            if h.get("e") != self.epoch:
+                self.dropped += 1
+                log.debug(
+                    "[%d] dropped a message of epoch %s (now %d)", self.me, h.get("e"), self.epoch
+                )
+                return
             kind, step, sender = str(h["t"]), int(h["step"]), int(msg.sender)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):
+            if self.on_other is not None and isinstance(h, dict) and "step" not in h:
+                self.on_other(msg)
+                return
+            self.dropped += 1
             log.warning("[%d] ignoring a malformed peer message %r", self.me, h)
             return
-        if sender not in self.plan.nodes:
+        if sender not in self.plan.nodes or sender == self.me:
+            self.dropped += 1
             log.warning("[%d] ignoring a message from node %s outside the group", self.me, sender)
             return
+        try:
+            self._dispatch(kind, step, sender, msg)
+        except (KeyError, TypeError, ValueError, IndexError, AssertionError) as exc:
+            self.dropped += 1
+            log.warning("[%d] ignoring a bad %r message from %d: %r", self.me, kind, sender, exc)
+
+    def _dispatch(self, kind: str, step: int, sender: int, msg: PeerMessage) -> None:
+        h = msg.header
         if kind == "size":
-            self._st(step).sizes[sender] = int(h["nbytes"])
-            if self.steps[step].data is not None:
+            nbytes = int(h["nbytes"])
+            if not 0 <= nbytes <= _MAX_NODE_BYTES:
+                raise ValueError(f"size {nbytes} out of range")
+            st = self._st(step)
+            st.sizes[sender] = nbytes
+            st.manifests[sender] = bytes(msg.buffers[0]) if msg.buffers else b""
+            if st.data is not None:
                 self._plan_stripes(step)
         elif kind == "data":
-            self._st(step).columns[(int(h["stripe"]), int(h["col"]))] = bytes(msg.buffers[0])
+            key = (int(h["stripe"]), int(h["col"]))
+            self._st(step).columns[key] = bytes(msg.buffers[0])
             self._progress(step)
         elif kind == "parity":
             st = self._st(step)
@@ -185,39 +258,66 @@ class GroupProtector:
             self._progress(step)
         elif kind == "held":
             self._st(step).held.add(sender)
+        elif kind == "abort":
+            if step in self.steps and not self.steps[step].held >= set(self.plan.nodes):
+                self.steps[step].aborted = True
         elif kind == "meta?":
-            sizes = self.steps[step].sizes if step in self.steps else {}
+            st0 = self.steps.get(step)
+            sizes = st0.sizes if st0 is not None and st0.held_sent else {}
+            manifest = st0.manifests.get(sender, b"") if st0 is not None else b""
             self._send(
-                sender, {"t": "meta", "step": step, "sizes": {str(k): v for k, v in sizes.items()}}
+                sender,
+                {"t": "meta", "step": step, "sizes": {str(k): v for k, v in sizes.items()}},
+                [manifest],
             )
         elif kind == "meta":
             self._meta[step] = {int(k): int(v) for k, v in dict(h["sizes"]).items()}
+            if msg.buffers:
+                self._st(step).manifests[self.me] = bytes(msg.buffers[0])
         elif kind == "fetch":
             self._serve_fetch(sender, step, h)
         elif kind == "fetched":
+            if not msg.buffers:  # the holder no longer has it
+                self._fetched[(step, int(h["stripe"]), int(h["frag"]))] = b""
+                return
             if h.get("sums"):
                 self._sums[(step, int(h["stripe"]))] = tuple(int(x) for x in h["sums"])
             self._fetched[(step, int(h["stripe"]), int(h["frag"]))] = bytes(msg.buffers[0])
+        elif self.on_other is not None:
+            self.on_other(msg)
+        else:
+            raise ValueError(f"unknown kind {kind!r}")
 
     def _serve_fetch(self, sender: int, step: int, h: dict[str, Any]) -> None:
         st = self.steps.get(step)
         stripe, frag = int(h["stripe"]), int(h["frag"])
         reply = {"t": "fetched", "step": step, "stripe": stripe, "frag": frag}
-        if st is None:
-            log.warning("[%d] fetch of unknown step %d from %d", self.me, step, sender)
-            return
         if h["kind"] == FragmentKind.DATA.value:
-            assert st.data is not None
+            if st is None or st.data is None:
+                log.warning(
+                    "[%d] fetch of data of step %d I do not hold, from %d", self.me, step, sender
+                )
+                self._send(sender, reply)
+                return
             off, n = int(h["offset"]), int(h["length"])
-            self._send(sender, reply, [st.data[off : off + n]])
+            self._send(sender, reply, [st.data.read(off, n)])
         else:
+            payload = st.parity.get((stripe, frag)) if st is not None else None
+            if st is None or payload is None:
+                log.warning(
+                    "[%d] fetch of parity of step %d I do not hold, from %d", self.me, step, sender
+                )
+                self._send(sender, reply)
+                return
             sums = st.checksums.get(stripe)
             reply["sums"] = [str(c) for c in sums] if sums else []
-            self._send(sender, reply, [st.parity[(stripe, frag)]])
+            self._send(sender, reply, [payload])
 
     def _pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not done():
+            if self.interrupted():
+                raise ExchangeInterrupted(f"node {self.me}: interrupted while {what()}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"node {self.me}: {what()} after {self.timeout_s} s")
@@ -226,20 +326,51 @@ class GroupProtector:
                 self._handle(msg)
 
     # -- public API ------------------------------------------------------------------------------
-    def protect(self, step: int, data: memoryview) -> None:
-        """Protect this node's snapshot ``data`` of ``step`` with the group; return when protected."""
+    def protect(self, step: int, data: SegmentedBytes | Buffer, manifest: bytes = b"") -> None:
+        """Protect this node's snapshot ``data`` of ``step`` with the group; return when protected.
+
+        Raises:
+            StepAborted: a node gave the step up (the caller may :meth:`abort` it too).
+            TimeoutError: the group did not finish within ``timeout_s``.
+            ExchangeInterrupted: ``interrupted()`` became true.
+        """
         st = self._st(step)
-        st.data = data
-        st.sizes[self.me] = data.nbytes
+        st.data = SegmentedBytes.of(data)
+        st.sizes[self.me] = st.data.nbytes
+        st.manifests[self.me] = manifest
         for n in self._peers():
-            self._send(n, {"t": "size", "step": step, "nbytes": data.nbytes})
+            self._send(n, {"t": "size", "step": step, "nbytes": st.data.nbytes}, [manifest])
         self._plan_stripes(step)
+
+        def done() -> bool:
+            if st.aborted:
+                raise StepAborted(f"step {step} was given up by a node of the group")
+            return st.held >= set(self.plan.nodes)
+
         self._pump(
-            lambda: st.held >= set(self.plan.nodes),
+            done,
             lambda: (
                 f"step {step} not protected (held by {sorted(st.held)}, sizes from {sorted(st.sizes)})"
             ),
         )
+
+    def abort(self, step: int) -> None:
+        """Give ``step`` up here and tell every peer to give it up too."""
+        for n in self._peers():
+            try:
+                self._send(n, {"t": "abort", "step": step})
+            except FtmemError as exc:
+                log.warning("[%d] cannot tell node %d to abort step %d: %s", self.me, n, step, exc)
+        self.forget(step)
+
+    def held_steps(self) -> list[int]:
+        """Steps whose own data and owed parity this node holds (it told the group HELD)."""
+        return sorted(s for s, st in self.steps.items() if st.held_sent and st.data is not None)
+
+    def manifest(self, step: int, node: int) -> bytes:
+        """The manifest ``node`` sent with its size for ``step`` (b"" if unknown)."""
+        st = self.steps.get(step)
+        return st.manifests.get(node, b"") if st is not None else b""
 
     def is_protected(self, step: int) -> bool:
         """True once every node of the group holds its parity of ``step``."""
@@ -260,43 +391,73 @@ class GroupProtector:
 
     def forget(self, step: int) -> None:
         """Drop everything held for ``step`` (after a newer step is protected)."""
-        self.steps.pop(step, None)
+        st = self.steps.pop(step, None)
+        if st is not None and st.data is not None:
+            st.data.release()
 
-    def rebuild(self, step: int, lost: set[int], source: int) -> bytes:
+    def _fetch(self, step: int, stripe: StripePlan, fetches: Sequence[Fetch]) -> None:
+        for f in fetches:
+            self._send(
+                f.node,
+                {
+                    "t": "fetch",
+                    "step": step,
+                    "stripe": stripe.index,
+                    "frag": f.fragment,
+                    "kind": f.kind.value,
+                    "offset": f.offset,
+                    "length": f.length,
+                },
+            )
+
+    def _wait_fetched(self, step: int, wanted: set[tuple[int, int, int]]) -> None:
+        self._pump(
+            lambda: wanted <= set(self._fetched),
+            lambda: f"{len(wanted - set(self._fetched))} fragments of step {step} missing",
+        )
+
+    @staticmethod
+    def _spares(stripe: StripePlan, lost: set[int], used: set[int]) -> list[Fetch]:
+        """Every surviving fragment of ``stripe`` not in ``used`` (for a retry after corruption)."""
+        k = stripe.k
+        out = [
+            Fetch(f, c.node, FragmentKind.DATA, c.offset, c.length)
+            for f, c in enumerate(stripe.columns)
+            if c.length and c.node not in lost and f not in used
+        ]
+        out += [
+            Fetch(k + t, h, FragmentKind.PARITY, 0, stripe.chunk_bytes)
+            for t, h in enumerate(stripe.holders)
+            if h not in lost and k + t not in used
+        ]
+        return out
+
+    def rebuild(self, step: int, lost: set[int], source: int) -> memoryview:
         """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
 
-        ``source`` is a survivor asked for the step's sizes. Returns the snapshot bytes; the
-        rebuilt parity is held as if this node had protected the step itself.
+        ``source`` is a survivor asked for the step's sizes (and this node's manifest, then
+        available from :meth:`manifest`). Returns the snapshot bytes; the rebuilt parity is
+        held as if this node had protected the step itself. A fetched fragment that fails its
+        checksum counts as lost: the stripe is retried with every other surviving fragment.
 
         Raises:
-            UnrecoverableError: more than m nodes of the group are lost.
+            UnrecoverableError: more than m nodes of the group are lost, the source does not
+                hold the step, or too few fragments of a stripe are intact.
             TimeoutError: a survivor did not answer in time.
         """
         self._send(source, {"t": "meta?", "step": step})
         self._pump(
             lambda: step in self._meta, lambda: f"no sizes of step {step} from node {source}"
         )
-        sizes = self._meta[step]
+        sizes = self._meta.pop(step)
+        if set(sizes) != set(self.plan.nodes):
+            raise UnrecoverableError(f"node {source} does not hold step {step}")
         stripes = stripe_map(self.plan, sizes, self.stripe_bytes)
         mine = rebuild_plan(self.plan, stripes, lost).for_node(self.me)
         for sr in mine.stripes:
-            for f in sr.fetch:
-                self._send(
-                    f.node,
-                    {
-                        "t": "fetch",
-                        "step": step,
-                        "stripe": sr.stripe.index,
-                        "frag": f.fragment,
-                        "kind": f.kind.value,
-                        "offset": f.offset,
-                        "length": f.length,
-                    },
-                )
-        wanted = {(step, sr.stripe.index, f.fragment) for sr in mine.stripes for f in sr.fetch}
-        self._pump(
-            lambda: wanted <= set(self._fetched),
-            lambda: f"{len(wanted - set(self._fetched))} fragments of step {step} missing",
+            self._fetch(step, sr.stripe, sr.fetch)
+        self._wait_fetched(
+            step, {(step, sr.stripe.index, f.fragment) for sr in mine.stripes for f in sr.fetch}
         )
         out = bytearray(sizes.get(self.me, 0))
         st = self._st(step)
@@ -307,9 +468,31 @@ class GroupProtector:
             frags = {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in sr.fetch}
             # The stripe's k+m checksums travel with any fetched parity fragment.
             sums = self._sums.pop((step, s.index), None)
-            got = self.codec.reconstruct(
-                frags, sr.rebuild, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
-            )
+            try:
+                got = self.codec.reconstruct(
+                    frags, sr.rebuild, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
+                )
+            except UnrecoverableError as exc:
+                spares = self._spares(s, lost, set(frags) | set(sr.rebuild))
+                log.warning(
+                    "[%d] step %d stripe %d: %s; retrying with %d more fragments",
+                    self.me,
+                    step,
+                    s.index,
+                    exc,
+                    len(spares),
+                )
+                if not spares:
+                    raise
+                self._fetch(step, s, spares)
+                self._wait_fetched(step, {(step, s.index, f.fragment) for f in spares})
+                frags.update(
+                    {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in spares}
+                )
+                sums = self._sums.pop((step, s.index), sums)
+                got = self.codec.reconstruct(
+                    frags, sr.rebuild, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
+                )
             for frag, payload in got.fragments.items():
                 if frag < s.k:
                     c = s.columns[frag]
@@ -318,7 +501,7 @@ class GroupProtector:
                     st.parity[(s.index, frag)] = payload
             if sums is not None:
                 st.checksums[s.index] = sums
-        st.data = memoryview(bytes(out))
+        st.data = SegmentedBytes([out])
         st.held = set(self.plan.nodes)
         st.held_sent = True
-        return bytes(out)
+        return memoryview(out)
