@@ -113,3 +113,31 @@ class MappedSegment:
         except BufferError:
             log.debug("segment %s still referenced; unmapped at exit", self.path)
         self._mm = None  # type: ignore[assignment]
+
+
+def map_readonly(path: Path, nbytes: int) -> mmap.mmap:
+    """Map the first ``nbytes`` of an existing slot file read-only (the SMP reads, ranks write).
+
+    Raises:
+        OSError: the file is missing.
+        ValueError: the file is shorter than ``nbytes``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"segment {path} has {size} bytes, fewer than {nbytes}")
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def write_segment(path: Path, data: memoryview) -> None:
+    """Write ``data`` at the start of the existing slot file ``path`` (used by a rebuild)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < data.nbytes:
+            done += os.pwrite(fd, data[done : done + (64 << 20)], done)
+    finally:
+        os.close(fd)

@@ -209,10 +209,15 @@ class GroupProtector:
                 self._send(holder, hdr, [enc.parity[t]])
 
     # -- message handling ----------------------------------------------------------------------
-    def _handle(self, msg: PeerMessage) -> None:
+    def handle(self, msg: PeerMessage) -> None:
+        """Act on one peer message (the caller's loop received it)."""
         h = msg.header
         try:
-            if h.get("e") != self.epoch:
+            e = h.get("e")
+            if isinstance(e, int) and e > self.epoch and self.on_other is not None:
+                self.on_other(msg)  # a newer generation: the owner keeps it for later
+                return
+            if e != self.epoch:
                 self.dropped += 1
                 log.debug(
                     "[%d] dropped a message of epoch %s (now %d)", self.me, h.get("e"), self.epoch
@@ -323,7 +328,7 @@ class GroupProtector:
                 raise TimeoutError(f"node {self.me}: {what()} after {self.timeout_s} s")
             msg = self.transport.recv(min(left, 0.5))
             if msg is not None:
-                self._handle(msg)
+                self.handle(msg)
 
     # -- public API ------------------------------------------------------------------------------
     def protect(self, step: int, data: SegmentedBytes | Buffer, manifest: bytes = b"") -> None:
@@ -382,7 +387,7 @@ class GroupProtector:
         while not until():
             msg = self.transport.recv(poll_s)
             if msg is not None:
-                self._handle(msg)
+                self.handle(msg)
 
     def parity_bytes(self, step: int) -> int:
         """Parity bytes this node holds for ``step``."""
@@ -417,7 +422,7 @@ class GroupProtector:
         )
 
     @staticmethod
-    def _spares(stripe: StripePlan, lost: set[int], used: set[int]) -> list[Fetch]:
+    def _spares(stripe: StripePlan, lost: set[int] | frozenset[int], used: set[int]) -> list[Fetch]:
         """Every surviving fragment of ``stripe`` not in ``used`` (for a retry after corruption)."""
         k = stripe.k
         out = [
@@ -432,7 +437,7 @@ class GroupProtector:
         ]
         return out
 
-    def rebuild(self, step: int, lost: set[int], source: int) -> memoryview:
+    def rebuild(self, step: int, lost: set[int] | frozenset[int], source: int) -> memoryview:
         """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
 
         ``source`` is a survivor asked for the step's sizes (and this node's manifest, then

@@ -33,6 +33,8 @@ class Kind(enum.IntEnum):
     DISCARD_NEWER = 9
     HEARTBEAT = 10
     STATUS = 11
+    PEER_BIND = 12
+    PEER_START = 13
     PEER = 20
 
 
@@ -120,6 +122,31 @@ class Status:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerBind:
+    """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON)."""
+
+    keys: str
+    host: str
+    me: int
+    port: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStart:
+    """(Launcher) join generation ``epoch``: every node's peer endpoint, parity ``m``, the
+    group-size cap and this node's global ranks; the reply comes after the group's sync (and
+    this node's rebuild, if it needs one)."""
+
+    epoch: int
+    me: int
+    endpoints: dict[str, str]
+    m: int
+    max_group: int
+    ranks: list[int]
+    protect_interval_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Peer:
     """An SMP-to-SMP message: a JSON header plus raw buffer frames of the given sizes/checksums."""
 
@@ -148,6 +175,8 @@ Payload = (
     | DiscardNewer
     | Heartbeat
     | Status
+    | PeerBind
+    | PeerStart
     | Reply
 )
 
@@ -163,6 +192,8 @@ PAYLOAD_TYPES: dict[Kind, type[Any]] = {
     Kind.DISCARD_NEWER: DiscardNewer,
     Kind.HEARTBEAT: Heartbeat,
     Kind.STATUS: Status,
+    Kind.PEER_BIND: PeerBind,
+    Kind.PEER_START: PeerStart,
     Kind.PEER: Peer,
 }
 KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}

@@ -27,10 +27,12 @@ from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
 from ftmem.errors import ProtocolError, SmpStartError
+from ftmem.exchange.keys import CurveKeyPair, KeyFileError
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
 from ftmem.smp import records
-from ftmem.smp.store import RankSlots, SlotState, StoreError
+from ftmem.smp.exchange import BindCommand, ExchangeService, RankPiece, StartCommand
+from ftmem.smp.store import RankSlots, Slot, SlotState, StoreError
 
 log = get_logger(__name__)
 
@@ -84,6 +86,10 @@ class SmpDaemon:
         self._owns_run_dir = False
         self.bad_messages = 0
         self.started_at = time.time()
+        # The exchange thread pins, unpins and installs slots: every store change holds this.
+        self._lock = threading.RLock()
+        self.exchange: ExchangeService | None = None
+        self._pending_exchange = 0
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,6 +160,8 @@ class SmpDaemon:
         if self._closed:
             return
         self._closed = True
+        if self.exchange is not None:
+            self.exchange.close()
         self._jobs.put(None)
         if self._alloc_thread is not None:
             self._alloc_thread.join(timeout=30)
@@ -210,7 +218,7 @@ class SmpDaemon:
         poller.register(self._sock, zmq.POLLIN)
         interval_ms = max(1, int(self.config.poll_interval.total_seconds() * 1000))
         while not self._stop.is_set():
-            timeout = 5 if self._pending_allocs else interval_ms
+            timeout = 5 if self._pending_allocs or self._pending_exchange else interval_ms
             events = dict(poller.poll(timeout))
             if self._sock in events:
                 for _ in range(256):  # bounded burst so allocations and signals get a turn
@@ -218,8 +226,11 @@ class SmpDaemon:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
-                    self._handle_frames(frames)
-            self._finish_allocations()
+                    with self._lock:
+                        self._handle_frames(frames)
+            with self._lock:
+                self._finish_allocations()
+            self._finish_exchange()
             ppid = self.config.parent_pid
             # getppid: once the parent dies we are reparented at once, even while the dead
             # parent is an unreaped zombie (which kill(pid, 0) would still report alive).
@@ -324,7 +335,162 @@ class SmpDaemon:
             return m.Reply(ok=True, data={"dropped": dropped})
         if isinstance(p, m.Status):
             return m.Reply(ok=True, data=self.status())
+        if isinstance(p, m.PeerBind):
+            try:
+                keys = CurveKeyPair.from_json(p.keys)
+            except KeyFileError as exc:
+                raise ValueError(str(exc)) from exc
+            self._exchange().submit(BindCommand((ident, req_id), keys, p.host, p.me, p.port))
+            self._pending_exchange += 1
+            return None
+        if isinstance(p, m.PeerStart):
+            try:
+                endpoints = {int(k): str(v) for k, v in p.endpoints.items()}
+            except ValueError as exc:
+                raise ValueError(f"bad endpoints: {exc}") from exc
+            cmd = StartCommand(
+                (ident, req_id),
+                p.epoch,
+                p.me,
+                endpoints,
+                p.m,
+                p.max_group,
+                list(p.ranks),
+                p.protect_interval_s,
+            )
+            self._exchange().submit(cmd)
+            self._pending_exchange += 1
+            return None
         raise ProtocolError(f"unexpected request {type(p).__name__}")
+
+    def _exchange(self) -> ExchangeService:
+        if self.exchange is None:
+            self.exchange = ExchangeService(self.config.node, self)
+            self.exchange.start()
+        return self.exchange
+
+    def _finish_exchange(self) -> None:
+        if self.exchange is None:
+            return
+        for r in self.exchange.results():
+            self._pending_exchange -= 1
+            ident, req_id = r.token
+            self._send(ident, req_id, m.Reply(ok=r.ok, error=r.error, data=r.data))
+
+    # -- what the exchange thread uses (LocalSnapshots) ----------------------------------------
+    def complete_steps(self, ranks: list[int] | Any) -> list[int]:
+        """Steps every rank of ``ranks`` has committed, newest first."""
+        with self._lock:
+            common: set[int] | None = None
+            for r in ranks:
+                rs = self.ranks.get(r)
+                steps = {s.step for s in rs.committed() if s.step is not None} if rs else set()
+                common = steps if common is None else common & steps
+            return sorted(common or (), reverse=True)
+
+    def pin_step(self, ranks: list[int] | Any, step: int) -> list[RankPiece] | None:
+        """Pin every rank's committed slot of ``step``; None if a rank has none."""
+        with self._lock:
+            chosen: list[tuple[int, Slot]] = []
+            for r in ranks:
+                rs = self.ranks.get(r)
+                found = [s for s in rs.committed() if s.step == step] if rs else []
+                if not found:
+                    return None
+                chosen.append((r, found[0]))
+            pieces = []
+            for r, sl in chosen:
+                sl.pinned += 1
+                used = _check_layout(sl.layout, sl.capacity)
+                pieces.append(RankPiece(r, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout))
+            return pieces
+
+    def unpin(self, pieces: list[RankPiece] | Any) -> None:
+        """Undo :meth:`pin_step` (slots replaced since are left alone)."""
+        with self._lock:
+            for p in pieces:
+                rs = self.ranks.get(p.rank)
+                if rs is None:
+                    continue
+                sl = rs.slot(p.slot)
+                if sl.gen == p.gen and sl.pinned > 0:
+                    sl.pinned -= 1
+
+    def install_rebuilt(
+        self, step: int, manifest: dict[str, Any], data: memoryview
+    ) -> list[RankPiece]:
+        """Write each rebuilt rank's bytes into a new slot file, commit it and pin it.
+
+        Raises:
+            ValueError: the manifest does not describe ``data`` (nothing is installed).
+            OSError: a slot file cannot be made (e.g. /dev/shm is full).
+        """
+        entries = manifest.get("ranks")
+        if not isinstance(entries, list):
+            raise ValueError("manifest without ranks")
+        spans, off = [], 0
+        for e in entries:
+            rank, n, cap, layout = (
+                int(e["rank"]),
+                int(e["nbytes"]),
+                int(e["capacity"]),
+                str(e["layout"]),
+            )
+            if not 0 <= n <= cap <= _MAX_SLOT_BYTES or _check_layout(layout, cap) != n:
+                raise ValueError(f"manifest entry of rank {rank} does not fit its slot")
+            spans.append((rank, off, n, cap, layout))
+            off += n
+        if off != data.nbytes:
+            raise ValueError(f"manifest covers {off} bytes, the rebuilt data has {data.nbytes}")
+        pieces = []
+        for rank, off, n, cap, layout in spans:
+            with self._lock:
+                rs = self._rank(rank)
+                sl = _slot_for_rebuild(rs, step)
+                old = Path(sl.path) if sl.path else None
+                sl.state, sl.step, sl.layout = SlotState.ALLOCATING, None, ""
+                gen = sl.gen + 1
+            path = self.config.shm_dir / shm.slot_file_name(
+                self.config.run_id, self.config.node, rank, sl.index, gen
+            )
+            if old is not None:
+                records.remove_record(old)
+                shm.remove_segment(old)
+            ok = False
+            try:
+                shm.create_segment(path, cap)
+                shm.write_segment(path, data[off : off + n])
+                ok = True
+            finally:
+                with self._lock:
+                    rs.finish_resize(sl.index, str(path), cap, ok)
+                    if not ok:
+                        shm.remove_segment(path)
+            with self._lock:
+                rs.adopt(sl.index, sl.gen, str(path), cap, step, rs.next_seq(), layout)
+                sl.pinned += 1
+                records.write_record(
+                    path,
+                    records.CommitRecord(
+                        rank=rank,
+                        slot=sl.index,
+                        gen=sl.gen,
+                        capacity=cap,
+                        step=step,
+                        seq=sl.seq,
+                        layout=layout,
+                    ),
+                )
+            pieces.append(RankPiece(rank, sl.index, sl.gen, str(path), cap, n, layout))
+            log.info(
+                "[%s/%d %d] rebuilt slot %d (%.1f MiB)",
+                self.config.node,
+                rank,
+                step,
+                sl.index,
+                n / 2**20,
+            )
+        return pieces
 
     def _hello_data(self) -> dict[str, Any]:
         return {
@@ -469,11 +635,34 @@ class SmpDaemon:
             "uptime_s": time.time() - self.started_at,
             "bad_messages": self.bad_messages,
             "ranks": {str(r): rs.describe() for r, rs in sorted(self.ranks.items())},
+            "exchange": self.exchange.status() if self.exchange else {"enabled": False},
         }
 
 
-def _check_layout(layout: str, capacity: int) -> None:
-    """Check a committed layout's JSON shape and that every extent lies inside the slot."""
+def _slot_for_rebuild(rs: RankSlots, step: int) -> Slot:
+    """The slot a rebuilt snapshot goes into: one already holding ``step`` (its data may be
+    stale or corrupt), else a free one, else the oldest committed one, never a pinned one."""
+    newest = rs.newest()
+    candidates = [s for s in rs.slots if not s.pinned and s.state is not SlotState.WRITING]
+    for s in candidates:
+        if s.state is SlotState.COMMITTED and s.step == step:
+            return s
+    free = [s for s in candidates if s.state in (SlotState.FREE, SlotState.EMPTY)]
+    if free:
+        return free[0]
+    older = sorted((s for s in candidates if s is not newest), key=lambda s: s.seq)
+    if older:
+        return older[0]
+    if candidates:
+        return candidates[0]
+    raise StoreError(f"rank {rs.rank} has no slot to take a rebuilt snapshot")
+
+
+def _check_layout(layout: str, capacity: int) -> int:
+    """Check a committed layout's JSON shape and that every extent lies inside the slot.
+
+    Returns the bytes the snapshot uses (the end of its last extent).
+    """
     try:
         doc = json.loads(layout)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -481,6 +670,7 @@ def _check_layout(layout: str, capacity: int) -> None:
     if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
         raise ValueError("layout must be an object with a 'tensors' list")
     extents = list(doc["tensors"])
+    used = 0
     if isinstance(doc.get("objects"), dict):
         extents.append(doc["objects"])
     for e in extents:
@@ -489,3 +679,5 @@ def _check_layout(layout: str, capacity: int) -> None:
         off, n = e.get("offset"), e.get("nbytes")
         if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off + n > capacity:
             raise ValueError(f"layout extent {off}+{n} is outside the slot of {capacity} bytes")
+        used = max(used, off + n)
+    return used

@@ -54,6 +54,7 @@ class Slot:
             "gen": self.gen,
             "capacity": self.capacity,
             "step": self.step,
+            "pinned": self.pinned,
         }
 
 
@@ -201,6 +202,11 @@ class RankSlots:
         s.state, s.gen, s.path, s.capacity = SlotState.COMMITTED, gen, path, capacity
         s.step, s.seq, s.layout = step, seq, layout
         self._seq = max(self._seq, seq)
+
+    def next_seq(self) -> int:
+        """A commit sequence number newer than every slot's (for a slot installed by a rebuild)."""
+        self._seq += 1
+        return self._seq
 
     def describe(self) -> dict[str, Any]:
         """Return a JSON-ready summary for STATUS."""

@@ -1,0 +1,262 @@
+"""Erasure-coded protection between real SMP processes over CURVE/TCP on loopback.
+
+Each "node" is an SMP process; a test plays its ranks through the SMP protocol (begin, write
+the slot file, commit), so a node's snapshot is known bytes. Nodes are lost for real (SIGKILL
+of the SMP and removal of its shared memory) and replaced by a fresh SMP that must rebuild.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from ftmem.client.smp_client import SmpClient
+from ftmem.errors import SmpRequestError
+from ftmem.exchange import keys
+from ftmem.protocol import messages as m
+from ftmem.smp.spawn import SmpProcess, start_smp
+from tests.conftest import pid_gone, shm_files
+
+T = timedelta(seconds=60)
+
+
+def layout_for(payload: bytes) -> str:
+    return json.dumps(
+        {
+            "tensors": [
+                {"offset": 0, "nbytes": len(payload), "xxh": xxhash.xxh3_64_hexdigest(payload)}
+            ]
+        }
+    )
+
+
+@dataclass
+class Node:
+    index: int
+    run_dir: Path
+    run_id: str
+    proc: SmpProcess | None = None
+    client: SmpClient | None = None
+    committed: dict[tuple[int, int], bytes] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"n{self.index}"
+
+    def start(self, slots: int = 3) -> None:
+        self.proc = start_smp(
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            node=self.name,
+            slots=slots,
+            start_timeout=T,
+            log_path=self.run_dir.parent / f"{self.name}-smp.log",
+            extra_args=["--no-adopt"],
+        )
+        self.client = SmpClient(self.run_dir, timeout=T)
+
+    def req(self, payload: object, timeout: timedelta = T) -> dict[str, object]:
+        assert self.client is not None
+        return self.client.request(payload, timeout)
+
+    def commit(self, rank: int, step: int, payload: bytes) -> bool:
+        """Play rank ``rank`` saving ``payload`` as ``step``; False if the SMP said skip."""
+        r = self.req(m.Begin(rank=rank, step=step, nbytes=len(payload)))
+        if r["action"] == "resize":
+            self.req(m.Prepare(rank=rank, slot=int(r["slot"]), nbytes=len(payload)))  # type: ignore[call-overload]
+            r = self.req(m.Begin(rank=rank, step=step, nbytes=len(payload)))
+        if r["action"] == "skip":
+            return False
+        assert r["action"] == "write", r
+        fd = os.open(str(r["path"]), os.O_WRONLY)
+        try:
+            os.pwrite(fd, payload, 0)
+        finally:
+            os.close(fd)
+        self.req(
+            m.Commit(
+                rank=rank,
+                slot=int(r["slot"]),
+                gen=int(r["gen"]),
+                step=step,
+                layout=layout_for(payload),
+            )  # type: ignore[call-overload]
+        )
+        self.committed[(rank, step)] = payload
+        return True
+
+    def read(self, rank: int, step: int) -> bytes | None:
+        snaps = self.req(m.Query(rank=rank))["snapshots"]
+        for s in snaps:  # type: ignore[attr-defined]
+            if s["step"] == step:
+                n = json.loads(s["layout"])["tensors"][0]["nbytes"]
+                with open(s["path"], "rb") as f:
+                    return f.read(n)
+        return None
+
+    def exchange(self) -> dict[str, object]:
+        return self.req(m.Status())["exchange"]  # type: ignore[return-value]
+
+    def lose(self) -> None:
+        """The node dies: SMP SIGKILLed, its shared memory gone with the machine."""
+        assert self.proc is not None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.stop(timeout=timedelta(seconds=10))
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"ftmem-{self.run_id}-{self.name}-"):
+                os.unlink(f"/dev/shm/{name}")
+        for name in ("smp.sock", "smp.ready", "auth.key"):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.proc is not None:
+            self.proc.stop()
+            assert pid_gone(self.proc.pid)
+            self.proc = None
+
+
+class Cluster:
+    def __init__(self, base: Path, run_id: str, n: int, m: int, ranks_per_node: int = 1) -> None:
+        self.key = keys.generate()
+        self.m = m
+        self.rpn = ranks_per_node
+        self.nodes = [Node(i, base / f"n{i}", run_id) for i in range(n)]
+        self.epoch = 0
+        for node in self.nodes:
+            node.start()
+
+    def ranks(self, node: Node) -> list[int]:
+        return [node.index * self.rpn + j for j in range(self.rpn)]
+
+    def generation(self, expect_fail: bool = False) -> list[dict[str, object] | str]:
+        """What the launcher does each round: bind every SMP, then start them all at once."""
+        self.epoch += 1
+        eps = {}
+        for node in self.nodes:
+            r = node.req(m.PeerBind(keys=self.key.to_json(), host="127.0.0.1", me=node.index))
+            eps[str(node.index)] = str(r["endpoint"])
+        # Start requests are answered after the sync: send all first, then collect.
+        out: list[dict[str, object] | str] = []
+        import threading
+
+        results: dict[int, dict[str, object] | str] = {}
+
+        def start(node: Node) -> None:
+            try:
+                results[node.index] = node.req(
+                    m.PeerStart(
+                        epoch=self.epoch,
+                        me=node.index,
+                        endpoints=eps,
+                        m=self.m,
+                        max_group=8,
+                        ranks=self.ranks(node),
+                    )
+                )
+            except SmpRequestError as exc:
+                results[node.index] = str(exc)
+
+        # Each node's client belongs to one thread at a time: one thread per node here.
+        threads = [threading.Thread(target=start, args=(n,)) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads), "a start request hung"
+        out = [results[n.index] for n in self.nodes]
+        if not expect_fail:
+            for r in out:
+                assert isinstance(r, dict), r
+        return out
+
+    def save_all(self, step: int, size: int) -> None:
+        for node in self.nodes:
+            for r in self.ranks(node):
+                payload = xxhash.xxh3_128_digest(f"{r}-{step}".encode()) * (size // 16)
+                assert node.commit(r, step, payload)
+
+    def wait(self, what: str, cond: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def protected(self, step: int) -> bool:
+        return all(n.exchange().get("protected_step") == step for n in self.nodes)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def cluster_factory(
+    tmp_path_factory: pytest.TempPathFactory, run_id: str
+) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+    base = Path(__import__("tempfile").mkdtemp(prefix="ftx-", dir="/tmp"))
+
+    def make(n: int, m: int, ranks_per_node: int = 1) -> Cluster:
+        c = Cluster(base, run_id, n, m, ranks_per_node)
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+        assert shm_files(run_id) == [], "an SMP left shared memory behind"
+        __import__("shutil").rmtree(base, ignore_errors=True)
+
+
+def test_three_nodes_protect_lose_one_and_rebuild(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(3, 1, ranks_per_node=2)
+    c.generation()
+    c.save_all(1, 3 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    c.save_all(2, 3 << 20)
+    c.wait("step 2 protected", lambda: c.protected(2))
+    st = c.nodes[0].exchange()
+    ratio = int(st["parity_bytes"]) / int(st["own_bytes"])  # type: ignore[call-overload]
+    assert abs(ratio - 0.5) <= 0.05 + 0.5 * 0.1, st
+    c.save_all(3, 3 << 20)  # committed, perhaps not protected yet
+    lost = c.nodes[2]
+    lost.lose()
+    lost.start()
+    res = c.generation()
+    assert res[2]["rebuilt"] is True and res[2]["step"] in (2, 3), res  # type: ignore[index]
+    step = int(res[2]["step"])  # type: ignore[index, call-overload]
+    for r in c.ranks(lost):
+        want = xxhash.xxh3_128_digest(f"{r}-{step}".encode()) * ((3 << 20) // 16)
+        assert lost.read(r, step) == want
+    # Protection goes on with the replacement.
+    c.save_all(4, 3 << 20)
+    c.wait("step 4 protected", lambda: c.protected(4))
+
+
+def test_more_than_m_lost_is_a_clear_error(cluster_factory: Callable[..., Cluster]) -> None:
+    c = cluster_factory(3, 1)
+    c.generation()
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    for node in c.nodes[1:]:
+        node.lose()
+        node.start()
+    res = c.generation(expect_fail=True)
+    assert all(isinstance(r, str) and "more than m=1" in r for r in res), res
