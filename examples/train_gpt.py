@@ -298,6 +298,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="process group init method (tests use file:// to avoid racing for a free port)",
     )
     p.add_argument("--log-every", type=int, default=5, help="log the loss every K steps")
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="seconds to sleep after each step (tests: time to lose a node mid-run)",
+    )
     return p
 
 
@@ -346,7 +352,13 @@ def train(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %.2f M parameters", n_params / 1e6)
     torch.manual_seed(args.seed + 1000 * rank + 1)  # per-rank dropout masks
-    train_model = DistributedDataParallel(model) if world > 1 else model
+    # Bucket layout must not depend on where the run started: DDP reorders its buckets after
+    # its first iteration, and with 3+ ranks a different bucket layout sums the gradients in
+    # another order (float addition is not associative). find_unused_parameters=True keeps
+    # the initial layout for good (see docs/design.md, "Bitwise resumption under DDP").
+    train_model = (
+        DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     total_sched = args.lr_decay_steps or args.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -404,6 +416,8 @@ def train(args: argparse.Namespace) -> int:
             if not committed:
                 logger.warning("snapshot of step %d not committed before the failure", step + 1)
             _inject_failure(args.fail_mode, rank, step + 1)
+        if args.step_delay:
+            time.sleep(args.step_delay)
     final_step = max(start, args.steps)
 
     if ftmem is not None:

@@ -39,6 +39,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from ftmem.errors import FtmemError, UnrecoverableError
+from ftmem.exchange.keys import KeyFileError
 from launcher.config import (
     FtmemLaunchConfig,
 )
@@ -53,6 +55,7 @@ from launcher.monitor import (
     find_hangs,
     min_committed,
 )
+from launcher.peers import PeerSettings, join_generation
 from launcher.report import (
     Recovery,
     log_failure,
@@ -112,6 +115,15 @@ class FtmemElasticAgent(LocalElasticAgent):
         self._prev_ranks: list[int] | None = None
         self._smp_failed = False
         self._last_failure: tuple[int | None, str, list[str]] | None = None
+        self._peer_settings = PeerSettings(
+            parity=ftmem.ec_parity,
+            max_group=ftmem.ec_group_size,
+            key_file=ftmem.key_file,
+            host=ftmem.peer_host or "127.0.0.1",
+            interval_s=ftmem.ec_interval.total_seconds(),
+            rebuild_timeout=ftmem.rebuild_timeout,
+        )
+        self._key_warned = [False]
         self.stop_reason: str | None = None
         """Why the agent gave up early (the no-progress guard), for the final report."""
 
@@ -245,6 +257,7 @@ class FtmemElasticAgent(LocalElasticAgent):
         if self._smp.ensure_running():
             self._poller.forget()
         self._smp_failed = False
+        self._join_peers(worker_group)
         start = time.time()
         pids: dict[int, Any] = super()._start_workers(worker_group)
         self._procs = [
@@ -269,6 +282,38 @@ class FtmemElasticAgent(LocalElasticAgent):
             [p.pid for p in self._procs],
         )
         return pids
+
+    def _join_peers(self, worker_group: WorkerGroup) -> None:
+        """Sync this generation's peer mesh; a node that lost its memory rebuilds it first."""
+        store = worker_group.store
+        if store is None:
+            return
+        me = self._slot if self._slot is not None else worker_group.group_rank
+        ranks = [w.global_rank for w in worker_group.workers]
+        try:
+            result = join_generation(
+                settings=self._peer_settings,
+                store=store,
+                group_rank=worker_group.group_rank,
+                nodes=worker_group.group_world_size,
+                me=me,
+                generation=self.generation,
+                run_dir=self._smp.run_dir,
+                ranks=ranks,
+                node_name=self._node,
+                warned=self._key_warned,
+            )
+        except UnrecoverableError as exc:
+            self.stop_reason = str(exc)
+            log.error("[%s] UNRECOVERABLE: %s", self._node, exc)
+            self.events.write("unrecoverable", generation=self.generation, reason=str(exc))
+            raise
+        except (FtmemError, KeyFileError) as exc:
+            log.error("[%s] the peer mesh is not protecting this generation: %s", self._node, exc)
+            self.events.write("peers_failed", generation=self.generation, reason=str(exc))
+            return
+        if result is not None:
+            self.events.write("peers_synced", generation=self.generation, **result)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.

@@ -27,7 +27,13 @@ from torch.distributed.run import config_from_args as torchrun_config_from_args
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 from torch.distributed.run import parse_min_max_nnodes
 
-from launcher.config import DEFAULT_MAX_RESTARTS, FtmemLaunchConfig, resolve_names
+from ftmem.errors import UnrecoverableError
+from launcher.config import (
+    DEFAULT_MAX_RESTARTS,
+    FtmemLaunchConfig,
+    default_peer_host,
+    resolve_names,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +84,58 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-slots",
         action=env,
         type=int,
-        default=2,
-        help="Snapshot slots per rank in the SMP (>= 2). Default: 2.",
+        default=None,
+        help="Snapshot slots per rank in the SMP (>= 2). Default: 2, or 3 when erasure "
+        "coding may be on (a protected step stays pinned while newer ones are written).",
+    )
+    group.add_argument(
+        "--ftmem-ec-parity",
+        action=env,
+        type=str,
+        default="auto",
+        help="Erasure-coding parity m: any m nodes of a group may be lost at once. 'auto' "
+        "(default): 1 with at least 3 nodes, else off; 0: off.",
+    )
+    group.add_argument(
+        "--ftmem-ec-group-size",
+        action=env,
+        type=int,
+        default=8,
+        help="Most nodes per erasure-coding group (nodes are split into balanced groups). "
+        "Default: 8.",
+    )
+    group.add_argument(
+        "--ftmem-ec-interval",
+        action=env,
+        type=float,
+        default=0.0,
+        help="Least seconds between two protection rounds; 0 (default): as often as the "
+        "SMPs manage.",
+    )
+    group.add_argument(
+        "--ftmem-key-file",
+        action=env,
+        type=str,
+        default=None,
+        help="The job's CURVE key pair for the SMP peer mesh (`ftmem keygen`, mode 0600, "
+        "the same file on every node). Default: one made per job and handed out through "
+        "the rendezvous store (a warning is logged).",
+    )
+    group.add_argument(
+        "--ftmem-peer-host",
+        action=env,
+        type=str,
+        default=None,
+        help="Address the SMP's peer port binds and advertises. Default: --local-addr, "
+        "else the address of this host's name.",
+    )
+    group.add_argument(
+        "--ftmem-rebuild-timeout",
+        action=env,
+        type=float,
+        default=600.0,
+        help="Seconds a node waits for its peers' sync and its own rebuild before its ranks "
+        "start. Default: 600.",
     )
     group.add_argument(
         "--ftmem-smp-start-timeout",
@@ -132,12 +188,38 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=float(value))
 
 
+def _parity(value: str) -> int:
+    if str(value).lower() == "auto":
+        return -1
+    try:
+        m = int(value)
+    except ValueError as exc:
+        raise ValueError(f"--ftmem-ec-parity must be auto or an integer, got {value!r}") from exc
+    if m < 0:
+        raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
+    return m
+
+
+def _slots(args: Namespace) -> int:
+    if args.ftmem_slots is not None:
+        return int(args.ftmem_slots)
+    max_nodes = str(args.nnodes).split(":")[-1]
+    ec_possible = _parity(args.ftmem_ec_parity) != 0 and max_nodes.isdigit() and int(max_nodes) >= 3
+    return 3 if ec_possible else 2
+
+
 def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
     """Build the ftmem part of the configuration from parsed arguments."""
     return FtmemLaunchConfig(
         run_dir=Path(args.ftmem_run_dir) if args.ftmem_run_dir else None,
         node=args.ftmem_node or None,
-        slots=int(args.ftmem_slots),
+        slots=_slots(args),
+        ec_parity=_parity(args.ftmem_ec_parity),
+        ec_group_size=int(args.ftmem_ec_group_size),
+        ec_interval=timedelta(seconds=float(args.ftmem_ec_interval)),
+        key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
+        peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
+        rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),
         smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),
@@ -227,7 +309,11 @@ def run(args: Namespace) -> dict[int, Any]:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``ftmem-launch`` console script."""
     configure_logging()
-    run(parse_args(args))
+    try:
+        run(parse_args(args))
+    except UnrecoverableError as exc:
+        logging.getLogger("launcher").error("ftmem-launch: UNRECOVERABLE: %s", exc)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,18 @@ class FtmemLaunchConfig:
     """The run directory was made up by ftmem-launch: removed after a successful run."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the SMP (tests)."""
+    ec_parity: int = -1
+    """Erasure-coding parity m across nodes; -1 (auto): 1 with >= 3 nodes, else off; 0: off."""
+    ec_group_size: int = 8
+    """Cap on the nodes per erasure-coding group."""
+    ec_interval: timedelta = timedelta(0)
+    """Least time between two protection rounds (0: protect as often as the SMPs can)."""
+    key_file: Path | None = None
+    """The job's CURVE key file (``ftmem keygen``); None: one per job via the rendezvous store."""
+    peer_host: str = ""
+    """Address the SMP's peer port binds and advertises; "": --local-addr or this host's."""
+    rebuild_timeout: timedelta = timedelta(seconds=600)
+    """Longest wait for the peers' sync and this node's rebuild before its ranks start."""
 
     def __post_init__(self) -> None:
         if self.slots < 2:
@@ -109,6 +121,12 @@ class FtmemLaunchConfig:
             raise ValueError("--ftmem-rank-assignment must be 'stable' or 'elastic'")
         if self.no_progress_restarts < 0:
             raise ValueError("--ftmem-no-progress-restarts must be >= 0")
+        if self.ec_parity < -1:
+            raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
+        if self.ec_group_size < 3:
+            raise ValueError("--ftmem-ec-group-size must be >= 3")
+        if self.key_file is not None and not Path(self.key_file).is_file():
+            raise ValueError(f"--ftmem-key-file {self.key_file} does not exist (`ftmem keygen`)")
         if self.node is not None and safe_name(self.node) != self.node:
             raise ValueError(f"--ftmem-node {self.node!r} must match [A-Za-z0-9_.-]{{1,64}}")
         if self.run_dir is not None:
@@ -150,6 +168,16 @@ def apply_safe_env_defaults(environ: dict[str, str] | None = None) -> dict[str, 
         env[ENV_DISABLE_SHARED_STORE] = "1"
         return {ENV_DISABLE_SHARED_STORE: "1"}
     return {}
+
+
+def default_peer_host(local_addr: str | None) -> str:
+    """The address peers reach this node's SMP at: ``--local-addr``, else this host's name's."""
+    if local_addr:
+        return local_addr
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return "127.0.0.1"
 
 
 def resolve_names(config: FtmemLaunchConfig, run_id: str) -> None:

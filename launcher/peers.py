@@ -1,0 +1,157 @@
+"""The agent's part of the erasure-coded peer mesh: keys, endpoints and each generation's sync.
+
+Every rendezvous round, before its ranks start, each agent:
+
+1. resolves the parity ``m`` (``--ftmem-ec-parity``; ``auto`` = 1 with at least 3 nodes,
+   else off: Reed-Solomon with ISA-L needs ``k = n - m >= 2`` data columns);
+2. gets the job's CURVE key pair: from ``--ftmem-key-file`` (``ftmem keygen`` writes one), or
+   made by group rank 0 and handed out through the rendezvous store (with a warning: whoever
+   can read the store can then join the mesh);
+3. asks its SMP to open its peer port (PEER_BIND) and publishes the endpoint in the store;
+4. sends every node's endpoint to its SMP (PEER_START) and waits for the group's sync: a
+   node that lost its memory (a replacement, a restarted SMP) rebuilds it from its peers
+   before its ranks are started, so their ``load`` finds it. More than ``m`` nodes lost
+   raises :class:`~ftmem.errors.UnrecoverableError` on every node (the same verdict
+   everywhere), which ends the run with that message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError
+
+log = logging.getLogger(__name__)
+
+_KEY_KEY = "ftmem/curve"
+_PEER_KEY = "ftmem/peer"
+
+AUTO = -1
+"""``--ftmem-ec-parity auto``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """The ``--ftmem-ec-*``, ``--ftmem-key-file`` and ``--ftmem-peer-host`` choices."""
+
+    parity: int = AUTO
+    max_group: int = 8
+    key_file: Path | None = None
+    host: str = "127.0.0.1"
+    interval_s: float = 0.0
+    rebuild_timeout: timedelta = timedelta(seconds=600)
+
+
+def resolve_parity(parity: int, nodes: int) -> int:
+    """The parity m to use with ``nodes`` nodes (0: erasure coding off)."""
+    if parity == AUTO:
+        return 1 if nodes >= 3 else 0
+    if parity > 0 and nodes < parity + 2:
+        log.warning(
+            "--ftmem-ec-parity %d needs at least %d nodes, the job has %d: erasure coding off",
+            parity,
+            parity + 2,
+            nodes,
+        )
+        return 0
+    return parity
+
+
+def job_keys(settings: PeerSettings, store: Any, group_rank: int, warned: list[bool]) -> str:
+    """The job's CURVE key pair as JSON (from the key file, else through the store)."""
+    from ftmem.exchange import keys
+
+    if settings.key_file is not None:
+        return keys.read_key_file(settings.key_file).to_json()
+    if not warned[0]:
+        warned[0] = True
+        log.warning(
+            "no --ftmem-key-file: the peer mesh's CURVE key pair is handed out through the "
+            "rendezvous store, so anyone who can read that store can join the mesh; make a "
+            "key file with `ftmem keygen` and pass --ftmem-key-file"
+        )
+    if group_rank == 0:
+        store.set(_KEY_KEY, keys.generate().to_json())
+    return bytes(store.get(_KEY_KEY)).decode()
+
+
+def join_generation(
+    *,
+    settings: PeerSettings,
+    store: Any,
+    group_rank: int,
+    nodes: int,
+    me: int,
+    generation: int,
+    run_dir: Path,
+    ranks: list[int],
+    node_name: str,
+    warned: list[bool],
+) -> dict[str, Any] | None:
+    """Run steps 1-4 of the module docstring; return the sync result (None: EC off).
+
+    Raises:
+        UnrecoverableError: more than m nodes of a group lost their snapshots.
+        FtmemError: the SMP could not open its port or the sync failed otherwise.
+    """
+    from ftmem.client.smp_client import SmpClient
+    from ftmem.protocol import messages as m
+
+    parity = resolve_parity(settings.parity, nodes)
+    if parity == 0:
+        return None
+    t0 = time.monotonic()
+    pair = job_keys(settings, store, group_rank, warned)
+    with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
+        bound = smp.request(m.PeerBind(keys=pair, host=settings.host, me=me))
+        store.set(f"{_PEER_KEY}/{me}", str(bound["endpoint"]))
+        raw = store.multi_get([f"{_PEER_KEY}/{i}" for i in range(nodes)])
+        endpoints = {str(i): bytes(v).decode() for i, v in enumerate(raw)}
+        log.info(
+            "[%s] peer mesh of generation %d: %d nodes, m=%d, this node %d at %s",
+            node_name,
+            generation,
+            nodes,
+            parity,
+            me,
+            bound["endpoint"],
+        )
+        try:
+            result = smp.request(
+                m.PeerStart(
+                    epoch=generation,
+                    me=me,
+                    endpoints=endpoints,
+                    m=parity,
+                    max_group=settings.max_group,
+                    ranks=ranks,
+                    protect_interval_s=settings.interval_s,
+                ),
+                timeout=settings.rebuild_timeout,
+            )
+        except SmpRequestError as exc:
+            if "more than m=" in str(exc):
+                raise UnrecoverableError(str(exc).split(": ", 1)[-1]) from exc
+            raise FtmemError(f"peer sync failed: {exc}") from exc
+    result["seconds"] = round(time.monotonic() - t0, 3)
+    if result.get("rebuilt"):
+        log.info(
+            "[%s] REBUILT step %s of this node from its peers (lost nodes %s) in %.2f s",
+            node_name,
+            result.get("step"),
+            result.get("lost"),
+            result["seconds"],
+        )
+    else:
+        log.info(
+            "[%s] peers in sync: protected step %s (lost nodes %s)",
+            node_name,
+            result.get("step"),
+            result.get("lost"),
+        )
+    return result
