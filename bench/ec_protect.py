@@ -41,6 +41,7 @@ import argparse
 import datetime
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import platform
 import resource
@@ -366,36 +367,53 @@ def _spawn(ctx: Any, name: int, cfg: dict[str, Any], *, replacement: bool) -> No
     return Node(name=name, proc=proc, conn=parent)
 
 
-def _recv(node: Node, timeout_s: float, what: str) -> Any:
-    """The node's next answer within ``timeout_s``; NodeFailed on error, death or timeout."""
+def _answer(node: Node, what: str) -> Any:
+    """The answer waiting on ``node``'s pipe; NodeFailed on an error report or a dead pipe."""
+    try:
+        kind, val = node.conn.recv()
+    except (EOFError, OSError) as exc:
+        node.proc.join(2.0)
+        raise NodeFailed(
+            f"node {node.name} died during {what} (exit code {node.proc.exitcode})"
+        ) from exc
+    if kind == "error":
+        raise NodeFailed(str(val))
+    return val
+
+
+def _collect(nodes: Sequence[Node], timeout_s: float, what: str) -> list[Any]:
+    """One answer from every node, in node order, within ``timeout_s`` overall.
+
+    Fails fast: the first node that reports an error or dies raises NodeFailed at once,
+    whatever the others are still waiting for.
+    """
     deadline = time.monotonic() + timeout_s
-    while True:
+    answers: dict[int, Any] = {}
+    while len(answers) < len(nodes):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NodeFailed(f"node {node.name}: no answer to {what} within {timeout_s:.0f} s")
-        try:
-            ready = node.conn.poll(min(left, 0.5))
-            if ready:
-                kind, val = node.conn.recv()
-        except (EOFError, OSError) as exc:
-            node.proc.join(2.0)
-            raise NodeFailed(
-                f"node {node.name} died during {what} (exit code {node.proc.exitcode})"
-            ) from exc
-        if ready:
-            if kind == "error":
-                raise NodeFailed(str(val))
-            return val
-        if not node.proc.is_alive():
-            raise NodeFailed(f"node {node.name} died during {what} (exit {node.proc.exitcode})")
+            late = [nd.name for i, nd in enumerate(nodes) if i not in answers]
+            raise NodeFailed(f"nodes {late}: no answer to {what} within {timeout_s:.0f} s")
+        pending = {nd.conn: i for i, nd in enumerate(nodes) if i not in answers}
+        for conn in mp_connection.wait(list(pending), timeout=min(left, 0.5)):
+            i = pending[conn]  # type: ignore[index]
+            answers[i] = _answer(nodes[i], what)
+        for i, nd in enumerate(nodes):
+            if i not in answers and not nd.proc.is_alive() and not nd.conn.poll():
+                raise NodeFailed(f"node {nd.name} died during {what} (exit {nd.proc.exitcode})")
+    return [answers[i] for i in range(len(nodes))]
+
+
+def _recv(node: Node, timeout_s: float, what: str) -> Any:
+    """``node``'s next answer within ``timeout_s`` (see :func:`_collect`)."""
+    return _collect([node], timeout_s, what)[0]
 
 
 def _ask(nodes: Sequence[Node], cmd: str, arg: Any, timeout_s: float) -> list[Any]:
     """Send ``(cmd, arg)`` to every node, then collect every answer (bounded)."""
     for nd in nodes:
         nd.conn.send((cmd, arg))
-    deadline = time.monotonic() + timeout_s
-    return [_recv(nd, max(deadline - time.monotonic(), 0.1), cmd) for nd in nodes]
+    return _collect(nodes, timeout_s, cmd)
 
 
 def _codec_alone(
@@ -484,8 +502,7 @@ def run_case(
         logger.info("n=%d m=%d: encode_stripe alone %.2f GB/s", n, m, res.codec_alone[0])
         t0 = time.monotonic()
         nodes = [_spawn(ctx, i, cfg, replacement=False) for i in range(n)]
-        for nd in nodes:
-            info = _recv(nd, tmo + size / 1e8, "start")
+        for nd, info in zip(nodes, _collect(nodes, tmo + size / 1e8, "start"), strict=True):
             nd.endpoint, res.digests[nd.name] = info["endpoint"], info["digest"]
             res.gen_s = max(res.gen_s, info["gen_s"])
         logger.info("n=%d m=%d: %d node processes up in %.1f s", n, m, n, time.monotonic() - t0)
@@ -504,7 +521,7 @@ def run_case(
             _sleep_until(go)
             cpu = CpuSampler()
             cpu.start()
-            rows = [_recv(nd, tmo, "protect") for nd in nodes]
+            rows = _collect(nodes, tmo, "protect")
             res.machine_busy.append(cpu.stop())
             res.protect.append(rows)
             wall = max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows)
@@ -528,8 +545,8 @@ def run_case(
             t0 = time.monotonic()
             fresh = [_spawn(ctx, i, cfg, replacement=True) for i in sorted(lost)]
             nodes += fresh
-            for nd in fresh:
-                nd.endpoint = _recv(nd, tmo, "start")["endpoint"]
+            for nd, info in zip(fresh, _collect(fresh, tmo, "start"), strict=True):
+                nd.endpoint = info["endpoint"]
             eps = {str(nd.name): nd.endpoint for nd in nodes}
             _ask(survivors, "serve", eps, tmo)
             _ask(fresh, "connect", eps, tmo)
@@ -541,7 +558,7 @@ def run_case(
             _sleep_until(go)
             cpu = CpuSampler()
             cpu.start()
-            rows = [_recv(nd, tmo, "rebuild") for nd in fresh]
+            rows = _collect(fresh, tmo, "rebuild")
             res.machine_busy_rebuild.append(cpu.stop())
             res.served.append(_ask(survivors, "served", None, tmo))
             ok = True

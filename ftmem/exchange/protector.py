@@ -31,6 +31,7 @@ service uses this for its own agreement messages).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,16 +113,49 @@ class GroupProtector:
         self.interrupted = interrupted or (lambda: False)
         self.dropped = 0
         self.sent_bytes = 0
+        self._outbox: dict[int, deque[tuple[dict[str, Any], list[Any]]]] = {}
 
     # -- helpers -----------------------------------------------------------------------------
     def _peers(self) -> list[int]:
         return [n for n in self.plan.nodes if n != self.me]
 
     def _send(self, node: int, header: dict[str, Any], bufs: list[Any] | None = None) -> None:
+        """Queue a message; :meth:`flush` (called by every wait) sends it without blocking, so
+        a node never stalls on a busy peer while that peer stalls on it."""
         header["e"] = self.epoch
-        bufs = bufs or []
-        self.sent_bytes += sum(memoryview(b).nbytes for b in bufs)
-        self.transport.send(str(node), header, bufs)
+        self._outbox.setdefault(node, deque()).append((header, bufs or []))
+
+    def send(self, node: int, header: dict[str, Any]) -> None:
+        """Queue a small message of the owner's own (ordered with the protocol's messages)."""
+        self._send(node, header)
+
+    def flush(self) -> bool:
+        """Send what peers can take now; True when nothing is left queued."""
+        for node, box in list(self._outbox.items()):
+            while box:
+                header, bufs = box[0]
+                try:
+                    if not self.transport.try_send(str(node), header, bufs):
+                        break
+                except FtmemError as exc:
+                    log.warning(
+                        "[%d] dropping %d messages to node %d: %s", self.me, len(box), node, exc
+                    )
+                    box.clear()
+                    break
+                box.popleft()
+                self.sent_bytes += sum(memoryview(b).nbytes for b in bufs)
+            if not box:
+                del self._outbox[node]
+        return not self._outbox
+
+    def drain(self) -> None:
+        """Wait (bounded by ``timeout_s``, serving peers meanwhile) until every queued message
+        is sent: a node that returns from :meth:`protect` may owe its peers their HELD."""
+        self._pump(self.flush, lambda: f"{sum(map(len, self._outbox.values()))} messages unsent")
+
+    def _wait_s(self, longest: float) -> float:
+        return min(longest, 0.002) if self._outbox else longest
 
     def reconfigure(self, transport: PeerTransport, epoch: int) -> None:
         """Use ``transport`` from now on and drop messages of earlier epochs.
@@ -131,6 +165,7 @@ class GroupProtector:
         """
         self.transport = transport
         self.epoch = epoch
+        self._outbox.clear()
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
             del self.steps[step]
         self._fetched.clear()
@@ -326,7 +361,8 @@ class GroupProtector:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"node {self.me}: {what()} after {self.timeout_s} s")
-            msg = self.transport.recv(min(left, 0.5))
+            self.flush()
+            msg = self.transport.recv(self._wait_s(min(left, 0.5)))
             if msg is not None:
                 self.handle(msg)
 
@@ -358,14 +394,12 @@ class GroupProtector:
                 f"step {step} not protected (held by {sorted(st.held)}, sizes from {sorted(st.sizes)})"
             ),
         )
+        self.drain()
 
     def abort(self, step: int) -> None:
         """Give ``step`` up here and tell every peer to give it up too."""
         for n in self._peers():
-            try:
-                self._send(n, {"t": "abort", "step": step})
-            except FtmemError as exc:
-                log.warning("[%d] cannot tell node %d to abort step %d: %s", self.me, n, step, exc)
+            self._send(n, {"t": "abort", "step": step})
         self.forget(step)
 
     def held_steps(self) -> list[int]:
@@ -385,7 +419,8 @@ class GroupProtector:
     def serve(self, until: Callable[[], bool], poll_s: float = 0.2) -> None:
         """Answer peers (fetches, late protocol messages) until ``until()`` is true."""
         while not until():
-            msg = self.transport.recv(poll_s)
+            self.flush()
+            msg = self.transport.recv(self._wait_s(poll_s))
             if msg is not None:
                 self.handle(msg)
 
@@ -509,4 +544,5 @@ class GroupProtector:
         st.data = SegmentedBytes([out])
         st.held = set(self.plan.nodes)
         st.held_sent = True
+        self.drain()
         return memoryview(out)

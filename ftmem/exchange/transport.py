@@ -5,6 +5,7 @@ Call order:
     2) (every node, each generation) ``t.connect({node: endpoint, ...})``: the group's peers.
     3) (any node) ``t.send(node, header, buffers)``: queue one message; never blocks longer
        than the send timeout (a slow or dead peer makes it raise, not hang).
+       ``t.try_send(...)`` never blocks: it says whether the message was queued.
     4) (any node) ``t.recv(timeout)``: the next message from any peer, or None.
     5) (every node) ``t.close()``: idempotent, bounded.
 
@@ -43,6 +44,15 @@ class PeerTransport(ABC):
     @abstractmethod
     def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
         """Send one message to ``node``. Raises PeerUnavailableError if it cannot be queued."""
+
+    @abstractmethod
+    def try_send(
+        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
+    ) -> bool:
+        """Send one message to ``node`` if it can be queued now; False if it would block.
+
+        Raises PeerUnavailableError if ``node`` is not connected.
+        """
 
     @abstractmethod
     def recv(self, timeout_s: float) -> PeerMessage | None:

@@ -128,11 +128,7 @@ class ZmqPeerTransport(PeerTransport):
             self._peers[node] = d
             self._endpoints[node] = ep
 
-    def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
-        """Queue ``header`` + ``buffers`` to ``node`` (buffers are sent without copying)."""
-        sock = self._peers.get(node)
-        if sock is None:
-            raise PeerUnavailableError(f"no connection to node {node!r}")
+    def _frames(self, header: dict[str, Any], buffers: list[memoryview | bytes]) -> list[Any]:
         views = [memoryview(b) for b in buffers]
         env = m.Peer(
             header=header,
@@ -140,12 +136,35 @@ class ZmqPeerTransport(PeerTransport):
             hashes=[xxhash.xxh3_64_hexdigest(v) for v in views],
         )
         self._ids += 1
-        frames: list[Any] = [encode(env, self._ids, None), *views]
+        return [encode(env, self._ids, None), *views]
+
+    def _socket(self, node: str) -> zmq.Socket[bytes]:
+        sock = self._peers.get(node)
+        if sock is None:
+            raise PeerUnavailableError(f"no connection to node {node!r}")
+        return sock
+
+    def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
+        """Queue ``header`` + ``buffers`` to ``node`` (buffers are sent without copying)."""
+        sock = self._socket(node)
         if not sock.poll(int(self.send_timeout_s * 1000), zmq.POLLOUT):
             raise PeerUnavailableError(
                 f"node {node!r} did not take a message within {self.send_timeout_s} s"
             )
-        sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
+
+    def try_send(
+        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
+    ) -> bool:
+        """Queue the message if ``node``'s queue has room now; never blocks."""
+        sock = self._socket(node)
+        if not sock.poll(0, zmq.POLLOUT):
+            return False
+        try:
+            sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def recv(self, timeout_s: float) -> PeerMessage | None:
         """Return the next valid message within ``timeout_s``, or None."""

@@ -279,7 +279,10 @@ class ExchangeService:
                 self._start(cmd)
         if self.transport is None:
             return
-        msg = self.transport.recv(0.05)
+        idle = True
+        if self.protector is not None and self.protector.transport is self.transport:
+            idle = self.protector.flush()
+        msg = self.transport.recv(0.05 if idle else 0.002)
         if msg is not None:
             self._route(msg)
         if self._pending_start is not None:
@@ -395,12 +398,8 @@ class ExchangeService:
         return [n for n in self.plan.nodes if n != self.me]
 
     def _send(self, node: int, header: dict[str, Any]) -> None:
-        assert self.transport is not None
-        header["e"] = self.epoch
-        try:
-            self.transport.send(str(node), header, [])
-        except FtmemError as exc:
-            log.warning("[%s/exchange] cannot reach node %d: %s", self.node_name, node, exc)
+        assert self.protector is not None
+        self.protector.send(node, header)
 
     def _on_service(self, msg: PeerMessage) -> None:
         h = msg.header
