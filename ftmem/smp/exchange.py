@@ -47,6 +47,7 @@ from ftmem.exchange.protector import ExchangeInterrupted, GroupProtector, StepAb
 from ftmem.exchange.segments import SegmentedBytes
 from ftmem.exchange.transport import PeerMessage
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
+from ftmem.testing import faults
 
 log = get_logger(__name__)
 
@@ -570,6 +571,7 @@ class ExchangeService:
         pinned = PinnedStep(step, pieces)
         t0 = time.monotonic()
         self._set_status(protecting=step)
+        faults.maybe_inject(faults.Point.IN_PROTECT, self.me, step)
         try:
             data = pinned.open()
             self.protector.protect(step, data, pinned.manifest())
@@ -596,9 +598,23 @@ class ExchangeService:
             self._release(old)
         self.counters["protected"] += 1
         self.last_protect_s = time.monotonic() - t0
+        if faults.maybe_inject(faults.Point.PARITY_HELD, self.me, step):
+            self._flip_parity(step)
         log.debug(
             "[%s/exchange] step %d protected in %.3f s", self.node_name, step, self.last_protect_s
         )
+
+    def _flip_parity(self, step: int) -> None:
+        """(Fault injection) flip one byte of the first parity fragment held for ``step``."""
+        assert self.protector is not None
+        parity = self.protector.steps[step].parity
+        if not parity:
+            return
+        key = min(parity)
+        frag = bytearray(parity[key])
+        frag[len(frag) // 2] ^= 0xFF
+        parity[key] = bytes(frag)
+        log.warning("[%s/exchange] FAULT: flipped a byte of parity %s of step %d", self.node_name, key, step)
 
     def _drop(self, step: int, pinned: PinnedStep) -> None:
         assert self.protector is not None

@@ -2,7 +2,11 @@
 
 ``FTMEM_FAULT="in_copy:rank=1:step=12"`` SIGKILLs rank 1 inside the copy of step 12's
 snapshot (before its commit). The fault fires at most once per process. Faults are real
-signals to real processes; nothing is mocked. Unset, each check costs one comparison.
+signals to real processes, or real damage to real memory; nothing is mocked. Unset, each check
+costs one comparison. In an SMP, ``rank`` matches the node index of the peer mesh:
+``FTMEM_FAULT="parity_held:rank=2:fault=flip"`` flips a byte of node 2's parity once it has
+protected a step; ``in_protect:rank=1:step=5`` SIGKILLs node 1's SMP as it starts protecting
+step 5.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ class Point(enum.Enum):
     """Inside the background copy of a snapshot, before its commit."""
     BEFORE_COMMIT = "before_commit"
     """After the copy, before the COMMIT is sent."""
+    IN_PROTECT = "in_protect"
+    """(SMP) A protection round has pinned the step and is about to exchange it."""
+    PARITY_HELD = "parity_held"
+    """(SMP) A step was just protected: its parity is held in memory."""
 
 
 class Fault(enum.Enum):
@@ -28,6 +36,8 @@ class Fault(enum.Enum):
 
     KILL = "kill"
     STOP = "stop"
+    FLIP = "flip"
+    """Corrupt data at the point (the caller does it when :func:`maybe_inject` says so)."""
 
 
 def _parse(spec: str) -> tuple[Point, int | None, int | None, Fault] | None:
@@ -54,12 +64,18 @@ _SPEC = _parse(os.environ.get(ENV_FAULT, ""))
 _fired = False
 
 
-def maybe_inject(point: Point, rank: int, step: int) -> None:
-    """Fire the configured fault if ``point``, ``rank`` and ``step`` match (once)."""
+def maybe_inject(point: Point, rank: int, step: int) -> bool:
+    """Fire the configured fault if ``point``, ``rank`` and ``step`` match (once).
+
+    Returns True when the fault is FLIP: the caller corrupts its data there.
+    """
     global _fired
     if _SPEC is None or _fired:
-        return
+        return False
     p, r, s, fault = _SPEC
     if p is point and (r is None or r == rank) and (s is None or s == step):
         _fired = True
+        if fault is Fault.FLIP:
+            return True
         os.kill(os.getpid(), signal.SIGKILL if fault is Fault.KILL else signal.SIGSTOP)
+    return False

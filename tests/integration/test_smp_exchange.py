@@ -52,17 +52,21 @@ class Node:
     def name(self) -> str:
         return f"n{self.index}"
 
-    def start(self, slots: int = 3) -> None:
+    def start(self, slots: int = 3, env: dict[str, str] | None = None) -> None:
         self.proc = start_smp(
+            env={**os.environ, **(env or {})},
             run_dir=self.run_dir,
             run_id=self.run_id,
             node=self.name,
             slots=slots,
             start_timeout=T,
-            log_path=self.run_dir.parent / f"{self.name}-smp.log",
+            log_path=self.log(),
             extra_args=["--no-adopt"],
         )
         self.client = SmpClient(self.run_dir, timeout=T)
+
+    def log(self) -> Path:
+        return self.run_dir.parent / f"{self.name}-smp.log"
 
     def req(self, payload: object, timeout: timedelta = T) -> dict[str, object]:
         assert self.client is not None
@@ -131,14 +135,23 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, base: Path, run_id: str, n: int, m: int, ranks_per_node: int = 1) -> None:
+    def __init__(
+        self,
+        base: Path,
+        run_id: str,
+        n: int,
+        m: int,
+        ranks_per_node: int = 1,
+        env: dict[int, dict[str, str]] | None = None,
+    ) -> None:
         self.key = keys.generate()
         self.m = m
         self.rpn = ranks_per_node
         self.nodes = [Node(i, base / f"n{i}", run_id) for i in range(n)]
         self.epoch = 0
+        self.endpoints: dict[str, str] = {}
         for node in self.nodes:
-            node.start()
+            node.start(env=(env or {}).get(node.index))
 
     def ranks(self, node: Node) -> list[int]:
         return [node.index * self.rpn + j for j in range(self.rpn)]
@@ -150,6 +163,7 @@ class Cluster:
         for node in self.nodes:
             r = node.req(m.PeerBind(keys=self.key.to_json(), host="127.0.0.1", me=node.index))
             eps[str(node.index)] = str(r["endpoint"])
+        self.endpoints = eps
         # Start requests are answered after the sync: send all first, then collect.
         out: list[dict[str, object] | str] = []
         import threading
@@ -211,8 +225,10 @@ def cluster_factory(
     made: list[Cluster] = []
     base = Path(__import__("tempfile").mkdtemp(prefix="ftx-", dir="/tmp"))
 
-    def make(n: int, m: int, ranks_per_node: int = 1) -> Cluster:
-        c = Cluster(base, run_id, n, m, ranks_per_node)
+    def make(
+        n: int, m: int, ranks_per_node: int = 1, env: dict[int, dict[str, str]] | None = None
+    ) -> Cluster:
+        c = Cluster(base, run_id, n, m, ranks_per_node, env)
         made.append(c)
         return c
 
@@ -260,3 +276,108 @@ def test_more_than_m_lost_is_a_clear_error(cluster_factory: Callable[..., Cluste
         node.start()
     res = c.generation(expect_fail=True)
     assert all(isinstance(r, str) and "more than m=1" in r for r in res), res
+
+
+def payload(rank: int, step: int, size: int) -> bytes:
+    return xxhash.xxh3_128_digest(f"{rank}-{step}".encode()) * (size // 16)
+
+
+def flip_slot_byte(node: Node, rank: int, step: int, offset: int) -> None:
+    """Corrupt one byte of a committed slot in shared memory (a bad DIMM, a stray write)."""
+    snaps = node.req(m.Query(rank=rank))["snapshots"]
+    path = next(s["path"] for s in snaps if s["step"] == step)  # type: ignore[attr-defined]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ 0x55]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_corrupt_survivor_data_is_detected_and_rebuilt_from_spare_parity(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(4, 2)
+    c.generation()
+    c.save_all(1, 2 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    # Stripe 0 is (node 0's chunk 0, node 1's chunk 0 | parity on nodes 2 and 3): node 1's
+    # rebuild reads node 0's chunk, finds it fails its checksum, and uses the other parity.
+    flip_slot_byte(c.nodes[0], 0, 1, 100)
+    c.nodes[1].lose()
+    c.nodes[1].start()
+    res = c.generation()
+    assert res[1]["rebuilt"] is True and res[1]["step"] == 1  # type: ignore[index]
+    assert c.nodes[1].read(1, 1) == payload(1, 1, 2 << 20)
+    assert "failed their checksum" in c.nodes[1].log().read_text()
+
+
+def test_corrupt_data_without_spare_is_never_restored(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(3, 1)
+    c.generation()
+    c.save_all(1, 2 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    flip_slot_byte(c.nodes[0], 0, 1, 100)
+    c.nodes[1].lose()
+    c.nodes[1].start()
+    res = c.generation(expect_fail=True)
+    assert isinstance(res[1], str) and "rebuild of step 1 failed" in res[1], res
+    assert "checksum" in res[1] or "valid fragments" in res[1], res
+    assert c.nodes[1].read(1, 1) is None, "a rebuild that failed its checksums was installed"
+
+
+def test_corrupt_parity_is_detected_and_rebuilt_from_the_rest(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    flip = {2: {"FTMEM_FAULT": "parity_held:rank=2:step=1:fault=flip"}}
+    c = cluster_factory(4, 2, env=flip)
+    c.generation()
+    c.save_all(1, 2 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    c.nodes[1].lose()
+    c.nodes[1].start()
+    res = c.generation()
+    assert res[1]["rebuilt"] is True  # type: ignore[index]
+    assert c.nodes[1].read(1, 1) == payload(1, 1, 2 << 20)
+    assert "FAULT: flipped a byte of parity" in c.nodes[2].log().read_text()
+    assert "failed their checksum" in c.nodes[1].log().read_text()
+
+
+def test_garbage_and_wrong_key_on_the_peer_port_are_refused_mesh_keeps_working(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    import socket
+
+    import zmq
+
+    c = cluster_factory(3, 1)
+    c.generation()
+    host, port = c.endpoints["0"].removeprefix("tcp://").rsplit(":", 1)
+    for blob in (
+        os.urandom(4096),
+        b"\xff" * 10 + b"\x7f" + os.urandom(100),
+        b"GET / HTTP/1.0\r\n\r\n",
+    ):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(blob)
+    # A peer with its own key pair (not the job's): the CURVE handshake refuses it.
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        other = keys.generate()
+        d.curve_serverkey = c.key.public
+        d.curve_publickey, d.curve_secretkey = other.public, other.secret
+        d.setsockopt(zmq.ROUTING_ID, b"1")
+        d.connect(c.endpoints["0"])
+        d.send_multipart([b"FTMQ" + os.urandom(64), os.urandom(1024)], flags=zmq.NOBLOCK)
+        time.sleep(0.5)  # give the handshake its chance to (wrongly) succeed
+        d.close(linger=0)
+    finally:
+        ctx.term()
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected despite the garbage", lambda: c.protected(1))
+    for node in c.nodes:
+        assert node.proc is not None and node.proc.poll() is None
