@@ -35,6 +35,37 @@ def print_status(st: dict[str, Any]) -> None:
             f"{r['bytes_held'] / 2**20:>9.1f} {r['last_stall_s'] * 1e3:>9.2f} "
             f"{r['last_copy_s'] * 1e3:>8.1f} {r['skipped']:>8} {_fmt_age(r['last_progress_time']):>14}"
         )
+    print_exchange(st.get("exchange") or {})
+
+
+def print_exchange(ex: dict[str, Any]) -> None:
+    """Print the erasure-coding part of a STATUS document (protection, bytes, peers)."""
+    if not ex.get("enabled"):
+        print("erasure coding: off (single node, or fewer than m + 2 nodes)")
+        return
+    own, parity = int(ex.get("own_bytes") or 0), int(ex.get("parity_bytes") or 0)
+    ratio = f"{parity / own:.3f}" if own else "-"
+    group = ex.get("group") or []
+    k = len(group) - int(ex.get("m") or 0)
+    expect = f"{int(ex.get('m') or 0) / k:.3f}" if k > 0 else "-"
+    c = ex.get("counters") or {}
+    print(
+        f"erasure coding: node {ex.get('me')} of group {group} m={ex.get('m')} "
+        f"generation {ex.get('epoch')} state {ex.get('state')}"
+        + (f" ({ex['error']})" if ex.get("error") else "")
+    )
+    print(
+        f"  protected step {ex.get('protected_step')}  own {own / 2**20:.1f} MiB  "
+        f"parity {parity / 2**20:.1f} MiB (ratio {ratio}, m/(n-m) = {expect})  "
+        f"last protect {ex.get('last_protect_s')}s  rounds ok {c.get('protected', 0)} "
+        f"aborted {c.get('aborted', 0)} failed {c.get('failed', 0)} rebuilt {c.get('rebuilt', 0)}"
+    )
+    for node, p in sorted((ex.get("peers") or {}).items()):
+        seen = p.get("last_seen_s")
+        health = "never heard from" if seen is None else f"heard {seen}s ago"
+        if seen is not None and seen > 10:
+            health += " (UNHEALTHY)"
+        print(f"  peer {node:>3} {p.get('endpoint')}  {health}")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -45,8 +76,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--run-dir",
         type=Path,
+        nargs="+",
         default=None,
-        help="the SMP's run directory (default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run id>)",
+        help="the SMP's run directory, or several (one per node on this host); default "
+        "$FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run id>",
     )
     s.add_argument("--json", action="store_true", help="print the raw STATUS document")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the SMP")
@@ -62,18 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     from ftmem.errors import FtmemError
 
     if args.cmd == "status":
-        run_dir = args.run_dir or default_run_dir()
-        try:
-            with SmpClient(run_dir, timeout=timedelta(seconds=args.timeout)) as c:
-                st = c.status()
-        except FtmemError as exc:
-            print(f"ftmem status: {exc}", file=sys.stderr)
-            return 1
-        if args.json:
-            print(json.dumps(st, indent=2))
-        else:
-            print_status(st)
-        return 0
+        code = 0
+        docs = []
+        for run_dir in args.run_dir or [default_run_dir()]:
+            try:
+                with SmpClient(run_dir, timeout=timedelta(seconds=args.timeout)) as c:
+                    docs.append(c.status())
+            except FtmemError as exc:
+                print(f"ftmem status: {run_dir}: {exc}", file=sys.stderr)
+                code = 1
+        for i, st in enumerate(docs):
+            if args.json:
+                print(json.dumps(st, indent=2))
+            else:
+                if i:
+                    print()
+                print_status(st)
+        return code
     if args.cmd == "keygen":
         from ftmem.exchange import keys
 

@@ -614,7 +614,9 @@ class ExchangeService:
         frag = bytearray(parity[key])
         frag[len(frag) // 2] ^= 0xFF
         parity[key] = bytes(frag)
-        log.warning("[%s/exchange] FAULT: flipped a byte of parity %s of step %d", self.node_name, key, step)
+        log.warning(
+            "[%s/exchange] FAULT: flipped a byte of parity %s of step %d", self.node_name, key, step
+        )
 
     def _drop(self, step: int, pinned: PinnedStep) -> None:
         assert self.protector is not None

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -248,9 +250,26 @@ def test_three_nodes_protect_lose_one_and_rebuild(cluster_factory: Callable[...,
     c.wait("step 1 protected", lambda: c.protected(1))
     c.save_all(2, 3 << 20)
     c.wait("step 2 protected", lambda: c.protected(2))
-    st = c.nodes[0].exchange()
-    ratio = int(st["parity_bytes"]) / int(st["own_bytes"])  # type: ignore[call-overload]
-    assert abs(ratio - 0.5) <= 0.05 + 0.5 * 0.1, st
+    # `ftmem status` on the three nodes: parity per node within 10% of m/(n-m) = 1/2 of own.
+    cmd = [sys.executable, "-m", "ftmem.cli", "status", "--json", "--run-dir"]
+    out = subprocess.run(
+        cmd + [str(n.run_dir) for n in c.nodes], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    docs = json.loads("[" + out.stdout.replace("}\n{", "},\n{") + "]")
+    assert len(docs) == 3
+    for doc in docs:
+        ex = doc["exchange"]
+        assert ex["protected_step"] == 2 and ex["own_bytes"] == 2 * (3 << 20), ex
+        assert abs(ex["parity_bytes"] / ex["own_bytes"] - 0.5) <= 0.05, ex
+        assert all(p["last_seen_s"] is not None for p in ex["peers"].values()), ex
+    table = subprocess.run(
+        [*cmd[:-2], "--run-dir", str(c.nodes[0].run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "protected step 2" in table.stdout and "m/(n-m) = 0.500" in table.stdout, table.stdout
     c.save_all(3, 3 << 20)  # committed, perhaps not protected yet
     lost = c.nodes[2]
     lost.lose()
