@@ -18,6 +18,7 @@ Every rendezvous round, before its ranks start, each agent:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -80,6 +81,55 @@ def job_keys(settings: PeerSettings, store: Any, group_rank: int, warned: list[b
     return bytes(store.get(_KEY_KEY)).decode()
 
 
+def _start_showing_progress(
+    smp: Any, start: Any, timeout: timedelta, run_dir: Path, node_name: str
+) -> dict[str, Any]:
+    """Send PEER_START and wait for its reply; meanwhile log the rebuild's progress each second.
+
+    The request runs on a thread of its own (a client belongs to one thread); this thread polls
+    the SMP's status with a second client.
+    """
+    from ftmem.client.smp_client import SmpClient
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = smp.request(start, timeout=timeout)
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="ftmem-peer-start", daemon=True)
+    t.start()
+    shown: tuple[int, int] | None = None
+    with SmpClient(run_dir, timeout=timedelta(seconds=5)) as status:
+        while t.is_alive():
+            t.join(1.0)
+            if not t.is_alive():
+                break
+            try:
+                ex = status.status().get("exchange", {})
+            except FtmemError:
+                continue
+            prog = ex.get("rebuild_progress") or {}
+            if ex.get("state") == "rebuilding" and prog:
+                now = (int(prog.get("fragments", 0)), int(prog.get("of", 0)))
+                if now != shown and now[1]:
+                    shown = now
+                    log.info(
+                        "[%s] rebuilding step %s from peers: %.0f%% (%d/%d fragments)",
+                        node_name,
+                        prog.get("step"),
+                        100.0 * now[0] / now[1],
+                        now[0],
+                        now[1],
+                    )
+    if "error" in box:
+        raise box["error"]
+    result: dict[str, Any] = box["result"]
+    return result
+
+
 def join_generation(
     *,
     settings: PeerSettings,
@@ -121,18 +171,18 @@ def join_generation(
             me,
             bound["endpoint"],
         )
+        start = m.PeerStart(
+            epoch=generation,
+            me=me,
+            endpoints=endpoints,
+            m=parity,
+            max_group=settings.max_group,
+            ranks=ranks,
+            protect_interval_s=settings.interval_s,
+        )
         try:
-            result = smp.request(
-                m.PeerStart(
-                    epoch=generation,
-                    me=me,
-                    endpoints=endpoints,
-                    m=parity,
-                    max_group=settings.max_group,
-                    ranks=ranks,
-                    protect_interval_s=settings.interval_s,
-                ),
-                timeout=settings.rebuild_timeout,
+            result = _start_showing_progress(
+                smp, start, settings.rebuild_timeout, run_dir, node_name
             )
         except SmpRequestError as exc:
             if "more than m=" in str(exc):

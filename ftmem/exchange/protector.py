@@ -95,6 +95,7 @@ class GroupProtector:
         epoch: int = 0,
         on_other: Callable[[PeerMessage], None] | None = None,
         interrupted: Callable[[], bool] | None = None,
+        on_progress: Callable[[int, int, int], None] | None = None,
     ) -> None:
         if me not in plan.nodes:
             raise ValueError(f"node {me} is not in group {plan.nodes}")
@@ -111,6 +112,8 @@ class GroupProtector:
         self.epoch = epoch
         self.on_other = on_other
         self.interrupted = interrupted or (lambda: False)
+        self.on_progress = on_progress
+        """Called about once a second during a rebuild: (step, fragments in, fragments needed)."""
         self.dropped = 0
         self.sent_bytes = 0
         self._outbox: dict[int, deque[tuple[dict[str, Any], list[Any]]]] = {}
@@ -451,9 +454,19 @@ class GroupProtector:
             )
 
     def _wait_fetched(self, step: int, wanted: set[tuple[int, int, int]]) -> None:
+        total = len(wanted)
+        last = [time.monotonic()]
+
+        def done() -> bool:
+            n = len(self._fetched)
+            now = time.monotonic()
+            if self.on_progress is not None and now - last[0] >= 1.0:
+                last[0] = now
+                self.on_progress(step, min(n, total), total)
+            return n >= total and wanted <= self._fetched.keys()
+
         self._pump(
-            lambda: wanted <= set(self._fetched),
-            lambda: f"{len(wanted - set(self._fetched))} fragments of step {step} missing",
+            done, lambda: f"{len(wanted - set(self._fetched))} fragments of step {step} missing"
         )
 
     @staticmethod

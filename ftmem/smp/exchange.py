@@ -368,6 +368,7 @@ class ExchangeService:
                 epoch=cmd.epoch,
                 on_other=self._on_service,
                 interrupted=self._interrupted,
+                on_progress=self._rebuild_progress,
             )
         else:
             self.protector.reconfigure(self.transport, cmd.epoch)
@@ -478,6 +479,18 @@ class ExchangeService:
             sorted(verdict.lost),
         )
         self._results.put(Result(cmd.token, True, data))
+
+    def _rebuild_progress(self, step: int, done: int, total: int) -> None:
+        pct = 100.0 * done / total if total else 100.0
+        self._set_status(rebuild_progress={"step": step, "fragments": done, "of": total})
+        log.info(
+            "[%s/exchange] rebuilding step %d: %.0f%% (%d/%d fragments)",
+            self.node_name,
+            step,
+            pct,
+            done,
+            total,
+        )
 
     def _rebuild(self, step: int, lost: frozenset[int], source: int) -> None:
         assert self.protector is not None

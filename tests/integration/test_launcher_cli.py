@@ -36,6 +36,12 @@ FTMEM_FLAGS = {
     "--ftmem-status-interval",
     "--ftmem-smp-log-level",
     "--ftmem-rank-assignment",
+    "--ftmem-ec-parity",
+    "--ftmem-ec-group-size",
+    "--ftmem-ec-interval",
+    "--ftmem-key-file",
+    "--ftmem-peer-host",
+    "--ftmem-rebuild-timeout",
 }
 
 
@@ -61,6 +67,28 @@ def test_defaults_and_config(tmp_path: Path) -> None:
     assert ft.hang_timeout == timedelta(seconds=120)
     assert ft.no_progress_restarts == 3 and ft.slots == 2
     assert cmd_args[-3:] == ["train.py", "--x", "1"]
+    assert ft.ec_parity == -1 and ft.key_file is None  # auto: on with >= 3 nodes
+
+
+def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
+    from launcher.peers import resolve_parity
+
+    def ft_for(*extra: str) -> object:
+        args = get_args_parser().parse_args(
+            [*extra, "--ftmem-run-dir", str(tmp_path / "rd"), "train.py"]
+        )
+        return config_from_args(args)[1]
+
+    assert ft_for("--nnodes", "3").slots == 3  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "2:4").slots == 3  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "2").slots == 2  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "4", "--ftmem-ec-parity", "0").slots == 2  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "4", "--ftmem-slots", "5").slots == 5  # type: ignore[attr-defined]
+    assert ft_for("--ftmem-ec-parity", "2").ec_parity == 2  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="ec-parity"):
+        ft_for("--ftmem-ec-parity", "two")
+    assert [resolve_parity(-1, n) for n in (1, 2, 3, 8)] == [0, 0, 1, 1]
+    assert resolve_parity(2, 3) == 0 and resolve_parity(2, 4) == 2 and resolve_parity(0, 9) == 0
 
 
 def test_pet_env_overrides_max_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
