@@ -69,6 +69,12 @@ def test_sigterm_stops_ranks_and_smp_and_frees_shared_memory(launcher_env: Launc
     assert shm_files(rid), "the ranks' arenas should exist while training"
     kids = agent.descendants()
     assert len(kids) >= 3  # SMP + 2 ranks
+    # A single-node run opens no TCP port in its SMP (the peer mesh is for 3+ nodes).
+    import psutil
+
+    smps = [p for p in map(psutil.Process, kids) if "ftmem.smp" in " ".join(p.cmdline())]
+    assert len(smps) == 1
+    assert smps[0].net_connections(kind="tcp") == []
     agent.signal(signal.SIGTERM)
     assert agent.wait(40) == 1  # as torchrun: SignalException
     from tests.integration.test_launcher_support import wait_gone
