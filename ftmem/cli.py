@@ -1,4 +1,5 @@
-"""The ``ftmem`` command: ``ftmem status`` (what a node's SMP holds), ``ftmem keygen``."""
+"""The ``ftmem`` command: ``ftmem status`` (what a node's SMP holds), ``ftmem export`` (a step
+in memory to a stock DCP checkpoint), ``ftmem keygen``."""
 
 from __future__ import annotations
 
@@ -83,6 +84,25 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true", help="print the raw STATUS document")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the SMP")
+    e = sub.add_parser(
+        "export",
+        help="write a step held in the SMPs' memory as a stock torch.distributed.checkpoint dir",
+    )
+    e.add_argument(
+        "--run-dir",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="the run directory of every SMP whose ranks make up the run (this host)",
+    )
+    e.add_argument("--out", type=Path, required=True, help="new DCP directory to create")
+    e.add_argument("--step", type=int, default=None, help="default: newest step of every rank")
+    e.add_argument(
+        "--torch-save",
+        type=Path,
+        default=None,
+        help="also convert it to this single torch.save file (dcp_to_torch_save)",
+    )
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
     k.add_argument("path", type=Path, help="file to create (must not exist)")
     return p
@@ -112,6 +132,23 @@ def main(argv: list[str] | None = None) -> int:
                     print()
                 print_status(st)
         return code
+    if args.cmd == "export":
+        from ftmem.tiers.export import export_dcp, find_sources, to_torch_save
+
+        try:
+            res = export_dcp(find_sources(args.run_dir, args.step), args.out)
+            if args.torch_save is not None:
+                to_torch_save(res.path, args.torch_save)
+        except (FtmemError, OSError) as exc:
+            print(f"ftmem export: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"exported step {res.step} of {res.world_size} ranks to {res.path} "
+            f"({res.nbytes / 2**20:.1f} MiB; {res.shared_tensors} tensors shared by all ranks, "
+            f"{res.per_rank_tensors} per rank)"
+            + (f"; torch.save file {args.torch_save}" if args.torch_save else "")
+        )
+        return 0
     if args.cmd == "keygen":
         from ftmem.exchange import keys
 

@@ -1,0 +1,1 @@
+"""Disk tiers: what ftmem writes to disk (stock DCP format). export.py: memory -> DCP."""

@@ -1,0 +1,256 @@
+"""Export a step held in SMP memory as a stock torch.distributed.checkpoint (DCP) directory.
+
+This is the format half of the disk tiers (issue 5): what ftmem writes to disk must load with
+stock ``torch.distributed.checkpoint.load`` at any world size, and convert with
+``dcp_to_torch_save``. The checkpoint is written by DCP itself (``dcp.save(..., no_dist=True)``
+with a ``FileSystemWriter``), from the ranks' committed slots, after their checksums pass:
+
+* the top level is rank 0's state, rebuilt from its layout and skeleton (``model``, ``optim``,
+  ... exactly as the ranks passed it to ``ftmem.save``), so ``dcp.load({"model": m.state_dict(),
+  "optim": o.state_dict()}, ...)`` finds every key it asks for, whatever its world size;
+* a tensor that is the same on every rank (its checksum is: DDP's parameters and optimizer
+  state) is written once;
+* per-rank state is kept per rank, not deduplicated away: under ``ftmem_per_rank.<R>`` each
+  rank R > 0 has its tensors that differ from rank 0's (RNG states, ...) and its own skeleton
+  (``skeleton``: the torch.save bytes of its non-tensor values, e.g. its data position) as a
+  uint8 tensor; ``ftmem_meta`` holds the step and the world size.
+
+Crash safety: the directory is written as ``<out>.tmp-<pid>`` and renamed into place only after
+DCP has written and fsynced every file and the source slots still pass their checksums (a rank
+may reuse a slot meanwhile), so a partial export is never taken for a complete one.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftmem._logging import get_logger
+from ftmem.client.flatten import (
+    TENSOR_MARK,
+    StoredSnapshot,
+    decode_skeleton,
+    parse_layout,
+)
+from ftmem.client.restore import verify_snapshot
+from ftmem.errors import FtmemError
+from ftmem.shm import MappedSegment
+
+log = get_logger(__name__)
+
+PER_RANK_KEY = "ftmem_per_rank"
+META_KEY = "ftmem_meta"
+
+
+class ExportError(FtmemError):
+    """The requested step cannot be exported (missing on a rank, corrupt, or the output exists)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSource:
+    """One rank's committed slot of the step to export."""
+
+    rank: int
+    step: int
+    path: str
+    capacity: int
+    layout: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    """What an export wrote."""
+
+    path: Path
+    step: int
+    world_size: int
+    nbytes: int
+    """Bytes of the DCP files."""
+    shared_tensors: int
+    """Tensors equal on every rank, written once."""
+    per_rank_tensors: int
+    """Tensors written per rank (they differ between ranks)."""
+
+
+def find_sources(run_dirs: Sequence[Path], step: int | None = None) -> list[RankSource]:
+    """Ask each SMP for its ranks' committed snapshots; pick ``step`` or the newest common one.
+
+    Raises:
+        ExportError: no step is committed by every rank, or ``step`` is missing on a rank.
+    """
+    from ftmem.client.smp_client import SmpClient
+    from ftmem.protocol import messages as m
+
+    per_rank: dict[int, list[dict[str, Any]]] = {}
+    for run_dir in run_dirs:
+        with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
+            for rank in sorted(int(r) for r in c.status()["ranks"]):
+                per_rank[rank] = list(c.request(m.Query(rank=rank))["snapshots"])
+    if not per_rank:
+        raise ExportError(f"no rank has a snapshot in {', '.join(map(str, run_dirs))}")
+    common = set.intersection(*({int(s["step"]) for s in snaps} for snaps in per_rank.values()))
+    if step is None:
+        if not common:
+            raise ExportError("no step is committed by every rank")
+        step = max(common)
+    elif step not in common:
+        raise ExportError(f"step {step} is not committed by every rank (common: {sorted(common)})")
+    out = []
+    for rank, snaps in sorted(per_rank.items()):
+        s = next(s for s in snaps if int(s["step"]) == step)
+        out.append(RankSource(rank, step, str(s["path"]), int(s["capacity"]), str(s["layout"])))
+    return out
+
+
+def _tensors(snap: StoredSnapshot, seg: MappedSegment) -> list[torch.Tensor]:
+    return [
+        seg.tensor[t.offset : t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+        for t in snap.tensors
+    ]
+
+
+def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skeleton, tuple) and len(skeleton) == 2 and skeleton[0] == TENSOR_MARK:
+        return tensors[int(skeleton[1])]
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_fill(v, tensors) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(_fill(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
+    """Write the step of ``sources`` (one per rank, ranks 0..N-1) as a DCP directory ``out``.
+
+    Raises:
+        ExportError: ranks missing or at different steps, ``out`` exists, or a slot fails its
+            checksums (before or after writing; nothing is left at ``out`` then).
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    ranks = sorted(s.rank for s in sources)
+    if ranks != list(range(len(ranks))):
+        raise ExportError(f"need every rank 0..N-1, got {ranks}")
+    if len({s.step for s in sources}) != 1:
+        raise ExportError("sources are of different steps")
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} exists; choose a new directory")
+    step = sources[0].step
+    segs: list[MappedSegment] = []
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    state: dict[str, Any] = {}
+    trees: list[Any] = []
+    tensor_lists: list[list[torch.Tensor]] = []
+    try:
+        snaps = []
+        for s in sorted(sources, key=lambda s: s.rank):
+            snap = parse_layout(s.layout, s.capacity)
+            seg = MappedSegment(Path(s.path), s.capacity)
+            segs.append(seg)
+            verify_snapshot(snap, seg)
+            snaps.append(snap)
+        skeletons = []
+        for snap, seg in zip(snaps, segs, strict=True):
+            raw = bytes(seg.view[snap.objects_offset : snap.objects_offset + snap.objects_nbytes])
+            skeleton = decode_skeleton(raw)
+            tensors = _tensors(snap, seg)
+            skeletons.append(raw)
+            tensor_lists.append(tensors)
+            trees.append(_fill(skeleton, tensors))
+        state = dict(trees[0])
+        for reserved in (PER_RANK_KEY, META_KEY):
+            if reserved in state:
+                raise ExportError(f"the state uses the reserved key {reserved!r}")
+        hashes0 = {t.name: t.hash for t in snaps[0].tensors}
+        shared = set(hashes0)
+        per_rank: dict[str, Any] = {}
+        for r in range(1, len(snaps)):
+            differ = {
+                t.name: tensor_lists[r][i]
+                for i, t in enumerate(snaps[r].tensors)
+                if hashes0.get(t.name) != t.hash
+            }
+            shared -= set(differ)
+            per_rank[str(r)] = {
+                "tensors": differ,
+                "skeleton": torch.frombuffer(bytearray(skeletons[r]), dtype=torch.uint8),
+            }
+        if per_rank:
+            state[PER_RANK_KEY] = per_rank
+        state[META_KEY] = {"step": step, "world_size": len(snaps), "format": "ftmem-export-1"}
+        writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
+        dcp_save(state, storage_writer=writer, no_dist=True)
+        for snap, seg in zip(snaps, segs, strict=True):
+            verify_snapshot(snap, seg)  # a rank may have reused the slot while we wrote
+        _fsync_dir(tmp)
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+        per_rank_count = sum(len(v["tensors"]) for v in per_rank.values())
+        result = ExportResult(out, step, len(snaps), _dir_bytes(out), len(shared), per_rank_count)
+        log.info(
+            "exported step %d of %d ranks to %s (%.1f MiB, %d shared tensors, %d per-rank)",
+            step,
+            len(snaps),
+            out,
+            result.nbytes / 2**20,
+            result.shared_tensors,
+            result.per_rank_tensors,
+        )
+        return result
+    except FtmemError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, ExportError):
+            raise
+        raise ExportError(f"cannot export step {step}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        state.clear()  # drop every view of the mappings before unmapping
+        trees.clear()
+        tensor_lists.clear()
+        for seg in segs:
+            seg.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_torch_save(dcp_dir: Path, out_file: Path) -> None:
+    """Convert a DCP directory to one ``torch.save`` file (stock ``dcp_to_torch_save``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tmp = out_file.with_name(f"{out_file.name}.tmp-{os.getpid()}")
+    try:
+        dcp_to_torch_save(dcp_dir, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.rename(tmp, out_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def skeleton_of(raw: torch.Tensor) -> Any:
+    """Decode a per-rank ``skeleton`` tensor of an export (``torch.load(weights_only=True)``)."""
+    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)

@@ -1,0 +1,144 @@
+"""`ftmem export`: a step of a 2-rank DDP run, held in a real SMP, written as a DCP directory
+that stock torch.distributed.checkpoint loads into 1 process and into 4 (gloo), and that
+``dcp_to_torch_save`` converts; values checked with the example's own digest."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from ftmem.smp.spawn import SmpProcess
+from tests.conftest import REPO, Procs
+from tests.faults._ranks import EXAMPLE, SMALL, run_ranks
+
+MODEL_ARGS = dict(vocab=128, seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1)
+
+
+def example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+LOAD_SCRIPT = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {repo!r})
+from tests.integration.test_export import example, fresh_state
+ex = example()
+world = int(os.environ["WORLD_SIZE"])
+if world > 1:
+    dist.init_process_group("gloo", init_method="file://" + {store!r},
+                            rank=int(os.environ["RANK"]), world_size=world)
+model, opt, sd = fresh_state(ex)
+dcp.load(sd, checkpoint_id={ckpt!r})
+model.load_state_dict(sd["model"])
+opt.load_state_dict(sd["optim"])
+print("DIGEST", ex.state_digest(model, opt), flush=True)
+if world > 1:
+    dist.destroy_process_group()
+"""
+
+
+def fresh_state(ex: ModuleType) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:  # type: ignore[type-arg]
+    """A new model and AdamW with state tensors to load into (values differ from the run's)."""
+    torch.manual_seed(123)
+    model = ex.GPT(batchnorm=False, **MODEL_ARGS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # creates exp_avg, exp_avg_sq, step
+    return model, opt, {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+@pytest.fixture
+def trained(smp: SmpProcess, run_dir: Path, procs: Procs) -> tuple[Path, str]:
+    """A 2-rank run of the example whose last step stays committed in the SMP."""
+    run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
+    assert run.codes == [0, 0], run.outputs
+    (digest,) = run.digests()
+    return run_dir, digest
+
+
+def test_export_loads_with_stock_dcp_at_other_world_sizes(
+    trained: tuple[Path, str], tmp_path: Path, procs: Procs
+) -> None:
+    run_dir, digest = trained
+    out = tmp_path / "ckpt"
+    flat = tmp_path / "all.pt"
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftmem.cli",
+            "export",
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(out),
+            "--torch-save",
+            str(flat),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert re.search(r"exported step 20 of 2 ranks", cli.stdout), cli.stdout
+    assert (out / ".metadata").is_file() and not list(tmp_path.glob("*.tmp-*"))
+
+    # One process, no process group.
+    import torch.distributed.checkpoint as dcp
+
+    ex = example()
+    model, opt, sd = fresh_state(ex)
+    dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    assert ex.state_digest(model, opt) == digest
+
+    # Four processes with a gloo group.
+    store = tmp_path / "pg.store"
+    script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(out))
+    logs = []
+    ps = []
+    for r in range(4):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", OMP_NUM_THREADS="1")
+        logs.append(tmp_path / f"load{r}.log")
+        ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
+    for p in ps:
+        assert p.wait(timeout=120) == 0
+    got = [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
+    assert got == [[digest]] * 4, [log.read_text()[-2000:] for log in logs]
+
+    # dcp_to_torch_save's single file: read back with weights_only=True.
+    whole = torch.load(flat, weights_only=True)
+    ref = model.state_dict()
+    assert set(ref) <= set(whole["model"])
+    assert all(torch.equal(whole["model"][k], v) for k, v in ref.items())
+    assert whole["ftmem_meta"]["step"] == 20 and whole["ftmem_meta"]["world_size"] == 2
+    # Per-rank state (RNG, data position) kept for rank 1, not deduplicated away.
+    per1 = whole["ftmem_per_rank"]["1"]
+    assert any("rng" in k for k in per1["tensors"]), sorted(per1["tensors"])
+
+
+def test_export_refuses_an_existing_dir_and_a_missing_step(
+    trained: tuple[Path, str], tmp_path: Path
+) -> None:
+    from ftmem.tiers.export import ExportError, export_dcp, find_sources
+
+    run_dir, _ = trained
+    with pytest.raises(ExportError, match="not committed by every rank"):
+        find_sources([run_dir], step=7)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ExportError, match="exists"):
+        export_dcp(find_sources([run_dir]), tmp_path / "taken")
