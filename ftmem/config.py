@@ -18,6 +18,7 @@ ENV_ALLOW_FRESH_START = "FTMEM_ALLOW_FRESH_START"  # "1": load returns 0 if rank
 ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"  # set by ftmem-launch: the step the node had committed
 ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
 ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.testing.faults)
+ENV_FLUSH_DIRS = "FTMEM_FLUSH_DIRS"  # disk tiers, nearest first, ":"-separated (load's fallback)
 
 SOCKET_NAME = "smp.sock"
 AUTH_KEY_NAME = "auth.key"
@@ -120,6 +121,12 @@ class ClientConfig:
     """If ranks disagree (some have a snapshot, some none), start fresh instead of raising."""
     arena_headroom: float = 0.10
     """Extra fraction allocated over the first snapshot's size, so small growth needs no resize."""
+    flush_dirs: list[Path] = field(
+        default_factory=lambda: [
+            Path(p) for p in os.environ.get(ENV_FLUSH_DIRS, "").split(":") if p.strip()
+        ]
+    )
+    """Disk tiers (nearest first) ``load`` falls back to when memory cannot serve every rank."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:

@@ -334,6 +334,9 @@ class Checkpointer:
             everyone = agreement.gather_candidates(mine)
             step = agreement.newest_common(everyone)
             if step is None:
+                from_disk = self._load_from_disk(state, client)
+                if from_disk is not None:
+                    return from_disk
                 if not any(everyone) and not excluded:
                     lost = _expected_step()
                     if lost > 0 and not allow:
@@ -375,6 +378,57 @@ class Checkpointer:
             )
             excluded.add(step)
         raise CorruptSnapshotError("no restorable snapshot step")
+
+    def _load_from_disk(self, state: MutableMapping[str, Any], client: SmpClient) -> int | None:
+        """Memory cannot serve every rank: restore the newest complete flushed checkpoint that
+        every rank can read, nearest tier first; None if there is none (all ranks agree)."""
+        from ftmem.tiers.checkpoints import Checkpoint, list_checkpoints
+        from ftmem.tiers.disk_restore import load_rank
+
+        world = torch.distributed.get_world_size() if agreement.distributed() else 1
+        found: dict[int, Checkpoint] = {}
+        for tier in self.config.flush_dirs:
+            good, other = list_checkpoints(tier)
+            for path, why in other:
+                log.warning("ignoring %s: %s", path, why)
+            for ck in good:
+                if ck.world_size == world:
+                    found.setdefault(ck.step, ck)  # the nearest tier's copy wins
+        excluded: set[int] = set()
+        for _ in range(agreement.MAX_CANDIDATES):
+            mine = [s for s in found if s not in excluded]
+            step = agreement.newest_common(agreement.gather_candidates(mine))
+            if step is None:
+                return None
+            ck = found[step]
+            code, err, restore = _CORRUPT, "", None
+            try:
+                snap, objects, buf = load_rank(ck, self.rank)
+                restore = (plan_restore(state, snap, objects), buf)
+                code = _OK
+            except CorruptSnapshotError as exc:
+                err = str(exc)
+                log.error("flushed checkpoint %s is corrupt: %s", ck.path, exc)
+            except SnapshotMismatchError as exc:
+                code, err = _MISMATCH, str(exc)
+            agreed = agreement.min_over_ranks(code)
+            if agreed == _OK:
+                assert restore is not None
+                apply_restore(restore[0], restore[1], threads=restore_threads())  # type: ignore[arg-type]
+                client.request(m.DiscardNewer(rank=self.rank, step=step))
+                log.warning(
+                    "memory could not serve every rank: restored step %d from %s", step, ck.path
+                )
+                return step
+            if agreed == _MISMATCH:
+                raise SnapshotMismatchError(err or f"checkpoint {ck.path} does not fit the state")
+            log.warning(
+                "checkpoint of step %d cannot be restored on every rank (%s); trying an older one",
+                step,
+                err or "another rank failed",
+            )
+            excluded.add(step)
+        return None
 
     def _prepare_restore(
         self, state: MutableMapping[str, Any], snap: dict[str, Any]

@@ -29,6 +29,8 @@ class Point(enum.Enum):
     """(SMP) A protection round has pinned the step and is about to exchange it."""
     PARITY_HELD = "parity_held"
     """(SMP) A step was just protected: its parity is held in memory."""
+    IN_FLUSH = "in_flush"
+    """(Flusher) Every file of a checkpoint is written, before the rename that completes it."""
 
 
 class Fault(enum.Enum):
@@ -38,6 +40,8 @@ class Fault(enum.Enum):
     STOP = "stop"
     FLIP = "flip"
     """Corrupt data at the point (the caller does it when :func:`maybe_inject` says so)."""
+    ENOSPC = "enospc"
+    """Fail the write at the point as if the disk were full (the caller raises)."""
 
 
 def _parse(spec: str) -> tuple[Point, int | None, int | None, Fault] | None:
@@ -67,7 +71,8 @@ _fired = False
 def maybe_inject(point: Point, rank: int, step: int) -> bool:
     """Fire the configured fault if ``point``, ``rank`` and ``step`` match (once).
 
-    Returns True when the fault is FLIP: the caller corrupts its data there.
+    Returns True when the fault is FLIP or ENOSPC: the caller corrupts its data or fails
+    its write there.
     """
     global _fired
     if _SPEC is None or _fired:
@@ -75,7 +80,7 @@ def maybe_inject(point: Point, rank: int, step: int) -> bool:
     p, r, s, fault = _SPEC
     if p is point and (r is None or r == rank) and (s is None or s == step):
         _fired = True
-        if fault is Fault.FLIP:
+        if fault in (Fault.FLIP, Fault.ENOSPC):
             return True
         os.kill(os.getpid(), signal.SIGKILL if fault is Fault.KILL else signal.SIGSTOP)
     return False

@@ -11,9 +11,12 @@ with a ``FileSystemWriter``), from the ranks' committed slots, after their check
 * a tensor that is the same on every rank (its checksum is: DDP's parameters and optimizer
   state) is written once;
 * per-rank state is kept per rank, not deduplicated away: under ``ftmem_per_rank.<R>`` each
-  rank R > 0 has its tensors that differ from rank 0's (RNG states, ...) and its own skeleton
-  (``skeleton``: the torch.save bytes of its non-tensor values, e.g. its data position) as a
-  uint8 tensor; ``ftmem_meta`` holds the step and the world size.
+  rank R > 0 has its tensors that differ from rank 0's (RNG states, ...), and every rank its
+  skeleton (``skeleton``: the torch.save bytes of its non-tensor values, e.g. its data
+  position) and the names of its tensors in order (``names``: JSON), both as uint8 tensors, so
+  ftmem can restore each rank exactly as it saved; ``ftmem_meta`` holds the step and the world
+  size. Every file is listed with its size and xxh3 in ``ftmem-manifest.json`` (checked by
+  ftmem's reader before any byte is used).
 
 Crash safety: the directory is written as ``<out>.tmp-<pid>`` and renamed into place only after
 DCP has written and fsynced every file and the source slots still pass their checksums (a rank
@@ -22,7 +25,9 @@ may reuse a slot meanwhile), so a partial export is never taken for a complete o
 
 from __future__ import annotations
 
+import errno
 import io
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -43,6 +48,8 @@ from ftmem.client.flatten import (
 from ftmem.client.restore import verify_snapshot
 from ftmem.errors import FtmemError
 from ftmem.shm import MappedSegment
+from ftmem.testing import faults
+from ftmem.tiers.checkpoints import write_manifest
 
 log = get_logger(__name__)
 
@@ -180,25 +187,32 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
         hashes0 = {t.name: t.hash for t in snaps[0].tensors}
         shared = set(hashes0)
         per_rank: dict[str, Any] = {}
-        for r in range(1, len(snaps)):
+        for r in range(len(snaps)):
             differ = {
                 t.name: tensor_lists[r][i]
                 for i, t in enumerate(snaps[r].tensors)
-                if hashes0.get(t.name) != t.hash
+                if r > 0 and hashes0.get(t.name) != t.hash
             }
             shared -= set(differ)
+            names = json.dumps([t.name for t in snaps[r].tensors]).encode()
             per_rank[str(r)] = {
                 "tensors": differ,
-                "skeleton": torch.frombuffer(bytearray(skeletons[r]), dtype=torch.uint8),
+                "skeleton": _bytes_tensor(skeletons[r]),
+                "names": _bytes_tensor(names),
             }
-        if per_rank:
-            state[PER_RANK_KEY] = per_rank
+        state[PER_RANK_KEY] = per_rank
         state[META_KEY] = {"step": step, "world_size": len(snaps), "format": "ftmem-export-1"}
         writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
-        dcp_save(state, storage_writer=writer, no_dist=True)
+        meta = dcp_save(state, storage_writer=writer, no_dist=True)
+        missing = {t.name for t in snaps[0].tensors} - set(meta.state_dict_metadata)
+        if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
+            raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
         for snap, seg in zip(snaps, segs, strict=True):
             verify_snapshot(snap, seg)  # a rank may have reused the slot while we wrote
+        write_manifest(tmp, step, len(snaps))
         _fsync_dir(tmp)
+        if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
         os.rename(tmp, out)
         _fsync_dir(out.parent)
         per_rank_count = sum(len(v["tensors"]) for v in per_rank.values())
@@ -213,6 +227,9 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
             result.per_rank_tensors,
         )
         return result
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except FtmemError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, ExportError):
@@ -227,6 +244,14 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
         tensor_lists.clear()
         for seg in segs:
             seg.close()
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,105 @@
+"""Read one rank's snapshot back from a flushed DCP checkpoint, for ``ftmem.load``'s fallback.
+
+The checkpoint's files are checked against its manifest first (every byte hashed); then DCP's
+own reader loads, in place, into tensors laid out in one buffer exactly like a slot: the rank's
+tensors in the order it saved them (its ``names``), each taken from its per-rank entry if it
+has one, else from the shared top level, plus its skeleton. The result feeds the same
+plan/apply restore as a snapshot in memory. Nothing is unpickled but by DCP's metadata reader
+and ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ftmem.client.flatten import StoredSnapshot, StoredTensor
+from ftmem.errors import CorruptSnapshotError
+from ftmem.shm import ALIGN
+from ftmem.tiers.checkpoints import Checkpoint, verify_checkpoint
+from ftmem.tiers.export import PER_RANK_KEY
+
+
+@dataclass
+class BufferSegment:
+    """A slot-like buffer in process memory (what apply_restore reads from)."""
+
+    tensor: torch.Tensor
+    view: memoryview
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _load(targets: dict[str, torch.Tensor], path: str) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    dcp_load(targets, storage_reader=FileSystemReader(path), no_dist=True)
+
+
+def _metadata(path: str) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    return FileSystemReader(path).read_metadata()
+
+
+def load_rank(
+    ckpt: Checkpoint, rank: int, verify: bool = True
+) -> tuple[StoredSnapshot, bytes, BufferSegment]:
+    """Rank ``rank``'s snapshot of ``ckpt`` as (layout, skeleton bytes, buffer).
+
+    Raises:
+        CorruptSnapshotError: a file fails its checksum, or the checkpoint lacks this rank.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if verify:
+        verify_checkpoint(ckpt)
+    path = str(ckpt.path)
+    try:
+        md = _metadata(path).state_dict_metadata
+        prefix = f"{PER_RANK_KEY}.{rank}"
+        small = {}
+        for key in ("names", "skeleton"):
+            tm = md[f"{prefix}.{key}"]
+            small[key] = torch.empty(tuple(tm.size), dtype=torch.uint8)
+        _load({f"{prefix}.{k}": v for k, v in small.items()}, path)
+        names = json.loads(small["names"].numpy().tobytes() or b"[]")
+        skeleton = small["skeleton"].numpy().tobytes()
+        fqns = []
+        offset = 0
+        specs = []
+        for name in names:
+            own = f"{prefix}.tensors.{name}"
+            fqn = own if own in md else str(name)
+            tm = md[fqn]
+            if not isinstance(tm, TensorStorageMetadata):
+                raise CorruptSnapshotError(f"{fqn} is not a tensor in {path}")
+            dtype = tm.properties.dtype
+            shape = tuple(int(s) for s in tm.size)
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            specs.append((str(name), dtype, shape, offset, nbytes))
+            fqns.append(fqn)
+            offset = _align(offset + nbytes)
+        buf = torch.empty(max(offset, 1), dtype=torch.uint8)
+        targets = {
+            fqn: buf[off : off + n].view(dtype).reshape(shape)
+            for fqn, (_, dtype, shape, off, n) in zip(fqns, specs, strict=True)
+        }
+        if targets:
+            _load(targets, path)
+    except CorruptSnapshotError:
+        raise
+    except (KeyError, ValueError, RuntimeError, OSError) as exc:
+        raise CorruptSnapshotError(f"{path} has no snapshot of rank {rank}: {exc!r}") from exc
+    tensors = tuple(
+        StoredTensor(i, name, dtype, shape, off, n, "")
+        for i, (name, dtype, shape, off, n) in enumerate(specs)
+    )
+    snap = StoredSnapshot(ckpt.step, tensors, 0, len(skeleton), "")
+    return snap, skeleton, BufferSegment(buf, memoryview(buf.numpy()))  # type: ignore[arg-type]
