@@ -103,6 +103,19 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=None,
         help="also convert it to this single torch.save file (dcp_to_torch_save)",
     )
+    f = sub.add_parser("flush", help="flush the newest step to the disk tiers now and wait")
+    f.add_argument("--run-dir", type=Path, nargs="+", default=None, help="the SMPs to ask")
+    f.add_argument("--step", type=int, default=-1, help="default: the newest complete step")
+    f.add_argument(
+        "--tier",
+        choices=("local", "persistent"),
+        default="persistent",
+        help="local: the first tier only; persistent (default): every tier",
+    )
+    f.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
+    ls = sub.add_parser("ls", help="list the checkpoints of disk tiers")
+    ls.add_argument("tiers", type=Path, nargs="+", help="tier directories")
+    ls.add_argument("--verify", action="store_true", help="also check every file's hash")
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
     k.add_argument("path", type=Path, help="file to create (must not exist)")
     return p
@@ -149,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; torch.save file {args.torch_save}" if args.torch_save else "")
         )
         return 0
+    if args.cmd == "flush":
+        return _flush(args)
+    if args.cmd == "ls":
+        return _ls(args)
     if args.cmd == "keygen":
         from ftmem.exchange import keys
 
@@ -160,6 +177,95 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.path} (mode 0600)")
         return 0
     return 2
+
+
+def _flush(args: argparse.Namespace) -> int:
+    """``ftmem flush``: ask every SMP, show each one's stage until it answers."""
+    import threading
+
+    from ftmem.client.smp_client import SmpClient
+    from ftmem.errors import FtmemError
+    from ftmem.protocol import messages as m
+
+    code = 0
+    for run_dir in args.run_dir or [default_run_dir()]:
+        box: dict[str, Any] = {}
+
+        def run(rd: Path = run_dir, box: dict[str, Any] = box) -> None:
+            try:
+                with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
+                    box["ok"] = c.request(m.Flush(step=args.step, tier=args.tier))
+            except FtmemError as exc:
+                box["error"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        shown = None
+        t0 = time.monotonic()
+        try:
+            with SmpClient(run_dir, timeout=timedelta(seconds=5)) as status:
+                while t.is_alive():
+                    t.join(0.5)
+                    try:
+                        fl = status.status().get("flush", {})
+                    except FtmemError:
+                        continue
+                    now = fl.get("running")
+                    if now and now != shown:
+                        shown = now
+                        tiers = fl.get("tiers") or []
+                        where = tiers[int(now.get("tier") or 0)] if tiers else "?"
+                        print(
+                            f"[{time.monotonic() - t0:6.1f}s] step {now.get('step')}: "
+                            f"{now.get('stage')} {where}",
+                            file=sys.stderr,
+                        )
+        except FtmemError as exc:
+            print(f"ftmem flush: {run_dir}: {exc}", file=sys.stderr)
+            code = 1
+            continue
+        t.join()
+        if "error" in box:
+            print(f"ftmem flush: {run_dir}: {box['error']}", file=sys.stderr)
+            code = 1
+            continue
+        res = box["ok"]
+        for path in res.get("paths", []):
+            print(path)
+        print(
+            f"step {res.get('step')} durable in {len(res.get('paths', []))} tier(s) "
+            f"after {res.get('seconds')} s",
+            file=sys.stderr,
+        )
+    return code
+
+
+def _ls(args: argparse.Namespace) -> int:
+    """``ftmem ls``: complete checkpoints (newest first) and what else is in each tier."""
+    from ftmem.errors import CorruptSnapshotError
+    from ftmem.tiers.checkpoints import list_checkpoints, verify_checkpoint
+
+    code = 0
+    for tier in args.tiers:
+        good, other = list_checkpoints(tier)
+        print(f"{tier}:")
+        for ck in good:
+            state = "complete"
+            if args.verify:
+                try:
+                    verify_checkpoint(ck)
+                    state = "complete, verified"
+                except CorruptSnapshotError as exc:
+                    state, code = f"CORRUPT ({exc})", 1
+            print(
+                f"  step {ck.step:>8}  {ck.nbytes / 2**20:>9.1f} MiB  world {ck.world_size:>4}  "
+                f"{state}  {ck.path.name}"
+            )
+        for path, why in other:
+            print(f"  {'-':>13}  {'':>9}      {'':>10}  {why}  {path.name}")
+        if not good and not other:
+            print("  (empty)")
+    return code
 
 
 if __name__ == "__main__":

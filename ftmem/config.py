@@ -71,6 +71,14 @@ class SmpConfig:
     shm_dir (their commit records are checked; data checksums are checked at load)."""
     poll_interval: timedelta = timedelta(milliseconds=100)
     """How often the loop wakes up to check signals, the parent and finished allocations."""
+    flush_tiers: list[Path] = field(default_factory=list)
+    """Disk tiers to flush to, node-local first then persistent; empty: no flushing."""
+    flush_every: int = 0
+    """Flush every this many steps in the background (0: only when ``ftmem flush`` asks)."""
+    flush_keep: int = 2
+    """Complete checkpoints kept per tier."""
+    flush_on_stop: timedelta = timedelta(seconds=60)
+    """On SIGTERM (preemption), time allowed for a final flush of the newest step."""
 
     def __post_init__(self) -> None:
         check_name("run_id", self.run_id)

@@ -86,7 +86,8 @@ def get_args_parser() -> ArgumentParser:
         type=int,
         default=None,
         help="Snapshot slots per rank in the SMP (>= 2). Default: 2, or 3 when erasure "
-        "coding may be on (a protected step stays pinned while newer ones are written).",
+        "coding may be on or a flush dir is set (a step being protected or flushed stays "
+        "pinned while newer ones are written).",
     )
     group.add_argument(
         "--ftmem-ec-parity",
@@ -128,6 +129,37 @@ def get_args_parser() -> ArgumentParser:
         default=None,
         help="Address the SMP's peer port binds and advertises. Default: --local-addr, "
         "else the address of this host's name.",
+    )
+    group.add_argument(
+        "--ftmem-flush-dir",
+        action=env,
+        type=str,
+        default=None,
+        help="Node-local directory for checkpoints flushed from memory in the background "
+        "(stock torch.distributed.checkpoint format). Default: no flushing.",
+    )
+    group.add_argument(
+        "--ftmem-flush-persistent-dir",
+        action=env,
+        type=str,
+        default=None,
+        help="Persistent (shared) directory each flushed checkpoint is copied to after the "
+        "local one.",
+    )
+    group.add_argument(
+        "--ftmem-flush-every",
+        action=env,
+        type=int,
+        default=0,
+        help="Flush every N steps in the background; 0 (default): only on `ftmem flush` and "
+        "on SIGTERM.",
+    )
+    group.add_argument(
+        "--ftmem-flush-keep",
+        action=env,
+        type=int,
+        default=2,
+        help="Complete checkpoints kept per tier. Default: 2.",
     )
     group.add_argument(
         "--ftmem-rebuild-timeout",
@@ -205,7 +237,9 @@ def _slots(args: Namespace) -> int:
         return int(args.ftmem_slots)
     max_nodes = str(args.nnodes).split(":")[-1]
     ec_possible = _parity(args.ftmem_ec_parity) != 0 and max_nodes.isdigit() and int(max_nodes) >= 3
-    return 3 if ec_possible else 2
+    # A step being protected or flushed stays pinned: a third slot lets ranks keep saving.
+    flushing = bool(args.ftmem_flush_dir or args.ftmem_flush_persistent_dir)
+    return 3 if ec_possible or flushing else 2
 
 
 def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
@@ -220,6 +254,12 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
         peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
         rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),
+        flush_dir=Path(args.ftmem_flush_dir) if args.ftmem_flush_dir else None,
+        flush_persistent_dir=(
+            Path(args.ftmem_flush_persistent_dir) if args.ftmem_flush_persistent_dir else None
+        ),
+        flush_every=int(args.ftmem_flush_every),
+        flush_keep=int(args.ftmem_flush_keep),
         smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),

@@ -107,6 +107,36 @@ class FtmemLaunchConfig:
     """Address the SMP's peer port binds and advertises; "": --local-addr or this host's."""
     rebuild_timeout: timedelta = timedelta(seconds=600)
     """Longest wait for the peers' sync and this node's rebuild before its ranks start."""
+    flush_dir: Path | None = None
+    """Node-local disk tier (DCP checkpoints); None: no flushing."""
+    flush_persistent_dir: Path | None = None
+    """Persistent (shared) disk tier, written after the local one."""
+    flush_every: int = 0
+    """Flush every this many steps in the background (0: only on ``ftmem flush``/SIGTERM)."""
+    flush_keep: int = 2
+    """Complete checkpoints kept per tier."""
+    flush_on_stop: timedelta = timedelta(seconds=60)
+    """On SIGTERM, time the SMP has for a final flush of the newest step."""
+
+    def flush_tiers(self) -> list[Path]:
+        """The disk tiers, nearest first."""
+        return [Path(p).absolute() for p in (self.flush_dir, self.flush_persistent_dir) if p]
+
+    def smp_args(self) -> list[str]:
+        """Extra ``python -m ftmem.smp`` arguments for the disk tiers."""
+        args: list[str] = []
+        for tier in self.flush_tiers():
+            args += ["--flush-dir", str(tier)]
+        if args:
+            args += [
+                "--flush-every",
+                str(self.flush_every),
+                "--flush-keep",
+                str(self.flush_keep),
+                "--flush-on-stop",
+                str(self.flush_on_stop.total_seconds()),
+            ]
+        return args
 
     def __post_init__(self) -> None:
         if self.slots < 2:
@@ -125,6 +155,10 @@ class FtmemLaunchConfig:
             raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
         if self.ec_group_size < 3:
             raise ValueError("--ftmem-ec-group-size must be >= 3")
+        if self.flush_persistent_dir is not None and self.flush_dir is None:
+            self.flush_dir, self.flush_persistent_dir = self.flush_persistent_dir, None
+        if self.flush_every < 0 or self.flush_keep < 1:
+            raise ValueError("--ftmem-flush-every must be >= 0 and --ftmem-flush-keep >= 1")
         if self.key_file is not None and not Path(self.key_file).is_file():
             raise ValueError(f"--ftmem-key-file {self.key_file} does not exist (`ftmem keygen`)")
         if self.node is not None and safe_name(self.node) != self.node:

@@ -14,6 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.distributed.launcher.api import (
     _get_entrypoint_name,
 )
 
+from ftmem.config import ENV_FLUSH_DIRS
 from launcher.agent import FtmemElasticAgent
 from launcher.config import (
     FtmemLaunchConfig,
@@ -127,10 +129,19 @@ def launch_agent(
         node=node,
         slots=ftmem.slots,
         start_timeout=ftmem.smp_start_timeout,
-        stop_timeout=ftmem.smp_stop_timeout,
+        # A final flush on SIGTERM needs time before the SMP is SIGKILLed.
+        stop_timeout=(
+            max(ftmem.smp_stop_timeout, ftmem.flush_on_stop + timedelta(seconds=10))
+            if ftmem.flush_tiers()
+            else ftmem.smp_stop_timeout
+        ),
         log_level=ftmem.smp_log_level,
         extra_env=ftmem.extra_env,
+        extra_args=ftmem.smp_args(),
     )
+    if ftmem.flush_tiers():
+        # The ranks' load falls back to these when memory cannot serve every rank.
+        os.environ[ENV_FLUSH_DIRS] = ":".join(str(t) for t in ftmem.flush_tiers())
     agent = FtmemElasticAgent(
         spec=spec,
         logs_specs=config.logs_specs,

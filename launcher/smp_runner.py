@@ -49,6 +49,7 @@ class SmpRunner:
         stop_timeout: timedelta,
         log_level: str = "INFO",
         extra_env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.run_id = run_id
@@ -58,6 +59,7 @@ class SmpRunner:
         self.stop_timeout = stop_timeout
         self.log_level = log_level
         self.extra_env = dict(extra_env or {})
+        self.extra_args = list(extra_args or [])
         self._proc: _SmpHandle | None = None
         self.starts = 0
         """How many times an SMP was started (1 + restarts)."""
@@ -92,6 +94,7 @@ class SmpRunner:
             parent_pid=os.getpid(),
             env=env,
             log_path=self.log_path,
+            extra_args=self.extra_args,
         )
         self.starts += 1
         log.info(

@@ -35,6 +35,7 @@ class Kind(enum.IntEnum):
     STATUS = 11
     PEER_BIND = 12
     PEER_START = 13
+    FLUSH = 14
     PEER = 20
 
 
@@ -147,6 +148,15 @@ class PeerStart:
 
 
 @dataclass(frozen=True, slots=True)
+class Flush:
+    """Flush ``step`` (-1: the newest complete or protected one) to the disk tiers now; ``tier``
+    "local" writes only the first tier, "" or "persistent" all of them. Replied when durable."""
+
+    step: int = -1
+    tier: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Peer:
     """An SMP-to-SMP message: a JSON header plus raw buffer frames of the given sizes/checksums."""
 
@@ -177,6 +187,7 @@ Payload = (
     | Status
     | PeerBind
     | PeerStart
+    | Flush
     | Reply
 )
 
@@ -194,6 +205,7 @@ PAYLOAD_TYPES: dict[Kind, type[Any]] = {
     Kind.STATUS: Status,
     Kind.PEER_BIND: PeerBind,
     Kind.PEER_START: PeerStart,
+    Kind.FLUSH: Flush,
     Kind.PEER: Peer,
 }
 KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}

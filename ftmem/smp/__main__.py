@@ -60,6 +60,27 @@ def get_args_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="discard (instead of serving again) committed slots a killed SMP left behind",
     )
+    p.add_argument(
+        "--flush-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="disk tier to flush checkpoints to (DCP format); give it twice for node-local "
+        "then persistent storage",
+    )
+    p.add_argument(
+        "--flush-every",
+        type=int,
+        default=0,
+        help="flush every N steps in the background (0: only when `ftmem flush` asks)",
+    )
+    p.add_argument("--flush-keep", type=int, default=2, help="complete checkpoints kept per tier")
+    p.add_argument(
+        "--flush-on-stop",
+        type=float,
+        default=60.0,
+        help="seconds allowed for a final flush on SIGTERM (when --flush-dir is set)",
+    )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
     return p
 
@@ -77,6 +98,10 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
         parent_pid=args.parent_pid,
         poll_interval=timedelta(seconds=args.poll_interval),
         adopt=not args.no_adopt,
+        flush_tiers=[d.absolute() for d in args.flush_dir],
+        flush_every=args.flush_every,
+        flush_keep=args.flush_keep,
+        flush_on_stop=timedelta(seconds=args.flush_on_stop),
     )
 
 

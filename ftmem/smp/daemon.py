@@ -32,6 +32,7 @@ from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
 from ftmem.smp import records
 from ftmem.smp.exchange import BindCommand, ExchangeService, RankPiece, StartCommand
+from ftmem.smp.flush import FlushRequest, FlushService, FlushSettings
 from ftmem.smp.store import RankSlots, Slot, SlotState, StoreError
 
 log = get_logger(__name__)
@@ -90,6 +91,9 @@ class SmpDaemon:
         self._lock = threading.RLock()
         self.exchange: ExchangeService | None = None
         self._pending_exchange = 0
+        self.flush: FlushService | None = None
+        self._flush_replies: queue.Queue[tuple[Any, bool, dict[str, Any], str]] = queue.Queue()
+        self._stopped_by_signal = False
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,6 +134,15 @@ class SmpDaemon:
             target=self._alloc_worker, name="ftmem-smp-alloc", daemon=True
         )
         self._alloc_thread.start()
+        if cfg.flush_tiers:
+            self.flush = FlushService(
+                cfg.node,
+                FlushSettings(list(cfg.flush_tiers), cfg.flush_every, cfg.flush_keep),
+                self,
+                self._protected_step,
+                lambda token, ok, data, err: self._flush_replies.put((token, ok, data, err)),
+            )
+            self.flush.start()
         info = {
             "pid": os.getpid(),
             "endpoint": cfg.endpoint,
@@ -148,6 +161,7 @@ class SmpDaemon:
 
     def request_stop(self, signum: int | None = None, frame: FrameType | None = None) -> None:
         """Ask the loop to end (safe from a signal handler)."""
+        self._stopped_by_signal = signum is not None
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
@@ -160,6 +174,10 @@ class SmpDaemon:
         if self._closed:
             return
         self._closed = True
+        if self.flush is not None:
+            if self._stopped_by_signal:
+                self.flush.final_flush(self.config.flush_on_stop.total_seconds())
+            self.flush.close()
         if self.exchange is not None:
             self.exchange.close()
         self._jobs.put(None)
@@ -231,6 +249,7 @@ class SmpDaemon:
             with self._lock:
                 self._finish_allocations()
             self._finish_exchange()
+            self._finish_flushes()
             ppid = self.config.parent_pid
             # getppid: once the parent dies we are reparented at once, even while the dead
             # parent is an unreaped zombie (which kill(pid, 0) would still report alive).
@@ -335,6 +354,15 @@ class SmpDaemon:
             return m.Reply(ok=True, data={"dropped": dropped})
         if isinstance(p, m.Status):
             return m.Reply(ok=True, data=self.status())
+        if isinstance(p, m.Flush):
+            if self.flush is None:
+                raise ValueError("this SMP has no disk tiers (start it with --flush-dir)")
+            if p.tier not in ("", "local", "persistent"):
+                raise ValueError(f"tier must be local or persistent, not {p.tier!r}")
+            tiers = 1 if p.tier == "local" else len(self.config.flush_tiers)
+            step = None if p.step < 0 else p.step
+            self.flush.request(FlushRequest((ident, req_id), step, tiers))
+            return None
         if isinstance(p, m.PeerBind):
             try:
                 keys = CurveKeyPair.from_json(p.keys)
@@ -376,6 +404,28 @@ class SmpDaemon:
             self._pending_exchange -= 1
             ident, req_id = r.token
             self._send(ident, req_id, m.Reply(ok=r.ok, error=r.error, data=r.data))
+
+    def _finish_flushes(self) -> None:
+        while True:
+            try:
+                token, ok, data, err = self._flush_replies.get_nowait()
+            except queue.Empty:
+                return
+            if token is None:
+                continue  # the final flush on SIGTERM: nobody waits on the socket
+            ident, req_id = token
+            self._send(ident, req_id, m.Reply(ok=ok, error=err, data=data))
+
+    def _protected_step(self) -> int | None:
+        if self.exchange is None:
+            return None
+        step = self.exchange.status().get("protected_step")
+        return step if isinstance(step, int) else None
+
+    def all_ranks(self) -> list[int]:
+        """Every rank this SMP has seen."""
+        with self._lock:
+            return sorted(self.ranks)
 
     # -- what the exchange thread uses (LocalSnapshots) ----------------------------------------
     def complete_steps(self, ranks: list[int] | Any) -> list[int]:
@@ -636,6 +686,7 @@ class SmpDaemon:
             "bad_messages": self.bad_messages,
             "ranks": {str(r): rs.describe() for r, rs in sorted(self.ranks.items())},
             "exchange": self.exchange.status() if self.exchange else {"enabled": False},
+            "flush": self.flush.status() if self.flush else {"enabled": False},
         }
 
 

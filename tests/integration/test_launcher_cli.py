@@ -42,6 +42,10 @@ FTMEM_FLAGS = {
     "--ftmem-key-file",
     "--ftmem-peer-host",
     "--ftmem-rebuild-timeout",
+    "--ftmem-flush-dir",
+    "--ftmem-flush-persistent-dir",
+    "--ftmem-flush-every",
+    "--ftmem-flush-keep",
 }
 
 

@@ -1,0 +1,385 @@
+"""FlushService: the SMP's lazy background flush to the disk tiers.
+
+A thread of the SMP decides *what* and *when*; a worker process (``ftmem.tiers.flusher``,
+which imports torch at nice 10) does the writing. Every ``every`` steps (the newest step all
+the node's ranks committed, or the newest protected step when erasure coding is on) the
+service pins that step's slots, hands the slots' paths and layouts to the worker, and unpins
+when the worker answers. Pinned slots are never handed to ranks for writing, so a rank whose
+other slots are all busy *skips* its snapshot (counted) rather than waiting: flushing never
+blocks training. ``ftmem flush`` (a FLUSH request) asks for a flush now and gets its reply
+when the checkpoint is durable. If the worker dies mid-flush (SIGKILL, OOM) the step is given
+up, its partial directory is never listed as a checkpoint, and a new worker starts next time.
+
+Resource handling: :meth:`close` ends the worker (stdin closed, bounded wait, then SIGKILL)
+and unpins; :meth:`final_flush` (on SIGTERM) writes the newest step not yet flushed, bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from ftmem._logging import get_logger
+from ftmem.smp.exchange import RankPiece
+
+log = get_logger(__name__)
+
+
+class FlushSlots(Protocol):
+    """What the flush needs from the SMP's store (thread-safe)."""
+
+    def all_ranks(self) -> list[int]:
+        """Every rank the SMP has seen."""
+        ...
+
+    def complete_steps(self, ranks: Sequence[int]) -> list[int]:
+        """Steps every rank of ``ranks`` has committed, newest first."""
+        ...
+
+    def pin_step(self, ranks: Sequence[int], step: int) -> list[RankPiece] | None:
+        """Pin every rank's slot of ``step`` (None: a rank has none)."""
+        ...
+
+    def unpin(self, pieces: Sequence[RankPiece]) -> None:
+        """Undo :meth:`pin_step`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class FlushSettings:
+    """Where and how often to flush."""
+
+    tiers: list[Path]
+    """Node-local directory first, then the persistent one (either may be the only one)."""
+    every: int = 0
+    """Flush every this many steps (0: only when asked)."""
+    keep: int = 2
+    """Complete checkpoints kept per tier."""
+
+
+@dataclass
+class FlushRequest:
+    """A FLUSH request waiting for its answer."""
+
+    token: Any
+    step: int | None
+    tiers: int
+    """How many tiers must be written (1: local only)."""
+
+
+@dataclass
+class _Running:
+    rid: int
+    step: int
+    pieces: list[RankPiece]
+    tiers: int
+    started: float
+    waiters: list[FlushRequest] = field(default_factory=list)
+
+
+class FlushService:
+    """The flush thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: str,
+        settings: FlushSettings,
+        slots: FlushSlots,
+        protected_step: Callable[[], int | None],
+        on_reply: Callable[[Any, bool, dict[str, Any], str], None],
+    ) -> None:
+        self.node = node
+        self.settings = settings
+        self.slots = slots
+        self.protected_step = protected_step
+        self.on_reply = on_reply
+        self._requests: queue.Queue[FlushRequest | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftmem-smp-flush", daemon=True)
+        self._proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._running: _Running | None = None
+        self._waiting: list[FlushRequest] = []
+        self._ids = 0
+        self._lock = threading.Lock()
+        self._status: dict[str, Any] = {
+            "enabled": True,
+            "tiers": [str(t) for t in settings.tiers],
+            "every": settings.every,
+            "keep": settings.keep,
+            "last_step": None,
+            "last_paths": [],
+            "last_seconds": None,
+            "last_bytes": 0,
+            "last_error": "",
+            "flushes": 0,
+            "failures": 0,
+            "running": None,
+        }
+        self.last_step: int | None = None
+
+    # -- main-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread (the worker process starts at the first flush)."""
+        self._thread.start()
+
+    def request(self, req: FlushRequest) -> None:
+        """Ask for a flush now; ``on_reply`` answers it when durable (or failed)."""
+        self._requests.put(req)
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-ready copy of the flush state."""
+        with self._lock:
+            return dict(self._status)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread and the worker (bounded)."""
+        self._stop.set()
+        self._requests.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+        self._end_worker()
+
+    # -- thread ------------------------------------------------------------------------------
+    def _set(self, **kw: Any) -> None:
+        with self._lock:
+            self._status.update(kw)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._tick()
+        except Exception:
+            log.exception("[%s/flush] stopped by an unexpected error", self.node)
+        finally:
+            if self._running is not None:
+                self._finish({"ok": False, "error": "the SMP is stopping"})
+
+    def _tick(self) -> None:
+        try:
+            req = self._requests.get(timeout=0.2 if self._running is None else 0.05)
+            if req is not None:
+                self._waiting.append(req)
+        except queue.Empty:
+            pass
+        if self._running is not None:
+            self._poll_worker()
+            return
+        step, tiers = self._next()
+        if step is not None:
+            self._begin(step, tiers)
+
+    def _ranks(self) -> list[int]:
+        return self.slots.all_ranks()
+
+    def _candidate(self) -> int | None:
+        protected = self.protected_step()
+        if protected is not None:
+            return protected
+        steps = self.slots.complete_steps(self._ranks()) if self._ranks() else []
+        return steps[0] if steps else None
+
+    def _next(self) -> tuple[int | None, int]:
+        cand = self._candidate()
+        if self._waiting:
+            want = [r.step for r in self._waiting if r.step is not None]
+            step = want[0] if want else cand
+            tiers = max(r.tiers for r in self._waiting)
+            if step is None:
+                for r in self._waiting:
+                    self.on_reply(r.token, False, {}, "no step is committed by every rank yet")
+                self._waiting.clear()
+                return None, 0
+            return step, tiers
+        every = self.settings.every
+        if every <= 0 or cand is None:
+            return None, 0
+        last = self.last_step or 0
+        if cand // every > last // every:
+            return cand, len(self.settings.tiers)
+        return None, 0
+
+    def _begin(self, step: int, tiers: int) -> None:
+        ranks = self._ranks()
+        pieces = self.slots.pin_step(ranks, step) if ranks else None
+        waiters, self._waiting = self._waiting, []
+        if pieces is None:
+            msg = f"step {step} is not held by every rank of this node"
+            for w in waiters:
+                self.on_reply(w.token, False, {}, msg)
+            log.info("[%s/flush] %s; skipped", self.node, msg)
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            return
+        try:
+            self._ensure_worker()
+        except OSError as exc:
+            self.slots.unpin(pieces)
+            for w in waiters:
+                self.on_reply(w.token, False, {}, f"cannot start the flush worker: {exc}")
+            return
+        self._ids += 1
+        self._running = _Running(self._ids, step, pieces, tiers, time.monotonic(), waiters)
+        req = {
+            "op": "flush",
+            "id": self._ids,
+            "step": step,
+            "sources": [
+                {
+                    "rank": p.rank,
+                    "step": step,
+                    "path": p.path,
+                    "capacity": p.capacity,
+                    "layout": p.layout,
+                }
+                for p in pieces
+            ],
+            "tiers": [str(t) for t in self.settings.tiers[: max(1, tiers)]],
+            "keep": self.settings.keep,
+        }
+        self._set(running={"step": step, "stage": "starting", "tier": 0})
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            self._proc.stdin.flush()
+        except OSError as exc:
+            self._finish({"ok": False, "error": f"the flush worker is gone: {exc}"})
+
+    def _poll_worker(self) -> None:
+        run = self._running
+        assert run is not None
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:
+                code = self._proc.poll() if self._proc is not None else None
+                self._finish({"ok": False, "error": f"the flush worker died (exit {code})"})
+                self._end_worker()
+                return
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if doc.get("id") != run.rid:
+                continue
+            if "ok" in doc:
+                self._finish(doc)
+                return
+            if doc.get("event") == "progress":
+                self._set(
+                    running={"step": run.step, "stage": doc.get("stage"), "tier": doc.get("tier")}
+                )
+            elif doc.get("event") == "tier":
+                log.info("[%s/flush] step %d durable in %s", self.node, run.step, doc.get("path"))
+
+    def _finish(self, doc: dict[str, Any]) -> None:
+        run, self._running = self._running, None
+        assert run is not None
+        self.slots.unpin(run.pieces)
+        ok = bool(doc.get("ok"))
+        seconds = time.monotonic() - run.started
+        with self._lock:
+            self._status["running"] = None
+            if ok:
+                self._status.update(
+                    last_step=run.step,
+                    last_paths=list(doc.get("paths", [])),
+                    last_seconds=round(seconds, 3),
+                    last_bytes=int(doc.get("bytes", 0)),
+                    flushes=self._status["flushes"] + 1,
+                )
+            else:
+                self._status.update(
+                    last_error=str(doc.get("error")), failures=self._status["failures"] + 1
+                )
+        # A failed step is not retried by the schedule (the next one will be flushed).
+        self.last_step = run.step if self.last_step is None else max(self.last_step, run.step)
+        if ok:
+            log.info(
+                "[%s/flush] step %d flushed to %d tier(s) in %.2f s (%.1f MiB)",
+                self.node,
+                run.step,
+                len(doc.get("paths", [])),
+                seconds,
+                int(doc.get("bytes", 0)) / 2**20,
+            )
+        else:
+            log.error(
+                "[%s/flush] flush of step %d failed: %s", self.node, run.step, doc.get("error")
+            )
+        data = {"step": run.step, "paths": list(doc.get("paths", [])), "seconds": round(seconds, 3)}
+        for w in run.waiters:
+            self.on_reply(w.token, ok, data, "" if ok else str(doc.get("error")))
+
+    # -- worker process ----------------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._end_worker()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "ftmem.tiers.flusher"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self._lines = queue.Queue()
+        reader = threading.Thread(
+            target=_pump_lines,
+            args=(self._proc.stdout, self._lines),
+            name="ftmem-flush-reader",
+            daemon=True,
+        )
+        reader.start()
+        log.info("[%s/flush] flush worker pid %d", self.node, self._proc.pid)
+
+    def _end_worker(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def final_flush(self, timeout_s: float) -> None:
+        """(SIGTERM) Flush the newest step not flushed yet, waiting at most ``timeout_s``."""
+        cand = self._candidate()
+        if cand is None or (self.last_step is not None and cand <= self.last_step):
+            return
+        self.request(FlushRequest(None, cand, len(self.settings.tiers)))
+        deadline = time.monotonic() + timeout_s
+        log.info("[%s/flush] final flush of step %d (at most %.0f s)", self.node, cand, timeout_s)
+        while time.monotonic() < deadline:
+            last = self.last_step
+            if last is not None and last >= cand and self._running is None:
+                return
+            time.sleep(0.05)
+        log.error("[%s/flush] final flush of step %d did not finish in time", self.node, cand)
+
+    def worker_pid(self) -> int | None:
+        """The flush worker's pid (tests kill it mid-flush)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def _pump_lines(stream: IO[str] | None, out: queue.Queue[str | None]) -> None:
+    if stream is not None:
+        for line in stream:
+            out.put(line)
+    out.put(None)

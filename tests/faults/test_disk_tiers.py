@@ -1,0 +1,181 @@
+"""Disk tiers under ftmem-launch: background flushes in stock DCP format, the restore fallback
+when memory is gone, `ftmem flush`/`ftmem ls`, and failures during a flush (a full disk, the
+flush worker SIGKILLed before its rename, a corrupted file)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from ftmem.tiers.checkpoints import list_checkpoints
+from tests.integration.test_launcher_support import (
+    EXAMPLE,
+    TINY,
+    Launch,
+    Launcher,
+    digests,
+    launcher_env,
+    reference_digests,
+)
+
+__all__ = ["launcher_env"]  # the fixture
+
+STEPS = 30
+SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.1", *TINY]
+
+
+def wait_flushed(tier: Path, step: int, timeout: float = 120.0) -> list[int]:
+    """Wait until ``tier`` holds a complete checkpoint of ``step`` or newer; return all steps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        steps = [c.step for c in list_checkpoints(tier)[0]]
+        if steps and max(steps) >= step:
+            return steps
+        assert time.monotonic() < deadline, f"no checkpoint >= {step} in {tier}: {steps}"
+        time.sleep(0.1)
+
+
+def lose_everything(launch: Launch, run_id: str) -> None:
+    """SIGKILL the agent, its SMP, the flush worker and the ranks; the node's memory is gone."""
+    procs = [launch.pid, *launch.descendants()]
+    for pid in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launch.popen.wait(10)
+    live = []
+    for pid in procs:
+        try:
+            live.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(live, timeout=10)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ftmem-{run_id}-"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_all_processes_killed_new_launcher_resumes_from_the_newest_flush(
+    launcher_env: Launcher,
+) -> None:
+    want = reference_digests(launcher_env, STEPS)
+    tier = launcher_env.tmp / "ckpt"
+    rid = launcher_env.new_run_id()
+    flags = ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", "5", "--ftmem-flush-keep", "3"]
+    first = launcher_env.single_node(rid, 2, flags, SCRIPT, name="first")
+    wait_flushed(tier, 10)
+    lose_everything(first, rid)
+    flushed = max(c.step for c in list_checkpoints(tier)[0])
+    second = launcher_env.single_node(rid, 2, flags, SCRIPT, name="second")
+    assert second.wait(180) == 0, second.text()[-4000:]
+    resumed = {int(s) for s in re.findall(r"resumed from step (\d+)", second.text())}
+    assert resumed == {flushed}, second.text()[-3000:]
+    assert "restored step" in second.text() and "from " + str(tier) in second.text()
+    assert digests(second.text()) == want
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(launcher_env: Launcher) -> None:
+    want = reference_digests(launcher_env, STEPS)
+    tier = launcher_env.tmp / "ckpt"
+    rid = launcher_env.new_run_id()
+    flags = ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", "5", "--ftmem-flush-keep", "3"]
+    first = launcher_env.single_node(rid, 2, flags, SCRIPT, name="first")
+    wait_flushed(tier, 10)
+    lose_everything(first, rid)
+    good = list_checkpoints(tier)[0]
+    newest, older = good[0], good[1]
+    data = next(p for p in newest.path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x40
+    data.write_bytes(bytes(raw))
+    second = launcher_env.single_node(rid, 2, flags, SCRIPT, name="second")
+    assert second.wait(180) == 0, second.text()[-4000:]
+    resumed = {int(s) for s in re.findall(r"resumed from step (\d+)", second.text())}
+    assert resumed == {older.step}, second.text()[-3000:]
+    assert "fails its checksum" in second.text()
+    assert digests(second.text()) == want
+
+
+def test_full_disk_and_killed_worker_leave_only_complete_checkpoints(
+    launcher_env: Launcher,
+) -> None:
+    """Step 10's flush hits ENOSPC before its rename, step 20's worker is SIGKILLed there:
+    neither is ever listed; 5 and 15 stay complete; training is not disturbed."""
+    want = reference_digests(launcher_env, STEPS)
+    tier = launcher_env.tmp / "ckpt"
+    rid = launcher_env.new_run_id()
+    flags = ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", "5", "--ftmem-flush-keep", "5"]
+    run = launcher_env.single_node(
+        rid, 2, flags, SCRIPT, name="run", FTMEM_FAULT="in_flush:step=10:fault=enospc"
+    )
+    assert run.wait(180) == 0, run.text()[-4000:]
+    assert digests(run.text()) == want
+    steps = sorted(c.step for c in list_checkpoints(tier)[0])
+    assert 10 not in steps and {5, 15} <= set(steps), steps
+    assert re.search(
+        r"flush of step 10 failed: OSError: .*No space left", run.text() + _smp_log(run)
+    )
+    assert not list(tier.glob("*.tmp-*")), "a failed flush left its partial directory"
+    # The worker SIGKILLed before its rename: its partial directory is not a checkpoint.
+    rid2 = launcher_env.new_run_id()
+    tier2 = launcher_env.tmp / "ckpt2"
+    flags2 = [
+        "--ftmem-flush-dir",
+        str(tier2),
+        "--ftmem-flush-every",
+        "5",
+        "--ftmem-flush-keep",
+        "5",
+    ]
+    run2 = launcher_env.single_node(
+        rid2, 2, flags2, SCRIPT, name="run2", FTMEM_FAULT="in_flush:step=10"
+    )
+    assert run2.wait(180) == 0, run2.text()[-4000:]
+    good, _other = list_checkpoints(tier2)
+    assert 10 not in [c.step for c in good] and 15 in [c.step for c in good]
+    assert "the flush worker died" in _smp_log(run2, "run2")
+    ls = subprocess.run(
+        [sys.executable, "-m", "ftmem.cli", "ls", "--verify", str(tier2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ls.returncode == 0 and "complete, verified" in ls.stdout, ls.stdout + ls.stderr
+
+
+def _smp_log(launch: Launch, name: str = "run") -> str:
+    p = launch.log.parent / f"{name}-rd" / "smp.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def test_ftmem_flush_during_training_returns_a_complete_checkpoint(
+    launcher_env: Launcher,
+) -> None:
+    local, shared = launcher_env.tmp / "local", launcher_env.tmp / "shared"
+    rid = launcher_env.new_run_id()
+    flags = ["--ftmem-flush-dir", str(local), "--ftmem-flush-persistent-dir", str(shared)]
+    run = launcher_env.single_node(
+        rid, 2, flags, [str(EXAMPLE), "--steps", "60", "--step-delay", "0.1", *TINY], name="run"
+    )
+    run.wait_for(r"step 5 loss", 120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ftmem.cli", "flush", "--run-dir", str(launcher_env.tmp / "run-rd")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    paths = out.stdout.split()
+    assert len(paths) == 2 and paths[0].startswith(str(local)) and paths[1].startswith(str(shared))
+    assert "durable in 2 tier(s)" in out.stderr
+    for tier in (local, shared):
+        assert len(list_checkpoints(tier)[0]) == 1
+    assert run.wait(180) == 0, run.text()[-3000:]
