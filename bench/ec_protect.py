@@ -907,6 +907,22 @@ def reading(results: list[CaseResult], args: argparse.Namespace) -> str:
             "the transport, the protector's Python bookkeeping, encoding), and what one SMP "
             "reaches with its own cores and NIC needs a run across hosts."
         )
+        busy = [
+            (r, s.machine_busy - s.cores_busy)
+            for r, s in done
+            if s.machine_busy - s.cores_busy > 0.25 * cpus
+        ]
+        if busy:
+            parts.append(
+                "Other processes on the machine ran during "
+                + " and ".join(
+                    f"n={r.n}, m={r.m} (about {other:.2f} of the {cpus} cores, from /proc/stat "
+                    "minus the node processes)"
+                    for r, other in busy
+                )
+                + ": those protect times are inflated by outside load; the CPU seconds per "
+                "GiB are the steadier figures."
+            )
         rb = [(r, s) for r, s in done if s.rebuild_s is not None]
         if rb:
             txt = "; ".join(

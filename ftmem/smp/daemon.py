@@ -581,6 +581,18 @@ class SmpDaemon:
         s = rs.slot(p.slot)
         _check_layout(p.layout, s.capacity)
         rs.commit(p.slot, p.gen, p.step, p.layout)
+        if self.flush is not None and self.flush.wants(p.step):
+            s.pinned += 1  # kept for the scheduled flush of this step
+            piece = RankPiece(
+                p.rank,
+                s.index,
+                s.gen,
+                s.path,
+                s.capacity,
+                _check_layout(p.layout, s.capacity),
+                p.layout,
+            )
+            self.unpin(self.flush.reserve(p.rank, p.step, piece))
         try:
             records.write_record(
                 s.path,

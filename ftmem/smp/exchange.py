@@ -260,6 +260,8 @@ class ExchangeService:
             self._set_status(state="failed")
         finally:
             for step in list(self.pinned):
+                if self.protector is not None:
+                    self.protector.forget(step)  # drop its views before unmapping
                 self._release(step)
             if self.transport is not None:
                 self.transport.close()

@@ -125,15 +125,62 @@ class FlushService:
             "running": None,
         }
         self.last_step: int | None = None
+        # Every-N flushes: each rank's slot of a multiple of N is pinned as it commits, so the
+        # step is still there when the last rank has committed it (guarded by _res_lock).
+        self._reserved: dict[int, dict[int, RankPiece]] = {}
+        self._res_lock = threading.Lock()
 
     # -- main-loop side ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the thread (the worker process starts at the first flush)."""
+        """Start the thread and the worker process (its torch import takes seconds: better
+        now than while the first flush holds slots)."""
+        try:
+            self._ensure_worker()
+        except OSError as exc:
+            log.error("[%s/flush] cannot start the flush worker: %s", self.node, exc)
         self._thread.start()
 
     def request(self, req: FlushRequest) -> None:
         """Ask for a flush now; ``on_reply`` answers it when durable (or failed)."""
         self._requests.put(req)
+
+    def wants(self, step: int) -> bool:
+        """Should the slot of ``step`` a rank just committed be kept for a scheduled flush?"""
+        every = self.settings.every
+        last = self.last_step
+        # Not while a flush runs: a reservation then would leave ranks no slot to save into
+        # (newest + flushing + reserved); the next flush takes the newest complete step.
+        return (
+            every > 0
+            and step % every == 0
+            and (last is None or step > last)
+            and self._running is None
+        )
+
+    def reserve(self, rank: int, step: int, piece: RankPiece) -> list[RankPiece]:
+        """Keep a (pinned) slot of a scheduled step; return older pins to release (at most
+        two scheduled steps are held, so a rank that skipped one cannot hold slots forever)."""
+        with self._res_lock:
+            self._reserved.setdefault(step, {})[rank] = piece
+            drop: list[RankPiece] = []
+            while len(self._reserved) > 2:
+                oldest = min(self._reserved)
+                drop += self._reserved.pop(oldest).values()
+            return drop
+
+    def _take_reserved(self) -> tuple[int, list[RankPiece]] | None:
+        ranks = set(self._ranks())
+        with self._res_lock:
+            ready = [s for s, d in self._reserved.items() if ranks and set(d) >= ranks]
+            if not ready:
+                return None
+            step = max(ready)
+            pieces = [p for r, p in sorted(self._reserved.pop(step).items()) if r in ranks]
+            stale = [s for s in self._reserved if s < step]
+            old = [p for s in stale for p in self._reserved.pop(s).values()]
+        if old:
+            self.slots.unpin(old)
+        return step, pieces
 
     def status(self) -> dict[str, Any]:
         """A JSON-ready copy of the flush state."""
@@ -141,12 +188,17 @@ class FlushService:
             return dict(self._status)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread and the worker (bounded)."""
+        """Stop the thread and the worker (bounded); release reserved slots."""
         self._stop.set()
         self._requests.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
         self._end_worker()
+        with self._res_lock:
+            held = [p for d in self._reserved.values() for p in d.values()]
+            self._reserved.clear()
+        if held:
+            self.slots.unpin(held)
 
     # -- thread ------------------------------------------------------------------------------
     def _set(self, **kw: Any) -> None:
@@ -173,6 +225,11 @@ class FlushService:
         if self._running is not None:
             self._poll_worker()
             return
+        if not self._waiting:
+            got = self._take_reserved()
+            if got is not None:
+                self._begin(got[0], len(self.settings.tiers), got[1])
+                return
         step, tiers = self._next()
         if step is not None:
             self._begin(step, tiers)
@@ -207,9 +264,12 @@ class FlushService:
             return cand, len(self.settings.tiers)
         return None, 0
 
-    def _begin(self, step: int, tiers: int) -> None:
+    def _begin(self, step: int, tiers: int, pinned: list[RankPiece] | None = None) -> None:
         ranks = self._ranks()
-        pieces = self.slots.pin_step(ranks, step) if ranks else None
+        if pinned is not None:
+            pieces: list[RankPiece] | None = pinned
+        else:
+            pieces = self.slots.pin_step(ranks, step) if ranks else None
         waiters, self._waiting = self._waiting, []
         if pieces is None:
             msg = f"step {step} is not held by every rank of this node"
