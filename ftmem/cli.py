@@ -92,10 +92,17 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--run-dir",
         type=Path,
         nargs="+",
-        required=True,
+        default=None,
         help="the run directory of every SMP whose ranks make up the run (this host)",
     )
-    e.add_argument("--out", type=Path, required=True, help="new DCP directory to create")
+    e.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="instead of memory: a flushed checkpoint (verified first) to convert with "
+        "--torch-save",
+    )
+    e.add_argument("--out", type=Path, default=None, help="new DCP directory to create")
     e.add_argument("--step", type=int, default=None, help="default: newest step of every rank")
     e.add_argument(
         "--torch-save",
@@ -148,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "export":
         from ftmem.tiers.export import export_dcp, find_sources, to_torch_save
 
+        if args.checkpoint is not None:
+            return _export_checkpoint(args)
+        if not args.run_dir or args.out is None:
+            print("ftmem export: give --run-dir and --out (or --checkpoint)", file=sys.stderr)
+            return 2
         try:
             res = export_dcp(find_sources(args.run_dir, args.step), args.out)
             if args.torch_save is not None:
@@ -238,6 +250,26 @@ def _flush(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def _export_checkpoint(args: argparse.Namespace) -> int:
+    """``ftmem export --checkpoint DIR --torch-save FILE``: verify, then dcp_to_torch_save."""
+    from ftmem.errors import FtmemError
+    from ftmem.tiers.checkpoints import read_checkpoint, verify_checkpoint
+    from ftmem.tiers.export import to_torch_save
+
+    if args.torch_save is None:
+        print("ftmem export: --checkpoint needs --torch-save FILE", file=sys.stderr)
+        return 2
+    try:
+        ck = read_checkpoint(args.checkpoint)
+        verify_checkpoint(ck)
+        to_torch_save(ck.path, args.torch_save)
+    except (FtmemError, OSError) as exc:
+        print(f"ftmem export: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.torch_save} from step {ck.step} ({ck.path})")
+    return 0
 
 
 def _ls(args: argparse.Namespace) -> int:

@@ -66,6 +66,14 @@ def launch_agent(
     if not config.run_id:
         config.run_id = uuid.uuid4().hex
         log.warning("no --rdzv-id given; generated run id %s", config.run_id)
+    if ftmem.flush_tiers() and config.max_nodes > 1:
+        # Each node's SMP would write a checkpoint of its own ranks only: not one global DCP
+        # checkpoint that a restart (or stock dcp.load) could use. Not built yet: refuse.
+        log.error(
+            "--ftmem-flush-dir works on single-node runs only for now (the global checkpoint "
+            "across nodes is not built yet); flushing is OFF for this run"
+        )
+        ftmem.flush_dir = ftmem.flush_persistent_dir = None
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
     run_id = safe_name(config.run_id)
     resolve_names(ftmem, run_id)

@@ -132,6 +132,7 @@ def test_full_disk_and_killed_worker_leave_only_complete_checkpoints(
         good, other = list_checkpoints(tier)
         steps = [c.step for c in good]
         assert failed not in steps and steps and max(steps) > failed, _smp_log(run, name)[-3000:]
+        assert STEPS in steps, steps  # the final flush when the run ended (SIGTERM to the SMP)
         if name == "full":
             assert not other, other  # the failed flush removed its partial directory
         else:
@@ -143,6 +144,29 @@ def test_full_disk_and_killed_worker_leave_only_complete_checkpoints(
             timeout=120,
         )
         assert ls.returncode == 0 and "complete, verified" in ls.stdout, ls.stdout + ls.stderr
+    # A flushed checkpoint converts to one torch.save file (verified first).
+    flat = launcher_env.tmp / "flat.pt"
+    newest = list_checkpoints(tier)[0][0]
+    conv = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftmem.cli",
+            "export",
+            "--checkpoint",
+            str(newest.path),
+            "--torch-save",
+            str(flat),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert conv.returncode == 0, conv.stderr
+    import torch
+
+    whole = torch.load(flat, weights_only=True)
+    assert whole["ftmem_meta"]["step"] == newest.step and "model" in whole
 
 
 def _smp_log(launch: Launch, name: str) -> str:
