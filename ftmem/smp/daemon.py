@@ -338,6 +338,8 @@ class SmpDaemon:
             return m.Reply(ok=True, data={"snapshots": snaps})
         if isinstance(p, m.DiscardNewer):
             self._check_step(p.step)
+            if self.flush is not None:
+                self.unpin(self.flush.cancel_newer(p.step))
             rs = self._rank(p.rank)
             for sl in rs.slots:
                 if sl.state is SlotState.COMMITTED and (sl.step or 0) > p.step and not sl.pinned:

@@ -168,6 +168,13 @@ class FlushService:
                 drop += self._reserved.pop(oldest).values()
             return drop
 
+    def cancel_newer(self, step: int) -> list[RankPiece]:
+        """Ranks restored ``step``: forget reservations of newer steps (an abandoned timeline);
+        return their pins to release."""
+        with self._res_lock:
+            newer = [s for s in self._reserved if s > step]
+            return [p for s in newer for p in self._reserved.pop(s).values()]
+
     def _take_reserved(self) -> tuple[int, list[RankPiece]] | None:
         ranks = set(self._ranks())
         with self._res_lock:
