@@ -3,7 +3,7 @@
 Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
 
     python bench/ec_protect.py                 # 2 GiB per node, 1 MiB stripes, 3 repeats
-    python bench/ec_protect.py --quick         # 256 MiB per node, 2 repeats (about a minute)
+    python bench/ec_protect.py --quick         # 256 MiB per node, 2 repeats (1-2 minutes)
     python bench/ec_protect.py --size-mib 1024 --stripe-mib 4 --no-write
 
 For n=3, m=1 (one node lost) and n=4, m=2 (two nodes lost at once) it starts one OS process
@@ -882,7 +882,7 @@ def reading(results: list[CaseResult], args: argparse.Namespace) -> str:
             parts.append(
                 f"This machine cannot show the goal either way: the codec alone, in a fresh "
                 f"process with the same chunk size, reached at most {max(alone):.2f} GB/s, so "
-                "the shortfall is the machine's (CPU and page-fault cost in this VM) before it "
+                "the shortfall is this machine's (its CPU and memory speed) before it "
                 "is the protector's."
             )
         elif alone and best < GOAL_ENCODE_GBPS:

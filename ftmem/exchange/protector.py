@@ -76,6 +76,10 @@ class _Step:
     encoded: set[int] = field(default_factory=set)
     held_sent: bool = False
     aborted: bool = False
+    missing: dict[int, int] = field(default_factory=dict)
+    """Stripes this node encodes -> data columns not received yet (set once stripes are known)."""
+    owed_left: set[tuple[int, int]] | None = None
+    """Parity fragments this node must hold and does not yet (None until stripes are known)."""
 
 
 class GroupProtector:
@@ -183,7 +187,15 @@ class GroupProtector:
         if st.stripes is None and len(st.sizes) == len(self.plan.nodes):
             st.stripes = {s.index: s for s in stripe_map(self.plan, st.sizes, self.stripe_bytes)}
             assert st.data is not None
+            # Bookkeeping per stripe, so each message costs O(1), not O(stripes).
+            st.owed_left = {key for key in self._owed(step) if key not in st.parity}
             for s in st.stripes.values():
+                if s.encoder == self.me:
+                    st.missing[s.index] = sum(
+                        1
+                        for col, c in enumerate(s.columns)
+                        if c.length and (s.index, col) not in st.columns
+                    )
                 for col, c in enumerate(s.columns):
                     if c.node == self.me and c.length:
                         piece = st.data.read(c.offset, c.length)
@@ -192,7 +204,9 @@ class GroupProtector:
                             {"t": "data", "step": step, "stripe": s.index, "col": col},
                             [piece],
                         )
-            self._progress(step)
+            for index in [i for i, n in st.missing.items() if n == 0]:
+                self._progress(step, index)
+            self._progress(step, None)
 
     def _owed(self, step: int) -> list[tuple[int, int]]:
         st = self.steps[step]
@@ -204,17 +218,16 @@ class GroupProtector:
             if h == self.me
         ]
 
-    def _progress(self, step: int) -> None:
+    def _progress(self, step: int, stripe: int | None) -> None:
+        """Encode ``stripe`` if all its columns are in; send HELD once all owed parity is held."""
         st = self.steps[step]
-        if st.stripes is None:
+        if st.stripes is None or st.owed_left is None:
             return
-        for s in st.stripes.values():
-            if s.encoder != self.me or s.index in st.encoded:
-                continue
-            need = [col for col, c in enumerate(s.columns) if c.length]
-            if all((s.index, col) in st.columns for col in need):
-                self._encode(step, s)
-        if not st.held_sent and all(key in st.parity for key in self._owed(step)):
+        if stripe is not None and st.missing.get(stripe) == 0:
+            del st.missing[stripe]
+            if stripe not in st.encoded:
+                self._encode(step, st.stripes[stripe])
+        if not st.held_sent and not st.owed_left:
             st.held_sent = True
             st.held.add(self.me)
             for n in self._peers():
@@ -236,6 +249,8 @@ class GroupProtector:
             frag = s.k + t
             if holder == self.me:
                 st.parity[(s.index, frag)] = enc.parity[t]
+                if st.owed_left is not None:
+                    st.owed_left.discard((s.index, frag))
             else:
                 hdr = {
                     "t": "parity",
@@ -292,13 +307,20 @@ class GroupProtector:
                 self._plan_stripes(step)
         elif kind == "data":
             key = (int(h["stripe"]), int(h["col"]))
-            self._st(step).columns[key] = bytes(msg.buffers[0])
-            self._progress(step)
+            st = self._st(step)
+            new = key not in st.columns
+            st.columns[key] = bytes(msg.buffers[0])
+            if new and key[0] in st.missing:
+                st.missing[key[0]] -= 1
+                self._progress(step, key[0])
         elif kind == "parity":
             st = self._st(step)
-            st.parity[(int(h["stripe"]), int(h["frag"]))] = bytes(msg.buffers[0])
+            key = (int(h["stripe"]), int(h["frag"]))
+            st.parity[key] = bytes(msg.buffers[0])
             st.checksums[int(h["stripe"])] = tuple(int(x) for x in h["sums"])
-            self._progress(step)
+            if st.owed_left is not None:
+                st.owed_left.discard(key)
+            self._progress(step, None)
         elif kind == "held":
             self._st(step).held.add(sender)
         elif kind == "abort":

@@ -254,6 +254,17 @@ def _check(name: str, value: Any, tp: Any) -> None:
     raise ProtocolError(f"field {name!r}: unsupported type {tp!r}")
 
 
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    """``typing.get_type_hints`` re-parses the annotations each call: cache them per class."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
 def from_fields(kind: Kind, fields: Any) -> Any:
     """Build the payload dataclass of ``kind`` from decoded JSON, checking every field.
 
@@ -263,7 +274,7 @@ def from_fields(kind: Kind, fields: Any) -> Any:
     cls = PAYLOAD_TYPES[kind]
     if not isinstance(fields, dict):
         raise ProtocolError("payload must be a JSON object")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(fields) - set(known)
     if unknown:

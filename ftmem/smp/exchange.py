@@ -179,7 +179,7 @@ class ExchangeService:
         node_name: str,
         local: LocalSnapshots,
         stripe_bytes: int = 1 << 20,
-        timeout_s: float = 120.0,
+        timeout_s: float = 600.0,
         sync_timeout_s: float = 120.0,
     ) -> None:
         self.node_name = node_name

@@ -14,7 +14,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import xxhash
 
@@ -79,19 +78,25 @@ def read_record(path: Path) -> CommitRecord:
     """Read and check one record file. Raises ValueError if it is malformed or corrupt."""
     if path.stat().st_size > _MAX_RECORD_BYTES:
         raise ValueError("record too large")
-    outer = json.loads(path.read_text())
-    body = outer["record"]
-    if not isinstance(body, str) or xxhash.xxh64_hexdigest(body.encode()) != outer["xxh64"]:
-        raise ValueError("record checksum mismatch")
-    d: dict[str, Any] = json.loads(body)
-    if d.get("version") != RECORD_VERSION:
-        raise ValueError(f"record version {d.get('version')} not supported")
-    fields = {k: d[k] for k in ("rank", "slot", "gen", "capacity", "step", "seq")}
-    if not all(type(v) is int and v >= 0 for v in fields.values()) or not isinstance(
-        d["layout"], str
-    ):
+    try:
+        outer = json.loads(path.read_text(errors="strict"))
+        if not isinstance(outer, dict):
+            raise ValueError("record is not an object")
+        body = outer["record"]
+        if not isinstance(body, str) or xxhash.xxh64_hexdigest(body.encode()) != outer["xxh64"]:
+            raise ValueError("record checksum mismatch")
+        d = json.loads(body)
+        if not isinstance(d, dict):
+            raise ValueError("record body is not an object")
+        if d.get("version") != RECORD_VERSION:
+            raise ValueError(f"record version {d.get('version')!r} not supported")
+        fields = {k: d[k] for k in ("rank", "slot", "gen", "capacity", "step", "seq")}
+        layout = d["layout"]
+    except (KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"malformed record: {exc!r}") from exc
+    if not all(type(v) is int and v >= 0 for v in fields.values()) or not isinstance(layout, str):
         raise ValueError("record fields have the wrong types")
-    return CommitRecord(layout=d["layout"], **fields)
+    return CommitRecord(layout=layout, **fields)
 
 
 @dataclass(frozen=True, slots=True)
