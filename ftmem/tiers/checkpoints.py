@@ -178,7 +178,7 @@ def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
     tmp = tier / f"{ckpt.path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
         for name in [*sorted(ckpt.files), MANIFEST]:
             shutil.copyfile(ckpt.path / name, tmp / name)
             with open(tmp / name, "rb") as f:

@@ -202,6 +202,7 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
             }
         state[PER_RANK_KEY] = per_rank
         state[META_KEY] = {"step": step, "world_size": len(snaps), "format": "ftmem-export-1"}
+        tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
         writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
         meta = dcp_save(state, storage_writer=writer, no_dist=True)
         missing = {t.name for t in snaps[0].tensors} - set(meta.state_dict_metadata)
