@@ -475,8 +475,13 @@ class GroupProtector:
                 },
             )
 
-    def _wait_fetched(self, step: int, wanted: set[tuple[int, int, int]]) -> None:
+    def _wait_fetched(
+        self, step: int, wanted: set[tuple[int, int, int]], base: int = 0, overall: int = 0
+    ) -> None:
+        """Pump until every fragment of ``wanted`` is in; ``base`` of ``overall`` fragments
+        were done before (progress is reported over the whole rebuild)."""
         total = len(wanted)
+        overall = max(overall, base + total)
         last = [time.monotonic()]
 
         def done() -> bool:
@@ -484,7 +489,7 @@ class GroupProtector:
             now = time.monotonic()
             if self.on_progress is not None and now - last[0] >= 1.0:
                 last[0] = now
-                self.on_progress(step, min(n, total), total)
+                self.on_progress(step, base + min(n, total), overall)
             return n >= total and wanted <= self._fetched.keys()
 
         self._pump(
@@ -529,53 +534,70 @@ class GroupProtector:
             raise UnrecoverableError(f"node {source} does not hold step {step}")
         stripes = stripe_map(self.plan, sizes, self.stripe_bytes)
         mine = rebuild_plan(self.plan, stripes, lost).for_node(self.me)
-        for sr in mine.stripes:
-            self._fetch(step, sr.stripe, sr.fetch)
-        self._wait_fetched(
-            step, {(step, sr.stripe.index, f.fragment) for sr in mine.stripes for f in sr.fetch}
-        )
         out = bytearray(sizes.get(self.me, 0))
         st = self._st(step)
         st.sizes = dict(sizes)
         st.stripes = {s.index: s for s in stripes}
-        for sr in mine.stripes:
-            s = sr.stripe
-            frags = {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in sr.fetch}
-            # The stripe's k+m checksums travel with any fetched parity fragment.
-            sums = self._sums.pop((step, s.index), None)
-            try:
-                got = self.codec.reconstruct(
-                    frags, sr.rebuild, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
-                )
-            except UnrecoverableError as exc:
-                spares = self._spares(s, lost, set(frags) | set(sr.rebuild))
-                log.warning(
-                    "[%d] step %d stripe %d: %s; retrying with %d more fragments",
-                    self.me,
-                    step,
-                    s.index,
-                    exc,
-                    len(spares),
-                )
-                if not spares:
-                    raise
-                self._fetch(step, s, spares)
-                self._wait_fetched(step, {(step, s.index, f.fragment) for f in spares})
-                frags.update(
-                    {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in spares}
-                )
-                sums = self._sums.pop((step, s.index), sums)
-                got = self.codec.reconstruct(
-                    frags, sr.rebuild, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
-                )
-            for frag, payload in got.fragments.items():
-                if frag < s.k:
-                    c = s.columns[frag]
-                    out[c.offset : c.offset + c.length] = payload[: c.length]
-                else:
-                    st.parity[(s.index, frag)] = payload
-            if sums is not None:
-                st.checksums[s.index] = sums
+        # Fetch and rebuild a window of stripes at a time: at most ~64 MiB of fragments are held
+        # besides the output (fetching everything first needed n times the node's snapshot).
+        per = max(1, (64 << 20) // max(1, self.stripe_bytes))
+        overall = sum(len(sr.fetch) for sr in mine.stripes)
+        done_frags = 0
+        for w in range(0, len(mine.stripes), per):
+            window = mine.stripes[w : w + per]
+            for sr in window:
+                self._fetch(step, sr.stripe, sr.fetch)
+            wanted = {(step, sr.stripe.index, f.fragment) for sr in window for f in sr.fetch}
+            self._wait_fetched(step, wanted, done_frags, overall)
+            done_frags += len(wanted)
+            for sr in window:
+                s = sr.stripe
+                frags = {
+                    f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in sr.fetch
+                }
+                # The stripe's k+m checksums travel with any fetched parity fragment.
+                sums = self._sums.pop((step, s.index), None)
+                try:
+                    got = self.codec.reconstruct(
+                        frags,
+                        sr.rebuild,
+                        chunk_bytes=s.chunk_bytes,
+                        lengths=s.lengths,
+                        checksums=sums,
+                    )
+                except UnrecoverableError as exc:
+                    spares = self._spares(s, lost, set(frags) | set(sr.rebuild))
+                    log.warning(
+                        "[%d] step %d stripe %d: %s; retrying with %d more fragments",
+                        self.me,
+                        step,
+                        s.index,
+                        exc,
+                        len(spares),
+                    )
+                    if not spares:
+                        raise
+                    self._fetch(step, s, spares)
+                    self._wait_fetched(step, {(step, s.index, f.fragment) for f in spares})
+                    frags.update(
+                        {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in spares}
+                    )
+                    sums = self._sums.pop((step, s.index), sums)
+                    got = self.codec.reconstruct(
+                        frags,
+                        sr.rebuild,
+                        chunk_bytes=s.chunk_bytes,
+                        lengths=s.lengths,
+                        checksums=sums,
+                    )
+                for frag, payload in got.fragments.items():
+                    if frag < s.k:
+                        c = s.columns[frag]
+                        out[c.offset : c.offset + c.length] = payload[: c.length]
+                    else:
+                        st.parity[(s.index, frag)] = payload
+                if sums is not None:
+                    st.checksums[s.index] = sums
         st.data = SegmentedBytes([out])
         st.held = set(self.plan.nodes)
         st.held_sent = True
