@@ -3,7 +3,7 @@
 Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
 
     python bench/flush.py --quick               # 0.25 GiB, 2 repeats; 1 training repeat
-    python bench/flush.py                       # 0.5 and 2 GiB, 3 repeats; 3 training repeats
+    python bench/flush.py                       # 0.5 and 2 GiB, 3 repeats; 5 training repeats
     python bench/flush.py --sizes 1 --repeats 5 --train-repeats 0 --no-write
 
 Issue 5 asks for two figures, both measured in one run:
@@ -138,6 +138,18 @@ def _cpu_self() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _minflt(pid: int | None) -> int:
+    """Minor page faults of process ``pid`` so far (all its threads; /proc/<pid>/stat)."""
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[7])  # field 10 of stat(5): minflt
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _fs_type(path: str) -> tuple[str, str]:
     """(fstype, mountpoint) of the file system holding ``path``."""
     best = ("", "?")
@@ -168,6 +180,12 @@ class SizeResult:
     cpu: dict[str, list[float]] = field(default_factory=dict)
     disk_bytes: dict[str, int] = field(default_factory=dict)
     phases: dict[str, list[float]] = field(default_factory=dict)
+    faults: dict[str, list[int]] = field(default_factory=dict)
+    """Minor page faults of the writing process during the write."""
+    inner_cpu: list[float] = field(default_factory=list)
+    """CPU seconds of export_dcp's own dcp.save call."""
+    inner_faults: list[int] = field(default_factory=list)
+    """Minor page faults during export_dcp's own dcp.save call."""
     mem: dict[str, list[int]] = field(default_factory=dict)
     """Peak anonymous memory the writing process added during the write (bytes)."""
     orders: list[list[str]] = field(default_factory=list)
@@ -183,6 +201,8 @@ class _PhaseTimer:
         self.find = 0.0
         self.verify: list[float] = []
         self.dcp = 0.0
+        self.dcp_cpu = 0.0
+        self.dcp_faults = 0
         self.manifest = 0.0
 
     @contextlib.contextmanager
@@ -212,11 +232,13 @@ class _PhaseTimer:
                 self.manifest += time.perf_counter() - t0
 
         def save(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0, f0 = time.perf_counter(), _cpu_self(), _minflt(os.getpid())
             try:
                 return orig_save(*a, **k)
             finally:
                 self.dcp += time.perf_counter() - t0
+                self.dcp_cpu += _cpu_self() - c0
+                self.dcp_faults += _minflt(os.getpid()) - f0
 
         export.verify_snapshot = verify  # type: ignore[assignment]
         export.write_manifest = manifest  # type: ignore[assignment]
@@ -427,12 +449,15 @@ def bench_size(
                         if system == FLUSH
                         else RssSampler(os.getpid())
                     )
+                    fpid = worker.pid if worker is not None else os.getpid()
+                    flt0 = _minflt(fpid)
                     cpu0 = _cpu_self()
                     t0 = time.perf_counter()
                     with sampler:
                         write_one(system, out, timer)
                     dt = time.perf_counter() - t0
                     cpu = _cpu_self() - cpu0
+                    res.faults.setdefault(system, []).append(_minflt(fpid) - flt0)
                     if system == FLUSH:
                         out = flush_out
                         cpu = _proc_cpu(worker) - wcpu0
@@ -445,6 +470,8 @@ def bench_size(
                         v = [*timer.verify, 0.0, 0.0][:2]
                         parts = [timer.find, v[0], timer.dcp, v[1], timer.manifest]
                         parts.append(dt - sum(parts))
+                        res.inner_cpu.append(timer.dcp_cpu)
+                        res.inner_faults.append(timer.dcp_faults)
                         for name, val in zip(PHASES, parts, strict=True):
                             res.phases.setdefault(name, []).append(val)
                     if system == FLUSH:
@@ -764,9 +791,9 @@ def render_size(r: SizeResult, repeats: int) -> list[str]:
     if r.error and not r.times:
         return [*out, f"FAILED: {r.error}", ""]
     out += [
-        "| system | time | throughput | CPU s (writer process) | peak memory added (writer "
-        "process, RssAnon) | on disk |",
-        "|---|---|---|---|---|---|",
+        "| system | time | throughput | CPU s (writer process) | minor page faults (writer "
+        "process) | peak memory added (writer process, RssAnon) | on disk |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in SYSTEMS:
         if s not in r.times:
@@ -777,7 +804,8 @@ def render_size(r: SizeResult, repeats: int) -> list[str]:
         mem = [x / MiB for x in r.mem.get(s, [])]
         out.append(
             f"| {s} | {_mm(t, '.2f')} s | {_mm(gbs, '.3f')} GB/s | "
-            f"{_mm(cpu, '.2f') if cpu else '-'} | {_mm(mem, '.0f')} MiB | "
+            f"{_mm(cpu, '.2f') if cpu else '-'} | "
+            f"{_mm([x / 1000 for x in r.faults.get(s, [])], '.0f')} k | {_mm(mem, '.0f')} MiB | "
             f"{r.disk_bytes.get(s, 0) / MiB:.0f} MiB |"
         )
     out += ["", "Per repeat (each row in the order run; ratio = dcp.save time / ftmem time):", ""]
@@ -803,6 +831,14 @@ def render_size(r: SizeResult, repeats: int) -> list[str]:
         for name in PHASES:
             v = r.phases.get(name, [])
             out.append(f"| {name} | {_mm(v, '.3f')} s | {_med(v) / total:.0%} |")
+        out += [
+            "",
+            f"export_dcp's own `dcp.save` call used {_mm(r.inner_cpu, '.2f')} CPU s and "
+            f"{_mm([x / 1000 for x in r.inner_faults], '.0f')} k minor page faults; `dcp.save` "
+            f"of the live tensors {_mm(r.cpu.get(DCP, []), '.2f')} CPU s and "
+            f"{_mm([x / 1000 for x in r.faults.get(DCP, [])], '.0f')} k (a 4 KiB page "
+            f"each: the state is {r.nbytes / 4096 / 1000:.0f} k pages).",
+        ]
     out.append("")
     notes = list(r.notes)
     if r.error:
@@ -891,6 +927,8 @@ def render_train(results: list[RunResult], args: argparse.Namespace) -> tuple[li
         "flush": [r.step_s for r in fl],
         "during": [float(len(r.during())) for r in fl],
         "secs": [s for r in fl for _, _, s in r.flushes],
+        "first": [r.flushes[0][2] for r in fl if r.flushes],
+        "later": [s for r in fl for _, _, s in r.flushes[1:]],
         "skipped": [float(sum(r.skipped.values())) for r in fl],
         "share": [
             sum(s for _, _, s in r.during()) / (r.train_end - r.train_start)
@@ -899,6 +937,31 @@ def render_train(results: list[RunResult], args: argparse.Namespace) -> tuple[li
         ],
     }
     return out, summary
+
+
+def _step_verdict(train: dict) -> tuple[str, str]:
+    """(table verdict, sentence) for the flush/no-flush step-time ratios of adjacent runs."""
+    rat, plain = train["ratios"], train["plain"]
+    spread = (max(plain) - min(plain)) / _med(plain) if len(plain) > 1 else float("nan")
+    spread_txt = f"{spread:.0%}" if spread == spread else "n/a (one run)"
+    rng = f"median {_med(rat):.3f}, range {min(rat):.3f}-{max(rat):.3f} over {len(rat)} pair(s)"
+    if len(rat) < 2:
+        return (
+            "one pair: not separable from noise",
+            f"one pair of runs only (flush/no-flush {rat[0]:.3f}): on this machine that is "
+            f"not separable from noise",
+        )
+    if min(rat) <= 1.0 <= max(rat):
+        return (
+            "no change beyond this run's noise",
+            f"the flush/no-flush ratio of adjacent runs ({rng}) straddles 1, and the no-flush "
+            f"runs alone spread by {spread_txt}: no step-time change beyond this machine's noise",
+        )
+    return (
+        f"{(_med(rat) - 1) * 100:+.1f}% per step",
+        f"flushing changed the median step by {(_med(rat) - 1) * 100:+.1f}% ({rng}, every "
+        f"pair on the same side of 1; the no-flush runs alone spread by {spread_txt})",
+    )
 
 
 def reading(sizes: list[SizeResult], train: dict | None, args: argparse.Namespace) -> list[str]:
@@ -918,10 +981,7 @@ def reading(sizes: list[SizeResult], train: dict | None, args: argparse.Namespac
                 )
     if train and train["ratios"]:
         rat = train["ratios"]
-        if min(rat) <= 1.0 <= max(rat):
-            verdict = "no change beyond this run's noise"
-        else:
-            verdict = f"{(_med(rat) - 1) * 100:+.1f}% per step"
+        verdict = _step_verdict(train)[0]
         out.append(
             f"| step-time change while flushing (no target number in the issue) | flush/no-flush "
             f"{_mm(rat, '.3f')} | {verdict} |"
@@ -949,44 +1009,43 @@ def reading(sizes: list[SizeResult], train: dict | None, args: argparse.Namespac
             f"({ph[PHASES[1]]:.2f} s) and after ({ph[PHASES[3]]:.2f} s) the write, xxh3 of "
             f"every written file for the manifest ({ph[PHASES[4]]:.2f} s, read back from the "
             f"page cache), and the layout/skeleton decoding, directory fsyncs and rename "
-            f"({ph[PHASES[5]]:.2f} s). The inner `dcp.save` is slower than the baseline's "
-            f"because it does more: every tensor `export_dcp` hands DCP is a view into the "
-            f"whole mapped slot, and DCP's `_SerialCpuLoader` clones any tensor whose storage "
-            f"is larger than itself before writing it (torch/distributed/checkpoint/"
-            f"filesystem.py, `if tensor.untyped_storage().size() != tensor.nbytes: tensor = "
-            f"tensor.clone()`), and keeps every written tensor referenced until the file is "
-            f"closed: the writer's anonymous memory grew by {mem_e:.0f} MiB during "
-            f"`export_dcp` against {mem_d:.0f} MiB during `dcp.save` of the live tensors, i.e. "
-            f"the flush holds a second copy of the whole state in the worker's heap. Reaching "
-            f"1.5x would take a writer that does less than DCP's: no clone (hand DCP tensors "
-            f"with their own storage, or write the slot's extents directly), hashing while "
-            f"writing instead of reading the files back, and several writer threads."
+            f"({ph[PHASES[5]]:.2f} s). The inner `dcp.save` does more work than the "
+            f"baseline's: every tensor `export_dcp` hands DCP is a view into the whole mapped "
+            f"slot, and DCP's `_SerialCpuLoader` clones any tensor whose storage is larger than "
+            f"itself before writing it (torch/distributed/checkpoint/filesystem.py, `if "
+            f"tensor.untyped_storage().size() != tensor.nbytes: tensor = tensor.clone()`) and "
+            f"keeps every written tensor referenced until the file is closed. Measured here: "
+            f"the inner call used {_med(big.inner_cpu):.2f} CPU s and "
+            f"{_med([float(x) for x in big.inner_faults]) / 1000:.0f} k minor page faults "
+            f"(about one per 4 KiB page of the state: every clone lands in fresh memory) against "
+            f"{_med(big.cpu.get(DCP, [])):.2f} CPU s and "
+            f"{_med([float(x) for x in big.faults.get(DCP, [])]) / 1000:.0f} k for `dcp.save` of "
+            f"the live tensors, and the writer's anonymous memory grew by {mem_e:.0f} MiB "
+            f"against {mem_d:.0f} MiB: the flush holds a second copy of the whole state in the "
+            f"worker's heap while it writes. Reaching 1.5x would take a writer that does less "
+            f"than DCP's, not more: no clone (hand DCP tensors with their own storage, or write "
+            f"the slot's extents directly), hashing while writing instead of reading the files "
+            f"back, several writer threads."
         )
-    if FLUSH in (big.times if big else {}):
+    if FLUSH in (big.times if big else {}) and EXPORT in big.times:
+        fl, ex = _med(big.times[FLUSH]), _med(big.times[EXPORT])
         text.append(
-            "The FLUSH row is what `ftmem flush` and the scheduled flushes get: the same export "
-            "in the SMP's worker process at nice 10 with one torch thread, so on this loaded "
-            "2-core machine it also waits for the CPU behind everything else."
+            f"The FLUSH row is what `ftmem flush` and the scheduled flushes get: the same export "
+            f"in the SMP's worker process (nice 10, one torch thread). It took {fl:.2f} s "
+            f"against {ex:.2f} s for `export_dcp` in this process ({big.nbytes / 2**30:.2f} "
+            f"GiB): the request, the slot pinning and the worker add little when nothing else "
+            f"wants the CPU."
         )
     if train and train["ratios"]:
-        rat = train["ratios"]
         share = _med(train["share"]) if train["share"] else float("nan")
-        if min(rat) <= 1.0 <= max(rat):
-            how = (
-                f"the flush/no-flush ratio of adjacent runs ranges over {min(rat):.3f}-"
-                f"{max(rat):.3f} (median {_med(rat):.3f}) and straddles 1: no step-time change "
-                f"beyond this machine's noise"
-            )
-        else:
-            how = (
-                f"flushing made the median step {(_med(rat) - 1) * 100:+.1f}% "
-                f"(ratio {_med(rat):.3f}, range {min(rat):.3f}-{max(rat):.3f}, every pair on "
-                f"the same side of 1)"
-            )
+        how = _step_verdict(train)[1]
         text.append(
             f"Step time: {how}. With `--ftmem-flush-every {args.flush_every}` the worker was "
             f"busy for about {share:.0%} of the training time ({_med(train['during']):.0f} "
-            f"flushes during {args.steps} steps, {_med(train['secs']):.2f} s each; a flush "
+            f"flushes during {args.steps} steps, {_med(train['secs']):.2f} s each; the first "
+            f"flush of a run took {_mm(train['first'], '.2f')} s against "
+            f"{_mm(train['later'], '.2f')} s for the later ones, partly because the worker "
+            f"imports DCP only at its first flush; a flush "
             f"that comes due while one runs is not queued: the next one takes the newest step, "
             f"hence the uneven flushed steps). The ranks skipped "
             f"{_med(train['skipped']):.0f} snapshots (median, all ranks) while flushed steps "
@@ -997,7 +1056,9 @@ def reading(sizes: list[SizeResult], train: dict | None, args: argparse.Namespac
             f"not all busy with training the cost should be smaller (not measured here); "
             f"either way it scales with how often `--ftmem-flush-every` flushes."
         )
-    return out + text + [""]
+    for t in text:
+        out += [t, ""]
+    return out
 
 
 def render(
@@ -1090,7 +1151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="throughput repeats (default 3)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--disk-dir", type=Path, default=None, help="on a disk (default: $TMPDIR)")
-    p.add_argument("--train-repeats", type=int, default=None, help="default 3 (--quick: 1)")
+    p.add_argument("--train-repeats", type=int, default=None, help="default 5 (--quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 60)")
     p.add_argument("--flush-every", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
@@ -1108,7 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [0.25] if args.quick else [float(s) for s in (args.sizes or "0.5,2").split(",") if s]
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.train_repeats = (
-        args.train_repeats if args.train_repeats is not None else (1 if args.quick else 3)
+        args.train_repeats if args.train_repeats is not None else (1 if args.quick else 5)
     )
     args.steps = args.steps or 60
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
