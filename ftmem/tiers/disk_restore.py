@@ -11,6 +11,7 @@ and ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,10 @@ def _load(targets: dict[str, torch.Tensor], path: str) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    dcp_load(targets, storage_reader=FileSystemReader(path), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it loads in one process: each rank reads its own part, as meant.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(targets, storage_reader=FileSystemReader(path), no_dist=True)
 
 
 def _metadata(path: str) -> Any:

@@ -30,6 +30,7 @@ import io
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,10 +119,17 @@ def find_sources(run_dirs: Sequence[Path], step: int | None = None) -> list[Rank
 
 
 def _tensors(snap: StoredSnapshot, seg: MappedSegment) -> list[torch.Tensor]:
-    return [
-        seg.tensor[t.offset : t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
-        for t in snap.tensors
-    ]
+    """Each tensor on a storage of its own over its bytes of the mapping (no copy): DCP clones
+    a tensor whose storage is larger than the tensor, which for views of one slot-wide storage
+    meant a second full copy of the state in memory."""
+    out = []
+    for t in snap.tensors:
+        if t.nbytes == 0:
+            out.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
+        raw = torch.frombuffer(seg.view, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+        out.append(raw.view(t.dtype).reshape(t.shape))
+    return out
 
 
 def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -204,7 +212,10 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
         state[META_KEY] = {"step": step, "world_size": len(snaps), "format": "ftmem-export-1"}
         tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
         writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
-        meta = dcp_save(state, storage_writer=writer, no_dist=True)
+        with warnings.catch_warnings():
+            # DCP warns that it saves in one process: that is what no_dist asks for.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            meta = dcp_save(state, storage_writer=writer, no_dist=True)
         missing = {t.name for t in snaps[0].tensors} - set(meta.state_dict_metadata)
         if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")

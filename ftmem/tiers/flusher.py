@@ -101,6 +101,7 @@ def main() -> int:
     except OSError:
         pass
     import torch
+    import torch.distributed.checkpoint  # ~1 s: now, not in the first flush
 
     torch.set_num_threads(1)
     _emit({"event": "ready", "pid": os.getpid()})
