@@ -37,6 +37,17 @@ def print_status(st: dict[str, Any]) -> None:
             f"{r['last_copy_s'] * 1e3:>8.1f} {r['skipped']:>8} {_fmt_age(r['last_progress_time']):>14}"
         )
     print_exchange(st.get("exchange") or {})
+    fl = st.get("flush") or {}
+    if fl.get("enabled"):
+        running = fl.get("running")
+        print(
+            f"disk tiers: {', '.join(fl.get('tiers') or [])}  every {fl.get('every')} steps, "
+            f"keep {fl.get('keep')}; last flushed step {fl.get('last_step')} "
+            f"({fl.get('last_seconds')} s); flushes {fl.get('flushes')}, failures "
+            f"{fl.get('failures')}"
+            + (f"; now step {running.get('step')}: {running.get('stage')}" if running else "")
+            + (f"; last error: {fl['last_error']}" if fl.get("last_error") else "")
+        )
 
 
 def print_exchange(ex: dict[str, Any]) -> None:
