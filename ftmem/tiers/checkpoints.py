@@ -184,18 +184,19 @@ def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         verify_checkpoint(read_checkpoint(tmp))
-        _fsync(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(tier)
+        fsync_dir(tier)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
 
-def _fsync(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (makes a rename or a new file in it durable)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -50,7 +50,7 @@ from ftmem.client.restore import verify_snapshot
 from ftmem.errors import FtmemError
 from ftmem.shm import MappedSegment
 from ftmem.testing import faults
-from ftmem.tiers.checkpoints import write_manifest
+from ftmem.tiers.checkpoints import fsync_dir, write_manifest
 
 log = get_logger(__name__)
 
@@ -222,11 +222,11 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
         for snap, seg in zip(snaps, segs, strict=True):
             verify_snapshot(snap, seg)  # a rank may have reused the slot while we wrote
         write_manifest(tmp, step, len(snaps))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         per_rank_count = sum(len(v["tensors"]) for v in per_rank.values())
         result = ExportResult(out, step, len(snaps), _dir_bytes(out), len(shared), per_rank_count)
         log.info(
@@ -264,14 +264,6 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
         if data
         else torch.empty(0, dtype=torch.uint8)
     )
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def to_torch_save(dcp_dir: Path, out_file: Path) -> None:
