@@ -55,6 +55,13 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def current_world_size() -> int:
+    """The job's world size (the process group's, else $WORLD_SIZE, else 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def current_rank() -> int:
     """This process's global rank (the process group's, else $RANK, else 0)."""
     if dist.is_available() and dist.is_initialized():

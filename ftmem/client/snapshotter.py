@@ -136,6 +136,7 @@ class Checkpointer:
                     rank=self.rank,
                     pid=os.getpid(),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                    world_size=agreement.current_world_size(),
                 )
             )
             self._shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))

@@ -51,6 +51,8 @@ class Hello:
     rank: int
     pid: int
     local_rank: int = 0
+    world_size: int = 0
+    """The job's world size (0: unknown); the flush needs it to tell a node's part from the whole."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,7 @@ class SmpDaemon:
     def __init__(self, config: SmpConfig) -> None:
         self.config = config
         self.ranks: dict[int, RankSlots] = {}
+        self._world_size = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._key: bytes = b""
@@ -304,6 +305,8 @@ class SmpDaemon:
         if isinstance(p, m.Ping):
             return m.Reply(ok=True, data={"pid": os.getpid()})
         if isinstance(p, m.Hello):
+            if p.world_size > 0:
+                self._world_size = p.world_size
             rs = self._rank(p.rank)
             torn = rs.restarted(p.pid)
             if torn:
@@ -423,6 +426,10 @@ class SmpDaemon:
             return None
         step = self.exchange.status().get("protected_step")
         return step if isinstance(step, int) else None
+
+    def world_size(self) -> int:
+        """The job's world size as the newest rank to say hello reported (0: unknown)."""
+        return self._world_size
 
     def all_ranks(self) -> list[int]:
         """Every rank this SMP has seen."""
