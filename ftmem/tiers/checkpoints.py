@@ -3,9 +3,13 @@
 A tier is a directory; each checkpoint in it is a DCP directory ``step_<N>`` (zero-padded so
 names sort by step). A checkpoint is *complete* when its directory exists under its final name
 (it is renamed there only after every file is written and fsynced) and holds
-``ftmem-manifest.json``: the step, the world size and every file's size and xxh3-64. Anything
-else in a tier (``*.tmp-<pid>`` left by a killed writer, a directory without a manifest) is
-never listed as a checkpoint and is removed by :func:`prune`.
+``ftmem-manifest.json``: the step, the world size, the ranks it holds and every file's size
+and xxh3-64. In a multi-node run each node writes a *part*, ``step_<N>.part-r<first rank>``,
+holding its own ranks; one coordinator assembles the parts of every node into ``step_<N>``
+(:mod:`ftmem.tiers.assemble`), whose manifest lists the parts' files as
+``part-r<first rank>/<file>``. Anything else in a tier (``*.tmp-<pid>`` left by a killed
+writer, a directory without a manifest) is never listed as a checkpoint and is removed by
+:func:`prune`.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -26,13 +32,20 @@ log = get_logger(__name__)
 
 MANIFEST = "ftmem-manifest.json"
 _NAME_RE = re.compile(r"^step_(\d{10})$")
+_PART_RE = re.compile(r"^step_(\d{10})\.part-r(\d{6})$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _CHUNK = 8 << 20
-_MAX_MANIFEST = 1 << 20
+_MAX_MANIFEST = 64 << 20
 
 
 def checkpoint_name(step: int) -> str:
     """The directory name of step ``step``'s checkpoint."""
     return f"step_{step:010d}"
+
+
+def part_name(step: int, first_rank: int) -> str:
+    """The directory name of the part of step ``step`` whose lowest rank is ``first_rank``."""
+    return f"{checkpoint_name(step)}.part-r{first_rank:06d}"
 
 
 def file_hash(path: Path) -> str:
@@ -44,19 +57,65 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: Path, step: int, world_size: int) -> None:
-    """List every file of ``directory`` with its size and hash in its manifest (fsynced)."""
-    files = {
-        p.name: {"bytes": p.stat().st_size, "xxh3": file_hash(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
+def manifest_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its size and xxh3-64."""
+    return {"bytes": path.stat().st_size, "xxh3": file_hash(path)}
+
+
+def write_manifest(
+    directory: Path,
+    step: int,
+    world_size: int,
+    ranks: Sequence[int] | None = None,
+    known: dict[str, dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """List every file of ``directory`` (and the ``known`` entries of files in its
+    sub-directories) with its size and hash in its manifest, fsynced. ``ranks``: the ranks it
+    holds (default all of ``world_size``); ``extra``: more fields (a part's metadata)."""
+    files = dict(known or {})
+    for p in sorted(directory.iterdir()):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.name] = manifest_entry(p)
+    doc = {
+        "version": 1,
+        "step": step,
+        "world_size": world_size,
+        "ranks": sorted(ranks) if ranks is not None else list(range(world_size)),
+        "files": files,
+        **(extra or {}),
     }
-    doc = {"version": 1, "step": step, "world_size": world_size, "files": files}
     path = directory / MANIFEST
     with open(path, "w") as f:
         json.dump(doc, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``path`` as parsed JSON (size-bounded).
+
+    Raises:
+        CorruptSnapshotError: it is missing, too large or not a JSON object.
+    """
+    mpath = path / MANIFEST
+    try:
+        if mpath.stat().st_size > _MAX_MANIFEST:
+            raise CorruptSnapshotError(f"{mpath} is too large")
+        doc = json.loads(mpath.read_text())
+    except CorruptSnapshotError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise CorruptSnapshotError(f"{path}: the manifest is not a JSON object")
+    return doc
+
+
+def _good_file_name(name: str) -> bool:
+    """A manifest may name files of the directory and of one level of sub-directories."""
+    parts = name.split("/")
+    return len(parts) <= 2 and all(p == ".metadata" or _FILE_RE.match(p) for p in parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +127,13 @@ class Checkpoint:
     world_size: int
     nbytes: int
     files: dict[str, tuple[int, str]]
+    ranks: tuple[int, ...] = ()
+    """The ranks it holds: all of ``world_size`` for a checkpoint, a node's ranks for a part."""
+
+    @property
+    def is_part(self) -> bool:
+        """It holds some ranks only (a node's part of a multi-node checkpoint)."""
+        return self.ranks != tuple(range(self.world_size))
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -76,30 +142,27 @@ def read_checkpoint(path: Path) -> Checkpoint:
     Raises:
         CorruptSnapshotError: no or a malformed manifest, or a file missing or truncated.
     """
-    mpath = path / MANIFEST
+    doc = read_manifest(path)
     try:
-        if mpath.stat().st_size > _MAX_MANIFEST:
-            raise CorruptSnapshotError(f"{mpath} is too large")
-        doc = json.loads(mpath.read_text())
         files = {
             str(name): (int(v["bytes"]), str(v["xxh3"])) for name, v in dict(doc["files"]).items()
         }
         step, world = int(doc["step"]), int(doc["world_size"])
-    except CorruptSnapshotError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        ranks = tuple(sorted({int(r) for r in doc.get("ranks", range(world))}))
+    except (ValueError, KeyError, TypeError) as exc:
         raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world:
+        raise CorruptSnapshotError(f"{path}: the manifest names ranks outside 0..{world - 1}")
     for name, (size, _) in files.items():
-        if "/" in name or name.startswith("."):
-            if name != ".metadata":
-                raise CorruptSnapshotError(f"{path}: manifest names a bad file {name!r}")
+        if not _good_file_name(name):
+            raise CorruptSnapshotError(f"{path}: manifest names a bad file {name!r}")
         try:
             actual = (path / name).stat().st_size
         except OSError as exc:
             raise CorruptSnapshotError(f"{path}: {name} is missing") from exc
         if actual != size:
             raise CorruptSnapshotError(f"{path}: {name} has {actual} bytes, expected {size}")
-    return Checkpoint(path, step, world, sum(s for s, _ in files.values()), files)
+    return Checkpoint(path, step, world, sum(s for s, _ in files.values()), files, ranks)
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> None:
@@ -114,14 +177,18 @@ def verify_checkpoint(ckpt: Checkpoint) -> None:
             raise CorruptSnapshotError(f"{ckpt.path}: {name} fails its checksum")
 
 
-def list_checkpoints(tier: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
-    """Complete checkpoints of ``tier``, newest first, and what else is there (path, why)."""
+def list_checkpoints(
+    tier: Path, parts: bool = False
+) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
+    """Complete checkpoints of ``tier`` (and with ``parts``, nodes' parts too), newest first,
+    and what else is there (path, why)."""
     good: list[Checkpoint] = []
     other: list[tuple[Path, str]] = []
     if not tier.is_dir():
         return good, other
     for p in sorted(tier.iterdir()):
-        mt = _NAME_RE.match(p.name)
+        whole, part = _NAME_RE.match(p.name), _PART_RE.match(p.name)
+        mt = whole or part
         if not mt or not p.is_dir():
             other.append((p, "partial (a writer was stopped)" if ".tmp-" in p.name else "not ours"))
             continue
@@ -130,19 +197,30 @@ def list_checkpoints(tier: Path) -> tuple[list[Checkpoint], list[tuple[Path, str
         except CorruptSnapshotError as exc:
             other.append((p, f"incomplete: {exc}"))
             continue
-        if ck.step != int(mt.group(1)):
-            other.append((p, f"manifest says step {ck.step}"))
+        if ck.step != int(mt.group(1)) or ck.is_part != (part is not None):
+            other.append((p, f"manifest says step {ck.step}, ranks {_span(ck.ranks)}"))
+            continue
+        if part is not None and not parts:
+            other.append((p, f"part of ranks {_span(ck.ranks)} (not assembled)"))
             continue
         good.append(ck)
-    good.sort(key=lambda c: c.step, reverse=True)
+    good.sort(key=lambda c: (c.step, not c.is_part), reverse=True)
     return good, other
 
 
+def _span(ranks: Sequence[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0]) if ranks else "none"
+
+
 def prune(tier: Path, keep: int) -> list[Path]:
-    """Keep the newest ``keep`` complete checkpoints; remove older ones and partial leftovers
-    of writers that are gone. Returns what was removed."""
-    good, other = list_checkpoints(tier)
-    removed = [c.path for c in good[keep:]]
+    """Keep the newest ``keep`` complete checkpoints and the parts of the newest ``keep``
+    steps that have parts; remove older ones and partial leftovers of writers that are gone.
+    Returns what was removed."""
+    good, other = list_checkpoints(tier, parts=True)
+    whole = [c for c in good if not c.is_part]
+    part_steps = sorted({c.step for c in good if c.is_part}, reverse=True)[:keep]
+    removed = [c.path for c in whole[keep:]]
+    removed += [c.path for c in good if c.is_part and c.step not in part_steps]
     for p, why in other:
         if ".tmp-" in p.name and not _writer_alive(p.name):
             removed.append(p)
@@ -165,7 +243,8 @@ def _writer_alive(name: str) -> bool:
 
 
 def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
-    """Copy a complete checkpoint into another tier (tmp dir, fsync, rename); return its path.
+    """Copy a complete checkpoint (or part) into another tier, under the same name (tmp dir,
+    fsync, rename); return its path.
 
     The copy's files are checked against the manifest before the rename.
 
@@ -180,6 +259,7 @@ def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
     try:
         tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
         for name in [*sorted(ckpt.files), MANIFEST]:
+            (tmp / name).parent.mkdir(mode=0o700, exist_ok=True)
             shutil.copyfile(ckpt.path / name, tmp / name)
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())

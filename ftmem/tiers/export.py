@@ -51,6 +51,7 @@ from ftmem.errors import FtmemError
 from ftmem.shm import MappedSegment
 from ftmem.testing import faults
 from ftmem.tiers.checkpoints import fsync_dir, write_manifest
+from ftmem.tiers.dcp_meta import metadata_to_json
 
 log = get_logger(__name__)
 
@@ -148,8 +149,15 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
+def export_dcp(
+    sources: Sequence[RankSource], out: Path, world_size: int | None = None
+) -> ExportResult:
     """Write the step of ``sources`` (one per rank, ranks 0..N-1) as a DCP directory ``out``.
+
+    With ``world_size`` larger than the ranks given, ``out`` is a node's *part* (its ranks of
+    a multi-node job; the top level is its lowest rank's state): its manifest also carries,
+    as JSON, the part's DCP metadata and each rank's tensor hashes, which is all
+    :func:`ftmem.tiers.assemble.assemble` needs to write the global metadata.
 
     Raises:
         ExportError: ranks missing or at different steps, ``out`` exists, or a slot fails its
@@ -159,7 +167,11 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     ranks = sorted(s.rank for s in sources)
-    if ranks != list(range(len(ranks))):
+    world = len(ranks) if world_size is None else world_size
+    part = ranks != list(range(world))
+    if len(set(ranks)) != len(ranks) or not ranks or ranks[-1] >= world or ranks[0] < 0:
+        raise ExportError(f"need distinct ranks of 0..{world - 1}, got {ranks}")
+    if part and world_size is None:
         raise ExportError(f"need every rank 0..N-1, got {ranks}")
     if len({s.step for s in sources}) != 1:
         raise ExportError("sources are of different steps")
@@ -195,7 +207,7 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
         hashes0 = {t.name: t.hash for t in snaps[0].tensors}
         shared = set(hashes0)
         per_rank: dict[str, Any] = {}
-        for r in range(len(snaps)):
+        for r, rank in enumerate(ranks):
             differ = {
                 t.name: tensor_lists[r][i]
                 for i, t in enumerate(snaps[r].tensors)
@@ -203,13 +215,13 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
             }
             shared -= set(differ)
             names = json.dumps([t.name for t in snaps[r].tensors]).encode()
-            per_rank[str(r)] = {
+            per_rank[str(rank)] = {
                 "tensors": differ,
                 "skeleton": _bytes_tensor(skeletons[r]),
                 "names": _bytes_tensor(names),
             }
         state[PER_RANK_KEY] = per_rank
-        state[META_KEY] = {"step": step, "world_size": len(snaps), "format": "ftmem-export-1"}
+        state[META_KEY] = {"step": step, "world_size": world, "format": "ftmem-export-1"}
         tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
         writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
         with warnings.catch_warnings():
@@ -221,14 +233,23 @@ def export_dcp(sources: Sequence[RankSource], out: Path) -> ExportResult:
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
         for snap, seg in zip(snaps, segs, strict=True):
             verify_snapshot(snap, seg)  # a rank may have reused the slot while we wrote
-        write_manifest(tmp, step, len(snaps))
+        extra = None
+        if part:  # what the coordinator needs to write the global metadata, as JSON
+            extra = {
+                "dcp": metadata_to_json(meta),
+                "hashes": {
+                    str(r): {t.name: t.hash for t in sn.tensors}
+                    for r, sn in zip(ranks, snaps, strict=True)
+                },
+            }
+        write_manifest(tmp, step, world, ranks=ranks, extra=extra)
         fsync_dir(tmp)
         if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         os.rename(tmp, out)
         fsync_dir(out.parent)
         per_rank_count = sum(len(v["tensors"]) for v in per_rank.values())
-        result = ExportResult(out, step, len(snaps), _dir_bytes(out), len(shared), per_rank_count)
+        result = ExportResult(out, step, world, _dir_bytes(out), len(shared), per_rank_count)
         log.info(
             "exported step %d of %d ranks to %s (%.1f MiB, %d shared tensors, %d per-rank)",
             step,
