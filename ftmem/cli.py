@@ -131,6 +131,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="local: the first tier only; persistent (default): every tier",
     )
     f.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
+    a = sub.add_parser(
+        "assemble", help="assemble the nodes' parts of a step in a tier into one DCP checkpoint"
+    )
+    a.add_argument("tier", type=Path, help="directory holding step_<N>.part-r<R> parts")
+    a.add_argument("--step", type=int, default=-1, help="default: the newest step with parts")
+    a.add_argument("--timeout", type=float, default=0.0, help="seconds to wait for parts")
     ls = sub.add_parser("ls", help="list the checkpoints of disk tiers")
     ls.add_argument("tiers", type=Path, nargs="+", help="tier directories")
     ls.add_argument("--verify", action="store_true", help="also check every file's hash")
@@ -187,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "flush":
         return _flush(args)
+    if args.cmd == "assemble":
+        from ftmem.cli_flush import run_assemble
+
+        return run_assemble(args)
     if args.cmd == "ls":
         return _ls(args)
     if args.cmd == "keygen":
@@ -203,64 +213,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _flush(args: argparse.Namespace) -> int:
-    """``ftmem flush``: ask every SMP, show each one's stage until it answers."""
-    import threading
+    """``ftmem flush``: see :mod:`ftmem.cli_flush`."""
+    from ftmem.cli_flush import run_flush
 
-    from ftmem.client.smp_client import SmpClient
-    from ftmem.errors import FtmemError
-    from ftmem.protocol import messages as m
-
-    code = 0
-    for run_dir in args.run_dir or [default_run_dir()]:
-        box: dict[str, Any] = {}
-
-        def run(rd: Path = run_dir, box: dict[str, Any] = box) -> None:
-            try:
-                with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
-                    box["ok"] = c.request(m.Flush(step=args.step, tier=args.tier))
-            except FtmemError as exc:
-                box["error"] = exc
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        shown = None
-        t0 = time.monotonic()
-        try:
-            with SmpClient(run_dir, timeout=timedelta(seconds=5)) as status:
-                while t.is_alive():
-                    t.join(0.5)
-                    try:
-                        fl = status.status().get("flush", {})
-                    except FtmemError:
-                        continue
-                    now = fl.get("running")
-                    if now and now != shown:
-                        shown = now
-                        tiers = fl.get("tiers") or []
-                        where = tiers[int(now.get("tier") or 0)] if tiers else "?"
-                        print(
-                            f"[{time.monotonic() - t0:6.1f}s] step {now.get('step')}: "
-                            f"{now.get('stage')} {where}",
-                            file=sys.stderr,
-                        )
-        except FtmemError as exc:
-            print(f"ftmem flush: {run_dir}: {exc}", file=sys.stderr)
-            code = 1
-            continue
-        t.join()
-        if "error" in box:
-            print(f"ftmem flush: {run_dir}: {box['error']}", file=sys.stderr)
-            code = 1
-            continue
-        res = box["ok"]
-        for path in res.get("paths", []):
-            print(path)
-        print(
-            f"step {res.get('step')} durable in {len(res.get('paths', []))} tier(s) "
-            f"after {res.get('seconds')} s",
-            file=sys.stderr,
-        )
-    return code
+    return run_flush(args)
 
 
 def _export_checkpoint(args: argparse.Namespace) -> int:

@@ -73,6 +73,8 @@ class SmpConfig:
     """How often the loop wakes up to check signals, the parent and finished allocations."""
     flush_tiers: list[Path] = field(default_factory=list)
     """Disk tiers to flush to, node-local first then persistent; empty: no flushing."""
+    flush_shared: bool = False
+    """The last of ``flush_tiers`` is shared by every node (multi-node: parts assembled there)."""
     flush_every: int = 0
     """Flush every this many steps in the background (0: only when ``ftmem flush`` asks)."""
     flush_keep: int = 2

@@ -125,8 +125,10 @@ class FtmemLaunchConfig:
     def smp_args(self) -> list[str]:
         """Extra ``python -m ftmem.smp`` arguments for the disk tiers."""
         args: list[str] = []
-        for tier in self.flush_tiers():
-            args += ["--flush-dir", str(tier)]
+        if self.flush_dir is not None:
+            args += ["--flush-dir", str(Path(self.flush_dir).absolute())]
+        if self.flush_persistent_dir is not None:
+            args += ["--flush-shared-dir", str(Path(self.flush_persistent_dir).absolute())]
         if args:
             args += [
                 "--flush-every",
@@ -155,8 +157,6 @@ class FtmemLaunchConfig:
             raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
         if self.ec_group_size < 3:
             raise ValueError("--ftmem-ec-group-size must be >= 3")
-        if self.flush_persistent_dir is not None and self.flush_dir is None:
-            self.flush_dir, self.flush_persistent_dir = self.flush_persistent_dir, None
         if self.flush_every < 0 or self.flush_keep < 1:
             raise ValueError("--ftmem-flush-every must be >= 0 and --ftmem-flush-keep >= 1")
         if self.key_file is not None and not Path(self.key_file).is_file():

@@ -66,14 +66,12 @@ def launch_agent(
     if not config.run_id:
         config.run_id = uuid.uuid4().hex
         log.warning("no --rdzv-id given; generated run id %s", config.run_id)
-    if ftmem.flush_tiers() and config.max_nodes > 1:
-        # Each node's SMP would write a checkpoint of its own ranks only: not one global DCP
-        # checkpoint that a restart (or stock dcp.load) could use. Not built yet: refuse.
-        log.error(
-            "--ftmem-flush-dir works on single-node runs only for now (the global checkpoint "
-            "across nodes is not built yet); flushing is OFF for this run"
+    if ftmem.flush_dir is not None and ftmem.flush_persistent_dir is None and config.max_nodes > 1:
+        log.warning(
+            "multi-node run without --ftmem-flush-persistent-dir: each node keeps its own part "
+            "of every flushed step (ftmem restores from them; stock DCP needs them assembled "
+            "into one directory: `ftmem assemble`)"
         )
-        ftmem.flush_dir = ftmem.flush_persistent_dir = None
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
     run_id = safe_name(config.run_id)
     resolve_names(ftmem, run_id)

@@ -389,11 +389,11 @@ class Checkpointer:
         world = torch.distributed.get_world_size() if agreement.distributed() else 1
         found: dict[int, Checkpoint] = {}
         for tier in self.config.flush_dirs:
-            good, other = list_checkpoints(tier)
+            good, other = list_checkpoints(tier, parts=True)
             for path, why in other:
                 log.warning("ignoring %s: %s", path, why)
-            for ck in good:
-                if ck.world_size == world:
+            for ck in good:  # a whole checkpoint, or a node's part that holds this rank
+                if ck.world_size == world and self.rank in ck.ranks:
                     found.setdefault(ck.step, ck)  # the nearest tier's copy wins
         excluded: set[int] = set()
         for _ in range(agreement.MAX_CANDIDATES):

@@ -69,6 +69,13 @@ def get_args_parser() -> argparse.ArgumentParser:
         "then persistent storage",
     )
     p.add_argument(
+        "--flush-shared-dir",
+        type=Path,
+        default=None,
+        help="persistent disk tier every node sees, written last; in a multi-node run the "
+        "node of rank 0 assembles the nodes' parts there into one DCP checkpoint",
+    )
+    p.add_argument(
         "--flush-every",
         type=int,
         default=0,
@@ -98,7 +105,10 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
         parent_pid=args.parent_pid,
         poll_interval=timedelta(seconds=args.poll_interval),
         adopt=not args.no_adopt,
-        flush_tiers=[d.absolute() for d in args.flush_dir],
+        flush_tiers=[
+            d.absolute() for d in [*args.flush_dir, *filter(None, [args.flush_shared_dir])]
+        ],
+        flush_shared=args.flush_shared_dir is not None,
         flush_every=args.flush_every,
         flush_keep=args.flush_keep,
         flush_on_stop=timedelta(seconds=args.flush_on_stop),

@@ -138,7 +138,9 @@ class SmpDaemon:
         if cfg.flush_tiers:
             self.flush = FlushService(
                 cfg.node,
-                FlushSettings(list(cfg.flush_tiers), cfg.flush_every, cfg.flush_keep),
+                FlushSettings(
+                    list(cfg.flush_tiers), cfg.flush_every, cfg.flush_keep, cfg.flush_shared
+                ),
                 self,
                 self._protected_step,
                 lambda token, ok, data, err: self._flush_replies.put((token, ok, data, err)),

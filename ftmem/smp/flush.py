@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -38,6 +39,10 @@ class FlushSlots(Protocol):
 
     def all_ranks(self) -> list[int]:
         """Every rank the SMP has seen."""
+        ...
+
+    def world_size(self) -> int:
+        """The job's world size (0: unknown)."""
         ...
 
     def complete_steps(self, ranks: Sequence[int]) -> list[int]:
@@ -63,6 +68,12 @@ class FlushSettings:
     """Flush every this many steps (0: only when asked)."""
     keep: int = 2
     """Complete checkpoints kept per tier."""
+    shared: bool = False
+    """The last tier is seen by every node (multi-node: the parts are assembled there)."""
+    assemble_timeout_s: float = 300.0
+    """``ftmem flush`` on the node of rank 0 waits this long for the other nodes' parts."""
+    assemble_every_s: float = 2.0
+    """How often the node of rank 0 looks for parts to assemble when idle (multi-node)."""
 
 
 @dataclass
@@ -83,6 +94,7 @@ class _Running:
     tiers: int
     started: float
     waiters: list[FlushRequest] = field(default_factory=list)
+    assemble_only: bool = False
 
 
 class FlushService:
@@ -123,7 +135,10 @@ class FlushService:
             "flushes": 0,
             "failures": 0,
             "running": None,
+            "assembled_step": None,
         }
+        self._discard_above: int | None = None
+        self._last_assemble = 0.0
         self.last_step: int | None = None
         # Every-N flushes: each rank's slot of a multiple of N is pinned as it commits, so the
         # step is still there when the last rank has committed it (guarded by _res_lock).
@@ -173,6 +188,8 @@ class FlushService:
         return their pins to release."""
         with self._res_lock:
             newer = [s for s in self._reserved if s > step]
+            if self._discard_above is None or step < self._discard_above:
+                self._discard_above = step  # this node's parts of newer steps: see _discard
             return [p for s in newer for p in self._reserved.pop(s).values()]
 
     def _take_reserved(self) -> tuple[int, list[RankPiece]] | None:
@@ -232,6 +249,8 @@ class FlushService:
         if self._running is not None:
             self._poll_worker()
             return
+        if self._discard_above is not None:
+            self._discard()
         if not self._waiting:
             got = self._take_reserved()
             if got is not None:
@@ -240,6 +259,49 @@ class FlushService:
         step, tiers = self._next()
         if step is not None:
             self._begin(step, tiers)
+        elif self._coordinates() and self._running is None:
+            if time.monotonic() - self._last_assemble > self.settings.assemble_every_s:
+                self._start_assemble()
+
+    def _multi(self) -> bool:
+        world = self.slots.world_size()
+        return world > 0 and self._ranks() != list(range(world))
+
+    def _coordinates(self) -> bool:
+        """Multi-node with a shared last tier, and this node holds rank 0: it assembles."""
+        return self.settings.shared and self._multi() and 0 in self._ranks()
+
+    def _discard(self) -> None:
+        """Ranks restored an older step: remove this node's parts of newer steps (they belong to
+        an abandoned run and must never be assembled with parts of the new one)."""
+        from ftmem.tiers.checkpoints import list_checkpoints
+
+        above, self._discard_above = self._discard_above, None
+        ranks = self._ranks()
+        if above is None or not ranks or not self._multi():
+            return
+        for tier in self.settings.tiers:
+            for ck in list_checkpoints(tier, parts=True)[0]:
+                if ck.is_part and ck.step > above and ck.ranks[0] == ranks[0]:
+                    log.info("[%s/flush] removing %s (an abandoned run's part)", self.node, ck.path)
+                    shutil.rmtree(ck.path, ignore_errors=True)
+
+    def _start_assemble(self) -> None:
+        self._last_assemble = time.monotonic()
+        try:
+            self._ensure_worker()
+        except OSError:
+            return
+        self._ids += 1
+        self._running = _Running(self._ids, -1, [], 0, time.monotonic(), assemble_only=True)
+        req = {
+            "op": "assemble",
+            "id": self._ids,
+            "tier": str(self.settings.tiers[-1]),
+            "world_size": self.slots.world_size(),
+            "keep": self.settings.keep,
+        }
+        self._send_worker(req)
 
     def _ranks(self) -> list[int]:
         return self.slots.all_ranks()
@@ -266,9 +328,10 @@ class FlushService:
         every = self.settings.every
         if every <= 0 or cand is None:
             return None, 0
-        last = self.last_step or 0
-        if cand // every > last // every:
-            return cand, len(self.settings.tiers)
+        # Multiples of ``every`` only: every node of a multi-node run picks the same steps.
+        target = cand // every * every
+        if target > (self.last_step or 0):
+            return target, len(self.settings.tiers)
         return None, 0
 
     def _begin(self, step: int, tiers: int, pinned: list[RankPiece] | None = None) -> None:
@@ -310,8 +373,15 @@ class FlushService:
             ],
             "tiers": [str(t) for t in self.settings.tiers[: max(1, tiers)]],
             "keep": self.settings.keep,
+            "world_size": self.slots.world_size(),
+            "shared": self.settings.shared and tiers >= len(self.settings.tiers),
+            # Asked for (ftmem flush): wait for the other nodes' parts; scheduled: one look.
+            "assemble_timeout": self.settings.assemble_timeout_s if waiters else 0.0,
         }
         self._set(running={"step": step, "stage": "starting", "tier": 0})
+        self._send_worker(req)
+
+    def _send_worker(self, req: dict[str, Any]) -> None:
         assert self._proc is not None and self._proc.stdin is not None
         try:
             self._proc.stdin.write(json.dumps(req) + "\n")
@@ -341,9 +411,16 @@ class FlushService:
             if "ok" in doc:
                 self._finish(doc)
                 return
-            if doc.get("event") == "progress":
+            if doc.get("event") == "progress" and not run.assemble_only:
                 self._set(
-                    running={"step": run.step, "stage": doc.get("stage"), "tier": doc.get("tier")}
+                    running={
+                        "step": run.step,
+                        "stage": doc.get("stage"),
+                        "tier": doc.get("tier"),
+                        "done": doc.get("done"),
+                        "total": doc.get("total"),
+                        "unit": doc.get("unit", "bytes"),
+                    }
                 )
             elif doc.get("event") == "tier":
                 log.info("[%s/flush] step %d durable in %s", self.node, run.step, doc.get("path"))
@@ -351,6 +428,15 @@ class FlushService:
     def _finish(self, doc: dict[str, Any]) -> None:
         run, self._running = self._running, None
         assert run is not None
+        if run.assemble_only:
+            steps = [int(x) for x in doc.get("assembled", [])]
+            if steps:
+                self._set(assembled_step=max(steps))
+            if not doc.get("ok"):
+                log.error("[%s/flush] assembling failed: %s", self.node, doc.get("error"))
+            return
+        if doc.get("assembled"):
+            self._set(assembled_step=max(int(x) for x in doc["assembled"]))
         self.slots.unpin(run.pieces)
         ok = bool(doc.get("ok"))
         seconds = time.monotonic() - run.started

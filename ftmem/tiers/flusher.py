@@ -1,17 +1,26 @@
 """``python -m ftmem.tiers.flusher``: the SMP's flush worker process (it imports torch; the SMP
 does not).
 
-It reads one JSON request per line on stdin and answers with JSON lines on stdout::
+It reads one JSON request per line on stdin (``flush``, or ``assemble``: see
+:func:`assemble_pending`) and answers with JSON lines on stdout::
 
     {"op": "flush", "id": 3, "step": 40, "sources": [{rank, step, path, capacity, layout}...],
-     "tiers": ["/local/ckpt", "/shared/ckpt"], "keep": 2}
-    -> {"id": 3, "event": "progress", "stage": "writing", "tier": 0}
+     "tiers": ["/local/ckpt", "/shared/ckpt"], "keep": 2,
+     "world_size": 8, "shared": true, "assemble_timeout": 300}
+    -> {"id": 3, "event": "progress", "stage": "writing", "tier": 0, "done": B, "total": T}
     -> {"id": 3, "event": "tier", "tier": 0, "path": "...", "bytes": N}
     -> {"id": 3, "ok": true, "paths": [...], "bytes": N, "seconds": S}
        or {"id": 3, "ok": false, "error": "..."}
 
 The first tier gets the checkpoint from the slots (``export_dcp``: tmp dir, fsync, rename);
-each further tier gets a verified copy of it; each tier then keeps its newest ``keep``. It runs
+each further tier gets a verified copy of it; each tier then keeps its newest ``keep``.
+
+Multi-node (the node's ranks are not all of ``world_size``): what each tier gets is this
+node's *part* (``step_<N>.part-r<first rank>``); when the last tier is ``shared`` (the
+persistent tier every node sees) the node holding rank 0 then waits for every node's part
+there (at most ``assemble_timeout`` s) and assembles the global checkpoint
+(:func:`ftmem.tiers.assemble.assemble`), whose path it reports; other nodes report their
+part's path. It runs
 at a lower CPU priority (nice 10) with one torch thread, so training keeps the cores. A
 failure (a full disk...) leaves every tier as it was: the partial directory is removed and the
 previous checkpoints stay complete. The process ends when stdin closes.
@@ -22,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,18 +41,24 @@ from ftmem._logging import configure, get_logger
 log = get_logger("ftmem.flusher")
 
 
+_emit_lock = threading.Lock()
+
+
 def _emit(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
+    with _emit_lock:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
 
 
 def flush(req: dict[str, Any]) -> dict[str, Any]:
     """Run one flush request; return the final answer (progress lines are emitted on the way)."""
+    from ftmem.client.flatten import parse_layout
     from ftmem.errors import FtmemError
+    from ftmem.tiers.assemble import AssembleError, assemble
     from ftmem.tiers.checkpoints import (
         checkpoint_name,
         copy_checkpoint,
-        list_checkpoints,
+        part_name,
         prune,
         read_checkpoint,
     )
@@ -58,30 +74,64 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
         )
         for s in req["sources"]
     ]
+    world = int(req.get("world_size") or 0)
+    ranks = sorted(s.rank for s in sources)
+    multi = world > 0 and ranks != list(range(world))
+    name = part_name(step, ranks[0]) if multi else checkpoint_name(step)
     paths: list[str] = []
+    assembled: list[int] = []
     total = 0
     try:
         first = tiers[0]
         first.mkdir(parents=True, exist_ok=True)
-        out = first / checkpoint_name(step)
-        have = {c.step: c for c in list_checkpoints(first)[0]}
-        _emit({"id": rid, "event": "progress", "stage": "writing", "tier": 0})
-        if step in have:
-            ckpt = have[step]
-        else:
-            export_dcp(sources, out)
+        out = first / name
+        ckpt = _existing(out)
+        if ckpt is None:
+            expected = sum(
+                t.nbytes for s in sources for t in parse_layout(s.layout, s.capacity).tensors
+            )
+            with _Progress(rid, 0, first, f"{name}.tmp-{os.getpid()}", expected):
+                export_dcp(sources, out, world_size=world if multi else None)
             ckpt = read_checkpoint(out)
         paths.append(str(out))
         total += ckpt.nbytes
         _emit({"id": rid, "event": "tier", "tier": 0, "path": str(out), "bytes": ckpt.nbytes})
         prune(first, keep)
         for i, tier in enumerate(tiers[1:], start=1):
-            _emit({"id": rid, "event": "progress", "stage": "copying", "tier": i})
-            path = copy_checkpoint(ckpt, tier)
+            with _Progress(rid, i, tier, f"{name}.tmp-{os.getpid()}", ckpt.nbytes, "copying"):
+                path = copy_checkpoint(ckpt, tier)
             paths.append(str(path))
             total += ckpt.nbytes
             _emit({"id": rid, "event": "tier", "tier": i, "path": str(path), "bytes": ckpt.nbytes})
             prune(tier, keep)
+        if multi and bool(req.get("shared")) and 0 in ranks:
+            last = len(tiers) - 1
+
+            def waiting(have: int, world: int) -> None:
+                _emit(
+                    {
+                        "id": rid,
+                        "event": "progress",
+                        "stage": "waiting for parts",
+                        "tier": last,
+                        "done": have,
+                        "total": world,
+                        "unit": "ranks",
+                    }
+                )
+
+            wait_s = float(req.get("assemble_timeout", 0))
+            try:
+                whole = assemble(tiers[-1], step, world, wait_s, on_wait=waiting)
+            except AssembleError:
+                if wait_s > 0:
+                    raise
+                whole = None  # the other parts come later: the idle check assembles them
+            if whole is not None:
+                assembled.append(step)
+                paths[-1] = str(whole.path)
+                _emit({"id": rid, "event": "tier", "tier": last, "path": paths[-1], "bytes": 0})
+                prune(tiers[-1], keep)
     except (FtmemError, OSError, ValueError) as exc:
         return {"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}", "paths": paths}
     return {
@@ -90,7 +140,77 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
         "paths": paths,
         "bytes": total,
         "seconds": round(time.monotonic() - t0, 3),
+        "assembled": assembled,
     }
+
+
+def assemble_pending(req: dict[str, Any]) -> dict[str, Any]:
+    """(The node of rank 0) assemble the newest step whose parts cover every rank in the
+    shared tier, if it is newer than its newest global checkpoint; never waits."""
+    from ftmem.errors import FtmemError
+    from ftmem.tiers.assemble import AssembleError, assemble
+    from ftmem.tiers.checkpoints import list_checkpoints, prune
+
+    rid, tier, world = int(req["id"]), Path(req["tier"]), int(req["world_size"])
+    assembled: list[int] = []
+    try:
+        good = list_checkpoints(tier, parts=True)[0]
+        newest = max((c.step for c in good if not c.is_part), default=-1)
+        steps = {c.step for c in good if c.is_part and c.world_size == world and c.step > newest}
+        for step in sorted(steps, reverse=True):
+            try:
+                assemble(tier, step, world, 0.0)
+            except AssembleError:
+                continue
+            assembled.append(step)
+            prune(tier, max(1, int(req.get("keep", 2))))
+            break
+    except (FtmemError, OSError, ValueError) as exc:
+        return {"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"id": rid, "ok": True, "assembled": assembled}
+
+
+def _existing(path: Path) -> Any:
+    """The complete checkpoint (or part) at ``path``, or None."""
+    from ftmem.errors import CorruptSnapshotError
+    from ftmem.tiers.checkpoints import read_checkpoint
+
+    if not path.is_dir():
+        return None
+    try:
+        return read_checkpoint(path)
+    except CorruptSnapshotError:
+        return None
+
+
+class _Progress:
+    """While a tier is written, report the bytes in its tmp directory twice a second."""
+
+    def __init__(
+        self, rid: int, tier: int, parent: Path, tmp_name: str, total: int, stage: str = "writing"
+    ) -> None:
+        self.doc = {"id": rid, "event": "progress", "stage": stage, "tier": tier, "total": total}
+        self.tmp = parent / tmp_name
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ftmem-flush-progress", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                done = sum(p.stat().st_size for p in self.tmp.rglob("*") if p.is_file())
+            except OSError:
+                done = 0
+            _emit({**self.doc, "done": done})
+            if self.stop.wait(0.5):
+                return
+
+    def __enter__(self) -> _Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
 
 
 def main() -> int:
@@ -108,12 +228,12 @@ def main() -> int:
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            if not isinstance(req, dict) or req.get("op") != "flush":
-                raise ValueError("expected a flush request")
+            if not isinstance(req, dict) or req.get("op") not in ("flush", "assemble"):
+                raise ValueError("expected a flush or assemble request")
         except ValueError as exc:
             _emit({"ok": False, "error": f"bad request: {exc}"})
             continue
-        _emit(flush(req))
+        _emit(flush(req) if req["op"] == "flush" else assemble_pending(req))
     return 0
 
 

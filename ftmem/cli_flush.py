@@ -1,0 +1,156 @@
+"""``ftmem flush`` and ``ftmem assemble``: persist the newest snapshot now, with progress.
+
+``ftmem flush`` asks every SMP given (one run directory per node on this machine) to flush
+the same step: ``--step``, or the newest step every rank of every SMP has committed. The
+requests run at once, since in a multi-node run the node of rank 0 waits for the other
+nodes' parts before it writes the global metadata. While they run, a progress bar per SMP
+shows the stage, the tier and the bytes written (the SMPs' status). On other hosts run
+``ftmem flush --step N`` there with the same N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ftmem.config import default_run_dir
+
+_BAR = 24
+
+
+def common_step(run_dirs: list[Path]) -> int | None:
+    """The newest step committed by every rank of every SMP in ``run_dirs`` (None: none)."""
+    from ftmem.client.smp_client import SmpClient
+    from ftmem.protocol import messages as m
+
+    common: set[int] | None = None
+    for rd in run_dirs:
+        with SmpClient(rd, timeout=timedelta(seconds=10)) as c:
+            for rank in c.status()["ranks"]:
+                snaps = c.request(m.Query(rank=int(rank)))["snapshots"]
+                steps = {int(s["step"]) for s in snaps}
+                common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def _bar(running: dict[str, Any], tiers: list[str]) -> str:
+    stage = str(running.get("stage") or "")
+    tier = int(running.get("tier") or 0)
+    where = Path(tiers[tier]).name if tier < len(tiers) else "?"
+    done, total = running.get("done"), running.get("total")
+    if not isinstance(done, int) or not isinstance(total, int) or total <= 0:
+        return f"{stage} {where}"
+    frac = min(1.0, done / total)
+    fill = int(frac * _BAR)
+    if running.get("unit") == "ranks":
+        amount = f"{done}/{total} ranks"
+    else:
+        amount = f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB"
+    return f"{stage:<18} [{'#' * fill}{'.' * (_BAR - fill)}] {frac:4.0%} {amount} ({where})"
+
+
+def run_flush(args: argparse.Namespace) -> int:
+    """Flush the same step on every SMP of ``args.run_dir``; print the durable paths."""
+    from ftmem.client.smp_client import SmpClient
+    from ftmem.errors import FtmemError
+    from ftmem.protocol import messages as m
+
+    run_dirs: list[Path] = list(args.run_dir or [default_run_dir()])
+    step = args.step
+    if step < 0 and len(run_dirs) > 1:
+        try:
+            found = common_step(run_dirs)
+        except FtmemError as exc:
+            print(f"ftmem flush: {exc}", file=sys.stderr)
+            return 1
+        if found is None:
+            print("ftmem flush: no step is committed by every rank", file=sys.stderr)
+            return 1
+        step = found
+    boxes: list[dict[str, Any]] = [{} for _ in run_dirs]
+    left = [len(run_dirs)]
+    lock = threading.Lock()
+    finished = threading.Event()
+
+    def ask(rd: Path, box: dict[str, Any]) -> None:
+        try:
+            with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
+                box["ok"] = c.request(m.Flush(step=step, tier=args.tier))
+        except FtmemError as exc:
+            box["error"] = exc
+        finally:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
+
+    threads = [
+        threading.Thread(target=ask, args=(rd, box), daemon=True)
+        for rd, box in zip(run_dirs, boxes, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    shown: dict[Path, str] = {}
+    tty = sys.stderr.isatty()
+    while not finished.wait(0.5):
+        for rd in run_dirs:
+            try:
+                with SmpClient(rd, timeout=timedelta(seconds=2)) as c:
+                    fl = c.status().get("flush", {})
+            except FtmemError:
+                continue
+            running = fl.get("running")
+            if not running:
+                continue
+            line = f"[{time.monotonic() - t0:6.1f}s] {rd.name} step {running.get('step')}: "
+            line += _bar(running, list(fl.get("tiers") or []))
+            if line.split("] ", 1)[1] != shown.get(rd):
+                shown[rd] = line.split("] ", 1)[1]
+                print(("\r" if tty and len(run_dirs) == 1 else "") + line, file=sys.stderr)
+    for t in threads:
+        t.join()
+    code = 0
+    for rd, box in zip(run_dirs, boxes, strict=True):
+        if "error" in box:
+            print(f"ftmem flush: {rd}: {box['error']}", file=sys.stderr)
+            code = 1
+            continue
+        res = box["ok"]
+        for path in res.get("paths", []):
+            print(path)
+        print(
+            f"{rd.name}: step {res.get('step')} durable in {len(res.get('paths', []))} tier(s) "
+            f"after {res.get('seconds')} s",
+            file=sys.stderr,
+        )
+    return code
+
+
+def run_assemble(args: argparse.Namespace) -> int:
+    """Assemble the nodes' parts of a step found in ``args.tier`` into one DCP checkpoint."""
+    from ftmem.errors import FtmemError
+    from ftmem.tiers.assemble import assemble
+    from ftmem.tiers.checkpoints import list_checkpoints
+
+    parts = [c for c in list_checkpoints(args.tier, parts=True)[0] if c.is_part]
+    if not parts:
+        print(f"ftmem assemble: no parts in {args.tier}", file=sys.stderr)
+        return 1
+    step = args.step if args.step >= 0 else max(c.step for c in parts)
+    world = next((c.world_size for c in parts if c.step == step), 0)
+    if not world:
+        print(f"ftmem assemble: no parts of step {step} in {args.tier}", file=sys.stderr)
+        return 1
+    try:
+        ck = assemble(args.tier, step, world, args.timeout)
+    except (FtmemError, OSError) as exc:
+        print(f"ftmem assemble: {exc}", file=sys.stderr)
+        return 1
+    print(ck.path)
+    return 0
