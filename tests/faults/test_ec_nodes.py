@@ -66,6 +66,8 @@ class Nodes:
         self.port = free_port()
         self.agents: dict[int, Launch] = {}
         self.starts: dict[int, int] = {}
+        self.host_start = 1
+        """Node 0's start that hosts the rendezvous store (a whole new job hosts it again)."""
 
     def run_dir(self, i: int) -> str:
         return str(self.launcher.tmp / f"n{i}-{self.starts[i]}-rd")
@@ -85,7 +87,7 @@ class Nodes:
                 "--rdzv-id",
                 self.rid,
                 "--rdzv-conf",
-                f"is_host={1 if i == 0 and self.starts[i] == 1 else 0}",
+                f"is_host={1 if i == 0 and self.starts[i] == self.host_start else 0}",
                 "--monitor-interval",
                 "0.1",
                 "--ftmem-node",
@@ -94,7 +96,7 @@ class Nodes:
                 self.run_dir(i),
                 "--ftmem-peer-host",
                 "127.0.0.1",
-                *self.extra,
+                *(a.replace("{i}", str(i)) for a in self.extra),  # per-node values
                 *self.script,
             ],
             f"n{i}-{self.starts[i]}",
@@ -102,7 +104,11 @@ class Nodes:
         self.agents[i] = launch
         return launch
 
-    def start_all(self) -> None:
+    def start_all(self, new_job: bool = False) -> None:
+        """Start every node; ``new_job``: after every node was lost (new rendezvous host)."""
+        if new_job:
+            self.port = free_port()
+            self.host_start = self.starts.get(0, 0) + 1
         self.start(0).wait_for(r"SMP pid \d+ ready", 60)
         for i in range(1, self.n):
             # Node order in the first round is by join order; stable ranks keep it after.
