@@ -111,7 +111,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="instead of memory: a flushed checkpoint (verified first) to convert with "
-        "--torch-save",
+        "--torch-save or --safetensors",
     )
     e.add_argument("--out", type=Path, default=None, help="new DCP directory to create")
     e.add_argument("--step", type=int, default=None, help="default: newest step of every rank")
@@ -120,6 +120,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="also convert it to this single torch.save file (dcp_to_torch_save)",
+    )
+    e.add_argument(
+        "--safetensors",
+        type=Path,
+        default=None,
+        help="also convert it to this safetensors file (needs `pip install safetensors`)",
     )
     f = sub.add_parser("flush", help="flush the newest step to the disk tiers now and wait")
     f.add_argument("--run-dir", type=Path, nargs="+", default=None, help="the SMPs to ask")
@@ -140,6 +146,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list the checkpoints of disk tiers")
     ls.add_argument("tiers", type=Path, nargs="+", help="tier directories")
     ls.add_argument("--verify", action="store_true", help="also check every file's hash")
+    from ftmem.observe import plan, timeline
+
+    timeline.add_parser(sub)
+    plan.add_parser(sub)
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
     k.add_argument("path", type=Path, help="file to create (must not exist)")
     return p
@@ -148,6 +158,10 @@ def get_args_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ftmem`` console script."""
     args = get_args_parser().parse_args(argv)
+    if args.cmd in ("timeline", "plan"):
+        from ftmem.observe import plan, timeline
+
+        return timeline.run(args) if args.cmd == "timeline" else plan.run(args)
     from ftmem.client.smp_client import SmpClient
     from ftmem.errors import FtmemError
 
@@ -170,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_status(st)
         return code
     if args.cmd == "export":
-        from ftmem.tiers.export import export_dcp, find_sources, to_torch_save
+        from ftmem.tiers.export import export_dcp, find_sources, to_safetensors, to_torch_save
 
         if args.checkpoint is not None:
             return _export_checkpoint(args)
@@ -181,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             res = export_dcp(find_sources(args.run_dir, args.step), args.out)
             if args.torch_save is not None:
                 to_torch_save(res.path, args.torch_save)
+            if args.safetensors is not None:
+                to_safetensors(res.path, args.safetensors)
         except (FtmemError, OSError) as exc:
             print(f"ftmem export: {exc}", file=sys.stderr)
             return 1
@@ -189,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({res.nbytes / 2**20:.1f} MiB; {res.shared_tensors} tensors shared by all ranks, "
             f"{res.per_rank_tensors} per rank)"
             + (f"; torch.save file {args.torch_save}" if args.torch_save else "")
+            + (f"; safetensors file {args.safetensors}" if args.safetensors else "")
         )
         return 0
     if args.cmd == "flush":
@@ -220,22 +237,34 @@ def _flush(args: argparse.Namespace) -> int:
 
 
 def _export_checkpoint(args: argparse.Namespace) -> int:
-    """``ftmem export --checkpoint DIR --torch-save FILE``: verify, then dcp_to_torch_save."""
+    """``ftmem export --checkpoint DIR --torch-save FILE / --safetensors FILE``: verify every
+    file, then convert."""
     from ftmem.errors import FtmemError
     from ftmem.tiers.checkpoints import read_checkpoint, verify_checkpoint
-    from ftmem.tiers.export import to_torch_save
+    from ftmem.tiers.export import to_safetensors, to_torch_save
 
-    if args.torch_save is None:
-        print("ftmem export: --checkpoint needs --torch-save FILE", file=sys.stderr)
+    if args.torch_save is None and args.safetensors is None:
+        print(
+            "ftmem export: --checkpoint needs --torch-save or --safetensors FILE", file=sys.stderr
+        )
         return 2
     try:
         ck = read_checkpoint(args.checkpoint)
+        if ck.is_part:
+            print(
+                f"ftmem export: {ck.path} is one node's part (ranks {ck.ranks[0]}-"
+                f"{ck.ranks[-1]}); assemble the parts first (ftmem assemble)",
+                file=sys.stderr,
+            )
+            return 1
         verify_checkpoint(ck)
-        to_torch_save(ck.path, args.torch_save)
+        for out, convert in ((args.torch_save, to_torch_save), (args.safetensors, to_safetensors)):
+            if out is not None:
+                convert(ck.path, out)
+                print(f"wrote {out} from step {ck.step} ({ck.path})")
     except (FtmemError, OSError) as exc:
         print(f"ftmem export: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {args.torch_save} from step {ck.step} ({ck.path})")
     return 0
 
 

@@ -301,6 +301,56 @@ def to_torch_save(dcp_dir: Path, out_file: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def to_safetensors(dcp_dir: Path, out_file: Path) -> int:
+    """Convert a DCP directory to one safetensors file; return the number of tensors.
+
+    Nested keys are joined with ``.`` (as DCP names them); values that are not tensors (an
+    optimizer's hyper-parameters, ``ftmem_meta``) go into the file's metadata as JSON under
+    ``ftmem.objects``. Needs the ``safetensors`` package (``pip install safetensors``).
+
+    Raises:
+        ExportError: safetensors is not installed.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ExportError(
+            "--safetensors needs the safetensors package: pip install safetensors"
+        ) from exc
+
+    tmp = out_file.with_name(f"{out_file.name}.tmp-{os.getpid()}")
+    try:
+        to_torch_save(dcp_dir, tmp)
+        whole = torch.load(tmp, weights_only=True)
+        tmp.unlink()
+        tensors: dict[str, torch.Tensor] = {}
+        objects: dict[str, Any] = {}
+        _flatten_into(whole, "", tensors, objects)
+        meta = {"ftmem.objects": json.dumps(objects, default=repr)}
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.rename(tmp, out_file)
+        return len(tensors)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _flatten_into(
+    value: Any, key: str, tensors: dict[str, torch.Tensor], objects: dict[str, Any]
+) -> None:
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().contiguous().clone()  # safetensors refuses shared storage
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten_into(v, f"{key}.{k}" if key else str(k), tensors, objects)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _flatten_into(v, f"{key}.{i}" if key else str(i), tensors, objects)
+    else:
+        objects[key] = value
+
+
 def skeleton_of(raw: torch.Tensor) -> Any:
     """Decode a per-rank ``skeleton`` tensor of an export (``torch.load(weights_only=True)``)."""
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)

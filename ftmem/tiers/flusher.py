@@ -21,7 +21,8 @@ persistent tier every node sees) the node holding rank 0 then waits for every no
 there (at most ``assemble_timeout`` s) and assembles the global checkpoint
 (:func:`ftmem.tiers.assemble.assemble`), whose path it reports; other nodes report their
 part's path. It runs
-at a lower CPU priority (nice 10) with one torch thread, so training keeps the cores. A
+at a lower CPU priority (nice 10), the lowest best-effort I/O priority and one torch
+thread, so training keeps the cores and the disk. A
 failure (a full disk...) leaves every tier as it was: the partial directory is removed and the
 previous checkpoints stay complete. The process ends when stdin closes.
 """
@@ -213,13 +214,26 @@ class _Progress:
         self.thread.join(timeout=5)
 
 
-def main() -> int:
-    """Serve flush requests from stdin until it closes."""
-    configure(os.environ.get("FTMEM_LOG_LEVEL"))
+def _lower_priority() -> None:
+    """CPU nice 10 and the lowest best-effort I/O priority: training keeps the cores and
+    its own I/O (data loading) goes first; the flush still progresses (unlike the idle I/O
+    class, which a busy disk can starve for ever)."""
     try:
         os.nice(10)
     except OSError:
         pass
+    try:
+        import psutil
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except (OSError, AttributeError, ValueError) as exc:  # not Linux, or not allowed
+        log.info("flush worker keeps its I/O priority: %s", exc)
+
+
+def main() -> int:
+    """Serve flush requests from stdin until it closes."""
+    configure(os.environ.get("FTMEM_LOG_LEVEL"))
+    _lower_priority()
     import torch
     import torch.distributed.checkpoint  # ~1 s: now, not in the first flush
 

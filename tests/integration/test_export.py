@@ -254,3 +254,46 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
     whole = torch.load(flat, weights_only=True)
     assert whole["ftmem_meta"]["world_size"] == 2
     assert any("rng" in k for k in whole["ftmem_per_rank"]["1"]["tensors"])
+
+    # The same checkpoint as one safetensors file, through the CLI (verified first).
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    st_file = tmp_path / "all.safetensors"
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftmem.cli",
+            "export",
+            "--checkpoint",
+            str(ck.path),
+            "--safetensors",
+            str(st_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    flat_st = load_file(str(st_file))
+    for k, v in model.state_dict().items():
+        assert torch.equal(flat_st[f"model.{k}"], v), k
+    # A part alone is refused with a clear message.
+    one = ck.path / "part-r000001"
+    part = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftmem.cli",
+            "export",
+            "--checkpoint",
+            str(one),
+            "--torch-save",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert part.returncode == 1 and "assemble the parts first" in part.stderr, part.stderr
