@@ -146,6 +146,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list the checkpoints of disk tiers")
     ls.add_argument("tiers", type=Path, nargs="+", help="tier directories")
     ls.add_argument("--verify", action="store_true", help="also check every file's hash")
+    from ftmem.observe import plan, timeline
+
+    timeline.add_parser(sub)
+    plan.add_parser(sub)
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
     k.add_argument("path", type=Path, help="file to create (must not exist)")
     return p
@@ -154,6 +158,10 @@ def get_args_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ftmem`` console script."""
     args = get_args_parser().parse_args(argv)
+    if args.cmd in ("timeline", "plan"):
+        from ftmem.observe import plan, timeline
+
+        return timeline.run(args) if args.cmd == "timeline" else plan.run(args)
     from ftmem.client.smp_client import SmpClient
     from ftmem.errors import FtmemError
 

@@ -15,7 +15,6 @@ heartbeat (``--ftmem-first-progress-timeout`` optionally bounds the time before 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from ftmem.events import EventLog as EventLog  # re-exported: agent.py, report.py
 
 log = logging.getLogger(__name__)
 
@@ -268,24 +269,3 @@ class StatusPoller:
                 log.exception("status poll failed")
             wait = self._interval.total_seconds()
             self._stop.wait(min(wait, _FAST_POLL_S) if self._fast.is_set() else wait)
-
-
-class EventLog:
-    """Appends one JSON object per event to a file (``<run dir>/events.jsonl``).
-
-    Each line has ``time`` (``time.time()``), ``node``, ``event`` and the event's fields, so
-    a timeline can be plotted. Error handling: a failed write is logged, never raised.
-    """
-
-    def __init__(self, path: Path, node: str) -> None:
-        self.path = path
-        self.node = node
-
-    def write(self, event: str, **fields: Any) -> None:
-        """Append ``event`` with ``fields``."""
-        record = {"time": time.time(), "node": self.node, "event": event, **fields}
-        try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record, default=str) + "\n")
-        except OSError as exc:
-            log.warning("cannot write the event log %s: %s", self.path, exc)

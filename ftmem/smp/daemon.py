@@ -27,6 +27,7 @@ from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
 from ftmem.errors import ProtocolError, SmpStartError
+from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
@@ -95,6 +96,8 @@ class SmpDaemon:
         self.flush: FlushService | None = None
         self._flush_replies: queue.Queue[tuple[Any, bool, dict[str, Any], str]] = queue.Queue()
         self._stopped_by_signal = False
+        self.events = EventLog(config.run_dir / SMP_EVENTS_NAME, config.node)
+        """The SMP's event log (JSON lines, ``smp-events.jsonl``); opened at the first event."""
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,6 +159,8 @@ class SmpDaemon:
         tmp.write_text(json.dumps(info))
         os.replace(tmp, ready)
         log.info("[%s/smp] serving %s (pid %d)", cfg.node, cfg.endpoint, os.getpid())
+        adopted = {str(r): [s.step for s in rs.committed()] for r, rs in self.ranks.items()}
+        self.events.write("smp_start", pid=os.getpid(), slots=cfg.slots, adopted=adopted)
 
     def ready_line(self) -> str:
         """The line written to the readiness pipe: ``READY {json}``."""
@@ -196,6 +201,12 @@ class SmpDaemon:
         for name in (SOCKET_NAME, AUTH_KEY_NAME, READY_NAME):
             (self.config.run_dir / name).unlink(missing_ok=True)
         log.info("[%s/smp] stopped; removed %d arena files", self.config.node, removed)
+        self.events.write(
+            "smp_stop",
+            by_signal=self._stopped_by_signal,
+            uptime_s=round(time.time() - self.started_at, 3),
+        )
+        self.events.close()
 
     def __enter__(self) -> SmpDaemon:
         self.start()
@@ -313,6 +324,7 @@ class SmpDaemon:
             torn = rs.restarted(p.pid)
             if torn:
                 log.info("[%s/%d] rank restarted; dropped torn slots %s", node, p.rank, torn)
+            self.events.write("hello", rank=p.rank, pid=p.pid, torn=torn)
             return m.Reply(ok=True, data=self._hello_data())
         if isinstance(p, m.Heartbeat):
             self._check_step(p.step)
@@ -350,6 +362,7 @@ class SmpDaemon:
                 if sl.state is SlotState.COMMITTED and (sl.step or 0) > p.step and not sl.pinned:
                     records.remove_record(sl.path)
             dropped = rs.discard_newer(p.step)
+            self.events.write("discard_newer", rank=p.rank, step=p.step, dropped=dropped)
             if dropped:
                 log.info(
                     "[%s/%d %d] dropped newer steps %s of an abandoned run",
@@ -400,7 +413,7 @@ class SmpDaemon:
 
     def _exchange(self) -> ExchangeService:
         if self.exchange is None:
-            self.exchange = ExchangeService(self.config.node, self)
+            self.exchange = ExchangeService(self.config.node, self, events=self.events)
             self.exchange.start()
         return self.exchange
 
@@ -590,7 +603,7 @@ class SmpDaemon:
         self._check_step(p.step)
         rs = self._rank(p.rank)
         s = rs.slot(p.slot)
-        _check_layout(p.layout, s.capacity)
+        used = _check_layout(p.layout, s.capacity)
         rs.commit(p.slot, p.gen, p.step, p.layout)
         if self.flush is not None and self.flush.wants(p.step):
             s.pinned += 1  # kept for the scheduled flush of this step
@@ -628,6 +641,16 @@ class SmpDaemon:
             max(rs.skipped, p.skipped),
         )
         log.debug("[%s/%d %d] committed slot %d", self.config.node, p.rank, p.step, p.slot)
+        self.events.write(
+            "committed",
+            rank=p.rank,
+            step=p.step,
+            stall_s=round(p.stall_s, 6),
+            copy_s=round(p.copy_s, 6),
+            bytes=used,
+            slot=p.slot,
+            skipped=p.skipped,
+        )
         return m.Reply(ok=True)
 
     def _prepare(self, ident: bytes, req_id: int, p: m.Prepare) -> m.Reply | None:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from ftmem import shm
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
+from ftmem.events import EventLog
 from ftmem.exchange.keys import CurveKeyPair
 from ftmem.exchange.placement import GroupPlan, group_of, plan_groups
 from ftmem.exchange.protector import ExchangeInterrupted, GroupProtector, StepAborted
@@ -181,8 +182,11 @@ class ExchangeService:
         stripe_bytes: int = 1 << 20,
         timeout_s: float = 600.0,
         sync_timeout_s: float = 120.0,
+        events: EventLog | None = None,
     ) -> None:
         self.node_name = node_name
+        self.events = events
+        """The SMP's event log for ``sync``, ``protected``, ``rebuilt``... (None: no events)."""
         self.local = local
         self.stripe_bytes = stripe_bytes
         self.timeout_s = timeout_s
@@ -434,6 +438,7 @@ class ExchangeService:
                 missing = sorted(set(self.plan.nodes) - set(self._states))
                 self._pending_start = None
                 self._set_status(state="sync-failed")
+                self._event("sync", generation=self.epoch, ok=False, missing=missing)
                 self._results.put(
                     Result(
                         cmd.token,
@@ -445,6 +450,15 @@ class ExchangeService:
             return
         self._pending_start = None
         verdict = decide(self.plan, self._states)
+        self._event(
+            "sync",
+            generation=self.epoch,
+            ok=not verdict.error,
+            step=verdict.step,
+            holders=sorted(verdict.holders),
+            lost=sorted(verdict.lost),
+            error=verdict.error,
+        )
         data: dict[str, Any] = {
             "step": verdict.step,
             "lost": sorted(verdict.lost),
@@ -467,6 +481,7 @@ class ExchangeService:
                 self.protected = None
                 msg = f"rebuild of step {keep} failed: {exc}"
                 log.error("[%s/exchange] %s", self.node_name, msg)
+                self._event("rebuild_failed", step=keep, error=str(exc))
                 self._set_status(state="rebuild-failed", error=msg)
                 self._results.put(Result(cmd.token, False, data, msg))
                 return
@@ -520,6 +535,13 @@ class ExchangeService:
         self.pinned[step] = pinned
         self.counters["rebuilt"] += 1
         self.last_rebuild_s = time.monotonic() - t0
+        self._event(
+            "rebuilt",
+            step=step,
+            seconds=round(self.last_rebuild_s, 3),
+            bytes=data.nbytes,
+            parity_bytes=self.protector.parity_bytes(step),
+        )
         log.info(
             "[%s/exchange] rebuilt step %d: %.1f MiB own data and %.1f MiB parity in %.2f s",
             self.node_name,
@@ -582,6 +604,7 @@ class ExchangeService:
             )
             self.protector.abort(step)
             self.counters["aborted"] += 1
+            self._event("protect_aborted", step=step, reason="no longer held here")
             return
         pinned = PinnedStep(step, pieces)
         t0 = time.monotonic()
@@ -593,6 +616,7 @@ class ExchangeService:
         except StepAborted as exc:
             self.counters["aborted"] += 1
             log.info("[%s/exchange] %s", self.node_name, exc)
+            self._event("protect_aborted", step=step, reason=str(exc))
             self._drop(step, pinned)
             return
         except (FtmemError, TimeoutError, OSError, ValueError) as exc:
@@ -601,6 +625,7 @@ class ExchangeService:
                 log.warning(
                     "[%s/exchange] protecting step %d failed: %s", self.node_name, step, exc
                 )
+                self._event("protect_failed", step=step, error=str(exc))
                 self.protector.abort(step)
             self._drop(step, pinned)
             return
@@ -613,6 +638,7 @@ class ExchangeService:
             self._release(old)
         self.counters["protected"] += 1
         self.last_protect_s = time.monotonic() - t0
+        self._event("protected", step=step, seconds=round(self.last_protect_s, 3))
         if faults.maybe_inject(faults.Point.PARITY_HELD, self.me, step):
             self._flip_parity(step)
         log.debug(
@@ -646,6 +672,10 @@ class ExchangeService:
             self.local.unpin(pinned.pieces)
 
     # -- status ------------------------------------------------------------------------------
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.write(event, **fields)
+
     def _set_status(self, **kw: Any) -> None:
         with self._status_lock:
             self._status.update(kw)

@@ -1,0 +1,10 @@
+"""Observability tools on top of the event logs and the benchmarks' figures.
+
+- :mod:`ftmem.observe.timeline`: ``ftmem timeline``, a picture (or a text summary) of a run
+  from the agents' ``events.jsonl`` and the SMPs' ``smp-events.jsonl``;
+- :mod:`ftmem.observe.plan`: ``ftmem plan``, a goodput model of ftmem against periodic disk
+  checkpoints at the Young/Daly interval.
+
+Nothing here is imported by the ranks or the SMP; matplotlib (the ``plot`` extra) is imported
+only when a picture is drawn.
+"""

@@ -1,0 +1,512 @@
+"""``ftmem timeline``: a picture of a run from its event logs, one lane per node.
+
+Reads, from every run directory given (one per node), the agent's ``events.jsonl`` and the
+SMP's ``smp-events.jsonl`` (format in docs/api.md), and turns them into *marks*
+(:func:`marks_of`, pure): each commit, protection and flush of a step; each failure (a rank
+died, hung, the SMP died, another node failed or was lost), its detection, the restart of the
+ranks, the restore of a step and the resume of training. :func:`format_summary` prints them as
+text (no matplotlib needed); :func:`draw` plots them, one lane per node, with the step on the
+y axis and the seconds since the run's first event on the x axis.
+
+Lines that are not JSON objects with a numeric ``time`` and a string ``event`` are skipped and
+counted, never fatal: a log cut short by a killed process still draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME
+
+log = logging.getLogger(__name__)
+
+FAILURE_EVENTS = frozenset({"failed", "hang", "smp_died", "unrecoverable"})
+"""Agent events that are a failure of this node (their time is the detection)."""
+CATEGORIES = (
+    "start",
+    "commit",
+    "protected",
+    "flushed",
+    "failure",
+    "detection",
+    "restart",
+    "restore",
+    "resume",
+    "stop",
+    "info",
+)
+"""Every mark category."""
+_INFO_EVENTS = frozenset(
+    {
+        "smp_start",
+        "smp_stop",
+        "sync",
+        "rebuild_failed",
+        "protect_failed",
+        "peers_synced",
+        "peers_failed",
+    }
+)
+"""Events listed by ``--text`` but not drawn."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One parsed line of an event log."""
+
+    time: float
+    node: str
+    event: str
+    source: str
+    """``agent`` (events.jsonl) or ``smp`` (smp-events.jsonl)."""
+    fields: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Loaded:
+    """What :func:`read_events` found."""
+
+    events: list[Event] = field(default_factory=list)
+    malformed: int = 0
+    """Lines skipped because they were not a valid event."""
+    files: list[Path] = field(default_factory=list)
+    """The files read."""
+    missing: list[Path] = field(default_factory=list)
+    """Paths given that held no event log."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """Something to draw: a category at a time on a node's lane."""
+
+    time: float
+    node: str
+    category: str
+    label: str
+    step: int | None = None
+    rank: int | None = None
+    start: float | None = None
+    """For spans (a hang, a recovery): when it began."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """The event's fields (commits: ``stall_s``, ``copy_s``, ``bytes``...)."""
+
+
+def parse_line(line: str, source: str, default_node: str) -> Event | None:
+    """Parse one line of an event log; None if it is not a valid event (pure)."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        doc = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    t, kind = doc.pop("time", None), doc.pop("event", None)
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        return None
+    if not isinstance(kind, str) or not kind:
+        return None
+    node = doc.pop("node", None)
+    return Event(float(t), str(node) if node else default_node, kind, source, doc)
+
+
+def _source_of(path: Path) -> str:
+    return "smp" if path.name.startswith("smp-") else "agent"
+
+
+def read_events(paths: Iterable[Path]) -> Loaded:
+    """Read the event logs of run directories (or event-log files), oldest event first.
+
+    A directory contributes its ``events.jsonl`` and ``smp-events.jsonl``; a file is read as
+    is. Unreadable files are logged and counted as missing; bad lines are counted.
+    """
+    out = Loaded()
+    for path in paths:
+        files = (
+            [f for f in (path / AGENT_EVENTS_NAME, path / SMP_EVENTS_NAME) if f.is_file()]
+            if path.is_dir()
+            else [path]
+        )
+        if not files:
+            out.missing.append(path)
+        for f in files:
+            try:
+                text = f.read_text(encoding="utf-8", errors="replace")
+            except OSError as exc:
+                log.warning("cannot read %s: %s", f, exc)
+                out.missing.append(f)
+                continue
+            out.files.append(f)
+            node = f.parent.name if path.is_dir() else f.stem
+            for line in text.splitlines():
+                ev = parse_line(line, _source_of(f), node)
+                if ev is None:
+                    out.malformed += bool(line.strip())
+                else:
+                    out.events.append(ev)
+    out.events.sort(key=lambda e: e.time)
+    return out
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _mark(e: Event, category: str, label: str, **kw: Any) -> Mark:
+    kw.setdefault("time", e.time)
+    kw.setdefault("step", _int(e.fields.get("step")))
+    kw.setdefault("rank", _int(e.fields.get("rank")))
+    return Mark(node=e.node, category=category, label=label, **kw)
+
+
+def _failure_marks(e: Event) -> list[Mark]:
+    f = e.fields
+    what = {
+        "failed": f"rank {f.get('rank')}: {f.get('what')}",
+        "hang": f"rank {f.get('rank')} hung (last step {f.get('last_step')})",
+        "smp_died": f"SMP pid {f.get('pid')} died",
+        "unrecoverable": f"unrecoverable: {f.get('reason')}",
+    }[e.event]
+    idle = _num(f.get("idle_s")) if e.event == "hang" else None
+    onset = e.time - idle if idle is not None else e.time
+    committed = _int(f.get("committed"))
+    return [
+        _mark(e, "failure", what, time=onset, step=committed),
+        _mark(e, "detection", f"detected: {what}", start=onset, step=committed),
+    ]
+
+
+def marks_of(events: Sequence[Event]) -> list[Mark]:
+    """Turn events into marks (pure; events oldest first). Unknown events are left out."""
+    out: list[Mark] = []
+    started: set[str] = set()
+    smp_up: set[str] = set()
+    for e in events:
+        f, k = e.fields, e.event
+        if k == "smp_start" and e.node in smp_up:
+            label = "a new SMP started: the previous one ended without smp_stop (killed?)"
+            out.append(_mark(e, "failure", label))
+        if k == "smp_start":
+            smp_up.add(e.node)
+        elif k == "smp_stop":
+            smp_up.discard(e.node)
+        if k == "committed":
+            out.append(_mark(e, "commit", f"rank {f.get('rank')} step {f.get('step')}", data=f))
+        elif k in ("protected", "flushed"):
+            out.append(_mark(e, k, f"step {f.get('step')} {k}", data=f))
+        elif k in FAILURE_EVENTS:
+            out += _failure_marks(e)
+        elif k == "restart":
+            label = f"restart ({f.get('reason')}): another node failed, left or joined"
+            out.append(_mark(e, "failure", label, step=_int(f.get("committed"))))
+        elif k == "no_progress_stop":
+            out.append(_mark(e, "stop", f"stopped: {f.get('reason')}"))
+        elif k == "ranks_started":
+            cat = "restart" if e.node in started else "start"
+            started.add(e.node)
+            out.append(_mark(e, cat, f"ranks started (generation {f.get('generation')})"))
+        elif k == "discard_newer":
+            out.append(_mark(e, "restore", f"rank {f.get('rank')} restored step {f.get('step')}"))
+        elif k == "rebuilt":
+            label = f"rebuilt step {f.get('step')} from peers in {f.get('seconds')} s"
+            out.append(_mark(e, "restore", label))
+        elif k == "resumed":
+            total = _num(f.get("detect_to_resumed_s"))
+            label = (
+                f"at step {f.get('step')} after {f.get('after')}: detect->resumed {total} s "
+                f"(detect->spawn {f.get('detect_to_spawn_s')} s, "
+                f"spawn->stepping {f.get('spawn_to_stepping_s')} s)"
+            )
+            start = None if total is None else e.time - total
+            out.append(_mark(e, "resume", label, start=start, data=f))
+        elif k in _INFO_EVENTS:
+            out.append(_mark(e, "info", f"{k.replace('_', ' ')} {_brief(f)}".rstrip()))
+    out.sort(key=lambda m: m.time)  # a hang's onset lies before its detection
+    return out
+
+
+def _brief(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, "", [], {}))[:120]
+
+
+def since_filter(marks: Sequence[Mark], t0: float, since: float | None) -> list[Mark]:
+    """Marks at or after ``t0 + since`` (``since`` < 0: the last ``-since`` seconds)."""
+    if since is None or not marks:
+        return list(marks)
+    cut = t0 + since if since >= 0 else max(m.time for m in marks) + since
+    return [m for m in marks if m.time >= cut]
+
+
+@dataclass(slots=True)
+class NodeSummary:
+    """Per-node figures of :func:`summarize`."""
+
+    node: str
+    first: float
+    last: float
+    commits: int = 0
+    ranks: set[int] = field(default_factory=set)
+    steps: list[int] = field(default_factory=list)
+    stall_s: list[float] = field(default_factory=list)
+    copy_s: list[float] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    protected: list[int] = field(default_factory=list)
+    flushed: list[int] = field(default_factory=list)
+    incidents: list[Mark] = field(default_factory=list)
+    """Every other mark (starts, failures, detections, restarts, restores, resumes, the
+    SMP's start, stop and sync), in time order."""
+
+
+def summarize(marks: Sequence[Mark]) -> dict[str, NodeSummary]:
+    """Per-node counts and figures of ``marks`` (pure)."""
+    out: dict[str, NodeSummary] = {}
+    for m in marks:
+        s = out.setdefault(m.node, NodeSummary(m.node, m.time, m.time))
+        s.first, s.last = min(s.first, m.time), max(s.last, m.time)
+        if m.category == "commit":
+            s.commits += 1
+            if m.rank is not None:
+                s.ranks.add(m.rank)
+            if m.step is not None:
+                s.steps.append(m.step)
+            for key, dst in (("stall_s", s.stall_s), ("copy_s", s.copy_s)):
+                v = _num(m.data.get(key))
+                if v is not None:
+                    dst.append(v)
+            n = _int(m.data.get("bytes"))
+            if n is not None:
+                s.nbytes.append(n)
+        elif m.category == "protected" and m.step is not None:
+            s.protected.append(m.step)
+        elif m.category == "flushed" and m.step is not None:
+            s.flushed.append(m.step)
+        else:
+            s.incidents.append(m)
+    return out
+
+
+def _med_ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"median {statistics.median(values) * 1e3:.2f} ms, max {max(values) * 1e3:.2f} ms"
+
+
+def _steps(values: list[int]) -> str:
+    return f"{len(values)} (steps {min(values)}-{max(values)})" if values else "0"
+
+
+def format_summary(loaded: Loaded, marks: Sequence[Mark], t0: float) -> str:
+    """The text of ``ftmem timeline --text``: per node, counts, then every incident in order."""
+    lines = [
+        f"{len(loaded.files)} file(s), {len(loaded.events)} events, "
+        f"{loaded.malformed} malformed line(s) skipped"
+        + (f"; no event log in: {', '.join(map(str, loaded.missing))}" if loaded.missing else "")
+    ]
+    for node, s in sorted(summarize(marks).items()):
+        lines.append("")
+        lines.append(f"node {node}: {s.first - t0:.2f} s to {s.last - t0:.2f} s")
+        ranks = ",".join(map(str, sorted(s.ranks))) or "-"
+        lines.append(f"  commits: {s.commits} by ranks {ranks}, {_steps(sorted(set(s.steps)))}")
+        if s.commits:
+            mib = statistics.median(s.nbytes) / 2**20 if s.nbytes else 0.0
+            lines.append(
+                f"  stall in save: {_med_ms(s.stall_s)}; background copy: {_med_ms(s.copy_s)}; "
+                f"{mib:.1f} MiB per snapshot (median)"
+            )
+        lines.append(f"  protected: {_steps(s.protected)}; flushed: {_steps(s.flushed)}")
+        for m in s.incidents:
+            lines.append(f"  {m.time - t0:9.2f} s  {m.category.upper():<9}  {m.label}")
+    return "\n".join(lines)
+
+
+_STYLE: dict[str, tuple[str, str]] = {
+    # category: (color, marker)
+    "commit": ("tab:blue", "."),
+    "protected": ("tab:purple", "s"),
+    "flushed": ("tab:brown", "D"),
+    "restore": ("tab:cyan", "v"),
+}
+
+
+_LEGEND = {"commit": "committed (per rank)", "restore": "restored / rebuilt"}
+_LINES: list[tuple[set[str], str, dict[str, Any]]] = [
+    ({"failure"}, "failure", {"color": "tab:red", "marker": "X", "linestyle": ""}),
+    ({"detection"}, "detected", {"color": "tab:orange", "linestyle": "--"}),
+    ({"start", "restart"}, "ranks (re)started", {"color": "tab:gray", "linestyle": ":"}),
+    ({"resume"}, "resumed (shaded: detection to resume)", {"color": "tab:green"}),
+    ({"stop"}, "stopped (no progress)", {"color": "black"}),
+]
+
+
+def draw(marks: Sequence[Mark], t0: float, out: Path, title: str = "") -> None:
+    """Plot ``marks`` into ``out`` (PNG), one lane per node.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'ftmem[plot]'``).
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    nodes = sorted({m.node for m in marks})
+    fig = Figure(figsize=(11, 1.6 + 2.8 * max(1, len(nodes))), layout="constrained")
+    axes = fig.subplots(max(1, len(nodes)), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, node in zip(axes, nodes, strict=False):
+        _draw_lane(ax, [m for m in marks if m.node == node], t0)
+        ax.set_ylabel(f"{node}\nstep")
+        ax.grid(True, alpha=0.25)
+    axes[-1].set_xlabel("seconds since the run's first event")
+    present = {m.category for m in marks}
+    legend = [
+        Line2D([], [], color=c, marker=mk, linestyle="", label=_LEGEND.get(cat, cat))
+        for cat, (c, mk) in _STYLE.items()
+        if cat in present
+    ] + [Line2D([], [], label=label, **style) for cats, label, style in _LINES if present & cats]
+    fig.legend(handles=legend, loc="outside lower center", fontsize=8, ncols=5, frameon=False)
+    fig.suptitle(title or "ftmem timeline")
+    fig.savefig(out, dpi=110)
+
+
+def _draw_lane(ax: Any, marks: list[Mark], t0: float) -> None:
+    steps = [m.step for m in marks if m.step is not None]
+    top = max(steps, default=1) * 1.08 + 1
+    for cat, (color, marker) in _STYLE.items():
+        pts = [(m.time - t0, m.step) for m in marks if m.category == cat and m.step is not None]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            size = 10 if cat == "commit" else 34
+            ax.scatter(xs, ys, s=size, color=color, marker=marker, zorder=3)
+    failures = 0
+    for m in marks:
+        x = m.time - t0
+        if m.category == "failure":
+            ax.scatter([x], [top], color="tab:red", marker="X", s=70, zorder=4)
+            ax.annotate(
+                m.label[:70],
+                (x, top),
+                textcoords="offset points",
+                xytext=(4, -12 - 10 * (failures % 3)),  # staggered: failures come in bursts
+                fontsize=7,
+            )
+            failures += 1
+        elif m.category == "detection":
+            ax.axvline(x, color="tab:orange", linestyle="--", linewidth=1)
+            if m.start is not None and m.start < m.time - 0.05:  # a hang: idle until detected
+                ax.axvspan(m.start - t0, x, color="tab:orange", alpha=0.08)
+        elif m.category in ("start", "restart"):
+            ax.axvline(x, color="tab:gray", linestyle=":", linewidth=1.2)
+        elif m.category == "resume":
+            ax.axvline(x, color="tab:green", linewidth=1.2)
+            if m.start is not None:
+                _draw_recovery(ax, m, m.start - t0, x, top)
+        elif m.category == "stop":
+            ax.axvline(x, color="black", linewidth=1.2)
+    restored: set[int | None] = set()
+    for m in marks:
+        if m.category == "restore" and m.step not in restored:
+            restored.add(m.step)
+            ax.annotate(
+                m.label.split(" from ")[0].replace(f"rank {m.rank} ", ""),
+                (m.time - t0, m.step or 0),
+                textcoords="offset points",
+                xytext=(-6, -12),
+                ha="right",
+                fontsize=7,
+                color="tab:cyan",
+            )
+    ax.set_ylim(bottom=0, top=top * 1.1)
+
+
+def _draw_recovery(ax: Any, m: Mark, detected: float, resumed: float, top: float) -> None:
+    """Shade detection -> resume, split at the spawn of the new ranks when it is known."""
+    spawn = _num(m.data.get("detect_to_spawn_s"))
+    phases = [(detected, resumed, "tab:red", f"{resumed - detected:.1f} s to resume")]
+    if spawn is not None and 0 <= spawn <= resumed - detected:
+        mid = detected + spawn
+        phases = [
+            (detected, mid, "tab:red", f"stop + spawn {spawn:.2f} s"),
+            (mid, resumed, "tab:olive", f"start, load, 1st step {resumed - mid:.2f} s"),
+        ]
+    for i, (a, b, color, text) in enumerate(phases):
+        ax.axvspan(a, b, color=color, alpha=0.1)
+        ax.annotate(
+            text,
+            (a, top * (0.8 - 0.08 * i)),
+            textcoords="offset points",
+            xytext=(3, 0),
+            fontsize=7,
+            color=color,
+        )
+    ax.annotate(
+        f"resumed at step {m.step} ({resumed - detected:.2f} s after detection)",
+        (resumed, top * 0.3),
+        textcoords="offset points",
+        xytext=(-4, 0),
+        ha="right",
+        fontsize=7,
+        color="tab:green",
+    )
+
+
+def add_parser(sub: Any) -> None:
+    """Add the ``timeline`` subcommand to the ``ftmem`` parser's subparsers."""
+    t = sub.add_parser("timeline", help="draw (or summarize) a run from its event logs")
+    t.add_argument(
+        "run_dirs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directory of each node (holding events.jsonl / smp-events.jsonl), or a file",
+    )
+    t.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (matplotlib)")
+    t.add_argument("--text", action="store_true", help="print a text summary (no matplotlib)")
+    t.add_argument(
+        "--since",
+        type=float,
+        default=None,
+        help="only events S seconds or more after the first event (negative: the last -S s)",
+    )
+    t.add_argument("--title", default="", help="title of the picture")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handle ``ftmem timeline``; return the exit code."""
+    loaded = read_events(args.run_dirs)
+    if not loaded.events:
+        print(
+            f"ftmem timeline: no events in {', '.join(map(str, args.run_dirs))} "
+            f"({loaded.malformed} malformed line(s))",
+            file=sys.stderr,
+        )
+        return 1
+    t0 = loaded.events[0].time
+    marks = since_filter(marks_of(loaded.events), t0, args.since)
+    if args.text or args.output is None:
+        print(format_summary(loaded, marks, t0))
+    if args.output is not None:
+        try:
+            draw(marks, t0, args.output, args.title)
+        except ImportError as exc:
+            print(
+                f"ftmem timeline: drawing needs matplotlib ({exc}): "
+                "pip install 'ftmem[plot]' (or use --text)",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
