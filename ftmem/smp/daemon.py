@@ -147,6 +147,7 @@ class SmpDaemon:
                 self,
                 self._protected_step,
                 lambda token, ok, data, err: self._flush_replies.put((token, ok, data, err)),
+                events=self.events,
             )
             self.flush.start()
         info = {

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from ftmem._logging import get_logger
+from ftmem.events import EventLog
 from ftmem.smp.exchange import RankPiece
 
 log = get_logger(__name__)
@@ -107,8 +108,10 @@ class FlushService:
         slots: FlushSlots,
         protected_step: Callable[[], int | None],
         on_reply: Callable[[Any, bool, dict[str, Any], str], None],
+        events: EventLog | None = None,
     ) -> None:
         self.node = node
+        self.events = events
         self.settings = settings
         self.slots = slots
         self.protected_step = protected_step
@@ -432,6 +435,8 @@ class FlushService:
             steps = [int(x) for x in doc.get("assembled", [])]
             if steps:
                 self._set(assembled_step=max(steps))
+                if self.events is not None:
+                    self.events.write("assembled", step=max(steps))
             if not doc.get("ok"):
                 log.error("[%s/flush] assembling failed: %s", self.node, doc.get("error"))
             return
@@ -454,6 +459,16 @@ class FlushService:
                 self._status.update(
                     last_error=str(doc.get("error")), failures=self._status["failures"] + 1
                 )
+        if self.events is not None:
+            self.events.write(
+                "flushed" if ok else "flush_failed",
+                step=run.step,
+                seconds=round(seconds, 3),
+                paths=list(doc.get("paths", [])),
+                bytes=int(doc.get("bytes", 0)),
+                assembled=list(doc.get("assembled", [])),
+                error="" if ok else str(doc.get("error")),
+            )
         # A failed step is not retried by the schedule (the next one will be flushed).
         self.last_step = run.step if self.last_step is None else max(self.last_step, run.step)
         if ok:
