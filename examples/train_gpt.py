@@ -282,6 +282,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ftmem", action="store_true", help="train without snapshots")
     p.add_argument("--save-every", type=int, default=1, help="snapshot every K steps")
     p.add_argument(
+        "--no-shard",
+        action="store_true",
+        help="every rank snapshots all of the replicated (DDP) state instead of 1/world of it",
+    )
+    p.add_argument(
         "--fail-at-step",
         type=int,
         default=0,
@@ -385,7 +390,10 @@ def train(args: argparse.Namespace) -> int:
         import ftmem
 
         state["rng"] = ftmem.RNGState()
-        start = ftmem.load(state)
+        # Under DDP every rank holds the same parameters and optimizer state: each saves 1/world
+        # of them, and load gathers them back (--no-shard: every rank saves everything).
+        replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
+        start = ftmem.load(state, replicated_over=replicas)
     print(f"[rank {rank}] resumed from step {start}", flush=True)
 
     step_times: list[float] = []
@@ -400,7 +408,7 @@ def train(args: argparse.Namespace) -> int:
         scheduler.step()
         handle = None
         if ftmem is not None and (step + 1) % args.save_every == 0:
-            handle = ftmem.save(state, step=step + 1)
+            handle = ftmem.save(state, step=step + 1, replicated_over=replicas)
         elif ftmem is not None:
             ftmem.heartbeat(step + 1)  # progress for hang detection between snapshots
         step_times.append(time.perf_counter() - t0)

@@ -77,14 +77,23 @@ def _checkpointer() -> Checkpointer:
     return _default
 
 
-def save(state: Mapping[str, Any], step: int) -> SnapshotHandle:
-    """Snapshot ``state`` as ``step`` into the node's SMP; return at once (see Checkpointer.save)."""
-    return _checkpointer().save(state, step)
+def save(state: Mapping[str, Any], step: int, *, replicated_over: Any = None) -> SnapshotHandle:
+    """Snapshot ``state`` as ``step`` into the node's SMP; return at once (see Checkpointer.save;
+    ``replicated_over``: the data-parallel process group, to save 1/D of the replicated state)."""
+    return _checkpointer().save(state, step, replicated_over=replicated_over)
 
 
-def load(state: MutableMapping[str, Any], *, allow_fresh_start: bool | None = None) -> int:
-    """Restore the newest step every rank holds, in place; return it (0: nothing to restore)."""
-    return _checkpointer().load(state, allow_fresh_start=allow_fresh_start)
+def load(
+    state: MutableMapping[str, Any],
+    *,
+    allow_fresh_start: bool | None = None,
+    replicated_over: Any = None,
+) -> int:
+    """Restore the newest step every rank holds, in place; return it (0: nothing to restore).
+    ``replicated_over``: the group a sharded snapshot was saved over (default: the world)."""
+    return _checkpointer().load(
+        state, allow_fresh_start=allow_fresh_start, replicated_over=replicated_over
+    )
 
 
 def wait(timeout: float | None = None) -> bool:

@@ -14,6 +14,8 @@ ENV_RUN_ID = "FTMEM_RUN_ID"  # names the run (shared-memory names, default run d
 ENV_NODE = "FTMEM_NODE"  # names this node
 ENV_GENERATION = "FTMEM_GENERATION"  # restart generation common to all nodes (informational)
 ENV_REQUEST_TIMEOUT = "FTMEM_REQUEST_TIMEOUT"  # seconds a rank waits for an SMP reply
+ENV_SHARD = "FTMEM_SHARD"
+"""``0`` turns sharded snapshots of replicated state off (default on)."""
 ENV_ALLOW_FRESH_START = "FTMEM_ALLOW_FRESH_START"  # "1": load returns 0 if ranks disagree
 ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"  # set by ftmem-launch: the step the node had committed
 ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
@@ -129,6 +131,9 @@ class ClientConfig:
         default_factory=lambda: os.environ.get(ENV_ALLOW_FRESH_START, "") == "1"
     )
     """If ranks disagree (some have a snapshot, some none), start fresh instead of raising."""
+    shard_replicated: bool = field(default_factory=lambda: os.environ.get(ENV_SHARD, "1") != "0")
+    """Under data parallelism (``replicated_over=``, or a DDP module in the state), each replica
+    saves only its share of the replicated parameters and optimizer state (FTMEM_SHARD=0: off)."""
     arena_headroom: float = 0.10
     """Extra fraction allocated over the first snapshot's size, so small growth needs no resize."""
     flush_dirs: list[Path] = field(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,10 @@ from ftmem.errors import CorruptSnapshotError
 from ftmem.shm import ALIGN
 
 TENSOR_MARK = "__ftmem_tensor__"
+GATHER_MARK = "__ftmem_gather__"
+"""Skeleton marker of a replicated tensor whose rows are spread over its replicas."""
+REPLICAS_KEY = "__ftmem_replicas__"
+"""Skeleton key of the table that says which replica holds which rows (see shard_replicated)."""
 LAYOUT_VERSION = 1
 _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype)
 
@@ -57,12 +61,46 @@ def is_stateful(obj: Any) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkOf:
+    """A stored tensor that is one chunk of a larger (global) tensor: a DTensor's local shard,
+    or the rows of a replicated tensor that this replica keeps."""
+
+    shape: tuple[int, ...]
+    """The global tensor's shape."""
+    offset: tuple[int, ...]
+    """Where the chunk starts in the global tensor (one entry per dimension)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Flat:
     """A flattened state: tensors in discovery order, their names, and the skeleton."""
 
     tensors: list[torch.Tensor]
     names: list[str]
     skeleton: dict[str, Any]
+    chunks: list[ChunkOf | None] = field(default_factory=list)
+    """Per tensor: the global tensor it is a chunk of (None: a whole tensor)."""
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _dtensor_chunk(obj: Any, name: str) -> tuple[torch.Tensor, ChunkOf]:
+    """A DTensor's local shard and where it sits in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = obj._local_tensor.detach()
+    shape, offset = compute_local_shape_and_global_offset(
+        obj.shape, obj.device_mesh, obj.placements
+    )
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"{name}: DTensor local shard {tuple(local.shape)} is not {shape}")
+    return local, ChunkOf(tuple(int(s) for s in obj.shape), tuple(int(o) for o in offset))
 
 
 def flatten_state(state: Mapping[str, Any]) -> Flat:
@@ -74,13 +112,22 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
     """
     tensors: list[torch.Tensor] = []
     names: list[str] = []
+    chunks: list[ChunkOf | None] = []
+    dtensor = _dtensor_type()
 
     def walk(obj: Any, name: str) -> Any:
         if isinstance(obj, torch.Tensor):
+            if dtensor is not None and isinstance(obj, dtensor):
+                local, chunk = _dtensor_chunk(obj, name)
+                tensors.append(local)
+                names.append(name)
+                chunks.append(chunk)
+                return (TENSOR_MARK, len(tensors) - 1)
             if obj.is_sparse or obj.is_meta or obj.is_quantized or type(obj) is not torch.Tensor:
                 raise ValueError(f"{name}: {type(obj).__name__} tensors are not supported yet")
             tensors.append(obj.detach())
             names.append(name)
+            chunks.append(None)
             return (TENSOR_MARK, len(tensors) - 1)
         if isinstance(obj, Mapping):
             out = {}
@@ -110,7 +157,99 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
             else value
         )
         skeleton[key] = walk(sd, key)
-    return Flat(tensors, names, skeleton)
+    return Flat(tensors, names, skeleton, chunks)
+
+
+def split_rows(items: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Spread ``items`` ((rows, bytes per row) each, in order) over ``parts`` owners, balanced
+    by bytes, each owner getting a contiguous run; a tensor is split between rows only.
+    Returns per owner its ``(item, first row, end row)`` pieces. Deterministic: every replica
+    computes the same split."""
+    total = sum(r * b for r, b in items)
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    k, acc = 0, 0
+    for i, (rows, row_bytes) in enumerate(items):
+        r = 0
+        while r < rows:
+            target = total * (k + 1) // parts
+            if k < parts - 1 and acc >= target:
+                k += 1
+                continue
+            if k == parts - 1 or row_bytes == 0:
+                take = rows - r
+            else:
+                take = min(rows - r, max(1, -(-(target - acc) // row_bytes)))
+            out[k].append((i, r, r + take))
+            acc += take * row_bytes
+            r += take
+    return out
+
+
+def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -> Flat:
+    """Keep only this replica's share of the tensors ``replicated`` (indices into ``flat``,
+    equal on all ``size`` replicas of a group in which this one is ``index``).
+
+    The replicated tensors (in index order) are split by rows over the replicas
+    (:func:`split_rows`); this replica stores its rows as chunks (``ChunkOf``), named like the
+    whole tensor; the skeleton marks each replicated tensor with ``GATHER_MARK`` and records
+    under ``REPLICAS_KEY`` the whole split, so that a restore can gather the rows back from
+    every replica (:func:`ftmem.client.restore.gather_replicated`).
+    """
+    rep = sorted(set(replicated))
+    pos = {j: n for n, j in enumerate(rep)}
+    items = []
+    for j in rep:
+        t = flat.tensors[j]
+        rows = t.shape[0] if t.dim() > 0 else 1
+        items.append((rows, t.nbytes // rows if rows else 0))
+    split = split_rows(items, size)
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    chunks: list[ChunkOf | None] = []
+    new_index: dict[int, int] = {}
+    for j, t in enumerate(flat.tensors):
+        if j not in pos:
+            new_index[j] = len(tensors)
+            tensors.append(t)
+            names.append(flat.names[j])
+            chunks.append(flat.chunks[j] if flat.chunks else None)
+    pieces: list[list[int]] = []
+    for owner, run in enumerate(split):
+        for i, a, b in run:
+            stored = -1
+            if owner == index:
+                t = flat.tensors[rep[i]]
+                stored = len(tensors)
+                tensors.append(t[a:b] if t.dim() > 0 else t)
+                names.append(flat.names[rep[i]])
+                chunks.append(
+                    ChunkOf(tuple(t.shape), (a,) + (0,) * (t.dim() - 1) if t.dim() else ())
+                )
+            pieces.append([i, a, b, owner, stored])
+
+    def mark(skel: Any) -> Any:
+        if isinstance(skel, tuple) and len(skel) == 2 and skel[0] == TENSOR_MARK:
+            j = int(skel[1])
+            return (GATHER_MARK, pos[j]) if j in pos else (TENSOR_MARK, new_index[j])
+        if isinstance(skel, dict):
+            return {k: mark(v) for k, v in skel.items()}
+        if isinstance(skel, list):
+            return [mark(v) for v in skel]
+        if isinstance(skel, tuple):
+            return tuple(mark(v) for v in skel)
+        return skel
+
+    skeleton = mark(flat.skeleton)
+    skeleton[REPLICAS_KEY] = {
+        "size": size,
+        "index": index,
+        "tensors": [
+            [flat.names[j], dtype_name(flat.tensors[j].dtype), list(flat.tensors[j].shape)]
+            for j in rep
+        ],
+        "pieces": pieces,
+    }
+    return Flat(tensors, names, skeleton, chunks)
 
 
 def encode_skeleton(skeleton: dict[str, Any]) -> bytes:
@@ -149,6 +288,7 @@ class TensorExtent:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    chunk: ChunkOf | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +298,9 @@ class Layout:
     extents: tuple[TensorExtent, ...]
     tensors_end: int
 
-    def signature(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    def signature(self) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
         """What must stay equal for the layout to be reused."""
-        return tuple((e.name, e.dtype, e.shape) for e in self.extents)
+        return tuple((e.name, e.dtype, e.shape, e.chunk) for e in self.extents)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -171,23 +311,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def signature_of(flat: Flat) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+def signature_of(flat: Flat) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
     """The layout signature of a flattened state."""
+    chunks = flat.chunks or [None] * len(flat.tensors)
     return tuple(
-        (n, dtype_name(t.dtype), tuple(t.shape))
-        for n, t in zip(flat.names, flat.tensors, strict=True)
+        (n, dtype_name(t.dtype), tuple(t.shape), c)
+        for n, t, c in zip(flat.names, flat.tensors, chunks, strict=True)
     )
 
 
 def plan_layout(flat: Flat) -> Layout:
     """Place every tensor of ``flat`` in a slot, largest first, each aligned to ALIGN bytes."""
     order = sorted(range(len(flat.tensors)), key=lambda i: -flat.tensors[i].nbytes)
+    chunks = flat.chunks or [None] * len(flat.tensors)
     offset = 0
     extents = []
     for i in order:
         t = flat.tensors[i]
         extents.append(
-            TensorExtent(i, flat.names[i], dtype_name(t.dtype), tuple(t.shape), offset, t.nbytes)
+            TensorExtent(
+                i, flat.names[i], dtype_name(t.dtype), tuple(t.shape), offset, t.nbytes, chunks[i]
+            )
         )
         offset = _align(offset + t.nbytes)
     return Layout(tuple(sorted(extents, key=lambda e: e.index)), offset)
@@ -195,21 +339,24 @@ def plan_layout(flat: Flat) -> Layout:
 
 def layout_json(layout: Layout, step: int, hashes: list[str], objects: tuple[int, int, str]) -> str:
     """Return the committed description of a snapshot (JSON text, sent to the SMP)."""
+    tensors = []
+    for e, h in zip(layout.extents, hashes, strict=True):
+        entry: dict[str, Any] = {
+            "i": e.index,
+            "name": e.name,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "offset": e.offset,
+            "nbytes": e.nbytes,
+            "hash": h,
+        }
+        if e.chunk is not None:
+            entry["chunk"] = {"shape": list(e.chunk.shape), "offset": list(e.chunk.offset)}
+        tensors.append(entry)
     doc = {
         "version": LAYOUT_VERSION,
         "step": step,
-        "tensors": [
-            {
-                "i": e.index,
-                "name": e.name,
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "offset": e.offset,
-                "nbytes": e.nbytes,
-                "hash": h,
-            }
-            for e, h in zip(layout.extents, hashes, strict=True)
-        ],
+        "tensors": tensors,
         "objects": {"offset": objects[0], "nbytes": objects[1], "hash": objects[2]},
     }
     return json.dumps(doc, separators=(",", ":"))
@@ -226,6 +373,7 @@ class StoredTensor:
     offset: int
     nbytes: int
     hash: str
+    chunk: ChunkOf | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +385,19 @@ class StoredSnapshot:
     objects_offset: int
     objects_nbytes: int
     objects_hash: str
+
+
+def _parse_chunk(doc: Any, local: tuple[int, ...]) -> ChunkOf | None:
+    """A layout's chunk entry, checked against the stored (local) shape."""
+    if doc is None:
+        return None
+    shape = tuple(int(x) for x in doc["shape"])
+    offset = tuple(int(x) for x in doc["offset"])
+    if len(shape) != len(local) or len(offset) != len(local):
+        raise CorruptSnapshotError("chunk rank differs from the tensor's")
+    if any(o < 0 or o + n > g for o, n, g in zip(offset, local, shape, strict=True)):
+        raise CorruptSnapshotError("chunk lies outside its global tensor")
+    return ChunkOf(shape, offset)
 
 
 def parse_layout(text: str, capacity: int) -> StoredSnapshot:
@@ -265,8 +426,9 @@ def parse_layout(text: str, capacity: int) -> StoredSnapshot:
                 raise CorruptSnapshotError(f"tensor {e['name']!r} has an inconsistent extent")
             if int(e["i"]) != n:
                 raise CorruptSnapshotError("tensor indices are out of order")
+            chunk = _parse_chunk(e.get("chunk"), shape)
             tensors.append(
-                StoredTensor(n, str(e["name"]), dtype, shape, off, nbytes, str(e["hash"]))
+                StoredTensor(n, str(e["name"]), dtype, shape, off, nbytes, str(e["hash"]), chunk)
             )
         obj = doc["objects"]
         ooff, on = int(obj["offset"]), int(obj["nbytes"])

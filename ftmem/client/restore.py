@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 from ftmem.client.flatten import (
+    DTYPES,
+    GATHER_MARK,
+    REPLICAS_KEY,
     TENSOR_MARK,
     StoredSnapshot,
     StoredTensor,
@@ -26,6 +29,7 @@ from ftmem.client.flatten import (
 from ftmem.client.staging import hash_bytes
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
 from ftmem.shm import MappedSegment
+from ftmem.testing import faults
 
 
 def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment, threads: int = 2) -> None:
@@ -54,16 +58,55 @@ def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment, threads: int = 2) 
 
 @dataclass
 class RestorePlan:
-    """What :func:`apply_restore` will do: copies into tensors, then per-key finishing calls."""
+    """What :func:`apply_restore` will do: copies into tensors, the rows of replicated tensors
+    gathered from every replica, then per-key finishing calls."""
 
     copies: list[tuple[StoredTensor, torch.Tensor]] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
+    replicas: dict[str, Any] | None = None
+    """The skeleton's replica table (``REPLICAS_KEY``) if the snapshot was sharded."""
+    gathers: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Replicated tensor (table position) -> the tensor its rows are gathered into."""
+    stored: tuple[StoredTensor, ...] = ()
+    """The snapshot's tensors (this replica's rows are among them)."""
+
+    def replica_group_shape(self) -> tuple[int, int] | None:
+        """(replicas, this one's index) of a sharded snapshot, else None."""
+        if self.replicas is None:
+            return None
+        return int(self.replicas["size"]), int(self.replicas["index"])
 
 
-def _is_mark(obj: Any) -> bool:
-    return (
-        isinstance(obj, tuple) and len(obj) == 2 and obj[0] == TENSOR_MARK and type(obj[1]) is int
-    )
+def _is_mark(obj: Any, mark: str = TENSOR_MARK) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 2 and obj[0] == mark and type(obj[1]) is int
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to copy into: a DTensor's local shard, else the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _replica_table(doc: Any) -> dict[str, Any]:
+    """Check the skeleton's replica table (it came from a file another process wrote)."""
+    try:
+        size, index = int(doc["size"]), int(doc["index"])
+        tensors = [
+            (str(n), DTYPES[str(d)], tuple(int(x) for x in sh)) for n, d, sh in doc["tensors"]
+        ]
+        pieces = [tuple(int(x) for x in p) for p in doc["pieces"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptSnapshotError(f"malformed replica table: {exc!r}") from exc
+    if not 0 <= index < size:
+        raise CorruptSnapshotError("replica index out of range")
+    for p in pieces:
+        if len(p) != 5 or not 0 <= p[0] < len(tensors) or not 0 <= p[3] < size:
+            raise CorruptSnapshotError("malformed replica piece")
+        shape = tensors[p[0]][2]
+        rows = shape[0] if shape else 1
+        if not 0 <= p[1] <= p[2] <= rows:
+            raise CorruptSnapshotError("replica piece rows out of range")
+    return {"size": size, "index": index, "tensors": tensors, "pieces": pieces}
 
 
 def _live_tensors(
@@ -89,11 +132,16 @@ def plan_restore(
         SnapshotMismatchError: a key of ``state`` is missing from the snapshot, or a plain
             tensor in ``state`` has another shape or dtype than the stored one.
     """
+    faults.maybe_inject(faults.Point.IN_RESTORE, faults.process_rank(), snap.step)
     skeleton = decode_skeleton(objects)
     plan = RestorePlan()
     stored = snap.tensors
 
     seen: set[tuple[Any, ...]] = set()
+
+    plan.stored = snap.tensors
+    if REPLICAS_KEY in skeleton:
+        plan.replicas = _replica_table(skeleton[REPLICAS_KEY])
 
     def build(
         skel: Any,
@@ -101,23 +149,44 @@ def plan_restore(
         path: tuple[Any, ...],
         counts: list[int],
     ) -> Any:
-        if _is_mark(skel):
-            idx = skel[1]
-            if not 0 <= idx < len(stored):
-                raise CorruptSnapshotError(f"skeleton refers to tensor {idx} of {len(stored)}")
-            st = stored[idx]
+        if _is_mark(skel, GATHER_MARK):
+            pos = skel[1]
+            if plan.replicas is None or not 0 <= pos < len(plan.replicas["tensors"]):
+                raise CorruptSnapshotError(f"skeleton refers to replicated tensor {pos}")
+            name, dtype, shape = plan.replicas["tensors"][pos]
             target = live.get(path)
-            if target is not None and (target.dtype != st.dtype or tuple(target.shape) != st.shape):
+            if target is not None and (target.dtype != dtype or tuple(target.shape) != shape):
                 raise SnapshotMismatchError(
-                    f"{st.name}: snapshot holds {st.dtype} {list(st.shape)}, the state "
+                    f"{name}: snapshot holds {dtype} {list(shape)}, the state "
                     f"{target.dtype} {list(target.shape)}"
                 )
             seen.add(path)
             if target is not None:
                 counts[0] += 1
             else:
-                target = torch.empty(st.shape, dtype=st.dtype)
+                target = torch.empty(shape, dtype=dtype)
                 counts[1] += 1
+            plan.gathers[pos] = target
+            return target
+        if _is_mark(skel):
+            idx = skel[1]
+            if not 0 <= idx < len(stored):
+                raise CorruptSnapshotError(f"skeleton refers to tensor {idx} of {len(stored)}")
+            st = stored[idx]
+            target = live.get(path)
+            local = _local(target) if target is not None else None
+            if local is not None and (local.dtype != st.dtype or tuple(local.shape) != st.shape):
+                raise SnapshotMismatchError(
+                    f"{st.name}: snapshot holds {st.dtype} {list(st.shape)}, the state "
+                    f"{local.dtype} {list(local.shape)}"
+                )
+            seen.add(path)
+            if target is not None and local is not None:
+                counts[0] += 1
+                plan.copies.append((st, local))
+                return target
+            target = torch.empty(st.shape, dtype=st.dtype)
+            counts[1] += 1
             plan.copies.append((st, target))
             return target
         if isinstance(skel, dict):
@@ -164,9 +233,15 @@ def restore_threads() -> int:
 
 
 def apply_restore(
-    plan: RestorePlan, seg: MappedSegment, threads: int = 1, piece: int = 16 << 20
+    plan: RestorePlan,
+    seg: MappedSegment,
+    threads: int = 1,
+    piece: int = 16 << 20,
+    group: Any = None,
 ) -> None:
-    """Copy every planned tensor out of the slot (in parallel pieces), then run the finishing calls."""
+    """Copy every planned tensor out of the slot (in parallel pieces), gather the rows of
+    replicated tensors from every replica (a collective over ``group``, the replicas' process
+    group: every replica must call this), then run the finishing calls."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for st, target in plan.copies:
         if st.nbytes == 0:
@@ -185,5 +260,60 @@ def apply_restore(
     else:
         for dst, src in jobs:
             dst.copy_(src)
+    if plan.replicas is not None:
+        gather_replicated(plan, seg, group)
     for fn in plan.finish:
         fn()
+
+
+def gather_replicated(plan: RestorePlan, seg: MappedSegment, group: Any = None) -> None:
+    """Rebuild every replicated tensor from the rows each replica stored: one all-gather of
+    each replica's rows (padded to the largest share) over ``group``."""
+    import torch.distributed as dist
+
+    table = plan.replicas
+    assert table is not None
+    size, index = int(table["size"]), int(table["index"])
+    tensors, pieces = table["tensors"], table["pieces"]
+
+    def row_bytes(pos: int) -> int:
+        _, dtype, shape = tensors[pos]
+        numel = 1
+        for d in shape[1:]:
+            numel *= d
+        return int(numel * dtype.itemsize)
+
+    share = [0] * size
+    for pos, a, b, owner, _ in pieces:
+        share[owner] += (b - a) * row_bytes(pos)
+    width = max(1, max(share))
+    mine = torch.zeros(width, dtype=torch.uint8)
+    at = 0
+    for pos, a, b, owner, idx in pieces:
+        if owner != index:
+            continue
+        n = (b - a) * row_bytes(pos)
+        st = plan.stored[idx] if 0 <= idx < len(plan.stored) else None
+        if st is None or st.nbytes != n:
+            raise CorruptSnapshotError(f"replica rows of {tensors[pos][0]} are not in the snapshot")
+        mine[at : at + n].copy_(seg.tensor[st.offset : st.offset + n])
+        at += n
+    if size > 1:
+        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
+        dist.all_gather(outs, mine, group=group)
+    else:
+        outs = [mine]
+    cursor = [0] * size
+    for pos, a, b, owner, _ in pieces:
+        n = (b - a) * row_bytes(pos)
+        src = outs[owner][cursor[owner] : cursor[owner] + n]
+        cursor[owner] += n
+        target = plan.gathers.get(pos)
+        if target is None or n == 0:
+            continue
+        start = a * row_bytes(pos)
+        if target.is_contiguous():
+            target.reshape(-1).view(torch.uint8)[start : start + n].copy_(src)
+        else:
+            rows = target[a:b] if target.dim() > 0 else target
+            rows.copy_(src.view(target.dtype).view(rows.shape))

@@ -34,9 +34,16 @@ from ftmem.client.flatten import (
     flatten_state,
     parse_layout,
     plan_layout,
+    shard_replicated,
     signature_of,
 )
-from ftmem.client.restore import apply_restore, plan_restore, restore_threads, verify_snapshot
+from ftmem.client.restore import (
+    RestorePlan,
+    apply_restore,
+    plan_restore,
+    restore_threads,
+    verify_snapshot,
+)
 from ftmem.client.smp_client import SmpClient
 from ftmem.client.staging import (
     CopyJob,
@@ -118,6 +125,7 @@ class Checkpointer:
         self._last_fence_s = 0.0
         self._closed = False
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._group: Any = None
         atexit.register(self.close)
 
     # -- connection ------------------------------------------------------------------------
@@ -155,11 +163,19 @@ class Checkpointer:
         return seg
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, state: Mapping[str, Any], step: int) -> SnapshotHandle:
+    def save(
+        self, state: Mapping[str, Any], step: int, *, replicated_over: Any = None
+    ) -> SnapshotHandle:
         """Snapshot ``state`` as ``step``; return at once with a handle.
 
         The snapshot is skipped (counted, never waited for) when the previous copy is still
         running or the SMP has no free slot.
+
+        ``replicated_over``: a process group over which the parameters of the modules in
+        ``state`` and their optimizer state are the same on every rank (data parallelism);
+        found by itself when ``state`` holds a DDP module. Each rank then saves only its
+        share of those bytes (``ClientConfig.shard_replicated``, FTMEM_SHARD=0 turns it off);
+        ``load`` gathers them back.
 
         Raises:
             ValueError: bad step or a state that cannot be snapshotted.
@@ -177,7 +193,7 @@ class Checkpointer:
             # trip). Wait for it rather than skip: ranks that skip different steps can end up
             # with no step in common, and then nothing can be restored.
             prev.finished.wait(self.config.request_timeout.total_seconds())
-        flat = flatten_state(state)
+        flat = self._shard(state, flatten_state(state), replicated_over)
         sig = signature_of(flat)
         if sig != self._sig or self._layout is None:
             self._layout, self._sig = plan_layout(flat), sig
@@ -208,6 +224,38 @@ class Checkpointer:
         assert self._worker is not None
         self._worker.submit(job)
         return SnapshotHandle(step=step, skipped=False, _job=job)
+
+    def _replica_group(self, state: Mapping[str, Any], given: Any) -> Any:
+        """The group the state is replicated over (None: not replicated / not distributed)."""
+        if not agreement.distributed():
+            return None
+        if given is not None:
+            return given
+        from torch.nn.parallel import DistributedDataParallel
+
+        for v in _walk_values(state):
+            if isinstance(v, DistributedDataParallel):
+                return v.process_group
+        return None
+
+    def _shard(self, state: Mapping[str, Any], flat: Flat, given: Any) -> Flat:
+        """Keep only this replica's share of the replicated tensors (see :meth:`save`)."""
+        group = self._replica_group(state, given) if self.config.shard_replicated else None
+        if group is None:
+            return flat
+        size = torch.distributed.get_world_size(group)
+        if size < 2:
+            return flat
+        ptrs = _replicated_storage_ptrs(state)
+        chunks = flat.chunks or [None] * len(flat.tensors)
+        replicated = [
+            i
+            for i, t in enumerate(flat.tensors)
+            if chunks[i] is None and t.untyped_storage().data_ptr() in ptrs
+        ]
+        if not replicated:
+            return flat
+        return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
 
     def _skip(self, step: int, reason: str, t0: float) -> SnapshotHandle:
         self._skipped += 1
@@ -313,7 +361,11 @@ class Checkpointer:
 
     # -- load ------------------------------------------------------------------------------
     def load(
-        self, state: MutableMapping[str, Any], *, allow_fresh_start: bool | None = None
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        allow_fresh_start: bool | None = None,
+        replicated_over: Any = None,
     ) -> int:
         """Restore the newest step every rank holds (in place); return it, or 0 if none.
 
@@ -326,6 +378,7 @@ class Checkpointer:
             SnapshotMismatchError: the snapshot does not fit ``state``.
         """
         allow = self.config.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
+        self._group = self._replica_group(state, replicated_over)
         self.wait_quietly()
         client = self._connect()
         snaps = client.request(m.Query(rank=self.rank))["snapshots"]
@@ -364,7 +417,7 @@ class Checkpointer:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert plan is not None and seg is not None
-                apply_restore(plan, seg, threads=restore_threads())
+                apply_restore(plan, seg, threads=restore_threads(), group=self._group)
                 client.request(m.DiscardNewer(rank=self.rank, step=step))
                 log.info("restored step %d", step)
                 return step
@@ -405,7 +458,7 @@ class Checkpointer:
             code, err, restore = _CORRUPT, "", None
             try:
                 snap, objects, buf = load_rank(ck, self.rank)
-                restore = (plan_restore(state, snap, objects), buf)
+                restore = (self._check_group(plan_restore(state, snap, objects)), buf)
                 code = _OK
             except CorruptSnapshotError as exc:
                 err = str(exc)
@@ -415,7 +468,12 @@ class Checkpointer:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert restore is not None
-                apply_restore(restore[0], restore[1], threads=restore_threads())  # type: ignore[arg-type]
+                apply_restore(
+                    restore[0],
+                    restore[1],  # type: ignore[arg-type]
+                    threads=restore_threads(),
+                    group=self._group,
+                )
                 client.request(m.DiscardNewer(rank=self.rank, step=step))
                 log.warning(
                     "memory could not serve every rank: restored step %d from %s", step, ck.path
@@ -441,12 +499,39 @@ class Checkpointer:
             objects = bytes(
                 seg.view[stored.objects_offset : stored.objects_offset + stored.objects_nbytes]
             )
-            return _OK, plan_restore(state, stored, objects), seg, ""
+            return _OK, self._check_group(plan_restore(state, stored, objects)), seg, ""
         except (CorruptSnapshotError, OSError, ValueError) as exc:
             log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)
             return _CORRUPT, None, None, str(exc)
         except SnapshotMismatchError as exc:
             return _MISMATCH, None, None, str(exc)
+
+    def _check_group(self, plan: RestorePlan) -> RestorePlan:
+        """A sharded snapshot restores only with the same replicas (it gathers over them).
+
+        Raises:
+            SnapshotMismatchError: the replica group differs from the one that saved.
+        """
+        shape = plan.replica_group_shape()
+        if shape is None:
+            return plan
+        if not agreement.distributed():
+            if shape == (1, 0):
+                return plan
+            raise SnapshotMismatchError(
+                f"the snapshot was sharded over {shape[0]} replicas; load it with a process group"
+            )
+        have = (
+            torch.distributed.get_world_size(self._group),
+            torch.distributed.get_rank(self._group),
+        )
+        if have != shape:
+            raise SnapshotMismatchError(
+                f"the snapshot was sharded over {shape[0]} replicas (this one #{shape[1]}); "
+                f"the replica group here has {have[0]} (this one #{have[1]}): pass "
+                "replicated_over= to load"
+            )
+        return plan
 
     # -- shutdown --------------------------------------------------------------------------
     def wait_quietly(self, timeout: float | None = None) -> None:
@@ -500,15 +585,39 @@ def _walk_values(obj: Any) -> list[Any]:
     return out
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The data pointer of a tensor's storage (a DTensor's: its local shard's)."""
+    local = getattr(t, "_local_tensor", None)
+    return int((local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr())
+
+
 def _optimizer_storage_ptrs(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     """Storages that only the optimizers mutate: their parameters and their state tensors."""
     ptrs: set[int] = set()
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                ptrs.add(p.untyped_storage().data_ptr())
+                ptrs.add(_storage_ptr(p))
         for st in opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    ptrs.add(v.untyped_storage().data_ptr())
+                    ptrs.add(_storage_ptr(v))
+    return ptrs
+
+
+def _replicated_storage_ptrs(state: Mapping[str, Any]) -> set[int]:
+    """Storages replicated under data parallelism: the (plain) parameters of the modules in
+    ``state`` and the optimizer state of those parameters. Buffers (BatchNorm statistics...)
+    are per rank: each rank's forward updates its own."""
+    values = _walk_values(state)
+    params: dict[int, torch.Tensor] = {}
+    for mod in (v for v in values if isinstance(v, torch.nn.Module)):
+        for p in mod.parameters():
+            if type(p) in (torch.Tensor, torch.nn.Parameter):
+                params[id(p)] = p
+    ptrs = {_storage_ptr(p) for p in params.values()}
+    for opt in (v for v in values if isinstance(v, torch.optim.Optimizer)):
+        for param, st in opt.state.items():
+            if id(param) in params:
+                ptrs.update(_storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
     return ptrs

@@ -62,6 +62,8 @@ class Part:
     """The part's DCP metadata as JSON (:func:`ftmem.tiers.dcp_meta.metadata_to_json`)."""
     hashes: dict[int, dict[str, str]]
     """Each rank's tensor name -> xxh3, as the rank saved them."""
+    chunked: frozenset[str] = frozenset()
+    """Tensors the part holds chunks of (DTensor shards, replicas' rows): merged over parts."""
 
     @property
     def prefix(self) -> str:
@@ -82,11 +84,12 @@ def read_part(ckpt: Checkpoint) -> Part:
             int(r): {str(k): str(v) for k, v in dict(h).items()}
             for r, h in dict(doc["hashes"]).items()
         }
+        chunked = frozenset(str(n) for n in doc.get("chunked", []))
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptSnapshotError(f"{ckpt.path}: not a part ({exc!r})") from exc
     if sorted(hashes) != list(ckpt.ranks):
         raise CorruptSnapshotError(f"{ckpt.path}: hashes for ranks {sorted(hashes)}")
-    return Part(ckpt, dcp, hashes)
+    return Part(ckpt, dcp, hashes, chunked)
 
 
 def find_parts(tier: Path, step: int, world_size: int) -> list[Part]:
@@ -129,20 +132,45 @@ def merge_parts(parts: list[Part]) -> dict[str, Any]:
             storage.setdefault(entry[0], []).append(entry)
         mine = tuple(f"{PER_RANK_KEY}.{r}." for r in p.ckpt.ranks)
         for fqn in [*doc["tensors"], *doc["bytes"]]:
-            if p is first or fqn.startswith(mine):
+            if fqn in p.chunked:
+                _merge_chunks(out, doc, storage, fqn)
+            elif p is first or fqn.startswith(mine):
                 _take(out, doc, storage, fqn, fqn)
         if p is first:
             continue  # its per-rank entries are already relative to rank 0
         for rank in p.ckpt.ranks:
             for name, h in p.hashes[rank].items():
                 own = f"{PER_RANK_KEY}.{rank}.tensors.{name}"
-                if h0.get(name) == h or own in doc["tensors"]:
+                if h0.get(name) == h or own in doc["tensors"] or name in p.chunked:
                     continue
                 if name not in doc["tensors"]:
                     raise AssembleError(f"{p.ckpt.path}: rank {rank}'s {name} is not in its part")
                 # Equal to the part's top level (its lowest rank's value): point there.
                 _take(out, doc, storage, name, own, [PER_RANK_KEY, str(rank), "tensors", name])
     return out
+
+
+def _merge_chunks(
+    out: dict[str, Any], doc: dict[str, Any], storage: dict[str, list[Any]], fqn: str
+) -> None:
+    """Add a part's chunks of tensor ``fqn`` to the global entry (the same chunk once)."""
+    mine = doc["tensors"][fqn]
+    have = out["tensors"].get(fqn)
+    if have is None:
+        out["tensors"][fqn] = {**mine, "chunks": []}
+        out["planner"][fqn] = doc["planner"].get(fqn, [fqn])
+        have = out["tensors"][fqn]
+    elif have["size"] != mine["size"] or have["dtype"] != mine["dtype"]:
+        raise AssembleError(f"{fqn}: parts disagree on its size or dtype")
+    known = {tuple(c[0]) for c in have["chunks"]}
+    for chunk in mine["chunks"]:
+        if tuple(chunk[0]) in known:
+            continue
+        known.add(tuple(chunk[0]))
+        have["chunks"].append(chunk)
+        for e in storage.get(fqn, []):
+            if e[1] is not None and tuple(e[1]) == tuple(chunk[0]):
+                out["storage"].append([fqn, e[1], len(have["chunks"]) - 1, *e[3:]])
 
 
 def _take(

@@ -41,6 +41,8 @@ import torch
 
 from ftmem._logging import get_logger
 from ftmem.client.flatten import (
+    GATHER_MARK,
+    REPLICAS_KEY,
     TENSOR_MARK,
     StoredSnapshot,
     decode_skeleton,
@@ -51,7 +53,7 @@ from ftmem.errors import FtmemError
 from ftmem.shm import MappedSegment
 from ftmem.testing import faults
 from ftmem.tiers.checkpoints import fsync_dir, write_manifest
-from ftmem.tiers.dcp_meta import metadata_to_json
+from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
 
 log = get_logger(__name__)
 
@@ -133,16 +135,109 @@ def _tensors(snap: StoredSnapshot, seg: MappedSegment) -> list[torch.Tensor]:
     return out
 
 
-def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, tuple) and len(skeleton) == 2 and skeleton[0] == TENSOR_MARK:
-        return tensors[int(skeleton[1])]
+_CHUNK = object()
+"""Stands in the rebuilt tree for a tensor stored as a chunk (removed before DCP sees it)."""
+
+
+def _mark(skeleton: Any) -> tuple[str, int] | None:
+    if (
+        isinstance(skeleton, tuple)
+        and len(skeleton) == 2
+        and skeleton[0] in (TENSOR_MARK, GATHER_MARK)
+    ):
+        return str(skeleton[0]), int(skeleton[1])
+    return None
+
+
+def _fill(skeleton: Any, tensors: list[torch.Tensor], chunked: set[int] | None = None) -> Any:
+    mark = _mark(skeleton)
+    if mark is not None:
+        if mark[0] == GATHER_MARK or (chunked and mark[1] in chunked):
+            return _CHUNK
+        return tensors[mark[1]]
     if isinstance(skeleton, dict):
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
+        return {k: _fill(v, tensors, chunked) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
-        return [_fill(v, tensors) for v in skeleton]
+        return [_fill(v, tensors, chunked) for v in skeleton]
     if isinstance(skeleton, tuple):
-        return tuple(_fill(v, tensors) for v in skeleton)
+        return tuple(_fill(v, tensors, chunked) for v in skeleton)
     return skeleton
+
+
+def _prune(tree: Any) -> Any:
+    """Drop the chunk stand-ins (None where a list or tuple holds one)."""
+    if isinstance(tree, dict):
+        return {k: _prune(v) for k, v in tree.items() if v is not _CHUNK}
+    if isinstance(tree, list):
+        return [None if v is _CHUNK else _prune(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(None if v is _CHUNK else _prune(v) for v in tree)
+    return tree
+
+
+def _paths_of(
+    skeleton: Any,
+    path: tuple[Any, ...],
+    snap: StoredSnapshot,
+    tables: Any,
+    out: dict[str, tuple[Any, ...]],
+) -> None:
+    """Where each chunked tensor sits in the state (DCP's planner data), by tensor name."""
+    mark = _mark(skeleton)
+    if mark is not None:
+        kind, i = mark
+        if kind == TENSOR_MARK and 0 <= i < len(snap.tensors) and snap.tensors[i].chunk:
+            out.setdefault(snap.tensors[i].name, path)
+        elif kind == GATHER_MARK and tables is not None and 0 <= i < len(tables["tensors"]):
+            out.setdefault(str(tables["tensors"][i][0]), path)
+        return
+    if isinstance(skeleton, dict):
+        for k, v in skeleton.items():
+            _paths_of(v, (*path, k), snap, tables, out)
+    elif isinstance(skeleton, list | tuple):
+        for k, v in enumerate(skeleton):
+            _paths_of(v, (*path, k), snap, tables, out)
+
+
+def add_chunks(
+    meta: Any, ranks: list[int], snaps: list[StoredSnapshot], paths: dict[str, tuple[Any, ...]]
+) -> set[str]:
+    """Describe in ``meta`` every tensor the ranks stored as chunks, as DCP describes a
+    sharded tensor: its global size and each chunk's offsets, the bytes being those of the
+    chunk's per-rank entry. Returns the names of those tensors."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    names: set[str] = set()
+    for rank, snap in zip(ranks, snaps, strict=True):
+        for t in snap.tensors:
+            if t.chunk is None:
+                continue
+            own = f"{PER_RANK_KEY}.{rank}.tensors.{t.name}"
+            src = meta.storage_data.get(MetadataIndex(own, torch.Size([0] * len(t.shape))))
+            if src is None:
+                raise ExportError(f"DCP wrote no entry for {own}")
+            entry = meta.state_dict_metadata.get(t.name)
+            if entry is None:
+                entry = meta.state_dict_metadata[t.name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=t.dtype),
+                    size=torch.Size(t.chunk.shape),
+                    chunks=[],
+                )
+                meta.planner_data[t.name] = paths.get(t.name, (t.name,))
+            elif not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != t.chunk.shape:
+                raise ExportError(f"{t.name}: chunks of different tensors")
+            offsets = torch.Size(t.chunk.offset)
+            if any(c.offsets == offsets for c in entry.chunks):
+                continue  # the same chunk from another replica (HSDP)
+            entry.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(t.shape)))
+            meta.storage_data[MetadataIndex(t.name, offsets, len(entry.chunks) - 1)] = src
+            names.add(t.name)
+    return names
 
 
 def _dir_bytes(path: Path) -> int:
@@ -193,25 +288,31 @@ def export_dcp(
             verify_snapshot(snap, seg)
             snaps.append(snap)
         skeletons = []
+        paths: dict[str, tuple[Any, ...]] = {}
         for snap, seg in zip(snaps, segs, strict=True):
             raw = bytes(seg.view[snap.objects_offset : snap.objects_offset + snap.objects_nbytes])
             skeleton = decode_skeleton(raw)
+            tables = skeleton.pop(REPLICAS_KEY, None)
             tensors = _tensors(snap, seg)
             skeletons.append(raw)
             tensor_lists.append(tensors)
-            trees.append(_fill(skeleton, tensors))
+            chunked = {i for i, t in enumerate(snap.tensors) if t.chunk is not None}
+            trees.append(_prune(_fill(skeleton, tensors, chunked)))
+            _paths_of(skeleton, (), snap, tables, paths)
         state = dict(trees[0])
         for reserved in (PER_RANK_KEY, META_KEY):
             if reserved in state:
                 raise ExportError(f"the state uses the reserved key {reserved!r}")
         hashes0 = {t.name: t.hash for t in snaps[0].tensors}
-        shared = set(hashes0)
+        shared = {t.name for t in snaps[0].tensors if t.chunk is None}
         per_rank: dict[str, Any] = {}
         for r, rank in enumerate(ranks):
+            # Chunks (a DTensor's shard, a replica's rows) are kept per rank; the whole tensor
+            # is described by the metadata (add_chunks), as DCP describes a sharded tensor.
             differ = {
                 t.name: tensor_lists[r][i]
                 for i, t in enumerate(snaps[r].tensors)
-                if r > 0 and hashes0.get(t.name) != t.hash
+                if t.chunk is not None or (r > 0 and hashes0.get(t.name) != t.hash)
             }
             shared -= set(differ)
             names = json.dumps([t.name for t in snaps[r].tensors]).encode()
@@ -228,6 +329,9 @@ def export_dcp(
             # DCP warns that it saves in one process: that is what no_dist asks for.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             meta = dcp_save(state, storage_writer=writer, no_dist=True)
+        chunked_names = add_chunks(meta, ranks, snaps, paths)
+        if chunked_names:
+            write_metadata(tmp, meta)  # DCP's, plus the global tensors made of chunks
         missing = {t.name for t in snaps[0].tensors} - set(meta.state_dict_metadata)
         if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
@@ -237,6 +341,7 @@ def export_dcp(
         if part:  # what the coordinator needs to write the global metadata, as JSON
             extra = {
                 "dcp": metadata_to_json(meta),
+                "chunked": sorted(chunked_names),
                 "hashes": {
                     str(r): {t.name: t.hash for t in sn.tensors}
                     for r, sn in zip(ranks, snaps, strict=True)
