@@ -136,6 +136,7 @@ def plan_restore(
     stored = snap.tensors
 
     seen: set[tuple[Any, ...]] = set()
+    like: Callable[[tuple[Any, ...]], Any] = _no_param
 
     plan.stored = snap.tensors
     if REPLICAS_KEY in skeleton:
@@ -183,8 +184,18 @@ def plan_restore(
                 counts[0] += 1
                 plan.copies.append((st, local))
                 return target
-            target = torch.empty(st.shape, dtype=st.dtype)
             counts[1] += 1
+            model = like(path) if st.chunk is not None else None
+            if model is not None and tuple(_local(model).shape) == st.shape:
+                # An optimizer's state of a DTensor parameter (FSDP2): a DTensor like it.
+                from torch.distributed.tensor import DTensor
+
+                local = torch.empty(st.shape, dtype=st.dtype)
+                plan.copies.append((st, local))
+                return DTensor.from_local(
+                    local, model.device_mesh, model.placements, run_check=False
+                )
+            target = torch.empty(st.shape, dtype=st.dtype)
             plan.copies.append((st, target))
             return target
         if isinstance(skel, dict):
@@ -196,6 +207,7 @@ def plan_restore(
         return skel
 
     for key, value in state.items():
+        like = _param_of_state(value)  # read by build() for this key's tensors
         if key not in skeleton:
             raise SnapshotMismatchError(f"key {key!r} of the state is not in snapshot {snap.step}")
         live: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -223,6 +235,26 @@ def plan_restore(
             new_value = build(skeleton[key], live, (), counts)
             plan.finish.append(functools.partial(state.__setitem__, key, new_value))
     return plan
+
+
+def _no_param(path: tuple[Any, ...]) -> Any:
+    return None
+
+
+def _param_of_state(value: Any) -> Callable[[tuple[Any, ...]], Any]:
+    """For an optimizer: the parameter whose state a ``("state", index, key)`` path is (its
+    DTensor-ness and placements are what a newly made state tensor must copy)."""
+    if not isinstance(value, torch.optim.Optimizer):
+        return _no_param
+    params = [p for g in value.param_groups for p in g["params"]]
+
+    def of(path: tuple[Any, ...]) -> Any:
+        if len(path) == 3 and path[0] == "state" and isinstance(path[1], int):
+            if 0 <= path[1] < len(params) and hasattr(params[path[1]], "device_mesh"):
+                return params[path[1]]
+        return None
+
+    return of
 
 
 def restore_threads() -> int:

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ftmem.tiers.checkpoints import list_checkpoints, read_checkpoint, verify_checkpoint
 from tests.faults.test_ec_nodes import Nodes, reference
 from tests.integration.test_launcher_support import EXAMPLE, TINY, Launcher, launcher_env
@@ -34,6 +36,7 @@ def wait_global(tier: Path, step: int, timeout: float = 180.0) -> int:
         time.sleep(0.2)
 
 
+@pytest.mark.timeout(400)  # several launches of several processes each
 def test_three_nodes_flush_parts_assemble_and_resume_from_disk(launcher_env: Launcher) -> None:
     want = reference(launcher_env, 3)
     shared = launcher_env.tmp / "shared"

@@ -1,0 +1,97 @@
+"""FSDP2 (``fully_shard``, DTensor) under ftmem-launch: a rank is SIGKILLed, every rank
+restarts from the in-memory snapshot of its local shards, and the run ends with the digest of a
+failure-free run; its flushed checkpoint loads with stock DCP at another world size (1 process
+with plain tensors, and 3 processes with FSDP2 resharding), with the same digest."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftmem.tiers.checkpoints import list_checkpoints
+from tests.conftest import REPO, Procs
+from tests.integration.test_launcher_support import TINY, Launcher, digests, launcher_env
+
+__all__ = ["launcher_env"]  # the fixture
+
+FSDP = REPO / "examples" / "train_fsdp.py"
+STEPS = 16
+SCRIPT = [str(FSDP), "--steps", str(STEPS), *TINY]
+
+LOAD = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {examples!r})
+from train_fsdp import GPT, state_digest
+from train_gpt import get_args_parser
+args = get_args_parser().parse_args({tiny!r})
+world = int(os.environ["WORLD_SIZE"])
+torch.manual_seed(7)  # other weights than the run's: the load must overwrite them all
+model = GPT(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+            n_layers=args.n_layers, n_heads=args.n_heads, dropout=args.dropout, batchnorm=False)
+if world > 1:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", init_method="file://" + {store!r},
+                            rank=int(os.environ["RANK"]), world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+_init_optim_state(opt)  # state tensors to load into (DCP's own helper)
+sd = {{"model": model.state_dict(), "optim": opt.state_dict()}}
+dcp.load(sd, checkpoint_id={ckpt!r}, no_dist=world == 1)
+model.load_state_dict(sd["model"])
+opt.load_state_dict(sd["optim"])
+print("DIGEST", state_digest(model, opt), flush=True)
+if world > 1:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(400)  # several launches of several processes each
+def test_fsdp2_kill_restart_same_digest_and_flush_reshards(
+    launcher_env: Launcher, procs: Procs, tmp_path: Path
+) -> None:
+    ref = launcher_env.single_node(
+        launcher_env.new_run_id(), 2, [], [*SCRIPT, "--no-ftmem"], name="reference"
+    )
+    assert ref.wait(120) == 0, ref.text()[-3000:]
+    want = set(digests(ref.text()).values())
+    assert len(want) == 1
+
+    tier = launcher_env.tmp / "ckpt"
+    flags = ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", "8"]
+    run = launcher_env.single_node(
+        launcher_env.new_run_id(),
+        2,
+        flags,
+        [*SCRIPT, "--fail-at-step", "6", "--fail-rank", "1"],
+        name="fsdp",
+    )
+    assert run.wait(240) == 0, run.text()[-4000:]
+    assert re.findall(r"\] resumed from step (\d+)", run.text()).count("6") == 2
+    assert set(digests(run.text()).values()) == want
+
+    ckpts = list_checkpoints(tier)[0]
+    assert ckpts and ckpts[0].step == STEPS, [c.step for c in ckpts]
+    store = tmp_path / "pg.store"
+    store.unlink(missing_ok=True)
+    script = LOAD.format(
+        examples=str(REPO / "examples"), tiny=TINY, store=str(store), ckpt=str(ckpts[0].path)
+    )
+    for world in (1, 3):
+        loaders = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+            log = tmp_path / f"load{world}-{r}.log"
+            loaders.append((procs.spawn([sys.executable, "-c", script], env, log), log))
+        for p, log in loaders:
+            assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+        got = {m for _, log in loaders for m in re.findall(r"DIGEST (\w+)", log.read_text())}
+        assert got == want, (world, got)
