@@ -26,6 +26,7 @@ def print_status(st: dict[str, Any]) -> None:
     )
     print(
         f"{'rank':>5} {'pid':>8} {'committed':>10} {'steps':>12} {'held MiB':>9} "
+        f"{'snap MiB':>9} {'unshard':>8} "
         f"{'stall ms':>9} {'copy ms':>8} {'skipped':>8} {'progress':>14}"
     )
     for rank, r in st["ranks"].items():
@@ -33,7 +34,8 @@ def print_status(st: dict[str, Any]) -> None:
         newest = "-" if r["newest_committed"] is None else str(r["newest_committed"])
         print(
             f"{rank:>5} {r['pid'] or '-':>8} {newest:>10} {steps:>12} "
-            f"{r['bytes_held'] / 2**20:>9.1f} {r['last_stall_s'] * 1e3:>9.2f} "
+            f"{r['bytes_held'] / 2**20:>9.1f} {r.get('snapshot_bytes', 0) / 2**20:>9.1f} "
+            f"{r.get('unsharded_bytes', 0) / 2**20:>8.1f} {r['last_stall_s'] * 1e3:>9.2f} "
             f"{r['last_copy_s'] * 1e3:>8.1f} {r['skipped']:>8} {_fmt_age(r['last_progress_time']):>14}"
         )
     print_exchange(st.get("exchange") or {})

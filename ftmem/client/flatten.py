@@ -337,8 +337,15 @@ def plan_layout(flat: Flat) -> Layout:
     return Layout(tuple(sorted(extents, key=lambda e: e.index)), offset)
 
 
-def layout_json(layout: Layout, step: int, hashes: list[str], objects: tuple[int, int, str]) -> str:
-    """Return the committed description of a snapshot (JSON text, sent to the SMP)."""
+def layout_json(
+    layout: Layout,
+    step: int,
+    hashes: list[str],
+    objects: tuple[int, int, str],
+    unsharded_nbytes: int = 0,
+) -> str:
+    """Return the committed description of a snapshot (JSON text, sent to the SMP);
+    ``unsharded_nbytes``: what the rank would hold without sharding its replicated state."""
     tensors = []
     for e, h in zip(layout.extents, hashes, strict=True):
         entry: dict[str, Any] = {
@@ -359,6 +366,8 @@ def layout_json(layout: Layout, step: int, hashes: list[str], objects: tuple[int
         "tensors": tensors,
         "objects": {"offset": objects[0], "nbytes": objects[1], "hash": objects[2]},
     }
+    if unsharded_nbytes:
+        doc["unsharded_nbytes"] = unsharded_nbytes
     return json.dumps(doc, separators=(",", ":"))
 
 

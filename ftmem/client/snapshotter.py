@@ -193,7 +193,8 @@ class Checkpointer:
             # trip). Wait for it rather than skip: ranks that skip different steps can end up
             # with no step in common, and then nothing can be restored.
             prev.finished.wait(self.config.request_timeout.total_seconds())
-        flat = self._shard(state, flatten_state(state), replicated_over)
+        whole = flatten_state(state)
+        flat = self._shard(state, whole, replicated_over)
         sig = signature_of(flat)
         if sig != self._sig or self._layout is None:
             self._layout, self._sig = plan_layout(flat), sig
@@ -220,6 +221,8 @@ class Checkpointer:
         )
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
+        if flat is not whole:
+            job.unsharded_nbytes = sum(t.nbytes for t in whole.tensors) + len(objects)
         self._job = job
         assert self._worker is not None
         self._worker.submit(job)

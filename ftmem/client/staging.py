@@ -73,6 +73,8 @@ class CopyJob:
     objects: tuple[int, int, str]
     stall_s: float = 0.0
     skipped: int = 0
+    unsharded_nbytes: int = 0
+    """What this rank would hold without sharding (0: not sharded)."""
     chunk: int = 2 << 20
     cuda_event: Any = None
     copied: threading.Event = field(default_factory=threading.Event)
@@ -170,7 +172,13 @@ class CopyWorker:
             return
         faults.maybe_inject(faults.Point.BEFORE_COMMIT, job.rank, job.step)
         try:
-            text = layout_json(job.layout, job.step, [h or "" for h in job.hashes], job.objects)
+            text = layout_json(
+                job.layout,
+                job.step,
+                [h or "" for h in job.hashes],
+                job.objects,
+                job.unsharded_nbytes,
+            )
             client.request(
                 m.Commit(
                     rank=job.rank,

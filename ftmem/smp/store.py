@@ -15,6 +15,8 @@ other slot is available the save is skipped, not waited for).
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,5 +225,21 @@ class RankSlots:
             "last_copy_s": self.last_copy_s,
             "commits": self.commits,
             "bytes_held": sum(s.capacity for s in self.slots),
+            **_snapshot_sizes(newest.layout if newest else ""),
             "slots": [s.describe() for s in self.slots],
         }
+
+
+@functools.lru_cache(maxsize=256)
+def _snapshot_sizes(layout: str) -> dict[str, int]:
+    """Bytes of a committed snapshot's tensors and objects, and what they would be without
+    sharding the replicated state (the client says; equal when not sharded). Cached: STATUS
+    is polled every second and a layout is parsed once."""
+    try:
+        doc = json.loads(layout) if layout else {}
+        held = sum(int(t["nbytes"]) for t in doc.get("tensors", []))
+        held += int(doc.get("objects", {}).get("nbytes", 0))
+        unsharded = int(doc.get("unsharded_nbytes") or 0) or held
+    except (ValueError, TypeError, KeyError, AttributeError):
+        held = unsharded = 0
+    return {"snapshot_bytes": held, "unsharded_bytes": unsharded}

@@ -61,6 +61,13 @@ def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
         assert abs(chunked - replicated / world) <= 0.02 * replicated, held
     # ...and its own per-rank state in full (RNG, buffers), which is small next to it here.
     assert all(other < 0.1 * replicated for _, other in held), held
+    # ftmem status shows both: what each rank holds, what it would hold without sharding.
+    with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
+        ranks = c.status()["ranks"]
+    for rank, (chunked, other) in enumerate(held):
+        r = ranks[str(rank)]
+        assert r["snapshot_bytes"] >= chunked + other
+        assert r["unsharded_bytes"] >= r["snapshot_bytes"] + (replicated - chunked)
 
     second = run_ranks(procs, run_dir, args, world=world, env_extra=env, tag="second")
     assert second.codes == [0] * world, second.outputs
