@@ -12,6 +12,7 @@ from the shards, the same on every rank).
 Commands (from the repository root, with ftmem installed: ``pip install -e .``):
 
     ftmem-launch --nproc-per-node 2 examples/train_fsdp.py --steps 20 --fail-at-step 12
+    ftmem-launch --nproc-per-node 4 examples/train_fsdp.py --steps 20 --hsdp 2   # HSDP 2 x 2
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --steps 20 --no-ftmem
 
 The model, data, flags and output lines are those of ``examples/train_gpt.py`` (it is imported
@@ -83,7 +84,12 @@ def train(args: Any) -> int:
         rank=rank,
         world_size=world,
     )
-    mesh = init_device_mesh("cpu", (world,))
+    if args.hsdp > 1:  # HSDP: replicate over the first mesh dimension, shard over the second
+        mesh = init_device_mesh(
+            "cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(args.seed)  # same initial weights on every rank before sharding
     model = GPT(
         vocab=args.vocab,
@@ -147,7 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line (train_gpt.py's flags), set up logging and train."""
     parser = get_args_parser()
     parser.description = "FSDP2 variant of train_gpt.py"
+    parser.add_argument(
+        "--hsdp",
+        type=int,
+        default=1,
+        help="HSDP: replicate over this many groups of world/N ranks that shard (default 1: "
+        "plain FSDP2); ftmem then saves 1/N of each replicated shard per rank",
+    )
     args = parser.parse_args(argv)
+    if args.hsdp < 1 or int(os.environ.get("WORLD_SIZE", "1")) % args.hsdp:
+        parser.error("--hsdp must divide the world size")
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
         level=logging.INFO,

@@ -80,6 +80,9 @@ class Flat:
     skeleton: dict[str, Any]
     chunks: list[ChunkOf | None] = field(default_factory=list)
     """Per tensor: the global tensor it is a chunk of (None: a whole tensor)."""
+    replica_groups: list[Any] = field(default_factory=list)
+    """Per tensor: for a DTensor replicated along a mesh dimension (HSDP), that dimension's
+    process group (its local shard is the same on every rank of it), else None."""
 
 
 def _dtensor_type() -> type | None:
@@ -88,6 +91,16 @@ def _dtensor_type() -> type | None:
     except ImportError:  # torch built without distributed
         return None
     return DTensor
+
+
+def _replicate_group(obj: Any) -> Any:
+    """The process group of the first mesh dimension a DTensor is replicated along (None)."""
+    from torch.distributed.tensor import Replicate
+
+    for dim, placement in enumerate(obj.placements):
+        if isinstance(placement, Replicate) and obj.device_mesh.size(dim) > 1:
+            return obj.device_mesh.get_group(dim)
+    return None
 
 
 def _dtensor_chunk(obj: Any, name: str) -> tuple[torch.Tensor, ChunkOf]:
@@ -113,6 +126,7 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     chunks: list[ChunkOf | None] = []
+    groups: list[Any] = []
     dtensor = _dtensor_type()
 
     def walk(obj: Any, name: str) -> Any:
@@ -122,12 +136,14 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
                 tensors.append(local)
                 names.append(name)
                 chunks.append(chunk)
+                groups.append(_replicate_group(obj))
                 return (TENSOR_MARK, len(tensors) - 1)
             if obj.is_sparse or obj.is_meta or obj.is_quantized or type(obj) is not torch.Tensor:
                 raise ValueError(f"{name}: {type(obj).__name__} tensors are not supported yet")
             tensors.append(obj.detach())
             names.append(name)
             chunks.append(None)
+            groups.append(None)
             return (TENSOR_MARK, len(tensors) - 1)
         if isinstance(obj, Mapping):
             out = {}
@@ -157,7 +173,7 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
             else value
         )
         skeleton[key] = walk(sd, key)
-    return Flat(tensors, names, skeleton, chunks)
+    return Flat(tensors, names, skeleton, chunks, groups)
 
 
 def split_rows(items: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
@@ -207,12 +223,14 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
     names: list[str] = []
     chunks: list[ChunkOf | None] = []
     new_index: dict[int, int] = {}
+    groups: list[Any] = []
     for j, t in enumerate(flat.tensors):
         if j not in pos:
             new_index[j] = len(tensors)
             tensors.append(t)
             names.append(flat.names[j])
             chunks.append(flat.chunks[j] if flat.chunks else None)
+            groups.append(None)
     pieces: list[list[int]] = []
     for owner, run in enumerate(split):
         for i, a, b in run:
@@ -222,9 +240,13 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
                 stored = len(tensors)
                 tensors.append(t[a:b] if t.dim() > 0 else t)
                 names.append(flat.names[rep[i]])
-                chunks.append(
-                    ChunkOf(tuple(t.shape), (a,) + (0,) * (t.dim() - 1) if t.dim() else ())
+                # A DTensor's local shard sits at its own offsets in the global tensor.
+                whole = (flat.chunks[rep[i]] if flat.chunks else None) or ChunkOf(
+                    tuple(t.shape), (0,) * t.dim()
                 )
+                start = (whole.offset[0] + a, *whole.offset[1:]) if t.dim() else ()
+                chunks.append(ChunkOf(whole.shape, start))
+                groups.append(None)
             pieces.append([i, a, b, owner, stored])
 
     def mark(skel: Any) -> Any:
@@ -249,7 +271,7 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
         ],
         "pieces": pieces,
     }
-    return Flat(tensors, names, skeleton, chunks)
+    return Flat(tensors, names, skeleton, chunks, groups)
 
 
 def encode_skeleton(skeleton: dict[str, Any]) -> bytes:

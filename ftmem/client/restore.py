@@ -154,19 +154,28 @@ def plan_restore(
                 raise CorruptSnapshotError(f"skeleton refers to replicated tensor {pos}")
             name, dtype, shape = plan.replicas["tensors"][pos]
             target = live.get(path)
-            if target is not None and (target.dtype != dtype or tuple(target.shape) != shape):
+            local = _local(target) if target is not None else None
+            if local is not None and (local.dtype != dtype or tuple(local.shape) != shape):
                 raise SnapshotMismatchError(
                     f"{name}: snapshot holds {dtype} {list(shape)}, the state "
-                    f"{target.dtype} {list(target.shape)}"
+                    f"{local.dtype} {list(local.shape)}"
                 )
             seen.add(path)
-            if target is not None:
+            if target is not None and local is not None:
                 counts[0] += 1
-            else:
-                target = torch.empty(shape, dtype=dtype)
-                counts[1] += 1
-            plan.gathers[pos] = target
-            return target
+                plan.gathers[pos] = local
+                return target
+            counts[1] += 1
+            local = torch.empty(shape, dtype=dtype)
+            plan.gathers[pos] = local
+            model = like(path)
+            if model is not None and tuple(_local(model).shape) == shape:
+                from torch.distributed.tensor import DTensor
+
+                return DTensor.from_local(
+                    local, model.device_mesh, model.placements, run_check=False
+                )
+            return local
         if _is_mark(skel):
             idx = skel[1]
             if not 0 <= idx < len(stored):

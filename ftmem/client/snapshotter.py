@@ -126,6 +126,7 @@ class Checkpointer:
         self._closed = False
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
+        self._hsdp_group: Any = None
         atexit.register(self.close)
 
     # -- connection ------------------------------------------------------------------------
@@ -243,9 +244,11 @@ class Checkpointer:
 
     def _shard(self, state: Mapping[str, Any], flat: Flat, given: Any) -> Flat:
         """Keep only this replica's share of the replicated tensors (see :meth:`save`)."""
-        group = self._replica_group(state, given) if self.config.shard_replicated else None
-        if group is None:
+        if not self.config.shard_replicated or not agreement.distributed():
             return flat
+        group = self._replica_group(state, given)
+        if group is None:
+            return self._shard_hsdp(flat)
         size = torch.distributed.get_world_size(group)
         if size < 2:
             return flat
@@ -258,6 +261,18 @@ class Checkpointer:
         ]
         if not replicated:
             return flat
+        return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
+
+    def _shard_hsdp(self, flat: Flat) -> Flat:
+        """DTensors replicated along a mesh dimension (HSDP's replicate dimension): each
+        replica of that dimension keeps 1/R of their local shards."""
+        groups = flat.replica_groups or [None] * len(flat.tensors)
+        group = next((g for g in groups if g is not None), None)
+        if group is None:
+            return flat
+        size = torch.distributed.get_world_size(group)
+        replicated = [i for i, g in enumerate(groups) if g is group]
+        self._hsdp_group = group
         return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
 
     def _skip(self, step: int, reason: str, t0: float) -> SnapshotHandle:
@@ -382,6 +397,10 @@ class Checkpointer:
         """
         allow = self.config.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
         self._group = self._replica_group(state, replicated_over)
+        if self._group is None and agreement.distributed():
+            # HSDP: DTensors replicated along a mesh dimension gather over its group.
+            groups = flatten_state(state).replica_groups
+            self._group = next((g for g in groups if g is not None), None)
         self.wait_quietly()
         client = self._connect()
         snaps = client.request(m.Query(rank=self.rank))["snapshots"]

@@ -5,6 +5,7 @@ with plain tensors, and 3 processes with FSDP2 resharding), with the same digest
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -95,3 +96,45 @@ def test_fsdp2_kill_restart_same_digest_and_flush_reshards(
             assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
         got = {m for _, log in loaders for m in re.findall(r"DIGEST (\w+)", log.read_text())}
         assert got == want, (world, got)
+
+
+def _committed_bytes(run_dir: Path) -> list[int]:
+    """Bytes of every committed snapshot, from the SMP's event log."""
+    out = []
+    for line in (run_dir / "smp-events.jsonl").read_text().splitlines():
+        doc = json.loads(line)
+        if doc.get("event") == "committed":
+            out.append(int(doc["bytes"]))
+    return out
+
+
+@pytest.mark.timeout(400)  # two launches of four ranks each
+def test_hsdp_replicas_save_half_their_shards_and_restart_bitwise(launcher_env: Launcher) -> None:
+    """HSDP 2 x 2 (replicate x shard): each replica keeps half of its replicated local shards;
+    a SIGKILL -> restart gathers them back, same digest as the unsharded run."""
+    script = [str(FSDP), "--steps", "10", "--hsdp", "2", *TINY]
+    full_dir = launcher_env.tmp / "full-rd"  # single_node's run dir for name="full"
+    full = launcher_env.single_node(
+        launcher_env.new_run_id(),
+        4,
+        [],
+        script,
+        name="full",
+        FTMEM_SHARD="0",
+    )
+    assert full.wait(240) == 0, full.text()[-3000:]
+    want = set(digests(full.text()).values())
+    assert len(want) == 1
+    run_dir = launcher_env.tmp / "sharded-rd"
+    run = launcher_env.single_node(
+        launcher_env.new_run_id(),
+        4,
+        [],
+        [*script, "--fail-at-step", "6", "--fail-rank", "3"],
+        name="sharded",
+    )
+    assert run.wait(240) == 0, run.text()[-4000:]
+    assert re.findall(r"\] resumed from step (\d+)", run.text()).count("6") == 4
+    assert set(digests(run.text()).values()) == want
+    full_bytes, sharded_bytes = _committed_bytes(full_dir), _committed_bytes(run_dir)
+    assert max(sharded_bytes) < 0.65 * min(full_bytes), (full_bytes[:4], sharded_bytes[:4])
