@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,6 +277,7 @@ def apply_restore(
     threads: int = 1,
     piece: int = 16 << 20,
     group: Any = None,
+    peers: PeerPieces | None = None,
 ) -> None:
     """Copy every planned tensor out of the slot (in parallel pieces), gather the rows of
     replicated tensors from every replica (a collective over ``group``, the replicas' process
@@ -300,14 +301,25 @@ def apply_restore(
         for dst, src in jobs:
             dst.copy_(src)
     if plan.replicas is not None:
-        gather_replicated(plan, seg, group)
+        gather_replicated(plan, seg, group, peers)
     for fn in plan.finish:
         fn()
 
 
-def gather_replicated(plan: RestorePlan, seg: MappedSegment, group: Any = None) -> None:
-    """Rebuild every replicated tensor from the rows each replica stored: one all-gather of
-    each replica's rows (padded to the largest share) over ``group``."""
+PeerPieces = Callable[[int], "tuple[Any, Sequence[StoredTensor]] | None"]
+"""Replica index -> (its slot mapping, its snapshot's tensors) if this node's SMP holds it."""
+
+
+def gather_replicated(
+    plan: RestorePlan, seg: MappedSegment, group: Any = None, peers: PeerPieces | None = None
+) -> None:
+    """Rebuild every replicated tensor from the rows each replica stored, in place.
+
+    When every replica's snapshot is on this node (``peers`` finds it in the SMP's shared
+    memory, and its rows pass their checksums) on *every* rank of ``group`` (one all-reduce
+    decides), the rows are copied straight from the other replicas' slots; otherwise one
+    all-gather of each replica's rows (padded to the largest share) over ``group``.
+    """
     import torch.distributed as dist
 
     table = plan.replicas
@@ -322,37 +334,75 @@ def gather_replicated(plan: RestorePlan, seg: MappedSegment, group: Any = None) 
             numel *= d
         return int(numel * dtype.itemsize)
 
-    share = [0] * size
+    owned: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
     for pos, a, b, owner, _ in pieces:
-        share[owner] += (b - a) * row_bytes(pos)
-    width = max(1, max(share))
-    mine = torch.zeros(width, dtype=torch.uint8)
-    at = 0
+        owned[owner].append((pos, a, b, (b - a) * row_bytes(pos)))
+    mine_stored = []
     for pos, a, b, owner, idx in pieces:
         if owner != index:
             continue
-        n = (b - a) * row_bytes(pos)
         st = plan.stored[idx] if 0 <= idx < len(plan.stored) else None
-        if st is None or st.nbytes != n:
+        if st is None or st.nbytes != (b - a) * row_bytes(pos):
             raise CorruptSnapshotError(f"replica rows of {tensors[pos][0]} are not in the snapshot")
-        mine[at : at + n].copy_(seg.tensor[st.offset : st.offset + n])
-        at += n
+        mine_stored.append(st)
+    sources: dict[int, tuple[Any, Sequence[StoredTensor]]] = {index: (seg, mine_stored)}
+    local = size == 1 or peers is not None
+    for k in range(size):
+        if k == index or not local or peers is None:
+            continue
+        found = peers(k)
+        theirs = list(found[1])[-len(owned[k]) :] if found is not None and owned[k] else []
+        if (
+            found is None
+            or len(theirs) != len(owned[k])
+            or any(
+                st.nbytes != n or hash_bytes(found[0].view[st.offset : st.offset + n]) != st.hash
+                for st, (_, _, _, n) in zip(theirs, owned[k], strict=True)
+            )
+        ):
+            local = False
+        else:
+            sources[k] = (found[0], theirs)
+    if size > 1:
+        flag = torch.tensor([1 if local else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        local = bool(flag.item())
+    if local:
+        for k in range(size):
+            src_seg, stored = sources[k]
+            for (pos, a, _, n), st in zip(owned[k], stored, strict=True):
+                _put(
+                    plan.gathers.get(pos),
+                    a * row_bytes(pos),
+                    a,
+                    src_seg.tensor[st.offset : st.offset + n],
+                )
+        return
+    width = max(1, max(sum(n for *_, n in run) for run in owned))
+    mine = torch.zeros(width, dtype=torch.uint8)
+    at = 0
+    for st in mine_stored:
+        mine[at : at + st.nbytes].copy_(seg.tensor[st.offset : st.offset + st.nbytes])
+        at += st.nbytes
     if size > 1:
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
         dist.all_gather(outs, mine, group=group)
     else:
         outs = [mine]
-    cursor = [0] * size
-    for pos, a, b, owner, _ in pieces:
-        n = (b - a) * row_bytes(pos)
-        src = outs[owner][cursor[owner] : cursor[owner] + n]
-        cursor[owner] += n
-        target = plan.gathers.get(pos)
-        if target is None or n == 0:
-            continue
-        start = a * row_bytes(pos)
-        if target.is_contiguous():
-            target.reshape(-1).view(torch.uint8)[start : start + n].copy_(src)
-        else:
-            rows = target[a:b] if target.dim() > 0 else target
-            rows.copy_(src.view(target.dtype).view(rows.shape))
+    for k in range(size):
+        at = 0
+        for pos, a, _, n in owned[k]:
+            _put(plan.gathers.get(pos), a * row_bytes(pos), a, outs[k][at : at + n])
+            at += n
+
+
+def _put(target: torch.Tensor | None, start: int, row: int, src: torch.Tensor) -> None:
+    """Copy the bytes ``src`` (rows from ``row`` on, ``start`` bytes in) into ``target``."""
+    n = src.numel()
+    if target is None or n == 0:
+        return
+    if target.is_contiguous():
+        target.reshape(-1).view(torch.uint8)[start : start + n].copy_(src)
+    else:
+        rows = target[row : row + n // max(1, target[0].nbytes)] if target.dim() > 0 else target
+        rows.copy_(src.view(target.dtype).view(rows.shape))

@@ -439,7 +439,13 @@ class Checkpointer:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert plan is not None and seg is not None
-                apply_restore(plan, seg, threads=restore_threads(), group=self._group)
+                apply_restore(
+                    plan,
+                    seg,
+                    threads=restore_threads(),
+                    group=self._group,
+                    peers=self._peer_pieces(client, step),
+                )
                 client.request(m.DiscardNewer(rank=self.rank, step=step))
                 log.info("restored step %d", step)
                 return step
@@ -527,6 +533,27 @@ class Checkpointer:
             return _CORRUPT, None, None, str(exc)
         except SnapshotMismatchError as exc:
             return _MISMATCH, None, None, str(exc)
+
+    def _peer_pieces(self, client: SmpClient, step: int) -> Any:
+        """For a sharded restore: the other replicas' snapshots of ``step`` that this node's
+        SMP holds (same shared memory), so their rows are copied, not sent over the network."""
+        if not agreement.distributed():
+            return None
+        here = {int(r) for r in client.status().get("ranks", {})}
+        group = self._group if self._group is not None else torch.distributed.group.WORLD
+        assert group is not None
+
+        def find(k: int) -> Any:
+            g = torch.distributed.get_global_rank(group, k)
+            if g not in here:
+                return None
+            for snap in client.request(m.Query(rank=g))["snapshots"]:
+                if int(snap["step"]) == step:
+                    path, cap = str(snap["path"]), int(snap["capacity"])
+                    return self._segment(path, cap), parse_layout(str(snap["layout"]), cap).tensors
+            return None
+
+        return find
 
     def _check_group(self, plan: RestorePlan) -> RestorePlan:
         """A sharded snapshot restores only with the same replicas (it gathers over them).
