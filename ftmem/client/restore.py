@@ -29,6 +29,7 @@ from ftmem.client.flatten import (
 from ftmem.client.staging import hash_bytes
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
 from ftmem.shm import MappedSegment
+from ftmem.testing import faults
 
 
 def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment, threads: int = 2) -> None:
@@ -131,6 +132,7 @@ def plan_restore(
         SnapshotMismatchError: a key of ``state`` is missing from the snapshot, or a plain
             tensor in ``state`` has another shape or dtype than the stored one.
     """
+    faults.maybe_inject(faults.Point.IN_RESTORE, faults.process_rank(), snap.step)
     skeleton = decode_skeleton(objects)
     plan = RestorePlan()
     stored = snap.tensors

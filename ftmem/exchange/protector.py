@@ -49,6 +49,7 @@ from ftmem.exchange.placement import (
 )
 from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
+from ftmem.testing import faults
 
 log = get_logger(__name__)
 
@@ -234,6 +235,7 @@ class GroupProtector:
                 self._send(n, {"t": "held", "step": step})
 
     def _encode(self, step: int, s: StripePlan) -> None:
+        faults.maybe_inject(faults.Point.IN_ENCODE, self.me, step)
         st = self.steps[step]
         buf = self.codec.stripe_buffer(s.chunk_bytes)  # reused: every chunk is rewritten below
         zero = bytes(s.chunk_bytes)

@@ -2,20 +2,58 @@
 
 ``FTMEM_FAULT="in_copy:rank=1:step=12"`` SIGKILLs rank 1 inside the copy of step 12's
 snapshot (before its commit). The fault fires at most once per process. Faults are real
-signals to real processes, or real damage to real memory; nothing is mocked. Unset, each check
-costs one comparison. In an SMP, ``rank`` matches the node index of the peer mesh:
+signals to real processes, or real damage to real memory; nothing is mocked. In an SMP,
+``rank`` matches the node index of the peer mesh:
 ``FTMEM_FAULT="parity_held:rank=2:fault=flip"`` flips a byte of node 2's parity once it has
 protected a step; ``in_protect:rank=1:step=5`` SIGKILLs node 1's SMP as it starts protecting
 step 5.
+
+**Armed faults (once per run, not once per process).** ``FTMEM_FAULT_FILE=/dir/armed.jsonl``
+names a file of *armed faults* that every process of a run (ranks, SMPs, flush workers: they
+inherit the variable from ``ftmem-launch``) reads, and reads again whenever it changes (one
+``stat`` at most every :data:`RECHECK_S` seconds, only when a fault point is passed). Each
+line is one JSON object (:class:`ArmedFault`)::
+
+    {"id": "f3", "point": "in_restore", "node": "n1", "rank": 1, "fault": "kill"}
+
+``node`` matches the process's ``FTMEM_NODE`` (the chaos runner sets it for every agent, and
+the SMP and flush worker inherit it), ``rank`` the point's rank, ``step`` its step exactly,
+``min_step`` any step at or above; a missing field matches anything. The first process whose
+point matches *claims* the fault by creating ``fired-<id>.json`` next to the file with
+``O_CREAT | O_EXCL`` (atomic: exactly one process wins, across every process and every
+restart of the run) and writes who fired it and when; only the winner fires. A test or the
+chaos runner arms a fault with :func:`arm`, learns that it fired with :func:`fired` and takes
+it back with :func:`disarm` (which claims it without firing). Arming a fault in a file that
+processes already watch reaches them within :data:`RECHECK_S`.
+
+Unset (neither variable), each check costs two comparisons.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import logging
 import os
+import re
 import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from ftmem.config import ENV_FAULT
+from ftmem.config import ENV_FAULT, ENV_NODE
+
+log = logging.getLogger(__name__)
+
+ENV_FAULT_FILE = "FTMEM_FAULT_FILE"
+"""Testing only: the armed-faults file (JSON lines) every process of a run watches."""
+
+RECHECK_S = 0.05
+"""A process looks at the armed-faults file again at most this often (one ``stat``)."""
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class Point(enum.Enum):
@@ -31,6 +69,12 @@ class Point(enum.Enum):
     """(SMP) A step was just protected: its parity is held in memory."""
     IN_FLUSH = "in_flush"
     """(Flusher) Every file of a checkpoint is written, before the rename that completes it."""
+    IN_ENCODE = "in_encode"
+    """(SMP) Inside a protection round: this node has every data column of a stripe it
+    encodes and is about to encode it (its peers are waiting for the parity)."""
+    IN_RESTORE = "in_restore"
+    """(Rank) Inside ``ftmem.load``: a snapshot passed its checksums and is about to be
+    matched to the state and copied into it (other ranks wait in the agreement)."""
 
 
 class Fault(enum.Enum):
@@ -64,23 +108,229 @@ def _parse(spec: str) -> tuple[Point, int | None, int | None, Fault] | None:
     return point, rank, step, fault
 
 
+@dataclass(frozen=True, slots=True)
+class ArmedFault:
+    """One armed fault: fires once per run, in the first process whose point matches."""
+
+    id: str
+    """Unique in the file; names the marker ``fired-<id>.json``."""
+    point: Point
+    fault: Fault = Fault.KILL
+    node: str | None = None
+    """Matches the process's ``FTMEM_NODE``; None: any node."""
+    rank: int | None = None
+    """Matches the point's rank (a rank's global rank; an SMP's mesh index); None: any."""
+    step: int | None = None
+    """Matches the point's step exactly; None: any."""
+    min_step: int | None = None
+    """Matches any step at or above; None: any."""
+
+    def __post_init__(self) -> None:
+        if not _ID_RE.match(self.id):
+            raise ValueError(f"armed fault id {self.id!r} must match {_ID_RE.pattern}")
+
+    def matches(self, point: Point, node: str | None, rank: int, step: int) -> bool:
+        """True if this fault applies to ``point`` passed by ``node``'s ``rank`` at ``step``."""
+        return (
+            point is self.point
+            and (self.node is None or self.node == node)
+            and (self.rank is None or self.rank == rank)
+            and (self.step is None or self.step == step)
+            and (self.min_step is None or step >= self.min_step)
+        )
+
+    def to_json(self) -> str:
+        """One line of the armed-faults file."""
+        doc: dict[str, Any] = {"id": self.id, "point": self.point.value, "fault": self.fault.value}
+        for k in ("node", "rank", "step", "min_step"):
+            if getattr(self, k) is not None:
+                doc[k] = getattr(self, k)
+        return json.dumps(doc, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> ArmedFault:
+        """Parse one line; raises ValueError (also for unknown points, faults or fields)."""
+        doc = json.loads(line)
+        if not isinstance(doc, dict):
+            raise ValueError("an armed fault must be a JSON object")
+        unknown = set(doc) - {"id", "point", "fault", "node", "rank", "step", "min_step"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        ints = {k: doc.get(k) for k in ("rank", "step", "min_step")}
+        if any(v is not None and type(v) is not int for v in ints.values()):
+            raise ValueError("rank, step and min_step must be integers")
+        node = doc.get("node")
+        if node is not None and not isinstance(node, str):
+            raise ValueError("node must be a string")
+        return cls(
+            id=str(doc["id"]),
+            point=Point(doc["point"]),
+            fault=Fault(doc.get("fault", "kill")),
+            node=node,
+            rank=ints["rank"],
+            step=ints["step"],
+            min_step=ints["min_step"],
+        )
+
+
+def marker_path(path: Path, fault_id: str) -> Path:
+    """The file whose creation claims armed fault ``fault_id`` of the file ``path``."""
+    return path.parent / f"fired-{fault_id}.json"
+
+
+def arm(path: Path, *faults: ArmedFault) -> None:
+    """Add ``faults`` to the armed-faults file ``path`` (tmp + rename: readers never see a
+    half-written file). Ids already in the file are refused (ValueError)."""
+    old = read_armed(path)
+    ids = {a.id for a in old}
+    for a in faults:
+        if a.id in ids:
+            raise ValueError(f"armed fault {a.id!r} is already in {path}")
+        ids.add(a.id)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(a.to_json() + "\n" for a in (*old, *faults)))
+    os.replace(tmp, path)
+
+
+def read_armed(path: Path) -> list[ArmedFault]:
+    """The faults in ``path`` (none if it does not exist); malformed lines are skipped."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(ArmedFault.from_json(line))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("%s line %d: ignoring a malformed armed fault: %s", path, n, exc)
+    return out
+
+
+def fired(path: Path, fault_id: str) -> dict[str, Any] | None:
+    """What the process that claimed ``fault_id`` wrote (pid, time, point, rank, step...),
+    ``{"disarmed": True, ...}`` if :func:`disarm` claimed it, or None if unclaimed."""
+    try:
+        text = marker_path(path, fault_id).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None  # claimed, its writer died before finishing the record
+    return doc if isinstance(doc, dict) else {"id": fault_id, "incomplete": True}
+
+
+def disarm(path: Path, fault_id: str) -> bool:
+    """Claim ``fault_id`` without firing it; True if it had not fired (now it never will)."""
+    return _claim(marker_path(path, fault_id), {"id": fault_id, "disarmed": True})
+
+
+def _claim(marker: Path, record: dict[str, Any]) -> bool:
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, json.dumps({**record, "pid": os.getpid(), "time": time.time()}).encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+class _ArmedFile:
+    """A process's view of the armed-faults file: reloaded when it changes, claims on match."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.node = os.environ.get(ENV_NODE)
+        self._lock = threading.Lock()
+        self._faults: tuple[ArmedFault, ...] = ()
+        self._signature: tuple[int, int, int] | None = None
+        self._next_check = 0.0
+        self._done: set[str] = set()
+
+    def _reload(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._faults, self._signature = (), None
+            return
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if sig != self._signature:
+            self._signature = sig
+            self._faults = tuple(read_armed(self.path))
+
+    def check(self, point: Point, rank: int, step: int) -> Fault | None:
+        """The fault to fire here, once this process has claimed it; else None."""
+        with self._lock:
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + RECHECK_S
+                self._reload()
+            for a in self._faults:
+                if a.id in self._done or not a.matches(point, self.node, rank, step):
+                    continue
+                self._done.add(a.id)  # whoever claims it, this process never looks again
+                record = {
+                    "id": a.id,
+                    "point": point.value,
+                    "fault": a.fault.value,
+                    "node": self.node,
+                    "rank": rank,
+                    "step": step,
+                }
+                if _claim(marker_path(self.path, a.id), record):
+                    log.warning(
+                        "FAULT: armed fault %s fires: %s at %s (node %s, rank %d, step %d)",
+                        a.id,
+                        a.fault.value,
+                        point.value,
+                        self.node,
+                        rank,
+                        step,
+                    )
+                    return a.fault
+            return None
+
+
 _SPEC = _parse(os.environ.get(ENV_FAULT, ""))
 _fired = False
+_ARMED = _ArmedFile(Path(os.environ[ENV_FAULT_FILE])) if os.environ.get(ENV_FAULT_FILE) else None
+
+
+def process_rank() -> int:
+    """This process's global rank from ``RANK`` (0 if unset): for points that know no rank."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _fire(fault: Fault) -> bool:
+    if fault in (Fault.FLIP, Fault.ENOSPC):
+        return True
+    os.kill(os.getpid(), signal.SIGKILL if fault is Fault.KILL else signal.SIGSTOP)
+    return False
 
 
 def maybe_inject(point: Point, rank: int, step: int) -> bool:
-    """Fire the configured fault if ``point``, ``rank`` and ``step`` match (once).
+    """Fire the configured fault if ``point``, ``rank`` and ``step`` match.
 
+    FTMEM_FAULT fires once per process; an armed fault of FTMEM_FAULT_FILE once per run.
     Returns True when the fault is FLIP or ENOSPC: the caller corrupts its data or fails
     its write there.
     """
     global _fired
-    if _SPEC is None or _fired:
-        return False
-    p, r, s, fault = _SPEC
-    if p is point and (r is None or r == rank) and (s is None or s == step):
-        _fired = True
-        if fault in (Fault.FLIP, Fault.ENOSPC):
-            return True
-        os.kill(os.getpid(), signal.SIGKILL if fault is Fault.KILL else signal.SIGSTOP)
+    if _SPEC is not None and not _fired:
+        p, r, s, fault = _SPEC
+        if p is point and (r is None or r == rank) and (s is None or s == step):
+            _fired = True
+            return _fire(fault)
+    if _ARMED is not None:
+        armed = _ARMED.check(point, rank, step)
+        if armed is not None:
+            return _fire(armed)
     return False
