@@ -220,13 +220,22 @@ class SmpDaemon:
         prefix = f"ftmem-{self.config.run_id}-{self.config.node}-r"
         found, leftovers = records.scan(self.config.shm_dir, prefix, self.config.slots)
         for p in leftovers:
-            shm.remove_segment(p)
-            records.remove_record(p)
-        for a in found:
+            try:
+                shm.remove_segment(p)
+                records.remove_record(p)
+            except OSError as exc:
+                log.warning("[%s/smp] cannot remove %s: %s", self.config.node, p.name, exc)
+        for a in list(found):
             r = a.record
-            self._rank(r.rank).adopt(
-                r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout
-            )
+            try:
+                self._rank(r.rank).adopt(
+                    r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout
+                )
+            except ValueError as exc:  # e.g. a rank out of range: drop it, start anyway
+                log.warning("[%s/smp] not adopting %s: %s", self.config.node, a.path.name, exc)
+                found.remove(a)
+                shm.remove_segment(a.path)
+                records.remove_record(a.path)
         if found:
             log.info(
                 "[%s/smp] adopted %d committed slot(s) left by a previous SMP: %s",

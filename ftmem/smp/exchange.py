@@ -218,6 +218,7 @@ class ExchangeService:
         self._last_seen: dict[int, float] = {}
         self._last_hb = 0.0
         self._order: int | None = None
+        self._dropped = 0
         self.counters = {"protected": 0, "aborted": 0, "failed": 0, "rebuilt": 0}
         self.last_protect_s = 0.0
         self.last_rebuild_s = 0.0
@@ -415,19 +416,28 @@ class ExchangeService:
         if isinstance(e, int) and e > self.epoch:
             self._keep_early(msg)
             return
-        sender = int(msg.sender)
         kind = h.get("t")
-        if kind == "x:state":
-            self._states[sender] = [int(s) for s in h["held"]][:64]
-        elif kind == "x:avail":
-            self._avail[sender] = [int(s) for s in h["steps"]][:16]
-        elif kind == "x:protect":
-            if self._synced:
-                self._order = int(h["protect"])
-        elif kind == "x:hb":
-            pass
-        else:
-            log.warning("[%s/exchange] unknown message %r from %d", self.node_name, kind, sender)
+        try:
+            sender = int(msg.sender)
+            if self.plan is not None and sender not in self.plan.nodes:
+                raise ValueError("not a node of this group")
+            if kind == "x:state":
+                self._states[sender] = [int(s) for s in h["held"]][:64]
+            elif kind == "x:avail":
+                self._avail[sender] = [int(s) for s in h["steps"]][:16]
+            elif kind == "x:protect":
+                if self._synced:
+                    self._order = int(h["protect"])
+            elif kind == "x:hb":
+                pass
+            else:
+                raise ValueError("unknown message")
+        except (ValueError, TypeError, KeyError) as exc:
+            # A malformed message is dropped (and counted); it never stops the exchange.
+            self._dropped += 1
+            log.warning(
+                "[%s/exchange] dropped %r from %r: %s", self.node_name, kind, msg.sender, exc
+            )
 
     # -- sync and rebuild ---------------------------------------------------------------------
     def _check_sync(self) -> None:
@@ -706,7 +716,8 @@ class ExchangeService:
             last_protect_s=round(self.last_protect_s, 3),
             last_rebuild_s=round(self.last_rebuild_s, 3),
             dropped_messages=(p.dropped if p is not None else 0)
-            + (self.transport.dropped if self.transport else 0),
+            + (self.transport.dropped if self.transport else 0)
+            + self._dropped,
             sent_bytes=p.sent_bytes if p is not None else 0,
         )
 

@@ -107,6 +107,15 @@ class Adoptable:
     record: CommitRecord
 
 
+def _ours(path: Path) -> bool:
+    """The file belongs to this user and no one else can write it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list[Path]]:
     """Split the files starting with ``prefix`` into adoptable slots and leftovers to remove.
 
@@ -127,6 +136,10 @@ def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list
             leftovers.append(p)
             continue
         rank, slot, gen = (int(g) for g in match.groups())
+        if not (_ours(p) and _ours(record_path(p))):
+            # /dev/shm is world-writable: never serve (nor try to delete) another user's file.
+            log.warning("not adopting %s: another user's, or writable by others", p.name)
+            continue
         try:
             rec = read_record(record_path(p))
             ok = (rec.rank, rec.slot, rec.gen) == (

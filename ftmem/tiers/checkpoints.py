@@ -36,6 +36,7 @@ _PART_RE = re.compile(r"^step_(\d{10})\.part-r(\d{6})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _CHUNK = 8 << 20
 _MAX_MANIFEST = 64 << 20
+_MAX_WORLD = 1 << 20
 
 
 def checkpoint_name(step: int) -> str:
@@ -148,8 +149,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
             str(name): (int(v["bytes"]), str(v["xxh3"])) for name, v in dict(doc["files"]).items()
         }
         step, world = int(doc["step"]), int(doc["world_size"])
+        if not 0 <= step < 2**62 or not 0 < world <= _MAX_WORLD:
+            raise ValueError(f"step {step} or world size {world} out of range")
         ranks = tuple(sorted({int(r) for r in doc.get("ranks", range(world))}))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
     if not ranks or ranks[0] < 0 or ranks[-1] >= world:
         raise CorruptSnapshotError(f"{path}: the manifest names ranks outside 0..{world - 1}")

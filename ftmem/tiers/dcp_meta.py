@@ -66,9 +66,24 @@ def metadata_to_json(md: Any) -> dict[str, Any]:
 def _ints(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or len(value) > _MAX_DIMS:
         raise CorruptSnapshotError(f"bad {what} in part metadata")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if not all(_count(v) for v in value):
         raise CorruptSnapshotError(f"bad {what} in part metadata")
     return value
+
+
+def _count(v: Any) -> bool:
+    """A non-negative integer that fits int64."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _relative(path: Any) -> str:
+    """A storage path inside the checkpoint: relative, no ``..``, at most one sub-directory."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path:
+        raise CorruptSnapshotError(f"bad storage path {path!r} in part metadata")
+    parts = path.split("/")
+    if len(parts) > 2 or any(p in ("", ".", "..") for p in parts):
+        raise CorruptSnapshotError(f"storage path {path!r} leaves the checkpoint")
+    return path
 
 
 def _dtype(name: Any) -> torch.dtype:
@@ -97,13 +112,16 @@ def metadata_from_json(doc: Any) -> Any:
     try:
         sdm: dict[str, Any] = {}
         for fqn, t in dict(doc["tensors"]).items():
-            chunks = [
-                ChunkStorageMetadata(
-                    offsets=torch.Size(_ints(c[0], "offsets")),
-                    sizes=torch.Size(_ints(c[1], "sizes")),
+            chunks = []
+            for c in list(t["chunks"]):
+                if not isinstance(c, list) or len(c) != 2:
+                    raise CorruptSnapshotError("bad chunk in part metadata")
+                chunks.append(
+                    ChunkStorageMetadata(
+                        offsets=torch.Size(_ints(c[0], "offsets")),
+                        sizes=torch.Size(_ints(c[1], "sizes")),
+                    )
                 )
-                for c in list(t["chunks"])
-            ]
             sdm[str(fqn)] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_dtype(t["dtype"])),
                 size=torch.Size(_ints(t["size"], "size")),
@@ -113,11 +131,8 @@ def metadata_from_json(doc: Any) -> Any:
             sdm[str(fqn)] = BytesStorageMetadata()
         storage: dict[Any, Any] = {}
         for fqn, off, index, rel, offset, length, transforms in list(doc["storage"]):
-            if (
-                not isinstance(rel, str)
-                or not isinstance(offset, int)
-                or not isinstance(length, int)
-            ):
+            _relative(rel)
+            if not _count(offset) or not _count(length):
                 raise CorruptSnapshotError("bad storage entry in part metadata")
             key = MetadataIndex(
                 str(fqn), None if off is None else _ints(off, "offset"), _index(index)

@@ -19,7 +19,6 @@ import pytest
 import xxhash
 
 from ftmem.client.smp_client import SmpClient
-from ftmem.errors import SmpStartError
 from ftmem.protocol import messages as m
 from ftmem.smp import records
 from ftmem.smp.spawn import SmpProcess, start_smp
@@ -92,16 +91,7 @@ def test_hostile_leftovers_are_removed_and_the_smp_serves(run_dir: Path, shm_dir
     assert not any(p.exists() for p in hostile)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SmpStartError,
-    reason="BUG: a slot file with a valid commit record of rank >= 2**20 makes SmpDaemon."
-    "_adopt_left_slots (ftmem/smp/daemon.py) raise ValueError from _rank(): the SMP exits at "
-    "start, and the file stays, so every restart fails the same way",
-)
-def test_known_bug_an_out_of_range_record_does_not_stop_the_smp(
-    run_dir: Path, shm_dir: Path
-) -> None:
+def test_fixed_an_out_of_range_record_does_not_stop_the_smp(run_dir: Path, shm_dir: Path) -> None:
     p = shm_dir / f"ftmem-fz-n0-r{1 << 20}-s0-g1"
     p.write_bytes(b"\0" * 4096)
     _record(p, rank=1 << 20)
@@ -111,13 +101,7 @@ def test_known_bug_an_out_of_range_record_does_not_stop_the_smp(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file of another user")
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (security): records.scan and SmpDaemon._adopt_left_slots adopt slot files and "
-    "records of any owner and mode; /dev/shm is world-writable, so another local user who "
-    "knows the run id and node name can plant a snapshot that a restarted SMP serves",
-)
-def test_known_bug_slot_files_of_another_user_are_not_adopted(run_dir: Path, shm_dir: Path) -> None:
+def test_fixed_slot_files_of_another_user_are_not_adopted(run_dir: Path, shm_dir: Path) -> None:
     os.chmod(shm_dir, 0o1777)
     p = shm_dir / "ftmem-fz-n0-r0-s0-g1"
     p.write_bytes(b"\0" * 4096)

@@ -447,15 +447,7 @@ def test_peer_socket_drops_hostile_input_and_the_mesh_keeps_protecting(
     assert c.nodes[0].read(0, 2) is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: GroupProtector.handle (ftmem/exchange/protector.py) passes a current-epoch "
-    "message without 'step' to on_other outside its try block, and ExchangeService."
-    "_on_service (ftmem/smp/exchange.py) raises on a non-integer sender or a missing or "
-    "malformed field: the exchange thread stops ('stopped by an unexpected error', state "
-    "failed) and the node protects nothing until its SMP restarts",
-)
-def test_known_bug_a_stepless_peer_message_stops_the_exchange(
+def test_fixed_a_stepless_peer_message_stops_the_exchange(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
     c = cluster_factory(3, 1)

@@ -299,13 +299,7 @@ def test_commit_records_are_adopted_only_when_consistent(
 # ------------------------------------------------------------------------------ known bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="BUG: ftmem/tiers/checkpoints.py read_checkpoint: int(float('inf')) raises "
-    "OverflowError, which is not turned into CorruptSnapshotError (JSON 'Infinity')",
-)
-def test_known_bug_infinite_step_is_refused(tmp_path: Path) -> None:
+def test_fixed_infinite_step_is_refused(tmp_path: Path) -> None:
     ck = _checkpoint_dir(
         tmp_path, b'{"version": 1, "step": Infinity, "world_size": 1, "files": {}}'
     )
@@ -313,13 +307,7 @@ def test_known_bug_infinite_step_is_refused(tmp_path: Path) -> None:
         read_checkpoint(ck)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ftmem/tiers/checkpoints.py read_checkpoint builds set(range(world_size)) "
-    "when 'ranks' is missing: a manifest with world_size 2**40 takes all memory (here: "
-    "MemoryError under a 768 MiB address-space limit) instead of being refused",
-)
-def test_known_bug_huge_world_size_is_refused(tmp_path: Path) -> None:
+def test_fixed_huge_world_size_is_refused(tmp_path: Path) -> None:
     ck = _checkpoint_dir(
         tmp_path, b'{"version": 1, "step": 1, "world_size": 1099511627776, "files": {}}'
     )
@@ -339,12 +327,6 @@ def test_known_bug_huge_world_size_is_refused(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr.decode()[-500:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ftmem/tiers/dcp_meta.py metadata_from_json accepts storage paths outside "
-    "the checkpoint ('../..'), absolute paths, negative offsets and lengths, and sizes "
-    "beyond int64; the coordinator writes them into the global .metadata that dcp.load reads",
-)
 @pytest.mark.parametrize(
     "entry, size",
     [
@@ -354,7 +336,7 @@ def test_known_bug_huge_world_size_is_refused(tmp_path: Path) -> None:
         (["a", None, 0, "__0_0.distcp", 0, 1, None], [2**70]),
     ],
 )
-def test_known_bug_metadata_outside_the_checkpoint_is_refused(
+def test_fixed_metadata_outside_the_checkpoint_is_refused(
     entry: list[Any], size: list[int]
 ) -> None:
     doc = {
@@ -367,13 +349,7 @@ def test_known_bug_metadata_outside_the_checkpoint_is_refused(
         metadata_from_json(doc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="BUG: ftmem/tiers/dcp_meta.py metadata_from_json indexes c[0], c[1] of each chunk "
-    "without checking its length; IndexError is not turned into CorruptSnapshotError",
-)
-def test_known_bug_short_chunk_is_refused() -> None:
+def test_fixed_short_chunk_is_refused() -> None:
     doc = {
         "tensors": {"a": {"dtype": "float32", "size": [1], "chunks": [[]]}},
         "bytes": [],
