@@ -36,113 +36,36 @@ The markdown goes to stdout and, unless ``--no-write``, into ``--out`` between
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import re
-import shlex
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
+try:
+    from bench import _launch, _report
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import _launch  # type: ignore[no-redef]
+    import _report  # type: ignore[no-redef]
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "train_gpt.py"
-START_MARK = "<!-- bench:ec-overhead:start -->"
-END_MARK = "<!-- bench:ec-overhead:end -->"
+REPO = _launch.REPO
+EXAMPLE = _launch.EXAMPLE
+SECTION = "ec-overhead"
+START_MARK, END_MARK = _report.markers(SECTION)
 MiB = 1 << 20
 CONFIGS = ("no ftmem", "off", "on")
-STEP_RE = re.compile(r"\[rank (\d+)\] median step time ([0-9.]+) s")
-MEAN_RE = re.compile(r"\[rank (\d+)\] mean step time ([0-9.]+) s")
+STEP_RE = _launch.MEDIAN_RE
+MEAN_RE = _launch.MEAN_RE
 FINAL_RE = re.compile(r"\[rank (\d+)\] final step (\d+)")
 PROTECT_RE = re.compile(r"step (\d+) protected in ([0-9.]+) s")
 COMMIT_RE = re.compile(r"committed slot \d+")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# ------------------------------------------------------------------------------ one agent
-
-
-class Agent:
-    """One ``python -m launcher`` process (its own session), logging to a file."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        self.seen: set[int] = set()
-        with open(log, "w") as f:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "launcher", *args],
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=REPO,
-            )
-        self.pid = self.popen.pid
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def remember(self) -> None:
-        """Note the agent's current descendants (the SMP and the rank lead their own groups)."""
-        try:
-            self.seen |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-
-    def wait_for(self, pattern: str, timeout: float) -> None:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while not rx.search(self.text()):
-            self.remember()
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"agent {self.log.name} exited ({self.popen.returncode}) before "
-                    f"{pattern!r}; log tail:\n{self.text()[-2000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{pattern!r} not seen in {self.log.name} within {timeout} s")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        """SIGTERM (bounded wait), then SIGKILL to the group and every descendant seen."""
-        self.remember()
-        if self.popen.poll() is None:
-            try:
-                self.popen.send_signal(signal.SIGTERM)  # lets it stop its SMP (frees the arenas)
-                self.popen.wait(timeout=20)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in self.seen:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 # ------------------------------------------------------------------------------ one run
@@ -180,14 +103,6 @@ class RunResult:
     def step_s(self) -> float:
         """The median over the ranks of each rank's median step time."""
         return statistics.median(self.rank_median.values())
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(":")
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    return env
 
 
 def script_args(args: argparse.Namespace) -> list[str]:
@@ -252,75 +167,31 @@ def agent_args(
     ]
 
 
-class Poller:
-    """Polls every node's SMP STATUS (one client per node, reopened after an error)."""
-
-    def __init__(self, run_dirs: list[Path]) -> None:
-        self.run_dirs = run_dirs
-        self.clients: dict[int, Any] = {}
-        self.last: dict[int, dict[str, Any]] = {}
-        self.cpu: dict[int, float] = {}
-        self.polls = 0
-
-    def poll(self) -> None:
-        from ftmem.client.smp_client import SmpClient
-        from ftmem.errors import FtmemError
-
-        self.polls += 1
-        for i, rd in enumerate(self.run_dirs):
-            try:
-                if i not in self.clients:
-                    self.clients[i] = SmpClient(rd, timeout=timedelta(seconds=2))
-                st = self.clients[i].status()
-            except (FtmemError, OSError):
-                c = self.clients.pop(i, None)
-                if c is not None:
-                    c.close()
-                continue
-            self.last[i] = st
-            try:
-                t = psutil.Process(int(st["pid"])).cpu_times()
-                self.cpu[i] = t.user + t.system
-            except (psutil.Error, KeyError, ValueError):
-                pass
-
-    def close(self) -> None:
-        for c in self.clients.values():
-            c.close()
-        self.clients.clear()
-
-
 def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path) -> RunResult:
     """One job of ``args.nodes`` agents x 1 rank; bounded by ``args.run_timeout``."""
     res = RunResult(config, repeat, load_start=os.getloadavg()[0])
     rid = "eo" + uuid.uuid4().hex[:10]
     tmp = Path(tempfile.mkdtemp(prefix=f"{config.replace(' ', '')}{repeat}-", dir=tmp_root))
     run_dirs = [tmp / f"n{i}" for i in range(args.nodes)]
-    port = free_port()
-    env = _env()
-    agents: list[Agent] = []
-    poller = Poller(run_dirs)
+    port = _launch.free_port()
+    env = _launch.job_env()
+    agents: list[_launch.Agent] = []
+    poller = _launch.StatusPoller(run_dirs)
     t0 = time.monotonic()
     try:
         for i in range(args.nodes):
             a = agent_args(i, args.nodes, port, rid, run_dirs[i], config, args)
-            agents.append(Agent(a, tmp / f"agent-n{i}.log", env))
+            agents.append(_launch.Agent(a, tmp / f"agent-n{i}.log", env))
             if i == 0:
                 agents[0].wait_for(r"SMP pid \d+ ready", args.start_timeout)
             else:
                 time.sleep(0.5)  # join order = node order in the first round
-        deadline = t0 + args.run_timeout
-        next_poll = 0.0
-        while any(a.popen.poll() is None for a in agents):
-            for a in agents:
-                a.remember()
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(f"run not finished within {args.run_timeout} s")
-            if config != "no ftmem" and now >= next_poll:
-                poller.poll()
-                next_poll = now + args.poll
-            time.sleep(0.1)
+        _launch.wait_all(
+            list(agents),
+            timeout=args.run_timeout - (time.monotonic() - t0),
+            poller=poller if config != "no ftmem" else None,
+            poll_s=args.poll,
+        )
         res.wall_s = time.monotonic() - t0
         codes = [a.popen.returncode for a in agents]
         text = "\n".join(a.text() for a in agents)
@@ -365,14 +236,9 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
         text = log.read_text(errors="replace")
         res.log_rounds[i] = [float(s) for _, s in PROTECT_RE.findall(text)]
         res.log_commits[i] = len(COMMIT_RE.findall(text))
-    leftovers = [p for p in os.listdir("/dev/shm") if p.startswith(f"ftmem-{rid}-")]
+    leftovers = _launch.remove_shm(rid)
     if leftovers:
         res.notes.append(f"shared memory left behind (removed): {leftovers}")
-        for p in leftovers:
-            try:
-                os.unlink(f"/dev/shm/{p}")
-            except OSError:
-                pass
     if args.keep_logs:
         print(f"# {config} {repeat}: logs kept in {tmp}", file=sys.stderr)
     else:
@@ -384,45 +250,16 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
 
 
 def _med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+    return _report.median(xs)
 
 
 def _mm(xs: list[float], fmt: str) -> str:
-    if not xs:
-        return "-"
-    return f"{format(_med(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+    return _report.stat(xs, fmt)
 
 
 def _machine() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    cpu, mem = "unknown CPU", "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(x.split()[1]) for x in f if x.startswith("MemTotal:"))
-        mem = f"{kib / (1 << 20):.1f} GiB"
-    except (OSError, StopIteration, ValueError):
-        pass
-
-    def ver(pkg: str) -> str:
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": f"{cpu}, {os.cpu_count()} logical cores; memory {mem}",
-        "versions": (
-            f"Python {platform.python_version()}, torch {ver('torch')}, pyzmq {ver('pyzmq')}, "
-            f"pyeclib {ver('pyeclib')}, Linux {platform.release()}"
-        ),
-    }
+    facts = _report.machine_facts()
+    return {"date": _report.utc_now(), "cpu": facts[1].removeprefix("CPU: "), "versions": facts[2]}
 
 
 def _sum_nodes(d: dict[int, Any]) -> float:
@@ -483,12 +320,7 @@ def report(
         START_MARK,
         "## Erasure-coded protection: training-loop overhead, on vs off",
         "",
-        "Generated by `bench/ec_overhead.py`; every figure below was measured in this run.",
-        "",
-        "```",
-        cmd,
-        "```",
-        "",
+        *_report.generated_by("ec_overhead.py", cmd),
         f"- date: {machine['date']}; the whole run took {run_s / 60:.1f} min",
         f"- CPU: {machine['cpu']}",
         f"- {machine['versions']}",
@@ -651,53 +483,38 @@ def reading(
     )
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace the text between the markers in ``path`` (append the markers if absent).
-
-    The file is read right before it is written, so other benchmarks' sections written
-    meanwhile are kept.
-    """
-    text = path.read_text() if path.exists() else ""
-    start, end = text.find(START_MARK), text.find(END_MARK)
-    if start != -1 and end > start:
-        new = text[:start] + section.rstrip("\n") + text[end + len(END_MARK) :]
-    else:
-        sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-        new = text + sep + section
-    path.write_text(new)
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # so that every run's agents are stopped
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    signal.signal(signal.SIGTERM, _on_sigterm)
+def get_args_parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--quick", action="store_true", help="1 repeat and fewer steps")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 60; quick 30)")
     p.add_argument("--nodes", type=int, default=3, help="agents (nodes), one rank each")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--poll", type=float, default=0.5, help="STATUS poll interval (s)")
+    _launch.add_model_args(p)
+    _launch.add_job_args(p, run_timeout=300.0)
     p.add_argument("--start-timeout", type=float, default=120.0, help="node 0's SMP start (s)")
-    p.add_argument("--run-timeout", type=float, default=300.0, help="one run, start to end (s)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="subset of: " + ", ".join(CONFIGS))
-    p.add_argument("--keep-logs", action="store_true", help="keep each run's logs and run dirs")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
-    p.add_argument("--no-write", action="store_true", help="print only, leave --out alone")
+    _report.add_output_args(p)
+    return p
+
+
+def run(argv: list[str], *, command: str | None = None) -> _report.Outcome:
+    """Parse ``argv``, run every configuration ``--repeats`` times and render the section.
+
+    ``command`` replaces the command line shown in the section (the suite passes its own).
+    """
+    p = get_args_parser()
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.steps = args.steps or (30 if args.quick else 60)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not set(configs) <= set(CONFIGS):
         p.error(f"--configs: unknown {sorted(set(configs) - set(CONFIGS))}")
-    cmd = "python bench/ec_overhead.py " + " ".join(shlex.quote(a) for a in argv)
+    cmd = command or _report.shown_command("ec_overhead.py", argv)
     machine = _machine()
     t0 = time.monotonic()
     tmp_root = Path(tempfile.mkdtemp(prefix="ecov-", dir="/tmp"))
@@ -723,12 +540,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep_logs:
             shutil.rmtree(tmp_root, ignore_errors=True)
-    section = report(results, args, cmd.strip(), machine, os.getloadavg()[0], time.monotonic() - t0)
-    print(section)
-    if not args.no_write:
-        write_section(args.out, section)
-        print(f"# wrote {args.out}", file=sys.stderr)
-    return 0 if all(r.ok for r in results) else 1
+    section = report(results, args, cmd, machine, os.getloadavg()[0], time.monotonic() - t0)
+    return _report.Outcome(
+        name=SECTION, section=section, args=args, data=results, ok=all(r.ok for r in results)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the section and write it into ``--out``."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return _report.finish(run(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

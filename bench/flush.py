@@ -56,13 +56,10 @@ import contextlib
 import datetime
 import gc
 import os
-import platform
 import re
 import resource
-import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -81,13 +78,16 @@ import torch
 
 try:
     from bench import _baselines as baselines
+    from bench import _launch, _report
 except ImportError:  # run as a script: bench/ is sys.path[0]
     import _baselines as baselines  # type: ignore[no-redef]
+    import _launch  # type: ignore[no-redef]
+    import _report  # type: ignore[no-redef]
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "train_gpt.py"
-START_MARK = "<!-- bench:flush:start -->"
-END_MARK = "<!-- bench:flush:end -->"
+REPO = _launch.REPO
+EXAMPLE = _launch.EXAMPLE
+SECTION = "flush"
+START_MARK, END_MARK = _report.markers(SECTION)
 GOAL_RATIO = 1.5
 MiB = 1 << 20
 
@@ -105,8 +105,8 @@ PHASES = (
     "rest (layout, skeleton, dir fsyncs, rename)",
 )
 
-STEP_RE = re.compile(r"\[rank (\d+)\] median step time ([0-9.]+) s")
-MEAN_RE = re.compile(r"\[rank (\d+)\] mean step time ([0-9.]+) s")
+STEP_RE = _launch.MEDIAN_RE
+MEAN_RE = _launch.MEAN_RE
 TS = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 LAST_STEP_RE = re.compile(TS + r" \[rank \d+\] train_gpt INFO: step (\d+) loss")
 MODEL_RE = re.compile(TS + r" \[rank \d+\] train_gpt INFO: model:")
@@ -122,15 +122,11 @@ def _ts(s: str) -> float:
 
 
 def _med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+    return _report.median(xs)
 
 
 def _mm(xs: list[float], fmt: str) -> str:
-    if not xs:
-        return "-"
-    if len(xs) == 1:
-        return format(xs[0], fmt)
-    return f"{format(_med(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+    return _report.stat(xs, fmt)
 
 
 def _cpu_self() -> float:
@@ -151,14 +147,7 @@ def _minflt(pid: int | None) -> int:
 
 
 def _fs_type(path: str) -> tuple[str, str]:
-    """(fstype, mountpoint) of the file system holding ``path``."""
-    best = ("", "?")
-    real = os.path.realpath(path)
-    for part in psutil.disk_partitions(all=True):
-        mp = part.mountpoint
-        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best[0]):
-            best = (mp, part.fstype)
-    return best[1], best[0]
+    return _report.fs_type(path)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -524,56 +513,6 @@ def bench_size(
 # ------------------------------------------------------------------------------ part 2
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Agent:
-    """One ``python -m launcher`` process (its own session), logging to a file."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        self.seen: set[int] = set()
-        with open(log, "w") as f:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "launcher", *args],
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=REPO,
-            )
-        self.pid = self.popen.pid
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def remember(self) -> None:
-        """Note the agent's descendants (the SMP, its flush worker and the ranks)."""
-        with contextlib.suppress(psutil.NoSuchProcess):
-            self.seen |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
-
-    def stop(self) -> None:
-        """SIGTERM (bounded wait), then SIGKILL to the group and every descendant seen."""
-        self.remember()
-        if self.popen.poll() is None:
-            try:
-                self.popen.send_signal(signal.SIGTERM)
-                self.popen.wait(timeout=30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid in self.seen:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=30)
-
-
 CONFIGS = ("no flush", "flush every 5")
 
 
@@ -640,68 +579,21 @@ def config_flags(config: str, tier: Path, args: argparse.Namespace) -> list[str]
 
 def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> RunResult:
     """One single-node job of two ranks; bounded by ``args.run_timeout``."""
-    from ftmem.client.smp_client import SmpClient
-    from ftmem.errors import FtmemError
-
     res = RunResult(config, repeat, load_start=os.getloadavg()[0])
     rid = "bfl" + uuid.uuid4().hex[:10]
     tmp = Path(tempfile.mkdtemp(prefix=f"{config.split()[0]}{repeat}-", dir=root))
     run_dir, tier = tmp / "rd", tmp / "ckpt"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(":")
-    env["OMP_NUM_THREADS"] = "1"
-    for k in ("FTMEM_RUN_DIR", "FTMEM_RUN_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
-        env.pop(k, None)
     launch = [
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(args.nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "--rdzv-id",
-        rid,
-        "--monitor-interval",
-        "0.1",
-        "--ftmem-node",
-        "n0",
-        "--ftmem-run-dir",
-        str(run_dir),
+        *_launch.single_node_args(nproc=args.nproc, run_id=rid, run_dir=run_dir),
         *config_flags(config, tier, args),
         *script_args(args),
     ]
-    agent: Agent | None = None
-    client: Any = None
+    agent: _launch.Agent | None = None
+    poller = _launch.StatusPoller([run_dir])
     t0 = time.monotonic()
     try:
-        agent = Agent(launch, tmp / "agent.log", env)
-        deadline = t0 + args.run_timeout
-        next_poll = 0.0
-        while agent.popen.poll() is None:
-            agent.remember()
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(f"run not finished within {args.run_timeout} s")
-            if now >= next_poll and (run_dir / "smp.sock").exists():
-                next_poll = now + args.poll
-                try:
-                    if client is None:
-                        client = SmpClient(run_dir, timeout=timedelta(seconds=2))
-                    st = client.status()
-                    res.polls += 1
-                    fl = st.get("flush") or {}
-                    if fl.get("enabled"):
-                        res.status_flushes = int(fl.get("flushes") or 0)
-                    for r, rs in (st.get("ranks") or {}).items():
-                        res.skipped[int(r)] = int(rs.get("skipped") or 0)
-                        res.slots[int(r)] = len(rs.get("slots") or [])
-                except (FtmemError, OSError):
-                    if client is not None:
-                        client.close()
-                    client = None
-            time.sleep(0.1)
+        agent = _launch.Agent(launch, tmp / "agent.log", _launch.job_env())
+        _launch.wait_all([agent], timeout=args.run_timeout, poller=poller, poll_s=args.poll)
         res.wall_s = time.monotonic() - t0
         text = agent.text()
         for r, v in STEP_RE.findall(text):
@@ -724,10 +616,16 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
     except (TimeoutError, RuntimeError, OSError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
-        if client is not None:
-            client.close()
+        poller.close()
         if agent is not None:
             agent.stop()
+    res.polls = poller.polls
+    st = poller.last.get(0, {})
+    fl = st.get("flush") or {}
+    if fl.get("enabled"):
+        res.status_flushes = int(fl.get("flushes") or 0)
+    res.skipped = poller.skipped()
+    res.slots = {int(r): len(rs.get("slots") or []) for r, rs in (st.get("ranks") or {}).items()}
     smp_log = run_dir / "smp.log"
     if smp_log.exists():
         text = smp_log.read_text(errors="replace")
@@ -736,12 +634,9 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
         res.final_flush = [int(s) for s in FINAL_RE.findall(text)]
     if tier.exists():
         res.checkpoints_left = sorted(p.name for p in tier.iterdir())
-    leftovers = [p for p in os.listdir("/dev/shm") if p.startswith(f"ftmem-{rid}-")]
+    leftovers = _launch.remove_shm(rid)
     if leftovers:
         res.notes.append(f"shared memory left behind (removed): {leftovers}")
-        for p in leftovers:
-            with contextlib.suppress(OSError):
-                os.unlink(f"/dev/shm/{p}")
     if args.keep_logs:
         print(f"# {config} {repeat}: logs kept in {tmp}", file=sys.stderr)
     else:
@@ -753,31 +648,18 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
 
 
 def machine_facts(disk_root: Path, load_start: float) -> list[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    cpu = platform.processor() or "?"
-    with contextlib.suppress(OSError, StopIteration):
-        with open("/proc/cpuinfo") as f:
-            cpu = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
-
-    def ver(pkg: str) -> str:
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return "not installed"
-
+    """Bullet lines about the machine, the software and the disk directory."""
     fstype, mp = _fs_type(str(disk_root))
     try:
         dev = next(p.device for p in psutil.disk_partitions(all=True) if p.mountpoint == mp)
     except StopIteration:
         dev = "?"
     du = shutil.disk_usage(disk_root)
+    base = _report.machine_facts()
     return [
-        f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"CPU: {cpu}, {os.cpu_count()} logical cores; memory "
-        f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
-        f"Python {platform.python_version()}, torch {torch.__version__}, xxhash {ver('xxhash')}, "
-        f"Linux {platform.release()}; torch intra-op threads here: {torch.get_num_threads()}",
+        *base[:2],
+        f"{base[2]}, xxhash {_report.version_of('xxhash')}; torch intra-op threads here: "
+        f"{torch.get_num_threads()}",
         f"disk dir: {disk_root} on {dev} ({fstype} at {mp}; {du.free / 2**30:.0f} GiB free of "
         f"{du.total / 2**30:.0f}); /dev/shm: {_fs_type('/dev/shm')[0]}",
         f"1-minute load average at start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f} "
@@ -847,7 +729,8 @@ def render_size(r: SizeResult, repeats: int) -> list[str]:
     return [*out, ""]
 
 
-def _ratios(r: SizeResult, system: str) -> list[float]:
+def ratios(r: SizeResult, system: str) -> list[float]:
+    """dcp.save's time over ``system``'s (a throughput ratio), one per repeat with both."""
     return [row[DCP] / row[system] for row in r.per_repeat if row.get(DCP) and row.get(system)]
 
 
@@ -856,7 +739,7 @@ def render_train(results: list[RunResult], args: argparse.Namespace) -> tuple[li
     by = {c: [r for r in ok if r.config == c] for c in CONFIGS}
     plain = {r.repeat: r for r in by[CONFIGS[0]]}
     pairs = [(plain[r.repeat], r) for r in by[CONFIGS[1]] if r.repeat in plain]
-    ratios = [b.step_s / a.step_s for a, b in pairs]
+    step_ratios = [b.step_s / a.step_s for a, b in pairs]
     fl = by[CONFIGS[1]]
     out = [
         "| config | step time (median over runs, min-max) | vs no flush (per pair) | "
@@ -882,7 +765,7 @@ def render_train(results: list[RunResult], args: argparse.Namespace) -> tuple[li
             if r.train_end > r.train_start
         ]
         out.append(
-            f"| {c} | {_mm(steps, '.4f')} s | {_mm(ratios, '.3f')} | {_mm(during, '.0f')} | "
+            f"| {c} | {_mm(steps, '.4f')} s | {_mm(step_ratios, '.3f')} | {_mm(during, '.0f')} | "
             f"{_mm(total, '.0f')} | {_mm(secs, '.2f')} s | {_mm([x * 100 for x in share], '.0f')}"
             f"% | {_mm([float(sum(r.skipped.values())) for r in rs], '.0f')} |"
         )
@@ -922,7 +805,7 @@ def render_train(results: list[RunResult], args: argparse.Namespace) -> tuple[li
     notes.append(f"snapshot slots per rank seen in STATUS: {slots or '-'}")
     out += ["", *[f"- {n}" for n in notes]]
     summary = {
-        "ratios": ratios,
+        "ratios": step_ratios,
         "plain": [r.step_s for r in by[CONFIGS[0]]],
         "flush": [r.step_s for r in fl],
         "during": [float(len(r.during())) for r in fl],
@@ -972,7 +855,7 @@ def reading(sizes: list[SizeResult], train: dict | None, args: argparse.Namespac
             continue
         gib = r.nbytes / 2**30
         for system in (EXPORT, FLUSH):
-            rat = _ratios(r, system)
+            rat = ratios(r, system)
             if rat:
                 verdict = "met" if _med(rat) >= GOAL_RATIO else "missed"
                 out.append(
@@ -995,7 +878,7 @@ def reading(sizes: list[SizeResult], train: dict | None, args: argparse.Namespac
         inner = ph[PHASES[2]]
         extra = tot - inner
         dcp = _med(big.times.get(DCP, []))
-        rat = _ratios(big, EXPORT)
+        rat = ratios(big, EXPORT)
         mem_e = _med([float(x) for x in big.mem.get(EXPORT, [])]) / MiB
         mem_d = _med([float(x) for x in big.mem.get(DCP, [])]) / MiB
         met = bool(rat) and _med(rat) >= GOAL_RATIO
@@ -1070,8 +953,7 @@ def render(
     run_s: float,
 ) -> str:
     out = [START_MARK, "## Flush to disk: ftmem vs dcp.save, and step time while flushing", ""]
-    out += ["Generated by `bench/flush.py`; every figure below was measured in this run.", ""]
-    out += ["```", cmd, "```", ""]
+    out += _report.generated_by("flush.py", cmd)
     out += [f"- {f}" for f in facts]
     out += [
         f"- the whole run took {run_s / 60:.1f} min",
@@ -1121,30 +1003,20 @@ def render(
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace the text between the markers in ``path`` (append the markers if absent).
-
-    The file is read right before it is written, so other benchmarks' sections are kept.
-    """
-    text = path.read_text() if path.exists() else ""
-    start, end = text.find(START_MARK), text.find(END_MARK)
-    if start != -1 and end > start:
-        new = text[:start] + section.rstrip("\n") + text[end + len(END_MARK) :]
-    else:
-        sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-        new = text + sep + section
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(new)
-    os.replace(tmp, path)
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # so that the SMP and the agents are stopped
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    signal.signal(signal.SIGTERM, _on_sigterm)
+@dataclass(kw_only=True, slots=True)
+class FlushData:
+    """What the suite reads from a flush run."""
+
+    sizes: list[SizeResult]
+    train: list[RunResult]
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 2 repeats, 1 training repeat")
     p.add_argument("--sizes", default=None, help="GiB, comma-separated (default 0.5,2)")
@@ -1155,16 +1027,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps (default 60)")
     p.add_argument("--flush-every", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--poll", type=float, default=0.5, help="STATUS poll interval (s)")
-    p.add_argument("--run-timeout", type=float, default=300.0, help="one training run (s)")
-    p.add_argument("--keep-logs", action="store_true", help="keep the training runs' dirs")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
-    p.add_argument("--no-write", action="store_true", help="print only, leave --out alone")
+    _launch.add_model_args(p)
+    _launch.add_job_args(p, run_timeout=300.0)
+    _report.add_output_args(p)
+    return p
+
+
+def run(argv: list[str], *, command: str | None = None) -> _report.Outcome:
+    """Parse ``argv``, measure throughput and step time, render the section (not written).
+
+    ``command`` replaces the command line shown in the section (the suite passes its own).
+    """
+    p = get_args_parser()
     args = p.parse_args(argv)
     sizes = [0.25] if args.quick else [float(s) for s in (args.sizes or "0.5,2").split(",") if s]
     args.repeats = args.repeats or (2 if args.quick else 3)
@@ -1184,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"# {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
-    cmd = "python bench/flush.py " + " ".join(shlex.quote(a) for a in argv)
+    cmd = command or _report.shown_command("flush.py", argv)
     load_start = os.getloadavg()[0]
     t0 = time.monotonic()
     results: list[SizeResult] = []
@@ -1225,16 +1099,24 @@ def main(argv: list[str] | None = None) -> int:
         results,
         train,
         args,
-        cmd.strip(),
+        cmd,
         facts,
         time.monotonic() - t0,
     )
-    print(section)
-    if not args.no_write:
-        write_section(args.out, section)
-        log(f"wrote {args.out}")
     failed = any(r.error for r in results) or any(not r.ok for r in train)
-    return 1 if failed else 0
+    return _report.Outcome(
+        name=SECTION,
+        section=section,
+        args=args,
+        data=FlushData(sizes=results, train=train),
+        ok=not failed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the section and write it into ``--out``."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return _report.finish(run(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -34,29 +34,32 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "train_gpt.py"
-START_MARK = "<!-- bench:recovery:start -->"
-END_MARK = "<!-- bench:recovery:end -->"
+try:
+    from bench import _launch, _report, _train
+except ImportError:  # run as a script (also as torchrun's worker): bench/ is sys.path[0]
+    import _launch  # type: ignore[no-redef]
+    import _report  # type: ignore[no-redef]
+    import _train  # type: ignore[no-redef]
+
+REPO = _launch.REPO
+EXAMPLE = _launch.EXAMPLE
+SECTION = "recovery"
+START_MARK, END_MARK = _report.markers(SECTION)
 GOAL_RATIO = 1.0 / 3.0
 FAIL_RANK = 1
 WORKER_FLAG = "--_dcp-worker"
@@ -65,16 +68,6 @@ logger = logging.getLogger("bench.recovery")
 
 
 # --------------------------------------------------------------------------- the DCP worker
-
-
-def _load_example() -> ModuleType:
-    """Import ``examples/train_gpt.py`` as a module (it is not part of a package)."""
-    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {EXAMPLE}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _newest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
@@ -95,16 +88,12 @@ def dcp_worker(argv: Sequence[str]) -> int:
     """The torchrun entry point of the torchrun + DCP system (``--_dcp-worker``).
 
     ``argv``: ``--ckpt-dir DIR --ckpt-every K -- <examples/train_gpt.py arguments>``. Runs the
-    example's training loop (same model, data, optimizer, schedule, seeds, failure injection
-    and digest) with a ``dcp.save`` every K steps instead of ``ftmem.save`` after every step.
+    example's training loop (same model, data, optimizer, schedule, seeds, failure injection,
+    ``--step-delay`` and digest) with a ``dcp.save`` every K steps instead of ``ftmem.save``
+    after every step; a restart ``dcp.load``s the newest complete checkpoint.
     """
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-    from torch.nn.parallel import DistributedDataParallel
 
     wp = argparse.ArgumentParser(prog="recovery.py --_dcp-worker")
     wp.add_argument("--ckpt-dir", type=Path, required=True)
@@ -114,79 +103,17 @@ def dcp_worker(argv: Sequence[str]) -> int:
     example_argv = list(wargs.example_args)
     if example_argv[:1] == ["--"]:
         example_argv = example_argv[1:]
-
-    ex = _load_example()
-    args = ex.get_args_parser().parse_args(example_argv)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
-    )
-    log = logging.getLogger("dcp_worker")
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    if world > 1:
-        dist.init_process_group(
-            "gloo",
-            init_method=getattr(args, "init_method", "env://"),
-            timeout=datetime.timedelta(seconds=args.pg_timeout),
-            rank=rank,
-            world_size=world,
-        )
-
-    # Exactly the example's construction order, so that the seeds line up.
-    torch.manual_seed(args.seed)
-    model = ex.GPT(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        dropout=args.dropout,
-        batchnorm=args.batchnorm,
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("model: %.2f M parameters", n_params / 1e6)
-    torch.manual_seed(args.seed + 1000 * rank + 1)
-    train_model = DistributedDataParallel(model) if world > 1 else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    total_sched = args.lr_decay_steps or args.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, ex._lr_lambda(args.warmup_steps, total_sched)
-    )
-    loader = ex.SyntheticTokens(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        rank=rank,
-    )
-    rng_key = f"rng_rank{rank}"  # per-rank key: DCP de-duplicates equal keys across ranks
-
-    def checkpoint_state() -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "sched": scheduler.state_dict(),
-            "data": loader.state_dict(),
-            rng_key: torch.get_rng_state(),
-        }
+    t = _train.setup(example_argv, "dcp_worker")
+    args, rank, log = t.args, t.rank, t.log
 
     start = 0
     newest = _newest_checkpoint(wargs.ckpt_dir)
     if newest is not None:
         step, path = newest
         t0 = time.perf_counter()
-        state = checkpoint_state()  # the structure to load into (initialises AdamW state)
+        state = t.dcp_state()  # the structure to load into (initialises AdamW state)
         dcp_load(state, checkpoint_id=str(path))
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-        scheduler.load_state_dict(state["sched"])
-        loader.load_state_dict(state["data"])
-        torch.set_rng_state(state[rng_key])
+        t.dcp_restore(state)
         start = step
         log.info("restored step %d (dcp.load %.3f s)", step, time.perf_counter() - t0)
     print(f"[rank {rank}] resumed from step {start}", flush=True)
@@ -197,111 +124,27 @@ def dcp_worker(argv: Sequence[str]) -> int:
     step_times: list[float] = []
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        inputs, targets = loader.next_batch()
-        logits = train_model(inputs)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        scheduler.step()
+        loss = t.step()
         step_times.append(time.perf_counter() - t0)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            log.info("step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0])
+        t.log_step(step + 1, loss)
         if (step + 1) % wargs.ckpt_every == 0:
             t1 = time.perf_counter()
-            dcp_save(checkpoint_state(), checkpoint_id=str(wargs.ckpt_dir / f"step_{step + 1:06d}"))
+            dcp_save(t.dcp_state(), checkpoint_id=str(wargs.ckpt_dir / f"step_{step + 1:06d}"))
             log.info("checkpoint of step %d: dcp.save %.3f s", step + 1, time.perf_counter() - t1)
         if step + 1 == args.fail_at_step and rank == args.fail_rank and first_start:
             print(f"[rank {rank}] injecting failure (kill) after step {step + 1}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-
-    print(f"[rank {rank}] final step {max(start, args.steps)}", flush=True)
-    if step_times:
-        mean = sum(step_times) / len(step_times)
-        print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
-        median = statistics.median(step_times)
-        print(f"[rank {rank}] median step time {median:.4f} s", flush=True)
-    print(f"[rank {rank}] digest {ex.state_digest(model, optimizer)}", flush=True)
-    if world > 1:
-        dist.destroy_process_group()
+        if args.step_delay:
+            time.sleep(args.step_delay)  # as the example: host idle (e.g. an accelerator's time)
+    t.finish(max(start, args.steps), step_times)
     return 0
 
 
 # --------------------------------------------------------------------------- running jobs
 
 
-def _tool(name: str, module: str) -> list[str]:
-    """The console script ``name`` if on PATH, else ``python -m module``."""
-    path = shutil.which(name)
-    return [path] if path else [sys.executable, "-m", module]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Pids of every descendant of ``pid`` (read from /proc; empty if it is gone)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out.extend(kids)
-        todo.extend(kids)
-    return out
-
-
-def run_job(
-    cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
-) -> tuple[int | None, float]:
-    """Run ``cmd`` in its own session, output to ``log_path``; return (exit code, seconds).
-
-    On a timeout (exit code None) the launcher gets SIGTERM (it stops its ranks and SMP), then
-    the session and every process it started get SIGKILL. elastic starts ranks in sessions of
-    their own, so they are found as descendants of the launcher, by pid.
-    """
-    t0 = time.monotonic()
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        rc: int | None = None
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            logger.error("timeout after %.0f s: %s (log %s)", timeout, " ".join(cmd), log_path)
-        finally:
-            if proc.poll() is None:
-                kids = _descendants(proc.pid)
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    pass
-                for pid in [*kids, *_descendants(proc.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-    return rc, time.monotonic() - t0
+_tool = _launch.tool
+run_job = _launch.run_job
 
 
 # --------------------------------------------------------------------------- log parsing
@@ -373,6 +216,8 @@ class Result:
     rc: int | None
     wall_s: float
     digest_ok: bool
+    digest: str = ""
+    """The final digest both ranks printed ("" if they did not agree or did not print)."""
     restored: int | None = None
     steps_lost: int | None = None
     step_time_s: float | None = None
@@ -633,8 +478,13 @@ def _finish(
 ) -> Result:
     text = log_path.read_text(errors="replace")
     _, digests, _ = parse_log(text, setup.year)
-    ok = len(digests) == 2 and all(d == setup.ref_digest for d in digests.values())
-    res = Result(system=system, repeat=repeat, rc=rc, wall_s=wall, digest_ok=ok, load1=load1)
+    agreed = next(iter(digests.values())) if len(set(digests.values())) == 1 else ""
+    agreed = agreed if len(digests) == 2 else ""
+    # Without a reference run, run() compares the digests of all runs once they are done.
+    ok = bool(agreed) and (agreed == setup.ref_digest or not setup.ref_digest)
+    res = Result(
+        system=system, repeat=repeat, rc=rc, wall_s=wall, digest_ok=ok, load1=load1, digest=agreed
+    )
     analyse(res, text, setup.fail_step, setup.year, events)
     if rc != 0:
         res.error = (res.error + f"; exit code {rc}").lstrip("; ")
@@ -679,7 +529,7 @@ def _median(values: Sequence[float | None]) -> float | None:
 def render(
     setup: Setup,
     results: dict[str, list[Result]],
-    argv: list[str],
+    command: str,
     machine: dict[str, str],
 ) -> str:
     """The markdown section, between the markers."""
@@ -689,21 +539,20 @@ def render(
         START_MARK,
         "## Recovery: failure to resumed, ftmem-launch vs torchrun + DCP",
         "",
-        "Generated by `bench/recovery.py`; every figure below was measured in this run.",
-        "",
-        "```",
-        " ".join(["python bench/recovery.py", *argv]),
-        "```",
-        "",
+        *_report.generated_by("recovery.py", command),
         f"- date: {machine['date']}",
-        f"- CPU: {machine['cpu']}; Python {machine['python']}, torch {machine['torch']}, "
-        f"Linux {machine['kernel']}",
+        f"- CPU: {machine['cpu']}; {machine['versions']}",
         f"- 1-minute load average at start / end: {machine['load']} (the machine may be shared: "
         "compare the systems within this run only)",
         f"- model: `examples/train_gpt.py` default size ({machine['params']} parameters: "
         "d_model 256, 4 layers, vocab 512, seq 64, batch 8 per rank; AdamW, dropout 0.1), "
         f"2 ranks (gloo) on one node, {setup.steps} steps; failure-free step time "
-        f"{_fmt(setup.ref_step_time, 3)} s (median of the reference run)",
+        f"{_fmt(setup.ref_step_time, 3)} s ("
+        + (
+            "median of the reference run)"
+            if setup.ref_digest
+            else "no reference run (`--no-reference`): median of the runs below)"
+        ),
         f"- failure: rank {FAIL_RANK} SIGKILLs itself right after step {setup.fail_step} "
         "(`--fail-at-step`), once; "
         f"{repeats} run(s) per system, alternating; figures are median (min-max) over the runs",
@@ -717,7 +566,7 @@ def render(
         "`LOGLEVEL=INFO` is set for all, so that elastic logs its phases):",
         "",
         "```",
-        f"# reference (failure-free): {setup.commands.get('reference', '')}",
+        f"# reference (failure-free): {setup.commands.get('reference', 'not run')}",
         f"# ftmem:  {setup.commands.get('ftmem', '')}",
         f"# DCP:    {setup.commands.get('dcp', '')}",
         "```",
@@ -729,7 +578,12 @@ def render(
         "state, and a restart `dcp.load`s the newest complete one (`.metadata` present).",
         "",
         "| system | rank death -> all ranks stepping | detect -> stepping | steps lost "
-        "| step time | time lost | final digest = failure-free |",
+        "| step time | time lost | "
+        + (
+            "final digest = failure-free |"
+            if setup.ref_digest
+            else "final digest = every other run's (no reference run) |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for name, rs in (("ftmem-launch", ft), ("torchrun + DCP", dc)):
@@ -820,7 +674,7 @@ def render(
     for r in failed:
         out.append(
             f"- run {r.system} #{r.repeat}: {r.error or 'ok'}; digest "
-            f"{'ok' if r.digest_ok else 'DIFFERS from the failure-free run'}"
+            f"{'ok' if r.digest_ok else 'DIFFERS from the reference (or the other runs)'}"
         )
     ft_lost = _median([r.time_lost_s for r in ft])
     dc_lost = _median([r.time_lost_s for r in dc])
@@ -859,63 +713,56 @@ def render(
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace the text between the markers in ``path`` (append the markers if absent)."""
-    text = path.read_text() if path.exists() else ""
-    start, end = text.find(START_MARK), text.find(END_MARK)
-    if start != -1 and end > start:
-        new = text[:start] + section.rstrip("\n") + text[end + len(END_MARK) :]
-    else:
-        sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-        new = text + sep + section
-    path.write_text(new)
-
-
 def _machine(params: str) -> dict[str, str]:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    from importlib.metadata import version
-
+    facts = _report.machine_facts()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": f"{cpu}, {os.cpu_count()} logical cores",
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "kernel": platform.release(),
+        "date": _report.utc_now(),
+        "cpu": _report.cpu_model(),
+        "versions": facts[2],
         "params": params,
         "load": f"{os.getloadavg()[0]:.2f}",
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the benchmark (or the DCP worker)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == [WORKER_FLAG]:
-        return dcp_worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def get_args_parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (not of the DCP worker)."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--quick", action="store_true", help="1 repeat per system")
     p.add_argument("--repeats", type=int, default=None, help="runs per system (default 3)")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    _report.add_output_args(p)
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--fail-at-step", type=int, default=15, help="rank 1 dies after this step")
     p.add_argument("--dcp-every", type=int, default=10, help="DCP checkpoint interval K (steps)")
     p.add_argument("--timeout", type=float, default=180.0, help="per run (s)")
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the failure-free run; the runs' final digests are compared with each other",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    return p
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryData:
+    """What the suite reads from a recovery run."""
+
+    setup: Setup
+    results: dict[str, list[Result]]
+
+
+def run(argv: list[str], *, command: str | None = None) -> _report.Outcome:
+    """Parse ``argv``, run the failure runs of both systems and render the section.
+
+    ``command`` replaces the command line shown in the section (the suite passes its own).
+    """
+    p = get_args_parser()
     args = p.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if not 0 < args.fail_at_step < args.steps or repeats < 1 or args.dcp_every < 1:
         p.error("need 0 < --fail-at-step < --steps, --repeats >= 1, --dcp-every >= 1")
     if args.fail_at_step % args.dcp_every == 0:
         logger.warning("the failure step is a DCP checkpoint step: DCP loses no steps")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-
     load_start = f"{os.getloadavg()[0]:.2f}"
     workdir = Path(tempfile.mkdtemp(prefix="ftrcv-", dir="/tmp"))
     setup = Setup(
@@ -927,27 +774,50 @@ def main(argv: list[str] | None = None) -> int:
         year=datetime.datetime.now().year,
     )
     results: dict[str, list[Result]] = {"ftmem-launch": [], "torchrun + DCP": []}
+    params = "?"
     try:
-        run_reference(setup)
-        ref_text = (workdir / "reference.log").read_text(errors="replace")
-        m = re.search(r"model: ([0-9.]+ M) parameters", ref_text)
-        params = m.group(1) if m else "?"
+        if not args.no_reference:
+            run_reference(setup)
         for i in range(repeats):
             results["ftmem-launch"].append(run_ftmem(setup, i))
             results["torchrun + DCP"].append(run_dcp(setup, i))
+        for log in sorted(workdir.glob("*.log")):
+            m = re.search(r"model: ([0-9.]+ M) parameters", log.read_text(errors="replace"))
+            if m:
+                params = m.group(1)
+                break
     finally:
         if args.keep:
             logger.info("logs kept in %s", workdir)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+    every = [r for rs in results.values() for r in rs]
+    if args.no_reference:
+        digests = {r.digest for r in every}
+        for r in every:
+            r.digest_ok = bool(r.digest) and len(digests) == 1
+        steps = [r.step_time_s for r in every if r.step_time_s is not None]
+        setup.ref_step_time = statistics.median(steps) if steps else None
     machine = _machine(params)
     machine["load"] = f"{load_start} / {machine['load']}"
-    shown_argv = [a if not a.startswith(str(REPO) + "/") else a[len(str(REPO)) + 1 :] for a in argv]
-    section = render(setup, results, shown_argv, machine)
-    write_section(args.out, section)
-    print(section)
-    bad = [r for rs in results.values() for r in rs if r.error or not r.digest_ok]
-    return 1 if bad else 0
+    cmd = command or _report.shown_command("recovery.py", argv)
+    section = render(setup, results, cmd, machine)
+    return _report.Outcome(
+        name=SECTION,
+        section=section,
+        args=args,
+        data=RecoveryData(setup=setup, results=results),
+        ok=not [r for r in every if r.error or not r.digest_ok],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the benchmark (or the DCP worker)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [WORKER_FLAG]:
+        return dcp_worker(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return _report.finish(run(argv))
 
 
 if __name__ == "__main__":

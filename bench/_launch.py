@@ -1,0 +1,326 @@
+"""Starting and reaping the jobs the bench scripts run: ``ftmem-launch`` agents, ``torchrun``.
+
+Every job runs in a session of its own with its output in a log file. While it runs, the
+owner calls :meth:`Job.remember` (every wait here does) so that the job's descendants are
+known by pid: elastic starts each rank in a session of its own, so killing the job's process
+group does not reach them. :meth:`Job.stop` sends SIGTERM to the job (an agent then stops its
+ranks and its SMP, which removes its shared memory), waits a bounded time, then SIGKILLs the
+job's group and every descendant it saw. Nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+
+# The example's per-rank lines (``logging``) and final prints.
+RANK_LINE_RE = re.compile(
+    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\] (\S+) [A-Z]+: (.*)$", re.MULTILINE
+)
+MEDIAN_RE = re.compile(r"\[rank (\d+)\] median step time ([0-9.]+) s")
+MEAN_RE = re.compile(r"\[rank (\d+)\] mean step time ([0-9.]+) s")
+DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]{64})")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tool(name: str, module: str) -> list[str]:
+    """The console script ``name`` if it is on PATH, else ``python -m module``."""
+    path = shutil.which(name)
+    return [path] if path else [sys.executable, "-m", module]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a job: the repository on PYTHONPATH, one OpenMP thread per rank.
+
+    ftmem's own variables and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` are removed (a job that
+    needs them passes them in ``extra``).
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    for key in ("FTMEM_RUN_DIR", "FTMEM_RUN_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def single_node_args(*, nproc: int, run_id: str, run_dir: Path, node: str = "n0") -> list[str]:
+    """``ftmem-launch`` flags for one node: c10d rendezvous on a free local port, own run dir."""
+    return [
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        run_id,
+        "--monitor-interval",
+        "0.1",
+        "--ftmem-node",
+        node,
+        "--ftmem-run-dir",
+        str(run_dir),
+    ]
+
+
+class Job:
+    """One command in a session of its own, its stdout and stderr in ``log``.
+
+    Resource handling: :meth:`stop` (idempotent; also on leaving a ``with`` block) ends the
+    job and everything it started, each wait bounded.
+    """
+
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str], cwd: Path = REPO) -> None:
+        self.cmd = cmd
+        self.log = log
+        self.seen: set[int] = set()
+        with open(log, "wb") as f:
+            self.popen = subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=cwd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.pid = self.popen.pid
+        self.started = time.monotonic()
+
+    def text(self) -> str:
+        """The log so far."""
+        return self.log.read_text(errors="replace")
+
+    def remember(self) -> None:
+        """Note the job's current descendants (ranks, SMPs, workers) by pid."""
+        with contextlib.suppress(psutil.Error):
+            self.seen |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+
+    def running(self) -> bool:
+        """True while the job's main process has not exited."""
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the job to exit; its exit code, or None if it did not."""
+        deadline = time.monotonic() + timeout
+        while self.popen.poll() is None:
+            self.remember()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+        return self.popen.returncode
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """Wait until ``pattern`` appears in the log.
+
+        Error handling: raises RuntimeError if the job exits first, TimeoutError after
+        ``timeout`` seconds.
+        """
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while (match := rx.search(self.text())) is None:
+            self.remember()
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{self.log.name}: exited ({self.popen.returncode}) before {pattern!r}; "
+                    f"log tail:\n{self.text()[-2000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{pattern!r} not seen in {self.log.name} within {timeout} s")
+            time.sleep(0.1)
+        return match
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM to the job, a bounded wait, then SIGKILL to its group and every descendant."""
+        self.remember()
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=grace)
+        self.remember()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for pid in self.seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=30)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Agent(Job):
+    """One ``python -m launcher`` (``ftmem-launch``) agent."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
+        super().__init__([sys.executable, "-m", "launcher", *args], log, env)
+
+
+def wait_all(
+    jobs: list[Job],
+    *,
+    timeout: float,
+    poller: StatusPoller | None = None,
+    poll_s: float = 0.5,
+) -> None:
+    """Wait until every job has exited, polling ``poller`` every ``poll_s`` seconds meanwhile.
+
+    Error handling: raises TimeoutError if a job still runs after ``timeout`` seconds (the
+    caller stops the jobs).
+    """
+    deadline = time.monotonic() + timeout
+    next_poll = 0.0
+    while any(job.running() for job in jobs):
+        for job in jobs:
+            job.remember()
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"not finished within {timeout:g} s")
+        if poller is not None and now >= next_poll:
+            poller.poll()
+            next_poll = now + poll_s
+        time.sleep(0.1)
+
+
+def run_job(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
+) -> tuple[int | None, float]:
+    """Run ``cmd`` to its end as a :class:`Job`; return (exit code or None on timeout, seconds)."""
+    t0 = time.monotonic()
+    with Job(cmd, log_path, env) as job:
+        rc = job.wait(timeout)
+        wall = time.monotonic() - t0
+    return rc, wall
+
+
+def remove_shm(run_id: str) -> list[str]:
+    """Remove the /dev/shm files of ``run_id`` (left behind by a killed SMP); return their names."""
+    left = sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"ftmem-{run_id}-"))
+    for name in left:
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{name}")
+    return left
+
+
+def shm_bytes(run_id: str) -> tuple[int, int]:
+    """(allocated bytes, file count) of the /dev/shm files of ``run_id``."""
+    total = count = 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ftmem-{run_id}-"):
+            with contextlib.suppress(OSError):
+                total += os.stat(f"/dev/shm/{name}").st_blocks * 512
+                count += 1
+    return total, count
+
+
+class StatusPoller:
+    """Polls the STATUS of the SMP of each run directory (one client each, reopened on error).
+
+    Keeps the last STATUS document and the CPU seconds of each SMP (by its pid in STATUS).
+
+    Resource handling: :meth:`close` closes every client.
+    """
+
+    def __init__(self, run_dirs: list[Path], timeout: timedelta = timedelta(seconds=2)) -> None:
+        self.run_dirs = run_dirs
+        self.timeout = timeout
+        self.clients: dict[int, Any] = {}
+        self.last: dict[int, dict[str, Any]] = {}
+        self.cpu: dict[int, float] = {}
+        self.polls = 0
+
+    def poll(self) -> None:
+        """Ask every SMP that serves for its STATUS; skip those that do not answer."""
+        from ftmem.client.smp_client import SmpClient
+        from ftmem.errors import FtmemError
+
+        self.polls += 1
+        for i, rd in enumerate(self.run_dirs):
+            if i not in self.clients and not (rd / "smp.sock").exists():
+                continue
+            try:
+                if i not in self.clients:
+                    self.clients[i] = SmpClient(rd, timeout=self.timeout)
+                st = self.clients[i].status()
+            except (FtmemError, OSError):
+                client = self.clients.pop(i, None)
+                if client is not None:
+                    client.close()
+                continue
+            self.last[i] = st
+            with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                t = psutil.Process(int(st["pid"])).cpu_times()
+                self.cpu[i] = t.user + t.system
+
+    def skipped(self) -> dict[int, int]:
+        """Snapshots each rank skipped, summed over the nodes (last STATUS of each)."""
+        out: dict[int, int] = {}
+        for st in self.last.values():
+            for r, rs in (st.get("ranks") or {}).items():
+                out[int(r)] = out.get(int(r), 0) + int(rs.get("skipped") or 0)
+        return out
+
+    def close(self) -> None:
+        """Close every client."""
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+
+    def __enter__(self) -> StatusPoller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The example's model-size flags, with the defaults the launcher benchmarks share.
+
+    ``--d-model 256 --n-layers 2 --vocab 2048 --seq-len 32 --batch-size 2``: 2.64 M
+    parameters (32 MB of state per rank), about 0.1 s a step on one core here.
+    """
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=2)
+
+
+def add_job_args(p: argparse.ArgumentParser, *, run_timeout: float) -> None:
+    """``--poll`` (STATUS interval), ``--run-timeout`` (one job) and ``--keep-logs``."""
+    p.add_argument("--poll", type=float, default=0.5, help="STATUS poll interval (s)")
+    p.add_argument(
+        "--run-timeout", type=float, default=run_timeout, help="one job, start to end (s)"
+    )
+    p.add_argument("--keep-logs", action="store_true", help="keep each job's logs and dirs")

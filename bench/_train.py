@@ -1,0 +1,193 @@
+"""The training loop of ``examples/train_gpt.py``, for the bench workers that run inside ranks.
+
+``bench/recovery.py --_dcp-worker`` (torchrun + DCP) and ``bench/overhead.py --_worker``
+(blocks of snapshot cadences in one job) need the example's model, data, optimizer, schedule
+and DDP wrapping, built in the example's order so that the seeds line up and the final digest
+equals the example's. The example is imported with ``importlib`` (it is not in a package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import logging
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+try:
+    from bench import _launch
+except ImportError:  # run as a script: bench/ is sys.path[0]
+    import _launch  # type: ignore[no-redef]
+
+
+def load_example() -> ModuleType:
+    """Import ``examples/train_gpt.py`` as a module."""
+    spec = importlib.util.spec_from_file_location("train_gpt_example", _launch.EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {_launch.EXAMPLE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(kw_only=True, slots=True)
+class Training:
+    """One rank's training objects, built as the example builds them."""
+
+    ex: ModuleType
+    """The example module."""
+    args: argparse.Namespace
+    """The example's parsed arguments."""
+    rank: int
+    world: int
+    log: logging.Logger
+    model: Any
+    train_model: Any
+    """The model wrapped in DDP (the model itself with one rank)."""
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+
+    def step(self) -> Any:
+        """One training step (forward, backward, optimizer and schedule); the loss."""
+        import torch.nn.functional as F
+
+        inputs, targets = self.loader.next_batch()
+        logits = self.train_model(inputs)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss
+
+    def log_step(self, step: int, loss: Any) -> None:
+        """The example's per-step log line (when ``--log-every`` says so)."""
+        args = self.args
+        if step % args.log_every == 0 or step == args.steps:
+            lr = self.scheduler.get_last_lr()[0]
+            self.log.info("step %d loss %.4f lr %.2e", step, loss.item(), lr)
+
+    def dcp_state(self) -> dict[str, Any]:
+        """The state a DCP checkpoint holds: model, optimizer, schedule, data, this rank's RNG."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "sched": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            # Per-rank key: DCP de-duplicates equal keys across ranks.
+            f"rng_rank{self.rank}": torch.get_rng_state(),
+        }
+
+    def dcp_restore(self, state: dict[str, Any]) -> None:
+        """Put a loaded :meth:`dcp_state` back into the live objects."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.scheduler.load_state_dict(state["sched"])
+        self.loader.load_state_dict(state["data"])
+        torch.set_rng_state(state[f"rng_rank{self.rank}"])
+
+    def finish(self, final_step: int, step_times: Sequence[float]) -> None:
+        """Print the example's closing lines (final step, step times, digest); leave the group."""
+        import torch.distributed as dist
+
+        rank = self.rank
+        print(f"[rank {rank}] final step {final_step}", flush=True)
+        if step_times:
+            mean = sum(step_times) / len(step_times)
+            print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
+            median = statistics.median(step_times)
+            print(f"[rank {rank}] median step time {median:.4f} s", flush=True)
+        digest = self.ex.state_digest(self.model, self.optimizer)
+        print(f"[rank {rank}] digest {digest}", flush=True)
+        if self.world > 1:
+            dist.destroy_process_group()
+
+
+def setup(example_argv: Sequence[str], logger_name: str) -> Training:
+    """Parse the example's arguments and build everything as the example does.
+
+    Sets up logging in the example's format, one torch thread, deterministic algorithms, the
+    gloo process group (with more than one rank), the model (seeded), DDP with the example's
+    options, AdamW, the LR schedule and the synthetic data loader, in the example's order.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    ex = load_example()
+    args = ex.get_args_parser().parse_args(list(example_argv))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
+    )
+    log = logging.getLogger(logger_name)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if world > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=args.init_method,
+            timeout=datetime.timedelta(seconds=args.pg_timeout),
+            rank=rank,
+            world_size=world,
+        )
+    torch.manual_seed(args.seed)
+    model = ex.GPT(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        dropout=args.dropout,
+        batchnorm=args.batchnorm,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %.2f M parameters", n_params / 1e6)
+    torch.manual_seed(args.seed + 1000 * rank + 1)
+    # As the example: DDP keeps its initial bucket layout (see the example's comment).
+    train_model = (
+        DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    total = args.lr_decay_steps or args.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, ex._lr_lambda(args.warmup_steps, total)
+    )
+    loader = ex.SyntheticTokens(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        rank=rank,
+    )
+    return Training(
+        ex=ex,
+        args=args,
+        rank=rank,
+        world=world,
+        log=log,
+        model=model,
+        train_model=train_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+    )

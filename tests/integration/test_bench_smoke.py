@@ -1,0 +1,94 @@
+"""The benchmark suite starts and writes its output: ``python -m bench --smoke`` on a tiny state.
+
+No figure is checked (benchmarks are not run in CI); only that the suite runs to its end,
+writes its sections and summary into a temporary file (never docs/), draws the stall plot
+when matplotlib is installed, and leaves no process or shared memory behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+SUITE_TIMEOUT_S = 100.0
+
+
+@dataclass
+class SuiteRun:
+    """The finished smoke run: exit code, output and the files it wrote."""
+
+    returncode: int
+    output: str
+    out: Path
+    img_dir: Path
+
+
+def _shm_names() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("ftmem-bs")}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteRun]:
+    """Run ``python -m bench --smoke`` once, in its own session, killed if it overruns."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "benchmarks.md"
+    out.write_text("# Benchmarks\n\nhand-written text that must stay\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    shm_before = _shm_names()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=SUITE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the smoke suite ran over {SUITE_TIMEOUT_S} s:\n{output[-3000:]}")
+    yield SuiteRun(proc.returncode, output, out, tmp / "img")
+    assert _shm_names() <= shm_before, "the suite left shared memory behind"
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("processes of the suite's session outlived it")
+
+
+def test_suite_writes_sections_and_summary(suite: SuiteRun) -> None:
+    assert suite.returncode == 0, suite.output[-3000:]
+    text = suite.out.read_text()
+    assert "hand-written text that must stay" in text
+    for name in ("summary", "snapshot", "memory"):
+        assert f"<!-- bench:{name}:start -->" in text
+        assert f"<!-- bench:{name}:end -->" in text
+    assert text.index("bench:summary:start") < text.index("bench:snapshot:start")
+    summary = text[text.index("bench:summary:start") : text.index("bench:summary:end")]
+    for goal in ("stall <= 0.01 s/GiB", "overhead with a snapshot every step", "flush >= 1.5x"):
+        assert goal in summary
+    assert "not measured" in summary  # parts the smoke profile leaves out
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the plot extra)")
+def test_suite_draws_the_stall_plot(suite: SuiteRun) -> None:
+    png = suite.img_dir / "bench-stall.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "img/bench-stall.png" in suite.out.read_text()
