@@ -95,5 +95,7 @@ def test_three_nodes_flush_parts_assemble_and_resume_from_disk(launcher_env: Lau
     assert out == want
     texts = [nodes.agents[i].text() for i in range(3)]
     resumed = {int(s) for t in texts for s in re.findall(r"resumed from step (\d+)", t)}
-    assert resumed == {newest}, texts[2][-3000:]
-    assert str(shared) in texts[2]  # node 2 restored from the shared global checkpoint
+    # One step for every rank, at least the newest global one (a newer step whose parts were all
+    # written but not yet assembled when the nodes died is as good: every rank has its part).
+    assert len(resumed) == 1 and min(resumed) >= newest, (resumed, newest, texts[2][-3000:])
+    assert str(shared) in texts[2]  # node 2 restored from the shared tier (global or its part)
