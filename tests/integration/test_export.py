@@ -147,9 +147,7 @@ def test_export_refuses_an_existing_dir_and_a_missing_step(
 def test_each_rank_reads_back_exactly_what_it_saved(
     trained: tuple[Path, str], tmp_path: Path
 ) -> None:
-    from ftmem.client.flatten import decode_skeleton, parse_layout
     from ftmem.errors import CorruptSnapshotError
-    from ftmem.shm import MappedSegment
     from ftmem.tiers.checkpoints import MANIFEST, list_checkpoints, read_checkpoint
     from ftmem.tiers.disk_restore import load_rank
     from ftmem.tiers.export import export_dcp, find_sources
@@ -160,20 +158,7 @@ def test_each_rank_reads_back_exactly_what_it_saved(
     export_dcp(sources, out)
     ck = read_checkpoint(out)
     assert [c.step for c in list_checkpoints(tmp_path)[0]] == [20]
-    for src in sources:
-        snap, objects, buf = load_rank(ck, src.rank)
-        orig = parse_layout(src.layout, src.capacity)
-        seg = MappedSegment(Path(src.path), src.capacity)
-        try:
-            assert [t.name for t in snap.tensors] == [t.name for t in orig.tensors]
-            for a, b in zip(snap.tensors, orig.tensors, strict=True):
-                assert (a.dtype, a.shape) == (b.dtype, b.shape)
-                got = bytes(buf.view[a.offset : a.offset + a.nbytes])
-                assert got == bytes(seg.view[b.offset : b.offset + b.nbytes]), a.name
-            saved = bytes(seg.view[orig.objects_offset : orig.objects_offset + orig.objects_nbytes])
-            assert decode_skeleton(objects) == decode_skeleton(saved)
-        finally:
-            seg.close()
+    _same_as_saved(ck, sources)
     # One flipped byte in the data file: detected before any byte is used.
     data = next(p for p in out.iterdir() if p.suffix == ".distcp")
     raw = bytearray(data.read_bytes())
@@ -200,6 +185,7 @@ def _same_as_saved(ck: object, sources: list) -> None:  # type: ignore[type-arg]
         try:
             assert [t.name for t in snap.tensors] == [t.name for t in orig.tensors]
             for a, b in zip(snap.tensors, orig.tensors, strict=True):
+                assert (a.dtype, a.shape) == (b.dtype, b.shape)
                 got = bytes(buf.view[a.offset : a.offset + a.nbytes])
                 assert got == bytes(seg.view[b.offset : b.offset + b.nbytes]), (src.rank, a.name)
             saved = bytes(seg.view[orig.objects_offset : orig.objects_offset + orig.objects_nbytes])
