@@ -83,6 +83,9 @@ class SmpConfig:
     """Complete checkpoints kept per tier."""
     flush_on_stop: timedelta = timedelta(seconds=60)
     """On SIGTERM (preemption), time allowed for a final flush of the newest step."""
+    hash_threads: int = 1
+    """Threads that checksum committed slots (xxh3 releases the GIL). On a GPU node these are
+    the host's idle cores; on a CPU-only node they share the cores with training."""
 
     def __post_init__(self) -> None:
         check_name("run_id", self.run_id)
@@ -91,6 +94,8 @@ class SmpConfig:
             raise ValueError(f"slots must be >= 2, got {self.slots}")
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be >= 4096")
+        if not 1 <= self.hash_threads <= 64:
+            raise ValueError(f"hash_threads must be in [1, 64], got {self.hash_threads}")
 
     @property
     def endpoint(self) -> str:
@@ -125,8 +130,11 @@ class ClientConfig:
     """Longest wait for the SMP to create and pre-fault a rank's arena (first save, resize)."""
     fence_timeout: timedelta = timedelta(seconds=300)
     """Longest wait at the optimizer fence for a copy; past it the snapshot is abandoned."""
+    final_save_timeout: timedelta = timedelta(seconds=120)
+    """``wait()``/``close()``: longest wait for a slot (held by a flush or a protection round,
+    or still being allocated) to commit the newest step when its save was skipped."""
     chunk_bytes: int = 2 << 20
-    """The background copy moves and hashes tensors in pieces of this size."""
+    """Unused since the SMP hashes snapshots; kept so existing configs still construct."""
     allow_fresh_start: bool = field(
         default_factory=lambda: os.environ.get(ENV_ALLOW_FRESH_START, "") == "1"
     )

@@ -85,9 +85,17 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=int,
         default=None,
-        help="Snapshot slots per rank in the SMP (>= 2). Default: 2, or 3 when erasure "
-        "coding may be on or a flush dir is set (a step being protected or flushed stays "
-        "pinned while newer ones are written).",
+        help="Snapshot slots per rank in the SMP (>= 2). Default: 2, plus 1 when a flush "
+        "dir is set and 1 when erasure coding may be on (a step being flushed or protected "
+        "stays pinned while newer ones are written, so ranks rarely skip).",
+    )
+    group.add_argument(
+        "--ftmem-hash-threads",
+        action=env,
+        type=int,
+        default=1,
+        help="Threads of the SMP that checksum committed snapshots (default 1; the training "
+        "processes never hash).",
     )
     group.add_argument(
         "--ftmem-ec-parity",
@@ -237,9 +245,10 @@ def _slots(args: Namespace) -> int:
         return int(args.ftmem_slots)
     max_nodes = str(args.nnodes).split(":")[-1]
     ec_possible = _parity(args.ftmem_ec_parity) != 0 and max_nodes.isdigit() and int(max_nodes) >= 3
-    # A step being protected or flushed stays pinned: a third slot lets ranks keep saving.
+    # A step being flushed (and one reserved for the next flush) or protected stays pinned:
+    # one more slot for each keeps ranks saving every step while they run.
     flushing = bool(args.ftmem_flush_dir or args.ftmem_flush_persistent_dir)
-    return 3 if ec_possible or flushing else 2
+    return 2 + int(flushing) + int(ec_possible)
 
 
 def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
@@ -260,6 +269,7 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         ),
         flush_every=int(args.ftmem_flush_every),
         flush_keep=int(args.ftmem_flush_keep),
+        hash_threads=int(args.ftmem_hash_threads),
         smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),

@@ -117,6 +117,8 @@ class FtmemLaunchConfig:
     """Complete checkpoints kept per tier."""
     flush_on_stop: timedelta = timedelta(seconds=60)
     """On SIGTERM, time the SMP has for a final flush of the newest step."""
+    hash_threads: int = 1
+    """Threads of the SMP that checksum committed snapshots."""
 
     def flush_tiers(self) -> list[Path]:
         """The disk tiers, nearest first."""
@@ -125,6 +127,8 @@ class FtmemLaunchConfig:
     def smp_args(self) -> list[str]:
         """Extra ``python -m ftmem.smp`` arguments for the disk tiers."""
         args: list[str] = []
+        if self.hash_threads != 1:
+            args += ["--hash-threads", str(self.hash_threads)]
         if self.flush_dir is not None:
             args += ["--flush-dir", str(Path(self.flush_dir).absolute())]
         if self.flush_persistent_dir is not None:
@@ -143,6 +147,8 @@ class FtmemLaunchConfig:
     def __post_init__(self) -> None:
         if self.slots < 2:
             raise ValueError(f"--ftmem-slots must be >= 2, got {self.slots}")
+        if not 1 <= self.hash_threads <= 64:
+            raise ValueError(f"--ftmem-hash-threads must be in [1, 64], got {self.hash_threads}")
         for name in ("smp_start_timeout", "smp_stop_timeout", "status_interval"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be > 0")

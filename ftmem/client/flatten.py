@@ -4,29 +4,59 @@ A *state* follows torch.distributed.checkpoint's conventions: a dict whose value
 tensors, nested dicts/lists/tuples, plain Python values, or ``Stateful`` objects (with
 ``state_dict()`` and ``load_state_dict()``). Flattening yields the tensors (with a name
 each) and a *skeleton*: the same structure with every tensor replaced by a marker. The
-skeleton is stored with ``torch.save`` and read back with ``torch.load(weights_only=True)``,
-so nothing in a snapshot is ever unpickled beyond that allow-list.
+skeleton is stored with the torch-free codec of :mod:`ftmem.format.skeleton` (tagged JSON:
+nothing in a snapshot is ever unpickled); ``torch.Size`` and ``torch.dtype`` values travel as
+its extension types. The layout schema and its validator live in :mod:`ftmem.format.layout`.
 """
 
 from __future__ import annotations
 
-import io
-import json
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ftmem.errors import CorruptSnapshotError
+from ftmem.format import skeleton as codec
+from ftmem.format.layout import (
+    ChunkOf,
+    StoredSnapshot,
+    StoredTensor,
+    TensorExtent,
+    parse_layout,
+    tensors_json,
+)
 from ftmem.shm import ALIGN
+
+__all__ = [
+    "DTYPES",
+    "GATHER_MARK",
+    "REPLICAS_KEY",
+    "TENSOR_MARK",
+    "ChunkOf",
+    "Flat",
+    "Layout",
+    "StoredSnapshot",
+    "StoredTensor",
+    "TensorExtent",
+    "decode_skeleton",
+    "dtype_name",
+    "encode_skeleton",
+    "flatten_state",
+    "parse_layout",
+    "plan_layout",
+    "shard_replicated",
+    "signature_of",
+    "split_rows",
+    "torch_dtype",
+]
 
 TENSOR_MARK = "__ftmem_tensor__"
 GATHER_MARK = "__ftmem_gather__"
 """Skeleton marker of a replicated tensor whose rows are spread over its replicas."""
 REPLICAS_KEY = "__ftmem_replicas__"
 """Skeleton key of the table that says which replica holds which rows (see shard_replicated)."""
-LAYOUT_VERSION = 1
 _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype)
 
 DTYPES: dict[str, torch.dtype] = {
@@ -58,17 +88,6 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkOf:
-    """A stored tensor that is one chunk of a larger (global) tensor: a DTensor's local shard,
-    or the rows of a replicated tensor that this replica keeps."""
-
-    shape: tuple[int, ...]
-    """The global tensor's shape."""
-    offset: tuple[int, ...]
-    """Where the chunk starts in the global tensor (one entry per dimension)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,51 +293,60 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
     return Flat(tensors, names, skeleton, chunks, groups)
 
 
+def _ext_encode(obj: Any) -> tuple[str, Any] | None:
+    if isinstance(obj, torch.Size):
+        return "size", [int(d) for d in obj]
+    if isinstance(obj, torch.dtype):
+        return "dtype", str(obj).removeprefix("torch.")
+    return None
+
+
+def _ext_decode(tag: str, value: Any) -> Any:
+    if tag == "size" and isinstance(value, list) and all(type(d) is int for d in value):
+        return torch.Size(value)
+    if (
+        tag == "dtype"
+        and isinstance(value, str)
+        and isinstance(getattr(torch, value, None), torch.dtype)
+    ):
+        return getattr(torch, value)
+    raise ValueError(f"bad {tag!r} value in a skeleton")
+
+
 def encode_skeleton(skeleton: dict[str, Any]) -> bytes:
-    """Serialize a skeleton with torch.save (readable by torch.load(weights_only=True))."""
-    buf = io.BytesIO()
-    torch.save(skeleton, buf)
-    return buf.getvalue()
+    """Serialize a skeleton (tagged JSON, see :mod:`ftmem.format.skeleton`).
+
+    Raises:
+        ValueError: a value the codec cannot hold.
+    """
+    return codec.encode_skeleton(skeleton, _ext_encode)
 
 
 def decode_skeleton(data: bytes) -> dict[str, Any]:
-    """Read a skeleton back with torch.load(weights_only=True).
+    """Read a skeleton back; never unpickles.
 
     Raises:
         CorruptSnapshotError: the bytes are not a valid skeleton.
     """
-    try:
-        obj = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
-        raise CorruptSnapshotError(f"snapshot objects cannot be decoded: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise CorruptSnapshotError("snapshot objects are not a dict")
-    return obj
+    out: dict[str, Any] = codec.decode_skeleton(data, _ext_decode)
+    return out
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class TensorExtent:
-    """Where one tensor lives in a slot."""
-
-    index: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    chunk: ChunkOf | None = None
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Layout:
     """Tensor placement in a slot (reused while names, dtypes and shapes stay the same)."""
 
     extents: tuple[TensorExtent, ...]
     tensors_end: int
+
+    @functools.cached_property
+    def tensors_json(self) -> str:
+        """The layout's ``tensors`` array (no checksums), made once per layout."""
+        return tensors_json(self.extents)
 
     def signature(self) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
         """What must stay equal for the layout to be reused."""
@@ -331,6 +359,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype} is not supported")
     return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a layout dtype name (validated by parse_layout)."""
+    return DTYPES[name]
 
 
 def signature_of(flat: Flat) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
@@ -357,116 +390,3 @@ def plan_layout(flat: Flat) -> Layout:
         )
         offset = _align(offset + t.nbytes)
     return Layout(tuple(sorted(extents, key=lambda e: e.index)), offset)
-
-
-def layout_json(
-    layout: Layout,
-    step: int,
-    hashes: list[str],
-    objects: tuple[int, int, str],
-    unsharded_nbytes: int = 0,
-) -> str:
-    """Return the committed description of a snapshot (JSON text, sent to the SMP);
-    ``unsharded_nbytes``: what the rank would hold without sharding its replicated state."""
-    tensors = []
-    for e, h in zip(layout.extents, hashes, strict=True):
-        entry: dict[str, Any] = {
-            "i": e.index,
-            "name": e.name,
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "offset": e.offset,
-            "nbytes": e.nbytes,
-            "hash": h,
-        }
-        if e.chunk is not None:
-            entry["chunk"] = {"shape": list(e.chunk.shape), "offset": list(e.chunk.offset)}
-        tensors.append(entry)
-    doc = {
-        "version": LAYOUT_VERSION,
-        "step": step,
-        "tensors": tensors,
-        "objects": {"offset": objects[0], "nbytes": objects[1], "hash": objects[2]},
-    }
-    if unsharded_nbytes:
-        doc["unsharded_nbytes"] = unsharded_nbytes
-    return json.dumps(doc, separators=(",", ":"))
-
-
-@dataclass(frozen=True, slots=True)
-class StoredTensor:
-    """A tensor as described by a committed layout."""
-
-    index: int
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    hash: str
-    chunk: ChunkOf | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredSnapshot:
-    """A committed snapshot's parsed, validated layout."""
-
-    step: int
-    tensors: tuple[StoredTensor, ...]
-    objects_offset: int
-    objects_nbytes: int
-    objects_hash: str
-
-
-def _parse_chunk(doc: Any, local: tuple[int, ...]) -> ChunkOf | None:
-    """A layout's chunk entry, checked against the stored (local) shape."""
-    if doc is None:
-        return None
-    shape = tuple(int(x) for x in doc["shape"])
-    offset = tuple(int(x) for x in doc["offset"])
-    if len(shape) != len(local) or len(offset) != len(local):
-        raise CorruptSnapshotError("chunk rank differs from the tensor's")
-    if any(o < 0 or o + n > g for o, n, g in zip(offset, local, shape, strict=True)):
-        raise CorruptSnapshotError("chunk lies outside its global tensor")
-    return ChunkOf(shape, offset)
-
-
-def parse_layout(text: str, capacity: int) -> StoredSnapshot:
-    """Parse and validate a committed layout against a slot of ``capacity`` bytes.
-
-    Raises:
-        CorruptSnapshotError: anything malformed, out of bounds or inconsistent.
-    """
-    try:
-        doc = json.loads(text)
-        if doc["version"] != LAYOUT_VERSION:
-            raise CorruptSnapshotError(f"layout version {doc['version']} is not supported")
-        step = int(doc["step"])
-        tensors = []
-        for n, e in enumerate(doc["tensors"]):
-            dtype = DTYPES[e["dtype"]]
-            shape = tuple(int(s) for s in e["shape"])
-            if any(s < 0 for s in shape):
-                raise CorruptSnapshotError("negative dimension")
-            numel = 1
-            for s in shape:
-                numel *= s
-            nbytes = int(e["nbytes"])
-            off = int(e["offset"])
-            if nbytes != numel * dtype.itemsize or off < 0 or off + nbytes > capacity:
-                raise CorruptSnapshotError(f"tensor {e['name']!r} has an inconsistent extent")
-            if int(e["i"]) != n:
-                raise CorruptSnapshotError("tensor indices are out of order")
-            chunk = _parse_chunk(e.get("chunk"), shape)
-            tensors.append(
-                StoredTensor(n, str(e["name"]), dtype, shape, off, nbytes, str(e["hash"]), chunk)
-            )
-        obj = doc["objects"]
-        ooff, on = int(obj["offset"]), int(obj["nbytes"])
-        if ooff < 0 or on < 0 or ooff + on > capacity:
-            raise CorruptSnapshotError("objects extent is outside the slot")
-        return StoredSnapshot(step, tuple(tensors), ooff, on, str(obj["hash"]))
-    except CorruptSnapshotError:
-        raise
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptSnapshotError(f"malformed snapshot layout: {exc!r}") from exc

@@ -1,14 +1,21 @@
-"""Restoring a committed snapshot into a live state, in place: verify, plan, then apply.
+"""Restoring a verified snapshot into a live state, in place: plan, copy and verify, finish.
 
-Nothing is changed until the whole snapshot has passed its checksums and every tensor has
-found its place (:func:`plan_restore`); :func:`apply_restore` then copies and calls
-``load_state_dict`` on the Stateful objects.
+:func:`plan_restore` matches the snapshot to the state without changing anything (its
+objects were checked first). :func:`copy_verified` then copies every tensor into its place
+in one pass: each checksummed piece (4 MiB) is hashed and, only if it matches, copied while
+it is still in cache, on several threads. No corrupt byte is ever written into a live
+tensor. Only when every piece passed on every rank does :func:`finish_restore` gather the
+replicated rows and call ``load_state_dict`` on the Stateful objects; otherwise the caller
+restores an older step over the same tensors. If no step passes, ``load`` raises and the
+live tensors hold, piece by piece, either their old bytes or verified bytes of a snapshot
+step that was tried (see docs/design.md, "Restore").
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,26 +32,30 @@ from ftmem.client.flatten import (
     StoredTensor,
     decode_skeleton,
     is_stateful,
+    torch_dtype,
 )
-from ftmem.client.staging import hash_bytes
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
+from ftmem.format.layout import digest, hash_bytes, piece_hashes, pieces
 from ftmem.shm import MappedSegment
 from ftmem.testing import faults
 
 
 def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment, threads: int = 2) -> None:
-    """Check every tensor's and the objects' checksum (on up to ``threads`` threads).
+    """Check every tensor's and the objects' checksum (on up to ``threads`` threads) without
+    copying anything (the export and the flush read slots this way).
 
     Raises:
-        CorruptSnapshotError: naming an extent whose bytes do not match.
+        CorruptSnapshotError: naming an extent whose bytes do not match, or a snapshot the
+            SMP has not verified (no checksums).
     """
+    if not snap.verified:
+        raise CorruptSnapshotError(f"step {snap.step} has not been verified by the SMP")
     v = seg.view
-    extents = [("objects", snap.objects_offset, snap.objects_nbytes, snap.objects_hash)]
-    extents += [(repr(t.name), t.offset, t.nbytes, t.hash) for t in snap.tensors]
+    extents = [(repr(name), off, n, h) for name, off, n, h in snap.extents()]
 
     def bad(e: tuple[str, int, int, str]) -> str | None:
         name, off, n, h = e
-        return None if hash_bytes(v[off : off + n]) == h else name
+        return None if digest(v[off : off + n]) == h else name
 
     if threads > 1 and len(extents) > 1:
         # xxhash releases the GIL, so the hashes run in parallel.
@@ -54,6 +65,20 @@ def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment, threads: int = 2) 
         failed = [b for b in map(bad, extents) if b is not None]
     if failed:
         raise CorruptSnapshotError(f"step {snap.step}: {', '.join(failed[:5])} fail their checksum")
+
+
+def read_objects(snap: StoredSnapshot, seg: MappedSegment) -> bytes:
+    """The snapshot's encoded skeleton, checked against its checksum.
+
+    Raises:
+        CorruptSnapshotError: the snapshot is not verified or its objects are corrupt.
+    """
+    if not snap.verified:
+        raise CorruptSnapshotError(f"step {snap.step} has not been verified by the SMP")
+    objects = bytes(seg.view[snap.objects_offset : snap.objects_offset + snap.objects_nbytes])
+    if digest(objects) != snap.objects_hash:
+        raise CorruptSnapshotError(f"step {snap.step}: the snapshot's objects fail their checksum")
+    return objects
 
 
 @dataclass
@@ -185,7 +210,9 @@ def plan_restore(
             st = stored[idx]
             target = live.get(path)
             local = _local(target) if target is not None else None
-            if local is not None and (local.dtype != st.dtype or tuple(local.shape) != st.shape):
+            if local is not None and (
+                local.dtype != torch_dtype(st.dtype) or tuple(local.shape) != st.shape
+            ):
                 raise SnapshotMismatchError(
                     f"{st.name}: snapshot holds {st.dtype} {list(st.shape)}, the state "
                     f"{local.dtype} {list(local.shape)}"
@@ -201,12 +228,12 @@ def plan_restore(
                 # An optimizer's state of a DTensor parameter (FSDP2): a DTensor like it.
                 from torch.distributed.tensor import DTensor
 
-                local = torch.empty(st.shape, dtype=st.dtype)
+                local = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
                 plan.copies.append((st, local))
                 return DTensor.from_local(
                     local, model.device_mesh, model.placements, run_check=False
                 )
-            target = torch.empty(st.shape, dtype=st.dtype)
+            target = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
             plan.copies.append((st, target))
             return target
         if isinstance(skel, dict):
@@ -293,7 +320,7 @@ def apply_restore(
             dst = target.reshape(-1).view(torch.uint8)
             jobs += [(dst[i : i + piece], src[i : i + piece]) for i in range(0, st.nbytes, piece)]
         else:
-            target.copy_(src.view(st.dtype).view(st.shape))
+            target.copy_(src.view(torch_dtype(st.dtype)).view(st.shape))
     if threads > 1 and len(jobs) > 1:
         # copy_ releases the GIL: pieces are copied on several cores at once.
         with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore") as pool:
@@ -302,10 +329,75 @@ def apply_restore(
     else:
         for dst, src in jobs:
             dst.copy_(src)
+    finish_restore(plan, seg, group, peers)
+
+
+def finish_restore(
+    plan: RestorePlan, seg: Any, group: Any = None, peers: PeerPieces | None = None
+) -> None:
+    """After the copies: gather the rows of replicated tensors from every replica (a
+    collective over ``group``: every replica must call this), then run the finishing calls."""
     if plan.replicas is not None:
         gather_replicated(plan, seg, group, peers)
     for fn in plan.finish:
         fn()
+
+
+def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> None:
+    """Copy every planned tensor out of the slot, checking each piece's checksum just before
+    copying it (one read of the slot, the piece still in cache); pieces run on up to
+    ``threads`` threads (xxhash and ``copy_`` release the GIL). A piece that fails is not
+    copied. Stored tensors without a target (this replica's rows of replicated tensors, read
+    later by :func:`gather_replicated`) are only checked; a strided or device target is
+    checked whole, then copied.
+
+    Raises:
+        CorruptSnapshotError: naming the tensors with a piece that does not match.
+    """
+    targets = {id(st): t for st, t in plan.copies}
+    view = seg.view
+    failed: set[str] = set()
+    lock = threading.Lock()
+    work: list[tuple[StoredTensor, torch.Tensor | None, int, int, str]] = []
+    whole: list[tuple[StoredTensor, torch.Tensor]] = []
+    for st in plan.stored:
+        dst = targets.get(id(st))
+        try:
+            expect = piece_hashes(st.hash, st.nbytes)
+        except CorruptSnapshotError:
+            expect = []
+        if not expect:
+            failed.add(repr(st.name))
+            continue
+        direct = dst is not None and dst.is_contiguous() and dst.device.type == "cpu"
+        out = dst.reshape(-1).view(torch.uint8) if dst is not None and direct else None
+        for (a, b), h in zip(pieces(st.nbytes), expect, strict=True):
+            work.append((st, out, a, b, h))
+        if dst is not None and not direct:
+            whole.append((st, dst))
+
+    def one(w: tuple[StoredTensor, torch.Tensor | None, int, int, str]) -> None:
+        st, out, a, b, h = w
+        lo = st.offset
+        if hash_bytes(view[lo + a : lo + b]) != h:
+            with lock:
+                failed.add(repr(st.name))
+        elif out is not None and b > a:
+            out[a:b].copy_(seg.tensor[lo + a : lo + b])
+
+    if threads > 1 and len(work) > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore") as pool:
+            for _ in pool.map(one, work):
+                pass
+    else:
+        for w in work:
+            one(w)
+    for st, dst in whole:
+        if repr(st.name) not in failed and st.nbytes:
+            raw = seg.tensor[st.offset : st.offset + st.nbytes]
+            dst.copy_(raw.view(torch_dtype(st.dtype)).view(st.shape))
+    if failed:
+        raise CorruptSnapshotError(f"{', '.join(sorted(failed)[:5])} fail their checksum")
 
 
 PeerPieces = Callable[[int], "tuple[Any, Sequence[StoredTensor]] | None"]
@@ -358,7 +450,7 @@ def gather_replicated(
             found is None
             or len(theirs) != len(owned[k])
             or any(
-                st.nbytes != n or hash_bytes(found[0].view[st.offset : st.offset + n]) != st.hash
+                st.nbytes != n or digest(found[0].view[st.offset : st.offset + n]) != st.hash
                 for st, (_, _, _, n) in zip(theirs, owned[k], strict=True)
             )
         ):

@@ -9,17 +9,27 @@
 ``save`` copies module buffers and small objects eagerly, queues the rest (parameters and
 optimizer state, which only ``optimizer.step()`` changes) for the background copy, and
 registers a step pre-hook on every optimizer in the state: the fence that waits for the
-copy before the optimizer changes those tensors.
+copy before the optimizer changes those tensors. The rank only moves bytes: the SMP
+checksums each committed snapshot. What a save plans (the sharding split, the layout, which
+tensors are copied lazily, the slot's views) is cached by the state's signature, so a save
+whose state did not change shape costs the state walk, one IPC round trip and the copies.
+
+The newest step passed to ``save`` is never lost silently: when it was skipped (no free
+slot, slots still being allocated, the previous copy still running), ``wait()``,
+``close()`` and interpreter exit save it again, waiting (bounded, logged) for a slot, as
+long as the optimizer has not changed the state since.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +50,21 @@ from ftmem.client.flatten import (
 from ftmem.client.restore import (
     RestorePlan,
     apply_restore,
+    copy_verified,
+    finish_restore,
     plan_restore,
+    read_objects,
     restore_threads,
-    verify_snapshot,
 )
 from ftmem.client.smp_client import SmpClient
 from ftmem.client.staging import (
     CopyJob,
     CopyWorker,
-    copy_tensor,
-    hash_bytes,
+    PrepareJob,
+    SkipNotice,
+    copy_into,
     register_pinned,
+    slot_views,
     start_cuda_copies,
 )
 from ftmem.config import ENV_EXPECTED_STEP, ClientConfig
@@ -66,6 +80,31 @@ from ftmem.shm import MappedSegment
 log = get_logger(__name__)
 
 _OK, _CORRUPT, _MISMATCH = 2, 1, 0
+
+
+@dataclass(frozen=True, eq=False)
+class _SavePlan:
+    """What a save of a state of one signature does (cached while the signature and the
+    tensors' storages stay the same)."""
+
+    key: tuple[Any, ...]
+    layout: Layout
+    eager: list[int]
+    """CPU tensors copied inside ``save`` (buffers, RNG, anything the forward may change)."""
+    lazy: list[int]
+    """CPU tensors only the optimizers change: copied by the worker, largest first."""
+    cuda: list[int]
+    """Device tensors: copied by a side stream."""
+
+
+@dataclass
+class _Pending:
+    """The newest step passed to ``save`` when it was skipped."""
+
+    state: Mapping[str, Any]
+    step: int
+    replicated_over: Any
+    reason: str
 
 
 @dataclass
@@ -115,8 +154,14 @@ class Checkpointer:
         self._worker: CopyWorker | None = None
         self._rank: int | None = None
         self._segments: dict[str, MappedSegment] = {}
-        self._layout: Layout | None = None
-        self._sig: Any = None
+        self._plan: _SavePlan | None = None
+        self._views: tuple[Any, list[torch.Tensor]] | None = None
+        self._replicated: tuple[Any, list[int]] | None = None
+        self._preparing: PrepareJob | None = None
+        self._pending: _Pending | None = None
+        self._changed = False
+        """The optimizer stepped since the newest save (its state is not that step's)."""
+        self._seg_lock = threading.Lock()
         self._job: CopyJob | None = None
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._hooks: list[Any] = []
@@ -124,6 +169,7 @@ class Checkpointer:
         self._last_save_s = 0.0
         self._last_fence_s = 0.0
         self._closed = False
+        self._unsharded_nbytes = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
         self._hsdp_group: Any = None
@@ -154,14 +200,22 @@ class Checkpointer:
         return self._client
 
     def _segment(self, path: str, capacity: int) -> MappedSegment:
-        seg = self._segments.get(path)
-        if seg is None or seg.nbytes != capacity:
-            seg = MappedSegment(Path(path), capacity, self._shm_dir)
-            self._segments[path] = seg
-            # Forget mappings of files the SMP replaced (one live file per slot).
-            for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
-                self._segments.pop(old).close()
-        return seg
+        with self._seg_lock:
+            seg = self._segments.get(path)
+            if seg is None or seg.nbytes != capacity:
+                seg = MappedSegment(Path(path), capacity, self._shm_dir)
+                self._segments[path] = seg
+                # Forget mappings of files the SMP replaced (one live file per slot).
+                for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
+                    if self._views is not None and self._views[0][0] == old:
+                        self._views = None
+                    self._segments.pop(old).close()
+            return seg
+
+    def _map_new_slots(self, slots: list[dict[str, Any]]) -> None:
+        """Map (and populate the page tables of) slots the SMP just made (copy thread)."""
+        for slot in slots:
+            self._segment(str(slot["path"]), int(slot["capacity"]))
 
     # -- save ------------------------------------------------------------------------------
     def save(
@@ -169,8 +223,11 @@ class Checkpointer:
     ) -> SnapshotHandle:
         """Snapshot ``state`` as ``step``; return at once with a handle.
 
-        The snapshot is skipped (counted, never waited for) when the previous copy is still
-        running or the SMP has no free slot.
+        The snapshot is skipped (counted, reported to the SMP with its reason, never waited
+        for) when the previous copy is still running, the SMP has no free slot, or the
+        rank's slots are still being allocated (the first save: they are allocated and
+        pre-faulted off the training thread). If this newest step stays skipped,
+        :meth:`wait` and :meth:`close` save it again, waiting for a slot.
 
         ``replicated_over``: a process group over which the parameters of the modules in
         ``state`` and their optimizer state are the same on every rank (data parallelism);
@@ -184,50 +241,117 @@ class Checkpointer:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        handle = self._save(state, step, replicated_over, deadline=None)
+        self._changed = False
+        if handle.skipped:
+            self._pending = _Pending(state, step, replicated_over, handle.reason)
+        else:
+            self._pending = None
+        return handle
+
+    def _save(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        replicated_over: Any,
+        deadline: float | None,
+    ) -> SnapshotHandle:
+        """One save; ``deadline`` (monotonic) set: the final save, which waits for the
+        previous copy, the allocation and a free slot instead of skipping."""
         t0 = time.perf_counter()
+        final = deadline is not None
         client = self._connect()
         prev = self._job
         if prev is not None and not prev.finished.is_set():
-            if not prev.copied.is_set():
-                return self._skip(step, "the previous copy is still running", t0)
+            if not prev.copied.is_set() and not final:
+                return self._skip(step, "the previous copy is still running", t0, tell=True)
             # The copy is done and only the SMP's ack of its COMMIT is in flight (one IPC round
-            # trip). Wait for it rather than skip: ranks that skip different steps can end up
-            # with no step in common, and then nothing can be restored.
-            prev.finished.wait(self.config.request_timeout.total_seconds())
-        whole = flatten_state(state)
-        flat = self._shard(state, whole, replicated_over)
-        sig = signature_of(flat)
-        if sig != self._sig or self._layout is None:
-            self._layout, self._sig = plan_layout(flat), sig
-        layout = self._layout
+            # trip), or this is the final save. Wait rather than skip: ranks that skip
+            # different steps can end up with no step in common.
+            prev.finished.wait(self._left(deadline, self.config.request_timeout))
+        preparing = self._preparing
+        if preparing is not None and not preparing.done.is_set():
+            if not final:
+                return self._skip(step, "slots are being allocated", t0, tell=True)
+            preparing.done.wait(self._left(deadline, self.config.prepare_timeout))
+        flat = self._shard(state, flatten_state(state), replicated_over)
+        plan = self._save_plan(flat, state)
         objects = encode_skeleton(flat.skeleton)
-        total = layout.tensors_end + len(objects)
-        decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
-        if decision["action"] == "resize":
-            want = int(total * (1 + self.config.arena_headroom)) + 1
-            made = client.request(
-                m.Prepare(rank=self.rank, slot=int(decision["slot"]), nbytes=want),
-                timeout=self.config.prepare_timeout,
-            )
-            # Map (and populate the page tables of) every new slot now, not on a later save.
-            for slot in made.get("slots", []):
-                self._segment(str(slot["path"]), int(slot["capacity"]))
-            decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=max(1, total)))
-        if decision["action"] != "write":
-            return self._skip(step, str(decision.get("reason", decision["action"])), t0)
+        total = max(1, plan.layout.tensors_end + len(objects))
+        while True:
+            decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final))
+            action = decision["action"]
+            if action == "write":
+                break
+            if action == "resize":
+                prep = self._prepare_ahead(total)
+                if not final:
+                    return self._skip(step, "slots are being allocated", t0, tell=True)
+                prep.done.wait(self._left(deadline, self.config.prepare_timeout))
+                if prep.error is not None or not prep.done.is_set():
+                    return self._skip(step, f"slots could not be allocated: {prep.error}", t0)
+                continue
+            reason = str(decision.get("reason", action))
+            if not final:
+                return self._skip(step, reason, t0)
+            assert deadline is not None
+            if time.monotonic() >= deadline:
+                return self._skip(step, reason, t0, tell=True)
+            time.sleep(0.05)  # a flush or a protection round holds the slots: bounded poll
         seg = self._segment(str(decision["path"]), int(decision["capacity"]))
         self._hook_optimizers(state)
         job = self._stage(
-            flat, layout, objects, seg, step, int(decision["slot"]), int(decision["gen"])
+            flat, plan, objects, seg, step, int(decision["slot"]), int(decision["gen"])
         )
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
-        if flat is not whole:
-            job.unsharded_nbytes = sum(t.nbytes for t in whole.tensors) + len(objects)
+        if flat.chunks and any(c is not None for c in flat.chunks) and self._replicated:
+            job.unsharded_nbytes = self._unsharded_nbytes + len(objects)
         self._job = job
         assert self._worker is not None
         self._worker.submit(job)
         return SnapshotHandle(step=step, skipped=False, _job=job)
+
+    @staticmethod
+    def _left(deadline: float | None, default: timedelta) -> float:
+        if deadline is None:
+            return default.total_seconds()
+        return max(0.0, deadline - time.monotonic())
+
+    def _prepare_ahead(self, nbytes: int) -> PrepareJob:
+        """Have the SMP grow this rank's free slots (allocated and pre-faulted by the SMP,
+        mapped by the copy thread): off the training thread; saves skip until it is done."""
+        job = self._preparing
+        if job is not None and not job.done.is_set():
+            return job
+        want = int(nbytes * (1 + self.config.arena_headroom)) + 1
+        job = PrepareJob(self.rank, want, self.config.prepare_timeout, self._map_new_slots)
+        self._preparing = job
+        log.info("allocating snapshot slots of %.1f MiB in the background", want / 2**20)
+        assert self._worker is not None
+        self._worker.submit(job)
+        return job
+
+    def _save_plan(self, flat: Flat, state: Mapping[str, Any]) -> _SavePlan:
+        """The cached plan of a save (layout, eager / lazy / device tensors)."""
+        key = (signature_of(flat), tuple(t.data_ptr() for t in flat.tensors))
+        plan = self._plan
+        if plan is not None and plan.key == key:
+            return plan
+        layout = plan.layout if plan is not None and plan.key[0] == key[0] else plan_layout(flat)
+        optimizers = [v for v in _walk_values(state) if isinstance(v, torch.optim.Optimizer)]
+        lazy_ptrs = _optimizer_storage_ptrs(optimizers)
+        eager, lazy, cuda = [], [], []
+        for i, t in enumerate(flat.tensors):
+            if t.device.type != "cpu":
+                cuda.append(i)
+            elif lazy_ptrs and t.untyped_storage().data_ptr() in lazy_ptrs:
+                lazy.append(i)
+            else:  # buffers, RNG, anything the forward pass or the user may change
+                eager.append(i)
+        lazy.sort(key=lambda i: -flat.tensors[i].nbytes)
+        self._plan = _SavePlan(key, layout, eager, lazy, cuda)
+        return self._plan
 
     def _replica_group(self, state: Mapping[str, Any], given: Any) -> Any:
         """The group the state is replicated over (None: not replicated / not distributed)."""
@@ -252,13 +376,18 @@ class Checkpointer:
         size = torch.distributed.get_world_size(group)
         if size < 2:
             return flat
-        ptrs = _replicated_storage_ptrs(state)
-        chunks = flat.chunks or [None] * len(flat.tensors)
-        replicated = [
-            i
-            for i, t in enumerate(flat.tensors)
-            if chunks[i] is None and t.untyped_storage().data_ptr() in ptrs
-        ]
+        key = (signature_of(flat), tuple(t.data_ptr() for t in flat.tensors), id(group))
+        if self._replicated is None or self._replicated[0] != key:
+            ptrs = _replicated_storage_ptrs(state)
+            chunks = flat.chunks or [None] * len(flat.tensors)
+            found = [
+                i
+                for i, t in enumerate(flat.tensors)
+                if chunks[i] is None and t.untyped_storage().data_ptr() in ptrs
+            ]
+            self._replicated = (key, found)
+            self._unsharded_nbytes = sum(t.nbytes for t in flat.tensors)
+        replicated = self._replicated[1]
         if not replicated:
             return flat
         return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
@@ -273,18 +402,24 @@ class Checkpointer:
         size = torch.distributed.get_world_size(group)
         replicated = [i for i, g in enumerate(groups) if g is group]
         self._hsdp_group = group
+        self._replicated = ((), replicated)
+        self._unsharded_nbytes = sum(t.nbytes for t in flat.tensors)
         return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
 
-    def _skip(self, step: int, reason: str, t0: float) -> SnapshotHandle:
+    def _skip(self, step: int, reason: str, t0: float, tell: bool = False) -> SnapshotHandle:
+        """Count a skipped snapshot; ``tell``: the SMP did not refuse it itself, so the copy
+        thread reports it (the SMP counts skips per rank and reason)."""
         self._skipped += 1
         self._last_save_s = time.perf_counter() - t0
         log.debug("snapshot of step %d skipped: %s", step, reason)
+        if tell and self._worker is not None:
+            self._worker.submit(SkipNotice(self.rank, step, reason))
         return SnapshotHandle(step=step, skipped=True, reason=reason)
 
     def _stage(
         self,
         flat: Flat,
-        layout: Layout,
+        plan: _SavePlan,
         objects: bytes,
         seg: MappedSegment,
         step: int,
@@ -292,40 +427,30 @@ class Checkpointer:
         gen: int,
     ) -> CopyJob:
         """Copy the eager part now; return the job that copies the rest in the background."""
-        off = layout.tensors_end
-        seg.tensor[off : off + len(objects)].copy_(
-            torch.frombuffer(bytearray(objects), dtype=torch.uint8)
-        )
-        obj_hash = hash_bytes(seg.view[off : off + len(objects)])
-        lazy_ptrs = _optimizer_storage_ptrs(self._optimizers)
+        off = plan.layout.tensors_end
+        seg.view[off : off + len(objects)] = objects
+        cached = self._views
+        if cached is None or cached[0] != (str(seg.path), id(plan.layout)):
+            cached = self._views = ((str(seg.path), id(plan.layout)), slot_views(seg, plan.layout))
+        views = cached[1]
+        tensors = flat.tensors
+        copy_into([views[i] for i in plan.eager], [tensors[i] for i in plan.eager])
         job = CopyJob(
             rank=self.rank,
             step=step,
             slot=slot,
             gen=gen,
             seg=seg,
-            layout=layout,
-            tensors=flat.tensors,
-            lazy=[],
-            hashes=[None] * len(flat.tensors),
-            objects=(off, len(objects), obj_hash),
-            chunk=self.config.chunk_bytes,
+            layout=plan.layout,
+            dsts=[views[i] for i in plan.lazy],
+            srcs=[tensors[i] for i in plan.lazy],
+            objects=(off, len(objects)),
         )
-        cuda: list[int] = []
-        for i, t in enumerate(flat.tensors):
-            if t.device.type == "cuda":
-                cuda.append(i)
-                job.lazy.append(i)
-            elif lazy_ptrs and t.untyped_storage().data_ptr() in lazy_ptrs:
-                job.lazy.append(i)
-            else:  # buffers, RNG, anything the forward pass or the user may change
-                job.hashes[i] = copy_tensor(
-                    t, seg, layout.extents[i].offset, self.config.chunk_bytes
-                )
-        if cuda:
+        if plan.cuda:
             register_pinned(seg)
-            start_cuda_copies(job, cuda)
-        job.lazy.sort(key=lambda i: -flat.tensors[i].nbytes)
+            job.cuda_event = start_cuda_copies(
+                [views[i] for i in plan.cuda], [tensors[i] for i in plan.cuda]
+            )
         return job
 
     # -- the fence -------------------------------------------------------------------------
@@ -339,6 +464,7 @@ class Checkpointer:
 
     def _fence_hook(self, *_: Any) -> None:
         t0 = time.perf_counter()
+        self._changed = True
         job = self._job
         if job is not None and not job.copied.is_set():
             limit = self.config.fence_timeout.total_seconds()
@@ -355,11 +481,45 @@ class Checkpointer:
             log.error("snapshot of step %d failed; training goes on: %s", job.step, job.error)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the pending snapshot's copy and commit; True if one was committed."""
+        """Wait for the pending snapshot's copy and commit; True if one was committed.
+
+        If the newest step passed to :meth:`save` was skipped and the optimizer has not
+        changed the state since, save it now, waiting (at most
+        ``ClientConfig.final_save_timeout``) for a slot: the last step is never lost.
+        """
+        self._save_skipped_newest()
         job = self._job
         if job is None:
             return False
         return SnapshotHandle(job.step, False, _job=job).wait(timeout)
+
+    def _save_skipped_newest(self) -> None:
+        """Commit the newest step passed to save if it was skipped (see :meth:`wait`)."""
+        pending, self._pending = self._pending, None
+        if pending is None or self._closed:
+            return
+        if self._changed:
+            log.warning(
+                "the newest snapshot (step %d) was skipped (%s) and the state has changed since: "
+                "it is not committed",
+                pending.step,
+                pending.reason,
+            )
+            return
+        limit = self.config.final_save_timeout.total_seconds()
+        log.info(
+            "snapshot of step %d was skipped (%s); saving it again, waiting up to %.0f s for a slot",
+            pending.step,
+            pending.reason,
+            limit,
+        )
+        handle = self._save(
+            pending.state, pending.step, pending.replicated_over, time.monotonic() + limit
+        )
+        if handle.skipped:
+            log.error(
+                "the final snapshot of step %d is not committed: %s", pending.step, handle.reason
+            )
 
     def heartbeat(self, step: int = 0) -> None:
         """Tell the SMP that training makes progress (used for hang detection)."""
@@ -439,13 +599,17 @@ class Checkpointer:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert plan is not None and seg is not None
-                apply_restore(
-                    plan,
-                    seg,
-                    threads=restore_threads(),
-                    group=self._group,
-                    peers=self._peer_pieces(client, step),
-                )
+                # Copy and verify in one pass; the ranks agree again before anything else
+                # (Stateful objects, replicated rows) is applied.
+                try:
+                    copy_verified(plan, seg, threads=restore_threads())
+                except CorruptSnapshotError as exc:
+                    log.error("snapshot of step %d is corrupt: %s", step, exc)
+                    code, err = _CORRUPT, str(exc)
+                agreed = agreement.min_over_ranks(code)
+            if agreed == _OK:
+                assert plan is not None and seg is not None
+                finish_restore(plan, seg, group=self._group, peers=self._peer_pieces(client, step))
                 client.request(m.DiscardNewer(rank=self.rank, step=step))
                 log.info("restored step %d", step)
                 return step
@@ -523,10 +687,7 @@ class Checkpointer:
         try:
             seg = self._segment(str(snap["path"]), int(snap["capacity"]))
             stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
-            verify_snapshot(stored, seg, threads=restore_threads())
-            objects = bytes(
-                seg.view[stored.objects_offset : stored.objects_offset + stored.objects_nbytes]
-            )
+            objects = read_objects(stored, seg)  # the tensors are checked as they are copied
             return _OK, self._check_group(plan_restore(state, stored, objects)), seg, ""
         except (CorruptSnapshotError, OSError, ValueError) as exc:
             log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)
@@ -597,6 +758,10 @@ class Checkpointer:
         """Finish the pending commit (bounded), stop the copy thread, close the socket."""
         if self._closed:
             return
+        try:
+            self._save_skipped_newest()
+        except Exception as exc:  # at exit: report, never raise out of close
+            log.error("the final snapshot could not be saved: %s", exc)
         self._closed = True
         atexit.unregister(self.close)
         self.wait_quietly()

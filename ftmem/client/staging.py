@@ -1,14 +1,18 @@
-"""The lazy asynchronous copy into a slot, its checksums, and the fence.
+"""The lazy asynchronous copy into a slot, and the fence.
 
-``copy_tensor`` moves one tensor into a slot in pieces and hashes each piece right after
-copying it (the piece is still in cache). The :class:`CopyWorker` thread does this for
-the lazily-copied tensors (parameters and optimizer state: only the optimizer mutates them)
-and then commits the snapshot to the SMP over its own socket. :meth:`CopyJob.wait_copied`
-is the fence: it blocks only while the copy is still running.
+The training process only moves bytes: it computes no checksum (the SMP hashes a slot after
+its COMMIT, see :mod:`ftmem.smp.hashing`). :func:`copy_into` moves a list of tensors into
+their views of the slot with ``torch._foreach_copy_`` in batches (one call per batch, the
+GIL released inside it), not a Python loop per piece. The :class:`CopyWorker` thread does
+this for the lazily copied tensors (parameters and optimizer state: only the optimizer
+mutates them) and then commits the snapshot to the SMP over its own socket.
+:meth:`CopyJob.wait_copied` is the fence: it blocks only while the copy is still running.
+The same thread also runs the rank's other background requests: growing the slots ahead of
+the first save (:class:`PrepareJob`) and telling the SMP about skipped snapshots.
 
 CUDA: device tensors are copied with ``non_blocking=True`` on a side stream into the
-slot's page-locked memory (registered with cudaHostRegister once per mapping) and the
-worker waits on an event before hashing. This path is kept small; CI runs on CPU.
+slot's page-locked memory (registered with cudaHostRegister once per mapping); the worker
+waits on an event and commits. The rank's CPU does no work on those bytes.
 """
 
 from __future__ import annotations
@@ -16,44 +20,57 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
-import xxhash
 
 from ftmem._logging import get_logger
-from ftmem.client.flatten import Layout, layout_json
+from ftmem.client.flatten import Layout
 from ftmem.client.smp_client import SmpClient
 from ftmem.errors import FtmemError
+from ftmem.format.layout import layout_json
 from ftmem.protocol import messages as m
 from ftmem.shm import MappedSegment
 from ftmem.testing import faults
 
 log = get_logger(__name__)
 
-
-def hash_bytes(view: memoryview) -> str:
-    """Return the checksum (xxh3-64, hex) of ``view``."""
-    return xxhash.xxh3_64_hexdigest(view)
+BATCH_BYTES = 64 << 20
+"""Bytes moved per ``_foreach_copy_`` call (fault points and cancellation are checked between)."""
 
 
-def copy_tensor(src: torch.Tensor, seg: MappedSegment, offset: int, chunk: int) -> str:
-    """Copy ``src`` (CPU) into ``seg`` at ``offset``; return the checksum of the copied bytes."""
-    n = src.nbytes
-    dst = seg.tensor[offset : offset + n]
-    h = xxhash.xxh3_64()
-    if src.is_contiguous() and n > 0:
-        flat = src.reshape(-1).view(torch.uint8)
-        for i in range(0, n, chunk):
-            j = min(n, i + chunk)
-            dst[i:j].copy_(flat[i:j])
-            h.update(seg.view[offset + i : offset + j])
-    elif n > 0:
-        dst.view(src.dtype).view(src.shape).copy_(src)
-        h.update(seg.view[offset : offset + n])
-    return h.hexdigest()
+def slot_views(seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
+    """Views of ``seg`` shaped like each tensor of ``layout`` (made once per slot and layout)."""
+    from ftmem.client.flatten import torch_dtype
+
+    out = []
+    for e in layout.extents:
+        raw = seg.tensor[e.offset : e.offset + e.nbytes]
+        out.append(raw.view(torch_dtype(e.dtype)).view(e.shape))
+    return out
+
+
+def copy_into(
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    between: Callable[[], None] | None = None,
+    batch_bytes: int = BATCH_BYTES,
+) -> None:
+    """Copy every ``srcs[i]`` into ``dsts[i]`` in batches of about ``batch_bytes``;
+    ``between`` runs before each batch (a fault point, a cancellation check)."""
+    i, n = 0, len(srcs)
+    while i < n:
+        if between is not None:
+            between()
+        j, size = i, 0
+        while j < n and (j == i or size + srcs[j].nbytes <= batch_bytes):
+            size += srcs[j].nbytes
+            j += 1
+        torch._foreach_copy_(list(dsts[i:j]), list(srcs[i:j]))
+        i = j
 
 
 @dataclass(eq=False)
@@ -66,16 +83,16 @@ class CopyJob:
     gen: int
     seg: MappedSegment
     layout: Layout
-    tensors: list[torch.Tensor]
-    lazy: list[int]
-    """Indices (into ``tensors``) copied by the worker, largest first."""
-    hashes: list[str | None]
-    objects: tuple[int, int, str]
+    dsts: list[torch.Tensor]
+    """The slot's views of the lazily copied CPU tensors."""
+    srcs: list[torch.Tensor]
+    """The lazily copied CPU tensors, largest first."""
+    objects: tuple[int, int]
+    """(offset, nbytes) of the encoded skeleton in the slot."""
     stall_s: float = 0.0
     skipped: int = 0
     unsharded_nbytes: int = 0
     """What this rank would hold without sharding (0: not sharded)."""
-    chunk: int = 2 << 20
     cuda_event: Any = None
     copied: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -94,26 +111,52 @@ class CopyJob:
             ) from self.error
 
 
+@dataclass(eq=False)
+class PrepareJob:
+    """Grow this rank's free slots to ``nbytes`` (the SMP allocates and pre-faults them), then
+    map them with ``on_slots`` (off the training thread)."""
+
+    rank: int
+    nbytes: int
+    timeout: timedelta
+    on_slots: Callable[[list[dict[str, Any]]], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class SkipNotice:
+    """A snapshot the rank skipped on its own: told to the SMP (counted per reason)."""
+
+    rank: int
+    step: int
+    reason: str
+
+
 class _CommitError(FtmemError):
     """The copy finished but the commit failed (the sources are free to change)."""
 
 
+Work = CopyJob | PrepareJob | SkipNotice
+
+
 class CopyWorker:
-    """The background thread that copies, hashes and commits snapshots, one job at a time.
+    """The background thread that copies and commits snapshots, one job at a time, and runs
+    the rank's other background requests in order.
 
     Resource handling: owns a thread ("ftmem-copy") and that thread's own SmpClient.
-    :meth:`close` finishes the queued jobs (bounded) and stops the thread with a sentinel.
+    :meth:`close` finishes the queued work (bounded) and stops the thread with a sentinel.
     """
 
     def __init__(self, run_dir: Any, timeout: timedelta) -> None:
         self._run_dir = run_dir
         self._timeout = timeout
-        self._q: queue.Queue[CopyJob | None] = queue.Queue()
+        self._q: queue.Queue[Work | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ftmem-copy", daemon=True)
         self._thread.start()
 
-    def submit(self, job: CopyJob) -> None:
-        """Queue ``job``; the worker copies its lazy tensors and commits it."""
+    def submit(self, job: Work) -> None:
+        """Queue ``job``: a copy to do and commit, slots to prepare, or a skip to report."""
         self._q.put(job)
 
     def close(self, timeout: timedelta = timedelta(seconds=60)) -> None:
@@ -133,29 +176,44 @@ class CopyWorker:
                     try:
                         client = SmpClient(self._run_dir, self._timeout)
                     except FtmemError as exc:
-                        job.error = exc
-                        job.copied.set()
-                        job.finished.set()
+                        _fail(job, exc)
                         continue
-                self._do(job, client)
+                if isinstance(job, CopyJob):
+                    self._do(job, client)
+                elif isinstance(job, PrepareJob):
+                    self._prepare(job, client)
+                else:
+                    try:
+                        client.request(m.Skipped(rank=job.rank, step=job.step, reason=job.reason))
+                    except FtmemError as exc:
+                        log.debug("skip notice not delivered: %s", exc)
         finally:
             if client is not None:
                 client.close()
+
+    @staticmethod
+    def _prepare(job: PrepareJob, client: SmpClient) -> None:
+        try:
+            made = client.request(
+                m.Prepare(rank=job.rank, slot=-1, nbytes=job.nbytes), timeout=job.timeout
+            )
+            job.on_slots(list(made.get("slots", [])))
+        except (FtmemError, OSError, ValueError) as exc:
+            log.error("allocating slots of %d bytes failed: %s", job.nbytes, exc)
+            job.error = exc
+        finally:
+            job.done.set()
 
     def _do(self, job: CopyJob, client: SmpClient) -> None:
         t0 = time.perf_counter()
         try:
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
-            extents = job.layout.extents
-            for i in job.lazy:
+
+            def fault_point() -> None:
                 faults.maybe_inject(faults.Point.IN_COPY, job.rank, job.step)
-                t = job.tensors[i]
-                if t.device.type == "cpu":
-                    job.hashes[i] = copy_tensor(t, job.seg, extents[i].offset, job.chunk)
-                else:  # already moved by the side stream; hash what landed
-                    e = extents[i]
-                    job.hashes[i] = hash_bytes(job.seg.view[e.offset : e.offset + e.nbytes])
+
+            copy_into(job.dsts, job.srcs, fault_point)
         except BaseException as exc:  # report the failure to the training thread, keep serving
             log.error("copy of step %d failed: %s", job.step, exc)
             job.error = exc
@@ -172,13 +230,7 @@ class CopyWorker:
             return
         faults.maybe_inject(faults.Point.BEFORE_COMMIT, job.rank, job.step)
         try:
-            text = layout_json(
-                job.layout,
-                job.step,
-                [h or "" for h in job.hashes],
-                job.objects,
-                job.unsharded_nbytes,
-            )
+            text = layout_json(job.layout.tensors_json, job.step, job.objects, job.unsharded_nbytes)
             client.request(
                 m.Commit(
                     rank=job.rank,
@@ -205,26 +257,33 @@ class CopyWorker:
             log.warning("abort of slot %d failed: %s", job.slot, exc)
 
 
-def start_cuda_copies(job: CopyJob, cuda_indices: list[int]) -> None:
-    """Enqueue device->host copies of CUDA tensors on a side stream; record ``job.cuda_event``.
+def _fail(job: Work, exc: BaseException) -> None:
+    """The worker could not reach the SMP: end ``job`` with ``exc``."""
+    if isinstance(job, CopyJob):
+        job.error = exc
+        job.copied.set()
+        job.finished.set()
+    elif isinstance(job, PrepareJob):
+        job.error = exc
+        job.done.set()
+
+
+def start_cuda_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Any:
+    """Enqueue device->host copies of CUDA tensors on a side stream; return the event that
+    marks their end.
 
     The destination is the slot's shared memory, which must be page-locked
     (see :func:`register_pinned`) for the copy to be truly asynchronous.
     """
-    if not cuda_indices:
-        return
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in cuda_indices:
-            src = job.tensors[i]
-            e = job.layout.extents[i]
-            dst = job.seg.tensor[e.offset : e.offset + e.nbytes].view(src.dtype).view(src.shape)
+        for dst, src in zip(dsts, srcs, strict=True):
             dst.copy_(src, non_blocking=True)
             src.record_stream(stream)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
-    job.cuda_event = event
+    return event
 
 
 _pinned: set[int] = set()

@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     PEER_BIND = 12
     PEER_START = 13
     FLUSH = 14
+    SKIPPED = 15
     PEER = 20
 
 
@@ -62,11 +63,15 @@ class Begin:
     rank: int
     step: int
     nbytes: int
+    final: bool = False
+    """The rank's last save, polling until a slot is free: a refusal is not counted as a skip."""
 
 
 @dataclass(frozen=True, slots=True)
 class Prepare:
-    """(Re)create ``slot`` of ``rank`` with room for ``nbytes`` (pre-faulted); reply when done."""
+    """(Re)create ``slot`` of ``rank`` with room for ``nbytes`` (pre-faulted); reply when done.
+
+    ``slot`` -1: grow every slot that is free and smaller (ahead of the first save)."""
 
     rank: int
     slot: int
@@ -75,7 +80,8 @@ class Prepare:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """The copy of ``step`` into ``slot`` is complete; ``layout`` describes it (JSON text)."""
+    """The copy of ``step`` into ``slot`` is complete; ``layout`` describes it (JSON text,
+    without checksums: the SMP hashes the slot and the snapshot becomes *verified*)."""
 
     rank: int
     slot: int
@@ -85,6 +91,16 @@ class Commit:
     stall_s: float = 0.0
     copy_s: float = 0.0
     skipped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """The rank skipped its snapshot of ``step`` on its own (e.g. its previous copy was still
+    running); the SMP counts it per reason. Sent from the copy thread, never waited for."""
+
+    rank: int
+    step: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +114,8 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """List the committed snapshots of ``rank``, newest first, with their layouts."""
+    """List the verified snapshots of ``rank``, newest first, with their layouts (the reply
+    waits, bounded, for the SMP to finish hashing committed ones)."""
 
     rank: int
 
@@ -190,6 +207,7 @@ Payload = (
     | PeerBind
     | PeerStart
     | Flush
+    | Skipped
     | Reply
 )
 
@@ -208,6 +226,7 @@ PAYLOAD_TYPES: dict[Kind, type[Any]] = {
     Kind.PEER_BIND: PeerBind,
     Kind.PEER_START: PeerStart,
     Kind.FLUSH: Flush,
+    Kind.SKIPPED: Skipped,
     Kind.PEER: Peer,
 }
 KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}

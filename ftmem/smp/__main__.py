@@ -42,6 +42,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", default=None, help="node name (default $FTMEM_NODE or node0)")
     p.add_argument("--slots", type=int, default=2, help="snapshot slots per rank (>= 2)")
     p.add_argument(
+        "--hash-threads",
+        type=int,
+        default=1,
+        help="threads that checksum committed snapshots (default 1)",
+    )
+    p.add_argument(
         "--ready-fd",
         type=int,
         default=None,
@@ -100,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
         run_id=run_id,
         node=args.node or os.environ.get(ENV_NODE) or "node0",
         slots=args.slots,
+        hash_threads=args.hash_threads,
         max_message_bytes=args.max_message_bytes,
         shm_dir=args.shm_dir,
         parent_pid=args.parent_pid,

@@ -3,7 +3,10 @@
 One thread (the caller of :meth:`SmpDaemon.serve_forever`) owns the ROUTER socket. Arena
 creation (pre-faulting costs ~1 s/GiB) runs on a named worker thread so the loop keeps
 answering other ranks; its result comes back through a queue and the deferred reply is
-sent by the loop thread.
+sent by the loop thread. Checksums of committed slots are computed by the
+:class:`~ftmem.smp.hashing.HashService` (``--hash-threads``); a slot is served to loads,
+protected and flushed only once verified, and a QUERY waits (bounded by the rank's own
+timeout) for the hashes still running.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ from ftmem import shm
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
-from ftmem.errors import ProtocolError, SmpStartError
+from ftmem.errors import CorruptSnapshotError, ProtocolError, SmpStartError
 from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
+from ftmem.format.layout import parse_layout
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
 from ftmem.smp import records
 from ftmem.smp.exchange import BindCommand, ExchangeService, RankPiece, StartCommand
 from ftmem.smp.flush import FlushRequest, FlushService, FlushSettings
+from ftmem.smp.hashing import HashJob, HashService
 from ftmem.smp.store import RankSlots, Slot, SlotState, StoreError
 
 log = get_logger(__name__)
@@ -96,6 +101,9 @@ class SmpDaemon:
         self.flush: FlushService | None = None
         self._flush_replies: queue.Queue[tuple[Any, bool, dict[str, Any], str]] = queue.Queue()
         self._stopped_by_signal = False
+        self.hasher = HashService(config.node, config.hash_threads)
+        self._queries: list[tuple[bytes, int, int]] = []
+        """QUERY requests (ident, request id, rank) waiting for that rank's hashes."""
         self.events = EventLog(config.run_dir / SMP_EVENTS_NAME, config.node)
         """The SMP's event log (JSON lines, ``smp-events.jsonl``); opened at the first event."""
 
@@ -114,6 +122,7 @@ class SmpDaemon:
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
             ready.unlink()
         self._owns_run_dir = True
+        self.hasher.start()
         if cfg.adopt:
             self._adopt_left_slots()
         else:
@@ -183,6 +192,12 @@ class SmpDaemon:
         if self._closed:
             return
         self._closed = True
+        # The ranks' final commits may still be hashing: verify them (bounded) so that the
+        # final flush writes the final step.
+        if self.hasher.pending and self.hasher.wait_idle(self.config.flush_on_stop.total_seconds()):
+            with self._lock:
+                self._finish_hashes()
+        self.hasher.close()
         if self.flush is not None:
             if self._stopped_by_signal:
                 self.flush.final_flush(self.config.flush_on_stop.total_seconds())
@@ -228,10 +243,16 @@ class SmpDaemon:
         for a in list(found):
             r = a.record
             try:
+                verified = parse_layout(r.layout, r.capacity).verified
                 self._rank(r.rank).adopt(
-                    r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout
+                    r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout, verified
                 )
-            except ValueError as exc:  # e.g. a rank out of range: drop it, start anyway
+                if not verified:  # committed, not yet hashed when the previous SMP died
+                    self._hash_slot(r.rank, self._rank(r.rank).slot(r.slot))
+            except (
+                ValueError,
+                CorruptSnapshotError,
+            ) as exc:  # e.g. a rank out of range: drop it, start anyway
                 log.warning("[%s/smp] not adopting %s: %s", self.config.node, a.path.name, exc)
                 found.remove(a)
                 shm.remove_segment(a.path)
@@ -260,7 +281,8 @@ class SmpDaemon:
         poller.register(self._sock, zmq.POLLIN)
         interval_ms = max(1, int(self.config.poll_interval.total_seconds() * 1000))
         while not self._stop.is_set():
-            timeout = 5 if self._pending_allocs or self._pending_exchange else interval_ms
+            busy = self._pending_allocs or self._pending_exchange or self.hasher.pending
+            timeout = 5 if busy or self._queries else interval_ms
             events = dict(poller.poll(timeout))
             if self._sock in events:
                 for _ in range(256):  # bounded burst so allocations and signals get a turn
@@ -272,6 +294,7 @@ class SmpDaemon:
                         self._handle_frames(frames)
             with self._lock:
                 self._finish_allocations()
+                self._finish_hashes()
             self._finish_exchange()
             self._finish_flushes()
             ppid = self.config.parent_pid
@@ -349,20 +372,16 @@ class SmpDaemon:
         if isinstance(p, m.Abort):
             self._rank(p.rank).abort(p.slot, p.gen)
             return m.Reply(ok=True)
+        if isinstance(p, m.Skipped):
+            self._check_step(p.step)
+            self._skipped(self._rank(p.rank), p.step, p.reason[:200])
+            return m.Reply(ok=True)
         if isinstance(p, m.Query):
             rs = self._rank(p.rank)
-            snaps = [
-                {
-                    "step": s.step,
-                    "slot": s.index,
-                    "gen": s.gen,
-                    "path": s.path,
-                    "capacity": s.capacity,
-                    "layout": s.layout,
-                }
-                for s in rs.committed()
-            ]
-            return m.Reply(ok=True, data={"snapshots": snaps})
+            if rs.unverified():
+                self._queries.append((ident, req_id, p.rank))
+                return None  # answered by _finish_hashes once the rank's slots are verified
+            return self._query_reply(rs)
         if isinstance(p, m.DiscardNewer):
             self._check_step(p.step)
             if self.flush is not None:
@@ -421,6 +440,105 @@ class SmpDaemon:
             return None
         raise ProtocolError(f"unexpected request {type(p).__name__}")
 
+    @staticmethod
+    def _query_reply(rs: RankSlots) -> m.Reply:
+        snaps = [
+            {
+                "step": s.step,
+                "slot": s.index,
+                "gen": s.gen,
+                "path": s.path,
+                "capacity": s.capacity,
+                "layout": s.layout,
+            }
+            for s in rs.verified()
+        ]
+        return m.Reply(ok=True, data={"snapshots": snaps})
+
+    def _skipped(self, rs: RankSlots, step: int, reason: str) -> None:
+        rs.count_skip(reason)
+        self.events.write("skipped", rank=rs.rank, step=step, reason=reason)
+
+    # -- verification ----------------------------------------------------------------------
+    def _hash_slot(self, rank: int, sl: Slot) -> None:
+        """Pin a committed slot and queue its checksums (caller holds the lock)."""
+        assert sl.step is not None
+        sl.pinned += 1
+        self.hasher.submit(
+            HashJob(rank, sl.index, sl.gen, sl.step, sl.path, sl.capacity, sl.layout)
+        )
+
+    def _finish_hashes(self) -> None:
+        """Take the hasher's results: verified slots get their checksummed layout and record;
+        a slot that could not be hashed is dropped. Then answer the QUERYs they held up."""
+        results = self.hasher.results()
+        for r in results:
+            job = r.job
+            rs = self.ranks.get(job.rank)
+            if rs is None:
+                continue
+            sl = rs.slot(job.slot)
+            if sl.gen == job.gen and sl.pinned > 0:
+                sl.pinned -= 1
+            if r.error:
+                log.error(
+                    "[%s/%d %d] cannot verify slot %d: %s; dropped",
+                    self.config.node,
+                    job.rank,
+                    job.step,
+                    job.slot,
+                    r.error,
+                )
+                if sl.gen == job.gen and not sl.pinned:
+                    records.remove_record(sl.path)
+                    rs.drop(job.slot, job.gen)
+                continue
+            if not rs.verify(job.slot, job.gen, job.step, r.layout):
+                continue  # replaced or dropped while it was hashed
+            rs.last_hash_s = r.seconds
+            self._write_record(rs, sl)
+            if self.flush is not None and self.flush.wants(job.step):
+                sl.pinned += 1  # kept for the scheduled flush of this step
+                used = parse_layout(sl.layout, sl.capacity).used_bytes
+                piece = RankPiece(job.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
+                self.unpin(self.flush.reserve(job.rank, job.step, piece))
+            self.events.write(
+                "verified",
+                rank=job.rank,
+                step=job.step,
+                hash_s=round(r.seconds, 6),
+                bytes=r.nbytes,
+                slot=job.slot,
+            )
+        if results or self._queries:
+            waiting, self._queries = self._queries, []
+            for ident, req_id, rank in waiting:
+                rs = self._rank(rank)
+                if rs.unverified():
+                    self._queries.append((ident, req_id, rank))
+                else:
+                    self._send(ident, req_id, self._query_reply(rs))
+
+    def _write_record(self, rs: RankSlots, sl: Slot) -> None:
+        assert sl.step is not None
+        try:
+            records.write_record(
+                sl.path,
+                records.CommitRecord(
+                    rank=rs.rank,
+                    slot=sl.index,
+                    gen=sl.gen,
+                    capacity=sl.capacity,
+                    step=sl.step,
+                    seq=sl.seq,
+                    layout=sl.layout,
+                ),
+            )
+        except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost
+            log.warning(
+                "[%s/%d %d] cannot write commit record: %s", self.config.node, rs.rank, sl.step, exc
+            )
+
     def _exchange(self) -> ExchangeService:
         if self.exchange is None:
             self.exchange = ExchangeService(self.config.node, self, events=self.events)
@@ -468,7 +586,7 @@ class SmpDaemon:
             common: set[int] | None = None
             for r in ranks:
                 rs = self.ranks.get(r)
-                steps = {s.step for s in rs.committed() if s.step is not None} if rs else set()
+                steps = {s.step for s in rs.verified() if s.step is not None} if rs else set()
                 common = steps if common is None else common & steps
             return sorted(common or (), reverse=True)
 
@@ -478,14 +596,14 @@ class SmpDaemon:
             chosen: list[tuple[int, Slot]] = []
             for r in ranks:
                 rs = self.ranks.get(r)
-                found = [s for s in rs.committed() if s.step == step] if rs else []
+                found = [s for s in rs.verified() if s.step == step] if rs else []
                 if not found:
                     return None
                 chosen.append((r, found[0]))
             pieces = []
             for r, sl in chosen:
                 sl.pinned += 1
-                used = _check_layout(sl.layout, sl.capacity)
+                used = parse_layout(sl.layout, sl.capacity).used_bytes
                 pieces.append(RankPiece(r, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout))
             return pieces
 
@@ -520,7 +638,13 @@ class SmpDaemon:
                 int(e["capacity"]),
                 str(e["layout"]),
             )
-            if not 0 <= n <= cap <= _MAX_SLOT_BYTES or _check_layout(layout, cap) != n:
+            try:
+                fits = (
+                    0 <= n <= cap <= _MAX_SLOT_BYTES and parse_layout(layout, cap).used_bytes == n
+                )
+            except CorruptSnapshotError as exc:
+                raise ValueError(f"manifest entry of rank {rank}: {exc}") from exc
+            if not fits:
                 raise ValueError(f"manifest entry of rank {rank} does not fit its slot")
             spans.append((rank, off, n, cap, layout))
             off += n
@@ -532,7 +656,7 @@ class SmpDaemon:
                 rs = self._rank(rank)
                 sl = _slot_for_rebuild(rs, step)
                 old = Path(sl.path) if sl.path else None
-                sl.state, sl.step, sl.layout = SlotState.ALLOCATING, None, ""
+                sl.state, sl.step, sl.layout, sl.verified = SlotState.ALLOCATING, None, "", False
                 gen = sl.gen + 1
             path = self.config.shm_dir / shm.slot_file_name(
                 self.config.run_id, self.config.node, rank, sl.index, gen
@@ -551,20 +675,13 @@ class SmpDaemon:
                     if not ok:
                         shm.remove_segment(path)
             with self._lock:
-                rs.adopt(sl.index, sl.gen, str(path), cap, step, rs.next_seq(), layout)
+                # Its checksums came with the manifest; the ranks verify them again at load.
+                verified = parse_layout(layout, cap).verified
+                rs.adopt(sl.index, sl.gen, str(path), cap, step, rs.next_seq(), layout, verified)
                 sl.pinned += 1
-                records.write_record(
-                    path,
-                    records.CommitRecord(
-                        rank=rank,
-                        slot=sl.index,
-                        gen=sl.gen,
-                        capacity=cap,
-                        step=step,
-                        seq=sl.seq,
-                        layout=layout,
-                    ),
-                )
+                self._write_record(rs, sl)
+                if not verified:
+                    self._hash_slot(rank, sl)
             pieces.append(RankPiece(rank, sl.index, sl.gen, str(path), cap, n, layout))
             log.info(
                 "[%s/%d %d] rebuilt slot %d (%.1f MiB)",
@@ -593,7 +710,8 @@ class SmpDaemon:
         rs.progress(p.step)
         d = rs.begin(p.step, p.nbytes)
         if d.action == "skip":
-            rs.skipped += 1
+            if not p.final:  # a final save polling for a slot is not a skip (yet)
+                self._skipped(rs, p.step, d.reason)
             return m.Reply(ok=True, data={"action": "skip", "reason": d.reason})
         s = rs.slot(d.slot)
         if d.action == "write":
@@ -613,37 +731,15 @@ class SmpDaemon:
         self._check_step(p.step)
         rs = self._rank(p.rank)
         s = rs.slot(p.slot)
-        used = _check_layout(p.layout, s.capacity)
-        rs.commit(p.slot, p.gen, p.step, p.layout)
-        if self.flush is not None and self.flush.wants(p.step):
-            s.pinned += 1  # kept for the scheduled flush of this step
-            piece = RankPiece(
-                p.rank,
-                s.index,
-                s.gen,
-                s.path,
-                s.capacity,
-                _check_layout(p.layout, s.capacity),
-                p.layout,
-            )
-            self.unpin(self.flush.reserve(p.rank, p.step, piece))
         try:
-            records.write_record(
-                s.path,
-                records.CommitRecord(
-                    rank=p.rank,
-                    slot=p.slot,
-                    gen=s.gen,
-                    capacity=s.capacity,
-                    step=p.step,
-                    seq=s.seq,
-                    layout=p.layout,
-                ),
-            )
-        except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost
-            log.warning(
-                "[%s/%d %d] cannot write commit record: %s", self.config.node, p.rank, p.step, exc
-            )
+            snap = parse_layout(p.layout, s.capacity)
+        except CorruptSnapshotError as exc:
+            raise ValueError(str(exc)) from exc
+        if snap.step != p.step:
+            raise ValueError(f"layout of step {snap.step} committed as step {p.step}")
+        rs.commit(p.slot, p.gen, p.step, p.layout)
+        self._write_record(rs, s)  # unverified: a restarted SMP hashes it when adopting
+        self._hash_slot(p.rank, s)
         rs.progress(p.step)
         rs.last_stall_s, rs.last_copy_s, rs.skipped = (
             p.stall_s,
@@ -657,7 +753,7 @@ class SmpDaemon:
             step=p.step,
             stall_s=round(p.stall_s, 6),
             copy_s=round(p.copy_s, 6),
-            bytes=used,
+            bytes=snap.used_bytes,
             slot=p.slot,
             skipped=p.skipped,
         )
@@ -668,7 +764,7 @@ class SmpDaemon:
             raise ValueError(f"nbytes {p.nbytes} out of range")
         rs = self._rank(p.rank)
         capacity = shm.round_capacity(p.nbytes)
-        targets = [rs.start_resize(p.slot)]
+        targets = [] if p.slot < 0 else [rs.start_resize(p.slot)]
         # Grow every other free slot now too, so the next saves need no resize.
         for s in rs.slots:
             if (
@@ -763,28 +859,3 @@ def _slot_for_rebuild(rs: RankSlots, step: int) -> Slot:
     if candidates:
         return candidates[0]
     raise StoreError(f"rank {rs.rank} has no slot to take a rebuilt snapshot")
-
-
-def _check_layout(layout: str, capacity: int) -> int:
-    """Check a committed layout's JSON shape and that every extent lies inside the slot.
-
-    Returns the bytes the snapshot uses (the end of its last extent).
-    """
-    try:
-        doc = json.loads(layout)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"layout is not JSON: {exc}") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
-        raise ValueError("layout must be an object with a 'tensors' list")
-    extents = list(doc["tensors"])
-    used = 0
-    if isinstance(doc.get("objects"), dict):
-        extents.append(doc["objects"])
-    for e in extents:
-        if not isinstance(e, dict):
-            raise ValueError("layout extent must be an object")
-        off, n = e.get("offset"), e.get("nbytes")
-        if type(off) is not int or type(n) is not int or off < 0 or n < 0 or off + n > capacity:
-            raise ValueError(f"layout extent {off}+{n} is outside the slot of {capacity} bytes")
-        used = max(used, off + n)
-    return used

@@ -147,6 +147,9 @@ class FlushService:
         # step is still there when the last rank has committed it (guarded by _res_lock).
         self._reserved: dict[int, dict[int, RankPiece]] = {}
         self._res_lock = threading.Lock()
+        self._worker_ready = threading.Event()
+        """Set once the worker process has imported torch and DCP: scheduled flushes pin
+        nothing before it (a pin held during a cold start would make ranks skip)."""
 
     # -- main-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -173,6 +176,7 @@ class FlushService:
             and step % every == 0
             and (last is None or step > last)
             and self._running is None
+            and self._worker_ready.is_set()
         )
 
     def reserve(self, rank: int, step: int, piece: RankPiece) -> list[RankPiece]:
@@ -252,6 +256,7 @@ class FlushService:
         if self._running is not None:
             self._poll_worker()
             return
+        self._poll_idle_worker()
         if self._discard_above is not None:
             self._discard()
         if not self._waiting:
@@ -260,7 +265,7 @@ class FlushService:
                 self._begin(got[0], len(self.settings.tiers), got[1])
                 return
         step, tiers = self._next()
-        if step is not None:
+        if step is not None and (self._waiting or self._worker_ready.is_set()):
             self._begin(step, tiers)
         elif self._coordinates() and self._running is None:
             if time.monotonic() - self._last_assemble > self.settings.assemble_every_s:
@@ -392,6 +397,25 @@ class FlushService:
         except OSError as exc:
             self._finish({"ok": False, "error": f"the flush worker is gone: {exc}"})
 
+    def _poll_idle_worker(self) -> None:
+        """Between flushes: notice the worker's readiness (or its death)."""
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is None:
+                self._worker_ready.clear()
+                self._end_worker()
+                return
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and doc.get("event") == "ready":
+                self._worker_ready.set()
+                log.info("[%s/flush] flush worker ready", self.node)
+
     def _poll_worker(self) -> None:
         run = self._running
         assert run is not None
@@ -408,6 +432,9 @@ class FlushService:
             try:
                 doc = json.loads(line)
             except ValueError:
+                continue
+            if doc.get("event") == "ready":
+                self._worker_ready.set()
                 continue
             if doc.get("id") != run.rid:
                 continue
@@ -493,6 +520,7 @@ class FlushService:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._end_worker()
+        self._worker_ready.clear()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "ftmem.tiers.flusher"],
             stdin=subprocess.PIPE,
@@ -526,8 +554,12 @@ class FlushService:
             proc.wait(timeout=10)
 
     def final_flush(self, timeout_s: float) -> None:
-        """(SIGTERM) Flush the newest step not flushed yet, waiting at most ``timeout_s``."""
-        cand = self._candidate()
+        """(SIGTERM) Flush the newest step every rank of this node has verified (not the
+        protected one: the job is ending, its final step is what must be kept), waiting at
+        most ``timeout_s``."""
+        ranks = self._ranks()
+        steps = self.slots.complete_steps(ranks) if ranks else []
+        cand = steps[0] if steps else None
         if cand is None or (self.last_step is not None and cand <= self.last_step):
             return
         self.request(FlushRequest(None, cand, len(self.settings.tiers)))

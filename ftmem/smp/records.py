@@ -2,41 +2,28 @@
 
 The slot files live in /dev/shm and survive the SMP's death (only a clean shutdown removes
 them). When a slot is committed, the SMP writes ``<slot file>.commit`` (tmp + rename, so it
-is complete or absent) holding the layout and identity of what the slot holds; when the slot
-is handed out for writing again, or dropped, the record is removed first. A record present
-therefore names committed data; the data's own checksums are still verified at every load.
+is complete or absent) holding the layout and identity of what the slot holds (rewritten
+with the checksums once the SMP has verified the slot); when the slot is handed out for
+writing again, or dropped, the record is removed first. A record present therefore names
+committed data; a restarted SMP hashes an adopted slot whose layout has no checksums yet, and
+the data's checksums are still verified at every load. The record's format is
+:mod:`ftmem.format.record`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from ftmem._logging import get_logger
+from ftmem.format.record import MAX_RECORD_BYTES, CommitRecord, decode_record, encode_record
 
 log = get_logger(__name__)
 
 SUFFIX = ".commit"
-RECORD_VERSION = 1
-_MAX_RECORD_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class CommitRecord:
-    """What a committed slot holds, as written next to it."""
-
-    rank: int
-    slot: int
-    gen: int
-    capacity: int
-    step: int
-    seq: int
-    layout: str
+__all__ = ["CommitRecord", "read_record", "record_path", "remove_record", "scan", "write_record"]
 
 
 def record_path(slot_path: Path | str) -> Path:
@@ -46,20 +33,7 @@ def record_path(slot_path: Path | str) -> Path:
 
 def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
     """Write the record of ``slot_path`` atomically (tmp + rename)."""
-    body = json.dumps(
-        {
-            "version": RECORD_VERSION,
-            "rank": rec.rank,
-            "slot": rec.slot,
-            "gen": rec.gen,
-            "capacity": rec.capacity,
-            "step": rec.step,
-            "seq": rec.seq,
-            "layout": rec.layout,
-        },
-        separators=(",", ":"),
-    )
-    text = json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})
+    text = encode_record(rec)
     final = record_path(slot_path)
     tmp = final.with_name(final.name + ".tmp")
     fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, 0o600)
@@ -76,27 +50,13 @@ def remove_record(slot_path: Path | str) -> None:
 
 def read_record(path: Path) -> CommitRecord:
     """Read and check one record file. Raises ValueError if it is malformed or corrupt."""
-    if path.stat().st_size > _MAX_RECORD_BYTES:
+    if path.stat().st_size > MAX_RECORD_BYTES:
         raise ValueError("record too large")
     try:
-        outer = json.loads(path.read_text(errors="strict"))
-        if not isinstance(outer, dict):
-            raise ValueError("record is not an object")
-        body = outer["record"]
-        if not isinstance(body, str) or xxhash.xxh64_hexdigest(body.encode()) != outer["xxh64"]:
-            raise ValueError("record checksum mismatch")
-        d = json.loads(body)
-        if not isinstance(d, dict):
-            raise ValueError("record body is not an object")
-        if d.get("version") != RECORD_VERSION:
-            raise ValueError(f"record version {d.get('version')!r} not supported")
-        fields = {k: d[k] for k in ("rank", "slot", "gen", "capacity", "step", "seq")}
-        layout = d["layout"]
-    except (KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        text = path.read_text(errors="strict")
+    except UnicodeDecodeError as exc:
         raise ValueError(f"malformed record: {exc!r}") from exc
-    if not all(type(v) is int and v >= 0 for v in fields.values()) or not isinstance(layout, str):
-        raise ValueError("record fields have the wrong types")
-    return CommitRecord(layout=layout, **fields)
+    return decode_record(text)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,16 @@ Slot states::
     EMPTY --prepare--> ALLOCATING --allocated--> FREE --begin--> WRITING --commit--> COMMITTED
                                                   ^                 |  abort / rank restarted
                                                   +-----------------+
-    COMMITTED --begin (only if it is not the newest committed)--> WRITING
+    COMMITTED --begin (only if it is not the newest committed, and not pinned)--> WRITING
+    COMMITTED / FREE / EMPTY --prepare (resize)--> ALLOCATING
+    COMMITTED --discard_newer / dropped (hashing failed)--> FREE
 
-The newest committed slot of a rank is never handed out for writing, so a crash at any
-moment leaves the newest committed snapshot intact ("never block, never tear": when no
-other slot is available the save is skipped, not waited for).
+A COMMITTED slot is *verified* once the SMP has checksummed it (``verified``; the hasher
+pins the slot meanwhile). Only verified snapshots are served to loads, protected and
+flushed. The newest committed slot of a rank is never handed out for writing, so a crash
+at any moment leaves the newest committed snapshot intact ("never block, never tear": when
+no other slot is available the save is skipped, not waited for; each skip is counted per
+reason).
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ class Slot:
     seq: int = 0
     """Commit sequence number: larger means committed later."""
     pinned: int = 0
-    """Holders (peer exchange, flush) that need the data kept; pinned slots are not reused."""
+    """Holders (hasher, peer exchange, flush) that need the data kept; pinned slots are not
+    reused."""
+    verified: bool = False
+    """COMMITTED and checksummed by the SMP (the layout carries every extent's hash)."""
 
     def describe(self) -> dict[str, Any]:
         """Return a JSON-ready summary (no layout)."""
@@ -57,6 +65,7 @@ class Slot:
             "capacity": self.capacity,
             "step": self.step,
             "pinned": self.pinned,
+            "verified": self.verified,
         }
 
 
@@ -87,6 +96,9 @@ class RankSlots:
     last_stall_s: float = 0.0
     last_copy_s: float = 0.0
     commits: int = 0
+    skips: dict[str, int] = field(default_factory=dict)
+    """Skipped snapshots per reason (the SMP's own refusals and those the rank reported)."""
+    last_hash_s: float = 0.0
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -98,6 +110,19 @@ class RankSlots:
         """Committed slots, newest step first (ties: later commit first)."""
         done = [s for s in self.slots if s.state is SlotState.COMMITTED]
         return sorted(done, key=lambda s: (s.step or 0, s.seq), reverse=True)
+
+    def verified(self) -> list[Slot]:
+        """Committed and verified slots, newest step first."""
+        return [s for s in self.committed() if s.verified]
+
+    def unverified(self) -> list[Slot]:
+        """Committed slots the SMP has not checksummed yet."""
+        return [s for s in self.slots if s.state is SlotState.COMMITTED and not s.verified]
+
+    def count_skip(self, reason: str) -> None:
+        """Count one skipped snapshot for ``reason``."""
+        self.skips[reason] = self.skips.get(reason, 0) + 1
+        self.skipped += 1
 
     def newest(self) -> Slot | None:
         """The most recently committed slot, or None."""
@@ -159,14 +184,29 @@ class RankSlots:
                 f"its state {s.state.value} step {s.step} gen {s.gen}"
             )
         self._seq += 1
-        s.state, s.layout, s.seq = SlotState.COMMITTED, layout, self._seq
+        s.state, s.layout, s.seq, s.verified = SlotState.COMMITTED, layout, self._seq, False
         self.commits += 1
+
+    def verify(self, index: int, gen: int, step: int, layout: str) -> bool:
+        """The SMP checksummed slot ``index``: store the layout with its checksums. False if
+        the slot was replaced or dropped meanwhile (the result is stale)."""
+        s = self.slot(index)
+        if s.state is not SlotState.COMMITTED or s.gen != gen or s.step != step:
+            return False
+        s.layout, s.verified = layout, True
+        return True
+
+    def drop(self, index: int, gen: int) -> None:
+        """Forget a committed slot that cannot be verified (its data is treated as lost)."""
+        s = self.slot(index)
+        if s.state is SlotState.COMMITTED and s.gen == gen:
+            s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
 
     def abort(self, index: int, gen: int) -> None:
         """Give back a slot whose copy failed."""
         s = self.slot(index)
         if s.state is SlotState.WRITING and s.gen == gen:
-            s.state, s.step, s.layout = SlotState.FREE, None, ""
+            s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
 
     def discard_newer(self, step: int) -> list[int]:
         """Free committed slots with a step newer than ``step``; return the steps dropped."""
@@ -176,7 +216,7 @@ class RankSlots:
                 if s.pinned:
                     continue
                 dropped.append(s.step)
-                s.state, s.step, s.layout = SlotState.FREE, None, ""
+                s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
         return dropped
 
     def start_resize(self, index: int) -> Slot:
@@ -184,7 +224,7 @@ class RankSlots:
         s = self.slot(index)
         if s is self.newest() or s.pinned or s.state in (SlotState.WRITING, SlotState.ALLOCATING):
             raise StoreError(f"slot {index} of rank {self.rank} cannot be resized now")
-        s.state, s.step, s.layout = SlotState.ALLOCATING, None, ""
+        s.state, s.step, s.layout, s.verified = SlotState.ALLOCATING, None, "", False
         return s
 
     def finish_resize(self, index: int, path: str, capacity: int, ok: bool) -> None:
@@ -197,12 +237,21 @@ class RankSlots:
             s.state, s.path, s.capacity = SlotState.EMPTY, "", 0
 
     def adopt(
-        self, index: int, gen: int, path: str, capacity: int, step: int, seq: int, layout: str
+        self,
+        index: int,
+        gen: int,
+        path: str,
+        capacity: int,
+        step: int,
+        seq: int,
+        layout: str,
+        verified: bool = True,
     ) -> None:
-        """Take over a committed slot left by a previous SMP of this node (see records.py)."""
+        """Take over a committed slot left by a previous SMP of this node (see records.py),
+        or installed by a rebuild; ``verified``: its layout carries every checksum."""
         s = self.slot(index)
         s.state, s.gen, s.path, s.capacity = SlotState.COMMITTED, gen, path, capacity
-        s.step, s.seq, s.layout = step, seq, layout
+        s.step, s.seq, s.layout, s.verified = step, seq, layout, verified
         self._seq = max(self._seq, seq)
 
     def next_seq(self) -> int:
@@ -218,6 +267,10 @@ class RankSlots:
             "pid": self.pid,
             "newest_committed": newest.step if newest else None,
             "committed_steps": [s.step for s in committed],
+            "newest_verified": max((s.step or 0 for s in committed if s.verified), default=None),
+            "verified_steps": [s.step for s in committed if s.verified],
+            "skips": dict(self.skips),
+            "last_hash_s": self.last_hash_s,
             "last_progress_time": self.last_progress_time,
             "last_progress_step": self.last_progress_step,
             "skipped": self.skipped,

@@ -72,6 +72,9 @@ class Point(enum.Enum):
     IN_ENCODE = "in_encode"
     """(SMP) Inside a protection round: this node has every data column of a stripe it
     encodes and is about to encode it (its peers are waiting for the parity)."""
+    IN_HASH = "in_hash"
+    """(SMP) A committed slot is about to be checksummed (the snapshot is committed, not yet
+    verified)."""
     IN_RESTORE = "in_restore"
     """(Rank) Inside ``ftmem.load``: a snapshot passed its checksums and is about to be
     matched to the state and copied into it (other ranks wait in the agreement)."""

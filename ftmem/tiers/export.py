@@ -47,6 +47,7 @@ from ftmem.client.flatten import (
     StoredSnapshot,
     decode_skeleton,
     parse_layout,
+    torch_dtype,
 )
 from ftmem.client.restore import verify_snapshot
 from ftmem.errors import FtmemError
@@ -128,10 +129,10 @@ def _tensors(snap: StoredSnapshot, seg: MappedSegment) -> list[torch.Tensor]:
     out = []
     for t in snap.tensors:
         if t.nbytes == 0:
-            out.append(torch.empty(t.shape, dtype=t.dtype))
+            out.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype)))
             continue
         raw = torch.frombuffer(seg.view, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
-        out.append(raw.view(t.dtype).reshape(t.shape))
+        out.append(raw.view(torch_dtype(t.dtype)).reshape(t.shape))
     return out
 
 
@@ -224,7 +225,7 @@ def add_chunks(
             entry = meta.state_dict_metadata.get(t.name)
             if entry is None:
                 entry = meta.state_dict_metadata[t.name] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=t.dtype),
+                    properties=TensorProperties(dtype=torch_dtype(t.dtype)),
                     size=torch.Size(t.chunk.shape),
                     chunks=[],
                 )

@@ -46,6 +46,7 @@ FTMEM_FLAGS = {
     "--ftmem-flush-persistent-dir",
     "--ftmem-flush-every",
     "--ftmem-flush-keep",
+    "--ftmem-hash-threads",
 }
 
 
@@ -88,6 +89,10 @@ def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
     assert ft_for("--nnodes", "2").slots == 2  # type: ignore[attr-defined]
     assert ft_for("--nnodes", "4", "--ftmem-ec-parity", "0").slots == 2  # type: ignore[attr-defined]
     assert ft_for("--nnodes", "4", "--ftmem-slots", "5").slots == 5  # type: ignore[attr-defined]
+    # One more slot for flushing and one for erasure coding: ranks keep saving every step.
+    assert ft_for("--ftmem-flush-dir", "d").slots == 3  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "3", "--ftmem-flush-dir", "d").slots == 4  # type: ignore[attr-defined]
+    assert ft_for("--ftmem-hash-threads", "2").smp_args()[:2] == ["--hash-threads", "2"]  # type: ignore[attr-defined]
     assert ft_for("--ftmem-ec-parity", "2").ec_parity == 2  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="ec-parity"):
         ft_for("--ftmem-ec-parity", "two")

@@ -12,11 +12,11 @@ from ftmem.client.flatten import (
     decode_skeleton,
     encode_skeleton,
     flatten_state,
-    layout_json,
     parse_layout,
     plan_layout,
 )
 from ftmem.errors import CorruptSnapshotError
+from ftmem.format.layout import layout_json, with_hashes
 
 
 def test_flatten_stateful_and_nested() -> None:
@@ -51,9 +51,11 @@ def test_layout_is_aligned_and_largest_first() -> None:
 def test_layout_round_trip_and_bounds() -> None:
     flat = flatten_state({"a": torch.zeros(4, 4), "b": torch.zeros(2, dtype=torch.bfloat16)})
     lay = plan_layout(flat)
-    text = layout_json(lay, 7, ["h0", "h1"], (lay.tensors_end, 10, "ho"))
+    committed = layout_json(lay.tensors_json, 7, (lay.tensors_end, 10))
+    assert not parse_layout(committed, lay.tensors_end + 10).verified  # the SMP hashes it
+    text = with_hashes(committed, ["0" * 16, "1" * 16], "2" * 16)
     snap = parse_layout(text, lay.tensors_end + 10)
-    assert snap.step == 7 and snap.tensors[1].dtype == torch.bfloat16
+    assert snap.step == 7 and snap.tensors[1].dtype == "bfloat16" and snap.verified
     with pytest.raises(CorruptSnapshotError):
         parse_layout(text, lay.tensors_end)  # objects out of bounds
     doc = json.loads(text)

@@ -13,13 +13,13 @@ from ftmem.client.flatten import (
     GATHER_MARK,
     REPLICAS_KEY,
     flatten_state,
-    layout_json,
     parse_layout,
     plan_layout,
     shard_replicated,
     split_rows,
 )
 from ftmem.errors import CorruptSnapshotError
+from ftmem.format.layout import layout_json, with_hashes
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
@@ -68,7 +68,11 @@ def test_shard_replicated_keeps_this_replicas_rows_as_chunks() -> None:
 def test_layout_round_trips_chunks_and_rejects_bad_ones() -> None:
     flat = shard_replicated(flatten_state({"w": torch.zeros(8, 2)}), [0], 2, 1)
     lay = plan_layout(flat)
-    text = layout_json(lay, 5, ["h"] * len(lay.extents), (lay.tensors_end, 1, "o"))
+    text = with_hashes(
+        layout_json(lay.tensors_json, 5, (lay.tensors_end, 1)),
+        ["0" * 16] * len(lay.extents),
+        "1" * 16,
+    )
     snap = parse_layout(text, 1 << 20)
     assert snap.tensors[0].chunk is not None
     assert snap.tensors[0].chunk.shape == (8, 2) and snap.tensors[0].chunk.offset == (4, 0)

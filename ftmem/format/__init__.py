@@ -1,0 +1,46 @@
+"""The snapshot format, shared by the client, the SMP and the disk tiers; imports no torch.
+
+* :mod:`ftmem.format.layout`: where each tensor lives in a slot, its checksum, the objects
+  extent; one parser (:func:`~ftmem.format.layout.parse_layout`) validates every layout read
+  from another process or file.
+* :mod:`ftmem.format.skeleton`: the codec of a state's non-tensor structure (JSON with tags,
+  never pickle).
+* :mod:`ftmem.format.record`: the commit record written next to a committed slot.
+"""
+
+from __future__ import annotations
+
+from ftmem.format.layout import (
+    DTYPE_SIZES,
+    LAYOUT_VERSION,
+    ChunkOf,
+    StoredSnapshot,
+    StoredTensor,
+    TensorExtent,
+    digest,
+    hash_bytes,
+    layout_json,
+    parse_layout,
+    with_hashes,
+)
+from ftmem.format.record import CommitRecord, decode_record, encode_record
+from ftmem.format.skeleton import decode_skeleton, encode_skeleton
+
+__all__ = [
+    "DTYPE_SIZES",
+    "LAYOUT_VERSION",
+    "ChunkOf",
+    "CommitRecord",
+    "StoredSnapshot",
+    "StoredTensor",
+    "TensorExtent",
+    "decode_record",
+    "decode_skeleton",
+    "digest",
+    "encode_record",
+    "encode_skeleton",
+    "hash_bytes",
+    "layout_json",
+    "parse_layout",
+    "with_hashes",
+]

@@ -1,0 +1,301 @@
+"""Slot layouts: where each tensor of a snapshot lives, its checksum, and the objects extent.
+
+A layout is JSON text. The client writes it (without checksums) in its COMMIT; the SMP
+hashes the slot and fills the checksums in (:func:`with_hashes`): the snapshot is then
+*verified*. Every reader (the rank at load, the SMP, the exchange, the flush) parses it with
+:func:`parse_layout`, the one validator, against the capacity of the slot it describes.
+
+Document (version 2)::
+
+    {"version": 2, "step": 12,
+     "tensors": [{"i": 0, "name": "model.w", "dtype": "float32", "shape": [4, 4],
+                  "offset": 0, "nbytes": 64, "hash": "<xxh3-64 hex or empty>",
+                  "chunk": {"shape": [8, 4], "offset": [4, 0]}}, ...],
+     "objects": {"offset": 128, "nbytes": 300, "hash": "..."},
+     "unsharded_nbytes": 0}
+
+Checksums are xxh3-64 (python-xxhash: ~9 GB/s on one core here, and it releases the GIL;
+crc32 ran at 1.8 GB/s). An extent's checksum is its *digest* (:func:`digest`): the xxh3-64
+of each piece of ``HASH_PIECE`` bytes, in hex, joined by ``.``. Pieces let the SMP hash one
+large tensor on several threads, and let a restore check each piece just before it copies
+it, so no corrupt byte is ever written into a live tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ftmem.errors import CorruptSnapshotError
+
+LAYOUT_VERSION = 2
+MAX_TENSORS = 1 << 20
+HASH_PIECE = 4 << 20
+"""Bytes per checksummed piece of an extent."""
+_HEX = 16  # characters of one xxh3-64 hex digest
+
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+"""Every dtype a snapshot may hold (torch's name without ``torch.``) and its item size."""
+
+
+def hash_bytes(view: memoryview | bytes) -> str:
+    """Return the checksum (xxh3-64, hex) of ``view``; releases the GIL for large buffers."""
+    return xxhash.xxh3_64_hexdigest(view)
+
+
+def pieces(nbytes: int) -> list[tuple[int, int]]:
+    """The (start, end) of each checksummed piece of an extent of ``nbytes`` (at least one)."""
+    if nbytes <= HASH_PIECE:
+        return [(0, nbytes)]
+    return [(i, min(nbytes, i + HASH_PIECE)) for i in range(0, nbytes, HASH_PIECE)]
+
+
+def digest(view: memoryview | bytes) -> str:
+    """The checksum of an extent: each piece's xxh3-64 (hex), joined by ``.``."""
+    return ".".join(hash_bytes(view[a:b]) for a, b in pieces(len(view)))
+
+
+def piece_hashes(text: str, nbytes: int) -> list[str]:
+    """Split a digest into its pieces' hashes (empty list: not verified yet).
+
+    Raises:
+        CorruptSnapshotError: the digest does not have one hash per piece.
+    """
+    if not text:
+        return []
+    parts = text.split(".")
+    if len(parts) != len(pieces(nbytes)) or any(len(p) != _HEX for p in parts):
+        raise CorruptSnapshotError("a checksum does not match its extent's pieces")
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOf:
+    """A stored tensor that is one chunk of a larger (global) tensor: a DTensor's local shard,
+    or the rows of a replicated tensor that this replica keeps."""
+
+    shape: tuple[int, ...]
+    """The global tensor's shape."""
+    offset: tuple[int, ...]
+    """Where the chunk starts in the global tensor (one entry per dimension)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorExtent:
+    """Where one tensor lives in a slot (what the client plans; no checksum)."""
+
+    index: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    chunk: ChunkOf | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """A tensor as described by a committed layout (``hash`` empty until verified)."""
+
+    index: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    hash: str
+    chunk: ChunkOf | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSnapshot:
+    """A committed snapshot's parsed, validated layout."""
+
+    step: int
+    tensors: tuple[StoredTensor, ...]
+    objects_offset: int
+    objects_nbytes: int
+    objects_hash: str
+    unsharded_nbytes: int = 0
+
+    @property
+    def verified(self) -> bool:
+        """Every extent carries its checksum (the SMP has hashed the slot)."""
+        return bool(self.objects_hash) and all(t.hash for t in self.tensors)
+
+    @property
+    def used_bytes(self) -> int:
+        """The end of the last extent: the bytes of the slot the snapshot uses."""
+        ends = [t.offset + t.nbytes for t in self.tensors]
+        return max([self.objects_offset + self.objects_nbytes, *ends])
+
+    def extents(self) -> list[tuple[str, int, int, str]]:
+        """(name, offset, nbytes, hash) of the objects and of every tensor, objects first."""
+        out = [("objects", self.objects_offset, self.objects_nbytes, self.objects_hash)]
+        out += [(t.name, t.offset, t.nbytes, t.hash) for t in self.tensors]
+        return out
+
+
+def tensors_json(extents: tuple[TensorExtent, ...] | list[TensorExtent]) -> str:
+    """The ``tensors`` array of a layout without checksums (the client caches it per layout)."""
+    out = []
+    for e in extents:
+        entry: dict[str, Any] = {
+            "i": e.index,
+            "name": e.name,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "offset": e.offset,
+            "nbytes": e.nbytes,
+            "hash": "",
+        }
+        if e.chunk is not None:
+            entry["chunk"] = {"shape": list(e.chunk.shape), "offset": list(e.chunk.offset)}
+        out.append(entry)
+    return json.dumps(out, separators=(",", ":"))
+
+
+def layout_json(
+    tensors: str, step: int, objects: tuple[int, int], unsharded_nbytes: int = 0
+) -> str:
+    """The layout of one snapshot as the client commits it: ``tensors`` from
+    :func:`tensors_json`, ``objects`` the (offset, nbytes) of the encoded skeleton."""
+    head = (
+        f'{{"version":{LAYOUT_VERSION},"step":{int(step)},'
+        f'"objects":{{"offset":{int(objects[0])},"nbytes":{int(objects[1])},"hash":""}},'
+        f'"unsharded_nbytes":{int(unsharded_nbytes)},"tensors":'
+    )
+    return head + tensors + "}"
+
+
+def with_hashes(text: str, hashes: list[str], objects_hash: str) -> str:
+    """Return layout ``text`` with every tensor's checksum and the objects' filled in.
+
+    Raises:
+        CorruptSnapshotError: ``text`` is not a layout or the hash count differs.
+    """
+    doc = _load(text)
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, list) or len(tensors) != len(hashes):
+        raise CorruptSnapshotError("layout and checksums do not match")
+    for entry, h in zip(tensors, hashes, strict=True):
+        entry["hash"] = h
+    doc["objects"]["hash"] = objects_hash
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a layout")
+
+
+def _load(text: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptSnapshotError(f"layout is not JSON: {exc!r}") from exc
+    if not isinstance(doc, dict):
+        raise CorruptSnapshotError("layout is not an object")
+    return doc
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise CorruptSnapshotError(f"{what} must be an integer in [{lo}, {hi}], not {value!r}")
+    return value
+
+
+def _str(value: Any, what: str, limit: int = 4096) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise CorruptSnapshotError(f"{what} must be a string of at most {limit} characters")
+    return value
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise CorruptSnapshotError(f"{what} must be a list of at most 64 integers")
+    return tuple(_int(v, what) for v in value)
+
+
+def _parse_chunk(doc: Any, local: tuple[int, ...]) -> ChunkOf | None:
+    """A layout's chunk entry, checked against the stored (local) shape."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise CorruptSnapshotError("chunk must be an object")
+    shape, offset = _dims(doc.get("shape"), "chunk shape"), _dims(doc.get("offset"), "chunk offset")
+    if len(shape) != len(local) or len(offset) != len(local):
+        raise CorruptSnapshotError("chunk rank differs from the tensor's")
+    if any(o + n > g for o, n, g in zip(offset, local, shape, strict=True)):
+        raise CorruptSnapshotError("chunk lies outside its global tensor")
+    return ChunkOf(shape, offset)
+
+
+def _parse_tensor(n: int, e: Any, capacity: int) -> StoredTensor:
+    if not isinstance(e, dict):
+        raise CorruptSnapshotError("tensor entry must be an object")
+    name = _str(e.get("name"), "tensor name")
+    dtype = _str(e.get("dtype"), "dtype", 32)
+    if dtype not in DTYPE_SIZES:
+        raise CorruptSnapshotError(f"tensor {name!r} has unknown dtype {dtype!r}")
+    shape = _dims(e.get("shape"), "shape")
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = _int(e.get("nbytes"), "nbytes")
+    off = _int(e.get("offset"), "offset")
+    if nbytes != numel * DTYPE_SIZES[dtype] or off + nbytes > capacity:
+        raise CorruptSnapshotError(f"tensor {name!r} has an inconsistent extent")
+    if e.get("i") != n:
+        raise CorruptSnapshotError("tensor indices are out of order")
+    h = _str(e.get("hash", ""), "hash", len(pieces(nbytes)) * (_HEX + 1))
+    piece_hashes(h, nbytes)
+    return StoredTensor(n, name, dtype, shape, off, nbytes, h, _parse_chunk(e.get("chunk"), shape))
+
+
+def parse_layout(text: str, capacity: int) -> StoredSnapshot:
+    """Parse and validate a layout against a slot of ``capacity`` bytes.
+
+    Checksums may be empty (committed, not yet verified): see :attr:`StoredSnapshot.verified`.
+
+    Raises:
+        CorruptSnapshotError: anything malformed, out of bounds or inconsistent.
+    """
+    doc = _load(text)
+    if doc.get("version") != LAYOUT_VERSION:
+        raise CorruptSnapshotError(f"layout version {doc.get('version')!r} is not supported")
+    step = _int(doc.get("step"), "step")
+    raw = doc.get("tensors")
+    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
+        raise CorruptSnapshotError("layout must hold a list of tensors")
+    tensors = tuple(_parse_tensor(n, e, capacity) for n, e in enumerate(raw))
+    obj = doc.get("objects")
+    if not isinstance(obj, dict):
+        raise CorruptSnapshotError("layout has no objects extent")
+    ooff, on = _int(obj.get("offset"), "objects offset"), _int(obj.get("nbytes"), "objects size")
+    if ooff + on > capacity:
+        raise CorruptSnapshotError("objects extent is outside the slot")
+    oh = _str(obj.get("hash", ""), "objects hash", len(pieces(on)) * (_HEX + 1))
+    piece_hashes(oh, on)
+    unsharded = _int(doc.get("unsharded_nbytes", 0), "unsharded_nbytes")
+    return StoredSnapshot(step, tensors, ooff, on, oh, unsharded)
