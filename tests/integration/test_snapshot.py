@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -122,7 +123,11 @@ def test_corrupted_newest_falls_back_to_older_step(
     at1 = snapshot_of(model, opt)
     train(model, opt)
     commit(ckpt, state, 2)
-    with SmpClient(run_dir) as c:
+    with SmpClient(run_dir) as c:  # corrupt it after the SMP has checksummed it
+        deadline = time.monotonic() + 60
+        while c.status()["ranks"]["0"]["newest_verified"] != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         st = c.status()["ranks"]["0"]
     slot2 = next(s for s in st["slots"] if s["step"] == 2)
     path = next(f for f in shm_files(run_id) if f"-s{slot2['slot']}-g{slot2['gen']}" in f)
@@ -213,8 +218,6 @@ def test_killed_smp_makes_save_fail_fast(run_dir: Path, run_id: str) -> None:
         model, _opt = make()
         commit(c, {"model": model}, 1)
         smp.kill()
-        import time
-
         t0 = time.monotonic()
         with pytest.raises(SmpUnavailableError):
             c.save({"model": model}, step=2)
