@@ -14,12 +14,24 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from bench import _plots, _report, ec_protect, flush, overhead, recovery, snapshot
+    from bench import (
+        _plots,
+        _report,
+        datapath,
+        ec_protect,
+        flush,
+        gpu_datapath,
+        overhead,
+        recovery,
+        snapshot,
+    )
 except ImportError:  # run as a script: bench/ is sys.path[0]
     import _plots  # type: ignore[no-redef]
     import _report  # type: ignore[no-redef]
+    import datapath  # type: ignore[no-redef]
     import ec_protect  # type: ignore[no-redef]
     import flush  # type: ignore[no-redef]
+    import gpu_datapath  # type: ignore[no-redef]
     import overhead  # type: ignore[no-redef]
     import recovery  # type: ignore[no-redef]
     import snapshot  # type: ignore[no-redef]
@@ -296,14 +308,20 @@ def _flush_goal(suite: Any) -> list[str]:
 # ------------------------------------------------------------------------------ the section
 
 
+def _datapath_goals(suite: Any) -> list[list[str]]:
+    """The data path's goals (issue 13), checked on its largest state."""
+    return [[g, m, _verdict(ok), why] for g, m, ok, why in datapath.goals(suite.data("datapath"))]
+
+
 def goals(suite: Any) -> list[list[str]]:
-    """Rows (goal, measured, verdict, why) of every issue-6 goal."""
+    """Rows (goal, measured, verdict, why) of every goal of issues 6 and 13."""
     return [
         *_stall_goals(suite),
         _overhead_goal(suite),
         *_restore_goals(suite),
         _recovery_goal(suite),
         _flush_goal(suite),
+        *_datapath_goals(suite),
     ]
 
 
@@ -401,6 +419,16 @@ def _other_figures(suite: Any) -> list[str]:
             f"{_report.median(m.smp_anon) / MiB:.0f} MiB + rank "
             f"{_report.median(m.rank_anon_added) / MiB:.0f} MiB"
         )
+    for r in suite.data("datapath") or []:
+        f = r.figures()
+        if f.get("dcp_cpu_per_gib") and f.get("total_cpu_per_gib"):
+            out.append(
+                f"- data path ({r.gib:.2f} GiB): ftmem {f['total_cpu_per_gib']:.3f} CPU-s per "
+                f"snapshotted GiB (rank + SMP) vs dcp.async_save {f['dcp_cpu_per_gib']:.3f} "
+                f"(the whole process, to disk); dcp.async_save blocks "
+                f"{f['dcp_blocking'] * 1e3:.1f} ms per save"
+            )
+    out += gpu_datapath.summary_lines(suite.data("gpu"))
     return ["### Other figures of this run", "", *out, ""] if out else []
 
 
@@ -413,8 +441,9 @@ def _profile_note(suite: Any) -> str:
             "3 repeats; the overhead part 4 cycles; one failure run per system (no "
             "failure-free reference run: the runs' digests are compared with each other); "
             "erasure coding with 64 MiB per node and n=3 only; flush throughput at 0.25 GiB "
-            "without its training part; the EC overhead part is left out (its section below "
-            "is from the run it names). `python bench/run.py` (no flag) runs the full sizes."
+            "without its training part; the data path at 0.25 and 1 GiB (not 0.5, 2 and 4 GiB); "
+            "the EC overhead part is left out (its section below is from the run it names). "
+            "`python bench/run.py` (no flag) runs the full sizes."
         )
     return "Profile: `--smoke`: tiny sizes, one repeat: it shows that the suite runs, not figures."
 
@@ -454,7 +483,7 @@ def render(suite: Any, out_path: Path) -> str:
         "and noisy, so figures of different runs do not compare. " + _profile_note(suite),
         "",
         *_busy_note(suite),
-        "### Goals (issue 6), checked on this run",
+        "### Goals (issues 6 and 13), checked on this run",
         "",
         "| goal | measured | verdict | what the figure is made of |",
         "|---|---|---|---|",

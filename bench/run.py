@@ -20,7 +20,11 @@ section):
   against torchrun + dcp.load;
 * ``ec-protect`` (``bench/ec_protect.py``): erasure-coded protect and rebuild between nodes;
 * ``ec-overhead`` (``bench/ec_overhead.py``): training overhead of EC protection, 3 nodes;
-* ``flush`` (``bench/flush.py``): flush to disk against dcp.save.
+* ``flush`` (``bench/flush.py``): flush to disk against dcp.save;
+* ``datapath`` (``bench/datapath.py``): CPU-seconds per snapshotted GiB (rank + SMP) against a
+  memcpy, stall, time to safe, restore, skips, and dcp.async_save's CPU, one run on one state;
+* ``gpu`` (``bench/gpu_datapath.py``): a CUDA state's snapshot (stall, D2H, restore H2D);
+  "skipped: no CUDA" without a GPU.
 
 Each part's section of ``--out`` is rewritten as soon as the part ends; then the top
 "Summary" section (every goal of issue 6, met or missed and why, and the headline figures)
@@ -46,9 +50,11 @@ try:
     from bench import (
         _plots,
         _report,
+        datapath,
         ec_overhead,
         ec_protect,
         flush,
+        gpu_datapath,
         memory,
         overhead,
         recovery,
@@ -59,9 +65,11 @@ except ImportError:  # run as a script: bench/ is sys.path[0]
     import _plots  # type: ignore[no-redef]
     import _report  # type: ignore[no-redef]
     import _summary as summary  # type: ignore[no-redef]
+    import datapath  # type: ignore[no-redef]
     import ec_overhead  # type: ignore[no-redef]
     import ec_protect  # type: ignore[no-redef]
     import flush  # type: ignore[no-redef]
+    import gpu_datapath  # type: ignore[no-redef]
     import memory  # type: ignore[no-redef]
     import overhead  # type: ignore[no-redef]
     import recovery  # type: ignore[no-redef]
@@ -69,7 +77,16 @@ except ImportError:  # run as a script: bench/ is sys.path[0]
 
 logger = logging.getLogger("bench.run")
 
-PARTS = ("snapshot", "overhead", "recovery", "ec-protect", "ec-overhead", "flush")
+PARTS = (
+    "snapshot",
+    "overhead",
+    "recovery",
+    "ec-protect",
+    "ec-overhead",
+    "flush",
+    "datapath",
+    "gpu",
+)
 MODULES: dict[str, Any] = {
     "snapshot": snapshot,
     "overhead": overhead,
@@ -77,6 +94,8 @@ MODULES: dict[str, Any] = {
     "ec-protect": ec_protect,
     "ec-overhead": ec_overhead,
     "flush": flush,
+    "datapath": datapath,
+    "gpu": gpu_datapath,
 }
 SCRIPTS = {
     "snapshot": "snapshot.py",
@@ -85,6 +104,8 @@ SCRIPTS = {
     "ec-protect": "ec_protect.py",
     "ec-overhead": "ec_overhead.py",
     "flush": "flush.py",
+    "datapath": "datapath.py",
+    "gpu": "gpu_datapath.py",
 }
 
 # Arguments of each part per profile. "smoke" runs only the snapshot part by default.
@@ -99,6 +120,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "ec-protect": ["--size-mib", "8", "--repeats", "1", "--cases", "3:1"],
         "ec-overhead": ["--configs", "off,on", "--steps", "6", "--repeats", "1"],
         "flush": ["--sizes", "0.02", "--repeats", "1", "--train-repeats", "0"],
+        "datapath": ["--smoke"],
+        "gpu": ["--smoke"],
     },
     "quick": {
         "snapshot": [
@@ -110,6 +133,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "ec-protect": ["--size-mib", "64", "--repeats", "2", "--cases", "3:1"],
         "ec-overhead": ["--configs", "off,on", "--steps", "16", "--repeats", "1"],
         "flush": ["--sizes", "0.25", "--repeats", "2", "--train-repeats", "0"],
+        "datapath": ["--quick"],
+        "gpu": ["--quick"],
     },
     "full": {
         "snapshot": ["--sizes", "0.5,2", "--repeats", "5", "--e2e-rounds", "0"],
@@ -118,6 +143,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "ec-protect": ["--size-mib", "1024", "--repeats", "3"],
         "ec-overhead": ["--repeats", "3"],
         "flush": ["--sizes", "0.5,2", "--repeats", "3", "--train-repeats", "3"],
+        "datapath": [],
+        "gpu": [],
     },
 }
 # The parts each profile runs unless --parts says otherwise. --quick leaves out ec-overhead:
@@ -135,6 +162,8 @@ REPEAT_FLAGS = {
     "ec-protect": "--repeats",
     "ec-overhead": "--repeats",
     "flush": "--repeats",
+    "datapath": "--repeats",
+    "gpu": "--repeats",
 }
 PLOTS = ("bench-stall.png", "bench-overhead.png", "bench-recovery.png")
 
@@ -177,7 +206,7 @@ def _part_argv(name: str, args: argparse.Namespace) -> list[str]:
         argv += [REPEAT_FLAGS[name], str(args.repeats)]
     if args.sizes and name in ("snapshot", "flush"):
         argv += ["--sizes", args.sizes]
-    if args.disk_dir and name in ("snapshot", "flush"):
+    if args.disk_dir and name in ("snapshot", "flush", "datapath"):
         argv += ["--disk-dir", str(args.disk_dir)]
     for extra in args.extra:
         part, _, text = extra.partition("=")
