@@ -173,11 +173,11 @@ def bench_ftmem(
             notes.append(f"SMP start (readiness handshake): {time.perf_counter() - t0:.3f} s")
             logger.info("SMP pid %s in %s", smp.pid, run_dir)
             t0 = time.perf_counter()
-            h = ftmem.save(st, step=1)
+            h = ftmem.save(st, step=1)  # skipped: the SMP allocates the slots meanwhile
             t_call = time.perf_counter() - t0
-            ok = h.wait(timeout=300.0)
+            ok = ftmem.wait(timeout=300.0)  # ...and wait() commits the skipped newest step
             notes.append(
-                f"warm-up save (allocates and pre-faults the arenas; not counted): "
+                f"warm-up save (the SMP allocates and pre-faults the slots; not counted): "
                 f"{t_call:.3f} s in save, {time.perf_counter() - t0:.3f} s until committed "
                 f"(committed={ok}, skipped={h.skipped})"
             )

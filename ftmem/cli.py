@@ -25,19 +25,26 @@ def print_status(st: dict[str, Any]) -> None:
         f"bad messages {st['bad_messages']}"
     )
     print(
-        f"{'rank':>5} {'pid':>8} {'committed':>10} {'steps':>12} {'held MiB':>9} "
+        f"{'rank':>5} {'pid':>8} {'committed':>10} {'verified':>9} {'steps':>12} {'held MiB':>9} "
         f"{'snap MiB':>9} {'unshard':>8} "
         f"{'stall ms':>9} {'copy ms':>8} {'skipped':>8} {'progress':>14}"
     )
     for rank, r in st["ranks"].items():
         steps = ",".join(str(s) for s in r["committed_steps"]) or "-"
         newest = "-" if r["newest_committed"] is None else str(r["newest_committed"])
+        verified = r.get("newest_verified")
         print(
-            f"{rank:>5} {r['pid'] or '-':>8} {newest:>10} {steps:>12} "
+            f"{rank:>5} {r['pid'] or '-':>8} {newest:>10} {'-' if verified is None else verified:>9} "
+            f"{steps:>12} "
             f"{r['bytes_held'] / 2**20:>9.1f} {r.get('snapshot_bytes', 0) / 2**20:>9.1f} "
             f"{r.get('unsharded_bytes', 0) / 2**20:>8.1f} {r['last_stall_s'] * 1e3:>9.2f} "
             f"{r['last_copy_s'] * 1e3:>8.1f} {r['skipped']:>8} {_fmt_age(r['last_progress_time']):>14}"
         )
+    skips = {rank: r.get("skips") or {} for rank, r in st["ranks"].items()}
+    for rank, why in skips.items():
+        if why:
+            reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(why.items()))
+            print(f"  rank {rank} skipped: {reasons}")
     print_exchange(st.get("exchange") or {})
     fl = st.get("flush") or {}
     if fl.get("enabled"):

@@ -220,6 +220,14 @@ def split_rows(items: list[tuple[int, int]], parts: int) -> list[list[tuple[int,
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_split(
+    items: tuple[tuple[int, int], ...], parts: int
+) -> list[list[tuple[int, int, int]]]:
+    """:func:`split_rows`, cached: every save of an unchanged state splits the same way."""
+    return split_rows(list(items), parts)
+
+
 def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -> Flat:
     """Keep only this replica's share of the tensors ``replicated`` (indices into ``flat``,
     equal on all ``size`` replicas of a group in which this one is ``index``).
@@ -237,7 +245,7 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
         t = flat.tensors[j]
         rows = t.shape[0] if t.dim() > 0 else 1
         items.append((rows, t.nbytes // rows if rows else 0))
-    split = split_rows(items, size)
+    split = _cached_split(tuple(items), size)
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     chunks: list[ChunkOf | None] = []

@@ -66,6 +66,7 @@ from ftmem.client.staging import (
     register_pinned,
     slot_views,
     start_cuda_copies,
+    unregister_pinned,
 )
 from ftmem.config import ENV_EXPECTED_STEP, ClientConfig
 from ftmem.errors import (
@@ -209,7 +210,9 @@ class Checkpointer:
                 for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
                     if self._views is not None and self._views[0][0] == old:
                         self._views = None
-                    self._segments.pop(old).close()
+                    gone = self._segments.pop(old)
+                    unregister_pinned(gone)
+                    gone.close()
             return seg
 
     def _map_new_slots(self, slots: list[dict[str, Any]]) -> None:
@@ -773,7 +776,9 @@ class Checkpointer:
         if self._client is not None:
             self._client.close()
         self._job = None
+        self._views = None
         for seg in self._segments.values():
+            unregister_pinned(seg)
             seg.close()
         self._segments.clear()
 

@@ -286,7 +286,8 @@ def start_cuda_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
     return event
 
 
-_pinned: set[int] = set()
+_pinned: dict[int, int] = {}
+"""id of a page-locked MappedSegment -> the registered address."""
 
 
 def register_pinned(seg: MappedSegment) -> None:
@@ -299,4 +300,20 @@ def register_pinned(seg: MappedSegment) -> None:
     if int(err) != 0:
         log.warning("cudaHostRegister of %s failed (%s); copies will be synchronous", seg.path, err)
         return
-    _pinned.add(id(seg))
+    _pinned[id(seg)] = ptr
+
+
+def is_pinned(seg: MappedSegment) -> bool:
+    """Whether ``seg`` was page-locked by :func:`register_pinned`."""
+    return id(seg) in _pinned
+
+
+def unregister_pinned(seg: MappedSegment) -> None:
+    """Undo :func:`register_pinned` (before the mapping goes away); no-op if not pinned."""
+    ptr = _pinned.pop(id(seg), None)
+    if ptr is None:
+        return
+    torch.cuda.synchronize()  # no copy into it may still be in flight
+    err = torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+    if int(err) != 0:
+        log.warning("cudaHostUnregister of %s failed (%s)", seg.path, err)

@@ -19,6 +19,7 @@ import pytest
 import xxhash
 
 from ftmem.client.smp_client import SmpClient
+from ftmem.format.layout import layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.smp import records
 from ftmem.smp.spawn import SmpProcess, start_smp
@@ -51,7 +52,9 @@ def _start(run_dir: Path, shm: Path) -> SmpProcess:
 
 def _record(path: Path, **fields: object) -> None:
     rec = {"version": 1, "rank": 0, "slot": 0, "gen": 1, "capacity": 4096, "step": 5, "seq": 1}
-    rec.update({"layout": '{"tensors": []}', **fields})
+    step = fields.get("step", rec["step"])
+    valid = layout_json(tensors_json([]), step if isinstance(step, int) else 0, (0, 0))
+    rec.update({"layout": valid, **fields})
     body = json.dumps(rec)
     records.record_path(path).write_text(
         json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})

@@ -38,6 +38,7 @@ import zmq
 from ftmem.client.smp_client import SmpClient
 from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
 from ftmem.exchange import keys
+from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
@@ -211,13 +212,8 @@ def _save(client: SmpClient, rank: int, step: int, payload: bytes) -> list[bytes
         os.pwrite(fd, payload, 0)
     finally:
         os.close(fd)
-    layout = json.dumps(
-        {
-            "tensors": [
-                {"offset": 0, "nbytes": len(payload), "xxh": xxhash.xxh3_64_hexdigest(payload)}
-            ]
-        }
-    )
+    n = len(payload)
+    layout = layout_json(tensors_json([TensorExtent(0, "t", "uint8", (n,), 0, n)]), step, (n, 0))
     commit = m.Commit(rank=rank, slot=int(r["slot"]), gen=int(r["gen"]), step=step, layout=layout)
     client.request(commit)
     key = client._key

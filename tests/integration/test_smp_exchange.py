@@ -24,6 +24,7 @@ import xxhash
 from ftmem.client.smp_client import SmpClient
 from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
+from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests.conftest import pid_gone, shm_files
@@ -31,14 +32,10 @@ from tests.conftest import pid_gone, shm_files
 T = timedelta(seconds=60)
 
 
-def layout_for(payload: bytes) -> str:
-    return json.dumps(
-        {
-            "tensors": [
-                {"offset": 0, "nbytes": len(payload), "xxh": xxhash.xxh3_64_hexdigest(payload)}
-            ]
-        }
-    )
+def layout_for(payload: bytes, step: int) -> str:
+    """A committed layout (no checksums: the SMP computes them) of one uint8 tensor."""
+    n = len(payload)
+    return layout_json(tensors_json([TensorExtent(0, "t", "uint8", (n,), 0, n)]), step, (n, 0))
 
 
 @dataclass
@@ -94,7 +91,7 @@ class Node:
                 slot=int(r["slot"]),
                 gen=int(r["gen"]),
                 step=step,
-                layout=layout_for(payload),
+                layout=layout_for(payload, step),
             )  # type: ignore[call-overload]
         )
         self.committed[(rank, step)] = payload
