@@ -95,7 +95,11 @@ class _SavePlan:
     lazy: list[int]
     """CPU tensors only the optimizers change: copied by the worker, largest first."""
     cuda: list[int]
-    """Device tensors: copied by a side stream."""
+    """Device tensors the optimizers do not own (buffers...): copied first by a side stream,
+    which the current stream then waits for (on the device)."""
+    cuda_lazy: list[int]
+    """Device tensors only the optimizers change: copied next by the side stream, fenced by
+    the optimizer pre-hook."""
 
 
 @dataclass
@@ -156,7 +160,9 @@ class Checkpointer:
         self._rank: int | None = None
         self._segments: dict[str, MappedSegment] = {}
         self._plan: _SavePlan | None = None
-        self._views: tuple[Any, list[torch.Tensor]] | None = None
+        self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
+        """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
+        when the mapping is closed (holding the layout keeps its identity unique)."""
         self._replicated: tuple[Any, list[int]] | None = None
         self._preparing: PrepareJob | None = None
         self._pending: _Pending | None = None
@@ -208,9 +214,8 @@ class Checkpointer:
                 self._segments[path] = seg
                 # Forget mappings of files the SMP replaced (one live file per slot).
                 for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
-                    if self._views is not None and self._views[0][0] == old:
-                        self._views = None
                     gone = self._segments.pop(old)
+                    self._views.pop(id(gone), None)
                     unregister_pinned(gone)
                     gone.close()
             return seg
@@ -336,24 +341,41 @@ class Checkpointer:
         return job
 
     def _save_plan(self, flat: Flat, state: Mapping[str, Any]) -> _SavePlan:
-        """The cached plan of a save (layout, eager / lazy / device tensors)."""
-        key = (signature_of(flat), tuple(t.data_ptr() for t in flat.tensors))
+        """The cached plan of a save (layout, eager / lazy / device tensors).
+
+        Reused while the state's signature is the same and the tensors it copies lazily are
+        still the same storages (other tensors, e.g. a fresh RNG state each save, may be new
+        objects every time: they are copied eagerly wherever they live)."""
+        sig = signature_of(flat)
         plan = self._plan
-        if plan is not None and plan.key == key:
+        tensors = flat.tensors
+        if (
+            plan is not None
+            and plan.key[0] == sig
+            and all(
+                tensors[i].data_ptr() == p
+                for i, p in zip(plan.lazy + plan.cuda_lazy, plan.key[1], strict=True)
+            )
+        ):
             return plan
-        layout = plan.layout if plan is not None and plan.key[0] == key[0] else plan_layout(flat)
+        layout = plan.layout if plan is not None and plan.key[0] == sig else plan_layout(flat)
         optimizers = [v for v in _walk_values(state) if isinstance(v, torch.optim.Optimizer)]
         lazy_ptrs = _optimizer_storage_ptrs(optimizers)
-        eager, lazy, cuda = [], [], []
-        for i, t in enumerate(flat.tensors):
+        eager: list[int] = []
+        lazy: list[int] = []
+        cuda: list[int] = []
+        cuda_lazy: list[int] = []
+        for i, t in enumerate(tensors):
+            owned = bool(lazy_ptrs) and t.untyped_storage().data_ptr() in lazy_ptrs
             if t.device.type != "cpu":
-                cuda.append(i)
-            elif lazy_ptrs and t.untyped_storage().data_ptr() in lazy_ptrs:
+                (cuda_lazy if owned else cuda).append(i)
+            elif owned:
                 lazy.append(i)
             else:  # buffers, RNG, anything the forward pass or the user may change
                 eager.append(i)
-        lazy.sort(key=lambda i: -flat.tensors[i].nbytes)
-        self._plan = _SavePlan(key, layout, eager, lazy, cuda)
+        lazy.sort(key=lambda i: -tensors[i].nbytes)
+        key = (sig, tuple(tensors[i].data_ptr() for i in lazy + cuda_lazy))
+        self._plan = _SavePlan(key, layout, eager, lazy, cuda, cuda_lazy)
         return self._plan
 
     def _replica_group(self, state: Mapping[str, Any], given: Any) -> Any:
@@ -432,9 +454,9 @@ class Checkpointer:
         """Copy the eager part now; return the job that copies the rest in the background."""
         off = plan.layout.tensors_end
         seg.view[off : off + len(objects)] = objects
-        cached = self._views
-        if cached is None or cached[0] != (str(seg.path), id(plan.layout)):
-            cached = self._views = ((str(seg.path), id(plan.layout)), slot_views(seg, plan.layout))
+        cached = self._views.get(id(seg))
+        if cached is None or cached[0] is not plan.layout:
+            cached = self._views[id(seg)] = (plan.layout, slot_views(seg, plan.layout))
         views = cached[1]
         tensors = flat.tensors
         copy_into([views[i] for i in plan.eager], [tensors[i] for i in plan.eager])
@@ -449,10 +471,11 @@ class Checkpointer:
             srcs=[tensors[i] for i in plan.lazy],
             objects=(off, len(objects)),
         )
-        if plan.cuda:
+        if plan.cuda or plan.cuda_lazy:
             register_pinned(seg)
             job.cuda_event = start_cuda_copies(
-                [views[i] for i in plan.cuda], [tensors[i] for i in plan.cuda]
+                ([views[i] for i in plan.cuda], [tensors[i] for i in plan.cuda]),
+                ([views[i] for i in plan.cuda_lazy], [tensors[i] for i in plan.cuda_lazy]),
             )
         return job
 
@@ -776,7 +799,7 @@ class Checkpointer:
         if self._client is not None:
             self._client.close()
         self._job = None
-        self._views = None
+        self._views.clear()
         for seg in self._segments.values():
             unregister_pinned(seg)
             seg.close()

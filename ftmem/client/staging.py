@@ -268,17 +268,32 @@ def _fail(job: Work, exc: BaseException) -> None:
         job.done.set()
 
 
-def start_cuda_copies(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Any:
+def start_cuda_copies(
+    eager: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+    lazy: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+) -> Any:
     """Enqueue device->host copies of CUDA tensors on a side stream; return the event that
-    marks their end.
+    marks their end. ``eager`` and ``lazy`` are (slot views, device tensors).
 
-    The destination is the slot's shared memory, which must be page-locked
-    (see :func:`register_pinned`) for the copy to be truly asynchronous.
+    The ``eager`` tensors (buffers such as BatchNorm statistics, which the next forward pass
+    changes) are copied first, and the current stream waits for them on the device (no CPU
+    wait): work queued after ``save`` cannot change them before they are copied. The
+    ``lazy`` ones (parameters, optimizer state) are fenced by the optimizer pre-hook, which
+    waits for the returned event. The destination is the slot's shared memory, which must be
+    page-locked (see :func:`register_pinned`) for the copy to be truly asynchronous.
     """
+    current = torch.cuda.current_stream()
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        for dst, src in zip(dsts, srcs, strict=True):
+        for dst, src in zip(*eager, strict=True):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)
+        if eager[0]:
+            eager_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            eager_done.record(stream)
+            current.wait_event(eager_done)
+        for dst, src in zip(*lazy, strict=True):
             dst.copy_(src, non_blocking=True)
             src.record_stream(stream)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -58,6 +58,16 @@ def commit(ckpt: ftmem.Checkpointer, state: dict[str, object], step: int) -> Non
     assert ckpt.wait(60)
 
 
+def wait_verified(run_dir: Path, step: int) -> None:
+    """Until the SMP has checksummed ``step`` of rank 0 (corrupting it before that would be
+    corrupting what the SMP then hashes)."""
+    deadline = time.monotonic() + 60
+    with SmpClient(run_dir) as c:
+        while c.status()["ranks"]["0"]["newest_verified"] != step:
+            assert time.monotonic() < deadline, f"step {step} not verified"
+            time.sleep(0.02)
+
+
 def fresh(run_dir: Path) -> ftmem.Checkpointer:
     return ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
 
@@ -123,11 +133,8 @@ def test_corrupted_newest_falls_back_to_older_step(
     at1 = snapshot_of(model, opt)
     train(model, opt)
     commit(ckpt, state, 2)
-    with SmpClient(run_dir) as c:  # corrupt it after the SMP has checksummed it
-        deadline = time.monotonic() + 60
-        while c.status()["ranks"]["0"]["newest_verified"] != 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    wait_verified(run_dir, 2)  # corrupt it after the SMP has checksummed it
+    with SmpClient(run_dir) as c:
         st = c.status()["ranks"]["0"]
     slot2 = next(s for s in st["slots"] if s["step"] == 2)
     path = next(f for f in shm_files(run_id) if f"-s{slot2['slot']}-g{slot2['gen']}" in f)
@@ -152,6 +159,7 @@ def test_all_corrupted_raises_and_applies_no_corrupt_byte(
     state = {"model": model, "optim": opt}
     train(model, opt)
     commit(ckpt, state, 1)
+    wait_verified(run_dir, 1)
     saved = [t.clone() for t in model.state_dict().values()]
     for f in shm_files(run_id):  # bytes 8-10: inside model.0.weight (the largest: offset 0)
         with open(f"/dev/shm/{f}", "r+b") as fh:
