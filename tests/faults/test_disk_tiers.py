@@ -181,7 +181,7 @@ def test_ftmem_flush_during_training_returns_a_complete_checkpoint(
     rid = launcher_env.new_run_id()
     flags = ["--ftmem-flush-dir", str(local), "--ftmem-flush-persistent-dir", str(shared)]
     run = launcher_env.single_node(
-        rid, 2, flags, [str(EXAMPLE), "--steps", "60", "--step-delay", "0.1", *TINY], name="run"
+        rid, 2, flags, [str(EXAMPLE), "--steps", "150", "--step-delay", "0.1", *TINY], name="run"
     )
     run.wait_for(r"step 5 loss", 120)
     out = subprocess.run(
