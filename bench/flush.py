@@ -366,10 +366,10 @@ def bench_size(
             extra_args=["--flush-dir", str(tier), "--flush-keep", "1"],
         ) as smp:
             t0 = time.perf_counter()
-            h = ftmem.save(st, step=1)
-            ok = h.wait(timeout=600.0)
+            ftmem.save(st, step=1)  # skipped while the SMP allocates the slots...
+            ok = ftmem.wait(timeout=600.0)  # ...and committed by wait()
             res.notes.append(
-                f"ftmem.save + wait (first save: allocates the slots): "
+                f"ftmem.save + ftmem.wait (first save: the SMP allocates the slots): "
                 f"{time.perf_counter() - t0:.2f} s, committed={ok}"
             )
             if not ok:

@@ -137,7 +137,7 @@ def train(args: Any) -> int:
             logger.info("step %d loss %.4f", step + 1, loss.item())
         if step + 1 == args.fail_at_step and rank == args.fail_rank and start < args.fail_at_step:
             if handle is not None:
-                handle.wait(timeout=60.0)
+                ftmem.wait(timeout=60.0)  # also commits this step if its snapshot was skipped
             _inject_failure(args.fail_mode, rank, step + 1)
         if args.step_delay:
             time.sleep(args.step_delay)

@@ -417,8 +417,8 @@ def train(args: argparse.Namespace) -> int:
                 "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
             )
         if step + 1 == args.fail_at_step and rank == args.fail_rank and start < args.fail_at_step:
-            try:
-                committed = handle is not None and handle.wait(timeout=60.0)
+            try:  # wait() also commits this step if its snapshot was skipped
+                committed = handle is not None and ftmem.wait(timeout=60.0)
             except TimeoutError:
                 committed = False
             if not committed:
