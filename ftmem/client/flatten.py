@@ -374,12 +374,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def signature_of(flat: Flat) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
-    """The layout signature of a flattened state."""
+def signature_of(
+    flat: Flat,
+) -> tuple[tuple[str, torch.dtype, tuple[int, ...], ChunkOf | None], ...]:
+    """The layout signature of a flattened state (names, dtypes, shapes, chunks): equal
+    signatures give equal layouts."""
     chunks = flat.chunks or [None] * len(flat.tensors)
     return tuple(
-        (n, dtype_name(t.dtype), tuple(t.shape), c)
-        for n, t, c in zip(flat.names, flat.tensors, chunks, strict=True)
+        (n, t.dtype, t.shape, c) for n, t, c in zip(flat.names, flat.tensors, chunks, strict=True)
     )
 
 

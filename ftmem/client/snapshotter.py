@@ -163,7 +163,8 @@ class Checkpointer:
         self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
         """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
         when the mapping is closed (holding the layout keeps its identity unique)."""
-        self._replicated: tuple[Any, list[int]] | None = None
+        self._replicated: tuple[Any, list[int], list[tuple[int, int]]] | None = None
+        """(signature and group, the replicated tensors' indices, their data pointers)."""
         self._preparing: PrepareJob | None = None
         self._pending: _Pending | None = None
         self._changed = False
@@ -401,8 +402,15 @@ class Checkpointer:
         size = torch.distributed.get_world_size(group)
         if size < 2:
             return flat
-        key = (signature_of(flat), tuple(t.data_ptr() for t in flat.tensors), id(group))
-        if self._replicated is None or self._replicated[0] != key:
+        # Cached while the signature, the group and the replicated tensors' storages stay
+        # the same (other tensors, e.g. a fresh RNG state each save, may be new objects).
+        sig = signature_of(flat)
+        cached = self._replicated
+        if not (
+            cached is not None
+            and cached[0] == (sig, id(group))
+            and all(flat.tensors[i].data_ptr() == p for i, p in cached[2])
+        ):
             ptrs = _replicated_storage_ptrs(state)
             chunks = flat.chunks or [None] * len(flat.tensors)
             found = [
@@ -410,9 +418,10 @@ class Checkpointer:
                 for i, t in enumerate(flat.tensors)
                 if chunks[i] is None and t.untyped_storage().data_ptr() in ptrs
             ]
-            self._replicated = (key, found)
+            cached = ((sig, id(group)), found, [(i, flat.tensors[i].data_ptr()) for i in found])
+            self._replicated = cached
             self._unsharded_nbytes = sum(t.nbytes for t in flat.tensors)
-        replicated = self._replicated[1]
+        replicated = cached[1]
         if not replicated:
             return flat
         return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
@@ -427,7 +436,7 @@ class Checkpointer:
         size = torch.distributed.get_world_size(group)
         replicated = [i for i, g in enumerate(groups) if g is group]
         self._hsdp_group = group
-        self._replicated = ((), replicated)
+        self._replicated = ((), replicated, [])
         self._unsharded_nbytes = sum(t.nbytes for t in flat.tensors)
         return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
 

@@ -25,6 +25,8 @@ from typing import Any
 from ftmem.errors import CorruptSnapshotError
 
 MAX_DEPTH = 200
+_FLAT = (str, int, bool, type(None))
+"""Types written as JSON scalars as they are (floats need the nan/inf check)."""
 
 ExtEncode = Callable[[Any], "tuple[str, Any] | None"]
 """An object the codec does not know -> (tag, JSON-ready value), or None to refuse it."""
@@ -65,10 +67,12 @@ def encode_skeleton(skeleton: Any, ext: ExtEncode = _no_ext) -> bytes:
                     raise ValueError(f"skeleton key {k!r} must be str or int")
                 items.append([k, enc(v, depth + 1)])
             return {"d": items}
-        if t is list:
-            return {"l": [enc(v, depth + 1) for v in obj]}
-        if t is tuple:
-            return {"t": [enc(v, depth + 1) for v in obj]}
+        if t is list or t is tuple:
+            tag = "l" if t is list else "t"
+            # Fast path: a flat sequence of JSON scalars (tensor markers, parameter indices).
+            if all(type(v) in _FLAT for v in obj):
+                return {tag: list(obj)}
+            return {tag: [enc(v, depth + 1) for v in obj]}
         if t is bytes:
             return {"b": base64.b64encode(obj).decode("ascii")}
         if t is complex:
