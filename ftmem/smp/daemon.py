@@ -709,6 +709,13 @@ class SmpDaemon:
         rs = self._rank(p.rank)
         rs.progress(p.step)
         d = rs.begin(p.step, p.nbytes)
+        if d.action == "skip" and self.flush is not None:
+            # A slot pinned for a scheduled flush that may never be complete must not keep the
+            # rank from saving (its final save would wait for it in vain).
+            released = self.flush.release_incomplete(p.rank)
+            if released:
+                self.unpin(released)
+                d = rs.begin(p.step, p.nbytes)
         if d.action == "skip":
             if not p.final:  # a final save polling for a slot is not a skip (yet)
                 self._skipped(rs, p.step, d.reason)

@@ -190,6 +190,22 @@ class FlushService:
                 drop += self._reserved.pop(oldest).values()
             return drop
 
+    def release_incomplete(self, rank: int) -> list[RankPiece]:
+        """``rank`` has no slot to write into: give back its pins of scheduled steps that not
+        every rank of the node has reserved (such a step may never be complete, e.g. another
+        rank committed it while a flush ran; a newer step is flushed instead). Return them to
+        unpin."""
+        ranks = set(self._ranks())
+        with self._res_lock:
+            out = []
+            for step in sorted(self._reserved):
+                held = self._reserved[step]
+                if rank in held and set(held) != ranks:
+                    out.append(held.pop(rank))
+                    if not held:
+                        del self._reserved[step]
+            return out
+
     def cancel_newer(self, step: int) -> list[RankPiece]:
         """Ranks restored ``step``: forget reservations of newer steps (an abandoned timeline);
         return their pins to release."""
