@@ -75,9 +75,8 @@ def summary(events: list[dict[str, Any]]) -> str:
 @pytest.mark.parametrize(
     ("every", "slots"),
     [
-        pytest.param(4, None, id="every4-run1"),
-        pytest.param(4, None, id="every4-run2"),
-        pytest.param(2, None, id="every2-run3"),
+        pytest.param(4, None, id="every4"),
+        pytest.param(2, None, id="every2"),
         pytest.param(2, 2, id="every2-slots2"),
     ],
 )
