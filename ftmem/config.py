@@ -133,8 +133,6 @@ class ClientConfig:
     final_save_timeout: timedelta = timedelta(seconds=120)
     """``wait()``/``close()``: longest wait for a slot (held by a flush or a protection round,
     or still being allocated) to commit the newest step when its save was skipped."""
-    chunk_bytes: int = 2 << 20
-    """Unused since the SMP hashes snapshots; kept so existing configs still construct."""
     allow_fresh_start: bool = field(
         default_factory=lambda: os.environ.get(ENV_ALLOW_FRESH_START, "") == "1"
     )
@@ -152,7 +150,5 @@ class ClientConfig:
     """Disk tiers (nearest first) ``load`` falls back to when memory cannot serve every rank."""
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 4096:
-            raise ValueError("chunk_bytes must be >= 4096")
         if self.arena_headroom < 0:
             raise ValueError("arena_headroom must be >= 0")

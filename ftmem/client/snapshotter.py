@@ -177,7 +177,6 @@ class Checkpointer:
         self._last_save_s = 0.0
         self._last_fence_s = 0.0
         self._closed = False
-        self._unsharded_nbytes = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
         self._hsdp_group: Any = None
@@ -270,6 +269,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         final = deadline is not None
         client = self._connect()
+        # The fence first, also when this save is skipped: an optimizer step after a skipped
+        # save must mark the state changed (a final save of that step would be stale).
+        self._hook_optimizers(state)
         prev = self._job
         if prev is not None and not prev.finished.is_set():
             if not prev.copied.is_set() and not final:
@@ -283,8 +285,9 @@ class Checkpointer:
             if not final:
                 return self._skip(step, "slots are being allocated", t0, tell=True)
             preparing.done.wait(self._left(deadline, self.config.prepare_timeout))
-        flat = self._shard(state, flatten_state(state), replicated_over)
-        plan = self._save_plan(flat, state)
+        whole = flatten_state(state)
+        flat = self._shard(state, whole, replicated_over)
+        plan = self._save_plan(flat)
         objects = encode_skeleton(flat.skeleton)
         total = max(1, plan.layout.tensors_end + len(objects))
         while True:
@@ -308,14 +311,13 @@ class Checkpointer:
                 return self._skip(step, reason, t0, tell=True)
             time.sleep(0.05)  # a flush or a protection round holds the slots: bounded poll
         seg = self._segment(str(decision["path"]), int(decision["capacity"]))
-        self._hook_optimizers(state)
         job = self._stage(
             flat, plan, objects, seg, step, int(decision["slot"]), int(decision["gen"])
         )
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
-        if flat.chunks and any(c is not None for c in flat.chunks) and self._replicated:
-            job.unsharded_nbytes = self._unsharded_nbytes + len(objects)
+        if flat is not whole:
+            job.unsharded_nbytes = sum(t.nbytes for t in whole.tensors) + len(objects)
         self._job = job
         assert self._worker is not None
         self._worker.submit(job)
@@ -341,7 +343,7 @@ class Checkpointer:
         self._worker.submit(job)
         return job
 
-    def _save_plan(self, flat: Flat, state: Mapping[str, Any]) -> _SavePlan:
+    def _save_plan(self, flat: Flat) -> _SavePlan:
         """The cached plan of a save (layout, eager / lazy / device tensors).
 
         Reused while the state's signature is the same and the tensors it copies lazily are
@@ -360,8 +362,7 @@ class Checkpointer:
         ):
             return plan
         layout = plan.layout if plan is not None and plan.key[0] == sig else plan_layout(flat)
-        optimizers = [v for v in _walk_values(state) if isinstance(v, torch.optim.Optimizer)]
-        lazy_ptrs = _optimizer_storage_ptrs(optimizers)
+        lazy_ptrs = _optimizer_storage_ptrs(self._optimizers)  # found by _hook_optimizers
         eager: list[int] = []
         lazy: list[int] = []
         cuda: list[int] = []
@@ -420,7 +421,6 @@ class Checkpointer:
             ]
             cached = ((sig, id(group)), found, [(i, flat.tensors[i].data_ptr()) for i in found])
             self._replicated = cached
-            self._unsharded_nbytes = sum(t.nbytes for t in flat.tensors)
         replicated = cached[1]
         if not replicated:
             return flat
@@ -436,8 +436,6 @@ class Checkpointer:
         size = torch.distributed.get_world_size(group)
         replicated = [i for i, g in enumerate(groups) if g is group]
         self._hsdp_group = group
-        self._replicated = ((), replicated, [])
-        self._unsharded_nbytes = sum(t.nbytes for t in flat.tensors)
         return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
 
     def _skip(self, step: int, reason: str, t0: float, tell: bool = False) -> SnapshotHandle:

@@ -32,7 +32,7 @@ from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
 from ftmem.errors import CorruptSnapshotError, ProtocolError, SmpStartError
 from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
-from ftmem.format.layout import parse_layout
+from ftmem.format.layout import StoredSnapshot, parse_layout
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
 from ftmem.smp import records
@@ -243,16 +243,14 @@ class SmpDaemon:
         for a in list(found):
             r = a.record
             try:
-                verified = parse_layout(r.layout, r.capacity).verified
+                snap = parse_layout(r.layout, r.capacity)
                 self._rank(r.rank).adopt(
-                    r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout, verified
+                    r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout, snap.verified
                 )
-                if not verified:  # committed, not yet hashed when the previous SMP died
-                    self._hash_slot(r.rank, self._rank(r.rank).slot(r.slot))
-            except (
-                ValueError,
-                CorruptSnapshotError,
-            ) as exc:  # e.g. a rank out of range: drop it, start anyway
+                if not snap.verified:  # committed, not yet hashed when the previous SMP died
+                    self._hash_slot(r.rank, self._rank(r.rank).slot(r.slot), snap)
+            # e.g. a rank out of range, or a layout that does not parse: drop it, start anyway
+            except (ValueError, CorruptSnapshotError) as exc:
                 log.warning("[%s/smp] not adopting %s: %s", self.config.node, a.path.name, exc)
                 found.remove(a)
                 shm.remove_segment(a.path)
@@ -460,13 +458,12 @@ class SmpDaemon:
         self.events.write("skipped", rank=rs.rank, step=step, reason=reason)
 
     # -- verification ----------------------------------------------------------------------
-    def _hash_slot(self, rank: int, sl: Slot) -> None:
-        """Pin a committed slot and queue its checksums (caller holds the lock)."""
+    def _hash_slot(self, rank: int, sl: Slot, snap: StoredSnapshot) -> None:
+        """Pin a committed slot and queue its checksums (caller holds the lock); ``snap``:
+        its layout, already parsed against the slot."""
         assert sl.step is not None
         sl.pinned += 1
-        self.hasher.submit(
-            HashJob(rank, sl.index, sl.gen, sl.step, sl.path, sl.capacity, sl.layout)
-        )
+        self.hasher.submit(HashJob(rank, sl.index, sl.gen, sl.step, sl.path, sl.layout, snap))
 
     def _finish_hashes(self) -> None:
         """Take the hasher's results: verified slots get their checksummed layout and record;
@@ -499,7 +496,7 @@ class SmpDaemon:
             self._write_record(rs, sl)
             if self.flush is not None and self.flush.wants(job.step):
                 sl.pinned += 1  # kept for the scheduled flush of this step
-                used = parse_layout(sl.layout, sl.capacity).used_bytes
+                used = job.snap.used_bytes  # checksums do not move extents
                 piece = RankPiece(job.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
                 self.unpin(self.flush.reserve(job.rank, job.step, piece))
             self.events.write(
@@ -639,19 +636,17 @@ class SmpDaemon:
                 str(e["layout"]),
             )
             try:
-                fits = (
-                    0 <= n <= cap <= _MAX_SLOT_BYTES and parse_layout(layout, cap).used_bytes == n
-                )
+                snap = parse_layout(layout, cap)
             except CorruptSnapshotError as exc:
                 raise ValueError(f"manifest entry of rank {rank}: {exc}") from exc
-            if not fits:
+            if not (0 <= n <= cap <= _MAX_SLOT_BYTES and snap.used_bytes == n):
                 raise ValueError(f"manifest entry of rank {rank} does not fit its slot")
-            spans.append((rank, off, n, cap, layout))
+            spans.append((rank, off, n, cap, layout, snap))
             off += n
         if off != data.nbytes:
             raise ValueError(f"manifest covers {off} bytes, the rebuilt data has {data.nbytes}")
         pieces = []
-        for rank, off, n, cap, layout in spans:
+        for rank, off, n, cap, layout, snap in spans:
             with self._lock:
                 rs = self._rank(rank)
                 sl = _slot_for_rebuild(rs, step)
@@ -676,12 +671,13 @@ class SmpDaemon:
                         shm.remove_segment(path)
             with self._lock:
                 # Its checksums came with the manifest; the ranks verify them again at load.
-                verified = parse_layout(layout, cap).verified
-                rs.adopt(sl.index, sl.gen, str(path), cap, step, rs.next_seq(), layout, verified)
+                rs.adopt(
+                    sl.index, sl.gen, str(path), cap, step, rs.next_seq(), layout, snap.verified
+                )
                 sl.pinned += 1
                 self._write_record(rs, sl)
-                if not verified:
-                    self._hash_slot(rank, sl)
+                if not snap.verified:
+                    self._hash_slot(rank, sl, snap)
             pieces.append(RankPiece(rank, sl.index, sl.gen, str(path), cap, n, layout))
             log.info(
                 "[%s/%d %d] rebuilt slot %d (%.1f MiB)",
@@ -746,7 +742,7 @@ class SmpDaemon:
             raise ValueError(f"layout of step {snap.step} committed as step {p.step}")
         rs.commit(p.slot, p.gen, p.step, p.layout)
         self._write_record(rs, s)  # unverified: a restarted SMP hashes it when adopting
-        self._hash_slot(p.rank, s)
+        self._hash_slot(p.rank, s, snap)
         rs.progress(p.step)
         rs.last_stall_s, rs.last_copy_s, rs.skipped = (
             p.stall_s,

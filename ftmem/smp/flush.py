@@ -269,10 +269,10 @@ class FlushService:
                 self._waiting.append(req)
         except queue.Empty:
             pass
-        if self._running is not None:
-            self._poll_worker()
+        running = self._running is not None
+        self._poll_worker()
+        if running:
             return
-        self._poll_idle_worker()
         if self._discard_above is not None:
             self._discard()
         if not self._waiting:
@@ -413,46 +413,33 @@ class FlushService:
         except OSError as exc:
             self._finish({"ok": False, "error": f"the flush worker is gone: {exc}"})
 
-    def _poll_idle_worker(self) -> None:
-        """Between flushes: notice the worker's readiness (or its death)."""
+    def _poll_worker(self) -> None:
+        """Read the worker's lines: its readiness, and the running flush's progress and end
+        (if one runs); a closed stream means the worker died."""
         while True:
             try:
                 line = self._lines.get_nowait()
             except queue.Empty:
                 return
+            run = self._running
             if line is None:
                 self._worker_ready.clear()
+                if run is not None:
+                    code = self._proc.poll() if self._proc is not None else None
+                    self._finish({"ok": False, "error": f"the flush worker died (exit {code})"})
                 self._end_worker()
                 return
             try:
                 doc = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(doc, dict) and doc.get("event") == "ready":
-                self._worker_ready.set()
-                log.info("[%s/flush] flush worker ready", self.node)
-
-    def _poll_worker(self) -> None:
-        run = self._running
-        assert run is not None
-        while True:
-            try:
-                line = self._lines.get_nowait()
-            except queue.Empty:
-                break
-            if line is None:
-                code = self._proc.poll() if self._proc is not None else None
-                self._finish({"ok": False, "error": f"the flush worker died (exit {code})"})
-                self._end_worker()
-                return
-            try:
-                doc = json.loads(line)
-            except ValueError:
+            if not isinstance(doc, dict):
                 continue
             if doc.get("event") == "ready":
                 self._worker_ready.set()
+                log.info("[%s/flush] flush worker ready", self.node)
                 continue
-            if doc.get("id") != run.rid:
+            if run is None or doc.get("id") != run.rid:
                 continue
             if "ok" in doc:
                 self._finish(doc)

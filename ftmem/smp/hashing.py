@@ -27,8 +27,7 @@ from pathlib import Path
 
 from ftmem import shm
 from ftmem._logging import get_logger
-from ftmem.errors import CorruptSnapshotError
-from ftmem.format.layout import hash_bytes, parse_layout, pieces, with_hashes
+from ftmem.format.layout import StoredSnapshot, hash_bytes, pieces, with_hashes
 from ftmem.testing import faults
 
 log = get_logger(__name__)
@@ -57,13 +56,15 @@ class HashJob:
     gen: int
     step: int
     path: str
-    capacity: int
     layout: str
+    snap: StoredSnapshot
+    """``layout`` as the SMP parsed and checked it against the slot (once, at the commit)."""
 
 
 @dataclass(frozen=True, slots=True)
 class HashResult:
-    """The checksummed layout of a job (``layout`` empty and ``error`` set if it failed)."""
+    """The checksummed layout of a job (``layout`` empty and ``error`` set if it failed);
+    ``nbytes`` the bytes hashed."""
 
     job: HashJob
     layout: str
@@ -160,10 +161,7 @@ class HashService:
 
     def _hash(self, job: HashJob) -> HashResult:
         t0 = time.perf_counter()
-        try:
-            snap = parse_layout(job.layout, job.capacity)
-        except CorruptSnapshotError as exc:
-            return HashResult(job, "", 0.0, 0, str(exc))
+        snap = job.snap
         faults.maybe_inject(faults.Point.IN_HASH, job.rank, job.step)
         used = snap.used_bytes
         try:
@@ -196,5 +194,5 @@ class HashService:
             parts[k].append(h)
         digests = [".".join(p) for p in parts]
         layout = with_hashes(job.layout, digests[1:], digests[0])
-        nbytes = sum(e[2] for e in snap.extents())
+        nbytes = sum(e[2] for e in extents)
         return HashResult(job, layout, time.perf_counter() - t0, nbytes)
