@@ -335,6 +335,7 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if world > 1:
+        t_pg = time.perf_counter()
         # Bounded, so that a peer that never comes (or died) fails the rank instead of hanging.
         dist.init_process_group(
             "gloo",
@@ -343,6 +344,7 @@ def train(args: argparse.Namespace) -> int:
             rank=rank,
             world_size=world,
         )
+        logger.info("process group: %.3f s", time.perf_counter() - t_pg)
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model: nn.Module = GPT(

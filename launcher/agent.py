@@ -52,6 +52,7 @@ from launcher.monitor import (
     RankProgress,
     StatusPoller,
     all_resumed,
+    current_progress,
     find_hangs,
     min_committed,
 )
@@ -64,6 +65,7 @@ from launcher.report import (
     tail_lines,
 )
 from launcher.smp_runner import SmpRunner
+from launcher.standby import StandbyPool, spawning_from
 from launcher.workers import (
     assign_slots,
     describe_exit,
@@ -79,6 +81,9 @@ _GENERATION_KEY = "ftmem/generation"
 _SLOT_KEY = "ftmem/slot"
 _ASSIGNED_KEY = "ftmem/slots"
 _MASTER_KEY = "ftmem/master"
+
+STANDBY_FALLBACK_S = 30.0
+"""Standbys start this long after the ranks even if the ranks never report progress."""
 
 
 class FtmemElasticAgent(LocalElasticAgent):
@@ -124,6 +129,19 @@ class FtmemElasticAgent(LocalElasticAgent):
             rebuild_timeout=ftmem.rebuild_timeout,
         )
         self._key_warned = [False]
+        self._standbys = StandbyPool(
+            count=ftmem.standby,
+            imports=ftmem.standby_imports,
+            cuda=ftmem.standby_cuda,
+            run_dir=smp.run_dir,
+            node=smp.node,
+        )
+        spec = self._worker_group.spec
+        self._standbys.configure(spec.entrypoint, spec.args, spec.local_world_size)
+        self._started_at = 0.0
+        self._detected_at: float | None = None
+        """When the monitor first saw a rank dead (before elastic stopped the survivors)."""
+        self._rendezvous_at: float | None = None
         self.stop_reason: str | None = None
         """Why the agent gave up early (the no-progress guard), for the final report."""
 
@@ -142,6 +160,7 @@ class FtmemElasticAgent(LocalElasticAgent):
         else:
             log.info("[%s] joining the rendezvous", self._node)
         super()._rendezvous(worker_group)
+        self._rendezvous_at = time.time()
         self._share_master(worker_group)
         self.generation = self._exchange_generation(worker_group)
         ranks = [w.global_rank for w in worker_group.workers]
@@ -259,11 +278,16 @@ class FtmemElasticAgent(LocalElasticAgent):
         self._smp_failed = False
         self._join_peers(worker_group)
         start = time.time()
-        pids: dict[int, Any] = super()._start_workers(worker_group)
+        with spawning_from(self._standbys):
+            pids: dict[int, Any] = super()._start_workers(worker_group)
+        started = time.time()
+        self._started_at = started
         self._procs = [
             RankProcess(rank=w.global_rank, pid=pids[w.local_rank], start_time=start)
             for w in worker_group.workers
         ]
+        handed = self._standbys.handed
+        from_standby = [w.global_rank for w in worker_group.workers if w.local_rank in handed]
         self._hang_killed.clear()
         self._poller.start()
         self.events.write(
@@ -271,15 +295,18 @@ class FtmemElasticAgent(LocalElasticAgent):
             generation=self.generation,
             ranks=[p.rank for p in self._procs],
             pids=[p.pid for p in self._procs],
+            from_standby=from_standby,
+            start_s=round(started - start, 4),
             smp_pid=self._smp.pid,
             smp_starts=self._smp.starts,
         )
         log.info(
-            "[%s] generation %d: started ranks %s (pids %s)",
+            "[%s] generation %d: started ranks %s (pids %s%s)",
             self._node,
             self.generation,
             [p.rank for p in self._procs],
             [p.pid for p in self._procs],
+            f"; from standbys: ranks {from_standby}" if from_standby else "",
         )
         return pids
 
@@ -325,6 +352,7 @@ class FtmemElasticAgent(LocalElasticAgent):
             self._kill_stopped("at shutdown")
             super()._shutdown(death_sig, timeout)
         finally:
+            self._standbys.stop()
             self._poller.close()
             self._smp.stop()
 
@@ -355,16 +383,45 @@ class FtmemElasticAgent(LocalElasticAgent):
         smp_exit = None if self._smp_failed else self._smp.poll()
         if smp_exit is not None:
             return self._on_smp_death(worker_group, smp_exit)
-        self._kill_stopped_peers()
+        self._standbys.poll()
+        if self._kill_stopped_peers() and self._detected_at is None:
+            self._detected_at = time.time()
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result)
         elif result.state == WorkerState.HEALTHY:
+            self._detected_at = None  # a rank that exited 0 is no failure
             self._check_progress()
+            self._maybe_start_standbys()
         return result
 
-    def _kill_stopped_peers(self) -> None:
-        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks.
+    def _maybe_start_standbys(self) -> None:
+        """Start the standbys for the next failure once every rank is stepping.
+
+        Started no earlier, so that their imports do not slow this start (they run at a low
+        priority anyway); ranks that never report progress get them after
+        :data:`STANDBY_FALLBACK_S`.
+        """
+        if not self._standbys.enabled or self._recovery is not None:
+            return
+        if len(self._standbys.standbys()) >= self._standbys.count * len(self._procs):
+            return
+        latest = self._poller.latest()
+        stepping = latest is not None and all(
+            current_progress(p, latest[1].get(p.rank)) is not None for p in self._procs
+        )
+        if stepping or time.time() - self._started_at > STANDBY_FALLBACK_S:
+            started = self._standbys.spawn_missing()
+            if started:
+                self.events.write(
+                    "standbys_started",
+                    generation=self.generation,
+                    pids=[s.pid for s in started],
+                    local_ranks=[s.local_rank for s in started],
+                )
+
+    def _kill_stopped_peers(self) -> bool:
+        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks; True if one exited.
 
         elastic SIGTERMs the survivors of a failure and waits up to 30 s for them; a
         stopped process cannot act on SIGTERM, so without this the restart would stall.
@@ -372,6 +429,8 @@ class FtmemElasticAgent(LocalElasticAgent):
         states = {p.pid: proc_state(p.pid) for p in self._procs}
         if any(s in (None, "Z", "X") for s in states.values()):
             self._kill_stopped("while a peer exited")
+            return True
+        return False
 
     def _kill_stopped(self, why: str) -> None:
         """SIGKILL the node's stopped (``T``) ranks: they cannot act on SIGTERM."""
@@ -451,7 +510,8 @@ class FtmemElasticAgent(LocalElasticAgent):
         return min_committed(ranks, progress)
 
     def _on_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:
-        now = time.time()
+        now = time.time()  # elastic has stopped the survivors by now
+        detected = self._detected_at if self._detected_at is not None else now
         ranks = [w.global_rank for w in worker_group.workers]
         committed = self._committed_now(ranks)
         failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
@@ -476,8 +536,10 @@ class FtmemElasticAgent(LocalElasticAgent):
             generation=self.generation,
             committed=committed,
             restarts_left=self._remaining_restarts,
+            detected=round(detected, 4),
+            stop_s=round(now - detected, 4),
         )
-        self._recovery = Recovery(detected=now, what=what, committed=committed)
+        self._recovery = Recovery(detected=detected, what=what, committed=committed, stopped=now)
         self._poller.set_fast(True)
 
     def _log_failure(
@@ -542,4 +604,6 @@ class FtmemElasticAgent(LocalElasticAgent):
         rec, self._recovery = self._recovery, None
         assert rec is not None
         self._poller.set_fast(False)
+        rec.rendezvous = self._rendezvous_at
+        rec.started = self._started_at
         report_resumed(self._node, self.generation, rec, self._procs, progress, self.events)

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from torch.distributed.argparse_util import env
+from torch.distributed.argparse_util import check_env, env
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig
@@ -96,6 +96,28 @@ def get_args_parser() -> ArgumentParser:
         default=1,
         help="Threads of the SMP that checksum committed snapshots (default 1; the training "
         "processes never hash).",
+    )
+    group.add_argument(
+        "--ftmem-standby",
+        action=env,
+        type=int,
+        default=1,
+        help="Standby ranks per local rank, started once the ranks are stepping: processes "
+        "that have imported torch (and --ftmem-standby-import) and take over a rank at the "
+        "next restart instead of a cold start. 0: off. Default: 1.",
+    )
+    group.add_argument(
+        "--ftmem-standby-import",
+        action=env,
+        type=str,
+        default="",
+        help="Comma-separated modules a standby imports ahead (besides torch, "
+        "torch.distributed, torch._inductor.config and ftmem.client), e.g. transformers.",
+    )
+    group.add_argument(
+        "--ftmem-standby-cuda",
+        action=check_env,
+        help="A standby also creates the CUDA context of its local rank's device.",
     )
     group.add_argument(
         "--ftmem-ec-parity",
@@ -270,6 +292,9 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         flush_every=int(args.ftmem_flush_every),
         flush_keep=int(args.ftmem_flush_keep),
         hash_threads=int(args.ftmem_hash_threads),
+        standby=int(args.ftmem_standby),
+        standby_imports=tuple(n.strip() for n in args.ftmem_standby_import.split(",") if n.strip()),
+        standby_cuda=bool(args.ftmem_standby_cuda),
         smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),

@@ -119,6 +119,12 @@ class FtmemLaunchConfig:
     """On SIGTERM, time the SMP has for a final flush of the newest step."""
     hash_threads: int = 1
     """Threads of the SMP that checksum committed snapshots."""
+    standby: int = 1
+    """Standby ranks kept per local rank for the next restart (0: cold starts only)."""
+    standby_imports: tuple[str, ...] = ()
+    """Modules a standby imports besides torch and ftmem's client."""
+    standby_cuda: bool = False
+    """A standby also creates the CUDA context of its local rank's device."""
 
     def flush_tiers(self) -> list[Path]:
         """The disk tiers, nearest first."""
@@ -149,6 +155,11 @@ class FtmemLaunchConfig:
             raise ValueError(f"--ftmem-slots must be >= 2, got {self.slots}")
         if not 1 <= self.hash_threads <= 64:
             raise ValueError(f"--ftmem-hash-threads must be in [1, 64], got {self.hash_threads}")
+        if not 0 <= self.standby <= 4:
+            raise ValueError(f"--ftmem-standby must be in [0, 4], got {self.standby}")
+        for name in self.standby_imports:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", name):
+                raise ValueError(f"--ftmem-standby-import: {name!r} is not a module name")
         for name in ("smp_start_timeout", "smp_stop_timeout", "status_interval"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be > 0")

@@ -39,6 +39,12 @@ class RankProgress:
     last_progress_time: float | None
     last_progress_step: int | None
     newest_committed: int | None
+    hello_time: float | None = None
+    """When this incarnation of the rank first spoke to the SMP (``ftmem.load``/``save``)."""
+    restored_time: float | None = None
+    """When its ``ftmem.load`` finished (None: it restored nothing yet)."""
+    first_progress_time: float | None = None
+    """Its first progress report (save or heartbeat) after its hello."""
 
     @staticmethod
     def from_status(status: dict[str, Any]) -> dict[int, RankProgress]:
@@ -54,6 +60,9 @@ class RankProgress:
                 last_progress_time=_opt_float(entry.get("last_progress_time")),
                 last_progress_step=_opt_int(entry.get("last_progress_step")),
                 newest_committed=_opt_int(entry.get("newest_committed")),
+                hello_time=_opt_float(entry.get("hello_time")),
+                restored_time=_opt_float(entry.get("restored_time")),
+                first_progress_time=_opt_float(entry.get("first_progress_time")),
             )
         return out
 

@@ -24,6 +24,46 @@ class Recovery:
     what: str
     committed: int | None
     """The node's newest step committed by all its ranks at the detection."""
+    stopped: float | None = None
+    """When elastic had stopped the surviving ranks (None: no rank failure, e.g. membership)."""
+    rendezvous: float | None = None
+    """When the new rendezvous round completed."""
+    started: float | None = None
+    """When the new ranks were started (spawned or handed to standbys)."""
+
+
+def restart_phases(
+    rec: Recovery, times: list[tuple[float | None, float | None, float | None]]
+) -> dict[str, float | None]:
+    """Split a recovery into its phases, in seconds (pure; a phase not measured is None).
+
+    ``times`` holds, per rank of the node, when it first spoke to the SMP (``ftmem.load``
+    called: the script's imports, process group and model are behind it), when its restore
+    was done, and its first progress after the restore. Each phase ends when the slowest
+    rank ends it: detect -> stop (survivors stopped) -> rendezvous -> start (ranks spawned or
+    handed to standbys) -> script (-> ``ftmem.load`` called) -> load -> first step.
+    """
+
+    def latest(i: int) -> float | None:
+        values = [t[i] for t in times]
+        if not values or any(v is None for v in values):
+            return None
+        return max(v for v in values if v is not None)
+
+    marks = [
+        ("stop", rec.stopped),
+        ("rendezvous", rec.rendezvous),
+        ("start", rec.started),
+        ("script", latest(0)),
+        ("load", latest(1)),
+        ("first_step", latest(2)),
+    ]
+    out: dict[str, float | None] = {}
+    prev: float | None = rec.detected
+    for name, end in marks:
+        out[name] = None if end is None or prev is None else round(end - prev, 4)
+        prev = end if end is not None else None
+    return out
 
 
 def tail_lines(path: str | None, lines: int = 20) -> list[str]:
@@ -95,6 +135,17 @@ def report_resumed(
     """
     times = [current_progress(p, progress.get(p.rank)) for p in procs]
     resumed = max(t for t in times if t is not None)
+    ranks = [progress.get(p.rank) for p in procs]
+    phase_times = [
+        (r.hello_time, r.restored_time, r.first_progress_time)
+        if r is not None and r.pid == p.pid
+        else (None, None, None)
+        for p, r in zip(procs, ranks, strict=True)
+    ]
+    phases = restart_phases(rec, phase_times)
+    firsts = [t[2] for t in phase_times]
+    if all(t is not None for t in firsts):
+        resumed = max(t for t in firsts if t is not None)
     spawned = min(p.start_time for p in procs)
     steps = [progress[p.rank].last_progress_step for p in procs if p.rank in progress]
     first = min((s for s in steps if s is not None), default=None)
@@ -102,7 +153,7 @@ def report_resumed(
     log.warning(
         "[%s] RESUMED after %s: generation %d, %d local rank(s) stepping again at step %s "
         "(newest committed before the failure: %s); detect->resumed %.2f s "
-        "(detect->spawn %.2f s, spawn->stepping %.2f s)",
+        "(detect->spawn %.2f s, spawn->stepping %.2f s; phases: %s)",
         node,
         rec.what,
         generation,
@@ -112,6 +163,7 @@ def report_resumed(
         total,
         spawned - rec.detected,
         resumed - spawned,
+        ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if v is not None) or "n/a",
     )
     events.write(
         "resumed",
@@ -122,4 +174,5 @@ def report_resumed(
         detect_to_resumed_s=round(total, 3),
         detect_to_spawn_s=round(spawned - rec.detected, 3),
         spawn_to_stepping_s=round(resumed - spawned, 3),
+        phases=phases,
     )

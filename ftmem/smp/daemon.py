@@ -389,6 +389,7 @@ class SmpDaemon:
                 if sl.state is SlotState.COMMITTED and (sl.step or 0) > p.step and not sl.pinned:
                     records.remove_record(sl.path)
             dropped = rs.discard_newer(p.step)
+            rs.restored_time = time.time()
             self.events.write("discard_newer", rank=p.rank, step=p.step, dropped=dropped)
             if dropped:
                 log.info(

@@ -99,6 +99,12 @@ class RankSlots:
     skips: dict[str, int] = field(default_factory=dict)
     """Skipped snapshots per reason (the SMP's own refusals and those the rank reported)."""
     last_hash_s: float = 0.0
+    hello_time: float | None = None
+    """When the rank's current process first spoke to the SMP."""
+    restored_time: float | None = None
+    """When the rank's current process finished its restore (``DiscardNewer``)."""
+    first_progress_time: float | None = None
+    """The current process's first progress report."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -139,11 +145,15 @@ class RankSlots:
     def progress(self, step: int | None, now: float | None = None) -> None:
         """Record that the rank made progress (a save or a heartbeat)."""
         self.last_progress_time = time.time() if now is None else now
+        if self.first_progress_time is None and self.hello_time is not None:
+            self.first_progress_time = self.last_progress_time
         if step is not None:
             self.last_progress_step = step
 
     def restarted(self, pid: int) -> list[int]:
         """The rank (re)started: free the slots it was writing (torn); return their indices."""
+        if pid != self.pid or self.hello_time is None:  # restart phases of this process
+            self.hello_time, self.restored_time, self.first_progress_time = time.time(), None, None
         self.pid = pid
         torn = []
         for s in self.slots:
@@ -273,6 +283,9 @@ class RankSlots:
             "last_hash_s": self.last_hash_s,
             "last_progress_time": self.last_progress_time,
             "last_progress_step": self.last_progress_step,
+            "hello_time": self.hello_time,
+            "restored_time": self.restored_time,
+            "first_progress_time": self.first_progress_time,
             "skipped": self.skipped,
             "last_stall_s": self.last_stall_s,
             "last_copy_s": self.last_copy_s,

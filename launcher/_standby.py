@@ -1,0 +1,256 @@
+"""A standby rank: a Python process that did a rank's rank-independent start-up and waits.
+
+The agent (:mod:`launcher.standby`) starts it as::
+
+    PYTHON [the rank command's interpreter flags] _standby.py --ctl-fd N --agent-pid P
+        --local-rank L --path0 DIR [--import mod,...] [--cuda] [--nice 10]
+
+It sets its parent-death signal (SIGKILL, as the exec shim does for a cold rank), then a
+warm-up thread at a low priority (``nice``, that thread only) imports torch and the named
+modules and, with ``--cuda``, creates the CUDA context of device ``L``; it then reports
+``ready`` on the control socket (a ``SOCK_SEQPACKET`` socketpair with the agent). The main
+thread blocks on that socket (no CPU) until the agent hands it a rank: one message with the
+command line, the environment and the working directory, carrying the rank's stdout and
+stderr as file descriptors (``SCM_RIGHTS``). It then becomes the rank: the same ``__main__``,
+``sys.argv``, ``__file__``, ``sys.path[0]``, cwd, environment, signal dispositions and
+standard streams as ``python script.py args`` would have, and runs the script in this
+process, so the pid the agent monitors and kills is the rank's. End of file on the control
+socket (the agent retired it) exits with 0.
+
+A standby never touches the SMP, a snapshot or a process group before it is handed a rank:
+nothing here imports ftmem's client beyond what ``--import`` names (importing opens no
+connection). Standard library only until the warm-up thread runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import ctypes
+import importlib
+import io
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from importlib.machinery import SourceFileLoader
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+MAX_MESSAGE = 4 << 20
+"""Largest handoff message (command line + environment) accepted."""
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="_standby.py")
+    p.add_argument("--ctl-fd", type=int, required=True)
+    p.add_argument("--agent-pid", type=int, required=True)
+    p.add_argument("--local-rank", type=int, required=True)
+    p.add_argument("--path0", required=True)
+    p.add_argument("--import", dest="imports", default="")
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--nice", type=int, default=10)
+    return p.parse_args(argv)
+
+
+def _warm_up(args: argparse.Namespace, ctl: socket.socket) -> None:
+    """Import torch and the named modules (and create the CUDA context), then say ready."""
+    try:  # this thread only: the main thread, which becomes the rank, keeps its priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
+    except OSError:
+        pass
+    t0 = time.monotonic()
+    imported: list[str] = []
+    failed: dict[str, str] = {}
+    names = ["torch", *(n.strip() for n in args.imports.split(",") if n.strip())]
+    for name in dict.fromkeys(names):
+        try:
+            importlib.import_module(name)
+            imported.append(name)
+        except BaseException as exc:
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    cuda = False
+    if args.cuda and "torch" in imported:
+        try:
+            import torch
+
+            if torch.cuda.is_available() and args.local_rank < torch.cuda.device_count():
+                # The device is current in this thread only (CUDA keeps it per thread); the
+                # primary context it creates belongs to the process and stays.
+                with torch.cuda.device(args.local_rank):
+                    torch.cuda.synchronize()
+                cuda = True
+            else:
+                failed["cuda"] = f"no CUDA device {args.local_rank}"
+        except BaseException as exc:
+            failed["cuda"] = f"{type(exc).__name__}: {exc}"
+    for name, why in failed.items():
+        sys.stderr.write(f"ftmem standby: warm-up of {name} failed: {why}\n")
+    sys.stderr.flush()
+    report = {
+        "ready": True,
+        "seconds": round(time.monotonic() - t0, 3),
+        "imported": imported,
+        "failed": failed,
+        "cuda": cuda,
+    }
+    try:
+        ctl.send(json.dumps(report).encode())
+    except OSError:
+        pass  # the agent is gone or retired us: the main thread sees end of file
+
+
+def _receive(ctl: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Block until the agent's handoff; exit quietly on end of file."""
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(ctl, MAX_MESSAGE, 2)
+    except OSError:
+        data, fds = b"", []
+    if not data:
+        os._exit(0)
+    msg = json.loads(data)
+    ok = (
+        isinstance(msg, dict)
+        and msg.get("kind") in ("script", "module")
+        and isinstance(msg.get("target"), str)
+        and isinstance(msg.get("argv"), list)
+        and all(isinstance(a, str) for a in msg["argv"])
+        and isinstance(msg.get("env"), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in msg["env"].items())
+        and isinstance(msg.get("cwd"), str)
+        and len(fds) == 2
+    )
+    if not ok:
+        sys.stderr.write("ftmem standby: malformed handoff message; exiting\n")
+        os._exit(70)
+    return msg, fds
+
+
+def _reopen(fd: int, old: Any) -> io.TextIOWrapper:
+    """A text stream on ``fd`` set up as CPython sets up ``sys.stdout``/``sys.stderr``."""
+    unbuffered = bool(getattr(old, "write_through", False))
+    raw = io.FileIO(fd, "w", closefd=False)
+    buf: Any = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        buf,
+        encoding=getattr(old, "encoding", None),
+        errors=getattr(old, "errors", None),
+        newline="\n",
+        line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)),
+        write_through=unbuffered,
+    )
+
+
+def _become_rank(msg: dict[str, Any], fds: list[int], dispositions: dict[int, Any]) -> None:
+    """Take the rank's cwd, environment, streams, signals and argv; run its script."""
+    os.chdir(msg["cwd"])
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    for target, fd in zip((1, 2), fds, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout = _reopen(1, sys.__stdout__)
+    sys.stderr = _reopen(2, sys.__stderr__)
+    setattr(sys, "__stdout__", sys.stdout)  # noqa: B010 - typeshed marks them final
+    setattr(sys, "__stderr__", sys.stderr)  # noqa: B010
+    for sig, handler in dispositions.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    sys.argv = list(msg["argv"])
+    orig = msg.get("orig_argv")
+    if isinstance(orig, list) and all(isinstance(a, str) for a in orig):
+        sys.orig_argv = orig
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = main
+    if msg["kind"] == "module":
+        sys.path[0] = os.getcwd()
+        _run_guarded(lambda: _run_module(msg["target"]), skip=(__file__, runpy.__file__))
+        return
+    path = msg["target"]
+    file = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    sys.path[0] = os.path.dirname(os.path.realpath(file))
+    if not os.path.isfile(file):  # a directory or zip with __main__.py
+        _run_guarded(lambda: runpy.run_path(file, run_name="__main__"), skip=(__file__,))
+        return
+    main.__dict__.update(
+        __file__=file,
+        __cached__=None,
+        __loader__=SourceFileLoader("__main__", file),
+        __spec__=None,
+        __package__=None,
+    )
+    with open(file, "rb") as f:
+        source = f.read()
+    code = compile(source, file, "exec", dont_inherit=True)
+    _run_guarded(lambda: exec(code, main.__dict__), skip=(__file__,))
+
+
+def _run_module(name: str) -> None:
+    run_as_main = getattr(runpy, "_run_module_as_main", None)  # what ``python -m`` calls
+    if run_as_main is not None:
+        run_as_main(name, True)
+    else:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def _run_guarded(run: Any, skip: tuple[str, ...]) -> None:
+    """Run; report an uncaught exception as the interpreter would (without our frames)."""
+    try:
+        run()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in skip:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc, tb)
+        raise SystemExit(1) from None
+
+
+def main() -> None:
+    """Set the death signal, warm up, wait for a rank, become it."""
+    args = _parse(sys.argv[1:])
+    set_pdeathsig()
+    # The agent may have died between fork and prctl: then nobody would kill us later.
+    if os.getppid() != args.agent_pid:
+        os._exit(128 + signal.SIGKILL)
+    dispositions = {}
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            dispositions[int(sig)] = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+    sys.path[0] = args.path0
+    ctl = socket.socket(fileno=args.ctl_fd)
+    warm = threading.Thread(target=_warm_up, args=(args, ctl), name="ftmem-standby-warm-up")
+    warm.start()
+    msg, fds = _receive(ctl)
+    warm.join()
+    ctl.close()
+    _become_rank(msg, fds, dispositions)
+
+
+if __name__ == "__main__":
+    main()

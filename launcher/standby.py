@@ -1,0 +1,430 @@
+"""Standby ranks: processes started ahead of a failure that take over a rank at a restart.
+
+A cold rank start pays for the interpreter, ``import torch`` and the job's other imports
+before it does any rank-specific work (2-4 s here, more on GPU clusters). The agent keeps
+one :class:`Standby` per local rank that has done that start-up (``launcher/_standby.py``)
+and waits on a socketpair; at a restart elastic asks for a process for every local rank and
+:func:`spawning_from` answers with a standby where one is ready (a cold start otherwise).
+
+How it stays inside elastic's process management: elastic makes each rank's process through
+``get_subprocess_handler`` (in ``torch.distributed.elastic.multiprocessing.api``); while the
+agent starts its ranks, :func:`spawning_from` substitutes a function that returns a
+:class:`StandbyHandler` (a ``SubprocessHandler`` whose ``proc`` is the standby's ``Popen``)
+for ranks that have a ready standby. Elastic then polls, tails and kills that pid like any
+rank's: the standby leads its own session (``killpg`` reaches its children), writes into
+the per-rank log files elastic opened (their descriptors are handed over), and its exit
+code or signal is elastic's ``ProcessFailure``.
+
+Call order (the agent's main thread only: a standby's parent-death signal fires when the
+thread that started it ends): :meth:`StandbyPool.spawn_missing` after the ranks are stepping,
+:meth:`StandbyPool.poll` on every monitor pass, ``with spawning_from(pool): start ranks`` at
+a (re)start, :meth:`StandbyPool.stop` at shutdown (SIGKILL of every standby's group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import api as elastic_api
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from launcher.workers import SHIM_PATH
+
+log = logging.getLogger("launcher.agent")
+
+STANDBY_PATH = Path(__file__).with_name("_standby.py")
+DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._inductor.config", "ftmem.client")
+"""What every standby imports (``--ftmem-standby-import`` adds to it). ``torch._inductor.config``
+pulls in ``torch._dynamo`` (1.7 s here), which ``torch.compile`` and even
+``torch.use_deterministic_algorithms`` import at their first call."""
+STANDBY_NICE = 10
+"""Nice value of a standby's warm-up thread (the rank it becomes runs at the normal one)."""
+
+# Interpreter flags a standby can take over (it is started with the same ones); a command
+# with any other flag (-c, -X, -W, ...) is cold-started.
+_PLAIN_FLAGS = set("bBdEiIOqsSuvR")
+
+
+@dataclass(frozen=True, slots=True)
+class PythonCommand:
+    """A rank command of the form ``PYTHON [flags] script.py args`` or ``... -m mod args``."""
+
+    python: str
+    flags: tuple[str, ...]
+    kind: str
+    """``script`` or ``module``."""
+    target: str
+    """The script path as given, or the module name."""
+    args: tuple[str, ...]
+
+    def argv(self) -> list[str]:
+        """``sys.argv`` as the interpreter sets it at start (runpy fixes ``argv[0]`` for -m)."""
+        return [self.target if self.kind == "script" else "-m", *self.args]
+
+    def path0(self, cwd: str) -> str:
+        """``sys.path[0]`` as the interpreter sets it: the script's real directory, or cwd."""
+        if self.kind == "module":
+            return cwd
+        return os.path.dirname(os.path.realpath(os.path.join(cwd, self.target)))
+
+
+def parse_python_command(cmd: Sequence[str]) -> PythonCommand | None:
+    """Parse a rank's command (without the exec shim); None if a standby cannot run it (pure).
+
+    Accepted: an interpreter path whose name starts with ``python``, single-letter flags
+    that take no argument (``-u``, ``-uB``, ...), then ``-m MODULE`` or a script path, then
+    the script's arguments.
+    """
+    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+        return None
+    flags: list[str] = []
+    i = 1
+    while i < len(cmd) and cmd[i].startswith("-") and cmd[i] not in ("-", "-m"):
+        flag = cmd[i]
+        if flag.startswith("--") or not set(flag[1:]) <= _PLAIN_FLAGS:
+            return None
+        flags.append(flag)
+        i += 1
+    if i >= len(cmd) or cmd[i] == "-":
+        return None
+    if cmd[i] == "-m":
+        if i + 1 >= len(cmd):
+            return None
+        return PythonCommand(cmd[0], tuple(flags), "module", cmd[i + 1], tuple(cmd[i + 2 :]))
+    return PythonCommand(cmd[0], tuple(flags), "script", cmd[i], tuple(cmd[i + 1 :]))
+
+
+def unwrap_shim(entrypoint: str, args: Sequence[str]) -> list[str]:
+    """The rank's own command line: ``entrypoint args`` without the exec shim around it."""
+    cmd = [entrypoint, *(str(a) for a in args)]
+    if len(cmd) >= 3 and cmd[1] == "-S" and cmd[2] == str(SHIM_PATH):
+        return cmd[3:]
+    return cmd
+
+
+@dataclass(slots=True)
+class Standby:
+    """One standby process and the agent's end of its control socket."""
+
+    local_rank: int
+    popen: subprocess.Popen[bytes]
+    ctl: socket.socket
+    spawned: float
+    """``time.time()`` at the spawn."""
+    ready_at: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        """The standby's pid (it leads its own process group)."""
+        return int(self.popen.pid)
+
+    def poll_ready(self) -> bool:
+        """Read the ready report if it came (never blocks); True once the standby is ready."""
+        if self.ready_at is None:
+            try:
+                data = self.ctl.recv(1 << 16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return False
+            if not data:
+                return False
+            try:
+                report = json.loads(data)
+            except ValueError:
+                report = None
+            if isinstance(report, dict) and report.get("ready") is True:
+                self.ready_at = time.time()
+                self.report = report
+        return self.ready_at is not None
+
+    def kill(self) -> None:
+        """SIGKILL the standby's process group and reap it (bounded)."""
+        with contextlib.suppress(OSError):
+            self.ctl.close()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+
+class StandbyHandler(SubprocessHandler):
+    """elastic's handle of a rank that a standby became (``proc`` is the standby's Popen).
+
+    Built instead of ``SubprocessHandler.__init__``'s spawn: it opens the per-rank log files
+    as elastic does, hands the rank to the standby and keeps the files to close them in
+    ``close()`` (inherited: ``killpg`` of ``proc.pid`` and closing the files).
+    """
+
+    def __init__(
+        self,
+        standby: Standby,
+        cmd: PythonCommand,
+        env: dict[str, str],
+        stdout: str | None,
+        stderr: str | None,
+        local_rank_id: int,
+    ) -> None:
+        self.local_rank_id = local_rank_id
+        self._stdout = open(stdout, "w") if stdout else None
+        self._stderr = open(stderr, "w") if stderr else None
+        out = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
+        err = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
+        env_vars = os.environ.copy()
+        env_vars.update(env)
+        cwd = os.getcwd()
+        message = {
+            "kind": cmd.kind,
+            "target": cmd.target,
+            "argv": cmd.argv(),
+            "orig_argv": [cmd.python, *cmd.flags, *_orig_tail(cmd)],
+            "env": env_vars,
+            "cwd": cwd,
+        }
+        try:
+            socket.send_fds(standby.ctl, [json.dumps(message).encode()], [out, err])
+        except OSError:
+            for f in (self._stdout, self._stderr):
+                if f is not None:
+                    f.close()
+            raise
+        with contextlib.suppress(OSError):
+            standby.ctl.close()
+        self.proc = standby.popen
+
+
+def _orig_tail(cmd: PythonCommand) -> list[str]:
+    if cmd.kind == "module":
+        return ["-m", cmd.target, *cmd.args]
+    return [cmd.target, *cmd.args]
+
+
+class StandbyPool:
+    """The node's standby ranks: ``count`` per local rank, started and handed out here.
+
+    Resource handling: every standby is the agent's child in its own session, with a
+    parent-death signal; :meth:`stop` SIGKILLs and reaps those not handed out.
+    """
+
+    def __init__(
+        self,
+        *,
+        count: int,
+        imports: Sequence[str],
+        cuda: bool,
+        run_dir: Path,
+        node: str,
+        nice: int = STANDBY_NICE,
+    ) -> None:
+        self.count = count
+        self.imports = tuple(dict.fromkeys([*DEFAULT_IMPORTS, *imports]))
+        self.cuda = cuda
+        self.run_dir = run_dir
+        self.node = node
+        self.nice = nice
+        self.command: PythonCommand | None = None
+        """The ranks' command; None until :meth:`configure` (or when standbys cannot run it)."""
+        self.local_world_size = 0
+        self._standbys: dict[int, list[Standby]] = {}
+        self.handed: dict[int, Standby] = {}
+        """Local rank -> the standby that became it at the newest start."""
+
+    @property
+    def enabled(self) -> bool:
+        """Standbys are on and the ranks' command can run in one."""
+        return self.count > 0 and self.command is not None
+
+    def configure(self, entrypoint: Any, args: Sequence[str], local_world_size: int) -> None:
+        """Learn the ranks' command; log once why standbys are off if they cannot run it."""
+        self.local_world_size = local_world_size
+        if self.count <= 0:
+            return
+        if not isinstance(entrypoint, str):
+            log.warning("[%s] standby ranks are off: the entrypoint is a function", self.node)
+            return
+        cmd = parse_python_command(unwrap_shim(entrypoint, args))
+        if cmd is None:
+            log.warning(
+                "[%s] standby ranks are off: the rank command is not `python [-u] script.py "
+                "...` or `python -m module ...`: %s",
+                self.node,
+                unwrap_shim(entrypoint, args),
+            )
+            return
+        self.command = cmd
+
+    def standbys(self) -> list[Standby]:
+        """Every standby not handed out yet."""
+        return [s for group in self._standbys.values() for s in group]
+
+    def spawn_missing(self) -> list[Standby]:
+        """Start standbys until every local rank has ``count`` (call from the main thread)."""
+        if not self.enabled:
+            return []
+        started = []
+        for local_rank in range(self.local_world_size):
+            group = self._standbys.setdefault(local_rank, [])
+            while len(group) < self.count:
+                standby = self._spawn(local_rank)
+                group.append(standby)
+                started.append(standby)
+        if started:
+            log.info(
+                "[%s] started standby ranks (pids %s) for the next restart",
+                self.node,
+                [s.pid for s in started],
+            )
+        return started
+
+    def _spawn(self, local_rank: int) -> Standby:
+        assert self.command is not None
+        cmd = self.command
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [
+            cmd.python,
+            *cmd.flags,
+            str(STANDBY_PATH),
+            "--ctl-fd",
+            str(theirs.fileno()),
+            "--agent-pid",
+            str(os.getpid()),
+            "--local-rank",
+            str(local_rank),
+            "--path0",
+            cmd.path0(os.getcwd()),
+            "--nice",
+            str(self.nice),
+        ]
+        if self.imports:
+            argv += ["--import", ",".join(self.imports)]
+        if self.cuda:
+            argv.append("--cuda")
+        log_path = self.run_dir / f"standby-{local_rank}.log"
+        try:
+            with open(log_path, "ab") as out:
+                popen = subprocess.Popen(
+                    argv,
+                    stdout=out,
+                    stderr=out,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+        finally:
+            theirs.close()
+        return Standby(local_rank=local_rank, popen=popen, ctl=ours, spawned=time.time())
+
+    def poll(self) -> None:
+        """Read ready reports; drop (and log) standbys that died before they were needed."""
+        for local_rank, group in self._standbys.items():
+            for standby in list(group):
+                standby.poll_ready()
+                code = standby.popen.poll()
+                if code is not None:
+                    group.remove(standby)
+                    standby.kill()
+                    log.warning(
+                        "[%s] standby pid %d for local rank %d died (exit %s) before it was "
+                        "needed; see %s",
+                        self.node,
+                        standby.pid,
+                        local_rank,
+                        code,
+                        self.run_dir / f"standby-{local_rank}.log",
+                    )
+
+    def take(self, local_rank: int) -> Standby | None:
+        """A ready, live standby for ``local_rank`` (removed from the pool), or None (logged)."""
+        self.poll()
+        group = self._standbys.get(local_rank, [])
+        for standby in group:
+            if standby.poll_ready():
+                group.remove(standby)
+                return standby
+        if group:
+            log.warning(
+                "[%s] standby for local rank %d is not ready yet (pid %s): cold start",
+                self.node,
+                local_rank,
+                [s.pid for s in group],
+            )
+        elif self.enabled:
+            log.warning("[%s] no standby for local rank %d: cold start", self.node, local_rank)
+        return None
+
+    def stop(self) -> None:
+        """SIGKILL and reap every standby not handed out (idempotent)."""
+        for group in self._standbys.values():
+            for standby in group:
+                standby.kill()
+            group.clear()
+
+
+@contextlib.contextmanager
+def spawning_from(pool: StandbyPool) -> Iterator[None]:
+    """While inside, elastic starts each rank from a ready standby where there is one.
+
+    Replaces ``get_subprocess_handler`` in elastic's ``multiprocessing.api`` module for the
+    duration (the agent starts ranks from its main thread only); a rank without a ready
+    standby, or whose standby fails the handoff, is started cold by elastic's own function.
+    """
+    name = "get_subprocess_handler"
+    original: Any = getattr(elastic_api, name)
+    pool.handed = {}
+
+    def get_handler(
+        entrypoint: str,
+        args: tuple[Any, ...],
+        env: dict[str, str],
+        stdout: Any,
+        stderr: Any,
+        local_rank_id: int,
+        numa_options: Any = None,
+    ) -> SubprocessHandler:
+        cmd = parse_python_command(unwrap_shim(entrypoint, args)) if pool.enabled else None
+        standby = pool.take(local_rank_id) if cmd is not None and numa_options is None else None
+        if standby is not None and cmd is not None:
+            try:
+                handler = StandbyHandler(standby, cmd, env, stdout, stderr, local_rank_id)
+            except OSError as exc:
+                log.warning(
+                    "[%s] handing local rank %d to standby pid %d failed (%s): cold start",
+                    pool.node,
+                    local_rank_id,
+                    standby.pid,
+                    exc,
+                )
+                standby.kill()
+            else:
+                pool.handed[local_rank_id] = standby
+                return handler
+        cold: SubprocessHandler = original(
+            entrypoint=entrypoint,
+            args=args,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            local_rank_id=local_rank_id,
+            numa_options=numa_options,
+        )
+        return cold
+
+    setattr(elastic_api, name, get_handler)
+    try:
+        yield
+    finally:
+        setattr(elastic_api, name, original)
