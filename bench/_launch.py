@@ -63,6 +63,9 @@ def job_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     for key in ("FTMEM_RUN_DIR", "FTMEM_RUN_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         env.pop(key, None)
+    # Standby ranks warm up while the job trains (~4 CPU-s each here): off unless a benchmark
+    # measures them (bench/recovery.py passes --ftmem-standby explicitly).
+    env["PET_FTMEM_STANDBY"] = "0"
     env.update(extra)
     return env
 

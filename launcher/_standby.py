@@ -223,6 +223,7 @@ def _run_guarded(run: Any, skip: tuple[str, ...]) -> None:
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename in skip:
             tb = tb.tb_next
+        exc.with_traceback(tb)  # the hook prints the exception's own traceback
         sys.excepthook(type(exc), exc, tb)
         raise SystemExit(1) from None
 

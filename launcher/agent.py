@@ -383,7 +383,14 @@ class FtmemElasticAgent(LocalElasticAgent):
         smp_exit = None if self._smp_failed else self._smp.poll()
         if smp_exit is not None:
             return self._on_smp_death(worker_group, smp_exit)
-        self._standbys.poll()
+        ready = self._standbys.poll()
+        if ready:
+            self.events.write(
+                "standbys_ready",
+                pids=[s.pid for s in ready],
+                local_ranks=[s.local_rank for s in ready],
+                warm_up_s=[round((s.ready_at or s.spawned) - s.spawned, 3) for s in ready],
+            )
         if self._kill_stopped_peers() and self._detected_at is None:
             self._detected_at = time.time()
         result: RunResult = super()._monitor_workers(worker_group)

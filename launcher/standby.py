@@ -328,11 +328,24 @@ class StandbyPool:
             theirs.close()
         return Standby(local_rank=local_rank, popen=popen, ctl=ours, spawned=time.time())
 
-    def poll(self) -> None:
-        """Read ready reports; drop (and log) standbys that died before they were needed."""
+    def poll(self) -> list[Standby]:
+        """Read ready reports (return the standbys that became ready now, logged); drop (and
+        log) standbys that died before they were needed."""
+        ready = []
         for local_rank, group in self._standbys.items():
             for standby in list(group):
-                standby.poll_ready()
+                if standby.ready_at is None and standby.poll_ready():
+                    ready.append(standby)
+                    log.info(
+                        "[%s] standby pid %d for local rank %d ready (warm-up %.1f s%s)",
+                        self.node,
+                        standby.pid,
+                        local_rank,
+                        standby.ready_at - standby.spawned if standby.ready_at else 0.0,
+                        f"; failed: {standby.report['failed']}"
+                        if standby.report.get("failed")
+                        else "",
+                    )
                 code = standby.popen.poll()
                 if code is not None:
                     group.remove(standby)
@@ -346,6 +359,7 @@ class StandbyPool:
                         code,
                         self.run_dir / f"standby-{local_rank}.log",
                     )
+        return ready
 
     def take(self, local_rank: int) -> Standby | None:
         """A ready, live standby for ``local_rank`` (removed from the pool), or None (logged)."""

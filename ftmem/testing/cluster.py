@@ -273,6 +273,7 @@ class LoopbackCluster:
         env["OMP_NUM_THREADS"] = "1"
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # ftmem-launch's default
         env.pop("FTMEM_FAULT", None)
+        env.setdefault("PET_FTMEM_STANDBY", "0")  # warm-ups would slow multi-node tests
         env["FTMEM_NODE"] = self.node_name(i)  # the SMP and flush worker match armed faults
         env[ENV_FAULT_FILE] = str(self.fault_file)
         env.update(self.config.env)

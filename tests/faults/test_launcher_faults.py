@@ -143,11 +143,17 @@ def test_smp_sigkill_without_fresh_start_stops_with_a_clear_message(launcher_env
 
 
 def test_agent_sigkill_leaves_no_orphans(launcher_env: Launcher) -> None:
+    """Neither ranks nor the SMP nor the standby ranks outlive a SIGKILLed agent."""
     rid = launcher_env.new_run_id()
-    agent = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY])
-    agent.wait_for(r"step 3 loss", 60)
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
+        [str(EXAMPLE), "--steps", "100000", *TINY, "--step-delay", "0.05"],
+    )
+    agent.wait_for(r"standby pid \d+ for local rank \d ready", 90, count=2)
     kids = agent.descendants()
-    assert len(kids) >= 3
+    assert len(kids) >= 5  # 2 ranks, 2 standbys, the SMP
     agent.signal(signal.SIGKILL)  # the agent alone, not its group
     agent.popen.wait(10)  # its parent (a shell, a scheduler) reaps it
     alive = wait_gone(kids, 5)

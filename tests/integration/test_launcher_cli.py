@@ -47,6 +47,9 @@ FTMEM_FLAGS = {
     "--ftmem-flush-every",
     "--ftmem-flush-keep",
     "--ftmem-hash-threads",
+    "--ftmem-standby",
+    "--ftmem-standby-import",
+    "--ftmem-standby-cuda",
 }
 
 
@@ -73,6 +76,15 @@ def test_defaults_and_config(tmp_path: Path) -> None:
     assert ft.no_progress_restarts == 3 and ft.slots == 2
     assert cmd_args[-3:] == ["train.py", "--x", "1"]
     assert ft.ec_parity == -1 and ft.key_file is None  # auto: on with >= 3 nodes
+    assert ft.standby == 1 and ft.standby_imports == () and ft.standby_cuda is False
+    more = get_args_parser().parse_args(
+        [
+            *("--ftmem-run-dir", str(run_dir), "--ftmem-standby", "2"),
+            *("--ftmem-standby-import", "json, xml.dom", "--ftmem-standby-cuda", "t.py"),
+        ]
+    )
+    ft2 = config_from_args(more)[1]
+    assert (ft2.standby, ft2.standby_imports, ft2.standby_cuda) == (2, ("json", "xml.dom"), True)
 
 
 def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:

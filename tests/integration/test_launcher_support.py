@@ -187,6 +187,9 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(":")
         env["OMP_NUM_THREADS"] = "1"
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        # Standby ranks cost ~4 CPU-s each to warm up on these 2 cores; only the tests of
+        # standbys (tests/faults/test_standby.py) turn them on (the flag wins over this).
+        env["PET_FTMEM_STANDBY"] = "0"
         env.update(extra)
         return env
 

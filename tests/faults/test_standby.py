@@ -1,0 +1,191 @@
+"""Standby ranks under real failures: ftmem-launch hands restarted ranks to warm processes.
+
+Every test turns standbys on explicitly (the harness turns them off for the other launcher
+tests, to spare these 2 cores the warm-ups).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.integration.test_launcher_support import (
+    EXAMPLE,
+    TINY,
+    Launcher,
+    digests,
+    launcher_env,
+    reference_digests,
+    wait_gone,
+)
+
+__all__ = ["launcher_env"]  # the fixture
+
+READY = r"\[n0\] standby pid (\d+) for local rank (\d+) ready"
+STARTED = r"generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"
+
+
+def _pids(match: re.Match[str]) -> list[int]:
+    return [int(p) for p in match.group(3).split(",")]
+
+
+def test_sigkilled_rank_is_replaced_by_standbys_and_a_dead_standby_by_a_cold_start(
+    launcher_env: Launcher,
+) -> None:
+    steps = 60
+    ref = reference_digests(launcher_env, steps)
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
+        [str(EXAMPLE), "--steps", str(steps), *TINY, "--step-delay", "0.25"],
+    )
+    ready = {int(m.group(2)): int(m.group(1)) for m in agent.wait_for(READY, 90, count=2)}
+    assert sorted(ready) == [0, 1]
+    ranks = _pids(agent.wait_for(STARTED, 5)[0])
+    # local rank 0's standby dies before it is needed: that rank must start cold
+    psutil.Process(ready[0]).send_signal(signal.SIGKILL)
+    agent.wait_for(rf"standby pid {ready[0]} for local rank 0 died", 10)
+    psutil.Process(ranks[1]).send_signal(signal.SIGKILL)
+    agent.wait_for(r"RESUMED after signal SIGKILL", 60)
+    assert agent.wait(120) == 0, agent.text()[-3000:]
+    text = agent.text()
+    assert re.search(r"no standby for local rank 0: cold start", text), text[-3000:]
+    second = next(m for m in re.finditer(STARTED, text) if m.group(1) != "0")
+    assert _pids(second)[1] == ready[1]  # rank 1 is the standby's process
+    assert re.search(r"generation \d+: started ranks .*from standbys: ranks \[1\]", text)
+    resumed = [int(s) for s in re.findall(r"\[rank \d\] resumed from step (\d+)", text)]
+    assert len(resumed) == 4 and resumed[2] == resumed[3] > 0, resumed
+    assert digests(text) == ref
+    events = [
+        json.loads(line)
+        for line in (launcher_env.tmp / "agent-rd" / "events.jsonl").read_text().splitlines()
+    ]
+    restarted = [e for e in events if e["event"] == "ranks_started"][1]
+    assert restarted["from_standby"] == [1]
+    phases = next(e for e in events if e["event"] == "resumed")["phases"]
+    for name in ("stop", "rendezvous", "start", "script", "load", "first_step"):
+        assert phases[name] is not None and phases[name] >= 0, phases
+
+
+IDENTITY_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, json, os, signal, sys, time
+
+    def streams(s):
+        return [s.line_buffering, s.write_through, s.encoding, s.errors, s.fileno()]
+
+    libc = ctypes.CDLL(None)
+    death = ctypes.c_int(0)
+    libc.prctl(2, ctypes.byref(death), 0, 0, 0)  # PR_GET_PDEATHSIG
+    sigs = ("SIGINT", "SIGTERM", "SIGPIPE", "SIGXFSZ", "SIGCHLD", "SIGHUP", "SIGUSR1", "SIGQUIT")
+    info = {
+        "name": __name__,
+        "file": __file__,
+        "argv": sys.argv,
+        "orig_argv": sys.orig_argv[1:],
+        "path0": sys.path[0],
+        "cwd": os.getcwd(),
+        "spec": repr(__spec__),
+        "package": __package__,
+        "cached": repr(globals().get("__cached__")),
+        "main_is_us": sys.modules["__main__"].__dict__ is globals(),
+        "env": dict(os.environ),
+        "signals": {n: repr(signal.getsignal(getattr(signal, n))) for n in sigs},
+        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "pdeathsig": death.value,
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "stdout": streams(sys.stdout),
+        "stderr": streams(sys.stderr),
+    }
+    print("IDENTITY " + json.dumps(info), flush=True)
+    generation = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if generation == 0:
+        import ftmem  # progress makes the agent start the standby; wait until it is ready
+        events = os.path.join(os.environ["FTMEM_RUN_DIR"], "events.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ftmem.heartbeat(1)
+            with open(events) as f:
+                if "standbys_ready" in f.read():
+                    break
+            time.sleep(0.2)
+        sys.exit(3)
+    if generation == 1:
+        raise ValueError("boom from generation 1")
+    """
+)
+
+# Variables that differ between any two generations, cold or not.
+PER_GENERATION = {
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
+    "FTMEM_GENERATION",
+    "FTMEM_EXPECTED_STEP",
+    "MASTER_PORT",
+}
+
+
+def _identities(text: str) -> list[dict[str, Any]]:
+    return [json.loads(m) for m in re.findall(r"IDENTITY (\{.*\})", text)]
+
+
+def test_a_standby_runs_the_script_as_a_cold_start_would(
+    launcher_env: Launcher, tmp_path: Path
+) -> None:
+    script_dir = tmp_path / "job"
+    script_dir.mkdir()
+    script = script_dir / "identity.py"
+    script.write_text(IDENTITY_SCRIPT)
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        1,
+        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2", "--max-restarts", "3"],
+        [str(script), "--an", "arg", "x y"],
+    )
+    assert agent.wait(180) == 0, agent.text()[-3000:]
+    text = agent.text()
+    cold, standby, cold_again = _identities(text)
+    assert re.search(r"generation 1: started ranks \[0\] .*from standbys: ranks \[0\]", text)
+    assert "from standbys" not in re.findall(r"generation 2: started ranks.*", text)[0]
+    assert cold["name"] == "__main__" and cold["main_is_us"] is True
+    assert cold["argv"] == [str(script), "--an", "arg", "x y"]
+    for key in cold:
+        if key == "env":
+            continue
+        assert standby[key] == cold[key], (key, standby[key], cold[key])
+        assert cold_again[key] == cold[key], key
+    env_cold = {k: v for k, v in cold["env"].items() if k not in PER_GENERATION}
+    env_standby = {k: v for k, v in standby["env"].items() if k not in PER_GENERATION}
+    assert env_standby == env_cold
+    assert cold["pdeathsig"] == signal.SIGKILL
+    # exit codes reach elastic as for any rank; the traceback is the script's own
+    assert re.search(r"FAILED: exit code 3 \(generation 0\)", text)
+    assert re.search(r"FAILED: exit code 1 \(generation 1\)", text)
+    tb = text[text.index("Traceback") : text.index("ValueError: boom from generation 1")]
+    assert "_standby.py" not in tb and "identity.py" in tb
+    # the standby wrote into elastic's per-rank log file of its attempt
+    logs = list((launcher_env.tmp / "agent-rd" / "logs").glob("*/attempt_1/0/stdout.log"))
+    assert len(logs) == 1 and "IDENTITY" in logs[0].read_text()
+
+
+def test_standbys_die_with_the_agent_on_sigterm(launcher_env: Launcher) -> None:
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        1,
+        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
+        [str(EXAMPLE), "--steps", "100000", *TINY, "--step-delay", "0.1"],
+    )
+    pid = int(agent.wait_for(READY, 90)[0].group(1))
+    agent.signal(signal.SIGTERM)
+    agent.popen.wait(60)
+    assert not wait_gone({pid}, 10), "the standby outlived its agent's SIGTERM"
