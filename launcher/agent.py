@@ -11,20 +11,28 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - hang detection from the SMP's per-rank progress (SIGKILL, then elastic's restart);
 - the no-progress guard, and one log line per failure and per recovery.
 
+Standby ranks (:mod:`launcher.standby`) take over restarted ranks through elastic's own
+process start; at a restart the c10d handler's start jitter is skipped
+(:func:`_no_restart_jitter`).
+
 The private hooks it overrides (``_rendezvous``, ``_assign_worker_ranks``,
 ``_start_workers``, ``_stop_workers``, ``_restart_workers``, ``_monitor_workers``,
-``_shutdown``) are those of torch 2.13 (and, as far as read, 2.6-2.14); the launcher tests
+``_shutdown``) and the two module functions it swaps while it calls them
+(``get_subprocess_handler`` of ``multiprocessing.api``, ``_delay`` of
+``dynamic_rendezvous``) are those of torch 2.13 (and, as far as read, 2.6-2.14); the launcher tests
 pin their behaviour, so run them on every supported torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +45,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ftmem.errors import FtmemError, UnrecoverableError
@@ -84,6 +93,35 @@ _MASTER_KEY = "ftmem/master"
 
 STANDBY_FALLBACK_S = 30.0
 """Standbys start this long after the ranks even if the ranks never report progress."""
+
+
+@contextlib.contextmanager
+def _no_restart_jitter(restart: bool) -> Iterator[None]:
+    """At a restart, skip the c10d handler's random 0-0.3 s start delay.
+
+    torch's ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is
+    our first run" (to spread the nodes' first joins), but tests ``round == 0``, which still
+    holds at the first restart. The delay helper of ``dynamic_rendezvous`` is swapped for
+    the duration for one that skips random (tuple) delays only; the 1 s polls stay.
+    """
+    if not restart:
+        yield
+        return
+    name = "_delay"
+    original = getattr(dynamic_rendezvous, name, None)
+    if original is None:
+        yield
+        return
+
+    def delay(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):
+            original(seconds)
+
+    setattr(dynamic_rendezvous, name, delay)
+    try:
+        yield
+    finally:
+        setattr(dynamic_rendezvous, name, original)
 
 
 class FtmemElasticAgent(LocalElasticAgent):
@@ -159,7 +197,8 @@ class FtmemElasticAgent(LocalElasticAgent):
             )
         else:
             log.info("[%s] joining the rendezvous", self._node)
-        super()._rendezvous(worker_group)
+        with _no_restart_jitter(restart=self.generation >= 0):
+            super()._rendezvous(worker_group)
         self._rendezvous_at = time.time()
         self._share_master(worker_group)
         self.generation = self._exchange_generation(worker_group)
