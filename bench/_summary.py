@@ -220,8 +220,9 @@ def _recovery_figures(suite: Any) -> dict[str, Any] | None:
     data = suite.data("recovery")
     if data is None:
         return None
-    ft = data.results.get("ftmem-launch", [])
-    dc = data.results.get("torchrun + DCP", [])
+    ft = data.results.get(recovery.FT_STANDBY, [])
+    dc = data.results.get(recovery.DCP, [])
+    cold = data.results.get(recovery.FT_COLD, [])
 
     def med(rs: Sequence[Any], attr: str) -> float:
         return _report.median([getattr(r, attr) for r in rs])
@@ -230,6 +231,7 @@ def _recovery_figures(suite: Any) -> dict[str, Any] | None:
         "setup": data.setup,
         "ft": ft,
         "dc": dc,
+        "cold": cold,
         "ft_lost": med(ft, "time_lost_s"),
         "dc_lost": med(dc, "time_lost_s"),
         "ft_restart": med(ft, "death_to_resumed_s"),
@@ -242,7 +244,7 @@ def _recovery_figures(suite: Any) -> dict[str, Any] | None:
 
 
 def _recovery_goal(suite: Any) -> list[str]:
-    name = "failure to resumed incl. lost work <= 1/3 of torchrun + DCP's"
+    name = "failure to resumed incl. lost work (standby ranks) <= 1/3 of torchrun + DCP's"
     f = _recovery_figures(suite)
     if f is None or not (_fin(f["ft_lost"]) and _fin(f["dc_lost"])) or not f["dc_lost"]:
         return [name, "-", NOT_MEASURED, ""]
@@ -612,20 +614,20 @@ def plot_recovery(suite: Any, path: Path) -> bool:
     f = _recovery_figures(suite)
     if f is None or not f["ft"] or not f["dc"]:
         return False
+    groups = [f["ft"], f["cold"], f["dc"]] if f["cold"] else [f["ft"], f["dc"]]
     systems = [
-        "ftmem-launch\n(from memory)",
+        "ftmem-launch\n(standby ranks)",
+        *(["ftmem-launch\n(cold restart)"] if f["cold"] else []),
         f"torchrun + dcp.load\n(every {f['setup'].dcp_every})",
     ]
     phases: list[tuple[str, list[float]]] = []
     for key, _ in recovery.PHASES:
-        phases.append(
-            (key, [_report.median([r.phases.get(key) for r in rs]) for rs in (f["ft"], f["dc"])])
-        )
+        phases.append((key, [_report.median([r.phases.get(key) for r in rs]) for rs in groups]))
     lost = [
         _report.median(
             [r.steps_lost * r.step_time_s for r in rs if r.steps_lost is not None and r.step_time_s]
         )
-        for rs in (f["ft"], f["dc"])
+        for rs in groups
     ]
     phases.append(("work lost (steps re-done)", [0.0 if x != x else x for x in lost]))
     _plots.plot_recovery(

@@ -2,16 +2,19 @@
 
 Usage (from the repository root; ftmem installed, e.g. ``pip install -e .``):
 
-    python bench/recovery.py                       # 3 repeats per system (~3-6 min)
-    python bench/recovery.py --quick               # 1 repeat per system (~1-2 min)
+    python bench/recovery.py                       # 3 repeats per system (~6-9 min)
+    python bench/recovery.py --quick               # 1 repeat per system (~2-3 min)
     python bench/recovery.py --repeats 5 --out docs/benchmarks.md
 
-Both systems train the same model on the same data: ``examples/train_gpt.py`` (default size,
+All systems train the same model on the same data: ``examples/train_gpt.py`` (default size,
 2 ranks, gloo, one node), and rank 1 SIGKILLs itself right after step ``--fail-at-step``:
 
-* **ftmem**: ``ftmem-launch --standalone --nproc-per-node 2 --ftmem-run-dir DIR
-  examples/train_gpt.py ... --fail-at-step N --fail-rank 1``, a snapshot after every step;
-  the launcher restarts both ranks, which ``ftmem.load`` from the node's SMP.
+* **ftmem + standbys** (the default): ``ftmem-launch --standalone --nproc-per-node 2
+  --ftmem-standby 1 --ftmem-run-dir DIR examples/train_gpt.py ... --fail-at-step N
+  --fail-rank 1``, a snapshot after every step; the launcher hands both ranks to its warm
+  standby processes, which ``ftmem.load`` from the node's SMP (a run where the standbys were
+  not ready at the failure is reported as an error).
+* **ftmem cold**: the same with ``--ftmem-standby 0``: new processes, as torchrun starts them.
 * **torchrun + DCP**: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` (with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) runs this very script as a worker
   (``--_dcp-worker``), which imports the example's model, data, schedule and digest code with
@@ -61,7 +64,17 @@ EXAMPLE = _launch.EXAMPLE
 SECTION = "recovery"
 START_MARK, END_MARK = _report.markers(SECTION)
 GOAL_RATIO = 1.0 / 3.0
+GOAL_RESTART_S = 1.5
+"""Issue 14: rank death -> all ranks stepping with standbys (half of DLRover's 2.98 s here)."""
+DLROVER_DETECT_S, DLROVER_START_S = 0.10, 0.02
+"""DLRover Flash Checkpoint on this kind of machine (issue 14): detection, detection -> new
+ranks started."""
 FAIL_RANK = 1
+FT_STANDBY = "ftmem-launch + standbys"
+FT_COLD = "ftmem-launch (cold)"
+DCP = "torchrun + DCP"
+SYSTEMS = (FT_STANDBY, FT_COLD, DCP)
+LAUNCHER_PHASES = ("stop", "rendezvous", "start", "script", "load", "first_step")
 WORKER_FLAG = "--_dcp-worker"
 
 logger = logging.getLogger("bench.recovery")
@@ -225,6 +238,8 @@ class Result:
     death_to_resumed_s: float | None = None
     detect_to_resumed_s: float | None = None
     launcher_detect_to_resumed_s: float | None = None
+    launcher_phases: dict[str, float | None] = field(default_factory=dict)
+    """ftmem-launch's own split of detect -> stepping (its ``resumed`` event)."""
     load1: float | None = None
     """The 1-minute load average when the run started (a shared machine)."""
     checkpoint_s: list[float] = field(default_factory=list)
@@ -334,6 +349,7 @@ def analyse(
         resumed = [e for e in events if e.get("event") == "resumed"]
         if resumed:
             res.launcher_detect_to_resumed_s = float(resumed[0]["detect_to_resumed_s"])
+            res.launcher_phases = dict(resumed[0].get("phases") or {})
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -406,14 +422,18 @@ def run_reference(setup: Setup) -> None:
     logger.info("reference: digest %s..., %.1f s", setup.ref_digest[:12], wall)
 
 
-def run_ftmem(setup: Setup, repeat: int) -> Result:
-    """One ftmem-launch run with rank 1 SIGKILLed after ``fail_step``."""
-    run_dir = setup.workdir / f"ft{repeat}"
+def run_ftmem(setup: Setup, repeat: int, *, standby: bool) -> Result:
+    """One ftmem-launch run with rank 1 SIGKILLed after ``fail_step``, with standby ranks
+    (the default) or cold restarts (``--ftmem-standby 0``)."""
+    tag = "sb" if standby else "ft"
+    run_dir = setup.workdir / f"{tag}{repeat}"
     cmd = [
         *_tool("ftmem-launch", "launcher"),
         "--standalone",
         "--nproc-per-node",
         "2",
+        "--ftmem-standby",
+        "1" if standby else "0",
         "--ftmem-run-dir",
         str(run_dir),
         str(EXAMPLE),
@@ -423,15 +443,21 @@ def run_ftmem(setup: Setup, repeat: int) -> Result:
         "--fail-rank",
         str(FAIL_RANK),
     ]
-    setup.commands["ftmem"] = _show(cmd, setup).replace(f"$TMP/ft{repeat}", "$RUN_DIR")
-    log_path = setup.workdir / f"ftmem{repeat}.log"
+    setup.commands[tag] = _show(cmd, setup).replace(f"$TMP/{tag}{repeat}", "$RUN_DIR")
+    log_path = setup.workdir / f"ftmem-{tag}{repeat}.log"
     load1 = os.getloadavg()[0]
     rc, wall = run_job(cmd, _env(setup), log_path, setup.timeout)
     events: list[dict[str, Any]] = []
     events_path = run_dir / "events.jsonl"
     if events_path.is_file():
         events = [json.loads(x) for x in events_path.read_text().splitlines() if x.strip()]
-    return _finish("ftmem-launch", repeat, rc, wall, log_path, setup, events, load1)
+    res = _finish(
+        FT_STANDBY if standby else FT_COLD, repeat, rc, wall, log_path, setup, events, load1
+    )
+    started = [e for e in events if e.get("event") == "ranks_started"]
+    if standby and (len(started) < 2 or sorted(started[1].get("from_standby", [])) != [0, 1]):
+        res.error = (res.error + "; the standbys were not ready at the failure").lstrip("; ")
+    return res
 
 
 def run_dcp(setup: Setup, repeat: int) -> Result:
@@ -463,7 +489,7 @@ def run_dcp(setup: Setup, repeat: int) -> Result:
     log_path = setup.workdir / f"dcp{repeat}.log"
     load1 = os.getloadavg()[0]
     rc, wall = run_job(cmd, _env(setup), log_path, setup.timeout)
-    return _finish("torchrun + DCP", repeat, rc, wall, log_path, setup, None, load1)
+    return _finish(DCP, repeat, rc, wall, log_path, setup, None, load1)
 
 
 def _finish(
@@ -526,18 +552,67 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+@dataclass(slots=True)
+class StandbyCost:
+    """What one standby rank costs while it waits (measured on a standby started here)."""
+
+    warm_up_s: float
+    """Spawn -> ready (wall)."""
+    cpu_s: float
+    """CPU (user + system) the standby spent to get ready."""
+    rss_mib: float
+    uss_mib: float
+    """Memory only this process holds (the shared libraries' pages are shared with ranks)."""
+    idle_cpu_s: float
+    """CPU it spent in the 2 s after it was ready (waiting on its socket)."""
+
+
+def measure_standby_cost(workdir: Path) -> StandbyCost | None:
+    """Start one standby as the agent would (default imports), time it and weigh it."""
+    import psutil
+
+    from launcher.standby import StandbyPool
+
+    pool = StandbyPool(count=1, imports=(), cuda=False, run_dir=workdir, node="bench")
+    pool.configure(sys.executable, ["-u", str(EXAMPLE)], 1)
+    try:
+        (standby,) = pool.spawn_missing()
+        deadline = time.monotonic() + 120
+        while not standby.poll_ready():
+            if time.monotonic() > deadline or standby.popen.poll() is not None:
+                return None
+            time.sleep(0.02)
+        proc = psutil.Process(standby.pid)
+        warm = (standby.ready_at or time.time()) - standby.spawned
+        t0 = proc.cpu_times()
+        time.sleep(2.0)
+        t1 = proc.cpu_times()
+        mem = proc.memory_full_info()
+        return StandbyCost(
+            warm_up_s=warm,
+            cpu_s=t0.user + t0.system,
+            rss_mib=mem.rss / 2**20,
+            uss_mib=mem.uss / 2**20,
+            idle_cpu_s=(t1.user + t1.system) - (t0.user + t0.system),
+        )
+    finally:
+        pool.stop()
+
+
 def render(
     setup: Setup,
     results: dict[str, list[Result]],
     command: str,
     machine: dict[str, str],
+    cost: StandbyCost | None = None,
 ) -> str:
     """The markdown section, between the markers."""
-    ft, dc = results["ftmem-launch"], results["torchrun + DCP"]
-    repeats = max(len(ft), len(dc))
+    systems = [name for name in SYSTEMS if results.get(name)]
+    repeats = max((len(results[n]) for n in systems), default=0)
+    sb, cold, dc = (results.get(n, []) for n in SYSTEMS)
     out = [
         START_MARK,
-        "## Recovery: failure to resumed, ftmem-launch vs torchrun + DCP",
+        "## Recovery: failure to resumed, ftmem-launch (standby ranks, cold) vs torchrun + DCP",
         "",
         *_report.generated_by("recovery.py", command),
         f"- date: {machine['date']}",
@@ -556,6 +631,9 @@ def render(
         f"- failure: rank {FAIL_RANK} SIGKILLs itself right after step {setup.fail_step} "
         "(`--fail-at-step`), once; "
         f"{repeats} run(s) per system, alternating; figures are median (min-max) over the runs",
+        "- ftmem-launch + standbys is the default (`--ftmem-standby 1`): the failure comes late "
+        "enough that the standbys started after the first steps are ready (a run where they "
+        "were not is marked as an error); ftmem-launch (cold) is `--ftmem-standby 0`",
         f"- torchrun + DCP: `dcp.save` every K = {setup.dcp_every} steps (a fixed interval, "
         f"not Young/Daly) to a directory on the local disk (/tmp, files fsync'd); the failure "
         f"at step {setup.fail_step} lies in the middle of an interval, so the steps lost are "
@@ -567,8 +645,9 @@ def render(
         "",
         "```",
         f"# reference (failure-free): {setup.commands.get('reference', 'not run')}",
-        f"# ftmem:  {setup.commands.get('ftmem', '')}",
-        f"# DCP:    {setup.commands.get('dcp', '')}",
+        f"# ftmem + standbys: {setup.commands.get('sb', '')}",
+        f"# ftmem cold:       {setup.commands.get('ft', '')}",
+        f"# DCP:              {setup.commands.get('dcp', '')}",
         "```",
         "",
         "The DCP worker is `bench/recovery.py --_dcp-worker`: it imports the example with "
@@ -586,7 +665,8 @@ def render(
         ),
         "|---|---|---|---|---|---|---|",
     ]
-    for name, rs in (("ftmem-launch", ft), ("torchrun + DCP", dc)):
+    for name in systems:
+        rs = results[name]
         digest = f"{sum(r.digest_ok for r in rs)}/{len(rs)}"
         out.append(
             f"| {name} | {_stat([r.death_to_resumed_s for r in rs], unit=' s')} "
@@ -600,22 +680,37 @@ def render(
         "time lost = (rank death -> all ranks stepping again) + steps lost x step time (the "
         "run's own median step time after the restart); steps lost = failure step - restored "
         "step. 'detect -> stepping' leaves out the detection latency (the first row of the "
-        "split), which is the same mechanism in both systems.",
+        "split).",
         "",
-        "Split of rank death -> all ranks stepping again (seconds, median (min-max)):",
+        "Split of rank death -> all ranks stepping again, from the logs (seconds, median "
+        "(min-max)):",
         "",
-        "| phase | what ends it | ftmem-launch | torchrun + DCP |",
-        "|---|---|---|---|",
+        "| phase | what ends it | " + " | ".join(systems) + " |",
+        "|---|---|" + "---|" * len(systems),
     ]
     for key, what in PHASES:
-        out.append(
-            f"| {key} | {what} | {_stat([r.phases.get(key) for r in ft])} "
-            f"| {_stat([r.phases.get(key) for r in dc])} |"
+        cells = " | ".join(_stat([r.phases.get(key) for r in results[n]]) for n in systems)
+        out.append(f"| {key} | {what} | {cells} |")
+    totals = " | ".join(_stat([r.death_to_resumed_s for r in results[n]]) for n in systems)
+    out.append(f"| total | | {totals} |")
+    ft_systems = [n for n in (FT_STANDBY, FT_COLD) if results.get(n)]
+    out += [
+        "",
+        "ftmem-launch's own split (its `resumed` event in `events.jsonl`, also in `ftmem "
+        "timeline`; seconds, median (min-max)): detection is when the agent's monitor saw the "
+        "rank dead, then stop = survivors stopped, rendezvous = the new round, start = ranks "
+        "spawned or handed to standbys, script = until every rank's first contact with the SMP "
+        "(`ftmem.load` called: imports, process group, model, DDP wrap), load = `ftmem.load`, "
+        "first step = first progress report after the restore:",
+        "",
+        "| phase | " + " | ".join(ft_systems) + " |",
+        "|---|" + "---|" * len(ft_systems),
+    ]
+    for key in LAUNCHER_PHASES:
+        cells = " | ".join(
+            _stat([r.launcher_phases.get(key) for r in results[n]]) for n in ft_systems
         )
-    out.append(
-        f"| total | | {_stat([r.death_to_resumed_s for r in ft])} "
-        f"| {_stat([r.death_to_resumed_s for r in dc])} |"
-    )
+        out.append(f"| {key} | {cells} |")
     out += [
         "",
         "Every run (in the order run):",
@@ -624,28 +719,28 @@ def render(
         "| time lost | digest |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for pair in zip(ft, dc, strict=True):
-        for r in pair:
+    for i in range(repeats):
+        for name in systems:
+            if i >= len(results[name]):
+                continue
+            r = results[name][i]
             out.append(
                 f"| {r.system} #{r.repeat} | {_fmt(r.load1)} | {_fmt(r.death_to_resumed_s)} s "
                 f"| {_fmt(r.phases.get('spawn+import'))} s | {_fmt(r.step_time_s, 3)} s "
                 f"| {r.restored} | {_fmt(r.time_lost_s)} s | {'ok' if r.digest_ok else 'DIFFERS'} |"
             )
     ckpt = [c for r in dc for c in r.checkpoint_s]
-    launcher = [r.launcher_detect_to_resumed_s for r in ft]
     out += [
         "",
         "Notes:",
         "",
         "- Timestamps: the ranks' `logging` lines (ms resolution) and elastic's log lines; rank "
         f"death is rank {FAIL_RANK}'s log line of step {setup.fail_step} (the kill follows "
-        "it after the wait for that step's commit in the ftmem run, not timed). 'restore' "
+        "it after the wait for that step's commit in the ftmem runs, not timed). 'restore' "
         "starts at the `model:` line, so it also holds the DDP wrap (a broadcast), the "
-        "optimizer and schedule construction; 'spawn+import' is process start, `import torch`, "
-        "`init_process_group` and the model build of the slower rank.",
-        f"- ftmem-launch's own RESUMED line (detect -> resumed, from the SMP's progress "
-        f"reports): {_stat(launcher)} s; its 'detect' is the `failed` event, written after the "
-        "survivor was stopped (the end of 'stop' here).",
+        "optimizer and schedule construction; 'spawn+import' is process start (or the "
+        "standby's handoff), `import torch` (a standby has done it), `init_process_group` "
+        "(the example logs it: `process group: S`) and the model build of the slower rank.",
         f"- torchrun + DCP checkpoint cost while training: `dcp.save` blocking "
         f"{_stat(ckpt, 3, ' s')} per checkpoint and rank ({len(ckpt)} saves), i.e. "
         + (
@@ -654,63 +749,81 @@ def render(
             if ckpt and setup.ref_step_time
             else "n/a"
         )
-        + "; this overhead is paid on every interval, failure or not, and is not in 'time "
-        "lost'. A longer interval (e.g. Young/Daly for a realistic MTBF) cuts it but makes "
-        "the expected steps lost (K/2) grow.",
-    ]
-    out += [
+        + "; paid on every interval, failure or not, and not in 'time lost'.",
         f"- Inside 'restore', `dcp.load` + `set_state_dict` themselves took "
         f"{_stat([x for r in dc for x in r.load_s], 3, ' s')} per rank (page-cached files "
-        "written seconds before); the example does not time `ftmem.load` apart from the DDP "
-        "wrap, so ftmem's row is the whole phase.",
-        "- Not resolved: 'spawn+import' cannot be split into process start, `import torch` and "
-        "`init_process_group`: the example logs nothing before its model is built. It is "
-        "the longest phase and the one that varies most with the machine's load (see every "
-        "run above). ftmem-launch's 'stop' also holds stopping elastic's log tailers (its "
-        "default `--tee 3`; by torch's code they poll every 0.1 s), which torchrun without "
-        "`--tee` does not have.",
+        "written seconds before).",
     ]
-    failed = [r for r in ft + dc if r.error or not r.digest_ok]
+    if cost is not None:
+        out.append(
+            f"- What a standby costs (one started by this benchmark with the default imports, "
+            f"torch + torch.distributed + torch._inductor.config + ftmem.client): warm-up "
+            f"{cost.warm_up_s:.1f} s and {cost.cpu_s:.1f} CPU-s (once per restart, at nice 10, "
+            f"after the ranks step again), then RSS {cost.rss_mib:.0f} MiB of which "
+            f"{cost.uss_mib:.0f} MiB its own (USS; the rest are the shared libraries' pages), "
+            f"and {cost.idle_cpu_s:.3f} CPU-s in 2 s of waiting."
+        )
+    failed = [r for n in systems for r in results[n] if r.error or not r.digest_ok]
     for r in failed:
         out.append(
             f"- run {r.system} #{r.repeat}: {r.error or 'ok'}; digest "
             f"{'ok' if r.digest_ok else 'DIFFERS from the reference (or the other runs)'}"
         )
-    ft_lost = _median([r.time_lost_s for r in ft])
-    dc_lost = _median([r.time_lost_s for r in dc])
-    out += ["", "### Goal", ""]
-    if ft_lost is not None and dc_lost:
-        ratio = ft_lost / dc_lost
-        verdict = "met" if ratio <= GOAL_RATIO else "missed"
-        out.append(
-            f"Total time lost per failure, ftmem / torchrun + DCP (medians): {ft_lost:.2f} s / "
-            f"{dc_lost:.2f} s = **{ratio:.2f}**; goal (issue 6) <= {GOAL_RATIO:.2f}: "
-            f"**{verdict}** (at K = {setup.dcp_every} and this model's "
-            f"{_fmt(setup.ref_step_time, 3)} s steps; the ratio falls as K x step time grows, "
-            "since DCP re-does K/2 steps on average and ftmem none)."
-        )
-        step = _median([r.step_time_s for r in dc]) or setup.ref_step_time
-        dc_restart = _median([r.death_to_resumed_s for r in dc])
-        if step and dc_restart is not None:
-            need = (ft_lost / GOAL_RATIO - dc_restart) / step
-            out.append("")
-            out.append(
-                f"Derived from these medians: the goal needs DCP to re-do at least "
-                f"({ft_lost:.2f} s / {GOAL_RATIO:.2f} - {dc_restart:.2f} s) / {step:.3f} s = "
-                f"{need:.0f} steps per failure, i.e. K >= {2 * need:.0f} steps "
-                f"({2 * need * step:.0f} s of training between checkpoints) if failures "
-                "strike at uniformly random times."
-            )
-        out.append("")
-        out.append(
-            "Both restarts are dominated by the same floor: spawning the ranks, `import torch` "
-            "and the process group (the 'spawn+import' row), which ftmem-launch cannot avoid "
-            "because it restarts the rank processes as torchrun does."
-        )
-    else:
-        out.append("Not evaluated: a system has no measured time lost (see the notes).")
+    out += ["", "### Goals (issue 14)", ""]
+    out += _goals(setup, sb, cold, dc)
     out += ["", END_MARK]
     return "\n".join(out) + "\n"
+
+
+def _goals(setup: Setup, sb: list[Result], cold: list[Result], dc: list[Result]) -> list[str]:
+    sb_lost = _median([r.time_lost_s for r in sb])
+    dc_lost = _median([r.time_lost_s for r in dc])
+    cold_lost = _median([r.time_lost_s for r in cold])
+    sb_restart = _median([r.death_to_resumed_s for r in sb])
+    detect = _median([r.phases.get("detect") for r in sb])
+    to_start = _median(
+        [
+            None
+            if r.launcher_phases.get("start") is None
+            else sum(
+                float(r.launcher_phases.get(k) or 0.0) for k in ("stop", "rendezvous", "start")
+            )
+            for r in sb
+        ]
+    )
+    if sb_lost is None or not dc_lost or sb_restart is None:
+        return ["Not evaluated: a system has no measured time lost (see the notes)."]
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
+    ratio = sb_lost / dc_lost
+    lines = [
+        "| goal | measured | verdict |",
+        "|---|---|---|",
+        f"| time lost per failure, ftmem with standbys / torchrun + DCP <= {GOAL_RATIO:.2f} "
+        f"| {sb_lost:.2f} s / {dc_lost:.2f} s = {ratio:.2f} | {verdict(ratio <= GOAL_RATIO)} |",
+        f"| rank death -> all ranks stepping, with standbys, <= {GOAL_RESTART_S} s "
+        f"| {sb_restart:.2f} s | {verdict(sb_restart <= GOAL_RESTART_S)} |",
+    ]
+    if detect is not None:
+        lines.append(
+            f"| detection (rank death -> elastic's reaction) <= DLRover's {DLROVER_DETECT_S} s "
+            f"| {detect:.2f} s | {verdict(detect <= DLROVER_DETECT_S)} |"
+        )
+    if to_start is not None:
+        lines.append(
+            f"| detection -> new ranks started <= DLRover's {DLROVER_START_S} s "
+            f"| {to_start:.2f} s (stop + rendezvous + start) "
+            f"| {verdict(to_start <= DLROVER_START_S)} |"
+        )
+    if cold_lost is not None:
+        lines += [
+            "",
+            f"Cold restarts (`--ftmem-standby 0`) lose {cold_lost:.2f} s per failure: the "
+            f"standbys save {cold_lost - sb_lost:.2f} s of it.",
+        ]
+    return lines
 
 
 def _machine(params: str) -> dict[str, str]:
@@ -730,8 +843,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="1 repeat per system")
     p.add_argument("--repeats", type=int, default=None, help="runs per system (default 3)")
     _report.add_output_args(p)
-    p.add_argument("--steps", type=int, default=20, help="training steps per run")
-    p.add_argument("--fail-at-step", type=int, default=15, help="rank 1 dies after this step")
+    p.add_argument("--steps", type=int, default=70, help="training steps per run")
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=55,
+        help="rank 1 dies after this step (late enough for the standbys to be ready)",
+    )
     p.add_argument("--dcp-every", type=int, default=10, help="DCP checkpoint interval K (steps)")
     p.add_argument("--timeout", type=float, default=180.0, help="per run (s)")
     p.add_argument(
@@ -773,14 +891,17 @@ def run(argv: list[str], *, command: str | None = None) -> _report.Outcome:
         workdir=workdir,
         year=datetime.datetime.now().year,
     )
-    results: dict[str, list[Result]] = {"ftmem-launch": [], "torchrun + DCP": []}
+    results: dict[str, list[Result]] = {name: [] for name in SYSTEMS}
     params = "?"
+    cost: StandbyCost | None = None
     try:
+        cost = measure_standby_cost(workdir)
         if not args.no_reference:
             run_reference(setup)
         for i in range(repeats):
-            results["ftmem-launch"].append(run_ftmem(setup, i))
-            results["torchrun + DCP"].append(run_dcp(setup, i))
+            results[FT_STANDBY].append(run_ftmem(setup, i, standby=True))
+            results[FT_COLD].append(run_ftmem(setup, i, standby=False))
+            results[DCP].append(run_dcp(setup, i))
         for log in sorted(workdir.glob("*.log")):
             m = re.search(r"model: ([0-9.]+ M) parameters", log.read_text(errors="replace"))
             if m:
@@ -801,7 +922,7 @@ def run(argv: list[str], *, command: str | None = None) -> _report.Outcome:
     machine = _machine(params)
     machine["load"] = f"{load_start} / {machine['load']}"
     cmd = command or _report.shown_command("recovery.py", argv)
-    section = render(setup, results, cmd, machine)
+    section = render(setup, results, cmd, machine, cost)
     return _report.Outcome(
         name=SECTION,
         section=section,
