@@ -49,6 +49,8 @@ _INFO_EVENTS = frozenset(
     {
         "smp_start",
         "smp_stop",
+        "standbys_started",
+        "standbys_ready",
         "sync",
         "rebuild_failed",
         "protect_failed",
@@ -220,7 +222,9 @@ def marks_of(events: Sequence[Event]) -> list[Mark]:
         elif k == "ranks_started":
             cat = "restart" if e.node in started else "start"
             started.add(e.node)
-            out.append(_mark(e, cat, f"ranks started (generation {f.get('generation')})"))
+            standby = f.get("from_standby")
+            extra = f", from standbys: ranks {standby}" if standby else ""
+            out.append(_mark(e, cat, f"ranks started (generation {f.get('generation')}{extra})"))
         elif k == "discard_newer":
             out.append(_mark(e, "restore", f"rank {f.get('rank')} restored step {f.get('step')}"))
         elif k == "rebuilt":
@@ -228,10 +232,14 @@ def marks_of(events: Sequence[Event]) -> list[Mark]:
             out.append(_mark(e, "restore", label))
         elif k == "resumed":
             total = _num(f.get("detect_to_resumed_s"))
+            raw = f.get("phases")
+            phases: dict[str, Any] = raw if isinstance(raw, dict) else {}
+            split = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if _num(v) is not None)
             label = (
                 f"at step {f.get('step')} after {f.get('after')}: detect->resumed {total} s "
                 f"(detect->spawn {f.get('detect_to_spawn_s')} s, "
                 f"spawn->stepping {f.get('spawn_to_stepping_s')} s)"
+                + (f"; phases: {split}" if split else "")
             )
             start = None if total is None else e.time - total
             out.append(_mark(e, "resume", label, start=start, data=f))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from launcher.report import Recovery, restart_phases
@@ -55,3 +56,25 @@ def test_restart_phases_split_at_the_slowest_rank() -> None:
     # a rank that never spoke to the SMP (no ftmem.load): those phases are unknown
     partial = restart_phases(rec, [(11.0, None, 11.9), (11.2, 11.4, 12.0)])
     assert partial["script"] == 0.85 and partial["load"] is None and partial["first_step"] is None
+
+
+def test_timeline_shows_the_restart_phases_and_standby_starts() -> None:
+    from ftmem.observe.timeline import marks_of, parse_line
+
+    lines = [
+        {"time": 1.0, "node": "n0", "event": "ranks_started", "generation": 0},
+        {"time": 5.0, "node": "n0", "event": "ranks_started", "generation": 1, "from_standby": [0]},
+        {
+            "time": 6.0,
+            "node": "n0",
+            "event": "resumed",
+            "step": 7,
+            "detect_to_resumed_s": 1.2,
+            "phases": {"stop": 0.1, "rendezvous": 0.05, "script": None},
+        },
+    ]
+    events = [parse_line(json.dumps(x), "events.jsonl", "n0") for x in lines]
+    labels = [m.label for m in marks_of([e for e in events if e is not None])]
+    assert any("from standbys: ranks [0]" in label for label in labels), labels
+    resumed = next(label for label in labels if label.startswith("at step 7"))
+    assert resumed.endswith("phases: stop 0.10 s, rendezvous 0.05 s"), resumed
