@@ -140,6 +140,7 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
         format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
     )
     log = logging.getLogger(logger_name)
+    log.info("script started")  # as the example logs it: after the interpreter and imports
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if world > 1:

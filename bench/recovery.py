@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -214,7 +215,8 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("detect", "rank death -> elastic's first reaction (SIGTERM to the survivor)"),
     ("stop", "-> survivor stopped, failure handled ('Rendezvous'ing worker group')"),
     ("rendezvous", "-> new ranks being spawned ('Starting worker group')"),
-    ("spawn+import", "-> 'model:' line on all ranks: process start, import torch, PG init, model"),
+    ("spawn+import", "-> 'script started' on all ranks: process start, the imports (torch)"),
+    ("script", "-> 'model:' line on all ranks: PG init, model (and imports on first use)"),
     ("restore", "-> 'restored step' on all ranks: DDP wrap, optimizer, ftmem.load / dcp.load"),
     ("first step", "-> first step after the restore logged on all ranks"),
 )
@@ -240,6 +242,10 @@ class Result:
     launcher_detect_to_resumed_s: float | None = None
     launcher_phases: dict[str, float | None] = field(default_factory=dict)
     """ftmem-launch's own split of detect -> stepping (its ``resumed`` event)."""
+    warmup_extra_s: float | None = None
+    """Training time the standbys' warm-ups cost: steps during warm-ups minus as many steps
+    of the run's median outside them (rank 0's step lines)."""
+    warmups: int = 0
     load1: float | None = None
     """The 1-minute load average when the run started (a shared machine)."""
     checkpoint_s: list[float] = field(default_factory=list)
@@ -309,6 +315,7 @@ def analyse(
         return max(ts)
 
     t_ready = all_ranks(lambda ln: ln.msg.startswith("model: "), after)
+    t_script = all_ranks(lambda ln: ln.msg == "script started", after)
     restored_lines = [ln for ln in lines if ln.t >= after and ln.msg.startswith("restored step ")]
     if t_ready is None or not restored_lines:
         res.error = "the restarted ranks did not log 'model:' and 'restored step'"
@@ -329,7 +336,10 @@ def analyse(
         "detect": t_detect - t_death,
         "stop": t_stopped - t_detect,
         "rendezvous": (t_spawn - t_stopped) if t_spawn is not None else float("nan"),
-        "spawn+import": (t_ready - t_spawn) if t_spawn is not None else float("nan"),
+        "spawn+import": (
+            (t_script - t_spawn) if t_spawn is not None and t_script is not None else float("nan")
+        ),
+        "script": (t_ready - t_script) if t_script is not None else float("nan"),
         "restore": t_restored - t_ready,
         "first step": t_resumed - t_restored,
     }
@@ -346,10 +356,43 @@ def analyse(
         if (m := re.search(r"dcp\.load ([0-9.]+) s", ln.msg)) is not None
     ]
     if events:
+        res.warmup_extra_s, res.warmups = warmup_cost(lines, events)
         resumed = [e for e in events if e.get("event") == "resumed"]
         if resumed:
             res.launcher_detect_to_resumed_s = float(resumed[0]["detect_to_resumed_s"])
             res.launcher_phases = dict(resumed[0].get("phases") or {})
+
+
+def warmup_cost(lines: list[LogLine], events: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """What the standbys' warm-ups cost the training: (extra seconds, warm-ups seen).
+
+    A step's duration is the time between rank 0's consecutive step lines (``--log-every
+    1``) within one incarnation; a step counts as "during a warm-up" if it ended between a
+    ``standbys_started`` event and the matching ``standbys_ready`` events.
+    """
+    step_re = re.compile(r"step (\d+) loss ")
+    steps = [
+        (ln.t, int(m.group(1))) for ln in lines if ln.rank == 0 and (m := step_re.match(ln.msg))
+    ]
+    durations = [(t1, t1 - t0) for (t0, s0), (t1, s1) in itertools.pairwise(steps) if s1 == s0 + 1]
+    windows: list[tuple[float, float]] = []
+    for e in events:
+        if e.get("event") != "standbys_started":
+            continue
+        ready = [
+            r["time"]
+            for r in events
+            if r.get("event") == "standbys_ready" and r["time"] > e["time"]
+        ]
+        windows.append((e["time"], max(ready[: len(e.get("pids", []))] or [e["time"]])))
+    if not windows or not durations:
+        return None, len(windows)
+    inside = [d for t, d in durations if any(a <= t <= b for a, b in windows)]
+    outside = [d for t, d in durations if not any(a <= t <= b for a, b in windows)]
+    if not outside:
+        return None, len(windows)
+    base = statistics.median(outside)
+    return sum(inside) - len(inside) * base, len(windows)
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -762,6 +805,16 @@ def render(
             f"after the ranks step again), then RSS {cost.rss_mib:.0f} MiB of which "
             f"{cost.uss_mib:.0f} MiB its own (USS; the rest are the shared libraries' pages), "
             f"and {cost.idle_cpu_s:.3f} CPU-s in 2 s of waiting."
+        )
+    extra = [r.warmup_extra_s for r in sb]
+    if any(x is not None for x in extra):
+        out.append(
+            f"- What the standbys' warm-ups cost the training in these runs (two per run: after "
+            f"the first steps and after the restart; steps that ended during a warm-up minus as "
+            f"many steps of the run's median outside): {_stat(extra, unit=' s')} per run. On "
+            "these 2 vCPUs (hyperthreads of one core) a warm-up thread slows the ranks' steps "
+            "whatever its priority (nice 10 and SCHED_IDLE measured alike); on a node whose "
+            "cores the ranks leave idle it costs nothing. Not in 'time lost' above."
         )
     failed = [r for n in systems for r in results[n] if r.error or not r.digest_ok]
     for r in failed:

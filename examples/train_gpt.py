@@ -461,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
     )
+    logger.info("script started")  # after the interpreter and the imports (for the benchmarks)
     return train(args)
 
 

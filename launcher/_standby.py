@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import builtins
-import ctypes
 import importlib
 import io
 import json
@@ -41,18 +40,11 @@ import types
 from importlib.machinery import SourceFileLoader
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
+# sys.path[0] is this directory until main() sets the script's: the exec shim is a sibling.
+from _exec_shim import set_pdeathsig
+
 MAX_MESSAGE = 4 << 20
 """Largest handoff message (command line + environment) accepted."""
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -64,15 +56,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--import", dest="imports", default="")
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--idle", type=int, default=1, help="1: warm up under SCHED_IDLE")
     return p.parse_args(argv)
 
 
 def _warm_up(args: argparse.Namespace, ctl: socket.socket) -> None:
     """Import torch and the named modules (and create the CUDA context), then say ready."""
-    try:  # this thread only: the main thread, which becomes the rank, keeps its priority
+    # This thread only (Linux keeps the policy and nice value per thread): the main thread,
+    # which becomes the rank, keeps its priority. SCHED_IDLE runs it only on a CPU nothing
+    # else wants; the nice value is the fallback where SCHED_IDLE is refused.
+    try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
     except OSError:
         pass
+    if args.idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        except (OSError, AttributeError):
+            pass
     t0 = time.monotonic()
     imported: list[str] = []
     failed: dict[str, str] = {}

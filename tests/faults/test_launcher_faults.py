@@ -142,8 +142,10 @@ def test_smp_sigkill_without_fresh_start_stops_with_a_clear_message(launcher_env
     assert shm_files(rid) == []
 
 
-def test_agent_sigkill_leaves_no_orphans(launcher_env: Launcher) -> None:
-    """Neither ranks nor the SMP nor the standby ranks outlive a SIGKILLed agent."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_agent_sigkill_leaves_no_orphans(launcher_env: Launcher, sig: signal.Signals) -> None:
+    """Neither ranks nor the SMP nor the standby ranks outlive a SIGKILLed (or SIGTERMed)
+    agent: the parent-death signal, or the agent's own shutdown."""
     rid = launcher_env.new_run_id()
     agent = launcher_env.single_node(
         rid,
@@ -154,10 +156,10 @@ def test_agent_sigkill_leaves_no_orphans(launcher_env: Launcher) -> None:
     agent.wait_for(r"standby pid \d+ for local rank \d ready", 90, count=2)
     kids = agent.descendants()
     assert len(kids) >= 5  # 2 ranks, 2 standbys, the SMP
-    agent.signal(signal.SIGKILL)  # the agent alone, not its group
-    agent.popen.wait(10)  # its parent (a shell, a scheduler) reaps it
-    alive = wait_gone(kids, 5)
-    assert not alive, f"orphans of the SIGKILLed agent: {alive}"
+    agent.signal(sig)  # the agent alone, not its group
+    agent.popen.wait(60)  # its parent (a shell, a scheduler) reaps it
+    alive = wait_gone(kids, 10)
+    assert not alive, f"orphans of the agent ({sig.name}): {alive}"
     # the SMP removed its shared memory when it saw its parent go
     deadline = time.monotonic() + 5
     while shm_files(rid) and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 """Standby ranks under real failures: ftmem-launch hands restarted ranks to warm processes.
 
 Every test turns standbys on explicitly (the harness turns them off for the other launcher
-tests, to spare these 2 cores the warm-ups).
+tests, to spare these 2 cores the warm-ups). That no standby outlives its agent (SIGKILL,
+SIGTERM) is tested with the agent's other children in test_launcher_faults.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from tests.integration.test_launcher_support import (
     digests,
     launcher_env,
     reference_digests,
-    wait_gone,
 )
 
 __all__ = ["launcher_env"]  # the fixture
@@ -175,17 +175,3 @@ def test_a_standby_runs_the_script_as_a_cold_start_would(
     # the standby wrote into elastic's per-rank log file of its attempt
     logs = list((launcher_env.tmp / "agent-rd" / "logs").glob("*/attempt_1/0/stdout.log"))
     assert len(logs) == 1 and "IDENTITY" in logs[0].read_text()
-
-
-def test_standbys_die_with_the_agent_on_sigterm(launcher_env: Launcher) -> None:
-    rid = launcher_env.new_run_id()
-    agent = launcher_env.single_node(
-        rid,
-        1,
-        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
-        [str(EXAMPLE), "--steps", "100000", *TINY, "--step-delay", "0.1"],
-    )
-    pid = int(agent.wait_for(READY, 90)[0].group(1))
-    agent.signal(signal.SIGTERM)
-    agent.popen.wait(60)
-    assert not wait_gone({pid}, 10), "the standby outlived its agent's SIGTERM"
