@@ -782,8 +782,12 @@ def render(
         "it after the wait for that step's commit in the ftmem runs, not timed). 'restore' "
         "starts at the `model:` line, so it also holds the DDP wrap (a broadcast), the "
         "optimizer and schedule construction; 'spawn+import' is process start (or the "
-        "standby's handoff), `import torch` (a standby has done it), `init_process_group` "
-        "(the example logs it: `process group: S`) and the model build of the slower rank.",
+        "standby's handoff) and the script's module imports (a standby has done `import "
+        "torch`), up to the scripts' `script started` line; 'script' is `init_process_group` "
+        "(the example logs it: `process group: S`), the model build and what is imported on "
+        "first use (`torch.use_deterministic_algorithms` imports `torch._dynamo`: 1.7 s, "
+        "which a standby has done too). The DCP worker's imports include DCP and the "
+        "benchmark's helpers, so its 'spawn+import' is not the example's.",
         f"- torchrun + DCP checkpoint cost while training: `dcp.save` blocking "
         f"{_stat(ckpt, 3, ' s')} per checkpoint and rank ({len(ckpt)} saves), i.e. "
         + (
