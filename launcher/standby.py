@@ -241,6 +241,7 @@ class StandbyPool:
         """The ranks' command; None until :meth:`configure` (or when standbys cannot run it)."""
         self.local_world_size = 0
         self._standbys: dict[int, list[Standby]] = {}
+        self._spawned = 0
         self.handed: dict[int, Standby] = {}
         """Local rank -> the standby that became it at the newest start."""
 
@@ -281,6 +282,7 @@ class StandbyPool:
             group = self._standbys.setdefault(local_rank, [])
             while len(group) < self.count:
                 standby = self._spawn(local_rank)
+                self._spawned += 1
                 group.append(standby)
                 started.append(standby)
         if started:
@@ -376,7 +378,7 @@ class StandbyPool:
                 local_rank,
                 [s.pid for s in group],
             )
-        elif self.enabled:
+        elif self.enabled and self._spawned:  # not at the job's first start: none is due then
             log.warning("[%s] no standby for local rank %d: cold start", self.node, local_rank)
         return None
 
