@@ -123,7 +123,10 @@ def _receive(ctl: socket.socket) -> tuple[dict[str, Any], list[int]]:
         data, fds = b"", []
     if not data:
         os._exit(0)
-    msg = json.loads(data)
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        msg = None
     ok = (
         isinstance(msg, dict)
         and msg.get("kind") in ("script", "module")
