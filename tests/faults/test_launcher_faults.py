@@ -22,6 +22,7 @@ from tests.integration.test_launcher_support import (
     reference_digests,
     shm_files,
     wait_gone,
+    wait_verified,
 )
 
 __all__ = ["launcher_env"]  # the fixture
@@ -99,6 +100,8 @@ def test_smp_sigkill_restarts_smp_and_ranks(launcher_env: Launcher) -> None:
     agent = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY])
     first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
     agent.wait_for(r"step 3 loss", 60)
+    # Both ranks must hold a snapshot before the SMP dies (else there is no common step).
+    wait_verified(launcher_env.tmp / "agent-rd", {0, 1}, 60)
     smp_pid = int(first.group(1))
     import os
 
@@ -127,6 +130,7 @@ def test_smp_sigkill_without_fresh_start_stops_with_a_clear_message(launcher_env
     first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
     # Give the agent's status poll time to learn a committed step (what it passes to restarts).
     agent.wait_for(r"step 10 loss", 60)
+    wait_verified(launcher_env.tmp / "agent-rd", {0, 1}, 60)
     time.sleep(1.0)
     # Lose the memory too: stop the SMP, remove its slot files, then kill it.
     smp_pid = int(first.group(1))

@@ -79,6 +79,28 @@ def short_dir(prefix: str = "ftl-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
+def wait_verified(run_dir: Path, ranks: set[int], timeout: float) -> None:
+    """Wait until the SMP's event log shows a verified snapshot of every rank in ``ranks``.
+
+    Commits are asynchronous and a rank's first save is skipped while its slots are
+    allocated, so under load a rank may hold nothing yet although its peers logged steps.
+    """
+    path = run_dir / "smp-events.jsonl"
+    deadline = time.monotonic() + timeout
+    seen: set[int] = set()
+    while time.monotonic() < deadline:
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                if '"verified"' in line:
+                    m = re.search(r'"rank": (\d+)', line)
+                    if m:
+                        seen.add(int(m.group(1)))
+        if ranks <= seen:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no verified snapshot of ranks {sorted(ranks - seen)} within {timeout} s")
+
+
 def digests(text: str) -> dict[int, str]:
     """``{rank: digest}`` from the ``[rank R] digest HEX`` lines of a log."""
     return {int(r): d for r, d in DIGEST_RE.findall(text)}
