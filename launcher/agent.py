@@ -61,7 +61,6 @@ from launcher.monitor import (
     RankProgress,
     StatusPoller,
     all_resumed,
-    current_progress,
     find_hangs,
     min_committed,
 )
@@ -453,9 +452,7 @@ class FtmemElasticAgent(LocalElasticAgent):
         if len(self._standbys.standbys()) >= self._standbys.count * len(self._procs):
             return
         latest = self._poller.latest()
-        stepping = latest is not None and all(
-            current_progress(p, latest[1].get(p.rank)) is not None for p in self._procs
-        )
+        stepping = latest is not None and all_resumed(self._procs, latest[1])
         if stepping or time.time() - self._started_at > STANDBY_FALLBACK_S:
             started = self._standbys.spawn_missing()
             if started:

@@ -73,6 +73,11 @@ class PythonCommand:
         """``sys.argv`` as the interpreter sets it at start (runpy fixes ``argv[0]`` for -m)."""
         return [self.target if self.kind == "script" else "-m", *self.args]
 
+    def command_line(self) -> list[str]:
+        """The whole command line (``sys.orig_argv`` of the rank)."""
+        target = ["-m", self.target] if self.kind == "module" else [self.target]
+        return [self.python, *self.flags, *target, *self.args]
+
     def path0(self, cwd: str) -> str:
         """``sys.path[0]`` as the interpreter sets it: the script's real directory, or cwd."""
         if self.kind == "module":
@@ -136,9 +141,7 @@ class Standby:
         if self.ready_at is None:
             try:
                 data = self.ctl.recv(1 << 16, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError:
+            except OSError:  # nothing yet (EAGAIN), or the socket is gone
                 return False
             if not data:
                 return False
@@ -192,7 +195,7 @@ class StandbyHandler(SubprocessHandler):
             "kind": cmd.kind,
             "target": cmd.target,
             "argv": cmd.argv(),
-            "orig_argv": [cmd.python, *cmd.flags, *_orig_tail(cmd)],
+            "orig_argv": cmd.command_line(),
             "env": env_vars,
             "cwd": cwd,
         }
@@ -206,12 +209,6 @@ class StandbyHandler(SubprocessHandler):
         with contextlib.suppress(OSError):
             standby.ctl.close()
         self.proc = standby.popen
-
-
-def _orig_tail(cmd: PythonCommand) -> list[str]:
-    if cmd.kind == "module":
-        return ["-m", cmd.target, *cmd.args]
-    return [cmd.target, *cmd.args]
 
 
 class StandbyPool:

@@ -7,6 +7,7 @@ not reach them), kills what is left after the test and asserts that all of them 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -91,10 +92,12 @@ def wait_verified(run_dir: Path, ranks: set[int], timeout: float) -> None:
     while time.monotonic() < deadline:
         if path.is_file():
             for line in path.read_text(errors="replace").splitlines():
-                if '"verified"' in line:
-                    m = re.search(r'"rank": (\d+)', line)
-                    if m:
-                        seen.add(int(m.group(1)))
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line being written
+                    continue
+                if event.get("event") == "verified":
+                    seen.add(int(event["rank"]))
         if ranks <= seen:
             return
         time.sleep(0.1)
