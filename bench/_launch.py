@@ -187,7 +187,7 @@ class Agent(Job):
     """One ``python -m launcher`` (``ftmem-launch``) agent."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        super().__init__([sys.executable, "-m", "launcher", *args], log, env)
+        super().__init__([sys.executable, "-m", "ftmem.launch", *args], log, env)
 
 
 def wait_all(
@@ -265,8 +265,8 @@ class StatusPoller:
 
     def poll(self) -> None:
         """Ask every SMP that serves for its STATUS; skip those that do not answer."""
-        from ftmem.client.smp_client import SmpClient
         from ftmem.errors import FtmemError
+        from ftmem.protocol.smp_client import SmpClient
 
         self.polls += 1
         for i, rd in enumerate(self.run_dirs):

@@ -476,8 +476,8 @@ class _Rank:
 
     def ftmem_saves(self) -> None:
         from ftmem.client import Checkpointer
-        from ftmem.client.smp_client import SmpClient
         from ftmem.config import ClientConfig
+        from ftmem.protocol.smp_client import SmpClient
 
         a = self.args
         ckpt = Checkpointer(ClientConfig(run_dir=a.run_dir))
@@ -598,8 +598,8 @@ class _Rank:
 
     def skips(self) -> None:
         from ftmem.client import Checkpointer
-        from ftmem.client.smp_client import SmpClient
         from ftmem.config import ClientConfig
+        from ftmem.protocol.smp_client import SmpClient
 
         a = self.args
         out: dict[str, Any] = {}

@@ -241,11 +241,11 @@ class _PhaseTimer:
 
 
 def _worker_proc(smp_pid: int) -> psutil.Process | None:
-    """The SMP's flush worker (``python -m ftmem.tiers.flusher``), if it runs."""
+    """The SMP's flush worker (``python -m ftmem.tiers.flush_worker``), if it runs."""
     try:
         for c in psutil.Process(smp_pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if "ftmem.tiers.flusher" in " ".join(c.cmdline()):
+                if "ftmem.tiers.flush_worker" in " ".join(c.cmdline()):
                     return c
     except psutil.Error:
         pass
@@ -333,8 +333,8 @@ def bench_size(
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import ftmem
-    from ftmem.client.smp_client import SmpClient
     from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
     from ftmem.smp.spawn import start_smp
     from ftmem.tiers.checkpoints import checkpoint_name
     from ftmem.tiers.export import export_dcp, find_sources

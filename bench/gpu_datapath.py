@@ -180,8 +180,8 @@ def _pinned_copies(
 def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str]) -> GpuSizeResult:
     """Build a CUDA state of ``size_gib``, measure the pinned copies, ftmem and the restore."""
     from ftmem.client import Checkpointer
-    from ftmem.client.smp_client import SmpClient
     from ftmem.config import ClientConfig
+    from ftmem.protocol.smp_client import SmpClient
 
     r = GpuSizeResult(size_gib=size_gib)
     free_dev, _total = torch.cuda.mem_get_info()

@@ -15,7 +15,7 @@ Four configurations train the example's model on the same data, 2 ranks on one n
 * **dcp.save every K**: the disk peer, a ``dcp.save`` of model, optimizer, schedule, data
   position and RNG every K steps to a directory on the disk (files fsync'd).
 
-``--method interleaved`` (the default) runs ONE job: ``ftmem-launch`` (``python -m launcher``,
+``--method interleaved`` (the default) runs ONE job: ``ftmem-launch`` (``python -m ftmem.launch``,
 c10d rendezvous on 127.0.0.1) with 2 ranks of ``bench/overhead.py --_worker``, which builds the
 example's model, data, AdamW, schedule and DDP exactly as ``examples/train_gpt.py`` does
 (``bench/_train.py``) and trains in blocks of ``--block`` steps (default K), each block in one
@@ -234,7 +234,7 @@ def _launcher(args: argparse.Namespace, tmp: Path, run_id: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "launcher",
+        "ftmem.launch",
         *_launch.single_node_args(nproc=args.nproc, run_id=run_id, run_dir=rd),
     ]
 

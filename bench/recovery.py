@@ -471,7 +471,7 @@ def run_ftmem(setup: Setup, repeat: int, *, standby: bool) -> Result:
     tag = "sb" if standby else "ft"
     run_dir = setup.workdir / f"{tag}{repeat}"
     cmd = [
-        *_tool("ftmem-launch", "launcher"),
+        *_tool("ftmem-launch", "ftmem.launch"),
         "--standalone",
         "--nproc-per-node",
         "2",
@@ -614,7 +614,7 @@ def measure_standby_cost(workdir: Path) -> StandbyCost | None:
     """Start one standby as the agent would (default imports), time it and weigh it."""
     import psutil
 
-    from launcher.standby import StandbyPool
+    from ftmem.launch.standby import StandbyPool
 
     pool = StandbyPool(count=1, imports=(), cuda=False, run_dir=workdir, node="bench")
     pool.configure(sys.executable, ["-u", str(EXAMPLE)], 1)

@@ -91,8 +91,8 @@ def _held_bytes(rank: int, step: int) -> int:
     """Bytes of ``rank``'s snapshot of ``step`` (tensors + objects), from the SMP."""
     from datetime import timedelta
 
-    from ftmem.client.smp_client import SmpClient
     from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
 
     with SmpClient(Path(os.environ["FTMEM_RUN_DIR"]), timeout=timedelta(seconds=10)) as c:
         snaps = c.request(m.Query(rank=rank))["snapshots"]

@@ -2,7 +2,7 @@
 
 snapshotter.py (Checkpointer), flatten.py (state <-> tensors + skeleton), staging.py (lazy
 copy and fence), restore.py (verify, plan, apply), agreement.py (which step all ranks load),
-smp_client.py (the link to the SMP), rng.py (RNGState).
+rng.py (RNGState).
 """
 
 from ftmem.client.rng import RNGState

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from ftmem.format import skeleton as codec
 from ftmem.format.layout import (
     ChunkOf,
     StoredSnapshot,
@@ -27,60 +26,31 @@ from ftmem.format.layout import (
     parse_layout,
     tensors_json,
 )
+from ftmem.format.tensors import (
+    GATHER_MARK,
+    REPLICAS_KEY,
+    TENSOR_MARK,
+    dtype_name,
+)
 from ftmem.shm import ALIGN
 
 __all__ = [
-    "DTYPES",
-    "GATHER_MARK",
-    "REPLICAS_KEY",
-    "TENSOR_MARK",
     "ChunkOf",
     "Flat",
     "Layout",
     "StoredSnapshot",
     "StoredTensor",
     "TensorExtent",
-    "decode_skeleton",
-    "dtype_name",
-    "encode_skeleton",
     "flatten_state",
+    "is_stateful",
     "parse_layout",
     "plan_layout",
     "shard_replicated",
     "signature_of",
     "split_rows",
-    "torch_dtype",
 ]
 
-TENSOR_MARK = "__ftmem_tensor__"
-GATHER_MARK = "__ftmem_gather__"
-"""Skeleton marker of a replicated tensor whose rows are spread over its replicas."""
-REPLICAS_KEY = "__ftmem_replicas__"
-"""Skeleton key of the table that says which replica holds which rows (see shard_replicated)."""
 _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype)
-
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
-}
 
 
 def is_stateful(obj: Any) -> bool:
@@ -301,45 +271,6 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
     return Flat(tensors, names, skeleton, chunks, groups)
 
 
-def _ext_encode(obj: Any) -> tuple[str, Any] | None:
-    if isinstance(obj, torch.Size):
-        return "size", [int(d) for d in obj]
-    if isinstance(obj, torch.dtype):
-        return "dtype", str(obj).removeprefix("torch.")
-    return None
-
-
-def _ext_decode(tag: str, value: Any) -> Any:
-    if tag == "size" and isinstance(value, list) and all(type(d) is int for d in value):
-        return torch.Size(value)
-    if (
-        tag == "dtype"
-        and isinstance(value, str)
-        and isinstance(getattr(torch, value, None), torch.dtype)
-    ):
-        return getattr(torch, value)
-    raise ValueError(f"bad {tag!r} value in a skeleton")
-
-
-def encode_skeleton(skeleton: dict[str, Any]) -> bytes:
-    """Serialize a skeleton (tagged JSON, see :mod:`ftmem.format.skeleton`).
-
-    Raises:
-        ValueError: a value the codec cannot hold.
-    """
-    return codec.encode_skeleton(skeleton, _ext_encode)
-
-
-def decode_skeleton(data: bytes) -> dict[str, Any]:
-    """Read a skeleton back; never unpickles.
-
-    Raises:
-        CorruptSnapshotError: the bytes are not a valid skeleton.
-    """
-    out: dict[str, Any] = codec.decode_skeleton(data, _ext_decode)
-    return out
-
-
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -359,19 +290,6 @@ class Layout:
     def signature(self) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
         """What must stay equal for the layout to be reused."""
         return tuple((e.name, e.dtype, e.shape, e.chunk) for e in self.extents)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Return the layout name of ``dtype`` (``"float32"``)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported")
-    return name
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a layout dtype name (validated by parse_layout)."""
-    return DTYPES[name]
 
 
 def signature_of(

@@ -23,62 +23,19 @@ from typing import Any
 
 import torch
 
-from ftmem.client.flatten import (
+from ftmem import faults
+from ftmem.client.flatten import StoredSnapshot, StoredTensor, is_stateful
+from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
+from ftmem.format.layout import digest, hash_bytes, piece_hashes, pieces
+from ftmem.format.tensors import (
     DTYPES,
     GATHER_MARK,
     REPLICAS_KEY,
     TENSOR_MARK,
-    StoredSnapshot,
-    StoredTensor,
     decode_skeleton,
-    is_stateful,
     torch_dtype,
 )
-from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
-from ftmem.format.layout import digest, hash_bytes, piece_hashes, pieces
 from ftmem.shm import MappedSegment
-from ftmem.testing import faults
-
-
-def verify_snapshot(snap: StoredSnapshot, seg: MappedSegment, threads: int = 2) -> None:
-    """Check every tensor's and the objects' checksum (on up to ``threads`` threads) without
-    copying anything (the export and the flush read slots this way).
-
-    Raises:
-        CorruptSnapshotError: naming an extent whose bytes do not match, or a snapshot the
-            SMP has not verified (no checksums).
-    """
-    if not snap.verified:
-        raise CorruptSnapshotError(f"step {snap.step} has not been verified by the SMP")
-    v = seg.view
-    extents = [(repr(name), off, n, h) for name, off, n, h in snap.extents()]
-
-    def bad(e: tuple[str, int, int, str]) -> str | None:
-        name, off, n, h = e
-        return None if digest(v[off : off + n]) == h else name
-
-    if threads > 1 and len(extents) > 1:
-        # xxhash releases the GIL, so the hashes run in parallel.
-        with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-verify") as pool:
-            failed = [b for b in pool.map(bad, extents) if b is not None]
-    else:
-        failed = [b for b in map(bad, extents) if b is not None]
-    if failed:
-        raise CorruptSnapshotError(f"step {snap.step}: {', '.join(failed[:5])} fail their checksum")
-
-
-def read_objects(snap: StoredSnapshot, seg: MappedSegment) -> bytes:
-    """The snapshot's encoded skeleton, checked against its checksum.
-
-    Raises:
-        CorruptSnapshotError: the snapshot is not verified or its objects are corrupt.
-    """
-    if not snap.verified:
-        raise CorruptSnapshotError(f"step {snap.step} has not been verified by the SMP")
-    objects = bytes(seg.view[snap.objects_offset : snap.objects_offset + snap.objects_nbytes])
-    if digest(objects) != snap.objects_hash:
-        raise CorruptSnapshotError(f"step {snap.step}: the snapshot's objects fail their checksum")
-    return objects
 
 
 @dataclass

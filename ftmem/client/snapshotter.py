@@ -40,7 +40,6 @@ from ftmem.client import agreement
 from ftmem.client.flatten import (
     Flat,
     Layout,
-    encode_skeleton,
     flatten_state,
     parse_layout,
     plan_layout,
@@ -53,10 +52,8 @@ from ftmem.client.restore import (
     copy_verified,
     finish_restore,
     plan_restore,
-    read_objects,
     restore_threads,
 )
-from ftmem.client.smp_client import SmpClient
 from ftmem.client.staging import (
     CopyJob,
     CopyWorker,
@@ -75,7 +72,9 @@ from ftmem.errors import (
     InconsistentSnapshotError,
     SnapshotMismatchError,
 )
+from ftmem.format.tensors import encode_skeleton, read_objects
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
 
 log = get_logger(__name__)
@@ -720,7 +719,7 @@ class Checkpointer:
         try:
             seg = self._segment(str(snap["path"]), int(snap["capacity"]))
             stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
-            objects = read_objects(stored, seg)  # the tensors are checked as they are copied
+            objects = read_objects(stored, seg.view)  # the tensors are checked as they are copied
             return _OK, self._check_group(plan_restore(state, stored, objects)), seg, ""
         except (CorruptSnapshotError, OSError, ValueError) as exc:
             log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
+from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.client.flatten import Layout
-from ftmem.client.smp_client import SmpClient
 from ftmem.errors import FtmemError
 from ftmem.format.layout import layout_json
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
-from ftmem.testing import faults
 
 log = get_logger(__name__)
 
@@ -44,7 +44,7 @@ BATCH_BYTES = 64 << 20
 
 def slot_views(seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
     """Views of ``seg`` shaped like each tensor of ``layout`` (made once per slot and layout)."""
-    from ftmem.client.flatten import torch_dtype
+    from ftmem.format.tensors import torch_dtype
 
     out = []
     for e in layout.extents:

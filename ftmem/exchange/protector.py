@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.codec import StripeCodec
@@ -49,7 +50,6 @@ from ftmem.exchange.placement import (
 )
 from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
-from ftmem.testing import faults
 
 log = get_logger(__name__)
 

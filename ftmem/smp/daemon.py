@@ -36,9 +36,9 @@ from ftmem.format.layout import StoredSnapshot, parse_layout
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
 from ftmem.smp import records
-from ftmem.smp.exchange import BindCommand, ExchangeService, RankPiece, StartCommand
-from ftmem.smp.flush import FlushRequest, FlushService, FlushSettings
+from ftmem.smp.flush_scheduler import FlushRequest, FlushService, FlushSettings
 from ftmem.smp.hashing import HashJob, HashService
+from ftmem.smp.protection import BindCommand, ProtectionService, RankPiece, StartCommand
 from ftmem.smp.store import RankSlots, Slot, SlotState, StoreError
 
 log = get_logger(__name__)
@@ -96,7 +96,7 @@ class SmpDaemon:
         self.started_at = time.time()
         # The exchange thread pins, unpins and installs slots: every store change holds this.
         self._lock = threading.RLock()
-        self.exchange: ExchangeService | None = None
+        self.exchange: ProtectionService | None = None
         self._pending_exchange = 0
         self.flush: FlushService | None = None
         self._flush_replies: queue.Queue[tuple[Any, bool, dict[str, Any], str]] = queue.Queue()
@@ -537,9 +537,9 @@ class SmpDaemon:
                 "[%s/%d %d] cannot write commit record: %s", self.config.node, rs.rank, sl.step, exc
             )
 
-    def _exchange(self) -> ExchangeService:
+    def _exchange(self) -> ProtectionService:
         if self.exchange is None:
-            self.exchange = ExchangeService(self.config.node, self, events=self.events)
+            self.exchange = ProtectionService(self.config.node, self, events=self.events)
             self.exchange.start()
         return self.exchange
 

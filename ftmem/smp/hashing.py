@@ -25,10 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftmem import shm
+from ftmem import faults, shm
 from ftmem._logging import get_logger
 from ftmem.format.layout import StoredSnapshot, hash_bytes, pieces, with_hashes
-from ftmem.testing import faults
 
 log = get_logger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ftmem.testing import faults
+from ftmem import faults
 
 
 class Kind(enum.Enum):

@@ -21,7 +21,7 @@ of failure by torch's design, so it is never lost as a whole (its ranks and SMP 
 Kinds (:class:`Kind`): rank SIGKILL, rank SIGSTOP (a hang, found by the launcher's
 ``--ftmem-hang-timeout``), SMP SIGKILL, whole node SIGKILL + replacement agent, and faults
 at named points of ftmem's code armed once per run through ``FTMEM_FAULT_FILE``
-(:mod:`ftmem.testing.faults`): inside a save's copy or before its commit, at the start of an
+(:mod:`ftmem.faults`): inside a save's copy or before its commit, at the start of an
 EC round, inside EC encoding, inside a flush (kill, or a full disk: ENOSPC), inside a
 restore. The report gives, per fault, when it fired, the recovery time (fault -> every rank
 stepping again, as the runner saw it in the logs, and the agents' own detect -> resumed from
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
-from ftmem.testing import faults
+from ftmem import faults
 from ftmem.testing._chaos_report import (
     REBUILT_RE,
     ChaosReport,

@@ -30,8 +30,10 @@ from typing import Any
 
 import psutil
 
+from ftmem.errors import FtmemError
 from ftmem.exchange import keys
-from ftmem.testing.faults import ENV_FAULT_FILE
+from ftmem.faults import ENV_FAULT_FILE
+from ftmem.protocol.smp_client import SmpClient
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class Agent:
         """Every descendant ever seen (also reaped by :meth:`kill_all`)."""
         with open(log_path, "w") as f:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "launcher", *args],
+                [sys.executable, "-m", "ftmem.launch", *args],
                 env=env,
                 stdout=f,
                 stderr=subprocess.STDOUT,
@@ -221,11 +223,6 @@ class LoopbackCluster:
         if config.parity > 0 and config.nodes > 1 and not self.key_file.exists():
             keys.write_key_file(self.key_file, keys.generate())
         self.shared_dir = config.workdir / "shared"
-        # status() needs SmpClient, whose package imports torch (seconds): pay it now, not
-        # in the middle of a schedule.
-        from ftmem.client import smp_client
-
-        self._smp_client = smp_client
 
     def node_name(self, i: int) -> str:
         """The name of node ``i``."""
@@ -351,10 +348,8 @@ class LoopbackCluster:
 
     def status(self, i: int, timeout: timedelta = timedelta(seconds=3)) -> dict[str, Any] | None:
         """Node ``i``'s SMP status, or None if it does not answer."""
-        from ftmem.errors import FtmemError
-
         try:
-            with self._smp_client.SmpClient(self.run_dir(i), timeout=timeout) as c:
+            with SmpClient(self.run_dir(i), timeout=timeout) as c:
                 return c.status()
         except (FtmemError, OSError):
             return None

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from ftmem.client.flatten import StoredSnapshot, StoredTensor, dtype_name
 from ftmem.errors import CorruptSnapshotError
+from ftmem.format.layout import StoredSnapshot, StoredTensor
+from ftmem.format.tensors import dtype_name
 from ftmem.shm import ALIGN
 from ftmem.tiers.checkpoints import Checkpoint, verify_checkpoint
 from ftmem.tiers.export import PER_RANK_KEY

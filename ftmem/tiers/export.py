@@ -39,20 +39,19 @@ from typing import Any
 
 import torch
 
+from ftmem import faults
 from ftmem._logging import get_logger
-from ftmem.client.flatten import (
+from ftmem.errors import FtmemError
+from ftmem.format.layout import StoredSnapshot, parse_layout
+from ftmem.format.tensors import (
     GATHER_MARK,
     REPLICAS_KEY,
     TENSOR_MARK,
-    StoredSnapshot,
     decode_skeleton,
-    parse_layout,
     torch_dtype,
+    verify_snapshot,
 )
-from ftmem.client.restore import verify_snapshot
-from ftmem.errors import FtmemError
 from ftmem.shm import MappedSegment
-from ftmem.testing import faults
 from ftmem.tiers.checkpoints import fsync_dir, write_manifest
 from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
 
@@ -98,8 +97,8 @@ def find_sources(run_dirs: Sequence[Path], step: int | None = None) -> list[Rank
     Raises:
         ExportError: no step is committed by every rank, or ``step`` is missing on a rank.
     """
-    from ftmem.client.smp_client import SmpClient
     from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
 
     per_rank: dict[int, list[dict[str, Any]]] = {}
     for run_dir in run_dirs:
@@ -286,7 +285,7 @@ def export_dcp(
             snap = parse_layout(s.layout, s.capacity)
             seg = MappedSegment(Path(s.path), s.capacity)
             segs.append(seg)
-            verify_snapshot(snap, seg)
+            verify_snapshot(snap, seg.view)
             snaps.append(snap)
         skeletons = []
         paths: dict[str, tuple[Any, ...]] = {}
@@ -337,7 +336,7 @@ def export_dcp(
         if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
         for snap, seg in zip(snaps, segs, strict=True):
-            verify_snapshot(snap, seg)  # a rank may have reused the slot while we wrote
+            verify_snapshot(snap, seg.view)  # a rank may have reused the slot while we wrote
         extra = None
         if part:  # what the coordinator needs to write the global metadata, as JSON
             extra = {

@@ -92,7 +92,7 @@ def test_schedules_are_seeded_and_replayable() -> None:
 _PROBE = """
 import sys, time
 from pathlib import Path
-from ftmem.testing import faults
+from ftmem import faults
 deadline = time.monotonic() + 20
 while not faults.read_armed(Path(sys.argv[1])) and time.monotonic() < deadline:
     time.sleep(0.01)  # wait until the test has armed the fault (after this process started)
@@ -105,7 +105,7 @@ def test_an_armed_fault_fires_once_per_run_in_the_matching_process(tmp_path: Pat
     import subprocess
     import sys
 
-    from ftmem.testing import faults
+    from ftmem import faults
 
     armed = tmp_path / "armed.jsonl"
     env = {**os.environ, faults.ENV_FAULT_FILE: str(armed)}

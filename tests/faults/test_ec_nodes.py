@@ -16,8 +16,8 @@ from datetime import timedelta
 
 import psutil
 
-from ftmem.client.smp_client import SmpClient
 from ftmem.errors import FtmemError
+from ftmem.protocol.smp_client import SmpClient
 from tests.integration.test_launcher_support import (
     EXAMPLE,
     TINY,

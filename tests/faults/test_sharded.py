@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.client.smp_client import SmpClient
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
 from tests.conftest import Procs
 from tests.faults._ranks import SMALL, run_ranks

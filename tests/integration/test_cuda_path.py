@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import ftmem
-from ftmem.client.smp_client import SmpClient
 from ftmem.config import ClientConfig
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
 from tests.conftest import shm_files
 

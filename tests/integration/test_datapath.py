@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 import ftmem
-from ftmem.client.smp_client import SmpClient
 from ftmem.config import ClientConfig
 from ftmem.events import SMP_EVENTS_NAME
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests.conftest import shm_files
 

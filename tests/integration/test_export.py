@@ -174,7 +174,8 @@ def test_each_rank_reads_back_exactly_what_it_saved(
 
 def _same_as_saved(ck: object, sources: list) -> None:  # type: ignore[type-arg]
     """Each rank of ``sources`` reads back from ``ck`` exactly the bytes it saved."""
-    from ftmem.client.flatten import decode_skeleton, parse_layout
+    from ftmem.client.flatten import parse_layout
+    from ftmem.format.tensors import decode_skeleton
     from ftmem.shm import MappedSegment
     from ftmem.tiers.disk_restore import load_rank
 

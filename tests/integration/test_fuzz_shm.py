@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ftmem.client.smp_client import SmpClient
 from ftmem.format.layout import layout_json, tensors_json
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp import records
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests.conftest import pid_gone

@@ -35,11 +35,11 @@ import pytest
 import xxhash
 import zmq
 
-from ftmem.client.smp_client import SmpClient
 from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
 from ftmem.exchange import keys
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests.conftest import pid_gone, shm_files

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 
-from launcher.cli import config_from_args, get_args_parser
-from launcher.config import (
+from ftmem.launch.cli import config_from_args, get_args_parser
+from ftmem.launch.config import (
     FtmemLaunchConfig,
     apply_safe_env_defaults,
     apply_safe_rdzv_defaults,
     default_run_dir,
 )
-from launcher.monitor import (
+from ftmem.launch.monitor import (
     NoProgressGuard,
     RankProcess,
     RankProgress,
@@ -23,7 +23,7 @@ from launcher.monitor import (
     find_hangs,
     min_committed,
 )
-from launcher.workers import assign_slots
+from ftmem.launch.workers import assign_slots
 
 FTMEM_FLAGS = {
     "--ftmem-run-dir",
@@ -88,7 +88,7 @@ def test_defaults_and_config(tmp_path: Path) -> None:
 
 
 def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
-    from launcher.peers import resolve_parity
+    from ftmem.launch.peers import resolve_parity
 
     def ft_for(*extra: str) -> object:
         args = get_args_parser().parse_args(

@@ -117,7 +117,7 @@ class Launch:
         self.seen: set[int] = set()
         with open(log, "w") as f:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "launcher", *args],
+                [sys.executable, "-m", "ftmem.launch", *args],
                 env=env,
                 stdout=f,
                 stderr=subprocess.STDOUT,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ftmem.client.smp_client import SmpClient
 from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
 from ftmem.errors import SmpRequestError, SmpStartError, SmpUnavailableError
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests.conftest import pid_gone, shm_files

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ftmem.client.smp_client import SmpClient
 from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests.conftest import pid_gone, shm_files
 

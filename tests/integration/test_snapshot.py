@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ftmem
-from ftmem.client.smp_client import SmpClient
 from ftmem.config import ClientConfig
 from ftmem.errors import CorruptSnapshotError, SmpUnavailableError, SnapshotMismatchError
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
 from tests.conftest import shm_files
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.standby import Standby, StandbyHandler, StandbyPool, parse_python_command
+from ftmem.launch.standby import Standby, StandbyHandler, StandbyPool, parse_python_command
 
 MODULE = """
 import json, os, sys

@@ -8,15 +8,10 @@ import json
 import pytest
 import torch
 
-from ftmem.client.flatten import (
-    decode_skeleton,
-    encode_skeleton,
-    flatten_state,
-    parse_layout,
-    plan_layout,
-)
+from ftmem.client.flatten import flatten_state, parse_layout, plan_layout
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import layout_json, with_hashes
+from ftmem.format.tensors import decode_skeleton, encode_skeleton
 
 
 def test_flatten_stateful_and_nested() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftmem.cli_flush import _bar
+from ftmem.cli.persist import _bar
 
 
 def test_bar_shows_bytes_written_of_the_total() -> None:

@@ -18,7 +18,7 @@ from ftmem.exchange.placement import plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 from ftmem.smp import records
-from ftmem.smp.exchange import decide
+from ftmem.smp.protection import decide
 from ftmem.tiers.checkpoints import MANIFEST, read_checkpoint
 
 json_values = st.recursive(

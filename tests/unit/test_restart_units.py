@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from launcher.report import Recovery, restart_phases
-from launcher.standby import PythonCommand, parse_python_command, unwrap_shim
-from launcher.workers import SHIM_PATH
+from ftmem.launch.report import Recovery, restart_phases
+from ftmem.launch.standby import PythonCommand, parse_python_command, unwrap_shim
+from ftmem.launch.workers import SHIM_PATH
 
 
 def test_parse_python_command_accepts_scripts_and_modules() -> None:

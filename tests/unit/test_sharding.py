@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from ftmem.client.flatten import (
-    GATHER_MARK,
-    REPLICAS_KEY,
     flatten_state,
     parse_layout,
     plan_layout,
@@ -20,6 +18,7 @@ from ftmem.client.flatten import (
 )
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import layout_json, with_hashes
+from ftmem.format.tensors import GATHER_MARK, REPLICAS_KEY
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])

@@ -11,7 +11,7 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - hang detection from the SMP's per-rank progress (SIGKILL, then elastic's restart);
 - the no-progress guard, and one log line per failure and per recovery.
 
-Standby ranks (:mod:`launcher.standby`) take over restarted ranks through elastic's own
+Standby ranks (:mod:`ftmem.launch.standby`) take over restarted ranks through elastic's own
 process start; at a restart the c10d handler's start jitter is skipped
 (:func:`_no_restart_jitter`).
 
@@ -50,10 +50,10 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
-from launcher.config import (
+from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
-from launcher.monitor import (
+from ftmem.launch.monitor import (
     EventLog,
     HangVerdict,
     NoProgressGuard,
@@ -64,17 +64,17 @@ from launcher.monitor import (
     find_hangs,
     min_committed,
 )
-from launcher.peers import PeerSettings, join_generation
-from launcher.report import (
+from ftmem.launch.peers import PeerSettings, join_generation
+from ftmem.launch.report import (
     Recovery,
     log_failure,
     log_last_failure,
     report_resumed,
     tail_lines,
 )
-from launcher.smp_runner import SmpRunner
-from launcher.standby import StandbyPool, spawning_from
-from launcher.workers import (
+from ftmem.launch.smp_runner import SmpRunner
+from ftmem.launch.standby import StandbyPool, spawning_from
+from ftmem.launch.workers import (
     assign_slots,
     describe_exit,
     kill_rank,

@@ -1,4 +1,4 @@
-"""``python -m ftmem.tiers.flusher``: the SMP's flush worker process (it imports torch; the SMP
+"""``python -m ftmem.tiers.flush_worker``: the SMP's flush worker process (it imports torch; the SMP
 does not).
 
 It reads one JSON request per line on stdin (``flush``, or ``assemble``: see
@@ -39,7 +39,7 @@ from typing import Any
 
 from ftmem._logging import configure, get_logger
 
-log = get_logger("ftmem.flusher")
+log = get_logger("ftmem.tiers.flush_worker")
 
 
 _emit_lock = threading.Lock()
@@ -53,8 +53,8 @@ def _emit(doc: dict[str, Any]) -> None:
 
 def flush(req: dict[str, Any]) -> dict[str, Any]:
     """Run one flush request; return the final answer (progress lines are emitted on the way)."""
-    from ftmem.client.flatten import parse_layout
     from ftmem.errors import FtmemError
+    from ftmem.format.layout import parse_layout
     from ftmem.tiers.assemble import AssembleError, assemble
     from ftmem.tiers.checkpoints import (
         checkpoint_name,

@@ -1,4 +1,4 @@
-"""ExchangeService: the SMP's erasure-coding thread (peer mesh, protection rounds, rebuild).
+"""ProtectionService: the SMP's erasure-coding thread (peer mesh, protection rounds, rebuild).
 
 The SMP's main loop serves ranks; this thread owns the peer transport (ZeroMQ TCP + CURVE) and
 the :class:`~ftmem.exchange.protector.GroupProtector`. pyeclib holds the GIL for about 0.1 ms
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ftmem import shm
+from ftmem import faults, shm
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.events import EventLog
@@ -48,7 +48,6 @@ from ftmem.exchange.protector import ExchangeInterrupted, GroupProtector, StepAb
 from ftmem.exchange.segments import SegmentedBytes
 from ftmem.exchange.transport import PeerMessage
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
-from ftmem.testing import faults
 
 log = get_logger(__name__)
 
@@ -167,7 +166,7 @@ class Result:
 _SERVICE = "x:"  # prefix of the service's own message kinds
 
 
-class ExchangeService:
+class ProtectionService:
     """The exchange thread (see the module docstring).
 
     Resource handling: :meth:`close` stops the thread (bounded), closes the transport and

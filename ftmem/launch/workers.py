@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.config import ENV_EXPECTED_STEP, ENV_GENERATION, ENV_NODE, ENV_RUN_DIR, ENV_RUN_ID
-from launcher.config import ENV_AGENT_PID
+from ftmem.launch.config import ENV_AGENT_PID
 
 SHIM_PATH = Path(__file__).with_name("_exec_shim.py")
 

@@ -1,7 +1,7 @@
 """One log line per failure and per recovery, and the final report.
 
 Every line starts with ``[node/rank]``; the same events go to the JSON-lines event log
-(:class:`launcher.monitor.EventLog`) so a timeline can be plotted.
+(:class:`ftmem.launch.monitor.EventLog`) so a timeline can be plotted.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from launcher.monitor import EventLog, RankProcess, RankProgress, current_progress
+from ftmem.launch.monitor import EventLog, RankProcess, RankProgress, current_progress
 
-log = logging.getLogger("launcher.agent")
+log = logging.getLogger("ftmem.launch.agent")
 
 
 @dataclass(slots=True)

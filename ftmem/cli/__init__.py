@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         from ftmem.observe import plan, timeline
 
         return timeline.run(args) if args.cmd == "timeline" else plan.run(args)
-    from ftmem.client.smp_client import SmpClient
     from ftmem.errors import FtmemError
+    from ftmem.protocol.smp_client import SmpClient
 
     if args.cmd == "status":
         code = 0
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "flush":
         return _flush(args)
     if args.cmd == "assemble":
-        from ftmem.cli_flush import run_assemble
+        from ftmem.cli.persist import run_assemble
 
         return run_assemble(args)
     if args.cmd == "ls":
@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _flush(args: argparse.Namespace) -> int:
-    """``ftmem flush``: see :mod:`ftmem.cli_flush`."""
-    from ftmem.cli_flush import run_flush
+    """``ftmem flush``: see :mod:`ftmem.cli.persist`."""
+    from ftmem.cli.persist import run_flush
 
     return run_flush(args)
 
@@ -303,7 +303,3 @@ def _ls(args: argparse.Namespace) -> int:
         if not good and not other:
             print("  (empty)")
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """A standby rank: a Python process that did a rank's rank-independent start-up and waits.
 
-The agent (:mod:`launcher.standby`) starts it as::
+The agent (:mod:`ftmem.launch.standby`) starts it as::
 
     PYTHON [the rank command's interpreter flags] _standby.py --ctl-fd N --agent-pid P
         --local-rank L --path0 DIR [--import mod,...] [--cuda] [--nice 10]

@@ -251,8 +251,8 @@ class StatusPoller:
 
     def fetch(self) -> dict[int, RankProgress] | None:
         """Ask the SMP now (from the calling thread); None if it does not answer."""
-        from ftmem.client.smp_client import SmpClient
         from ftmem.errors import FtmemError
+        from ftmem.protocol.smp_client import SmpClient
 
         try:
             with SmpClient(self._run_dir, timeout=self._timeout) as client:

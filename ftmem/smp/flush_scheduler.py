@@ -1,6 +1,6 @@
 """FlushService: the SMP's lazy background flush to the disk tiers.
 
-A thread of the SMP decides *what* and *when*; a worker process (``ftmem.tiers.flusher``,
+A thread of the SMP decides *what* and *when*; a worker process (``ftmem.tiers.flush_worker``,
 which imports torch at nice 10) does the writing. Every ``every`` steps (the newest step all
 the node's ranks committed, or the newest protected step when erasure coding is on) the
 service pins that step's slots, hands the slots' paths and layouts to the worker, and unpins
@@ -30,7 +30,7 @@ from typing import IO, Any, Protocol
 
 from ftmem._logging import get_logger
 from ftmem.events import EventLog
-from ftmem.smp.exchange import RankPiece
+from ftmem.smp.protection import RankPiece
 
 log = get_logger(__name__)
 
@@ -525,7 +525,7 @@ class FlushService:
         self._end_worker()
         self._worker_ready.clear()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ftmem.tiers.flusher"],
+            [sys.executable, "-m", "ftmem.tiers.flush_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -89,7 +89,7 @@ def _start_showing_progress(
     The request runs on a thread of its own (a client belongs to one thread); this thread polls
     the SMP's status with a second client.
     """
-    from ftmem.client.smp_client import SmpClient
+    from ftmem.protocol.smp_client import SmpClient
 
     box: dict[str, Any] = {}
 
@@ -149,8 +149,8 @@ def join_generation(
         UnrecoverableError: more than m nodes of a group lost their snapshots.
         FtmemError: the SMP could not open its port or the sync failed otherwise.
     """
-    from ftmem.client.smp_client import SmpClient
     from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
 
     parity = resolve_parity(settings.parity, nodes)
     if parity == 0:

@@ -25,8 +25,8 @@ _BAR = 24
 
 def common_step(run_dirs: list[Path]) -> int | None:
     """The newest step committed by every rank of every SMP in ``run_dirs`` (None: none)."""
-    from ftmem.client.smp_client import SmpClient
     from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
 
     common: set[int] | None = None
     for rd in run_dirs:
@@ -56,9 +56,9 @@ def _bar(running: dict[str, Any], tiers: list[str]) -> str:
 
 def run_flush(args: argparse.Namespace) -> int:
     """Flush the same step on every SMP of ``args.run_dir``; print the durable paths."""
-    from ftmem.client.smp_client import SmpClient
     from ftmem.errors import FtmemError
     from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
 
     run_dirs: list[Path] = list(args.run_dir or [default_run_dir()])
     step = args.step

@@ -2,7 +2,7 @@
 
 A cold rank start pays for the interpreter, ``import torch`` and the job's other imports
 before it does any rank-specific work (2-4 s here, more on GPU clusters). The agent keeps
-one :class:`Standby` per local rank that has done that start-up (``launcher/_standby.py``)
+one :class:`Standby` per local rank that has done that start-up (``ftmem/launch/_standby.py``)
 and waits on a socketpair; at a restart elastic asks for a process for every local rank and
 :func:`spawning_from` answers with a standby where one is ready (a cold start otherwise).
 
@@ -40,9 +40,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import api as elastic_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-from launcher.workers import SHIM_PATH
+from ftmem.launch.workers import SHIM_PATH
 
-log = logging.getLogger("launcher.agent")
+log = logging.getLogger("ftmem.launch.agent")
 
 STANDBY_PATH = Path(__file__).with_name("_standby.py")
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._inductor.config", "ftmem.client")

@@ -2,7 +2,7 @@
 
 torch's ``torch.distributed.launcher.api.launch_agent`` hard-codes ``LocalElasticAgent``;
 this is the same sequence (rendezvous handler, ``WorkerSpec``, agent, result handling) with
-:class:`~launcher.agent.FtmemElasticAgent`, the node's SMP, ftmem's safe defaults and the
+:class:`~ftmem.launch.agent.FtmemElasticAgent`, the node's SMP, ftmem's safe defaults and the
 exec shim around the ranks' command.
 """
 
@@ -33,16 +33,16 @@ from torch.distributed.launcher.api import (
 )
 
 from ftmem.config import ENV_FLUSH_DIRS
-from launcher.agent import FtmemElasticAgent
-from launcher.config import (
+from ftmem.launch.agent import FtmemElasticAgent
+from ftmem.launch.config import (
     FtmemLaunchConfig,
     apply_safe_env_defaults,
     apply_safe_rdzv_defaults,
     resolve_names,
     safe_name,
 )
-from launcher.smp_runner import SmpRunner
-from launcher.workers import wrap_entrypoint
+from ftmem.launch.smp_runner import SmpRunner
+from ftmem.launch.workers import wrap_entrypoint
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from torch.distributed.run import get_args_parser as torchrun_args_parser
 from torch.distributed.run import parse_min_max_nnodes
 
 from ftmem.errors import UnrecoverableError
-from launcher.config import (
+from ftmem.launch.config import (
     DEFAULT_MAX_RESTARTS,
     FtmemLaunchConfig,
     default_peer_host,
@@ -362,7 +362,7 @@ def configure_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     level = os.environ.get("FTMEM_LOG_LEVEL", "INFO").upper()
-    for name in ("launcher", "ftmem"):
+    for name in ("ftmem",):
         logger = logging.getLogger(name)
         if not logger.handlers:
             logger.addHandler(handler)
@@ -372,7 +372,7 @@ def configure_logging() -> None:
 
 def run(args: Namespace) -> dict[int, Any]:
     """Run the agent described by parsed ``args`` on this node."""
-    from launcher.launch import launch_agent
+    from ftmem.launch.launch import launch_agent
 
     _apply_standalone(args)
     install_signal_handlers(args.signals_to_handle)
@@ -387,7 +387,7 @@ def main(args: list[str] | None = None) -> None:
     try:
         run(parse_args(args))
     except UnrecoverableError as exc:
-        logging.getLogger("launcher").error("ftmem-launch: UNRECOVERABLE: %s", exc)
+        logging.getLogger("ftmem.launch").error("ftmem-launch: UNRECOVERABLE: %s", exc)
         sys.exit(3)
 
 
