@@ -12,27 +12,23 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - the no-progress guard, and one log line per failure and per recovery.
 
 Standby ranks (:mod:`ftmem.launch.standby`) take over restarted ranks through elastic's own
-process start; at a restart the c10d handler's start jitter is skipped
-(:func:`_no_restart_jitter`).
+process start; at a restart the c10d handler's start jitter is skipped.
 
-The private hooks it overrides (``_rendezvous``, ``_assign_worker_ranks``,
-``_start_workers``, ``_stop_workers``, ``_restart_workers``, ``_monitor_workers``,
-``_shutdown``) and the two module functions it swaps while it calls them
-(``get_subprocess_handler`` of ``multiprocessing.api``, ``_delay`` of
-``dynamic_rendezvous``) are those of torch 2.13 (and, as far as read, 2.6-2.14); the launcher tests
-pin their behaviour, so run them on every supported torch.
+It overrides elastic's four abstract hooks (``_start_workers``, ``_stop_workers``,
+``_monitor_workers``, ``_shutdown``); everything else it needs from elastic's private API
+(three private methods, the rendezvous round, two swapped module functions, and what differs
+between the supported torch versions) is in :mod:`ftmem.launch.elastic_compat`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -43,9 +39,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ftmem.errors import FtmemError, UnrecoverableError
@@ -53,6 +47,7 @@ from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
+from ftmem.launch.elastic_compat import ElasticAgentBase, restart_without_jitter
 from ftmem.launch.monitor import (
     EventLog,
     HangVerdict,
@@ -65,6 +60,7 @@ from ftmem.launch.monitor import (
     min_committed,
 )
 from ftmem.launch.peers import PeerSettings, join_generation
+from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
 from ftmem.launch.report import (
     Recovery,
     log_failure,
@@ -75,7 +71,6 @@ from ftmem.launch.report import (
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
 from ftmem.launch.workers import (
-    assign_slots,
     describe_exit,
     kill_rank,
     proc_state,
@@ -94,36 +89,7 @@ STANDBY_FALLBACK_S = 30.0
 """Standbys start this long after the ranks even if the ranks never report progress."""
 
 
-@contextlib.contextmanager
-def _no_restart_jitter(restart: bool) -> Iterator[None]:
-    """At a restart, skip the c10d handler's random 0-0.3 s start delay.
-
-    torch's ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is
-    our first run" (to spread the nodes' first joins), but tests ``round == 0``, which still
-    holds at the first restart. The delay helper of ``dynamic_rendezvous`` is swapped for
-    the duration for one that skips random (tuple) delays only; the 1 s polls stay.
-    """
-    if not restart:
-        yield
-        return
-    name = "_delay"
-    original = getattr(dynamic_rendezvous, name, None)
-    if original is None:
-        yield
-        return
-
-    def delay(seconds: float | tuple[float, float]) -> None:
-        if not isinstance(seconds, tuple):
-            original(seconds)
-
-    setattr(dynamic_rendezvous, name, delay)
-    try:
-        yield
-    finally:
-        setattr(dynamic_rendezvous, name, original)
-
-
-class FtmemElasticAgent(LocalElasticAgent):
+class FtmemElasticAgent(ElasticAgentBase):
     """LocalElasticAgent that also runs the node's SMP and detects hung ranks.
 
     Resource handling: the SMP and the status poller are stopped in :meth:`_shutdown`,
@@ -184,7 +150,7 @@ class FtmemElasticAgent(LocalElasticAgent):
 
     # -- rendezvous -------------------------------------------------------------------------
 
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+    def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
         settings = getattr(self._rdzv_handler, "settings", None)  # the c10d/etcd-v2 handler
         if settings is not None:
             log.info(
@@ -196,8 +162,8 @@ class FtmemElasticAgent(LocalElasticAgent):
             )
         else:
             log.info("[%s] joining the rendezvous", self._node)
-        with _no_restart_jitter(restart=self.generation >= 0):
-            super()._rendezvous(worker_group)
+        with restart_without_jitter(restart=self.generation >= 0):
+            join()
         self._rendezvous_at = time.time()
         self._share_master(worker_group)
         self.generation = self._exchange_generation(worker_group)
@@ -219,8 +185,13 @@ class FtmemElasticAgent(LocalElasticAgent):
             and not spec.master_addr
         )
 
-    def _assign_worker_ranks(
-        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    def assign_worker_ranks(
+        self,
+        store: Any,
+        group_rank: int,
+        group_world_size: int,
+        spec: WorkerSpec,
+        elastic_default: Callable[[], list[Worker]],
     ) -> list[Worker]:
         """Keep every node's global ranks across rounds (elastic renumbers by node order).
 
@@ -230,10 +201,7 @@ class FtmemElasticAgent(LocalElasticAgent):
         """
         if not self._stable_ranks(spec):
             self._slot = None
-            workers: list[Worker] = super()._assign_worker_ranks(
-                store, group_rank, group_world_size, spec
-            )
-            return workers
+            return elastic_default()
         mine = {"slot": self._slot, "size": spec.local_world_size}
         store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
         if group_rank == 0:
@@ -246,21 +214,17 @@ class FtmemElasticAgent(LocalElasticAgent):
         if assigned is None:
             log.warning("[%s] nodes differ in size: elastic assigns the ranks", self._node)
             self._slot = None
-            workers = super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
-            return workers
+            return elastic_default()
         self._slot = int(assigned[group_rank])
-        size = spec.local_world_size
-        world = size * group_world_size
-        base = self._slot * size
         return [
             Worker(
-                local_rank=i,
-                global_rank=base + i,
-                role_rank=base + i,
-                world_size=world,
-                role_world_size=world,
+                local_rank=p.local_rank,
+                global_rank=p.global_rank,
+                role_rank=p.global_rank,
+                world_size=p.world_size,
+                role_world_size=p.world_size,
             )
-            for i in range(size)
+            for p in slot_ranks(self._slot, spec.local_world_size, group_world_size)
         ]
 
     def _share_master(self, worker_group: WorkerGroup) -> None:
@@ -290,9 +254,7 @@ class FtmemElasticAgent(LocalElasticAgent):
         if store is None:
             return self.generation + 1
         if worker_group.group_rank == 0:
-            state = getattr(getattr(self._rdzv_handler, "_state_holder", None), "state", None)
-            round_ = getattr(state, "round", None)
-            gen = int(round_) if isinstance(round_, int) else self.generation + 1
+            gen = next_generation(self.rendezvous_round(), self.generation)
             store.set(_GENERATION_KEY, str(gen))
             return gen
         return int(store.get(_GENERATION_KEY).decode())
@@ -383,18 +345,18 @@ class FtmemElasticAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
         self._kill_stopped("while the ranks are stopped")
-        LocalElasticAgent._shutdown(self, signal.SIGTERM, self._shutdown_timeout)
+        self.stop_ranks(signal.SIGTERM)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         try:
             self._kill_stopped("at shutdown")
-            super()._shutdown(death_sig, timeout)
+            self.stop_ranks(death_sig, timeout)
         finally:
             self._standbys.stop()
             self._poller.close()
             self._smp.stop()
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+    def before_restart(self, worker_group: WorkerGroup) -> None:
         if self._recovery is None:
             # elastic restarts healthy ranks when another node (re)joins the rendezvous,
             # typically because that node's ranks failed; it is not charged as a restart.
@@ -413,7 +375,6 @@ class FtmemElasticAgent(LocalElasticAgent):
             self.events.write(
                 "restart", reason="membership", generation=self.generation, committed=committed
             )
-        super()._restart_workers(worker_group)
 
     # -- monitoring -------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from ftmem.launch.config import (
     resolve_names,
     safe_name,
 )
+from ftmem.launch.elastic_compat import check_torch_version, launch_shutdown_timeout
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.workers import wrap_entrypoint
 
@@ -62,7 +63,11 @@ def launch_agent(
     Resource handling: the SMP is started before the first rendezvous (so its start-up
     overlaps the wait for other nodes) and is stopped on every exit path; ranks are spawned
     through the exec shim, so they die with the agent even if it is SIGKILLed.
+
+    Raises:
+        FtmemError: the running torch is older than ftmem-launch supports.
     """
+    check_torch_version()
     if not config.run_id:
         config.run_id = uuid.uuid4().hex
         log.warning("no --rdzv-id given; generated run id %s", config.run_id)
@@ -153,7 +158,7 @@ def launch_agent(
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
+        shutdown_timeout=launch_shutdown_timeout(config),
         ftmem=ftmem,
         smp=smp,
     )

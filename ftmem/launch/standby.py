@@ -32,14 +32,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing import api as elastic_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from ftmem.launch.elastic_compat import subprocess_handler_replaced
 from ftmem.launch.workers import SHIM_PATH
 
 log = logging.getLogger("ftmem.launch.agent")
@@ -395,9 +395,8 @@ def spawning_from(pool: StandbyPool) -> Iterator[None]:
     duration (the agent starts ranks from its main thread only); a rank without a ready
     standby, or whose standby fails the handoff, is started cold by elastic's own function.
     """
-    name = "get_subprocess_handler"
-    original: Any = getattr(elastic_api, name)
     pool.handed = {}
+    elastic_own: list[Callable[..., SubprocessHandler]] = []  # set on entering the swap
 
     def get_handler(
         entrypoint: str,
@@ -425,7 +424,7 @@ def spawning_from(pool: StandbyPool) -> Iterator[None]:
             else:
                 pool.handed[local_rank_id] = standby
                 return handler
-        cold: SubprocessHandler = original(
+        cold: SubprocessHandler = elastic_own[0](
             entrypoint=entrypoint,
             args=args,
             env=env,
@@ -436,8 +435,6 @@ def spawning_from(pool: StandbyPool) -> Iterator[None]:
         )
         return cold
 
-    setattr(elastic_api, name, get_handler)
-    try:
+    with subprocess_handler_replaced(get_handler) as original:
+        elastic_own.append(original)
         yield
-    finally:
-        setattr(elastic_api, name, original)

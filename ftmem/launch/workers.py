@@ -85,22 +85,3 @@ def proc_state(pid: int) -> str | None:
             return f.read().rsplit(") ", 1)[1][:1]
     except (OSError, IndexError):
         return None
-
-
-def assign_slots(previous: list[int | None]) -> list[int]:
-    """Give each node (by group rank) a slot: its block of global ranks (pure).
-
-    ``previous[i]`` is the slot the node with group rank ``i`` held in the previous round
-    (None for a new node). A node keeps its slot if it still exists (< the node count) and
-    no node with a lower group rank kept it; the other nodes take the free slots in order.
-    So survivors keep their global ranks and a replacement takes the lost node's ranks.
-    """
-    n = len(previous)
-    slots: list[int | None] = [None] * n
-    taken: set[int] = set()
-    for i, prev in enumerate(previous):
-        if prev is not None and 0 <= prev < n and prev not in taken:
-            slots[i] = prev
-            taken.add(prev)
-    free = iter(s for s in range(n) if s not in taken)
-    return [s if s is not None else next(free) for s in slots]

@@ -23,7 +23,6 @@ from ftmem.launch.monitor import (
     find_hangs,
     min_committed,
 )
-from ftmem.launch.workers import assign_slots
 
 FTMEM_FLAGS = {
     "--ftmem-run-dir",
@@ -202,13 +201,3 @@ def test_no_progress_guard() -> None:
     assert g.on_failure(6) and g.best == 6
     assert not any(NoProgressGuard(limit=0).on_failure(None) for _ in range(5))
 
-
-def test_assign_slots_keeps_survivors_and_fills_gaps() -> None:
-    assert assign_slots([None, None, None]) == [0, 1, 2]
-    # node c (was slot 2) now sorts before the replacement: it keeps slot 2
-    assert assign_slots([0, 2, None]) == [0, 2, 1]
-    # the slot-0 node was replaced: the newcomer takes slot 0
-    assert assign_slots([1, 2, None]) == [1, 2, 0]
-    # shrink: a slot beyond the node count is re-assigned; duplicates go to the lower rank
-    assert assign_slots([2, 1]) == [0, 1]
-    assert assign_slots([1, 1]) == [1, 0]

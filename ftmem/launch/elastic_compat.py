@@ -1,0 +1,214 @@
+"""Every dependency of ftmem-launch on torch.distributed.elastic's private API, in one file.
+
+ftmem-launch is elastic's ``LocalElasticAgent`` with ftmem's hooks. Its four abstract
+methods (``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown``) are
+elastic's extension points and :mod:`ftmem.launch.agent` overrides them. Everything else that
+reaches into elastic's internals is here, so moving to a new torch means reviewing this file
+(and running the launcher tests):
+
+1. Three private, non-abstract methods of ``SimpleElasticAgent``, forwarded by
+   :class:`ElasticAgentBase` to hooks with names of their own:
+   ``_rendezvous`` -> :meth:`~ElasticAgentBase.join_rendezvous`,
+   ``_assign_worker_ranks`` -> :meth:`~ElasticAgentBase.assign_worker_ranks`,
+   ``_restart_workers`` -> :meth:`~ElasticAgentBase.before_restart`.
+2. The rendezvous round, read from the c10d handler's ``_state_holder``
+   (:meth:`~ElasticAgentBase.rendezvous_round`).
+3. Two module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
+   (:func:`restart_without_jitter`) and ``multiprocessing.api.get_subprocess_handler``
+   (:func:`subprocess_handler_replaced`, for standby ranks).
+4. What changed between the supported versions: torch 2.13 added ``shutdown_timeout`` to the
+   agent's constructor, to ``LaunchConfig`` and to ``_shutdown``; 2.11 and 2.12 have none of
+   them (:meth:`~ElasticAgentBase.stop_ranks` and :func:`launch_shutdown_timeout`).
+
+Supported: torch 2.11 up to (not including) 2.15. CI tests the pinned 2.13 CPU build; the
+launcher tests were run on 2.11 before the range was declared (docs/launcher.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import api as elastic_mp_api
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+from ftmem.errors import FtmemError
+
+log = logging.getLogger(__name__)
+
+OLDEST = (2, 11)
+"""The oldest torch whose elastic internals this module matches."""
+NEWEST = (2, 14)
+"""The newest minor version read against this module."""
+
+_HAS_SHUTDOWN_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
+"""torch >= 2.13: ``_shutdown(death_sig, timeout)`` and a ``shutdown_timeout`` argument."""
+
+
+def torch_minor(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the running torch's)."""
+    text = version if version is not None else torch.__version__
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Refuse a torch older than :data:`OLDEST`; warn about one newer than :data:`NEWEST`.
+
+    Raises:
+        FtmemError: the running torch is too old for ftmem-launch.
+    """
+    have = torch_minor(version)
+    text = version if version is not None else torch.__version__
+    if have < OLDEST:
+        raise FtmemError(
+            f"ftmem-launch needs torch >= {OLDEST[0]}.{OLDEST[1]} (it extends elastic's "
+            f"agent); this is torch {text}"
+        )
+    if have > NEWEST:
+        log.warning(
+            "torch %s is newer than the newest version ftmem-launch was read against "
+            "(%d.%d): review ftmem/launch/elastic_compat.py if the launcher misbehaves",
+            text,
+            *NEWEST,
+        )
+
+
+def launch_shutdown_timeout(config: Any) -> int:
+    """The ``LaunchConfig``'s shutdown timeout (seconds): torch < 2.13 has none, 30 s."""
+    value = getattr(config, "shutdown_timeout", None)
+    return int(value) if value is not None else 30
+
+
+@contextlib.contextmanager
+def replaced(module: Any, name: str, replacement: Callable[..., Any]) -> Iterator[Any]:
+    """Swap ``module.name`` for ``replacement`` while inside; yields the original.
+
+    Only the agent's main thread starts ranks and joins rendezvous, so nothing else sees the
+    swap. A missing attribute (another torch) leaves the module alone and yields None.
+    """
+    original = getattr(module, name, None)
+    if original is None:
+        yield None
+        return
+    setattr(module, name, replacement)
+    try:
+        yield original
+    finally:
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def restart_without_jitter(restart: bool) -> Iterator[None]:
+    """At a restart, skip the c10d handler's random 0-0.3 s start delay.
+
+    ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is our first
+    run" (to spread the nodes' first joins), but tests ``round == 0``, which still holds at
+    the first restart. Its delay helper is swapped for one that skips random (tuple) delays
+    only; the 1 s polls stay.
+    """
+    if not restart:
+        yield
+        return
+    original: Callable[[Any], None] | None = getattr(dynamic_rendezvous, "_delay", None)
+
+    def delay(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple) and original is not None:
+            original(seconds)
+
+    with replaced(dynamic_rendezvous, "_delay", delay):
+        yield
+
+
+@contextlib.contextmanager
+def subprocess_handler_replaced(
+    make: Callable[..., Any],
+) -> Iterator[Callable[..., Any]]:
+    """While inside, elastic builds each rank's ``SubprocessHandler`` with ``make``.
+
+    ``make`` takes elastic's keyword arguments (``entrypoint, args, env, stdout, stderr,
+    local_rank_id``, and ``numa_options`` on torch >= 2.6); the context yields elastic's own
+    function, which ``make`` calls for a cold start.
+    """
+    with replaced(elastic_mp_api, "get_subprocess_handler", make) as original:
+        if original is None:
+            raise FtmemError("this torch has no multiprocessing.api.get_subprocess_handler")
+        yield original
+
+
+class ElasticAgentBase(LocalElasticAgent):
+    """``LocalElasticAgent`` whose private hooks call methods that subclasses override.
+
+    Resource handling: as ``LocalElasticAgent``; :meth:`stop_ranks` stops the ranks only.
+    """
+
+    def __init__(self, *args: Any, shutdown_timeout: int = 30, **kwargs: Any) -> None:
+        if _HAS_SHUTDOWN_TIMEOUT:
+            kwargs["shutdown_timeout"] = shutdown_timeout
+        super().__init__(*args, **kwargs)
+        self.shutdown_timeout_s = shutdown_timeout
+        """Seconds between SIGTERM and SIGKILL when the ranks are stopped."""
+
+    # -- hooks for subclasses -----------------------------------------------------------------
+
+    def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
+        """Join the next rendezvous round: call ``join`` (elastic's join) and add to it."""
+        join()
+
+    def assign_worker_ranks(
+        self,
+        store: Any,
+        group_rank: int,
+        group_world_size: int,
+        spec: WorkerSpec,
+        elastic_default: Callable[[], list[Worker]],
+    ) -> list[Worker]:
+        """This node's workers with their global ranks; default: elastic's numbering."""
+        return elastic_default()
+
+    def before_restart(self, worker_group: WorkerGroup) -> None:
+        """Called when elastic is about to restart the ranks (any cause)."""
+
+    # -- elastic internals --------------------------------------------------------------------
+
+    def rendezvous_round(self) -> int | None:
+        """The c10d handler's round number (the same on every node), None if unknown."""
+        holder = getattr(self._rdzv_handler, "_state_holder", None)
+        round_ = getattr(getattr(holder, "state", None), "round", None)
+        return round_ if isinstance(round_, int) else None
+
+    def stop_ranks(self, death_sig: signal.Signals, timeout: int | None = None) -> None:
+        """``LocalElasticAgent``'s own shutdown of the ranks (not this class's override)."""
+        if _HAS_SHUTDOWN_TIMEOUT:
+            wait = self.shutdown_timeout_s if timeout is None else timeout
+            LocalElasticAgent._shutdown(self, death_sig, wait)
+        else:
+            LocalElasticAgent._shutdown(self, death_sig)
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        def join() -> None:
+            LocalElasticAgent._rendezvous(self, worker_group)
+
+        self.join_rendezvous(worker_group, join)
+
+    def _assign_worker_ranks(
+        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    ) -> list[Worker]:
+        def elastic_default() -> list[Worker]:
+            workers: list[Worker] = LocalElasticAgent._assign_worker_ranks(
+                self, store, group_rank, group_world_size, spec
+            )
+            return workers
+
+        return self.assign_worker_ranks(store, group_rank, group_world_size, spec, elastic_default)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.before_restart(worker_group)
+        super()._restart_workers(worker_group)
