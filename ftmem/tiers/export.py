@@ -1,6 +1,6 @@
 """Export a step held in SMP memory as a stock torch.distributed.checkpoint (DCP) directory.
 
-This is the format half of the disk tiers (issue 5): what ftmem writes to disk must load with
+This is the format half of the disk tiers: what ftmem writes to disk must load with
 stock ``torch.distributed.checkpoint.load`` at any world size, and convert with
 ``dcp_to_torch_save``. The checkpoint is written by DCP itself (``dcp.save(..., no_dist=True)``
 with a ``FileSystemWriter``), from the ranks' committed slots, after their checksums pass:
@@ -26,7 +26,6 @@ may reuse a slot meanwhile), so a partial export is never taken for a complete o
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import shutil
@@ -454,8 +453,3 @@ def _flatten_into(
             _flatten_into(v, f"{key}.{i}" if key else str(i), tensors, objects)
     else:
         objects[key] = value
-
-
-def skeleton_of(raw: torch.Tensor) -> Any:
-    """Decode a per-rank ``skeleton`` tensor of an export (``torch.load(weights_only=True)``)."""
-    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
