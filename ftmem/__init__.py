@@ -9,10 +9,12 @@ Public API (the simple path)::
         train_one_step()
         ftmem.save(state, step=step + 1)
 
-Layout of the package: client/ runs in the ranks; smp/ is the per-node snapshot
-management process; protocol/ defines the messages between them; shm.py names and maps
-the shared memory; config.py and errors.py hold settings and exceptions; cli.py is the
-``ftmem`` command; testing/ has fault injection for tests.
+Layout of the package, by layer (each imports only its own package and the layers above it
+in this list; tests/unit/test_layers.py checks it): errors.py, config.py; format/ (slot
+layouts, skeleton codec), protocol/ (messages, the SMP client), shm.py, faults.py; exchange/
+(erasure coding, peer mesh), tiers/ (disk checkpoints in DCP format); client/ (runs in the
+ranks), smp/ (the per-node snapshot management process), observe/ (event-log readers); this
+module (the public API); launch/ (``ftmem-launch``), cli/ (``ftmem``); testing/.
 """
 
 from __future__ import annotations

@@ -41,19 +41,11 @@ from ftmem.client.flatten import (
     Flat,
     Layout,
     flatten_state,
-    parse_layout,
     plan_layout,
     shard_replicated,
     signature_of,
 )
-from ftmem.client.restore import (
-    RestorePlan,
-    apply_restore,
-    copy_verified,
-    finish_restore,
-    plan_restore,
-    restore_threads,
-)
+from ftmem.client.loading import SnapshotLoader
 from ftmem.client.staging import (
     CopyJob,
     CopyWorker,
@@ -65,21 +57,16 @@ from ftmem.client.staging import (
     start_cuda_copies,
     unregister_pinned,
 )
-from ftmem.config import ENV_EXPECTED_STEP, ClientConfig
+from ftmem.config import ClientConfig
 from ftmem.errors import (
-    CorruptSnapshotError,
     FtmemError,
-    InconsistentSnapshotError,
-    SnapshotMismatchError,
 )
-from ftmem.format.tensors import encode_skeleton, read_objects
+from ftmem.format.tensors import encode_skeleton
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
 
 log = get_logger(__name__)
-
-_OK, _CORRUPT, _MISMATCH = 2, 1, 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -579,7 +566,9 @@ class Checkpointer:
     ) -> int:
         """Restore the newest step every rank holds (in place); return it, or 0 if none.
 
-        All ranks of the default process group must call this together.
+        All ranks of the default process group must call this together. Memory first; when
+        memory cannot serve every rank, the newest flushed checkpoint every rank can read
+        (:class:`~ftmem.client.loading.SnapshotLoader` says how the ranks agree).
 
         Raises:
             InconsistentSnapshotError: some ranks hold snapshots and others none (unless
@@ -595,185 +584,14 @@ class Checkpointer:
             self._group = next((g for g in groups if g is not None), None)
         self.wait_quietly()
         client = self._connect()
-        snaps = client.request(m.Query(rank=self.rank))["snapshots"]
-        excluded: set[int] = set()
-        for _ in range(agreement.MAX_CANDIDATES + 1):
-            mine = [int(s["step"]) for s in snaps if int(s["step"]) not in excluded]
-            everyone = agreement.gather_candidates(mine)
-            step = agreement.newest_common(everyone)
-            if step is None:
-                from_disk = self._load_from_disk(state, client)
-                if from_disk is not None:
-                    return from_disk
-                if not any(everyone) and not excluded:
-                    lost = _expected_step()
-                    if lost > 0 and not allow:
-                        raise InconsistentSnapshotError(
-                            f"the run had committed step {lost} but no snapshot is left "
-                            "(the SMP was restarted?); set FTMEM_ALLOW_FRESH_START=1 to start "
-                            "from step 0"
-                        )
-                    return 0
-                holders = [r for r, c in enumerate(everyone) if c]
-                msg = (
-                    f"no snapshot step is held by every rank (ranks holding some: {holders}; "
-                    f"failed checks: {sorted(excluded)})"
-                )
-                if allow:
-                    log.warning("%s; starting fresh as allowed", msg)
-                    client.request(m.DiscardNewer(rank=self.rank, step=0))
-                    return 0
-                if excluded:
-                    raise CorruptSnapshotError(msg)
-                raise InconsistentSnapshotError(msg)
-            snap = next(s for s in snaps if int(s["step"]) == step)
-            code, plan, seg, err = self._prepare_restore(state, snap)
-            agreed = agreement.min_over_ranks(code)
-            if agreed == _OK:
-                assert plan is not None and seg is not None
-                # Copy and verify in one pass; the ranks agree again before anything else
-                # (Stateful objects, replicated rows) is applied.
-                try:
-                    copy_verified(plan, seg, threads=restore_threads())
-                except CorruptSnapshotError as exc:
-                    log.error("snapshot of step %d is corrupt: %s", step, exc)
-                    code, err = _CORRUPT, str(exc)
-                agreed = agreement.min_over_ranks(code)
-            if agreed == _OK:
-                assert plan is not None and seg is not None
-                finish_restore(plan, seg, group=self._group, peers=self._peer_pieces(client, step))
-                client.request(m.DiscardNewer(rank=self.rank, step=step))
-                log.info("restored step %d", step)
-                return step
-            if agreed == _MISMATCH:
-                raise SnapshotMismatchError(
-                    err or f"snapshot {step} does not fit another rank's state"
-                )
-            log.warning(
-                "step %d cannot be restored on every rank (%s); trying an older one",
-                step,
-                err or "another rank failed its checksum",
-            )
-            excluded.add(step)
-        raise CorruptSnapshotError("no restorable snapshot step")
-
-    def _load_from_disk(self, state: MutableMapping[str, Any], client: SmpClient) -> int | None:
-        """Memory cannot serve every rank: restore the newest complete flushed checkpoint that
-        every rank can read, nearest tier first; None if there is none (all ranks agree)."""
-        from ftmem.tiers.checkpoints import Checkpoint, list_checkpoints
-        from ftmem.tiers.disk_restore import load_rank
-
-        world = torch.distributed.get_world_size() if agreement.distributed() else 1
-        found: dict[int, Checkpoint] = {}
-        for tier in self.config.flush_dirs:
-            good, other = list_checkpoints(tier, parts=True)
-            for path, why in other:
-                log.warning("ignoring %s: %s", path, why)
-            for ck in good:  # a whole checkpoint, or a node's part that holds this rank
-                if ck.world_size == world and self.rank in ck.ranks:
-                    found.setdefault(ck.step, ck)  # the nearest tier's copy wins
-        excluded: set[int] = set()
-        for _ in range(agreement.MAX_CANDIDATES):
-            mine = [s for s in found if s not in excluded]
-            step = agreement.newest_common(agreement.gather_candidates(mine))
-            if step is None:
-                return None
-            ck = found[step]
-            code, err, restore = _CORRUPT, "", None
-            try:
-                snap, objects, buf = load_rank(ck, self.rank)
-                restore = (self._check_group(plan_restore(state, snap, objects)), buf)
-                code = _OK
-            except CorruptSnapshotError as exc:
-                err = str(exc)
-                log.error("flushed checkpoint %s is corrupt: %s", ck.path, exc)
-            except SnapshotMismatchError as exc:
-                code, err = _MISMATCH, str(exc)
-            agreed = agreement.min_over_ranks(code)
-            if agreed == _OK:
-                assert restore is not None
-                apply_restore(
-                    restore[0],
-                    restore[1],  # type: ignore[arg-type]
-                    threads=restore_threads(),
-                    group=self._group,
-                )
-                client.request(m.DiscardNewer(rank=self.rank, step=step))
-                log.warning(
-                    "memory could not serve every rank: restored step %d from %s", step, ck.path
-                )
-                return step
-            if agreed == _MISMATCH:
-                raise SnapshotMismatchError(err or f"checkpoint {ck.path} does not fit the state")
-            log.warning(
-                "checkpoint of step %d cannot be restored on every rank (%s); trying an older one",
-                step,
-                err or "another rank failed",
-            )
-            excluded.add(step)
-        return None
-
-    def _prepare_restore(
-        self, state: MutableMapping[str, Any], snap: dict[str, Any]
-    ) -> tuple[int, Any, Any, str]:
-        try:
-            seg = self._segment(str(snap["path"]), int(snap["capacity"]))
-            stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
-            objects = read_objects(stored, seg.view)  # the tensors are checked as they are copied
-            return _OK, self._check_group(plan_restore(state, stored, objects)), seg, ""
-        except (CorruptSnapshotError, OSError, ValueError) as exc:
-            log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)
-            return _CORRUPT, None, None, str(exc)
-        except SnapshotMismatchError as exc:
-            return _MISMATCH, None, None, str(exc)
-
-    def _peer_pieces(self, client: SmpClient, step: int) -> Any:
-        """For a sharded restore: the other replicas' snapshots of ``step`` that this node's
-        SMP holds (same shared memory), so their rows are copied, not sent over the network."""
-        if not agreement.distributed():
-            return None
-        here = {int(r) for r in client.status().get("ranks", {})}
-        group = self._group if self._group is not None else torch.distributed.group.WORLD
-        assert group is not None
-
-        def find(k: int) -> Any:
-            g = torch.distributed.get_global_rank(group, k)
-            if g not in here:
-                return None
-            for snap in client.request(m.Query(rank=g))["snapshots"]:
-                if int(snap["step"]) == step:
-                    path, cap = str(snap["path"]), int(snap["capacity"])
-                    return self._segment(path, cap), parse_layout(str(snap["layout"]), cap).tensors
-            return None
-
-        return find
-
-    def _check_group(self, plan: RestorePlan) -> RestorePlan:
-        """A sharded snapshot restores only with the same replicas (it gathers over them).
-
-        Raises:
-            SnapshotMismatchError: the replica group differs from the one that saved.
-        """
-        shape = plan.replica_group_shape()
-        if shape is None:
-            return plan
-        if not agreement.distributed():
-            if shape == (1, 0):
-                return plan
-            raise SnapshotMismatchError(
-                f"the snapshot was sharded over {shape[0]} replicas; load it with a process group"
-            )
-        have = (
-            torch.distributed.get_world_size(self._group),
-            torch.distributed.get_rank(self._group),
+        loader = SnapshotLoader(
+            rank=self.rank,
+            client=client,
+            segment=self._segment,
+            group=self._group,
+            flush_dirs=self.config.flush_dirs,
         )
-        if have != shape:
-            raise SnapshotMismatchError(
-                f"the snapshot was sharded over {shape[0]} replicas (this one #{shape[1]}); "
-                f"the replica group here has {have[0]} (this one #{have[1]}): pass "
-                "replicated_over= to load"
-            )
-        return plan
+        return loader.load(state, allow_fresh_start=allow)
 
     # -- shutdown --------------------------------------------------------------------------
     def wait_quietly(self, timeout: float | None = None) -> None:
@@ -810,13 +628,6 @@ class Checkpointer:
             unregister_pinned(seg)
             seg.close()
         self._segments.clear()
-
-
-def _expected_step() -> int:
-    """The newest step any rank's launcher says its node had committed (0 if unknown)."""
-    raw = os.environ.get(ENV_EXPECTED_STEP, "")
-    mine = int(raw) if raw.isdigit() else 0
-    return -agreement.min_over_ranks(-mine)
 
 
 def _walk_values(obj: Any) -> list[Any]:

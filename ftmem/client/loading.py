@@ -1,0 +1,269 @@
+"""SnapshotLoader: which step every rank restores, and the restore itself (memory, then disk).
+
+A :class:`~ftmem.client.snapshotter.Checkpointer` makes one per ``load``. The ranks agree
+on every decision over the default process group (:mod:`ftmem.client.agreement`): the
+newest step every rank holds, then whether every rank could check it, so either all ranks
+restore the same step or none restores anything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftmem._logging import get_logger
+from ftmem.client import agreement
+from ftmem.client.flatten import parse_layout
+from ftmem.client.restore import (
+    RestorePlan,
+    apply_restore,
+    copy_verified,
+    finish_restore,
+    plan_restore,
+    restore_threads,
+)
+from ftmem.config import ENV_EXPECTED_STEP
+from ftmem.errors import CorruptSnapshotError, InconsistentSnapshotError, SnapshotMismatchError
+from ftmem.format.tensors import read_objects
+from ftmem.protocol import messages as m
+from ftmem.protocol.smp_client import SmpClient
+from ftmem.shm import MappedSegment
+
+log = get_logger(__name__)
+
+_OK, _CORRUPT, _MISMATCH = 2, 1, 0
+"""A rank's verdict on a candidate step; the ranks take the minimum."""
+
+
+class SnapshotLoader:
+    """Restores one state for one ``load`` call of a rank.
+
+    Resource handling: borrows the rank's SMP client and slot mappings (``segment``) from
+    its Checkpointer and closes neither.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        client: SmpClient,
+        segment: Callable[[str, int], MappedSegment],
+        group: Any,
+        flush_dirs: Sequence[Path],
+    ) -> None:
+        self._rank = rank
+        self._client = client
+        self._segment_of = segment
+        self._group = group
+        """The replica group a sharded snapshot gathers over (None: the default group)."""
+        self._flush_dirs = list(flush_dirs)
+
+    def load(self, state: MutableMapping[str, Any], *, allow_fresh_start: bool) -> int:
+        """Restore the newest step every rank can restore (in place); return it, or 0.
+
+        Memory first: each rank offers the steps its SMP holds, the ranks agree on the newest
+        common one (over the default process group), every rank checks its snapshot against
+        the state and its checksums, and all of them agree again before anything is applied;
+        a step that fails anywhere is excluded and the next older one tried. Without a common
+        step in memory, the flushed checkpoints of ``flush_dirs`` are tried the same way.
+
+        Raises:
+            InconsistentSnapshotError: some ranks hold snapshots and others none (unless
+                fresh starts are allowed), or no step is common to all ranks.
+            CorruptSnapshotError: no common step passes its checksums on every rank.
+            SnapshotMismatchError: the snapshot does not fit ``state``.
+        """
+        allow = allow_fresh_start
+        client = self._client
+        snaps = client.request(m.Query(rank=self._rank))["snapshots"]
+        excluded: set[int] = set()
+        for _ in range(agreement.MAX_CANDIDATES + 1):
+            mine = [int(s["step"]) for s in snaps if int(s["step"]) not in excluded]
+            everyone = agreement.gather_candidates(mine)
+            step = agreement.newest_common(everyone)
+            if step is None:
+                from_disk = self._load_from_disk(state)
+                if from_disk is not None:
+                    return from_disk
+                if not any(everyone) and not excluded:
+                    lost = expected_step()
+                    if lost > 0 and not allow:
+                        raise InconsistentSnapshotError(
+                            f"the run had committed step {lost} but no snapshot is left "
+                            "(the SMP was restarted?); set FTMEM_ALLOW_FRESH_START=1 to start "
+                            "from step 0"
+                        )
+                    return 0
+                holders = [r for r, c in enumerate(everyone) if c]
+                msg = (
+                    f"no snapshot step is held by every rank (ranks holding some: {holders}; "
+                    f"failed checks: {sorted(excluded)})"
+                )
+                if allow:
+                    log.warning("%s; starting fresh as allowed", msg)
+                    client.request(m.DiscardNewer(rank=self._rank, step=0))
+                    return 0
+                if excluded:
+                    raise CorruptSnapshotError(msg)
+                raise InconsistentSnapshotError(msg)
+            snap = next(s for s in snaps if int(s["step"]) == step)
+            code, plan, seg, err = self._prepare_restore(state, snap)
+            agreed = agreement.min_over_ranks(code)
+            if agreed == _OK:
+                assert plan is not None and seg is not None
+                # Copy and verify in one pass; the ranks agree again before anything else
+                # (Stateful objects, replicated rows) is applied.
+                try:
+                    copy_verified(plan, seg, threads=restore_threads())
+                except CorruptSnapshotError as exc:
+                    log.error("snapshot of step %d is corrupt: %s", step, exc)
+                    code, err = _CORRUPT, str(exc)
+                agreed = agreement.min_over_ranks(code)
+            if agreed == _OK:
+                assert plan is not None and seg is not None
+                finish_restore(plan, seg, group=self._group, peers=self._peer_pieces(step))
+                client.request(m.DiscardNewer(rank=self._rank, step=step))
+                log.info("restored step %d", step)
+                return step
+            if agreed == _MISMATCH:
+                raise SnapshotMismatchError(
+                    err or f"snapshot {step} does not fit another rank's state"
+                )
+            log.warning(
+                "step %d cannot be restored on every rank (%s); trying an older one",
+                step,
+                err or "another rank failed its checksum",
+            )
+            excluded.add(step)
+        raise CorruptSnapshotError("no restorable snapshot step")
+
+    def _load_from_disk(self, state: MutableMapping[str, Any]) -> int | None:
+        """Memory cannot serve every rank: restore the newest complete flushed checkpoint that
+        every rank can read, nearest tier first; None if there is none (all ranks agree)."""
+        from ftmem.tiers.checkpoints import Checkpoint, list_checkpoints
+        from ftmem.tiers.disk_restore import load_rank
+
+        world = torch.distributed.get_world_size() if agreement.distributed() else 1
+        found: dict[int, Checkpoint] = {}
+        for tier in self._flush_dirs:
+            good, other = list_checkpoints(tier, parts=True)
+            for path, why in other:
+                log.warning("ignoring %s: %s", path, why)
+            for ck in good:  # a whole checkpoint, or a node's part that holds this rank
+                if ck.world_size == world and self._rank in ck.ranks:
+                    found.setdefault(ck.step, ck)  # the nearest tier's copy wins
+        excluded: set[int] = set()
+        for _ in range(agreement.MAX_CANDIDATES):
+            mine = [s for s in found if s not in excluded]
+            step = agreement.newest_common(agreement.gather_candidates(mine))
+            if step is None:
+                return None
+            ck = found[step]
+            code, err, restore = _CORRUPT, "", None
+            try:
+                snap, objects, buf = load_rank(ck, self._rank)
+                restore = (self._check_group(plan_restore(state, snap, objects)), buf)
+                code = _OK
+            except CorruptSnapshotError as exc:
+                err = str(exc)
+                log.error("flushed checkpoint %s is corrupt: %s", ck.path, exc)
+            except SnapshotMismatchError as exc:
+                code, err = _MISMATCH, str(exc)
+            agreed = agreement.min_over_ranks(code)
+            if agreed == _OK:
+                assert restore is not None
+                apply_restore(
+                    restore[0],
+                    restore[1],  # type: ignore[arg-type]
+                    threads=restore_threads(),
+                    group=self._group,
+                )
+                self._client.request(m.DiscardNewer(rank=self._rank, step=step))
+                log.warning(
+                    "memory could not serve every rank: restored step %d from %s", step, ck.path
+                )
+                return step
+            if agreed == _MISMATCH:
+                raise SnapshotMismatchError(err or f"checkpoint {ck.path} does not fit the state")
+            log.warning(
+                "checkpoint of step %d cannot be restored on every rank (%s); trying an older one",
+                step,
+                err or "another rank failed",
+            )
+            excluded.add(step)
+        return None
+
+    def _prepare_restore(
+        self, state: MutableMapping[str, Any], snap: dict[str, Any]
+    ) -> tuple[int, Any, Any, str]:
+        try:
+            seg = self._segment_of(str(snap["path"]), int(snap["capacity"]))
+            stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
+            objects = read_objects(stored, seg.view)  # the tensors are checked as they are copied
+            return _OK, self._check_group(plan_restore(state, stored, objects)), seg, ""
+        except (CorruptSnapshotError, OSError, ValueError) as exc:
+            log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)
+            return _CORRUPT, None, None, str(exc)
+        except SnapshotMismatchError as exc:
+            return _MISMATCH, None, None, str(exc)
+
+    def _peer_pieces(self, step: int) -> Any:
+        """For a sharded restore: the other replicas' snapshots of ``step`` that this node's
+        SMP holds (same shared memory), so their rows are copied, not sent over the network."""
+        if not agreement.distributed():
+            return None
+        here = {int(r) for r in self._client.status().get("ranks", {})}
+        group = self._group if self._group is not None else torch.distributed.group.WORLD
+        assert group is not None
+
+        def find(k: int) -> Any:
+            g = torch.distributed.get_global_rank(group, k)
+            if g not in here:
+                return None
+            for snap in self._client.request(m.Query(rank=g))["snapshots"]:
+                if int(snap["step"]) == step:
+                    path, cap = str(snap["path"]), int(snap["capacity"])
+                    return self._segment_of(path, cap), parse_layout(
+                        str(snap["layout"]), cap
+                    ).tensors
+            return None
+
+        return find
+
+    def _check_group(self, plan: RestorePlan) -> RestorePlan:
+        """A sharded snapshot restores only with the same replicas (it gathers over them).
+
+        Raises:
+            SnapshotMismatchError: the replica group differs from the one that saved.
+        """
+        shape = plan.replica_group_shape()
+        if shape is None:
+            return plan
+        if not agreement.distributed():
+            if shape == (1, 0):
+                return plan
+            raise SnapshotMismatchError(
+                f"the snapshot was sharded over {shape[0]} replicas; load it with a process group"
+            )
+        have = (
+            torch.distributed.get_world_size(self._group),
+            torch.distributed.get_rank(self._group),
+        )
+        if have != shape:
+            raise SnapshotMismatchError(
+                f"the snapshot was sharded over {shape[0]} replicas (this one #{shape[1]}); "
+                f"the replica group here has {have[0]} (this one #{have[1]}): pass "
+                "replicated_over= to load"
+            )
+        return plan
+
+
+def expected_step() -> int:
+    """The newest step any rank's launcher says its node had committed (0 if unknown)."""
+    raw = os.environ.get(ENV_EXPECTED_STEP, "")
+    mine = int(raw) if raw.isdigit() else 0
+    return -agreement.min_over_ranks(-mine)
