@@ -198,6 +198,29 @@ def _paths_of(
             _paths_of(v, (*path, k), snap, tables, out)
 
 
+def _finishing_writer(base: type[Any]) -> type[Any]:
+    """DCP's ``FileSystemWriter`` whose ``finish`` also completes the caller's metadata.
+
+    ``dcp.save`` returns the metadata it planned; torch >= 2.13's writer fills in that object's
+    ``storage_data`` (where each entry's bytes are), torch 2.11 and 2.12 fill in a copy, which
+    leaves the returned one without it. :func:`add_chunks` needs it either way.
+    """
+
+    class FinishingWriter(base):  # type: ignore[misc]
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            super().finish(metadata, results)
+            if metadata.storage_data is None:
+                from torch.distributed.checkpoint import filesystem
+
+                metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+                metadata.storage_meta = self.storage_meta()
+                version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+                if version is not None and hasattr(metadata, "version"):
+                    metadata.version = version
+
+    return FinishingWriter
+
+
 def add_chunks(
     meta: Any, ranks: list[int], snaps: list[StoredSnapshot], paths: dict[str, tuple[Any, ...]]
 ) -> set[str]:
@@ -323,7 +346,7 @@ def export_dcp(
         state[PER_RANK_KEY] = per_rank
         state[META_KEY] = {"step": step, "world_size": world, "format": "ftmem-export-1"}
         tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
-        writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
+        writer = _finishing_writer(FileSystemWriter)(str(tmp), sync_files=True, overwrite=False)
         with warnings.catch_warnings():
             # DCP warns that it saves in one process: that is what no_dist asks for.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
