@@ -26,6 +26,10 @@ One thread owns a protector and its transport. The snapshot bytes are the caller
 protector reads them (``memoryview`` or :class:`SegmentedBytes`) until :meth:`forget` of that
 step. Messages of kinds the protector does not know go to ``on_other`` (the SMP's exchange
 service uses this for its own agreement messages).
+
+Messages are the typed dataclasses of messages.py: :meth:`GroupProtector.handle` validates
+each one (:meth:`Envelope.parse`) and dispatches on its type; a malformed message, one of an
+earlier epoch or one from outside the group is logged, counted in ``dropped`` and ignored.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from typing import Any
 
 from ftmem import faults
 from ftmem._logging import get_logger
-from ftmem.errors import FtmemError, UnrecoverableError
+from ftmem.errors import FtmemError, ProtocolError, UnrecoverableError
+from ftmem.exchange import messages as pm
 from ftmem.exchange.codec import StripeCodec
+from ftmem.exchange.messages import Envelope
 from ftmem.exchange.placement import (
     Fetch,
     FragmentKind,
@@ -52,8 +58,6 @@ from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 
 log = get_logger(__name__)
-
-_MAX_NODE_BYTES = 1 << 44
 
 
 class StepAborted(FtmemError):
@@ -98,7 +102,7 @@ class GroupProtector:
         stripe_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
         epoch: int = 0,
-        on_other: Callable[[PeerMessage], None] | None = None,
+        on_other: Callable[[Envelope], None] | None = None,
         interrupted: Callable[[], bool] | None = None,
         on_progress: Callable[[int, int, int], None] | None = None,
     ) -> None:
@@ -127,15 +131,14 @@ class GroupProtector:
     def _peers(self) -> list[int]:
         return [n for n in self.plan.nodes if n != self.me]
 
-    def _send(self, node: int, header: dict[str, Any], bufs: list[Any] | None = None) -> None:
+    def _send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
         """Queue a message; :meth:`flush` (called by every wait) sends it without blocking, so
         a node never stalls on a busy peer while that peer stalls on it."""
-        header["e"] = self.epoch
-        self._outbox.setdefault(node, deque()).append((header, bufs or []))
+        self._outbox.setdefault(node, deque()).append((body.to_header(self.epoch), bufs or []))
 
-    def send(self, node: int, header: dict[str, Any]) -> None:
+    def send(self, node: int, body: pm.PeerBody) -> None:
         """Queue a small message of the owner's own (ordered with the protocol's messages)."""
-        self._send(node, header)
+        self._send(node, body)
 
     def flush(self) -> bool:
         """Send what peers can take now; True when nothing is left queued."""
@@ -200,11 +203,7 @@ class GroupProtector:
                 for col, c in enumerate(s.columns):
                     if c.node == self.me and c.length:
                         piece = st.data.read(c.offset, c.length)
-                        self._send(
-                            s.encoder,
-                            {"t": "data", "step": step, "stripe": s.index, "col": col},
-                            [piece],
-                        )
+                        self._send(s.encoder, pm.Data(step, s.index, col), [piece])
             for index in [i for i, n in st.missing.items() if n == 0]:
                 self._progress(step, index)
             self._progress(step, None)
@@ -232,7 +231,7 @@ class GroupProtector:
             st.held_sent = True
             st.held.add(self.me)
             for n in self._peers():
-                self._send(n, {"t": "held", "step": step})
+                self._send(n, pm.Held(step))
 
     def _encode(self, step: int, s: StripePlan) -> None:
         faults.maybe_inject(faults.Point.IN_ENCODE, self.me, step)
@@ -254,131 +253,148 @@ class GroupProtector:
                 if st.owed_left is not None:
                     st.owed_left.discard((s.index, frag))
             else:
-                hdr = {
-                    "t": "parity",
-                    "step": step,
-                    "stripe": s.index,
-                    "frag": frag,
-                    "sums": [str(c) for c in enc.checksums],
-                }
-                self._send(holder, hdr, [enc.parity[t]])
+                body = pm.Parity(step, s.index, frag, tuple(enc.checksums))
+                self._send(holder, body, [enc.parity[t]])
 
     # -- message handling ----------------------------------------------------------------------
-    def handle(self, msg: PeerMessage) -> None:
-        """Act on one peer message (the caller's loop received it)."""
-        h = msg.header
-        try:
-            e = h.get("e")
-            if isinstance(e, int) and e > self.epoch and self.on_other is not None:
-                self.on_other(msg)  # a newer generation: the owner keeps it for later
-                return
-            if e != self.epoch:
+    def handle(self, msg: PeerMessage | Envelope) -> None:
+        """Act on one peer message (the caller's loop received it).
+
+        A raw :class:`PeerMessage` is validated first. Malformed messages, messages of an
+        earlier epoch, from outside the group or that do not fit this node's state are logged,
+        counted in ``dropped`` and ignored; a message of a newer epoch, and the service's own
+        kinds, go to ``on_other``. Never raises for anything a peer sent.
+        """
+        if isinstance(msg, PeerMessage):
+            try:
+                env = Envelope.parse(msg)
+            except ProtocolError as exc:
                 self.dropped += 1
-                log.debug(
-                    "[%d] dropped a message of epoch %s (now %d)", self.me, h.get("e"), self.epoch
+                log.warning(
+                    "[%d] ignoring a malformed peer message from %r: %s", self.me, msg.sender, exc
                 )
                 return
-            kind, step, sender = str(h["t"]), int(h["step"]), int(msg.sender)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            if self.on_other is not None and isinstance(h, dict) and "step" not in h:
-                self.on_other(msg)
-                return
-            self.dropped += 1
-            log.warning("[%d] ignoring a malformed peer message %r", self.me, h)
+        else:
+            env = msg
+        if env.epoch > self.epoch and self.on_other is not None:
+            self.on_other(env)  # a newer generation: the owner keeps it for later
             return
-        if sender not in self.plan.nodes or sender == self.me:
+        if env.epoch != self.epoch:
             self.dropped += 1
-            log.warning("[%d] ignoring a message from node %s outside the group", self.me, sender)
+            log.debug("[%d] dropped a message of epoch %d (now %d)", self.me, env.epoch, self.epoch)
+            return
+        if env.sender not in self.plan.nodes or env.sender == self.me:
+            self.dropped += 1
+            log.warning(
+                "[%d] ignoring a message from node %d outside the group", self.me, env.sender
+            )
             return
         try:
-            self._dispatch(kind, step, sender, msg)
-        except (KeyError, TypeError, ValueError, IndexError, AssertionError) as exc:
+            self._dispatch(env)
+        except (ProtocolError, KeyError, TypeError, ValueError, IndexError, AssertionError) as exc:
             self.dropped += 1
-            log.warning("[%d] ignoring a bad %r message from %d: %r", self.me, kind, sender, exc)
-
-    def _dispatch(self, kind: str, step: int, sender: int, msg: PeerMessage) -> None:
-        h = msg.header
-        if kind == "size":
-            nbytes = int(h["nbytes"])
-            if not 0 <= nbytes <= _MAX_NODE_BYTES:
-                raise ValueError(f"size {nbytes} out of range")
-            st = self._st(step)
-            st.sizes[sender] = nbytes
-            st.manifests[sender] = bytes(msg.buffers[0]) if msg.buffers else b""
-            if st.data is not None:
-                self._plan_stripes(step)
-        elif kind == "data":
-            key = (int(h["stripe"]), int(h["col"]))
-            st = self._st(step)
-            new = key not in st.columns
-            st.columns[key] = bytes(msg.buffers[0])
-            if new and key[0] in st.missing:
-                st.missing[key[0]] -= 1
-                self._progress(step, key[0])
-        elif kind == "parity":
-            st = self._st(step)
-            key = (int(h["stripe"]), int(h["frag"]))
-            st.parity[key] = bytes(msg.buffers[0])
-            st.checksums[int(h["stripe"])] = tuple(int(x) for x in h["sums"])
-            if st.owed_left is not None:
-                st.owed_left.discard(key)
-            self._progress(step, None)
-        elif kind == "held":
-            self._st(step).held.add(sender)
-        elif kind == "abort":
-            if step in self.steps and not self.steps[step].held >= set(self.plan.nodes):
-                self.steps[step].aborted = True
-        elif kind == "meta?":
-            st0 = self.steps.get(step)
-            sizes = st0.sizes if st0 is not None and st0.held_sent else {}
-            manifest = st0.manifests.get(sender, b"") if st0 is not None else b""
-            self._send(
-                sender,
-                {"t": "meta", "step": step, "sizes": {str(k): v for k, v in sizes.items()}},
-                [manifest],
+            log.warning(
+                "[%d] ignoring a bad %r message from %d: %r",
+                self.me,
+                env.kind.value,
+                env.sender,
+                exc,
             )
-        elif kind == "meta":
-            self._meta[step] = {int(k): int(v) for k, v in dict(h["sizes"]).items()}
-            if msg.buffers:
-                self._st(step).manifests[self.me] = bytes(msg.buffers[0])
-        elif kind == "fetch":
-            self._serve_fetch(sender, step, h)
-        elif kind == "fetched":
-            if not msg.buffers:  # the holder no longer has it
-                self._fetched[(step, int(h["stripe"]), int(h["frag"]))] = b""
-                return
-            if h.get("sums"):
-                self._sums[(step, int(h["stripe"]))] = tuple(int(x) for x in h["sums"])
-            self._fetched[(step, int(h["stripe"]), int(h["frag"]))] = bytes(msg.buffers[0])
-        elif self.on_other is not None:
-            self.on_other(msg)
-        else:
-            raise ValueError(f"unknown kind {kind!r}")
 
-    def _serve_fetch(self, sender: int, step: int, h: dict[str, Any]) -> None:
+    def _dispatch(self, env: Envelope) -> None:
+        sender, bufs = env.sender, env.buffers
+        match env.body:
+            case pm.Size() as b:
+                self._on_size(sender, b, bufs)
+            case pm.Data() as b:
+                self._on_data(b, bufs[0])
+            case pm.Parity() as b:
+                self._on_parity(b, bufs[0])
+            case pm.Held() as b:
+                self._st(b.step).held.add(sender)
+            case pm.Abort() as b:
+                if b.step in self.steps and not self.steps[b.step].held >= set(self.plan.nodes):
+                    self.steps[b.step].aborted = True
+            case pm.MetaRequest() as b:
+                self._serve_meta(sender, b.step)
+            case pm.MetaReply() as b:
+                self._meta[b.step] = dict(b.sizes)
+                if bufs:
+                    self._st(b.step).manifests[self.me] = bytes(bufs[0])
+            case pm.FetchRequest() as b:
+                self._serve_fetch(sender, b)
+            case pm.FetchReply() as b:
+                self._on_fetched(b, bufs)
+            case _:  # the service's own kinds
+                if self.on_other is None:
+                    raise ProtocolError(f"unexpected kind {env.kind.value!r}")
+                self.on_other(env)
+
+    def _on_size(self, sender: int, b: pm.Size, bufs: tuple[memoryview, ...]) -> None:
+        st = self._st(b.step)
+        st.sizes[sender] = b.nbytes
+        st.manifests[sender] = bytes(bufs[0]) if bufs else b""
+        if st.data is not None:
+            self._plan_stripes(b.step)
+
+    def _on_data(self, b: pm.Data, piece: memoryview) -> None:
+        key = (b.stripe, b.col)
+        st = self._st(b.step)
+        new = key not in st.columns
+        st.columns[key] = bytes(piece)
+        if new and b.stripe in st.missing:
+            st.missing[b.stripe] -= 1
+            self._progress(b.step, b.stripe)
+
+    def _on_parity(self, b: pm.Parity, fragment: memoryview) -> None:
+        st = self._st(b.step)
+        key = (b.stripe, b.frag)
+        st.parity[key] = bytes(fragment)
+        st.checksums[b.stripe] = b.sums
+        if st.owed_left is not None:
+            st.owed_left.discard(key)
+        self._progress(b.step, None)
+
+    def _on_fetched(self, b: pm.FetchReply, bufs: tuple[memoryview, ...]) -> None:
+        key = (b.step, b.stripe, b.frag)
+        if not bufs:  # the holder no longer has it
+            self._fetched[key] = b""
+            return
+        if b.sums:
+            self._sums[(b.step, b.stripe)] = b.sums
+        self._fetched[key] = bytes(bufs[0])
+
+    def _serve_meta(self, sender: int, step: int) -> None:
         st = self.steps.get(step)
-        stripe, frag = int(h["stripe"]), int(h["frag"])
-        reply = {"t": "fetched", "step": step, "stripe": stripe, "frag": frag}
-        if h["kind"] == FragmentKind.DATA.value:
+        sizes = st.sizes if st is not None and st.held_sent else {}
+        manifest = st.manifests.get(sender, b"") if st is not None else b""
+        self._send(sender, pm.MetaReply(step, dict(sizes)), [manifest])
+
+    def _serve_fetch(self, sender: int, b: pm.FetchRequest) -> None:
+        st = self.steps.get(b.step)
+        reply = pm.FetchReply(b.step, b.stripe, b.frag)
+        if b.kind is FragmentKind.DATA:
             if st is None or st.data is None:
                 log.warning(
-                    "[%d] fetch of data of step %d I do not hold, from %d", self.me, step, sender
+                    "[%d] fetch of data of step %d I do not hold, from %d", self.me, b.step, sender
                 )
                 self._send(sender, reply)
                 return
-            off, n = int(h["offset"]), int(h["length"])
-            self._send(sender, reply, [st.data.read(off, n)])
-        else:
-            payload = st.parity.get((stripe, frag)) if st is not None else None
-            if st is None or payload is None:
-                log.warning(
-                    "[%d] fetch of parity of step %d I do not hold, from %d", self.me, step, sender
-                )
-                self._send(sender, reply)
-                return
-            sums = st.checksums.get(stripe)
-            reply["sums"] = [str(c) for c in sums] if sums else []
-            self._send(sender, reply, [payload])
+            try:
+                piece = st.data.read(b.offset, b.length)
+            except ValueError as exc:
+                raise ProtocolError(f"fetch of step {b.step}: {exc}") from exc
+            self._send(sender, reply, [piece])
+            return
+        payload = st.parity.get((b.stripe, b.frag)) if st is not None else None
+        if st is None or payload is None:
+            log.warning(
+                "[%d] fetch of parity of step %d I do not hold, from %d", self.me, b.step, sender
+            )
+            self._send(sender, reply)
+            return
+        sums = st.checksums.get(b.stripe) or ()
+        self._send(sender, pm.FetchReply(b.step, b.stripe, b.frag, tuple(sums)), [payload])
 
     def _pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -407,7 +423,7 @@ class GroupProtector:
         st.sizes[self.me] = st.data.nbytes
         st.manifests[self.me] = manifest
         for n in self._peers():
-            self._send(n, {"t": "size", "step": step, "nbytes": st.data.nbytes}, [manifest])
+            self._send(n, pm.Size(step, st.data.nbytes), [manifest])
         self._plan_stripes(step)
 
         def done() -> bool:
@@ -426,7 +442,7 @@ class GroupProtector:
     def abort(self, step: int) -> None:
         """Give ``step`` up here and tell every peer to give it up too."""
         for n in self._peers():
-            self._send(n, {"t": "abort", "step": step})
+            self._send(n, pm.Abort(step))
         self.forget(step)
 
     def held_steps(self) -> list[int]:
@@ -464,18 +480,8 @@ class GroupProtector:
 
     def _fetch(self, step: int, stripe: StripePlan, fetches: Sequence[Fetch]) -> None:
         for f in fetches:
-            self._send(
-                f.node,
-                {
-                    "t": "fetch",
-                    "step": step,
-                    "stripe": stripe.index,
-                    "frag": f.fragment,
-                    "kind": f.kind.value,
-                    "offset": f.offset,
-                    "length": f.length,
-                },
-            )
+            body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
+            self._send(f.node, body)
 
     def _wait_fetched(
         self, step: int, wanted: set[tuple[int, int, int]], base: int = 0, overall: int = 0
@@ -527,7 +533,7 @@ class GroupProtector:
                 hold the step, or too few fragments of a stripe are intact.
             TimeoutError: a survivor did not answer in time.
         """
-        self._send(source, {"t": "meta?", "step": step})
+        self._send(source, pm.MetaRequest(step))
         self._pump(
             lambda: step in self._meta, lambda: f"no sizes of step {step} from node {source}"
         )

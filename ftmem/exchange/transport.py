@@ -11,7 +11,8 @@ Call order:
 
 One thread owns a transport: the SMP's exchange thread. Implementations: zmq_transport.py
 (TCP + CURVE). Every received message has been authenticated, size-checked and its buffers
-checksummed before ``recv`` returns it; bad messages are dropped and counted.
+checksummed before ``recv`` returns it; bad messages are dropped and counted. A transport
+does not read headers beyond that: what they mean, and their validation, is messages.py's.
 """
 
 from __future__ import annotations

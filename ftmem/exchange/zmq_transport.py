@@ -183,7 +183,10 @@ class ZmqPeerTransport(PeerTransport):
         if len(frames) < 2:
             raise ProtocolError("peer message without a header")
         sender = bytes(frames[0].buffer).decode(errors="replace")
-        _, kind, env = decode(bytes(frames[1].buffer), None, 1 << 20)
+        try:
+            _, kind, env = decode(bytes(frames[1].buffer), None, 1 << 20)
+        except ValueError as exc:  # json.loads: a bare ValueError for an int of 4300+ digits
+            raise ProtocolError(f"peer header is not valid JSON: {exc}") from exc
         if kind is not m.Kind.PEER:
             raise ProtocolError(f"unexpected {kind.name} from a peer")
         bufs = [f.buffer for f in frames[2:]]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError
+from ftmem.exchange.status import ExchangeState, ExchangeStatus, SyncReply
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +108,19 @@ def _start_showing_progress(
             t.join(1.0)
             if not t.is_alive():
                 break
-            try:
-                ex = status.status().get("exchange", {})
+            try:  # ProtocolError (a malformed status) is an FtmemError too
+                ex = ExchangeStatus.from_json(status.status().get("exchange"))
             except FtmemError:
                 continue
-            prog = ex.get("rebuild_progress") or {}
-            if ex.get("state") == "rebuilding" and prog:
-                now = (int(prog.get("fragments", 0)), int(prog.get("of", 0)))
+            prog = ex.rebuild_progress
+            if ex.state is ExchangeState.REBUILDING and prog is not None:
+                now = (prog.fragments, prog.of)
                 if now != shown and now[1]:
                     shown = now
                     log.info(
                         "[%s] rebuilding step %s from peers: %.0f%% (%d/%d fragments)",
                         node_name,
-                        prog.get("step"),
+                        prog.step,
                         100.0 * now[0] / now[1],
                         now[0],
                         now[1],
@@ -143,7 +144,8 @@ def join_generation(
     node_name: str,
     warned: list[bool],
 ) -> dict[str, Any] | None:
-    """Run steps 1-4 of the module docstring; return the sync result (None: EC off).
+    """Run steps 1-4 of the module docstring; return the sync result (None: EC off): the
+    fields of :class:`~ftmem.exchange.status.SyncReply` plus ``seconds``.
 
     Raises:
         UnrecoverableError: more than m nodes of a group lost their snapshots.
@@ -188,20 +190,21 @@ def join_generation(
             if "more than m=" in str(exc):
                 raise UnrecoverableError(str(exc).split(": ", 1)[-1]) from exc
             raise FtmemError(f"peer sync failed: {exc}") from exc
-    result["seconds"] = round(time.monotonic() - t0, 3)
-    if result.get("rebuilt"):
+    reply = SyncReply.from_json(result)
+    seconds = round(time.monotonic() - t0, 3)
+    if reply.rebuilt:
         log.info(
             "[%s] REBUILT step %s of this node from its peers (lost nodes %s) in %.2f s",
             node_name,
-            result.get("step"),
-            result.get("lost"),
-            result["seconds"],
+            reply.step,
+            list(reply.lost),
+            seconds,
         )
     else:
         log.info(
             "[%s] peers in sync: protected step %s (lost nodes %s)",
             node_name,
-            result.get("step"),
-            result.get("lost"),
+            reply.step,
+            list(reply.lost),
         )
-    return result
+    return {**reply.to_json(), "seconds": seconds}

@@ -88,6 +88,8 @@ def decode(
         raise ProtocolError("message checksum mismatch")
     try:
         fields = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ProtocolError(f"message payload is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and an integer longer than
+        # Python's int-to-str limit (4300 digits), which json.loads refuses with a ValueError.
+        raise ProtocolError(f"message payload is not JSON: {str(exc)[:200]}") from exc
     return int(req_id), kind, from_fields(kind, fields)

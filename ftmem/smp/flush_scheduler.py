@@ -23,40 +23,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from ftmem._logging import get_logger
 from ftmem.events import EventLog
-from ftmem.smp.protection import RankPiece
+from ftmem.smp.slot_store import SlotStore
+from ftmem.smp.store import RankPiece
 
 log = get_logger(__name__)
-
-
-class FlushSlots(Protocol):
-    """What the flush needs from the SMP's store (thread-safe)."""
-
-    def all_ranks(self) -> list[int]:
-        """Every rank the SMP has seen."""
-        ...
-
-    def world_size(self) -> int:
-        """The job's world size (0: unknown)."""
-        ...
-
-    def complete_steps(self, ranks: Sequence[int]) -> list[int]:
-        """Steps every rank of ``ranks`` has committed, newest first."""
-        ...
-
-    def pin_step(self, ranks: Sequence[int], step: int) -> list[RankPiece] | None:
-        """Pin every rank's slot of ``step`` (None: a rank has none)."""
-        ...
-
-    def unpin(self, pieces: Sequence[RankPiece]) -> None:
-        """Undo :meth:`pin_step`."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +82,7 @@ class FlushService:
         self,
         node: str,
         settings: FlushSettings,
-        slots: FlushSlots,
+        slots: SlotStore,
         protected_step: Callable[[], int | None],
         on_reply: Callable[[Any, bool, dict[str, Any], str], None],
         events: EventLog | None = None,
@@ -574,11 +551,6 @@ class FlushService:
                 return
             time.sleep(0.05)
         log.error("[%s/flush] final flush of step %d did not finish in time", self.node, cand)
-
-    def worker_pid(self) -> int | None:
-        """The flush worker's pid (tests kill it mid-flush)."""
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
 
 
 def _pump_lines(stream: IO[str] | None, out: queue.Queue[str | None]) -> None:

@@ -33,39 +33,30 @@ import mmap
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ftmem import faults, shm
 from ftmem._logging import get_logger
-from ftmem.errors import FtmemError, UnrecoverableError
+from ftmem.errors import FtmemError, ProtocolError, UnrecoverableError
 from ftmem.events import EventLog
+from ftmem.exchange import messages as pm
 from ftmem.exchange.keys import CurveKeyPair
+from ftmem.exchange.messages import Envelope
 from ftmem.exchange.placement import GroupPlan, group_of, plan_groups
 from ftmem.exchange.protector import ExchangeInterrupted, GroupProtector, StepAborted
 from ftmem.exchange.segments import SegmentedBytes
+from ftmem.exchange.status import ExchangeState
 from ftmem.exchange.transport import PeerMessage
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
+from ftmem.smp.slot_store import SlotStore
+from ftmem.smp.store import RankPiece
 
 log = get_logger(__name__)
 
 HEARTBEAT_S = 2.0
 """Nodes greet their peers this often when idle (peer health in ``ftmem status``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RankPiece:
-    """One rank's committed slot of a step: where it is and how much of it the snapshot uses."""
-
-    rank: int
-    slot: int
-    gen: int
-    path: str
-    capacity: int
-    used: int
-    layout: str
 
 
 @dataclass(slots=True)
@@ -105,28 +96,6 @@ class PinnedStep:
         self.maps = []
 
 
-class LocalSnapshots(Protocol):
-    """What the exchange needs from the SMP's slot store (thread-safe implementations)."""
-
-    def complete_steps(self, ranks: Sequence[int]) -> list[int]:
-        """Steps every rank of ``ranks`` has committed, newest first."""
-        ...
-
-    def pin_step(self, ranks: Sequence[int], step: int) -> list[RankPiece] | None:
-        """Pin the slots of ``step`` of every rank; None (nothing pinned) if one is missing."""
-        ...
-
-    def unpin(self, pieces: Sequence[RankPiece]) -> None:
-        """Undo :meth:`pin_step`."""
-        ...
-
-    def install_rebuilt(
-        self, step: int, manifest: dict[str, Any], data: memoryview
-    ) -> list[RankPiece]:
-        """Write rebuilt ranks' data into new committed, pinned slots; return them."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class BindCommand:
     """Start a new transport with ``keys`` on ``host`` (replaces the previous one)."""
@@ -163,9 +132,6 @@ class Result:
     error: str = ""
 
 
-_SERVICE = "x:"  # prefix of the service's own message kinds
-
-
 class ProtectionService:
     """The exchange thread (see the module docstring).
 
@@ -177,7 +143,7 @@ class ProtectionService:
     def __init__(
         self,
         node_name: str,
-        local: LocalSnapshots,
+        local: SlotStore,
         stripe_bytes: int = 1 << 20,
         timeout_s: float = 600.0,
         sync_timeout_s: float = 120.0,
@@ -194,7 +160,8 @@ class ProtectionService:
         self._results: queue.Queue[Result] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ftmem-smp-exchange", daemon=True)
         self._status_lock = threading.Lock()
-        self._status: dict[str, Any] = {"enabled": True, "state": "unbound"}
+        self._state = ExchangeState.UNBOUND
+        self._status: dict[str, Any] = {"enabled": True, "state": self._state.value}
         # Owned by the thread:
         self.transport: ZmqPeerTransport | None = None
         self.protector: GroupProtector | None = None
@@ -207,7 +174,7 @@ class ProtectionService:
         self.protected: int | None = None
         self.protect_interval_s = 0.0
         self._pending_start: StartCommand | None = None
-        self._early: list[PeerMessage] = []
+        self._early: list[Envelope] = []
         self._states: dict[int, list[int]] = {}
         self._sync_deadline = 0.0
         self._synced = False
@@ -261,7 +228,7 @@ class ProtectionService:
                 self._step()
         except Exception:
             log.exception("[%s/exchange] stopped by an unexpected error", self.node_name)
-            self._set_status(state="failed")
+            self._set_state(ExchangeState.FAILED)
         finally:
             for step in list(self.pinned):
                 if self.protector is not None:
@@ -309,19 +276,24 @@ class ProtectionService:
 
     def _route(self, msg: PeerMessage) -> None:
         try:
-            self._last_seen[int(msg.sender)] = time.monotonic()
-        except ValueError:
-            pass
-        e = msg.header.get("e")
-        if self.protector is None or (isinstance(e, int) and e > self.protector.epoch):
-            self._keep_early(msg)
+            env = Envelope.parse(msg)
+        except ProtocolError as exc:
+            # A malformed message is dropped (and counted); it never stops the exchange.
+            self._dropped += 1
+            log.warning(
+                "[%s/exchange] dropped a message from %r: %s", self.node_name, msg.sender, exc
+            )
             return
-        self.protector.handle(msg)
+        self._last_seen[env.sender] = time.monotonic()
+        if self.protector is None or env.epoch > self.protector.epoch:
+            self._keep_early(env)
+            return
+        self.protector.handle(env)
 
-    def _keep_early(self, msg: PeerMessage) -> None:
+    def _keep_early(self, env: Envelope) -> None:
         """A message of a generation this node has not started yet: replay it after start."""
         if len(self._early) < 10000:
-            self._early.append(msg)
+            self._early.append(env)
 
     # -- commands ----------------------------------------------------------------------------
     def _bind(self, cmd: BindCommand) -> None:
@@ -337,7 +309,7 @@ class ProtectionService:
             self._results.put(Result(cmd.token, False, {}, f"cannot bind the peer port: {exc}"))
             return
         self.transport = t
-        self._set_status(state="bound", endpoint=endpoint)
+        self._set_state(ExchangeState.BOUND, endpoint=endpoint)
         log.info("[%s/exchange] peer port %s (CURVE)", self.node_name, endpoint)
         self._results.put(Result(cmd.token, True, {"endpoint": endpoint}))
 
@@ -392,51 +364,52 @@ class ProtectionService:
         held = self.protector.held_steps()
         self._states = {self.me: held}
         self._sync_deadline = time.monotonic() + self.sync_timeout_s
-        self._set_status(
-            state="syncing", epoch=cmd.epoch, me=cmd.me, group=list(plan.nodes), m=plan.m
+        self._set_state(
+            ExchangeState.SYNCING, epoch=cmd.epoch, me=cmd.me, group=list(plan.nodes), m=plan.m
         )
         for n in self._peers():
-            self._send(n, {"t": "x:state", "step": -1, "held": held})
+            self._send(n, pm.HeldSteps(tuple(held)))
         early, self._early = self._early, []
-        for msg in early:
-            self.protector.handle(msg)
+        for env in early:
+            self.protector.handle(env)
 
     def _peers(self) -> list[int]:
         assert self.plan is not None
         return [n for n in self.plan.nodes if n != self.me]
 
-    def _send(self, node: int, header: dict[str, Any]) -> None:
+    def _send(self, node: int, body: pm.PeerBody) -> None:
         assert self.protector is not None
-        self.protector.send(node, header)
+        self.protector.send(node, body)
 
-    def _on_service(self, msg: PeerMessage) -> None:
-        h = msg.header
-        e = h.get("e")
-        if isinstance(e, int) and e > self.epoch:
-            self._keep_early(msg)
+    def _on_service(self, env: Envelope) -> None:
+        """The service's own messages (the protector hands them over, validated)."""
+        if env.epoch > self.epoch:
+            self._keep_early(env)
             return
-        kind = h.get("t")
-        try:
-            sender = int(msg.sender)
-            if self.plan is not None and sender not in self.plan.nodes:
-                raise ValueError("not a node of this group")
-            if kind == "x:state":
-                self._states[sender] = [int(s) for s in h["held"]][:64]
-            elif kind == "x:avail":
-                self._avail[sender] = [int(s) for s in h["steps"]][:16]
-            elif kind == "x:protect":
-                if self._synced:
-                    self._order = int(h["protect"])
-            elif kind == "x:hb":
-                pass
-            else:
-                raise ValueError("unknown message")
-        except (ValueError, TypeError, KeyError) as exc:
-            # A malformed message is dropped (and counted); it never stops the exchange.
+        if self.plan is not None and env.sender not in self.plan.nodes:
             self._dropped += 1
             log.warning(
-                "[%s/exchange] dropped %r from %r: %s", self.node_name, kind, msg.sender, exc
+                "[%s/exchange] dropped %r from node %d: not a node of this group",
+                self.node_name,
+                env.kind.value,
+                env.sender,
             )
+            return
+        match env.body:
+            case pm.HeldSteps(held=held):
+                self._states[env.sender] = list(held[:64])
+            case pm.Avail(steps=steps):
+                self._avail[env.sender] = list(steps[:16])
+            case pm.ProtectOrder(step=step):
+                if self._synced:
+                    self._order = step
+            case pm.Heartbeat():
+                pass
+            case _:  # a protocol kind: the protector handles those itself
+                self._dropped += 1
+                log.warning(
+                    "[%s/exchange] dropped an unexpected %r", self.node_name, env.kind.value
+                )
 
     # -- sync and rebuild ---------------------------------------------------------------------
     def _check_sync(self) -> None:
@@ -446,7 +419,7 @@ class ProtectionService:
             if time.monotonic() > self._sync_deadline:
                 missing = sorted(set(self.plan.nodes) - set(self._states))
                 self._pending_start = None
-                self._set_status(state="sync-failed")
+                self._set_state(ExchangeState.SYNC_FAILED)
                 self._event("sync", generation=self.epoch, ok=False, missing=missing)
                 self._results.put(
                     Result(
@@ -480,7 +453,7 @@ class ProtectionService:
                 self._release(step)
         self.protected = keep
         if verdict.error:
-            self._set_status(state="unrecoverable", error=verdict.error)
+            self._set_state(ExchangeState.UNRECOVERABLE, error=verdict.error)
             self._results.put(Result(cmd.token, False, data, verdict.error))
             return
         if keep is not None and self.me in verdict.lost:
@@ -491,12 +464,12 @@ class ProtectionService:
                 msg = f"rebuild of step {keep} failed: {exc}"
                 log.error("[%s/exchange] %s", self.node_name, msg)
                 self._event("rebuild_failed", step=keep, error=str(exc))
-                self._set_status(state="rebuild-failed", error=msg)
+                self._set_state(ExchangeState.REBUILD_FAILED, error=msg)
                 self._results.put(Result(cmd.token, False, data, msg))
                 return
             data["rebuilt"] = True
         self._synced = True
-        self._set_status(state="ready", error="")
+        self._set_state(ExchangeState.READY, error="")
         log.info(
             "[%s/exchange] generation %d: protected step %s (lost nodes %s)",
             self.node_name,
@@ -521,7 +494,7 @@ class ProtectionService:
     def _rebuild(self, step: int, lost: frozenset[int], source: int) -> None:
         assert self.protector is not None
         t0 = time.monotonic()
-        self._set_status(state="rebuilding", rebuilding=step)
+        self._set_state(ExchangeState.REBUILDING, rebuilding=step)
         log.info(
             "[%s/exchange] rebuilding step %d from node %d's group (lost %s)",
             self.node_name,
@@ -566,7 +539,7 @@ class ProtectionService:
         if now - self._last_hb >= HEARTBEAT_S:
             self._last_hb = now
             for n in self._peers():
-                self._send(n, {"t": "x:hb", "step": -1})
+                self._send(n, pm.Heartbeat())
 
     def _offer(self) -> None:
         assert self.plan is not None
@@ -582,7 +555,7 @@ class ProtectionService:
         if coordinator == self.me:
             self._avail[self.me] = newer
         else:
-            self._send(coordinator, {"t": "x:avail", "step": -1, "steps": newer})
+            self._send(coordinator, pm.Avail(tuple(newer)))
 
     def _coordinate(self) -> None:
         assert self.plan is not None
@@ -598,7 +571,7 @@ class ProtectionService:
         self._avail.clear()
         self._last_round = time.monotonic()
         for n in self._peers():
-            self._send(n, {"t": "x:protect", "step": -1, "protect": step})
+            self._send(n, pm.ProtectOrder(step))
         self._order = step
 
     def _protect(self, step: int) -> None:
@@ -684,6 +657,12 @@ class ProtectionService:
     def _event(self, event: str, **fields: Any) -> None:
         if self.events is not None:
             self.events.write(event, **fields)
+
+    def _set_state(self, new: ExchangeState, **kw: Any) -> None:
+        """Move to ``new`` (IllegalTransition if ExchangeState does not allow it) and publish it
+        in the status (as its ``.value``) with ``kw``."""
+        self._state = self._state.to(new)
+        self._set_status(state=new.value, **kw)
 
     def _set_status(self, **kw: Any) -> None:
         with self._status_lock:

@@ -1,20 +1,36 @@
-"""Per-rank snapshot slots and their state machine (pure: no sockets, no files).
+"""Per-rank snapshot slots and their state machine (pure: no sockets, no files, no locks).
 
-Slot states::
+:class:`RankSlots` holds one rank's slots; :class:`~ftmem.smp.slot_store.SlotStore` holds every
+rank's behind one lock and is the only way the SMP's threads change them. Every transition of
+a slot, with the method that makes it (the same name on both classes)::
 
-    EMPTY --prepare--> ALLOCATING --allocated--> FREE --begin--> WRITING --commit--> COMMITTED
-                                                  ^                 |  abort / rank restarted
-                                                  +-----------------+
-    COMMITTED --begin (only if it is not the newest committed, and not pinned)--> WRITING
-    COMMITTED / FREE / EMPTY --prepare (resize)--> ALLOCATING
-    COMMITTED --discard_newer / dropped (hashing failed)--> FREE
+    EMPTY ------start_resize------> ALLOCATING --finish_resize (file made)--> FREE
+    FREE -------start_resize------> ALLOCATING --finish_resize (failed)-----> EMPTY
+    COMMITTED --start_resize------> ALLOCATING     (not the newest, not pinned: a rank's PREPARE)
+    EMPTY / FREE / COMMITTED --start_rebuild--> ALLOCATING
+                                                   (not pinned; a COMMITTED one may be the newest,
+                                                    or hold the rebuilt step already)
+    ALLOCATING --finish_rebuild--> COMMITTED       (verified if the manifest had checksums; pinned)
+    FREE ---------------------begin--> WRITING
+    COMMITTED ----------------begin--> WRITING     (not the newest, not pinned)
+    WRITING --commit--> COMMITTED                  (unverified; the hasher pins it meanwhile)
+    WRITING --abort / restarted (the rank's copy failed, or the rank restarted: torn)--> FREE
+    COMMITTED --verify--> COMMITTED                (verified: the layout carries the checksums)
+    COMMITTED --drop (hashing failed, not pinned)--> FREE
+    COMMITTED --discard_newer (a newer step of an abandoned run, not pinned)--> FREE
+    EMPTY / FREE --adopt (a previous SMP's commit record)--> COMMITTED
+    COMMITTED --pin / unpin--> COMMITTED           (pins counted; only COMMITTED slots are pinned)
+
+Any other request raises :class:`StoreError` (a stale gen or step, a wrong state, a bad
+index), except the late ones that are expected and ignored: an abort, drop, verify or unpin of
+a slot replaced since (its gen moved on).
 
 A COMMITTED slot is *verified* once the SMP has checksummed it (``verified``; the hasher
 pins the slot meanwhile). Only verified snapshots are served to loads, protected and
 flushed. The newest committed slot of a rank is never handed out for writing, so a crash
 at any moment leaves the newest committed snapshot intact ("never block, never tear": when
 no other slot is available the save is skipped, not waited for; each skip is counted per
-reason).
+reason). Pinned slots (hasher, peer exchange, flush) are never written, resized or dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +41,9 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_SLOT_BYTES = 1 << 40
+"""The largest slot the SMP makes (a request for more is refused)."""
 
 
 class SlotState(enum.Enum):
@@ -82,6 +101,23 @@ class StoreError(Exception):
     """A request does not fit the slot's state (stale gen, wrong state, bad index)."""
 
 
+@dataclass(frozen=True, slots=True)
+class RankPiece:
+    """One rank's committed slot of a step: where it is and how much of it the snapshot uses.
+
+    A piece handed out by the store stands for one pin of that slot; give it back with
+    :meth:`~ftmem.smp.slot_store.SlotStore.unpin`.
+    """
+
+    rank: int
+    slot: int
+    gen: int
+    path: str
+    capacity: int
+    used: int
+    layout: str
+
+
 @dataclass(slots=True)
 class RankSlots:
     """All slots of one rank plus its progress and statistics."""
@@ -134,6 +170,29 @@ class RankSlots:
         """The most recently committed slot, or None."""
         done = [s for s in self.slots if s.state is SlotState.COMMITTED]
         return max(done, key=lambda s: s.seq) if done else None
+
+    def newer_unpinned(self, step: int) -> list[Slot]:
+        """Committed slots of a step newer than ``step`` that no one holds (what
+        :meth:`discard_newer` frees)."""
+        return [
+            s
+            for s in self.slots
+            if s.state is SlotState.COMMITTED
+            and s.step is not None
+            and s.step > step
+            and not s.pinned
+        ]
+
+    def growable(self, capacity: int, but: int = -1) -> list[Slot]:
+        """FREE or EMPTY slots (other than ``but``) smaller than ``capacity``: a PREPARE
+        grows them too, so the next saves need no resize."""
+        return [
+            s
+            for s in self.slots
+            if s.index != but
+            and s.state in (SlotState.FREE, SlotState.EMPTY)
+            and s.capacity < capacity
+        ]
 
     def slot(self, index: int) -> Slot:
         """Return slot ``index`` or raise StoreError."""
@@ -197,6 +256,11 @@ class RankSlots:
         s.state, s.layout, s.seq, s.verified = SlotState.COMMITTED, layout, self._seq, False
         self.commits += 1
 
+    def commit_stats(self, stall_s: float, copy_s: float, skipped: int) -> None:
+        """Record what the rank reported with its commit (its own skip count may be ahead)."""
+        self.last_stall_s, self.last_copy_s = stall_s, copy_s
+        self.skipped = max(self.skipped, skipped)
+
     def verify(self, index: int, gen: int, step: int, layout: str) -> bool:
         """The SMP checksummed slot ``index``: store the layout with its checksums. False if
         the slot was replaced or dropped meanwhile (the result is stale)."""
@@ -221,12 +285,10 @@ class RankSlots:
     def discard_newer(self, step: int) -> list[int]:
         """Free committed slots with a step newer than ``step``; return the steps dropped."""
         dropped = []
-        for s in self.slots:
-            if s.state is SlotState.COMMITTED and s.step is not None and s.step > step:
-                if s.pinned:
-                    continue
-                dropped.append(s.step)
-                s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
+        for s in self.newer_unpinned(step):
+            assert s.step is not None
+            dropped.append(s.step)
+            s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
         return dropped
 
     def start_resize(self, index: int) -> Slot:
@@ -238,13 +300,58 @@ class RankSlots:
         return s
 
     def finish_resize(self, index: int, path: str, capacity: int, ok: bool) -> None:
-        """The new file of slot ``index`` exists (ok) or could not be made (EMPTY again)."""
-        s = self.slot(index)
+        """The new file of slot ``index`` exists (ok: FREE) or could not be made (EMPTY again).
+
+        Raises:
+            StoreError: the slot is not ALLOCATING.
+        """
+        s = self._allocating(index)
         s.gen += 1
         if ok:
             s.state, s.path, s.capacity = SlotState.FREE, path, capacity
         else:
             s.state, s.path, s.capacity = SlotState.EMPTY, "", 0
+
+    def start_rebuild(self, step: int) -> Slot:
+        """Mark ALLOCATING the slot a rebuilt snapshot of ``step`` goes into: one already
+        holding ``step`` (its data may be stale or corrupt), else a free one, else the oldest
+        committed one, never a pinned, written or allocating one (the newest only if nothing
+        else is left: the rebuilt step replaces what the group could not keep).
+
+        Raises:
+            StoreError: every slot is pinned, written or allocating.
+        """
+        newest = self.newest()
+        candidates = [
+            s
+            for s in self.slots
+            if not s.pinned and s.state not in (SlotState.WRITING, SlotState.ALLOCATING)
+        ]
+        holding = [s for s in candidates if s.state is SlotState.COMMITTED and s.step == step]
+        free = [s for s in candidates if s.state in (SlotState.FREE, SlotState.EMPTY)]
+        older = sorted((s for s in candidates if s is not newest), key=lambda s: s.seq)
+        ranked = holding or free or older or candidates
+        if not ranked:
+            raise StoreError(f"rank {self.rank} has no slot to take a rebuilt snapshot")
+        chosen = ranked[0]
+        chosen.state, chosen.step, chosen.layout = SlotState.ALLOCATING, None, ""
+        chosen.verified = False
+        return chosen
+
+    def finish_rebuild(
+        self, index: int, path: str, capacity: int, step: int, layout: str, verified: bool
+    ) -> Slot:
+        """The rebuilt snapshot of ``step`` is in slot ``index``'s new file: commit it as the
+        newest commit and pin it once (for the exchange that rebuilt it).
+
+        Raises:
+            StoreError: the slot is not ALLOCATING.
+        """
+        s = self._allocating(index)
+        s.gen += 1
+        s.path, s.capacity = path, capacity
+        self._install(s, step, self.next_seq(), layout, verified)
+        return self.pin(index)
 
     def adopt(
         self,
@@ -257,12 +364,49 @@ class RankSlots:
         layout: str,
         verified: bool = True,
     ) -> None:
-        """Take over a committed slot left by a previous SMP of this node (see records.py),
-        or installed by a rebuild; ``verified``: its layout carries every checksum."""
+        """Take over a committed slot left by a previous SMP of this node (see records.py);
+        ``verified``: its layout carries every checksum.
+
+        Raises:
+            StoreError: the slot is neither EMPTY nor FREE.
+        """
         s = self.slot(index)
-        s.state, s.gen, s.path, s.capacity = SlotState.COMMITTED, gen, path, capacity
+        if s.state not in (SlotState.EMPTY, SlotState.FREE):
+            raise StoreError(f"slot {index} of rank {self.rank} is {s.state.value}: not adopted")
+        s.gen, s.path, s.capacity = gen, path, capacity
+        self._install(s, step, seq, layout, verified)
+
+    def _install(self, s: Slot, step: int, seq: int, layout: str, verified: bool) -> None:
+        s.state = SlotState.COMMITTED
         s.step, s.seq, s.layout, s.verified = step, seq, layout, verified
         self._seq = max(self._seq, seq)
+
+    def _allocating(self, index: int) -> Slot:
+        s = self.slot(index)
+        if s.state is not SlotState.ALLOCATING:
+            raise StoreError(f"slot {index} of rank {self.rank} is {s.state.value}, not allocating")
+        return s
+
+    def pin(self, index: int) -> Slot:
+        """Count one more holder of committed slot ``index`` (it is kept until unpinned).
+
+        Raises:
+            StoreError: the slot is not COMMITTED.
+        """
+        s = self.slot(index)
+        if s.state is not SlotState.COMMITTED:
+            raise StoreError(f"slot {index} of rank {self.rank} is {s.state.value}: not pinned")
+        s.pinned += 1
+        return s
+
+    def unpin(self, index: int, gen: int) -> bool:
+        """Count one holder of slot ``index`` (generation ``gen``) less; False (nothing
+        changed) if the slot was replaced since or holds no pin."""
+        s = self.slot(index)
+        if s.gen != gen or s.pinned <= 0:
+            return False
+        s.pinned -= 1
+        return True
 
     def next_seq(self) -> int:
         """A commit sequence number newer than every slot's (for a slot installed by a rebuild)."""

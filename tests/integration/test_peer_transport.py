@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from xxhash import xxh64_intdigest as xxh64
 
+from ftmem.errors import ProtocolError
 from ftmem.exchange import keys
+from ftmem.exchange.messages import Envelope
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
+from ftmem.protocol import messages as m
 
 
 @pytest.fixture
@@ -89,6 +95,25 @@ def test_malformed_but_authenticated_is_dropped(
             break
     assert got is not None and got.header == {"ok": 1}
     assert b.dropped == 2
+
+
+def test_a_header_json_cannot_read_back_is_dropped(
+    pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
+) -> None:
+    """An int of 5000 digits (json.loads raises a bare ValueError) is dropped and counted by
+    the transport; Infinity is JSON, passes the transport and is refused by the protocol."""
+    a, b = pair
+    sock = a._peers["b"]
+    body = b'{"header": {"t": "held", "e": 0, "step": ' + b"9" * 5000 + b"}}"
+    head = struct.pack("<4sHHQIQ", b"FTMQ", 1, int(m.Kind.PEER), 1, len(body), xxh64(body))
+    sock.send_multipart([head + body])
+    assert b.recv(10.0) is None  # dropped (recv returns None for it), not raised
+    assert b.dropped == 1
+    a.send("b", {"t": "held", "e": 0, "step": float("inf")}, [])
+    got = recv_one(b)
+    assert math.isinf(got.header["step"])
+    with pytest.raises(ProtocolError):
+        Envelope.parse(got)
 
 
 def test_key_file_round_trip_and_permissions(tmp_path: Path) -> None:

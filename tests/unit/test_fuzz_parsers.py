@@ -13,9 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftmem.client.flatten import parse_layout
-from ftmem.errors import CorruptSnapshotError
-from ftmem.exchange.placement import plan_group
+from ftmem.errors import CorruptSnapshotError, ProtocolError
+from ftmem.exchange import messages as pm
+from ftmem.exchange.placement import FragmentKind, plan_group
 from ftmem.exchange.protector import GroupProtector
+from ftmem.exchange.segments import SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 from ftmem.smp import records
 from ftmem.smp.protection import decide
@@ -23,6 +25,21 @@ from ftmem.tiers.checkpoints import MANIFEST, read_checkpoint
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+# Peer headers reach the protector as Python objects (no JSON text in between), so they may
+# also hold what JSON text cannot carry back: ints of thousands of digits.
+peer_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**4300)
+    | st.floats()
+    | st.text(max_size=20),
     lambda children: (
         st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
     ),
@@ -157,22 +174,7 @@ class _Recorder(PeerTransport):
                 "protect",
             ]
         ),
-        json_values
-        | st.sampled_from(
-            [
-                "size",
-                "data",
-                "parity",
-                "held",
-                "abort",
-                "meta?",
-                "meta",
-                "fetch",
-                "fetched",
-                "x:state",
-                "data",
-            ]
-        ),
+        peer_values | st.sampled_from([k.value for k in pm.PeerKind]),
         max_size=8,
     ),
     st.lists(st.binary(max_size=64), max_size=2),
@@ -181,10 +183,78 @@ def test_peer_headers_never_crash_the_protector(
     sender: str, header: dict[str, Any], bufs: list[bytes]
 ) -> None:
     header.setdefault("e", 0)
-    others: list[PeerMessage] = []
+    others: list[pm.Envelope] = []
     p = GroupProtector(0, plan_group([0, 1, 2], 1), _Recorder(), 1 << 16, on_other=others.append)
     p.handle(PeerMessage(sender, header, [memoryview(b) for b in bufs]))
     p.flush()
+
+
+_GOOD_HEADERS = [
+    b.to_header(0)
+    for b in (
+        pm.Size(1, 100),
+        pm.Data(1, 0, 1),
+        pm.Parity(1, 0, 2, (1, 2, 3)),
+        pm.Held(1),
+        pm.Abort(1),
+        pm.MetaRequest(1),
+        pm.MetaReply(1, {0: 100, 1: 100, 2: 100}),
+        pm.FetchRequest(1, 0, 0, FragmentKind.DATA, 0, 50),
+        pm.FetchRequest(1, 0, 2, FragmentKind.PARITY, 0, 50),
+        pm.FetchReply(1, 0, 2, (1, 2, 3)),
+        pm.HeldSteps((1,)),
+        pm.Avail((1,)),
+        pm.ProtectOrder(1),
+        pm.Heartbeat(),
+    )
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(["0", "1", "2"]),
+    st.sampled_from(_GOOD_HEADERS),
+    st.dictionaries(
+        st.sampled_from(["t", "e", "step", "nbytes", "stripe", "col", "frag", "sums", "sizes"])
+        | st.sampled_from(["kind", "offset", "length", "held", "steps"]),
+        peer_values
+        | st.sampled_from([-1, 1 << 63, 10**5000, float("inf"), float("-inf"), float("nan")])
+        | st.sampled_from([True, [float("inf")], ["1" * 30], {"0": float("nan")}, {"x": 1}]),
+        max_size=2,
+    ),
+    st.lists(st.binary(max_size=64), max_size=2),
+    st.booleans(),
+    st.booleans(),
+)
+def test_mutated_peer_messages_never_crash_the_protector(
+    sender: str,
+    good: dict[str, Any],
+    changes: dict[str, Any],
+    bufs: list[bytes],
+    holding: bool,
+    with_service: bool,
+) -> None:
+    """A well-formed message with a field or two replaced by hostile values (NaN, Infinity,
+    huge ints, bools...) to a protector that holds the step or not: handled or dropped."""
+    others: list[pm.Envelope] = []
+    p = GroupProtector(
+        0,
+        plan_group([0, 1, 2], 1),
+        _Recorder(),
+        1 << 16,
+        on_other=others.append if with_service else None,
+    )
+    if holding:  # this node's data of step 1 and its peers' sizes but one: deeper paths
+        st = p._st(1)
+        st.data, st.sizes, st.held_sent = SegmentedBytes([bytes(100)]), {0: 100, 1: 100}, True
+    dropped = p.dropped
+    p.handle(PeerMessage(sender, {**good, **changes}, [memoryview(b) for b in bufs]))
+    p.flush()
+    try:
+        pm.Envelope.parse(PeerMessage(sender, {**good, **changes}, [memoryview(b) for b in bufs]))
+    except Exception as exc:
+        assert isinstance(exc, ProtocolError), exc
+        assert p.dropped == dropped + 1, "a malformed message was not counted"
 
 
 @settings(max_examples=300, deadline=None)

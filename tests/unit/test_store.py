@@ -1,10 +1,22 @@
-"""The per-rank slot state machine: the newest committed slot is never handed out."""
+"""The slot state machine (RankSlots) and the thread-safe SlotStore over every rank's slots:
+every transition of ftmem/smp/store.py's diagram, and that the others raise."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from ftmem.smp.store import RankSlots, SlotState, StoreError
+from ftmem import shm
+from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
+from ftmem.smp import records
+from ftmem.smp.allocation import SlotFiles
+from ftmem.smp.hashing import HashResult, HashService
+from ftmem.smp.slot_store import Grant, SlotStore
+from ftmem.smp.store import RankPiece, RankSlots, SlotState, StoreError
 
 
 def ready(nslots: int = 2, cap: int = 100) -> RankSlots:
@@ -48,7 +60,7 @@ def test_skip_when_other_slot_pinned() -> None:
     rs = ready()
     write(rs, 1)
     other = write(rs, 2)
-    rs.slots[1 - other].pinned = 1
+    rs.pin(1 - other)
     assert rs.begin(3, 10).action == "skip"
 
 
@@ -95,3 +107,317 @@ def test_abort_frees() -> None:
     d = rs.begin(1, 10)
     rs.abort(d.slot, rs.slots[d.slot].gen)
     assert rs.slots[d.slot].state is SlotState.FREE
+
+
+def test_rank_slots_refuse_transitions_outside_the_diagram() -> None:
+    rs = ready()
+    with pytest.raises(StoreError):
+        rs.pin(0)  # FREE: only committed slots are pinned
+    with pytest.raises(StoreError):
+        rs.finish_resize(0, "/dev/shm/y", 100, ok=True)  # not ALLOCATING
+    with pytest.raises(StoreError):
+        rs.finish_rebuild(0, "/dev/shm/y", 100, 1, "{}", verified=True)
+    newest = rs.slots[write(rs, 1)]
+    with pytest.raises(StoreError):
+        rs.adopt(newest.index, 9, "/dev/shm/z", 100, 2, 5, "{}")  # COMMITTED: not adopted
+    assert rs.unpin(0, rs.slots[0].gen) is False  # nothing to give back
+
+
+# -- SlotStore: the thread-safe store, with real slot files, records and hasher -------------
+
+NODE = "n0"
+CAP = 4096
+USED = 80
+
+
+def layout(step: int) -> str:
+    """A client's layout (no checksums): one 64-byte tensor, then 16 bytes of objects."""
+    tensors = tensors_json([TensorExtent(0, "w", "float32", (4, 4), 0, 64)])
+    return layout_json(tensors, step, (64, USED - 64))
+
+
+@pytest.fixture
+def hasher() -> Iterator[HashService]:
+    h = HashService(NODE, 1)
+    h.start()
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path, hasher: HashService) -> SlotStore:
+    return SlotStore(NODE, 2, SlotFiles(tmp_path, "run", NODE), hasher.submit)
+
+
+def slots(store: SlotStore, rank: int = 0) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = store.describe()[str(rank)]["slots"]
+    return out
+
+
+def allocate(store: SlotStore, rank: int = 0) -> None:
+    """EMPTY -> ALLOCATING -> FREE for every slot of ``rank``, with real files."""
+    for index, old, gen in store.start_resize(rank, -1, CAP):
+        assert old == ""
+        path = store.files.path(rank, index, gen)
+        shm.create_segment(path, CAP)
+        store.finish_resize(rank, index, str(path), CAP, ok=True)
+
+
+def save(store: SlotStore, step: int, rank: int = 0) -> Grant:
+    g = store.begin(rank, step, USED)
+    assert g.action == "write", g
+    store.commit(rank, g.slot, g.gen, step, layout(step))
+    return g
+
+
+def settle(store: SlotStore, hasher: HashService) -> list[bool]:
+    """Feed every hash result to the store; whether each verified."""
+    assert hasher.wait_idle(30)
+    return [store.verify(r) is not None for r in hasher.results()]
+
+
+def test_store_allocation_success_and_failure(store: SlotStore) -> None:
+    targets = store.start_resize(0, -1, CAP)
+    assert [(i, old, gen) for i, old, gen in targets] == [(0, "", 1), (1, "", 1)]
+    assert {s["state"] for s in slots(store)} == {"allocating"}
+    with pytest.raises(StoreError):
+        store.start_resize(0, 0, CAP)  # already ALLOCATING
+    store.finish_resize(0, 0, "/nowhere", CAP, ok=False)
+    store.finish_resize(0, 1, str(store.files.path(0, 1, 1)), CAP, ok=True)
+    assert [(s["state"], s["gen"], s["capacity"]) for s in slots(store)] == [
+        ("empty", 1, 0),
+        ("free", 1, CAP),
+    ]
+    with pytest.raises(StoreError):
+        store.finish_resize(0, 1, "/again", CAP, ok=True)  # FREE is not ALLOCATING
+    with pytest.raises(ValueError):
+        store.start_resize(-1, -1, CAP)
+
+
+def test_store_commit_writes_record_pins_for_hasher_then_verifies(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    g = save(store, 3)
+    rec = records.record_path(g.path)
+    assert records.read_record(rec).step == 3
+    sl = slots(store)[g.slot]
+    assert (sl["state"], sl["verified"]) == ("committed", False)
+    assert store.snapshots(0) is None  # a QUERY waits for the hash
+    assert store.complete_steps([0]) == []
+    assert settle(store, hasher) == [True]
+    sl = slots(store)[g.slot]
+    assert (sl["state"], sl["verified"], sl["pinned"]) == ("committed", True, 0)
+    assert parse_layout(records.read_record(rec).layout, CAP).verified
+    snaps = store.snapshots(0)
+    assert snaps is not None and [s["step"] for s in snaps] == [3]
+    assert store.complete_steps([0]) == [3]
+
+
+def test_store_commit_refuses_what_does_not_match(store: SlotStore) -> None:
+    allocate(store)
+    g = store.begin(0, 5, USED)
+    with pytest.raises(ValueError):
+        store.commit(0, g.slot, g.gen, 5, layout(6))  # the layout names another step
+    with pytest.raises(ValueError):
+        store.commit(0, g.slot, g.gen, 5, "not json")
+    with pytest.raises(StoreError):
+        store.commit(0, g.slot, g.gen + 1, 5, layout(5))  # stale gen
+    with pytest.raises(StoreError):
+        store.commit(0, 1 - g.slot, g.gen, 5, layout(5))  # FREE, not WRITING
+    assert slots(store)[g.slot]["state"] == "writing"
+
+
+def test_store_begin_reuses_oldest_committed_and_removes_its_record(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    a, b = save(store, 1), save(store, 2)
+    settle(store, hasher)
+    g = store.begin(0, 3, USED)  # COMMITTED (not the newest, not pinned) -> WRITING
+    assert (g.action, g.slot) == ("write", a.slot)
+    assert not records.record_path(a.path).exists()
+    assert records.record_path(b.path).exists()
+    assert store.begin(0, 4, USED).action == "skip"  # a copy is still being written
+    store.abort(0, g.slot, g.gen)  # WRITING -> FREE
+    assert slots(store)[g.slot]["state"] == "free"
+
+
+def test_store_hello_frees_torn_slots(store: SlotStore) -> None:
+    allocate(store)
+    g = store.begin(0, 1, USED)
+    assert store.hello(0, pid=123, world_size=4) == [g.slot]  # WRITING -> FREE
+    assert slots(store)[g.slot]["state"] == "free"
+    assert store.world_size() == 4 and store.all_ranks() == [0]
+
+
+def test_store_hash_failure_drops_the_slot(store: SlotStore, hasher: HashService) -> None:
+    allocate(store)
+    g = save(store, 1)
+    assert hasher.wait_idle(30)
+    (result,) = hasher.results()
+    failed = HashResult(result.job, "", 0.0, 0, "cannot map it")
+    assert store.verify(failed) is None  # COMMITTED -> FREE
+    sl = slots(store)[g.slot]
+    assert (sl["state"], sl["step"], sl["pinned"]) == ("free", None, 0)
+    assert not records.record_path(g.path).exists()
+    assert store.verify(result) is None  # stale: the slot was dropped meanwhile
+
+
+def test_store_verify_keeps_a_pin_for_a_flush(store: SlotStore, hasher: HashService) -> None:
+    allocate(store)
+    save(store, 4)
+    assert hasher.wait_idle(30)
+    (result,) = hasher.results()
+    verified = store.verify(result, keep=True)
+    assert verified is not None and verified.kept is not None
+    assert verified.kept.used == USED and parse_layout(verified.kept.layout, CAP).verified
+    assert slots(store)[verified.kept.slot]["pinned"] == 1
+    store.unpin([verified.kept])
+    assert slots(store)[verified.kept.slot]["pinned"] == 0
+
+
+def test_store_discard_newer_keeps_pinned_and_older(store: SlotStore, hasher: HashService) -> None:
+    allocate(store)
+    save(store, 11)
+    g = save(store, 12)
+    settle(store, hasher)
+    assert store.discard_newer(0, 11) == [12]  # COMMITTED -> FREE
+    assert slots(store)[g.slot]["state"] == "free"
+    assert not records.record_path(g.path).exists()
+    save(store, 12)
+    settle(store, hasher)
+    pieces = store.pin_step([0], 12)
+    assert pieces is not None
+    assert store.discard_newer(0, 11) == []  # pinned: kept
+    store.unpin(pieces)
+
+
+def test_store_resize_of_committed_slot_but_never_the_newest_or_pinned(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    old, new = save(store, 1), save(store, 2)
+    settle(store, hasher)
+    with pytest.raises(StoreError):
+        store.start_resize(0, new.slot, 2 * CAP)  # the newest
+    pieces = store.pin_step([0], 1)
+    assert pieces is not None
+    with pytest.raises(StoreError):
+        store.start_resize(0, old.slot, 2 * CAP)  # pinned
+    store.unpin(pieces)
+    # COMMITTED (not the newest, not pinned) -> ALLOCATING
+    assert store.start_resize(0, old.slot, 2 * CAP) == [(old.slot, old.path, old.gen + 1)]
+    assert slots(store)[old.slot]["state"] == "allocating"
+
+
+def test_store_pins_from_two_threads_are_all_counted(store: SlotStore, hasher: HashService) -> None:
+    allocate(store, 0)
+    allocate(store, 1)
+    save(store, 7, rank=0)
+    save(store, 7, rank=1)
+    settle(store, hasher)
+    assert store.pin_step([0, 1, 2], 7) is None  # rank 2 has nothing: nothing pinned
+    assert store.pin_step([0], 8) is None
+    held: list[list[RankPiece]] = [[], []]
+    start = threading.Barrier(2)
+
+    def pin(k: int) -> None:
+        start.wait()
+        for _ in range(500):
+            pieces = store.pin_step([0, 1], 7)
+            assert pieces is not None
+            held[k].append(pieces[0])
+            held[k].append(pieces[1])
+
+    threads = [threading.Thread(target=pin, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [s["pinned"] for r in (0, 1) for s in slots(store, r) if s["step"] == 7] == [1000, 1000]
+    unpinners = [threading.Thread(target=store.unpin, args=(held[k],)) for k in range(2)]
+    for t in unpinners:
+        t.start()
+    for t in unpinners:
+        t.join(60)
+    assert all(s["pinned"] == 0 for r in (0, 1) for s in slots(store, r))
+
+
+def test_store_install_rebuilt_replaces_even_the_newest(
+    store: SlotStore, hasher: HashService, tmp_path: Path
+) -> None:
+    allocate(store)
+    save(store, 1)
+    b = save(store, 2)
+    settle(store, hasher)
+    pieces = store.pin_step([0], 1)
+    assert pieces is not None  # slot a pinned: only the newest (b) may take the rebuild
+    text = layout(9)
+    manifest = {"ranks": [{"rank": 0, "nbytes": USED, "capacity": CAP, "layout": text}]}
+    data = memoryview(bytes(range(USED)))
+    (piece,) = store.install_rebuilt(9, manifest, data)  # COMMITTED -> ALLOCATING -> COMMITTED
+    assert (piece.slot, piece.gen, piece.used) == (b.slot, b.gen + 1, USED)
+    assert not Path(b.path).exists() and Path(piece.path).read_bytes()[:USED] == bytes(data)
+    sl = slots(store)[b.slot]
+    assert (sl["state"], sl["step"], sl["pinned"]) == ("committed", 9, 2)  # exchange + hasher
+    assert records.read_record(records.record_path(piece.path)).step == 9
+    assert settle(store, hasher) == [True]  # the manifest had no checksums: hashed here
+    assert store.complete_steps([0]) == [9, 1]
+    store.unpin([piece, *pieces])
+    assert all(s["pinned"] == 0 for s in slots(store))
+
+
+def test_store_install_rebuilt_checks_the_manifest_first(store: SlotStore) -> None:
+    allocate(store)
+    good = {"rank": 0, "nbytes": USED, "capacity": CAP, "layout": layout(9)}
+    for manifest, n in (
+        ({}, USED),
+        ({"ranks": [good]}, USED + 1),
+        ({"ranks": [{**good, "nbytes": USED - 1}]}, USED - 1),
+        ({"ranks": [{**good, "layout": "{"}]}, USED),
+    ):
+        with pytest.raises(ValueError):
+            store.install_rebuilt(9, manifest, memoryview(bytes(n)))
+    assert {s["state"] for s in slots(store)} == {"free"}
+
+
+def test_store_install_rebuilt_with_every_slot_held_raises(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    save(store, 1)
+    save(store, 2)
+    settle(store, hasher)
+    pins = [store.pin_step([0], 1), store.pin_step([0], 2)]
+    manifest = {"ranks": [{"rank": 0, "nbytes": USED, "capacity": CAP, "layout": layout(9)}]}
+    with pytest.raises(StoreError):
+        store.install_rebuilt(9, manifest, memoryview(bytes(USED)))
+    for p in pins:
+        assert p is not None
+        store.unpin(p)
+
+
+def test_store_adopts_what_a_previous_smp_left(
+    store: SlotStore, hasher: HashService, tmp_path: Path
+) -> None:
+    allocate(store)
+    g = save(store, 5)
+    settle(store, hasher)
+    save(store, 6)  # committed, not verified yet when "the SMP dies"
+    (tmp_path / "ftmem-run-n0-r0-junk").write_bytes(b"junk")  # not a slot name: a leftover
+    assert hasher.wait_idle(30)
+    hasher.results()  # the old SMP never saw this result
+    again = SlotStore(NODE, 2, SlotFiles(tmp_path, "run", NODE), hasher.submit)
+    adopted = again.adopt_left()  # EMPTY -> COMMITTED
+    assert sorted(a.record.step for a in adopted) == [5, 6]
+    assert not (tmp_path / "ftmem-run-n0-r0-junk").exists()
+    by_step = {s["step"]: s for s in slots(again)}
+    assert by_step[5]["verified"] and by_step[5]["gen"] == g.gen
+    assert not by_step[6]["verified"] and by_step[6]["pinned"] == 1  # hashing again
+    assert settle(again, hasher) == [True]
+    assert again.complete_steps([0]) == [6, 5]
+    with pytest.raises(StoreError):
+        again.adopt_left()  # its slots are COMMITTED now: the same records cannot be adopted
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert len(kept) == 4 and all(n.startswith("ftmem-run-n0-r0-s") for n in kept)  # untouched

@@ -1,0 +1,499 @@
+"""Typed messages between the SMPs of a group (the peer protocol), and their validation.
+
+A peer message is a small JSON header plus raw buffers (transport.py moves both). The header
+is ``{"t": kind, "e": epoch, <fields>}``: :class:`PeerKind` names the kind, the epoch is the
+launcher's generation, and the fields are those of the kind's frozen dataclass, under the same
+names. Sending: build the dataclass, then :meth:`to_header`. Receiving: :meth:`Envelope.parse`
+checks the sender, the kind, the epoch, every field and the buffer count, and builds the
+dataclass through its one validating constructor, ``from_header``.
+
+What validation promises: integers are real ints (not bools, not floats such as JSON's
+Infinity or NaN) within ``0 <= v <= MAX_INT`` (or a tighter bound), checksums are decimal
+strings of at most 20 digits below 2**64, lists and maps are bounded, no field is missing and
+none is unknown. Anything else raises :class:`~ftmem.errors.ProtocolError`, never KeyError,
+TypeError, ValueError or OverflowError; error messages name types, never echo values.
+
+Kinds of the group protocol (protector.py): SIZE, DATA, PARITY, HELD, ABORT, META_REQUEST,
+META, FETCH, FETCHED. Kinds of the SMP's protection service (smp/protection.py): STATE, AVAIL,
+PROTECT, HEARTBEAT (their wire names start with ``x:``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from ftmem.errors import ProtocolError
+from ftmem.exchange.placement import FragmentKind
+from ftmem.exchange.transport import PeerMessage
+
+MAX_INT = (1 << 63) - 1
+"""Largest integer a field may hold (steps, epochs, stripe and fragment indices)."""
+
+MAX_NODE_BYTES = 1 << 44
+"""Largest snapshot of one node (bytes) that the protocol accepts."""
+
+MAX_NODE = (1 << 20) - 1
+"""Largest node index."""
+
+MAX_NODES = 4096
+"""Most entries of a map keyed by node (a group's sizes)."""
+
+MAX_SUMS = 1024
+"""Most checksums of one stripe (its k + m fragments)."""
+
+MAX_STEPS = 1024
+"""Most steps in one list (held or available steps)."""
+
+_MAX_SENDER_CHARS = 9
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+_CHECKSUM_LIMIT = 1 << 64
+
+
+class PeerKind(enum.Enum):
+    """Message kinds; the values are the wire names (both ends run the same ftmem version)."""
+
+    SIZE = "size"
+    DATA = "data"
+    PARITY = "parity"
+    HELD = "held"
+    ABORT = "abort"
+    META_REQUEST = "meta?"
+    META = "meta"
+    FETCH = "fetch"
+    FETCHED = "fetched"
+    STATE = "x:state"
+    AVAIL = "x:avail"
+    PROTECT = "x:protect"
+    HEARTBEAT = "x:hb"
+
+    @property
+    def is_service(self) -> bool:
+        """True for the protection service's own kinds (not the group protocol's)."""
+        return self.value.startswith("x:")
+
+
+# -- field readers: each raises ProtocolError, and only that --------------------------------------
+
+
+def _get(h: Mapping[str, Any], name: str) -> Any:
+    if name not in h:
+        raise ProtocolError(f"missing field {name!r}")
+    return h[name]
+
+
+def _check_int(value: Any, what: str, hi: int = MAX_INT) -> int:
+    if type(value) is not int:
+        raise ProtocolError(f"{what} must be an integer, not {type(value).__name__}")
+    if not 0 <= value <= hi:
+        raise ProtocolError(f"{what} is out of range (0..{hi})")
+    return value
+
+
+def _int(h: Mapping[str, Any], name: str, hi: int = MAX_INT) -> int:
+    return _check_int(_get(h, name), f"field {name!r}", hi)
+
+
+def _list(value: Any, what: str, most: int) -> list[Any]:
+    if type(value) is not list:
+        raise ProtocolError(f"{what} must be a list, not {type(value).__name__}")
+    if len(value) > most:
+        raise ProtocolError(f"{what} has {len(value)} entries, more than {most}")
+    return value
+
+
+def _steps(h: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    items = _list(_get(h, name), f"field {name!r}", MAX_STEPS)
+    return tuple(_check_int(v, f"an entry of {name!r}") for v in items)
+
+
+def _checksum(value: Any, what: str) -> int:
+    if type(value) is not str or _DECIMAL.fullmatch(value) is None:
+        raise ProtocolError(f"{what} must be a decimal string of at most 20 digits")
+    n = int(value)
+    if n >= _CHECKSUM_LIMIT:
+        raise ProtocolError(f"{what} is not a 64-bit checksum")
+    return n
+
+
+def _sums(h: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    items = _list(_get(h, name), f"field {name!r}", MAX_SUMS)
+    return tuple(_checksum(v, f"an entry of {name!r}") for v in items)
+
+
+def _node_key(key: Any) -> int:
+    if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 7:
+        raise ProtocolError("a node index must be a short decimal string")
+    return _check_int(int(key), "a node index", MAX_NODE)
+
+
+def _sizes(h: Mapping[str, Any], name: str) -> dict[int, int]:
+    value = _get(h, name)
+    if type(value) is not dict:
+        raise ProtocolError(f"field {name!r} must be an object, not {type(value).__name__}")
+    if len(value) > MAX_NODES:
+        raise ProtocolError(f"field {name!r} has more than {MAX_NODES} entries")
+    return {
+        _node_key(k): _check_int(v, f"a size in {name!r}", MAX_NODE_BYTES) for k, v in value.items()
+    }
+
+
+def _fragment_kind(h: Mapping[str, Any], name: str) -> FragmentKind:
+    value = _get(h, name)
+    for kind in FragmentKind:
+        if type(value) is str and value == kind.value:
+            return kind
+    raise ProtocolError(f"field {name!r} must be one of {[k.value for k in FragmentKind]}")
+
+
+def parse_sender(sender: Any) -> int:
+    """The node index a transport's sender name stands for. Raises ProtocolError."""
+    if (
+        type(sender) is not str
+        or not 0 < len(sender) <= _MAX_SENDER_CHARS
+        or not sender.isascii()
+        or not sender.isdigit()
+    ):
+        raise ProtocolError("the sender is not a node index")
+    return _check_int(int(sender), "the sender", MAX_NODE)
+
+
+# -- messages ---------------------------------------------------------------------------------------
+
+
+class _Body:
+    """What every message has: its kind, how many buffers it carries, its header encoding."""
+
+    __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    KIND: ClassVar[PeerKind]
+    BUFFERS: ClassVar[tuple[int, int]] = (0, 0)
+    """Fewest and most buffers a message of this kind carries."""
+
+    def _wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_header(self, epoch: int) -> dict[str, Any]:
+        """The JSON header of this message in generation ``epoch``."""
+        return {"t": self.KIND.value, "e": epoch, **self._wire()}
+
+
+@dataclass(frozen=True, slots=True)
+class Size(_Body):
+    """SIZE: the sender's snapshot of ``step`` has ``nbytes`` bytes; its manifest is the buffer."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.SIZE
+    BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
+    step: int
+    nbytes: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Size:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"), _int(h, "nbytes", MAX_NODE_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class Data(_Body):
+    """DATA: the buffer is column ``col`` of stripe ``stripe`` of ``step``, for its encoder."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.DATA
+    BUFFERS: ClassVar[tuple[int, int]] = (1, 1)
+    step: int
+    stripe: int
+    col: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Data:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"), _int(h, "stripe"), _int(h, "col"))
+
+
+@dataclass(frozen=True, slots=True)
+class Parity(_Body):
+    """PARITY: the buffer is fragment ``frag`` of stripe ``stripe``; ``sums`` are the stripe's
+    k + m checksums (decimal strings on the wire)."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.PARITY
+    BUFFERS: ClassVar[tuple[int, int]] = (1, 1)
+    step: int
+    stripe: int
+    frag: int
+    sums: tuple[int, ...]
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Parity:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"), _int(h, "stripe"), _int(h, "frag"), _sums(h, "sums"))
+
+    def _wire(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stripe": self.stripe,
+            "frag": self.frag,
+            "sums": [str(c) for c in self.sums],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Held(_Body):
+    """HELD: the sender holds every parity fragment it owes for ``step``."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.HELD
+    step: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Held:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"))
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(_Body):
+    """ABORT: the sender gives ``step`` up; every node does the same."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.ABORT
+    step: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Abort:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"))
+
+
+@dataclass(frozen=True, slots=True)
+class MetaRequest(_Body):
+    """META?: a rebuilding node asks for every node's size of ``step`` (and its manifest)."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.META_REQUEST
+    step: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> MetaRequest:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"))
+
+
+@dataclass(frozen=True, slots=True)
+class MetaReply(_Body):
+    """META: node -> snapshot size of ``step`` (empty: not held); the buffer is the asker's
+    manifest."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.META
+    BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
+    step: int
+    sizes: dict[int, int]
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> MetaReply:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"), _sizes(h, "sizes"))
+
+    def _wire(self) -> dict[str, Any]:
+        return {"step": self.step, "sizes": {str(k): v for k, v in self.sizes.items()}}
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRequest(_Body):
+    """FETCH: send fragment ``frag`` of stripe ``stripe`` of ``step``: for DATA the byte range
+    ``[offset, offset + length)`` of the holder's snapshot, for PARITY the stored fragment."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.FETCH
+    step: int
+    stripe: int
+    frag: int
+    kind: FragmentKind
+    offset: int
+    length: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> FetchRequest:
+        """Validate and build (raises ProtocolError)."""
+        return cls(
+            _int(h, "step"),
+            _int(h, "stripe"),
+            _int(h, "frag"),
+            _fragment_kind(h, "kind"),
+            _int(h, "offset", MAX_NODE_BYTES),
+            _int(h, "length", MAX_NODE_BYTES),
+        )
+
+    def _wire(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stripe": self.stripe,
+            "frag": self.frag,
+            "kind": self.kind.value,
+            "offset": self.offset,
+            "length": self.length,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class FetchReply(_Body):
+    """FETCHED: the fragment asked for is the buffer (no buffer: the holder does not have it);
+    ``sums`` (parity only; empty: none) are the stripe's checksums."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.FETCHED
+    BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
+    step: int
+    stripe: int
+    frag: int
+    sums: tuple[int, ...] = ()
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> FetchReply:
+        """Validate and build (raises ProtocolError); ``sums`` may be absent."""
+        sums = _sums(h, "sums") if "sums" in h else ()
+        return cls(_int(h, "step"), _int(h, "stripe"), _int(h, "frag"), sums)
+
+    def _wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "stripe": self.stripe, "frag": self.frag}
+        if self.sums:
+            out["sums"] = [str(c) for c in self.sums]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSteps(_Body):
+    """x:state: the steps the sender holds (own data plus owed parity), for the sync."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.STATE
+    held: tuple[int, ...]
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> HeldSteps:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_steps(h, "held"))
+
+    def _wire(self) -> dict[str, Any]:
+        return {"held": list(self.held)}
+
+
+@dataclass(frozen=True, slots=True)
+class Avail(_Body):
+    """x:avail: steps every rank of the sender has committed, newer than the protected one."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.AVAIL
+    steps: tuple[int, ...]
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Avail:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_steps(h, "steps"))
+
+    def _wire(self) -> dict[str, Any]:
+        return {"steps": list(self.steps)}
+
+
+@dataclass(frozen=True, slots=True)
+class ProtectOrder(_Body):
+    """x:protect: the coordinator orders a protection round of ``step``."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.PROTECT
+    step: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> ProtectOrder:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"))
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(_Body):
+    """x:hb: the sender is alive (peer health)."""
+
+    KIND: ClassVar[PeerKind] = PeerKind.HEARTBEAT
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Heartbeat:
+        """Validate and build (raises ProtocolError)."""
+        return cls()
+
+
+PeerBody = (
+    Size
+    | Data
+    | Parity
+    | Held
+    | Abort
+    | MetaRequest
+    | MetaReply
+    | FetchRequest
+    | FetchReply
+    | HeldSteps
+    | Avail
+    | ProtectOrder
+    | Heartbeat
+)
+
+BODY_TYPES: dict[PeerKind, type[PeerBody]] = {
+    cls.KIND: cls
+    for cls in (
+        Size,
+        Data,
+        Parity,
+        Held,
+        Abort,
+        MetaRequest,
+        MetaReply,
+        FetchRequest,
+        FetchReply,
+        HeldSteps,
+        Avail,
+        ProtectOrder,
+        Heartbeat,
+    )
+}
+_KINDS = {k.value: k for k in PeerKind}
+_ALLOWED = {k: frozenset({"t", "e"} | {f.name for f in fields(c)}) for k, c in BODY_TYPES.items()}
+
+
+def parse_kind(header: Any) -> PeerKind:
+    """The kind a header names. Raises ProtocolError (not a JSON object, unknown kind)."""
+    if type(header) is not dict:
+        raise ProtocolError(f"a peer header must be an object, not {type(header).__name__}")
+    t = header.get("t")
+    kind = _KINDS.get(t) if type(t) is str else None
+    if kind is None:
+        raise ProtocolError("a peer header without a known kind")
+    return kind
+
+
+def parse_header(header: Any) -> tuple[int, PeerBody]:
+    """(epoch, message) of a header, every field checked. Raises ProtocolError."""
+    kind = parse_kind(header)
+    epoch = _int(header, "e")
+    if not header.keys() <= _ALLOWED[kind]:
+        raise ProtocolError(f"unknown fields in a {kind.value!r} message")
+    return epoch, BODY_TYPES[kind].from_header(header)
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One validated peer message: sender node, epoch, typed body and its raw buffers."""
+
+    sender: int
+    epoch: int
+    body: PeerBody
+    buffers: tuple[memoryview, ...]
+
+    @property
+    def kind(self) -> PeerKind:
+        """The message's kind."""
+        return self.body.KIND
+
+    @classmethod
+    def parse(cls, msg: PeerMessage) -> Envelope:
+        """Validate a received message (sender, header, buffer count). Raises ProtocolError."""
+        sender = parse_sender(msg.sender)
+        epoch, body = parse_header(msg.header)
+        lo, hi = body.BUFFERS
+        if not lo <= len(msg.buffers) <= hi:
+            raise ProtocolError(
+                f"a {body.KIND.value!r} message carries {len(msg.buffers)} buffers, not {lo}..{hi}"
+            )
+        return cls(sender, epoch, body, tuple(msg.buffers))

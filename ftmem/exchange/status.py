@@ -1,0 +1,231 @@
+"""The state of an SMP's protection service, and the typed replies the launcher reads.
+
+The SMP reports its exchange as a JSON object (``exchange`` in the STATUS document) whose
+``state`` is an :class:`ExchangeState` value; :meth:`ExchangeStatus.from_json` turns it into a
+frozen dataclass, and :meth:`SyncReply.from_json` does the same for the reply to PEER_START.
+Both refuse a malformed document with :class:`~ftmem.errors.ProtocolError`; fields they do not
+know are ignored (the status carries more than the launcher reads).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ftmem.errors import FtmemError, ProtocolError
+
+_MAX_INT = (1 << 63) - 1
+_MAX_LIST = 4096
+
+
+class IllegalTransition(FtmemError):
+    """The protection service tried a state change its state machine does not allow."""
+
+
+class ExchangeState(enum.Enum):
+    """Where the SMP's protection service is in a generation's life (smp/protection.py).
+
+    Transitions (any state but FAILED may also go to FAILED: the thread stopped on an
+    unexpected error; FAILED is final)::
+
+        UNBOUND ------------------------------> BOUND          bind: the peer port is open
+        BOUND, SYNCING, READY, SYNC_FAILED,
+          UNRECOVERABLE, REBUILD_FAILED ------> BOUND          bind again (a new key pair)
+                                         \\---> SYNCING        start a generation, sync
+        SYNCING ------------------------------> READY          every node answered; in sync
+                                         \\---> REBUILDING     this node lost the kept step
+                                         \\---> SYNC_FAILED    a node did not answer in time
+                                         \\---> UNRECOVERABLE  more than m nodes lost it
+        REBUILDING ---------------------------> READY          rebuilt from the group
+                                         \\---> REBUILD_FAILED
+        BOUND --------> READY, REBUILDING, SYNC_FAILED, UNRECOVERABLE
+                        (a bind while a start was pending: that sync goes on and ends)
+
+    Protection rounds run in READY; the step being protected is reported beside the state
+    (``protecting``), not as a state of its own.
+    """
+
+    UNBOUND = "unbound"
+    BOUND = "bound"
+    SYNCING = "syncing"
+    REBUILDING = "rebuilding"
+    READY = "ready"
+    SYNC_FAILED = "sync-failed"
+    UNRECOVERABLE = "unrecoverable"
+    REBUILD_FAILED = "rebuild-failed"
+    FAILED = "failed"
+
+    def can_become(self, new: ExchangeState) -> bool:
+        """True if the state machine (see the class docstring) allows ``self -> new``."""
+        if new is ExchangeState.FAILED:
+            return self is not ExchangeState.FAILED
+        return new in _NEXT[self]
+
+    def to(self, new: ExchangeState) -> ExchangeState:
+        """Return ``new`` if ``self -> new`` is allowed; raise IllegalTransition otherwise."""
+        if not self.can_become(new):
+            raise IllegalTransition(f"exchange state {self.value} -> {new.value} is not allowed")
+        return new
+
+
+_S = ExchangeState
+_RESTARTABLE = frozenset({_S.BOUND, _S.SYNCING})
+_NEXT: dict[ExchangeState, frozenset[ExchangeState]] = {
+    _S.UNBOUND: frozenset({_S.BOUND}),
+    _S.BOUND: _RESTARTABLE | {_S.READY, _S.REBUILDING, _S.SYNC_FAILED, _S.UNRECOVERABLE},
+    _S.SYNCING: _RESTARTABLE | {_S.READY, _S.REBUILDING, _S.SYNC_FAILED, _S.UNRECOVERABLE},
+    _S.REBUILDING: frozenset({_S.READY, _S.REBUILD_FAILED}),
+    _S.READY: _RESTARTABLE,
+    _S.SYNC_FAILED: _RESTARTABLE,
+    _S.UNRECOVERABLE: _RESTARTABLE,
+    _S.REBUILD_FAILED: _RESTARTABLE,
+    _S.FAILED: frozenset(),
+}
+
+
+# -- readers: each raises ProtocolError, and only that ---------------------------------------------
+
+
+def _opt_int(doc: Mapping[str, Any], name: str) -> int | None:
+    value = doc.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not -_MAX_INT <= value <= _MAX_INT:
+        raise ProtocolError(f"field {name!r} must be an integer or null")
+    return value
+
+
+def _int(doc: Mapping[str, Any], name: str, default: int = 0) -> int:
+    value = _opt_int(doc, name)
+    return default if value is None else value
+
+
+def _seconds(doc: Mapping[str, Any], name: str) -> float:
+    value = doc.get(name, 0.0)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ProtocolError(f"field {name!r} must be a finite number")
+    return float(value)
+
+
+def _str(doc: Mapping[str, Any], name: str, most: int = 1 << 16) -> str:
+    value = doc.get(name) or ""
+    if type(value) is not str or len(value) > most:
+        raise ProtocolError(f"field {name!r} must be a string of at most {most} characters")
+    return value
+
+
+def _ints(doc: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    value = doc.get(name) or []
+    if type(value) is not list or len(value) > _MAX_LIST:
+        raise ProtocolError(f"field {name!r} must be a list of at most {_MAX_LIST} integers")
+    out = []
+    for v in value:
+        if type(v) is not int or not 0 <= v <= _MAX_INT:
+            raise ProtocolError(f"field {name!r} must hold integers")
+        out.append(v)
+    return tuple(out)
+
+
+def _object(doc: Any, what: str) -> Mapping[str, Any]:
+    if type(doc) is not dict:
+        raise ProtocolError(f"{what} must be a JSON object, not {type(doc).__name__}")
+    return doc
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildProgress:
+    """How far a rebuild of ``step`` is: ``fragments`` of ``of`` fetched."""
+
+    step: int
+    fragments: int
+    of: int
+
+    @classmethod
+    def from_json(cls, doc: Any) -> RebuildProgress | None:
+        """Parse ``rebuild_progress`` (None or {} when there is none). Raises ProtocolError."""
+        if doc is None or doc == {}:
+            return None
+        d = _object(doc, "rebuild_progress")
+        return cls(_int(d, "step"), _int(d, "fragments"), _int(d, "of"))
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeStatus:
+    """The ``exchange`` part of an SMP's STATUS, typed (only what the launcher reads)."""
+
+    enabled: bool
+    state: ExchangeState | None
+    """None when erasure coding is off on this SMP."""
+    epoch: int | None = None
+    me: int | None = None
+    group: tuple[int, ...] = ()
+    m: int | None = None
+    error: str = ""
+    protected_step: int | None = None
+    protecting: int | None = None
+    rebuilding: int | None = None
+    rebuild_progress: RebuildProgress | None = None
+    dropped_messages: int = 0
+    last_protect_s: float = 0.0
+    last_rebuild_s: float = 0.0
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ExchangeStatus:
+        """Parse the ``exchange`` object (None or {}: off). Raises ProtocolError."""
+        if doc is None or doc == {}:
+            return cls(enabled=False, state=None)
+        d = _object(doc, "the exchange status")
+        enabled = d.get("enabled", False)
+        if type(enabled) is not bool:
+            raise ProtocolError("field 'enabled' must be true or false")
+        if not enabled:
+            return cls(enabled=False, state=None)
+        raw = d.get("state")
+        try:
+            state = ExchangeState(raw) if type(raw) is str else None
+        except ValueError:
+            state = None
+        if state is None:
+            raise ProtocolError("field 'state' is not an exchange state")
+        return cls(
+            enabled=True,
+            state=state,
+            epoch=_opt_int(d, "epoch"),
+            me=_opt_int(d, "me"),
+            group=_ints(d, "group"),
+            m=_opt_int(d, "m"),
+            error=_str(d, "error"),
+            protected_step=_opt_int(d, "protected_step"),
+            protecting=_opt_int(d, "protecting"),
+            rebuilding=_opt_int(d, "rebuilding"),
+            rebuild_progress=RebuildProgress.from_json(d.get("rebuild_progress")),
+            dropped_messages=_int(d, "dropped_messages"),
+            last_protect_s=_seconds(d, "last_protect_s"),
+            last_rebuild_s=_seconds(d, "last_rebuild_s"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReply:
+    """The SMP's reply to PEER_START: the generation's protected step (None: none yet), the
+    nodes that had lost it, and whether this node rebuilt it."""
+
+    step: int | None
+    lost: tuple[int, ...]
+    rebuilt: bool
+
+    @classmethod
+    def from_json(cls, doc: Any) -> SyncReply:
+        """Parse the reply's fields. Raises ProtocolError."""
+        d = _object(doc, "the sync reply")
+        rebuilt = d.get("rebuilt", False)
+        if type(rebuilt) is not bool:
+            raise ProtocolError("field 'rebuilt' must be true or false")
+        return cls(step=_opt_int(d, "step"), lost=_ints(d, "lost"), rebuilt=rebuilt)
+
+    def to_json(self) -> dict[str, Any]:
+        """The reply's fields as the SMP sent them (for the agent's event log)."""
+        return {"step": self.step, "lost": list(self.lost), "rebuilt": self.rebuilt}

@@ -1,0 +1,136 @@
+"""Slot files of the SMP: their names, their removal, and their creation off the loop thread.
+
+:class:`SlotFiles` knows where this run's and node's slot files live (``/dev/shm``, names
+carrying the run id, node, rank, slot and generation) and removes them with their commit
+records (:mod:`ftmem.smp.records`). :class:`Allocator` creates new slot files on a named
+worker thread: pre-faulting costs ~1 s/GiB, so the loop thread keeps answering other ranks
+while a PREPARE is served, and sends the deferred reply when the job comes back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftmem import shm
+from ftmem._logging import get_logger
+from ftmem.smp import records
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFiles:
+    """The slot files of one run on one node (no state: every answer comes from the disk)."""
+
+    shm_dir: Path
+    run_id: str
+    node: str
+
+    @property
+    def prefix(self) -> str:
+        """What every slot file (and commit record) of this run and node starts with."""
+        return f"ftmem-{self.run_id}-{self.node}-r"
+
+    def path(self, rank: int, index: int, gen: int) -> Path:
+        """The file of generation ``gen`` of slot ``index`` of ``rank``."""
+        return self.shm_dir / shm.slot_file_name(self.run_id, self.node, rank, index, gen)
+
+    def discard(self, path: Path | str) -> None:
+        """Remove a slot file that is being replaced: its commit record first, then its data."""
+        records.remove_record(path)
+        shm.remove_segment(Path(path))
+
+    def remove_all(self) -> int:
+        """Remove every file of this run and node (stale arenas, records); return how many."""
+        n = 0
+        for p in self.shm_dir.glob(self.prefix + "*"):
+            shm.remove_segment(p)
+            n += 1
+        return n
+
+    def adoptable(self, nslots: int) -> list[records.Adoptable]:
+        """The committed slot files a previous SMP of this node left (see records.scan);
+        every other file of this run and node is removed."""
+        found, leftovers = records.scan(self.shm_dir, self.prefix, nslots)
+        for p in leftovers:
+            try:
+                shm.remove_segment(p)
+                records.remove_record(p)
+            except OSError as exc:
+                log.warning("[%s/smp] cannot remove %s: %s", self.node, p.name, exc)
+        return found
+
+
+@dataclass(slots=True)
+class AllocJob:
+    """New slot files one PREPARE asked for, and whom to answer when they exist."""
+
+    ident: bytes
+    req_id: int
+    rank: int
+    slots: list[tuple[int, Path, int]]
+    """(slot index, new path, capacity) of every slot to make."""
+    error: str = ""
+    """Set by the worker when a file could not be made (the later ones were not tried)."""
+
+
+class Allocator:
+    """Creates slot files on the ``ftmem-smp-alloc`` thread (see the module docstring).
+
+    :meth:`submit` and :meth:`finished` belong to the loop thread.
+
+    Resource handling: :meth:`close` stops the thread with a sentinel (bounded join); a job
+    in progress finishes first. Error handling: a file that cannot be made (e.g. /dev/shm is
+    full) sets the job's ``error``; the thread keeps serving.
+    """
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._jobs: queue.Queue[AllocJob | None] = queue.Queue()
+        self._done: queue.Queue[AllocJob] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.pending = 0
+        """Jobs submitted and not yet taken back by :meth:`finished`."""
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread = threading.Thread(target=self._run, name="ftmem-smp-alloc", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: AllocJob) -> None:
+        """Queue ``job``; it comes back from :meth:`finished` once its files exist (or not)."""
+        self.pending += 1
+        self._jobs.put(job)
+
+    def finished(self) -> list[AllocJob]:
+        """The jobs done since the last call (non-blocking)."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                self.pending -= len(out)
+                return out
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread after the job in progress (idempotent, bounded)."""
+        self._jobs.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            for _, path, capacity in job.slots:
+                try:
+                    shm.create_segment(path, capacity)
+                except OSError as exc:
+                    job.error = f"cannot create {path.name} ({capacity} bytes): {exc}"
+                    log.error("[%s/smp] %s", self.node, job.error)
+                    break
+            self._done.put(job)

@@ -1,0 +1,487 @@
+"""SlotStore: every rank's slots of one SMP behind one lock, and their commit records.
+
+Four threads change slots: the loop thread (the ranks' requests, allocations coming back,
+hash results), the protection thread (pins a step for a round, unpins it, installs a rebuilt
+step), the flush thread (pins a step for a flush, unpins it) and the allocation worker (only
+through the loop thread). Each does it through one method of this class, which takes the
+store's lock for the whole transition, so a slot is never seen half changed and every pin is
+counted in one place (:meth:`RankSlots.pin` / :meth:`RankSlots.unpin`). The transitions and
+their conditions are the state diagram in :mod:`ftmem.smp.store`; this class maps them onto
+the SMP's requests:
+
+========================  ===================================================================
+method                    transitions (of :mod:`ftmem.smp.store`'s diagram)
+========================  ===================================================================
+``hello``                 WRITING -> FREE (the rank restarted: torn copies)
+``begin``                 FREE / COMMITTED -> WRITING (its old commit record is removed)
+``commit``                WRITING -> COMMITTED, record written, pinned for the hasher
+``abort``                 WRITING -> FREE
+``start_resize``          EMPTY / FREE / COMMITTED -> ALLOCATING
+``finish_resize``         ALLOCATING -> FREE (or EMPTY when the file could not be made)
+``verify``                unpin (hasher); COMMITTED -> verified, or -> FREE (drop)
+``discard_newer``         COMMITTED -> FREE (newer steps of an abandoned run)
+``pin_step`` / ``unpin``  pins of COMMITTED slots (the exchange and the flush)
+``install_rebuilt``       any unpinned -> ALLOCATING -> COMMITTED (pinned), file written
+``adopt_left``            EMPTY -> COMMITTED (a previous SMP's records)
+========================  ===================================================================
+
+Commit records (:mod:`ftmem.smp.records`) follow the transitions under the same lock: written
+at a commit, rewritten at verification, removed before a slot's data is overwritten or dropped.
+The only I/O done outside the lock is writing a rebuilt snapshot into its new slot file (the
+slot is ALLOCATING meanwhile, which nothing else touches).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ftmem import shm
+from ftmem._logging import get_logger
+from ftmem.errors import CorruptSnapshotError
+from ftmem.format.layout import StoredSnapshot, parse_layout
+from ftmem.smp import records
+from ftmem.smp.allocation import SlotFiles
+from ftmem.smp.hashing import HashJob, HashResult
+from ftmem.smp.store import MAX_SLOT_BYTES, RankPiece, RankSlots, Slot
+
+log = get_logger(__name__)
+
+MAX_RANK = 1 << 20
+"""Ranks at or above this are refused (a malformed request must not grow the store)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What :meth:`SlotStore.begin` decided, with the slot's file for a ``write`` or
+    ``resize`` (``skip``: ``reason`` says why)."""
+
+    action: str  # "write" | "resize" | "skip"
+    slot: int = -1
+    gen: int = 0
+    path: str = ""
+    capacity: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A slot the hasher verified; ``kept``: its piece, pinned once more for a flush."""
+
+    kept: RankPiece | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """One rank's bytes in a rebuilt node's data (checked against the manifest)."""
+
+    rank: int
+    offset: int
+    nbytes: int
+    capacity: int
+    layout: str
+    snap: StoredSnapshot
+
+
+class SlotStore:
+    """Every rank's slots, thread-safe (see the module docstring).
+
+    Args:
+        node: this node's name (log lines).
+        nslots: slots per rank.
+        files: where the slot files live (a rebuild makes new ones; adoption scans them).
+        submit_hash: queues a committed slot's checksums (the hasher's ``submit``); the slot
+            is pinned until :meth:`verify` gets the result.
+
+    Error handling: a request that does not fit a slot's state raises :class:`StoreError`,
+    one out of range raises ``ValueError``; nothing is changed then. A commit record that
+    cannot be written is logged (the commit stands; only adoption after an SMP crash is lost).
+    """
+
+    def __init__(
+        self, node: str, nslots: int, files: SlotFiles, submit_hash: Callable[[HashJob], None]
+    ) -> None:
+        self.node = node
+        self.nslots = nslots
+        self.files = files
+        self._submit_hash = submit_hash
+        self._ranks: dict[int, RankSlots] = {}
+        self._world_size = 0
+        self._lock = threading.Lock()
+
+    # -- ranks and queries -------------------------------------------------------------------
+    def _rank(self, rank: int) -> RankSlots:
+        if not 0 <= rank < MAX_RANK:
+            raise ValueError(f"rank {rank} out of range")
+        rs = self._ranks.get(rank)
+        if rs is None:
+            rs = self._ranks[rank] = RankSlots(rank=rank, nslots=self.nslots)
+        return rs
+
+    def all_ranks(self) -> list[int]:
+        """Every rank this SMP has seen."""
+        with self._lock:
+            return sorted(self._ranks)
+
+    def world_size(self) -> int:
+        """The job's world size as the newest rank to say hello reported (0: unknown)."""
+        with self._lock:
+            return self._world_size
+
+    def describe(self) -> dict[str, Any]:
+        """Each rank's slots, progress and statistics, JSON-ready (STATUS)."""
+        with self._lock:
+            return {str(r): rs.describe() for r, rs in sorted(self._ranks.items())}
+
+    def committed_steps(self) -> dict[str, list[int | None]]:
+        """Each rank's committed steps, newest first."""
+        with self._lock:
+            return {str(r): [s.step for s in rs.committed()] for r, rs in self._ranks.items()}
+
+    def snapshots(self, rank: int) -> list[dict[str, Any]] | None:
+        """The verified snapshots of ``rank`` for a QUERY, newest first; None while one of
+        its commits is still being hashed (the QUERY waits for it)."""
+        with self._lock:
+            rs = self._rank(rank)
+            if rs.unverified():
+                return None
+            return [
+                {
+                    "step": s.step,
+                    "slot": s.index,
+                    "gen": s.gen,
+                    "path": s.path,
+                    "capacity": s.capacity,
+                    "layout": s.layout,
+                }
+                for s in rs.verified()
+            ]
+
+    def complete_steps(self, ranks: Iterable[int]) -> list[int]:
+        """Steps every rank of ``ranks`` has committed and verified, newest first."""
+        with self._lock:
+            common: set[int] | None = None
+            for r in ranks:
+                rs = self._ranks.get(r)
+                steps = {s.step for s in rs.verified() if s.step is not None} if rs else set()
+                common = steps if common is None else common & steps
+            return sorted(common or (), reverse=True)
+
+    # -- the ranks' requests -----------------------------------------------------------------
+    def hello(self, rank: int, pid: int, world_size: int) -> list[int]:
+        """Rank ``rank`` (process ``pid``) said hello: free the slots it was writing (torn);
+        return their indices. ``world_size`` > 0 replaces the job's world size."""
+        with self._lock:
+            rs = self._rank(rank)
+            if world_size > 0:
+                self._world_size = world_size
+            return rs.restarted(pid)
+
+    def progress(self, rank: int, step: int | None) -> None:
+        """Rank ``rank`` made progress (a save or a heartbeat)."""
+        with self._lock:
+            self._rank(rank).progress(step)
+
+    def count_skip(self, rank: int, reason: str) -> None:
+        """Count one skipped snapshot of ``rank`` for ``reason``."""
+        with self._lock:
+            self._rank(rank).count_skip(reason)
+
+    def begin(self, rank: int, step: int, nbytes: int) -> Grant:
+        """Choose the slot ``rank`` writes ``step`` (``nbytes``) into; never the newest
+        committed or a pinned one. A slot handed out for writing loses its commit record."""
+        with self._lock:
+            rs = self._rank(rank)
+            d = rs.begin(step, nbytes)
+            if d.action == "skip":
+                return Grant("skip", reason=d.reason)
+            s = rs.slot(d.slot)
+            if d.action == "write":
+                records.remove_record(s.path)  # its old data is about to be overwritten
+            return Grant(d.action, s.index, s.gen, s.path, s.capacity)
+
+    def commit(
+        self,
+        rank: int,
+        index: int,
+        gen: int,
+        step: int,
+        layout: str,
+        *,
+        stall_s: float = 0.0,
+        copy_s: float = 0.0,
+        skipped: int = 0,
+    ) -> StoredSnapshot:
+        """Commit ``step`` into slot ``index`` (generation ``gen``) of ``rank``: write its
+        commit record (unverified: a restarted SMP hashes it when adopting) and queue its
+        checksums. Return the layout as parsed against the slot.
+
+        Raises:
+            ValueError: the layout does not parse, fit the slot, or name ``step``.
+            StoreError: the slot is not being written with ``step`` and ``gen``.
+        """
+        with self._lock:
+            rs = self._rank(rank)
+            s = rs.slot(index)
+            try:
+                snap = parse_layout(layout, s.capacity)
+            except CorruptSnapshotError as exc:
+                raise ValueError(str(exc)) from exc
+            if snap.step != step:
+                raise ValueError(f"layout of step {snap.step} committed as step {step}")
+            rs.commit(index, gen, step, layout)
+            self._write_record(rs, s)
+            self._hash(rs, s, snap)
+            rs.progress(step)
+            rs.commit_stats(stall_s, copy_s, skipped)
+            return snap
+
+    def abort(self, rank: int, index: int, gen: int) -> None:
+        """Give back the slot whose copy failed (ignored if it was replaced since)."""
+        with self._lock:
+            self._rank(rank).abort(index, gen)
+
+    def discard_newer(self, rank: int, step: int) -> list[int]:
+        """``rank`` restored ``step``: drop its unpinned committed slots of newer steps (and
+        their records); return the steps dropped. Marks the rank's restore as done."""
+        with self._lock:
+            rs = self._rank(rank)
+            for sl in rs.newer_unpinned(step):
+                records.remove_record(sl.path)
+            dropped = rs.discard_newer(step)
+            rs.restored_time = time.time()
+            return dropped
+
+    # -- allocation --------------------------------------------------------------------------
+    def start_resize(self, rank: int, index: int, capacity: int) -> list[tuple[int, str, int]]:
+        """Mark slot ``index`` (none if negative) of ``rank`` ALLOCATING for a file of
+        ``capacity`` bytes, and every other FREE or EMPTY slot smaller than that (so the next
+        saves need no resize). Return (index, old path, new gen) of each; the caller removes
+        the old files and makes the new ones, then calls :meth:`finish_resize`.
+
+        Raises:
+            StoreError: slot ``index`` is the newest committed, pinned, or busy (nothing
+                changed).
+        """
+        with self._lock:
+            rs = self._rank(rank)
+            targets = [] if index < 0 else [rs.start_resize(index)]
+            targets += [rs.start_resize(s.index) for s in rs.growable(capacity, but=index)]
+            return [(s.index, s.path, s.gen + 1) for s in targets]
+
+    def finish_resize(self, rank: int, index: int, path: str, capacity: int, ok: bool) -> None:
+        """The new file of an ALLOCATING slot exists (``ok``) or could not be made."""
+        with self._lock:
+            self._rank(rank).finish_resize(index, path, capacity, ok)
+
+    # -- verification ------------------------------------------------------------------------
+    def _hash(self, rs: RankSlots, sl: Slot, snap: StoredSnapshot) -> None:
+        """Pin a committed slot and queue its checksums (lock held)."""
+        assert sl.step is not None
+        rs.pin(sl.index)
+        self._submit_hash(HashJob(rs.rank, sl.index, sl.gen, sl.step, sl.path, sl.layout, snap))
+
+    def verify(self, result: HashResult, keep: bool = False) -> Verified | None:
+        """Take a hash result: the hasher's pin goes; the slot gets its checksummed layout
+        and record, or is dropped (treated as lost) if it could not be hashed. ``keep``: pin
+        a verified slot once more for a scheduled flush (its piece comes back in ``kept``).
+        Return None if nothing was verified (failed, or the slot was replaced meanwhile)."""
+        job = result.job
+        with self._lock:
+            rs = self._ranks.get(job.rank)
+            if rs is None:
+                return None
+            sl = rs.slot(job.slot)
+            rs.unpin(job.slot, job.gen)
+            if result.error:
+                log.error(
+                    "[%s/%d %d] cannot verify slot %d: %s; dropped",
+                    self.node,
+                    job.rank,
+                    job.step,
+                    job.slot,
+                    result.error,
+                )
+                if sl.gen == job.gen and not sl.pinned:
+                    records.remove_record(sl.path)
+                    rs.drop(job.slot, job.gen)
+                return None
+            if not rs.verify(job.slot, job.gen, job.step, result.layout):
+                return None  # replaced or dropped while it was hashed
+            rs.last_hash_s = result.seconds
+            self._write_record(rs, sl)
+            if not keep:
+                return Verified()
+            rs.pin(sl.index)
+            used = job.snap.used_bytes  # checksums do not move extents
+            return Verified(
+                RankPiece(job.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
+            )
+
+    # -- pins: the exchange and the flush ----------------------------------------------------
+    def pin_step(self, ranks: Iterable[int], step: int) -> list[RankPiece] | None:
+        """Pin every rank's verified slot of ``step``; None (nothing pinned) if a rank has
+        none. Each piece is one pin, given back with :meth:`unpin`."""
+        with self._lock:
+            chosen: list[tuple[RankSlots, Slot]] = []
+            for r in ranks:
+                rs = self._ranks.get(r)
+                found = [s for s in rs.verified() if s.step == step] if rs else []
+                if rs is None or not found:
+                    return None
+                chosen.append((rs, found[0]))
+            pieces = []
+            for rs, sl in chosen:
+                rs.pin(sl.index)
+                used = parse_layout(sl.layout, sl.capacity).used_bytes
+                pieces.append(
+                    RankPiece(rs.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
+                )
+            return pieces
+
+    def unpin(self, pieces: Iterable[RankPiece]) -> None:
+        """Give back one pin per piece (slots replaced since are left alone)."""
+        with self._lock:
+            for p in pieces:
+                rs = self._ranks.get(p.rank)
+                if rs is not None:
+                    rs.unpin(p.slot, p.gen)
+
+    # -- rebuild and adoption ----------------------------------------------------------------
+    def install_rebuilt(
+        self, step: int, manifest: dict[str, Any], data: memoryview
+    ) -> list[RankPiece]:
+        """Write each rebuilt rank's bytes into a new slot file, commit it and pin it once
+        (for the exchange); return the pieces. A slot whose layout has no checksums is hashed
+        like a commit (the ranks verify the data again at load anyway).
+
+        Raises:
+            ValueError: the manifest does not describe ``data`` (nothing is installed).
+            OSError: a slot file cannot be made (e.g. /dev/shm is full).
+            StoreError: a rank has no slot that may take the rebuilt snapshot.
+        """
+        return [self._install(step, span, data) for span in _spans(manifest, data.nbytes)]
+
+    def _install(self, step: int, sp: _Span, data: memoryview) -> RankPiece:
+        with self._lock:
+            rs = self._rank(sp.rank)
+            sl = rs.start_rebuild(step)
+            index, old, gen = sl.index, sl.path, sl.gen + 1
+        path = self.files.path(sp.rank, index, gen)
+        if old:
+            self.files.discard(old)
+        ok = False
+        try:
+            shm.create_segment(path, sp.capacity)
+            shm.write_segment(path, data[sp.offset : sp.offset + sp.nbytes])
+            ok = True
+        finally:
+            if not ok:
+                with self._lock:
+                    rs.finish_resize(index, "", 0, ok=False)
+                shm.remove_segment(path)
+        with self._lock:
+            # Its checksums came with the manifest; the ranks verify them again at load.
+            sl = rs.finish_rebuild(index, str(path), sp.capacity, step, sp.layout, sp.snap.verified)
+            self._write_record(rs, sl)
+            if not sp.snap.verified:
+                self._hash(rs, sl, sp.snap)
+            piece = RankPiece(sp.rank, index, sl.gen, str(path), sp.capacity, sp.nbytes, sp.layout)
+        log.info(
+            "[%s/%d %d] rebuilt slot %d (%.1f MiB)",
+            self.node,
+            sp.rank,
+            step,
+            index,
+            sp.nbytes / 2**20,
+        )
+        return piece
+
+    def adopt_left(self) -> list[records.Adoptable]:
+        """Take over the committed slots a previous SMP of this node left (their records),
+        hashing those it had not verified yet; remove every other file of this run and node
+        and every slot that cannot be adopted. Return the adopted ones.
+
+        Raises:
+            StoreError: a slot to adopt is not EMPTY or FREE (adopting twice).
+        """
+        adopted = []
+        with self._lock:
+            for a in self.files.adoptable(self.nslots):
+                r = a.record
+                try:
+                    snap = parse_layout(r.layout, r.capacity)
+                    rs = self._rank(r.rank)
+                    rs.adopt(
+                        r.slot,
+                        r.gen,
+                        str(a.path),
+                        r.capacity,
+                        r.step,
+                        r.seq,
+                        r.layout,
+                        snap.verified,
+                    )
+                    if not snap.verified:  # committed, not yet hashed when the previous SMP died
+                        self._hash(rs, rs.slot(r.slot), snap)
+                # e.g. a rank out of range, or a layout that does not parse: drop it, start anyway
+                except (ValueError, CorruptSnapshotError) as exc:
+                    log.warning("[%s/smp] not adopting %s: %s", self.node, a.path.name, exc)
+                    self.files.discard(a.path)
+                    continue
+                adopted.append(a)
+        return adopted
+
+    def _write_record(self, rs: RankSlots, sl: Slot) -> None:
+        """Write the commit record of a committed slot (lock held)."""
+        assert sl.step is not None
+        try:
+            records.write_record(
+                sl.path,
+                records.CommitRecord(
+                    rank=rs.rank,
+                    slot=sl.index,
+                    gen=sl.gen,
+                    capacity=sl.capacity,
+                    step=sl.step,
+                    seq=sl.seq,
+                    layout=sl.layout,
+                ),
+            )
+        except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost
+            log.warning(
+                "[%s/%d %d] cannot write commit record: %s", self.node, rs.rank, sl.step, exc
+            )
+
+
+def _spans(manifest: dict[str, Any], nbytes: int) -> list[_Span]:
+    """Each rank's part of a rebuilt node's ``nbytes`` of data, as its manifest says.
+
+    Raises:
+        ValueError: the manifest is malformed or does not cover exactly ``nbytes``.
+    """
+    entries = manifest.get("ranks")
+    if not isinstance(entries, list):
+        raise ValueError("manifest without ranks")
+    spans, off = [], 0
+    for e in entries:
+        rank, n, cap, layout = (
+            int(e["rank"]),
+            int(e["nbytes"]),
+            int(e["capacity"]),
+            str(e["layout"]),
+        )
+        try:
+            snap = parse_layout(layout, cap)
+        except CorruptSnapshotError as exc:
+            raise ValueError(f"manifest entry of rank {rank}: {exc}") from exc
+        if not (0 <= n <= cap <= MAX_SLOT_BYTES and snap.used_bytes == n):
+            raise ValueError(f"manifest entry of rank {rank} does not fit its slot")
+        spans.append(_Span(rank, off, n, cap, layout, snap))
+        off += n
+    if off != nbytes:
+        raise ValueError(f"manifest covers {off} bytes, the rebuilt data has {nbytes}")
+    return spans

@@ -1,0 +1,428 @@
+"""The peer (SMP <-> SMP) messages: every kind round-trips through its header, and every
+malformed field (missing, of the wrong type, a bool, Infinity, NaN, a huge or negative int, a
+list too long) is refused with ProtocolError and nothing else. Also the exchange's state
+machine and the typed status replies the launcher reads."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftmem.errors import ProtocolError
+from ftmem.exchange import messages as pm
+from ftmem.exchange.placement import FragmentKind
+from ftmem.exchange.status import (
+    ExchangeState,
+    ExchangeStatus,
+    IllegalTransition,
+    RebuildProgress,
+    SyncReply,
+)
+from ftmem.exchange.transport import PeerMessage
+
+SAMPLES: list[pm.PeerBody] = [
+    pm.Size(3, 1 << 30),
+    pm.Data(3, 17, 1),
+    pm.Parity(3, 17, 2, (0, 12345, (1 << 64) - 1)),
+    pm.Held(0),
+    pm.Abort(9),
+    pm.MetaRequest(4),
+    pm.MetaReply(4, {0: 10, 1: 0, 2: 1 << 40}),
+    pm.MetaReply(4, {}),
+    pm.FetchRequest(4, 2, 1, FragmentKind.DATA, 1 << 20, 4096),
+    pm.FetchRequest(4, 2, 3, FragmentKind.PARITY, 0, 4096),
+    pm.FetchReply(4, 2, 1),
+    pm.FetchReply(4, 2, 3, (5, 6, 7)),
+    pm.HeldSteps((1, 2)),
+    pm.HeldSteps(()),
+    pm.Avail((8, 7, 6)),
+    pm.ProtectOrder(8),
+    pm.Heartbeat(),
+]
+
+# Values no integer field accepts.
+NOT_INTS: list[Any] = [
+    True,
+    False,
+    None,
+    1.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    "1",
+    [1],
+    {"a": 1},
+    -1,
+    1 << 63,
+    10**5000,
+]
+
+
+def _fields(body: pm.PeerBody) -> list[str]:
+    return [k for k in body.to_header(0) if k not in ("t", "e")]
+
+
+def _buffers(body: pm.PeerBody) -> list[memoryview]:
+    return [memoryview(b"x")] * body.BUFFERS[0]
+
+
+def test_every_kind_has_a_sample() -> None:
+    assert {type(b) for b in SAMPLES} == set(pm.BODY_TYPES.values())
+    assert set(pm.BODY_TYPES) == set(pm.PeerKind)
+
+
+@pytest.mark.parametrize("body", SAMPLES, ids=repr)
+def test_round_trip_through_json(body: pm.PeerBody) -> None:
+    header = json.loads(json.dumps(body.to_header(7), allow_nan=False))
+    assert header["t"] == body.KIND.value and header["e"] == 7
+    assert pm.parse_header(header) == (7, body)
+    env = pm.Envelope.parse(PeerMessage("2", header, _buffers(body)))
+    assert (env.sender, env.epoch, env.body, env.kind) == (2, 7, body, body.KIND)
+    assert body.KIND.is_service == body.KIND.value.startswith("x:")
+
+
+@pytest.mark.parametrize("body", SAMPLES, ids=repr)
+def test_a_missing_field_is_refused(body: pm.PeerBody) -> None:
+    header = body.to_header(0)
+    for name in [*_fields(body), "t", "e"]:
+        if isinstance(body, pm.FetchReply) and name == "sums":
+            continue  # optional
+        broken = {k: v for k, v in header.items() if k != name}
+        with pytest.raises(ProtocolError):
+            pm.parse_header(broken)
+
+
+@pytest.mark.parametrize("body", SAMPLES, ids=repr)
+def test_a_field_of_the_wrong_type_or_range_is_refused(body: pm.PeerBody) -> None:
+    header = body.to_header(0)
+    for name in [*_fields(body), "e"]:
+        for bad in NOT_INTS:
+            if (name in ("held", "steps") and bad == [1]) or (name == "sizes" and bad == {}):
+                continue  # a valid value of those fields
+            with pytest.raises(ProtocolError):
+                pm.parse_header({**header, name: bad})
+
+
+@pytest.mark.parametrize("body", SAMPLES, ids=repr)
+def test_an_unknown_field_is_refused(body: pm.PeerBody) -> None:
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        pm.parse_header({**body.to_header(0), "bogus": 1})
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        [],
+        "size",
+        1,
+        {},
+        {"e": 0},
+        {"t": "nope", "e": 0, "step": 1},
+        {"t": ["size"], "e": 0, "step": 1, "nbytes": 1},
+        {"t": "SIZE", "e": 0, "step": 1, "nbytes": 1},
+        {"t": "size", "step": 1, "nbytes": 1},
+        {"t": "size", "e": True, "step": 1, "nbytes": 1},
+        {"t": "size", "e": 0, "step": 1, "nbytes": (1 << 44) + 1},
+        {
+            "t": "fetch",
+            "e": 0,
+            "step": 1,
+            "stripe": 0,
+            "frag": 0,
+            "kind": "x",
+            "offset": 0,
+            "length": 1,
+        },
+        {
+            "t": "fetch",
+            "e": 0,
+            "step": 1,
+            "stripe": 0,
+            "frag": 0,
+            "kind": 1,
+            "offset": 0,
+            "length": 1,
+        },
+        {
+            "t": "fetch",
+            "e": 0,
+            "step": 1,
+            "stripe": 0,
+            "frag": 0,
+            "kind": "data",
+            "offset": 1 << 50,
+            "length": 1,
+        },
+    ],
+)
+def test_malformed_headers_are_refused(header: Any) -> None:
+    with pytest.raises(ProtocolError):
+        pm.parse_header(header)
+
+
+@pytest.mark.parametrize(
+    "sums",
+    [
+        [1, 2],  # ints, not decimal strings
+        ["1", None],
+        ["-1"],
+        ["0x10"],
+        [" 1"],
+        ["1.5"],
+        [""],
+        ["\u0661\u0662"],  # non-ASCII digits
+        [str(1 << 64)],
+        ["9" * 21],
+        ["9" * 5000],
+        ["1"] * (pm.MAX_SUMS + 1),
+        "123",
+        {"0": "1"},
+    ],
+)
+def test_bad_checksums_are_refused(sums: Any) -> None:
+    for body in (pm.Parity(1, 0, 2, (1,)), pm.FetchReply(1, 0, 2, (1,))):
+        with pytest.raises(ProtocolError):
+            pm.parse_header({**body.to_header(0), "sums": sums})
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"a": 1},
+        {"-1": 1},
+        {"1.0": 1},
+        {"": 1},
+        {"\u0661": 1},
+        {"9" * 5000: 1},
+        {str(pm.MAX_NODE + 1): 1},
+        {"0": -1},
+        {"0": True},
+        {"0": float("inf")},
+        {"0": float("nan")},
+        {"0": "1"},
+        {str(i): 1 for i in range(pm.MAX_NODES + 1)},
+        [["0", 1]],
+    ],
+)
+def test_bad_sizes_are_refused(sizes: Any) -> None:
+    with pytest.raises(ProtocolError):
+        pm.parse_header({**pm.MetaReply(1, {}).to_header(0), "sizes": sizes})
+
+
+@pytest.mark.parametrize("body", [pm.HeldSteps((1,)), pm.Avail((1,))], ids=repr)
+def test_step_lists_are_bounded_and_typed(body: pm.PeerBody) -> None:
+    (name,) = _fields(body)
+    header = body.to_header(0)
+    assert pm.parse_header({**header, name: list(range(pm.MAX_STEPS))})[1] is not None
+    for bad in ([0] * (pm.MAX_STEPS + 1), [1, None], [1, True], [1.0], [-1], [1 << 63], "12"):
+        with pytest.raises(ProtocolError):
+            pm.parse_header({**header, name: bad})
+
+
+@pytest.mark.parametrize(
+    "sender",
+    ["", "x", "-1", "+1", " 1", "1.0", "\u0661", "1" * 10, str(pm.MAX_NODE + 1), "intruder"],
+)
+def test_a_sender_that_is_not_a_node_index_is_refused(sender: str) -> None:
+    with pytest.raises(ProtocolError):
+        pm.Envelope.parse(PeerMessage(sender, pm.Held(1).to_header(0), []))
+
+
+@pytest.mark.parametrize("body", SAMPLES, ids=repr)
+def test_the_buffer_count_is_checked(body: pm.PeerBody) -> None:
+    lo, hi = body.BUFFERS
+    header = body.to_header(0)
+    for n in (lo - 1, hi + 1):
+        if n < 0:
+            continue
+        with pytest.raises(ProtocolError, match="buffers"):
+            pm.Envelope.parse(PeerMessage("1", header, [memoryview(b"x")] * n))
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**4300)
+    | st.floats()
+    | st.text(max_size=30),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+_KEYS = ["t", "e", "step", "nbytes", "stripe", "col", "frag", "sums", "sizes", "kind", "offset"]
+_KEYS += ["length", "held", "steps"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(_KEYS),
+        json_values | st.sampled_from([k.value for k in pm.PeerKind]),
+        max_size=8,
+    )
+    | json_values,
+    st.sampled_from(["0", "1", "x", "", "9" * 9]),
+    st.integers(0, 3),
+)
+def test_anything_is_parsed_or_refused_with_protocol_error(
+    header: Any, sender: str, nbufs: int
+) -> None:
+    try:
+        env = pm.Envelope.parse(PeerMessage(sender, header, [memoryview(b"")] * nbufs))
+    except ProtocolError:
+        return
+    # Whatever is accepted encodes back to the same message.
+    assert pm.parse_header(env.body.to_header(env.epoch)) == (env.epoch, env.body)
+
+
+# ------------------------------------------------------------------------ exchange state
+
+
+S = ExchangeState
+
+
+def test_the_transitions_the_service_makes_are_allowed() -> None:
+    for path in (
+        [S.UNBOUND, S.BOUND, S.SYNCING, S.READY, S.BOUND, S.SYNCING, S.READY, S.SYNCING],
+        [S.UNBOUND, S.BOUND, S.SYNCING, S.REBUILDING, S.READY],
+        [S.UNBOUND, S.BOUND, S.SYNCING, S.REBUILDING, S.REBUILD_FAILED, S.BOUND],
+        [S.UNBOUND, S.BOUND, S.SYNCING, S.SYNC_FAILED, S.SYNCING, S.UNRECOVERABLE, S.SYNCING],
+        [S.UNBOUND, S.BOUND, S.BOUND, S.SYNCING, S.SYNCING, S.BOUND, S.READY],
+    ):
+        state = path[0]
+        for new in path[1:]:
+            state = state.to(new)
+        assert state is path[-1]
+    for state in S:
+        assert state.can_become(S.FAILED) is (state is not S.FAILED)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (S.UNBOUND, S.SYNCING),
+        (S.UNBOUND, S.READY),
+        (S.READY, S.REBUILDING),
+        (S.READY, S.READY),
+        (S.REBUILDING, S.SYNCING),
+        (S.REBUILDING, S.BOUND),
+        (S.SYNC_FAILED, S.READY),
+        (S.FAILED, S.BOUND),
+        (S.FAILED, S.FAILED),
+        (S.BOUND, S.UNBOUND),
+    ],
+)
+def test_illegal_transitions_are_refused(old: ExchangeState, new: ExchangeState) -> None:
+    assert not old.can_become(new)
+    with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
+        old.to(new)
+
+
+def test_every_state_is_reachable_from_unbound() -> None:
+    seen = {S.UNBOUND}
+    while True:
+        more = {new for old in seen for new in S if old.can_become(new)} - seen
+        if not more:
+            break
+        seen |= more
+    assert seen == set(S)
+
+
+# ------------------------------------------------------------------------ typed replies
+
+
+def _status(**kw: Any) -> dict[str, Any]:
+    """An exchange status as the SMP reports it (smp/protection.py)."""
+    doc: dict[str, Any] = {
+        "enabled": True,
+        "state": "rebuilding",
+        "endpoint": "tcp://127.0.0.1:5555",
+        "epoch": 2,
+        "me": 1,
+        "group": [0, 1, 2],
+        "m": 1,
+        "error": "",
+        "rebuilding": 7,
+        "rebuild_progress": {"step": 7, "fragments": 3, "of": 10},
+        "protecting": None,
+        "protected_step": 6,
+        "own_bytes": 100,
+        "parity_bytes": 50,
+        "peers": {"0": {"endpoint": "tcp://x:1", "last_seen_s": 0.5}},
+        "counters": {"protected": 1, "aborted": 0, "failed": 0, "rebuilt": 0},
+        "last_protect_s": 0.25,
+        "last_rebuild_s": 0.0,
+        "dropped_messages": 4,
+        "sent_bytes": 10,
+    }
+    doc.update(kw)
+    return doc
+
+
+def test_exchange_status_parses_what_the_smp_reports() -> None:
+    ex = ExchangeStatus.from_json(json.loads(json.dumps(_status())))
+    assert ex.enabled and ex.state is ExchangeState.REBUILDING
+    assert ex.rebuild_progress == RebuildProgress(7, 3, 10)
+    assert (ex.epoch, ex.me, ex.group, ex.m) == (2, 1, (0, 1, 2), 1)
+    assert (ex.protected_step, ex.protecting, ex.rebuilding) == (6, None, 7)
+    assert ex.dropped_messages == 4 and ex.last_protect_s == 0.25
+    for state in ExchangeState:
+        assert ExchangeStatus.from_json(_status(state=state.value)).state is state
+    minimal = ExchangeStatus.from_json({"enabled": True, "state": "unbound"})
+    assert minimal.state is ExchangeState.UNBOUND and minimal.rebuild_progress is None
+    assert ExchangeStatus.from_json(_status(rebuild_progress={})).rebuild_progress is None
+
+
+@pytest.mark.parametrize("doc", [None, {}, {"enabled": False}])
+def test_exchange_status_when_off(doc: Any) -> None:
+    ex = ExchangeStatus.from_json(doc)
+    assert not ex.enabled and ex.state is None
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [],
+        "ready",
+        {"enabled": "yes"},
+        _status(state="REBUILDING"),
+        _status(state=None),
+        _status(state=3),
+        _status(epoch=True),
+        _status(epoch=1.5),
+        _status(protected_step=float("nan")),
+        _status(protected_step=10**5000),
+        _status(group=[0, None]),
+        _status(group="012"),
+        _status(error=5),
+        _status(last_protect_s=math.inf),
+        _status(last_protect_s="1"),
+        _status(dropped_messages=[]),
+        _status(rebuild_progress=[1, 2]),
+        _status(rebuild_progress={"step": 1, "fragments": "3", "of": 10}),
+        _status(rebuild_progress={"step": 1, "fragments": 3, "of": float("inf")}),
+    ],
+)
+def test_a_malformed_exchange_status_is_refused(doc: Any) -> None:
+    with pytest.raises(ProtocolError):
+        ExchangeStatus.from_json(doc)
+
+
+def test_sync_reply_round_trip_and_refusals() -> None:
+    doc: dict[str, Any] = {"step": 4, "lost": [2], "rebuilt": True}
+    bads: list[Any] = [None, [], {**doc, "step": "4"}, {**doc, "step": True}, {**doc, "lost": 2}]
+    bads += [{**doc, "lost": [None]}, {**doc, "rebuilt": 1}]
+    assert SyncReply.from_json(doc) == SyncReply(4, (2,), True)
+    assert SyncReply.from_json(doc).to_json() == doc
+    assert SyncReply.from_json({"step": None, "lost": [], "rebuilt": False}).step is None
+    for bad in bads:
+        with pytest.raises(ProtocolError):
+            SyncReply.from_json(bad)
