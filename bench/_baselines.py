@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,8 +60,8 @@ class Timings:
 
     values: dict[str, list[float]] = field(default_factory=dict)
     """Metric name -> one duration per repeat."""
-    notes: dict[str, str] = field(default_factory=dict)
-    """Metric name -> a remark shown beside it (warm-up, location)."""
+    once: dict[str, float] = field(default_factory=dict)
+    """One-off figures (warm-up calls), in seconds."""
 
     def add(self, name: str, seconds: float) -> None:
         """Append one measured duration to ``name``."""
@@ -114,16 +110,6 @@ def build_state(size_gib: float, *, seed: int = 0) -> BenchState:
         "state: %d x Linear(%d, %d), %.3f GiB with AdamW state", n_layers, width, width, state.gib
     )
     return state
-
-
-def _fsync_dir_tree(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -249,10 +235,8 @@ def bench_dcp_async_save(
             t_done = time.perf_counter() - t0
             shutil.rmtree(path)
             if i == 0:
-                out.notes[f"dcp.async_save ({tag}) blocking"] = (
-                    f"warm-up call (allocates staging buffers): {t_block:.3f} s blocking, "
-                    f"{t_staged:.3f} s until staged"
-                )
+                out.once[f"dcp.async_save ({tag}) warm-up: blocking"] = t_block
+                out.once[f"dcp.async_save ({tag}) warm-up: until staged"] = t_staged
                 continue
             out.add(f"dcp.async_save ({tag}) blocking", t_block)
             if async_staging:
@@ -284,34 +268,3 @@ def make_temp_dirs(disk_root: str | None) -> tuple[str, str]:
     shm_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir="/dev/shm")
     disk_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir=disk_root)
     return shm_dir, disk_dir
-
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
-_MEDIAN_RE = re.compile(r"^\[rank 0\] median step time ([0-9.]+) s$", re.MULTILINE)
-
-
-def bench_train_example(args: list[str], *, run_dir: str | None, timeout_s: float = 900.0) -> float:
-    """Run ``examples/train_gpt.py`` in one process; return its median step time (s).
-
-    With ``run_dir`` (an SMP's run directory) it snapshots every step; without it the run
-    passes ``--no-ftmem``. The repository root is put on PYTHONPATH for ``import ftmem``.
-
-    Error handling: raises RuntimeError with the tail of the output if the run fails.
-    """
-    env = dict(os.environ)
-    root = str(EXAMPLE.parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env.pop("FTMEM_RUN_DIR", None)
-    cmd = [sys.executable, str(EXAMPLE), *args]
-    if run_dir is None:
-        cmd.append("--no-ftmem")
-    else:
-        env["FTMEM_RUN_DIR"] = run_dir
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
-    match = _MEDIAN_RE.search(proc.stdout)
-    if proc.returncode != 0 or match is None:
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    return float(match.group(1))

@@ -1,16 +1,24 @@
-"""PNG plots of a suite run (matplotlib, the ``plot``/``bench`` extra), drawn by ``bench/run.py``.
+"""PNG plots of a suite run (matplotlib, the ``plot`` extra), drawn by ``bench/run.py``.
 
-Each function takes plain numbers (already reduced from a part's results by the suite), draws
-one figure with the Agg backend and writes it to ``path``. matplotlib is imported inside the
+:func:`draw_all` reduces the parts' results JSON to series; each ``plot_*`` function draws one
+figure with the Agg backend and writes it to ``path``. matplotlib is imported inside the
 functions, so importing this module does not need it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench import _goals
+from bench import _stats as st
+
+logger = logging.getLogger("bench.plots")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,3 +197,142 @@ def plot_recovery(
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.savefig(path)
+
+
+# ------------------------------------------------------------------------------ from results
+
+STALL_SERIES = (
+    ("torch.save", "disk+fsync", "torch.save (disk, fsync)", "#1f77b4"),
+    ("dcp.save", "disk+fsync", "dcp.save (disk, fsync)", "#ff7f0e"),
+    (
+        "dcp.async_save (async staging)",
+        "blocking",
+        "dcp.async_save, tuned: blocking call",
+        "#2ca02c",
+    ),
+    (
+        "dcp.async_save (async staging)",
+        "stall with fence",
+        "dcp.async_save, tuned: + staging wait",
+        "#8c564b",
+    ),
+    ("ftmem", "stall (save + fence)", "ftmem: save + fence", "#d62728"),
+)
+RESTORE_SERIES = (
+    ("torch.load", "+ load_state_dict (/dev/shm)", "torch.load + load_state_dict", "#1f77b4"),
+    ("dcp.load", "in place (/dev/shm)", "dcp.load in place", "#ff7f0e"),
+    ("ftmem", "load in place", "ftmem.load in place", "#d62728"),
+)
+
+
+def _size_series(
+    sizes: list[dict[str, Any]], system: str, metric: str, label: str, color: str
+) -> Series | None:
+    pts = []
+    for s in sorted(sizes, key=lambda s: s["nbytes"]):
+        v = st.per_gib(_goals.figure(s, system, metric), s["nbytes"])
+        if v:
+            pts.append((s["nbytes"] / st.GiB, st.median(v) or 0.0, min(v), max(v)))
+    if not pts:
+        return None
+    x, med, lo, hi = (tuple(p[i] for p in pts) for i in range(4))
+    return Series(
+        label=label, x=x, median=med, low=lo, high=hi, color=color, bold=system == "ftmem"
+    )
+
+
+def stall_from(doc: dict[str, Any], path: Path) -> bool:
+    """Stall and restore per GiB against the state size (snapshot part); False if no data."""
+    sizes = [s for s in doc["result"]["sizes"] if s["figures"]]
+    stall = [x for row in STALL_SERIES if (x := _size_series(sizes, *row))]
+    restore = [x for row in RESTORE_SERIES if (x := _size_series(sizes, *row))]
+    if not stall:
+        return False
+    title = (
+        "Median and min-max over the repeats of one run; the state is params + AdamW moments, fp32"
+    )
+    plot_stall(stall, restore, path, title=title)
+    return True
+
+
+def overhead_from(doc: dict[str, Any], path: Path) -> bool:
+    """Overhead (%) of each configuration against none (overhead part); False if no data."""
+    r = doc["result"]
+    labels = [c for c in r["ratio"] if c != "none"]
+    if not labels:
+        return False
+
+    def series(ratios: dict[str, list[float]], name: str) -> Series:
+        vals = [[(x - 1) * 100 for x in ratios.get(c) or [float("nan")]] for c in labels]
+        return Series(
+            label=name,
+            x=tuple(range(len(labels))),
+            median=tuple(st.median(v) or float("nan") for v in vals),
+            low=tuple(min(v) for v in vals),
+            high=tuple(max(v) for v in vals),
+        )
+
+    cpu = series(r["cpu_ratio"], "cpu") if r["cpu_ratio"] else None
+    title = f"examples/train_gpt.py, {r['nproc']} ranks, {r['params_m'] * 12:.0f} MB of state per rank; {r['method']}"
+    plot_overhead(labels, series(r["ratio"], "wall"), cpu, path, goal=3.0, title=title)
+    return True
+
+
+def recovery_from(doc: dict[str, Any], path: Path) -> bool:
+    """Recovery time line per system with the re-done work (recovery part); False if no data."""
+    r = doc["result"]
+    systems = [s for s in r["systems"] if any(x["system"] == s for x in r["runs"])]
+    if len(systems) < 2:
+        return False
+    runs = {s: [x for x in r["runs"] if x["system"] == s] for s in systems}
+    phases = [
+        (k, [st.median(x["phases"].get(k) for x in runs[s]) or 0.0 for s in systems])
+        for k in r["phase_names"]
+    ]
+    lost = [
+        st.median(
+            x["steps_lost"] * x["step_time_s"]
+            for x in runs[s]
+            if x["steps_lost"] is not None and x["step_time_s"]
+        )
+        or 0.0
+        for s in systems
+    ]
+    phases.append(("work lost (steps re-done)", lost))
+    title = "Rank 1 SIGKILLed after a step: time until all ranks step again, plus re-done steps"
+    plot_recovery([s.replace(" (", "\n(") for s in systems], phases, path, title=title)
+    return True
+
+
+PLOTS = (
+    (
+        "bench-stall.png",
+        "snapshot",
+        stall_from,
+        "Stall per snapshot and restore per GiB against the state size",
+    ),
+    (
+        "bench-overhead.png",
+        "overhead",
+        overhead_from,
+        "Training overhead against the snapshot interval",
+    ),
+    ("bench-recovery.png", "recovery", recovery_from, "Failure to resumed: where the time goes"),
+)
+
+
+def draw_all(
+    docs: dict[str, dict[str, Any]], img_dir: Path, rel_to: Path
+) -> tuple[dict[str, str], str]:
+    """Draw every plot the results allow; ({path relative to ``rel_to``: caption}, note)."""
+    if not available():
+        return {}, "matplotlib is not installed (`pip install -e '.[plot]'`): no plots"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    drawn: dict[str, str] = {}
+    for file, part, make, caption in PLOTS:
+        try:
+            if part in docs and make(docs[part], img_dir / file):
+                drawn[os.path.relpath(img_dir / file, rel_to)] = caption
+        except Exception:  # a plot must not lose the figures
+            logger.error("plot %s failed:\n%s", file, traceback.format_exc())
+    return drawn, ""

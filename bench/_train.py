@@ -4,6 +4,8 @@
 (blocks of snapshot cadences in one job) need the example's model, data, optimizer, schedule
 and DDP wrapping, built in the example's order so that the seeds line up and the final digest
 equals the example's. The example is imported with ``importlib`` (it is not in a package).
+The workers report what the benchmarks time as JSON lines (:meth:`Training.mark`, read back
+with :func:`marks`), not as log lines to scrape.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
 import logging
 import os
 import statistics
@@ -19,10 +22,30 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-try:
-    from bench import _launch
-except ImportError:  # run as a script: bench/ is sys.path[0]
-    import _launch  # type: ignore[no-redef]
+from bench import _launch
+
+MARK = "BENCH_MARK "
+"""Prefix of the workers' JSON lines: ``{"event", "time", "rank", ...}``."""
+
+
+def mark(event: str, rank: int, **fields: Any) -> None:
+    """Print one JSON line of what a worker did, with the wall-clock time (``time.time()``)."""
+    import time
+
+    doc = {"event": event, "time": time.time(), "rank": rank, **fields}
+    print(MARK + json.dumps(doc), flush=True)
+
+
+def marks(text: str) -> list[dict[str, Any]]:
+    """The JSON lines :func:`mark` printed in a job's output (launcher prefixes ignored)."""
+    out = []
+    for line in text.splitlines():
+        if MARK in line:
+            try:
+                out.append(json.loads(line.split(MARK, 1)[1]))
+            except json.JSONDecodeError:
+                continue
+    return sorted(out, key=lambda d: d["time"])
 
 
 def load_example() -> ModuleType:
@@ -140,7 +163,7 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
         format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
     )
     log = logging.getLogger(logger_name)
-    log.info("script started")  # as the example logs it: after the interpreter and imports
+    mark("script_started", rank)  # after the interpreter and the imports
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if world > 1:
@@ -163,6 +186,7 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     )
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2f M parameters", n_params / 1e6)
+    mark("model", rank, params_m=n_params / 1e6)
     torch.manual_seed(args.seed + 1000 * rank + 1)
     # As the example: DDP keeps its initial bucket layout (see the example's comment).
     train_model = (

@@ -22,7 +22,7 @@ removed): "tuned" calls :func:`ftmem.exchange.codec.tune_malloc`, "default" leav
 is. Columns are measured in the order shown, so "pyeclib" under "default" is glibc untouched;
 later columns run after the codec's own first allocations, which can already raise glibc's
 dynamic mmap threshold (the default's speed depends on the process's allocation history).
-The markdown table goes to stdout; nothing is written to disk.
+:func:`run` returns an :class:`EcResult`; section ``bench:ec`` (not part of the suite).
 """
 
 from __future__ import annotations
@@ -30,16 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec.py
+
+from bench import _results
 from ftmem.exchange.codec import EC_TYPE, EncodedStripe, StripeCodec, tune_malloc
 from ftmem.exchange.placement import chunk_bytes_for
 
@@ -132,39 +136,24 @@ def run_worker(malloc: str, n: int, m: int, stripe_mib: int, args: argparse.Name
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def table(rows: list[dict[str, Any]], data_mib: int, repeats: int) -> str:
-    """The results as a markdown table, with the setup above it."""
-    from importlib.metadata import version
+@dataclass(kw_only=True)
+class EcResult:
+    """The codec benchmark's results: one row per (n, m, stripe, malloc setting)."""
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    head = [
-        f"pyeclib {version('pyeclib')} `{EC_TYPE}`, one thread, {cpu}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}; {data_mib} MiB of data "
-        f"per pass, median of {repeats}. GB/s of protected (data) bytes.",
-        "",
-        "| n | m | stripe | malloc | pyeclib encode | encode_stripe (+xxh3) | encode (gather k chunks) "
-        "| rebuild m lost | ms/stripe (GIL held) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    rows = sorted(rows, key=lambda r: (r["n"], r["stripe_mib"], not r["tuned"]))
-    for r in rows:
-        head.append(
-            f"| {r['n']} | {r['m']} | {r['stripe_mib']} MiB | "
-            f"{'tuned' if r['tuned'] else 'default'} | {r['pyeclib']:.1f} | "
-            f"{r['encode_stripe']:.1f} | {r['encode']:.1f} | {r['rebuild']:.1f} | "
-            f"{r['ms_per_stripe']:.2f} |"
-        )
-    return "\n".join(head)
+    argv: list[str]
+    machine: _results.Machine
+    ec_type: str
+    data_mib: int
+    repeats: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """n, m, stripe_mib, tuned, and GB/s of pyeclib, encode_stripe, encode, rebuild;
+    ms_per_stripe."""
+    errors: list[str] = field(default_factory=list)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, run both malloc settings in subprocesses, print the table."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def get_args_parser() -> argparse.ArgumentParser:
+    """The command line (the worker's flags are hidden)."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
     p.add_argument("--data-mib", type=int, default=None, help="data per pass (default 256)")
     p.add_argument("--repeats", type=int, default=None, help="timed passes (default 5)")
@@ -175,20 +164,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--stripe-mib", type=int, default=1, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    _results.add_output_args(p)
+    return p
+
+
+def run(argv: list[str]) -> EcResult:
+    """Run both malloc settings of every case in fresh interpreters."""
+    args = get_args_parser().parse_args(argv)
     args.data_mib = args.data_mib or (64 if args.quick else 256)
     args.repeats = args.repeats or (3 if args.quick else 5)
-    if args.worker:
-        worker(args)
-        return
-    rows = [
+    res = EcResult(
+        argv=argv,
+        machine=_results.machine(),
+        ec_type=EC_TYPE,
+        data_mib=args.data_mib,
+        repeats=args.repeats,
+    )
+    res.rows = [
         run_worker(malloc, n, m, stripe_mib, args)
         for n, m in CASES
         for stripe_mib in STRIPES_MIB
         for malloc in ("tuned", "default")
     ]
-    print(table(rows, args.data_mib, args.repeats))
+    _results.finish(res.machine)
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:
+        worker(get_args_parser().parse_args())
+        sys.exit(0)
+    sys.exit(_results.script_main("ec", run))
