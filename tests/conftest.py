@@ -1,36 +1,26 @@
-"""Shared fixtures: short run directories, SMPs that are always stopped, process reaping."""
+"""Shared fixtures: short run directories, SMPs that are always stopped, process reaping,
+ftmem-launch agents (``launcher_env``) and SMP meshes (``cluster_factory``).
+
+Support code lives in plain modules under ``tests/_support/``; processes are started,
+watched and reaped with the package's harness (:mod:`ftmem.testing.harness`).
+"""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from ftmem.smp.spawn import SmpProcess, start_smp
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def pid_gone(pid: int) -> bool:
-    """True if ``pid`` no longer exists (or is a zombie nobody will reap)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].startswith("Z")
-    except OSError:
-        return True
+from ftmem.testing.harness import pid_gone, shm_files
+from tests._support.launcher import Launcher, short_dir
+from tests._support.procs import Procs
+from tests._support.smp_mesh import Cluster
 
 
 @pytest.fixture
@@ -45,11 +35,6 @@ def run_dir() -> Iterator[Path]:
 def run_id() -> str:
     """A unique run id so shared-memory names never collide between tests."""
     return "t" + uuid.uuid4().hex[:10]
-
-
-def shm_files(run_id: str) -> list[str]:
-    """Arena files of ``run_id`` currently in /dev/shm."""
-    return sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"ftmem-{run_id}-"))
 
 
 @pytest.fixture
@@ -69,41 +54,6 @@ def smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
         assert shm_files(run_id) == [], "the SMP left shared memory behind"
 
 
-class Procs:
-    """Processes a test started; each in its own session so the whole group can be killed."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def spawn(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
-        f = open(log, "w")  # closed with the process
-        p = subprocess.Popen(
-            args,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            cwd=REPO,
-        )
-        f.close()
-        self.procs.append(p)
-        return p
-
-    def kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-
-
 @pytest.fixture
 def procs() -> Iterator[Procs]:
     """Start processes through this; all are killed (by process group) and reaped afterwards."""
@@ -116,4 +66,36 @@ def procs() -> Iterator[Procs]:
             assert pid_gone(p.pid)
 
 
-PYTHON = sys.executable
+@pytest.fixture
+def launcher_env() -> Iterator[Launcher]:
+    """A :class:`Launcher` in a short tmp dir; every process it started is gone afterwards."""
+    tmp = short_dir()
+    launcher = Launcher(tmp)
+    try:
+        yield launcher
+    finally:
+        launcher.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster_factory(run_id: str) -> Iterator[Callable[..., Cluster]]:
+    """Makes SMP meshes (``make(n, m, ranks_per_node=1, env=None)``); every SMP is stopped
+    afterwards and none may leave shared memory behind."""
+    made: list[Cluster] = []
+    base = Path(tempfile.mkdtemp(prefix="ftx-", dir="/tmp"))
+
+    def make(
+        n: int, m: int, ranks_per_node: int = 1, env: dict[int, dict[str, str]] | None = None
+    ) -> Cluster:
+        c = Cluster(base, run_id, n, m, ranks_per_node, env)
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+        assert shm_files(run_id) == [], "an SMP left shared memory behind"
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The chaos runner: a multi-node run on loopback, a seeded schedule of faults of every kind,
 and at the end the digest of a failure-free run.
 
-Usage (from a checkout, with ``pip install -e .``; docs/chaos.md explains the report)::
+Usage (ftmem installed; docs/chaos.md explains the report)::
 
     python -m ftmem.testing.chaos --nodes 3 --faults 10 --seed 7
     python -m ftmem.testing.chaos --nodes 4 --faults 100 --seed 1 --json report.json
@@ -9,7 +9,8 @@ Usage (from a checkout, with ``pip install -e .``; docs/chaos.md explains the re
 
 It starts ``--nodes`` ``ftmem-launch`` agents (:class:`~ftmem.testing.cluster.LoopbackCluster`,
 ``--nproc-per-node`` ranks each, erasure coding with ``--parity`` (m) when there are 3+
-nodes, disk tiers in its work directory) training ``examples/train_gpt.py``, and injects the
+nodes, disk tiers in its work directory) training the package's own workload
+(:mod:`ftmem.testing.workload`: no repository checkout needed), and injects the
 schedule one fault at a time. A fault is ``(step, delay, node, rank) -> kind``: once every
 rank has logged step ``step``, wait ``delay`` seconds (so faults land at random points of a
 step: inside a copy, an EC round, a flush), inject, then wait until the run has recovered
@@ -65,7 +66,8 @@ from ftmem.testing._chaos_schedule import (
     load_schedule,
     make_schedule,
 )
-from ftmem.testing.cluster import EXAMPLE, ClusterConfig, LoopbackCluster
+from ftmem.testing.cluster import ClusterConfig, LoopbackCluster
+from ftmem.testing.workload import SCRIPT
 
 __all__ = [
     "DESCRIPTIONS",
@@ -94,7 +96,8 @@ TINY_MODEL = [
     "--batch-size=2",
     "--log-every=1",
 ]
-"""Model arguments of the example: tens of milliseconds per step on one core."""
+"""Model arguments for ``examples/train_gpt.py`` as ``script`` (``model_args``): tens of
+milliseconds per step on one core. The default workload's own defaults are as small."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,15 +115,18 @@ class ChaosConfig:
     hang_timeout_s: float = 5.0
     """``--ftmem-hang-timeout``: how long a SIGSTOPped rank goes unnoticed."""
     step_delay_s: float = 0.2
-    """``--step-delay`` of the example: time for the runner to act within a step."""
+    """The script's ``--step-delay``: time for the runner to act within a step."""
     tail_steps: int = 15
     """Steps trained after the last fault's step (room for the last faults' recovery and
     for the flushes that show that the disk faults were recovered from)."""
-    model_args: list[str] = field(default_factory=lambda: list(TINY_MODEL))
-    """The example's model arguments."""
-    script: Path = EXAMPLE
-    """The training script (it must print ``[rank R] resumed from step N``, log
-    ``[rank R] train_gpt INFO: step N loss`` every step and end with ``[rank R] digest``)."""
+    model_args: list[str] = field(default_factory=list)
+    """More arguments of the script (its model's size: e.g. :data:`TINY_MODEL` for
+    ``examples/train_gpt.py``)."""
+    script: Path = SCRIPT
+    """The training script: by default the package's workload
+    (:data:`ftmem.testing.workload.SCRIPT`). It must take ``--steps``, ``--pg-timeout`` and
+    ``--step-delay``, print ``[rank R] resumed from step N``, log ``[rank R] <logger> INFO:
+    step N loss`` every step and end with ``[rank R] digest``."""
     recovery_timeout_s: float = 300.0
     """Longest wait for one fault to fire and the run to recover (else the run fails)."""
     timeout_s: float = 3600.0
@@ -198,7 +204,7 @@ class ChaosRunner:
 
     # -- the run ---------------------------------------------------------------------------
     def script(self, delay: bool = True) -> list[str]:
-        """The example's command line (``--step-delay`` only for the faulty run)."""
+        """The script's command line (``--step-delay`` only for the faulty run)."""
         args = [str(self.config.script), f"--steps={self.steps}", "--pg-timeout=120"]
         if delay and self.config.step_delay_s > 0:
             args.append(f"--step-delay={self.config.step_delay_s}")
@@ -600,7 +606,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-step", type=int, default=8, help="step of the first fault")
     p.add_argument("--flush-every", type=int, default=5, help="flush every N steps (0: off)")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="--ftmem-hang-timeout (s)")
-    p.add_argument("--step-delay", type=float, default=0.2, help="example's --step-delay (s)")
+    p.add_argument("--step-delay", type=float, default=0.2, help="script's --step-delay (s)")
     p.add_argument("--recovery-timeout", type=float, default=300.0, help="per fault (s)")
     p.add_argument("--timeout", type=float, default=4 * 3600.0, help="whole run (s)")
     p.add_argument("--schedule", type=Path, default=None, help="replay this JSON schedule")

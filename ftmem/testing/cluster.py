@@ -1,15 +1,17 @@
 """N ``ftmem-launch`` agents of one job on loopback: the nodes of a multi-node run on one host.
 
-Each node is one ``python -m launcher`` process in its own session, logging to a file, with
-its own run directory and node-local flush tier; node 0 hosts the c10d rendezvous store. A
+Each node is one ``ftmem-launch`` agent (:class:`~ftmem.testing.harness.AgentProcess`: its
+own session, a log file, a bounded SIGTERM -> SIGKILL stop), with its own run directory and
+node-local flush tier; node 0 hosts the c10d rendezvous store. A
 node is *lost* for real: its agent, SMP, flush worker and ranks are SIGKILLed at once and
 its shared memory is removed (a dead machine takes its memory along); a *replacement* is a
 new agent with the lost node's name and a new run directory.
 
-Used by the chaos runner (:mod:`ftmem.testing.chaos`) and by tests. Processes are found with
-psutil (a rank is a descendant whose environment has ``RANK``; the SMP runs
-``-m ftmem.smp``); SMP status goes through ``SmpClient`` (whose package imports torch: a
-cluster pays that once, when it is made).
+Used by the chaos runner (:mod:`ftmem.testing.chaos`) and by tests. The training script is a
+config value; the default is the package's own workload (:mod:`ftmem.testing.workload`), so
+nothing here needs the repository checkout. Processes are found with psutil (a rank is a
+descendant whose environment has ``RANK``; the SMP runs ``-m ftmem.smp``); SMP status goes
+through ``SmpClient``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,143 +28,25 @@ from typing import Any
 
 import psutil
 
+from ftmem.config import ENV_NODE, ENV_RUN_DIR
 from ftmem.errors import FtmemError
 from ftmem.exchange import keys
 from ftmem.faults import ENV_FAULT_FILE
 from ftmem.protocol.smp_client import SmpClient
+from ftmem.testing.harness import (
+    AgentProcess,
+    agent_env,
+    free_port,
+    launch_args,
+    remove_shm,
+    shm_files,
+    wait_gone,
+)
+from ftmem.testing.workload import SCRIPT
+
+__all__ = ["ClusterConfig", "LoopbackCluster", "shm_files"]
 
 log = logging.getLogger(__name__)
-
-REPO = Path(__file__).resolve().parents[2]
-"""The source tree this module belongs to (examples/ lives here in a checkout)."""
-EXAMPLE = REPO / "examples" / "train_gpt.py"
-"""The example the chaos runner trains."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pid_gone(pid: int) -> bool:
-    """True if ``pid`` no longer exists (a zombie counts as gone)."""
-    try:
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_gone(pids: set[int], timeout: timedelta) -> set[int]:
-    """Wait (polling) until every pid is gone; return those still alive at the deadline."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    alive = {p for p in pids if not pid_gone(p)}
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = {p for p in alive if not pid_gone(p)}
-    return alive
-
-
-def shm_files(run_id: str, node: str | None = None) -> list[str]:
-    """Shared-memory files of ``run_id`` (of one node if given) in /dev/shm."""
-    prefix = f"ftmem-{run_id}-" + (f"{node}-" if node is not None else "")
-    return sorted(p for p in os.listdir("/dev/shm") if p.startswith(prefix))
-
-
-class Agent:
-    """One ``python -m launcher`` process, in its own session, logging to ``log``.
-
-    Resource handling: :meth:`kill_all` (idempotent, bounded) stops the agent and every
-    descendant it was ever seen with (ranks lead their own sessions, so killing the agent's
-    group does not reach them); :meth:`lose` SIGKILLs all of them at once.
-    """
-
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_path
-        self.seen: set[int] = set()
-        """Every descendant ever seen (also reaped by :meth:`kill_all`)."""
-        with open(log_path, "w") as f:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "ftmem.launch", *args],
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=REPO,
-            )
-        self.pid = self.popen.pid
-
-    def text(self) -> str:
-        """The agent's log so far."""
-        return self.log_path.read_text(errors="replace")
-
-    def descendants(self) -> list[psutil.Process]:
-        """The agent's live descendants (their pids are remembered in :attr:`seen`)."""
-        try:
-            kids = list(psutil.Process(self.pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            kids = []
-        self.seen |= {k.pid for k in kids}
-        return kids
-
-    def poll(self) -> int | None:
-        """The agent's exit code, or None while it runs."""
-        return self.popen.poll()
-
-    def wait(self, timeout: timedelta) -> int | None:
-        """Wait for the agent to exit (noting descendants meanwhile); its code or None."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while self.popen.poll() is None and time.monotonic() < deadline:
-            self.descendants()
-            time.sleep(0.1)
-        return self.popen.poll()
-
-    def _kill(self, pids: set[int]) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def lose(self) -> None:
-        """The node dies: the agent and every descendant SIGKILLed at once, then reaped."""
-        procs = {self.pid, *(p.pid for p in self.descendants())}
-        self._kill(procs)
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            log.error("agent %s (pid %d) survived SIGKILL for 10 s", self.name, self.pid)
-        left = wait_gone(procs, timedelta(seconds=10))
-        if left:
-            log.error("node %s: processes %s survived SIGKILL for 10 s", self.name, left)
-
-    def terminate(self) -> None:
-        """Send SIGTERM to the agent (it stops its ranks and its SMP, which frees its arenas)."""
-        self.descendants()
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def kill_rest(self) -> None:
-        """SIGKILL the agent's group and every descendant ever seen; reap the agent."""
-        self.descendants()
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._kill(self.seen)
-        try:
-            self.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            log.error("agent %s (pid %d) still alive after SIGKILL", self.name, self.pid)
-
-    def kill_all(self, term_timeout: timedelta = timedelta(seconds=60)) -> None:
-        """:meth:`terminate`, wait up to ``term_timeout`` for the agent, then :meth:`kill_rest`."""
-        self.terminate()
-        if self.wait(term_timeout) is None:
-            log.warning("agent %s did not stop on SIGTERM; killing it", self.name)
-        self.kill_rest()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,8 +59,9 @@ class ClusterConfig:
     """Number of nodes (agents)."""
     nproc: int = 1
     """Ranks per node."""
-    script: list[str]
-    """The training script and its arguments."""
+    script: list[str] = field(default_factory=lambda: [str(SCRIPT)])
+    """The training script and its arguments (default: the package's own workload,
+    :data:`ftmem.testing.workload.SCRIPT`, with its defaults)."""
     parity: int = 1
     """``--ftmem-ec-parity`` (0: no erasure coding)."""
     flush_every: int = 0
@@ -213,9 +94,9 @@ class LoopbackCluster:
         self.config = config
         self.run_id = config.run_id or "ch" + uuid.uuid4().hex[:10]
         self.port = free_port()
-        self.agents: dict[int, Agent] = {}
+        self.agents: dict[int, AgentProcess] = {}
         """The current agent of each node."""
-        self.all_agents: list[Agent] = []
+        self.all_agents: list[AgentProcess] = []
         self.starts: dict[int, int] = {}
         self.fault_file = config.workdir / "armed.jsonl"
         """The run's armed-faults file (FTMEM_FAULT_FILE of every process)."""
@@ -238,51 +119,52 @@ class LoopbackCluster:
 
     def _args(self, i: int) -> list[str]:
         c = self.config
-        args = [
-            f"--nnodes={c.nodes}",
-            f"--nproc-per-node={c.nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{self.port}",
-            f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf=is_host={1 if i == 0 and self.starts[i] == 1 else 0}",
-            "--monitor-interval=0.1",
+        flags = [
             "--max-restarts=100000",
-            f"--ftmem-node={self.node_name(i)}",
-            f"--ftmem-run-dir={self.run_dir(i)}",
             "--ftmem-peer-host=127.0.0.1",
             f"--ftmem-ec-parity={c.parity}",
             f"--ftmem-hang-timeout={c.hang_timeout}",
         ]
         if self.key_file.exists():
-            args.append(f"--ftmem-key-file={self.key_file}")
+            flags.append(f"--ftmem-key-file={self.key_file}")
         if c.flush_every > 0:
-            args += [
+            flags += [
                 f"--ftmem-flush-dir={self.flush_dir(i)}",
                 f"--ftmem-flush-every={c.flush_every}",
             ]
             if c.nodes > 1:
-                args.append(f"--ftmem-flush-persistent-dir={self.shared_dir}")
-        return [*args, *c.extra_args, *c.script]
+                flags.append(f"--ftmem-flush-persistent-dir={self.shared_dir}")
+        return launch_args(
+            nnodes=c.nodes,
+            nproc=c.nproc,
+            rdzv_endpoint=f"127.0.0.1:{self.port}",
+            rdzv_id=self.run_id,
+            is_host=i == 0 and self.starts[i] == 1,
+            node=self.node_name(i),
+            run_dir=self.run_dir(i),
+            flags=[*flags, *c.extra_args],
+            script=c.script,
+        )
 
     def _env(self, i: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        env["OMP_NUM_THREADS"] = "1"
-        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # ftmem-launch's default
-        env.pop("FTMEM_FAULT", None)
-        env.setdefault("PET_FTMEM_STANDBY", "0")  # warm-ups would slow multi-node tests
-        env["FTMEM_NODE"] = self.node_name(i)  # the SMP and flush worker match armed faults
-        env[ENV_FAULT_FILE] = str(self.fault_file)
-        env.update(self.config.env)
-        return env
+        return agent_env(
+            {
+                # warm-ups would slow multi-node runs; the caller's setting wins
+                "PET_FTMEM_STANDBY": os.environ.get("PET_FTMEM_STANDBY", "0"),
+                ENV_NODE: self.node_name(i),  # the SMP and flush worker match armed faults
+                ENV_FAULT_FILE: str(self.fault_file),
+                **self.config.env,
+            }
+        )
 
-    def start(self, i: int) -> Agent:
+    def start(self, i: int) -> AgentProcess:
         """Start node ``i``'s agent (a replacement if the node ran before)."""
         if self.starts.get(i, 0) and i == 0:
             raise ValueError("node 0 hosts the rendezvous store: it cannot be replaced")
         self.starts[i] = self.starts.get(i, 0) + 1
         name = f"{self.node_name(i)}-{self.starts[i]}"
-        agent = Agent(name, self._args(i), self.config.workdir / f"{name}.log", self._env(i))
+        log_path = self.config.workdir / f"{name}.log"
+        agent = AgentProcess.launch(self._args(i), log_path, self._env(i), name=name)
         self.agents[i] = agent
         self.all_agents.append(agent)
         log.info("started agent %s (pid %d)", name, agent.pid)
@@ -300,33 +182,16 @@ class LoopbackCluster:
 
     def wait_log(self, i: int, pattern: str, timeout: timedelta) -> re.Match[str]:
         """Wait until node ``i``'s current log matches ``pattern``; RuntimeError otherwise."""
-        rx = re.compile(pattern)
-        agent = self.agents[i]
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            agent.descendants()
-            found = rx.search(agent.text())
-            if found:
-                return found
-            if agent.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{pattern!r} not in {agent.name}'s log within {timeout} "
-                    f"(exit {agent.poll()}); tail:\n{agent.text()[-3000:]}"
-                )
-            time.sleep(0.1)
+        return self.agents[i].wait_log(pattern, timeout)[0]
 
     def lose(self, i: int) -> None:
         """Node ``i`` dies: every process SIGKILLed at once, its shared memory removed."""
         self.agents[i].lose()
-        for name in shm_files(self.run_id, self.node_name(i)):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
+        remove_shm(self.run_id, self.node_name(i))
 
     def smp_pid(self, i: int) -> int | None:
         """The pid of node ``i``'s SMP, or None."""
-        for p in self.agents[i].descendants():
+        for p in self.agents[i].children():
             try:
                 if "ftmem.smp" in p.cmdline():
                     return int(p.pid)
@@ -337,10 +202,10 @@ class LoopbackCluster:
     def rank_pids(self, i: int) -> dict[int, int]:
         """Global rank -> pid of node ``i``'s live ranks."""
         out: dict[int, int] = {}
-        for p in self.agents[i].descendants():
+        for p in self.agents[i].children():
             try:
                 env = p.environ()
-                if "RANK" in env and "FTMEM_RUN_DIR" in env and p.status() != psutil.STATUS_ZOMBIE:
+                if "RANK" in env and ENV_RUN_DIR in env and p.status() != psutil.STATUS_ZOMBIE:
                     out[int(env["RANK"])] = int(p.pid)
             except (psutil.Error, ValueError):
                 continue
@@ -369,12 +234,7 @@ class LoopbackCluster:
             agent.kill_rest()
         pids = {p for a in self.all_agents for p in a.seen | {a.pid}}
         alive = wait_gone(pids, timedelta(seconds=15))
-        left = shm_files(self.run_id)
-        for name in left:  # a SIGKILLed SMP of a node that was never restarted
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
+        left = remove_shm(self.run_id)  # a SIGKILLed SMP of a node that was never restarted
         return alive, left
 
     def __enter__(self) -> LoopbackCluster:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ftmem.smp.spawn import SmpProcess
-from tests.conftest import Procs
-from tests.faults._ranks import SMALL, run_ranks
+from tests._support.procs import Procs
+from tests._support.ranks import SMALL, run_ranks
 
 
 def test_partial_snapshots_are_a_clear_error_unless_fresh_start_allowed(

@@ -15,17 +15,14 @@ from pathlib import Path
 import psutil
 
 from ftmem.tiers.checkpoints import list_checkpoints
-from tests.integration.test_launcher_support import (
+from tests._support.launcher import (
     EXAMPLE,
     TINY,
     Launch,
     Launcher,
     digests,
-    launcher_env,
     reference_digests,
 )
-
-__all__ = ["launcher_env"]  # the fixture
 
 STEPS = 30
 SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.1", *TINY]

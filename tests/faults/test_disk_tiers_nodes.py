@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from ftmem.tiers.checkpoints import list_checkpoints, read_checkpoint, verify_checkpoint
-from tests.faults.test_ec_nodes import Nodes, reference
-from tests.integration.test_launcher_support import EXAMPLE, TINY, Launcher, launcher_env
-
-__all__ = ["launcher_env"]  # the fixture
+from tests._support.launcher import EXAMPLE, TINY, Launcher
+from tests._support.nodes import Nodes, reference
 
 STEPS = 40
 SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.3", *TINY]

@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 
 from ftmem.tiers.checkpoints import list_checkpoints
-from tests.conftest import REPO, Procs
-from tests.integration.test_launcher_support import TINY, Launcher, digests, launcher_env
-
-__all__ = ["launcher_env"]  # the fixture
+from tests._support.launcher import TINY, Launcher, digests
+from tests._support.procs import REPO, Procs
 
 FSDP = REPO / "examples" / "train_fsdp.py"
 STEPS = 16

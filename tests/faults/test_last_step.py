@@ -1,6 +1,6 @@
 """The final step of a run with ``--ftmem-flush-every`` is always its newest flushed checkpoint.
 
-Issue 13: run as a new user would (``ftmem-launch --nproc-per-node 2 --ftmem-flush-dir D
+Run as a new user would (``ftmem-launch --nproc-per-node 2 --ftmem-flush-dir D
 --ftmem-flush-every 4 examples/train_gpt.py --steps 12``). While a flush holds a slot, a rank
 with no free slot skips its snapshot; when that happened to the last step, the final state was
 never in memory and the final flush (when the SMP is stopped at the end of the job) wrote an
@@ -27,16 +27,7 @@ import pytest
 
 from ftmem.events import SMP_EVENTS_NAME
 from ftmem.tiers.checkpoints import list_checkpoints, verify_checkpoint
-from tests.integration.test_launcher_support import (
-    EXAMPLE,
-    TINY,
-    Launcher,
-    digests,
-    launcher_env,
-    reference_digests,
-)
-
-__all__ = ["launcher_env"]  # the fixture
+from tests._support.launcher import EXAMPLE, TINY, Launcher, digests, reference_digests
 
 STEPS = 12
 WORLD = 2

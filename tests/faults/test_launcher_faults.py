@@ -13,19 +13,15 @@ import time
 
 import pytest
 
-from tests.integration.test_launcher_support import (
+from ftmem.testing.harness import shm_files, wait_gone
+from tests._support.launcher import (
     EXAMPLE,
     TINY,
     Launcher,
     digests,
-    launcher_env,
     reference_digests,
-    shm_files,
-    wait_gone,
     wait_verified,
 )
-
-__all__ = ["launcher_env"]  # the fixture
 
 STEPS = 12
 RESUMED = r"RESUMED after .*detect->resumed ([0-9.]+) s"

@@ -6,20 +6,15 @@ import re
 import signal
 import time
 
-from tests.integration.test_launcher_support import (
+from ftmem.testing.harness import free_port, launch_args, shm_files, wait_gone
+from tests._support.launcher import (
     EXAMPLE,
     TINY,
     Launch,
     Launcher,
     digests,
-    free_port,
-    launcher_env,
     reference_digests,
-    shm_files,
-    wait_gone,
 )
-
-__all__ = ["launcher_env"]  # the fixture
 
 STEPS = 12
 
@@ -31,31 +26,17 @@ def _two_nodes(
     port = free_port()
 
     def node(name: str, host: int) -> Launch:
-        return launcher.start(
-            [
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                run_id,
-                "--rdzv-conf",
-                f"is_host={host}",
-                "--monitor-interval",
-                "0.1",
-                "--ftmem-node",
-                name,
-                "--ftmem-run-dir",
-                str(launcher.tmp / f"{name}-rd"),
-                *(ftmem or []),
-                *script,
-            ],
-            name,
+        args = launch_args(
+            nnodes=2,
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            rdzv_id=run_id,
+            is_host=bool(host),
+            node=name,
+            run_dir=launcher.tmp / f"{name}-rd",
+            flags=ftmem or [],
+            script=script,
         )
+        return launcher.start(args, name)
 
     a = node("a", 1)
     a.wait_for(r"SMP pid \d+ ready", 60)
@@ -129,30 +110,16 @@ def test_replacement_node_takes_the_lost_nodes_ranks_survivors_keep_theirs(
     rid, port = launcher_env.new_run_id(), free_port()
 
     def node(name: str, host: int, log: str) -> Launch:
-        return launcher_env.start(
-            [
-                "--nnodes",
-                "3",
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                rid,
-                "--rdzv-conf",
-                f"is_host={host}",
-                "--monitor-interval",
-                "0.1",
-                "--ftmem-node",
-                name,
-                "--ftmem-run-dir",
-                str(launcher_env.tmp / f"{log}-rd"),
-                str(script),
-            ],
-            log,
+        args = launch_args(
+            nnodes=3,
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            rdzv_id=rid,
+            is_host=bool(host),
+            node=name,
+            run_dir=launcher_env.tmp / f"{log}-rd",
+            script=[str(script)],
         )
+        return launcher_env.start(args, log)
 
     # Node order (by agent pid) b < a < c, so b gets group rank 0 and global rank 0;
     # a hosts the rendezvous store, so b can be lost without ending the job.

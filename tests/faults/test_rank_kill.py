@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ftmem.smp.spawn import SmpProcess
-from tests.conftest import Procs
-from tests.faults._ranks import SMALL, RankRun, run_ranks
+from tests._support.procs import Procs
+from tests._support.ranks import SMALL, RankRun, run_ranks
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import pytest
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from tests.conftest import Procs
-from tests.faults._ranks import SMALL, run_ranks
+from tests._support.procs import Procs
+from tests._support.ranks import SMALL, run_ranks
 
 
 def reference(procs: Procs, workdir: Path, world: int) -> str:

@@ -16,16 +16,7 @@ from typing import Any
 
 import psutil
 
-from tests.integration.test_launcher_support import (
-    EXAMPLE,
-    TINY,
-    Launcher,
-    digests,
-    launcher_env,
-    reference_digests,
-)
-
-__all__ = ["launcher_env"]  # the fixture
+from tests._support.launcher import EXAMPLE, TINY, Launcher, digests, reference_digests
 
 READY = r"\[n0\] standby pid (\d+) for local rank (\d+) ready"
 STARTED = r"generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"

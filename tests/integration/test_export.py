@@ -4,36 +4,24 @@ that stock torch.distributed.checkpoint loads into 1 process and into 4 (gloo), 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from ftmem.smp.spawn import SmpProcess
-from tests.conftest import REPO, Procs
-from tests.faults._ranks import EXAMPLE, SMALL, run_ranks
-
-MODEL_ARGS = dict(vocab=128, seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1)
-
-
-def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from tests._support.example import example, fresh_state
+from tests._support.procs import REPO, Procs
+from tests._support.ranks import SMALL, run_ranks
 
 LOAD_SCRIPT = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 sys.path.insert(0, {repo!r})
-from tests.integration.test_export import example, fresh_state
+from tests._support.example import example, fresh_state
 ex = example()
 world = int(os.environ["WORLD_SIZE"])
 if world > 1:
@@ -47,17 +35,6 @@ print("DIGEST", ex.state_digest(model, opt), flush=True)
 if world > 1:
     dist.destroy_process_group()
 """
-
-
-def fresh_state(ex: ModuleType) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:  # type: ignore[type-arg]
-    """A new model and AdamW with state tensors to load into (values differ from the run's)."""
-    torch.manual_seed(123)
-    model = ex.GPT(batchnorm=False, **MODEL_ARGS)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()  # creates exp_avg, exp_avg_sq, step
-    return model, opt, {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
 @pytest.fixture

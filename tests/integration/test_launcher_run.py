@@ -6,16 +6,8 @@ import re
 import signal
 from pathlib import Path
 
-from tests.integration.test_launcher_support import (
-    EXAMPLE,
-    TINY,
-    Launcher,
-    digests,
-    launcher_env,
-    shm_files,
-)
-
-__all__ = ["launcher_env"]  # the fixture
+from ftmem.testing.harness import shm_files, wait_gone
+from tests._support.launcher import EXAMPLE, TINY, Launcher, digests
 
 ENV_SCRIPT = """
 import ctypes, json, os
@@ -77,8 +69,6 @@ def test_sigterm_stops_ranks_and_smp_and_frees_shared_memory(launcher_env: Launc
     assert smps[0].net_connections(kind="tcp") == []
     agent.signal(signal.SIGTERM)
     assert agent.wait(40) == 1  # as torchrun: SignalException
-    from tests.integration.test_launcher_support import wait_gone
-
     assert not wait_gone(kids, 10)
     assert shm_files(rid) == []
     assert re.search(r"SMP pid \d+ exited with 0", agent.text())

@@ -19,7 +19,7 @@ from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests.conftest import pid_gone, shm_files
+from ftmem.testing.harness import pid_gone, shm_files
 
 
 def raw_socket(run_dir: Path) -> zmq.Socket[bytes]:

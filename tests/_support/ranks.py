@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import REPO, Procs
+from ftmem.testing.harness import free_port
+from tests._support.procs import EXAMPLE as EXAMPLE_PATH
+from tests._support.procs import Procs
 
-EXAMPLE = str(REPO / "examples" / "train_gpt.py")
+EXAMPLE = str(EXAMPLE_PATH)
+"""The example, as a command-line argument."""
 SMALL = [
     "--d-model",
     "64",
@@ -34,25 +36,24 @@ SMALL = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class RankRun:
+    """The exit codes and the output of each rank of one run."""
+
     codes: list[int | None]
     outputs: list[str]
 
     def lines(self, pattern: str) -> list[str]:
+        """Group 1 of every match of ``pattern`` in every rank's output."""
         rx = re.compile(pattern)
         return [m.group(1) for out in self.outputs for m in rx.finditer(out)]
 
     def digests(self) -> set[str]:
+        """The distinct final digests the ranks printed."""
         return set(self.lines(r"\] digest ([0-9a-f]{64})"))
 
     def resumed(self) -> list[int]:
+        """The step each rank resumed from."""
         return [int(x) for x in self.lines(r"\] resumed from step (\d+)")]
 
 

@@ -1,0 +1,128 @@
+"""Whole nodes of one job on loopback, for the tests of node loss: each node an
+``ftmem-launch`` agent (started by a test's :class:`~tests._support.launcher.Launcher`) with
+one rank of ``examples/train_gpt.py``; node ``i`` is named ``n<i>`` and holds global rank i.
+A node is lost for real: SIGKILL of its agent, SMP and rank at once, and its shared memory
+removed (a dead machine takes its memory with it)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from ftmem.errors import FtmemError
+from ftmem.protocol.smp_client import SmpClient
+from ftmem.testing.harness import free_port, launch_args, remove_shm
+from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
+
+STEPS = 40
+SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.15", *TINY]
+"""The default script of :class:`Nodes` (a step delay leaves time to lose a node mid-run)."""
+_REFERENCE: dict[int, dict[int, str]] = {}
+
+
+def reference(launcher: Launcher, nproc: int) -> dict[int, str]:
+    """Digests of a failure-free single-node run with ``nproc`` ranks (same world size)."""
+    if nproc not in _REFERENCE:
+        rid = launcher.new_run_id()
+        ref = launcher.single_node(
+            rid,
+            nproc,
+            ["--ftmem-ec-parity", "0"],
+            [str(EXAMPLE), "--steps", str(STEPS), *TINY],
+            name=f"reference{nproc}",
+        )
+        assert ref.wait(180) == 0, ref.text()[-3000:]
+        _REFERENCE[nproc] = digests(ref.text())
+        assert len(_REFERENCE[nproc]) == nproc
+    return _REFERENCE[nproc]
+
+
+class Nodes:
+    """Agents of one multi-node run; node i is named n<i> and holds global rank i.
+
+    ``extra`` are more agent flags, ``{i}`` in them replaced by the node's index.
+    """
+
+    def __init__(
+        self, launcher: Launcher, n: int, extra: list[str], script: list[str] = SCRIPT
+    ) -> None:
+        self.script = script
+        self.launcher = launcher
+        self.n = n
+        self.extra = extra
+        self.rid = launcher.new_run_id()
+        self.port = free_port()
+        self.agents: dict[int, Launch] = {}
+        self.starts: dict[int, int] = {}
+        self.host_start = 1
+        """Node 0's start that hosts the rendezvous store (a whole new job hosts it again)."""
+
+    def run_dir(self, i: int) -> str:
+        """The run directory of node ``i``'s current agent."""
+        return str(self.launcher.tmp / f"n{i}-{self.starts[i]}-rd")
+
+    def start(self, i: int) -> Launch:
+        """Start node ``i``'s agent (a replacement if it ran before)."""
+        self.starts[i] = self.starts.get(i, 0) + 1
+        args = launch_args(
+            nnodes=self.n,
+            rdzv_endpoint=f"127.0.0.1:{self.port}",
+            rdzv_id=self.rid,
+            is_host=i == 0 and self.starts[i] == self.host_start,
+            node=f"n{i}",
+            run_dir=self.run_dir(i),
+            flags=[
+                "--ftmem-peer-host",
+                "127.0.0.1",
+                *(a.replace("{i}", str(i)) for a in self.extra),  # per-node values
+            ],
+            script=self.script,
+        )
+        launch = self.launcher.start(args, f"n{i}-{self.starts[i]}")
+        self.agents[i] = launch
+        return launch
+
+    def start_all(self, new_job: bool = False) -> None:
+        """Start every node; ``new_job``: after every node was lost (new rendezvous host)."""
+        if new_job:
+            self.port = free_port()
+            self.host_start = self.starts.get(0, 0) + 1
+        self.start(0).wait_for(r"SMP pid \d+ ready", 60)
+        for i in range(1, self.n):
+            # Node order in the first round is by join order; stable ranks keep it after.
+            time.sleep(0.5)
+            self.start(i)
+        for i in range(self.n):
+            self.agents[i].wait_for(r"generation \d+: started ranks", 120)
+
+    def exchange(self, i: int) -> dict[str, object]:
+        """The exchange part of node ``i``'s SMP status ({} if it does not answer)."""
+        try:
+            with SmpClient(self.run_dir(i), timeout=timedelta(seconds=5)) as c:
+                st = c.status()
+        except FtmemError:
+            return {}
+        return dict(st.get("exchange", {}))
+
+    def wait_protected(self, at_least: int, timeout: float = 120.0) -> int:
+        """Wait until every node's SMP reports a protected step >= ``at_least``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            steps = [self.exchange(i).get("protected_step") for i in range(self.n)]
+            if all(isinstance(s, int) and s >= at_least for s in steps):
+                return min(s for s in steps if isinstance(s, int))
+            assert time.monotonic() < deadline, f"protected steps {steps} never reached {at_least}"
+            time.sleep(0.2)
+
+    def lose(self, i: int) -> None:
+        """Node i dies: every process of it SIGKILLed at once, its shared memory gone."""
+        self.agents[i].lose(timeout=10)
+        remove_shm(self.rid, f"n{i}")
+
+    def finish(self, timeout: float = 240.0) -> dict[int, str]:
+        """Wait for every agent to exit 0; the digests their ranks printed."""
+        out: dict[int, str] = {}
+        for launch in self.agents.values():
+            assert launch.wait(timeout) == 0, launch.text()[-4000:]
+            out.update(digests(launch.text()))
+        return out
