@@ -200,4 +200,3 @@ def test_no_progress_guard() -> None:
     assert not g.on_failure(6)
     assert g.on_failure(6) and g.best == 6
     assert not any(NoProgressGuard(limit=0).on_failure(None) for _ in range(5))
-
