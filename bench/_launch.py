@@ -15,9 +15,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -25,6 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from ftmem.testing.harness import (
+    AgentProcess,
+    agent_env,
+    free_port,
+    launch_args,
+    launch_command,
+    remove_shm,
+)
+
+__all__ = ["free_port", "remove_shm"]  # re-exported for the bench scripts
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -38,13 +46,6 @@ MEAN_RE = re.compile(r"\[rank (\d+)\] mean step time ([0-9.]+) s")
 DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]{64})")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def tool(name: str, module: str) -> list[str]:
     """The console script ``name`` if it is on PATH, else ``python -m module``."""
     path = shutil.which(name)
@@ -52,142 +53,57 @@ def tool(name: str, module: str) -> list[str]:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment of a job: the repository on PYTHONPATH, one OpenMP thread per rank.
-
-    ftmem's own variables and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` are removed (a job that
-    needs them passes them in ``extra``).
-    """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    for key in ("FTMEM_RUN_DIR", "FTMEM_RUN_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
-        env.pop(key, None)
-    # Standby ranks warm up while the job trains (~4 CPU-s each here): off unless a benchmark
-    # measures them (bench/recovery.py passes --ftmem-standby explicitly).
-    env["PET_FTMEM_STANDBY"] = "0"
-    env.update(extra)
-    return env
+    """The environment of a job (:func:`ftmem.testing.harness.agent_env`: one OpenMP thread per
+    rank, standby ranks off unless a benchmark asks for them), the repository on PYTHONPATH,
+    unbuffered output."""
+    return agent_env({"PYTHONUNBUFFERED": "1", **extra}, pythonpath=[REPO])
 
 
 def single_node_args(*, nproc: int, run_id: str, run_dir: Path, node: str = "n0") -> list[str]:
     """``ftmem-launch`` flags for one node: c10d rendezvous on a free local port, own run dir."""
-    return [
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "--rdzv-id",
-        run_id,
-        "--monitor-interval",
-        "0.1",
-        "--ftmem-node",
-        node,
-        "--ftmem-run-dir",
-        str(run_dir),
-    ]
+    return launch_args(
+        nproc=nproc,
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_id=run_id,
+        node=node,
+        run_dir=run_dir,
+    )
 
 
-class Job:
-    """One command in a session of its own, its stdout and stderr in ``log``.
-
-    Resource handling: :meth:`stop` (idempotent; also on leaving a ``with`` block) ends the
-    job and everything it started, each wait bounded.
-    """
+class Job(AgentProcess):
+    """One command in a session of its own, its output in ``log`` (the harness's process, with
+    the names the bench scripts use)."""
 
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str], cwd: Path = REPO) -> None:
-        self.cmd = cmd
+        super().__init__(cmd, log, env, cwd=cwd)
         self.log = log
-        self.seen: set[int] = set()
-        with open(log, "wb") as f:
-            self.popen = subprocess.Popen(
-                cmd,
-                env=env,
-                cwd=cwd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.pid = self.popen.pid
-        self.started = time.monotonic()
-
-    def text(self) -> str:
-        """The log so far."""
-        return self.log.read_text(errors="replace")
 
     def remember(self) -> None:
         """Note the job's current descendants (ranks, SMPs, workers) by pid."""
-        with contextlib.suppress(psutil.Error):
-            self.seen |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+        self.children()
 
     def running(self) -> bool:
         """True while the job's main process has not exited."""
-        return self.popen.poll() is None
-
-    def wait(self, timeout: float) -> int | None:
-        """Wait up to ``timeout`` s for the job to exit; its exit code, or None if it did not."""
-        deadline = time.monotonic() + timeout
-        while self.popen.poll() is None:
-            self.remember()
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.1)
-        return self.popen.returncode
+        return self.poll() is None
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """Wait until ``pattern`` appears in the log.
+        """The first match of ``pattern`` in the log, waiting up to ``timeout`` s.
 
-        Error handling: raises RuntimeError if the job exits first, TimeoutError after
-        ``timeout`` seconds.
+        Error handling: RuntimeError (with the log's tail) if the job exits first or the
+        time runs out.
         """
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while (match := rx.search(self.text())) is None:
-            self.remember()
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"{self.log.name}: exited ({self.popen.returncode}) before {pattern!r}; "
-                    f"log tail:\n{self.text()[-2000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{pattern!r} not seen in {self.log.name} within {timeout} s")
-            time.sleep(0.1)
-        return match
+        return self.wait_log(pattern, timeout)[0]
 
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM to the job, a bounded wait, then SIGKILL to its group and every descendant."""
-        self.remember()
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=grace)
-        self.remember()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid in self.seen:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=30)
-
-    def __enter__(self) -> Job:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def stop(self, term_timeout: float | timedelta = 20.0) -> None:
+        """SIGTERM, a bounded wait, then SIGKILL to the job's group and every descendant."""
+        super().stop(term_timeout)
 
 
 class Agent(Job):
-    """One ``python -m launcher`` (``ftmem-launch``) agent."""
+    """One ``ftmem-launch`` agent (``python -m ftmem.launch ARGS``)."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        super().__init__([sys.executable, "-m", "ftmem.launch", *args], log, env)
+        super().__init__(launch_command(args), log, env)
 
 
 def wait_all(
@@ -225,15 +141,6 @@ def run_job(
         rc = job.wait(timeout)
         wall = time.monotonic() - t0
     return rc, wall
-
-
-def remove_shm(run_id: str) -> list[str]:
-    """Remove the /dev/shm files of ``run_id`` (left behind by a killed SMP); return their names."""
-    left = sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"ftmem-{run_id}-"))
-    for name in left:
-        with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/{name}")
-    return left
 
 
 def shm_bytes(run_id: str) -> tuple[int, int]:
