@@ -79,6 +79,28 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def linear_state(
+    width: int, n_layers: int, *, seed: int = 0, device: str = "cpu"
+) -> tuple[nn.Sequential, torch.optim.AdamW]:
+    """``n_layers`` square ``nn.Linear(width, width)`` (weights N(0, 0.02), biases 0) and AdamW
+    with its moments allocated (one step taken on gradients of 1e-3, gradients dropped)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layers = []
+    for _ in range(n_layers):
+        layer = nn.Linear(width, width, device=device)
+        with torch.no_grad():
+            layer.weight.normal_(0.0, 0.02, generator=gen)
+            layer.bias.zero_()
+        layers.append(layer)
+    model = nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
 def build_state(size_gib: float, *, seed: int = 0) -> BenchState:
     """Build a model + AdamW whose parameters are ``size_gib / 3`` GiB, optimizer state 2x that.
 
@@ -90,26 +112,29 @@ def build_state(size_gib: float, *, seed: int = 0) -> BenchState:
     param_bytes = size_gib * 2**30 / 3
     width = 4096 if param_bytes >= 8 * _LAYER_BYTES_MAX else 2048
     n_layers = max(1, round(param_bytes / (width * width * 4)))
-    gen = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(n_layers):
-        layer = nn.Linear(width, width)
-        with torch.no_grad():
-            layer.weight.normal_(0.0, 0.02, generator=gen)
-            layer.bias.zero_()
-        layers.append(layer)
-    model = nn.Sequential(*layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model, optimizer = linear_state(width, n_layers, seed=seed)
     state = BenchState(model=model, optimizer=optimizer, nbytes=0)
     state.nbytes = tensor_bytes(state.state_dicts())
     logger.info(
         "state: %d x Linear(%d, %d), %.3f GiB with AdamW state", n_layers, width, width, state.gib
     )
     return state
+
+
+def make_simulator(kind: str, seconds: float) -> Callable[[], None]:
+    """A stand-in for forward + backward lasting ``seconds``: 256x256 matmuls on this thread
+    (``compute``) or a sleep."""
+    if kind == "sleep":
+        return lambda: time.sleep(seconds)
+    a = torch.randn(256, 256) / 16
+
+    def compute() -> None:
+        x = a
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            x = torch.tanh(x @ a)
+
+    return compute
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -188,6 +213,18 @@ def bench_dcp_save(
         shutil.rmtree(last, ignore_errors=True)
 
 
+def cpu_stager(async_staging: bool) -> DefaultStager:
+    """A ``DefaultStager`` for CPU tensors (pinned memory and non-blocking copies need an
+    accelerator), staging in its own thread with ``async_staging``."""
+    options = StagingOptions(
+        use_pinned_memory=False,
+        use_shared_memory=False,
+        use_async_staging=async_staging,
+        use_non_blocking_copy=False,
+    )
+    return DefaultStager(options)
+
+
 def bench_dcp_async_save(
     state: BenchState,
     *,
@@ -207,15 +244,7 @@ def bench_dcp_async_save(
     warm-up, reported apart.
     """
     tag = "async staging" if async_staging else "sync staging"
-    # Pinned memory and non-blocking copies need an accelerator; on CPU these are the options.
-    stager = DefaultStager(
-        StagingOptions(
-            use_pinned_memory=False,
-            use_shared_memory=False,
-            use_async_staging=async_staging,
-            use_non_blocking_copy=False,
-        )
-    )
+    stager = cpu_stager(async_staging)
     sd = state.state_dicts()
     try:
         for i in range(repeats + 1):

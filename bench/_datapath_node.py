@@ -200,19 +200,6 @@ def _delta(after: Any, before: Any) -> Any:
     return None
 
 
-def compute_stand_in(ms: float) -> Callable[[], None]:
-    """A forward/backward stand-in: ``ms`` milliseconds of 256x256 matmuls on this thread."""
-    a = torch.randn(256, 256) / 16
-
-    def compute() -> None:
-        x = a
-        deadline = time.perf_counter() + ms / 1e3
-        while time.perf_counter() < deadline:
-            x = torch.tanh(x @ a)
-
-    return compute
-
-
 def build_state(size_gib: float, *, seed: int = 0) -> baselines.BenchState:
     """The benchmark state of ``bench/_baselines.build_state``, with narrower layers for tiny
     sizes (there, a state is at least one 2048-wide layer, 48 MiB)."""
@@ -221,20 +208,7 @@ def build_state(size_gib: float, *, seed: int = 0) -> baselines.BenchState:
         return baselines.build_state(size_gib, seed=seed)
     width = next((w for w in (1024, 512, 256, 128) if 2 * w * w * 4 <= param_bytes), 64)
     n_layers = max(1, round(param_bytes / (width * width * 4)))
-    gen = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(n_layers):
-        layer = torch.nn.Linear(width, width)
-        with torch.no_grad():
-            layer.weight.normal_(0.0, 0.02, generator=gen)
-            layer.bias.zero_()
-        layers.append(layer)
-    model = torch.nn.Sequential(*layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model, optimizer = baselines.linear_state(width, n_layers, seed=seed)
     state = baselines.BenchState(model=model, optimizer=optimizer, nbytes=0)
     state.nbytes = baselines.tensor_bytes(state.state_dicts())
     return state
@@ -265,14 +239,10 @@ def memcpy_into(dst: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def _rank_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="_datapath_node.py", description="the benchmark's rank")
-    p.add_argument("--size-gib", type=float, required=True)
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--smp-pid", type=int, required=True)
-    p.add_argument("--result", type=Path, required=True)
-    p.add_argument("--saves", type=int, required=True)
-    p.add_argument("--repeats", type=int, required=True)
-    p.add_argument("--compute-ms", type=float, required=True)
-    p.add_argument("--dcp-saves", type=int, required=True)
+    required: dict[str, type] = {"size-gib": float, "run-dir": Path, "smp-pid": int, "result": Path}
+    required.update({"saves": int, "repeats": int, "compute-ms": float, "dcp-saves": int})
+    for name, kind in required.items():
+        p.add_argument(f"--{name}", type=kind, required=True)
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--idle-s", type=float, default=1.0)
     p.add_argument("--loose-frac", type=float, default=0.0)
@@ -300,6 +270,13 @@ class _Rank:
     def smp_cpu(self) -> float:
         return cpu_seconds(self.args.smp_pid)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The model's and optimizer's state dicts, and the loose buffers if any."""
+        sd = {"model": self.state.model.state_dict(), "optim": self.state.optimizer.state_dict()}
+        if "buffers" in self.st:
+            sd["buffers"] = self.st["buffers"]
+        return sd
+
     # -- phases ----------------------------------------------------------------------------
     def build(self) -> None:
         a = self.args
@@ -310,10 +287,7 @@ class _Rank:
             total = self.state.nbytes / (1 - a.loose_frac)
             each = max(1, int(total * a.loose_frac / 4 / 4))
             self.st["buffers"] = {f"b{i}": torch.randn(each) for i in range(4)}
-        sd = {"model": self.state.model.state_dict(), "optim": self.state.optimizer.state_dict()}
-        if "buffers" in self.st:
-            sd["buffers"] = self.st["buffers"]
-        tensors = state_tensors(sd)
+        tensors = state_tensors(self.state_dict())
         self.nbytes = sum(t.nbytes for t in tensors)
         self.res.update(
             nbytes=self.nbytes,
@@ -327,8 +301,7 @@ class _Rank:
         )
 
     def memcpy(self) -> None:
-        sd = {"model": self.state.model.state_dict(), "optim": self.state.optimizer.state_dict()}
-        tensors = state_tensors(sd) + state_tensors(self.st.get("buffers", {}))
+        tensors = state_tensors(self.state_dict())
         dst = torch.empty(self.nbytes, dtype=torch.uint8)
         dst.zero_()  # touched: no page faults in the timed copies
         memcpy_into(dst, tensors)
@@ -364,10 +337,7 @@ class _Rank:
             if first["committed"]:
                 verified, vwait, _, polls = wait_verified(client, rank, self.step, timeout)
             first.update(
-                verified=verified,
-                verify_wait_s=vwait,
-                polls=polls,
-                smp_cpu=self.smp_cpu() - s0,
+                verified=verified, verify_wait_s=vwait, polls=polls, smp_cpu=self.smp_cpu() - s0
             )
             self.res["first"] = first
             self.dump()
@@ -382,14 +352,8 @@ class _Rank:
             self.res["smp_idle_cpu_per_s"] = (self.smp_cpu() - i0) / (time.perf_counter() - w0)
             before = rank_status(client, rank)
             # K saves, each waited for; CPU of the rank around them, of the SMP until verified.
-            saves: dict[str, Any] = {
-                "save_s": [],
-                "safe_s": [],
-                "skipped": 0,
-                "retried": 0,
-                "reasons": {},
-                "errors": [],
-            }
+            saves: dict[str, Any] = {"save_s": [], "safe_s": [], "skipped": 0, "retried": 0}
+            saves.update(reasons={}, errors=[])
             committed: list[int] = []
             s0, r0, w0 = self.smp_cpu(), time.process_time(), time.perf_counter()
             for _ in range(a.saves):
@@ -478,7 +442,7 @@ class _Rank:
             rank = ckpt.rank
             cases = (("back to back", 0.0), (f"{a.compute_ms:g} ms compute", a.compute_ms))
             for label, ms in cases:
-                work = compute_stand_in(ms) if ms > 0 else (lambda: None)
+                work = baselines.make_simulator("compute", ms / 1e3) if ms > 0 else (lambda: None)
                 before = rank_status(client, rank)
                 row: dict[str, Any] = {"saves": a.saves, "skipped": 0, "reasons": {}, "ms": ms}
                 t0 = time.perf_counter()
@@ -507,24 +471,11 @@ class _Rank:
             ckpt.close()
 
     def dcp(self) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import async_save
 
         a = self.args
-        sd: dict[str, Any] = {
-            "model": self.state.model.state_dict(),
-            "optim": self.state.optimizer.state_dict(),
-        }
-        if "buffers" in self.st:
-            sd["buffers"] = self.st["buffers"]
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=False,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=False,
-            )
-        )
+        sd = self.state_dict()
+        stager = baselines.cpu_stager(True)
         disk = tempfile.mkdtemp(prefix="ftmem-bench-dp-dcp-", dir=a.disk_dir)
         out: dict[str, Any] = {"blocking": [], "staged": [], "done": [], "disk": disk}
         self.res["dcp"] = out

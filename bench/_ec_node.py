@@ -133,6 +133,22 @@ def _node(conn: Connection, cfg: dict[str, Any]) -> None:
         transport.close()
 
 
+def _maxrss() -> int:
+    """Peak resident memory of this process so far (bytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _timed(fn: Any) -> tuple[Any, dict[str, float]]:
+    """``fn()`` and its wall span (``t_start``, ``t_end``: monotonic), CPU of the process
+    (``cpu_s``) and of this thread (``main_cpu_s``)."""
+    t = time.monotonic()
+    cpu, main_cpu = time.process_time(), time.thread_time()
+    out = fn()
+    t_end = time.monotonic()
+    cpu_s, main_cpu_s = time.process_time() - cpu, time.thread_time() - main_cpu
+    return out, {"t_start": t, "t_end": t_end, "cpu_s": cpu_s, "main_cpu_s": main_cpu_s}
+
+
 def _serve_parent(
     conn: Connection, cfg: dict[str, Any], prot: Any, transport: Any, data: Any, c: _Counters
 ) -> None:
@@ -160,15 +176,8 @@ def _serve_parent(
             c.reset()
             sent0 = prot.sent_bytes
             sleep_until(t_go)
-            t = time.monotonic()
-            cpu, main_cpu = time.process_time(), time.thread_time()
-            prot.protect(step, memoryview(data))
-            t_end = time.monotonic()
-            res = {
-                "t_start": t,
-                "t_end": t_end,
-                "cpu_s": time.process_time() - cpu,
-                "main_cpu_s": time.thread_time() - main_cpu,
+            _, res = _timed(lambda s=step: prot.protect(s, memoryview(data)))
+            res |= {
                 "enc_cpu_s": c.enc_cpu_s,
                 "sent": prot.sent_bytes - sent0,
                 "recv": c.recv_bytes,
@@ -177,7 +186,7 @@ def _serve_parent(
                 "enc_bytes": c.enc_bytes,
                 "enc_calls": c.enc_calls,
                 "gather_s": c.gather_s,
-                "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "maxrss": _maxrss(),
             }
             conn.send(("ok", res))
         elif cmd == "parity_digest":
@@ -204,21 +213,14 @@ def _serve_parent(
             step, lost, source, t_go = arg
             c.reset()
             sleep_until(t_go)
-            t = time.monotonic()
-            cpu, main_cpu = time.process_time(), time.thread_time()
-            out = prot.rebuild(step, set(lost), source)
-            t_end = time.monotonic()
-            res = {
-                "t_start": t,
-                "t_end": t_end,
-                "cpu_s": time.process_time() - cpu,
-                "main_cpu_s": time.thread_time() - main_cpu,
+            out, res = _timed(lambda a=(step, set(lost), source): prot.rebuild(*a))
+            res |= {
                 "nbytes": out.nbytes,
                 "digest": xxhash.xxh3_64_intdigest(out),
                 "parity_digest": _parity_digest(prot, step),
                 "parity": prot.parity_bytes(step),
                 "recv": c.recv_bytes,
-                "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "maxrss": _maxrss(),
             }
             conn.send(("ok", res))
         else:

@@ -14,6 +14,7 @@ from typing import Any
 from bench import _stats as st
 
 Doc = dict[str, Any]
+STRADDLE = "no change beyond noise (pairs straddle 1)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,25 @@ class Goal:
 
 def _missing(part: str, goal: str, threshold: str) -> Goal:
     return Goal(part=part, goal=goal, threshold=threshold, measured="not measured")
+
+
+def _le(x: float | None, limit: float) -> bool | None:
+    return None if x is None else x <= limit
+
+
+def _straddles(pairs: list[float]) -> bool | None:
+    """Ratios of pairs that straddle 1 (no change beyond noise); None with fewer than two."""
+    return None if len(pairs) < 2 else min(pairs) <= 1.0 <= max(pairs)
+
+
+def _rows(
+    p: str, names: list[tuple[str, str]], values: list[tuple[str, bool | None]], src: str
+) -> list[Goal]:
+    """Goals of part ``p`` from (goal, threshold) names and (measured, met) values."""
+    return [
+        Goal(part=p, goal=g, threshold=t, measured=m, met=ok, source=src)
+        for (g, t), (m, ok) in zip(names, values, strict=True)
+    ]
 
 
 # ------------------------------------------------------------------------------ snapshot
@@ -74,24 +94,21 @@ def snapshot_goals(doc: Doc | None) -> list[Goal]:
     load = figure(big, "ftmem", "load in place")
     speed = st.ratio(st.median(figure(big, "dcp.load", "in place (/dev/shm)")), st.median(load))
 
-    def le(x: float | None, limit: float) -> bool | None:
-        return None if x is None else x <= limit
-
     both = None if None in rat else max(r for r in rat if r is not None) <= 0.2
     values: list[tuple[str, bool | None]] = [
         (
             st.stat(st.per_gib(stall, big["nbytes"]), ".4f", " s/GiB"),
-            le(st.median(stall), 0.01 * gib),
+            _le(st.median(stall), 0.01 * gib),
         ),
         (" ; ".join(st.fmt(r, ".2f", "x") for r in rat), both),
         (st.stat(copy, ".2f", " GB/s"), None if not copy else (st.median(copy) or 0.0) >= 10.0),
-        (st.stat(st.per_gib(load, big["nbytes"]), ".4f", " s/GiB"), le(st.median(load), 0.1 * gib)),
+        (
+            st.stat(st.per_gib(load, big["nbytes"]), ".4f", " s/GiB"),
+            _le(st.median(load), 0.1 * gib),
+        ),
         (st.fmt(speed, ".1f", "x"), None if speed is None else speed >= 6.0),
     ]
-    return [
-        Goal(part=p, goal=g, threshold=t, measured=m, met=ok, source=src)
-        for (g, t), (m, ok) in zip(names, values, strict=True)
-    ]
+    return _rows(p, names, values, src)
 
 
 def overhead_verdict(r: Doc) -> tuple[bool | None, str]:
@@ -122,16 +139,7 @@ def overhead_goals(doc: Doc | None) -> list[Goal]:
     met, how = overhead_verdict(r)
     wall, cpu = (st.pct(r[k]["ftmem every step"]) for k in ("ratio", "cpu_ratio"))
     m = f"{wall} (wall); {cpu} (rank CPU); decided by {how}"
-    return [
-        Goal(
-            part=p,
-            goal=g,
-            threshold=t,
-            measured=m,
-            met=met,
-            source=f"overhead, {len(r['ratio']['ftmem every step'])} cycles",
-        )
-    ]
+    return _rows(p, [(g, t)], [(m, met)], f"overhead, {len(r['ratio']['ftmem every step'])} cycles")
 
 
 def flush_goals(doc: Doc | None) -> list[Goal]:
@@ -145,36 +153,23 @@ def flush_goals(doc: Doc | None) -> list[Goal]:
     if not sizes:
         return [_missing(p, g, t) for g in names.values()]
     big = max(sizes, key=lambda s: s["nbytes"])
-    out = []
-    for system, g in names.items():
+    values = []
+    for system in names:
         rat = [st.ratio(x.get("dcp.save"), x.get(system)) for x in big["per_repeat"]]
         med = st.median(rat)
-        out.append(
-            Goal(
-                part=p,
-                goal=g,
-                threshold=t,
-                measured=st.stat(rat, ".2f", "x"),
-                met=None if med is None else med >= 1.5,
-                source=f"flush, {big['nbytes'] / st.GiB:.2f} GiB",
-            )
-        )
+        values.append((st.stat(rat, ".2f", "x"), None if med is None else med >= 1.5))
+    out = _rows(
+        p, [(g, t) for g in names.values()], values, f"flush, {big['nbytes'] / st.GiB:.2f} GiB"
+    )
     from bench._tables_jobs import flush_train
 
     pairs: list[float] = []
     if doc and doc["result"]["train"]:
         pairs = st.finite(flush_train(doc["result"])["ratios"])
     if pairs:
-        met = None if len(pairs) < 2 else (min(pairs) <= 1.0 <= max(pairs))
-        out.append(
-            Goal(
-                part=p,
-                goal="step time while flushing, flush / no flush",
-                threshold="no change beyond noise (pairs straddle 1)",
-                measured=st.stat(pairs, ".3f"),
-                met=met,
-                source=f"flush, {len(pairs)} pairs",
-            )
+        g = ("step time while flushing, flush / no flush", STRADDLE)
+        out += _rows(
+            p, [g], [(st.stat(pairs, ".3f"), _straddles(pairs))], f"flush, {len(pairs)} pairs"
         )
     return out
 
@@ -203,43 +198,28 @@ def recovery_goals(doc: Doc | None) -> list[Goal]:
         if x["phases"].get("start") is not None
     )
     values = [
-        (f"{st.fmt(lost[0])} s / {st.fmt(lost[1])} s = {st.fmt(ratio)}", ratio, 1 / 3),
-        (st.fmt(restart, ".2f", " s"), restart, 1.5),
-        (st.fmt(detect, ".2f", " s"), detect, 0.1),
-        (st.fmt(to_start, ".2f", " s"), to_start, 0.02),
+        (f"{st.fmt(lost[0])} s / {st.fmt(lost[1])} s = {st.fmt(ratio)}", _le(ratio, 1 / 3)),
+        (st.fmt(restart, ".2f", " s"), _le(restart, 1.5)),
+        (st.fmt(detect, ".2f", " s"), _le(detect, 0.1)),
+        (st.fmt(to_start, ".2f", " s"), _le(to_start, 0.02)),
     ]
-    src = f"recovery, {len(sb)} runs per system"
-    return [
-        Goal(
-            part=p, goal=g, threshold=t, measured=m, met=None if x is None else x <= lim, source=src
-        )
-        for (g, t), (m, x, lim) in zip(names, values, strict=True)
-    ]
+    return _rows(p, names, values, f"recovery, {len(sb)} runs per system")
 
 
 def ec_overhead_goals(doc: Doc | None) -> list[Goal]:
     """Step time with erasure-coded protection on against off (adjacent runs)."""
     from bench._tables_jobs import ec_pairs
 
-    p, g, t = (
-        "ec-overhead",
-        "step time, EC protection on / off",
-        "no change beyond noise (pairs straddle 1)",
-    )
+    p, g = "ec-overhead", "step time, EC protection on / off"
     rat = ec_pairs(doc["result"], "off", "on") if doc else []
     if not rat:
-        return [_missing(p, g, t)]
-    met = None if len(rat) < 2 else min(rat) <= 1.0 <= max(rat)
-    return [
-        Goal(
-            part=p,
-            goal=g,
-            threshold=t,
-            measured=st.stat(rat, ".3f"),
-            met=met,
-            source=f"ec-overhead, {len(rat)} pairs",
-        )
-    ]
+        return [_missing(p, g, STRADDLE)]
+    return _rows(
+        p,
+        [(g, STRADDLE)],
+        [(st.stat(rat, ".3f"), _straddles(rat))],
+        f"ec-overhead, {len(rat)} pairs",
+    )
 
 
 def ec_protect_goals(doc: Doc | None) -> list[Goal]:
@@ -251,15 +231,14 @@ def ec_protect_goals(doc: Doc | None) -> list[Goal]:
     if not cases:
         return [_missing(p, "encode throughput per SMP (in protect)", t)]
     return [
-        Goal(
-            part=p,
-            goal=f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}",
-            threshold=t,
-            measured=st.stat(ec_encode(c), ".2f", " GB/s"),
-            met=(st.median(ec_encode(c)) or 0.0) >= 5.0,
-            source=f"ec-protect, {c['size'] / st.MiB:g} MiB per node, stripes of {c['stripe'] / st.MiB:g} MiB",
-        )
+        g
         for c in cases
+        for g in _rows(
+            p,
+            [(f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}", t)],
+            [(st.stat(ec_encode(c), ".2f", " GB/s"), (st.median(ec_encode(c)) or 0.0) >= 5.0)],
+            f"ec-protect, {c['size'] / st.MiB:g} MiB per node, stripes of {c['stripe'] / st.MiB:g} MiB",
+        )
     ]
 
 
@@ -324,31 +303,23 @@ def datapath_goals(doc: Doc | None) -> list[Goal]:
     if not sizes:
         return [_missing(p, g, t) for g, t in names]
     f = datapath_figures(max(sizes, key=lambda s: s["data"]["nbytes"]))
+    fm = st.fmt
     values = [
         (
-            f"{st.fmt(f.get('total_cpu_per_gib'), '.3f')} CPU-s/GiB = {st.fmt(f.get('cpu_ratio'))}x memcpy's {st.fmt(f.get('memcpy_cpu_per_gib'), '.3f')}",
-            f.get("cpu_ratio"),
-            2.0,
+            f"{fm(f.get('total_cpu_per_gib'), '.3f')} CPU-s/GiB = {fm(f.get('cpu_ratio'))}x memcpy's {fm(f.get('memcpy_cpu_per_gib'), '.3f')}",
+            _le(f.get("cpu_ratio"), 2.0),
         ),
         (
-            f"first {st.fmt(f['first_save'], '.4f', ' s')}, median {st.fmt(f['save_med'], '.4f', ' s')}, max {st.fmt(f['save_max'], '.4f', ' s')}; limit {f['stall_limit']:.4f} s",
-            f["stall_worst"],
-            f["stall_limit"],
+            f"first {fm(f['first_save'], '.4f', ' s')}, median {fm(f['save_med'], '.4f', ' s')}, max {fm(f['save_max'], '.4f', ' s')}; limit {f['stall_limit']:.4f} s",
+            _le(f["stall_worst"], f["stall_limit"]),
         ),
         (
-            f"{st.fmt(f.get('safe_med'), '.3f', ' s')} vs memcpy {st.fmt(f.get('memcpy_wall'), '.3f', ' s')} = {st.fmt(f.get('safe_ratio'))}x",
-            f.get("safe_ratio"),
-            1.0,
+            f"{fm(f.get('safe_med'), '.3f', ' s')} vs memcpy {fm(f.get('memcpy_wall'), '.3f', ' s')} = {fm(f.get('safe_ratio'))}x",
+            _le(f.get("safe_ratio"), 1.0),
         ),
-        (st.fmt(f.get("restore_per_gib"), ".3f", " s/GiB"), f.get("restore_per_gib"), 0.1),
+        (fm(f.get("restore_per_gib"), ".3f", " s/GiB"), _le(f.get("restore_per_gib"), 0.1)),
     ]
-    src = f"datapath, {f['gib']:.2f} GiB"
-    return [
-        Goal(
-            part=p, goal=g, threshold=t, measured=m, met=None if x is None else x <= lim, source=src
-        )
-        for (g, t), (m, x, lim) in zip(names, values, strict=True)
-    ]
+    return _rows(p, names, values, f"datapath, {f['gib']:.2f} GiB")
 
 
 def gpu_goals(doc: Doc | None) -> list[Goal]:
@@ -363,16 +334,8 @@ def gpu_goals(doc: Doc | None) -> list[Goal]:
     for x in sizes:
         worst = st.high([x["first"].get("save_s"), *x["save_s"]])
         limit = 0.001 + 0.005 * x["nbytes"] / st.GiB
-        out.append(
-            Goal(
-                part=p,
-                goal=g,
-                threshold=t,
-                measured=f"{st.fmt(worst, '.4f')} s; limit {limit:.4f} s",
-                met=None if worst is None else worst <= limit,
-                source=f"gpu, {x['nbytes'] / st.GiB:.2f} GiB",
-            )
-        )
+        m = (f"{st.fmt(worst, '.4f')} s; limit {limit:.4f} s", _le(worst, limit))
+        out += _rows(p, [(g, t)], [m], f"gpu, {x['nbytes'] / st.GiB:.2f} GiB")
     return out
 
 
@@ -384,16 +347,11 @@ def sharding_goals(doc: Doc | None) -> list[Goal]:
         full, sh = w["modes"].get("full"), w["modes"].get("sharded")
         if full and sh:
             rat = st.ratio(sh["held"], full["held"])
-            out.append(
-                Goal(
-                    part=p,
-                    goal=f"bytes held per rank, sharded / full, D={w['world']}",
-                    threshold=f"~1/D = {1 / w['world']:.3f}",
-                    measured=st.fmt(rat, ".3f"),
-                    met=None if rat is None else rat <= 1.05 / w["world"],
-                    source="sharding",
-                )
+            g = (
+                f"bytes held per rank, sharded / full, D={w['world']}",
+                f"~1/D = {1 / w['world']:.3f}",
             )
+            out += _rows(p, [g], [(st.fmt(rat, ".3f"), _le(rat, 1.05 / w["world"]))], "sharding")
     return out
 
 

@@ -45,8 +45,7 @@ def available() -> bool:
 def _figure(width: float, height: float) -> Any:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
-    return fig
+    return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
 def _errorbars(s: Series) -> list[list[float]]:
@@ -59,17 +58,20 @@ def _errorbars(s: Series) -> list[list[float]]:
 def _lines(ax: Any, series: Sequence[Series], goal: float | None, goal_label: str) -> None:
     markers = "os^vDP*X"
     for i, s in enumerate(series):
+        w = (
+            {"markersize": 8, "linewidth": 3.0, "zorder": 3}
+            if s.bold
+            else {"markersize": 6, "linewidth": 1.5, "zorder": 2}
+        )
         ax.errorbar(
             s.x,
             s.median,
             yerr=_errorbars(s),
             marker=markers[i % len(markers)],
-            markersize=8 if s.bold else 6,
             capsize=4,
-            linewidth=3.0 if s.bold else 1.5,
             color=s.color,
             label=s.label,
-            zorder=3 if s.bold else 2,
+            **w,
         )
     if goal is not None:
         ax.axhline(goal, color="black", linestyle="--", linewidth=1.2, label=goal_label)
@@ -98,13 +100,7 @@ def plot_stall(
 
 
 def plot_overhead(
-    labels: Sequence[str],
-    wall: Series,
-    cpu: Series | None,
-    path: Path,
-    *,
-    goal: float,
-    title: str,
+    labels: Sequence[str], wall: Series, cpu: Series | None, path: Path, *, goal: float, title: str
 ) -> None:
     """Bars of the overhead (%) of each configuration against training without snapshots.
 
@@ -125,14 +121,16 @@ def plot_overhead(
         for rect, value, high in zip(bars, s.median, s.high, strict=True):
             if value != value:
                 continue
+            xy = (rect.get_x() + rect.get_width() / 2, max(value, high, 0.0))
+            box = {"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none"}
             ax.annotate(
                 f"{value:+.1f}%",
-                (rect.get_x() + rect.get_width() / 2, max(value, high, 0.0)),
+                xy,
                 xytext=(0, 4),
                 textcoords="offset points",
                 ha="center",
                 fontsize=8,
-                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none"},
+                bbox=box,
             )
     ax.axhline(goal, color="black", linestyle="--", linewidth=1.2, label=f"goal: +{goal:g}%")
     ax.axhline(0.0, color="grey", linewidth=0.8)
@@ -149,11 +147,7 @@ def plot_overhead(
 
 
 def plot_recovery(
-    systems: Sequence[str],
-    phases: Sequence[tuple[str, Sequence[float]]],
-    path: Path,
-    *,
-    title: str,
+    systems: Sequence[str], phases: Sequence[tuple[str, Sequence[float]]], path: Path, *, title: str
 ) -> None:
     """Horizontal stacked bars: each system's time from rank death to stepping, then lost work.
 
@@ -167,26 +161,12 @@ def plot_recovery(
     for i, (name, secs) in enumerate(phases):
         vals = [0.0 if v != v else max(0.0, v) for v in secs]
         hatch = "//" if name.startswith("work lost") else None
-        bars = ax.barh(
-            ys,
-            vals,
-            left=left,
-            color=colors[i % len(colors)],
-            edgecolor="white",
-            hatch=hatch,
-            label=name,
-        )
+        color = colors[i % len(colors)]
+        bars = ax.barh(ys, vals, left=left, color=color, edgecolor="white", hatch=hatch, label=name)
         for rect, v in zip(bars, vals, strict=True):
             if v >= 0.6:
-                ax.text(
-                    rect.get_x() + v / 2,
-                    rect.get_y() + rect.get_height() / 2,
-                    f"{v:.1f}",
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="black",
-                )
+                xy = (rect.get_x() + v / 2, rect.get_y() + rect.get_height() / 2)
+                ax.text(*xy, f"{v:.1f}", ha="center", va="center", fontsize=8, color="black")
         left = [a + b for a, b in zip(left, vals, strict=True)]
     for y, total in zip(ys, left, strict=True):
         ax.text(total, y, f"  {total:.1f} s", va="center", fontsize=9)
@@ -201,21 +181,12 @@ def plot_recovery(
 
 # ------------------------------------------------------------------------------ from results
 
+_ASYNC = "dcp.async_save (async staging)"
 STALL_SERIES = (
     ("torch.save", "disk+fsync", "torch.save (disk, fsync)", "#1f77b4"),
     ("dcp.save", "disk+fsync", "dcp.save (disk, fsync)", "#ff7f0e"),
-    (
-        "dcp.async_save (async staging)",
-        "blocking",
-        "dcp.async_save, tuned: blocking call",
-        "#2ca02c",
-    ),
-    (
-        "dcp.async_save (async staging)",
-        "stall with fence",
-        "dcp.async_save, tuned: + staging wait",
-        "#8c564b",
-    ),
+    (_ASYNC, "blocking", "dcp.async_save, tuned: blocking call", "#2ca02c"),
+    (_ASYNC, "stall with fence", "dcp.async_save, tuned: + staging wait", "#8c564b"),
     ("ftmem", "stall (save + fence)", "ftmem: save + fence", "#d62728"),
 )
 RESTORE_SERIES = (
@@ -236,9 +207,7 @@ def _size_series(
     if not pts:
         return None
     x, med, lo, hi = (tuple(p[i] for p in pts) for i in range(4))
-    return Series(
-        label=label, x=x, median=med, low=lo, high=hi, color=color, bold=system == "ftmem"
-    )
+    return Series(label, x, med, lo, hi, color=color, bold=system == "ftmem")
 
 
 def stall_from(doc: dict[str, Any], path: Path) -> bool:
@@ -264,13 +233,9 @@ def overhead_from(doc: dict[str, Any], path: Path) -> bool:
 
     def series(ratios: dict[str, list[float]], name: str) -> Series:
         vals = [[(x - 1) * 100 for x in ratios.get(c) or [float("nan")]] for c in labels]
-        return Series(
-            label=name,
-            x=tuple(range(len(labels))),
-            median=tuple(st.median(v) or float("nan") for v in vals),
-            low=tuple(min(v) for v in vals),
-            high=tuple(max(v) for v in vals),
-        )
+        med = tuple(st.median(v) or float("nan") for v in vals)
+        lo, hi = tuple(min(v) for v in vals), tuple(max(v) for v in vals)
+        return Series(name, tuple(range(len(labels))), med, lo, hi)
 
     cpu = series(r["cpu_ratio"], "cpu") if r["cpu_ratio"] else None
     title = f"examples/train_gpt.py, {r['nproc']} ranks, {r['params_m'] * 12:.0f} MB of state per rank; {r['method']}"
@@ -289,28 +254,20 @@ def recovery_from(doc: dict[str, Any], path: Path) -> bool:
         (k, [st.median(x["phases"].get(k) for x in runs[s]) or 0.0 for s in systems])
         for k in r["phase_names"]
     ]
-    lost = [
-        st.median(
-            x["steps_lost"] * x["step_time_s"]
-            for x in runs[s]
-            if x["steps_lost"] is not None and x["step_time_s"]
-        )
-        or 0.0
-        for s in systems
-    ]
-    phases.append(("work lost (steps re-done)", lost))
+
+    def lost(xs: list[dict[str, Any]]) -> float:
+        ok = [x for x in xs if x["steps_lost"] is not None and x["step_time_s"]]
+        return st.median(x["steps_lost"] * x["step_time_s"] for x in ok) or 0.0
+
+    phases.append(("work lost (steps re-done)", [lost(runs[s]) for s in systems]))
     title = "Rank 1 SIGKILLed after a step: time until all ranks step again, plus re-done steps"
     plot_recovery([s.replace(" (", "\n(") for s in systems], phases, path, title=title)
     return True
 
 
+_STALL_CAPTION = "Stall per snapshot and restore per GiB against the state size"
 PLOTS = (
-    (
-        "bench-stall.png",
-        "snapshot",
-        stall_from,
-        "Stall per snapshot and restore per GiB against the state size",
-    ),
+    ("bench-stall.png", "snapshot", stall_from, _STALL_CAPTION),
     (
         "bench-overhead.png",
         "overhead",

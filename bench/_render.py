@@ -52,19 +52,9 @@ def machine_lines(m: Doc, what: str = "the part") -> list[str]:
 def head(name: str, title: str, doc: Doc) -> list[str]:
     """A section's opening: markers, title, the command, the machine."""
     cmd = doc.get("command") or f"python bench/{doc['part'].replace('-', '_')}.py"
-    return [
-        markers(name)[0],
-        f"## {title}",
-        "",
-        "Every figure below was measured in the run of this command:",
-        "",
-        "```",
-        cmd,
-        "```",
-        "",
-        *machine_lines(doc["result"]["machine"]),
-        "",
-    ]
+    intro = "Every figure below was measured in the run of this command:"
+    machine = machine_lines(doc["result"]["machine"])
+    return [markers(name)[0], f"## {title}", "", intro, "", "```", cmd, "```", "", *machine, ""]
 
 
 def tail(name: str, doc: Doc) -> list[str]:
@@ -195,10 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     docs = {d["part"]: d for d in map(_results.read_json, args.files)}
     texts = {n: t for d in docs.values() if d["part"] != "suite" for n, t in sections(d).items()}
-    if "suite" in docs:
-        texts["summary"] = summary(
-            {k: v for k, v in docs.items() if k != "suite"}, docs["suite"]["result"]
-        )
+    if suite := docs.pop("suite", None):
+        texts["summary"] = summary(docs, suite["result"])
     for name, text in texts.items():
         print(text) if args.no_write else write_section(args.out, name, text)
     return 0

@@ -79,6 +79,15 @@ class Machine:
     t0: float = 0.0
 
 
+@dataclass(kw_only=True)
+class PartResult:
+    """What every part's results hold: its arguments, the machine, the errors met."""
+
+    argv: list[str]
+    machine: Machine
+    errors: list[str] = field(default_factory=list)
+
+
 def machine(disk_dir: str | Path | None = None) -> Machine:
     """The facts of this machine now (call :func:`finish` when the part ends)."""
     import torch

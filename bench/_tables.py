@@ -1,8 +1,7 @@
 """The tables of each part's section, made from its results JSON (used by ``bench/_render.py``).
 
 ``BODIES[part](doc)`` gives, per section the part makes, the lines between the section's
-head (title, command, machine) and its tail (goals, errors). Figures only: the reading of
-them is hand-written in docs/benchmarks.md, outside the markers.
+head (title, command, machine) and its tail (goals, errors). Figures only.
 """
 
 from __future__ import annotations
@@ -13,45 +12,34 @@ from typing import Any
 from bench import _goals
 from bench import _stats as st
 from bench._stats import GiB, MiB, fmt, stat
-from bench._tables_base import Doc, mib, table
+from bench._tables_base import Doc, columns, kv, mib, table
 from bench._tables_jobs import ec_overhead, flush, overhead, recovery
-
-# ------------------------------------------------------------------------------ snapshot
 
 
 def _figure_row(f: Doc, nbytes: int) -> list[str]:
-    v = f["values"]
-    rng = f"{fmt(st.low(v), '.4f')}-{fmt(st.high(v), '.4f')}"
+    v, med = f["values"], st.median(f["values"])
     if f["unit"] == "GB/s":
-        med = st.median(v)
-        rng = f"{fmt(st.low(v))}-{fmt(st.high(v))}"
-        return [
-            f["system"],
-            f["metric"],
-            fmt(med, ".2f", " GB/s"),
-            rng,
+        rng, per = (
+            f"{fmt(st.low(v))}-{fmt(st.high(v))}",
             fmt(med and med / 1.073741824, ".2f", " GiB/s"),
-        ]
-    med = st.median(v)
-    return [
-        f["system"],
-        f["metric"],
-        fmt(med, ".4f", " s"),
-        rng,
-        fmt(med and med * GiB / nbytes, ".4f", " s/GiB"),
-    ]
+        )
+        return [f["system"], f["metric"], fmt(med, ".2f", " GB/s"), rng, per]
+    rng = f"{fmt(st.low(v), '.4f')}-{fmt(st.high(v), '.4f')}"
+    per_gib = fmt(med and med * GiB / nbytes, ".4f", " s/GiB")
+    return [f["system"], f["metric"], fmt(med, ".4f", " s"), rng, per_gib]
 
 
 def snapshot(doc: Doc) -> dict[str, list[str]]:
     """Sections ``snapshot`` and ``memory``."""
     r = doc["result"]
+    sim = r["simulate"] == "compute"
     out = [
         f"- each figure: median of {r['repeats']} repeats, with min-max; per GiB divides the "
         "median by the state size (params + AdamW exp_avg + exp_avg_sq, fp32)",
         "- forward/backward stand-in between a save and `optimizer.step()`: "
         + (
             f"{r['fwd_bwd_s']:g} s of 256x256 matmuls on the main thread"
-            if r["simulate"] == "compute"
+            if sim
             else f"time.sleep({r['fwd_bwd_s']:g})"
         ),
         "",
@@ -61,18 +49,37 @@ def snapshot(doc: Doc) -> dict[str, list[str]]:
         rows = [_figure_row(f, s["nbytes"]) for f in s["figures"]]
         out += table(["system", "metric", "median", "min-max", "per GiB"], rows)
         once = [
-            [k, fmt(v, ".3f", " s") if "skipped" not in k else bool(v)]
-            for k, v in s["once"].items()
+            [k, bool(v) if "skipped" in k else fmt(v, ".3f", " s")] for k, v in s["once"].items()
         ]
-        once.append(
-            ["ftmem restore check (clobber a weight and a moment, load, compare)", s["restore_ok"]]
-        )
-        once.append(["ftmem timed snapshots skipped or not committed", s["skipped"]])
-        out += table(["one-off figure", "value"], once)
+        once += [
+            ["ftmem restore check (clobber a weight and a moment, load, compare)", s["restore_ok"]],
+            ["ftmem timed snapshots skipped or not committed", s["skipped"]],
+        ]
+        out += kv(once, ("one-off figure", "value"))
         if s["stats_after"]:
             out += [f"`ftmem.stats()` after the last save: `{s['stats_after']}`", ""]
     mem = {**doc, "result": {**r, "sizes": [s["memory"] for s in r["sizes"] if s.get("memory")]}}
     return {"snapshot": out, "memory": memory(mem)["memory"]}
+
+
+def _x_state(values: Sequence[float], n: int) -> str:
+    return f"{mib(values)} ({stat(st.scale(values, 1 / n), '.2f', 'x')})"
+
+
+def _node_total(m: Doc) -> list[float]:
+    return [sum(x) for x in zip(m["shm"], m["smp_anon"], m["rank_anon_added"], strict=True)]
+
+
+MEMORY_COLUMNS: list[tuple[str, Callable[[Doc], Any]]] = [
+    ("state", lambda m: f"{m['state_bytes'] / GiB:.2f} GiB"),
+    ("slots per rank", lambda m: m["slots"]),
+    ("shared memory (x state)", lambda m: _x_state(m["shm"], m["state_bytes"])),
+    ("SMP RSS", lambda m: mib(m["smp_rss"])),
+    ("SMP RssShmem", lambda m: mib(m["smp_shmem"])),
+    ("SMP RssAnon", lambda m: mib(m["smp_anon"])),
+    ("rank RssAnon added", lambda m: mib(m["rank_anon_added"])),
+    ("memory per node (x state)", lambda m: _x_state(_node_total(m), m["state_bytes"])),
+]
 
 
 def memory(doc: Doc) -> dict[str, list[str]]:
@@ -83,29 +90,10 @@ def memory(doc: Doc) -> dict[str, list[str]]:
         "- memory per node = shared memory (/dev/shm) + SMP RssAnon + the rank's added RssAnon",
         "",
     ]
-    rows = []
-    for m in doc["result"]["sizes"]:
-        n = m["state_bytes"]
-        total = [
-            a + b + c for a, b, c in zip(m["shm"], m["smp_anon"], m["rank_anon_added"], strict=True)
-        ]
-        rows.append(
-            [
-                f"{n / GiB:.2f} GiB",
-                m["slots"],
-                f"{mib(m['shm'])} ({stat(st.scale(m['shm'], 1 / n), '.2f', 'x')})",
-                mib(m["smp_rss"]),
-                mib(m["smp_shmem"]),
-                mib(m["smp_anon"]),
-                mib(m["rank_anon_added"]),
-                f"{mib(total)} ({stat(st.scale(total, 1 / n), '.2f', 'x')})",
-            ]
-        )
-    head = ["state", "slots per rank", "shared memory (x state)", "SMP RSS", "SMP RssShmem"]
-    head += ["SMP RssAnon", "rank RssAnon added", "memory per node (x state)"]
-    return {"memory": out + table(head, rows)}
+    return {"memory": out + columns(MEMORY_COLUMNS, doc["result"]["sizes"])}
 
 
+_DCP_ASYNC = "dcp.async_save (async staging)"
 HEADLINE = (
     (
         "torch.save (disk, fsync)",
@@ -113,12 +101,8 @@ HEADLINE = (
         ("torch.load", "+ load_state_dict (/dev/shm)"),
     ),
     ("dcp.save (disk, fsync)", ("dcp.save", "disk+fsync"), ("dcp.load", "in place (/dev/shm)")),
-    ("dcp.async_save, tuned: blocking call", ("dcp.async_save (async staging)", "blocking"), None),
-    (
-        "dcp.async_save, tuned: + staging wait",
-        ("dcp.async_save (async staging)", "stall with fence"),
-        None,
-    ),
+    ("dcp.async_save, tuned: blocking call", (_DCP_ASYNC, "blocking"), None),
+    ("dcp.async_save, tuned: + staging wait", (_DCP_ASYNC, "stall with fence"), None),
     (
         "**ftmem** (save + fence; load in place)",
         ("ftmem", "stall (save + fence)"),
@@ -151,145 +135,130 @@ def ec_encode(c: Doc) -> list[float]:
     return [x["enc_bytes"] / x["enc_s"] / 1e9 for rows in c["protect"] for x in rows if x["enc_s"]]
 
 
+def _per(rows: Sequence[Doc], key: str, den: float, spec: str = ".2f", unit: str = "x") -> str:
+    """``stat`` of ``x[key] / den`` over the rows."""
+    return stat([x[key] / den for x in rows], spec, unit)
+
+
+def _cpu_split(rows: Sequence[Doc], gib: float) -> str:
+    main = stat([x["main_cpu_s"] / gib for x in rows])
+    return f"{main} / {stat([(x['cpu_s'] - x['main_cpu_s']) / gib for x in rows])}"
+
+
+def _ec_case(c: Doc, size: int) -> Doc:
+    """A case with its rows flattened: protect/rebuild rows and walls."""
+    return {
+        **c,
+        "prot": [x for rr in c["protect"] for x in rr],
+        "walls": [_wall(rr) for rr in c["protect"]],
+        "reb": [x for rr in c["rebuild"] for x in rr],
+        "rwalls": [_wall(rr) for rr in c["rebuild"]],
+        "size": size,
+        "gib": size / GiB,
+    }
+
+
+def _alone(c: Doc) -> str:
+    return f"{c['codec_alone'][0]:.2f} ({c['codec_alone'][1]:.2f})" if c["codec_alone"] else "-"
+
+
+def _gb_per(rows: Sequence[Doc], key: str) -> str:
+    return stat([x["enc_bytes"] / x[key] / 1e9 for x in rows if x[key]])
+
+
+EC_PROTECT = [
+    ("n", lambda c: c["n"]),
+    ("m", lambda c: c["m"]),
+    ("protect time", lambda c: stat(c["walls"], ".2f", " s")),
+    ("protected GB/s per node", lambda c: stat(st.gbps(c["size"], c["walls"]), ".3f")),
+    ("group GB/s", lambda c: stat(st.gbps(c["n"] * c["size"], c["walls"]), ".3f")),
+    ("encode GB/s per SMP (wall)", lambda c: stat(ec_encode(c))),
+    ("encode GB/s per CPU-s", lambda c: _gb_per(c["prot"], "enc_cpu_s")),
+    ("encode + gather + parity send GB/s", lambda c: _gb_per(c["prot"], "gather_s")),
+    ("encode_stripe alone", _alone),
+    (
+        "node processes' cores busy",
+        lambda c: stat([sum(x["cpu_s"] for x in rr) / _wall(rr) for rr in c["protect"]]),
+    ),
+    ("machine cores busy", lambda c: stat(c["machine_busy"])),
+]
+EC_NODE = [
+    ("n", lambda c: c["n"]),
+    ("m", lambda c: c["m"]),
+    ("parity held / own", lambda c: _per(c["prot"], "parity", c["size"], ".4f", "")),
+    ("expected m/(n-m)", lambda c: f"{c['m'] / (c['n'] - c['m']):.4f}"),
+    ("peer bytes sent / own", lambda c: _per(c["prot"], "sent", c["size"])),
+    ("received / own", lambda c: _per(c["prot"], "recv", c["size"])),
+    ("CPU s per GiB: protector thread / other threads", lambda c: _cpu_split(c["prot"], c["gib"])),
+    (
+        "encode share of node CPU",
+        lambda c: stat(
+            [100 * x["enc_cpu_s"] / x["cpu_s"] for x in c["prot"] if x["cpu_s"]], ".0f", " %"
+        ),
+    ),
+    ("peak RSS / own", lambda c: _per(c["prot"], "maxrss", c["size"])),
+]
+EC_REBUILD = [
+    ("n", lambda c: c["n"]),
+    ("m", lambda c: c["m"]),
+    ("lost", lambda c: ", ".join(map(str, c["lost"]))),
+    ("rebuild time", lambda c: stat(c["rwalls"], ".2f", " s")),
+    ("rebuilt GB/s", lambda c: stat(st.gbps(len(c["lost"]) * c["size"], c["rwalls"]), ".3f")),
+    ("fetched per new node / own", lambda c: _per(c["reb"], "recv", c["size"])),
+    (
+        "served per survivor / own",
+        lambda c: _per([x for rr in c["served"] for x in rr], "sent", c["size"]),
+    ),
+    ("new node CPU s per GiB: protector / other", lambda c: _cpu_split(c["reb"], c["gib"])),
+    (
+        "peak RSS of a new node",
+        lambda c: stat([x["maxrss"] / GiB for x in c["reb"]], ".2f", " GiB"),
+    ),
+    ("machine cores busy", lambda c: stat(c["machine_busy_rebuild"])),
+    ("new process up + reconnected", lambda c: stat(c["rebuild_spawn_s"], ".1f", " s")),
+    ("bitwise equal", lambda c: f"{sum(c['rebuild_ok'])}/{len(c['rebuild_ok'])}"),
+]
+
+
 def ec_protect(doc: Doc) -> dict[str, list[str]]:
     """Section ``ec-protect``: protect, per node and snapshot, rebuild."""
     r = doc["result"]
     size = r["size"]
-    out = [
-        f"- one OS process per node on 127.0.0.1, `ZmqPeerTransport` (TCP + CURVE: libzmq {r['libzmq']}, "
-        f"CURVE {'available' if r['curve'] else 'MISSING'}) and `GroupProtector` (timeout {r['timeout']:g} s), "
-        f"`{r['ec_type']}`; a random snapshot of {size / MiB:g} MiB per node, stripes of {r['stripe'] / MiB:g} MiB; "
-        f"median (min-max) over {r['repeats']} repeats; 'alone' = `encode_stripe` on {r['codec_bytes'] / MiB:g} MiB "
-        "in a fresh process (GB/s; per CPU-s)",
-        "",
-        "### Protect (every node protects the same step)",
-        "",
-    ]
-    prot, node, reb = [], [], []
-    for c in r["cases"]:
-        n, m, gib = c["n"], c["m"], size / GiB
-        alone = (
-            f"{c['codec_alone'][0]:.2f} ({c['codec_alone'][1]:.2f})" if c["codec_alone"] else "-"
-        )
-        rows = [x for rr in c["protect"] for x in rr]
-        walls = [_wall(rr) for rr in c["protect"]]
-        prot.append(
-            [
-                n,
-                m,
-                stat(walls, ".2f", " s"),
-                stat(st.gbps(size, walls), ".3f"),
-                stat(st.gbps(n * size, walls), ".3f"),
-                stat(ec_encode(c)),
-                stat([x["enc_bytes"] / x["enc_cpu_s"] / 1e9 for x in rows if x["enc_cpu_s"]]),
-                stat([x["enc_bytes"] / x["gather_s"] / 1e9 for x in rows if x["gather_s"]]),
-                alone,
-                stat([sum(x["cpu_s"] for x in rr) / _wall(rr) for rr in c["protect"]]),
-                stat(c["machine_busy"]),
-            ]
-        )
-        node.append(
-            [
-                n,
-                m,
-                stat([x["parity"] / size for x in rows], ".4f"),
-                f"{m / (n - m):.4f}",
-                stat([x["sent"] / size for x in rows], ".2f", "x"),
-                stat([x["recv"] / size for x in rows], ".2f", "x"),
-                f"{stat([x['main_cpu_s'] / gib for x in rows])} / {stat([(x['cpu_s'] - x['main_cpu_s']) / gib for x in rows])}",
-                stat([100 * x["enc_cpu_s"] / x["cpu_s"] for x in rows if x["cpu_s"]], ".0f", " %"),
-                stat([x["maxrss"] / size for x in rows], ".2f", "x"),
-            ]
-        )
-        rrows = [x for rr in c["rebuild"] for x in rr]
-        rw = [_wall(rr) for rr in c["rebuild"]]
-        reb.append(
-            [
-                n,
-                m,
-                ", ".join(map(str, c["lost"])),
-                stat(rw, ".2f", " s"),
-                stat(st.gbps(len(c["lost"]) * size, rw), ".3f"),
-                stat([x["recv"] / size for x in rrows], ".2f", "x"),
-                stat([x["sent"] / size for rr in c["served"] for x in rr], ".2f", "x"),
-                f"{stat([x['main_cpu_s'] / gib for x in rrows])} / {stat([(x['cpu_s'] - x['main_cpu_s']) / gib for x in rrows])}",
-                stat([x["maxrss"] / GiB for x in rrows], ".2f", " GiB"),
-                stat(c["machine_busy_rebuild"]),
-                stat(c["rebuild_spawn_s"], ".1f", " s"),
-                f"{sum(c['rebuild_ok'])}/{len(c['rebuild_ok'])}",
-            ]
-        )
-    head = [
-        "n",
-        "m",
-        "protect time",
-        "protected GB/s per node",
-        "group GB/s",
-        "encode GB/s per SMP (wall)",
-    ]
-    head += [
-        "encode GB/s per CPU-s",
-        "encode + gather + parity send GB/s",
-        "encode_stripe alone",
-        "node processes' cores busy",
-        "machine cores busy",
-    ]
-    out += table(head, prot)
-    head = [
-        "n",
-        "m",
-        "parity held / own",
-        "expected m/(n-m)",
-        "peer bytes sent / own",
-        "received / own",
-    ]
-    head += [
-        "CPU s per GiB: protector thread / other threads",
-        "encode share of node CPU",
-        "peak RSS / own",
-    ]
-    out += ["Per node and snapshot (every node and repeat):", "", *table(head, node)]
-    head = [
-        "n",
-        "m",
-        "lost",
-        "rebuild time",
-        "rebuilt GB/s",
-        "fetched per new node / own",
-        "served per survivor / own",
-    ]
-    head += [
-        "new node CPU s per GiB: protector / other",
-        "peak RSS of a new node",
-        "machine cores busy",
-        "new process up + reconnected",
-        "bitwise equal",
-    ]
-    out += [
-        "### Rebuild (lost node processes SIGKILLed; fresh ones on new ports rebuild)",
-        "",
-        *table(head, reb),
-    ]
-    return {"ec-protect": out}
+    cases = [_ec_case(c, size) for c in r["cases"]]
+    return {
+        "ec-protect": [
+            f"- one OS process per node on 127.0.0.1, `ZmqPeerTransport` (TCP + CURVE: libzmq {r['libzmq']}, "
+            f"CURVE {'available' if r['curve'] else 'MISSING'}) and `GroupProtector` (timeout {r['timeout']:g} s), "
+            f"`{r['ec_type']}`; a random snapshot of {size / MiB:g} MiB per node, stripes of {r['stripe'] / MiB:g} MiB; "
+            f"median (min-max) over {r['repeats']} repeats; 'alone' = `encode_stripe` on {r['codec_bytes'] / MiB:g} MiB "
+            "in a fresh process (GB/s; per CPU-s)",
+            "",
+            "### Protect (every node protects the same step)",
+            "",
+            *columns(EC_PROTECT, cases),
+            "Per node and snapshot (every node and repeat):",
+            "",
+            *columns(EC_NODE, cases),
+            "### Rebuild (lost node processes SIGKILLed; fresh ones on new ports rebuild)",
+            "",
+            *columns(EC_REBUILD, cases),
+        ]
+    }
 
 
 def flatten(d: Any, prefix: str = "") -> list[list[str]]:
     """Every raw figure of a nested dict as (path, value) rows; lists of numbers as stat()."""
-    rows: list[list[str]] = []
     if isinstance(d, dict):
-        for k, v in d.items():
-            rows += flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif (
+        return [
+            row for k, v in d.items() for row in flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        ]
+    if (
         isinstance(d, list)
         and d
         and all(isinstance(x, int | float) and not isinstance(x, bool) for x in d)
     ):
-        rows.append([prefix, f"{stat(d, '.4g')} (n={len(d)})"])
-    elif isinstance(d, float):
-        rows.append([prefix, f"{d:.4g}"])
-    else:
-        rows.append([prefix, str(d)])
-    return rows
+        return [[prefix, f"{stat(d, '.4g')} (n={len(d)})"]]
+    return [[prefix, f"{d:.4g}" if isinstance(d, float) else str(d)]]
 
 
 DATAPATH_ROWS = (
@@ -301,13 +270,9 @@ DATAPATH_ROWS = (
     ("memcpy: GB/s (one thread)", "memcpy_gbps", ".2f"),
     ("total CPU / memcpy's", "cpu_ratio", ".2f"),
     ("stall: first save() (s)", "first_save", ".4f"),
-    ("stall: save() median / max over the saves (s)", ("save_med", "save_max"), ".4f"),
+    ("stall: save() median / max over the saves (s)", "save_med save_max", ".4f"),
     ("stall limit: 1 ms + 0.005 s/GiB (s)", "stall_limit", ".4f"),
-    (
-        "time to safe: save() to commit, median / min / max (s)",
-        ("safe_med", "safe_min", "safe_max"),
-        ".3f",
-    ),
+    ("time to safe: save() to commit, median / min / max (s)", "safe_med safe_min safe_max", ".3f"),
     ("synchronous memcpy of the same bytes (s)", "memcpy_wall", ".3f"),
     ("time to safe / memcpy", "safe_ratio", ".2f"),
     ("restore in place: median (s)", "restore_med", ".3f"),
@@ -315,7 +280,7 @@ DATAPATH_ROWS = (
     ("restore CPU (rank + SMP) per GiB", "restore_cpu_per_gib", ".3f"),
     (
         "dcp.async_save: blocking / until staged / until written (s)",
-        ("dcp_blocking", "dcp_staged", "dcp_done"),
+        "dcp_blocking dcp_staged dcp_done",
         ".3f",
     ),
     ("dcp.async_save: process CPU per GiB saved", "dcp_cpu_per_gib", ".3f"),
@@ -325,8 +290,6 @@ DATAPATH_ROWS = (
 
 def datapath(doc: Doc) -> dict[str, list[str]]:
     """Section ``datapath``: derived figures per size, the raw figures, the hash functions."""
-    from bench._goals import datapath_figures
-
     r = doc["result"]
     out = [
         f"- profile `{r['profile']}`: K = {r['saves']} saves, {r['repeats']} repeats of the memcpy and "
@@ -334,92 +297,85 @@ def datapath(doc: Doc) -> dict[str, list[str]]:
         f"{r['slots']} slots per rank; loose fraction {r['loose_frac']:g}; SMP: {r['smp_note']}",
         "",
     ]
-    sizes = [s for s in r["sizes"] if s["data"].get("nbytes")]
-    figs = [datapath_figures(s) for s in sizes]
-    rows = []
-    for label, key, spec in DATAPATH_ROWS:
-        keys = (key,) if isinstance(key, str) else key
-        rows.append([label, *[" / ".join(fmt(f.get(k), spec) for k in keys) for f in figs]])
+    figs = [_goals.datapath_figures(s) for s in r["sizes"] if s["data"].get("nbytes")]
+    rows = [
+        [label, *[" / ".join(fmt(f.get(k), spec) for k in keys.split()) for f in figs]]
+        for label, keys, spec in DATAPATH_ROWS
+    ]
     out += table(["figure", *[f"{f['gib']:.2f} GiB" for f in figs]], rows)
     for s in r["sizes"]:
         raw = (s["skipped"] and [["skipped", s["skipped"]]]) or flatten(s["data"])
         out += [f"<details><summary>Raw figures, {s['size_gib']:g} GiB</summary>", ""]
         out += [
-            *table(["measurement", "value"], [*raw, *[["note", n] for n in s["notes"]]]),
+            *kv([*raw, *[["note", n] for n in s["notes"]]], ("measurement", "value")),
             "</details>",
             "",
         ]
     if r["hashes"]:
         base = st.median(r["hashes"][0]["cpu"])
-        hrows = [
-            [
-                h["name"],
-                stat(st.gbps(h["bytes"], h["wall"])),
-                stat(st.per_gib(h["cpu"], h["bytes"]), ".3f"),
-                fmt(st.ratio(st.median(h["cpu"]), base), ".2f", "x"),
-            ]
-            for h in r["hashes"]
+        hash_columns: list[tuple[str, Callable[[Doc], Any]]] = [
+            ("function", lambda h: h["name"]),
+            ("GB/s", lambda h: stat(st.gbps(h["bytes"], h["wall"]))),
+            ("CPU-s per GiB", lambda h: stat(st.per_gib(h["cpu"], h["bytes"]), ".3f")),
+            ("x memcpy", lambda h: fmt(st.ratio(st.median(h["cpu"]), base), ".2f", "x")),
         ]
-        mib = r["hashes"][0]["bytes"] / MiB
-        out += [f"### Hash functions: CPU per GiB on {mib:.0f} MiB, one thread", ""]
-        out += table(["function", "GB/s", "CPU-s per GiB", "x memcpy"], hrows)
+        out += [
+            f"### Hash functions: CPU per GiB on {r['hashes'][0]['bytes'] / MiB:.0f} MiB, one thread",
+            "",
+        ]
+        out += columns(hash_columns, r["hashes"])
     return {"datapath": out}
+
+
+def _gpu_rows(x: Doc) -> list[list[Any]]:
+    n, cuda, first = x["nbytes"], x["cuda_bytes"], x["first"]
+    snap = len(x["safe_s"]) * n / GiB
+    skipped = f" (skipped: {first.get('reason')})" if first.get("skipped") else ""
+    cpu = (
+        f"{fmt(st.ratio(x['proc_cpu'], snap), '.3f')} / {fmt(st.ratio(x['smp_cpu'], snap), '.3f')}"
+    )
+    restore = f" = {stat(st.per_gib(x['restore_s'], n), '.3f', ' s/GiB')}"
+    return [
+        [
+            "pinned D2H of the same tensors (side stream): the link's limit",
+            stat(st.gbps(cuda, x["pinned_d2h"]), ".1f", " GB/s"),
+        ],
+        ["pinned H2D back", stat(st.gbps(cuda, x["pinned_h2d"]), ".1f", " GB/s")],
+        ["stall: first `save()`", fmt(first.get("save_s"), ".4f", " s") + skipped],
+        [f"`save()` over the {len(x['save_s'])} saves", stat(x["save_s"], ".4f", " s")],
+        ["first save to commit", fmt(first.get("safe_s"), ".3f", " s")],
+        [
+            "D2H by ftmem: bytes / (`save()` to commit)",
+            stat(st.gbps(n, x["safe_s"]), ".1f", " GB/s"),
+        ],
+        ["save to commit", stat(x["safe_s"], ".3f", " s")],
+        ["saves skipped in save()", x["skipped"]],
+        [
+            "SMP verified the last step, after its commit",
+            f"{fmt(x['verify_wait_s'], '.3f', ' s')} ({x['verified']})",
+        ],
+        ["CPU per snapshotted GiB: this process / SMP", cpu],
+        ["restore (`load` in place, H2D)", stat(x["restore_s"], ".3f", " s") + restore],
+        ["restore check (clobber a weight, load, compare)", x["restore_check"]],
+    ]
 
 
 def gpu(doc: Doc) -> dict[str, list[str]]:
     """Section ``gpu``: per size, the pinned copies, stall, D2H to commit, restore."""
     r = doc["result"]
     if r["device"] is None:
-        return {
-            "gpu": [
-                f"**skipped: no CUDA** (`torch.cuda.is_available()` is False; CUDA build {r['cuda_build']}).",
-                "",
-            ]
-        }
+        no_cuda = f"(`torch.cuda.is_available()` is False; CUDA build {r['cuda_build']})."
+        return {"gpu": [f"**skipped: no CUDA** {no_cuda}", ""]}
     out = [f"- device: {r['device']}; profile `{r['profile']}`; SMP: {r['smp_note']}", ""]
     for x in r["sizes"]:
-        n, cuda = x["nbytes"], x["cuda_bytes"]
-        out += [f"### {n / GiB:.2f} GiB state ({x['layers']}, {x['tensors']} tensors)", ""]
+        out += [
+            f"### {x['nbytes'] / GiB:.2f} GiB state ({x['layers']}, {x['tensors']} tensors)",
+            "",
+        ]
         if x["error"] or x["not_run"]:
             out += [f"not measured: {x['error'] or x['not_run']}", ""]
-            continue
-        snap = len(x["safe_s"]) * n / GiB
-        first = x["first"]
-        rows = [
-            [
-                "pinned D2H of the same tensors (side stream): the link's limit",
-                stat(st.gbps(cuda, x["pinned_d2h"]), ".1f", " GB/s"),
-            ],
-            ["pinned H2D back", stat(st.gbps(cuda, x["pinned_h2d"]), ".1f", " GB/s")],
-            [
-                "stall: first `save()`",
-                fmt(first.get("save_s"), ".4f", " s")
-                + (f" (skipped: {first.get('reason')})" if first.get("skipped") else ""),
-            ],
-            [f"`save()` over the {len(x['save_s'])} saves", stat(x["save_s"], ".4f", " s")],
-            ["first save to commit", fmt(first.get("safe_s"), ".3f", " s")],
-            [
-                "D2H by ftmem: bytes / (`save()` to commit)",
-                stat(st.gbps(n, x["safe_s"]), ".1f", " GB/s"),
-            ],
-            ["save to commit", stat(x["safe_s"], ".3f", " s")],
-            ["saves skipped in save()", x["skipped"]],
-            [
-                "SMP verified the last step, after its commit",
-                f"{fmt(x['verify_wait_s'], '.3f', ' s')} ({x['verified']})",
-            ],
-            [
-                "CPU per snapshotted GiB: this process / SMP",
-                f"{fmt(st.ratio(x['proc_cpu'], snap), '.3f')} / {fmt(st.ratio(x['smp_cpu'], snap), '.3f')}",
-            ],
-            [
-                "restore (`load` in place, H2D)",
-                stat(x["restore_s"], ".3f", " s")
-                + f" = {stat(st.per_gib(x['restore_s'], n), '.3f', ' s/GiB')}",
-            ],
-            ["restore check (clobber a weight, load, compare)", x["restore_check"]],
-        ]
-        out += table(["figure", "value"], rows) + [f"- {note}" for note in x["notes"]] + [""]
+        else:
+            out += kv(_gpu_rows(x)) + [f"- {note}" for note in x["notes"]] + [""]
     return {"gpu": out}
 
 
@@ -435,18 +391,13 @@ def sharding(doc: Doc) -> dict[str, list[str]]:
     for w in r["worlds"]:
         full = w["modes"].get("full")
         for mode, m in w["modes"].items():
-            rows.append(
-                [
-                    w["world"],
-                    mode,
-                    mib([m["held"]]),
-                    stat(m["stall"], ".4f", " s"),
-                    stat(m["copy"], ".3f", " s"),
-                    stat(m["restore"], ".3f", " s"),
-                    fmt(st.ratio(st.median(m["copy"]), full and st.median(full["copy"]))),
-                    fmt(st.ratio(m["held"], full and full["held"]), ".3f"),
-                ]
-            )
+            copy_vs = fmt(st.ratio(st.median(m["copy"]), full and st.median(full["copy"])))
+            held_vs = fmt(st.ratio(m["held"], full and full["held"]), ".3f")
+            stats = [
+                stat(m[k], s, " s")
+                for k, s in (("stall", ".4f"), ("copy", ".3f"), ("restore", ".3f"))
+            ]
+            rows.append([w["world"], mode, mib([m["held"]]), *stats, copy_vs, held_vs])
     head = [
         "D",
         "mode",
@@ -468,30 +419,16 @@ def ec_codec(doc: Doc) -> dict[str, list[str]]:
         "each case and malloc setting in a fresh interpreter",
         "",
     ]
+    speeds = ("pyeclib", "encode_stripe", "encode", "rebuild")
     rows = [
-        [
-            x["n"],
-            x["m"],
-            f"{x['stripe_mib']} MiB",
-            "tuned" if x["tuned"] else "default",
-            fmt(x["pyeclib"], ".1f"),
-            fmt(x["encode_stripe"], ".1f"),
-            fmt(x["encode"], ".1f"),
-            fmt(x["rebuild"], ".1f"),
-            fmt(x["ms_per_stripe"]),
-        ]
+        [x["n"], x["m"], f"{x['stripe_mib']} MiB", "tuned" if x["tuned"] else "default"]
+        + [fmt(x[k], ".1f") for k in speeds]
+        + [fmt(x["ms_per_stripe"])]
         for x in sorted(r["rows"], key=lambda x: (x["n"], x["stripe_mib"], not x["tuned"]))
     ]
-    head = [
-        "n",
-        "m",
-        "stripe",
-        "malloc",
-        "pyeclib encode",
-        "encode_stripe (+xxh3)",
-        "encode (gather k chunks)",
-    ]
-    return {"ec": out + table([*head, "rebuild m lost", "ms/stripe (GIL held)"], rows)}
+    head = ["n", "m", "stripe", "malloc", "pyeclib encode", "encode_stripe (+xxh3)"]
+    head += ["encode (gather k chunks)", "rebuild m lost", "ms/stripe (GIL held)"]
+    return {"ec": out + table(head, rows)}
 
 
 BODIES: dict[str, Callable[[Doc], dict[str, list[str]]]] = {

@@ -116,12 +116,8 @@ class Training:
         import torch
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        sd = {"model_state_dict": state["model"], "optim_state_dict": state["optim"]}
+        set_state_dict(self.model, self.optimizer, **sd)
         self.scheduler.load_state_dict(state["sched"])
         self.loader.load_state_dict(state["data"])
         torch.set_rng_state(state[f"rng_rank{self.rank}"])
@@ -175,15 +171,8 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
             world_size=world,
         )
     torch.manual_seed(args.seed)
-    model = ex.GPT(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        dropout=args.dropout,
-        batchnorm=args.batchnorm,
-    )
+    gpt = ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "dropout", "batchnorm")
+    model = ex.GPT(**{k: getattr(args, k) for k in gpt})
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2f M parameters", n_params / 1e6)
     mark("model", rank, params_m=n_params / 1e6)
@@ -197,13 +186,8 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, ex._lr_lambda(args.warmup_steps, total)
     )
-    loader = ex.SyntheticTokens(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        rank=rank,
-    )
+    data = {k: getattr(args, k) for k in ("vocab", "seq_len", "batch_size", "seed")}
+    loader = ex.SyntheticTokens(**data, rank=rank)
     return Training(
         ex=ex,
         args=args,

@@ -1,7 +1,5 @@
 """Data path benchmark: every CPU cycle a snapshot costs, its stall, time to safe and restore.
 
-Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
-
     python bench/datapath.py --smoke --out /tmp/dp.md  # 8 MiB state, K=3: does it run (< 1 min)
     python bench/datapath.py --quick                   # 0.25 and 1 GiB, K=8 (a few minutes)
     python bench/datapath.py                           # 0.5, 2 and 4 GiB (4 if memory allows)
@@ -68,31 +66,11 @@ MiB = 1 << 20
 HASH_CHUNK = 2 * MiB
 """Piece size of the hash table's updates (the client's copy moves 2 MiB pieces)."""
 
+_KEYS = ("sizes", "saves", "repeats", "compute_ms", "hash_mib", "idle_s")
 PROFILES: dict[str, dict[str, Any]] = {
-    "smoke": {
-        "sizes": "0.0078125",
-        "saves": 3,
-        "repeats": 1,
-        "compute_ms": 20.0,
-        "hash_mib": 16,
-        "idle_s": 0.2,
-    },
-    "quick": {
-        "sizes": "0.25,1",
-        "saves": 8,
-        "repeats": 3,
-        "compute_ms": 100.0,
-        "hash_mib": 256,
-        "idle_s": 1.0,
-    },
-    "full": {
-        "sizes": "0.5,2,4",
-        "saves": 8,
-        "repeats": 3,
-        "compute_ms": 100.0,
-        "hash_mib": 256,
-        "idle_s": 2.0,
-    },
+    "smoke": dict(zip(_KEYS, ("0.0078125", 3, 1, 20.0, 16, 0.2), strict=True)),
+    "quick": dict(zip(_KEYS, ("0.25,1", 8, 3, 100.0, 256, 1.0), strict=True)),
+    "full": dict(zip(_KEYS, ("0.5,2,4", 8, 3, 100.0, 256, 2.0), strict=True)),
 }
 
 
@@ -186,10 +164,9 @@ def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str])
     wait_timeout = 60.0 + 60.0 * size_gib
     try:
         t0 = time.perf_counter()
-        with node_smp(run_dir, slots=args.slots, extra_args=smp_args, log_path=tmp / "smp.log") as (
-            smp,
-            run_id,
-        ):
+        smp_log = tmp / "smp.log"
+        with node_smp(run_dir, slots=args.slots, extra_args=smp_args, log_path=smp_log) as smp_id:
+            smp, run_id = smp_id
             result.notes.append(f"SMP pid {smp.pid} ready in {time.perf_counter() - t0:.2f} s")
             cmd = [
                 sys.executable,
@@ -230,11 +207,9 @@ def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str])
 
 
 @dataclass(kw_only=True)
-class DatapathResult:
+class DatapathResult(_results.PartResult):
     """The data path part's results."""
 
-    argv: list[str]
-    machine: _results.Machine
     profile: str
     saves: int
     repeats: int
@@ -247,7 +222,6 @@ class DatapathResult:
     hashes: list[dict[str, Any]] = field(default_factory=list)
     """The hash functions on one buffer: name, bytes, wall and CPU seconds per repeat."""
     sizes: list[SizeResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -265,20 +239,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms", type=float, default=None, help="compute between saves (ms)")
     p.add_argument("--dcp-saves", type=int, default=None, help="dcp.async_save saves (K)")
     p.add_argument("--slots", type=int, default=2, help="SMP slots per rank")
-    p.add_argument(
-        "--hash-threads",
-        type=int,
-        default=1,
-        help="the SMP's --hash-threads, if it has that flag (default 1; 0: leave its default)",
-    )
+    hash_threads = "the SMP's --hash-threads, if it has that flag (default 1; 0: leave its default)"
+    p.add_argument("--hash-threads", type=int, default=1, help=hash_threads)
     p.add_argument("--hash-mib", type=int, default=None, help="buffer of the hash table (MiB)")
     p.add_argument("--idle-s", type=float, default=None, help="SMP idle CPU measured this long")
-    p.add_argument(
-        "--loose-frac",
-        type=float,
-        default=0.0,
-        help="fraction of the state in loose tensors (no optimizer: copied inside save())",
-    )
+    loose = "fraction of the state in loose tensors (no optimizer: copied inside save())"
+    p.add_argument("--loose-frac", type=float, default=0.0, help=loose)
     p.add_argument("--disk-dir", default=None, help="dcp.async_save's directory ($TMPDIR)")
     p.add_argument("--timeout", type=float, default=600.0, help="one size's rank (+120 s/GiB)")
     p.add_argument("--skip-dcp", action="store_true", help="leave out dcp.async_save")
@@ -292,7 +258,7 @@ def run(argv: list[str]) -> DatapathResult:
     args = get_args_parser().parse_args(argv)
     args.profile = "smoke" if args.smoke else "quick" if args.quick else "full"
     prof = PROFILES[args.profile]
-    for key in ("sizes", "saves", "repeats", "compute_ms", "hash_mib", "idle_s"):
+    for key in _KEYS:
         if getattr(args, key) is None:
             setattr(args, key, prof[key])
     if args.dcp_saves is None:
@@ -315,15 +281,7 @@ def run(argv: list[str]) -> DatapathResult:
         hashes=hashes,
         **{
             k: getattr(args, k)
-            for k in (
-                "profile",
-                "saves",
-                "repeats",
-                "compute_ms",
-                "dcp_saves",
-                "slots",
-                "loose_frac",
-            )
+            for k in "profile saves repeats compute_ms dcp_saves slots loose_frac".split()
         },
     )
     for size in sizes:

@@ -1,7 +1,5 @@
 """Erasure-coding benchmark: StripeCodec encode and rebuild throughput (ISA-L via pyeclib).
 
-Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
-
     python bench/ec.py              # 256 MiB of data per pass, 5 repeats (about a minute)
     python bench/ec.py --quick      # 64 MiB, 3 repeats (a smoke test, ~15 s)
 
@@ -22,7 +20,7 @@ removed): "tuned" calls :func:`ftmem.exchange.codec.tune_malloc`, "default" leav
 is. Columns are measured in the order shown, so "pyeclib" under "default" is glibc untouched;
 later columns run after the codec's own first allocations, which can already raise glibc's
 dynamic mmap threshold (the default's speed depends on the process's allocation history).
-:func:`run` returns an :class:`EcResult`; section ``bench:ec`` (not part of the suite).
+Section ``bench:ec`` (not part of the suite).
 """
 
 from __future__ import annotations
@@ -137,18 +135,15 @@ def run_worker(malloc: str, n: int, m: int, stripe_mib: int, args: argparse.Name
 
 
 @dataclass(kw_only=True)
-class EcResult:
+class EcResult(_results.PartResult):
     """The codec benchmark's results: one row per (n, m, stripe, malloc setting)."""
 
-    argv: list[str]
-    machine: _results.Machine
     ec_type: str
     data_mib: int
     repeats: int
     rows: list[dict[str, Any]] = field(default_factory=list)
     """n, m, stripe_mib, tuned, and GB/s of pyeclib, encode_stripe, encode, rebuild;
     ms_per_stripe."""
-    errors: list[str] = field(default_factory=list)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -158,12 +153,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-mib", type=int, default=None, help="data per pass (default 256)")
     p.add_argument("--repeats", type=int, default=None, help="timed passes (default 5)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--malloc", choices=["tuned", "default"], default="tuned", help=argparse.SUPPRESS
-    )
-    p.add_argument("--n", type=int, default=3, help=argparse.SUPPRESS)
-    p.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--stripe-mib", type=int, default=1, help=argparse.SUPPRESS)
+    hidden = argparse.SUPPRESS
+    p.add_argument("--malloc", choices=["tuned", "default"], default="tuned", help=hidden)
+    p.add_argument("--n", type=int, default=3, help=hidden)
+    p.add_argument("--m", type=int, default=1, help=hidden)
+    p.add_argument("--stripe-mib", type=int, default=1, help=hidden)
     _results.add_output_args(p)
     return p
 
@@ -173,13 +167,8 @@ def run(argv: list[str]) -> EcResult:
     args = get_args_parser().parse_args(argv)
     args.data_mib = args.data_mib or (64 if args.quick else 256)
     args.repeats = args.repeats or (3 if args.quick else 5)
-    res = EcResult(
-        argv=argv,
-        machine=_results.machine(),
-        ec_type=EC_TYPE,
-        data_mib=args.data_mib,
-        repeats=args.repeats,
-    )
+    sizes = {"data_mib": args.data_mib, "repeats": args.repeats}
+    res = EcResult(argv=argv, machine=_results.machine(), ec_type=EC_TYPE, **sizes)
     res.rows = [
         run_worker(malloc, n, m, stripe_mib, args)
         for n, m in CASES

@@ -1,7 +1,5 @@
 """Training-loop overhead of erasure-coded protection across nodes: protection on vs off.
 
-Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
-
     python bench/ec_overhead.py                  # 3 repeats of (no ftmem, off, on)
     python bench/ec_overhead.py --quick          # 1 repeat, fewer steps (a smoke test)
     python bench/ec_overhead.py --repeats 5 --steps 120 --no-write
@@ -26,8 +24,6 @@ and sent bytes per node (STATUS); skipped snapshots (STATUS) and each SMP's CPU 
 Every agent is started in its own session; at the end of a run (also on error or timeout)
 each agent gets SIGTERM, then its process group and every descendant seen get SIGKILL.
 Every wait is bounded (``--run-timeout``).
-
-:func:`run` returns an :class:`EcOverheadResult`; section ``bench:ec-overhead``.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_overhead.py
 
-from bench import _launch, _results
+from bench import _jobs, _launch, _results
 from ftmem.observe.timeline import read_events
 
 PART = "ec-overhead"
@@ -60,17 +56,9 @@ FINAL_RE = re.compile(r"\[rank (\d+)\] final step (\d+)")  # the example's closi
 
 
 @dataclass
-class RunResult:
+class RunResult(_jobs.JobRun):
     """One job of the nodes in one configuration."""
 
-    config: str
-    repeat: int
-    ok: bool = False
-    error: str = ""
-    wall_s: float = 0.0
-    load_start: float = 0.0
-    rank_median: dict[int, float] = field(default_factory=dict)
-    rank_mean: dict[int, float] = field(default_factory=dict)
     final_steps: dict[int, int] = field(default_factory=dict)
     # Per node (index), from the last STATUS poll:
     status_rounds: dict[int, int] = field(default_factory=dict)
@@ -93,23 +81,10 @@ class RunResult:
 def script_args(args: argparse.Namespace) -> list[str]:
     """The example's arguments (model, steps, snapshot cadence), the same in every config."""
     return [
-        str(EXAMPLE.relative_to(REPO)),
-        "--steps",
-        str(args.steps),
-        "--d-model",
-        str(args.d_model),
-        "--n-layers",
-        str(args.n_layers),
-        "--vocab",
-        str(args.vocab),
-        "--seq-len",
-        str(args.seq_len),
-        "--batch-size",
-        str(args.batch_size),
-        "--save-every",
-        "1",
-        "--log-every",
-        str(args.steps),
+        _jobs.example(),
+        *_jobs.flags(steps=args.steps),
+        *_jobs.model_flags(args),
+        *_jobs.flags(save_every=1, log_every=args.steps),
     ]
 
 
@@ -125,30 +100,20 @@ def config_args(config: str) -> tuple[list[str], list[str]]:
 def agent_args(
     i: int, nodes: int, port: int, rid: str, run_dir: Path, config: str, args: argparse.Namespace
 ) -> list[str]:
+    """One agent's arguments: node ``i`` of ``nodes``, rendezvous at ``port`` (node 0 hosts)."""
     flags, extra = config_args(config)
-    return [
-        "--nnodes",
-        str(nodes),
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        rid,
-        "--rdzv-conf",
-        f"is_host={1 if i == 0 else 0}",
-        "--ftmem-node",
-        f"n{i}",
-        "--ftmem-run-dir",
-        str(run_dir),
-        "--ftmem-peer-host",
-        "127.0.0.1",
-        *flags,
-        *script_args(args),
-        *extra,
-    ]
+    agent = _jobs.flags(
+        nnodes=nodes,
+        nproc_per_node=1,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_id=rid,
+        rdzv_conf=f"is_host={1 if i == 0 else 0}",
+        ftmem_node=f"n{i}",
+        ftmem_run_dir=run_dir,
+        ftmem_peer_host="127.0.0.1",
+    )
+    return [*agent, *flags, *script_args(args), *extra]
 
 
 def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path) -> RunResult:
@@ -179,10 +144,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
         res.wall_s = time.monotonic() - t0
         codes = [a.popen.returncode for a in agents]
         text = "\n".join(a.text() for a in agents)
-        for r, v in _launch.MEDIAN_RE.findall(text):
-            res.rank_median[int(r)] = float(v)
-        for r, v in _launch.MEAN_RE.findall(text):
-            res.rank_mean[int(r)] = float(v)
+        res.read_step_times(text)
         for r, v in FINAL_RE.findall(text):
             res.final_steps[int(r)] = int(v)
         if any(codes) or len(res.rank_median) != args.nodes:
@@ -217,27 +179,18 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
         events = read_events([rd]).events
         res.log_rounds[i] = [float(e.fields["seconds"]) for e in events if e.event == "protected"]
         res.log_commits[i] = sum(e.event == "committed" for e in events)
-    leftovers = _launch.remove_shm(rid)
-    if leftovers:
-        res.notes.append(f"shared memory left behind (removed): {leftovers}")
-    if args.keep_logs:
-        print(f"# {config} {repeat}: logs kept in {tmp}", file=sys.stderr)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _jobs.clean_up(res, rid, tmp, args.keep_logs)
     return res
 
 
 @dataclass(kw_only=True)
-class EcOverheadResult:
+class EcOverheadResult(_results.PartResult):
     """The EC overhead part's results: every run, in the order run."""
 
-    argv: list[str]
-    machine: _results.Machine
     nodes: int
     steps: int
     example_args: list[str]
     runs: list[RunResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

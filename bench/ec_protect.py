@@ -1,7 +1,5 @@
 """Erasure-coded peer exchange benchmark: GroupProtector protect and rebuild between node processes.
 
-Usage (from the repository root; ftmem importable, e.g. ``pip install -e .``):
-
     python bench/ec_protect.py                 # 2 GiB per node, 1 MiB stripes, 3 repeats
     python bench/ec_protect.py --quick         # 256 MiB per node, 2 repeats (1-2 minutes)
     python bench/ec_protect.py --size-mib 1024 --stripe-mib 4 --no-write
@@ -30,8 +28,6 @@ Every node process calls :func:`~ftmem.exchange.codec.tune_malloc` and holds a r
   runs to the last node rebuilt. Each rebuilt snapshot's xxh3-64 is compared with the lost
   node's original (computed in the node processes, never copied across) and so is the digest of
   its parity fragments. Every repeat kills the previous replacements again.
-
-:func:`run` returns an :class:`EcProtectResult`; section ``bench:ec-protect``.
 """
 
 from __future__ import annotations
@@ -147,6 +143,21 @@ def _ask(nodes: Sequence[Node], cmd: str, arg: Any, timeout_s: float) -> list[An
     return _collect(nodes, timeout_s, cmd)
 
 
+def _at_once(
+    nodes: Sequence[Node], cmd: str, arg: Any, timeout_s: float
+) -> tuple[list[Any], float]:
+    """Send ``(cmd, arg(go))`` to every node, go being a start-time barrier; collect every
+    answer. Returns (answers, busy cores of the machine from go to the last answer)."""
+    go = time.monotonic() + GO_DELAY_S
+    for nd in nodes:
+        nd.conn.send((cmd, arg(go)))
+    sleep_until(go)
+    cpu = CpuSampler()
+    cpu.start()
+    rows = _collect(nodes, timeout_s, cmd)
+    return rows, cpu.stop()
+
+
 def _codec_alone(
     ctx: Any, k: int, m: int, stripe: int, nbytes: int, timeout_s: float
 ) -> tuple[float, float]:
@@ -217,15 +228,8 @@ def run_case(
     """Protect ``args.repeats`` steps on n node processes, then rebuild ``lost`` as often."""
     size, stripe = args.size, args.stripe
     res = CaseResult(n=n, m=m, lost=sorted(lost), size=size, stripe=stripe)
-    cfg = {
-        "n": n,
-        "m": m,
-        "size": size,
-        "stripe": stripe,
-        "keys": keys_json,
-        "timeout": args.timeout,
-        "idle": args.timeout + 600.0,
-    }
+    cfg = dict(n=n, m=m, size=size, stripe=stripe, keys=keys_json, timeout=args.timeout)
+    cfg["idle"] = args.timeout + 600.0
     tmo = args.timeout + 60.0
     nodes: list[Node] = []
     try:
@@ -246,24 +250,13 @@ def run_case(
             if step:
                 _ask(nodes, "forget", step, tmo)
             step = r + 1
-            go = time.monotonic() + GO_DELAY_S
-            for nd in nodes:
-                nd.conn.send(("protect", (step, go)))
-            sleep_until(go)
-            cpu = CpuSampler()
-            cpu.start()
-            rows = _collect(nodes, tmo, "protect")
-            res.machine_busy.append(cpu.stop())
+            rows, busy = _at_once(nodes, "protect", lambda go, s=step: (s, go), tmo)
+            res.machine_busy.append(busy)
             res.protect.append(rows)
             wall = max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows)
             logger.info("n=%d m=%d protect #%d: %.2f s", n, m, r, wall)
-        parity_digests = dict(
-            zip(
-                [nd.name for nd in nodes],
-                _ask(nodes, "parity_digest", step, tmo),
-                strict=True,
-            )
-        )
+        names = [nd.name for nd in nodes]
+        parity_digests = dict(zip(names, _ask(nodes, "parity_digest", step, tmo), strict=True))
         survivors = [nd for nd in nodes if nd.name not in lost]
         source = survivors[0].name
         for r in range(args.repeats):
@@ -282,15 +275,10 @@ def run_case(
             _ask(survivors, "serve", eps, tmo)
             _ask(fresh, "connect", eps, tmo)
             res.rebuild_spawn_s.append(time.monotonic() - t0)
-            go = time.monotonic() + GO_DELAY_S
             lost_list = sorted(lost)
-            for nd in fresh:
-                nd.conn.send(("rebuild", (step, lost_list, source, go)))
-            sleep_until(go)
-            cpu = CpuSampler()
-            cpu.start()
-            rows = _collect(fresh, tmo, "rebuild")
-            res.machine_busy_rebuild.append(cpu.stop())
+            rebuild = (step, lost_list, source)
+            rows, busy = _at_once(fresh, "rebuild", lambda go, a=rebuild: (*a, go), tmo)
+            res.machine_busy_rebuild.append(busy)
             res.served.append(_ask(survivors, "served", None, tmo))
             ok = True
             for nd, row in zip(fresh, rows, strict=True):
@@ -300,14 +288,9 @@ def run_case(
             res.rebuild.append(rows)
             res.rebuild_ok.append(ok)
             wall = max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows)
+            verdict = "bitwise equal" if ok else "MISMATCH"
             logger.info(
-                "n=%d m=%d rebuild #%d of %s: %.2f s, %s",
-                n,
-                m,
-                r,
-                lost_list,
-                wall,
-                "bitwise equal" if ok else "MISMATCH",
+                "n=%d m=%d rebuild #%d of %s: %.2f s, %s", n, m, r, lost_list, wall, verdict
             )
     except NodeFailed as exc:
         res.error = str(exc)
@@ -318,11 +301,9 @@ def run_case(
 
 
 @dataclass(kw_only=True)
-class EcProtectResult:
+class EcProtectResult(_results.PartResult):
     """The erasure-coding part's results: one :class:`CaseResult` per (n, m)."""
 
-    argv: list[str]
-    machine: _results.Machine
     size: int
     """Snapshot bytes per node."""
     stripe: int
@@ -334,7 +315,6 @@ class EcProtectResult:
     curve: bool
     ec_type: str
     cases: list[CaseResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -371,17 +351,10 @@ def run(argv: list[str]) -> EcProtectResult:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not cases or any(c not in CASES for c in cases):
         p.error(f"--cases: a comma-separated subset of {', '.join(CASES)}")
+    same = {k: getattr(args, k) for k in ("size", "stripe", "repeats", "timeout", "codec_bytes")}
+    zmq_info = {"libzmq": zmq.zmq_version(), "curve": bool(zmq.has("curve"))}
     res = EcProtectResult(
-        argv=argv,
-        machine=_results.machine(),
-        size=args.size,
-        stripe=args.stripe,
-        repeats=args.repeats,
-        timeout=args.timeout,
-        codec_bytes=args.codec_bytes,
-        libzmq=zmq.zmq_version(),
-        curve=bool(zmq.has("curve")),
-        ec_type=EC_TYPE,
+        argv=argv, machine=_results.machine(), ec_type=EC_TYPE, **same, **zmq_info
     )
     keys_json = keys.generate().to_json()
     ctx = mp.get_context("spawn")
@@ -391,9 +364,8 @@ def run(argv: list[str]) -> EcProtectResult:
         res.cases.append(run_case(ctx, n, m, lost, args, keys_json))
     for r in res.cases:
         if r.error or not all(r.rebuild_ok):
-            res.errors.append(
-                f"n={r.n}, m={r.m}: {(r.error or 'rebuild not bitwise equal').strip().splitlines()[-1]}"
-            )
+            why = (r.error or "rebuild not bitwise equal").strip().splitlines()[-1]
+            res.errors.append(f"n={r.n}, m={r.m}: {why}")
     _results.finish(res.machine)
     return res
 

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/flush.py
 
 from bench import _baselines as baselines
-from bench import _launch, _proc, _results
+from bench import _jobs, _launch, _proc, _results
 from ftmem.observe.timeline import read_events
 
 PART = "flush"
@@ -143,20 +143,15 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
     os.environ["FTMEM_RUN_ID"] = run_id
     st = {"model": state.model, "optim": state.optimizer}
     try:
-        with start_smp(
-            run_dir=run_dir,
-            run_id=run_id,
-            slots=2,
-            start_timeout=timedelta(seconds=120),
-            log_path=run_dir / "smp.log",
-            extra_args=["--flush-dir", str(tier), "--flush-keep", "1"],
-        ) as smp:
+        smp_args = ["--flush-dir", str(tier), "--flush-keep", "1"]
+        log = run_dir / "smp.log"
+        start = {"start_timeout": timedelta(seconds=120), "log_path": log, "extra_args": smp_args}
+        with start_smp(run_dir=run_dir, run_id=run_id, slots=2, **start) as smp:
             t0 = time.perf_counter()
             ftmem.save(st, step=1)  # skipped while the SMP allocates the slots...
             ok = ftmem.wait(timeout=600.0)  # ...and committed by wait()
-            res.once["first ftmem.save + ftmem.wait (the SMP allocates the slots)"] = (
-                time.perf_counter() - t0
-            )
+            first = "first ftmem.save + ftmem.wait (the SMP allocates the slots)"
+            res.once[first] = time.perf_counter() - t0
             if not ok:
                 raise RuntimeError("the snapshot of step 1 was not committed")
             flush_out = tier / checkpoint_name(1)
@@ -216,14 +211,13 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
                     timer = _proc.PhaseTimer()
                     worker = _proc.worker_proc(smp.pid) if system == FLUSH else None
                     wcpu0 = _proc.proc_cpu(worker)
+                    wpid = worker.pid if worker is not None else None
                     sampler = (
-                        _proc.RssSampler(
-                            worker.pid if worker is not None else None, base=worker_idle
-                        )
+                        _proc.RssSampler(wpid, base=worker_idle)
                         if system == FLUSH
                         else _proc.RssSampler(os.getpid())
                     )
-                    fpid = worker.pid if worker is not None else os.getpid()
+                    fpid = wpid or os.getpid()
                     flt0 = _proc.minflt(fpid)
                     cpu0 = _proc.cpu_self()
                     t0 = time.perf_counter()
@@ -299,17 +293,9 @@ CONFIGS = ("no flush", "flush every 5")
 
 
 @dataclass
-class RunResult:
+class RunResult(_jobs.JobRun):
     """One training job of part 2."""
 
-    config: str
-    repeat: int
-    ok: bool = False
-    error: str = ""
-    wall_s: float = 0.0
-    load_start: float = 0.0
-    rank_median: dict[int, float] = field(default_factory=dict)
-    rank_mean: dict[int, float] = field(default_factory=dict)
     train_s: float = float("nan")
     flushes: list[tuple[float, int, float]] = field(default_factory=list)
     """(end time, step, seconds) of every 'flushed to' line of the SMP log."""
@@ -328,21 +314,9 @@ class RunResult:
 def script_args(args: argparse.Namespace) -> list[str]:
     """The example and its arguments (model size, steps) of the training runs."""
     return [
-        str(_launch.EXAMPLE.relative_to(_launch.REPO)),
-        "--d-model",
-        str(args.d_model),
-        "--n-layers",
-        str(args.n_layers),
-        "--vocab",
-        str(args.vocab),
-        "--seq-len",
-        str(args.seq_len),
-        "--batch-size",
-        str(args.batch_size),
-        "--steps",
-        str(args.steps),
-        "--log-every",
-        "1000",
+        _jobs.example(),
+        *_jobs.model_flags(args),
+        *_jobs.flags(steps=args.steps, log_every=1000),
     ]
 
 
@@ -372,10 +346,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
         _launch.wait_all([agent], timeout=args.run_timeout, poller=poller, poll_s=args.poll)
         res.wall_s = time.monotonic() - t0
         text = agent.text()
-        for r, v in _launch.MEDIAN_RE.findall(text):  # the example's closing lines
-            res.rank_median[int(r)] = float(v)
-        for r, v in _launch.MEAN_RE.findall(text):
-            res.rank_mean[int(r)] = float(v)
+        res.read_step_times(text)
         if agent.popen.returncode != 0 or len(res.rank_median) != args.nproc:
             res.error = (
                 f"exit code {agent.popen.returncode}, step times of ranks {sorted(res.rank_median)}"
@@ -407,22 +378,14 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
             res.failed.append(f"step {e.fields.get('step')}: {e.fields.get('error')}")
     if tier.exists():
         res.checkpoints_left = sorted(p.name for p in tier.iterdir())
-    leftovers = _launch.remove_shm(rid)
-    if leftovers:
-        res.notes.append(f"shared memory left behind (removed): {leftovers}")
-    if args.keep_logs:
-        print(f"# {config} {repeat}: logs kept in {tmp}", file=sys.stderr)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _jobs.clean_up(res, rid, tmp, args.keep_logs)
     return res
 
 
 @dataclass(kw_only=True)
-class FlushResult:
+class FlushResult(_results.PartResult):
     """The flush part's results: throughput per size, and the training runs."""
 
-    argv: list[str]
-    machine: _results.Machine
     repeats: int
     flush_every: int
     steps: int
@@ -432,7 +395,6 @@ class FlushResult:
     """``import torch.distributed.checkpoint`` after ``import torch``, fresh process."""
     sizes: list[SizeResult] = field(default_factory=list)
     train: list[RunResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

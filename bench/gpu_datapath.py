@@ -1,7 +1,5 @@
 """GPU data path: ftmem snapshots of a CUDA state (>= 4 GiB): stall, D2H GB/s, restore H2D.
 
-Usage (from the repository root, on a machine with a CUDA GPU; ftmem importable):
-
     python bench/gpu_datapath.py --quick             # a state of >= 4 GiB, K=5
     python bench/gpu_datapath.py                     # 4 and 8 GiB, K=8
     python bench/gpu_datapath.py --smoke --out /tmp/gpu.md   # 0.25 GiB, K=3
@@ -47,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/gpu_datapath.py
 
+from bench import _baselines as baselines
 from bench import _datapath_node as dp
 from bench import _results
 
@@ -89,14 +88,6 @@ class GpuSizeResult:
     error: str = ""
     not_run: str = ""
 
-    @property
-    def gib(self) -> float:
-        return self.nbytes / GiB
-
-    def gbps(self, seconds: float | None) -> float | None:
-        """The state's bytes over ``seconds``, in GB/s."""
-        return self.nbytes / seconds / 1e9 if seconds else None
-
 
 def build_cuda_state(size_gib: float, *, seed: int = 0) -> tuple[torch.nn.Module, Any, str]:
     """Square ``nn.Linear`` layers on the GPU whose weights are at least ``size_gib / 3`` GiB,
@@ -104,20 +95,7 @@ def build_cuda_state(size_gib: float, *, seed: int = 0) -> tuple[torch.nn.Module
     param_bytes = size_gib * GiB / 3
     width = next((w for w in (8192, 4096, 2048, 1024) if 2 * w * w * 4 <= param_bytes), 512)
     n_layers = max(1, math.ceil(param_bytes / (width * width * 4)))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    layers = []
-    for _ in range(n_layers):
-        layer = torch.nn.Linear(width, width, device="cuda")
-        with torch.no_grad():
-            layer.weight.normal_(0.0, 0.02, generator=gen)
-            layer.bias.zero_()
-        layers.append(layer)
-    model = torch.nn.Sequential(*layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model, optimizer = baselines.linear_state(width, n_layers, seed=seed, device="cuda")
     torch.cuda.synchronize()
     return model, optimizer, f"{n_layers} x Linear({width}, {width})"
 
@@ -200,9 +178,11 @@ def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str])
     run_dir.mkdir(mode=0o700)
     timeout = 120.0 + 30.0 * size_gib
     try:
+        smp_log = tmp / "smp.log"
         with dp.node_smp(
-            run_dir, slots=args.slots, extra_args=smp_args, log_path=tmp / "smp.log"
-        ) as (smp, _run_id):
+            run_dir, slots=args.slots, extra_args=smp_args, log_path=smp_log
+        ) as smp_id:
+            smp = smp_id[0]
             cfg = ClientConfig(run_dir=run_dir)
             ckpt = Checkpointer(cfg)
             client = SmpClient(run_dir)
@@ -270,18 +250,15 @@ def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str])
 
 
 @dataclass(kw_only=True)
-class GpuResult:
+class GpuResult(_results.PartResult):
     """The GPU part's results (no sizes without CUDA)."""
 
-    argv: list[str]
-    machine: _results.Machine
     profile: str
     device: str | None = None
     """The GPU's name and memory; None: no CUDA (nothing measured)."""
     cuda_build: str | None = None
     smp_note: str = ""
     sizes: list[GpuSizeResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -297,9 +274,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--saves", type=int, default=None, help="K: timed saves per size")
     p.add_argument("--repeats", type=int, default=None, help="pinned copies and restores")
     p.add_argument("--slots", type=int, default=2, help="SMP slots per rank")
-    p.add_argument(
-        "--hash-threads", type=int, default=1, help="the SMP's --hash-threads, if it has it"
-    )
+    p.add_argument("--hash-threads", type=int, default=1, help="the SMP's --hash-threads")
     _results.add_output_args(p)
     return p
 
@@ -322,7 +297,6 @@ def run(argv: list[str]) -> GpuResult:
         res.device = f"{torch.cuda.get_device_name()} ({props.total_memory / GiB:.0f} GiB)"
         threads = args.hash_threads if args.hash_threads > 0 else None
         smp_args, res.smp_note = dp.smp_extra_args(threads, dp.smp_help())
-        args.smp_note = res.smp_note
         for size in sizes:
             try:
                 res.sizes.append(measure_size(size, args, smp_args))

@@ -68,13 +68,10 @@ class NodeMemory:
 
 
 @dataclass(kw_only=True)
-class MemoryResult:
+class MemoryResult(_results.PartResult):
     """The memory part's results: one :class:`NodeMemory` per state size."""
 
-    argv: list[str]
-    machine: _results.Machine
     sizes: list[NodeMemory] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -96,7 +93,7 @@ def run(argv: list[str]) -> MemoryResult:
         state = _baselines.build_state(size)
         res = snapshot.SizeResult(size_gib=size, nbytes=state.nbytes)
         snapshot.bench_ftmem(
-            state, res, repeats=args.repeats, simulate=snapshot.make_simulator("sleep", 0.2)
+            state, res, repeats=args.repeats, simulate=_baselines.make_simulator("sleep", 0.2)
         )
         if res.memory is None:
             result.errors.append(f"{size:g} GiB: not measured ({'; '.join(res.errors)})")

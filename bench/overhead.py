@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/overhead.py
 
-from bench import _launch, _results, _train
+from bench import _jobs, _launch, _results, _train
 
 PART = "overhead"
 WORKER_FLAG = "--_worker"
@@ -45,6 +45,7 @@ NONE = "none"
 CONTROL = "none again (A/A control)"
 EVERY_STEP = "ftmem every step"
 BLOCKS_LINE = "[rank 0] blocks "
+_WORKER_INTS = ("interval", "block", "cycles", "warmup_steps", "seed")
 
 
 def configs(interval: int) -> tuple[str, ...]:
@@ -64,21 +65,16 @@ def worker(argv: Sequence[str]) -> int:
     import ftmem
 
     wp = argparse.ArgumentParser(prog="overhead.py --_worker")
-    for flag in ("--interval", "--block", "--cycles", "--warmup-steps", "--seed"):
-        wp.add_argument(flag, type=int, required=True)
+    for name in _WORKER_INTS:
+        wp.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
     wp.add_argument("--ckpt-dir", type=Path, required=True)
     wp.add_argument("example_args", nargs=argparse.REMAINDER)
     w = wp.parse_args(list(argv))
     example_argv = [a for a in w.example_args if a != "--"]
     t = _train.setup(example_argv, "overhead_worker")
     names = configs(w.interval)
-    state = {
-        "model": t.model,
-        "optim": t.optimizer,
-        "sched": t.scheduler,
-        "data": t.loader,
-        "rng": ftmem.RNGState(),
-    }
+    state = {"model": t.model, "optim": t.optimizer, "sched": t.scheduler, "data": t.loader}
+    state["rng"] = ftmem.RNGState()
     step = ftmem.load(state)
     handle = None
     for _ in range(w.warmup_steps):  # slots allocated and pre-faulted, first iterations done
@@ -139,11 +135,9 @@ def worker(argv: Sequence[str]) -> int:
 
 
 @dataclass(kw_only=True)
-class OverheadResult:
+class OverheadResult(_results.PartResult):
     """The overhead part's results: every block, and per configuration one figure per cycle."""
 
-    argv: list[str]
-    machine: _results.Machine
     method: str = "interleaved"
     interval: int
     block: int
@@ -166,7 +160,6 @@ class OverheadResult:
     cpu_ratio: dict[str, list[float]] = field(default_factory=dict)
     saves: dict[str, list[float]] = field(default_factory=dict)
     skipped: dict[str, list[float]] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
 
 
 def _reduce(res: OverheadResult) -> None:
@@ -196,36 +189,11 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
     (tmp / "ckpt").mkdir()
     launcher = _launch.single_node_args(nproc=args.nproc, run_id=run_id, run_dir=tmp / "rd")
     worker = [str(Path(__file__).resolve()), WORKER_FLAG]
-    for flag in ("interval", "block", "cycles", "warmup_steps", "seed"):
-        worker += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    example = [
-        "--steps",
-        str(total),
-        "--d-model",
-        str(args.d_model),
-        "--n-layers",
-        str(args.n_layers),
-    ]
-    example += [
-        "--vocab",
-        str(args.vocab),
-        "--seq-len",
-        str(args.seq_len),
-        "--batch-size",
-        str(args.batch_size),
-    ]
+    worker += _jobs.flags(**{k: getattr(args, k) for k in _WORKER_INTS})
+    example = [*_jobs.flags(steps=total), *_jobs.model_flags(args)]
     example += ["--step-delay", str(args.step_delay)] if args.step_delay else []
-    cmd = [
-        sys.executable,
-        "-m",
-        "ftmem.launch",
-        *launcher,
-        *worker,
-        "--ckpt-dir",
-        str(tmp / "ckpt"),
-        "--",
-        *example,
-    ]
+    cmd = [sys.executable, "-m", "ftmem.launch", *launcher, *worker]
+    cmd += ["--ckpt-dir", str(tmp / "ckpt"), "--", *example]
     res.command = " ".join(cmd).replace(sys.executable, "python").replace(str(tmp), "$TMP")
     res.command = res.command.replace(str(_launch.REPO) + "/", "").replace(run_id, "RID")
     job = _launch.Job(cmd, tmp / "job.log", _launch.job_env(TMPDIR=str(tmp)))
@@ -238,9 +206,8 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
     text = job.text()
     line = next((x for x in text.splitlines() if BLOCKS_LINE in x), None)
     if job.popen.returncode != 0 or line is None:
-        res.errors.append(
-            f"exit code {job.popen.returncode}, no blocks line; log tail: {text[-1500:]}"
-        )
+        tail = text[-1500:]
+        res.errors.append(f"exit code {job.popen.returncode}, no blocks line; log tail: {tail}")
     else:
         doc = json.loads(line.split(BLOCKS_LINE, 1)[1])
         res.params_m, res.blocks = doc["params_m"], doc["blocks"]
@@ -260,9 +227,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="order of the blocks")
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     _launch.add_model_args(p)
-    p.add_argument(
-        "--step-delay", type=float, default=0.0, help="the example's sleep after each step (s)"
-    )
+    delay = "the example's sleep after each step (s)"
+    p.add_argument("--step-delay", type=float, default=0.0, help=delay)
     _launch.add_job_args(p, run_timeout=600.0)
     _results.add_output_args(p)
     return p

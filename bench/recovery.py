@@ -59,6 +59,7 @@ ranks spawned or handed to standbys (DCP: up to 'script started', the imports in
 script: until ``ftmem.load`` is called (DCP: until the model is built); load: the restore
 (DCP: DDP wrap, optimizer, ``dcp.load``); first_step: the first step after it, on all ranks."""
 WORKER_FLAG = "--_dcp-worker"
+_STANDALONE = ["--standalone", "--nproc-per-node", "2"]
 # torch elastic's glog lines: torchrun writes no event log, so its phases come from these.
 _GLOG = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{6}) +\d+ \S+\] (.*)$", re.M)
 _ELASTIC = {
@@ -231,11 +232,9 @@ class Run:
 
 
 @dataclass(kw_only=True)
-class RecoveryResult:
+class RecoveryResult(_results.PartResult):
     """The recovery part's results."""
 
-    argv: list[str]
-    machine: _results.Machine
     steps: int
     fail_step: int
     dcp_every: int
@@ -247,7 +246,6 @@ class RecoveryResult:
     phase_names: list[str] = field(default_factory=lambda: list(PHASES))
     runs: list[Run] = field(default_factory=list)
     standby: StandbyCost | None = None
-    errors: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- analysis
@@ -288,8 +286,7 @@ def analyse_ftmem(run: Run, events: list[Event], text: str, fail_step: int) -> N
             e
             for e in events
             if e.event == "committed"
-            and e.fields.get("rank") == FAIL_RANK
-            and e.fields.get("step") == fail_step
+            and (e.fields.get("rank"), e.fields.get("step")) == (FAIL_RANK, fail_step)
         ),
         None,
     )
@@ -353,7 +350,7 @@ def analyse_dcp(run: Run, text: str, fail_step: int, year: int) -> None:
     death = _first(
         marks,
         0.0,
-        lambda m: m["event"] == "step" and m["rank"] == FAIL_RANK and m["step"] == fail_step,
+        lambda m: m["event"] == "step" and (m["rank"], m["step"]) == (FAIL_RANK, fail_step),
     )
     if death is None:
         run.error = f"no step {fail_step} of rank {FAIL_RANK}"
@@ -367,18 +364,18 @@ def analyse_dcp(run: Run, text: str, fail_step: int, year: int) -> None:
         t[key] = hit["time"]
     restored = _first(marks, t["spawned"], lambda m: m["event"] == "restored")
     run.restored = int(restored["step"]) if restored is not None else 0  # none: from scratch
-    t["script"] = _all_ranks(
-        marks, t["spawned"], lambda m: m["event"] == "script_started"
-    ) or float("nan")
-    t["model"] = _all_ranks(marks, t["spawned"], lambda m: m["event"] == "model") or float("nan")
-    t["restored"] = t["model"]
-    if restored is not None:
-        t["restored"] = _all_ranks(
-            marks, t["spawned"], lambda m: m["event"] == "restored"
-        ) or float("nan")
-    t["resumed"] = _all_ranks(
-        marks, t["restored"], lambda m: m["event"] == "step" and m["step"] == run.restored + 1
-    ) or float("nan")
+
+    def when(after: float, event: str, step: int | None = None) -> float:
+        """When every rank has logged ``event`` (of ``step``) after ``after``; NaN if one has not."""
+        x = _all_ranks(
+            marks, after, lambda m: m["event"] == event and (step is None or m["step"] == step)
+        )
+        return x or float("nan")
+
+    t["script"] = when(t["spawned"], "script_started")
+    t["model"] = when(t["spawned"], "model")
+    t["restored"] = t["model"] if restored is None else when(t["spawned"], "restored")
+    t["resumed"] = when(t["restored"], "step", run.restored + 1)
     keys = ["death", "failed", "stopped", "spawned", "script", "model", "restored", "resumed"]
     run.phases = {p: t[b] - t[a] for p, a, b in zip(PHASES, keys[:-1], keys[1:], strict=True)}
     run.spawn_import_s = run.phases["start"]
@@ -406,6 +403,15 @@ def _digests(text: str) -> dict[int, str]:
     return {int(r): d for r, d in _launch.DIGEST_RE.findall(text)}
 
 
+def _agreed(digests: dict[int, str]) -> str:
+    """The digest both ranks printed, "" if not."""
+    return (
+        next(iter(digests.values()))
+        if len(digests) == 2 and len(set(digests.values())) == 1
+        else ""
+    )
+
+
 def _step_time(text: str) -> float | None:
     vals = [float(v) for _, v in _launch.MEDIAN_RE.findall(text)]
     return statistics.median(vals) if vals else None
@@ -413,21 +419,15 @@ def _step_time(text: str) -> float | None:
 
 def run_reference(res: RecoveryResult, workdir: Path, timeout: float) -> None:
     """The failure-free ``--no-ftmem`` run under torchrun: reference digest and step time."""
-    cmd = [
-        *_launch.tool("torchrun", "torch.distributed.run"),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
+    cmd = [*_launch.tool("torchrun", "torch.distributed.run"), *_STANDALONE]
     cmd += [str(EXAMPLE), "--steps", str(res.steps), "--log-every", "1", "--no-ftmem"]
     res.commands["reference"] = _show(cmd, workdir)
     log = workdir / "reference.log"
     rc, _ = _launch.run_job(cmd, _env(workdir), log, timeout)
     text = log.read_text(errors="replace")
-    digests = _digests(text)
-    if rc != 0 or len(digests) != 2 or len(set(digests.values())) != 1:
+    res.ref_digest, res.ref_step_time = _agreed(_digests(text)), _step_time(text)
+    if rc != 0 or not res.ref_digest:
         raise RuntimeError(f"reference run failed (rc {rc}); log {log} (kept with --keep)")
-    res.ref_digest, res.ref_step_time = next(iter(digests.values())), _step_time(text)
     if (m := re.search(r"model: ([0-9.]+) M parameters", text)) is not None:
         res.params_m = float(m.group(1))
 
@@ -442,48 +442,30 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
         rdir.mkdir()
         cmd = [
             *_launch.tool("torchrun", "torch.distributed.run"),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-        ]
-        cmd += [
+            *_STANDALONE,
             "--max-restarts",
             "1",
-            str(Path(__file__).resolve()),
-            WORKER_FLAG,
-            "--ckpt-dir",
-            str(rdir),
         ]
+        cmd += [str(Path(__file__).resolve()), WORKER_FLAG, "--ckpt-dir", str(rdir)]
         cmd += ["--ckpt-every", str(res.dcp_every), "--", *example]
-        shown = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " + _show(cmd, workdir).replace(
-            f"$TMP/{tag}{repeat}", "$CKPT_DIR"
-        )
+        shown = _show(cmd, workdir).replace(f"$TMP/{tag}{repeat}", "$CKPT_DIR")
+        shown = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " + shown
     else:
+        standby = "1" if system == FT_STANDBY else "0"
         cmd = [
             *_launch.tool("ftmem-launch", "ftmem.launch"),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-        ]
-        cmd += [
+            *_STANDALONE,
             "--ftmem-standby",
-            "1" if system == FT_STANDBY else "0",
-            "--ftmem-run-dir",
-            str(rdir),
+            standby,
         ]
-        cmd += [str(EXAMPLE), *example]
+        cmd += ["--ftmem-run-dir", str(rdir), str(EXAMPLE), *example]
         shown = _show(cmd, workdir).replace(f"$TMP/{tag}{repeat}", "$RUN_DIR")
     res.commands[tag] = shown
     run = Run(system=system, repeat=repeat, load1=os.getloadavg()[0])
     log = workdir / f"{tag}{repeat}.log"
     run.rc, run.wall_s = _launch.run_job(cmd, _env(workdir), log, timeout)
     text = log.read_text(errors="replace")
-    digests = _digests(text)
-    run.digest = (
-        next(iter(digests.values()))
-        if len(digests) == 2 and len(set(digests.values())) == 1
-        else ""
-    )
+    run.digest = _agreed(_digests(text))
     run.digest_ok = bool(run.digest) and run.digest == (res.ref_digest or run.digest)
     run.step_time_s = _step_time(text)
     if system == DCP:
@@ -498,15 +480,8 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
             run.error = (run.error + "; the standbys were not ready at the failure").lstrip("; ")
     if run.rc != 0:
         run.error = (run.error + f"; exit code {run.rc}").lstrip("; ")
-    logger.info(
-        "%s #%d: rc %s, %.1f s, death->resumed %s s, %s",
-        system,
-        repeat,
-        run.rc,
-        run.wall_s,
-        run.death_to_resumed_s,
-        run.error or "ok",
-    )
+    msg = f"rc {run.rc}, {run.wall_s:.1f} s, death->resumed {run.death_to_resumed_s} s, {run.error or 'ok'}"
+    logger.info("%s #%d: %s", system, repeat, msg)
     return run
 
 
@@ -557,11 +532,8 @@ def run(argv: list[str]) -> RecoveryResult:
         same = len({r.digest for r in res.runs}) == 1
         for r in res.runs:
             r.digest_ok = bool(r.digest) and same
-        res.ref_step_time = (
-            statistics.median(x)
-            if (x := [r.step_time_s for r in res.runs if r.step_time_s])
-            else None
-        )
+        times = [r.step_time_s for r in res.runs if r.step_time_s]
+        res.ref_step_time = statistics.median(times) if times else None
     res.errors = [
         f"{r.system} #{r.repeat}: {r.error or 'digest differs'}"
         for r in res.runs

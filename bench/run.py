@@ -127,28 +127,17 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--smoke", action="store_true", help="tiny: snapshot part only, unless --parts"
     )
     p.add_argument(
-        "--parts",
-        default=None,
-        help="comma-separated subset of: " + ", ".join(PARTS) + "; or 'all'",
+        "--parts", default=None, help=f"comma-separated subset of: {', '.join(PARTS)}; or 'all'"
     )
     p.add_argument("--skip", default="", help="comma-separated parts to leave out")
     p.add_argument("--sizes", default=None, help="state sizes in GiB for snapshot and flush")
     p.add_argument("--repeats", type=int, default=None, help="repeats (overhead: cycles) per part")
     p.add_argument("--disk-dir", type=Path, default=None, help="a disk directory (not tmpfs)")
-    p.add_argument(
-        "--extra",
-        action="append",
-        default=[],
-        metavar="PART=ARGS",
-        help="more arguments for one part (repeatable)",
-    )
+    extra = "more arguments for one part (repeatable)"
+    p.add_argument("--extra", action="append", default=[], metavar="PART=ARGS", help=extra)
     p.add_argument("--out", type=Path, default=_results.DEFAULT_OUT, help="the Markdown file")
-    p.add_argument(
-        "--json-dir",
-        type=Path,
-        default=None,
-        help="results JSON (default: bench-results/ by --out)",
-    )
+    json_dir = "results JSON (default: bench-results/ by --out)"
+    p.add_argument("--json-dir", type=Path, default=None, help=json_dir)
     p.add_argument("--img-dir", type=Path, default=None, help="PNGs (default: img/ by --out)")
     p.add_argument("--no-plots", action="store_true", help="do not draw the PNGs")
     p.add_argument("--no-write", action="store_true", help="print the sections only")

@@ -98,18 +98,17 @@ def _held_bytes(rank: int, step: int) -> int:
 
     deadline = time.monotonic() + 20.0  # the SMP lists a step once it has verified it
     with SmpClient(Path(os.environ["FTMEM_RUN_DIR"]), timeout=timedelta(seconds=10)) as c:
-        while not (
-            snaps := [
-                s for s in c.request(m.Query(rank=rank))["snapshots"] if int(s["step"]) == step
-            ]
-        ):
+        while True:
+            snaps = c.request(m.Query(rank=rank))["snapshots"]
+            if mine := [s for s in snaps if int(s["step"]) == step]:
+                break
             if time.monotonic() > deadline:
-                held = [s["step"] for s in c.request(m.Query(rank=rank))["snapshots"]]
+                held = [s["step"] for s in snaps]
                 raise RuntimeError(
                     f"step {step} of rank {rank} is not in the SMP (it holds {held})"
                 )
             time.sleep(0.05)
-    doc = json.loads(snaps[0]["layout"])
+    doc = json.loads(mine[0]["layout"])
     return sum(int(t["nbytes"]) for t in doc["tensors"]) + int(doc["objects"]["nbytes"])
 
 
@@ -151,16 +150,13 @@ def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
 
 
 @dataclass(kw_only=True)
-class ShardingResult:
+class ShardingResult(_results.PartResult):
     """The sharding part's results: per D, per mode, every rank's figures."""
 
-    argv: list[str]
-    machine: _results.Machine
     size_gib: float
     repeats: int
     compute_s: float
     worlds: list[dict[str, Any]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -179,13 +175,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> ShardingResult:
     """Parse ``argv`` and measure every D."""
     args = get_args_parser().parse_args(argv)
-    res = ShardingResult(
-        argv=argv,
-        machine=_results.machine(),
-        size_gib=args.size_gib,
-        repeats=args.repeats,
-        compute_s=args.compute_s,
-    )
+    same = {k: getattr(args, k) for k in ("size_gib", "repeats", "compute_s")}
+    res = ShardingResult(argv=argv, machine=_results.machine(), **same)
     with tempfile.TemporaryDirectory(prefix="ftmem-bench-shard-") as tmp:
         res.worlds = [run_world(w, args, Path(tmp)) for w in args.worlds]
     _results.finish(res.machine)

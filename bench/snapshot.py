@@ -86,32 +86,14 @@ class SizeResult:
 
 
 @dataclass(kw_only=True)
-class SnapshotResult:
+class SnapshotResult(_results.PartResult):
     """The snapshot part's results."""
 
-    argv: list[str]
-    machine: _results.Machine
     repeats: int
     simulate: str
     """``compute`` (256x256 matmuls on the main thread) or ``sleep``."""
     fwd_bwd_s: float
     sizes: list[SizeResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-
-def make_simulator(kind: str, seconds: float) -> Callable[[], None]:
-    """A stand-in for forward + backward lasting ``seconds``: matmuls (``compute``) or a sleep."""
-    if kind == "sleep":
-        return lambda: time.sleep(seconds)
-    a = torch.randn(256, 256) / 16
-
-    def compute() -> None:
-        x = a
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            x = torch.tanh(x @ a)
-
-    return compute
 
 
 def bench_ftmem(
@@ -257,23 +239,16 @@ def bench_size(
         n = args.repeats
         try:
             logger.info("[%.2f GiB] torch.save, dcp.save", size_gib)
-            baselines.bench_torch_save(
-                state, shm_dir=shm_dir, disk_dir=disk_dir, repeats=n, out=timings
-            )
+            dirs = {"shm_dir": shm_dir, "disk_dir": disk_dir}
+            baselines.bench_torch_save(state, **dirs, repeats=n, out=timings)
             gc.collect()
-            baselines.bench_dcp_save(
-                state, shm_dir=shm_dir, disk_dir=disk_dir, repeats=n, out=timings
-            )
+            baselines.bench_dcp_save(state, **dirs, repeats=n, out=timings)
             gc.collect()
             for async_staging in (True, False)[: 1 if args.skip_sync_staging else 2]:
                 logger.info("[%.2f GiB] dcp.async_save async_staging=%s", size_gib, async_staging)
+                kw = {"async_staging": async_staging, "simulate": simulate}
                 baselines.bench_dcp_async_save(
-                    state,
-                    disk_dir=disk_dir,
-                    async_staging=async_staging,
-                    simulate=simulate,
-                    repeats=n,
-                    out=timings,
+                    state, disk_dir=disk_dir, **kw, repeats=n, out=timings
                 )
                 gc.collect()
         finally:
@@ -307,11 +282,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", choices=("compute", "sleep"), default="compute")
     p.add_argument("--skip-ftmem", action="store_true", help="baselines only")
     p.add_argument("--skip-baselines", action="store_true", help="ftmem only")
-    p.add_argument(
-        "--skip-sync-staging",
-        action="store_true",
-        help="leave out dcp.async_save without async staging (not the tuned configuration)",
-    )
+    sync = "leave out dcp.async_save without async staging (not the tuned configuration)"
+    p.add_argument("--skip-sync-staging", action="store_true", help=sync)
     return p
 
 
@@ -324,14 +296,9 @@ def run(argv: list[str]) -> SnapshotResult:
     if args.repeats < 1 or not sizes:
         raise ValueError("need at least one size and one repeat")
     args.disk_dir = args.disk_dir or tempfile.gettempdir()
-    result = SnapshotResult(
-        argv=argv,
-        machine=_results.machine(args.disk_dir),
-        repeats=args.repeats,
-        simulate=args.simulate,
-        fwd_bwd_s=args.fwd_bwd_s,
-    )
-    simulate = make_simulator(args.simulate, args.fwd_bwd_s)
+    same = {k: getattr(args, k) for k in ("repeats", "simulate", "fwd_bwd_s")}
+    result = SnapshotResult(argv=argv, machine=_results.machine(args.disk_dir), **same)
+    simulate = baselines.make_simulator(args.simulate, args.fwd_bwd_s)
     for size in sizes:
         r = bench_size(size, args, simulate)
         result.sizes.append(r)
