@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_
 
 from bench import _jobs, _launch, _results
 from ftmem.observe.timeline import read_events
+from ftmem.testing.harness import launch_args
 
 PART = "ec-overhead"
 REPO = _launch.REPO
@@ -102,18 +103,17 @@ def agent_args(
 ) -> list[str]:
     """One agent's arguments: node ``i`` of ``nodes``, rendezvous at ``port`` (node 0 hosts)."""
     flags, extra = config_args(config)
-    agent = _jobs.flags(
+    return launch_args(
         nnodes=nodes,
-        nproc_per_node=1,
-        rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_id=rid,
-        rdzv_conf=f"is_host={1 if i == 0 else 0}",
-        ftmem_node=f"n{i}",
-        ftmem_run_dir=run_dir,
-        ftmem_peer_host="127.0.0.1",
+        is_host=i == 0,
+        node=f"n{i}",
+        run_dir=run_dir,
+        monitor_interval=None,  # the launcher's default, as these runs always had
+        flags=["--ftmem-peer-host", "127.0.0.1", *flags],
+        script=[*script_args(args), *extra],
     )
-    return [*agent, *flags, *script_args(args), *extra]
 
 
 def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path) -> RunResult:

@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/overhead.py
 
 from bench import _jobs, _launch, _results, _train
+from ftmem.testing.harness import launch_command
 
 PART = "overhead"
 WORKER_FLAG = "--_worker"
@@ -192,7 +193,7 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
     worker += _jobs.flags(**{k: getattr(args, k) for k in _WORKER_INTS})
     example = [*_jobs.flags(steps=total), *_jobs.model_flags(args)]
     example += ["--step-delay", str(args.step_delay)] if args.step_delay else []
-    cmd = [sys.executable, "-m", "ftmem.launch", *launcher, *worker]
+    cmd = launch_command([*launcher, *worker])
     cmd += ["--ckpt-dir", str(tmp / "ckpt"), "--", *example]
     res.command = " ".join(cmd).replace(sys.executable, "python").replace(str(tmp), "$TMP")
     res.command = res.command.replace(str(_launch.REPO) + "/", "").replace(run_id, "RID")
