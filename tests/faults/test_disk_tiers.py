@@ -167,7 +167,7 @@ def test_full_disk_and_killed_worker_leave_only_complete_checkpoints(
 
 
 def _smp_log(launch: Launch, name: str) -> str:
-    p = launch.log.parent / f"{name}-rd" / "smp.log"
+    p = launch.log_path.parent / f"{name}-rd" / "smp.log"
     return p.read_text(errors="replace") if p.exists() else ""
 
 
