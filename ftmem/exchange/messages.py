@@ -24,7 +24,7 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from ftmem.errors import ProtocolError
 from ftmem.exchange.placement import FragmentKind
@@ -182,6 +182,18 @@ class _Body:
 
 
 @dataclass(frozen=True, slots=True)
+class _StepBody(_Body):
+    """A message that carries nothing but its ``step``."""
+
+    step: int
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Self:
+        """Validate and build (raises ProtocolError)."""
+        return cls(_int(h, "step"))
+
+
+@dataclass(frozen=True, slots=True)
 class Size(_Body):
     """SIZE: the sender's snapshot of ``step`` has ``nbytes`` bytes; its manifest is the buffer."""
 
@@ -239,42 +251,24 @@ class Parity(_Body):
 
 
 @dataclass(frozen=True, slots=True)
-class Held(_Body):
+class Held(_StepBody):
     """HELD: the sender holds every parity fragment it owes for ``step``."""
 
     KIND: ClassVar[PeerKind] = PeerKind.HELD
-    step: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Held:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"))
 
 
 @dataclass(frozen=True, slots=True)
-class Abort(_Body):
+class Abort(_StepBody):
     """ABORT: the sender gives ``step`` up; every node does the same."""
 
     KIND: ClassVar[PeerKind] = PeerKind.ABORT
-    step: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Abort:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"))
 
 
 @dataclass(frozen=True, slots=True)
-class MetaRequest(_Body):
+class MetaRequest(_StepBody):
     """META?: a rebuilding node asks for every node's size of ``step`` (and its manifest)."""
 
     KIND: ClassVar[PeerKind] = PeerKind.META_REQUEST
-    step: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> MetaRequest:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,16 +384,10 @@ class Avail(_Body):
 
 
 @dataclass(frozen=True, slots=True)
-class ProtectOrder(_Body):
+class ProtectOrder(_StepBody):
     """x:protect: the coordinator orders a protection round of ``step``."""
 
     KIND: ClassVar[PeerKind] = PeerKind.PROTECT
-    step: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> ProtectOrder:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"))
 
 
 @dataclass(frozen=True, slots=True)
