@@ -1,5 +1,5 @@
-"""The data path benchmark's node side: its SMP, the rank process, and helpers shared with
-``bench/gpu_datapath.py``.
+"""The data path benchmark's node side: its SMP, the rank process, and the helpers of its
+``--gpu`` variant.
 
 ``bench/datapath.py`` starts an SMP (:func:`node_smp`) and runs this file as the rank, one
 child process per state size (``python bench/_datapath_node.py --size-gib S --result FILE
@@ -189,6 +189,31 @@ def save_and_wait(ckpt: Any, state: Any, step: int, timeout: float) -> dict[str,
     return out
 
 
+def timed_saves(
+    ckpt: Any, state: Any, step: int, n: int, timeout: float, sync: Callable[[], Any] = lambda: None
+) -> tuple[dict[str, Any], list[int]]:
+    """Steps ``step + 1 .. step + n``, each :func:`save_and_wait` after ``sync()``: (save_s,
+    safe_s of the committed ones, skipped, retried, reasons, errors), the committed steps."""
+    out: dict[str, Any] = {"save_s": [], "safe_s": [], "skipped": 0, "retried": 0}
+    out.update(reasons={}, errors=[])
+    committed: list[int] = []
+    for s in range(step + 1, step + n + 1):
+        sync()
+        one = save_and_wait(ckpt, state, s, timeout)
+        out["save_s"].append(one["save_s"])
+        if one["skipped"]:
+            out["skipped"] += 1
+            reason = one["reason"] or "?"
+            out["reasons"][reason] = out["reasons"].get(reason, 0) + 1
+            out["retried"] += int(one["committed"])
+        if one["error"]:
+            out["errors"].append(f"save of step {s}: {one['error']}")
+        if one["committed"]:
+            out["safe_s"].append(one["safe_s"])
+            committed.append(s)
+    return out, committed
+
+
 def _delta(after: Any, before: Any) -> Any:
     """``after - before`` for counts and dicts of counts (None if either is missing)."""
     if isinstance(after, dict):
@@ -352,24 +377,9 @@ class _Rank:
             self.res["smp_idle_cpu_per_s"] = (self.smp_cpu() - i0) / (time.perf_counter() - w0)
             before = rank_status(client, rank)
             # K saves, each waited for; CPU of the rank around them, of the SMP until verified.
-            saves: dict[str, Any] = {"save_s": [], "safe_s": [], "skipped": 0, "retried": 0}
-            saves.update(reasons={}, errors=[])
-            committed: list[int] = []
             s0, r0, w0 = self.smp_cpu(), time.process_time(), time.perf_counter()
-            for _ in range(a.saves):
-                self.step += 1
-                one = save_and_wait(ckpt, self.st, self.step, timeout)
-                saves["save_s"].append(one["save_s"])
-                if one["skipped"]:
-                    saves["skipped"] += 1
-                    reason = one["reason"] or "?"
-                    saves["reasons"][reason] = saves["reasons"].get(reason, 0) + 1
-                    saves["retried"] += int(one["committed"])
-                if one["error"]:
-                    saves["errors"].append(one["error"])
-                if one["committed"]:
-                    saves["safe_s"].append(one["safe_s"])
-                    committed.append(self.step)
+            saves, committed = timed_saves(ckpt, self.st, self.step, a.saves, timeout)
+            self.step += a.saves
             r1, w1 = time.process_time(), time.perf_counter()
             after: dict[str, Any] = {}
             verified, vwait, polls = None, 0.0, 0

@@ -1,43 +1,25 @@
-"""Data path benchmark: every CPU cycle a snapshot costs, its stall, time to safe and restore.
+"""Data path: every CPU cycle of a snapshot, its stall, time to safe and restore; with
+``--gpu``, the same measurement on a CUDA state (part ``gpu``; "skipped" without CUDA).
 
     python bench/datapath.py --smoke --out /tmp/dp.md  # 8 MiB state, K=3: does it run (< 1 min)
     python bench/datapath.py --quick                   # 0.25 and 1 GiB, K=8 (a few minutes)
     python bench/datapath.py                           # 0.5, 2 and 4 GiB (4 if memory allows)
     python bench/datapath.py --sizes 1 --saves 12 --compute-ms 100 --no-write
+    python bench/datapath.py --gpu --quick             # a CUDA state of >= 4 GiB, K=5
 
-Per state size, in ONE run, on ONE state (square ``nn.Linear`` layers + AdamW's moments, fp32,
-built as ``bench/_baselines.build_state`` does) and in one process tree:
-
-* this process starts an SMP (``python -m ftmem.smp``, READY handshake; ``--hash-threads N``
-  when that SMP lists the flag) and a rank in a child process (one process, no process group);
-* the rank times one memcpy of the state's bytes (``dst.copy_(src)`` into memory touched
-  before, one thread: wall and CPU seconds), then ``Checkpointer().save(state, step)`` +
-  ``handle.wait()`` once (the first save: it sizes the slots) and K more times; after the
-  last one it waits until the SMP reports the step verified (STATUS ``newest_verified``; an
-  SMP without that key verifies nothing, the rank hashed what it copied);
-* CPU-seconds of those K saves: the rank process (``time.process_time``: every thread, the
-  copy thread and ZeroMQ's included; read around the K save/wait calls, the loop does nothing
-  else) and the SMP process with its children (psutil ``cpu_times``, until verified), per
-  snapshotted GiB, beside the memcpy's;
-* restore: ``Checkpointer().load(state)`` in place, from a fresh Checkpointer;
-* skips: K every-step saves without waiting on the handle, back to back and with a compute
-  stand-in of T ms between them;
-* ``dcp.async_save`` with one reused ``DefaultStager`` (async staging) on the same state:
-  blocking time per save, and the process's CPU-seconds per GiB over K saves (each waited for).
-
-Before the sizes it measures the hash functions a checksum could use (python-xxhash xxh3_64,
-xxh3_128, xxh64, zlib.crc32, hashlib.blake2b) on a 256 MiB buffer, one thread, beside a memcpy.
-:func:`run` returns a :class:`DatapathResult` (the rank's raw figures per size, as JSON);
-``bench/_goals.py`` derives the per-GiB figures. Section ``bench:datapath``.
+What each figure is: docs/benchmarks.md, "How the parts measure". Sections ``bench:datapath``
+and ``bench:gpu``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -54,8 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/datapath.py
 
+from bench import _baselines as baselines
+from bench import _datapath_node as dp
 from bench import _launch, _results
-from bench._datapath_node import node_smp, smp_extra_args, smp_help
 
 logger = logging.getLogger("bench.datapath")
 
@@ -71,6 +54,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     "smoke": dict(zip(_KEYS, ("0.0078125", 3, 1, 20.0, 16, 0.2), strict=True)),
     "quick": dict(zip(_KEYS, ("0.25,1", 8, 3, 100.0, 256, 1.0), strict=True)),
     "full": dict(zip(_KEYS, ("0.5,2,4", 8, 3, 100.0, 256, 2.0), strict=True)),
+    "gpu smoke": {"sizes": "0.25", "saves": 3, "repeats": 1},
+    "gpu quick": {"sizes": "4", "saves": 5, "repeats": 3},
+    "gpu full": {"sizes": "4,8", "saves": 8, "repeats": 3},
 }
 
 
@@ -165,7 +151,9 @@ def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str])
     try:
         t0 = time.perf_counter()
         smp_log = tmp / "smp.log"
-        with node_smp(run_dir, slots=args.slots, extra_args=smp_args, log_path=smp_log) as smp_id:
+        with dp.node_smp(
+            run_dir, slots=args.slots, extra_args=smp_args, log_path=smp_log
+        ) as smp_id:
             smp, run_id = smp_id
             result.notes.append(f"SMP pid {smp.pid} ready in {time.perf_counter() - t0:.2f} s")
             cmd = [
@@ -224,6 +212,201 @@ class DatapathResult(_results.PartResult):
     sizes: list[SizeResult] = field(default_factory=list)
 
 
+# --------------------------------------------------------------------------- --gpu
+
+
+@dataclass(kw_only=True)
+class GpuSizeResult:
+    """What was measured for one CUDA state size (seconds unless named otherwise)."""
+
+    size_gib: float
+    nbytes: int = 0
+    cuda_bytes: int = 0  # the part of nbytes on the GPU (what the pinned copies move)
+    tensors: int = 0
+    layers: str = ""
+    pinned_d2h: list[float] = field(default_factory=list)
+    pinned_h2d: list[float] = field(default_factory=list)
+    first: dict[str, Any] = field(default_factory=dict)
+    save_s: list[float] = field(default_factory=list)
+    safe_s: list[float] = field(default_factory=list)
+    skipped: int = 0
+    proc_cpu: float | None = None
+    smp_cpu: float | None = None
+    verified: bool | None = None
+    verify_wait_s: float = 0.0
+    restore_s: list[float] = field(default_factory=list)
+    restore_check: str = ""
+    notes: list[str] = field(default_factory=list)
+    error: str = ""
+    not_run: str = ""
+
+
+@dataclass(kw_only=True)
+class GpuResult(_results.PartResult):
+    """The ``gpu`` part's results (no sizes without CUDA: ``device`` None)."""
+
+    profile: str
+    device: str | None = None
+    cuda_build: str | None = None
+    smp_note: str = ""
+    sizes: list[GpuSizeResult] = field(default_factory=list)
+
+
+def build_cuda_state(size_gib: float, *, seed: int = 0) -> tuple[torch.nn.Module, Any, str]:
+    """Square ``nn.Linear`` layers on the GPU, weights >= ``size_gib / 3`` GiB, and AdamW with
+    its moments (one step taken); (model, optimizer, shape)."""
+    param_bytes = size_gib * GiB / 3
+    width = next((w for w in (8192, 4096, 2048, 1024) if 2 * w * w * 4 <= param_bytes), 512)
+    n_layers = max(1, math.ceil(param_bytes / (width * width * 4)))
+    model, optimizer = baselines.linear_state(width, n_layers, seed=seed, device="cuda")
+    torch.cuda.synchronize()
+    return model, optimizer, f"{n_layers} x Linear({width}, {width})"
+
+
+def pinned_copies(tensors: list[torch.Tensor], nbytes: int, repeats: int) -> tuple[list, list]:
+    """Seconds of D2H of every tensor into one touched page-locked buffer, and of H2D back,
+    on a side stream (one warm-up); (d2h, h2d)."""
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pinned.fill_(0)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def one(to_host: bool) -> float:
+        torch.cuda.synchronize()
+        stream.wait_stream(torch.cuda.current_stream())
+        t0, off = time.perf_counter(), 0
+        with torch.cuda.stream(stream):
+            for t in tensors:
+                flat, n = t.detach().reshape(-1).view(torch.uint8), t.nbytes
+                pin = pinned[off : off + n]
+                (pin if to_host else flat).copy_(flat if to_host else pin, non_blocking=True)
+                off += n
+        stream.synchronize()
+        return time.perf_counter() - t0
+
+    try:
+        one(True)
+        return [one(True) for _ in range(repeats)], [one(False) for _ in range(repeats)]
+    finally:
+        torch.cuda.synchronize()
+        pinned = torch.empty(0)  # the closure's buffer freed
+        gc.collect()
+        if (empty := getattr(torch._C, "_host_emptyCache", None)) is not None:
+            empty()  # give the pinned buffer back to the OS: the slots need the memory
+
+
+def measure_gpu_size(
+    size_gib: float, args: argparse.Namespace, smp_args: list[str]
+) -> GpuSizeResult:
+    """A CUDA state of ``size_gib`` in this process (the rank), an SMP of its own: the pinned
+    copies, the first and K timed saves to commit, the CPU, the restore (H2D) and its check."""
+    from ftmem.client import Checkpointer
+    from ftmem.config import ClientConfig
+    from ftmem.protocol.smp_client import SmpClient
+
+    r = GpuSizeResult(size_gib=size_gib)
+    free_dev = torch.cuda.mem_get_info()[0] / GiB
+    host_need = (1.0 + 1.15 * args.slots) * size_gib + 1.0
+    host_avail = psutil.virtual_memory().available / GiB
+    if free_dev < 1.3 * size_gib + 0.5 or host_avail < host_need:
+        r.not_run = (
+            f"needs ~{1.3 * size_gib + 0.5:.1f} GiB of free GPU memory ({free_dev:.1f} free) "
+            f"and ~{host_need:.1f} GiB of host memory ({host_avail:.1f} available)"
+        )
+        return r
+    model, optimizer, r.layers = build_cuda_state(size_gib)
+    st = {"model": model, "optim": optimizer}
+    every = dp.state_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    tensors = [t for t in every if t.is_cuda]
+    r.nbytes, r.tensors = sum(t.nbytes for t in every), len(every)
+    r.cuda_bytes = sum(t.nbytes for t in tensors)
+    r.notes.append(
+        f"state: {r.layers} + AdamW on {torch.cuda.get_device_name()}, {r.nbytes / GiB:.2f} GiB "
+        f"({r.cuda_bytes / GiB:.2f} GiB of it on the GPU, {r.tensors} tensors)"
+    )
+    logger.info("[%g GiB] pinned copies", size_gib)
+    r.pinned_d2h, r.pinned_h2d = pinned_copies(tensors, r.cuda_bytes, args.repeats)
+    tmp = Path(tempfile.mkdtemp(prefix="ftmem-bench-gpu-"))
+    (run_dir := tmp / "run").mkdir(mode=0o700)
+    timeout = 120.0 + 30.0 * size_gib
+    try:
+        with dp.node_smp(
+            run_dir, slots=args.slots, extra_args=smp_args, log_path=tmp / "smp.log"
+        ) as (smp, _):
+            cfg = ClientConfig(run_dir=run_dir)
+            with (
+                contextlib.closing(Checkpointer(cfg)) as ckpt,
+                contextlib.closing(SmpClient(run_dir)) as client,
+            ):
+                logger.info("[%g GiB] first save, then %d", size_gib, args.saves)
+                torch.cuda.synchronize()
+                r.first = dp.save_and_wait(ckpt, st, 1, timeout)
+                if r.first["committed"]:
+                    v, w, _, _ = dp.wait_verified(client, ckpt.rank, 1, timeout)
+                    r.first.update(verified=v, verify_wait_s=w)
+                s0, c0 = dp.cpu_seconds(smp.pid), time.process_time()
+                saves, committed = dp.timed_saves(
+                    ckpt, st, 1, args.saves, timeout, torch.cuda.synchronize
+                )
+                r.proc_cpu = (time.process_time() - c0) if committed else None
+                r.save_s, r.safe_s, r.skipped = saves["save_s"], saves["safe_s"], saves["skipped"]
+                r.notes += saves["errors"]
+                if committed:
+                    r.verified, r.verify_wait_s, _, _ = dp.wait_verified(
+                        client, ckpt.rank, committed[-1], timeout
+                    )
+                r.smp_cpu = dp.cpu_seconds(smp.pid) - s0
+            logger.info("[%g GiB] restore", size_gib)
+            with contextlib.closing(Checkpointer(cfg)) as ckpt:
+                for _ in range(args.repeats):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    ckpt.load(st)
+                    torch.cuda.synchronize()
+                    r.restore_s.append(time.perf_counter() - t0)
+                weight = next(iter(model.parameters()))
+                want = weight.detach().clone()
+                with torch.no_grad():
+                    weight.fill_(123.0)
+                ckpt.load(st)
+                r.restore_check = "ok" if torch.equal(weight, want) else "MISMATCH"
+                del want
+    except Exception as exc:  # report it, keep what was measured
+        logger.exception("[%g GiB] failed", size_gib)
+        r.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        del st, every, tensors, model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+    return r
+
+
+def run_gpu(args: argparse.Namespace, sizes: list[float]) -> GpuResult:
+    """Every size on the GPU (nothing without CUDA)."""
+    res = GpuResult(
+        argv=args.argv,
+        machine=_results.machine(),
+        profile=args.profile,
+        cuda_build=torch.version.cuda,
+    )
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        res.device = f"{torch.cuda.get_device_name()} ({props.total_memory / GiB:.0f} GiB)"
+        threads = args.hash_threads if args.hash_threads > 0 else None
+        smp_args, res.smp_note = dp.smp_extra_args(threads, dp.smp_help())
+        for size in sizes:
+            try:
+                res.sizes.append(measure_gpu_size(size, args, smp_args))
+            except Exception as exc:  # e.g. out of memory building the state: report, go on
+                logger.exception("[%g GiB] failed", size)
+                res.sizes.append(GpuSizeResult(size_gib=size, error=f"{type(exc).__name__}: {exc}"))
+            gc.collect()
+            torch.cuda.empty_cache()
+    res.errors = [f"{r.size_gib:g} GiB: {r.error}" for r in res.sizes if r.error]
+    _results.finish(res.machine)
+    return res
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -231,8 +414,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     """The benchmark's command line."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     prof = p.add_mutually_exclusive_group()
-    prof.add_argument("--quick", action="store_true", help="0.25 and 1 GiB, K=8")
-    prof.add_argument("--smoke", action="store_true", help="8 MiB, K=3: does it run")
+    prof.add_argument("--quick", action="store_true", help="0.25 and 1 GiB, K=8 (--gpu: 4, K=5)")
+    prof.add_argument("--smoke", action="store_true", help="8 MiB, K=3 (--gpu: 0.25 GiB)")
+    p.add_argument("--gpu", action="store_true", help="a CUDA state in this process (part gpu)")
     p.add_argument("--sizes", default=None, help="state sizes in GiB (default: the profile's)")
     p.add_argument("--saves", type=int, default=None, help="K: saves per measurement")
     p.add_argument("--repeats", type=int, default=None, help="memcpy/restore/hash repeats")
@@ -253,19 +437,21 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(argv: list[str]) -> DatapathResult:
-    """Parse ``argv``; the hash table, then every size."""
+def run(argv: list[str]) -> DatapathResult | GpuResult:
+    """Parse ``argv``; the hash table, then every size (``--gpu``: :func:`run_gpu`)."""
     args = get_args_parser().parse_args(argv)
     args.profile = "smoke" if args.smoke else "quick" if args.quick else "full"
-    prof = PROFILES[args.profile]
-    for key in _KEYS:
+    args.argv = argv
+    for key, value in PROFILES[("gpu " if args.gpu else "") + args.profile].items():
         if getattr(args, key) is None:
-            setattr(args, key, prof[key])
+            setattr(args, key, value)
     if args.dcp_saves is None:
         args.dcp_saves = args.saves
     sizes = [float(s) for s in str(args.sizes).split(",") if s.strip()]
     if not sizes or args.saves < 1 or args.repeats < 1 or not 0 <= args.loose_frac < 0.9:
         raise ValueError("need a size, --saves >= 1, --repeats >= 1, 0 <= --loose-frac < 0.9")
+    if args.gpu:
+        return run_gpu(args, sizes)
     machine = _results.machine(args.disk_dir or tempfile.gettempdir())
     hashes: list[dict[str, Any]] = []
     if not args.skip_hashes:
@@ -273,7 +459,7 @@ def run(argv: list[str]) -> DatapathResult:
         hashes = bench_hashes(args.hash_mib, args.repeats)
         gc.collect()
     threads = args.hash_threads if args.hash_threads > 0 else None
-    smp_args, smp_note = smp_extra_args(threads, smp_help())
+    smp_args, smp_note = dp.smp_extra_args(threads, dp.smp_help())
     res = DatapathResult(
         argv=argv,
         machine=machine,
@@ -298,4 +484,4 @@ def run(argv: list[str]) -> DatapathResult:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_results.script_main("gpu" if "--gpu" in sys.argv else PART, run))

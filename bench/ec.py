@@ -3,24 +3,7 @@
     python bench/ec.py              # 256 MiB of data per pass, 5 repeats (about a minute)
     python bench/ec.py --quick      # 64 MiB, 3 repeats (a smoke test, ~15 s)
 
-For n=3, m=1 and n=4, m=2 (k = n - m data columns) and stripes of 1, 4 and 16 MiB of data
-(``k`` chunks each), it streams a random buffer stripe by stripe and measures, as GB/s of
-protected data (stripe data bytes / time, median over the repeats):
-
-* ``pyeclib``: ``ECDriver.encode`` alone on each contiguous stripe (numpy view, no copy);
-* ``encode_stripe``: :meth:`StripeCodec.encode_stripe` (the same, plus xxh3 of every fragment);
-* ``encode``: :meth:`StripeCodec.encode` with ``k`` separate chunk views (gathered into the
-  codec's reused stripe buffer first: the case of chunks received from ``k`` nodes);
-* ``rebuild``: :meth:`StripeCodec.reconstruct` of ``m`` lost data columns from the others and
-  the parity, every fragment checksum-verified;
-* ``ms/stripe``: encode_stripe time per stripe, i.e. how long each call holds the GIL.
-
-Every configuration and malloc setting runs in a fresh interpreter (``MALLOC_*`` variables
-removed): "tuned" calls :func:`ftmem.exchange.codec.tune_malloc`, "default" leaves glibc as it
-is. Columns are measured in the order shown, so "pyeclib" under "default" is glibc untouched;
-later columns run after the codec's own first allocations, which can already raise glibc's
-dynamic mmap threshold (the default's speed depends on the process's allocation history).
-Section ``bench:ec`` (not part of the suite).
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

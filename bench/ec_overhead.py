@@ -4,26 +4,7 @@
     python bench/ec_overhead.py --quick          # 1 repeat, fewer steps (a smoke test)
     python bench/ec_overhead.py --repeats 5 --steps 120 --no-write
 
-Each run is a real multi-node job on 127.0.0.1: ``--nodes`` (3) ``python -m launcher`` agents
-(``ftmem-launch``) with one rank each, c10d rendezvous hosted by node 0, every node with its
-own run directory, SMP and peer port, running ``examples/train_gpt.py`` with a snapshot after
-every step (``--save-every 1``). Three configurations, run in turn within every repeat:
-
-* **no ftmem**: the ranks run with ``--no-ftmem`` (no snapshots; the launcher and its idle SMP
-  are still there): the floor;
-* **off**: ``--ftmem-ec-parity 0``: a snapshot every step into the node's SMP, no exchange;
-* **on**: ``--ftmem-ec-parity 1``: the same, and the SMPs protect the newest common step
-  with erasure coding (n = 3 nodes, m = 1) as often as they manage (``--ftmem-ec-interval 0``).
-
-Measured per run: each rank's median step time (the example's closing line); the SMPs'
-protection rounds, counted twice: from ``counters.protected`` of every node's STATUS (polled
-every ``--poll`` seconds; the last poll) and from the SMP's event log (``protected`` events,
-with each round's seconds); snapshots committed per rank (``committed`` events); parity, own
-and sent bytes per node (STATUS); skipped snapshots (STATUS) and each SMP's CPU seconds.
-
-Every agent is started in its own session; at the end of a run (also on error or timeout)
-each agent gets SIGTERM, then its process group and every descendant seen get SIGKILL.
-Every wait is bounded (``--run-timeout``).
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

@@ -4,30 +4,7 @@
     python bench/ec_protect.py --quick         # 256 MiB per node, 2 repeats (1-2 minutes)
     python bench/ec_protect.py --size-mib 1024 --stripe-mib 4 --no-write
 
-For n=3, m=1 (one node lost) and n=4, m=2 (two nodes lost at once) it starts one OS process
-per node ("spawn" context), all on 127.0.0.1, each with its own
-:class:`~ftmem.exchange.zmq_transport.ZmqPeerTransport` (TCP + CURVE, one key pair for the
-job) and :class:`~ftmem.exchange.protector.GroupProtector`, as the SMPs of a group run them.
-Every node process calls :func:`~ftmem.exchange.codec.tune_malloc` and holds a random snapshot
-(``--size-mib``). Measured, median (min-max) over ``--repeats``:
-
-* **protect**: every node calls ``protect`` for the same step from a start-time barrier (the
-  parent hands every node the same ``time.monotonic()`` instant, a system-wide clock on Linux);
-  the wall time runs to the last node protected. A 4 MiB protect first opens the connections
-  (CURVE handshakes) and is not timed. Before each step the previous one is forgotten.
-* **encode per SMP**: ``StripeCodec.encode_stripe`` (pyeclib ISA-L + xxh3 of the k+m
-  fragments) is wrapped in each node process and timed there: data bytes encoded / seconds
-  inside it. "with gather" times the protector's whole ``_encode`` (columns copied into the
-  stripe buffer, encode, parity forwarded to the other holders).
-* **parity** bytes held per node (``parity_bytes``) over its own bytes, against m/(n-m);
-  **peer bytes sent** per node and snapshot (``GroupProtector.sent_bytes``: buffers only, the
-  JSON headers are left out).
-* **rebuild**: the lost nodes' processes are SIGKILLed; fresh processes with empty protectors
-  and NEW transports (new ports, same node names) start, the survivors reconnect to them and
-  ``serve()``, and the new nodes call ``rebuild()`` from a start-time barrier; the wall time
-  runs to the last node rebuilt. Each rebuilt snapshot's xxh3-64 is compared with the lost
-  node's original (computed in the node processes, never copied across) and so is the digest of
-  its parity fragments. Every repeat kills the previous replacements again.
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

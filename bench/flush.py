@@ -4,23 +4,7 @@
     python bench/flush.py                       # 0.5 and 2 GiB, 3 repeats; 5 training repeats
     python bench/flush.py --sizes 1 --repeats 5 --train-repeats 0 --no-write
 
-1. **Throughput.** Per size it builds the benchmark state (``bench/_baselines.py``), puts it
-   into an SMP (``ftmem.save`` + ``wait``, one rank) and then, per repeat in an order rotated
-   each repeat, each system writes the same state to the disk directory, fsync'd, removed
-   (and ``os.sync()``) before the next: **ftmem export_dcp** (``export_dcp(find_sources(...))``
-   in this process, with its phases timed by wrappers around its calls), **ftmem FLUSH** (a
-   FLUSH request answered by the SMP's worker process, after one warm-up FLUSH), **dcp.save**
-   (``FileSystemWriter(sync_files=True)``, live tensors) and **torch.save** + fsync; with the
-   writer's CPU seconds, minor page faults and peak added anonymous memory.
-2. **Step time while flushing.** The example on one node (``--nproc`` ranks under
-   ``ftmem-launch``, a snapshot every step, ``--ftmem-slots 3``) without a flush dir and with
-   ``--ftmem-flush-dir D --ftmem-flush-every N``, in turn each repeat: each rank's median step
-   time (the example's closing line), the flushes and failed flushes from the SMP's event log
-   (``flushed``/``flush_failed``; those that ended before the last ``committed`` event count as
-   during training), skipped snapshots and flush counters from STATUS polls.
-
-:func:`run` returns a :class:`FlushResult`; section ``bench:flush``. Every wait is bounded; the
-SMP and every job are stopped, and their directories removed, on error too.
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

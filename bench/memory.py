@@ -3,13 +3,7 @@
     python bench/memory.py                      # 0.5 and 2 GiB states
     python bench/memory.py --sizes 0.25 --repeats 2 --no-write
 
-Per state size it runs the ftmem part of ``bench/snapshot.py`` (one rank, this process, an SMP
-with 2 slots per rank) and after each committed snapshot reads: the bytes allocated to the
-run's files in /dev/shm (every slot of every rank of the node); the SMP's ``VmRSS`` split into
-``RssShmem`` (the slots it maps) and ``RssAnon`` (its own heap); the anonymous memory the
-rank gained since before its first ``ftmem.save``. Memory per node = shared memory + the SMP's
-``RssAnon`` + the rank's added ``RssAnon``. The suite takes these readings from its
-``snapshot`` part. Section ``bench:memory``.
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

@@ -4,19 +4,7 @@
     python bench/overhead.py --quick           # 4 cycles
     python bench/overhead.py --step-delay 0.1 --no-write          # the host idle 0.1 s a step
 
-ONE job: ``ftmem-launch`` (c10d rendezvous on 127.0.0.1) with ``--nproc`` ranks of
-``bench/overhead.py --_worker``, which builds the example's model, data, AdamW, schedule and
-DDP exactly as ``examples/train_gpt.py`` does (``bench/_train.py``) and trains in blocks of
-``--block`` steps, each block in one configuration: **none** (no snapshots), **none again** (an
-A/A control whose "overhead" is the run's noise), **ftmem every step**, **ftmem every K**
-(``--interval``; ``ftmem.heartbeat`` in between) and **dcp.save every K** (model, optimizer,
-schedule, data position and RNG to the disk). A cycle holds one block of each, in an order
-shuffled per cycle (seeded, the same on every rank); every-K blocks snapshot in the middle of
-each K steps; an ftmem block ends by waiting for its last snapshot's commit. Overhead = a
-block's wall time per step over the 'none' block's of the same cycle - 1; the rank's CPU time
-per step is kept beside it. Warm-up steps (a snapshot each, and one ``dcp.save``) come first and
-are not counted. Rank 0 prints its blocks as one JSON line, which :func:`run` reads into an
-:class:`OverheadResult`; section ``bench:overhead``.
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

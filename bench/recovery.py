@@ -4,22 +4,7 @@
     python bench/recovery.py --quick               # 1 repeat per system
     python bench/recovery.py --repeats 5 --dcp-every 20 --steps 40 --fail-at-step 30 --no-write
 
-Every system trains ``examples/train_gpt.py`` (default size, 2 ranks, gloo, one node), and
-rank 1 SIGKILLs itself right after step ``--fail-at-step``: **ftmem-launch + standbys** (the
-default ``--ftmem-standby 1``: the restarted ranks are the warm standbys, which ``ftmem.load``
-from the SMP), **ftmem-launch (cold)** (``--ftmem-standby 0``) and **torchrun + DCP**
-(``--max-restarts 1``, this script as the worker, ``--_dcp-worker``: the example's model,
-data, schedule and digest, a ``dcp.save`` every ``--dcp-every`` steps, ``dcp.load`` of the
-newest complete one on restart). A failure-free ``--no-ftmem`` run gives the reference digest;
-every recovered run must end with it.
-
-The time line of each recovery: for ftmem-launch, from its event logs (rank death = the SMP's
-``committed`` event of the failing rank's last step, which the kill follows; the agent's
-``failed`` event (detection) and ``resumed`` event with its split: stop, rendezvous, start,
-script, load, first step); for torchrun + DCP, from the worker's JSON lines (``bench/_train.py``
-marks: script started, model built, restored, every step) and elastic's own log lines, the
-only record torchrun keeps (no event log). :func:`run` returns a :class:`RecoveryResult`;
-section ``bench:recovery``.
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ MODULES = {
     "ec-overhead": "ec_overhead",
     "flush": "flush",
     "datapath": "datapath",
-    "gpu": "gpu_datapath",
+    "gpu": "datapath",
 }
 PARTS = tuple(MODULES)
 PROFILES: dict[str, dict[str, list[str]]] = {
@@ -55,7 +55,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "ec-overhead": ["--configs", "off,on", "--steps", "6", "--repeats", "1"],
         "flush": ["--sizes", "0.02", "--repeats", "1", "--train-repeats", "0"],
         "datapath": ["--smoke"],
-        "gpu": ["--smoke"],
+        "gpu": ["--gpu", "--smoke"],
     },
     "quick": {
         "snapshot": [
@@ -68,7 +68,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "ec-overhead": ["--configs", "off,on", "--steps", "16", "--repeats", "1"],
         "flush": ["--sizes", "0.25", "--repeats", "2", "--train-repeats", "0"],
         "datapath": ["--quick"],
-        "gpu": ["--quick"],
+        "gpu": ["--gpu", "--quick"],
     },
     "full": {
         "snapshot": ["--sizes", "0.5,2", "--repeats", "5"],
@@ -78,7 +78,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "ec-overhead": ["--repeats", "3"],
         "flush": ["--sizes", "0.5,2", "--repeats", "3", "--train-repeats", "3"],
         "datapath": [],
-        "gpu": [],
+        "gpu": ["--gpu"],
     },
 }
 # --quick leaves out ec-overhead: its 3-node jobs take a minute and a half on their own here.

@@ -1,15 +1,9 @@
 """Sharded snapshots of replicated (data-parallel) state: each of D ranks saves 1/D, vs all.
 
-Every rank of a D-process gloo group builds the same state (``_baselines.build_state``: square
-``nn.Linear`` layers + AdamW, identical on every rank, as under DDP) and takes snapshots into
-one SMP with sharding on (``replicated_over=WORLD``) and off (``shard_replicated=False``),
-alternating, in the same run. Per mode: the stall (``save`` + the fence at the next
-``optimizer.step``, after a compute stand-in), the background copy time, the bytes each rank
-holds, and the restore time (``load``: verify, copy and, sharded, the all-gather of the rows
-from every rank). :func:`run` returns a :class:`ShardingResult`; section ``bench:sharding``::
-
     python bench/sharding.py                      # 0.5 GiB of state, D = 2 and 4, 5 repeats
     python bench/sharding.py --size-gib 0.1 --repeats 2 --no-write   # a quick look
+
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations

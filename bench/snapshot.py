@@ -4,16 +4,7 @@
     python bench/snapshot.py --quick               # 0.25 GiB, 3 repeats
     python bench/snapshot.py --sizes 1 --repeats 9 --simulate sleep --json /tmp/snap.json
 
-For each state size it builds square ``nn.Linear`` layers whose parameters are a third of the
-size, takes one AdamW step so ``exp_avg``/``exp_avg_sq`` exist, then measures, one system after
-the other and freeing each one's files and buffers before the next: ``torch.save`` to /dev/shm
-and to disk + fsync and ``torch.load`` + ``load_state_dict``; ``dcp.save`` and ``dcp.load`` in
-place; ``dcp.async_save`` with one reused ``DefaultStager`` (async staging, and optionally
-without); ftmem with an SMP of its own: the stall (blocked in ``ftmem.save`` plus at the
-optimizer-step fence after a forward/backward stand-in), the background copy bandwidth
-(``ftmem.stats()["last_copy_s"]``), ``ftmem.load`` in place, and memory per node
-(``bench/memory.py``) after each committed snapshot. :func:`run` returns a
-:class:`SnapshotResult`; sections ``bench:snapshot`` and ``bench:memory``.
+How it measures: docs/benchmarks.md, "How the parts measure".
 """
 
 from __future__ import annotations
