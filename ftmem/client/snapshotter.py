@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -37,55 +36,19 @@ import torch
 
 from ftmem._logging import get_logger
 from ftmem.client import agreement
-from ftmem.client.flatten import (
-    Flat,
-    Layout,
-    flatten_state,
-    plan_layout,
-    shard_replicated,
-    signature_of,
-)
+from ftmem.client.flatten import Flat, flatten_state
 from ftmem.client.loading import SnapshotLoader
-from ftmem.client.staging import (
-    CopyJob,
-    CopyWorker,
-    PrepareJob,
-    SkipNotice,
-    copy_into,
-    register_pinned,
-    slot_views,
-    start_cuda_copies,
-    unregister_pinned,
-)
+from ftmem.client.save_plan import SavePlan, plan_save, walk_values
+from ftmem.client.sharding import ReplicaSharder, gather_group
+from ftmem.client.slot_maps import SlotMappings, stage
+from ftmem.client.staging import CopyJob, CopyWorker, PrepareJob, SkipNotice
 from ftmem.config import ClientConfig
-from ftmem.errors import (
-    FtmemError,
-)
+from ftmem.errors import FtmemError
 from ftmem.format.tensors import encode_skeleton
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
-from ftmem.shm import MappedSegment
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True, eq=False)
-class _SavePlan:
-    """What a save of a state of one signature does (cached while the signature and the
-    tensors' storages stay the same)."""
-
-    key: tuple[Any, ...]
-    layout: Layout
-    eager: list[int]
-    """CPU tensors copied inside ``save`` (buffers, RNG, anything the forward may change)."""
-    lazy: list[int]
-    """CPU tensors only the optimizers change: copied by the worker, largest first."""
-    cuda: list[int]
-    """Device tensors the optimizers do not own (buffers...): copied first by a side stream,
-    which the current stream then waits for (on the device)."""
-    cuda_lazy: list[int]
-    """Device tensors only the optimizers change: copied next by the side stream, fenced by
-    the optimizer pre-hook."""
 
 
 @dataclass
@@ -96,6 +59,15 @@ class _Pending:
     step: int
     replicated_over: Any
     reason: str
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why the SMP gave no slot to a save; ``tell``: the SMP did not refuse it itself (or
+    does not know it gave up), so the copy thread reports the skip."""
+
+    reason: str
+    tell: bool = False
 
 
 @dataclass
@@ -144,18 +116,13 @@ class Checkpointer:
         self._client: SmpClient | None = None
         self._worker: CopyWorker | None = None
         self._rank: int | None = None
-        self._segments: dict[str, MappedSegment] = {}
-        self._plan: _SavePlan | None = None
-        self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
-        """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
-        when the mapping is closed (holding the layout keeps its identity unique)."""
-        self._replicated: tuple[Any, list[int], list[tuple[int, int]]] | None = None
-        """(signature and group, the replicated tensors' indices, their data pointers)."""
+        self._slots = SlotMappings()
+        self._plan: SavePlan | None = None
+        self._sharder = ReplicaSharder()
         self._preparing: PrepareJob | None = None
         self._pending: _Pending | None = None
         self._changed = False
         """The optimizer stepped since the newest save (its state is not that step's)."""
-        self._seg_lock = threading.Lock()
         self._job: CopyJob | None = None
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._hooks: list[Any] = []
@@ -165,7 +132,6 @@ class Checkpointer:
         self._closed = False
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
-        self._hsdp_group: Any = None
         atexit.register(self.close)
 
     # -- connection ------------------------------------------------------------------------
@@ -187,29 +153,10 @@ class Checkpointer:
                     world_size=agreement.current_world_size(),
                 )
             )
-            self._shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))
+            self._slots.shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))
             self._client = client
             self._worker = CopyWorker(self.config.run_dir, self.config.request_timeout)
         return self._client
-
-    def _segment(self, path: str, capacity: int) -> MappedSegment:
-        with self._seg_lock:
-            seg = self._segments.get(path)
-            if seg is None or seg.nbytes != capacity:
-                seg = MappedSegment(Path(path), capacity, self._shm_dir)
-                self._segments[path] = seg
-                # Forget mappings of files the SMP replaced (one live file per slot).
-                for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
-                    gone = self._segments.pop(old)
-                    self._views.pop(id(gone), None)
-                    unregister_pinned(gone)
-                    gone.close()
-            return seg
-
-    def _map_new_slots(self, slots: list[dict[str, Any]]) -> None:
-        """Map (and populate the page tables of) slots the SMP just made (copy thread)."""
-        for slot in slots:
-            self._segment(str(slot["path"]), int(slot["capacity"]))
 
     # -- save ------------------------------------------------------------------------------
     def save(
@@ -253,52 +200,32 @@ class Checkpointer:
         """One save; ``deadline`` (monotonic) set: the final save, which waits for the
         previous copy, the allocation and a free slot instead of skipping."""
         t0 = time.perf_counter()
-        final = deadline is not None
         client = self._connect()
         # The fence first, also when this save is skipped: an optimizer step after a skipped
         # save must mark the state changed (a final save of that step would be stale).
         self._hook_optimizers(state)
-        prev = self._job
-        if prev is not None and not prev.finished.is_set():
-            if not prev.copied.is_set() and not final:
-                return self._skip(step, "the previous copy is still running", t0, tell=True)
-            # The copy is done and only the SMP's ack of its COMMIT is in flight (one IPC round
-            # trip), or this is the final save. Wait rather than skip: ranks that skip
-            # different steps can end up with no step in common.
-            prev.finished.wait(self._left(deadline, self.config.request_timeout))
-        preparing = self._preparing
-        if preparing is not None and not preparing.done.is_set():
-            if not final:
-                return self._skip(step, "slots are being allocated", t0, tell=True)
-            preparing.done.wait(self._left(deadline, self.config.prepare_timeout))
+        busy = self._wait_busy(deadline)
+        if busy is not None:
+            return self._skip(step, busy, t0, tell=True)
         whole = flatten_state(state)
         flat = self._shard(state, whole, replicated_over)
-        plan = self._save_plan(flat)
+        plan = self._plan = plan_save(flat, self._plan, self._optimizers)
         objects = encode_skeleton(flat.skeleton)
         total = max(1, plan.layout.tensors_end + len(objects))
-        while True:
-            decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final))
-            action = decision["action"]
-            if action == "write":
-                break
-            if action == "resize":
-                prep = self._prepare_ahead(total)
-                if not final:
-                    return self._skip(step, "slots are being allocated", t0, tell=True)
-                prep.done.wait(self._left(deadline, self.config.prepare_timeout))
-                if prep.error is not None or not prep.done.is_set():
-                    return self._skip(step, f"slots could not be allocated: {prep.error}", t0)
-                continue
-            reason = str(decision.get("reason", action))
-            if not final:
-                return self._skip(step, reason, t0)
-            assert deadline is not None
-            if time.monotonic() >= deadline:
-                return self._skip(step, reason, t0, tell=True)
-            time.sleep(0.05)  # a flush or a protection round holds the slots: bounded poll
-        seg = self._segment(str(decision["path"]), int(decision["capacity"]))
-        job = self._stage(
-            flat, plan, objects, seg, step, int(decision["slot"]), int(decision["gen"])
+        decision = self._begin(client, step, total, deadline)
+        if isinstance(decision, _Refusal):
+            return self._skip(step, decision.reason, t0, tell=decision.tell)
+        seg = self._slots.segment(str(decision["path"]), int(decision["capacity"]))
+        job = stage(
+            flat,
+            plan,
+            objects,
+            seg,
+            self._slots.views(seg, plan.layout),
+            rank=self.rank,
+            step=step,
+            slot=int(decision["slot"]),
+            gen=int(decision["gen"]),
         )
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
@@ -308,6 +235,56 @@ class Checkpointer:
         assert self._worker is not None
         self._worker.submit(job)
         return SnapshotHandle(step=step, skipped=False, _job=job)
+
+    def _wait_busy(self, deadline: float | None) -> str | None:
+        """Why a save must skip because this rank is busy (None: it may go on).
+
+        The final save (``deadline`` set) waits instead, for the previous copy and commit
+        and for a slot allocation in progress. An ordinary save also waits when the
+        previous copy is done and only the SMP's ack of its COMMIT is in flight (one IPC
+        round trip): ranks that skip different steps can end up with no step in common.
+        """
+        final = deadline is not None
+        prev = self._job
+        if prev is not None and not prev.finished.is_set():
+            if not prev.copied.is_set() and not final:
+                return "the previous copy is still running"
+            prev.finished.wait(self._left(deadline, self.config.request_timeout))
+        preparing = self._preparing
+        if preparing is not None and not preparing.done.is_set():
+            if not final:
+                return "slots are being allocated"
+            preparing.done.wait(self._left(deadline, self.config.prepare_timeout))
+        return None
+
+    def _begin(
+        self, client: SmpClient, step: int, total: int, deadline: float | None
+    ) -> dict[str, Any] | _Refusal:
+        """Ask the SMP for a slot of ``total`` bytes: its ``write`` decision, or why not.
+
+        The final save (``deadline`` set) waits for the slots' allocation and polls
+        (bounded) while a flush or a protection round holds the slots."""
+        final = deadline is not None
+        while True:
+            decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final))
+            action = decision["action"]
+            if action == "write":
+                return decision
+            if action == "resize":
+                prep = self._prepare_ahead(total)
+                if not final:
+                    return _Refusal("slots are being allocated", tell=True)
+                prep.done.wait(self._left(deadline, self.config.prepare_timeout))
+                if prep.error is not None or not prep.done.is_set():
+                    return _Refusal(f"slots could not be allocated: {prep.error}")
+                continue
+            reason = str(decision.get("reason", action))
+            if not final:
+                return _Refusal(reason)
+            assert deadline is not None
+            if time.monotonic() >= deadline:
+                return _Refusal(reason, tell=True)
+            time.sleep(0.05)  # a flush or a protection round holds the slots: bounded poll
 
     @staticmethod
     def _left(deadline: float | None, default: timedelta) -> float:
@@ -322,107 +299,18 @@ class Checkpointer:
         if job is not None and not job.done.is_set():
             return job
         want = int(nbytes * (1 + self.config.arena_headroom)) + 1
-        job = PrepareJob(self.rank, want, self.config.prepare_timeout, self._map_new_slots)
+        job = PrepareJob(self.rank, want, self.config.prepare_timeout, self._slots.map_new)
         self._preparing = job
         log.info("allocating snapshot slots of %.1f MiB in the background", want / 2**20)
         assert self._worker is not None
         self._worker.submit(job)
         return job
 
-    def _save_plan(self, flat: Flat) -> _SavePlan:
-        """The cached plan of a save (layout, eager / lazy / device tensors).
-
-        Reused while the state's signature is the same and the tensors it copies lazily are
-        still the same storages (other tensors, e.g. a fresh RNG state each save, may be new
-        objects every time: they are copied eagerly wherever they live)."""
-        sig = signature_of(flat)
-        plan = self._plan
-        tensors = flat.tensors
-        if (
-            plan is not None
-            and plan.key[0] == sig
-            and all(
-                tensors[i].data_ptr() == p
-                for i, p in zip(plan.lazy + plan.cuda_lazy, plan.key[1], strict=True)
-            )
-        ):
-            return plan
-        layout = plan.layout if plan is not None and plan.key[0] == sig else plan_layout(flat)
-        lazy_ptrs = _optimizer_storage_ptrs(self._optimizers)  # found by _hook_optimizers
-        eager: list[int] = []
-        lazy: list[int] = []
-        cuda: list[int] = []
-        cuda_lazy: list[int] = []
-        for i, t in enumerate(tensors):
-            owned = bool(lazy_ptrs) and t.untyped_storage().data_ptr() in lazy_ptrs
-            if t.device.type != "cpu":
-                (cuda_lazy if owned else cuda).append(i)
-            elif owned:
-                lazy.append(i)
-            else:  # buffers, RNG, anything the forward pass or the user may change
-                eager.append(i)
-        lazy.sort(key=lambda i: -tensors[i].nbytes)
-        key = (sig, tuple(tensors[i].data_ptr() for i in lazy + cuda_lazy))
-        self._plan = _SavePlan(key, layout, eager, lazy, cuda, cuda_lazy)
-        return self._plan
-
-    def _replica_group(self, state: Mapping[str, Any], given: Any) -> Any:
-        """The group the state is replicated over (None: not replicated / not distributed)."""
-        if not agreement.distributed():
-            return None
-        if given is not None:
-            return given
-        from torch.nn.parallel import DistributedDataParallel
-
-        for v in _walk_values(state):
-            if isinstance(v, DistributedDataParallel):
-                return v.process_group
-        return None
-
     def _shard(self, state: Mapping[str, Any], flat: Flat, given: Any) -> Flat:
         """Keep only this replica's share of the replicated tensors (see :meth:`save`)."""
         if not self.config.shard_replicated or not agreement.distributed():
             return flat
-        group = self._replica_group(state, given)
-        if group is None:
-            return self._shard_hsdp(flat)
-        size = torch.distributed.get_world_size(group)
-        if size < 2:
-            return flat
-        # Cached while the signature, the group and the replicated tensors' storages stay
-        # the same (other tensors, e.g. a fresh RNG state each save, may be new objects).
-        sig = signature_of(flat)
-        cached = self._replicated
-        if not (
-            cached is not None
-            and cached[0] == (sig, id(group))
-            and all(flat.tensors[i].data_ptr() == p for i, p in cached[2])
-        ):
-            ptrs = _replicated_storage_ptrs(state)
-            chunks = flat.chunks or [None] * len(flat.tensors)
-            found = [
-                i
-                for i, t in enumerate(flat.tensors)
-                if chunks[i] is None and t.untyped_storage().data_ptr() in ptrs
-            ]
-            cached = ((sig, id(group)), found, [(i, flat.tensors[i].data_ptr()) for i in found])
-            self._replicated = cached
-        replicated = cached[1]
-        if not replicated:
-            return flat
-        return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
-
-    def _shard_hsdp(self, flat: Flat) -> Flat:
-        """DTensors replicated along a mesh dimension (HSDP's replicate dimension): each
-        replica of that dimension keeps 1/R of their local shards."""
-        groups = flat.replica_groups or [None] * len(flat.tensors)
-        group = next((g for g in groups if g is not None), None)
-        if group is None:
-            return flat
-        size = torch.distributed.get_world_size(group)
-        replicated = [i for i, g in enumerate(groups) if g is group]
-        self._hsdp_group = group
-        return shard_replicated(flat, replicated, size, torch.distributed.get_rank(group))
+        return self._sharder.shard(state, flat, given)
 
     def _skip(self, step: int, reason: str, t0: float, tell: bool = False) -> SnapshotHandle:
         """Count a skipped snapshot; ``tell``: the SMP did not refuse it itself, so the copy
@@ -434,47 +322,9 @@ class Checkpointer:
             self._worker.submit(SkipNotice(self.rank, step, reason))
         return SnapshotHandle(step=step, skipped=True, reason=reason)
 
-    def _stage(
-        self,
-        flat: Flat,
-        plan: _SavePlan,
-        objects: bytes,
-        seg: MappedSegment,
-        step: int,
-        slot: int,
-        gen: int,
-    ) -> CopyJob:
-        """Copy the eager part now; return the job that copies the rest in the background."""
-        off = plan.layout.tensors_end
-        seg.view[off : off + len(objects)] = objects
-        cached = self._views.get(id(seg))
-        if cached is None or cached[0] is not plan.layout:
-            cached = self._views[id(seg)] = (plan.layout, slot_views(seg, plan.layout))
-        views = cached[1]
-        tensors = flat.tensors
-        copy_into([views[i] for i in plan.eager], [tensors[i] for i in plan.eager])
-        job = CopyJob(
-            rank=self.rank,
-            step=step,
-            slot=slot,
-            gen=gen,
-            seg=seg,
-            layout=plan.layout,
-            dsts=[views[i] for i in plan.lazy],
-            srcs=[tensors[i] for i in plan.lazy],
-            objects=(off, len(objects)),
-        )
-        if plan.cuda or plan.cuda_lazy:
-            register_pinned(seg)
-            job.cuda_event = start_cuda_copies(
-                ([views[i] for i in plan.cuda], [tensors[i] for i in plan.cuda]),
-                ([views[i] for i in plan.cuda_lazy], [tensors[i] for i in plan.cuda_lazy]),
-            )
-        return job
-
     # -- the fence -------------------------------------------------------------------------
     def _hook_optimizers(self, state: Mapping[str, Any]) -> None:
-        found = [v for v in _walk_values(state) if isinstance(v, torch.optim.Optimizer)]
+        found = [v for v in walk_values(state) if isinstance(v, torch.optim.Optimizer)]
         self._optimizers = found
         for opt in found:
             if opt not in self._hooked:
@@ -577,17 +427,13 @@ class Checkpointer:
             SnapshotMismatchError: the snapshot does not fit ``state``.
         """
         allow = self.config.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
-        self._group = self._replica_group(state, replicated_over)
-        if self._group is None and agreement.distributed():
-            # HSDP: DTensors replicated along a mesh dimension gather over its group.
-            groups = flatten_state(state).replica_groups
-            self._group = next((g for g in groups if g is not None), None)
+        self._group = gather_group(state, replicated_over)
         self.wait_quietly()
         client = self._connect()
         loader = SnapshotLoader(
             rank=self.rank,
             client=client,
-            segment=self._segment,
+            segment=self._slots.segment,
             group=self._group,
             flush_dirs=self.config.flush_dirs,
         )
@@ -623,60 +469,4 @@ class Checkpointer:
         if self._client is not None:
             self._client.close()
         self._job = None
-        self._views.clear()
-        for seg in self._segments.values():
-            unregister_pinned(seg)
-            seg.close()
-        self._segments.clear()
-
-
-def _walk_values(obj: Any) -> list[Any]:
-    out = []
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Mapping):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        else:
-            out.append(v)
-    return out
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    """The data pointer of a tensor's storage (a DTensor's: its local shard's)."""
-    local = getattr(t, "_local_tensor", None)
-    return int((local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr())
-
-
-def _optimizer_storage_ptrs(optimizers: list[torch.optim.Optimizer]) -> set[int]:
-    """Storages that only the optimizers mutate: their parameters and their state tensors."""
-    ptrs: set[int] = set()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                ptrs.add(_storage_ptr(p))
-        for st in opt.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    ptrs.add(_storage_ptr(v))
-    return ptrs
-
-
-def _replicated_storage_ptrs(state: Mapping[str, Any]) -> set[int]:
-    """Storages replicated under data parallelism: the (plain) parameters of the modules in
-    ``state`` and the optimizer state of those parameters. Buffers (BatchNorm statistics...)
-    are per rank: each rank's forward updates its own."""
-    values = _walk_values(state)
-    params: dict[int, torch.Tensor] = {}
-    for mod in (v for v in values if isinstance(v, torch.nn.Module)):
-        for p in mod.parameters():
-            if type(p) in (torch.Tensor, torch.nn.Parameter):
-                params[id(p)] = p
-    ptrs = {_storage_ptr(p) for p in params.values()}
-    for opt in (v for v in values if isinstance(v, torch.optim.Optimizer)):
-        for param, st in opt.state.items():
-            if id(param) in params:
-                ptrs.update(_storage_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
-    return ptrs
+        self._slots.close()

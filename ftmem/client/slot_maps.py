@@ -1,0 +1,120 @@
+"""The rank's mappings of its slot files, and staging one save into a slot.
+
+The SMP makes (and replaces) the slot files; a rank maps each one once and keeps, per
+mapping, its views of every tensor of the current layout, so that a save whose state did
+not change shape only copies. :func:`stage` copies a save's eager part into a slot and
+returns the job that copies the rest in the background.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftmem.client.flatten import Flat, Layout
+from ftmem.client.save_plan import SavePlan
+from ftmem.client.staging import (
+    CopyJob,
+    copy_into,
+    register_pinned,
+    slot_views,
+    start_cuda_copies,
+    unregister_pinned,
+)
+from ftmem.shm import MappedSegment
+
+
+class SlotMappings:
+    """The slot files this rank has mapped, and each mapping's views of the tensors.
+
+    Resource handling: a mapping is closed when the SMP replaced its file (seen at the
+    next :meth:`segment`) and by :meth:`close`. :meth:`segment` is called from the
+    training thread and the copy thread: a lock guards the mappings.
+    """
+
+    def __init__(self) -> None:
+        self.shm_dir = Path("/dev/shm")
+        """Where the SMP makes the slot files (its HELLO reply says)."""
+        self._segments: dict[str, MappedSegment] = {}
+        self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
+        """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
+        when the mapping is closed (holding the layout keeps its identity unique)."""
+        self._lock = threading.Lock()
+
+    def segment(self, path: str, capacity: int) -> MappedSegment:
+        """The mapping of the slot file ``path`` of ``capacity`` bytes (mapped now if new)."""
+        with self._lock:
+            seg = self._segments.get(path)
+            if seg is None or seg.nbytes != capacity:
+                seg = MappedSegment(Path(path), capacity, self.shm_dir)
+                self._segments[path] = seg
+                # Forget mappings of files the SMP replaced (one live file per slot).
+                for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
+                    gone = self._segments.pop(old)
+                    self._views.pop(id(gone), None)
+                    unregister_pinned(gone)
+                    gone.close()
+            return seg
+
+    def map_new(self, slots: list[dict[str, Any]]) -> None:
+        """Map (and populate the page tables of) slots the SMP just made (copy thread)."""
+        for slot in slots:
+            self.segment(str(slot["path"]), int(slot["capacity"]))
+
+    def views(self, seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
+        """The views of every tensor of ``layout`` in the mapping ``seg`` (cached)."""
+        cached = self._views.get(id(seg))
+        if cached is None or cached[0] is not layout:
+            cached = self._views[id(seg)] = (layout, slot_views(seg, layout))
+        return cached[1]
+
+    def close(self) -> None:
+        """Drop every view and close every mapping."""
+        self._views.clear()
+        for seg in self._segments.values():
+            unregister_pinned(seg)
+            seg.close()
+        self._segments.clear()
+
+
+def stage(
+    flat: Flat,
+    plan: SavePlan,
+    objects: bytes,
+    seg: MappedSegment,
+    views: list[torch.Tensor],
+    *,
+    rank: int,
+    step: int,
+    slot: int,
+    gen: int,
+) -> CopyJob:
+    """Copy the eager part of a save into ``seg`` now (the skeleton's ``objects``, the eager
+    tensors; the device tensors start on a side stream); return the job that copies the
+    lazy part in the background and commits."""
+    off = plan.layout.tensors_end
+    seg.view[off : off + len(objects)] = objects
+    tensors = flat.tensors
+    copy_into([views[i] for i in plan.eager], [tensors[i] for i in plan.eager])
+    job = CopyJob(
+        rank=rank,
+        step=step,
+        slot=slot,
+        gen=gen,
+        seg=seg,
+        layout=plan.layout,
+        dsts=[views[i] for i in plan.lazy],
+        srcs=[tensors[i] for i in plan.lazy],
+        objects=(off, len(objects)),
+    )
+    if plan.cuda or plan.cuda_lazy:
+        register_pinned(seg)
+        job.cuda_event = start_cuda_copies(
+            ([views[i] for i in plan.cuda], [tensors[i] for i in plan.cuda]),
+            ([views[i] for i in plan.cuda_lazy], [tensors[i] for i in plan.cuda_lazy]),
+        )
+    return job
