@@ -15,6 +15,7 @@ Rebuild (a node that lost its memory calls :meth:`rebuild`; survivors keep calli
 :meth:`serve`): it asks a survivor for the step's sizes (META), derives the same stripe map and
 the rebuild plan, FETCHes k fragments per stripe it took part in (data ranges from the column
 nodes, parity with its checksums from holders), and reconstructs its own data and its parity.
+Both ends of the rebuild are in rebuilder.py; the per-peer send queues in outbox.py.
 
 Every header carries the protector's *epoch* (the launcher's generation): after the group is
 reconfigured (:meth:`reconfigure`), late messages of an earlier epoch are dropped. A node that
@@ -35,25 +36,19 @@ earlier epoch or one from outside the group is logged, counted in ``dropped`` an
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftmem import faults
 from ftmem._logging import get_logger
-from ftmem.errors import FtmemError, ProtocolError, UnrecoverableError
+from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange import messages as pm
 from ftmem.exchange.codec import StripeCodec
 from ftmem.exchange.messages import Envelope
-from ftmem.exchange.placement import (
-    Fetch,
-    FragmentKind,
-    GroupPlan,
-    StripePlan,
-    rebuild_plan,
-    stripe_map,
-)
+from ftmem.exchange.outbox import Outbox
+from ftmem.exchange.placement import GroupPlan, StripePlan, stripe_map
+from ftmem.exchange.rebuilder import Rebuilder
 from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 
@@ -69,7 +64,10 @@ class ExchangeInterrupted(FtmemError):
 
 
 @dataclass
-class _Step:
+class StepState:
+    """What this node holds and knows of one step (its data, every node's size and manifest,
+    columns received, parity held, who sent HELD)."""
+
     data: SegmentedBytes | None = None
     sizes: dict[int, int] = field(default_factory=dict)
     manifests: dict[int, bytes] = field(default_factory=dict)
@@ -114,56 +112,39 @@ class GroupProtector:
         self.stripe_bytes = stripe_bytes
         self.timeout_s = timeout_s
         self.codec = StripeCodec(plan.k, plan.m)
-        self.steps: dict[int, _Step] = {}
-        self._fetched: dict[tuple[int, int, int], bytes] = {}
-        self._meta: dict[int, dict[int, int]] = {}
-        self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.steps: dict[int, StepState] = {}
         self.epoch = epoch
         self.on_other = on_other
         self.interrupted = interrupted or (lambda: False)
         self.on_progress = on_progress
         """Called about once a second during a rebuild: (step, fragments in, fragments needed)."""
         self.dropped = 0
-        self.sent_bytes = 0
-        self._outbox: dict[int, deque[tuple[dict[str, Any], list[Any]]]] = {}
+        self._outbox = Outbox(me)
+        self._rebuilder = Rebuilder(self)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Buffer bytes sent to peers so far."""
+        return self._outbox.sent_bytes
 
     # -- helpers -----------------------------------------------------------------------------
     def _peers(self) -> list[int]:
         return [n for n in self.plan.nodes if n != self.me]
 
-    def _send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
-        """Queue a message; :meth:`flush` (called by every wait) sends it without blocking, so
-        a node never stalls on a busy peer while that peer stalls on it."""
-        self._outbox.setdefault(node, deque()).append((body.to_header(self.epoch), bufs or []))
-
-    def send(self, node: int, body: pm.PeerBody) -> None:
-        """Queue a small message of the owner's own (ordered with the protocol's messages)."""
-        self._send(node, body)
+    def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
+        """Queue a message (the protocol's, or a small one of the owner's own, ordered with
+        them); :meth:`flush` (called by every wait) sends it without blocking, so a node never
+        stalls on a busy peer while that peer stalls on it."""
+        self._outbox.put(node, body.to_header(self.epoch), bufs or [])
 
     def flush(self) -> bool:
         """Send what peers can take now; True when nothing is left queued."""
-        for node, box in list(self._outbox.items()):
-            while box:
-                header, bufs = box[0]
-                try:
-                    if not self.transport.try_send(str(node), header, bufs):
-                        break
-                except FtmemError as exc:
-                    log.warning(
-                        "[%d] dropping %d messages to node %d: %s", self.me, len(box), node, exc
-                    )
-                    box.clear()
-                    break
-                box.popleft()
-                self.sent_bytes += sum(memoryview(b).nbytes for b in bufs)
-            if not box:
-                del self._outbox[node]
-        return not self._outbox
+        return self._outbox.flush(self.transport)
 
     def drain(self) -> None:
         """Wait (bounded by ``timeout_s``, serving peers meanwhile) until every queued message
         is sent: a node that returns from :meth:`protect` may owe its peers their HELD."""
-        self._pump(self.flush, lambda: f"{sum(map(len, self._outbox.values()))} messages unsent")
+        self.pump(self.flush, lambda: f"{self._outbox.queued()} messages unsent")
 
     def _wait_s(self, longest: float) -> float:
         return min(longest, 0.002) if self._outbox else longest
@@ -179,12 +160,10 @@ class GroupProtector:
         self._outbox.clear()
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
             del self.steps[step]
-        self._fetched.clear()
-        self._meta.clear()
-        self._sums.clear()
+        self._rebuilder.clear()
 
-    def _st(self, step: int) -> _Step:
-        return self.steps.setdefault(step, _Step())
+    def _st(self, step: int) -> StepState:
+        return self.steps.setdefault(step, StepState())
 
     def _plan_stripes(self, step: int) -> None:
         st = self.steps[step]
@@ -203,7 +182,7 @@ class GroupProtector:
                 for col, c in enumerate(s.columns):
                     if c.node == self.me and c.length:
                         piece = st.data.read(c.offset, c.length)
-                        self._send(s.encoder, pm.Data(step, s.index, col), [piece])
+                        self.send(s.encoder, pm.Data(step, s.index, col), [piece])
             for index in [i for i, n in st.missing.items() if n == 0]:
                 self._progress(step, index)
             self._progress(step, None)
@@ -231,7 +210,7 @@ class GroupProtector:
             st.held_sent = True
             st.held.add(self.me)
             for n in self._peers():
-                self._send(n, pm.Held(step))
+                self.send(n, pm.Held(step))
 
     def _encode(self, step: int, s: StripePlan) -> None:
         faults.maybe_inject(faults.Point.IN_ENCODE, self.me, step)
@@ -254,7 +233,7 @@ class GroupProtector:
                     st.owed_left.discard((s.index, frag))
             else:
                 body = pm.Parity(step, s.index, frag, tuple(enc.checksums))
-                self._send(holder, body, [enc.parity[t]])
+                self.send(holder, body, [enc.parity[t]])
 
     # -- message handling ----------------------------------------------------------------------
     def handle(self, msg: PeerMessage | Envelope) -> None:
@@ -316,15 +295,13 @@ class GroupProtector:
                 if b.step in self.steps and not self.steps[b.step].held >= set(self.plan.nodes):
                     self.steps[b.step].aborted = True
             case pm.MetaRequest() as b:
-                self._serve_meta(sender, b.step)
+                self._rebuilder.serve_meta(sender, b.step)
             case pm.MetaReply() as b:
-                self._meta[b.step] = dict(b.sizes)
-                if bufs:
-                    self._st(b.step).manifests[self.me] = bytes(bufs[0])
+                self._rebuilder.on_meta(b, bufs)
             case pm.FetchRequest() as b:
-                self._serve_fetch(sender, b)
+                self._rebuilder.serve_fetch(sender, b)
             case pm.FetchReply() as b:
-                self._on_fetched(b, bufs)
+                self._rebuilder.on_fetched(b, bufs)
             case _:  # the service's own kinds
                 if self.on_other is None:
                     raise ProtocolError(f"unexpected kind {env.kind.value!r}")
@@ -355,48 +332,14 @@ class GroupProtector:
             st.owed_left.discard(key)
         self._progress(b.step, None)
 
-    def _on_fetched(self, b: pm.FetchReply, bufs: tuple[memoryview, ...]) -> None:
-        key = (b.step, b.stripe, b.frag)
-        if not bufs:  # the holder no longer has it
-            self._fetched[key] = b""
-            return
-        if b.sums:
-            self._sums[(b.step, b.stripe)] = b.sums
-        self._fetched[key] = bytes(bufs[0])
+    def pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Send, receive and handle peer messages until ``done()``; ``what()`` says what is
+        missing in the error.
 
-    def _serve_meta(self, sender: int, step: int) -> None:
-        st = self.steps.get(step)
-        sizes = st.sizes if st is not None and st.held_sent else {}
-        manifest = st.manifests.get(sender, b"") if st is not None else b""
-        self._send(sender, pm.MetaReply(step, dict(sizes)), [manifest])
-
-    def _serve_fetch(self, sender: int, b: pm.FetchRequest) -> None:
-        st = self.steps.get(b.step)
-        reply = pm.FetchReply(b.step, b.stripe, b.frag)
-        if b.kind is FragmentKind.DATA:
-            if st is None or st.data is None:
-                log.warning(
-                    "[%d] fetch of data of step %d I do not hold, from %d", self.me, b.step, sender
-                )
-                self._send(sender, reply)
-                return
-            try:
-                piece = st.data.read(b.offset, b.length)
-            except ValueError as exc:
-                raise ProtocolError(f"fetch of step {b.step}: {exc}") from exc
-            self._send(sender, reply, [piece])
-            return
-        payload = st.parity.get((b.stripe, b.frag)) if st is not None else None
-        if st is None or payload is None:
-            log.warning(
-                "[%d] fetch of parity of step %d I do not hold, from %d", self.me, b.step, sender
-            )
-            self._send(sender, reply)
-            return
-        sums = st.checksums.get(b.stripe) or ()
-        self._send(sender, pm.FetchReply(b.step, b.stripe, b.frag, tuple(sums)), [payload])
-
-    def _pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        Raises:
+            ExchangeInterrupted: ``interrupted()`` became true.
+            TimeoutError: not done within ``timeout_s``.
+        """
         deadline = time.monotonic() + self.timeout_s
         while not done():
             if self.interrupted():
@@ -423,7 +366,7 @@ class GroupProtector:
         st.sizes[self.me] = st.data.nbytes
         st.manifests[self.me] = manifest
         for n in self._peers():
-            self._send(n, pm.Size(step, st.data.nbytes), [manifest])
+            self.send(n, pm.Size(step, st.data.nbytes), [manifest])
         self._plan_stripes(step)
 
         def done() -> bool:
@@ -431,7 +374,7 @@ class GroupProtector:
                 raise StepAborted(f"step {step} was given up by a node of the group")
             return st.held >= set(self.plan.nodes)
 
-        self._pump(
+        self.pump(
             done,
             lambda: (
                 f"step {step} not protected (held by {sorted(st.held)}, sizes from {sorted(st.sizes)})"
@@ -442,7 +385,7 @@ class GroupProtector:
     def abort(self, step: int) -> None:
         """Give ``step`` up here and tell every peer to give it up too."""
         for n in self._peers():
-            self._send(n, pm.Abort(step))
+            self.send(n, pm.Abort(step))
         self.forget(step)
 
     def held_steps(self) -> list[int]:
@@ -478,48 +421,6 @@ class GroupProtector:
         if st is not None and st.data is not None:
             st.data.release()
 
-    def _fetch(self, step: int, stripe: StripePlan, fetches: Sequence[Fetch]) -> None:
-        for f in fetches:
-            body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
-            self._send(f.node, body)
-
-    def _wait_fetched(
-        self, step: int, wanted: set[tuple[int, int, int]], base: int = 0, overall: int = 0
-    ) -> None:
-        """Pump until every fragment of ``wanted`` is in; ``base`` of ``overall`` fragments
-        were done before (progress is reported over the whole rebuild)."""
-        total = len(wanted)
-        overall = max(overall, base + total)
-        last = [time.monotonic()]
-
-        def done() -> bool:
-            n = len(self._fetched)
-            now = time.monotonic()
-            if self.on_progress is not None and now - last[0] >= 1.0:
-                last[0] = now
-                self.on_progress(step, base + min(n, total), overall)
-            return n >= total and wanted <= self._fetched.keys()
-
-        self._pump(
-            done, lambda: f"{len(wanted - set(self._fetched))} fragments of step {step} missing"
-        )
-
-    @staticmethod
-    def _spares(stripe: StripePlan, lost: set[int] | frozenset[int], used: set[int]) -> list[Fetch]:
-        """Every surviving fragment of ``stripe`` not in ``used`` (for a retry after corruption)."""
-        k = stripe.k
-        out = [
-            Fetch(f, c.node, FragmentKind.DATA, c.offset, c.length)
-            for f, c in enumerate(stripe.columns)
-            if c.length and c.node not in lost and f not in used
-        ]
-        out += [
-            Fetch(k + t, h, FragmentKind.PARITY, 0, stripe.chunk_bytes)
-            for t, h in enumerate(stripe.holders)
-            if h not in lost and k + t not in used
-        ]
-        return out
-
     def rebuild(self, step: int, lost: set[int] | frozenset[int], source: int) -> memoryview:
         """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
 
@@ -533,81 +434,4 @@ class GroupProtector:
                 hold the step, or too few fragments of a stripe are intact.
             TimeoutError: a survivor did not answer in time.
         """
-        self._send(source, pm.MetaRequest(step))
-        self._pump(
-            lambda: step in self._meta, lambda: f"no sizes of step {step} from node {source}"
-        )
-        sizes = self._meta.pop(step)
-        if set(sizes) != set(self.plan.nodes):
-            raise UnrecoverableError(f"node {source} does not hold step {step}")
-        stripes = stripe_map(self.plan, sizes, self.stripe_bytes)
-        mine = rebuild_plan(self.plan, stripes, lost).for_node(self.me)
-        out = bytearray(sizes.get(self.me, 0))
-        st = self._st(step)
-        st.sizes = dict(sizes)
-        st.stripes = {s.index: s for s in stripes}
-        # Fetch and rebuild a window of stripes at a time: at most ~64 MiB of fragments are held
-        # besides the output (fetching everything first needed n times the node's snapshot).
-        per = max(1, (64 << 20) // max(1, self.stripe_bytes))
-        overall = sum(len(sr.fetch) for sr in mine.stripes)
-        done_frags = 0
-        for w in range(0, len(mine.stripes), per):
-            window = mine.stripes[w : w + per]
-            for sr in window:
-                self._fetch(step, sr.stripe, sr.fetch)
-            wanted = {(step, sr.stripe.index, f.fragment) for sr in window for f in sr.fetch}
-            self._wait_fetched(step, wanted, done_frags, overall)
-            done_frags += len(wanted)
-            for sr in window:
-                s = sr.stripe
-                frags = {
-                    f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in sr.fetch
-                }
-                # The stripe's k+m checksums travel with any fetched parity fragment.
-                sums = self._sums.pop((step, s.index), None)
-                try:
-                    got = self.codec.reconstruct(
-                        frags,
-                        sr.rebuild,
-                        chunk_bytes=s.chunk_bytes,
-                        lengths=s.lengths,
-                        checksums=sums,
-                    )
-                except UnrecoverableError as exc:
-                    spares = self._spares(s, lost, set(frags) | set(sr.rebuild))
-                    log.warning(
-                        "[%d] step %d stripe %d: %s; retrying with %d more fragments",
-                        self.me,
-                        step,
-                        s.index,
-                        exc,
-                        len(spares),
-                    )
-                    if not spares:
-                        raise
-                    self._fetch(step, s, spares)
-                    self._wait_fetched(step, {(step, s.index, f.fragment) for f in spares})
-                    frags.update(
-                        {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in spares}
-                    )
-                    sums = self._sums.pop((step, s.index), sums)
-                    got = self.codec.reconstruct(
-                        frags,
-                        sr.rebuild,
-                        chunk_bytes=s.chunk_bytes,
-                        lengths=s.lengths,
-                        checksums=sums,
-                    )
-                for frag, payload in got.fragments.items():
-                    if frag < s.k:
-                        c = s.columns[frag]
-                        out[c.offset : c.offset + c.length] = payload[: c.length]
-                    else:
-                        st.parity[(s.index, frag)] = payload
-                if sums is not None:
-                    st.checksums[s.index] = sums
-        st.data = SegmentedBytes([out])
-        st.held = set(self.plan.nodes)
-        st.held_sent = True
-        self.drain()
-        return memoryview(out)
+        return self._rebuilder.rebuild(step, lost, source)
