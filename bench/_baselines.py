@@ -68,15 +68,18 @@ class Timings:
         self.values.setdefault(name, []).append(seconds)
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Return the bytes of every tensor nested in dicts/lists/tuples of ``obj``."""
+def state_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor nested in dicts/lists/tuples of ``obj``, in order."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return [obj]
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+        obj = list(obj.values())
+    return [t for v in obj for t in state_tensors(v)] if isinstance(obj, list | tuple) else []
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor nested in dicts/lists/tuples of ``obj``."""
+    return sum(t.nbytes for t in state_tensors(obj))
 
 
 def linear_state(
@@ -101,16 +104,16 @@ def linear_state(
     return model, optimizer
 
 
-def build_state(size_gib: float, *, seed: int = 0) -> BenchState:
-    """Build a model + AdamW whose parameters are ``size_gib / 3`` GiB, optimizer state 2x that.
-
-    Layers are square ``nn.Linear`` (with bias) of at most 64 MiB of weights each, so the
-    state is many large tensors plus a few small ones (biases, ``step`` scalars).
-    """
+def build_state(size_gib: float, *, seed: int = 0, narrow: bool = False) -> BenchState:
+    """A model + AdamW whose parameters are ``size_gib / 3`` GiB, optimizer state 2x that:
+    square ``nn.Linear`` layers (with bias) of at most 64 MiB of weights each. ``narrow``:
+    below 16 MiB of parameters, layers narrower than 2048 (else at least one, 48 MiB)."""
     if size_gib <= 0:
         raise ValueError(f"size must be positive, got {size_gib}")
     param_bytes = size_gib * 2**30 / 3
     width = 4096 if param_bytes >= 8 * _LAYER_BYTES_MAX else 2048
+    if narrow and param_bytes < 16 * 2**20:
+        width = next((w for w in (1024, 512, 256, 128) if 2 * w * w * 4 <= param_bytes), 64)
     n_layers = max(1, round(param_bytes / (width * width * 4)))
     model, optimizer = linear_state(width, n_layers, seed=seed)
     state = BenchState(model=model, optimizer=optimizer, nbytes=0)
@@ -119,6 +122,21 @@ def build_state(size_gib: float, *, seed: int = 0) -> BenchState:
         "state: %d x Linear(%d, %d), %.3f GiB with AdamW state", n_layers, width, width, state.gib
     )
     return state
+
+
+def check_restore(load: Callable[[], Any], state: BenchState) -> bool:
+    """Clobber one weight and its ``exp_avg_sq``, ``load()``, and say whether both came back
+    bitwise."""
+    weight = next(iter(state.model.parameters()))
+    moment = state.optimizer.state[weight]["exp_avg_sq"]
+    want_w, want_m = weight.detach().clone(), moment.clone()
+    with torch.no_grad():
+        weight.fill_(123.0)
+        moment.fill_(-1.0)
+    load()
+    weight = next(iter(state.model.parameters()))
+    moment = state.optimizer.state[weight]["exp_avg_sq"]
+    return bool(torch.equal(weight, want_w) and torch.equal(moment, want_m))
 
 
 def make_simulator(kind: str, seconds: float) -> Callable[[], None]:

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/_datapath_node.py
 
 from bench import _baselines as baselines
-from bench import _launch
+from bench import _launch, _proc
 
 logger = logging.getLogger("bench.datapath")
 
@@ -43,26 +43,6 @@ MiB = 1 << 20
 VERIFY_POLL_MIN_S = 0.005
 VERIFY_POLL_MAX_S = 0.05
 """STATUS poll intervals while waiting for the SMP to verify (each poll costs both sides CPU)."""
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` and its descendants.
-
-    All threads of each process, the children it has reaped (``children_user/system``) and
-    the live descendants. 0.0 if the process is gone. Resolution: the kernel's clock tick.
-    """
-    try:
-        proc = psutil.Process(pid)
-        t = proc.cpu_times()
-        total = t.user + t.system + t.children_user + t.children_system
-        kids = proc.children(recursive=True)
-    except psutil.Error:
-        return 0.0
-    for kid in kids:
-        with contextlib.suppress(psutil.Error):
-            k = kid.cpu_times()
-            total += k.user + k.system
-    return float(total)
 
 
 def smp_help() -> str:
@@ -225,31 +205,6 @@ def _delta(after: Any, before: Any) -> Any:
     return None
 
 
-def build_state(size_gib: float, *, seed: int = 0) -> baselines.BenchState:
-    """The benchmark state of ``bench/_baselines.build_state``, with narrower layers for tiny
-    sizes (there, a state is at least one 2048-wide layer, 48 MiB)."""
-    param_bytes = size_gib * GiB / 3
-    if param_bytes >= 16 * MiB:
-        return baselines.build_state(size_gib, seed=seed)
-    width = next((w for w in (1024, 512, 256, 128) if 2 * w * w * 4 <= param_bytes), 64)
-    n_layers = max(1, round(param_bytes / (width * width * 4)))
-    model, optimizer = baselines.linear_state(width, n_layers, seed=seed)
-    state = baselines.BenchState(model=model, optimizer=optimizer, nbytes=0)
-    state.nbytes = baselines.tensor_bytes(state.state_dicts())
-    return state
-
-
-def state_tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor nested in dicts/lists/tuples of ``obj``, in order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in state_tensors(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in state_tensors(v)]
-    return []
-
-
 def memcpy_into(dst: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy the bytes of ``tensors`` one after the other into the flat uint8 ``dst``."""
     off = 0
@@ -293,7 +248,7 @@ class _Rank:
         os.replace(tmp, self.args.result)
 
     def smp_cpu(self) -> float:
-        return cpu_seconds(self.args.smp_pid)
+        return _proc.cpu_seconds(self.args.smp_pid)
 
     def state_dict(self) -> dict[str, Any]:
         """The model's and optimizer's state dicts, and the loose buffers if any."""
@@ -306,18 +261,18 @@ class _Rank:
     def build(self) -> None:
         a = self.args
         t0 = time.perf_counter()
-        self.state = build_state(a.size_gib)
+        self.state = baselines.build_state(a.size_gib, narrow=True)
         self.st = {"model": self.state.model, "optim": self.state.optimizer}
         if a.loose_frac > 0:
             total = self.state.nbytes / (1 - a.loose_frac)
             each = max(1, int(total * a.loose_frac / 4 / 4))
             self.st["buffers"] = {f"b{i}": torch.randn(each) for i in range(4)}
-        tensors = state_tensors(self.state_dict())
+        tensors = baselines.state_tensors(self.state_dict())
         self.nbytes = sum(t.nbytes for t in tensors)
         self.res.update(
             nbytes=self.nbytes,
             tensors=len(tensors),
-            loose_bytes=sum(t.nbytes for t in state_tensors(self.st.get("buffers", {}))),
+            loose_bytes=sum(t.nbytes for t in baselines.state_tensors(self.st.get("buffers", {}))),
             layers=len(self.state.model),
             width=self.state.model[0].in_features,
             build_s=time.perf_counter() - t0,
@@ -326,7 +281,7 @@ class _Rank:
         )
 
     def memcpy(self) -> None:
-        tensors = state_tensors(self.state_dict())
+        tensors = baselines.state_tensors(self.state_dict())
         dst = torch.empty(self.nbytes, dtype=torch.uint8)
         dst.zero_()  # touched: no page faults in the timed copies
         memcpy_into(dst, tensors)
@@ -422,21 +377,11 @@ class _Rank:
                 out["rank_cpu"].append(time.process_time() - r0)
                 out["smp_cpu"].append(self.smp_cpu() - s0)
                 out["steps"].append(got)
-            out["check"] = self._check_restore(ckpt)
+            ok = baselines.check_restore(lambda: ckpt.load(self.st), self.state)
+            out["check"] = "ok" if ok else "MISMATCH"
             self.step = max(self.step, *out["steps"])
         finally:
             ckpt.close()
-
-    def _check_restore(self, ckpt: Any) -> str:
-        weight = next(iter(self.state.model.parameters()))
-        moment = self.state.optimizer.state[weight]["exp_avg_sq"]
-        want_w, want_m = weight.detach().clone(), moment.clone()
-        with torch.no_grad():
-            weight.fill_(123.0)
-            moment.fill_(-1.0)
-        ckpt.load(self.st)
-        ok = torch.equal(weight, want_w) and torch.equal(moment, want_m)
-        return "ok" if ok else "MISMATCH"
 
     def skips(self) -> None:
         from ftmem.client import Checkpointer

@@ -1,5 +1,5 @@
-"""What ``bench/flush.py`` reads of the writing processes: CPU, page faults, peak memory, and
-the time of each phase of ``export_dcp`` (timing wrappers around its calls).
+"""What the parts read of processes: CPU, page faults, memory, peak memory; and the time of
+each phase of ``export_dcp`` (timing wrappers around its calls, for ``bench/flush.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,36 @@ def cpu_self() -> float:
     """CPU seconds (user + system) of this process so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``, all its threads, the children it reaped
+    and its live descendants; 0.0 if it is gone. Resolution: the kernel's clock tick."""
+    try:
+        proc = psutil.Process(pid)
+        t = proc.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system
+        kids = proc.children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    for kid in kids:
+        with contextlib.suppress(psutil.Error):
+            total += sum(kid.cpu_times()[:2])
+    return float(total)
+
+
+def proc_memory(pid: int) -> dict[str, int]:
+    """``VmRSS``, ``RssAnon``, ``RssFile`` and ``RssShmem`` of ``pid`` in bytes (0 if unknown)."""
+    out = dict.fromkeys(("VmRSS", "RssAnon", "RssFile", "RssShmem"), 0)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                name = line.split(":", 1)[0]
+                if name in out:
+                    out[name] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def minflt(pid: int | None) -> int:
@@ -137,16 +167,7 @@ class RssSampler:
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def _read(self) -> int:
-        if self.pid is None:
-            return 0
-        try:
-            with open(f"/proc/{self.pid}/status") as f:
-                for line in f:
-                    if line.startswith("RssAnon:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return 0 if self.pid is None else proc_memory(self.pid)["RssAnon"]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/dat
 
 from bench import _baselines as baselines
 from bench import _datapath_node as dp
-from bench import _launch, _results
+from bench import _launch, _proc, _results
 
 logger = logging.getLogger("bench.datapath")
 
@@ -315,7 +315,7 @@ def measure_gpu_size(
         return r
     model, optimizer, r.layers = build_cuda_state(size_gib)
     st = {"model": model, "optim": optimizer}
-    every = dp.state_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    every = baselines.state_tensors({"model": model.state_dict(), "optim": optimizer.state_dict()})
     tensors = [t for t in every if t.is_cuda]
     r.nbytes, r.tensors = sum(t.nbytes for t in every), len(every)
     r.cuda_bytes = sum(t.nbytes for t in tensors)
@@ -343,7 +343,7 @@ def measure_gpu_size(
                 if r.first["committed"]:
                     v, w, _, _ = dp.wait_verified(client, ckpt.rank, 1, timeout)
                     r.first.update(verified=v, verify_wait_s=w)
-                s0, c0 = dp.cpu_seconds(smp.pid), time.process_time()
+                s0, c0 = _proc.cpu_seconds(smp.pid), time.process_time()
                 saves, committed = dp.timed_saves(
                     ckpt, st, 1, args.saves, timeout, torch.cuda.synchronize
                 )
@@ -354,7 +354,7 @@ def measure_gpu_size(
                     r.verified, r.verify_wait_s, _, _ = dp.wait_verified(
                         client, ckpt.rank, committed[-1], timeout
                     )
-                r.smp_cpu = dp.cpu_seconds(smp.pid) - s0
+                r.smp_cpu = _proc.cpu_seconds(smp.pid) - s0
             logger.info("[%g GiB] restore", size_gib)
             with contextlib.closing(Checkpointer(cfg)) as ckpt:
                 for _ in range(args.repeats):

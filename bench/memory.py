@@ -18,22 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/memory.py
 
 from bench import _launch, _results
+from bench._proc import proc_memory
 
 PART = "memory"
-
-
-def proc_memory(pid: int) -> dict[str, int]:
-    """``VmRSS``, ``RssAnon``, ``RssFile`` and ``RssShmem`` of ``pid`` in bytes (0 if unknown)."""
-    out = dict.fromkeys(("VmRSS", "RssAnon", "RssFile", "RssShmem"), 0)
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                name = line.split(":", 1)[0]
-                if name in out:
-                    out[name] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 @dataclass(kw_only=True)

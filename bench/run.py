@@ -43,43 +43,39 @@ MODULES = {
     "gpu": "datapath",
 }
 PARTS = tuple(MODULES)
-PROFILES: dict[str, dict[str, list[str]]] = {
-    "smoke": {
-        "snapshot": [
-            *("--sizes", "0.02", "--repeats", "1", "--fwd-bwd-s", "0.05"),
-            *("--simulate", "sleep", "--skip-sync-staging"),
-        ],
-        "overhead": ["--cycles", "1", "--interval", "2", "--d-model", "32", "--vocab", "64"],
-        "recovery": ["--repeats", "1", "--no-reference", "--steps", "6", "--fail-at-step", "3"],
-        "ec-protect": ["--size-mib", "8", "--repeats", "1", "--cases", "3:1"],
-        "ec-overhead": ["--configs", "off,on", "--steps", "6", "--repeats", "1"],
-        "flush": ["--sizes", "0.02", "--repeats", "1", "--train-repeats", "0"],
-        "datapath": ["--smoke"],
-        "gpu": ["--gpu", "--smoke"],
-    },
-    "quick": {
-        "snapshot": [
-            *("--sizes", "0.125,0.25", "--repeats", "3", "--fwd-bwd-s", "0.3"),
-            "--skip-sync-staging",
-        ],
-        "overhead": ["--quick"],
-        "recovery": ["--repeats", "1", "--no-reference"],
-        "ec-protect": ["--size-mib", "64", "--repeats", "2", "--cases", "3:1"],
-        "ec-overhead": ["--configs", "off,on", "--steps", "16", "--repeats", "1"],
-        "flush": ["--sizes", "0.25", "--repeats", "2", "--train-repeats", "0"],
-        "datapath": ["--quick"],
-        "gpu": ["--gpu", "--quick"],
-    },
-    "full": {
-        "snapshot": ["--sizes", "0.5,2", "--repeats", "5"],
-        "overhead": [],
-        "recovery": ["--repeats", "3"],
-        "ec-protect": ["--size-mib", "1024", "--repeats", "3"],
-        "ec-overhead": ["--repeats", "3"],
-        "flush": ["--sizes", "0.5,2", "--repeats", "3", "--train-repeats", "3"],
-        "datapath": [],
-        "gpu": ["--gpu"],
-    },
+_PROFILES = {  # part: (smoke, quick, full) arguments
+    "snapshot": (
+        "--sizes 0.02 --repeats 1 --fwd-bwd-s 0.05 --simulate sleep --skip-sync-staging",
+        "--sizes 0.125,0.25 --repeats 3 --fwd-bwd-s 0.3 --skip-sync-staging",
+        "--sizes 0.5,2 --repeats 5",
+    ),
+    "overhead": ("--cycles 1 --interval 2 --d-model 32 --vocab 64", "--quick", ""),
+    "recovery": (
+        "--repeats 1 --no-reference --steps 6 --fail-at-step 3",
+        "--repeats 1 --no-reference",
+        "--repeats 3",
+    ),
+    "ec-protect": (
+        "--size-mib 8 --repeats 1 --cases 3:1",
+        "--size-mib 64 --repeats 2 --cases 3:1",
+        "--size-mib 1024 --repeats 3",
+    ),
+    "ec-overhead": (
+        "--configs off,on --steps 6 --repeats 1",
+        "--configs off,on --steps 16 --repeats 1",
+        "--repeats 3",
+    ),
+    "flush": (
+        "--sizes 0.02 --repeats 1 --train-repeats 0",
+        "--sizes 0.25 --repeats 2 --train-repeats 0",
+        "--sizes 0.5,2 --repeats 3 --train-repeats 3",
+    ),
+    "datapath": ("--smoke", "--quick", ""),
+    "gpu": ("--gpu --smoke", "--gpu --quick", "--gpu"),
+}
+PROFILES = {
+    prof: {part: shlex.split(args[i]) for part, args in _PROFILES.items()}
+    for i, prof in enumerate(("smoke", "quick", "full"))
 }
 # --quick leaves out ec-overhead: its 3-node jobs take a minute and a half on their own here.
 PROFILE_PARTS = {

@@ -30,6 +30,7 @@ import torch
 from bench import _baselines as baselines
 from bench import _results
 from bench import memory as node_memory
+from bench._proc import proc_memory
 
 logger = logging.getLogger("bench.snapshot")
 
@@ -111,7 +112,7 @@ def bench_ftmem(
     os.environ["FTMEM_RUN_DIR"], os.environ["FTMEM_RUN_ID"] = run_dir, run_id
     st = {"model": state.model, "optim": state.optimizer}
     mem = node_memory.NodeMemory(state_bytes=state.nbytes, slots=2)
-    anon_before = node_memory.proc_memory(os.getpid())["RssAnon"]
+    anon_before = proc_memory(os.getpid())["RssAnon"]
     try:
         t0 = time.perf_counter()
         with start_smp(run_dir=run_dir, run_id=run_id, slots=mem.slots) as smp:
@@ -134,7 +135,7 @@ def bench_ftmem(
                 out.add("load in place", time.perf_counter() - t0)
                 if got != repeats + 1:
                     res.errors.append(f"ftmem.load returned step {got}, expected {repeats + 1}")
-            res.restore_ok = _check_restore(ftmem, st, state)
+            res.restore_ok = baselines.check_restore(lambda: ftmem.load(st), state)
     finally:
         try:
             ftmem.close()
@@ -194,20 +195,6 @@ def _ftmem_saves(
         res.stats_after = {k: v for k, v in s.items() if isinstance(v, int | float | str)}
     finally:
         hook.remove()
-
-
-def _check_restore(ftmem: Any, st: dict[str, Any], state: baselines.BenchState) -> bool:
-    """Clobber one weight and one moment, load, and say whether both came back bitwise."""
-    weight = next(iter(state.model.parameters()))
-    moment = state.optimizer.state[weight]["exp_avg_sq"]
-    want_w, want_m = weight.detach().clone(), moment.clone()
-    with torch.no_grad():
-        weight.fill_(123.0)
-        moment.fill_(-1.0)
-    ftmem.load(st)
-    weight = next(iter(state.model.parameters()))
-    moment = state.optimizer.state[weight]["exp_avg_sq"]
-    return bool(torch.equal(weight, want_w) and torch.equal(moment, want_m))
 
 
 def _split_name(name: str) -> tuple[str, str]:
