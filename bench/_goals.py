@@ -161,7 +161,7 @@ def flush_goals(doc: Doc | None) -> list[Goal]:
     out = _rows(
         p, [(g, t) for g in names.values()], values, f"flush, {big['nbytes'] / st.GiB:.2f} GiB"
     )
-    from bench._tables_jobs import flush_train
+    from bench._tables import flush_train
 
     pairs: list[float] = []
     if doc and doc["result"]["train"]:
@@ -208,7 +208,7 @@ def recovery_goals(doc: Doc | None) -> list[Goal]:
 
 def ec_overhead_goals(doc: Doc | None) -> list[Goal]:
     """Step time with erasure-coded protection on against off (adjacent runs)."""
-    from bench._tables_jobs import ec_pairs
+    from bench._tables import ec_pairs
 
     p, g = "ec-overhead", "step time, EC protection on / off"
     rat = ec_pairs(doc["result"], "off", "on") if doc else []

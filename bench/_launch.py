@@ -1,11 +1,6 @@
-"""Starting and reaping the jobs the bench scripts run: ``ftmem-launch`` agents, ``torchrun``.
-
-Every job runs in a session of its own with its output in a log file. While it runs, the
-owner calls :meth:`Job.remember` (every wait here does) so that the job's descendants are
-known by pid: elastic starts each rank in a session of its own, so killing the job's process
-group does not reach them. :meth:`Job.stop` sends SIGTERM to the job (an agent then stops its
-ranks and its SMP, which removes its shared memory), waits a bounded time, then SIGKILLs the
-job's group and every descendant it saw. Nothing is ever killed by name.
+"""Starting and reaping the jobs the bench scripts run (``ftmem-launch`` agents, ``torchrun``)
+on :mod:`ftmem.testing.harness`'s process handling; what the training-job parts share (the
+example's flags, a job's result, its clean-up); SMP STATUS polling.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -71,32 +67,10 @@ def single_node_args(*, nproc: int, run_id: str, run_dir: Path, node: str = "n0"
 
 
 class Job(AgentProcess):
-    """One command in a session of its own, its output in ``log`` (the harness's process, with
-    the names the bench scripts use)."""
+    """One command in a session of its own, run in the repository, its output in ``log``."""
 
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str], cwd: Path = REPO) -> None:
         super().__init__(cmd, log, env, cwd=cwd)
-        self.log = log
-
-    def remember(self) -> None:
-        """Note the job's current descendants (ranks, SMPs, workers) by pid."""
-        self.children()
-
-    def running(self) -> bool:
-        """True while the job's main process has not exited."""
-        return self.poll() is None
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        """The first match of ``pattern`` in the log, waiting up to ``timeout`` s.
-
-        Error handling: RuntimeError (with the log's tail) if the job exits first or the
-        time runs out.
-        """
-        return self.wait_log(pattern, timeout)[0]
-
-    def stop(self, term_timeout: float | timedelta = 20.0) -> None:
-        """SIGTERM, a bounded wait, then SIGKILL to the job's group and every descendant."""
-        super().stop(term_timeout)
 
 
 class Agent(Job):
@@ -120,9 +94,9 @@ def wait_all(
     """
     deadline = time.monotonic() + timeout
     next_poll = 0.0
-    while any(job.running() for job in jobs):
+    while any(job.poll() is None for job in jobs):
         for job in jobs:
-            job.remember()
+            job.children()
         now = time.monotonic()
         if now > deadline:
             raise TimeoutError(f"not finished within {timeout:g} s")
@@ -212,6 +186,55 @@ class StatusPoller:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+MODEL_FLAGS = ("d_model", "n_layers", "vocab", "seq_len", "batch_size")
+
+
+def flags(**values: Any) -> list[str]:
+    """``--name value`` for each keyword, in order (``_`` in a name becomes ``-``)."""
+    return [x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """The example's model-size flags from ``args`` (``add_model_args``)."""
+    return flags(**{k: getattr(args, k) for k in MODEL_FLAGS})
+
+
+def example() -> str:
+    """The example script, relative to the repository root."""
+    return str(EXAMPLE.relative_to(REPO))
+
+
+@dataclass
+class JobRun:
+    """One training job in one configuration: status and each rank's step times."""
+
+    config: str
+    repeat: int
+    ok: bool = False
+    error: str = ""
+    wall_s: float = 0.0
+    load_start: float = 0.0
+    rank_median: dict[int, float] = field(default_factory=dict)
+    rank_mean: dict[int, float] = field(default_factory=dict)
+
+    def read_step_times(self, text: str) -> None:
+        """Each rank's median and mean step time from the example's closing lines."""
+        for r, v in MEDIAN_RE.findall(text):
+            self.rank_median[int(r)] = float(v)
+        for r, v in MEAN_RE.findall(text):
+            self.rank_mean[int(r)] = float(v)
+
+
+def clean_up(res: Any, run_id: str, tmp: Path, keep_logs: bool) -> None:
+    """Remove the shared memory of ``run_id`` left behind (noted in ``res.notes``) and ``tmp``."""
+    if leftovers := remove_shm(run_id):
+        res.notes.append(f"shared memory left behind (removed): {leftovers}")
+    if keep_logs:
+        print(f"# {res.config} {res.repeat}: logs kept in {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

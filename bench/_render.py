@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/_re
 
 from bench import _goals, _results, _tables
 from bench._stats import fmt
-from bench._tables_base import table
+from bench._tables import table
 
 _TITLE = "# Benchmarks"
 Doc = dict[str, Any]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_overhead.py
 
-from bench import _jobs, _launch, _results
+from bench import _launch, _results
 from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import launch_args
 
@@ -38,7 +38,7 @@ FINAL_RE = re.compile(r"\[rank (\d+)\] final step (\d+)")  # the example's closi
 
 
 @dataclass
-class RunResult(_jobs.JobRun):
+class RunResult(_launch.JobRun):
     """One job of the nodes in one configuration."""
 
     final_steps: dict[int, int] = field(default_factory=dict)
@@ -63,10 +63,10 @@ class RunResult(_jobs.JobRun):
 def script_args(args: argparse.Namespace) -> list[str]:
     """The example's arguments (model, steps, snapshot cadence), the same in every config."""
     return [
-        _jobs.example(),
-        *_jobs.flags(steps=args.steps),
-        *_jobs.model_flags(args),
-        *_jobs.flags(save_every=1, log_every=args.steps),
+        _launch.example(),
+        *_launch.flags(steps=args.steps),
+        *_launch.model_flags(args),
+        *_launch.flags(save_every=1, log_every=args.steps),
     ]
 
 
@@ -113,7 +113,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
             a = agent_args(i, args.nodes, port, rid, run_dirs[i], config, args)
             agents.append(_launch.Agent(a, tmp / f"agent-n{i}.log", env))
             if i == 0:
-                agents[0].wait_for(r"SMP pid \d+ ready", args.start_timeout)
+                agents[0].wait_log(r"SMP pid \d+ ready", args.start_timeout)
             else:
                 time.sleep(0.5)  # join order = node order in the first round
         _launch.wait_all(
@@ -131,7 +131,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
         if any(codes) or len(res.rank_median) != args.nodes:
             res.error = f"exit codes {codes}, step times of ranks {sorted(res.rank_median)}"
             for a in agents:
-                res.notes.append(f"{a.log.name} tail: " + a.text()[-1500:])
+                res.notes.append(f"{a.log_path.name} tail: " + a.text()[-1500:])
         else:
             res.ok = True
     except (TimeoutError, RuntimeError, OSError) as exc:
@@ -160,7 +160,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
         events = read_events([rd]).events
         res.log_rounds[i] = [float(e.fields["seconds"]) for e in events if e.event == "protected"]
         res.log_commits[i] = sum(e.event == "committed" for e in events)
-    _jobs.clean_up(res, rid, tmp, args.keep_logs)
+    _launch.clean_up(res, rid, tmp, args.keep_logs)
     return res
 
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/flush.py
 
 from bench import _baselines as baselines
-from bench import _jobs, _launch, _proc, _results
+from bench import _launch, _proc, _results
 from ftmem.observe.timeline import read_events
 
 PART = "flush"
@@ -277,7 +277,7 @@ CONFIGS = ("no flush", "flush every 5")
 
 
 @dataclass
-class RunResult(_jobs.JobRun):
+class RunResult(_launch.JobRun):
     """One training job of part 2."""
 
     train_s: float = float("nan")
@@ -298,9 +298,9 @@ class RunResult(_jobs.JobRun):
 def script_args(args: argparse.Namespace) -> list[str]:
     """The example and its arguments (model size, steps) of the training runs."""
     return [
-        _jobs.example(),
-        *_jobs.model_flags(args),
-        *_jobs.flags(steps=args.steps, log_every=1000),
+        _launch.example(),
+        *_launch.model_flags(args),
+        *_launch.flags(steps=args.steps, log_every=1000),
     ]
 
 
@@ -362,7 +362,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
             res.failed.append(f"step {e.fields.get('step')}: {e.fields.get('error')}")
     if tier.exists():
         res.checkpoints_left = sorted(p.name for p in tier.iterdir())
-    _jobs.clean_up(res, rid, tmp, args.keep_logs)
+    _launch.clean_up(res, rid, tmp, args.keep_logs)
     return res
 
 

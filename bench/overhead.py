@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/overhead.py
 
-from bench import _jobs, _launch, _results, _train
+from bench import _launch, _results, _train
 from ftmem.testing.harness import launch_command
 
 PART = "overhead"
@@ -178,8 +178,8 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
     (tmp / "ckpt").mkdir()
     launcher = _launch.single_node_args(nproc=args.nproc, run_id=run_id, run_dir=tmp / "rd")
     worker = [str(Path(__file__).resolve()), WORKER_FLAG]
-    worker += _jobs.flags(**{k: getattr(args, k) for k in _WORKER_INTS})
-    example = [*_jobs.flags(steps=total), *_jobs.model_flags(args)]
+    worker += _launch.flags(**{k: getattr(args, k) for k in _WORKER_INTS})
+    example = [*_launch.flags(steps=total), *_launch.model_flags(args)]
     example += ["--step-delay", str(args.step_delay)] if args.step_delay else []
     cmd = launch_command([*launcher, *worker])
     cmd += ["--ckpt-dir", str(tmp / "ckpt"), "--", *example]
