@@ -22,11 +22,9 @@ between the supported torch versions) is in :mod:`ftmem.launch.elastic_compat`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,7 +38,6 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
@@ -50,17 +47,22 @@ from ftmem.launch.config import (
 from ftmem.launch.elastic_compat import ElasticAgentBase, restart_without_jitter
 from ftmem.launch.monitor import (
     EventLog,
-    HangVerdict,
     NoProgressGuard,
     RankProcess,
     RankProgress,
     StatusPoller,
     all_resumed,
-    find_hangs,
     min_committed,
 )
 from ftmem.launch.peers import PeerSettings, join_generation
-from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
+from ftmem.launch.rank_watch import RankWatch
+from ftmem.launch.rendezvous import (
+    agree_slot,
+    exchange_generation,
+    share_master,
+    slot_workers,
+    stable_ranks_apply,
+)
 from ftmem.launch.report import (
     Recovery,
     log_failure,
@@ -70,20 +72,9 @@ from ftmem.launch.report import (
 )
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
-from ftmem.launch.workers import (
-    describe_exit,
-    kill_rank,
-    proc_state,
-    rank_env,
-)
+from ftmem.launch.workers import describe_exit, rank_env
 
 log = logging.getLogger(__name__)
-
-# Keys in the rendezvous round's store (a fresh prefix every round, so never stale).
-_GENERATION_KEY = "ftmem/generation"
-_SLOT_KEY = "ftmem/slot"
-_ASSIGNED_KEY = "ftmem/slots"
-_MASTER_KEY = "ftmem/master"
 
 STANDBY_FALLBACK_S = 30.0
 """Standbys start this long after the ranks even if the ranks never report progress."""
@@ -115,8 +106,10 @@ class FtmemElasticAgent(ElasticAgentBase):
         """The machine-readable event log (JSON lines) in the run directory."""
         self.generation = -1
         """The rendezvous round the current ranks belong to (same on every node)."""
-        self._procs: list[RankProcess] = []
-        self._hang_killed: dict[int, HangVerdict] = {}
+        self._watch = RankWatch(
+            smp.node, self.events, ftmem.hang_timeout, ftmem.first_progress_timeout
+        )
+        """The node's ranks: stopped and hung ones get SIGKILL."""
         self._recovery: Recovery | None = None
         self._slot: int | None = None
         """This node's block of global ranks (stable across rounds), None: elastic's."""
@@ -165,8 +158,8 @@ class FtmemElasticAgent(ElasticAgentBase):
         with restart_without_jitter(restart=self.generation >= 0):
             join()
         self._rendezvous_at = time.time()
-        self._share_master(worker_group)
-        self.generation = self._exchange_generation(worker_group)
+        share_master(worker_group, self._slot)
+        self.generation = exchange_generation(worker_group, self.rendezvous_round, self.generation)
         ranks = [w.global_rank for w in worker_group.workers]
         if self._prev_ranks is not None and ranks != self._prev_ranks:
             log.warning(
@@ -177,13 +170,6 @@ class FtmemElasticAgent(ElasticAgentBase):
                 ranks,
             )
         self._prev_ranks = ranks
-
-    def _stable_ranks(self, spec: WorkerSpec) -> bool:
-        return (
-            self._ft.rank_assignment == "stable"
-            and spec.rdzv_handler.get_backend() != "static"
-            and not spec.master_addr
-        )
 
     def assign_worker_ranks(
         self,
@@ -196,68 +182,20 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Keep every node's global ranks across rounds (elastic renumbers by node order).
 
         Each agent publishes the slot (block of ``local_world_size`` global ranks) it held
-        in the previous round; group rank 0 assigns slots with :func:`assign_slots` and
-        publishes them. Nodes of different sizes fall back to elastic's assignment.
+        in the previous round; group rank 0 assigns slots
+        (:func:`~ftmem.launch.rendezvous.agree_slot`) and publishes them. Nodes of
+        different sizes fall back to elastic's assignment.
         """
-        if not self._stable_ranks(spec):
+        if not stable_ranks_apply(self._ft.rank_assignment, spec):
             self._slot = None
             return elastic_default()
-        mine = {"slot": self._slot, "size": spec.local_world_size}
-        store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
-        if group_rank == 0:
-            keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
-            infos = [json.loads(raw) for raw in store.multi_get(keys)]
-            same_size = len({info["size"] for info in infos}) == 1
-            slots = assign_slots([info["slot"] for info in infos]) if same_size else None
-            store.set(_ASSIGNED_KEY, json.dumps(slots))
-        assigned = json.loads(store.get(_ASSIGNED_KEY))
-        if assigned is None:
+        self._slot = agree_slot(
+            store, group_rank, group_world_size, self._slot, spec.local_world_size
+        )
+        if self._slot is None:
             log.warning("[%s] nodes differ in size: elastic assigns the ranks", self._node)
-            self._slot = None
             return elastic_default()
-        self._slot = int(assigned[group_rank])
-        return [
-            Worker(
-                local_rank=p.local_rank,
-                global_rank=p.global_rank,
-                role_rank=p.global_rank,
-                world_size=p.world_size,
-                role_world_size=p.world_size,
-            )
-            for p in slot_ranks(self._slot, spec.local_world_size, group_world_size)
-        ]
-
-    def _share_master(self, worker_group: WorkerGroup) -> None:
-        """Point MASTER_ADDR/PORT at the node that holds global rank 0.
-
-        The ranks' rank 0 serves their TCPStore, so it must run where MASTER_ADDR points;
-        elastic points it at group rank 0, which may now hold another slot.
-        """
-        store = worker_group.store
-        if self._slot is None or store is None:
-            return
-        if worker_group.spec.rdzv_handler.use_agent_store:
-            return  # the ranks use group rank 0's agent store, wherever rank 0 runs
-        if self._slot == 0:
-            if worker_group.group_rank == 0:
-                addr, port = worker_group.master_addr, worker_group.master_port
-            else:
-                spec = worker_group.spec
-                addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
-            store.set(_MASTER_KEY, json.dumps([addr, port]))
-        addr, port = json.loads(store.get(_MASTER_KEY))
-        worker_group.master_addr, worker_group.master_port = str(addr), int(port)
-
-    def _exchange_generation(self, worker_group: WorkerGroup) -> int:
-        """Agree on the generation: group rank 0 publishes the rendezvous round."""
-        store = worker_group.store
-        if store is None:
-            return self.generation + 1
-        if worker_group.group_rank == 0:
-            gen = next_generation(self.rendezvous_round(), self.generation)
-            store.set(_GENERATION_KEY, str(gen))
-            return gen
-        return int(store.get(_GENERATION_KEY).decode())
+        return slot_workers(self._slot, spec.local_world_size, group_world_size)
 
     # -- start / stop ranks -----------------------------------------------------------------
 
@@ -282,19 +220,19 @@ class FtmemElasticAgent(ElasticAgentBase):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         started = time.time()
         self._started_at = started
-        self._procs = [
+        procs = [
             RankProcess(rank=w.global_rank, pid=pids[w.local_rank], start_time=start)
             for w in worker_group.workers
         ]
+        self._watch.started(procs)
         handed = self._standbys.handed
         from_standby = [w.global_rank for w in worker_group.workers if w.local_rank in handed]
-        self._hang_killed.clear()
         self._poller.start()
         self.events.write(
             "ranks_started",
             generation=self.generation,
-            ranks=[p.rank for p in self._procs],
-            pids=[p.pid for p in self._procs],
+            ranks=[p.rank for p in procs],
+            pids=[p.pid for p in procs],
             from_standby=from_standby,
             start_s=round(started - start, 4),
             smp_pid=self._smp.pid,
@@ -304,8 +242,8 @@ class FtmemElasticAgent(ElasticAgentBase):
             "[%s] generation %d: started ranks %s (pids %s%s)",
             self._node,
             self.generation,
-            [p.rank for p in self._procs],
-            [p.pid for p in self._procs],
+            [p.rank for p in procs],
+            [p.pid for p in procs],
             f"; from standbys: ranks {from_standby}" if from_standby else "",
         )
         return pids
@@ -344,12 +282,12 @@ class FtmemElasticAgent(ElasticAgentBase):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
-        self._kill_stopped("while the ranks are stopped")
+        self._watch.kill_stopped("while the ranks are stopped")
         self.stop_ranks(signal.SIGTERM)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         try:
-            self._kill_stopped("at shutdown")
+            self._watch.kill_stopped("at shutdown")
             self.stop_ranks(death_sig, timeout)
         finally:
             self._standbys.stop()
@@ -390,7 +328,7 @@ class FtmemElasticAgent(ElasticAgentBase):
                 local_ranks=[s.local_rank for s in ready],
                 warm_up_s=[round((s.ready_at or s.spawned) - s.spawned, 3) for s in ready],
             )
-        if self._kill_stopped_peers() and self._detected_at is None:
+        if self._watch.kill_stopped_peers() and self._detected_at is None:
             self._detected_at = time.time()
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -410,10 +348,10 @@ class FtmemElasticAgent(ElasticAgentBase):
         """
         if not self._standbys.enabled or self._recovery is not None:
             return
-        if len(self._standbys.standbys()) >= self._standbys.count * len(self._procs):
+        if len(self._standbys.standbys()) >= self._standbys.count * len(self._watch.procs):
             return
         latest = self._poller.latest()
-        stepping = latest is not None and all_resumed(self._procs, latest[1])
+        stepping = latest is not None and all_resumed(self._watch.procs, latest[1])
         if stepping or time.time() - self._started_at > STANDBY_FALLBACK_S:
             started = self._standbys.spawn_missing()
             if started:
@@ -424,87 +362,14 @@ class FtmemElasticAgent(ElasticAgentBase):
                     local_ranks=[s.local_rank for s in started],
                 )
 
-    def _kill_stopped_peers(self) -> bool:
-        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks; True if one exited.
-
-        elastic SIGTERMs the survivors of a failure and waits up to 30 s for them; a
-        stopped process cannot act on SIGTERM, so without this the restart would stall.
-        """
-        states = {p.pid: proc_state(p.pid) for p in self._procs}
-        if any(s in (None, "Z", "X") for s in states.values()):
-            self._kill_stopped("while a peer exited")
-            return True
-        return False
-
-    def _kill_stopped(self, why: str) -> None:
-        """SIGKILL the node's stopped (``T``) ranks: they cannot act on SIGTERM."""
-        for proc in self._procs:
-            if proc_state(proc.pid) == "T":
-                log.warning(
-                    "[%s/%d] pid %d is stopped (SIGSTOP?) %s; SIGKILL",
-                    self._node,
-                    proc.rank,
-                    proc.pid,
-                    why,
-                )
-                kill_rank(proc.pid)
-
     def _check_progress(self) -> None:
         latest = self._poller.latest()
         if latest is None:
             return
         fetched, progress = latest
-        if self._recovery is not None and all_resumed(self._procs, progress):
+        if self._recovery is not None and all_resumed(self._watch.procs, progress):
             self._report_resumed(progress)
-        if self._hang_killed:
-            return
-        # A rank that already exited (e.g. finished while its peers still work) is not hung.
-        running = [p for p in self._procs if proc_state(p.pid) not in (None, "Z", "X")]
-        hangs = find_hangs(
-            running,
-            progress,
-            fetched,
-            self._ft.hang_timeout,
-            self._ft.first_progress_timeout,
-        )
-        if hangs:
-            self._kill_hung(hangs)
-
-    def _kill_hung(self, hangs: list[HangVerdict]) -> None:
-        """SIGKILL every hung rank (a stopped one ignores the SIGTERM elastic would send).
-
-        When one rank hangs, its peers block in collectives and stop reporting too, so the
-        whole node usually shows up here; a rank the kernel reports stopped (``T``) or in
-        uninterruptible sleep (``D``) is named first as the likely cause.
-        """
-        states = {h.pid: proc_state(h.pid) for h in hangs}
-        hangs = sorted(hangs, key=lambda h: (states[h.pid] not in ("T", "D"), -h.idle_s))
-        verdict = hangs[0]
-        for h in hangs:
-            self._hang_killed[h.pid] = h
-        others = ", ".join(f"rank {h.rank} idle {h.idle_s:.1f} s" for h in hangs[1:])
-        state = states[verdict.pid]
-        log.error(
-            "[%s/%d] HANG: %s (last step %s%s); SIGKILL pid %d%s",
-            self._node,
-            verdict.rank,
-            verdict.reason,
-            verdict.last_step,
-            f", process state {state}" if state in ("T", "D") else "",
-            verdict.pid,
-            f" and the other idle ranks ({others})" if others else "",
-        )
-        for h in hangs:
-            kill_rank(h.pid)
-        self.events.write(
-            "hang",
-            rank=verdict.rank,
-            pid=verdict.pid,
-            idle_s=round(verdict.idle_s, 3),
-            last_step=verdict.last_step,
-            process_state=state,
-            killed=[h.rank for h in hangs],
-        )
+        self._watch.check_hangs(progress, fetched)
 
     def _committed_now(self, ranks: list[int]) -> int | None:
         progress = self._poller.fetch() if self._smp.is_alive() else None
@@ -520,7 +385,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         committed = self._committed_now(ranks)
         failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
         root_rank, root = failures[0] if failures else (None, None)
-        cause = next(iter(self._hang_killed.values()), None)
+        cause = next(iter(self._watch.hang_killed.values()), None)
         if cause is not None:
             root_rank = cause.rank
             what = f"HANG ({cause.reason}, last step {cause.last_step}), killed"
@@ -610,4 +475,4 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._poller.set_fast(False)
         rec.rendezvous = self._rendezvous_at
         rec.started = self._started_at
-        report_resumed(self._node, self.generation, rec, self._procs, progress, self.events)
+        report_resumed(self._node, self.generation, rec, self._watch.procs, progress, self.events)

@@ -5,8 +5,8 @@ node's global ranks can change at every restart, and a rank would then find anot
 snapshots in its node's SMP. ftmem-launch keeps them stable instead: each node owns a *slot*,
 a block of ``local_world_size`` consecutive global ranks, for as long as it lives; a
 replacement node takes the slot of the node it replaces. Nothing here touches a process, a
-socket or the rendezvous store: the agent (:mod:`ftmem.launch.agent`) moves the inputs and
-outputs through the store.
+socket or the rendezvous store: :mod:`ftmem.launch.rendezvous` moves the inputs and outputs
+through the store.
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""The agent's watch over its node's rank processes: stopped ranks and hung ranks.
+
+elastic notices ranks that exit; it does not notice a rank that stops (SIGSTOP: it cannot
+act on the SIGTERM elastic sends the survivors, so a restart would stall) or one that hangs.
+:class:`RankWatch` SIGKILLs both, so that elastic's own failure handling takes over.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, RankProgress, find_hangs
+from ftmem.launch.workers import kill_rank, proc_state
+
+# The agent's logger: these lines are the agent's (as in report.py and standby.py).
+log = logging.getLogger("ftmem.launch.agent")
+
+
+class RankWatch:
+    """The node's current ranks, and the hung ranks it killed in this generation."""
+
+    def __init__(
+        self,
+        node: str,
+        events: EventLog,
+        hang_timeout: timedelta,
+        first_progress_timeout: timedelta,
+    ) -> None:
+        self._node = node
+        self._events = events
+        self._hang_timeout = hang_timeout
+        self._first_progress_timeout = first_progress_timeout
+        self.procs: list[RankProcess] = []
+        """The ranks of the current generation."""
+        self.hang_killed: dict[int, HangVerdict] = {}
+        """pid -> why it was killed as hung (in this generation)."""
+
+    def started(self, procs: list[RankProcess]) -> None:
+        """A new generation's ranks started: watch them (no hang killed yet)."""
+        self.procs = procs
+        self.hang_killed.clear()
+
+    def kill_stopped_peers(self) -> bool:
+        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks; True if one exited.
+
+        elastic SIGTERMs the survivors of a failure and waits up to 30 s for them; a
+        stopped process cannot act on SIGTERM, so without this the restart would stall.
+        """
+        states = {p.pid: proc_state(p.pid) for p in self.procs}
+        if any(s in (None, "Z", "X") for s in states.values()):
+            self.kill_stopped("while a peer exited")
+            return True
+        return False
+
+    def kill_stopped(self, why: str) -> None:
+        """SIGKILL the node's stopped (``T``) ranks: they cannot act on SIGTERM."""
+        for proc in self.procs:
+            if proc_state(proc.pid) == "T":
+                log.warning(
+                    "[%s/%d] pid %d is stopped (SIGSTOP?) %s; SIGKILL",
+                    self._node,
+                    proc.rank,
+                    proc.pid,
+                    why,
+                )
+                kill_rank(proc.pid)
+
+    def check_hangs(self, progress: dict[int, RankProgress], fetched: float) -> None:
+        """SIGKILL the ranks that made no progress for too long (once per generation).
+
+        ``progress``: the SMP's view by global rank, fetched at ``fetched`` (``time.time()``).
+        """
+        if self.hang_killed:
+            return
+        # A rank that already exited (e.g. finished while its peers still work) is not hung.
+        running = [p for p in self.procs if proc_state(p.pid) not in (None, "Z", "X")]
+        hangs = find_hangs(
+            running, progress, fetched, self._hang_timeout, self._first_progress_timeout
+        )
+        if hangs:
+            self._kill_hung(hangs)
+
+    def _kill_hung(self, hangs: list[HangVerdict]) -> None:
+        """SIGKILL every hung rank (a stopped one ignores the SIGTERM elastic would send).
+
+        When one rank hangs, its peers block in collectives and stop reporting too, so the
+        whole node usually shows up here; a rank the kernel reports stopped (``T``) or in
+        uninterruptible sleep (``D``) is named first as the likely cause.
+        """
+        states = {h.pid: proc_state(h.pid) for h in hangs}
+        hangs = sorted(hangs, key=lambda h: (states[h.pid] not in ("T", "D"), -h.idle_s))
+        verdict = hangs[0]
+        for h in hangs:
+            self.hang_killed[h.pid] = h
+        others = ", ".join(f"rank {h.rank} idle {h.idle_s:.1f} s" for h in hangs[1:])
+        state = states[verdict.pid]
+        log.error(
+            "[%s/%d] HANG: %s (last step %s%s); SIGKILL pid %d%s",
+            self._node,
+            verdict.rank,
+            verdict.reason,
+            verdict.last_step,
+            f", process state {state}" if state in ("T", "D") else "",
+            verdict.pid,
+            f" and the other idle ranks ({others})" if others else "",
+        )
+        for h in hangs:
+            kill_rank(h.pid)
+        self._events.write(
+            "hang",
+            rank=verdict.rank,
+            pid=verdict.pid,
+            idle_s=round(verdict.idle_s, 3),
+            last_step=verdict.last_step,
+            process_state=state,
+            killed=[h.rank for h in hangs],
+        )

@@ -1,0 +1,106 @@
+"""What the agents agree on through each rendezvous round's store: the nodes' rank slots,
+where MASTER_ADDR/PORT point, and the generation.
+
+:mod:`ftmem.launch.ranks` decides (pure); this module moves its inputs and outputs through
+the round's store. Every key lives under the round's own prefix, so it is never stale.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
+
+# Keys in the rendezvous round's store (a fresh prefix every round, so never stale).
+_GENERATION_KEY = "ftmem/generation"
+_SLOT_KEY = "ftmem/slot"
+_ASSIGNED_KEY = "ftmem/slots"
+_MASTER_KEY = "ftmem/master"
+
+
+def stable_ranks_apply(rank_assignment: str, spec: WorkerSpec) -> bool:
+    """True if this job keeps its nodes' global ranks (``--ftmem-rank-assignment stable``
+    with a dynamic rendezvous and no fixed master address)."""
+    return (
+        rank_assignment == "stable"
+        and spec.rdzv_handler.get_backend() != "static"
+        and not spec.master_addr
+    )
+
+
+def agree_slot(
+    store: Any, group_rank: int, group_world_size: int, slot: int | None, local_world_size: int
+) -> int | None:
+    """This node's slot in the new round (None: the nodes differ in size).
+
+    Each agent publishes the slot (block of ``local_world_size`` global ranks) it held in
+    the previous round (``slot``; None for a new node); group rank 0 assigns slots with
+    :func:`~ftmem.launch.ranks.assign_slots` and publishes them.
+    """
+    mine = {"slot": slot, "size": local_world_size}
+    store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
+    if group_rank == 0:
+        keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
+        infos = [json.loads(raw) for raw in store.multi_get(keys)]
+        same_size = len({info["size"] for info in infos}) == 1
+        slots = assign_slots([info["slot"] for info in infos]) if same_size else None
+        store.set(_ASSIGNED_KEY, json.dumps(slots))
+    assigned = json.loads(store.get(_ASSIGNED_KEY))
+    return None if assigned is None else int(assigned[group_rank])
+
+
+def slot_workers(slot: int, local_world_size: int, group_world_size: int) -> list[Worker]:
+    """elastic's workers of the node that holds ``slot``."""
+    return [
+        Worker(
+            local_rank=p.local_rank,
+            global_rank=p.global_rank,
+            role_rank=p.global_rank,
+            world_size=p.world_size,
+            role_world_size=p.world_size,
+        )
+        for p in slot_ranks(slot, local_world_size, group_world_size)
+    ]
+
+
+def share_master(worker_group: WorkerGroup, slot: int | None) -> None:
+    """Point MASTER_ADDR/PORT at the node that holds global rank 0 (``slot`` 0).
+
+    The ranks' rank 0 serves their TCPStore, so it must run where MASTER_ADDR points;
+    elastic points it at group rank 0, which may now hold another slot.
+    """
+    store = worker_group.store
+    if slot is None or store is None:
+        return
+    if worker_group.spec.rdzv_handler.use_agent_store:
+        return  # the ranks use group rank 0's agent store, wherever rank 0 runs
+    if slot == 0:
+        if worker_group.group_rank == 0:
+            addr, port = worker_group.master_addr, worker_group.master_port
+        else:
+            spec = worker_group.spec
+            addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
+        store.set(_MASTER_KEY, json.dumps([addr, port]))
+    addr, port = json.loads(store.get(_MASTER_KEY))
+    worker_group.master_addr, worker_group.master_port = str(addr), int(port)
+
+
+def exchange_generation(
+    worker_group: WorkerGroup, rendezvous_round: Callable[[], int | None], previous: int
+) -> int:
+    """Agree on the generation: group rank 0 publishes the rendezvous round (read through
+    ``rendezvous_round``), else one more than ``previous``."""
+    store = worker_group.store
+    if store is None:
+        return previous + 1
+    if worker_group.group_rank == 0:
+        gen = next_generation(rendezvous_round(), previous)
+        store.set(_GENERATION_KEY, str(gen))
+        return gen
+    return int(store.get(_GENERATION_KEY).decode())
