@@ -37,12 +37,10 @@ _LAYER_BYTES_MAX = 64 * 2**20
 class BenchState:
     """A model of large ``nn.Linear`` layers with initialised AdamW state."""
 
-    model: nn.Module
-    """The model; its parameters hold about a third of :attr:`nbytes`."""
+    model: nn.Module  # The model; its parameters hold about a third of :attr:`nbytes`.
     optimizer: torch.optim.AdamW
     """AdamW with ``exp_avg``/``exp_avg_sq`` allocated (one step taken, gradients dropped)."""
-    nbytes: int
-    """Bytes of every tensor in the model and optimizer state dicts."""
+    nbytes: int  # Bytes of every tensor in the model and optimizer state dicts.
 
     def state_dicts(self) -> dict[str, Any]:
         """Return ``{"model": ..., "optim": ...}`` state dicts (tensors shared, not copied)."""

@@ -25,10 +25,8 @@ class Goal:
     goal: str
     threshold: str
     measured: str = "-"
-    met: bool | None = None
-    """None: not measured (or not resolved, see ``measured``)."""
-    source: str = ""
-    """Which figures: the part and, where it matters, the state size."""
+    met: bool | None = None  # None: not measured (or not resolved, see `measured`).
+    source: str = ""  # Which figures: the part and, where it matters, the state size.
 
 
 def _missing(part: str, goal: str, threshold: str) -> Goal:

@@ -31,8 +31,7 @@ class Series:
     low: tuple[float, ...]
     high: tuple[float, ...]
     color: str | None = None
-    bold: bool = False
-    """Drawn thicker (ftmem's own figures)."""
+    bold: bool = False  # Drawn thicker (ftmem's own figures).
 
 
 def available() -> bool:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -66,14 +67,11 @@ class Machine:
     cpu: str
     cores: int
     memory_gib: float
-    versions: dict[str, str]
-    """Python, torch, pyzmq, pyeclib, xxhash, numpy, Linux."""
+    versions: dict[str, str]  # Python, torch, pyzmq, pyeclib, xxhash, numpy, Linux.
     torch_threads: int
-    load_start: float
-    """1-minute load average when the part started."""
+    load_start: float  # 1-minute load average when the part started.
     load_end: float = float("nan")
-    seconds: float = 0.0
-    """Wall time of the part."""
+    seconds: float = 0.0  # Wall time of the part.
     disk: dict[str, str] = field(default_factory=dict)
     """The disk directory: ``dir``, ``fs``, ``mount``; and ``shm_fs`` (/dev/shm)."""
     t0: float = 0.0
@@ -164,6 +162,18 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-write", action="store_true", help="print the section, leave --out alone")
 
 
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line: described by its docstring's first line, with the output
+    flags (:func:`add_output_args`)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n", 1)[0])
+    add_output_args(p)
+    return p
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # so that the finally blocks stop every job
+
+
 def script_main(part: str, run: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
     """A benchmark script's ``main``: measure, write the JSON, render and write the section.
 
@@ -172,6 +182,7 @@ def script_main(part: str, run: Callable[[list[str]], Any], argv: list[str] | No
     from bench import _render
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     ns, _ = _output_parser().parse_known_args(argv)
     result = run(argv)

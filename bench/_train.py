@@ -62,16 +62,13 @@ def load_example() -> ModuleType:
 class Training:
     """One rank's training objects, built as the example builds them."""
 
-    ex: ModuleType
-    """The example module."""
-    args: argparse.Namespace
-    """The example's parsed arguments."""
+    ex: ModuleType  # The example module.
+    args: argparse.Namespace  # The example's parsed arguments.
     rank: int
     world: int
     log: logging.Logger
     model: Any
-    train_model: Any
-    """The model wrapped in DDP (the model itself with one rank)."""
+    train_model: Any  # The model wrapped in DDP (the model itself with one rank).
     optimizer: Any
     scheduler: Any
     loader: Any

@@ -125,8 +125,7 @@ class SizeResult:
     data: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     error: str = ""
-    skipped: str = ""
-    """Why the size was not run (not enough memory), else ""."""
+    skipped: str = ""  # Why the size was not run (not enough memory), else "".
 
 
 def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str]) -> SizeResult:
@@ -205,8 +204,7 @@ class DatapathResult(_results.PartResult):
     dcp_saves: int
     slots: int
     loose_frac: float
-    smp_note: str
-    """How the SMP's hashing was set up (``--hash-threads``)."""
+    smp_note: str  # How the SMP's hashing was set up (`--hash-threads`).
     hashes: list[dict[str, Any]] = field(default_factory=list)
     """The hash functions on one buffer: name, bytes, wall and CPU seconds per repeat."""
     sizes: list[SizeResult] = field(default_factory=list)
@@ -412,7 +410,7 @@ def run_gpu(args: argparse.Namespace, sizes: list[float]) -> GpuResult:
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The benchmark's command line."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     prof = p.add_mutually_exclusive_group()
     prof.add_argument("--quick", action="store_true", help="0.25 and 1 GiB, K=8 (--gpu: 4, K=5)")
     prof.add_argument("--smoke", action="store_true", help="8 MiB, K=3 (--gpu: 0.25 GiB)")
@@ -433,7 +431,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="one size's rank (+120 s/GiB)")
     p.add_argument("--skip-dcp", action="store_true", help="leave out dcp.async_save")
     p.add_argument("--skip-hashes", action="store_true", help="leave out the hash table")
-    _results.add_output_args(p)
     return p
 
 

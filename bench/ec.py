@@ -131,7 +131,7 @@ class EcResult(_results.PartResult):
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line (the worker's flags are hidden)."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p = _results.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
     p.add_argument("--data-mib", type=int, default=None, help="data per pass (default 256)")
     p.add_argument("--repeats", type=int, default=None, help="timed passes (default 5)")
@@ -141,7 +141,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=3, help=hidden)
     p.add_argument("--m", type=int, default=1, help=hidden)
     p.add_argument("--stripe-mib", type=int, default=1, help=hidden)
-    _results.add_output_args(p)
     return p
 
 

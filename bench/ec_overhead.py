@@ -13,7 +13,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -174,13 +173,9 @@ class EcOverheadResult(_results.PartResult):
     runs: list[RunResult] = field(default_factory=list)
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # so that every run's agents are stopped
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="1 repeat and fewer steps")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 60; quick 30)")
@@ -189,7 +184,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     _launch.add_job_args(p, run_timeout=300.0)
     p.add_argument("--start-timeout", type=float, default=120.0, help="node 0's SMP start (s)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="subset of: " + ", ".join(CONFIGS))
-    _results.add_output_args(p)
     return p
 
 
@@ -222,5 +216,4 @@ def run(argv: list[str]) -> EcOverheadResult:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(_results.script_main(PART, run))

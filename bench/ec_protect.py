@@ -13,7 +13,6 @@ import argparse
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -184,8 +183,7 @@ class CaseResult:
     """Per repeat, per node (in node order)."""
     rebuild: list[list[dict[str, Any]]] = field(default_factory=list)
     """Per repeat, per new node (in lost-node order)."""
-    served: list[list[dict[str, Any]]] = field(default_factory=list)
-    """Per repeat, per survivor."""
+    served: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, per survivor.
     rebuild_ok: list[bool] = field(default_factory=list)
     rebuild_spawn_s: list[float] = field(default_factory=list)
     machine_busy: list[float] = field(default_factory=list)
@@ -281,13 +279,11 @@ def run_case(
 class EcProtectResult(_results.PartResult):
     """The erasure-coding part's results: one :class:`CaseResult` per (n, m)."""
 
-    size: int
-    """Snapshot bytes per node."""
+    size: int  # Snapshot bytes per node.
     stripe: int
     repeats: int
     timeout: float
-    codec_bytes: int
-    """Bytes 'encode_stripe alone' encodes in a fresh process."""
+    codec_bytes: int  # Bytes 'encode_stripe alone' encodes in a fresh process.
     libzmq: str
     curve: bool
     ec_type: str
@@ -296,14 +292,13 @@ class EcProtectResult(_results.PartResult):
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="256 MiB per node, 2 repeats")
     p.add_argument("--size-mib", type=int, default=None, help="snapshot per node (default 2048)")
     p.add_argument("--stripe-mib", type=float, default=1.0, help="data per stripe (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 2)")
     p.add_argument("--timeout", type=float, default=None, help="protocol timeout per wait (s)")
     p.add_argument("--cases", default=",".join(CASES), help="n:m configurations to run")
-    _results.add_output_args(p)
     return p
 
 
@@ -348,5 +343,4 @@ def run(argv: list[str]) -> EcProtectResult:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally blocks run
     sys.exit(_results.script_main(PART, run))

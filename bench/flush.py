@@ -14,7 +14,6 @@ import contextlib
 import gc
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -381,13 +380,9 @@ class FlushResult(_results.PartResult):
     train: list[RunResult] = field(default_factory=list)
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # so that the running job is stopped
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 2 repeats, 1 training repeat")
     p.add_argument("--sizes", default=None, help="GiB, comma-separated (default 0.5,2)")
     p.add_argument("--repeats", type=int, default=None, help="throughput repeats (default 3)")
@@ -399,7 +394,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2)
     _launch.add_model_args(p)
     _launch.add_job_args(p, run_timeout=300.0)
-    _results.add_output_args(p)
     return p
 
 
@@ -450,5 +444,4 @@ def run(argv: list[str]) -> FlushResult:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(_results.script_main(PART, run))

@@ -28,10 +28,8 @@ class NodeMemory:
     """Readings of one node's memory for one state size (one entry per snapshot read)."""
 
     state_bytes: int
-    slots: int
-    """Snapshot slots per rank in the SMP."""
-    shm: list[int] = field(default_factory=list)
-    """Bytes allocated to the run's files in /dev/shm."""
+    slots: int  # Snapshot slots per rank in the SMP.
+    shm: list[int] = field(default_factory=list)  # Bytes allocated to the run's files in /dev/shm.
     smp_rss: list[int] = field(default_factory=list)
     smp_anon: list[int] = field(default_factory=list)
     smp_shmem: list[int] = field(default_factory=list)
@@ -57,10 +55,9 @@ class MemoryResult(_results.PartResult):
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     p.add_argument("--sizes", default="0.5,2", help="state sizes in GiB, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="snapshots read after the warm-up")
-    _results.add_output_args(p)
     return p
 
 

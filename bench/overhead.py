@@ -13,7 +13,6 @@ import argparse
 import json
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -134,8 +133,7 @@ class OverheadResult(_results.PartResult):
     warmup_steps: int
     nproc: int
     step_delay: float
-    command: str = ""
-    """The job's command line (temporary paths and ports as placeholders)."""
+    command: str = ""  # The job's command line (temporary paths and ports as placeholders).
     params_m: float | None = None
     """The model's parameters in millions (state per rank = 12 bytes each)."""
     blocks: list[dict[str, Any]] = field(default_factory=list)
@@ -207,7 +205,7 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="4 cycles")
     p.add_argument("--interval", type=int, default=10, help="K of the every-K configurations")
     p.add_argument("--cycles", type=int, default=None, help="default 12 (quick 4)")
@@ -219,7 +217,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     delay = "the example's sleep after each step (s)"
     p.add_argument("--step-delay", type=float, default=0.0, help=delay)
     _launch.add_job_args(p, run_timeout=600.0)
-    _results.add_output_args(p)
     return p
 
 
@@ -251,12 +248,7 @@ def run(argv: list[str]) -> OverheadResult:
     return res
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # so that the running job is stopped
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == [WORKER_FLAG]:
         sys.exit(worker(sys.argv[2:]))
-    signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(_results.script_main(PART, run))

@@ -134,15 +134,12 @@ def dcp_worker(argv: Sequence[str]) -> int:
 class StandbyCost:
     """What one standby rank costs while it waits (measured on a standby started here)."""
 
-    warm_up_s: float
-    """Spawn -> ready (wall)."""
-    cpu_s: float
-    """CPU (user + system) the standby spent to get ready."""
+    warm_up_s: float  # Spawn -> ready (wall).
+    cpu_s: float  # CPU (user + system) the standby spent to get ready.
     rss_mib: float
     uss_mib: float
     """Memory only this process holds (the shared libraries' pages are shared with ranks)."""
-    idle_cpu_s: float
-    """CPU it spent in the 2 s after it was ready (waiting on its socket)."""
+    idle_cpu_s: float  # CPU it spent in the 2 s after it was ready (waiting on its socket).
 
 
 def measure_standby_cost(workdir: Path) -> StandbyCost | None:
@@ -188,23 +185,19 @@ class Run:
     repeat: int
     rc: int | None = None
     wall_s: float = 0.0
-    load1: float = 0.0
-    """The 1-minute load average when the run started."""
-    digest: str = ""
-    """The final digest both ranks printed ("" if they did not agree)."""
+    load1: float = 0.0  # The 1-minute load average when the run started.
+    digest: str = ""  # The final digest both ranks printed ("" if they did not agree).
     digest_ok: bool = False
     restored: int | None = None
     steps_lost: int | None = None
-    step_time_s: float | None = None
-    """The ranks' median step time (the example's closing lines)."""
+    step_time_s: float | None = None  # The ranks' median step time (the example's closing lines).
     phases: dict[str, float | None] = field(default_factory=dict)
     """Rank death -> all ranks stepping, split as :data:`PHASES`."""
     death_to_resumed_s: float | None = None
     spawn_import_s: float | None = None
     """Ranks started -> 'script started' on all ranks: process start (or the standby's
     handoff) and the script's imports."""
-    time_lost_s: float | None = None
-    """Death -> stepping + steps lost x step time."""
+    time_lost_s: float | None = None  # Death -> stepping + steps lost x step time.
     warmup_extra_s: float | None = None
     """Training time the standbys' warm-ups cost (steps during them minus as many steps of the
     run's median outside them; rank 0's commits)."""
@@ -472,7 +465,7 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark (not of the DCP worker)."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p = _results.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="1 repeat per system")
     p.add_argument("--repeats", type=int, default=None, help="runs per system (default 3)")
     p.add_argument("--steps", type=int, default=70, help="training steps per run")
@@ -483,7 +476,6 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--no-reference", action="store_true", help="compare the runs' digests with each other"
     )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
-    _results.add_output_args(p)
     return p
 
 

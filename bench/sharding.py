@@ -155,12 +155,11 @@ class ShardingResult(_results.PartResult):
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = _results.parser(__doc__)
     p.add_argument("--size-gib", type=float, default=0.5, help="state per rank (GiB)")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="values of D")
     p.add_argument("--repeats", type=int, default=5, help="measured rounds per mode")
     p.add_argument("--compute-s", type=float, default=0.3, help="forward/backward stand-in (s)")
-    _results.add_output_args(p)
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--store", default="", help=argparse.SUPPRESS)
     return p

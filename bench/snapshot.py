@@ -51,8 +51,7 @@ class Figure:
 
     system: str
     metric: str
-    unit: str
-    """``s`` (durations) or ``GB/s`` (bandwidths)."""
+    unit: str  # `s` (durations) or `GB/s` (bandwidths).
     values: list[float]
 
 
@@ -60,10 +59,8 @@ class Figure:
 class SizeResult:
     """Everything measured on one state size."""
 
-    size_gib: float
-    """The size asked for."""
-    nbytes: int
-    """The state's bytes (params + AdamW exp_avg + exp_avg_sq)."""
+    size_gib: float  # The size asked for.
+    nbytes: int  # The state's bytes (params + AdamW exp_avg + exp_avg_sq).
     figures: list[Figure] = field(default_factory=list)
     once: dict[str, float] = field(default_factory=dict)
     """One-off figures in seconds: warm-up calls, the SMP's start."""
@@ -71,8 +68,7 @@ class SizeResult:
     """A load restored a clobbered weight and moment bitwise (None: not checked)."""
     stats_after: dict[str, Any] = field(default_factory=dict)
     """``ftmem.stats()`` after the last timed save."""
-    skipped: int = 0
-    """Timed snapshots skipped or not committed (not in the figures)."""
+    skipped: int = 0  # Timed snapshots skipped or not committed (not in the figures).
     memory: node_memory.NodeMemory | None = None
     errors: list[str] = field(default_factory=list)
 
@@ -82,8 +78,7 @@ class SnapshotResult(_results.PartResult):
     """The snapshot part's results."""
 
     repeats: int
-    simulate: str
-    """``compute`` (256x256 matmuls on the main thread) or ``sleep``."""
+    simulate: str  # `compute` (256x256 matmuls on the main thread) or `sleep`.
     fwd_bwd_s: float
     sizes: list[SizeResult] = field(default_factory=list)
 
@@ -250,11 +245,10 @@ def bench_size(
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The benchmark's command line."""
-    p = argparse.ArgumentParser(description="ftmem snapshot benchmark vs torch.save and DCP")
+    p = _results.parser(__doc__)
     p.add_argument("--sizes", default="0.5,2", help="comma-separated state sizes in GiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 3 repeats")
-    _results.add_output_args(p)
     p.add_argument("--disk-dir", default=None, help="directory on disk (default: $TMPDIR)")
     p.add_argument("--fwd-bwd-s", type=float, default=1.0, help="forward/backward stand-in (s)")
     p.add_argument("--simulate", choices=("compute", "sleep"), default="compute")
