@@ -206,10 +206,10 @@ def recovery_goals(doc: Doc | None) -> list[Goal]:
 
 def ec_overhead_goals(doc: Doc | None) -> list[Goal]:
     """Step time with erasure-coded protection on against off (adjacent runs)."""
-    from bench._tables import ec_pairs
+    from bench._tables import pair_ratios
 
     p, g = "ec-overhead", "step time, EC protection on / off"
-    rat = ec_pairs(doc["result"], "off", "on") if doc else []
+    rat = pair_ratios(doc["result"]["runs"], "off", "on") if doc else []
     if not rat:
         return [_missing(p, g, STRADDLE)]
     return _rows(

@@ -41,7 +41,30 @@ def mib(values: Sequence[float]) -> str:
     return stat(st.scale(values, 1 / MiB), ".0f", " MiB")
 
 
+def one(key: str, spec: str = ".2f", unit: str = "") -> Callable[[Doc], str]:
+    """A column: ``x[key]`` of each row, formatted."""
+    return lambda x: fmt(x[key], spec, unit)
+
+
+def over(get: str | Callable[[Doc], Any], spec: str = ".2f", unit: str = "") -> Callable:
+    """A column of (name, items) rows: ``stat`` of ``x[get]`` (or ``get(x)``) over the items."""
+    f = (lambda x: x[get]) if isinstance(get, str) else get
+    return lambda nx: stat([f(x) for x in nx[1]], spec, unit)
+
+
 # ------------------------------------------------------------------------------ training jobs
+
+
+def job_step(x: Doc) -> float | None:
+    """A training job's step time: the median over its ranks of each rank's median."""
+    return st.median(x["rank_median"].values())
+
+
+def pair_ratios(runs: list[Doc], a: str, b: str) -> list[float]:
+    """Step-time ratios config ``b`` / config ``a`` of the ok runs of the same repeat."""
+    by = {(x["config"], x["repeat"]): x for x in runs if x["ok"]}
+    pairs = [(x, by.get((a, k))) for (c, k), x in by.items() if c == b]
+    return [q for x, y in pairs if y and (q := st.ratio(job_step(x), job_step(y))) is not None]
 
 
 def _ranks(x: Doc, key: str, spec: str = ".4f") -> str:
@@ -54,27 +77,20 @@ def _unless(cond: bool, value: Callable[[], str], other: str = "-") -> str:
 
 
 def _overhead_columns(r: Doc) -> Columns:
-    floor = "0 (the floor)"
+    def vs_none(key: str) -> Callable[[str], str]:
+        return lambda c: _unless(c == "none", lambda: st.pct(r[key].get(c, [])), "0 (the floor)")
+
+    def count(key: str, skip: Callable[[str], bool]) -> Callable[[str], str]:
+        return lambda c: _unless(skip(c), lambda: stat(r[key][c], ".0f"))
+
     return [
         ("configuration", lambda c: c),
         ("time per step", lambda c: stat(r["step_s"][c], ".4f", " s")),
-        (
-            "overhead vs none (wall)",
-            lambda c: _unless(c == "none", lambda: st.pct(r["ratio"].get(c, [])), floor),
-        ),
-        (
-            "rank CPU vs none",
-            lambda c: _unless(c == "none", lambda: st.pct(r["cpu_ratio"].get(c, [])), floor),
-        ),
+        ("overhead vs none (wall)", vs_none("ratio")),
+        ("rank CPU vs none", vs_none("cpu_ratio")),
         ("rank CPU per step", lambda c: stat(r["cpu_s"][c], ".4f", " s")),
-        (
-            "snapshots per cycle",
-            lambda c: _unless(c.startswith("none"), lambda: stat(r["saves"][c], ".0f")),
-        ),
-        (
-            "skipped per cycle",
-            lambda c: _unless(not c.startswith("ftmem"), lambda: stat(r["skipped"][c], ".0f")),
-        ),
+        ("snapshots per cycle", count("saves", lambda c: c.startswith("none"))),
+        ("skipped per cycle", count("skipped", lambda c: not c.startswith("ftmem"))),
     ]
 
 
@@ -128,25 +144,25 @@ def _flush_columns(r: Doc) -> Columns:
 
 
 def _flush_repeats(r: Doc) -> Columns:
+    def sec(i: int, key: str) -> str:
+        return fmt(r["per_repeat"][i].get(key), ".2f", " s")
+
+    def vs_dcp(system: str) -> Callable[[int], str]:
+        row = r["per_repeat"]
+        return lambda i: fmt(st.ratio(row[i].get(_DCP), row[i].get(system)), ".2f", "x")
+
     return [
         ("repeat", lambda i: i),
         ("order", lambda i: " > ".join(r["orders"][i])),
-        ("dcp.save", lambda i: fmt(r["per_repeat"][i].get(_DCP), ".2f", " s")),
-        ("export_dcp", lambda i: fmt(r["per_repeat"][i].get(_EXP), ".2f", " s")),
-        ("export/dcp throughput", lambda i: _flush_ratio(r["per_repeat"][i], _EXP)),
+        ("dcp.save", lambda i: sec(i, _DCP)),
+        ("export_dcp", lambda i: sec(i, _EXP)),
+        ("export/dcp throughput", vs_dcp(_EXP)),
         (
             "FLUSH (request to reply; SMP's own figure)",
-            lambda i: (
-                f"{fmt(r['per_repeat'][i].get(_FL), '.2f', ' s')}; "
-                f"{fmt(r['per_repeat'][i].get('flush_smp_s'), '.2f', ' s')}"
-            ),
+            lambda i: f"{sec(i, _FL)}; {sec(i, 'flush_smp_s')}",
         ),
-        ("FLUSH/dcp throughput", lambda i: _flush_ratio(r["per_repeat"][i], _FL)),
+        ("FLUSH/dcp throughput", vs_dcp(_FL)),
     ]
-
-
-def _flush_ratio(row: Doc, system: str) -> str:
-    return fmt(st.ratio(row.get(_DCP), row.get(system)), ".2f", "x")
 
 
 def _flush_size(r: Doc) -> list[str]:
@@ -170,11 +186,8 @@ def _flush_size(r: Doc) -> list[str]:
 def flush_train(r: Doc) -> dict[str, Any]:
     """Figures of the training runs: per config, and the flush/no-flush ratios of pairs."""
     ok = [x for x in r["train"] if x["ok"]]
-    step = {id(x): st.median(x["rank_median"].values()) for x in ok}
     by = {c: [x for x in ok if x["config"] == c] for c in ("no flush", "flush every 5")}
     by["flush every 5"] = [x for x in ok if x["config"] != "no flush"]
-    plain = {x["repeat"]: x for x in by["no flush"]}
-    pairs = [(plain[x["repeat"]], x) for x in by["flush every 5"] if x["repeat"] in plain]
 
     def during(x: Doc) -> list[Any]:
         return [f for f in x["flushes"] if x["train_end"] is not None and f[0] <= x["train_end"]]
@@ -183,13 +196,8 @@ def flush_train(r: Doc) -> dict[str, Any]:
         span = (x["train_end"] or 0) - (x["train_start"] or 0)
         return sum(f[2] for f in during(x)) / span if span > 0 else None
 
-    return {
-        "by": by,
-        "step": step,
-        "ratios": [st.ratio(step[id(b)], step[id(a)]) for a, b in pairs],
-        "during": during,
-        "share": share,
-    }
+    ratios = pair_ratios(r["train"], "no flush", "flush every 5")
+    return {"by": by, "ratios": ratios, "during": during, "share": share}
 
 
 def _flush_train_columns(t: Doc) -> Columns:
@@ -198,7 +206,7 @@ def _flush_train_columns(t: Doc) -> Columns:
 
     return [
         ("config", lambda cx: cx[0]),
-        ("step time", lambda cx: stat([t["step"][id(x)] for x in cx[1]], ".4f", " s")),
+        ("step time", over(job_step, ".4f", " s")),
         (
             "vs no flush (per pair)",
             lambda cx: "1" if cx[0] == "no flush" else stat(t["ratios"], ".3f"),
@@ -211,9 +219,9 @@ def _flush_train_columns(t: Doc) -> Columns:
         ),
         (
             "flushing's share of training",
-            fl(lambda xs: stat(st.scale([t["share"](x) for x in xs], 100), ".0f", "%")),
+            fl(lambda xs: stat(st.scale(map(t["share"], xs), 100), ".0f", "%")),
         ),
-        ("snapshots skipped", lambda cx: stat([sum(x["skipped"].values()) for x in cx[1]], ".0f")),
+        ("snapshots skipped", over(lambda x: sum(x["skipped"].values()), ".0f")),
     ]
 
 
@@ -280,24 +288,21 @@ def _detect_on(x: Doc) -> float | None:
 
 RECOVERY_SYSTEMS: Columns = [
     ("system", lambda sx: sx[0]),
-    (
-        "rank death -> all ranks stepping",
-        lambda sx: stat([x["death_to_resumed_s"] for x in sx[1]], ".2f", " s"),
-    ),
-    ("detect -> stepping", lambda sx: stat([_detect_on(x) for x in sx[1]], ".2f", " s")),
-    ("steps lost", lambda sx: stat([x["steps_lost"] for x in sx[1]], ".0f")),
-    ("step time", lambda sx: stat([x["step_time_s"] for x in sx[1]], ".3f", " s")),
-    ("time lost", lambda sx: stat([x["time_lost_s"] for x in sx[1]], ".2f", " s")),
+    ("rank death -> all ranks stepping", over("death_to_resumed_s", ".2f", " s")),
+    ("detect -> stepping", over(_detect_on, ".2f", " s")),
+    ("steps lost", over("steps_lost", ".0f")),
+    ("step time", over("step_time_s", ".3f", " s")),
+    ("time lost", over("time_lost_s", ".2f", " s")),
     ("final digest ok", lambda sx: f"{sum(x['digest_ok'] for x in sx[1])}/{len(sx[1])}"),
 ]
 RECOVERY_RUNS: Columns = [
     ("run", lambda x: f"{x['system']} #{x['repeat']}"),
-    ("load avg at start", lambda x: fmt(x["load1"])),
-    ("death -> stepping", lambda x: fmt(x["death_to_resumed_s"], ".2f", " s")),
-    ("spawn+import", lambda x: fmt(x["spawn_import_s"], ".2f", " s")),
-    ("step time", lambda x: fmt(x["step_time_s"], ".3f", " s")),
+    ("load avg at start", one("load1")),
+    ("death -> stepping", one("death_to_resumed_s", ".2f", " s")),
+    ("spawn+import", one("spawn_import_s", ".2f", " s")),
+    ("step time", one("step_time_s", ".3f", " s")),
     ("restored", lambda x: x["restored"]),
-    ("time lost", lambda x: fmt(x["time_lost_s"], ".2f", " s")),
+    ("time lost", one("time_lost_s", ".2f", " s")),
     ("digest", lambda x: "ok" if x["digest_ok"] else "DIFFERS"),
     ("error", lambda x: x["error"] or "-"),
 ]
@@ -305,15 +310,13 @@ RECOVERY_RUNS: Columns = [
 
 def _recovery_costs(r: Doc, runs: dict[str, list[Doc]]) -> list[list[str]]:
     dc, sb = runs.get("torchrun + DCP", []), runs.get("ftmem-launch + standbys", [])
+    dcp_save, dcp_load = ([c for x in dc for c in x[k]] for k in ("checkpoint_s", "load_s"))
     cost = [
         [
             "torchrun + DCP: `dcp.save` blocking per checkpoint and rank",
-            stat([c for x in dc for c in x["checkpoint_s"]], ".3f", " s"),
+            stat(dcp_save, ".3f", " s"),
         ],
-        [
-            "torchrun + DCP: `dcp.load` + `set_state_dict` per rank",
-            stat([c for x in dc for c in x["load_s"]], ".3f", " s"),
-        ],
+        ["torchrun + DCP: `dcp.load` + `set_state_dict` per rank", stat(dcp_load, ".3f", " s")],
         [
             "standbys' warm-ups: training time lost per run",
             stat([x["warmup_extra_s"] for x in sb], ".2f", " s"),
@@ -359,56 +362,36 @@ def recovery(doc: Doc) -> dict[str, list[str]]:
     return {"recovery": [*out, *kv(_recovery_costs(r, runs), ("cost", "figure"))]}
 
 
-def ec_step(x: Doc) -> float | None:
-    """A run's step time: the median over its ranks of each rank's median step time."""
-    return st.median(x["rank_median"].values())
-
-
-def ec_pairs(r: Doc, a: str, b: str) -> list[float]:
-    """Step-time ratios ``b / a`` of runs of the same repeat."""
-    by = {(x["config"], x["repeat"]): x for x in r["runs"] if x["ok"]}
-    return [
-        q
-        for (c, k), x in by.items()
-        if c == b and (a, k) in by and (q := st.ratio(ec_step(x), ec_step(by[(a, k)]))) is not None
-    ]
-
-
 def _ec_config_columns(r: Doc) -> Columns:
-    def ft(f: Callable[[list[Doc]], str]) -> Callable[[tuple[str, list[Doc]]], str]:
-        return lambda cx: "-" if cx[0] == "no ftmem" else f(cx[1])
+    def ft(f: Callable[[Any], str]) -> Callable[[tuple[str, list[Doc]]], str]:
+        return lambda cx: "-" if cx[0] == "no ftmem" else f(cx)
+
+    def vs(a: str, c: str) -> str:
+        return stat(pair_ratios(r["runs"], a, c), ".3f")
 
     def vs_off(c: str) -> str:
-        return stat(ec_pairs(r, "off", c), ".3f") if c == "on" else ("1" if c == "off" else "-")
+        return vs("off", c) if c == "on" else ("1" if c == "off" else "-")
+
+    def node_median(key: str) -> Callable[[Doc], float | None]:
+        return lambda x: st.median(x[key].values())
 
     return [
         ("config", lambda cx: cx[0]),
-        ("step time", lambda cx: stat([ec_step(x) for x in cx[1]], ".4f", " s")),
+        ("step time", over(job_step, ".4f", " s")),
         ("vs off (per pair)", lambda cx: vs_off(cx[0])),
         (
             "vs no ftmem (per pair)",
-            lambda cx: "1" if cx[0] == "no ftmem" else stat(ec_pairs(r, "no ftmem", cx[0]), ".3f"),
+            lambda cx: "1" if cx[0] == "no ftmem" else vs("no ftmem", cx[0]),
         ),
-        (
-            "SMP CPU per node",
-            ft(lambda xs: stat([st.median(x["smp_cpu_s"].values()) for x in xs], ".1f", " s")),
-        ),
-        (
-            "snapshots committed per node (events)",
-            ft(lambda xs: stat([st.median(x["log_commits"].values()) for x in xs], ".0f")),
-        ),
-        (
-            "skipped (all ranks, STATUS)",
-            ft(lambda xs: stat([sum(x["skipped"].values()) for x in xs], ".0f")),
-        ),
+        ("SMP CPU per node", ft(over(node_median("smp_cpu_s"), ".1f", " s"))),
+        ("snapshots committed per node (events)", ft(over(node_median("log_commits"), ".0f"))),
+        ("skipped (all ranks, STATUS)", ft(over(lambda x: sum(x["skipped"].values()), ".0f"))),
     ]
 
 
 def _ec_rounds(x: Doc) -> str:
-    return (
-        ", ".join(f"{x['status_rounds'].get(k, '-')}/{len(v)}" for k, v in x["log_rounds"].items())
-        or "-"
-    )
+    rounds = [f"{x['status_rounds'].get(k, '-')}/{len(v)}" for k, v in x["log_rounds"].items()]
+    return ", ".join(rounds) or "-"
 
 
 EC_RUNS: Columns = [
@@ -427,15 +410,13 @@ EC_RUNS: Columns = [
 def _ec_protection(on: list[Doc]) -> list[list[str]]:
     first = [{k: v.get("0", v.get(0)) for k, v in x.items() if isinstance(v, dict)} for x in on]
     rounds = [t for x in on for v in x["log_rounds"].values() for t in v]
+    status, events = (
+        [f["status_rounds"] for f in first],
+        [len(f["log_rounds"] or []) for f in first],
+    )
     return [
-        [
-            "rounds done (STATUS `counters.protected`, node 0, last poll)",
-            stat([f["status_rounds"] for f in first], ".0f"),
-        ],
-        [
-            "rounds done (SMP events, node 0)",
-            stat([len(f["log_rounds"] or []) for f in first], ".0f"),
-        ],
+        ["rounds done (STATUS `counters.protected`, node 0, last poll)", stat(status, ".0f")],
+        ["rounds done (SMP events, node 0)", stat(events, ".0f")],
         ["time per round (every round of every node)", stat(rounds, ".3f", " s")],
         ["own bytes per node", mib(st.finite(f["own_bytes"] for f in first))],
         ["parity bytes held per node", mib(st.finite(f["parity_bytes"] for f in first))],

@@ -60,17 +60,13 @@ logger = logging.getLogger("bench.recovery")
 
 
 def _newest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
-    """Return (step, path) of the newest complete DCP checkpoint (``.metadata`` written)."""
-    best: tuple[int, Path] | None = None
-    if not ckpt_dir.is_dir():
-        return None
-    for entry in ckpt_dir.iterdir():
-        m = re.fullmatch(r"step_(\d+)", entry.name)
-        if m and (entry / ".metadata").is_file():
-            step = int(m.group(1))
-            if best is None or step > best[0]:
-                best = (step, entry)
-    return best
+    """(step, path) of the newest complete DCP checkpoint (``.metadata`` written), or None."""
+    found = [
+        (int(m.group(1)), e)
+        for e in (ckpt_dir.iterdir() if ckpt_dir.is_dir() else ())
+        if (m := re.fullmatch(r"step_(\d+)", e.name)) and (e / ".metadata").is_file()
+    ]
+    return max(found, default=None)
 
 
 def dcp_worker(argv: Sequence[str]) -> int:
@@ -259,17 +255,14 @@ def _finish_run(run: Run, death: float, resumed: float, fail_step: int) -> None:
 
 def analyse_ftmem(run: Run, events: list[Event], text: str, fail_step: int) -> None:
     """Fill ``run`` from ftmem-launch's event logs (and the example's 'script started' lines)."""
+    last = (FAIL_RANK, fail_step)
+    committed = (e for e in events if e.event == "committed")
     death = next(
-        (
-            e
-            for e in events
-            if e.event == "committed"
-            and (e.fields.get("rank"), e.fields.get("step")) == (FAIL_RANK, fail_step)
-        ),
-        None,
+        (e for e in committed if (e.fields.get("rank"), e.fields.get("step")) == last), None
     )
-    failed = next((e for e in events if e.event == "failed"), None)
-    resumed = next((e for e in events if e.event == "resumed"), None)
+    failed, resumed = (
+        next((e for e in events if e.event == k), None) for k in ("failed", "resumed")
+    )
     if death is None or failed is None or resumed is None:
         run.error = "no commit of the failure step, 'failed' or 'resumed' event"
         return
@@ -383,11 +376,8 @@ def _digests(text: str) -> dict[int, str]:
 
 def _agreed(digests: dict[int, str]) -> str:
     """The digest both ranks printed, "" if not."""
-    return (
-        next(iter(digests.values()))
-        if len(digests) == 2 and len(set(digests.values())) == 1
-        else ""
-    )
+    same = len(digests) == 2 and len(set(digests.values())) == 1
+    return next(iter(digests.values())) if same else ""
 
 
 def _step_time(text: str) -> float | None:
@@ -418,25 +408,16 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
     example = ["--steps", str(res.steps), "--log-every", "1", *fail]
     if system == DCP:
         rdir.mkdir()
-        cmd = [
-            *_launch.tool("torchrun", "torch.distributed.run"),
-            *_STANDALONE,
-            "--max-restarts",
-            "1",
-        ]
-        cmd += [str(Path(__file__).resolve()), WORKER_FLAG, "--ckpt-dir", str(rdir)]
+        cmd = [*_launch.tool("torchrun", "torch.distributed.run"), *_STANDALONE]
+        cmd += ["--max-restarts", "1", str(Path(__file__).resolve()), WORKER_FLAG]
+        cmd += ["--ckpt-dir", str(rdir)]
         cmd += ["--ckpt-every", str(res.dcp_every), "--", *example]
         shown = _show(cmd, workdir).replace(f"$TMP/{tag}{repeat}", "$CKPT_DIR")
         shown = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " + shown
     else:
         standby = "1" if system == FT_STANDBY else "0"
-        cmd = [
-            *_launch.tool("ftmem-launch", "ftmem.launch"),
-            *_STANDALONE,
-            "--ftmem-standby",
-            standby,
-        ]
-        cmd += ["--ftmem-run-dir", str(rdir), str(EXAMPLE), *example]
+        cmd = [*_launch.tool("ftmem-launch", "ftmem.launch"), *_STANDALONE]
+        cmd += ["--ftmem-standby", standby, "--ftmem-run-dir", str(rdir), str(EXAMPLE), *example]
         shown = _show(cmd, workdir).replace(f"$TMP/{tag}{repeat}", "$RUN_DIR")
     res.commands[tag] = shown
     run = Run(system=system, repeat=repeat, load1=os.getloadavg()[0])
