@@ -37,6 +37,10 @@ def _le(x: float | None, limit: float) -> bool | None:
     return None if x is None else x <= limit
 
 
+def _ge(x: float | None, limit: float) -> bool | None:
+    return None if x is None else x >= limit
+
+
 def _straddles(pairs: list[float]) -> bool | None:
     """Ratios of pairs that straddle 1 (no change beyond noise); None with fewer than two."""
     return None if len(pairs) < 2 else min(pairs) <= 1.0 <= max(pairs)
@@ -104,7 +108,7 @@ def snapshot_goals(doc: Doc | None) -> list[Goal]:
             st.stat(st.per_gib(load, big["nbytes"]), ".4f", " s/GiB"),
             _le(st.median(load), 0.1 * gib),
         ),
-        (st.fmt(speed, ".1f", "x"), None if speed is None else speed >= 6.0),
+        (st.fmt(speed, ".1f", "x"), _ge(speed, 6.0)),
     ]
     return _rows(p, names, values, src)
 
@@ -151,20 +155,13 @@ def flush_goals(doc: Doc | None) -> list[Goal]:
     if not sizes:
         return [_missing(p, g, t) for g in names.values()]
     big = max(sizes, key=lambda s: s["nbytes"])
-    values = []
-    for system in names:
-        rat = [st.ratio(x.get("dcp.save"), x.get(system)) for x in big["per_repeat"]]
-        med = st.median(rat)
-        values.append((st.stat(rat, ".2f", "x"), None if med is None else med >= 1.5))
-    out = _rows(
-        p, [(g, t) for g in names.values()], values, f"flush, {big['nbytes'] / st.GiB:.2f} GiB"
-    )
-    from bench._tables import flush_train
+    rats = [[st.ratio(x.get("dcp.save"), x.get(s)) for x in big["per_repeat"]] for s in names]
+    values = [(st.stat(rat, ".2f", "x"), _ge(st.median(rat), 1.5)) for rat in rats]
+    src = f"flush, {big['nbytes'] / st.GiB:.2f} GiB"
+    out = _rows(p, [(g, t) for g in names.values()], values, src)
+    from bench._tables import pair_ratios
 
-    pairs: list[float] = []
-    if doc and doc["result"]["train"]:
-        pairs = st.finite(flush_train(doc["result"])["ratios"])
-    if pairs:
+    if pairs := pair_ratios(doc["result"]["train"], "no flush", "flush every 5"):
         g = ("step time while flushing, flush / no flush", STRADDLE)
         out += _rows(
             p, [g], [(st.stat(pairs, ".3f"), _straddles(pairs))], f"flush, {len(pairs)} pairs"

@@ -57,21 +57,10 @@ def _errorbars(s: Series) -> list[list[float]]:
 def _lines(ax: Any, series: Sequence[Series], goal: float | None, goal_label: str) -> None:
     markers = "os^vDP*X"
     for i, s in enumerate(series):
-        w = (
-            {"markersize": 8, "linewidth": 3.0, "zorder": 3}
-            if s.bold
-            else {"markersize": 6, "linewidth": 1.5, "zorder": 2}
-        )
-        ax.errorbar(
-            s.x,
-            s.median,
-            yerr=_errorbars(s),
-            marker=markers[i % len(markers)],
-            capsize=4,
-            color=s.color,
-            label=s.label,
-            **w,
-        )
+        w = {"markersize": 8, "linewidth": 3.0, "zorder": 3} if s.bold else {"markersize": 6}
+        w = {"linewidth": 1.5, "zorder": 2, **w}
+        kw = {"marker": markers[i % len(markers)], "capsize": 4, "color": s.color, **w}
+        ax.errorbar(s.x, s.median, yerr=_errorbars(s), label=s.label, **kw)
     if goal is not None:
         ax.axhline(goal, color="black", linestyle="--", linewidth=1.2, label=goal_label)
     ax.set_yscale("log")
@@ -122,15 +111,8 @@ def plot_overhead(
                 continue
             xy = (rect.get_x() + rect.get_width() / 2, max(value, high, 0.0))
             box = {"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none"}
-            ax.annotate(
-                f"{value:+.1f}%",
-                xy,
-                xytext=(0, 4),
-                textcoords="offset points",
-                ha="center",
-                fontsize=8,
-                bbox=box,
-            )
+            kw = {"textcoords": "offset points", "ha": "center", "fontsize": 8, "bbox": box}
+            ax.annotate(f"{value:+.1f}%", xy, xytext=(0, 4), **kw)
     ax.axhline(goal, color="black", linestyle="--", linewidth=1.2, label=f"goal: +{goal:g}%")
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_xticks(xs, [label.replace(" (", "\n(") for label in labels], fontsize=9)
@@ -216,10 +198,8 @@ def stall_from(doc: dict[str, Any], path: Path) -> bool:
     restore = [x for row in RESTORE_SERIES if (x := _size_series(sizes, *row))]
     if not stall:
         return False
-    title = (
-        "Median and min-max over the repeats of one run; the state is params + AdamW moments, fp32"
-    )
-    plot_stall(stall, restore, path, title=title)
+    title = "Median and min-max over the repeats of one run; the state is params + AdamW moments"
+    plot_stall(stall, restore, path, title=title + ", fp32")
     return True
 
 
@@ -265,14 +245,10 @@ def recovery_from(doc: dict[str, Any], path: Path) -> bool:
 
 
 _STALL_CAPTION = "Stall per snapshot and restore per GiB against the state size"
+_OVERHEAD_CAPTION = "Training overhead against the snapshot interval"
 PLOTS = (
     ("bench-stall.png", "snapshot", stall_from, _STALL_CAPTION),
-    (
-        "bench-overhead.png",
-        "overhead",
-        overhead_from,
-        "Training overhead against the snapshot interval",
-    ),
+    ("bench-overhead.png", "overhead", overhead_from, _OVERHEAD_CAPTION),
     ("bench-recovery.png", "recovery", recovery_from, "Failure to resumed: where the time goes"),
 )
 

@@ -155,18 +155,13 @@ def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str])
         ) as smp_id:
             smp, run_id = smp_id
             result.notes.append(f"SMP pid {smp.pid} ready in {time.perf_counter() - t0:.2f} s")
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve().parent / "_datapath_node.py"),
-                *("--size-gib", repr(size_gib), "--run-dir", str(run_dir)),
-                *("--smp-pid", str(smp.pid), "--result", str(res_path)),
-                *("--saves", str(args.saves), "--repeats", str(args.repeats)),
-                *("--compute-ms", str(args.compute_ms), "--dcp-saves", str(args.dcp_saves)),
-                *("--idle-s", str(args.idle_s), "--loose-frac", str(args.loose_frac)),
-                *("--wait-timeout", str(wait_timeout)),
-                *(("--disk-dir", str(args.disk_dir)) if args.disk_dir else ()),
-                *(("--skip-dcp",) if args.skip_dcp else ()),
-            ]
+            same = "saves repeats compute_ms dcp_saves idle_s loose_frac".split()
+            cmd = [sys.executable, str(Path(__file__).resolve().parent / "_datapath_node.py")]
+            cmd += _launch.flags(size_gib=repr(size_gib), run_dir=run_dir, smp_pid=smp.pid)
+            cmd += _launch.flags(result=res_path, wait_timeout=wait_timeout)
+            cmd += _launch.flags(**{k: getattr(args, k) for k in same})
+            cmd += _launch.flags(disk_dir=args.disk_dir) if args.disk_dir else []
+            cmd += ["--skip-dcp"] if args.skip_dcp else []
             env = _launch.job_env(FTMEM_RUN_DIR=str(run_dir), FTMEM_RUN_ID=run_id)
             with _launch.Job(cmd, tmp / "rank.log", env) as job:
                 rc = job.wait(timeout)
