@@ -37,3 +37,8 @@ class SnapshotMismatchError(FtmemError):
 
 class UnrecoverableError(FtmemError):
     """More fragments (or nodes) of an erasure-coding group are lost than its parity covers."""
+
+
+class UnsafePathError(FtmemError):
+    """A file or directory ftmem would trust is not this user's, is a symlink, or is writable
+    (or, for secrets, readable) by others; it was not used."""

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "ftmem._logging": 0,
     "ftmem._process": 0,
     "ftmem.events": 0,
+    "ftmem.secure_fs": 0,
     "ftmem.format": 1,
     "ftmem.protocol": 1,
     "ftmem.shm": 1,
