@@ -29,10 +29,11 @@ import zmq
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
-from ftmem.errors import ProtocolError, SmpStartError
+from ftmem.errors import ProtocolError, SmpStartError, UnsafePathError
 from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
+from ftmem.secure_fs import prepare_private_dir
 from ftmem.smp.allocation import Allocator, SlotFiles
 from ftmem.smp.flush_scheduler import FlushService, FlushSettings
 from ftmem.smp.handlers import Request, RequestHandlers
@@ -44,13 +45,17 @@ log = get_logger(__name__)
 
 
 def prepare_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` with mode 0700 (or check an existing one is ours and private)."""
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = run_dir.stat()
-    if st.st_uid != os.getuid():
-        raise SmpStartError(f"run directory {run_dir} belongs to uid {st.st_uid}, not to us")
-    if st.st_mode & 0o077:
-        os.chmod(run_dir, 0o700)
+    """Create ``run_dir`` (and missing parents) with mode 0700, or accept an existing one that
+    is ours and no symlink; its parent must be ours or root's and not writable by others
+    (sticky /tmp aside), so nobody else can swap it.
+
+    Raises:
+        SmpStartError: the directory or its parent is unsafe (the message says why).
+    """
+    try:
+        prepare_private_dir(run_dir, "run directory")
+    except UnsafePathError as exc:
+        raise SmpStartError(str(exc)) from exc
 
 
 class SmpDaemon:
