@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,8 @@ ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"  # set by ftmem-launch: the step the n
 ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
 ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.faults)
 ENV_FLUSH_DIRS = "FTMEM_FLUSH_DIRS"  # disk tiers, nearest first, ":"-separated (load's fallback)
+ENV_TIER_KEY_FILE = "FTMEM_TIER_KEY_FILE"
+"""The key that signs every checkpoint's manifest (default ``~/.config/ftmem/tier.key``)."""
 
 SOCKET_NAME = "smp.sock"
 AUTH_KEY_NAME = "auth.key"
@@ -35,12 +38,32 @@ def default_run_id() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", rid)[:64]
 
 
+def _private_runtime_dir() -> Path | None:
+    """``$XDG_RUNTIME_DIR`` if it is set and, as its specification demands, a directory of
+    this user with mode 0700 (not a symlink); else None."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg or not os.path.isabs(xdg):
+        return None
+    try:
+        st = os.lstat(xdg)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return Path(xdg)
+
+
 def default_run_dir(run_id: str | None = None) -> Path:
-    """Return FTMEM_RUN_DIR if set, else ``/tmp/ftmem-<uid>/<run_id>``."""
+    """Return FTMEM_RUN_DIR if set, else ``$XDG_RUNTIME_DIR/ftmem/<run_id>`` when the runtime
+    directory is private, else ``/tmp/ftmem-<uid>/<run_id>``. The SMP creates the directory
+    and its parent with mode 0700 and refuses them if another user owns them
+    (:func:`ftmem.secure_fs.prepare_private_dir`)."""
     env = os.environ.get(ENV_RUN_DIR)
     if env:
         return Path(env)
-    return Path("/tmp") / f"ftmem-{os.getuid()}" / (run_id or default_run_id())
+    runtime = _private_runtime_dir()
+    base = runtime / "ftmem" if runtime else Path("/tmp") / f"ftmem-{os.getuid()}"
+    return base / (run_id or default_run_id())
 
 
 def check_name(kind: str, value: str) -> str:

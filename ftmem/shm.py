@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
+from ftmem.secure_fs import open_owned
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +77,10 @@ def remove_segment(path: Path) -> None:
 class MappedSegment:
     """A rank's read/write mapping of one slot file, exposed as a uint8 tensor.
 
+    The file must be an ftmem segment in ``shm_dir``, a regular file (opened without
+    following a symlink) of this user that nobody else can read or write; otherwise
+    UnsafePathError (or ValueError for a wrong place or size) is raised and nothing is mapped.
+
     Resource handling: the mapping lives until :meth:`close` (idempotent); tensors taken
     from :attr:`tensor` must be dropped first.
     """
@@ -87,10 +91,10 @@ class MappedSegment:
             "ftmem-"
         ):
             raise ValueError(f"refusing to map {path}: not an ftmem segment in {shm_dir}")
-        fd = os.open(resolved, os.O_RDWR | os.O_CLOEXEC)
+        fd = open_owned(resolved, "slot file", os.O_RDWR, private=True)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != expect_bytes:
+            if st.st_size != expect_bytes:
                 raise ValueError(f"segment {path} has size {st.st_size}, expected {expect_bytes}")
             self._mm = mmap.mmap(fd, expect_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:

@@ -27,7 +27,12 @@ from ftmem.client.restore import (
     restore_threads,
 )
 from ftmem.config import ENV_EXPECTED_STEP
-from ftmem.errors import CorruptSnapshotError, InconsistentSnapshotError, SnapshotMismatchError
+from ftmem.errors import (
+    CorruptSnapshotError,
+    InconsistentSnapshotError,
+    SnapshotMismatchError,
+    UnsafePathError,
+)
 from ftmem.format.tensors import read_objects
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
@@ -150,7 +155,11 @@ class SnapshotLoader:
         world = torch.distributed.get_world_size() if agreement.distributed() else 1
         found: dict[int, Checkpoint] = {}
         for tier in self._flush_dirs:
-            good, other = list_checkpoints(tier, parts=True)
+            try:
+                good, other = list_checkpoints(tier, parts=True)
+            except UnsafePathError as exc:
+                log.error("not reading disk tier %s: %s", tier, exc)
+                continue
             for path, why in other:
                 log.warning("ignoring %s: %s", path, why)
             for ck in good:  # a whole checkpoint, or a node's part that holds this rank

@@ -13,9 +13,10 @@ import zmq
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME
-from ftmem.errors import ProtocolError, SmpRequestError, SmpUnavailableError
+from ftmem.errors import ProtocolError, SmpRequestError, SmpUnavailableError, UnsafePathError
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode
+from ftmem.secure_fs import check_dir, read_private_file
 
 log = get_logger(__name__)
 
@@ -50,9 +51,14 @@ class SmpClient:
                 f"`python -m ftmem.smp --run-dir {self.run_dir}` or run under ftmem-launch"
             )
         try:
-            self._key: bytes | None = (self.run_dir / AUTH_KEY_NAME).read_bytes()
+            check_dir(self.run_dir, "SMP run directory", private=True)
+            self._key: bytes | None = read_private_file(self.run_dir / AUTH_KEY_NAME, "SMP key")
             ready = json.loads((self.run_dir / READY_NAME).read_text())
             self.smp_pid: int | None = int(ready["pid"])
+        except UnsafePathError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise  # planted or opened up by someone else: say so, never use it
+            raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
         self._own_ctx = ctx is None

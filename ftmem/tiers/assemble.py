@@ -41,6 +41,7 @@ from ftmem.tiers.checkpoints import (
     list_checkpoints,
     manifest_entry,
     read_manifest,
+    temp_name,
     write_manifest,
 )
 from ftmem.tiers.dcp_meta import metadata_from_json, rebase, write_metadata
@@ -234,7 +235,7 @@ def assemble(
             time.sleep(0.2)
     merged = merge_parts(cover)
     md = metadata_from_json(merged)
-    tmp = tier / f"{final.name}.tmp-{os.getpid()}"
+    tmp = tier / temp_name(final.name)
     shutil.rmtree(tmp, ignore_errors=True)
     moved: list[tuple[Path, Path]] = []
     try:
@@ -249,7 +250,7 @@ def assemble(
             for name, (size, digest) in p.ckpt.files.items():
                 known[f"{p.prefix}/{name}"] = {"bytes": size, "xxh3": digest}
             known[f"{p.prefix}/{MANIFEST}"] = manifest_entry(tmp / p.prefix / MANIFEST)
-        write_manifest(tmp, step, world_size, known=known)
+        write_manifest(tmp, step, world_size, known=known, extra={"dcp": merged})
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(tier)

@@ -7,26 +7,38 @@ names sort by step). A checkpoint is *complete* when its directory exists under 
 and xxh3-64. In a multi-node run each node writes a *part*, ``step_<N>.part-r<first rank>``,
 holding its own ranks; one coordinator assembles the parts of every node into ``step_<N>``
 (:mod:`ftmem.tiers.assemble`), whose manifest lists the parts' files as
-``part-r<first rank>/<file>``. Anything else in a tier (``*.tmp-<pid>`` left by a killed
-writer, a directory without a manifest) is never listed as a checkpoint and is removed by
-:func:`prune`.
+``part-r<first rank>/<file>``. Anything else in a tier (``*.tmp-<host>-<pid>`` left by a
+killed writer, a directory without a valid manifest) is never listed as a checkpoint.
+
+Trust: a tier must be a directory of this user that others cannot write, and so must each
+checkpoint in it (``lstat``: symlinks are refused, never followed); the manifest must carry a
+valid signature made with the tier key (:mod:`ftmem.tiers.signing`). Both are checked before
+any other file of a checkpoint is opened, so a checkpoint planted by someone else is never
+read, in particular never by DCP's metadata reader (a pickle). :func:`prune` removes only what
+is provably this job's: older signed checkpoints, and partial directories written by a dead
+process of *this* host; anything it cannot read is left alone and logged.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import socket
+import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from ftmem._logging import get_logger
-from ftmem.errors import CorruptSnapshotError
+from ftmem.errors import CorruptSnapshotError, UnsafePathError
+from ftmem.secure_fs import check_dir, open_owned
+from ftmem.tiers import signing
 
 log = get_logger(__name__)
 
@@ -47,6 +59,17 @@ def checkpoint_name(step: int) -> str:
 def part_name(step: int, first_rank: int) -> str:
     """The directory name of the part of step ``step`` whose lowest rank is ``first_rank``."""
     return f"{checkpoint_name(step)}.part-r{first_rank:06d}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def temp_name(name: str) -> str:
+    """The name a writer on this host gives ``name`` while it is being written: it carries
+    the host and the pid, so only a process of this host that knows the pid is gone removes
+    it (:func:`prune`)."""
+    return f"{name}.tmp-{_host()}-{os.getpid()}"
 
 
 def file_hash(path: Path) -> str:
@@ -87,29 +110,43 @@ def write_manifest(
         **(extra or {}),
     }
     path = directory / MANIFEST
-    with open(path, "w") as f:
-        json.dump(doc, f)
+    signed = signing.sign(doc, signing.tier_key(create=True))
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(signed, f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``path`` as parsed JSON (size-bounded).
+    """The manifest of checkpoint directory ``path`` as parsed JSON (size-bounded), after
+    checking that the file is ours, not writable by others, and signed with the tier key.
 
     Raises:
-        CorruptSnapshotError: it is missing, too large or not a JSON object.
+        CorruptSnapshotError: it is missing, too large, not a JSON object, or its signature
+            does not check.
+        UnsafePathError: it is not ours, a symlink, or writable by others; or there is no
+            tier key to check it with.
+        OSError: it could not be read (EIO, ESTALE...): nothing can be said about it.
     """
     mpath = path / MANIFEST
     try:
-        if mpath.stat().st_size > _MAX_MANIFEST:
-            raise CorruptSnapshotError(f"{mpath} is too large")
-        doc = json.loads(mpath.read_text())
-    except CorruptSnapshotError:
+        fd = open_owned(mpath, "checkpoint manifest", private=False)
+    except UnsafePathError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            raise CorruptSnapshotError(f"{path}: no manifest") from exc
         raise
-    except (OSError, ValueError) as exc:
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MAX_MANIFEST + 1)
+    if len(raw) > _MAX_MANIFEST:
+        raise CorruptSnapshotError(f"{mpath} is too large")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
         raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
     if not isinstance(doc, dict):
         raise CorruptSnapshotError(f"{path}: the manifest is not a JSON object")
+    signing.verify(doc, signing.tier_key(create=False), path)
     return doc
 
 
@@ -130,6 +167,8 @@ class Checkpoint:
     files: dict[str, tuple[int, str]]
     ranks: tuple[int, ...] = ()
     """The ranks it holds: all of ``world_size`` for a checkpoint, a node's ranks for a part."""
+    dcp_json: Any = field(default=None, compare=False, repr=False)
+    """Its DCP metadata as JSON, from the signed manifest (None: written by an older ftmem)."""
 
     @property
     def is_part(self) -> bool:
@@ -138,11 +177,16 @@ class Checkpoint:
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint's manifest and check that every listed file has its size.
+    """Read a checkpoint's manifest (checked: see :func:`read_manifest`) and check that every
+    listed file is a regular file (no symlink) of its size.
 
     Raises:
-        CorruptSnapshotError: no or a malformed manifest, or a file missing or truncated.
+        CorruptSnapshotError: no, an unsigned or a malformed manifest, or a file missing or
+            truncated.
+        UnsafePathError: the directory or its manifest is not ours or writable by others.
+        OSError: the manifest could not be read.
     """
+    check_dir(path, "checkpoint")
     doc = read_manifest(path)
     try:
         files = {
@@ -160,12 +204,16 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if not _good_file_name(name):
             raise CorruptSnapshotError(f"{path}: manifest names a bad file {name!r}")
         try:
-            actual = (path / name).stat().st_size
+            st = os.lstat(path / name)
         except OSError as exc:
             raise CorruptSnapshotError(f"{path}: {name} is missing") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptSnapshotError(f"{path}: {name} is not a regular file")
+        actual = st.st_size
         if actual != size:
             raise CorruptSnapshotError(f"{path}: {name} has {actual} bytes, expected {size}")
-    return Checkpoint(path, step, world, sum(s for s, _ in files.values()), files, ranks)
+    total = sum(s for s, _ in files.values())
+    return Checkpoint(path, step, world, total, files, ranks, doc.get("dcp"))
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> None:
@@ -184,21 +232,33 @@ def list_checkpoints(
     tier: Path, parts: bool = False
 ) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
     """Complete checkpoints of ``tier`` (and with ``parts``, nodes' parts too), newest first,
-    and what else is there (path, why)."""
+    and what else is there (path, why).
+
+    Raises:
+        UnsafePathError: ``tier`` is not this user's directory, is a symlink, or others can
+            write to it (nothing in it is trusted).
+    """
     good: list[Checkpoint] = []
     other: list[tuple[Path, str]] = []
-    if not tier.is_dir():
+    if not os.path.lexists(tier):
         return good, other
+    check_dir(tier, "disk tier")
     for p in sorted(tier.iterdir()):
         whole, part = _NAME_RE.match(p.name), _PART_RE.match(p.name)
         mt = whole or part
-        if not mt or not p.is_dir():
+        if not mt:
             other.append((p, "partial (a writer was stopped)" if ".tmp-" in p.name else "not ours"))
             continue
         try:
             ck = read_checkpoint(p)
         except CorruptSnapshotError as exc:
             other.append((p, f"incomplete: {exc}"))
+            continue
+        except UnsafePathError as exc:
+            other.append((p, f"untrusted: {exc}"))
+            continue
+        except OSError as exc:
+            other.append((p, f"unreadable: {exc}"))
             continue
         if ck.step != int(mt.group(1)) or ck.is_part != (part is not None):
             other.append((p, f"manifest says step {ck.step}, ranks {_span(ck.ranks)}"))
@@ -217,18 +277,19 @@ def _span(ranks: Sequence[int]) -> str:
 
 def prune(tier: Path, keep: int) -> list[Path]:
     """Keep the newest ``keep`` complete checkpoints and the parts of the newest ``keep``
-    steps that have parts; remove older ones and partial leftovers of writers that are gone.
-    Returns what was removed."""
+    steps that have parts; remove older ones and the partial directories of writers of this
+    host that are gone. Anything else (another host's partial copy, a checkpoint that could
+    not be read or checked right now) is left alone and logged. Returns what was removed."""
     good, other = list_checkpoints(tier, parts=True)
     whole = [c for c in good if not c.is_part]
     part_steps = sorted({c.step for c in good if c.is_part}, reverse=True)[:keep]
     removed = [c.path for c in whole[keep:]]
     removed += [c.path for c in good if c.is_part and c.step not in part_steps]
     for p, why in other:
-        if ".tmp-" in p.name and not _writer_alive(p.name):
+        if _dead_writer_of_this_host(p.name):
             removed.append(p)
-        elif why.startswith("incomplete"):
-            removed.append(p)
+        elif not why.startswith(("partial", "not ours")):
+            log.warning("not pruning %s: %s", p, why)
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     if removed:
@@ -236,13 +297,14 @@ def prune(tier: Path, keep: int) -> list[Path]:
     return removed
 
 
-def _writer_alive(name: str) -> bool:
+def _dead_writer_of_this_host(name: str) -> bool:
     from ftmem._process import pid_alive
 
-    try:
-        return pid_alive(int(name.rsplit(".tmp-", 1)[1]))
-    except ValueError:
+    base, sep, tail = name.rpartition(".tmp-")
+    host, dash, pid = tail.rpartition("-")
+    if not (sep and dash and base) or host != _host() or not pid.isdigit():
         return False
+    return not pid_alive(int(pid))
 
 
 def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
@@ -256,8 +318,9 @@ def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
         CorruptSnapshotError: the source does not match its manifest.
     """
     tier.mkdir(parents=True, exist_ok=True)
+    check_dir(tier, "disk tier")
     final = tier / ckpt.path.name
-    tmp = tier / f"{ckpt.path.name}.tmp-{os.getpid()}"
+    tmp = tier / temp_name(ckpt.path.name)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
@@ -268,10 +331,20 @@ def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
                 os.fsync(f.fileno())
         verify_checkpoint(read_checkpoint(tmp))
         fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        old = tier / temp_name(f"{ckpt.path.name}.old")
+        try:  # replace by rename, then delete: a complete copy is there at every moment
+            os.rename(final, old)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if os.path.lexists(old):
+                os.rename(old, final)
+            raise
         fsync_dir(tier)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -4,16 +4,15 @@ The checkpoint's files are checked against its manifest first (every byte hashed
 own reader loads, in place, into tensors laid out in one buffer exactly like a slot: the rank's
 tensors in the order it saved them (its ``names``), each taken from its per-rank entry if it
 has one, else from the shared top level, plus its skeleton. The result feeds the same
-plan/apply restore as a snapshot in memory. Nothing is unpickled but by DCP's metadata reader
-and ``torch.load(weights_only=True)``.
+plan/apply restore as a snapshot in memory. The checkpoint was checked (owner, signature) when
+it was listed; its metadata comes from the signed manifest's JSON (:mod:`ftmem.tiers.dcp_read`),
+so nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -22,6 +21,7 @@ from ftmem.format.layout import StoredSnapshot, StoredTensor
 from ftmem.format.tensors import dtype_name
 from ftmem.shm import ALIGN
 from ftmem.tiers.checkpoints import Checkpoint, verify_checkpoint
+from ftmem.tiers.dcp_read import CheckedReader, load_into
 from ftmem.tiers.export import PER_RANK_KEY
 
 
@@ -35,22 +35,6 @@ class BufferSegment:
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _load(targets: dict[str, torch.Tensor], path: str) -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    with warnings.catch_warnings():
-        # DCP warns that it loads in one process: each rank reads its own part, as meant.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_load(targets, storage_reader=FileSystemReader(path), no_dist=True)
-
-
-def _metadata(path: str) -> Any:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    return FileSystemReader(path).read_metadata()
 
 
 def load_rank(
@@ -67,13 +51,13 @@ def load_rank(
         verify_checkpoint(ckpt)
     path = str(ckpt.path)
     try:
-        md = _metadata(path).state_dict_metadata
+        md = CheckedReader(ckpt).read_metadata().state_dict_metadata
         prefix = f"{PER_RANK_KEY}.{rank}"
         small = {}
         for key in ("names", "skeleton"):
             tm = md[f"{prefix}.{key}"]
             small[key] = torch.empty(tuple(tm.size), dtype=torch.uint8)
-        _load({f"{prefix}.{k}": v for k, v in small.items()}, path)
+        load_into({f"{prefix}.{k}": v for k, v in small.items()}, ckpt)
         names = json.loads(small["names"].numpy().tobytes() or b"[]")
         skeleton = small["skeleton"].numpy().tobytes()
         fqns = []
@@ -97,7 +81,7 @@ def load_rank(
             for fqn, (_, dtype, shape, off, n) in zip(fqns, specs, strict=True)
         }
         if targets:
-            _load(targets, path)
+            load_into(targets, ckpt)
     except CorruptSnapshotError:
         raise
     except (KeyError, ValueError, RuntimeError, OSError) as exc:

@@ -51,7 +51,7 @@ from ftmem.format.tensors import (
     verify_snapshot,
 )
 from ftmem.shm import MappedSegment
-from ftmem.tiers.checkpoints import fsync_dir, write_manifest
+from ftmem.tiers.checkpoints import fsync_dir, temp_name, write_manifest
 from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
 
 log = get_logger(__name__)
@@ -297,7 +297,7 @@ def export_dcp(
         raise ExportError(f"{out} exists; choose a new directory")
     step = sources[0].step
     segs: list[MappedSegment] = []
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    tmp = out.with_name(temp_name(out.name))
     state: dict[str, Any] = {}
     trees: list[Any] = []
     tensor_lists: list[list[torch.Tensor]] = []
@@ -359,10 +359,11 @@ def export_dcp(
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
         for snap, seg in zip(snaps, segs, strict=True):
             verify_snapshot(snap, seg.view)  # a rank may have reused the slot while we wrote
-        extra = None
-        if part:  # what the coordinator needs to write the global metadata, as JSON
-            extra = {
-                "dcp": metadata_to_json(meta),
+        # The metadata as JSON: readers take it from the signed manifest instead of
+        # unpickling .metadata; a coordinator writes the global metadata from the parts'.
+        extra: dict[str, Any] = {"dcp": metadata_to_json(meta)}
+        if part:
+            extra |= {
                 "chunked": sorted(chunked_names),
                 "hashes": {
                     str(r): {t.name: t.hash for t in sn.tensors}
@@ -415,12 +416,21 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 
 def to_torch_save(dcp_dir: Path, out_file: Path) -> None:
-    """Convert a DCP directory to one ``torch.save`` file (stock ``dcp_to_torch_save``)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """Convert a checkpoint of a tier to one ``torch.save`` file (what stock
+    ``dcp_to_torch_save`` writes), after checking it (owner, signature, every file's hash);
+    nothing in it is unpickled (:func:`ftmem.tiers.dcp_read.load_whole`).
 
-    tmp = out_file.with_name(f"{out_file.name}.tmp-{os.getpid()}")
+    Raises:
+        CorruptSnapshotError, UnsafePathError: the checkpoint failed a check.
+    """
+    from ftmem.tiers.checkpoints import read_checkpoint, verify_checkpoint
+    from ftmem.tiers.dcp_read import load_whole
+
+    ckpt = read_checkpoint(dcp_dir)
+    verify_checkpoint(ckpt)
+    tmp = out_file.with_name(temp_name(out_file.name))
     try:
-        dcp_to_torch_save(dcp_dir, tmp)
+        torch.save(load_whole(ckpt), tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.rename(tmp, out_file)
@@ -445,7 +455,7 @@ def to_safetensors(dcp_dir: Path, out_file: Path) -> int:
             "--safetensors needs the safetensors package: pip install safetensors"
         ) from exc
 
-    tmp = out_file.with_name(f"{out_file.name}.tmp-{os.getpid()}")
+    tmp = out_file.with_name(temp_name(out_file.name))
     try:
         to_torch_save(dcp_dir, tmp)
         whole = torch.load(tmp, weights_only=True)

@@ -62,6 +62,7 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
         part_name,
         prune,
         read_checkpoint,
+        temp_name,
     )
     from ftmem.tiers.export import RankSource, export_dcp
 
@@ -91,7 +92,7 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
             expected = sum(
                 t.nbytes for s in sources for t in parse_layout(s.layout, s.capacity).tensors
             )
-            with _Progress(rid, 0, first, f"{name}.tmp-{os.getpid()}", expected):
+            with _Progress(rid, 0, first, temp_name(name), expected):
                 export_dcp(sources, out, world_size=world if multi else None)
             ckpt = read_checkpoint(out)
         paths.append(str(out))
@@ -99,7 +100,7 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
         _emit({"id": rid, "event": "tier", "tier": 0, "path": str(out), "bytes": ckpt.nbytes})
         prune(first, keep)
         for i, tier in enumerate(tiers[1:], start=1):
-            with _Progress(rid, i, tier, f"{name}.tmp-{os.getpid()}", ckpt.nbytes, "copying"):
+            with _Progress(rid, i, tier, temp_name(name), ckpt.nbytes, "copying"):
                 path = copy_checkpoint(ckpt, tier)
             paths.append(str(path))
             total += ckpt.nbytes
