@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.config import default_run_dir
+from ftmem.errors import ProtocolError
+from ftmem.exchange.status import ExchangeStatus
 
 
 def _fmt_age(t: float | None) -> str:
@@ -45,7 +47,10 @@ def print_status(st: dict[str, Any]) -> None:
         if why:
             reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(why.items()))
             print(f"  rank {rank} skipped: {reasons}")
-    print_exchange(st.get("exchange") or {})
+    try:
+        print_exchange(ExchangeStatus.from_json(st.get("exchange")))
+    except ProtocolError as exc:
+        print(f"erasure coding: unreadable status ({exc})")
     fl = st.get("flush") or {}
     if fl.get("enabled"):
         running = fl.get("running")
@@ -59,34 +64,33 @@ def print_status(st: dict[str, Any]) -> None:
         )
 
 
-def print_exchange(ex: dict[str, Any]) -> None:
+def print_exchange(ex: ExchangeStatus) -> None:
     """Print the erasure-coding part of a STATUS document (protection, bytes, peers)."""
-    if not ex.get("enabled"):
+    if not ex.enabled or ex.state is None:
         print("erasure coding: off (single node, or fewer than m + 2 nodes)")
         return
-    own, parity = int(ex.get("own_bytes") or 0), int(ex.get("parity_bytes") or 0)
+    own, parity = ex.own_bytes, ex.parity_bytes
     ratio = f"{parity / own:.3f}" if own else "-"
-    group = ex.get("group") or []
-    k = len(group) - int(ex.get("m") or 0)
-    expect = f"{int(ex.get('m') or 0) / k:.3f}" if k > 0 else "-"
-    c = ex.get("counters") or {}
+    group = list(ex.group)
+    k = len(group) - (ex.m or 0)
+    expect = f"{(ex.m or 0) / k:.3f}" if k > 0 else "-"
+    c = ex.counters
     print(
-        f"erasure coding: node {ex.get('me')} of group {group} m={ex.get('m')} "
-        f"generation {ex.get('epoch')} state {ex.get('state')}"
-        + (f" ({ex['error']})" if ex.get("error") else "")
+        f"erasure coding: node {ex.me} of group {group} m={ex.m} "
+        f"generation {ex.epoch} state {ex.state.value}" + (f" ({ex.error})" if ex.error else "")
     )
     print(
-        f"  protected step {ex.get('protected_step')}  own {own / 2**20:.1f} MiB  "
+        f"  protected step {ex.protected_step}  own {own / 2**20:.1f} MiB  "
         f"parity {parity / 2**20:.1f} MiB (ratio {ratio}, m/(n-m) = {expect})  "
-        f"last protect {ex.get('last_protect_s')}s  rounds ok {c.get('protected', 0)} "
-        f"aborted {c.get('aborted', 0)} failed {c.get('failed', 0)} rebuilt {c.get('rebuilt', 0)}"
+        f"last protect {ex.last_protect_s}s  rounds ok {c.protected} "
+        f"aborted {c.aborted} failed {c.failed} rebuilt {c.rebuilt}"
     )
-    for node, p in sorted((ex.get("peers") or {}).items()):
-        seen = p.get("last_seen_s")
+    for p in ex.peers:
+        seen = p.last_seen_s
         health = "never heard from" if seen is None else f"heard {seen}s ago"
         if seen is not None and seen > 10:
             health += " (UNHEALTHY)"
-        print(f"  peer {node:>3} {p.get('endpoint')}  {health}")
+        print(f"  peer {p.node:>3} {p.endpoint}  {health}")
 
 
 def get_args_parser() -> argparse.ArgumentParser:

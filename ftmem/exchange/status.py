@@ -2,9 +2,9 @@
 
 The SMP reports its exchange as a JSON object (``exchange`` in the STATUS document) whose
 ``state`` is an :class:`ExchangeState` value; :meth:`ExchangeStatus.from_json` turns it into a
-frozen dataclass, and :meth:`SyncReply.from_json` does the same for the reply to PEER_START.
-Both refuse a malformed document with :class:`~ftmem.errors.ProtocolError`; fields they do not
-know are ignored (the status carries more than the launcher reads).
+frozen dataclass (what the launcher, the SMP's flush scheduler and ``ftmem status`` read), and
+:meth:`SyncReply.from_json` does the same for the reply to PEER_START. Both refuse a malformed
+document with :class:`~ftmem.errors.ProtocolError`; fields they do not know are ignored.
 """
 
 from __future__ import annotations
@@ -153,8 +153,53 @@ class RebuildProgress:
 
 
 @dataclass(frozen=True, slots=True)
+class RoundCounters:
+    """Protection rounds so far: ``protected``, ``aborted``, ``failed``; rebuilds done."""
+
+    protected: int = 0
+    aborted: int = 0
+    failed: int = 0
+    rebuilt: int = 0
+
+    @classmethod
+    def from_json(cls, doc: Any) -> RoundCounters:
+        """Parse ``counters`` (None or {}: all zero). Raises ProtocolError."""
+        if doc is None:
+            return cls()
+        d = _object(doc, "counters")
+        return cls(_int(d, "protected"), _int(d, "aborted"), _int(d, "failed"), _int(d, "rebuilt"))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHealth:
+    """A peer of the group: its endpoint and how long ago it was last heard from."""
+
+    node: int
+    endpoint: str
+    last_seen_s: float | None
+    """None: never heard from."""
+
+    @classmethod
+    def parse_all(cls, doc: Any) -> tuple[PeerHealth, ...]:
+        """Parse ``peers`` ({node: {endpoint, last_seen_s}}), by node. Raises ProtocolError."""
+        if doc is None:
+            return ()
+        d = _object(doc, "peers")
+        if len(d) > _MAX_LIST:
+            raise ProtocolError(f"field 'peers' has more than {_MAX_LIST} nodes")
+        out = []
+        for node, p in d.items():
+            if type(node) is not str or not node.isdigit() or len(node) > 18:
+                raise ProtocolError(f"peer {node!r} is not a node index")
+            p = _object(p, f"peer {node}")
+            seen = None if p.get("last_seen_s") is None else _seconds(p, "last_seen_s")
+            out.append(cls(int(node), _str(p, "endpoint", 1024), seen))
+        return tuple(sorted(out, key=lambda h: h.node))
+
+
+@dataclass(frozen=True, slots=True)
 class ExchangeStatus:
-    """The ``exchange`` part of an SMP's STATUS, typed (only what the launcher reads)."""
+    """The ``exchange`` part of an SMP's STATUS, typed."""
 
     enabled: bool
     state: ExchangeState | None
@@ -171,6 +216,15 @@ class ExchangeStatus:
     dropped_messages: int = 0
     last_protect_s: float = 0.0
     last_rebuild_s: float = 0.0
+    endpoint: str = ""
+    """This node's peer port (once bound)."""
+    own_bytes: int = 0
+    """This node's snapshot bytes of the protected step."""
+    parity_bytes: int = 0
+    """Parity bytes this node holds for the protected step."""
+    sent_bytes: int = 0
+    counters: RoundCounters = RoundCounters()
+    peers: tuple[PeerHealth, ...] = ()
 
     @classmethod
     def from_json(cls, doc: Any) -> ExchangeStatus:
@@ -205,6 +259,12 @@ class ExchangeStatus:
             dropped_messages=_int(d, "dropped_messages"),
             last_protect_s=_seconds(d, "last_protect_s"),
             last_rebuild_s=_seconds(d, "last_rebuild_s"),
+            endpoint=_str(d, "endpoint", 1024),
+            own_bytes=_int(d, "own_bytes"),
+            parity_bytes=_int(d, "parity_bytes"),
+            sent_bytes=_int(d, "sent_bytes"),
+            counters=RoundCounters.from_json(d.get("counters")),
+            peers=PeerHealth.parse_all(d.get("peers")),
         )
 
 

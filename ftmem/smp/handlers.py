@@ -158,8 +158,7 @@ class RequestHandlers:
         """The newest step the group protected (None: no exchange, or nothing yet)."""
         if self.exchange is None:
             return None
-        step = self.exchange.status().get("protected_step")
-        return step if isinstance(step, int) else None
+        return self.exchange.exchange_status().protected_step
 
     def close(self) -> None:
         """Stop the protection service (bounded)."""

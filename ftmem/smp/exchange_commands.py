@@ -1,0 +1,49 @@
+"""The commands the SMP's main loop gives its exchange thread, and the results it gets back.
+
+The main loop turns PEER_BIND and PEER_START into :class:`BindCommand` and
+:class:`StartCommand` (:meth:`ProtectionService.submit`); the thread answers each with a
+:class:`Result` carrying the command's ``token`` (the main loop sends the deferred reply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ftmem.exchange.keys import CurveKeyPair
+
+
+@dataclass(frozen=True, slots=True)
+class BindCommand:
+    """Start a new transport with ``keys`` on ``host`` (replaces the previous one)."""
+
+    token: Any
+    keys: CurveKeyPair
+    host: str
+    me: int
+    """This node's index in the job (peers know it by this name)."""
+    port: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StartCommand:
+    """Join generation ``epoch``: peers, erasure code, this node's ranks; then sync."""
+
+    token: Any
+    epoch: int
+    me: int
+    endpoints: dict[int, str]
+    m: int
+    max_group: int
+    ranks: list[int]
+    protect_interval_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The outcome of a command, for the main loop to reply with."""
+
+    token: Any
+    ok: bool
+    data: dict[str, Any]
+    error: str = ""

@@ -1,0 +1,150 @@
+"""The sync that starts each generation: which step the group keeps, and who rebuilds it.
+
+Every node tells the group which steps it holds (own data plus owed parity). Once every node's
+list is in, each node runs :func:`decide` on the same inputs, so all agree: the newest step
+held by at least ``n - m`` nodes is the group's protected step; nodes that do not hold it
+rebuild it (exchange_rebuild.py) before the launcher starts their ranks; every node keeps only
+that step. No such step while some node holds data: more than m nodes were lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ftmem._logging import get_logger
+from ftmem.exchange.placement import GroupPlan
+from ftmem.exchange.status import ExchangeState
+from ftmem.smp.exchange_commands import Result, StartCommand
+from ftmem.smp.exchange_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
+from ftmem.smp.exchange_state import ExchangeContext
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncVerdict:
+    """What the group's sync decided: the step kept, who holds it, who must rebuild it."""
+
+    step: int | None
+    holders: frozenset[int]
+    lost: frozenset[int]
+    error: str = ""
+
+
+def decide(plan: GroupPlan, held: dict[int, list[int]]) -> SyncVerdict:
+    """The newest step held by at least ``n - m`` nodes, and who must rebuild it.
+
+    Every node runs this on the same inputs (every node's held steps), so all agree.
+    """
+    n, m = len(plan.nodes), plan.m
+    steps = {s for v in held.values() for s in v}
+    holders = {s: frozenset(node for node, v in held.items() if s in v) for s in steps}
+    ok = [s for s in steps if len(holders[s]) >= n - m]
+    if not ok:
+        if not steps:
+            return SyncVerdict(None, frozenset(), frozenset())
+        newest = max(steps)
+        lost = frozenset(plan.nodes) - holders[newest]
+        return SyncVerdict(
+            None,
+            frozenset(),
+            lost,
+            error=(
+                f"cannot rebuild from memory: step {newest} is held by nodes "
+                f"{sorted(holders[newest])} only; {len(lost)} nodes {sorted(lost)} of the group "
+                f"{list(plan.nodes)} lost their snapshots, more than m={m}"
+            ),
+        )
+    step = max(ok)
+    return SyncVerdict(step, holders[step], frozenset(plan.nodes) - holders[step])
+
+
+class GenerationSync:
+    """One generation's sync, from :meth:`begin` until :meth:`poll` returns its result.
+
+    Error handling: a node that does not answer within ``timeout_s`` fails the sync
+    (SYNC_FAILED); more than m lost nodes fail it as UNRECOVERABLE; a failed rebuild fails it
+    as REBUILD_FAILED. Each is the start command's failed :class:`Result`; none raises.
+    """
+
+    def __init__(self, ctx: ExchangeContext, timeout_s: float) -> None:
+        self.ctx = ctx
+        self.timeout_s = timeout_s
+        self.pending: StartCommand | None = None
+        """The start command whose sync is under way (None: none)."""
+        self.synced = False
+        """The generation is in sync: protection rounds may run."""
+        self._states: dict[int, list[int]] = {}
+        self._deadline = 0.0
+
+    def begin(self, cmd: StartCommand, held: list[int]) -> None:
+        """Start the sync of ``cmd``'s generation; this node holds ``held``."""
+        self.pending = cmd
+        self.synced = False
+        self._states = {self.ctx.me: held}
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def on_held(self, sender: int, held: list[int]) -> None:
+        """Node ``sender``'s held steps."""
+        self._states[sender] = held
+
+    def poll(self) -> Result | None:
+        """The start command's result once every node answered (or the deadline passed)."""
+        cmd, ctx = self.pending, self.ctx
+        assert cmd is not None and ctx.plan is not None and ctx.protector is not None
+        if set(self._states) < set(ctx.plan.nodes):
+            if time.monotonic() <= self._deadline:
+                return None
+            missing = sorted(set(ctx.plan.nodes) - set(self._states))
+            self.pending = None
+            ctx.board.move(ExchangeState.SYNC_FAILED)
+            ctx.event("sync", generation=ctx.epoch, ok=False, missing=missing)
+            why = f"nodes {missing} did not answer the sync in {self.timeout_s:.0f} s"
+            return Result(cmd.token, False, {}, why)
+        self.pending = None
+        return self._finish(cmd, decide(ctx.plan, self._states))
+
+    def _finish(self, cmd: StartCommand, verdict: SyncVerdict) -> Result:
+        ctx = self.ctx
+        assert ctx.protector is not None
+        ctx.event(
+            "sync",
+            generation=ctx.epoch,
+            ok=not verdict.error,
+            step=verdict.step,
+            holders=sorted(verdict.holders),
+            lost=sorted(verdict.lost),
+            error=verdict.error,
+        )
+        data: dict[str, Any] = {
+            "step": verdict.step,
+            "lost": sorted(verdict.lost),
+            "rebuilt": False,
+        }
+        keep = verdict.step
+        for step in ctx.protector.held_steps():
+            if step != keep:
+                ctx.protector.forget(step)
+                ctx.release(step)
+        ctx.protected = keep
+        if verdict.error:
+            ctx.board.move(ExchangeState.UNRECOVERABLE, error=verdict.error)
+            return Result(cmd.token, False, data, verdict.error)
+        if keep is not None and ctx.me in verdict.lost:
+            try:
+                rebuild_step(ctx, keep, verdict.lost, min(verdict.holders))
+            except REBUILD_ERRORS as exc:
+                return Result(cmd.token, False, data, rebuild_failed(ctx, keep, exc))
+            data["rebuilt"] = True
+        self.synced = True
+        ctx.board.move(ExchangeState.READY, error="")
+        log.info(
+            "[%s/exchange] generation %d: protected step %s (lost nodes %s)",
+            ctx.node_name,
+            ctx.epoch,
+            keep,
+            sorted(verdict.lost),
+        )
+        return Result(cmd.token, True, data)
