@@ -3,6 +3,8 @@
     python bench/snapshot.py                       # 0.5 and 2 GiB, 5 repeats
     python bench/snapshot.py --quick               # 0.25 GiB, 3 repeats
     python bench/snapshot.py --sizes 1 --repeats 9 --simulate sleep --json /tmp/snap.json
+    python bench/snapshot.py --skip-baselines --simulate sleep --fwd-bwd-s 0.2 --repeats 3
+                                                   # ftmem alone: stall, restore, memory per node
 
 How it measures: docs/benchmarks.md, "How the parts measure".
 """
@@ -28,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/sna
 import torch
 
 from bench import _baselines as baselines
-from bench import _results
-from bench import memory as node_memory
+from bench import _launch, _results
 from bench._proc import proc_memory
 
 logger = logging.getLogger("bench.snapshot")
@@ -56,6 +57,29 @@ class Figure:
 
 
 @dataclass(kw_only=True)
+class NodeMemory:
+    """Readings of one node's memory for one state size (one entry per snapshot read)."""
+
+    state_bytes: int
+    slots: int  # Snapshot slots per rank in the SMP.
+    shm: list[int] = field(default_factory=list)  # Bytes allocated to the run's files in /dev/shm.
+    smp_rss: list[int] = field(default_factory=list)
+    smp_anon: list[int] = field(default_factory=list)
+    smp_shmem: list[int] = field(default_factory=list)
+    rank_anon_added: list[int] = field(default_factory=list)
+    """Anonymous memory the rank gained since before its first ``ftmem.save``."""
+
+    def read(self, *, smp_pid: int, run_id: str, rank_anon_before: int) -> None:
+        """Take one reading (after a committed snapshot)."""
+        smp = proc_memory(smp_pid)
+        self.shm.append(_launch.shm_bytes(run_id)[0])
+        self.smp_rss.append(smp["VmRSS"])
+        self.smp_anon.append(smp["RssAnon"])
+        self.smp_shmem.append(smp["RssShmem"])
+        self.rank_anon_added.append(proc_memory(os.getpid())["RssAnon"] - rank_anon_before)
+
+
+@dataclass(kw_only=True)
 class SizeResult:
     """Everything measured on one state size."""
 
@@ -69,7 +93,7 @@ class SizeResult:
     stats_after: dict[str, Any] = field(default_factory=dict)
     """``ftmem.stats()`` after the last timed save."""
     skipped: int = 0  # Timed snapshots skipped or not committed (not in the figures).
-    memory: node_memory.NodeMemory | None = None
+    memory: NodeMemory | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -106,7 +130,7 @@ def bench_ftmem(
     run_id = "bs" + uuid.uuid4().hex[:10]  # its own shared-memory names
     os.environ["FTMEM_RUN_DIR"], os.environ["FTMEM_RUN_ID"] = run_dir, run_id
     st = {"model": state.model, "optim": state.optimizer}
-    mem = node_memory.NodeMemory(state_bytes=state.nbytes, slots=2)
+    mem = NodeMemory(state_bytes=state.nbytes, slots=2)
     anon_before = proc_memory(os.getpid())["RssAnon"]
     try:
         t0 = time.perf_counter()
