@@ -20,7 +20,9 @@ from ftmem.exchange.status import (
     ExchangeState,
     ExchangeStatus,
     IllegalTransition,
+    PeerHealth,
     RebuildProgress,
+    RoundCounters,
     SyncReply,
 )
 from ftmem.exchange.transport import PeerMessage
@@ -374,6 +376,14 @@ def test_exchange_status_parses_what_the_smp_reports() -> None:
     assert (ex.epoch, ex.me, ex.group, ex.m) == (2, 1, (0, 1, 2), 1)
     assert (ex.protected_step, ex.protecting, ex.rebuilding) == (6, None, 7)
     assert ex.dropped_messages == 4 and ex.last_protect_s == 0.25
+    assert (ex.own_bytes, ex.parity_bytes, ex.sent_bytes) == (100, 50, 10)
+    assert ex.counters == RoundCounters(protected=1) and ex.endpoint == "tcp://127.0.0.1:5555"
+    assert ex.peers == (PeerHealth(0, "tcp://x:1", 0.5),)
+    never = _status(peers={"10": {"endpoint": "e", "last_seen_s": None}, "2": {"endpoint": "f"}})
+    assert [(p.node, p.last_seen_s) for p in ExchangeStatus.from_json(never).peers] == [
+        (2, None),
+        (10, None),
+    ]
     for state in ExchangeState:
         assert ExchangeStatus.from_json(_status(state=state.value)).state is state
     minimal = ExchangeStatus.from_json({"enabled": True, "state": "unbound"})
@@ -409,6 +419,13 @@ def test_exchange_status_when_off(doc: Any) -> None:
         _status(rebuild_progress=[1, 2]),
         _status(rebuild_progress={"step": 1, "fragments": "3", "of": 10}),
         _status(rebuild_progress={"step": 1, "fragments": 3, "of": float("inf")}),
+        _status(counters=[1]),
+        _status(counters={"protected": "1"}),
+        _status(peers=[]),
+        _status(peers={"x": {"endpoint": "e"}}),
+        _status(peers={"0": {"endpoint": 5}}),
+        _status(peers={"0": {"endpoint": "e", "last_seen_s": "1"}}),
+        _status(own_bytes=1.5),
     ],
 )
 def test_a_malformed_exchange_status_is_refused(doc: Any) -> None:
