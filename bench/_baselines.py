@@ -162,11 +162,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 def bench_torch_save(
     state: BenchState, *, shm_dir: str, disk_dir: str, repeats: int, out: Timings
 ) -> None:
-    """Measure torch.save to /dev/shm and to disk (+fsync), then torch.load + load_state_dict.
-
-    The restore reads the /dev/shm file (``weights_only=True``) and calls ``load_state_dict`` on
-    the model and the optimizer.
-    """
+    """Measure torch.save to /dev/shm and to disk (+fsync), then torch.load (of the /dev/shm
+    file, ``weights_only=True``) + load_state_dict of the model and the optimizer."""
     sd = state.state_dicts()
     shm_path = os.path.join(shm_dir, "torch_save.pt")
     disk_path = os.path.join(disk_dir, "torch_save.pt")
@@ -204,11 +201,8 @@ def bench_torch_save(
 def bench_dcp_save(
     state: BenchState, *, shm_dir: str, disk_dir: str, repeats: int, out: Timings
 ) -> None:
-    """Measure sync ``dcp.save`` (no process group) to /dev/shm and disk, and ``dcp.load``.
-
-    ``dcp.load`` reads the /dev/shm checkpoint in place into the live model and optimizer
-    tensors. FileSystemWriter's defaults apply (one file per rank, fsync'd, one thread).
-    """
+    """Measure sync ``dcp.save`` (no process group, FileSystemWriter's defaults) to /dev/shm
+    and disk, and ``dcp.load`` of the /dev/shm one in place into the live tensors."""
     sd = state.state_dicts()
     for label, base in (("/dev/shm", shm_dir), ("disk+fsync", disk_dir)):
         for i in range(repeats):
@@ -250,15 +244,9 @@ def bench_dcp_async_save(
     simulate: Callable[[], None],
     out: Timings,
 ) -> None:
-    """Measure ``dcp.async_save`` with one reused ``DefaultStager`` (thread executor, to disk).
-
-    With ``async_staging`` the stager copies in its own thread and ``async_save`` returns an
-    ``AsyncSaveResponse``: recorded are the time blocked in the call, the time until staged and
-    until uploaded (both from the call), and the stall when training waits for staging before
-    ``optimizer.step()`` after ``simulate()`` (the forward/backward stand-in). Without it,
-    staging happens inside the call. The first call (which allocates the staging buffers) is a
-    warm-up, reported apart.
-    """
+    """Measure ``dcp.async_save`` with one reused ``DefaultStager`` (thread executor, to disk):
+    blocking, until staged and until done (from the call), and with ``async_staging`` the stall
+    when the step waits for staging after ``simulate()``. The first call is a warm-up, apart."""
     tag = "async staging" if async_staging else "sync staging"
     stager = cpu_stager(async_staging)
     sd = state.state_dicts()

@@ -74,12 +74,9 @@ def smp_extra_args(hash_threads: int | None, help_text: str) -> tuple[list[str],
 def node_smp(
     run_dir: Path, *, slots: int, extra_args: list[str], log_path: Path
 ) -> Iterator[tuple[Any, str]]:
-    """Start an SMP for ``run_dir`` (its own run id); yield (SmpProcess, run id).
-
-    Resource handling: on exit the SMP gets SIGTERM, then SIGKILL (by pid, bounded waits,
-    ``SmpProcess.stop``); its descendants still alive are SIGKILLed by pid and its /dev/shm
-    files removed by run id (``bench/_launch.remove_shm``).
-    """
+    """Start an SMP for ``run_dir`` (its own run id); yield (SmpProcess, run id). On exit it is
+    stopped (SIGTERM, then SIGKILL, bounded), its descendants SIGKILLed by pid and its /dev/shm
+    files removed."""
     from ftmem.smp.spawn import start_smp
 
     run_id = "bsdp" + uuid.uuid4().hex[:10]  # "bs": the smoke test's leak check covers it
@@ -118,13 +115,9 @@ def rank_status(client: Any, rank: int) -> dict[str, Any]:
 def wait_verified(
     client: Any, rank: int, step: int, timeout: float
 ) -> tuple[bool | None, float, dict[str, Any], int]:
-    """Wait until the SMP reports ``step`` (or a newer one) of ``rank`` verified.
-
-    Returns (verified, seconds waited, the rank's last STATUS entry, STATUS requests made);
-    verified is None when the SMP reports no ``newest_verified`` (it verifies nothing: the
-    rank hashed, the commit is the end), False when ``timeout`` passed first. Polls every
-    5 ms at first, backing off to 50 ms (each STATUS costs the SMP some CPU).
-    """
+    """Wait until the SMP reports ``step`` (or newer) of ``rank`` verified, polling STATUS
+    every 5 ms backing off to 50 ms; (verified: None if the SMP verifies nothing, False on
+    timeout; seconds waited, the rank's last STATUS entry, STATUS requests made)."""
     t0 = time.perf_counter()
     polls = 0
     pause = VERIFY_POLL_MIN_S
@@ -143,13 +136,9 @@ def wait_verified(
 
 
 def save_and_wait(ckpt: Any, state: Any, step: int, timeout: float) -> dict[str, Any]:
-    """``ckpt.save(state, step)``, then wait until that step is committed.
-
-    A save that was not skipped: ``handle.wait()``. A skipped one: ``ckpt.wait()``, which
-    (in a client that keeps the skipped newest step) saves it again, waiting for a slot; in
-    one that does not, the step stays uncommitted. Returns save_s (time in ``save()``),
-    safe_s (``save()`` call to committed), skipped, reason, committed, error.
-    """
+    """``ckpt.save(state, step)``, then ``handle.wait()`` (skipped: ``ckpt.wait()``, which saves
+    the newest step again); save_s (in ``save()``), safe_s (to committed), skipped, reason,
+    committed, error."""
     from ftmem.errors import FtmemError
 
     out: dict[str, Any] = {"committed": False, "error": ""}

@@ -137,12 +137,8 @@ class Training:
 
 
 def setup(example_argv: Sequence[str], logger_name: str) -> Training:
-    """Parse the example's arguments and build everything as the example does.
-
-    Sets up logging in the example's format, one torch thread, deterministic algorithms, the
-    gloo process group (with more than one rank), the model (seeded), DDP with the example's
-    options, AdamW, the LR schedule and the synthetic data loader, in the example's order.
-    """
+    """Parse the example's arguments and build everything as the example does, in its order
+    (logging, threads, determinism, gloo group, seeded model, DDP, AdamW, schedule, data)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel

@@ -42,12 +42,9 @@ def configs(interval: int) -> tuple[str, ...]:
 
 
 def worker(argv: Sequence[str]) -> int:
-    """The rank entry point of ``--method interleaved`` (``--_worker``).
-
-    ``argv``: ``--interval K --block B --cycles C --warmup-steps W --ckpt-dir DIR --seed S --
-    <examples/train_gpt.py arguments>``. Rank 0 prints ``[rank 0] blocks <json>``: the parameters (millions) and one
-    entry per block with its configuration, steps, seconds, snapshots taken and skipped.
-    """
+    """The rank (``--_worker --interval K --block B --cycles C --warmup-steps W --ckpt-dir D
+    --seed S -- EXAMPLE_ARGS``); rank 0 prints ``[rank 0] blocks <json>``: params_m, and per
+    block its configuration, steps, seconds, CPU seconds, snapshots taken and skipped."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import ftmem

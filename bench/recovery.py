@@ -70,13 +70,9 @@ def _newest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
 
 
 def dcp_worker(argv: Sequence[str]) -> int:
-    """The torchrun entry point of the torchrun + DCP system (``--_dcp-worker``).
-
-    ``argv``: ``--ckpt-dir DIR --ckpt-every K -- <examples/train_gpt.py arguments>``. Runs the
-    example's training loop (same model, data, optimizer, schedule, seeds, failure injection,
-    ``--step-delay`` and digest) with a ``dcp.save`` every K steps instead of ``ftmem.save``
-    after every step; a restart ``dcp.load``s the newest complete checkpoint.
-    """
+    """The torchrun + DCP system's rank (``--_dcp-worker --ckpt-dir DIR --ckpt-every K --
+    EXAMPLE_ARGS``): the example's loop with a ``dcp.save`` every K steps; a restart
+    ``dcp.load``s the newest complete checkpoint."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -287,12 +283,9 @@ def _ts(stamp: str) -> float:
 
 
 def warmup_cost(events: list[Event]) -> tuple[float | None, int]:
-    """What the standbys' warm-ups cost the training: (extra seconds, warm-ups seen).
-
-    A step's duration is the time between rank 0's consecutive commits (a snapshot every
-    step); a step counts as "during a warm-up" if it ended between a ``standbys_started``
-    event and the matching ``standbys_ready`` events.
-    """
+    """What the standbys' warm-ups cost the training: (extra seconds, warm-ups seen); steps
+    are rank 0's consecutive commits, "during a warm-up" if ending between ``standbys_started``
+    and the matching ``standbys_ready`` events."""
     commits = [
         (e.time, int(e.fields["step"]))
         for e in events

@@ -110,18 +110,9 @@ class SnapshotResult(_results.PartResult):
 def bench_ftmem(
     state: baselines.BenchState, res: SizeResult, *, repeats: int, simulate: Callable[[], None]
 ) -> None:
-    """Measure ftmem's stall, background copy, restore and memory per node into ``res``.
-
-    Starts an SMP in a temporary run directory, saves once as a warm-up (the SMP allocates
-    and pre-faults the slots meanwhile; not counted), then per repeat: ``save``, ``simulate()``,
-    ``optimizer.step()`` (ftmem's fence is a step pre-hook; one of ours registered after it
-    stamps when the fence let go; gradients are None so the step does nothing),
-    ``handle.wait()`` and a memory reading. Then ``ftmem.load`` ``repeats`` times and one check
-    that a load restores clobbered data.
-
-    Resource handling: the SMP is stopped, ``ftmem.close()`` called and the run directory
-    removed even when a measurement fails.
-    """
+    """ftmem's stall, background copy, restore and memory per node into ``res``, with an SMP
+    of its own after an uncounted warm-up save (method: docs/benchmarks.md). The SMP is stopped,
+    ``ftmem.close()`` called and the run directory removed, on failure too."""
     import ftmem
     from ftmem.smp.spawn import start_smp
 
