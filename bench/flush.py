@@ -10,7 +10,6 @@ How it measures: docs/benchmarks.md, "How the parts measure".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import shutil
@@ -38,6 +37,7 @@ FLUSH = "ftmem FLUSH (SMP worker)"
 DCP = "dcp.save"
 TSAVE = "torch.save"
 SYSTEMS = (EXPORT, FLUSH, DCP, TSAVE)
+_ODD = (" ERROR ", " WARNING ", "Traceback")  # the SMP log's lines a note repeats
 PHASES = (
     "find_sources (SMP query)",
     "verify slot checksums (before)",
@@ -125,9 +125,9 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
     os.environ["FTMEM_RUN_DIR"] = str(run_dir)
     os.environ["FTMEM_RUN_ID"] = run_id
     st = {"model": state.model, "optim": state.optimizer}
+    log = run_dir / "smp.log"
     try:
         smp_args = ["--flush-dir", str(tier), "--flush-keep", "1"]
-        log = run_dir / "smp.log"
         start = {"start_timeout": timedelta(seconds=120), "log_path": log, "extra_args": smp_args}
         with start_smp(run_dir=run_dir, run_id=run_id, slots=2, **start) as smp:
             t0 = time.perf_counter()
@@ -191,15 +191,12 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
                     gc.collect()
                     os.sync()
                     out = work / f"{system.split()[0].replace('.', '_')}_{i}"
-                    timer = _proc.PhaseTimer()
-                    worker = _proc.worker_proc(smp.pid) if system == FLUSH else None
+                    timer, flushing = _proc.PhaseTimer(), system == FLUSH
+                    worker = _proc.worker_proc(smp.pid) if flushing else None
                     wcpu0 = _proc.proc_cpu(worker)
                     wpid = worker.pid if worker is not None else None
-                    sampler = (
-                        _proc.RssSampler(wpid, base=worker_idle)
-                        if system == FLUSH
-                        else _proc.RssSampler(os.getpid())
-                    )
+                    base = worker_idle if flushing else None
+                    sampler = _proc.RssSampler(wpid if flushing else os.getpid(), base=base)
                     fpid = wpid or os.getpid()
                     flt0 = _proc.minflt(fpid)
                     cpu0 = _proc.cpu_self()
@@ -248,23 +245,14 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
         finally:
             os.environ.pop("FTMEM_RUN_DIR", None)
             os.environ.pop("FTMEM_RUN_ID", None)
-            smp_log = run_dir / "smp.log"
-            if smp_log.exists():
-                text = smp_log.read_text(errors="replace")
-                odd = [
-                    ln
-                    for ln in text.splitlines()
-                    if " ERROR " in ln or " WARNING " in ln or "Traceback" in ln
-                ]
-                if odd:
-                    res.notes.append("SMP log errors/warnings: " + " | ".join(odd[:5]))
+            text = log.read_text(errors="replace") if log.exists() else ""
+            odd = [x for x in text.splitlines() if any(w in x for w in _ODD)]
+            if odd:
+                res.notes.append("SMP log errors/warnings: " + " | ".join(odd[:5]))
             shutil.rmtree(run_dir, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
-            for p in os.listdir("/dev/shm"):
-                if p.startswith(f"ftmem-{run_id}-"):
-                    res.notes.append(f"shared memory left behind (removed): {p}")
-                    with contextlib.suppress(OSError):
-                        os.unlink(f"/dev/shm/{p}")
+            if left := _launch.remove_shm(run_id):
+                res.notes.append(f"shared memory left behind (removed): {left}")
     gc.collect()
     return res
 
@@ -330,10 +318,8 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
         res.wall_s = time.monotonic() - t0
         text = agent.text()
         res.read_step_times(text)
-        if agent.popen.returncode != 0 or len(res.rank_median) != args.nproc:
-            res.error = (
-                f"exit code {agent.popen.returncode}, step times of ranks {sorted(res.rank_median)}"
-            )
+        if (rc := agent.popen.returncode) != 0 or len(res.rank_median) != args.nproc:
+            res.error = f"exit code {rc}, step times of ranks {sorted(res.rank_median)}"
             res.notes.append("agent log tail: " + text[-1500:])
         else:
             res.ok = True
@@ -414,14 +400,9 @@ def run(argv: list[str]) -> FlushResult:
     if fstype in ("tmpfs", "ramfs"):
         p.error(f"{disk_root} is on {fstype} ({mp}): give --disk-dir on a real disk")
     torch.set_num_threads(1)  # as the flush worker
+    same = {k: getattr(args, k) for k in ("repeats", "flush_every", "steps", "nproc")}
     res = FlushResult(
-        argv=argv,
-        machine=_results.machine(disk_root),
-        repeats=args.repeats,
-        flush_every=args.flush_every,
-        steps=args.steps,
-        nproc=args.nproc,
-        example_args=script_args(args),
+        argv=argv, machine=_results.machine(disk_root), example_args=script_args(args), **same
     )
     for size in sizes:
         res.sizes.append(
