@@ -9,6 +9,7 @@ machine's busy cores.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -63,12 +64,10 @@ def node_main(conn: Connection, cfg: dict[str, Any]) -> None:
     try:
         _node(conn, cfg)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             conn.send(
                 ("error", f"node {cfg['node']} (pid {os.getpid()}):\n{traceback.format_exc()}")
             )
-        except (OSError, ValueError):
-            pass
         raise SystemExit(1) from None
 
 
@@ -155,6 +154,11 @@ def _serve_parent(
     import xxhash
 
     idle_s = float(cfg["idle"])
+    simple = {  # commands answered with ("ok", None)
+        "connect": transport.connect,
+        "warmup": lambda step: prot.protect(step, memoryview(data)[:WARMUP_BYTES]),
+        "forget": prot.forget,
+    }
     while True:
         if not conn.poll(idle_s):
             raise TimeoutError(f"no command from the parent in {idle_s} s")
@@ -162,14 +166,8 @@ def _serve_parent(
         if cmd == "stop":
             conn.send(("ok", None))
             return
-        if cmd == "connect":
-            transport.connect(arg)
-            conn.send(("ok", None))
-        elif cmd == "warmup":
-            prot.protect(arg, memoryview(data)[:WARMUP_BYTES])
-            conn.send(("ok", None))
-        elif cmd == "forget":
-            prot.forget(arg)
+        if cmd in simple:
+            simple[cmd](arg)
             conn.send(("ok", None))
         elif cmd == "protect":
             step, t_go = arg
@@ -177,17 +175,9 @@ def _serve_parent(
             sent0 = prot.sent_bytes
             sleep_until(t_go)
             _, res = _timed(lambda s=step: prot.protect(s, memoryview(data)))
-            res |= {
-                "enc_cpu_s": c.enc_cpu_s,
-                "sent": prot.sent_bytes - sent0,
-                "recv": c.recv_bytes,
-                "parity": prot.parity_bytes(step),
-                "enc_s": c.enc_s,
-                "enc_bytes": c.enc_bytes,
-                "enc_calls": c.enc_calls,
-                "gather_s": c.gather_s,
-                "maxrss": _maxrss(),
-            }
+            res |= {k: getattr(c, k) for k in ("enc_cpu_s", "enc_s", "enc_bytes", "enc_calls")}
+            res |= {"sent": prot.sent_bytes - sent0, "recv": c.recv_bytes, "gather_s": c.gather_s}
+            res |= {"parity": prot.parity_bytes(step), "maxrss": _maxrss()}
             conn.send(("ok", res))
         elif cmd == "parity_digest":
             conn.send(("ok", _parity_digest(prot, arg)))

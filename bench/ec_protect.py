@@ -10,6 +10,7 @@ How it measures: docs/benchmarks.md, "How the parts measure".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -57,14 +58,10 @@ class Node:
     endpoint: str = ""
 
 
-def _spawn(ctx: Any, name: int, cfg: dict[str, Any], *, replacement: bool) -> Node:
+def _spawn(ctx: Any, name: int, args: Any, *, target: Any = node_main) -> Node:
+    """A node process running ``target(conn, *args)``, its pipe's parent end."""
     parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=node_main,
-        args=(child, {**cfg, "node": name, "seed": 1000 + name, "replacement": replacement}),
-        name=f"ec-node-{name}",
-        daemon=True,
-    )
+    proc = ctx.Process(target=target, args=(child, *args), name=f"ec-node-{name}", daemon=True)
     proc.start()
     child.close()
     return Node(name=name, proc=proc, conn=parent)
@@ -137,11 +134,7 @@ def _at_once(
 def _codec_alone(
     ctx: Any, k: int, m: int, stripe: int, nbytes: int, timeout_s: float
 ) -> tuple[float, float]:
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=codec_alone, args=(child, k, m, stripe, nbytes, 3), daemon=True)
-    proc.start()
-    child.close()
-    node = Node(name=-1, proc=proc, conn=parent)
+    node = _spawn(ctx, -1, (k, m, stripe, nbytes, 3), target=codec_alone)
     try:
         best = _recv(node, timeout_s, "encode_stripe alone")
         return float(best[0]), float(best[1])
@@ -153,10 +146,8 @@ def _stop(nodes: Sequence[Node], *, polite: bool = True) -> None:
     """Stop every node process by pid: ask, then SIGTERM, then SIGKILL, each join bounded."""
     for nd in nodes:
         if polite and nd.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 nd.conn.send(("stop", None))
-            except (OSError, ValueError):
-                pass
     for nd in nodes:
         nd.proc.join(5.0 if polite else 0.1)
         if nd.proc.is_alive():
@@ -207,11 +198,15 @@ def run_case(
     cfg["idle"] = args.timeout + 600.0
     tmo = args.timeout + 60.0
     nodes: list[Node] = []
+
+    def node_cfg(name: int, replacement: bool) -> dict[str, Any]:
+        return {**cfg, "node": name, "seed": 1000 + name, "replacement": replacement}
+
     try:
         res.codec_alone = _codec_alone(ctx, n - m, m, stripe, args.codec_bytes, tmo)
         logger.info("n=%d m=%d: encode_stripe alone %.2f GB/s", n, m, res.codec_alone[0])
         t0 = time.monotonic()
-        nodes = [_spawn(ctx, i, cfg, replacement=False) for i in range(n)]
+        nodes = [_spawn(ctx, i, (node_cfg(i, False),)) for i in range(n)]
         for nd, info in zip(nodes, _collect(nodes, tmo + size / 1e8, "start"), strict=True):
             nd.endpoint, res.digests[nd.name] = info["endpoint"], info["digest"]
             res.gen_s = max(res.gen_s, info["gen_s"])
@@ -242,7 +237,7 @@ def run_case(
             _stop(victims, polite=False)
             nodes = [nd for nd in nodes if nd.name not in lost]
             t0 = time.monotonic()
-            fresh = [_spawn(ctx, i, cfg, replacement=True) for i in sorted(lost)]
+            fresh = [_spawn(ctx, i, (node_cfg(i, True),)) for i in sorted(lost)]
             nodes += fresh
             for nd, info in zip(fresh, _collect(fresh, tmo, "start"), strict=True):
                 nd.endpoint = info["endpoint"]
