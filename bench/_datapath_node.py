@@ -48,14 +48,8 @@ VERIFY_POLL_MAX_S = 0.05
 def smp_help() -> str:
     """The SMP's ``--help`` text ("" if it could not be read)."""
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "ftmem.smp", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=_launch.job_env(),
-            check=False,
-        )
+        cmd, env = [sys.executable, "-m", "ftmem.smp", "--help"], _launch.job_env()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return proc.stdout
@@ -82,16 +76,9 @@ def node_smp(
     run_id = "bsdp" + uuid.uuid4().hex[:10]  # "bs": the smoke test's leak check covers it
     smp = None
     try:
-        smp = start_smp(
-            run_dir=run_dir,
-            run_id=run_id,
-            slots=slots,
-            parent_pid=os.getpid(),
-            env=_launch.job_env(),
-            log_path=log_path,
-            extra_args=extra_args,
-            start_timeout=timedelta(seconds=120),
-        )
+        kw = {"log_path": log_path, "extra_args": extra_args, "env": _launch.job_env()}
+        kw |= {"parent_pid": os.getpid(), "start_timeout": timedelta(seconds=120)}
+        smp = start_smp(run_dir=run_dir, run_id=run_id, slots=slots, **kw)
         yield smp, run_id
     finally:
         if smp is not None:

@@ -58,7 +58,7 @@ def load_example() -> ModuleType:
     return module
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class Training:
     """One rank's training objects, built as the example builds them."""
 
@@ -181,15 +181,4 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     )
     data = {k: getattr(args, k) for k in ("vocab", "seq_len", "batch_size", "seed")}
     loader = ex.SyntheticTokens(**data, rank=rank)
-    return Training(
-        ex=ex,
-        args=args,
-        rank=rank,
-        world=world,
-        log=log,
-        model=model,
-        train_model=train_model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loader=loader,
-    )
+    return Training(ex, args, rank, world, log, model, train_model, optimizer, scheduler, loader)

@@ -61,11 +61,12 @@ class RunResult(_launch.JobRun):
 
 def script_args(args: argparse.Namespace) -> list[str]:
     """The example's arguments (model, steps, snapshot cadence), the same in every config."""
+    cadence = _launch.flags(save_every=1, log_every=args.steps)
     return [
         _launch.example(),
         *_launch.flags(steps=args.steps),
         *_launch.model_flags(args),
-        *_launch.flags(save_every=1, log_every=args.steps),
+        *cadence,
     ]
 
 
@@ -196,13 +197,8 @@ def run(argv: list[str]) -> EcOverheadResult:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not set(configs) <= set(CONFIGS):
         p.error(f"--configs: unknown {sorted(set(configs) - set(CONFIGS))}")
-    res = EcOverheadResult(
-        argv=argv,
-        machine=_results.machine(),
-        nodes=args.nodes,
-        steps=args.steps,
-        example_args=script_args(args),
-    )
+    cfg = {"nodes": args.nodes, "steps": args.steps, "example_args": script_args(args)}
+    res = EcOverheadResult(argv=argv, machine=_results.machine(), **cfg)
     tmp_root = Path(tempfile.mkdtemp(prefix="ecov-", dir="/tmp"))
     try:
         for rep in range(args.repeats):

@@ -122,7 +122,7 @@ def dcp_worker(argv: Sequence[str]) -> int:
     return 0
 
 
-@dataclass(kw_only=True)
+@dataclass
 class StandbyCost:
     """What one standby rank costs while it waits (measured on a standby started here)."""
 
@@ -155,13 +155,8 @@ def measure_standby_cost(workdir: Path) -> StandbyCost | None:
         time.sleep(2.0)
         t1 = proc.cpu_times()
         mem = proc.memory_full_info()
-        return StandbyCost(
-            warm_up_s=warm,
-            cpu_s=t0.user + t0.system,
-            rss_mib=mem.rss / 2**20,
-            uss_mib=mem.uss / 2**20,
-            idle_cpu_s=(t1.user + t1.system) - (t0.user + t0.system),
-        )
+        cpu, idle = t0.user + t0.system, (t1.user + t1.system) - (t0.user + t0.system)
+        return StandbyCost(warm, cpu, mem.rss / 2**20, mem.uss / 2**20, idle)
     finally:
         pool.stop()
 
@@ -460,13 +455,8 @@ def run(argv: list[str]) -> RecoveryResult:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if not 0 < args.fail_at_step < args.steps or repeats < 1 or args.dcp_every < 1:
         p.error("need 0 < --fail-at-step < --steps, --repeats >= 1, --dcp-every >= 1")
-    res = RecoveryResult(
-        argv=argv,
-        machine=_results.machine(),
-        steps=args.steps,
-        fail_step=args.fail_at_step,
-        dcp_every=args.dcp_every,
-    )
+    cfg = {"steps": args.steps, "fail_step": args.fail_at_step, "dcp_every": args.dcp_every}
+    res = RecoveryResult(argv=argv, machine=_results.machine(), **cfg)
     workdir = Path(tempfile.mkdtemp(prefix="ftrcv-", dir="/tmp"))
     try:
         res.standby = measure_standby_cost(workdir)
