@@ -53,6 +53,14 @@ def _private_runtime_dir() -> Path | None:
     return Path(xdg)
 
 
+def user_base_dir() -> Path:
+    """This user's private directory for ftmem's run directories and locks:
+    ``$XDG_RUNTIME_DIR/ftmem`` when the runtime directory is private, else
+    ``/tmp/ftmem-<uid>`` (created 0700 and checked by whoever uses it)."""
+    runtime = _private_runtime_dir()
+    return runtime / "ftmem" if runtime else Path("/tmp") / f"ftmem-{os.getuid()}"
+
+
 def default_run_dir(run_id: str | None = None) -> Path:
     """Return FTMEM_RUN_DIR if set, else ``$XDG_RUNTIME_DIR/ftmem/<run_id>`` when the runtime
     directory is private, else ``/tmp/ftmem-<uid>/<run_id>``. The SMP creates the directory
@@ -61,9 +69,7 @@ def default_run_dir(run_id: str | None = None) -> Path:
     env = os.environ.get(ENV_RUN_DIR)
     if env:
         return Path(env)
-    runtime = _private_runtime_dir()
-    base = runtime / "ftmem" if runtime else Path("/tmp") / f"ftmem-{os.getuid()}"
-    return base / (run_id or default_run_id())
+    return user_base_dir() / (run_id or default_run_id())
 
 
 def check_name(kind: str, value: str) -> str:

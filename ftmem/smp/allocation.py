@@ -9,7 +9,9 @@ while a PREPARE is served, and sends the deferred reply when the job comes back.
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,28 @@ class SlotFiles:
         """What every slot file (and commit record) of this run and node starts with."""
         return f"ftmem-{self.run_id}-{self.node}-r"
 
+    def ours(self) -> list[Path]:
+        """Every file of exactly this run and node (slot files, their records and records'
+        temporary files) that belongs to this user; another node whose name extends this
+        one's (``gpu`` and ``gpu-r1``) never matches, and another user's file is skipped
+        with a warning (/dev/shm is shared by every user)."""
+        name_re = re.compile(re.escape(self.prefix) + r"\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
+        found = []
+        for p in self.shm_dir.glob(self.prefix + "*"):
+            if not name_re.match(p.name):
+                continue
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            if st.st_uid != os.geteuid():
+                log.warning(
+                    "[%s/smp] leaving %s alone: it belongs to uid %d", self.node, p, st.st_uid
+                )
+                continue
+            found.append(p)
+        return sorted(found)
+
     def path(self, rank: int, index: int, gen: int) -> Path:
         """The file of generation ``gen`` of slot ``index`` of ``rank``."""
         return self.shm_dir / shm.slot_file_name(self.run_id, self.node, rank, index, gen)
@@ -46,9 +70,12 @@ class SlotFiles:
     def remove_all(self) -> int:
         """Remove every file of this run and node (stale arenas, records); return how many."""
         n = 0
-        for p in self.shm_dir.glob(self.prefix + "*"):
-            shm.remove_segment(p)
-            n += 1
+        for p in self.ours():
+            try:
+                shm.remove_segment(p)
+                n += 1
+            except OSError as exc:  # e.g. a directory planted under a slot's name
+                log.warning("[%s/smp] cannot remove %s: %s", self.node, p, exc)
         return n
 
     def adoptable(self, nslots: int) -> list[records.Adoptable]:

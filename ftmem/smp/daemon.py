@@ -38,6 +38,7 @@ from ftmem.smp.allocation import Allocator, SlotFiles
 from ftmem.smp.flush_scheduler import FlushService, FlushSettings
 from ftmem.smp.handlers import Request, RequestHandlers
 from ftmem.smp.hashing import HashService
+from ftmem.smp.node_lock import NodeLock
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import StoreError
 
@@ -82,6 +83,8 @@ class SmpDaemon:
         self._stopped_by_signal = False
         self.hasher = HashService(config.node, config.hash_threads)
         self.files = SlotFiles(config.shm_dir, config.run_id, config.node)
+        self.node_lock = NodeLock(config.run_id, config.node)
+        """Held while this SMP lives: no other SMP of this user serves this run and node."""
         self.store = SlotStore(config.node, config.slots, self.files, self.hasher.submit)
         """Every rank's slots: the loop, protection, flush threads all change them here."""
         self.allocator = Allocator(config.node)
@@ -106,6 +109,7 @@ class SmpDaemon:
             if other > 0 and other != os.getpid() and pid_alive(other):
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
             ready.unlink()
+        self.node_lock.acquire()  # before any slot file of this run and node is touched
         self._owns_run_dir = True
         self.hasher.start()
         if cfg.adopt:
@@ -193,6 +197,7 @@ class SmpDaemon:
         if not self._owns_run_dir:
             return  # refused to start: the files belong to another SMP
         removed = self.files.remove_all()
+        self.node_lock.release()
         for name in (SOCKET_NAME, AUTH_KEY_NAME, READY_NAME):
             (self.config.run_dir / name).unlink(missing_ok=True)
         log.info("[%s/smp] stopped; removed %d arena files", self.config.node, removed)

@@ -32,11 +32,15 @@ def record_path(slot_path: Path | str) -> Path:
 
 
 def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
-    """Write the record of ``slot_path`` atomically (tmp + rename)."""
+    """Write the record of ``slot_path`` atomically (tmp + rename). The temporary file is
+    created new (``O_EXCL|O_NOFOLLOW``): a file or symlink planted under its name is removed
+    first if it is ours, else the write fails, and nothing is written through a symlink."""
     text = encode_record(rec)
     final = record_path(slot_path)
     tmp = final.with_name(final.name + ".tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    tmp.unlink(missing_ok=True)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, final)
@@ -68,9 +72,9 @@ class Adoptable:
 
 
 def _ours(path: Path) -> bool:
-    """The file belongs to this user and no one else can write it."""
+    """The file (not a symlink) belongs to this user and no one else can write it."""
     try:
-        st = path.stat()
+        st = path.lstat()
     except OSError:
         return False
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
@@ -84,9 +88,18 @@ def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list
     generation wins.
     """
     name_re = re.compile(re.escape(prefix) + r"(\d+)-s(\d+)-g(\d+)$")
+    any_re = re.compile(re.escape(prefix) + r"\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
     best: dict[tuple[int, int], Adoptable] = {}
     leftovers: list[Path] = []
     for p in sorted(shm_dir.glob(prefix + "*")):
+        if not any_re.match(p.name):
+            continue  # another node's (``gpu-r1`` when this is ``gpu``), or not ftmem's
+        if not _ours(p):
+            log.warning("not touching %s: another user's, or writable by others", p.name)
+            continue
+        if p.name.endswith(SUFFIX + ".tmp"):
+            leftovers.append(p)
+            continue
         if p.name.endswith(SUFFIX):
             if not Path(str(p)[: -len(SUFFIX)]).exists():
                 leftovers.append(p)
@@ -96,9 +109,12 @@ def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list
             leftovers.append(p)
             continue
         rank, slot, gen = (int(g) for g in match.groups())
-        if not (_ours(p) and _ours(record_path(p))):
+        if not os.path.lexists(record_path(p)):
+            leftovers.append(p)  # never committed (or its record was being replaced)
+            continue
+        if not _ours(record_path(p)):
             # /dev/shm is world-writable: never serve (nor try to delete) another user's file.
-            log.warning("not adopting %s: another user's, or writable by others", p.name)
+            log.warning("not adopting %s: its record is another user's", p.name)
             continue
         try:
             rec = read_record(record_path(p))

@@ -405,13 +405,13 @@ def test_store_adopts_what_a_previous_smp_left(
     g = save(store, 5)
     settle(store, hasher)
     save(store, 6)  # committed, not verified yet when "the SMP dies"
-    (tmp_path / "ftmem-run-n0-r0-junk").write_bytes(b"junk")  # not a slot name: a leftover
+    (tmp_path / "ftmem-run-n0-r0-junk").write_bytes(b"junk")  # not a slot name: not ours
     assert hasher.wait_idle(30)
     hasher.results()  # the old SMP never saw this result
     again = SlotStore(NODE, 2, SlotFiles(tmp_path, "run", NODE), hasher.submit)
     adopted = again.adopt_left()  # EMPTY -> COMMITTED
     assert sorted(a.record.step for a in adopted) == [5, 6]
-    assert not (tmp_path / "ftmem-run-n0-r0-junk").exists()
+    assert (tmp_path / "ftmem-run-n0-r0-junk").exists()  # only exact slot names are touched
     by_step = {s["step"]: s for s in slots(again)}
     assert by_step[5]["verified"] and by_step[5]["gen"] == g.gen
     assert not by_step[6]["verified"] and by_step[6]["pinned"] == 1  # hashing again
