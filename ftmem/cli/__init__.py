@@ -165,6 +165,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
     k.add_argument("path", type=Path, help="file to create (must not exist)")
+    c = sub.add_parser(
+        "cleanup",
+        help="list this user's orphaned slot files in /dev/shm (left by a SIGKILLed SMP)",
+    )
+    c.add_argument("--remove", action="store_true", help="delete them (default: a dry run)")
+    c.add_argument("--shm-dir", default="/dev/shm", help="where slot files live")
     return p
 
 
@@ -229,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_assemble(args)
     if args.cmd == "ls":
         return _ls(args)
+    if args.cmd == "cleanup":
+        from ftmem.cli.cleanup import run_cleanup
+
+        return run_cleanup(args)
     if args.cmd == "keygen":
         from ftmem.exchange import keys
 
@@ -283,12 +293,17 @@ def _export_checkpoint(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     """``ftmem ls``: complete checkpoints (newest first) and what else is in each tier."""
-    from ftmem.errors import CorruptSnapshotError
+    from ftmem.errors import CorruptSnapshotError, UnsafePathError
     from ftmem.tiers.checkpoints import list_checkpoints, verify_checkpoint
 
     code = 0
     for tier in args.tiers:
-        good, other = list_checkpoints(tier)
+        try:
+            good, other = list_checkpoints(tier)
+        except UnsafePathError as exc:
+            print(f"ftmem ls: {exc}", file=sys.stderr)
+            code = 1
+            continue
         print(f"{tier}:")
         for ck in good:
             state = "complete"
