@@ -38,8 +38,6 @@ from bench import _launch, _proc
 
 logger = logging.getLogger("bench.datapath")
 
-GiB = 1 << 30
-MiB = 1 << 20
 VERIFY_POLL_MIN_S = 0.005
 VERIFY_POLL_MAX_S = 0.05
 """STATUS poll intervals while waiting for the SMP to verify (each poll costs both sides CPU)."""

@@ -39,12 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/dat
 from bench import _baselines as baselines
 from bench import _datapath_node as dp
 from bench import _launch, _proc, _results
+from bench._stats import GiB, MiB
 
 logger = logging.getLogger("bench.datapath")
 
 PART = "datapath"
-GiB = 1 << 30
-MiB = 1 << 20
 
 HASH_CHUNK = 2 * MiB
 """Piece size of the hash table's updates (the client's copy moves 2 MiB pieces)."""

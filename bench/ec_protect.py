@@ -27,10 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_
 
 from bench import _results
 from bench._ec_node import CpuSampler, codec_alone, node_main, sleep_until
+from bench._stats import GiB, MiB
 
 PART = "ec-protect"
-MiB = 1 << 20
-GiB = 1 << 30
 CASES: dict[str, tuple[int, int, frozenset[int]]] = {
     "3:1": (3, 1, frozenset({2})),
     "4:2": (4, 2, frozenset({1, 3})),
