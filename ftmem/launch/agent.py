@@ -116,14 +116,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._prev_ranks: list[int] | None = None
         self._smp_failed = False
         self._last_failure: tuple[int | None, str, list[str]] | None = None
-        self._peer_settings = PeerSettings(
-            parity=ftmem.ec_parity,
-            max_group=ftmem.ec_group_size,
-            key_file=ftmem.key_file,
-            host=ftmem.peer_host or "127.0.0.1",
-            interval_s=ftmem.ec_interval.total_seconds(),
-            rebuild_timeout=ftmem.rebuild_timeout,
-        )
+        self._peer_settings = _peer_settings(ftmem)
         self._key_warned = [False]
         self._standbys = StandbyPool(
             count=ftmem.standby,
@@ -476,3 +469,15 @@ class FtmemElasticAgent(ElasticAgentBase):
         rec.rendezvous = self._rendezvous_at
         rec.started = self._started_at
         report_resumed(self._node, self.generation, rec, self._watch.procs, progress, self.events)
+
+
+def _peer_settings(ft: FtmemLaunchConfig) -> PeerSettings:
+    """The peer mesh's settings from the launcher's flags."""
+    return PeerSettings(
+        parity=ft.ec_parity,
+        max_group=ft.ec_group_size,
+        key_file=ft.key_file,
+        host=ft.peer_host or "127.0.0.1",
+        interval_s=ft.ec_interval.total_seconds(),
+        rebuild_timeout=ft.rebuild_timeout,
+    )
