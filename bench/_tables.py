@@ -573,13 +573,17 @@ def _cpu_split(rows: Sequence[Doc], gib: float) -> str:
 
 
 def _ec_case(c: Doc, size: int) -> Doc:
-    """A case with its rows flattened: protect/rebuild rows and walls."""
+    """A case with its rows flattened: protect/rebuild rows and walls, busy cores, encode share."""
+    prot = [x for rr in c["protect"] for x in rr]
     return {
         **c,
-        "prot": [x for rr in c["protect"] for x in rr],
+        "prot": prot,
         "walls": [_wall(rr) for rr in c["protect"]],
         "reb": [x for rr in c["rebuild"] for x in rr],
         "rwalls": [_wall(rr) for rr in c["rebuild"]],
+        "srv": [x for rr in c["served"] for x in rr],
+        "busy": [sum(x["cpu_s"] for x in rr) / _wall(rr) for rr in c["protect"]],
+        "enc_share": [100 * x["enc_cpu_s"] / x["cpu_s"] for x in prot if x["cpu_s"]],
         "size": size,
         "gib": size / GiB,
     }
@@ -603,10 +607,7 @@ EC_PROTECT = [
     ("encode GB/s per CPU-s", lambda c: _gb_per(c["prot"], "enc_cpu_s")),
     ("encode + gather + parity send GB/s", lambda c: _gb_per(c["prot"], "gather_s")),
     ("encode_stripe alone", _alone),
-    (
-        "node processes' cores busy",
-        lambda c: stat([sum(x["cpu_s"] for x in rr) / _wall(rr) for rr in c["protect"]]),
-    ),
+    ("node processes' cores busy", lambda c: stat(c["busy"])),
     ("machine cores busy", lambda c: stat(c["machine_busy"])),
 ]
 EC_NODE = [
@@ -617,12 +618,7 @@ EC_NODE = [
     ("peer bytes sent / own", lambda c: _per(c["prot"], "sent", c["size"])),
     ("received / own", lambda c: _per(c["prot"], "recv", c["size"])),
     ("CPU s per GiB: protector thread / other threads", lambda c: _cpu_split(c["prot"], c["gib"])),
-    (
-        "encode share of node CPU",
-        lambda c: stat(
-            [100 * x["enc_cpu_s"] / x["cpu_s"] for x in c["prot"] if x["cpu_s"]], ".0f", " %"
-        ),
-    ),
+    ("encode share of node CPU", lambda c: stat(c["enc_share"], ".0f", " %")),
     ("peak RSS / own", lambda c: _per(c["prot"], "maxrss", c["size"])),
 ]
 EC_REBUILD = [
@@ -632,15 +628,9 @@ EC_REBUILD = [
     ("rebuild time", lambda c: stat(c["rwalls"], ".2f", " s")),
     ("rebuilt GB/s", lambda c: stat(st.gbps(len(c["lost"]) * c["size"], c["rwalls"]), ".3f")),
     ("fetched per new node / own", lambda c: _per(c["reb"], "recv", c["size"])),
-    (
-        "served per survivor / own",
-        lambda c: _per([x for rr in c["served"] for x in rr], "sent", c["size"]),
-    ),
+    ("served per survivor / own", lambda c: _per(c["srv"], "sent", c["size"])),
     ("new node CPU s per GiB: protector / other", lambda c: _cpu_split(c["reb"], c["gib"])),
-    (
-        "peak RSS of a new node",
-        lambda c: stat([x["maxrss"] / GiB for x in c["reb"]], ".2f", " GiB"),
-    ),
+    ("peak RSS of a new node", lambda c: _per(c["reb"], "maxrss", GiB, ".2f", " GiB")),
     ("machine cores busy", lambda c: stat(c["machine_busy_rebuild"])),
     ("new process up + reconnected", lambda c: stat(c["rebuild_spawn_s"], ".1f", " s")),
     ("bitwise equal", lambda c: f"{sum(c['rebuild_ok'])}/{len(c['rebuild_ok'])}"),
