@@ -89,15 +89,19 @@ def sign(doc: dict[str, Any], key: bytes) -> dict[str, Any]:
     return {**doc, SIGNATURE_FIELD: mac}
 
 
-def verify(doc: dict[str, Any], key: bytes, where: Path) -> None:
-    """Check the signature of the manifest ``doc`` (of checkpoint ``where``).
+def verify(doc: dict[str, Any], where: Path, key: bytes | None = None) -> None:
+    """Check the signature of the manifest ``doc`` (of checkpoint ``where``) with ``key``
+    (default: the tier key, read only when the manifest carries a signature).
 
     Raises:
-        CorruptSnapshotError: no signature, or one not made with ``key``.
+        CorruptSnapshotError: no signature, or one not made with the key.
+        UnsafePathError: there is no usable tier key (see :func:`tier_key`).
     """
     mac = doc.get(SIGNATURE_FIELD)
     if not isinstance(mac, str):
         raise CorruptSnapshotError(f"{where}: the manifest is not signed (not written by ftmem)")
+    if key is None:
+        key = tier_key(create=False)
     try:
         want = hmac.new(key, _canonical(doc), hashlib.sha256).hexdigest()
     except (TypeError, ValueError) as exc:
