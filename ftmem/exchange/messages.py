@@ -124,6 +124,11 @@ def _sums(h: Mapping[str, Any], name: str) -> tuple[int, ...]:
     return tuple(_checksum(v, f"an entry of {name!r}") for v in items)
 
 
+def parse_node_index(key: Any) -> int:
+    """A node index sent as a JSON object key (a short decimal string). Raises ProtocolError."""
+    return _node_key(key)
+
+
 def _node_key(key: Any) -> int:
     if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 7:
         raise ProtocolError("a node index must be a short decimal string")
@@ -147,6 +152,23 @@ def _fragment_kind(h: Mapping[str, Any], name: str) -> FragmentKind:
         if type(value) is str and value == kind.value:
             return kind
     raise ProtocolError(f"field {name!r} must be one of {[k.value for k in FragmentKind]}")
+
+
+_ENDPOINT = re.compile(
+    r"tcp://(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>\d{1,5})"
+)
+
+
+def parse_endpoint(value: Any) -> str:
+    """A peer endpoint as the rendezvous store hands it out: ``tcp://<host or IP>:<port>``
+    (an IPv6 address in brackets), port 1..65535. Raises ProtocolError for anything else, so
+    that a malformed value is refused where it arrives instead of failing a ``connect``."""
+    if type(value) is not str or len(value) > 300:
+        raise ProtocolError("a peer endpoint must be a short string")
+    match = _ENDPOINT.fullmatch(value)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise ProtocolError("a peer endpoint must look like tcp://<host>:<port>")
+    return value
 
 
 def parse_sender(sender: Any) -> int:

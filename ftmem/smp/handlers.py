@@ -25,6 +25,7 @@ from ftmem._logging import get_logger
 from ftmem.config import SmpConfig
 from ftmem.errors import ProtocolError
 from ftmem.events import EventLog
+from ftmem.exchange import messages as pm
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
 from ftmem.protocol import messages as m
 from ftmem.smp.allocation import Allocator, AllocJob
@@ -395,9 +396,11 @@ class RequestHandlers:
 
     def _peer_start(self, req: Request, p: m.PeerStart) -> None:
         try:
-            endpoints = {int(k): str(v) for k, v in p.endpoints.items()}
-        except ValueError as exc:
-            raise ValueError(f"bad endpoints: {exc}") from exc
+            endpoints = {
+                pm.parse_node_index(k): pm.parse_endpoint(v) for k, v in p.endpoints.items()
+            }
+        except ProtocolError as exc:
+            raise ValueError(f"bad peer endpoints: {exc}") from exc
         cmd = StartCommand(
             (req.ident, req.req_id),
             p.epoch,

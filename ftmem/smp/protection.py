@@ -271,7 +271,11 @@ class ProtectionService:
                 ctx.release(step)
         ctx.plan = plan
         ctx.endpoints = {n: cmd.endpoints[n] for n in plan.nodes}
-        self.transport.connect({str(n): ep for n, ep in ctx.endpoints.items()})
+        try:
+            self.transport.connect({str(n): ep for n, ep in ctx.endpoints.items()})
+        except Exception as exc:  # zmq.ZMQError: an endpoint zmq cannot connect to
+            self._results.put(Result(cmd.token, False, {}, f"cannot connect to a peer: {exc}"))
+            return
         self.rounds.reset(cmd.protect_interval_s)
         held = protector.held_steps()
         self.sync.begin(cmd, held)

@@ -13,9 +13,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
+import pytest
 import xxhash
 
+from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
 from ftmem.protocol import messages as m
 from tests._support.smp_mesh import Cluster, Node
@@ -178,3 +181,29 @@ def test_garbage_and_wrong_key_on_the_peer_port_are_refused_mesh_keeps_working(
     c.wait("step 1 protected despite the garbage", lambda: c.protected(1))
     for node in c.nodes:
         assert node.proc is not None and node.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["tcp://127.0.0.1:99999", "tcp://bad host:1", "ipc:///tmp/x", "tcp://[::1", "x" * 5000],
+)
+def test_a_malformed_peer_endpoint_is_refused_at_once_and_the_exchange_keeps_serving(
+    cluster_factory: Callable[..., Cluster], bad: str
+) -> None:
+    """An endpoint from the rendezvous store that zmq cannot connect to used to kill the
+    exchange thread inside PEER_START: no reply (the agent waited its rebuild timeout), and
+    every later PEER_BIND timed out."""
+    c = cluster_factory(3, 1)
+    node = c.nodes[0]
+    node.req(m.PeerBind(keys=c.key.to_json(), host="127.0.0.1", me=0))
+    endpoints = {"0": "tcp://127.0.0.1:1", "1": bad, "2": "tcp://127.0.0.1:2"}
+    started = time.monotonic()
+    with pytest.raises(SmpRequestError, match="bad peer endpoints"):
+        node.req(
+            m.PeerStart(epoch=1, me=0, endpoints=endpoints, m=1, max_group=8, ranks=[0]),
+            timeout=timedelta(seconds=30),
+        )
+    assert time.monotonic() - started < 30
+    c.generation()  # the thread still serves: a correct generation binds, syncs and protects
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected after the bad endpoint", lambda: c.protected(1))
