@@ -23,6 +23,10 @@ from ftmem.protocol.wire import decode, encode
 
 log = logging.getLogger(__name__)
 
+MAX_FRAMES = 8
+"""Most frames in one peer message: an identity, a header and (today) at most one buffer."""
+_HEADER_ROOM = 2 << 20  # an identity and a header (at most 1 MiB) beside the largest buffer
+
 ZAP_DOMAIN = "ftmem"
 
 
@@ -173,11 +177,22 @@ class ZmqPeerTransport(PeerTransport):
             return None
         frames = self._router.recv_multipart(copy=False)
         try:
+            self._check_total(frames)
             return self._parse(frames)
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
             return None
+
+    def _check_total(self, frames: list[zmq.Frame]) -> None:
+        """ZeroMQ's MAXMSGSIZE bounds each frame, not a multipart message: bound the whole."""
+        if len(frames) > MAX_FRAMES:
+            raise ProtocolError(f"a message of {len(frames)} frames (at most {MAX_FRAMES})")
+        total = sum(len(f) for f in frames)
+        if total > self.max_message_bytes + _HEADER_ROOM:
+            raise ProtocolError(
+                f"a message of {total} bytes, larger than {self.max_message_bytes} in all"
+            )
 
     def _parse(self, frames: list[zmq.Frame]) -> PeerMessage:
         if len(frames) < 2:

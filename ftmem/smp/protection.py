@@ -56,6 +56,10 @@ __all__ = [
 
 log = get_logger(__name__)
 
+EARLY_MAX_MESSAGES = 10000
+EARLY_MAX_BYTES = 256 << 20
+"""Bounds of the messages of a future generation kept for replay (count, buffer bytes)."""
+
 
 class ProtectionService:
     """The exchange thread (see the module docstring).
@@ -88,6 +92,7 @@ class ProtectionService:
         # Owned by the thread:
         self.transport: ZmqPeerTransport | None = None
         self._early: list[Envelope] = []
+        self._early_bytes = 0
         self._last_seen: dict[int, float] = {}
         self._dropped = 0
         self._stop = threading.Event()
@@ -195,9 +200,15 @@ class ProtectionService:
         protector.handle(env)
 
     def _keep_early(self, env: Envelope) -> None:
-        """A message of a generation this node has not started yet: replay it after start."""
-        if len(self._early) < 10000:
-            self._early.append(env)
+        """A message of a generation this node has not started yet: replay it after start.
+        Kept up to EARLY_MAX_MESSAGES messages and EARLY_MAX_BYTES of buffers; beyond that it
+        is dropped (counted): the peer resends what a round needs."""
+        size = sum(b.nbytes for b in env.buffers)
+        if len(self._early) >= EARLY_MAX_MESSAGES or self._early_bytes + size > EARLY_MAX_BYTES:
+            self._dropped += 1
+            return
+        self._early.append(env)
+        self._early_bytes += size
 
     def _on_service(self, env: Envelope) -> None:
         """The service's own messages (the protector hands them over, validated)."""
@@ -237,6 +248,7 @@ class ProtectionService:
             self.transport = None
         self.sync.synced = False
         self._early.clear()
+        self._early_bytes = 0
         try:
             t = ZmqPeerTransport(str(cmd.me), cmd.keys, host=cmd.host, port=cmd.port)
             endpoint = t.start()
@@ -284,7 +296,7 @@ class ProtectionService:
         )
         for n in ctx.peers():
             ctx.send(n, pm.HeldSteps(tuple(held)))
-        early, self._early = self._early, []
+        early, self._early, self._early_bytes = self._early, [], 0
         for env in early:
             protector.handle(env)
 

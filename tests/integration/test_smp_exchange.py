@@ -207,3 +207,35 @@ def test_a_malformed_peer_endpoint_is_refused_at_once_and_the_exchange_keeps_ser
     c.generation()  # the thread still serves: a correct generation binds, syncs and protects
     c.save_all(1, 1 << 20)
     c.wait("step 1 protected after the bad endpoint", lambda: c.protected(1))
+
+
+def test_a_multipart_message_over_the_size_bound_is_dropped_and_the_mesh_keeps_working(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """ZeroMQ's MAXMSGSIZE bounds frames, not messages: two frames of 40 MiB from a holder of
+    the job's key (80 MiB, past a 64 MiB bound) and 2000 tiny frames are refused whole."""
+    import zmq
+
+    c = cluster_factory(3, 1)
+    c.generation()
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    try:
+        d.setsockopt(zmq.LINGER, 0)
+        d.curve_serverkey = c.key.public
+        d.curve_publickey, d.curve_secretkey = c.key.public, c.key.secret
+        d.setsockopt(zmq.ROUTING_ID, b"7")  # not a member: no handover of a real one
+        d.connect(c.endpoints["0"])
+        d.send_multipart([b"x" * (40 << 20)] * 2)
+        d.send_multipart([b"y"] * 2000)
+        c.wait(
+            "both messages refused",
+            lambda: c.nodes[0].log().read_text().count("dropped a peer message") >= 2,
+        )
+    finally:
+        d.close(linger=0)
+        ctx.term()
+    log = c.nodes[0].log().read_text()
+    assert "larger than" in log and "frames (at most" in log
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected after the oversize messages", lambda: c.protected(1))
