@@ -3,7 +3,7 @@
 A restarted SMP adopts the committed slots a killed one left (``records.scan``). Files with
 the run's prefix that are not a consistent slot + commit record (random bytes, truncated or
 mismatched records, sizes that differ) must be removed, not adopted, and the SMP must start
-and serve. Two known bugs are pinned by strict xfails (see docs/security.md).
+and serve. Two bugs found here earlier are pinned by ``test_fixed_*`` (see docs/security.md).
 """
 
 from __future__ import annotations
