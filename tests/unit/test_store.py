@@ -420,4 +420,5 @@ def test_store_adopts_what_a_previous_smp_left(
     with pytest.raises(StoreError):
         again.adopt_left()  # its slots are COMMITTED now: the same records cannot be adopted
     kept = sorted(p.name for p in tmp_path.iterdir())
-    assert len(kept) == 4 and all(n.startswith("ftmem-run-n0-r0-s") for n in kept)  # untouched
+    slot_files = [n for n in kept if n.startswith("ftmem-run-n0-r0-s")]
+    assert len(slot_files) == 4 and "ftmem-run-n0-r0-junk" in kept  # untouched
