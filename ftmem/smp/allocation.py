@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ class SlotFiles:
         temporary files) that belongs to this user; another node whose name extends this
         one's (``gpu`` and ``gpu-r1``) never matches, and another user's file is skipped
         with a warning (/dev/shm is shared by every user)."""
-        name_re = re.compile(re.escape(self.prefix) + r"\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
+        name_re = records.file_pattern(self.prefix)
         found = []
         for p in self.shm_dir.glob(self.prefix + "*"):
             if not name_re.match(p.name):

@@ -63,6 +63,13 @@ def read_record(path: Path) -> CommitRecord:
     return decode_record(text)
 
 
+def file_pattern(prefix: str) -> re.Pattern[str]:
+    """Names of exactly one run's and node's files (``prefix`` is ``ftmem-<run>-<node>-r``):
+    slot files, their records and the records' temporary files. Another node whose name
+    extends this one's (``gpu-r1`` next to ``gpu``) never matches."""
+    return re.compile(re.escape(prefix) + r"\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
+
+
 @dataclass(frozen=True, slots=True)
 class Adoptable:
     """A slot file with a valid record that a restarted SMP can serve again."""
@@ -88,7 +95,7 @@ def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list
     generation wins.
     """
     name_re = re.compile(re.escape(prefix) + r"(\d+)-s(\d+)-g(\d+)$")
-    any_re = re.compile(re.escape(prefix) + r"\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
+    any_re = file_pattern(prefix)
     best: dict[tuple[int, int], Adoptable] = {}
     leftovers: list[Path] = []
     for p in sorted(shm_dir.glob(prefix + "*")):

@@ -1,7 +1,7 @@
 """Read checked checkpoints with DCP without unpickling anything a checkpoint holds.
 
-DCP's stock reader unpickles ``.metadata`` and loads non-tensor entries with
-``torch.load(weights_only=False)``: either runs code from whoever wrote the files. ftmem reads
+DCP's stock reader unpickles ``.metadata`` and loads non-tensor entries with a full
+unpickler: either runs code from whoever wrote the files. ftmem reads
 only checkpoints that passed :func:`ftmem.tiers.checkpoints.read_checkpoint` (ours, signed),
 and even then takes the metadata from the JSON copy in the signed manifest
 (:mod:`ftmem.tiers.dcp_meta`) and loads non-tensor entries with ``weights_only=True``. A
