@@ -89,6 +89,13 @@ class Fault(enum.Enum):
     """Corrupt data at the point (the caller does it when :func:`maybe_inject` says so)."""
     ENOSPC = "enospc"
     """Fail the write at the point as if the disk were full (the caller raises)."""
+    CRASH = "crash"
+    """Raise :class:`InjectedCrash` at the point: an unexpected error in the thread that
+    passes it (e.g. the SMP's exchange thread at ``in_protect``)."""
+
+
+class InjectedCrash(RuntimeError):
+    """The error a ``crash`` fault raises: no code path expects it, as with a real bug."""
 
 
 def _parse(spec: str) -> tuple[Point, int | None, int | None, Fault] | None:
@@ -315,6 +322,8 @@ def process_rank() -> int:
 def _fire(fault: Fault) -> bool:
     if fault in (Fault.FLIP, Fault.ENOSPC):
         return True
+    if fault is Fault.CRASH:
+        raise InjectedCrash("FAULT: an injected crash")
     os.kill(os.getpid(), signal.SIGKILL if fault is Fault.KILL else signal.SIGSTOP)
     return False
 
@@ -324,7 +333,7 @@ def maybe_inject(point: Point, rank: int, step: int) -> bool:
 
     FTMEM_FAULT fires once per process; an armed fault of FTMEM_FAULT_FILE once per run.
     Returns True when the fault is FLIP or ENOSPC: the caller corrupts its data or fails
-    its write there.
+    its write there. Raises :class:`InjectedCrash` when the fault is CRASH.
     """
     global _fired
     if _SPEC is not None and not _fired:

@@ -137,8 +137,8 @@ class ProtectionRounds:
         ctx = self.ctx
         assert ctx.protector is not None
         ctx.board.update(protecting=step)
-        faults.maybe_inject(faults.Point.IN_PROTECT, ctx.me, step)
         try:
+            faults.maybe_inject(faults.Point.IN_PROTECT, ctx.me, step)
             data = pinned.open()
             ctx.protector.protect(step, data, pinned.manifest())
         except StepAborted as exc:
@@ -155,6 +155,9 @@ class ProtectionRounds:
                 ctx.protector.abort(step)
             ctx.drop(step, pinned)
             return False
+        except BaseException:  # an unexpected error stops the thread: leave no pin behind
+            ctx.drop(step, pinned)
+            raise
         finally:
             ctx.board.update(protecting=None)
         return True
