@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
+from ftmem.exchange.status import ExchangeState
 from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
@@ -115,6 +116,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         """This node's block of global ranks (stable across rounds), None: elastic's."""
         self._prev_ranks: list[int] | None = None
         self._smp_failed = False
+        self._exchange_failed = False
         self._last_failure: tuple[int | None, str, list[str]] | None = None
         self._peer_settings = _peer_settings(ftmem)
         self._key_warned = [False]
@@ -207,6 +209,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         if self._smp.ensure_running():
             self._poller.forget()
         self._smp_failed = False
+        self._exchange_failed = False
         self._join_peers(worker_group)
         start = time.time()
         with spawning_from(self._standbys):
@@ -313,6 +316,9 @@ class FtmemElasticAgent(ElasticAgentBase):
         smp_exit = None if self._smp_failed else self._smp.poll()
         if smp_exit is not None:
             return self._on_smp_death(worker_group, smp_exit)
+        exchange_error = self._exchange_failure()
+        if exchange_error is not None:
+            return self._on_exchange_failure(worker_group, exchange_error)
         ready = self._standbys.poll()
         if ready:
             self.events.write(
@@ -448,6 +454,46 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._log_failure(None, what, committed, [])
         self.events.write(
             "smp_died", pid=pid, exitcode=exitcode, generation=self.generation, committed=committed
+        )
+        self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
+        self._poller.set_fast(True)
+        return RunResult(state=WorkerState.FAILED, failures={ranks[0]: failure})
+
+    def _exchange_failure(self) -> str | None:
+        """The error that stopped the SMP's exchange thread during this generation, or None.
+
+        Only a status fetched after these ranks started counts: the SMP replaces a failed
+        exchange at the generation's PEER_BIND, so an older answer may predate that.
+        """
+        latest = None if self._exchange_failed else self._poller.exchange()
+        if latest is None:
+            return None
+        fetched, status = latest
+        if fetched <= self._started_at or status.state is not ExchangeState.FAILED:
+            return None
+        return status.error or "no error given"
+
+    def _on_exchange_failure(self, worker_group: WorkerGroup, error: str) -> RunResult:
+        """The exchange thread stopped: snapshots are no longer protected. Restart the ranks
+        (from memory) with a new generation, whose PEER_BIND gives the SMP a new exchange."""
+        self._exchange_failed = True
+        ranks = [w.global_rank for w in worker_group.workers]
+        committed = self._committed_now(ranks)
+        what = f"the SMP's erasure-coding thread stopped ({error})"
+        log.error(
+            "[%s] PROTECTION STOPPED: %s; snapshots of this node are no longer protected: "
+            "restarting the ranks from memory with a new peer mesh",
+            self._node,
+            what,
+        )
+        failure = ProcessFailure(
+            local_rank=0, pid=self._smp.pid or -1, exitcode=1, error_file="<N/A>"
+        )
+        failure.message = f"{what}; see {self._smp.log_path}"
+        self._check_guard(committed)
+        self._log_failure(None, what, committed, [])
+        self.events.write(
+            "exchange_failed", error=error, generation=self.generation, committed=committed
         )
         self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
         self._poller.set_fast(True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.events import EventLog as EventLog  # re-exported: agent.py, report.py
+from ftmem.exchange.status import ExchangeStatus
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ class StatusPoller:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._latest: tuple[float, dict[int, RankProgress]] | None = None
+        self._exchange: tuple[float, ExchangeStatus] | None = None
         self._thread: threading.Thread | None = None
         self._failing = False
         self._fast = threading.Event()
@@ -237,6 +239,12 @@ class StatusPoller:
         with self._lock:
             return self._latest
 
+    def exchange(self) -> tuple[float, ExchangeStatus] | None:
+        """The newest exchange status as ``(time fetched, status)``, or None (not fetched yet,
+        or the SMP's document was malformed)."""
+        with self._lock:
+            return self._exchange
+
     def set_fast(self, fast: bool) -> None:
         """Poll every 0.1 s (while a recovery is timed) instead of every ``interval``."""
         if fast:
@@ -248,6 +256,7 @@ class StatusPoller:
         """Drop the cached answer (after the SMP was replaced)."""
         with self._lock:
             self._latest = None
+            self._exchange = None
 
     def fetch(self) -> dict[int, RankProgress] | None:
         """Ask the SMP now (from the calling thread); None if it does not answer."""
@@ -266,8 +275,14 @@ class StatusPoller:
             log.info("SMP status available again")
         self._failing = False
         progress = RankProgress.from_status(status)
+        try:
+            exchange: ExchangeStatus | None = ExchangeStatus.from_json(status.get("exchange"))
+        except FtmemError:  # ProtocolError: keep the progress, drop the exchange part
+            exchange = None
+        now = time.time()
         with self._lock:
-            self._latest = (time.time(), progress)
+            self._latest = (now, progress)
+            self._exchange = None if exchange is None else (now, exchange)
         return progress
 
     def _run(self) -> None:

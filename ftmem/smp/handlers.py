@@ -380,6 +380,19 @@ class RequestHandlers:
         return None
 
     def _exchange(self) -> ProtectionService:
+        """The exchange thread's service; a failed one (its thread stopped on an unexpected
+        error) is replaced by a fresh one, which the launcher then binds and starts again."""
+        old = self.exchange
+        if old is not None and old.failed:
+            self._finish_exchange()  # answer what the old one still owes
+            log.warning(
+                "[%s] replacing the exchange thread that stopped (%s)",
+                self.config.node,
+                old.failure,
+            )
+            old.close()
+            self.exchange = None
+            self.events.write("exchange_replaced", error=old.failure)
         if self.exchange is None:
             self.exchange = ProtectionService(self.config.node, self.store, events=self.events)
             self.exchange.start()

@@ -96,6 +96,7 @@ class ProtectionService:
         self._last_seen: dict[int, float] = {}
         self._dropped = 0
         self._stop = threading.Event()
+        self._failure: str | None = None
 
     # -- main-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -107,13 +108,40 @@ class ProtectionService:
         self._cmds.put(cmd)
 
     def results(self) -> list[Result]:
-        """Results ready now (non-blocking)."""
+        """Results ready now (non-blocking).
+
+        Once the thread has stopped (FAILED), every command still queued is answered here with
+        an error naming the failure, so no request waits for a thread that is gone.
+        """
         out = []
         while True:
             try:
                 out.append(self._results.get_nowait())
             except queue.Empty:
-                return out
+                break
+        if self.failed:
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd is not None:
+                    out.append(Result(cmd.token, False, {}, self._failed_reply()))
+        return out
+
+    @property
+    def failed(self) -> bool:
+        """True once the thread has stopped on an unexpected error (state FAILED); the SMP
+        then replaces the service at the next PEER_BIND (:meth:`close` it first)."""
+        return self._failure is not None and not self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """The unexpected error that stopped the thread (None while it serves)."""
+        return self._failure
+
+    def _failed_reply(self) -> str:
+        return f"the SMP's exchange thread stopped: {self._failure}"
 
     def status(self) -> dict[str, Any]:
         """A JSON-ready copy of the exchange's state for ``ftmem status``."""
@@ -136,9 +164,14 @@ class ProtectionService:
         try:
             while not self._stop.is_set():
                 self._step()
-        except Exception:
+        except Exception as exc:
             log.exception("[%s/exchange] stopped by an unexpected error", self.node_name)
-            ctx.board.move(ExchangeState.FAILED)
+            self._failure = f"{type(exc).__name__}: {exc}"
+            ctx.board.move(ExchangeState.FAILED, error=self._failure)
+            ctx.event("exchange_failed", error=self._failure)
+            pending, self.sync.pending = self.sync.pending, None
+            if pending is not None:  # a start waiting for its sync: answer it now
+                self._results.put(Result(pending.token, False, {}, self._failed_reply()))
         finally:
             for step in list(ctx.pinned):
                 if ctx.protector is not None:

@@ -40,13 +40,20 @@ def reference(launcher: Launcher, nproc: int) -> dict[int, str]:
 class Nodes:
     """Agents of one multi-node run; node i is named n<i> and holds global rank i.
 
-    ``extra`` are more agent flags, ``{i}`` in them replaced by the node's index.
+    ``extra`` are more agent flags, ``{i}`` in them replaced by the node's index; ``env``
+    maps a node's index to more environment variables for its agent (and so its SMP and rank).
     """
 
     def __init__(
-        self, launcher: Launcher, n: int, extra: list[str], script: list[str] = SCRIPT
+        self,
+        launcher: Launcher,
+        n: int,
+        extra: list[str],
+        script: list[str] = SCRIPT,
+        env: dict[int, dict[str, str]] | None = None,
     ) -> None:
         self.script = script
+        self.env = env or {}
         self.launcher = launcher
         self.n = n
         self.extra = extra
@@ -78,7 +85,7 @@ class Nodes:
             ],
             script=self.script,
         )
-        launch = self.launcher.start(args, f"n{i}-{self.starts[i]}")
+        launch = self.launcher.start(args, f"n{i}-{self.starts[i]}", **self.env.get(i, {}))
         self.agents[i] = launch
         return launch
 

@@ -9,9 +9,11 @@ and the run must end with the digests of a failure-free run of the same world si
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from datetime import timedelta
+from pathlib import Path
 
 from ftmem.protocol.smp_client import SmpClient
 from tests._support.launcher import Launcher
@@ -70,6 +72,28 @@ def test_smp_killed_on_a_surviving_node_is_rebuilt_from_peers(launcher_env: Laun
     os.kill(smp_pid, signal.SIGKILL)
     nodes.agents[1].wait_for(r"REBUILT step (\d+) of this node", 180)
     assert nodes.finish() == want
+
+
+def test_a_stopped_exchange_thread_is_noticed_and_protection_comes_back(
+    launcher_env: Launcher,
+) -> None:
+    """Node 1's exchange thread raises at its first protection round (an unexpected error,
+    as a bug would): its agent notices, restarts the ranks from memory with a new mesh, the
+    SMP replaces the thread, and protection and the run go on to the same digests."""
+    want = reference(launcher_env, 3)
+    crash = {"FTMEM_FAULT": "in_protect:rank=1:fault=crash"}
+    nodes = Nodes(launcher_env, 3, ["--ftmem-ec-parity", "1"], env={1: crash})
+    nodes.start_all()
+    nodes.agents[1].wait_for(r"PROTECTION STOPPED: the SMP's erasure-coding thread", 120)
+    nodes.agents[1].wait_for(r"generation \d+: started ranks", 120, count=2)
+    nodes.wait_protected(12)
+    assert nodes.finish() == want
+    run_dir = Path(nodes.run_dir(1))
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["event"] == "exchange_failed"]
+    assert len(failed) == 1 and "InjectedCrash" in failed[0]["error"]
+    smp_log = (run_dir / "smp.log").read_text()
+    assert "replacing the exchange thread that stopped" in smp_log
 
 
 def _smp_pid(nodes: Nodes, i: int) -> int:
