@@ -26,6 +26,7 @@ from ftmem.testing.harness import (
     launch_args,
     launch_command,
     remove_shm,
+    shm_files,
 )
 
 __all__ = ["free_port", "remove_shm"]  # re-exported for the bench scripts
@@ -118,13 +119,13 @@ def run_job(
 
 
 def shm_bytes(run_id: str) -> tuple[int, int]:
-    """(allocated bytes, file count) of the /dev/shm files of ``run_id``."""
+    """(allocated bytes, file count) of the shared-memory files of ``run_id``
+    (:func:`ftmem.testing.harness.shm_files`)."""
     total = count = 0
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"ftmem-{run_id}-"):
-            with contextlib.suppress(OSError):
-                total += os.stat(f"/dev/shm/{name}").st_blocks * 512
-                count += 1
+    for name in shm_files(run_id):
+        with contextlib.suppress(OSError):
+            total += os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
+            count += 1
     return total, count
 
 
