@@ -31,6 +31,7 @@ from ftmem.errors import UnrecoverableError
 from ftmem.launch.config import (
     DEFAULT_MAX_RESTARTS,
     FtmemLaunchConfig,
+    check_mesh_key,
     default_peer_host,
     resolve_names,
 )
@@ -153,6 +154,13 @@ def get_args_parser() -> ArgumentParser:
         "the rendezvous store (a warning is logged).",
     )
     group.add_argument(
+        "--ftmem-insecure-mesh",
+        action=check_env,
+        help="Allow erasure coding across hosts without --ftmem-key-file: the mesh's key "
+        "pair then travels through the unauthenticated rendezvous store, so whoever can read "
+        "that store can join the mesh. Default: refused unless the mesh stays on this host.",
+    )
+    group.add_argument(
         "--ftmem-peer-host",
         action=env,
         type=str,
@@ -262,11 +270,16 @@ def _parity(value: str) -> int:
     return m
 
 
+def _ec_possible(args: Namespace) -> bool:
+    """Erasure coding may run: parity not 0 and at least 3 nodes at most (``auto`` needs 3)."""
+    max_nodes = str(args.nnodes).split(":")[-1]
+    return _parity(args.ftmem_ec_parity) != 0 and max_nodes.isdigit() and int(max_nodes) >= 3
+
+
 def _slots(args: Namespace) -> int:
     if args.ftmem_slots is not None:
         return int(args.ftmem_slots)
-    max_nodes = str(args.nnodes).split(":")[-1]
-    ec_possible = _parity(args.ftmem_ec_parity) != 0 and max_nodes.isdigit() and int(max_nodes) >= 3
+    ec_possible = _ec_possible(args)
     # A step being flushed (and one reserved for the next flush) or protected stays pinned:
     # one more slot for each keeps ranks saving every step while they run.
     flushing = bool(args.ftmem_flush_dir or args.ftmem_flush_persistent_dir)
@@ -274,7 +287,32 @@ def _slots(args: Namespace) -> int:
 
 
 def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
-    """Build the ftmem part of the configuration from parsed arguments."""
+    """Build the ftmem part of the configuration from parsed arguments.
+
+    Raises:
+        ValueError: a setting is out of range, or erasure coding could span hosts without a
+            key file (:func:`~ftmem.launch.config.check_mesh_key`).
+    """
+    config = _ftmem_config(args)
+    check_mesh_key(
+        ec_possible=_ec_possible(args),
+        key_file=config.key_file,
+        insecure=config.insecure_mesh,
+        peer_host=config.peer_host,
+        rdzv_host=_rdzv_host(args),
+    )
+    return config
+
+
+def _rdzv_host(args: Namespace) -> str:
+    """The rendezvous store's host: ``--rdzv-endpoint``'s, else ``--master-addr`` (static)."""
+    endpoint = str(args.rdzv_endpoint or "")
+    if not endpoint:
+        return str(args.master_addr or "127.0.0.1")
+    return endpoint.rsplit(":", 1)[0] if ":" in endpoint.strip("[]") else endpoint
+
+
+def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
     return FtmemLaunchConfig(
         run_dir=Path(args.ftmem_run_dir) if args.ftmem_run_dir else None,
         node=args.ftmem_node or None,
@@ -283,6 +321,7 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         ec_group_size=int(args.ftmem_ec_group_size),
         ec_interval=timedelta(seconds=float(args.ftmem_ec_interval)),
         key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
+        insecure_mesh=bool(args.ftmem_insecure_mesh),
         peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
         rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),
         flush_dir=Path(args.ftmem_flush_dir) if args.ftmem_flush_dir else None,
@@ -376,8 +415,15 @@ def run(args: Namespace) -> dict[int, Any]:
 
     _apply_standalone(args)
     install_signal_handlers(args.signals_to_handle)
-    config, ftmem, cmd, cmd_args = config_from_args(args)
+    try:
+        config, ftmem, cmd, cmd_args = config_from_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     return launch_agent(config, ftmem, cmd, cmd_args)
+
+
+class UsageError(Exception):
+    """The flags describe no valid run (the message says which and how to fix it)."""
 
 
 @record
@@ -389,6 +435,9 @@ def main(args: list[str] | None = None) -> None:
     except UnrecoverableError as exc:
         logging.getLogger("ftmem.launch").error("ftmem-launch: UNRECOVERABLE: %s", exc)
         sys.exit(3)
+    except UsageError as exc:
+        logging.getLogger("ftmem.launch").error("ftmem-launch: %s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

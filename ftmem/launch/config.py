@@ -7,6 +7,7 @@ restarts (see :func:`apply_safe_rdzv_defaults` and docs/launcher.md).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -103,6 +104,8 @@ class FtmemLaunchConfig:
     """Least time between two protection rounds (0: protect as often as the SMPs can)."""
     key_file: Path | None = None
     """The job's CURVE key file (``ftmem keygen``); None: one per job via the rendezvous store."""
+    insecure_mesh: bool = False
+    """Allow erasure coding across hosts without a key file (``--ftmem-insecure-mesh``)."""
     peer_host: str = ""
     """Address the SMP's peer port binds and advertises; "": --local-addr or this host's."""
     rebuild_timeout: timedelta = timedelta(seconds=600)
@@ -229,6 +232,47 @@ def default_peer_host(local_addr: str | None) -> str:
         return socket.gethostbyname(socket.getfqdn())
     except OSError:
         return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """True if ``host`` (an address or a name; ``[v6]`` brackets allowed) is this machine's
+    loopback: then nothing but this host can reach what listens there."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            return False
+
+
+def check_mesh_key(
+    *, ec_possible: bool, key_file: Path | None, insecure: bool, peer_host: str, rdzv_host: str
+) -> None:
+    """Refuse erasure coding across hosts without a key file.
+
+    Without ``--ftmem-key-file`` the mesh's CURVE key pair is handed out through the
+    rendezvous store, which is plain TCP: anyone who can reach it could join the mesh. That is
+    allowed only when the mesh stays on this host (the peer host and the rendezvous endpoint
+    are loopback) or when the user says ``--ftmem-insecure-mesh``.
+
+    Raises:
+        ValueError: erasure coding may span hosts, with neither a key file nor the flag.
+    """
+    if not ec_possible or key_file is not None or insecure:
+        return
+    if is_loopback(peer_host) and is_loopback(rdzv_host):
+        return
+    raise ValueError(
+        "erasure coding across hosts needs the job's key file: run `ftmem keygen FILE` once, "
+        "copy FILE (mode 0600) to every node and pass --ftmem-key-file FILE; without it the "
+        "mesh's key would travel through the unauthenticated rendezvous store "
+        f"(peer host {peer_host}, rendezvous host {rdzv_host or '?'}). "
+        "--ftmem-insecure-mesh accepts that risk, or --ftmem-ec-parity 0 turns erasure coding off"
+    )
 
 
 def resolve_names(config: FtmemLaunchConfig, run_id: str) -> None:

@@ -117,6 +117,7 @@ def test_replacement_node_takes_the_lost_nodes_ranks_survivors_keep_theirs(
             is_host=bool(host),
             node=name,
             run_dir=launcher_env.tmp / f"{log}-rd",
+            flags=["--ftmem-peer-host", "127.0.0.1"],  # the mesh stays on this host
             script=[str(script)],
         )
         return launcher_env.start(args, log)

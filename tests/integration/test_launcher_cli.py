@@ -39,6 +39,7 @@ FTMEM_FLAGS = {
     "--ftmem-ec-group-size",
     "--ftmem-ec-interval",
     "--ftmem-key-file",
+    "--ftmem-insecure-mesh",
     "--ftmem-peer-host",
     "--ftmem-rebuild-timeout",
     "--ftmem-flush-dir",
@@ -91,7 +92,7 @@ def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
 
     def ft_for(*extra: str) -> object:
         args = get_args_parser().parse_args(
-            [*extra, "--ftmem-run-dir", str(tmp_path / "rd"), "train.py"]
+            [*extra, "--ftmem-peer-host=127.0.0.1", f"--ftmem-run-dir={tmp_path}/rd", "train.py"]
         )
         return config_from_args(args)[1]
 
@@ -109,6 +110,30 @@ def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
         ft_for("--ftmem-ec-parity", "two")
     assert [resolve_parity(-1, n) for n in (1, 2, 3, 8)] == [0, 0, 1, 1]
     assert resolve_parity(2, 3) == 0 and resolve_parity(2, 4) == 2 and resolve_parity(0, 9) == 0
+
+
+def test_erasure_coding_across_hosts_needs_a_key_file(tmp_path: Path) -> None:
+    from ftmem.exchange.keys import generate, write_key_file
+
+    def ft_for(*extra: str) -> FtmemLaunchConfig:
+        args = get_args_parser().parse_args(
+            [*extra, "--ftmem-run-dir", str(tmp_path / "rd"), "train.py"]
+        )
+        return config_from_args(args)[1]
+
+    across = ("--nnodes", "3", "--rdzv-endpoint", "10.0.0.1:29400", "--ftmem-peer-host")
+    with pytest.raises(ValueError, match="needs the job's key file"):
+        ft_for(*across, "10.0.0.2")
+    with pytest.raises(ValueError, match="needs the job's key file"):  # the store is remote
+        ft_for(*across[:4], "--ftmem-peer-host", "127.0.0.1")
+    assert ft_for(*across, "10.0.0.2", "--ftmem-insecure-mesh").insecure_mesh
+    key = tmp_path / "job.key"
+    write_key_file(key, generate())
+    assert ft_for(*across, "10.0.0.2", "--ftmem-key-file", str(key)).key_file == key
+    ft_for(*across, "10.0.0.2", "--ftmem-ec-parity", "0")  # no erasure coding: no key
+    ft_for("--nnodes", "2", *across[2:], "10.0.0.2")  # auto: off with 2 nodes
+    local = ("--rdzv-endpoint", "localhost:29400", "--ftmem-peer-host", "127.0.0.1")
+    assert not ft_for("--nnodes", "3", *local).insecure_mesh  # one host: allowed
 
 
 def test_pet_env_overrides_max_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
