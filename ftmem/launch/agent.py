@@ -442,22 +442,20 @@ class FtmemElasticAgent(ElasticAgentBase):
     def _on_smp_death(self, worker_group: WorkerGroup, exitcode: int) -> RunResult:
         self._smp_failed = True
         pid = self._smp.pid or -1
-        ranks = [w.global_rank for w in worker_group.workers]
         latest = self._poller.latest()
+        ranks = [w.global_rank for w in worker_group.workers]
         committed = min_committed(ranks, latest[1]) if latest is not None else None
-        what = f"SMP pid {pid} died ({describe_exit(exitcode)})"
-        failure = ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="<N/A>")
-        failure.message = (
-            f"the node's SMP died ({describe_exit(exitcode)}); see {self._smp.log_path}"
-        )
-        self._check_guard(committed)
-        self._log_failure(None, what, committed, [])
+        why = describe_exit(exitcode)
         self.events.write(
             "smp_died", pid=pid, exitcode=exitcode, generation=self.generation, committed=committed
         )
-        self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
-        self._poller.set_fast(True)
-        return RunResult(state=WorkerState.FAILED, failures={ranks[0]: failure})
+        return self._node_failure(
+            ranks,
+            f"SMP pid {pid} died ({why})",
+            f"the node's SMP died ({why})",
+            committed,
+            exitcode,
+        )
 
     def _exchange_failure(self) -> str | None:
         """The error that stopped the SMP's exchange thread during this generation, or None.
@@ -486,15 +484,21 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._node,
             what,
         )
-        failure = ProcessFailure(
-            local_rank=0, pid=self._smp.pid or -1, exitcode=1, error_file="<N/A>"
-        )
-        failure.message = f"{what}; see {self._smp.log_path}"
-        self._check_guard(committed)
-        self._log_failure(None, what, committed, [])
         self.events.write(
             "exchange_failed", error=error, generation=self.generation, committed=committed
         )
+        return self._node_failure(ranks, what, what, committed, 1)
+
+    def _node_failure(
+        self, ranks: list[int], what: str, message: str, committed: int | None, exitcode: int
+    ) -> RunResult:
+        """A failure of the node's SMP side (not of a rank): account for it and have elastic
+        restart the ranks (the result names the SMP as the failed process)."""
+        pid = self._smp.pid or -1
+        failure = ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="<N/A>")
+        failure.message = f"{message}; see {self._smp.log_path}"
+        self._check_guard(committed)
+        self._log_failure(None, what, committed, [])
         self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
         self._poller.set_fast(True)
         return RunResult(state=WorkerState.FAILED, failures={ranks[0]: failure})
