@@ -7,10 +7,12 @@ key file the user provides, or handed out per job through the rendezvous store).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -24,30 +26,61 @@ class KeyFileError(FtmemError):
 
 @dataclass(frozen=True, slots=True)
 class CurveKeyPair:
-    """A CURVE key pair, each key 40 bytes of Z85 text."""
+    """A CURVE key pair, each key 40 bytes of Z85 text (see the module docstring)."""
 
     public: bytes
     secret: bytes
+    from_file: bool = field(default=False, compare=False)
+    """The pair comes from a key file, so it is the same in every round of the job (a node's
+    seal can then be checked by its replacement); False: made for this round."""
+    node: CurveKeyPair | None = field(default=None, compare=False)
+    """(The job's pair, on its way to an SMP) this node's own pair for the generation."""
 
     def __post_init__(self) -> None:
         for name, k in (("public", self.public), ("secret", self.secret)):
             if len(k) != 40:
                 raise KeyFileError(f"{name} key must be 40 Z85 characters")
-        if zmq.curve_public(self.secret) != self.public:
+        try:
+            public = zmq.curve_public(self.secret)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise KeyFileError(f"malformed secret key: {exc}") from exc
+        if public != self.public:
             raise KeyFileError("public key does not belong to the secret key")
 
     def to_json(self) -> str:
-        """The key pair as JSON text (for a key file or the rendezvous store)."""
-        return json.dumps({"public": self.public.decode(), "secret": self.secret.decode()})
+        """The key pair as JSON text (with ``from_file`` and the node's pair when set)."""
+        doc: dict[str, object] = {"public": self.public.decode(), "secret": self.secret.decode()}
+        if self.from_file:
+            doc["from_file"] = True
+        if self.node is not None:
+            doc["node"] = {"public": self.node.public.decode(), "secret": self.node.secret.decode()}
+        return json.dumps(doc)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> CurveKeyPair:
         """Parse :meth:`to_json`'s output. Raises KeyFileError."""
         try:
             doc = json.loads(text)
-            return cls(public=str(doc["public"]).encode(), secret=str(doc["secret"]).encode())
-        except (ValueError, KeyError, TypeError) as exc:
+            node = doc.get("node")
+            return cls(
+                public=str(doc["public"]).encode(),
+                secret=str(doc["secret"]).encode(),
+                from_file=doc.get("from_file", False) is True,
+                node=None
+                if node is None
+                else cls(public=str(node["public"]).encode(), secret=str(node["secret"]).encode()),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KeyFileError(f"malformed key pair: {exc}") from exc
+
+    def derived_key(self, purpose: str) -> bytes:
+        """A 32-byte key for ``purpose`` derived from this pair's secret key (HMAC-SHA256), so
+        one secret serves several uses without one use revealing another's key."""
+        return hmac.new(self.secret, f"ftmem/{purpose}".encode(), hashlib.sha256).digest()
+
+    def with_node(self, node: CurveKeyPair) -> CurveKeyPair:
+        """This pair carrying ``node`` as the node's own pair (for PEER_BIND)."""
+        return CurveKeyPair(self.public, self.secret, self.from_file, node)
 
 
 def generate() -> CurveKeyPair:
@@ -57,10 +90,11 @@ def generate() -> CurveKeyPair:
 
 
 def write_key_file(path: Path, pair: CurveKeyPair) -> None:
-    """Write ``pair`` to a new file ``path`` with mode 0600 (never overwrites)."""
+    """Write ``pair`` (its two keys only) to a new file ``path`` with mode 0600 (never
+    overwrites)."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(pair.to_json() + "\n")
+        f.write(CurveKeyPair(pair.public, pair.secret).to_json() + "\n")
 
 
 def read_key_file(path: Path) -> CurveKeyPair:
@@ -81,4 +115,5 @@ def read_key_file(path: Path) -> CurveKeyPair:
         )
     if st.st_size > 4096:
         raise KeyFileError(f"key file {path} is too large")
-    return CurveKeyPair.from_json(Path(path).read_text())
+    pair = CurveKeyPair.from_json(Path(path).read_text())
+    return CurveKeyPair(pair.public, pair.secret, from_file=True)

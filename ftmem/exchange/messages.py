@@ -146,6 +146,24 @@ def _sizes(h: Mapping[str, Any], name: str) -> dict[int, int]:
     }
 
 
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _hex(h: Mapping[str, Any], name: str, length: int) -> str:
+    """An optional field of ``length`` lowercase hex digits ("" when absent or empty)."""
+    value = h.get(name, "")
+    if type(value) is not str or len(value) not in (0, length) or not _HEX.fullmatch(value):
+        raise ProtocolError(f"field {name!r} must be {length} lowercase hex digits")
+    return value
+
+
+DIGEST_HEX = 32
+"""Hex digits of a snapshot's digest (xxh3-128, seals.py)."""
+
+TAG_HEX = 64
+"""Hex digits of a seal's tag (HMAC-SHA256, seals.py)."""
+
+
 def _fragment_kind(h: Mapping[str, Any], name: str) -> FragmentKind:
     value = _get(h, name)
     for kind in FragmentKind:
@@ -157,18 +175,62 @@ def _fragment_kind(h: Mapping[str, Any], name: str) -> FragmentKind:
 _ENDPOINT = re.compile(
     r"tcp://(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(?P<port>\d{1,5})"
 )
+_Z85_CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_VALUE = {c: i for i, c in enumerate(_Z85_CHARS)}
+
+
+def _is_curve_key(text: str) -> bool:
+    """40 Z85 characters that decode to 32 bytes (every 5-character group below 2**32)."""
+    if len(text) != 40 or not all(c in _Z85_VALUE for c in text):
+        return False
+    for i in range(0, 40, 5):
+        v = 0
+        for c in text[i : i + 5]:
+            v = v * 85 + _Z85_VALUE[c]
+        if v >= 1 << 32:
+            return False
+    return True
+
+
+_ADDRESS_KEY = " key="
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where a node listens and the CURVE public key it serves with (this generation's own).
+
+    On the wire (the rendezvous store, PEER_START) it is one string,
+    ``tcp://<host>:<port> key=<40 Z85 characters>``: a connection to the endpoint is
+    authenticated against exactly that key, and the node's peers admit exactly that key as
+    the node's (zmq_transport.py).
+    """
+
+    endpoint: str
+    key: bytes
+
+    def __str__(self) -> str:
+        return f"{self.endpoint}{_ADDRESS_KEY}{self.key.decode()}"
+
+    @classmethod
+    def parse(cls, value: Any) -> PeerAddress:
+        """Validate ``tcp://<host or IP>:<port> key=<Z85 key>`` (an IPv6 address in brackets,
+        port 1..65535). Raises ProtocolError for anything else, so that a malformed value is
+        refused where it arrives instead of failing a ``connect``."""
+        if type(value) is not str or len(value) > 300:
+            raise ProtocolError("a peer address must be a short string")
+        endpoint, sep, key = value.partition(_ADDRESS_KEY)
+        match = _ENDPOINT.fullmatch(endpoint)
+        if match is None or not 0 < int(match["port"]) < 65536:
+            raise ProtocolError("a peer endpoint must look like tcp://<host>:<port>")
+        if not sep or not _is_curve_key(key):
+            raise ProtocolError("a peer address must end with key=<its 40-character CURVE key>")
+        return cls(endpoint, key.encode())
 
 
 def parse_endpoint(value: Any) -> str:
-    """A peer endpoint as the rendezvous store hands it out: ``tcp://<host or IP>:<port>``
-    (an IPv6 address in brackets), port 1..65535. Raises ProtocolError for anything else, so
-    that a malformed value is refused where it arrives instead of failing a ``connect``."""
-    if type(value) is not str or len(value) > 300:
-        raise ProtocolError("a peer endpoint must be a short string")
-    match = _ENDPOINT.fullmatch(value)
-    if match is None or not 0 < int(match["port"]) < 65536:
-        raise ProtocolError("a peer endpoint must look like tcp://<host>:<port>")
-    return value
+    """A peer address as the rendezvous store hands it out (:class:`PeerAddress`), checked and
+    returned as the same string. Raises ProtocolError for anything else."""
+    return str(PeerAddress.parse(value))
 
 
 def parse_sender(sender: Any) -> int:
@@ -217,17 +279,26 @@ class _StepBody(_Body):
 
 @dataclass(frozen=True, slots=True)
 class Size(_Body):
-    """SIZE: the sender's snapshot of ``step`` has ``nbytes`` bytes; its manifest is the buffer."""
+    """SIZE: the sender's snapshot of ``step`` has ``nbytes`` bytes; its manifest is the buffer;
+    ``digest`` and ``tag`` are its seal (seals.py: the bytes' digest and the sender's tag over
+    step, node, size, digest and manifest; "" when the sender has no job key)."""
 
     KIND: ClassVar[PeerKind] = PeerKind.SIZE
     BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
     step: int
     nbytes: int
+    digest: str = ""
+    tag: str = ""
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Size:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"), _int(h, "nbytes", MAX_NODE_BYTES))
+        """Validate and build (raises ProtocolError); ``digest`` and ``tag`` may be absent."""
+        return cls(
+            _int(h, "step"),
+            _int(h, "nbytes", MAX_NODE_BYTES),
+            _hex(h, "digest", DIGEST_HEX),
+            _hex(h, "tag", TAG_HEX),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,20 +367,33 @@ class MetaRequest(_StepBody):
 @dataclass(frozen=True, slots=True)
 class MetaReply(_Body):
     """META: node -> snapshot size of ``step`` (empty: not held); the buffer is the asker's
-    manifest."""
+    manifest, ``digest`` and ``tag`` the seal the asker sent with it when it protected the
+    step (see :class:`Size`)."""
 
     KIND: ClassVar[PeerKind] = PeerKind.META
     BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
     step: int
     sizes: dict[int, int]
+    digest: str = ""
+    tag: str = ""
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> MetaReply:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"), _sizes(h, "sizes"))
+        """Validate and build (raises ProtocolError); ``digest`` and ``tag`` may be absent."""
+        return cls(
+            _int(h, "step"),
+            _sizes(h, "sizes"),
+            _hex(h, "digest", DIGEST_HEX),
+            _hex(h, "tag", TAG_HEX),
+        )
 
     def _wire(self) -> dict[str, Any]:
-        return {"step": self.step, "sizes": {str(k): v for k, v in self.sizes.items()}}
+        return {
+            "step": self.step,
+            "sizes": {str(k): v for k, v in self.sizes.items()},
+            "digest": self.digest,
+            "tag": self.tag,
+        }
 
 
 @dataclass(frozen=True, slots=True)

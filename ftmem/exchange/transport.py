@@ -11,15 +11,20 @@ Call order:
 
 One thread owns a transport: the SMP's exchange thread. Implementations: zmq_transport.py
 (TCP + CURVE). Every received message has been authenticated, size-checked and its buffers
-checksummed before ``recv`` returns it; bad messages are dropped and counted. A transport
-does not read headers beyond that: what they mean, and their validation, is messages.py's.
+checksummed before ``recv`` returns it, and its ``sender`` is the node whose key the
+connection authenticated (a message claiming another name is dropped); bad messages are
+dropped and counted. A transport does not read headers beyond that: what they mean, and
+their validation, is messages.py's.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftmem.exchange.keys import CurveKeyPair
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,11 @@ class PeerMessage:
 
 class PeerTransport(ABC):
     """Moves headers plus raw buffers between the SMPs of a group (see the module docstring)."""
+
+    @property
+    def job_keys(self) -> CurveKeyPair | None:
+        """The job's key pair, which seals are made and checked with (None: none; seals.py)."""
+        return None
 
     @abstractmethod
     def start(self) -> str:

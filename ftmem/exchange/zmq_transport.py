@@ -1,22 +1,37 @@
 """ZmqPeerTransport: the SMP mesh over ZeroMQ TCP, authenticated and encrypted with CURVE.
 
-Every SMP of a job serves and connects with the job's key pair; a ZAP handler admits only
-clients that present the job's public key, so a peer without the secret key is refused
-during the handshake. Each message is one header frame (wire.py, kind PEER: sizes and xxh3
-checksums of the buffers) plus raw buffer frames sent without copies.
+Every node serves and connects with its own key pair of the generation (keys.py; fresh each
+round), and its address is its endpoint plus that public key (:class:`PeerAddress`). At
+:meth:`~ZmqPeerTransport.connect` the transport learns the generation's members: each
+node's address. Its ZAP handler then admits exactly those nodes' keys and names each
+connection after the node its key belongs to (the ZAP user id, which ZeroMQ attaches to every
+message as ``User-Id``); a client presenting any other key (no member, a member of an earlier
+generation, the job's own pair) fails the handshake. A connection that arrives before the
+members are known waits in its handshake (up to ``admit_wait_s``) instead of being refused,
+because ZeroMQ does not retry a client that a ZAP handler refused.
+
+Every received message whose claimed sender (its routing id) is not the node its key
+belongs to is dropped and counted (``impostors``), so a member cannot speak as another.
+Each message is one header frame (wire.py, kind PEER: sizes and xxh3 checksums of the
+buffers) plus raw buffer frames sent without copies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 import xxhash
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from ftmem.errors import FtmemError, ProtocolError
+from ftmem.exchange import keys as _keys
 from ftmem.exchange.keys import CurveKeyPair
+from ftmem.exchange.messages import PeerAddress
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode
@@ -34,17 +49,39 @@ class PeerUnavailableError(FtmemError):
     """A message could not be queued to a peer in time (dead, slow or unknown)."""
 
 
-class _OnlyJobKey:
-    """ZAP credentials provider: admit exactly the job's public key."""
+class _Members:
+    """ZAP credentials provider and user ids: admit exactly the generation's node keys.
 
-    def __init__(self, public: bytes) -> None:
-        self.public = public
+    The exchange thread replaces :attr:`keys` (one assignment, read by the authenticator's
+    thread); until the first assignment a handshake waits (bounded) instead of failing.
+    """
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key == self.public
+    def __init__(self, wait_s: float) -> None:
+        self.keys: dict[bytes, str] | None = None
+        """Z85 public key -> node name; None until the generation's members are known."""
+        self.wait_s = wait_s
+        self.closing = False
+
+    async def callback(self, domain: str, key: bytes) -> bool:
+        deadline = time.monotonic() + self.wait_s
+        while self.keys is None and not self.closing and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        ok = self.keys is not None and key in self.keys
         if not ok:
-            log.warning("refused a peer presenting an unknown CURVE key")
+            log.warning("refused a peer presenting a CURVE key of no member of this generation")
         return ok
+
+
+class _MeshAuthenticator(ThreadAuthenticator):
+    """The ZAP handler thread; a connection's user id is the name of the node its key is."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], members: _Members) -> None:
+        super().__init__(ctx)
+        self.members = members
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        """The node the admitted ``client_public_key`` belongs to."""
+        return (self.members.keys or {}).get(z85.encode(client_public_key), "")
 
 
 class ZmqPeerTransport(PeerTransport):
@@ -53,8 +90,12 @@ class ZmqPeerTransport(PeerTransport):
     Resource handling: owns a context, the ZAP authenticator thread, a ROUTER (incoming) and
     one DEALER per peer (outgoing); :meth:`close` releases all with linger 0.
 
+    ``keys`` is the job's pair; the node's own pair is ``keys.node``, or a fresh one.
+
     Error handling: :meth:`send` raises PeerUnavailableError when the peer's queue stays full
-    for ``send_timeout_s``; :meth:`recv` drops (and counts) malformed messages.
+    for ``send_timeout_s``; :meth:`recv` drops (and counts) malformed messages and messages
+    whose claimed sender is not their authenticated node; :meth:`connect` raises ProtocolError
+    for a malformed address.
     """
 
     def __init__(
@@ -66,9 +107,15 @@ class ZmqPeerTransport(PeerTransport):
         max_message_bytes: int = 64 << 20,
         send_timeout_s: float = 10.0,
         send_hwm: int = 64,
+        admit_wait_s: float = 20.0,
     ) -> None:
         self.node = node
         self.keys = keys
+        self.node_keys = keys.node if keys.node is not None else _keys.generate()
+        """This node's own pair for the generation (its peers know it by its public key)."""
+        self.impostors = 0
+        """Messages dropped because their claimed sender was not their authenticated node."""
+        self._members = _Members(admit_wait_s)
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
@@ -83,21 +130,26 @@ class ZmqPeerTransport(PeerTransport):
         self._poller = zmq.Poller()
         self._ids = 0
 
+    @property
+    def job_keys(self) -> CurveKeyPair:
+        """The job's key pair (seals are made and checked with it)."""
+        return self.keys
+
     def start(self) -> str:
-        """Start the authenticator, bind the ROUTER; return ``tcp://host:port``."""
-        self._auth = ThreadAuthenticator(self._ctx)
+        """Start the authenticator, bind the ROUTER; return this node's address
+        (``tcp://host:port key=<its public key>``, :class:`PeerAddress`)."""
+        self._auth = _MeshAuthenticator(self._ctx, self._members)
         self._auth.start()
-        self._auth.configure_curve_callback(
-            ZAP_DOMAIN, credentials_provider=_OnlyJobKey(self.keys.public)
-        )
+        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self._members)
         r = self._ctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, 0)
         r.curve_server = True
-        r.curve_secretkey = self.keys.secret
-        r.curve_publickey = self.keys.public
+        r.curve_secretkey = self.node_keys.secret
+        r.curve_publickey = self.node_keys.public
         r.zap_domain = ZAP_DOMAIN.encode()
         r.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        # A replacement node reconnects under the lost node's name: it takes the name over.
+        # A node whose connection broke reconnects under its name and takes it over; only its
+        # own key's messages pass recv's check, so another member can at worst cut it off.
         r.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.port == 0:
             self.port = r.bind_to_random_port(f"tcp://{self.host}")
@@ -109,26 +161,38 @@ class ZmqPeerTransport(PeerTransport):
 
     @property
     def endpoint(self) -> str:
-        """This node's address for its peers."""
-        return f"tcp://{self.host}:{self.port}"
+        """This node's address for its peers (its endpoint and public key)."""
+        return str(PeerAddress(f"tcp://{self.host}:{self.port}", self.node_keys.public))
 
     def connect(self, peers: dict[str, str]) -> None:
-        """Connect a DEALER to each peer (except ourselves); drop peers no longer listed."""
+        """Make ``peers`` (node name -> address, :class:`PeerAddress`) the generation's
+        members: admit exactly their keys, each as its node, and connect a DEALER to each
+        (except ourselves) authenticated against its key; drop peers no longer listed.
+
+        Raises:
+            ProtocolError: an address is malformed (nothing is changed then).
+        """
+        parsed = {node: PeerAddress.parse(addr) for node, addr in peers.items()}
+        members = {a.key: node for node, a in parsed.items() if node != self.node}
+        if len(members) != len([n for n in parsed if n != self.node]):
+            raise ProtocolError("two nodes of the generation have the same key")
+        self._members.keys = members
         for node in list(self._peers):
             if peers.get(node) != self._endpoints.get(node):
                 self._peers.pop(node).close(linger=0)
                 self._endpoints.pop(node, None)
-        for node, ep in peers.items():
+        for node, addr in parsed.items():
             if node == self.node or node in self._peers:
                 continue
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, self.send_hwm)
             d.setsockopt(zmq.ROUTING_ID, self.node.encode())
-            d.curve_serverkey = self.keys.public
-            d.curve_publickey = self.keys.public
-            d.curve_secretkey = self.keys.secret
-            d.connect(ep)
+            d.curve_serverkey = addr.key
+            d.curve_publickey = self.node_keys.public
+            d.curve_secretkey = self.node_keys.secret
+            d.connect(addr.endpoint)
+            ep = peers[node]
             self._peers[node] = d
             self._endpoints[node] = ep
 
@@ -178,11 +242,28 @@ class ZmqPeerTransport(PeerTransport):
         frames = self._router.recv_multipart(copy=False)
         try:
             self._check_total(frames)
+            self._check_sender(frames)
             return self._parse(frames)
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
             return None
+
+    def _check_sender(self, frames: list[zmq.Frame]) -> None:
+        """The routing id a message claims must be the node its connection's key belongs to."""
+        if len(frames) < 2:
+            return  # _parse refuses it
+        claimed = bytes(frames[0].buffer)
+        try:
+            user = frames[1].get("User-Id")
+        except zmq.ZMQError:
+            user = ""
+        if not user or claimed != str(user).encode():
+            self.impostors += 1
+            raise ProtocolError(
+                f"a message claiming to be from node {claimed[:16]!r} came over the "
+                f"connection of node {str(user)[:16]!r}"
+            )
 
     def _check_total(self, frames: list[zmq.Frame]) -> None:
         """ZeroMQ's MAXMSGSIZE bounds each frame, not a multipart message: bound the whole."""
@@ -220,6 +301,7 @@ class ZmqPeerTransport(PeerTransport):
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
+        self._members.closing = True  # a handshake waiting for the members gives up
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
