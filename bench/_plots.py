@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import _goals
 from bench import _stats as st
+from bench.snapshot import figure
 
 logger = logging.getLogger("bench.plots")
 
@@ -182,7 +182,7 @@ def _size_series(
 ) -> Series | None:
     pts = []
     for s in sorted(sizes, key=lambda s: s["nbytes"]):
-        v = st.per_gib(_goals.figure(s, system, metric), s["nbytes"])
+        v = st.per_gib(figure(s, system, metric), s["nbytes"])
         if v:
             pts.append((s["nbytes"] / st.GiB, st.median(v) or 0.0, min(v), max(v)))
     if not pts:

@@ -4,13 +4,15 @@
 
 Every table of docs/benchmarks.md between ``<!-- bench:NAME:start -->`` and
 ``<!-- bench:NAME:end -->`` is made here from the figures of one run; the rest of the file
-(the hand-written reading of the figures) is never touched. The goals are a data table
-(goal, threshold, measured, met) computed from the results (``bench/_goals.py``).
+(the hand-written reading of the figures) is never touched. Each part's module gives its
+sections' tables (``sections(result)``, from the figures declared on its results dataclasses,
+``bench/_figures.py``) and its goals (``goals(result)``: goal, threshold, measured, met).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -19,9 +21,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/_render.py
 
-from bench import _goals, _results, _tables
+from bench import _results
+from bench._figures import Goal, table
 from bench._stats import fmt
-from bench._tables import table
 
 _TITLE = "# Benchmarks"
 Doc = dict[str, Any]
@@ -59,22 +61,44 @@ def head(name: str, title: str, doc: Doc) -> list[str]:
 
 def tail(name: str, doc: Doc) -> list[str]:
     """A section's end: the part's goals, its errors, the end marker."""
-    rows = [g for g in _goals.goals({doc["part"]: doc}) if g.part == doc["part"]]
+    rows = goals({name: doc}, only=name)
     out = goal_table(rows, "### Goals") if rows else []
     out += [f"- FAILED: {e}" for e in doc["result"].get("errors", [])]
     return [*out, "", markers(name)[1]]
 
 
-def goal_table(rows: Sequence[_goals.Goal], title: str) -> list[str]:
+def goal_table(rows: Sequence[Goal], title: str) -> list[str]:
     """The goals as data: goal, threshold, measured, met, where from."""
-    body = [[g.goal, g.threshold, g.measured, _verdict(g.met), g.source] for g in rows]
+    verdict = {None: "not measured", True: "**met**", False: "**missed**"}
+    body = [[g.goal, g.threshold, g.measured, verdict[g.met], g.source] for g in rows]
     return [title, "", *table(["goal", "threshold", "measured", "met", "from"], body)]
 
 
-def _verdict(met: bool | None) -> str:
-    return "not measured" if met is None else ("**met**" if met else "**missed**")
-
-
+MODULES = {  # part: its module in bench/
+    "snapshot": "snapshot",
+    "overhead": "overhead",
+    "flush": "flush",
+    "recovery": "recovery",
+    "ec-overhead": "ec_overhead",
+    "ec-protect": "ec_protect",
+    "datapath": "datapath",
+    "gpu": "datapath",
+    "sharding": "sharding",
+    "ec": "ec",
+}
+"""In the order of the goals table; ``python bench/run.py`` runs the first eight."""
+MODULES = {  # part: its module in bench/, in the order of the goals table
+    "snapshot": "snapshot",
+    "overhead": "overhead",
+    "flush": "flush",
+    "recovery": "recovery",
+    "ec-overhead": "ec_overhead",
+    "ec-protect": "ec_protect",
+    "datapath": "datapath",
+    "gpu": "datapath",
+    "sharding": "sharding",
+    "ec": "ec",
+}
 TITLES = {
     "snapshot": "Snapshot: ftmem vs torch.save vs DCP",
     "memory": "Memory per node",
@@ -90,12 +114,28 @@ TITLES = {
 }
 
 
+def module(part: str) -> Any:
+    """The module of ``part``: its ``sections(result)`` and ``goals(result)``."""
+    return importlib.import_module(f"bench.{MODULES[part]}")
+
+
+def goals(docs: dict[str, Doc], only: str | None = None) -> list[Goal]:
+    """Every goal of every part (or of part ``only``), from the parts' results (missing parts:
+    not measured)."""
+    out = []
+    for part in [only] if only else MODULES:
+        if part not in MODULES or not hasattr(mod := module(part), "goals"):
+            continue
+        r = docs[part]["result"] if part in docs else None
+        out += mod.goals(r, part) if part == "gpu" else mod.goals(r)
+    return out
+
+
 def sections(doc: Doc) -> dict[str, str]:
     """Every section one part's results make (the snapshot part also makes ``memory``)."""
     out: dict[str, str] = {}
-    for name, body in _tables.BODIES[doc["part"]](doc).items():
-        sub = {**doc, "part": name}
-        lines = [*head(name, TITLES[name], doc), *body, *tail(name, sub)]
+    for name, body in module(doc["part"]).sections(doc["result"]).items():
+        lines = [*head(name, TITLES[name], doc), *body, *tail(name, doc)]
         out[name] = "\n".join(lines) + "\n"
     return out
 
@@ -118,8 +158,8 @@ def summary(docs: dict[str, Doc], suite: Doc) -> str:
         *machine_lines(m, "the suite"),
         f"- highest 1-minute load average between the parts: {fmt(suite['peak_load'])}",
         "",
-        *goal_table(_goals.goals(docs), "### Goals, checked on this run"),
-        *_tables.headline(docs),
+        *goal_table(goals(docs), "### Goals, checked on this run"),
+        *module("snapshot").headline(docs["snapshot"]["result"] if "snapshot" in docs else None),
     ]
     for file, caption in suite.get("plots", {}).items():
         out += [f"![{caption}]({file})", ""]

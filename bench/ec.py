@@ -25,10 +25,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec.py
 
 from bench import _results
+from bench._figures import Fig, rows
+from bench._stats import MiB
 from ftmem.exchange.codec import EC_TYPE, EncodedStripe, StripeCodec, tune_malloc
 from ftmem.exchange.placement import chunk_bytes_for
 
-MiB = 1 << 20
 CASES = [(3, 1), (4, 2)]
 STRIPES_MIB = [1, 4, 16]
 
@@ -159,6 +160,35 @@ def run(argv: list[str]) -> EcResult:
     ]
     _results.finish(res.machine)
     return res
+
+
+# ------------------------------------------------------------------------------ the section
+
+Doc = dict[str, Any]
+
+
+COLUMNS = [
+    Fig("n", get="n"),
+    Fig("m", get="m"),
+    Fig("stripe", get=lambda x: f"{x['stripe_mib']} MiB"),
+    Fig("malloc", get=lambda x: "tuned" if x["tuned"] else "default"),
+    Fig("pyeclib encode", ".1f", get="pyeclib"),
+    Fig("encode_stripe (+xxh3)", ".1f", get="encode_stripe"),
+    Fig("encode (gather k chunks)", ".1f", get="encode"),
+    Fig("rebuild m lost", ".1f", get="rebuild"),
+    Fig("ms/stripe (GIL held)", ".2f", get="ms_per_stripe"),
+]
+
+
+def sections(r: Doc) -> dict[str, list[str]]:
+    """Section ``ec``: the codec's throughput (GB/s of data) per case and malloc setting."""
+    out = [
+        f"- `{r['ec_type']}`, one thread, {r['data_mib']} MiB of data per pass, median of {r['repeats']}; "
+        "each case and malloc setting in a fresh interpreter",
+        "",
+    ]
+    order = sorted(r["rows"], key=lambda x: (x["n"], x["stripe_mib"], not x["tuned"]))
+    return {"ec": out + rows(COLUMNS, order)}
 
 
 if __name__ == "__main__":

@@ -17,12 +17,29 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_overhead.py
 
 from bench import _launch, _results
+from bench import _stats as st
+from bench._figures import (
+    STRADDLE,
+    Goal,
+    goal_rows,
+    job_step,
+    kv,
+    mib,
+    over,
+    pair_ratios,
+    ranks,
+    rows,
+    straddles,
+)
+from bench._stats import fmt, stat
 from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import launch_args
 
@@ -141,8 +158,8 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
         for a in agents:
             a.stop()
     res.polls = poller.polls
-    for i, st in poller.last.items():
-        ex = st.get("exchange") or {}
+    for i, status in poller.last.items():
+        ex = status.get("exchange") or {}
         if ex.get("enabled"):
             c = ex.get("counters") or {}
             res.status_rounds[i] = int(c.get("protected", 0))
@@ -152,7 +169,7 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
             res.parity_bytes[i] = int(ex.get("parity_bytes") or 0)
             res.sent_bytes[i] = int(ex.get("sent_bytes") or 0)
             res.last_protect_s[i] = float(ex.get("last_protect_s") or 0.0)
-        for r, rs in (st.get("ranks") or {}).items():
+        for r, rs in (status.get("ranks") or {}).items():
             res.skipped[int(r)] = int(rs.get("skipped") or 0)
             res.slots[int(r)] = len(rs.get("slots") or [])
     res.smp_cpu_s = dict(poller.cpu)
@@ -209,6 +226,103 @@ def run(argv: list[str]) -> EcOverheadResult:
     res.errors = [f"{r.config} #{r.repeat}: {r.error}" for r in res.runs if not r.ok]
     _results.finish(res.machine)
     return res
+
+
+# ------------------------------------------------------------------------------ the section
+
+Doc = dict[str, Any]
+
+
+def _ec_configgoal_rows(r: Doc) -> list[Any]:
+    def ft(f: Callable[[Any], str]) -> Callable[[tuple[str, list[Doc]]], str]:
+        return lambda cx: "-" if cx[0] == "no ftmem" else f(cx)
+
+    def vs(a: str, c: str) -> str:
+        return stat(pair_ratios(r["runs"], a, c), ".3f")
+
+    def vs_off(c: str) -> str:
+        return vs("off", c) if c == "on" else ("1" if c == "off" else "-")
+
+    def node_median(key: str) -> Callable[[Doc], float | None]:
+        return lambda x: st.median(x[key].values())
+
+    return [
+        ("config", lambda cx: cx[0]),
+        ("step time", over(job_step, ".4f", " s")),
+        ("vs off (per pair)", lambda cx: vs_off(cx[0])),
+        (
+            "vs no ftmem (per pair)",
+            lambda cx: "1" if cx[0] == "no ftmem" else vs("no ftmem", cx[0]),
+        ),
+        ("SMP CPU per node", ft(over(node_median("smp_cpu_s"), ".1f", " s"))),
+        ("snapshots committed per node (events)", ft(over(node_median("log_commits"), ".0f"))),
+        ("skipped (all ranks, STATUS)", ft(over(lambda x: sum(x["skipped"].values()), ".0f"))),
+    ]
+
+
+def _ec_rounds(x: Doc) -> str:
+    rounds = [f"{x['status_rounds'].get(k, '-')}/{len(v)}" for k, v in x["log_rounds"].items()]
+    return ", ".join(rounds) or "-"
+
+
+EC_RUNS = [
+    ("repeat", lambda x: x["repeat"]),
+    ("config", lambda x: x["config"]),
+    ("load", lambda x: fmt(x["load_start"])),
+    ("median step (ranks)", lambda x: ranks("rank_median")(x)),
+    ("mean step (ranks)", lambda x: ranks("rank_mean")(x)),
+    ("rounds status/events per node", _ec_rounds),
+    ("SMP CPU s per node", lambda x: ranks("smp_cpu_s", ".1f")(x) or "-"),
+    ("wall", lambda x: f"{x['wall_s']:.0f} s"),
+    ("status", lambda x: x["error"] or "ok"),
+]
+
+
+def _ec_protection(on: list[Doc]) -> list[list[str]]:
+    first = [{k: v.get("0", v.get(0)) for k, v in x.items() if isinstance(v, dict)} for x in on]
+    rounds = [t for x in on for v in x["log_rounds"].values() for t in v]
+    status, events = (
+        [f["status_rounds"] for f in first],
+        [len(f["log_rounds"] or []) for f in first],
+    )
+    return [
+        ["rounds done (STATUS `counters.protected`, node 0, last poll)", stat(status, ".0f")],
+        ["rounds done (SMP events, node 0)", stat(events, ".0f")],
+        ["time per round (every round of every node)", stat(rounds, ".3f", " s")],
+        ["own bytes per node", mib(st.finite(f["own_bytes"] for f in first))],
+        ["parity bytes held per node", mib(st.finite(f["parity_bytes"] for f in first))],
+        ["peer bytes sent per node (whole run)", mib(st.finite(f["sent_bytes"] for f in first))],
+    ]
+
+
+def sections(r: Doc) -> dict[str, list[str]]:
+    """Section ``ec-overhead``: per configuration, protection counters, every run."""
+    out = [
+        f"- job: {r['nodes']} `ftmem-launch` agents x 1 rank on 127.0.0.1, `{' '.join(r['example_args'])}`; "
+        "configs: no ftmem (`--no-ftmem`), off (`--ftmem-ec-parity 0`), on (`--ftmem-ec-parity 1 --ftmem-ec-interval 0`)",
+        "",
+    ]
+    ok = [x for x in r["runs"] if x["ok"]]
+    by = {c: xs for c in ("no ftmem", "off", "on") if (xs := [x for x in ok if x["config"] == c])}
+    out += rows(_ec_configgoal_rows(r), by.items())
+    if on := by.get("on"):
+        out += kv(_ec_protection(on), ("protection ('on' runs)", "median (min-max) over runs"))
+    return {"ec-overhead": [*out, *rows(EC_RUNS, r["runs"])]}
+
+
+def goals(r: Doc | None) -> list[Goal]:
+    """Step time with erasure-coded protection on against off (adjacent runs)."""
+
+    p, g = "ec-overhead", "step time, EC protection on / off"
+    rat = pair_ratios(r["runs"], "off", "on") if r else []
+    if not rat:
+        return [Goal(p, g, STRADDLE)]
+    return goal_rows(
+        p,
+        [(g, STRADDLE)],
+        [(st.stat(rat, ".3f"), straddles(rat))],
+        f"ec-overhead, {len(rat)} pairs",
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_protect.py
 
 from bench import _results
+from bench import _stats as st
 from bench._ec_node import CpuSampler, codec_alone, node_main, sleep_until
-from bench._stats import GiB, MiB
+from bench._figures import (
+    Goal,
+    goal_rows,
+    rows,
+)
+from bench._stats import GiB, MiB, stat
 
 PART = "ec-protect"
 CASES: dict[str, tuple[int, int, frozenset[int]]] = {
@@ -334,6 +340,139 @@ def run(argv: list[str]) -> EcProtectResult:
             res.errors.append(f"n={r.n}, m={r.m}: {why}")
     _results.finish(res.machine)
     return res
+
+
+# ------------------------------------------------------------------------------ the section
+
+Doc = dict[str, Any]
+
+
+def _wall(rows: Sequence[Doc]) -> float:
+    return float(max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows))
+
+
+def ec_encode(c: Doc) -> list[float]:
+    """Encode GB/s per SMP (wall seconds inside ``encode_stripe``), every node and repeat."""
+    return [x["enc_bytes"] / x["enc_s"] / 1e9 for rows in c["protect"] for x in rows if x["enc_s"]]
+
+
+def _per(rows: Sequence[Doc], key: str, den: float, spec: str = ".2f", unit: str = "x") -> str:
+    """``stat`` of ``x[key] / den`` over the rows."""
+    return stat([x[key] / den for x in rows], spec, unit)
+
+
+def _cpu_split(rows: Sequence[Doc], gib: float) -> str:
+    main = stat([x["main_cpu_s"] / gib for x in rows])
+    return f"{main} / {stat([(x['cpu_s'] - x['main_cpu_s']) / gib for x in rows])}"
+
+
+def _ec_case(c: Doc, size: int) -> Doc:
+    """A case with its rows flattened: protect/rebuild rows and walls, busy cores, encode share."""
+    prot = [x for rr in c["protect"] for x in rr]
+    return {
+        **c,
+        "prot": prot,
+        "walls": [_wall(rr) for rr in c["protect"]],
+        "reb": [x for rr in c["rebuild"] for x in rr],
+        "rwalls": [_wall(rr) for rr in c["rebuild"]],
+        "srv": [x for rr in c["served"] for x in rr],
+        "busy": [sum(x["cpu_s"] for x in rr) / _wall(rr) for rr in c["protect"]],
+        "enc_share": [100 * x["enc_cpu_s"] / x["cpu_s"] for x in prot if x["cpu_s"]],
+        "size": size,
+        "gib": size / GiB,
+    }
+
+
+def _alone(c: Doc) -> str:
+    return f"{c['codec_alone'][0]:.2f} ({c['codec_alone'][1]:.2f})" if c["codec_alone"] else "-"
+
+
+def _gb_per(rows: Sequence[Doc], key: str) -> str:
+    return stat([x["enc_bytes"] / x[key] / 1e9 for x in rows if x[key]])
+
+
+EC_PROTECT = [
+    ("n", lambda c: c["n"]),
+    ("m", lambda c: c["m"]),
+    ("protect time", lambda c: stat(c["walls"], ".2f", " s")),
+    ("protected GB/s per node", lambda c: stat(st.gbps(c["size"], c["walls"]), ".3f")),
+    ("group GB/s", lambda c: stat(st.gbps(c["n"] * c["size"], c["walls"]), ".3f")),
+    ("encode GB/s per SMP (wall)", lambda c: stat(ec_encode(c))),
+    ("encode GB/s per CPU-s", lambda c: _gb_per(c["prot"], "enc_cpu_s")),
+    ("encode + gather + parity send GB/s", lambda c: _gb_per(c["prot"], "gather_s")),
+    ("encode_stripe alone", _alone),
+    ("node processes' cores busy", lambda c: stat(c["busy"])),
+    ("machine cores busy", lambda c: stat(c["machine_busy"])),
+]
+EC_NODE = [
+    ("n", lambda c: c["n"]),
+    ("m", lambda c: c["m"]),
+    ("parity held / own", lambda c: _per(c["prot"], "parity", c["size"], ".4f", "")),
+    ("expected m/(n-m)", lambda c: f"{c['m'] / (c['n'] - c['m']):.4f}"),
+    ("peer bytes sent / own", lambda c: _per(c["prot"], "sent", c["size"])),
+    ("received / own", lambda c: _per(c["prot"], "recv", c["size"])),
+    ("CPU s per GiB: protector thread / other threads", lambda c: _cpu_split(c["prot"], c["gib"])),
+    ("encode share of node CPU", lambda c: stat(c["enc_share"], ".0f", " %")),
+    ("peak RSS / own", lambda c: _per(c["prot"], "maxrss", c["size"])),
+]
+EC_REBUILD = [
+    ("n", lambda c: c["n"]),
+    ("m", lambda c: c["m"]),
+    ("lost", lambda c: ", ".join(map(str, c["lost"]))),
+    ("rebuild time", lambda c: stat(c["rwalls"], ".2f", " s")),
+    ("rebuilt GB/s", lambda c: stat(st.gbps(len(c["lost"]) * c["size"], c["rwalls"]), ".3f")),
+    ("fetched per new node / own", lambda c: _per(c["reb"], "recv", c["size"])),
+    ("served per survivor / own", lambda c: _per(c["srv"], "sent", c["size"])),
+    ("new node CPU s per GiB: protector / other", lambda c: _cpu_split(c["reb"], c["gib"])),
+    ("peak RSS of a new node", lambda c: _per(c["reb"], "maxrss", GiB, ".2f", " GiB")),
+    ("machine cores busy", lambda c: stat(c["machine_busy_rebuild"])),
+    ("new process up + reconnected", lambda c: stat(c["rebuild_spawn_s"], ".1f", " s")),
+    ("bitwise equal", lambda c: f"{sum(c['rebuild_ok'])}/{len(c['rebuild_ok'])}"),
+]
+
+
+def sections(r: Doc) -> dict[str, list[str]]:
+    """Section ``ec-protect``: protect, per node and snapshot, rebuild."""
+    size = r["size"]
+    cases = [_ec_case(c, size) for c in r["cases"]]
+    return {
+        "ec-protect": [
+            f"- one OS process per node on 127.0.0.1, `ZmqPeerTransport` (TCP + CURVE: libzmq {r['libzmq']}, "
+            f"CURVE {'available' if r['curve'] else 'MISSING'}) and `GroupProtector` (timeout {r['timeout']:g} s), "
+            f"`{r['ec_type']}`; a random snapshot of {size / MiB:g} MiB per node, stripes of {r['stripe'] / MiB:g} MiB; "
+            f"median (min-max) over {r['repeats']} repeats; 'alone' = `encode_stripe` on {r['codec_bytes'] / MiB:g} MiB "
+            "in a fresh process (GB/s; per CPU-s)",
+            "",
+            "### Protect (every node protects the same step)",
+            "",
+            *rows(EC_PROTECT, cases),
+            "Per node and snapshot (every node and repeat):",
+            "",
+            *rows(EC_NODE, cases),
+            "### Rebuild (lost node processes SIGKILLed; fresh ones on new ports rebuild)",
+            "",
+            *rows(EC_REBUILD, cases),
+        ]
+    }
+
+
+def goals(r: Doc | None) -> list[Goal]:
+    """Encoding inside protect, per SMP, at 1-4 MiB stripes."""
+
+    p, t = "ec-protect", ">= 5 GB/s"
+    cases = [c for c in (r or {}).get("cases", []) if c["protect"]]
+    if not cases:
+        return [Goal(p, "encode throughput per SMP (in protect)", t)]
+    return [
+        g
+        for c in cases
+        for g in goal_rows(
+            p,
+            [(f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}", t)],
+            [(st.stat(ec_encode(c), ".2f", " GB/s"), (st.median(ec_encode(c)) or 0.0) >= 5.0)],
+            f"ec-protect, {c['size'] / st.MiB:g} MiB per node, stripes of {c['stripe'] / st.MiB:g} MiB",
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/flu
 
 from bench import _baselines as baselines
 from bench import _launch, _proc, _results
+from bench import _stats as st
+from bench._figures import (
+    STRADDLE,
+    Goal,
+    ge,
+    goal_rows,
+    job_step,
+    kv,
+    mib,
+    over,
+    pair_ratios,
+    ranks,
+    rows,
+    straddles,
+    table,
+)
+from bench._stats import GiB, MiB, fmt, stat
 from ftmem.observe.timeline import read_events
 
 PART = "flush"
@@ -422,6 +440,179 @@ def run(argv: list[str]) -> FlushResult:
     res.errors += [f"{r.config} #{r.repeat}: {r.error}" for r in res.train if not r.ok]
     _results.finish(res.machine)
     return res
+
+
+# ------------------------------------------------------------------------------ the section
+
+Doc = dict[str, Any]
+
+
+FLUSH_SYSTEMS = ("ftmem export_dcp", "ftmem FLUSH (SMP worker)", "dcp.save", "torch.save")
+_DCP, _EXP, _FL = "dcp.save", "ftmem export_dcp", "ftmem FLUSH (SMP worker)"
+
+
+def _flushgoal_rows(r: Doc) -> list[Any]:
+    return [
+        ("system", lambda s: s),
+        ("time", lambda s: stat(r["times"][s], ".2f", " s")),
+        ("throughput", lambda s: stat(st.gbps(r["nbytes"], r["times"][s]), ".3f", " GB/s")),
+        ("CPU s (writer process)", lambda s: stat(r["cpu"].get(s, []), ".2f")),
+        ("minor page faults", lambda s: stat(st.scale(r["faults"].get(s, []), 1e-3), ".0f", " k")),
+        ("peak memory added (RssAnon)", lambda s: mib(r["mem"].get(s, []))),
+        ("on disk", lambda s: f"{r['disk_bytes'].get(s, 0) / MiB:.0f} MiB"),
+    ]
+
+
+def _flush_repeats(r: Doc) -> list[Any]:
+    def sec(i: int, key: str) -> str:
+        return fmt(r["per_repeat"][i].get(key), ".2f", " s")
+
+    def vs_dcp(system: str) -> Callable[[int], str]:
+        row = r["per_repeat"]
+        return lambda i: fmt(st.ratio(row[i].get(_DCP), row[i].get(system)), ".2f", "x")
+
+    return [
+        ("repeat", lambda i: i),
+        ("order", lambda i: " > ".join(r["orders"][i])),
+        ("dcp.save", lambda i: sec(i, _DCP)),
+        ("export_dcp", lambda i: sec(i, _EXP)),
+        ("export/dcp throughput", vs_dcp(_EXP)),
+        (
+            "FLUSH (request to reply; SMP's own figure)",
+            lambda i: f"{sec(i, _FL)}; {sec(i, 'flush_smp_s')}",
+        ),
+        ("FLUSH/dcp throughput", vs_dcp(_FL)),
+    ]
+
+
+def _flush_size(r: Doc) -> list[str]:
+    out = [f"#### {r['nbytes'] / GiB:.2f} GiB state (requested {r['size_gib']:g} GiB)", ""]
+    out += rows(_flushgoal_rows(r), [s for s in FLUSH_SYSTEMS if s in r["times"]])
+    out += rows(_flush_repeats(r), range(len(r["per_repeat"])))
+    if r["phases"]:
+        total = st.median(r["times"][_EXP])
+        ph = [
+            [k, stat(v, ".3f", " s"), fmt(st.ratio(st.median(v), total), ".0%")]
+            for k, v in r["phases"].items()
+        ]
+        ph.append(["export_dcp's own dcp.save: CPU s", stat(r["inner_cpu"]), "-"])
+        faults = stat(st.scale(r["inner_faults"], 1e-3), ".0f", " k")
+        ph.append(["export_dcp's own dcp.save: minor page faults", faults, "-"])
+        out += table(["phase of export_dcp", "time", "share"], ph)
+    out += kv([[k, fmt(v, ".2f")] for k, v in r["once"].items()], ("one-off figure", "seconds"))
+    return out + [f"- {n}" for n in r["notes"]] + ([""] if r["notes"] else [])
+
+
+def flush_train(r: Doc) -> dict[str, Any]:
+    """Figures of the training runs: per config, and the flush/no-flush ratios of pairs."""
+    ok = [x for x in r["train"] if x["ok"]]
+    by = {c: [x for x in ok if x["config"] == c] for c in ("no flush", "flush every 5")}
+    by["flush every 5"] = [x for x in ok if x["config"] != "no flush"]
+
+    def during(x: Doc) -> list[Any]:
+        return [f for f in x["flushes"] if x["train_end"] is not None and f[0] <= x["train_end"]]
+
+    def share(x: Doc) -> float | None:
+        span = (x["train_end"] or 0) - (x["train_start"] or 0)
+        return sum(f[2] for f in during(x)) / span if span > 0 else None
+
+    ratios = pair_ratios(r["train"], "no flush", "flush every 5")
+    return {"by": by, "ratios": ratios, "during": during, "share": share}
+
+
+def _flush_traingoal_rows(t: Doc) -> list[Any]:
+    def fl(f: Callable[[list[Doc]], str]) -> Callable[[tuple[str, list[Doc]]], str]:
+        return lambda cx: "-" if cx[0] == "no flush" else f(cx[1])
+
+    return [
+        ("config", lambda cx: cx[0]),
+        ("step time", over(job_step, ".4f", " s")),
+        (
+            "vs no flush (per pair)",
+            lambda cx: "1" if cx[0] == "no flush" else stat(t["ratios"], ".3f"),
+        ),
+        ("flushes during training", fl(lambda xs: stat([len(t["during"](x)) for x in xs], ".0f"))),
+        ("flushes in all", fl(lambda xs: stat([len(x["flushes"]) for x in xs], ".0f"))),
+        (
+            "seconds per flush",
+            fl(lambda xs: stat([f[2] for x in xs for f in x["flushes"]], ".2f", " s")),
+        ),
+        (
+            "flushing's share of training",
+            fl(lambda xs: stat(st.scale(map(t["share"], xs), 100), ".0f", "%")),
+        ),
+        ("snapshots skipped", over(lambda x: sum(x["skipped"].values()), ".0f")),
+    ]
+
+
+def _flushed_steps(x: Doc) -> str:
+    after = x["train_end"]
+    return " ".join(f"{f[1]}{'*' if after and f[0] > after else ''}" for f in x["flushes"]) or "-"
+
+
+FLUSH_RUNS = [
+    ("repeat", lambda x: x["repeat"]),
+    ("config", lambda x: x["config"]),
+    ("load", lambda x: fmt(x["load_start"])),
+    ("median step (ranks)", lambda x: ranks("rank_median")(x)),
+    ("mean step (ranks)", lambda x: ranks("rank_mean")(x)),
+    ("flushed steps (* = after the last step)", _flushed_steps),
+    ("STATUS flushes / skipped", lambda x: f"{x['status_flushes']} / {sum(x['skipped'].values())}"),
+    ("wall", lambda x: f"{x['wall_s']:.0f} s"),
+    ("status", lambda x: x["error"] or "; ".join(x["failed"]) or "ok"),
+]
+
+
+def sections(r: Doc) -> dict[str, list[str]]:
+    """Section ``flush``: throughput per size, then step time while flushing."""
+    out = [
+        f"- throughput: {r['repeats']} repeats per size, systems in an order rotated each repeat; "
+        "GB/s = state bytes / wall time; every write fsync'd and removed before the next",
+        f"- `import torch.distributed.checkpoint` after `import torch`, fresh process: {fmt(r['dcp_import_s'])} s",
+        "",
+        "### Throughput",
+        "",
+    ]
+    for size in r["sizes"]:
+        out += _flush_size(size)
+    if not r["train"]:
+        return {"flush": out}
+    t = flush_train(r)
+    out += [
+        "### Step time while flushing",
+        "",
+        f"`ftmem-launch --nproc-per-node {r['nproc']} --ftmem-slots 3 [--ftmem-flush-dir D "
+        f"--ftmem-flush-every {r['flush_every']}] {' '.join(r['example_args'])}`: a snapshot "
+        "after every step; a run's step time = the median over its ranks of each rank's median",
+        "",
+        *rows(_flush_traingoal_rows(t), t["by"].items()),
+        *rows(FLUSH_RUNS, r["train"]),
+    ]
+    return {"flush": out}
+
+
+def goals(r: Doc | None) -> list[Goal]:
+    """Flush throughput against dcp.save (largest state), and step time while flushing."""
+    p, t = "flush", ">= 1.5x"
+    names = {
+        "ftmem FLUSH (SMP worker)": "flush throughput / dcp.save's (SMP worker)",
+        "ftmem export_dcp": "flush throughput / dcp.save's (export_dcp in process)",
+    }
+    sizes = [s for s in (r or {}).get("sizes", []) if s["per_repeat"]]
+    if not sizes:
+        return [Goal(p, g, t) for g in names.values()]
+    big = max(sizes, key=lambda s: s["nbytes"])
+    rats = [[st.ratio(x.get("dcp.save"), x.get(s)) for x in big["per_repeat"]] for s in names]
+    values = [(st.stat(rat, ".2f", "x"), ge(st.median(rat), 1.5)) for rat in rats]
+    src = f"flush, {big['nbytes'] / st.GiB:.2f} GiB"
+    out = goal_rows(p, [(g, t) for g in names.values()], values, src)
+
+    if pairs := pair_ratios(r["train"], "no flush", "flush every 5"):
+        g = ("step time while flushing, flush / no flush", STRADDLE)
+        out += goal_rows(
+            p, [g], [(st.stat(pairs, ".3f"), straddles(pairs))], f"flush, {len(pairs)} pairs"
+        )
+    return out
 
 
 if __name__ == "__main__":

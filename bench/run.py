@@ -32,17 +32,8 @@ from bench import _plots, _render, _results
 
 logger = logging.getLogger("bench.run")
 
-MODULES = {
-    "snapshot": "snapshot",
-    "overhead": "overhead",
-    "recovery": "recovery",
-    "ec-protect": "ec_protect",
-    "ec-overhead": "ec_overhead",
-    "flush": "flush",
-    "datapath": "datapath",
-    "gpu": "datapath",
-}
-PARTS = tuple(MODULES)
+MODULES = _render.MODULES
+PARTS = tuple("snapshot overhead recovery ec-protect ec-overhead flush datapath gpu".split())
 _PROFILES = {  # part: (smoke, quick, full) arguments
     "snapshot": (
         "--sizes 0.02 --repeats 1 --fwd-bwd-s 0.05 --simulate sleep --skip-sync-staging",

@@ -22,6 +22,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/sharding.py
 
 from bench import _results
+from bench import _stats as st
+from bench._figures import (
+    Goal,
+    goal_rows,
+    le,
+    mib,
+    table,
+)
+from bench._stats import fmt, stat
 
 PART = "sharding"
 
@@ -174,6 +183,58 @@ def run(argv: list[str]) -> ShardingResult:
         res.worlds = [run_world(w, args, Path(tmp)) for w in args.worlds]
     _results.finish(res.machine)
     return res
+
+
+# ------------------------------------------------------------------------------ the section
+
+Doc = dict[str, Any]
+
+
+def sections(r: Doc) -> dict[str, list[str]]:
+    """Section ``sharding``: per D and mode, held bytes, stall, copy, restore."""
+    out = [
+        f"- state {r['size_gib']:g} GiB per rank, {r['repeats']} repeats after one warm-up, modes "
+        f"alternating; compute stand-in {r['compute_s']:g} s (sleep); medians over ranks and repeats",
+        "",
+    ]
+    body = []
+    for w in r["worlds"]:
+        full = w["modes"].get("full")
+        for mode, m in w["modes"].items():
+            copy_vs = fmt(st.ratio(st.median(m["copy"]), full and st.median(full["copy"])))
+            held_vs = fmt(st.ratio(m["held"], full and full["held"]), ".3f")
+            times = [
+                stat(m[k], f, " s")
+                for k, f in (("stall", ".4f"), ("copy", ".3f"), ("restore", ".3f"))
+            ]
+            body.append([w["world"], mode, mib([m["held"]]), *times, copy_vs, held_vs])
+    head = [
+        "D",
+        "mode",
+        "held per rank",
+        "stall",
+        "copy",
+        "restore",
+        "copy vs full",
+        "held vs full",
+    ]
+    return {"sharding": out + table(head, body)}
+
+
+def goals(r: Doc | None) -> list[Goal]:
+    """Bytes held per rank with sharding on: 1/D of the full snapshot."""
+    p = "sharding"
+    out = []
+    for w in (r or {}).get("worlds", []):
+        full, sh = w["modes"].get("full"), w["modes"].get("sharded")
+        if full and sh:
+            rat = st.ratio(sh["held"], full["held"])
+            g = (
+                f"bytes held per rank, sharded / full, D={w['world']}",
+                f"~1/D = {1 / w['world']:.3f}",
+            )
+            out += goal_rows(p, [g], [(st.fmt(rat, ".3f"), le(rat, 1.05 / w["world"]))], "sharding")
+    return out
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ import torch
 
 from bench import _baselines as baselines
 from bench import _launch, _results
+from bench import _stats as st
+from bench._figures import Fig, Goal, fig, figs, ge, kv, le, rows, table
 from bench._proc import proc_memory
+from bench._stats import GiB, fmt, stat
 
 logger = logging.getLogger("bench.snapshot")
 
@@ -60,13 +63,21 @@ class Figure:
 class NodeMemory:
     """Readings of one node's memory for one state size (one entry per snapshot read)."""
 
-    state_bytes: int
-    slots: int  # Snapshot slots per rank in the SMP.
-    shm: list[int] = field(default_factory=list)  # Bytes allocated to the run's files in /dev/shm.
-    smp_rss: list[int] = field(default_factory=list)
-    smp_anon: list[int] = field(default_factory=list)
-    smp_shmem: list[int] = field(default_factory=list)
-    rank_anon_added: list[int] = field(default_factory=list)
+    state_bytes: int = field(
+        metadata=fig("state", get=lambda m: f"{m['state_bytes'] / GiB:.2f} GiB")
+    )
+    slots: int = field(metadata=fig("slots per rank"))  # Snapshot slots per rank in the SMP.
+    shm: list[int] = field(
+        default_factory=list,
+        metadata=fig("shared memory (x state)", get=lambda m: _x_state(m["shm"], m)),
+    )
+    """Bytes allocated to the run's files in /dev/shm."""
+    smp_rss: list[int] = field(default_factory=list, metadata=fig("SMP RSS", how="mib"))
+    smp_shmem: list[int] = field(default_factory=list, metadata=fig("SMP RssShmem", how="mib"))
+    smp_anon: list[int] = field(default_factory=list, metadata=fig("SMP RssAnon", how="mib"))
+    rank_anon_added: list[int] = field(
+        default_factory=list, metadata=fig("rank RssAnon added", how="mib")
+    )
     """Anonymous memory the rank gained since before its first ``ftmem.save``."""
 
     def read(self, *, smp_pid: int, run_id: str, rank_anon_before: int) -> None:
@@ -294,6 +305,156 @@ def run(argv: list[str]) -> SnapshotResult:
             result.errors.append(f"{r.nbytes / 2**30:.2f} GiB: the restore check failed")
     _results.finish(result.machine)
     return result
+
+
+# ------------------------------------------------------------------------------ the sections
+
+
+def _x_state(values: list[float], m: dict[str, Any]) -> str:
+    mib = Fig("", how="mib").show(values)
+    return f"{mib} ({stat(st.scale(values, 1 / m['state_bytes']), '.2f', 'x')})"
+
+
+def _node_total(m: dict[str, Any]) -> str:
+    parts = (m["shm"], m["smp_anon"], m["rank_anon_added"])
+    return _x_state([sum(x) for x in zip(*parts, strict=True)], m)
+
+
+def _figure_row(f: dict[str, Any], nbytes: int) -> list[str]:
+    v, med = f["values"], st.median(f["values"])
+    if f["unit"] == "GB/s":
+        per = fmt(med and med / 1.073741824, ".2f", " GiB/s")
+        return [
+            f["system"],
+            f["metric"],
+            fmt(med, ".2f", " GB/s"),
+            f"{fmt(st.low(v))}-{fmt(st.high(v))}",
+            per,
+        ]
+    rng = f"{fmt(st.low(v), '.4f')}-{fmt(st.high(v), '.4f')}"
+    per_gib = fmt(med and med * GiB / nbytes, ".4f", " s/GiB")
+    return [f["system"], f["metric"], fmt(med, ".4f", " s"), rng, per_gib]
+
+
+def sections(r: dict[str, Any]) -> dict[str, list[str]]:
+    """Sections ``snapshot`` (every figure per size) and ``memory`` (per node)."""
+    how = f"time.sleep({r['fwd_bwd_s']:g})"
+    if r["simulate"] == "compute":
+        how = f"{r['fwd_bwd_s']:g} s of 256x256 matmuls on the main thread"
+    out = [
+        f"- each figure: median of {r['repeats']} repeats, with min-max; per GiB divides the "
+        "median by the state size (params + AdamW exp_avg + exp_avg_sq, fp32)",
+        f"- forward/backward stand-in between a save and `optimizer.step()`: {how}",
+        "",
+    ]
+    for s in r["sizes"]:
+        out += [f"### {s['nbytes'] / GiB:.2f} GiB state (requested {s['size_gib']:g} GiB)", ""]
+        body = [_figure_row(f, s["nbytes"]) for f in s["figures"]]
+        out += table(["system", "metric", "median", "min-max", "per GiB"], body)
+        once = [
+            [k, bool(v) if "skipped" in k else fmt(v, ".3f", " s")] for k, v in s["once"].items()
+        ]
+        once += [
+            ["ftmem restore check (clobber a weight and a moment, load, compare)", s["restore_ok"]],
+            ["ftmem timed snapshots skipped or not committed", s["skipped"]],
+        ]
+        out += kv(once, ("one-off figure", "value"))
+        if s["stats_after"]:
+            out += [f"`ftmem.stats()` after the last save: `{s['stats_after']}`", ""]
+    memory = [
+        "- one rank (this process) snapshots the benchmark state into an SMP; read after every "
+        "committed snapshot once both slots hold one; median (min-max) over those readings",
+        "- memory per node = shared memory (/dev/shm) + SMP RssAnon + the rank's added RssAnon",
+        "",
+        *rows(
+            [*figs(NodeMemory), Fig("memory per node (x state)", get=_node_total)],
+            [s["memory"] for s in r["sizes"] if s.get("memory")],
+        ),
+    ]
+    return {"snapshot": out, "memory": memory}
+
+
+def figure(size: dict[str, Any], system: str, metric: str) -> list[float]:
+    """The per-repeat values of one metric of one system ([] if not measured)."""
+    for f in size["figures"]:
+        if f["system"] == system and f["metric"].strip() == metric:
+            return list(f["values"])
+    return []
+
+
+def largest(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The largest state size of a snapshot result with figures."""
+    sizes = [s for s in (r or {}).get("sizes", []) if s.get("figures")]
+    return max(sizes, key=lambda s: s["nbytes"]) if sizes else None
+
+
+_ASYNC = "dcp.async_save (async staging)"
+GOALS = (
+    ("stall per snapshot (save + fence)", "<= 0.01 s/GiB"),
+    ("stall, ftmem / tuned dcp.async_save (blocking; + staging wait)", "<= 0.2 (both)"),
+    ("background copy", ">= 10 GB/s"),
+    ("restore in place (ftmem.load)", "<= 0.1 s/GiB"),
+    ("restore, dcp.load / ftmem.load", ">= 6x"),
+)
+
+
+def goals(r: dict[str, Any] | None) -> list[Goal]:
+    """Stall, stall against a tuned dcp.async_save, background copy, restore, its speed-up."""
+    big = largest(r)
+    if big is None:
+        return [Goal(PART, g, t) for g, t in GOALS]
+    n = big["nbytes"]
+    gib = n / GiB
+    stall = figure(big, "ftmem", "stall (save + fence)")
+    rat = [
+        st.ratio(st.median(stall), st.median(figure(big, _ASYNC, m)))
+        for m in ("blocking", "stall with fence")
+    ]
+    copy, load = figure(big, "ftmem", "background copy"), figure(big, "ftmem", "load in place")
+    speed = st.ratio(st.median(figure(big, "dcp.load", "in place (/dev/shm)")), st.median(load))
+    values = [
+        (stat(st.per_gib(stall, n), ".4f", " s/GiB"), le(st.median(stall), 0.01 * gib)),
+        (" ; ".join(fmt(x, ".2f", "x") for x in rat), None if None in rat else max(rat) <= 0.2),  # type: ignore[type-var]
+        (stat(copy, ".2f", " GB/s"), None if not copy else (st.median(copy) or 0.0) >= 10.0),
+        (stat(st.per_gib(load, n), ".4f", " s/GiB"), le(st.median(load), 0.1 * gib)),
+        (fmt(speed, ".1f", "x"), ge(speed, 6.0)),
+    ]
+    src = f"snapshot, {gib:.2f} GiB"
+    return [Goal(PART, g, t, m, ok, src) for (g, t), (m, ok) in zip(GOALS, values, strict=True)]
+
+
+HEADLINE = (
+    (
+        "torch.save (disk, fsync)",
+        ("torch.save", "disk+fsync"),
+        ("torch.load", "+ load_state_dict (/dev/shm)"),
+    ),
+    ("dcp.save (disk, fsync)", ("dcp.save", "disk+fsync"), ("dcp.load", "in place (/dev/shm)")),
+    ("dcp.async_save, tuned: blocking call", (_ASYNC, "blocking"), None),
+    ("dcp.async_save, tuned: + staging wait", (_ASYNC, "stall with fence"), None),
+    (
+        "**ftmem** (save + fence; load in place)",
+        ("ftmem", "stall (save + fence)"),
+        ("ftmem", "load in place"),
+    ),
+)
+
+
+def headline(r: dict[str, Any] | None) -> list[str]:
+    """The summary's headline table: stall and restore per GiB on the largest state."""
+    if (big := largest(r)) is None:
+        return []
+    n = big["nbytes"]
+    body = [
+        [
+            label,
+            stat(st.per_gib(figure(big, *stall), n), ".4f", " s/GiB"),
+            stat(st.per_gib(figure(big, *restore), n) if restore else [], ".3f", " s/GiB"),
+        ]
+        for label, stall, restore in HEADLINE
+    ]
+    title = f"### Headline: {n / GiB:.2f} GiB of model + AdamW state, one process"
+    return [title, "", *table(["system", "stall per snapshot", "restore"], body)]
 
 
 if __name__ == "__main__":
