@@ -63,6 +63,8 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             ck.save(state, step, replicated_over=group)
             save_s = time.perf_counter() - t0
+            if not rep:  # skipped while the SMP allocates: wait() saves it again, state unchanged
+                ck.wait(600)
             time.sleep(args.compute_s)  # forward/backward stand-in (the copy overlaps it)
             t1 = time.perf_counter()
             for p in st.model.parameters():
