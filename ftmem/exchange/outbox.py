@@ -29,10 +29,18 @@ class Outbox:
         self.sent_bytes = 0
         """Buffer bytes handed to the transport so far (headers not counted)."""
         self._boxes: dict[int, deque[tuple[dict[str, Any], list[Any]]]] = {}
+        self._bytes: dict[int, int] = {}
 
     def put(self, node: int, header: dict[str, Any], bufs: list[Any]) -> None:
         """Queue a message for ``node`` (sent by a later :meth:`flush`)."""
         self._boxes.setdefault(node, deque()).append((header, bufs))
+        self._bytes[node] = self._bytes.get(node, 0) + sum(memoryview(b).nbytes for b in bufs)
+
+    def pending(self, node: int) -> tuple[int, int]:
+        """(messages, buffer bytes) queued for ``node`` and not sent yet: what answering a
+        peer's requests may add to is bounded by the caller on these."""
+        box = self._boxes.get(node)
+        return (len(box), self._bytes.get(node, 0)) if box else (0, 0)
 
     def flush(self, transport: PeerTransport) -> bool:
         """Send what peers can take now; True when nothing is left queued."""
@@ -49,9 +57,12 @@ class Outbox:
                     box.clear()
                     break
                 box.popleft()
-                self.sent_bytes += sum(memoryview(b).nbytes for b in bufs)
+                n = sum(memoryview(b).nbytes for b in bufs)
+                self.sent_bytes += n
+                self._bytes[node] -= n
             if not box:
                 del self._boxes[node]
+                self._bytes.pop(node, None)
         return not self._boxes
 
     def queued(self) -> int:
@@ -64,3 +75,4 @@ class Outbox:
     def clear(self) -> None:
         """Drop every queued message (a new epoch: they are stale)."""
         self._boxes.clear()
+        self._bytes.clear()

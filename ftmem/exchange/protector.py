@@ -31,10 +31,21 @@ service uses this for its own agreement messages).
 Messages are the typed dataclasses of messages.py: :meth:`GroupProtector.handle` validates
 each one (:meth:`Envelope.parse`) and dispatches on its type; a malformed message, one of an
 earlier epoch or one from outside the group is logged, counted in ``dropped`` and ignored.
+
+Bounds: what peers send is kept only within bounds, so no peer can grow this node's memory
+without limit. A peer's size is at most ``max_node_bytes``, its manifest at most
+:data:`MAX_MANIFEST_BYTES`; at most :data:`MAX_OPEN_STEPS` steps that this node does not hold
+are tracked at once; once a step's stripe map is known, only the columns this node encodes
+and the parity it owes are kept, each of exactly its planned length; before that, columns and
+parity of all steps together are kept up to ``max_unplanned_bytes``. Replies to a peer's
+requests wait in its queue up to :data:`REPLY_MAX_BYTES`. Anything beyond is dropped and
+counted. Each protected step carries its origin's seal (seals.py), kept with the parity and
+checked by a rebuilt node.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,11 +59,28 @@ from ftmem.exchange.codec import StripeCodec
 from ftmem.exchange.messages import Envelope
 from ftmem.exchange.outbox import Outbox
 from ftmem.exchange.placement import GroupPlan, StripePlan, stripe_map
-from ftmem.exchange.rebuilder import Rebuilder
+from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder, RebuildMeta
+from ftmem.exchange.seals import Seal, digest_of, seal
 from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 
 log = get_logger(__name__)
+
+MAX_OPEN_STEPS = 8
+"""Most steps tracked at once that this node does not hold (a round, the next one's early
+messages, leftovers); a new one beyond evicts the oldest that has none of this node's data."""
+
+MAX_UNPLANNED_BYTES = 256 << 20
+"""Default bound of the columns and parity kept, over all steps, before a step's stripe map
+is known (peers may be a few messages ahead of this node)."""
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (MAX_NODE_BYTES if unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return pm.MAX_NODE_BYTES
 
 
 class StepAborted(FtmemError):
@@ -83,6 +111,10 @@ class StepState:
     """Stripes this node encodes -> data columns not received yet (set once stripes are known)."""
     owed_left: set[tuple[int, int]] | None = None
     """Parity fragments this node must hold and does not yet (None until stripes are known)."""
+    seals: dict[int, Seal] = field(default_factory=dict)
+    """Each node's seal of the step (its digest and tag, seals.py), kept for its rebuild."""
+    unplanned: int = 0
+    """Bytes of columns and parity kept before the stripe map was known."""
 
 
 class GroupProtector:
@@ -103,6 +135,8 @@ class GroupProtector:
         on_other: Callable[[Envelope], None] | None = None,
         interrupted: Callable[[], bool] | None = None,
         on_progress: Callable[[int, int, int], None] | None = None,
+        max_node_bytes: int | None = None,
+        max_unplanned_bytes: int = MAX_UNPLANNED_BYTES,
     ) -> None:
         if me not in plan.nodes:
             raise ValueError(f"node {me} is not in group {plan.nodes}")
@@ -118,7 +152,16 @@ class GroupProtector:
         self.interrupted = interrupted or (lambda: False)
         self.on_progress = on_progress
         """Called about once a second during a rebuild: (step, fragments in, fragments needed)."""
+        self.max_node_bytes = (
+            max_node_bytes
+            if max_node_bytes is not None
+            else min(pm.MAX_NODE_BYTES, physical_memory())
+        )
+        """Largest snapshot of a node accepted from a peer (SIZE, META): by default this
+        machine's memory, beyond which it could not hold the node's parity nor a rebuild."""
+        self.max_unplanned_bytes = max_unplanned_bytes
         self.dropped = 0
+        self._unplanned = 0
         self._outbox = Outbox(me)
         self._rebuilder = Rebuilder(self)
 
@@ -159,17 +202,57 @@ class GroupProtector:
         self.epoch = epoch
         self._outbox.clear()
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
-            del self.steps[step]
+            self.forget(step)
         self._rebuilder.clear()
 
     def _st(self, step: int) -> StepState:
         return self.steps.setdefault(step, StepState())
+
+    def _peer_st(self, step: int) -> StepState:
+        """The state of ``step`` for a peer's message: a step not tracked yet is added only
+        within MAX_OPEN_STEPS (evicting the oldest step with none of this node's data).
+
+        Raises:
+            ProtocolError: no room (the message is dropped and counted).
+        """
+        st = self.steps.get(step)
+        if st is not None:
+            return st
+        open_ = [s for s, v in self.steps.items() if not v.held_sent]
+        if len(open_) >= MAX_OPEN_STEPS:
+            idle = [s for s in open_ if self.steps[s].data is None]
+            if not idle:
+                raise ProtocolError(f"more than {MAX_OPEN_STEPS} steps in progress")
+            log.warning(
+                "[%d] dropping peers' messages of step %d for newer ones", self.me, min(idle)
+            )
+            self.forget(min(idle))
+        return self._st(step)
+
+    def _keep_unplanned(self, st: StepState, nbytes: int) -> None:
+        """Account ``nbytes`` kept before the stripe map is known (ProtocolError past the bound)."""
+        if self._unplanned + nbytes > self.max_unplanned_bytes:
+            raise ProtocolError(
+                f"more than {self.max_unplanned_bytes} bytes of columns and parity before "
+                "their stripe map is known"
+            )
+        self._unplanned += nbytes
+        st.unplanned += nbytes
+
+    def buffered_bytes(self) -> int:
+        """Bytes of columns and parity held for all steps (what peers' messages made this
+        node keep; its own snapshots are not counted)."""
+        return sum(
+            sum(map(len, st.columns.values())) + sum(map(len, st.parity.values()))
+            for st in self.steps.values()
+        )
 
     def _plan_stripes(self, step: int) -> None:
         st = self.steps[step]
         if st.stripes is None and len(st.sizes) == len(self.plan.nodes):
             st.stripes = {s.index: s for s in stripe_map(self.plan, st.sizes, self.stripe_bytes)}
             assert st.data is not None
+            self._keep_planned(st)
             # Bookkeeping per stripe, so each message costs O(1), not O(stripes).
             st.owed_left = {key for key in self._owed(step) if key not in st.parity}
             for s in st.stripes.values():
@@ -186,6 +269,30 @@ class GroupProtector:
             for index in [i for i, n in st.missing.items() if n == 0]:
                 self._progress(step, index)
             self._progress(step, None)
+
+    def _keep_planned(self, st: StepState) -> None:
+        """The stripe map is known: keep only what it says this node receives, each piece of
+        its planned length; release the unplanned budget."""
+        assert st.stripes is not None
+        self._unplanned -= st.unplanned
+        st.unplanned = 0
+        st.columns = {k: v for k, v in st.columns.items() if self._column_len(st, *k) == len(v)}
+        st.parity = {k: v for k, v in st.parity.items() if self._parity_len(st, *k) == len(v)}
+
+    def _column_len(self, st: StepState, stripe: int, col: int) -> int | None:
+        """The planned length of a column this node encodes (None: not one it receives)."""
+        s = st.stripes.get(stripe) if st.stripes is not None else None
+        if s is None or s.encoder != self.me or not 0 <= col < s.k or stripe in st.encoded:
+            return None
+        c = s.columns[col]
+        return c.length if c.length and c.node != self.me else None
+
+    def _parity_len(self, st: StepState, stripe: int, frag: int) -> int | None:
+        """The length of a parity fragment this node holds (None: not one it holds)."""
+        s = st.stripes.get(stripe) if st.stripes is not None else None
+        if s is None or not s.k <= frag < s.k + len(s.holders) or s.holders[frag - s.k] != self.me:
+            return None
+        return s.chunk_bytes + self.codec.header_bytes(s.chunk_bytes)
 
     def _owed(self, step: int) -> list[tuple[int, int]]:
         st = self.steps[step]
@@ -290,16 +397,15 @@ class GroupProtector:
             case pm.Parity() as b:
                 self._on_parity(b, bufs[0])
             case pm.Held() as b:
-                self._st(b.step).held.add(sender)
+                self._peer_st(b.step).held.add(sender)
+                self._rebuilder.rebuilt(sender, b.step)
             case pm.Abort() as b:
                 if b.step in self.steps and not self.steps[b.step].held >= set(self.plan.nodes):
                     self.steps[b.step].aborted = True
-            case pm.MetaRequest() as b:
-                self._rebuilder.serve_meta(sender, b.step)
+            case pm.MetaRequest() | pm.FetchRequest() as b:
+                self._rebuilder.request(sender, b)
             case pm.MetaReply() as b:
                 self._rebuilder.on_meta(b, bufs)
-            case pm.FetchRequest() as b:
-                self._rebuilder.serve_fetch(sender, b)
             case pm.FetchReply() as b:
                 self._rebuilder.on_fetched(b, bufs)
             case _:  # the service's own kinds
@@ -308,24 +414,44 @@ class GroupProtector:
                 self.on_other(env)
 
     def _on_size(self, sender: int, b: pm.Size, bufs: tuple[memoryview, ...]) -> None:
-        st = self._st(b.step)
+        if b.nbytes > self.max_node_bytes:
+            raise ProtocolError(f"a size of {b.nbytes} bytes, over {self.max_node_bytes}")
+        if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
+            raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
+        st = self._peer_st(b.step)
+        if st.stripes is not None and st.sizes.get(sender) != b.nbytes:
+            raise ProtocolError(f"a new size of step {b.step} after its stripe map was made")
         st.sizes[sender] = b.nbytes
         st.manifests[sender] = bytes(bufs[0]) if bufs else b""
+        st.seals[sender] = Seal(b.digest, b.tag)
         if st.data is not None:
             self._plan_stripes(b.step)
 
     def _on_data(self, b: pm.Data, piece: memoryview) -> None:
         key = (b.stripe, b.col)
-        st = self._st(b.step)
-        new = key not in st.columns
+        st = self._peer_st(b.step)
+        if key in st.columns:
+            raise ProtocolError(f"column {key} of step {b.step} again")
+        if st.stripes is None:
+            self._keep_unplanned(st, piece.nbytes)
+        elif self._column_len(st, *key) != piece.nbytes:
+            raise ProtocolError(f"column {key} of step {b.step} is not one this node encodes")
         st.columns[key] = bytes(piece)
-        if new and b.stripe in st.missing:
+        if b.stripe in st.missing:
             st.missing[b.stripe] -= 1
             self._progress(b.step, b.stripe)
 
     def _on_parity(self, b: pm.Parity, fragment: memoryview) -> None:
-        st = self._st(b.step)
+        st = self._peer_st(b.step)
         key = (b.stripe, b.frag)
+        if key in st.parity:
+            raise ProtocolError(f"parity {key} of step {b.step} again")
+        if st.stripes is None:
+            self._keep_unplanned(st, fragment.nbytes)
+        elif self._parity_len(st, *key) != fragment.nbytes or (
+            st.owed_left is not None and key not in st.owed_left
+        ):
+            raise ProtocolError(f"parity {key} of step {b.step} is not one this node holds")
         st.parity[key] = bytes(fragment)
         st.checksums[b.stripe] = b.sums
         if st.owed_left is not None:
@@ -365,8 +491,15 @@ class GroupProtector:
         st.data = SegmentedBytes.of(data)
         st.sizes[self.me] = st.data.nbytes
         st.manifests[self.me] = manifest
+        job = self.transport.job_keys
+        mine = (
+            seal(job, self.me, step, st.data.nbytes, digest_of(st.data), manifest)
+            if job is not None
+            else Seal()
+        )
+        st.seals[self.me] = mine
         for n in self._peers():
-            self.send(n, pm.Size(step, st.data.nbytes), [manifest])
+            self.send(n, pm.Size(step, st.data.nbytes, mine.digest, mine.tag), [manifest])
         self._plan_stripes(step)
 
         def done() -> bool:
@@ -418,20 +551,53 @@ class GroupProtector:
     def forget(self, step: int) -> None:
         """Drop everything held for ``step`` (after a newer step is protected)."""
         st = self.steps.pop(step, None)
-        if st is not None and st.data is not None:
+        if st is None:
+            return
+        self._unplanned -= st.unplanned
+        if st.data is not None:
             st.data.release()
 
-    def rebuild(self, step: int, lost: set[int] | frozenset[int], source: int) -> memoryview:
+    def hold_requests(self) -> None:
+        """Keep peers' META and FETCH requests unanswered (bounded) until the generation's
+        sync says who is rebuilding (:meth:`serve_rebuild`); the SMP calls this as each
+        generation starts. Until first called, any node of the group is served."""
+        self._rebuilder.hold()
+
+    def serve_rebuild(self, step: int | None, nodes: frozenset[int] | set[int]) -> None:
+        """From now on answer META and FETCH of ``step`` from ``nodes`` only, each until it
+        says it holds the step again (HELD); refuse every other (dropped, counted, logged
+        once). Requests kept by :meth:`hold_requests` are answered or refused now."""
+        self._rebuilder.serve_only(step, nodes)
+
+    @property
+    def refused(self) -> int:
+        """META and FETCH requests refused (not from the node being rebuilt, or outside a
+        rebuild); they are counted in ``dropped`` too."""
+        return self._rebuilder.refused
+
+    def rebuild(
+        self,
+        step: int,
+        lost: set[int] | frozenset[int],
+        source: int,
+        accept: Callable[[RebuildMeta], None] | None = None,
+    ) -> memoryview:
         """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
 
         ``source`` is a survivor asked for the step's sizes (and this node's manifest, then
-        available from :meth:`manifest`). Returns the snapshot bytes; the rebuilt parity is
-        held as if this node had protected the step itself. A fetched fragment that fails its
-        checksum counts as lost: the stripe is retried with every other surviving fragment.
+        available from :meth:`manifest`). Before anything is allocated the sizes are bounded,
+        the lost node's seal of the step is checked (with a key file: seals.py) and
+        ``accept`` (if given) may refuse what the survivor sent by raising. Returns the
+        snapshot bytes, which matched the sealed digest; the rebuilt parity is held as if
+        this node had protected the step itself (and its peers are told: HELD). A fetched
+        fragment that fails its checksum counts as lost: the stripe is retried with every
+        other surviving fragment.
 
         Raises:
             UnrecoverableError: more than m nodes of the group are lost, the source does not
-                hold the step, or too few fragments of a stripe are intact.
+                hold the step, its sizes are out of range, the seal or the digest does not
+                match, or too few fragments of a stripe are intact.
             TimeoutError: a survivor did not answer in time.
+            Whatever ``accept`` raises.
         """
-        return self._rebuilder.rebuild(step, lost, source)
+        return self._rebuilder.rebuild(step, lost, source, accept)

@@ -6,6 +6,20 @@ ranges from the column nodes, parity with its checksums from holders), and recon
 own data and its parity, a window of stripes at a time. Survivors answer with
 :meth:`Rebuilder.serve_meta` and :meth:`Rebuilder.serve_fetch` from the steps they hold.
 
+Who is served: snapshot bytes and manifests go only to a node that this generation's sync
+decided is rebuilding, for the step being rebuilt, until it says it holds the step (HELD):
+the owner calls :meth:`Rebuilder.hold` as a generation starts (requests then wait, bounded)
+and :meth:`Rebuilder.serve_only` once the sync has decided. Every other request is refused:
+dropped, counted in the protector's ``dropped`` and ``refused``, logged once per node; no
+reply. (A rebuilder whose owner never calls either serves every node of the group.)
+
+What a rebuilt node checks before it allocates or keeps anything: the sizes are those of the
+group's nodes, each at most the protector's ``max_node_bytes``; the manifest is bounded; the
+seal the lost node made when it protected the step (seals.py) matches its size and manifest
+(with a key file); and the owner's ``accept`` hook (the SMP checks the manifest against its
+ranks and free shared memory). After the rebuild, the bytes must match the sealed digest.
+Replies nobody asked for are dropped.
+
 The rebuilder belongs to its :class:`~ftmem.exchange.protector.GroupProtector` (same thread):
 it sends and waits through the protector and keeps only what is in flight (sizes asked for,
 fragments fetched, their checksums).
@@ -15,11 +29,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
 from ftmem.exchange import messages as pm
+from ftmem.exchange import seals
 from ftmem.exchange.placement import (
     Fetch,
     FragmentKind,
@@ -31,6 +47,8 @@ from ftmem.exchange.placement import (
 from ftmem.exchange.segments import SegmentedBytes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ftmem.exchange.codec import Rebuilt
     from ftmem.exchange.protector import GroupProtector, StepState
 
@@ -39,6 +57,20 @@ log = get_logger(__name__)
 WINDOW_BYTES = 64 << 20
 """Fragments held at once during a rebuild, besides the output (fetching every stripe first
 needed n times the node's snapshot)."""
+
+REPLY_MAX_BYTES = 256 << 20
+"""Most buffer bytes of replies queued for one peer (a rebuild asks for WINDOW_BYTES)."""
+
+REPLY_MAX_MESSAGES = 65536
+"""Most replies queued for one peer."""
+
+MAX_MANIFEST_BYTES = 4 << 20
+"""Largest manifest a peer may send (JSON of a node's ranks' layouts)."""
+
+MAX_HELD_REQUESTS = 1024
+"""Most requests kept while the generation's sync has not decided who rebuilds."""
+
+_HOLD = "hold"
 
 
 def spare_fetches(
@@ -59,6 +91,17 @@ def spare_fetches(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class RebuildMeta:
+    """What a survivor said of a step a node rebuilds: every node's size, the rebuilt node's
+    manifest and the seal it made of the step (checked before anything is allocated)."""
+
+    step: int
+    sizes: dict[int, int]
+    manifest: bytes
+    seal: seals.Seal
+
+
 class Rebuilder:
     """Fetches a lost node's fragments and answers other nodes' fetches (module docstring).
 
@@ -68,23 +111,93 @@ class Rebuilder:
 
     def __init__(self, protector: GroupProtector) -> None:
         self.p = protector
+        self.refused = 0
+        """Requests refused: from a node not being rebuilt, or outside a rebuild."""
         self._fetched: dict[tuple[int, int, int], bytes] = {}
-        self._meta: dict[int, dict[int, int]] = {}
+        self._wanted: set[tuple[int, int, int]] = set()
+        self._meta: dict[int, tuple[pm.MetaReply, bytes]] = {}
+        self._meta_wanted: int | None = None
         self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._gate: dict[int, int] | str | None = None
+        """None: serve the group; _HOLD: keep requests; else node -> the step it rebuilds."""
+        self._held: list[tuple[int, pm.MetaRequest | pm.FetchRequest]] = []
+        self._refused_from: set[int] = set()
 
     def clear(self) -> None:
-        """Forget pending fetches and sizes (the group was reconfigured)."""
+        """Forget pending fetches and sizes (the group was reconfigured); a restricted
+        rebuilder holds requests again until the new generation's sync decides."""
         self._fetched.clear()
+        self._wanted.clear()
         self._meta.clear()
+        self._meta_wanted = None
         self._sums.clear()
+        self._held.clear()
+        self._refused_from.clear()
+        if self._gate is not None:
+            self._gate = _HOLD
+
+    # -- survivor side: who is served --------------------------------------------------------
+    def hold(self) -> None:
+        """Keep requests (bounded) until :meth:`serve_only` (see the module docstring)."""
+        self._gate = _HOLD
+
+    def serve_only(self, step: int | None, nodes: frozenset[int] | set[int]) -> None:
+        """Serve ``step`` to ``nodes`` only (None or no nodes: nobody); answer or refuse the
+        requests kept meanwhile."""
+        self._gate = {n: step for n in nodes if n != self.p.me} if step is not None else {}
+        held, self._held = self._held, []
+        for sender, body in held:
+            self.request(sender, body)
+
+    def rebuilt(self, sender: int, step: int) -> None:
+        """``sender`` holds ``step`` again (its HELD): it is served no more."""
+        if isinstance(self._gate, dict) and self._gate.get(sender) == step:
+            del self._gate[sender]
+
+    def request(self, sender: int, body: pm.MetaRequest | pm.FetchRequest) -> None:
+        """A peer's META or FETCH: answered, kept for later, or refused (module docstring)."""
+        gate = self._gate
+        if gate == _HOLD:
+            if len(self._held) >= MAX_HELD_REQUESTS:
+                self._refuse(sender, body, "too many requests before the sync decided")
+            else:
+                self._held.append((sender, body))
+            return
+        if isinstance(gate, dict) and gate.get(sender) != body.step:
+            self._refuse(sender, body, "it is not rebuilding that step")
+            return
+        queued, nbytes = self.p._outbox.pending(sender)
+        if queued >= REPLY_MAX_MESSAGES or nbytes >= REPLY_MAX_BYTES:
+            self._refuse(sender, body, f"{queued} replies ({nbytes} bytes) already queued")
+            return
+        if isinstance(body, pm.MetaRequest):
+            self.serve_meta(sender, body.step)
+        else:
+            self.serve_fetch(sender, body)
+
+    def _refuse(self, sender: int, body: pm.MetaRequest | pm.FetchRequest, why: str) -> None:
+        self.refused += 1
+        self.p.dropped += 1
+        if sender not in self._refused_from:
+            self._refused_from.add(sender)
+            log.warning(
+                "[%d] refused a %r of step %d from node %d: %s (further ones not logged)",
+                self.p.me,
+                body.KIND.value,
+                body.step,
+                sender,
+                why,
+            )
 
     # -- survivor side -------------------------------------------------------------------------
     def serve_meta(self, sender: int, step: int) -> None:
-        """Answer META: the step's sizes (if protected here) and the asker's own manifest."""
+        """Answer META: the step's sizes (if protected here), the asker's own manifest and
+        the seal it made of the step."""
         st = self.p.steps.get(step)
         sizes = st.sizes if st is not None and st.held_sent else {}
         manifest = st.manifests.get(sender, b"") if st is not None else b""
-        self.p.send(sender, pm.MetaReply(step, dict(sizes)), [manifest])
+        mark = st.seals.get(sender, seals.Seal()) if st is not None else seals.Seal()
+        self.p.send(sender, pm.MetaReply(step, dict(sizes), mark.digest, mark.tag), [manifest])
 
     def serve_fetch(self, sender: int, b: pm.FetchRequest) -> None:
         """Answer FETCH with the data range or parity fragment (empty if not held here)."""
@@ -116,14 +229,20 @@ class Rebuilder:
 
     # -- lost node side: replies ---------------------------------------------------------------
     def on_meta(self, b: pm.MetaReply, bufs: tuple[memoryview, ...]) -> None:
-        """A survivor's sizes of a step (and this node's manifest)."""
-        self._meta[b.step] = dict(b.sizes)
-        if bufs:
-            self.p._st(b.step).manifests[self.p.me] = bytes(bufs[0])
+        """A survivor's sizes of a step, this node's manifest and seal (only if asked for)."""
+        if b.step != self._meta_wanted:
+            raise ProtocolError(f"sizes of step {b.step} nobody asked for")
+        if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
+            raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
+        self._meta_wanted = None
+        self._meta[b.step] = (b, bytes(bufs[0]) if bufs else b"")
 
     def on_fetched(self, b: pm.FetchReply, bufs: tuple[memoryview, ...]) -> None:
-        """A fetched fragment (empty: the holder no longer has it)."""
+        """A fetched fragment (empty: the holder no longer has it); only one asked for."""
         key = (b.step, b.stripe, b.frag)
+        if key not in self._wanted:
+            raise ProtocolError(f"fragment {key} nobody asked for")
+        self._wanted.discard(key)
         if not bufs:  # the holder no longer has it
             self._fetched[key] = b""
             return
@@ -132,15 +251,26 @@ class Rebuilder:
         self._fetched[key] = bytes(bufs[0])
 
     # -- lost node side: the rebuild -----------------------------------------------------------
-    def rebuild(self, step: int, lost: set[int] | frozenset[int], source: int) -> memoryview:
+    def rebuild(
+        self,
+        step: int,
+        lost: set[int] | frozenset[int],
+        source: int,
+        accept: Callable[[RebuildMeta], None] | None = None,
+    ) -> memoryview:
         """See :meth:`GroupProtector.rebuild`."""
         p = self.p
-        sizes = self._sizes(step, source)
+        meta = self._sizes(step, source)
+        if accept is not None:
+            accept(meta)
+        sizes = meta.sizes
         stripes = stripe_map(p.plan, sizes, p.stripe_bytes)
         mine = rebuild_plan(p.plan, stripes, lost).for_node(p.me)
         out = bytearray(sizes.get(p.me, 0))
         st = p._st(step)
         st.sizes = dict(sizes)
+        st.manifests[p.me] = meta.manifest
+        st.seals[p.me] = meta.seal
         st.stripes = {s.index: s for s in stripes}
         per = max(1, WINDOW_BYTES // max(1, p.stripe_bytes))
         overall = sum(len(sr.fetch) for sr in mine.stripes)
@@ -154,22 +284,58 @@ class Rebuilder:
             done_frags += len(wanted)
             for sr in window:
                 self._rebuild_stripe(step, sr, lost, st, out)
+        if meta.seal.digest and seals.digest_of(SegmentedBytes([out])) != meta.seal.digest:
+            p.forget(step)
+            raise UnrecoverableError(
+                f"the rebuilt bytes of step {step} do not match the digest node {p.me} "
+                "committed when it protected the step: refusing them"
+            )
         st.data = SegmentedBytes([out])
         st.held = set(p.plan.nodes)
         st.held_sent = True
+        for n in p._peers():  # done: the survivors stop serving this node
+            p.send(n, pm.Held(step))
         p.drain()
         return memoryview(out)
 
-    def _sizes(self, step: int, source: int) -> dict[int, int]:
-        """Every node's snapshot size of ``step``, asked of ``source``."""
-        self.p.send(source, pm.MetaRequest(step))
-        self.p.pump(
-            lambda: step in self._meta, lambda: f"no sizes of step {step} from node {source}"
-        )
-        sizes = self._meta.pop(step)
-        if set(sizes) != set(self.p.plan.nodes):
+    def _sizes(self, step: int, source: int) -> RebuildMeta:
+        """Every node's snapshot size of ``step``, this node's manifest and seal, asked of
+        ``source`` and checked (module docstring) before anything is allocated."""
+        p = self.p
+        self._meta_wanted = step
+        p.send(source, pm.MetaRequest(step))
+        p.pump(lambda: step in self._meta, lambda: f"no sizes of step {step} from node {source}")
+        reply, manifest = self._meta.pop(step)
+        sizes = reply.sizes
+        if set(sizes) != set(p.plan.nodes):
             raise UnrecoverableError(f"node {source} does not hold step {step}")
-        return sizes
+        big = {n: v for n, v in sizes.items() if v > p.max_node_bytes}
+        if big:
+            raise UnrecoverableError(
+                f"node {source} says step {step} has sizes {big} over the bound of "
+                f"{p.max_node_bytes} bytes per node: refusing to rebuild from it"
+            )
+        meta = RebuildMeta(step, sizes, manifest, seals.Seal(reply.digest, reply.tag))
+        self._check_seal(meta, source)
+        return meta
+
+    def _check_seal(self, meta: RebuildMeta, source: int) -> None:
+        """With a key file, the seal must be this node's own of the step (seals.py)."""
+        p = self.p
+        job = p.transport.job_keys
+        if job is None or not job.from_file:
+            log.warning(
+                "[%d] step %d: no key file, so the seal this node made of it cannot be "
+                "checked; the rebuilt bytes are checked against the digest its peers kept",
+                p.me,
+                meta.step,
+            )
+            return
+        if not seals.check(job, p.me, meta.step, meta.sizes[p.me], meta.manifest, meta.seal):
+            raise UnrecoverableError(
+                f"the manifest, size or digest of step {meta.step} that node {source} kept for "
+                f"node {p.me} do not carry node {p.me}'s seal: refusing to rebuild from them"
+            )
 
     def _rebuild_stripe(
         self,
@@ -227,6 +393,7 @@ class Rebuilder:
 
     def _fetch(self, step: int, stripe: StripePlan, fetches: Sequence[Fetch]) -> None:
         for f in fetches:
+            self._wanted.add((step, stripe.index, f.fragment))
             body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
             self.p.send(f.node, body)
 

@@ -7,8 +7,13 @@ Every rendezvous round, before its ranks start, each agent:
 2. gets the job's CURVE key pair: from ``--ftmem-key-file`` (``ftmem keygen`` writes one), or
    made by group rank 0 and handed out through the rendezvous store (with a warning: whoever
    can read the store can then join the mesh);
-3. asks its SMP to open its peer port (PEER_BIND) and publishes the endpoint in the store;
-4. sends every node's endpoint to its SMP (PEER_START) and waits for the group's sync: a
+3. makes this node's key pair of the generation (fresh, random), asks its SMP to open its
+   peer port with it (PEER_BIND) and publishes ``(generation, node index, address)`` in the
+   store, where the address is the endpoint plus the node's public key, with an HMAC-SHA256
+   under a key derived from the job's secret key (the store is plain TCP: every entry read
+   back is checked, and one that fails, or is of another generation or node, is refused);
+4. sends every node's address to its SMP (PEER_START), whose peers then admit exactly those
+   keys, each as its node, and waits for the group's sync: a
    node that lost its memory (a replacement, a restarted SMP) rebuilds it from its peers
    before its ranks are started, so their ``load`` finds it. More than ``m`` nodes lost
    raises :class:`~ftmem.errors.UnrecoverableError` on every node (the same verdict
@@ -17,6 +22,9 @@ Every rendezvous round, before its ranks start, each agent:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import threading
 import time
@@ -80,6 +88,52 @@ def job_keys(settings: PeerSettings, store: Any, group_rank: int, warned: list[b
     if group_rank == 0:
         store.set(_KEY_KEY, keys.generate().to_json())
     return bytes(store.get(_KEY_KEY)).decode()
+
+
+def _entry_mac(job: Any, fields: dict[str, Any]) -> str:
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(job.derived_key("store-entry"), body, hashlib.sha256).hexdigest()
+
+
+def peer_entry(job: Any, generation: int, node: int, address: str) -> str:
+    """This node's entry in the rendezvous store: JSON of the generation, the node index and
+    its address (endpoint and public key), authenticated with the job's key (``job``: its
+    :class:`~ftmem.exchange.keys.CurveKeyPair`)."""
+    fields = {"generation": generation, "node": node, "address": address}
+    return json.dumps({**fields, "mac": _entry_mac(job, fields)})
+
+
+def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
+    """The address in node ``node``'s entry for ``generation``, once its MAC, generation,
+    node and address are checked.
+
+    Raises:
+        FtmemError: the entry is malformed, fails its MAC, or is of another generation or node.
+    """
+    from ftmem.errors import ProtocolError
+    from ftmem.exchange.messages import parse_endpoint
+
+    try:
+        doc = json.loads(raw)
+        fields = {k: doc[k] for k in ("generation", "node", "address")}
+        mac = doc["mac"]
+        ok = type(mac) is str and hmac.compare_digest(mac, _entry_mac(job, fields))
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise FtmemError(f"the store's peer entry of node {node} is malformed") from exc
+    if not ok:
+        raise FtmemError(
+            f"the store's peer entry of node {node} fails its authentication (not written "
+            "with this job's key): refusing it"
+        )
+    if fields["generation"] != generation or fields["node"] != node:
+        raise FtmemError(
+            f"the store's peer entry of node {node} is of generation {fields['generation']!r}, "
+            f"node {fields['node']!r}, not generation {generation}: refusing it"
+        )
+    try:
+        return parse_endpoint(fields["address"])
+    except ProtocolError as exc:
+        raise FtmemError(f"the store's peer entry of node {node}: {exc}") from exc
 
 
 def _start_showing_progress(
@@ -151,6 +205,7 @@ def join_generation(
         UnrecoverableError: more than m nodes of a group lost their snapshots.
         FtmemError: the SMP could not open its port or the sync failed otherwise.
     """
+    from ftmem.exchange import keys
     from ftmem.protocol import messages as m
     from ftmem.protocol.smp_client import SmpClient
 
@@ -158,12 +213,15 @@ def join_generation(
     if parity == 0:
         return None
     t0 = time.monotonic()
-    pair = job_keys(settings, store, group_rank, warned)
+    job = keys.CurveKeyPair.from_json(job_keys(settings, store, group_rank, warned))
+    pair = job.with_node(keys.generate()).to_json()
     with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
         bound = smp.request(m.PeerBind(keys=pair, host=settings.host, me=me))
-        store.set(f"{_PEER_KEY}/{me}", str(bound["endpoint"]))
+        store.set(f"{_PEER_KEY}/{me}", peer_entry(job, generation, me, str(bound["endpoint"])))
         raw = store.multi_get([f"{_PEER_KEY}/{i}" for i in range(nodes)])
-        endpoints = {str(i): bytes(v).decode() for i, v in enumerate(raw)}
+        endpoints = {
+            str(i): read_peer_entry(job, bytes(v), generation, i) for i, v in enumerate(raw)
+        }
         log.info(
             "[%s] peer mesh of generation %d: %d nodes, m=%d, this node %d at %s",
             node_name,

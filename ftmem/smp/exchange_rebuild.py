@@ -4,18 +4,27 @@ A node that lost the step the group keeps (a replacement, a restarted SMP) fetch
 and parity from the survivors (:meth:`GroupProtector.rebuild`), writes each rank's bytes into
 a new slot (:meth:`SlotStore.install_rebuilt`) and from then on serves the step from those
 slot files, as if it had protected the step itself.
+
+Before anything is allocated, what the survivors sent is checked (:func:`check_manifest`,
+the protector's ``accept`` hook, after the protector's own bounds and seal check): the
+manifest is for the step and lists exactly this node's ranks, each rank's bytes fit its slot
+capacity, they add up to the node's size, and all the slots together fit in the free shared
+memory. A refusal is the rebuild's failure (REBUILD_FAILED), like any other.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from typing import Any
 
 from ftmem._logging import get_logger
-from ftmem.errors import FtmemError
+from ftmem.errors import FtmemError, UnrecoverableError
+from ftmem.exchange.rebuilder import RebuildMeta
 from ftmem.exchange.status import ExchangeState
 from ftmem.smp.exchange_state import ExchangeContext, PinnedStep
-from ftmem.smp.store import StoreError
+from ftmem.smp.store import MAX_SLOT_BYTES, StoreError
 
 log = get_logger(__name__)
 
@@ -38,6 +47,51 @@ def report_progress(ctx: ExchangeContext, step: int, done: int, total: int) -> N
     )
 
 
+def _int_field(entry: dict[str, Any], name: str, hi: int) -> int:
+    value = entry.get(name)
+    if type(value) is not int or not 0 <= value <= hi:
+        raise UnrecoverableError(f"a manifest entry's {name!r} is not an integer in 0..{hi}")
+    return value
+
+
+def check_manifest(ctx: ExchangeContext, meta: RebuildMeta) -> None:
+    """Refuse a rebuild whose manifest does not fit this node (see the module docstring).
+
+    Raises:
+        UnrecoverableError: saying what does not fit.
+    """
+    try:
+        doc = json.loads(meta.manifest or b"null")
+    except (ValueError, RecursionError) as exc:
+        raise UnrecoverableError(f"the manifest of step {meta.step} is not JSON") from exc
+    if not isinstance(doc, dict) or doc.get("step") != meta.step:
+        raise UnrecoverableError("the rebuilt node's manifest is missing or for another step")
+    entries = doc.get("ranks")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise UnrecoverableError("the manifest has no list of ranks")
+    ranks = [_int_field(e, "rank", 1 << 31) for e in entries]
+    if sorted(ranks) != sorted(ctx.ranks):
+        raise UnrecoverableError(
+            f"the manifest lists ranks {sorted(ranks)[:16]}, this node runs {sorted(ctx.ranks)}"
+        )
+    used = capacity = 0
+    for e in entries:
+        n, cap = _int_field(e, "nbytes", MAX_SLOT_BYTES), _int_field(e, "capacity", MAX_SLOT_BYTES)
+        if n > cap:
+            raise UnrecoverableError(f"rank {e['rank']}: {n} bytes in a slot of {cap}")
+        used, capacity = used + n, capacity + cap
+    if used != meta.sizes.get(ctx.me):
+        raise UnrecoverableError(
+            f"the manifest's ranks hold {used} bytes, the node's size is {meta.sizes.get(ctx.me)}"
+        )
+    vfs = os.statvfs(ctx.local.files.shm_dir)
+    free = vfs.f_bavail * vfs.f_frsize
+    if capacity > free:
+        raise UnrecoverableError(
+            f"the rebuilt slots need {capacity} bytes, {ctx.local.files.shm_dir} has {free} free"
+        )
+
+
 def rebuild_step(ctx: ExchangeContext, step: int, lost: frozenset[int], source: int) -> None:
     """Rebuild ``step`` from the group (``source``: a node that holds it) and install it.
 
@@ -56,7 +110,7 @@ def rebuild_step(ctx: ExchangeContext, step: int, lost: frozenset[int], source: 
         source,
         sorted(lost),
     )
-    data = protector.rebuild(step, lost, source)
+    data = protector.rebuild(step, lost, source, lambda meta: check_manifest(ctx, meta))
     try:
         manifest = json.loads(protector.manifest(step, ctx.me) or b"null")
         if not isinstance(manifest, dict) or manifest.get("step") != step:

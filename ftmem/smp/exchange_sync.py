@@ -5,6 +5,10 @@ list is in, each node runs :func:`decide` on the same inputs, so all agree: the 
 held by at least ``n - m`` nodes is the group's protected step; nodes that do not hold it
 rebuild it (exchange_rebuild.py) before the launcher starts their ranks; every node keeps only
 that step. No such step while some node holds data: more than m nodes were lost.
+
+Until the sync has decided, a node keeps its peers' META and FETCH requests unanswered; then
+it serves the kept step to the nodes that rebuild it, each until it has rebuilt (HELD), and
+refuses everyone else (the protector's ``hold_requests`` and ``serve_rebuild``).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class GenerationSync:
         self.synced = False
         self._states = {self.ctx.me: held}
         self._deadline = time.monotonic() + self.timeout_s
+        if self.ctx.protector is not None:
+            self.ctx.protector.hold_requests()
 
     def on_held(self, sender: int, held: list[int]) -> None:
         """Node ``sender``'s held steps."""
@@ -99,6 +105,7 @@ class GenerationSync:
                 return None
             missing = sorted(set(ctx.plan.nodes) - set(self._states))
             self.pending = None
+            ctx.protector.serve_rebuild(None, frozenset())
             ctx.board.move(ExchangeState.SYNC_FAILED)
             ctx.event("sync", generation=ctx.epoch, ok=False, missing=missing)
             why = f"nodes {missing} did not answer the sync in {self.timeout_s:.0f} s"
@@ -109,6 +116,8 @@ class GenerationSync:
     def _finish(self, cmd: StartCommand, verdict: SyncVerdict) -> Result:
         ctx = self.ctx
         assert ctx.protector is not None
+        # Snapshot bytes go to the nodes that rebuild the kept step, and to no one else.
+        ctx.protector.serve_rebuild(None if verdict.error else verdict.step, verdict.lost)
         ctx.event(
             "sync",
             generation=ctx.epoch,

@@ -25,7 +25,7 @@ from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone
+from ftmem.testing.harness import pid_gone, remove_shm
 
 T = timedelta(seconds=60)
 """Every start and request deadline."""
@@ -124,9 +124,7 @@ class Node:
             self.client = None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.stop(timeout=timedelta(seconds=10))
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(f"ftmem-{self.run_id}-{self.name}-"):
-                os.unlink(f"/dev/shm/{name}")
+        remove_shm(self.run_id, self.name)
         for name in ("smp.sock", "smp.ready", "auth.key"):
             (self.run_dir / name).unlink(missing_ok=True)
 
@@ -159,6 +157,9 @@ class Cluster:
         self.nodes = [Node(i, base / f"n{i}", run_id) for i in range(n)]
         self.epoch = 0
         self.endpoints: dict[str, str] = {}
+        """Every node's address (endpoint and public key) of the current generation."""
+        self.node_keys: dict[int, keys.CurveKeyPair] = {}
+        """Every node's own key pair of the current generation (as its agent makes it)."""
         for node in self.nodes:
             node.start(env=(env or {}).get(node.index))
 
@@ -167,11 +168,14 @@ class Cluster:
         return [node.index * self.rpn + j for j in range(self.rpn)]
 
     def generation(self, expect_fail: bool = False) -> list[dict[str, object] | str]:
-        """What the launcher does each round: bind every SMP, then start them all at once."""
+        """What the launcher does each round: bind every SMP (with a fresh key pair of its
+        own), then start them all at once."""
         self.epoch += 1
         eps = {}
         for node in self.nodes:
-            r = node.req(m.PeerBind(keys=self.key.to_json(), host="127.0.0.1", me=node.index))
+            self.node_keys[node.index] = keys.generate()
+            pair = self.key.with_node(self.node_keys[node.index]).to_json()
+            r = node.req(m.PeerBind(keys=pair, host="127.0.0.1", me=node.index))
             eps[str(node.index)] = str(r["endpoint"])
         self.endpoints = eps
         # Start requests are answered after the sync: send all first, then collect.
@@ -219,6 +223,10 @@ class Cluster:
         while not cond():
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.05)
+
+    def endpoint(self, node: int) -> str:
+        """Node ``node``'s bare endpoint ``tcp://host:port`` (its address without the key)."""
+        return self.endpoints[str(node)].split(" ", 1)[0]
 
     def protected(self, step: int) -> bool:
         """Every node reports ``step`` as its protected step."""

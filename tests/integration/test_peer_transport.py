@@ -1,4 +1,6 @@
-"""The SMP mesh transport on loopback: CURVE admits only the job's key; bad frames are dropped."""
+"""The SMP mesh transport on loopback: CURVE admits exactly the generation's node keys, each as
+its node; a member claiming another's name, the job's key alone and a key of an earlier
+generation get nothing through; bad frames are dropped."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from xxhash import xxh64_intdigest as xxh64
 
 from ftmem.errors import ProtocolError
 from ftmem.exchange import keys
-from ftmem.exchange.messages import Envelope
+from ftmem.exchange.messages import Envelope, PeerAddress
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol import messages as m
 
@@ -72,7 +74,7 @@ def test_plain_tcp_client_gets_nothing_through(
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(b.endpoint)
+    s.connect(PeerAddress.parse(b.endpoint).endpoint)
     s.send_multipart([b"garbage", b"more"])
     assert b.recv(2.0) is None
     s.close()
@@ -130,3 +132,101 @@ def test_key_file_round_trip_and_permissions(tmp_path: Path) -> None:
     bad.chmod(0o600)
     with pytest.raises(keys.KeyFileError):
         keys.read_key_file(bad)
+
+
+def _raw_peer(
+    ctx: zmq.Context[zmq.Socket[bytes]], to: ZmqPeerTransport, pair: keys.CurveKeyPair, name: bytes
+) -> zmq.Socket[bytes]:
+    """A DEALER to ``to`` presenting ``pair`` and claiming the routing id ``name``."""
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.ROUTING_ID, name)
+    addr = PeerAddress.parse(to.endpoint)
+    d.curve_serverkey = addr.key
+    d.curve_publickey, d.curve_secretkey = pair.public, pair.secret
+    d.connect(addr.endpoint)
+    return d
+
+
+@pytest.fixture
+def trio() -> Iterator[list[ZmqPeerTransport]]:
+    k = keys.generate()
+    ts = [ZmqPeerTransport(str(i), k) for i in range(3)]
+    try:
+        eps = {str(i): t.start() for i, t in enumerate(ts)}
+        for t in ts:
+            t.connect(eps)
+        yield ts
+    finally:
+        for t in ts:
+            t.close()
+
+
+def test_a_member_claiming_another_nodes_name_is_dropped(trio: list[ZmqPeerTransport]) -> None:
+    """Node 2, a member with its own key, sends as "0" (its routing id): node 1 drops it and
+    counts it; node 2's messages under its own name still arrive, named by its key."""
+    _, b, c = trio
+    ctx = zmq.Context()
+    try:
+        d = _raw_peer(ctx, b, c.node_keys, b"0")
+        d.send_multipart(c._frames({"t": "abort", "e": 0, "step": 1}, []))
+        assert b.recv(3.0) is None
+        assert b.impostors == 1 and b.dropped == 1
+        d.close(linger=0)
+    finally:
+        ctx.term()
+    c.send("1", {"mine": 1}, [])
+    got = recv_one(b)
+    assert got.sender == "2" and got.header == {"mine": 1}
+
+
+@pytest.mark.parametrize("who", ["job key", "earlier generation", "stranger"])
+def test_a_key_of_no_member_of_the_generation_is_refused(who: str) -> None:
+    """The job's pair itself, a node's pair of the previous generation and an unknown pair
+    all fail the handshake: nothing they send arrives; the members go on."""
+    job = keys.generate()
+    old = [ZmqPeerTransport(str(i), job) for i in range(2)]
+    new: list[ZmqPeerTransport] = []
+    ctx = zmq.Context()
+    try:
+        eps = {str(i): t.start() for i, t in enumerate(old)}
+        for t in old:
+            t.connect(eps)
+        old_key = old[0].node_keys
+        for t in old:
+            t.close()
+        new = [ZmqPeerTransport(str(i), job) for i in range(2)]
+        eps = {str(i): t.start() for i, t in enumerate(new)}
+        for t in new:
+            t.connect(eps)
+        pair = {"job key": job, "earlier generation": old_key, "stranger": keys.generate()}[who]
+        d = _raw_peer(ctx, new[1], pair, b"0")
+        d.send_multipart(new[0]._frames({"t": "abort", "e": 0, "step": 1}, []))
+        assert new[1].recv(1.5) is None
+        assert new[1].dropped == 0, "an unauthenticated message got as far as parsing"
+        d.close(linger=0)
+        new[0].send("1", {"ok": 1}, [])
+        got = recv_one(new[1])
+        assert got.sender == "0" and got.header == {"ok": 1}
+    finally:
+        ctx.term()
+        for t in old + new:
+            t.close()
+
+
+def test_a_peer_that_connects_before_the_members_are_known_waits_then_gets_through() -> None:
+    """ZeroMQ never retries a client that ZAP refused, so a node that starts its generation
+    first must not be refused by a peer that has not learned the members yet."""
+    job = keys.generate()
+    a, b = ZmqPeerTransport("0", job), ZmqPeerTransport("1", job)
+    try:
+        eps = {"0": a.start(), "1": b.start()}
+        a.connect(eps)
+        a.send("1", {"early": 1}, [])
+        assert b.recv(0.5) is None  # b does not know the members yet: the handshake waits
+        b.connect(eps)
+        got = recv_one(b)
+        assert got.sender == "0" and got.header == {"early": 1}
+    finally:
+        a.close()
+        b.close()

@@ -16,6 +16,7 @@ import pytest
 from ftmem import shm
 from ftmem.errors import UnrecoverableError
 from ftmem.exchange import keys
+from ftmem.exchange.messages import PeerAddress
 from ftmem.exchange.placement import GroupPlan, plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.status import ExchangeState
@@ -53,6 +54,11 @@ def run_threads(fns: list[Callable[[], None]], timeout: float = 60.0) -> None:
         raise errors[0]
 
 
+def port_of(address: str) -> int:
+    """The port of a node's address."""
+    return int(PeerAddress.parse(address).endpoint.rsplit(":", 1)[1])
+
+
 def mesh(
     plan: GroupPlan, transports: list[ZmqPeerTransport]
 ) -> tuple[dict[str, str], list[GroupProtector]]:
@@ -80,16 +86,19 @@ def scenario(n: int, m: int, sizes: list[int], lost: set[int]) -> None:
         assert all(p.is_protected(1) for p in prots)
         for i in range(n):
             parity_before[i] = dict(prots[i].steps[1].parity)
-        # Lose nodes: their transports close; replacements bind the same ports, empty.
+        # Lose nodes: their transports close; replacements bind the same ports, empty, with
+        # keys of their own; every node learns the new addresses (a new generation).
         for i in lost:
             transports[i].close()
-            port = int(eps[str(i)].rsplit(":", 1)[1])
-            t = ZmqPeerTransport(str(i), key, port=port)
-            t.start()
-            t.connect(eps)
+            t = ZmqPeerTransport(str(i), key, port=port_of(eps[str(i)]))
+            eps[str(i)] = t.start()
             replacements.append(t)
             prots[i] = GroupProtector(i, plan, t, STRIPE, timeout_s=30)
         survivors = [i for i in range(n) if i not in lost]
+        for i in range(n):
+            prots[i].transport.connect(eps)
+        for i in survivors:
+            prots[i].serve_rebuild(1, lost)
         rebuilt: dict[int, bytes] = {}
 
         def rebuild(i: int) -> None:
@@ -160,6 +169,8 @@ def _sync_with_survivors(
             ctx.board.move(ExchangeState.SYNCING)
             for node, steps in held.items():
                 sync.on_held(node, steps)
+            for p in survivors:  # the survivors' own syncs decided the same
+                p.serve_rebuild(1, {ctx.me})
             out.append(sync.poll())
         finally:
             done.set()
@@ -191,9 +202,10 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
         )
         # Node 1 is lost; its replacement's slots of rank 1 are all being allocated.
         transports[1].close()
-        transports[1] = ZmqPeerTransport("1", key, port=int(eps["1"].rsplit(":", 1)[1]))
-        transports[1].start()
-        transports[1].connect(eps)
+        transports[1] = ZmqPeerTransport("1", key, port=port_of(eps["1"]))
+        eps["1"] = transports[1].start()
+        for t in transports:
+            t.connect(eps)
         ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
         ctx.board.move(ExchangeState.BOUND)
         allocating = store.start_resize(1, -1, size)
