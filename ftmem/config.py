@@ -24,12 +24,17 @@ ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.faults)
 ENV_FLUSH_DIRS = "FTMEM_FLUSH_DIRS"  # disk tiers, nearest first, ":"-separated (load's fallback)
 ENV_TIER_KEY_FILE = "FTMEM_TIER_KEY_FILE"
 """The key that signs every checkpoint's manifest (default ``~/.config/ftmem/tier.key``)."""
+ENV_SHM_DIR = "FTMEM_SHM_DIR"
+"""The private directory (mode 0700) holding the slot files and their commit records
+(default ``/dev/shm/ftmem-<uid>``); ``python -m ftmem.smp --shm-dir`` overrides it."""
 
 SOCKET_NAME = "smp.sock"
 AUTH_KEY_NAME = "auth.key"
 READY_NAME = "smp.ready"
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+"""What a run id or node name may be (no ``@``: see :func:`check_name`)."""
+_NAME_RE = re.compile(NAME_PATTERN)
 
 
 def default_run_id() -> str:
@@ -61,6 +66,17 @@ def user_base_dir() -> Path:
     return runtime / "ftmem" if runtime else Path("/tmp") / f"ftmem-{os.getuid()}"
 
 
+def default_shm_dir() -> Path:
+    """Return FTMEM_SHM_DIR (made absolute) if set, else ``/dev/shm/ftmem-<uid>``: this user's
+    private directory (mode 0700) for slot files. The SMP creates it and refuses it if it is
+    another user's, a symlink, or writable by others; ranks refuse to map a slot file unless
+    the directory is this user's with mode 0700 (:mod:`ftmem.shm`)."""
+    env = os.environ.get(ENV_SHM_DIR)
+    if env:
+        return Path(env).absolute()
+    return Path("/dev/shm") / f"ftmem-{os.geteuid()}"
+
+
 def default_run_dir(run_id: str | None = None) -> Path:
     """Return FTMEM_RUN_DIR if set, else ``$XDG_RUNTIME_DIR/ftmem/<run_id>`` when the runtime
     directory is private, else ``/tmp/ftmem-<uid>/<run_id>``. The SMP creates the directory
@@ -73,9 +89,12 @@ def default_run_dir(run_id: str | None = None) -> Path:
 
 
 def check_name(kind: str, value: str) -> str:
-    """Return ``value`` if it is a safe name for files and shared memory, else raise ValueError."""
-    if not _NAME_RE.match(value):
-        raise ValueError(f"{kind} {value!r} must match {_NAME_RE.pattern}")
+    """Return ``value`` if it is a safe name for files and shared memory, else raise ValueError.
+
+    Run ids and node names are 1-64 of ``[A-Za-z0-9_.-]``: never ``@``, which separates
+    them in slot file names and lock names, so each name maps back to one run and node."""
+    if not _NAME_RE.fullmatch(value):
+        raise ValueError(f"{kind} {value!r} must match {NAME_PATTERN}")
     return value
 
 
@@ -93,8 +112,10 @@ class SmpConfig:
     """Snapshot slots per rank (>= 2): one being written while the newest committed is kept."""
     max_message_bytes: int = 16 << 20
     """Largest message accepted on the rank socket; larger ones are dropped by ZeroMQ."""
-    shm_dir: Path = Path("/dev/shm")
-    """Where the arena files live (a tmpfs)."""
+    shm_dir: Path = field(default_factory=default_shm_dir)
+    """This user's private directory (mode 0700, on a tmpfs) holding the slot files and their
+    commit records (FTMEM_SHM_DIR, default ``/dev/shm/ftmem-<uid>``). The SMP creates it and
+    refuses to start if it is another user's, a symlink, or open to others."""
     parent_pid: int | None = None
     """If set, the SMP exits (cleaning up) when this process is gone."""
     adopt: bool = True

@@ -1,18 +1,32 @@
-"""Named shared-memory segments (files under /dev/shm) that hold snapshot slots.
+"""Named shared-memory segments (slot files on a tmpfs) that hold snapshot slots.
 
 The SMP creates each slot file (mode 0600, pre-faulted so no rank ever pays first-touch
 page faults on the training path) and removes it; ranks map the files it names.
+
+Where and under which name: every slot file and commit record lives in this user's private
+directory (mode 0700, default ``/dev/shm/ftmem-<uid>``, :func:`ftmem.config.default_shm_dir`),
+never directly in the world-writable ``/dev/shm``, so no other user can plant a file under a
+slot's name or make an allocation fail. A slot file is named
+``<run>@<node>@<nonce>@r<rank>-s<slot>-g<gen>`` (:func:`slot_file_name`): run ids and node
+names cannot contain ``@`` (:func:`ftmem.config.check_name`), so a name belongs to exactly one
+run and node (run ``a-b`` node ``c`` and run ``a`` node ``b-c`` differ), and ``<nonce>`` is
+random per SMP (:func:`new_nonce`), so names are not predictable either. A restarted SMP of
+the same run and node adopts slot files of any nonce (:func:`parse_slot_name`).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import re
+import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
-from ftmem.secure_fs import open_owned
+from ftmem.config import NAME_PATTERN, default_shm_dir
+from ftmem.secure_fs import check_dir, open_owned
 
 if TYPE_CHECKING:
     import torch
@@ -24,9 +38,60 @@ ALIGN = 64  # byte alignment of every tensor inside a slot
 SLOT_ROUND = 2 << 20  # slot capacities are multiples of 2 MiB
 
 
-def slot_file_name(run_id: str, node: str, rank: int, slot: int, gen: int) -> str:
-    """Return the file name of a slot: it carries the run id, node, rank, slot and generation."""
-    return f"ftmem-{run_id}-{node}-r{rank}-s{slot}-g{gen}"
+NAME_SEP = "@"
+"""Separates run id, node name, nonce and slot in a slot file's name (never in a name)."""
+RECORD_SUFFIXES = (".commit", ".commit.tmp")
+"""A commit record's suffix and its temporary file's (see :mod:`ftmem.smp.records`)."""
+_NONCE_HEX = 16
+_SLOT_NAME_RE = re.compile(
+    rf"(?P<run>{NAME_PATTERN})@(?P<node>{NAME_PATTERN})@(?P<nonce>[0-9a-f]{{{_NONCE_HEX}}})"
+    r"@r(?P<rank>\d{1,9})-s(?P<slot>\d{1,9})-g(?P<gen>\d{1,18})"
+    r"(?P<suffix>\.commit(?:\.tmp)?)?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotName:
+    """The parts of a slot file's (or its commit record's) name."""
+
+    run_id: str
+    node: str
+    nonce: str
+    rank: int
+    slot: int
+    gen: int
+    suffix: str
+    """``""`` for a slot file, else one of :data:`RECORD_SUFFIXES`."""
+
+
+def new_nonce() -> str:
+    """A random nonce (16 hex digits) for the names of one SMP's slot files."""
+    return secrets.token_hex(_NONCE_HEX // 2)
+
+
+def slot_file_name(run_id: str, node: str, nonce: str, rank: int, slot: int, gen: int) -> str:
+    """Return the file name of a slot, ``<run>@<node>@<nonce>@r<rank>-s<slot>-g<gen>``;
+    :func:`parse_slot_name` gives the parts back (ValueError if they cannot round-trip)."""
+    name = f"{run_id}{NAME_SEP}{node}{NAME_SEP}{nonce}{NAME_SEP}r{rank}-s{slot}-g{gen}"
+    if parse_slot_name(name) != SlotName(run_id, node, nonce, rank, slot, gen, ""):
+        raise ValueError(f"not a valid slot file name: {name!r}")
+    return name
+
+
+def parse_slot_name(name: str) -> SlotName | None:
+    """The parts of a slot file's or commit record's name; None for any other name."""
+    m = _SLOT_NAME_RE.fullmatch(name)
+    if m is None:
+        return None
+    return SlotName(
+        m["run"],
+        m["node"],
+        m["nonce"],
+        int(m["rank"]),
+        int(m["slot"]),
+        int(m["gen"]),
+        m["suffix"] or "",
+    )
 
 
 def round_capacity(nbytes: int) -> int:
@@ -54,7 +119,7 @@ def create_segment(path: Path, nbytes: int) -> None:
     Error handling: on any failure (e.g. /dev/shm full) the partial file is removed and
     the OSError propagates.
     """
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)
         with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) as mm:
@@ -74,23 +139,41 @@ def remove_segment(path: Path) -> None:
         pass
 
 
+def check_slot_path(path: Path, shm_dir: Path | None = None) -> Path:
+    """Return ``path`` resolved, after checking that it names a slot file directly in
+    ``shm_dir`` (default :func:`ftmem.config.default_shm_dir`) and that ``shm_dir`` is a real
+    directory of this user with mode 0700 (nobody else can have planted or swapped an entry:
+    the directory's parent, ``/dev/shm``, is sticky, so only its owner can rename it).
+
+    Raises:
+        ValueError: ``path`` is not a slot file's name, or lies elsewhere.
+        UnsafePathError: ``shm_dir`` is a symlink, another user's, or open to others.
+    """
+    shm_dir = default_shm_dir() if shm_dir is None else shm_dir
+    resolved = Path(os.path.realpath(path))
+    name = parse_slot_name(resolved.name)
+    if resolved.parent != Path(os.path.realpath(shm_dir)) or name is None or name.suffix:
+        raise ValueError(f"refusing to map {path}: not a slot file in {shm_dir}")
+    check_dir(shm_dir, "shared-memory directory", private=True)
+    return resolved
+
+
 class MappedSegment:
     """A rank's read/write mapping of one slot file, exposed as a uint8 tensor.
 
-    The file must be an ftmem segment in ``shm_dir``, a regular file (opened without
-    following a symlink) of this user that nobody else can read or write; otherwise
-    UnsafePathError (or ValueError for a wrong place or size) is raised and nothing is mapped.
+    The file must be a slot file (by its name) directly in ``shm_dir`` (default
+    :func:`ftmem.config.default_shm_dir`; the SMP's HELLO reply names its own), that
+    directory a real directory of this user with mode 0700, and the file a regular file
+    (opened without following a symlink) of this user that nobody else can read or write;
+    otherwise UnsafePathError (or ValueError for a wrong place, name or size) is raised and
+    nothing is mapped.
 
     Resource handling: the mapping lives until :meth:`close` (idempotent); tensors taken
     from :attr:`tensor` must be dropped first.
     """
 
-    def __init__(self, path: Path, expect_bytes: int, shm_dir: Path = Path("/dev/shm")) -> None:
-        resolved = Path(os.path.realpath(path))
-        if resolved.parent != Path(os.path.realpath(shm_dir)) or not resolved.name.startswith(
-            "ftmem-"
-        ):
-            raise ValueError(f"refusing to map {path}: not an ftmem segment in {shm_dir}")
+    def __init__(self, path: Path, expect_bytes: int, shm_dir: Path | None = None) -> None:
+        resolved = check_slot_path(path, shm_dir)
         fd = open_owned(resolved, "slot file", os.O_RDWR, private=True)
         try:
             st = os.fstat(fd)
@@ -126,7 +209,7 @@ def map_readonly(path: Path, nbytes: int) -> mmap.mmap:
         OSError: the file is missing.
         ValueError: the file is shorter than ``nbytes``.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if size < nbytes:
@@ -138,7 +221,7 @@ def map_readonly(path: Path, nbytes: int) -> mmap.mmap:
 
 def write_segment(path: Path, data: memoryview) -> None:
     """Write ``data`` at the start of the existing slot file ``path`` (used by a rebuild)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         done = 0
         while done < data.nbytes:

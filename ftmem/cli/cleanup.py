@@ -1,14 +1,16 @@
 """``ftmem cleanup``: find (and with ``--remove``, delete) this user's orphaned slot files.
 
 An SMP killed with SIGKILL (the OOM killer, a scheduler whose kill wait was shorter than the
-final flush) cannot remove its slot files: they stay in /dev/shm, holding memory, until an SMP
+final flush) cannot remove its slot files: they stay in the user's private shared-memory
+directory (``$FTMEM_SHM_DIR``, default ``/dev/shm/ftmem-<uid>``), holding memory, until an SMP
 of the same run and node adopts them (``ftmem-launch`` with the same ``--rdzv-id`` and
-``--ftmem-node``) or this command removes them. A file is *orphaned* when it has an ftmem slot
-file's name (or is a slot's commit record), belongs to this user, and no live SMP holds the
-lock of its run and node (:mod:`ftmem.smp.node_lock`) and no process of this user has it mapped
-or open (``/proc/<pid>/maps`` and ``fd``: a rank maps its slots for its whole life, so a live
+``--ftmem-node``) or this command removes them. A file is *orphaned* when it has a slot file's
+name (or is a slot's commit record), belongs to this user, and no live SMP holds the lock of
+its run and node (:mod:`ftmem.smp.node_lock`) and no process of this user has it mapped or
+open (``/proc/<pid>/maps`` and ``fd``: a rank maps its slots for its whole life, so a live
 job is recognised even if its lock lives elsewhere, e.g. under another ``XDG_RUNTIME_DIR``).
-Files of other users are never listed.
+Files of other users are never listed. Names are parsed (:func:`ftmem.shm.parse_slot_name`),
+so a live run ``a`` node ``b-c`` never protects (nor hides) run ``a-b`` node ``c``'s files.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
-import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftmem.config import user_base_dir
+from ftmem.config import default_shm_dir, user_base_dir
+from ftmem.errors import UnsafePathError
+from ftmem.secure_fs import check_dir
+from ftmem.shm import parse_slot_name
 
-_SLOT_RE = re.compile(r"^ftmem-.+-r\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
+_TMPFS_ROOT = "/dev/shm"
+"""``--shm-dir /dev/shm`` (the CLI's default) stands for this user's private directory in it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +54,21 @@ def _held(lock: Path) -> bool:
     return False
 
 
-def live_prefixes(base: Path | None = None) -> list[str]:
-    """File-name prefixes of every run and node a live SMP of this user serves."""
+def live_runs(base: Path | None = None) -> set[tuple[str, str]]:
+    """(run id, node) of every run and node a live SMP of this user serves (its lock held)."""
     locks = (base or user_base_dir()) / "locks"
-    out = []
+    out = set()
     for lock in sorted(locks.glob("*@*.lock")) if locks.is_dir() else []:
         run, _, node = lock.name.removesuffix(".lock").partition("@")
         if _held(lock):
-            out.append(f"ftmem-{run}-{node}-r")
+            out.add((run, node))
     return out
 
 
 def in_use(shm_dir: Path) -> set[str]:
     """Names of the files in ``shm_dir`` some process of this user maps or holds open."""
     names: set[str] = set()
-    prefix = str(shm_dir).rstrip("/") + "/"
+    prefix = os.path.realpath(shm_dir).rstrip("/") + "/"
     for pid in (d for d in os.listdir("/proc") if d.isdigit()):
         try:
             if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
@@ -81,28 +87,47 @@ def in_use(shm_dir: Path) -> set[str]:
     return names
 
 
-def find_orphans(shm_dir: Path = Path("/dev/shm"), base: Path | None = None) -> list[Orphan]:
-    """This user's slot files and records in ``shm_dir`` that no live SMP serves."""
-    live = tuple(live_prefixes(base))
+def find_orphans(shm_dir: Path | None = None, base: Path | None = None) -> list[Orphan]:
+    """This user's slot files and records in ``shm_dir`` (default
+    :func:`ftmem.config.default_shm_dir`) that no live SMP serves and no process uses.
+
+    Raises:
+        UnsafePathError: ``shm_dir`` is a symlink, another user's, or writable by others
+            (nothing is listed: whoever could write there may have planted the names).
+    """
+    shm_dir = default_shm_dir() if shm_dir is None else shm_dir
+    if not os.path.lexists(shm_dir):
+        return []
+    check_dir(shm_dir, "shared-memory directory")
+    live = live_runs(base)
     used = in_use(shm_dir)
     found = []
-    for p in sorted(shm_dir.glob("ftmem-*")):
-        if not _SLOT_RE.match(p.name) or (live and p.name.startswith(live)):
+    for name in sorted(os.listdir(shm_dir)):
+        parsed = parse_slot_name(name)
+        if parsed is None or (parsed.run_id, parsed.node) in live:
             continue
-        if p.name in used or p.name.removesuffix(".tmp").removesuffix(".commit") in used:
+        if name in used or name.removesuffix(parsed.suffix) in used:
             continue
         try:
-            st = os.lstat(p)
+            st = os.lstat(shm_dir / name)
         except FileNotFoundError:
             continue
         if st.st_uid == os.geteuid():
-            found.append(Orphan(p, st.st_size))
+            found.append(Orphan(shm_dir / name, st.st_size))
     return found
 
 
 def run_cleanup(args: argparse.Namespace) -> int:
-    """List the orphans (and remove them with ``--remove``); exit 0."""
-    orphans = find_orphans(Path(args.shm_dir))
+    """List the orphans (and remove them with ``--remove``); exit 0, or 1 if the directory
+    is unsafe. ``--shm-dir /dev/shm`` (the default) means this user's private directory
+    (``$FTMEM_SHM_DIR`` or ``/dev/shm/ftmem-<uid>``)."""
+    arg = getattr(args, "shm_dir", None)
+    shm_dir = default_shm_dir() if arg in (None, _TMPFS_ROOT) else Path(arg)
+    try:
+        orphans = find_orphans(shm_dir)
+    except UnsafePathError as exc:
+        print(f"ftmem cleanup: {exc}", file=sys.stderr)
+        return 1
     total = sum(o.nbytes for o in orphans)
     verb = "removing" if args.remove else "would remove (dry run; --remove to delete)"
     for o in orphans:
@@ -112,5 +137,5 @@ def run_cleanup(args: argparse.Namespace) -> int:
                 os.unlink(o.path)
             except FileNotFoundError:
                 pass
-    print(f"{len(orphans)} orphaned file(s), {total / 2**30:.2f} GiB")
+    print(f"{len(orphans)} orphaned file(s) in {shm_dir}, {total / 2**30:.2f} GiB")
     return 0

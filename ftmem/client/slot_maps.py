@@ -25,6 +25,7 @@ from ftmem.client.staging import (
     start_cuda_copies,
     unregister_pinned,
 )
+from ftmem.config import default_shm_dir
 from ftmem.shm import MappedSegment
 
 
@@ -37,8 +38,10 @@ class SlotMappings:
     """
 
     def __init__(self) -> None:
-        self.shm_dir = Path("/dev/shm")
-        """Where the SMP makes the slot files (its HELLO reply says)."""
+        self.shm_dir = default_shm_dir()
+        """Where the SMP makes the slot files (its HELLO reply says). Every mapping checks
+        that the file lies directly in it and that it is this user's directory with mode
+        0700 (:func:`ftmem.shm.check_slot_path`)."""
         self._segments: dict[str, MappedSegment] = {}
         self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
         """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
@@ -46,7 +49,13 @@ class SlotMappings:
         self._lock = threading.Lock()
 
     def segment(self, path: str, capacity: int) -> MappedSegment:
-        """The mapping of the slot file ``path`` of ``capacity`` bytes (mapped now if new)."""
+        """The mapping of the slot file ``path`` of ``capacity`` bytes (mapped now if new).
+
+        Raises:
+            UnsafePathError: the shared-memory directory or the file is not this user's
+                private one (nothing is mapped).
+            ValueError: ``path`` is not a slot file in :attr:`shm_dir`, or has another size.
+        """
         with self._lock:
             seg = self._segments.get(path)
             if seg is None or seg.nbytes != capacity:

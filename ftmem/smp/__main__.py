@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ftmem._logging import configure, get_logger
-from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id
+from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id, default_shm_dir
 from ftmem.errors import SmpStartError
 from ftmem.smp.daemon import SmpDaemon
 
@@ -57,7 +57,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-message-bytes", type=int, default=16 << 20, help="largest request accepted"
     )
-    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for the arenas")
+    p.add_argument(
+        "--shm-dir",
+        type=Path,
+        default=None,
+        help="this user's private directory (made 0700, on a tmpfs) for the slot files; "
+        "default $FTMEM_SHM_DIR or /dev/shm/ftmem-<uid>",
+    )
     p.add_argument(
         "--poll-interval", type=float, default=0.1, help="seconds between housekeeping checks"
     )
@@ -108,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
         slots=args.slots,
         hash_threads=args.hash_threads,
         max_message_bytes=args.max_message_bytes,
-        shm_dir=args.shm_dir,
+        shm_dir=(args.shm_dir or default_shm_dir()).absolute(),
         parent_pid=args.parent_pid,
         poll_interval=timedelta(seconds=args.poll_interval),
         adopt=not args.no_adopt,

@@ -1,10 +1,11 @@
 """Slot files of the SMP: their names, their removal, and their creation off the loop thread.
 
-:class:`SlotFiles` knows where this run's and node's slot files live (``/dev/shm``, names
-carrying the run id, node, rank, slot and generation) and removes them with their commit
-records (:mod:`ftmem.smp.records`). :class:`Allocator` creates new slot files on a named
-worker thread: pre-faulting costs ~1 s/GiB, so the loop thread keeps answering other ranks
-while a PREPARE is served, and sends the deferred reply when the job comes back.
+:class:`SlotFiles` knows where this run's and node's slot files live (the user's private
+directory, names carrying the run id, node, this SMP's nonce, rank, slot and generation:
+:mod:`ftmem.shm`) and removes them with their commit records (:mod:`ftmem.smp.records`).
+:class:`Allocator` creates new slot files on a named worker thread: pre-faulting costs ~1
+s/GiB, so the loop thread keeps answering other ranks while a PREPARE is served, and sends the
+deferred reply when the job comes back.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftmem import shm
 from ftmem._logging import get_logger
+from ftmem.config import ENV_SHM_DIR, check_name
+from ftmem.errors import UnsafePathError
+from ftmem.secure_fs import prepare_private_dir
 from ftmem.smp import records
 
 log = get_logger(__name__)
@@ -24,27 +28,52 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SlotFiles:
-    """The slot files of one run on one node (no state: every answer comes from the disk)."""
+    """The slot files of one run on one node (no state: every answer comes from the disk).
+
+    ``shm_dir`` is the user's private directory (:meth:`prepare` makes and checks it); new
+    files are named with this SMP's random ``nonce`` (:func:`ftmem.shm.slot_file_name`),
+    while :meth:`ours` and :meth:`adoptable` match the run and node exactly with any nonce,
+    so a restarted SMP finds its predecessor's files. Raises ValueError at construction if
+    ``run_id`` or ``node`` is not a valid name (:func:`ftmem.config.check_name`).
+    """
 
     shm_dir: Path
     run_id: str
     node: str
+    nonce: str = field(default_factory=shm.new_nonce)
 
-    @property
-    def prefix(self) -> str:
-        """What every slot file (and commit record) of this run and node starts with."""
-        return f"ftmem-{self.run_id}-{self.node}-r"
+    def __post_init__(self) -> None:
+        check_name("run_id", self.run_id)
+        check_name("node", self.node)
+        shm.slot_file_name(self.run_id, self.node, self.nonce, 0, 0, 0)  # a valid nonce
+
+    def prepare(self) -> None:
+        """Create the private directory (mode 0700) if missing, or accept an existing one
+        that is this user's real directory and not writable by others (an existing one that
+        others can only read is tightened to 0700).
+
+        Raises:
+            UnsafePathError: the directory (or its parent) is another user's, a symlink, not
+                a directory, or writable by others; the message names the path, its owner
+                and mode, and how to choose another directory. Another user can thereby
+                deny service (the SMP does not start), never plant or read a slot.
+        """
+        try:
+            prepare_private_dir(self.shm_dir, "shared-memory directory")
+        except UnsafePathError as exc:
+            raise UnsafePathError(
+                f"{exc}; choose another private directory with {ENV_SHM_DIR}=DIR "
+                "(python -m ftmem.smp --shm-dir DIR) on a tmpfs such as /dev/shm"
+            ) from exc
 
     def ours(self) -> list[Path]:
-        """Every file of exactly this run and node (slot files, their records and records'
-        temporary files) that belongs to this user; another node whose name extends this
-        one's (``gpu`` and ``gpu-r1``) never matches, and another user's file is skipped
-        with a warning (/dev/shm is shared by every user)."""
-        name_re = records.file_pattern(self.prefix)
+        """Every file of exactly this run and node, any nonce (slot files, their records and
+        records' temporary files), that belongs to this user; another node whose name
+        extends this one's (``gpu`` and ``gpu-r1``) or another split of the same text (run
+        ``a-b`` node ``c``, run ``a`` node ``b-c``) never matches, and another user's file
+        is skipped with a warning."""
         found = []
-        for p in self.shm_dir.glob(self.prefix + "*"):
-            if not name_re.match(p.name):
-                continue
+        for p, _ in records.run_files(self.shm_dir, self.run_id, self.node):
             try:
                 st = os.lstat(p)
             except FileNotFoundError:
@@ -55,11 +84,13 @@ class SlotFiles:
                 )
                 continue
             found.append(p)
-        return sorted(found)
+        return found
 
     def path(self, rank: int, index: int, gen: int) -> Path:
-        """The file of generation ``gen`` of slot ``index`` of ``rank``."""
-        return self.shm_dir / shm.slot_file_name(self.run_id, self.node, rank, index, gen)
+        """The new file of generation ``gen`` of slot ``index`` of ``rank`` (this SMP's
+        nonce)."""
+        name = shm.slot_file_name(self.run_id, self.node, self.nonce, rank, index, gen)
+        return self.shm_dir / name
 
     def discard(self, path: Path | str) -> None:
         """Remove a slot file that is being replaced: its commit record first, then its data."""
@@ -78,9 +109,9 @@ class SlotFiles:
         return n
 
     def adoptable(self, nslots: int) -> list[records.Adoptable]:
-        """The committed slot files a previous SMP of this node left (see records.scan);
-        every other file of this run and node is removed."""
-        found, leftovers = records.scan(self.shm_dir, self.prefix, nslots)
+        """The committed slot files a previous SMP of this run and node left (any nonce; see
+        records.scan); every other file of this run and node is removed."""
+        found, leftovers = records.scan(self.shm_dir, self.run_id, self.node, nslots)
         for p in leftovers:
             try:
                 shm.remove_segment(p)

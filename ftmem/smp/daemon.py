@@ -97,7 +97,14 @@ class SmpDaemon:
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Create the run-directory files, remove stale arenas of this run/node, bind the socket."""
+        """Create the run-directory files and the private shared-memory directory, adopt (or
+        remove) the slot files a previous SMP of this run and node left, bind the socket.
+
+        Raises:
+            SmpStartError: the run directory or the shared-memory directory is unsafe (the
+                message names the path and its owner), or another SMP holds this run and
+                node.
+        """
         cfg = self.config
         prepare_run_dir(cfg.run_dir)
         ready = cfg.run_dir / READY_NAME
@@ -109,6 +116,10 @@ class SmpDaemon:
             if other > 0 and other != os.getpid() and pid_alive(other):
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
             ready.unlink()
+        try:
+            self.files.prepare()  # the private directory of every slot file (mode 0700)
+        except UnsafePathError as exc:
+            raise SmpStartError(str(exc)) from exc
         self.node_lock.acquire()  # before any slot file of this run and node is touched
         self._owns_run_dir = True
         self.hasher.start()
@@ -155,7 +166,14 @@ class SmpDaemon:
         tmp = ready.with_suffix(".tmp")
         tmp.write_text(json.dumps(info))
         os.replace(tmp, ready)
-        log.info("[%s/smp] serving %s (pid %d)", cfg.node, cfg.endpoint, os.getpid())
+        log.info(
+            "[%s/smp] serving %s (pid %d); slot files in %s, nonce %s",
+            cfg.node,
+            cfg.endpoint,
+            os.getpid(),
+            cfg.shm_dir,
+            self.files.nonce,
+        )
         adopted = self.store.committed_steps()
         self.events.write("smp_start", pid=os.getpid(), slots=cfg.slots, adopted=adopted)
 

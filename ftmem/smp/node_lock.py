@@ -1,8 +1,8 @@
 """One SMP per run and node: an exclusive lock held for the SMP's whole life.
 
-Two SMPs of the same user with the same run id and node name would serve the same slot files
-(their names carry only the run id and node), and the first to stop cleanly would delete the
-other's live snapshots. :class:`NodeLock` takes ``flock`` on
+Two SMPs of the same user with the same run id and node name would adopt each other's slot
+files (a restarted SMP takes over every file of its run and node, whatever its nonce), and the
+first to stop cleanly would delete the other's live snapshots. :class:`NodeLock` takes ``flock`` on
 ``<private base>/locks/<run id>@<node>.lock`` (``@`` cannot occur in either name) before the
 SMP touches any slot file; the kernel drops the lock when the process dies, so an SMP killed
 with SIGKILL never blocks its successor. The lock directory is private to the user
@@ -15,15 +15,21 @@ import fcntl
 import os
 from pathlib import Path
 
-from ftmem.config import user_base_dir
+from ftmem.config import check_name, user_base_dir
 from ftmem.errors import SmpStartError, UnsafePathError
 from ftmem.secure_fs import open_owned, prepare_private_dir
 
 
 class NodeLock:
-    """The lock of one run and node. :meth:`acquire` once, :meth:`release` (idempotent)."""
+    """The lock of one run and node. :meth:`acquire` once, :meth:`release` (idempotent).
+
+    Raises ValueError at construction if ``run_id`` or ``node`` is not a valid name
+    (:func:`ftmem.config.check_name`: never ``@``, so the lock's name is unambiguous).
+    """
 
     def __init__(self, run_id: str, node: str, base: Path | None = None) -> None:
+        check_name("run_id", run_id)
+        check_name("node", node)
         self.path = (base or user_base_dir()) / "locks" / f"{run_id}@{node}.lock"
         self._fd: int | None = None
 

@@ -1,8 +1,8 @@
 """Commit records: a small sidecar file per committed slot, so a restarted SMP can adopt them.
 
-The slot files live in /dev/shm and survive the SMP's death (only a clean shutdown removes
-them). When a slot is committed, the SMP writes ``<slot file>.commit`` (tmp + rename, so it
-is complete or absent) holding the layout and identity of what the slot holds (rewritten
+The slot files live in the user's private shared-memory directory (:mod:`ftmem.shm`) and
+survive the SMP's death (only a clean shutdown removes them). When a slot is committed, the
+SMP writes ``<slot file>.commit`` (tmp + rename, so it is complete or absent) holding the layout and identity of what the slot holds (rewritten
 with the checksums once the SMP has verified the slot); when the slot is handed out for
 writing again, or dropped, the record is removed first. A record present therefore names
 committed data; a restarted SMP hashes an adopted slot whose layout has no checksums yet, and
@@ -13,17 +13,26 @@ the data's checksums are still verified at every load. The record's format is
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftmem import shm
 from ftmem._logging import get_logger
 from ftmem.format.record import MAX_RECORD_BYTES, CommitRecord, decode_record, encode_record
 
 log = get_logger(__name__)
 
 SUFFIX = ".commit"
-__all__ = ["CommitRecord", "read_record", "record_path", "remove_record", "scan", "write_record"]
+__all__ = [
+    "CommitRecord",
+    "owned",
+    "read_record",
+    "record_path",
+    "remove_record",
+    "run_files",
+    "scan",
+    "write_record",
+]
 
 
 def record_path(slot_path: Path | str) -> Path:
@@ -63,11 +72,22 @@ def read_record(path: Path) -> CommitRecord:
     return decode_record(text)
 
 
-def file_pattern(prefix: str) -> re.Pattern[str]:
-    """Names of exactly one run's and node's files (``prefix`` is ``ftmem-<run>-<node>-r``):
-    slot files, their records and the records' temporary files. Another node whose name
-    extends this one's (``gpu-r1`` next to ``gpu``) never matches."""
-    return re.compile(re.escape(prefix) + r"\d+-s\d+-g\d+(\.commit(\.tmp)?)?$")
+def run_files(shm_dir: Path, run_id: str, node: str) -> list[tuple[Path, shm.SlotName]]:
+    """Every entry of ``shm_dir`` named as a slot file, commit record or record's temporary
+    file of exactly ``run_id`` and ``node`` (any nonce: a previous SMP's too), sorted by name,
+    with its parsed name. Names are parsed, not prefix-matched, so run ``a-b`` node ``c``
+    never matches run ``a`` node ``b-c``, nor node ``gpu`` node ``gpu-r1``. Nothing is
+    checked about the files themselves (see :func:`owned`)."""
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        parsed = shm.parse_slot_name(name)
+        if parsed is not None and (parsed.run_id, parsed.node) == (run_id, node):
+            out.append((shm_dir / name, parsed))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +98,7 @@ class Adoptable:
     record: CommitRecord
 
 
-def _ours(path: Path) -> bool:
+def owned(path: Path) -> bool:
     """The file (not a symlink) belongs to this user and no one else can write it."""
     try:
         st = path.lstat()
@@ -87,60 +107,46 @@ def _ours(path: Path) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def scan(shm_dir: Path, prefix: str, nslots: int) -> tuple[list[Adoptable], list[Path]]:
-    """Split the files starting with ``prefix`` into adoptable slots and leftovers to remove.
+def scan(shm_dir: Path, run_id: str, node: str, nslots: int) -> tuple[list[Adoptable], list[Path]]:
+    """Split the files of ``run_id`` and ``node`` in ``shm_dir`` (:func:`run_files`, any
+    nonce) into adoptable slots and leftovers to remove.
 
-    A slot file is adoptable when its name parses, its record is valid and agrees with the
-    name, and its size equals the recorded capacity; for each (rank, slot) the newest
-    generation wins.
+    A slot file is adoptable when it and its record are this user's and not writable by
+    others, the record is valid and agrees with the name, and the file's size equals the
+    recorded capacity; for each (rank, slot) the newest generation (then sequence number)
+    wins. Files of another user are neither adopted nor listed as leftovers.
     """
-    name_re = re.compile(re.escape(prefix) + r"(\d+)-s(\d+)-g(\d+)$")
-    any_re = file_pattern(prefix)
     best: dict[tuple[int, int], Adoptable] = {}
     leftovers: list[Path] = []
-    for p in sorted(shm_dir.glob(prefix + "*")):
-        if not any_re.match(p.name):
-            continue  # another node's (``gpu-r1`` when this is ``gpu``), or not ftmem's
-        if not _ours(p):
-            log.warning("not touching %s: another user's, or writable by others", p.name)
+    for p, name in run_files(shm_dir, run_id, node):
+        if not owned(p):
+            log.warning("not touching %s: another user's, or writable by others", p)
             continue
-        if p.name.endswith(SUFFIX + ".tmp"):
-            leftovers.append(p)
-            continue
-        if p.name.endswith(SUFFIX):
-            if not Path(str(p)[: -len(SUFFIX)]).exists():
+        if name.suffix:  # a record (or its temporary file): kept only beside its slot file
+            if name.suffix != SUFFIX or not os.path.lexists(str(p)[: -len(SUFFIX)]):
                 leftovers.append(p)
             continue
-        match = name_re.match(p.name)
-        if match is None:
-            leftovers.append(p)
-            continue
-        rank, slot, gen = (int(g) for g in match.groups())
         if not os.path.lexists(record_path(p)):
             leftovers.append(p)  # never committed (or its record was being replaced)
             continue
-        if not _ours(record_path(p)):
-            # /dev/shm is world-writable: never serve (nor try to delete) another user's file.
-            log.warning("not adopting %s: its record is another user's", p.name)
+        if not owned(record_path(p)):
+            log.warning("not adopting %s: its record is another user's", p)
             continue
         try:
             rec = read_record(record_path(p))
-            ok = (rec.rank, rec.slot, rec.gen) == (
-                rank,
-                slot,
-                gen,
-            ) and p.stat().st_size == rec.capacity
+            ok = (rec.rank, rec.slot, rec.gen) == (name.rank, name.slot, name.gen)
+            ok = ok and p.stat().st_size == rec.capacity
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.debug("not adopting %s: %s", p.name, exc)
             ok = False
-        if not ok or slot >= nslots:
+        if not ok or name.slot >= nslots:
             leftovers.append(p)
             continue
-        prev = best.get((rank, slot))
-        if prev is None or prev.record.gen < gen:
+        prev = best.get((name.rank, name.slot))
+        if prev is None or (prev.record.gen, prev.record.seq) < (rec.gen, rec.seq):
             if prev is not None:
                 leftovers.append(prev.path)
-            best[(rank, slot)] = Adoptable(p, rec)
+            best[(name.rank, name.slot)] = Adoptable(p, rec)
         else:
             leftovers.append(p)
     return sorted(best.values(), key=lambda a: (a.record.rank, a.record.slot)), leftovers

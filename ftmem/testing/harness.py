@@ -33,7 +33,8 @@ from typing import Self
 
 import psutil
 
-from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID
+from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
+from ftmem.shm import parse_slot_name
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +74,34 @@ def wait_gone(pids: Iterable[int], timeout: Timeout) -> set[int]:
     return alive
 
 
-def shm_files(run_id: str, node: str | None = None) -> list[str]:
-    """Shared-memory files of ``run_id`` (of one node if given) in /dev/shm, sorted."""
-    prefix = f"ftmem-{run_id}-" + (f"{node}-" if node is not None else "")
-    return sorted(p for p in os.listdir("/dev/shm") if p.startswith(prefix))
+def shm_files(run_id: str, node: str | None = None, shm_dir: Path | None = None) -> list[str]:
+    """Slot files and commit records of ``run_id`` (of one node if given, any SMP's nonce)
+    in the user's private shared-memory directory (``shm_dir``, default
+    :func:`ftmem.config.default_shm_dir`), as sorted absolute paths (so
+    ``os.path.join("/dev/shm", p)`` is ``p`` itself). Names are parsed, so run ``a`` never
+    lists run ``a-b``'s files, nor node ``n1`` node ``n1-x``'s."""
+    d = default_shm_dir() if shm_dir is None else shm_dir
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        parsed = parse_slot_name(name)
+        if parsed is None or parsed.run_id != run_id:
+            continue
+        if node is None or parsed.node == node:
+            out.append(str(d / name))
+    return sorted(out)
 
 
-def remove_shm(run_id: str, node: str | None = None) -> list[str]:
+def remove_shm(run_id: str, node: str | None = None, shm_dir: Path | None = None) -> list[str]:
     """Remove the shared-memory files of ``run_id`` (of one node if given), as a killed SMP
-    or a lost machine leaves them; return the names that were there."""
-    left = shm_files(run_id, node)
-    for name in left:
+    or a lost machine leaves them; return the paths that were there (see :func:`shm_files`)."""
+    left = shm_files(run_id, node, shm_dir)
+    for path in left:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{name}")
+            os.unlink(path)
     return left
 
 

@@ -68,7 +68,6 @@ def test_three_nodes_survive_every_kind_of_fault_with_the_same_digest(workdir: P
     for rid in report.run_ids:
         assert shm_files(rid) == [], f"shared memory of {rid} left behind"
     assert list(workdir.iterdir()) == [], "run directories (sockets, logs) left behind"
-    assert not [n for n in os.listdir("/dev/shm") if any(r in n for r in report.run_ids)]
 
 
 def test_schedules_are_seeded_and_replayable() -> None:

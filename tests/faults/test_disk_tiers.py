@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from ftmem.testing.harness import remove_shm
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import (
     EXAMPLE,
@@ -55,9 +56,7 @@ def lose_everything(launch: Launch, run_id: str) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(live, timeout=10)
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"ftmem-{run_id}-"):
-            os.unlink(f"/dev/shm/{name}")
+    remove_shm(run_id)
 
 
 def test_all_processes_killed_new_launcher_resumes_from_the_newest_flush(

@@ -132,7 +132,7 @@ def test_smp_sigkill_without_fresh_start_stops_with_a_clear_message(launcher_env
     smp_pid = int(first.group(1))
     os.kill(smp_pid, signal.SIGSTOP)
     for name in shm_files(rid):
-        os.unlink(f"/dev/shm/{name}")
+        os.unlink(name)
     os.kill(smp_pid, signal.SIGKILL)
     code = agent.wait(200)
     text = agent.text()

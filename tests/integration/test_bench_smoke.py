@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from ftmem.config import default_shm_dir
+from ftmem.shm import parse_slot_name
 from tests._support.procs import REPO
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -35,7 +37,10 @@ class SuiteRun:
 
 
 def _shm_names() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("ftmem-bs")}
+    """The benchmarks' slot files (their run ids start with ``bs``)."""
+    d = default_shm_dir()
+    names = os.listdir(d) if d.is_dir() else []
+    return {n for n in names if (p := parse_slot_name(n)) is not None and p.run_id.startswith("bs")}
 
 
 @pytest.fixture(scope="module")

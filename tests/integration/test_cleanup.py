@@ -1,10 +1,11 @@
-"""``ftmem cleanup`` finds the slot files a SIGKILLed SMP left behind, and only those: a live
-SMP's files (its lock held, its rank mapping them) are never listed (real SMPs, real ranks'
-mappings, the real CLI).
+"""``ftmem cleanup`` finds the slot files a SIGKILLed SMP left behind in the user's private
+shared-memory directory, and only those: a live SMP's files (its lock held, its rank mapping
+them) are never listed (real SMPs, real ranks' mappings, the real CLI).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 import ftmem
 from ftmem.config import ClientConfig
 from ftmem.smp.spawn import start_smp
-from ftmem.testing.harness import remove_shm, shm_files
+from ftmem.testing.harness import shm_files
 
 
 def _cleanup(*flags: str) -> str:
@@ -31,15 +32,35 @@ def _cleanup(*flags: str) -> str:
     return p.stdout
 
 
+def _listed(out: str) -> list[str]:
+    """The paths a cleanup run listed."""
+    return [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in out.splitlines() if ": /" in line]
+
+
 def test_cleanup_lists_and_removes_only_orphans(run_dir: Path, run_id: str) -> None:
-    dead_id = run_id + "d"
+    """The dead SMP's run and node (``X-b``/``c``) join to the same text as the live one's
+    (``X``/``b-c``): the live lock must neither hide the orphans nor the orphans' names
+    reach the live SMP's files."""
+    dead_id, dead_node, live_node = run_id + "-b", "c", "b-c"
     dead_dir = Path(tempfile.mkdtemp(prefix="ftm-", dir="/tmp"))
+    # A private directory of the test's own, so that other tests' files are not its business.
+    shm = Path("/dev/shm") / f"ftmem-test-{run_id}"
     wait = timedelta(seconds=60)
     live = start_smp(
-        run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log", start_timeout=wait
+        run_dir=run_dir,
+        run_id=run_id,
+        node=live_node,
+        log_path=run_dir / "smp.log",
+        start_timeout=wait,
+        extra_args=["--shm-dir", str(shm)],
     )
     dead = start_smp(
-        run_dir=dead_dir, run_id=dead_id, log_path=dead_dir / "smp.log", start_timeout=wait
+        run_dir=dead_dir,
+        run_id=dead_id,
+        node=dead_node,
+        log_path=dead_dir / "smp.log",
+        start_timeout=wait,
+        extra_args=["--shm-dir", str(shm)],
     )
     model = torch.nn.Linear(64, 64)
     try:
@@ -52,20 +73,31 @@ def test_cleanup_lists_and_removes_only_orphans(run_dir: Path, run_id: str) -> N
             else:
                 live_client = c  # keeps its slots mapped
         dead.kill()  # the OOM killer: nothing is cleaned up
-        orphans = shm_files(dead_id)
-        assert orphans and shm_files(run_id)
-        out = _cleanup()
+        orphans, live_files = shm_files(dead_id, shm_dir=shm), shm_files(run_id, shm_dir=shm)
+        assert orphans and live_files
+        out = _cleanup("--shm-dir", str(shm))
         assert "dry run" in out
-        for name in orphans:
-            assert f"/dev/shm/{name}" in out
-        assert run_id + "-" not in out.replace(dead_id, "")
-        assert shm_files(dead_id) == orphans  # a dry run removes nothing
-        _cleanup("--remove")
-        assert shm_files(dead_id) == []
-        assert shm_files(run_id), "the live SMP's slots were removed"
+        assert sorted(_listed(out)) == orphans  # all of them, and nothing else
+        assert shm_files(dead_id, shm_dir=shm) == orphans  # a dry run removes nothing
+        _cleanup("--remove", "--shm-dir", str(shm))
+        assert shm_files(dead_id, shm_dir=shm) == []
+        assert shm_files(run_id, shm_dir=shm) == live_files, "the live SMP's slots were removed"
         live_client.close()
     finally:
         live.stop()
         dead.stop()
-        remove_shm(dead_id)
+        shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(dead_dir, ignore_errors=True)
+
+
+def test_cleanup_refuses_a_directory_others_can_write(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.chmod(shm, 0o777)
+    p = subprocess.run(
+        [sys.executable, "-m", "ftmem.cli", "cleanup", "--remove", "--shm-dir", str(shm)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1 and str(shm) in p.stderr and "writable by others" in p.stderr

@@ -8,8 +8,8 @@ GPU: ``python -m pytest -q tests/integration/test_cuda_path.py``.
 
 The first save of a process is skipped while the SMP allocates the slots; ``wait()`` then
 saves that newest step again (:func:`commit`). Where a test needs to know where bytes live in
-shared memory it finds them by content in the run's slot files (``/dev/shm/ftmem-<run
-id>-*``), not through the slot format.
+shared memory it finds them by content in the run's slot files (``harness.shm_files``), not
+through the slot format.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def slot_holding(run_id: str, sample: bytes) -> tuple[Path, int]:
     """The one slot file of the run that holds ``sample``, and where it starts in it."""
     found = []
     for name in shm_files(run_id):
-        path = SHM / name
+        path = Path(name)
         try:
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 at = mm.find(sample)

@@ -28,14 +28,22 @@ from ftmem.testing.harness import pid_gone
 SEED = 7
 
 
+NONCE = "0123456789abcdef"  # the killed SMP's; the new one names its files with its own
+
+
 @pytest.fixture
 def shm_dir(run_dir: Path) -> Iterator[Path]:
-    """A private stand-in for /dev/shm (``--shm-dir``), emptied afterwards."""
+    """A private shared-memory directory for the test (``--shm-dir``), emptied afterwards."""
     d = run_dir / "shm"
-    d.mkdir()
+    d.mkdir(mode=0o700)
     yield d
     for p in d.iterdir():
         p.unlink()
+
+
+def _slot(shm_dir: Path, name: str, nonce: str = NONCE) -> Path:
+    """``shm_dir / "fz@n0@<nonce>@<name>"``: a slot name of run fz, node n0."""
+    return shm_dir / f"fz@n0@{nonce}@{name}"
 
 
 def _start(run_dir: Path, shm: Path) -> SmpProcess:
@@ -63,12 +71,13 @@ def _record(path: Path, **fields: object) -> None:
 
 def test_hostile_leftovers_are_removed_and_the_smp_serves(run_dir: Path, shm_dir: Path) -> None:
     rng = random.Random(SEED)
-    good = shm_dir / "ftmem-fz-n0-r0-s0-g1"
+    good = _slot(shm_dir, "r0-s0-g1")
     good.write_bytes(b"\0" * 4096)
     _record(good)
     hostile = []
     for i in range(40):
-        p = shm_dir / f"ftmem-fz-n0-r{rng.randrange(3)}-s{rng.randrange(3)}-g{i + 2}"
+        nonce = rng.choice([NONCE, "fedcba9876543210"])  # two SMPs died before this one
+        p = _slot(shm_dir, f"r{rng.randrange(3)}-s{rng.randrange(3)}-g{i + 2}", nonce)
         p.write_bytes(rng.randbytes(rng.choice([0, 100, 4096])))
         case = i % 5
         if case == 0:
@@ -80,8 +89,12 @@ def test_hostile_leftovers_are_removed_and_the_smp_serves(run_dir: Path, shm_dir
         elif case == 3:
             _record(p, step=-1)
         hostile.append(p)
-    (shm_dir / "ftmem-fz-n0-rx-junk").write_bytes(b"junk")
-    (shm_dir / "ftmem-fz-n0-r0-s0-g99.commit").write_text("{}")  # a record without its slot
+    hostile.append(_slot(shm_dir, "r0-s0-g99.commit"))  # a record without its slot
+    hostile[-1].write_text("{}")
+    hostile.append(_slot(shm_dir, "r0-s0-g98.commit.tmp"))  # a record being written
+    hostile[-1].write_text("{")
+    junk = _slot(shm_dir, "rx-junk")  # not a slot name: left alone
+    junk.write_bytes(b"junk")
     proc = _start(run_dir, shm_dir)
     try:
         with SmpClient(run_dir / "rd", timeout=timedelta(seconds=10)) as c:
@@ -92,10 +105,11 @@ def test_hostile_leftovers_are_removed_and_the_smp_serves(run_dir: Path, shm_dir
         proc.stop()
     assert pid_gone(proc.pid)
     assert not any(p.exists() for p in hostile)
+    assert junk.exists()
 
 
 def test_fixed_an_out_of_range_record_does_not_stop_the_smp(run_dir: Path, shm_dir: Path) -> None:
-    p = shm_dir / f"ftmem-fz-n0-r{1 << 20}-s0-g1"
+    p = _slot(shm_dir, f"r{1 << 20}-s0-g1")
     p.write_bytes(b"\0" * 4096)
     _record(p, rank=1 << 20)
     proc = _start(run_dir, shm_dir)
@@ -105,8 +119,8 @@ def test_fixed_an_out_of_range_record_does_not_stop_the_smp(run_dir: Path, shm_d
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file of another user")
 def test_fixed_slot_files_of_another_user_are_not_adopted(run_dir: Path, shm_dir: Path) -> None:
-    os.chmod(shm_dir, 0o1777)
-    p = shm_dir / "ftmem-fz-n0-r0-s0-g1"
+    """Only root can put them in the private directory, but they are still never served."""
+    p = _slot(shm_dir, "r0-s0-g1")
     p.write_bytes(b"\0" * 4096)
     _record(p)
     for f in (p, records.record_path(p)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
+from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME, default_shm_dir
 from ftmem.errors import SmpRequestError, SmpStartError, SmpUnavailableError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
+from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
 from ftmem.testing.harness import pid_gone, shm_files
 
@@ -86,7 +88,7 @@ def test_sigterm_removes_shared_memory(run_dir: Path, run_id: str) -> None:
             c.request(m.Prepare(rank=0, slot=0, nbytes=1000), timeout=timedelta(seconds=60))
         assert len(shm_files(run_id)) == 2
         for f in shm_files(run_id):
-            assert (os.stat(f"/dev/shm/{f}").st_mode & 0o777) == 0o600
+            assert (os.stat(f).st_mode & 0o777) == 0o600
     finally:
         code = smp.stop()
     assert code == 0
@@ -107,7 +109,7 @@ def test_killed_smp_gives_clear_error_quickly(run_dir: Path, run_id: str) -> Non
         c.close()
         smp.stop()
         for f in shm_files(run_id):
-            os.unlink(f"/dev/shm/{f}")
+            os.unlink(f)
 
 
 def test_no_smp_is_a_clear_error(run_dir: Path) -> None:
@@ -154,11 +156,18 @@ def test_restarted_smp_adopts_committed_slots_of_a_killed_one(run_dir: Path, run
         c.save({"model": model}, step=3)
         c.close()  # the newest step is always committed (saved again if it was skipped)
         smp.kill()  # perhaps before it verified step 3: the next SMP hashes what it adopts
-        assert shm_files(run_id) != []  # a SIGKILLed SMP cannot clean up
+        left = _slot_files(run_id)
+        assert left != []  # a SIGKILLed SMP cannot clean up
         smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
         with SmpClient(run_dir) as sc:
             steps = sc.status()["ranks"]["0"]["committed_steps"]
         assert steps == [3, 2]
+        # Each SMP names its files with a nonce of its own; the new one adopted the old
+        # one's files where they are, under the old nonce.
+        nonces = re.findall(r"nonce ([0-9a-f]{16})", (run_dir / "smp.log").read_text())
+        assert len(nonces) == 2 and nonces[0] != nonces[1]
+        assert {f"@{nonces[0]}@" in Path(p).name for p in left} == {True}
+        assert _slot_files(run_id) == left
         # Roll back to step 2 explicitly through a second run's view: corrupt nothing, load.
         c2 = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
         target = torch.nn.Linear(64, 64)
@@ -168,6 +177,17 @@ def test_restarted_smp_adopts_committed_slots_of_a_killed_one(run_dir: Path, run
     finally:
         smp.stop()
     assert shm_files(run_id) == []
+
+
+def _slot_files(run_id: str) -> list[str]:
+    """The slot files (not their records) of ``run_id``, in the user's private directory."""
+    out = []
+    for p in shm_files(run_id):
+        name = parse_slot_name(Path(p).name)
+        assert name is not None and Path(p).parent == default_shm_dir()
+        if not name.suffix:
+            out.append(p)
+    return out
 
 
 def test_no_adopt_discards_left_slots(run_dir: Path, run_id: str) -> None:

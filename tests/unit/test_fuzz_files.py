@@ -262,6 +262,7 @@ def _record_text(fields: dict[str, Any], checksum_ok: bool) -> str:
     st.lists(
         st.tuples(
             st.sampled_from(["r0-s0-g1", "r0-s1-g2", "r1-s0-g1", "r0-s9-g1", "rx-s0-g1", "r0-s0"]),
+            st.sampled_from(["0123456789abcdef", "fedcba9876543210"]),  # two SMPs' nonces
             st.fixed_dictionaries(
                 {
                     "version": st.sampled_from([1, 1, 2]),
@@ -282,19 +283,21 @@ def _record_text(fields: dict[str, Any], checksum_ok: bool) -> str:
     )
 )
 def test_commit_records_are_adopted_only_when_consistent(
-    files: list[tuple[str, dict[str, Any], bool, int, bool]],
+    files: list[tuple[str, str, dict[str, Any], bool, int, bool]],
 ) -> None:
     with tempfile.TemporaryDirectory() as d:
         shm = Path(d)
-        for suffix, fields, checksum_ok, size, with_record in files:
-            slot = shm / f"ftmem-run-n0-{suffix}"
+        for suffix, nonce, fields, checksum_ok, size, with_record in files:
+            slot = shm / f"run@n0@{nonce}@{suffix}"
             slot.write_bytes(b"\0" * size)
             if with_record:
                 records.record_path(slot).write_text(_record_text(fields, checksum_ok))
-        found, leftovers = records.scan(shm, "ftmem-run-n0-r", 3)
+        found, leftovers = records.scan(shm, "run", "n0", 3)
+        assert len({(a.record.rank, a.record.slot) for a in found}) == len(found)
         for a in found:
             rec = a.record
-            assert a.path.name == f"ftmem-run-n0-r{rec.rank}-s{rec.slot}-g{rec.gen}"
+            assert a.path.name.startswith("run@n0@")
+            assert a.path.name.endswith(f"@r{rec.rank}-s{rec.slot}-g{rec.gen}")
             assert 0 <= rec.slot < 3 and a.path.stat().st_size == rec.capacity
             assert min(rec.rank, rec.gen, rec.step, rec.seq) >= 0 and isinstance(rec.layout, str)
         assert not {a.path for a in found} & set(leftovers)

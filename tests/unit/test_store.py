@@ -405,13 +405,21 @@ def test_store_adopts_what_a_previous_smp_left(
     g = save(store, 5)
     settle(store, hasher)
     save(store, 6)  # committed, not verified yet when "the SMP dies"
-    (tmp_path / "ftmem-run-n0-r0-junk").write_bytes(b"junk")  # not a slot name: not ours
+    nonce = store.files.nonce
+    # Not this run's and node's: a non-slot name, and the same text split another way
+    # (run ``run-n0`` node ``x`` vs run ``run`` node ``n0-x``, with a valid record).
+    junk = tmp_path / f"run@{NODE}@{nonce}@r0-junk"
+    junk.write_bytes(b"junk")
+    other = SlotFiles(tmp_path, "run", f"{NODE}-x").path(0, 0, 1)
+    shm.create_segment(other, CAP)
+    records.write_record(other, records.CommitRecord(0, 0, 1, CAP, 7, 1, layout(7)))
     assert hasher.wait_idle(30)
     hasher.results()  # the old SMP never saw this result
     again = SlotStore(NODE, 2, SlotFiles(tmp_path, "run", NODE), hasher.submit)
+    assert again.files.nonce != nonce  # a new SMP names its new files differently...
     adopted = again.adopt_left()  # EMPTY -> COMMITTED
     assert sorted(a.record.step for a in adopted) == [5, 6]
-    assert (tmp_path / "ftmem-run-n0-r0-junk").exists()  # only exact slot names are touched
+    assert all(f"@{nonce}@" in a.path.name for a in adopted)  # ...and adopts any nonce
     by_step = {s["step"]: s for s in slots(again)}
     assert by_step[5]["verified"] and by_step[5]["gen"] == g.gen
     assert not by_step[6]["verified"] and by_step[6]["pinned"] == 1  # hashing again
@@ -420,5 +428,32 @@ def test_store_adopts_what_a_previous_smp_left(
     with pytest.raises(StoreError):
         again.adopt_left()  # its slots are COMMITTED now: the same records cannot be adopted
     kept = sorted(p.name for p in tmp_path.iterdir())
-    slot_files = [n for n in kept if n.startswith("ftmem-run-n0-r0-s")]
-    assert len(slot_files) == 4 and "ftmem-run-n0-r0-junk" in kept  # untouched
+    slot_files = [n for n in kept if n.startswith(f"run@{NODE}@{nonce}@r0-s")]
+    assert len(slot_files) == 4  # two slot files and their records
+    assert junk.name in kept and other.name in kept  # untouched
+    assert [p.name for p in again.files.ours()] == slot_files
+    assert again.files.path(0, 1, 9).name.startswith(f"run@{NODE}@{again.files.nonce}@")
+
+
+def test_slot_file_names_map_back_to_one_run_and_node() -> None:
+    a = shm.slot_file_name("a-b", "c", "0123456789abcdef", 0, 1, 2)
+    b = shm.slot_file_name("a", "b-c", "0123456789abcdef", 0, 1, 2)
+    assert a != b
+    assert shm.parse_slot_name(a) == shm.SlotName("a-b", "c", "0123456789abcdef", 0, 1, 2, "")
+    assert shm.parse_slot_name(b + ".commit") == shm.SlotName(
+        "a", "b-c", "0123456789abcdef", 0, 1, 2, ".commit"
+    )
+    for bad in ("a@b", "", "a/b", "x" * 65, "a\n"):
+        with pytest.raises(ValueError):
+            SlotFiles(Path("/nonexistent"), bad, "n0")
+        with pytest.raises(ValueError):
+            SlotFiles(Path("/nonexistent"), "r", bad)
+    with pytest.raises(ValueError):
+        shm.slot_file_name("r", "n", "not-hex", 0, 0, 0)
+    for name in (
+        "ftmem-a-b-c-r0-s1-g2",
+        a + "\n",
+        a + ".commit.x",
+        a.replace("@r0", "@r" + "9" * 40),
+    ):
+        assert shm.parse_slot_name(name) is None
