@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ftmem.exchange import keys
 from ftmem.exchange.messages import PeerAddress
 from ftmem.exchange.placement import GroupPlan, plan_group
 from ftmem.exchange.protector import GroupProtector
+from ftmem.exchange.seals import Seal
 from ftmem.exchange.status import ExchangeState
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.smp.allocation import SlotFiles
@@ -27,6 +29,7 @@ from ftmem.smp.exchange_state import ExchangeContext
 from ftmem.smp.exchange_sync import GenerationSync
 from ftmem.smp.hashing import HashService
 from ftmem.smp.slot_store import SlotStore
+from ftmem.smp.store import MAX_SLOT_BYTES
 from tests._support.smp_mesh import layout_for
 
 STRIPE = 256 << 10
@@ -232,6 +235,240 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
             assert ctx.protector is not None
             ctx.protector.forget(step)
             ctx.release(step)
+        for t in transports:
+            t.close()
+        hasher.close()
+
+
+def _protected_trio(
+    key: keys.CurveKeyPair, size: int = 600_000
+) -> tuple[dict[str, str], list[ZmqPeerTransport], list[GroupProtector], list[bytes]]:
+    """Three nodes (m=1) that protected step 1, each with a manifest naming its rank."""
+    plan = plan_group([0, 1, 2], 1)
+    transports = [ZmqPeerTransport(str(i), key) for i in range(3)]
+    eps, prots = mesh(plan, transports)
+    blobs = [os.urandom(size) for _ in range(3)]
+
+    def manifest(i: int) -> bytes:
+        entry = {"rank": i, "nbytes": size, "capacity": size, "layout": layout_for(blobs[i], 1)}
+        return json.dumps({"step": 1, "ranks": [entry]}).encode()
+
+    run_threads(
+        [lambda i=i: prots[i].protect(1, memoryview(blobs[i]), manifest(i)) for i in range(3)]
+    )
+    return eps, transports, prots, blobs
+
+
+def _replace(
+    i: int, key: keys.CurveKeyPair, eps: dict[str, str], transports: list[ZmqPeerTransport]
+) -> GroupProtector:
+    """Node ``i`` is lost; a replacement (new keys, same port) joins a new generation."""
+    transports[i].close()
+    transports[i] = ZmqPeerTransport(str(i), key, port=port_of(eps[str(i)]))
+    eps[str(i)] = transports[i].start()
+    for t in transports:
+        t.connect(eps)
+    return GroupProtector(i, plan_group([0, 1, 2], 1), transports[i], STRIPE, timeout_s=30)
+
+
+def _rebuild_against(
+    lost: GroupProtector, survivors: list[GroupProtector]
+) -> memoryview | BaseException:
+    """Node ``lost`` rebuilds step 1 from node 0 while the survivors serve it; the result."""
+    out: list[memoryview | BaseException] = []
+    done = threading.Event()
+    for p in survivors:
+        p.serve_rebuild(1, {lost.me})
+
+    def rebuild() -> None:
+        try:
+            out.append(lost.rebuild(1, {lost.me}, source=0))
+        except Exception as exc:
+            out.append(exc)
+        finally:
+            done.set()
+
+    run_threads([rebuild, *[lambda p=p: p.serve(done.is_set, poll_s=0.05) for p in survivors]])
+    return out[0]
+
+
+def test_a_rebuild_from_parity_a_peer_altered_is_refused() -> None:
+    """Survivors serve altered parity without the stripe checksums (which came from peers, so
+    the codec has nothing to check): the rebuilt bytes do not match the digest the lost node
+    sealed, and the rebuild is refused."""
+    k = keys.generate()
+    key = keys.CurveKeyPair(k.public, k.secret, from_file=True)
+    eps, transports, prots, _ = _protected_trio(key)
+    try:
+        for p in prots[:2]:
+            st = p.steps[1]
+            st.checksums.clear()
+            for (stripe, frag), payload in list(st.parity.items()):
+                st.parity[(stripe, frag)] = payload[:-1] + bytes([payload[-1] ^ 0xFF])
+        prots[2] = _replace(2, key, eps, transports)
+        got = _rebuild_against(prots[2], prots[:2])
+        assert isinstance(got, UnrecoverableError), got
+        assert "do not match the digest node 2 committed" in str(got)
+        assert 1 not in prots[2].steps, "the refused bytes were kept"
+    finally:
+        for t in transports:
+            t.close()
+
+
+@pytest.mark.parametrize("what", ["manifest", "digest", "size"])
+def test_a_manifest_or_digest_a_peer_altered_fails_the_lost_nodes_seal(what: str) -> None:
+    k = keys.generate()
+    key = keys.CurveKeyPair(k.public, k.secret, from_file=True)
+    eps, transports, prots, _ = _protected_trio(key)
+    try:
+        st = prots[0].steps[1]
+        if what == "manifest":
+            st.manifests[2] = st.manifests[2].replace(b'"rank": 2', b'"rank": 9')
+        elif what == "digest":
+            old = st.seals[2]
+            st.seals[2] = Seal("0" * 32, old.tag)
+        else:
+            st.sizes[2] -= 1
+        prots[2] = _replace(2, key, eps, transports)
+        got = _rebuild_against(prots[2], prots[:2])
+        assert isinstance(got, UnrecoverableError), got
+        assert "do not carry node 2's seal" in str(got)
+    finally:
+        for t in transports:
+            t.close()
+
+
+def test_oversized_sizes_in_a_meta_reply_are_refused_before_allocation() -> None:
+    """A survivor says the lost node's snapshot has 8 TiB: refused at once, never allocated."""
+    key = keys.generate()
+    eps, transports, prots, _ = _protected_trio(key)
+    try:
+        prots[0].steps[1].sizes[2] = 1 << 43
+        prots[2] = _replace(2, key, eps, transports)
+        prots[2].max_node_bytes = 1 << 30
+        got = _rebuild_against(prots[2], prots[:2])
+        assert isinstance(got, UnrecoverableError), got
+        assert "over the bound of 1073741824 bytes" in str(got)
+    finally:
+        for t in transports:
+            t.close()
+
+
+def test_a_fetch_or_meta_from_a_node_not_being_rebuilt_gets_no_bytes() -> None:
+    """Node 1 (a member, not rebuilding) asks node 0 for node 2's data and for sizes: node 0
+    answers nothing and counts both; once the sync says node 1 rebuilds, it is answered."""
+    from ftmem.exchange import messages as pm
+    from ftmem.exchange.placement import FragmentKind
+
+    key = keys.generate()
+    _, transports, prots, _ = _protected_trio(key)
+    try:
+        prots[0].hold_requests()
+        prots[0].serve_rebuild(1, {2})  # the sync decided: node 2 rebuilds step 1
+        fetch = pm.FetchRequest(1, 0, 0, FragmentKind.DATA, 0, 1000)
+        for body in (fetch, pm.MetaRequest(1)):
+            transports[1].send("0", body.to_header(0), [])
+        until = time.monotonic() + 10
+        prots[0].serve(lambda: prots[0].refused >= 2 or time.monotonic() > until, poll_s=0.05)
+        assert prots[0].refused == 2
+        assert transports[1].recv(1.0) is None, "node 0 answered a refused request"
+        prots[0].serve_rebuild(1, {1})
+        transports[1].send("0", fetch.to_header(0), [])
+        sent = prots[0].sent_bytes
+        until = time.monotonic() + 10
+        prots[0].serve(lambda: prots[0].sent_bytes > sent or time.monotonic() > until, poll_s=0.05)
+        got = transports[1].recv(10.0)
+        assert got is not None and got.header["t"] == "fetched" and got.buffers
+    finally:
+        for t in transports:
+            t.close()
+
+
+def test_a_flood_of_fragments_for_many_steps_stays_within_the_byte_bound() -> None:
+    """A member sends columns and parity of 200 steps nobody protects (100 MiB), then 10 MiB
+    of columns of one step: node 0 keeps at most its unplanned-bytes bound (4 MiB here) and
+    the newest MAX_OPEN_STEPS steps, drops and counts the rest, and protects a real step
+    afterwards."""
+    from ftmem.exchange import messages as pm
+    from ftmem.exchange.protector import MAX_OPEN_STEPS
+
+    key = keys.generate()
+    plan = plan_group([0, 1, 2], 1)
+    transports = [ZmqPeerTransport(str(i), key) for i in range(3)]
+    try:
+        _, prots = mesh(plan, transports)
+        prots[0].max_unplanned_bytes = 4 << 20
+        piece = os.urandom(256 << 10)
+        flood = [
+            body
+            for step in range(100, 300)
+            for body in (pm.Data(step, 0, 0), pm.Parity(step, 0, 2, (1, 2, 3)))
+        ]
+        flood += [pm.Data(500, stripe, 0) for stripe in range(40)]  # 10 MiB of one step
+        for body in flood:
+            transports[1].send("0", body.to_header(0), [piece])
+            msg = transports[0].recv(0)
+            while msg is not None:  # node 0 keeps up with the flood
+                prots[0].handle(msg)
+                msg = transports[0].recv(0)
+        msg = transports[0].recv(1.0)
+        while msg is not None:
+            prots[0].handle(msg)
+            msg = transports[0].recv(1.0)
+        kept = sum(
+            sum(map(len, st.columns.values())) + sum(map(len, st.parity.values()))
+            for st in prots[0].steps.values()
+        )
+        assert kept <= 4 << 20, kept
+        assert len(prots[0].steps) <= MAX_OPEN_STEPS and min(prots[0].steps) >= 300 - MAX_OPEN_STEPS
+        assert prots[0].dropped >= 40 - 16, "the columns past the byte bound were not dropped"
+        blobs = [os.urandom(300_000) for _ in range(3)]
+        run_threads([lambda i=i: prots[i].protect(1, memoryview(blobs[i])) for i in range(3)])
+        assert all(p.is_protected(1) for p in prots)
+    finally:
+        for t in transports:
+            t.close()
+
+
+def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The lost node's manifest (sealed: as a holder of the job key could make one) claims
+    a slot 1 GiB larger than the free space: the sync refuses the rebuild before any slot or
+    buffer is allocated."""
+    n, size, key = 3, 1 << 20, keys.generate()
+    vfs = os.statvfs(tmp_path)
+    claim = vfs.f_bavail * vfs.f_frsize + (1 << 30)
+    if claim > MAX_SLOT_BYTES:
+        pytest.skip("more free space than one slot may have")
+    plan = plan_group(list(range(n)), 1)
+    transports = [ZmqPeerTransport(str(i), key) for i in range(n)]
+    hasher = HashService("n1", 1)
+    hasher.start()
+    store = SlotStore("n1", 2, SlotFiles(tmp_path, "run", "n1"), hasher.submit)
+    ctx = ExchangeContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
+    try:
+        eps, prots = mesh(plan, transports)
+        blobs = [os.urandom(size) for _ in range(n)]
+        entry = {"rank": 1, "nbytes": size, "capacity": claim, "layout": layout_for(blobs[1], 1)}
+        manifest = json.dumps({"step": 1, "ranks": [entry]}).encode()
+        run_threads(
+            [lambda i=i: prots[i].protect(1, memoryview(blobs[i]), manifest) for i in range(n)]
+        )
+        transports[1].close()
+        transports[1] = ZmqPeerTransport("1", key, port=port_of(eps["1"]))
+        eps["1"] = transports[1].start()
+        for t in transports:
+            t.connect(eps)
+        ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
+        ctx.board.move(ExchangeState.BOUND)
+        sync = GenerationSync(ctx, timeout_s=30)
+        failed = _sync_with_survivors(sync, [prots[0], prots[2]], {0: [1], 2: [1]})
+        assert failed is not None and not failed.ok, failed
+        assert f"the rebuilt slots need {claim} bytes" in failed.error, failed.error
+        assert ctx.board.typed().state is ExchangeState.REBUILD_FAILED
+        assert not list(tmp_path.iterdir()), "a slot was allocated"
+    finally:
         for t in transports:
             t.close()
         hasher.close()
