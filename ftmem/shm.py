@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
-from ftmem.config import NAME_PATTERN, default_shm_dir
+from ftmem.config import NAME_PATTERN
 from ftmem.secure_fs import check_dir, open_owned
 
 if TYPE_CHECKING:
@@ -141,15 +141,16 @@ def remove_segment(path: Path) -> None:
 
 def check_slot_path(path: Path, shm_dir: Path | None = None) -> Path:
     """Return ``path`` resolved, after checking that it names a slot file directly in
-    ``shm_dir`` (default :func:`ftmem.config.default_shm_dir`) and that ``shm_dir`` is a real
-    directory of this user with mode 0700 (nobody else can have planted or swapped an entry:
-    the directory's parent, ``/dev/shm``, is sticky, so only its owner can rename it).
+    ``shm_dir`` (default: the directory it names, i.e. any directory that passes the next
+    check) and that ``shm_dir`` is a real directory of this user with mode 0700, so nobody
+    else can have planted or swapped an entry (its parent, ``/dev/shm``, is sticky: only the
+    directory's owner can rename it).
 
     Raises:
         ValueError: ``path`` is not a slot file's name, or lies elsewhere.
         UnsafePathError: ``shm_dir`` is a symlink, another user's, or open to others.
     """
-    shm_dir = default_shm_dir() if shm_dir is None else shm_dir
+    shm_dir = Path(path).parent if shm_dir is None else shm_dir
     resolved = Path(os.path.realpath(path))
     name = parse_slot_name(resolved.name)
     if resolved.parent != Path(os.path.realpath(shm_dir)) or name is None or name.suffix:
@@ -161,9 +162,9 @@ def check_slot_path(path: Path, shm_dir: Path | None = None) -> Path:
 class MappedSegment:
     """A rank's read/write mapping of one slot file, exposed as a uint8 tensor.
 
-    The file must be a slot file (by its name) directly in ``shm_dir`` (default
-    :func:`ftmem.config.default_shm_dir`; the SMP's HELLO reply names its own), that
-    directory a real directory of this user with mode 0700, and the file a regular file
+    The file must be a slot file (by its name) directly in ``shm_dir`` (the SMP's HELLO
+    reply names it; default: the directory ``path`` names), that directory a real directory
+    of this user with mode 0700 (:func:`check_slot_path`), and the file a regular file
     (opened without following a symlink) of this user that nobody else can read or write;
     otherwise UnsafePathError (or ValueError for a wrong place, name or size) is raised and
     nothing is mapped.
