@@ -10,8 +10,11 @@ generation, the job's own pair) fails the handshake. A connection that arrives b
 members are known waits in its handshake (up to ``admit_wait_s``) instead of being refused,
 because ZeroMQ does not retry a client that a ZAP handler refused.
 
-Every received message whose claimed sender (its routing id) is not the node its key
-belongs to is dropped and counted (``impostors``), so a member cannot speak as another.
+A message's sender is the node its connection's key belongs to; nodes do not name
+themselves (their DEALERs set no routing id, so the ROUTER gives each connection a unique
+one, and no connection can take another's over: no ``ROUTER_HANDOVER``). A message that
+claims a name anyway (a routing id a client chose) that is not its key's node is dropped and
+counted (``impostors``), so a member cannot speak as another.
 Each message is one header frame (wire.py, kind PEER: sizes and xxh3 checksums of the
 buffers) plus raw buffer frames sent without copies.
 """
@@ -148,9 +151,6 @@ class ZmqPeerTransport(PeerTransport):
         r.curve_publickey = self.node_keys.public
         r.zap_domain = ZAP_DOMAIN.encode()
         r.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        # A node whose connection broke reconnects under its name and takes it over; only its
-        # own key's messages pass recv's check, so another member can at worst cut it off.
-        r.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self.port == 0:
             self.port = r.bind_to_random_port(f"tcp://{self.host}")
         else:
@@ -187,7 +187,6 @@ class ZmqPeerTransport(PeerTransport):
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, self.send_hwm)
-            d.setsockopt(zmq.ROUTING_ID, self.node.encode())
             d.curve_serverkey = addr.key
             d.curve_publickey = self.node_keys.public
             d.curve_secretkey = self.node_keys.secret
@@ -242,28 +241,29 @@ class ZmqPeerTransport(PeerTransport):
         frames = self._router.recv_multipart(copy=False)
         try:
             self._check_total(frames)
-            self._check_sender(frames)
-            return self._parse(frames)
+            return self._parse(self._check_sender(frames), frames)
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
             return None
 
-    def _check_sender(self, frames: list[zmq.Frame]) -> None:
-        """The routing id a message claims must be the node its connection's key belongs to."""
+    def _check_sender(self, frames: list[zmq.Frame]) -> str:
+        """The node a message comes from: its connection's key's. A routing id the client
+        chose (ROUTER-made ones start with a zero byte) must name that same node."""
         if len(frames) < 2:
-            return  # _parse refuses it
+            raise ProtocolError("peer message without a header")
         claimed = bytes(frames[0].buffer)
         try:
-            user = frames[1].get("User-Id")
+            user = str(frames[1].get("User-Id"))
         except zmq.ZMQError:
             user = ""
-        if not user or claimed != str(user).encode():
+        if not user or (claimed[:1] != b"\0" and claimed != user.encode()):
             self.impostors += 1
             raise ProtocolError(
                 f"a message claiming to be from node {claimed[:16]!r} came over the "
-                f"connection of node {str(user)[:16]!r}"
+                f"connection of node {user[:16]!r}"
             )
+        return user
 
     def _check_total(self, frames: list[zmq.Frame]) -> None:
         """ZeroMQ's MAXMSGSIZE bounds each frame, not a multipart message: bound the whole."""
@@ -275,10 +275,7 @@ class ZmqPeerTransport(PeerTransport):
                 f"a message of {total} bytes, larger than {self.max_message_bytes} in all"
             )
 
-    def _parse(self, frames: list[zmq.Frame]) -> PeerMessage:
-        if len(frames) < 2:
-            raise ProtocolError("peer message without a header")
-        sender = bytes(frames[0].buffer).decode(errors="replace")
+    def _parse(self, sender: str, frames: list[zmq.Frame]) -> PeerMessage:
         try:
             _, kind, env = decode(bytes(frames[1].buffer), None, 1 << 20)
         except ValueError as exc:  # json.loads: a bare ValueError for an int of 4300+ digits

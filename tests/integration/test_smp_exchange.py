@@ -17,11 +17,36 @@ from datetime import timedelta
 
 import pytest
 import xxhash
+import zmq
 
 from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
+from ftmem.exchange import messages as pm
+from ftmem.exchange.messages import PeerAddress
+from ftmem.exchange.placement import FragmentKind
 from ftmem.protocol import messages as m
+from ftmem.protocol.wire import encode
 from tests._support.smp_mesh import Cluster, Node
+
+
+def member_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], c: Cluster, as_node: int, to: int, name: bytes
+) -> zmq.Socket[bytes]:
+    """A DEALER to node ``to`` with node ``as_node``'s key of this generation (a member, as a
+    node of the mesh that misbehaves would be), claiming the routing id ``name``."""
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 1000)
+    d.setsockopt(zmq.ROUTING_ID, name)
+    d.curve_serverkey = PeerAddress.parse(c.endpoints[str(to)]).key
+    pair = c.node_keys[as_node]
+    d.curve_publickey, d.curve_secretkey = pair.public, pair.secret
+    d.connect(c.endpoint(to))
+    return d
+
+
+def peer_frames(header: dict[str, object]) -> list[bytes]:
+    """A well-formed peer message without buffers."""
+    return [encode(m.Peer(header=header), 1, None)]
 
 
 def test_three_nodes_protect_lose_one_and_rebuild(cluster_factory: Callable[..., Cluster]) -> None:
@@ -150,11 +175,9 @@ def test_garbage_and_wrong_key_on_the_peer_port_are_refused_mesh_keeps_working(
 ) -> None:
     import socket
 
-    import zmq
-
     c = cluster_factory(3, 1)
     c.generation()
-    host, port = c.endpoints["0"].removeprefix("tcp://").rsplit(":", 1)
+    host, port = c.endpoint(0).removeprefix("tcp://").rsplit(":", 1)
     for blob in (
         os.urandom(4096),
         b"\xff" * 10 + b"\x7f" + os.urandom(100),
@@ -162,16 +185,16 @@ def test_garbage_and_wrong_key_on_the_peer_port_are_refused_mesh_keeps_working(
     ):
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(blob)
-    # A peer with its own key pair (not the job's): the CURVE handshake refuses it.
+    # A peer with its own key pair (no member's): the CURVE handshake refuses it.
     ctx = zmq.Context()
     try:
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         other = keys.generate()
-        d.curve_serverkey = c.key.public
+        d.curve_serverkey = PeerAddress.parse(c.endpoints["0"]).key
         d.curve_publickey, d.curve_secretkey = other.public, other.secret
         d.setsockopt(zmq.ROUTING_ID, b"1")
-        d.connect(c.endpoints["0"])
+        d.connect(c.endpoint(0))
         d.send_multipart([b"FTMQ" + os.urandom(64), os.urandom(1024)], flags=zmq.NOBLOCK)
         time.sleep(0.5)  # give the handshake its chance to (wrongly) succeed
         d.close(linger=0)
@@ -213,19 +236,12 @@ def test_a_multipart_message_over_the_size_bound_is_dropped_and_the_mesh_keeps_w
     cluster_factory: Callable[..., Cluster],
 ) -> None:
     """ZeroMQ's MAXMSGSIZE bounds frames, not messages: two frames of 40 MiB from a holder of
-    the job's key (80 MiB, past a 64 MiB bound) and 2000 tiny frames are refused whole."""
-    import zmq
-
+    a member's key (80 MiB, past a 64 MiB bound) and 2000 tiny frames are refused whole."""
     c = cluster_factory(3, 1)
     c.generation()
     ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
+    d = member_socket(ctx, c, as_node=1, to=0, name=b"7")  # no handover of a real name
     try:
-        d.setsockopt(zmq.LINGER, 0)
-        d.curve_serverkey = c.key.public
-        d.curve_publickey, d.curve_secretkey = c.key.public, c.key.secret
-        d.setsockopt(zmq.ROUTING_ID, b"7")  # not a member: no handover of a real one
-        d.connect(c.endpoints["0"])
         d.send_multipart([b"x" * (40 << 20)] * 2)
         d.send_multipart([b"y"] * 2000)
         c.wait(
@@ -239,3 +255,81 @@ def test_a_multipart_message_over_the_size_bound_is_dropped_and_the_mesh_keeps_w
     assert "larger than" in log and "frames (at most" in log
     c.save_all(1, 1 << 20)
     c.wait("step 1 protected after the oversize messages", lambda: c.protected(1))
+
+
+def test_a_member_claiming_another_nodes_name_is_dropped_and_a_stale_key_is_refused(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Node 2's key claiming to be node 1 (an ABORT of the step being protected, as node 1),
+    and node 1's key of the previous generation: node 0 never acts on either; the step is
+    protected."""
+    c = cluster_factory(3, 1)
+    c.generation()
+    old = c.node_keys[1]
+    c.generation()  # new keys for everyone; the old one is no member's any more
+    ctx = zmq.Context()
+    try:
+        forged = member_socket(ctx, c, as_node=2, to=0, name=b"1")
+        forged.send_multipart(peer_frames(pm.Abort(1).to_header(c.epoch)))
+        c.wait(
+            "the forged name dropped",
+            lambda: (
+                "claiming to be from node b'1' came over the connection of node '2'"
+                in c.nodes[0].log().read_text()
+            ),
+            timeout=20,
+        )
+        forged.close(linger=0)
+        stale = ctx.socket(zmq.DEALER)
+        stale.setsockopt(zmq.LINGER, 0)
+        stale.setsockopt(zmq.ROUTING_ID, b"1")
+        stale.curve_serverkey = PeerAddress.parse(c.endpoints["0"]).key
+        stale.curve_publickey, stale.curve_secretkey = old.public, old.secret
+        stale.connect(c.endpoint(0))
+        stale.send_multipart(peer_frames(pm.Abort(1).to_header(c.epoch)), flags=zmq.NOBLOCK)
+        c.wait(
+            "the stale key refused",
+            lambda: (
+                "refused a peer presenting a CURVE key of no member" in c.nodes[0].log().read_text()
+            ),
+            timeout=20,
+        )
+        stale.close(linger=0)
+    finally:
+        ctx.term()
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    assert "gave up" not in c.nodes[0].log().read_text()
+
+
+def test_fetch_and_meta_outside_a_rebuild_are_refused(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """A member (node 1's key, under its own name) asks node 0 for node 2's data and sizes of
+    the protected step while nobody rebuilds: node 0 refuses both (counted, logged once) and
+    sends no bytes; node 1's SMP never receives a reply it did not ask for."""
+    c = cluster_factory(3, 1)
+    c.generation()
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    ctx = zmq.Context()
+    try:
+        d = member_socket(ctx, c, as_node=1, to=0, name=b"1")
+        fetch = pm.FetchRequest(1, 0, 0, FragmentKind.DATA, 0, 4096)
+        d.send_multipart(peer_frames(fetch.to_header(c.epoch)))
+        d.send_multipart(peer_frames(pm.MetaRequest(1).to_header(c.epoch)))
+        c.wait(
+            "the fetch refused",
+            lambda: (
+                "refused a 'fetch' of step 1 from node 1: it is not rebuilding"
+                in c.nodes[0].log().read_text()
+            ),
+            timeout=20,
+        )
+        d.close(linger=0)
+    finally:
+        ctx.term()
+    c.save_all(2, 1 << 20)  # a round later, anything node 0 had sent node 1 would be in
+    c.wait("step 2 protected", lambda: c.protected(2))
+    assert "nobody asked for" not in c.nodes[1].log().read_text()
+    assert c.nodes[0].log().read_text().count("refused a ") == 1, "logged more than once"
