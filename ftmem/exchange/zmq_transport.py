@@ -241,7 +241,8 @@ class ZmqPeerTransport(PeerTransport):
         frames = self._router.recv_multipart(copy=False)
         try:
             self._check_total(frames)
-            return self._parse(self._check_sender(frames), frames)
+            msg = self._parse(frames)
+            return PeerMessage(self._check_sender(frames), msg.header, msg.buffers)
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
@@ -275,7 +276,10 @@ class ZmqPeerTransport(PeerTransport):
                 f"a message of {total} bytes, larger than {self.max_message_bytes} in all"
             )
 
-    def _parse(self, sender: str, frames: list[zmq.Frame]) -> PeerMessage:
+    def _parse(self, frames: list[zmq.Frame]) -> PeerMessage:
+        if len(frames) < 2:
+            raise ProtocolError("peer message without a header")
+        sender = ""  # filled in by _check_sender
         try:
             _, kind, env = decode(bytes(frames[1].buffer), None, 1 << 20)
         except ValueError as exc:  # json.loads: a bare ValueError for an int of 4300+ digits

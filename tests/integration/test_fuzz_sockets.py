@@ -37,6 +37,7 @@ import zmq
 
 from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
 from ftmem.exchange import keys
+from ftmem.exchange.messages import PeerAddress
 from ftmem.exchange.status import ExchangeState, ExchangeStatus
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
@@ -393,7 +394,9 @@ def _service_frames(epoch: int) -> Iterator[list[bytes]]:
         yield [encode(m.Peer(header=header), 1, None)]
 
 
-def _unauthenticated(host: str, port: int, endpoint: str, job: keys.CurveKeyPair) -> None:
+def _unauthenticated(
+    host: str, port: int, endpoint: str, server_key: bytes, job: keys.CurveKeyPair
+) -> None:
     for blob in (
         os.urandom(4096),
         b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 48,  # ZMTP 3 greeting, NULL
@@ -408,33 +411,40 @@ def _unauthenticated(host: str, port: int, endpoint: str, job: keys.CurveKeyPair
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(endpoint)
         plain.send_multipart([b"hello", b"x"], flags=zmq.NOBLOCK)
-        other = keys.generate()  # CURVE with a key pair that is not the job's
-        wrong = ctx.socket(zmq.DEALER)
-        wrong.setsockopt(zmq.LINGER, 0)
-        wrong.curve_serverkey = job.public
-        wrong.curve_publickey, wrong.curve_secretkey = other.public, other.secret
-        wrong.connect(endpoint)
-        wrong.send_multipart([encode(m.Peer(header={"t": "abort", "step": 1}), 1, None)])
-        # Neither can complete a handshake; give them the time to try (and fail).
-        assert not wrong.poll(500) and not plain.poll(10)
+        wrongs = []
+        for pair in (keys.generate(), job):  # CURVE with no member's key (the job's included)
+            wrong = ctx.socket(zmq.DEALER)
+            wrong.setsockopt(zmq.LINGER, 0)
+            wrong.curve_serverkey = server_key
+            wrong.curve_publickey, wrong.curve_secretkey = pair.public, pair.secret
+            wrong.connect(endpoint)
+            wrong.send_multipart([encode(m.Peer(header={"t": "abort", "step": 1}), 1, None)])
+            wrongs.append(wrong)
+        # None can complete a handshake; give them the time to try (and fail).
+        assert not any(w.poll(250) for w in wrongs) and not plain.poll(10)
         plain.close(linger=0)
-        wrong.close(linger=0)
+        for w in wrongs:
+            w.close(linger=0)
     finally:
         ctx.term()
 
 
-def _hostile_peers(ctx: zmq.Context[zmq.Socket[bytes]], c: Cluster) -> list[zmq.Socket[bytes]]:
-    """Two peers holding the job's key (authenticated, hostile), named as no node of the group:
-    one not even a node index (refused by its name), one a node index outside the group (its
-    headers are read, then refused)."""
+def _hostile_peers(
+    ctx: zmq.Context[zmq.Socket[bytes]], c: Cluster, idents: tuple[bytes | None, ...]
+) -> list[zmq.Socket[bytes]]:
+    """Peers holding a member's key (node 1's of this generation: authenticated, hostile),
+    one per routing id in ``idents``: a name that is not node 1's (``intruder``, ``7``: each
+    message is read, then refused by its name), or None (they speak as node 1)."""
     out = []
-    for ident in (b"intruder", b"7"):
+    pair = c.node_keys[1]
+    for ident in idents:
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 1000)
-        d.setsockopt(zmq.ROUTING_ID, ident)
-        d.curve_serverkey = c.key.public
-        d.curve_publickey, d.curve_secretkey = c.key.public, c.key.secret
-        d.connect(c.endpoints["0"])
+        if ident is not None:
+            d.setsockopt(zmq.ROUTING_ID, ident)
+        d.curve_serverkey = PeerAddress.parse(c.endpoints["0"]).key
+        d.curve_publickey, d.curve_secretkey = pair.public, pair.secret
+        d.connect(c.endpoint(0))
         out.append(d)
     return out
 
@@ -451,19 +461,19 @@ def test_peer_socket_drops_hostile_input_and_the_mesh_keeps_protecting(
     c.generation()
     c.save_all(1, 64 << 10)
     c.wait("step 1 protected", lambda: c.protected(1))
-    endpoint = c.endpoints["0"]
+    endpoint = c.endpoint(0)
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     target = c.nodes[0]
     dropped_before = _dropped(target)
 
-    _unauthenticated(host, int(port), endpoint, c.key)
+    _unauthenticated(host, int(port), endpoint, PeerAddress.parse(c.endpoints["0"]).key, c.key)
     assert _dropped(target) == dropped_before
 
     ctx = zmq.Context()
     sent = 0
     peers = []
     try:
-        peers = _hostile_peers(ctx, c)
+        peers = _hostile_peers(ctx, c, (b"intruder", b"7"))
         for i, parts in enumerate(_peer_frames(rng, c.epoch)):
             if parts:
                 peers[i % 2].send_multipart(parts)
@@ -498,7 +508,7 @@ def test_fixed_a_stepless_peer_message_stops_the_exchange(
     ctx = zmq.Context()
     peers = []
     try:
-        peers = _hostile_peers(ctx, c)
+        peers = _hostile_peers(ctx, c, (b"intruder", None))
         for d in peers:
             for parts in _service_frames(c.epoch):
                 d.send_multipart(parts)
