@@ -447,7 +447,7 @@ def test_sync_reply_round_trip_and_refusals() -> None:
             SyncReply.from_json(bad)
 
 
-# -- addresses, seals, store entries (issue 16, finding 4) ---------------------------------------
+# -- addresses, seals, store entries (who a peer is; what a rebuilt node checks) ---------------
 
 
 def test_a_peer_address_carries_a_valid_curve_key() -> None:
