@@ -20,7 +20,7 @@ from ftmem.config import AUTH_KEY_NAME
 from ftmem.errors import SmpStartError, UnsafePathError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.secure_fs import prepare_private_dir
-from ftmem.shm import MappedSegment, create_segment, remove_segment
+from ftmem.shm import MappedSegment, create_segment, remove_segment, slot_file_name
 from ftmem.smp.spawn import SmpProcess, start_smp
 
 ROOT = os.geteuid() == 0
@@ -111,17 +111,17 @@ def test_clients_refuse_a_key_or_run_dir_others_can_read(smp: SmpProcess, run_di
 def test_ranks_refuse_slot_files_others_can_open_or_symlinked(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir(mode=0o700)
-    seg = shm / "ftmem-r-n-r0-s0-g1"
+    seg = shm / slot_file_name("r", "n", "0123456789abcdef", 0, 0, 1)
     create_segment(seg, 2 << 20)
     MappedSegment(seg, 2 << 20, shm).close()
     seg.chmod(0o666)
     with pytest.raises(UnsafePathError, match="open to others"):
         MappedSegment(seg, 2 << 20, shm)
     seg.chmod(0o600)
-    link = shm / "ftmem-r-n-r0-s1-g1"
+    link = shm / slot_file_name("r", "n", "0123456789abcdef", 0, 1, 1)
     link.symlink_to(tmp_path / "outside")
     (tmp_path / "outside").write_bytes(b"\0" * (2 << 20))
-    with pytest.raises(ValueError, match="not an ftmem segment"):
+    with pytest.raises(ValueError, match="not a slot file"):
         MappedSegment(link, 2 << 20, shm)
     remove_segment(seg)
 
