@@ -161,7 +161,7 @@ def test_a_file_planted_at_the_next_slot_name_does_not_stop_allocation(
     another user could create the next one first and the SMP's ``O_EXCL`` create failed (the
     rank's saves were skipped). Now those names mean nothing and the real ones are private."""
     smp = _start(run_dir, run_id, "n0", tmp_path / "smp.log")
-    planted = [SHM / f"ftmem-{run_id}-n0-r0-s{i}-g1" for i in range(2)]
+    planted = [SHM / f"ftmem-{run_id}-n0-r0-s{i}-g{g}" for i in range(2) for g in (1, 2, 3)]
     try:
         for p in planted:
             p.write_bytes(b"")
@@ -173,6 +173,7 @@ def test_a_file_planted_at_the_next_slot_name_does_not_stop_allocation(
         assert made and all(Path(p).parent == default_shm_dir() for p in made)
         assert stat.S_IMODE(default_shm_dir().stat().st_mode) == 0o700
         assert all(p.exists() for p in planted)  # not ours to touch
+        assert "cannot create" not in (tmp_path / "smp.log").read_text()  # no failed allocation
     finally:
         assert smp.stop() == 0
         for p in planted:
