@@ -72,9 +72,10 @@ def mesh(
     return eps, [GroupProtector(i, plan, t, STRIPE, timeout_s=30) for i, t in enumerate(transports)]
 
 
-def scenario(n: int, m: int, sizes: list[int], lost: set[int]) -> None:
+def scenario(n: int, m: int, sizes: list[int], lost: set[int], key_file: bool = False) -> None:
     plan = plan_group(list(range(n)), m)
-    key = keys.generate()
+    k = keys.generate()
+    key = keys.CurveKeyPair(k.public, k.secret, from_file=key_file)  # seals checked if so
     data = [os.urandom(s) for s in sizes]
     transports = [ZmqPeerTransport(str(i), key) for i in range(n)]
     eps = {str(i): t.start() for i, t in enumerate(transports)}
@@ -131,7 +132,8 @@ def test_three_nodes_one_lost() -> None:
 
 
 def test_four_nodes_two_lost_at_once() -> None:
-    scenario(4, 2, [1_200_000, 2_000_000, 700_000, 2_000_000], {1, 3})
+    """With a key file: each rebuilt node checks its own seal and digest (and they match)."""
+    scenario(4, 2, [1_200_000, 2_000_000, 700_000, 2_000_000], {1, 3}, key_file=True)
 
 
 def test_more_than_m_lost_is_unrecoverable() -> None:
