@@ -140,6 +140,7 @@ class SmpConfig:
     def __post_init__(self) -> None:
         check_name("run_id", self.run_id)
         check_name("node", self.node)
+        self.shm_dir = self.shm_dir.absolute()  # ranks get it in the HELLO reply
         if self.slots < 2:
             raise ValueError(f"slots must be >= 2, got {self.slots}")
         if self.max_message_bytes < 4096:
