@@ -167,10 +167,15 @@ def get_args_parser() -> argparse.ArgumentParser:
     k.add_argument("path", type=Path, help="file to create (must not exist)")
     c = sub.add_parser(
         "cleanup",
-        help="list this user's orphaned slot files in /dev/shm (left by a SIGKILLed SMP)",
+        help="list this user's orphaned slot files (left by a SIGKILLed SMP) in the private "
+        "shared-memory directory",
     )
     c.add_argument("--remove", action="store_true", help="delete them (default: a dry run)")
-    c.add_argument("--shm-dir", default="/dev/shm", help="where slot files live")
+    c.add_argument(
+        "--shm-dir",
+        default=None,
+        help="where slot files live (default: $FTMEM_SHM_DIR, else /dev/shm/ftmem-<uid>)",
+    )
     return p
 
 

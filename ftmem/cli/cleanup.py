@@ -119,8 +119,8 @@ def find_orphans(shm_dir: Path | None = None, base: Path | None = None) -> list[
 
 def run_cleanup(args: argparse.Namespace) -> int:
     """List the orphans (and remove them with ``--remove``); exit 0, or 1 if the directory
-    is unsafe. ``--shm-dir /dev/shm`` (the default) means this user's private directory
-    (``$FTMEM_SHM_DIR`` or ``/dev/shm/ftmem-<uid>``)."""
+    is unsafe. No ``--shm-dir`` (or ``/dev/shm``, the default of older versions) means this
+    user's private directory (``$FTMEM_SHM_DIR`` or ``/dev/shm/ftmem-<uid>``)."""
     arg = getattr(args, "shm_dir", None)
     shm_dir = default_shm_dir() if arg in (None, _TMPFS_ROOT) else Path(arg)
     try:
