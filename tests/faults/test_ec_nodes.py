@@ -20,19 +20,6 @@ from tests._support.launcher import Launcher
 from tests._support.nodes import Nodes, reference
 
 
-def test_three_nodes_lose_one_replacement_rebuilds_same_digest(launcher_env: Launcher) -> None:
-    want = reference(launcher_env, 3)
-    nodes = Nodes(launcher_env, 3, ["--ftmem-ec-parity", "1"])
-    nodes.start_all()
-    nodes.wait_protected(5)
-    nodes.lose(2)
-    nodes.start(2)
-    m = nodes.agents[2].wait_for(r"REBUILT step (\d+) of this node", 180)[0]
-    step = int(m.group(1))
-    nodes.agents[2].wait_for(rf"\[rank 2\] resumed from step {step}", 180)
-    assert nodes.finish() == want
-
-
 def test_four_nodes_lose_two_at_once_same_digest(launcher_env: Launcher) -> None:
     want = reference(launcher_env, 4)
     nodes = Nodes(launcher_env, 4, ["--ftmem-ec-parity", "2"])
@@ -63,15 +50,17 @@ def test_more_than_m_nodes_lost_stops_with_a_clear_message(launcher_env: Launche
         )
 
 
-def test_a_stopped_exchange_thread_then_a_killed_smp_are_recovered_same_digest(
+def test_stopped_exchange_killed_smp_and_lost_node_are_recovered_same_digest(
     launcher_env: Launcher,
 ) -> None:
-    """Two faults of one run (one 3-node run for both: they take minutes each on 2 cores).
+    """Three faults of one 3-node run (a run of its own each would take minutes on 2 cores).
 
     1. Node 2's exchange thread raises at its first protection round (an unexpected error,
        as a bug would): its agent notices, restarts the ranks from memory with a new mesh,
        the SMP replaces the thread, and protection goes on.
     2. Node 1's SMP is SIGKILLed: the new SMP rebuilds the node's snapshot from its peers.
+    3. Node 1 is lost whole (agent, SMP, rank and shared memory) and a replacement with its
+       name joins: its SMP rebuilds the snapshot before its rank starts and resumes from it.
     """
     want = reference(launcher_env, 3)
     crash = {"FTMEM_FAULT": "in_protect:rank=2:fault=crash"}
@@ -82,6 +71,11 @@ def test_a_stopped_exchange_thread_then_a_killed_smp_are_recovered_same_digest(
     nodes.wait_protected(5)
     os.kill(_smp_pid(nodes, 1), signal.SIGKILL)
     nodes.agents[1].wait_for(r"REBUILT step (\d+) of this node", 180)
+    nodes.wait_protected(12)
+    nodes.lose(1)
+    nodes.start(1)
+    m = nodes.agents[1].wait_for(r"REBUILT step (\d+) of this node", 180)[0]
+    nodes.agents[1].wait_for(rf"\[rank 1\] resumed from step {int(m.group(1))}", 180)
     assert nodes.finish() == want
     run_dir = Path(nodes.run_dir(2))
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
