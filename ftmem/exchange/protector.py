@@ -33,22 +33,17 @@ each one (:meth:`Envelope.parse`) and dispatches on its type; a malformed messag
 earlier epoch or one from outside the group is logged, counted in ``dropped`` and ignored.
 
 Bounds: what peers send is kept only within bounds, so no peer can grow this node's memory
-without limit. A peer's size is at most ``max_node_bytes``, its manifest at most
-:data:`MAX_MANIFEST_BYTES`; at most :data:`MAX_OPEN_STEPS` steps that this node does not hold
-are tracked at once; once a step's stripe map is known, only the columns this node encodes
-and the parity it owes are kept, each of exactly its planned length; before that, columns and
-parity of all steps together are kept up to ``max_unplanned_bytes``. Replies to a peer's
-requests wait in its queue up to :data:`REPLY_MAX_BYTES`. Anything beyond is dropped and
-counted. Each protected step carries its origin's seal (seals.py), kept with the parity and
-checked by a rebuilt node.
+without limit: a peer's size is at most ``max_node_bytes``, its manifest at most
+:data:`MAX_MANIFEST_BYTES`, replies to a peer's requests wait in its queue up to
+:data:`REPLY_MAX_BYTES`, and the steps, columns and parity kept are bounded by the step table
+(steps.py). Anything beyond is dropped and counted. Each protected step carries its origin's
+seal (seals.py), kept with the parity and checked by a rebuilt node.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ftmem import faults
@@ -62,25 +57,15 @@ from ftmem.exchange.placement import GroupPlan, StripePlan, stripe_map
 from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder, RebuildMeta
 from ftmem.exchange.seals import Seal, digest_of, seal
 from ftmem.exchange.segments import Buffer, SegmentedBytes
+from ftmem.exchange.steps import (
+    MAX_UNPLANNED_BYTES,
+    StepState,
+    StepTable,
+    physical_memory,
+)
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 
 log = get_logger(__name__)
-
-MAX_OPEN_STEPS = 8
-"""Most steps tracked at once that this node does not hold (a round, the next one's early
-messages, leftovers); a new one beyond evicts the oldest that has none of this node's data."""
-
-MAX_UNPLANNED_BYTES = 256 << 20
-"""Default bound of the columns and parity kept, over all steps, before a step's stripe map
-is known (peers may be a few messages ahead of this node)."""
-
-
-def physical_memory() -> int:
-    """Bytes of physical memory of this machine (MAX_NODE_BYTES if unknown)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError):
-        return pm.MAX_NODE_BYTES
 
 
 class StepAborted(FtmemError):
@@ -89,32 +74,6 @@ class StepAborted(FtmemError):
 
 class ExchangeInterrupted(FtmemError):
     """The caller's ``interrupted()`` became true during a wait (e.g. the group changed)."""
-
-
-@dataclass
-class StepState:
-    """What this node holds and knows of one step (its data, every node's size and manifest,
-    columns received, parity held, who sent HELD)."""
-
-    data: SegmentedBytes | None = None
-    sizes: dict[int, int] = field(default_factory=dict)
-    manifests: dict[int, bytes] = field(default_factory=dict)
-    stripes: dict[int, StripePlan] | None = None
-    columns: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    parity: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    held: set[int] = field(default_factory=set)
-    encoded: set[int] = field(default_factory=set)
-    held_sent: bool = False
-    aborted: bool = False
-    missing: dict[int, int] = field(default_factory=dict)
-    """Stripes this node encodes -> data columns not received yet (set once stripes are known)."""
-    owed_left: set[tuple[int, int]] | None = None
-    """Parity fragments this node must hold and does not yet (None until stripes are known)."""
-    seals: dict[int, Seal] = field(default_factory=dict)
-    """Each node's seal of the step (its digest and tag, seals.py), kept for its rebuild."""
-    unplanned: int = 0
-    """Bytes of columns and parity kept before the stripe map was known."""
 
 
 class GroupProtector:
@@ -146,7 +105,9 @@ class GroupProtector:
         self.stripe_bytes = stripe_bytes
         self.timeout_s = timeout_s
         self.codec = StripeCodec(plan.k, plan.m)
-        self.steps: dict[int, StepState] = {}
+        self.table = StepTable(me, max_unplanned_bytes, self.codec.header_bytes)
+        self.steps: dict[int, StepState] = self.table.steps
+        """Every step tracked, by step (the table's dict)."""
         self.epoch = epoch
         self.on_other = on_other
         self.interrupted = interrupted or (lambda: False)
@@ -159,11 +120,23 @@ class GroupProtector:
         )
         """Largest snapshot of a node accepted from a peer (SIZE, META): by default this
         machine's memory, beyond which it could not hold the node's parity nor a rebuild."""
-        self.max_unplanned_bytes = max_unplanned_bytes
         self.dropped = 0
-        self._unplanned = 0
         self._outbox = Outbox(me)
         self._rebuilder = Rebuilder(self)
+
+    @property
+    def max_unplanned_bytes(self) -> int:
+        """Bound of the columns and parity kept before their stripe maps are known."""
+        return self.table.max_unplanned_bytes
+
+    @max_unplanned_bytes.setter
+    def max_unplanned_bytes(self, value: int) -> None:
+        self.table.max_unplanned_bytes = value
+
+    def buffered_bytes(self) -> int:
+        """Bytes of columns and parity held for all steps (what peers' messages made this
+        node keep; its own snapshots are not counted)."""
+        return self.table.buffered_bytes()
 
     @property
     def sent_bytes(self) -> int:
@@ -205,54 +178,12 @@ class GroupProtector:
             self.forget(step)
         self._rebuilder.clear()
 
-    def _st(self, step: int) -> StepState:
-        return self.steps.setdefault(step, StepState())
-
-    def _peer_st(self, step: int) -> StepState:
-        """The state of ``step`` for a peer's message: a step not tracked yet is added only
-        within MAX_OPEN_STEPS (evicting the oldest step with none of this node's data).
-
-        Raises:
-            ProtocolError: no room (the message is dropped and counted).
-        """
-        st = self.steps.get(step)
-        if st is not None:
-            return st
-        open_ = [s for s, v in self.steps.items() if not v.held_sent]
-        if len(open_) >= MAX_OPEN_STEPS:
-            idle = [s for s in open_ if self.steps[s].data is None]
-            if not idle:
-                raise ProtocolError(f"more than {MAX_OPEN_STEPS} steps in progress")
-            log.warning(
-                "[%d] dropping peers' messages of step %d for newer ones", self.me, min(idle)
-            )
-            self.forget(min(idle))
-        return self._st(step)
-
-    def _keep_unplanned(self, st: StepState, nbytes: int) -> None:
-        """Account ``nbytes`` kept before the stripe map is known (ProtocolError past the bound)."""
-        if self._unplanned + nbytes > self.max_unplanned_bytes:
-            raise ProtocolError(
-                f"more than {self.max_unplanned_bytes} bytes of columns and parity before "
-                "their stripe map is known"
-            )
-        self._unplanned += nbytes
-        st.unplanned += nbytes
-
-    def buffered_bytes(self) -> int:
-        """Bytes of columns and parity held for all steps (what peers' messages made this
-        node keep; its own snapshots are not counted)."""
-        return sum(
-            sum(map(len, st.columns.values())) + sum(map(len, st.parity.values()))
-            for st in self.steps.values()
-        )
-
     def _plan_stripes(self, step: int) -> None:
         st = self.steps[step]
         if st.stripes is None and len(st.sizes) == len(self.plan.nodes):
             st.stripes = {s.index: s for s in stripe_map(self.plan, st.sizes, self.stripe_bytes)}
             assert st.data is not None
-            self._keep_planned(st)
+            self.table.keep_planned(st)
             # Bookkeeping per stripe, so each message costs O(1), not O(stripes).
             st.owed_left = {key for key in self._owed(step) if key not in st.parity}
             for s in st.stripes.values():
@@ -269,30 +200,6 @@ class GroupProtector:
             for index in [i for i, n in st.missing.items() if n == 0]:
                 self._progress(step, index)
             self._progress(step, None)
-
-    def _keep_planned(self, st: StepState) -> None:
-        """The stripe map is known: keep only what it says this node receives, each piece of
-        its planned length; release the unplanned budget."""
-        assert st.stripes is not None
-        self._unplanned -= st.unplanned
-        st.unplanned = 0
-        st.columns = {k: v for k, v in st.columns.items() if self._column_len(st, *k) == len(v)}
-        st.parity = {k: v for k, v in st.parity.items() if self._parity_len(st, *k) == len(v)}
-
-    def _column_len(self, st: StepState, stripe: int, col: int) -> int | None:
-        """The planned length of a column this node encodes (None: not one it receives)."""
-        s = st.stripes.get(stripe) if st.stripes is not None else None
-        if s is None or s.encoder != self.me or not 0 <= col < s.k or stripe in st.encoded:
-            return None
-        c = s.columns[col]
-        return c.length if c.length and c.node != self.me else None
-
-    def _parity_len(self, st: StepState, stripe: int, frag: int) -> int | None:
-        """The length of a parity fragment this node holds (None: not one it holds)."""
-        s = st.stripes.get(stripe) if st.stripes is not None else None
-        if s is None or not s.k <= frag < s.k + len(s.holders) or s.holders[frag - s.k] != self.me:
-            return None
-        return s.chunk_bytes + self.codec.header_bytes(s.chunk_bytes)
 
     def _owed(self, step: int) -> list[tuple[int, int]]:
         st = self.steps[step]
@@ -397,7 +304,7 @@ class GroupProtector:
             case pm.Parity() as b:
                 self._on_parity(b, bufs[0])
             case pm.Held() as b:
-                self._peer_st(b.step).held.add(sender)
+                self.table.for_peer(b.step, self.forget).held.add(sender)
                 self._rebuilder.rebuilt(sender, b.step)
             case pm.Abort() as b:
                 if b.step in self.steps and not self.steps[b.step].held >= set(self.plan.nodes):
@@ -418,7 +325,7 @@ class GroupProtector:
             raise ProtocolError(f"a size of {b.nbytes} bytes, over {self.max_node_bytes}")
         if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
             raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
-        st = self._peer_st(b.step)
+        st = self.table.for_peer(b.step, self.forget)
         if st.stripes is not None and st.sizes.get(sender) != b.nbytes:
             raise ProtocolError(f"a new size of step {b.step} after its stripe map was made")
         st.sizes[sender] = b.nbytes
@@ -429,12 +336,12 @@ class GroupProtector:
 
     def _on_data(self, b: pm.Data, piece: memoryview) -> None:
         key = (b.stripe, b.col)
-        st = self._peer_st(b.step)
+        st = self.table.for_peer(b.step, self.forget)
         if key in st.columns:
             raise ProtocolError(f"column {key} of step {b.step} again")
         if st.stripes is None:
-            self._keep_unplanned(st, piece.nbytes)
-        elif self._column_len(st, *key) != piece.nbytes:
+            self.table.keep_unplanned(st, piece.nbytes)
+        elif self.table.column_len(st, *key) != piece.nbytes:
             raise ProtocolError(f"column {key} of step {b.step} is not one this node encodes")
         st.columns[key] = bytes(piece)
         if b.stripe in st.missing:
@@ -442,13 +349,13 @@ class GroupProtector:
             self._progress(b.step, b.stripe)
 
     def _on_parity(self, b: pm.Parity, fragment: memoryview) -> None:
-        st = self._peer_st(b.step)
+        st = self.table.for_peer(b.step, self.forget)
         key = (b.stripe, b.frag)
         if key in st.parity:
             raise ProtocolError(f"parity {key} of step {b.step} again")
         if st.stripes is None:
-            self._keep_unplanned(st, fragment.nbytes)
-        elif self._parity_len(st, *key) != fragment.nbytes or (
+            self.table.keep_unplanned(st, fragment.nbytes)
+        elif self.table.parity_len(st, *key) != fragment.nbytes or (
             st.owed_left is not None and key not in st.owed_left
         ):
             raise ProtocolError(f"parity {key} of step {b.step} is not one this node holds")
@@ -487,7 +394,7 @@ class GroupProtector:
             TimeoutError: the group did not finish within ``timeout_s``.
             ExchangeInterrupted: ``interrupted()`` became true.
         """
-        st = self._st(step)
+        st = self.table.get(step)
         st.data = SegmentedBytes.of(data)
         st.sizes[self.me] = st.data.nbytes
         st.manifests[self.me] = manifest
@@ -553,7 +460,7 @@ class GroupProtector:
         st = self.steps.pop(step, None)
         if st is None:
             return
-        self._unplanned -= st.unplanned
+        self.table.release(st)
         if st.data is not None:
             st.data.release()
 

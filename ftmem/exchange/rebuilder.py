@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ftmem.exchange.codec import Rebuilt
-    from ftmem.exchange.protector import GroupProtector, StepState
+    from ftmem.exchange.protector import GroupProtector
+    from ftmem.exchange.steps import StepState
 
 log = get_logger(__name__)
 
@@ -267,7 +268,7 @@ class Rebuilder:
         stripes = stripe_map(p.plan, sizes, p.stripe_bytes)
         mine = rebuild_plan(p.plan, stripes, lost).for_node(p.me)
         out = bytearray(sizes.get(p.me, 0))
-        st = p._st(step)
+        st = p.table.get(step)
         st.sizes = dict(sizes)
         st.manifests[p.me] = meta.manifest
         st.seals[p.me] = meta.seal

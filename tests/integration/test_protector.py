@@ -392,7 +392,7 @@ def test_a_flood_of_fragments_for_many_steps_stays_within_the_byte_bound() -> No
     the newest MAX_OPEN_STEPS steps, drops and counts the rest, and protects a real step
     afterwards."""
     from ftmem.exchange import messages as pm
-    from ftmem.exchange.protector import MAX_OPEN_STEPS
+    from ftmem.exchange.steps import MAX_OPEN_STEPS
 
     key = keys.generate()
     plan = plan_group([0, 1, 2], 1)
