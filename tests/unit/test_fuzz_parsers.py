@@ -252,7 +252,7 @@ def test_mutated_peer_messages_never_crash_the_protector(
         on_other=others.append if with_service else None,
     )
     if holding:  # this node's data of step 1 and its peers' sizes but one: deeper paths
-        st = p._st(1)
+        st = p.table.get(1)
         st.data, st.sizes, st.held_sent = SegmentedBytes([bytes(100)]), {0: 100, 1: 100}, True
     dropped = p.dropped
     p.handle(PeerMessage(sender, {**good, **changes}, [memoryview(b) for b in bufs]))
