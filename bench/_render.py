@@ -74,19 +74,6 @@ def goal_table(rows: Sequence[Goal], title: str) -> list[str]:
     return [title, "", *table(["goal", "threshold", "measured", "met", "from"], body)]
 
 
-MODULES = {  # part: its module in bench/
-    "snapshot": "snapshot",
-    "overhead": "overhead",
-    "flush": "flush",
-    "recovery": "recovery",
-    "ec-overhead": "ec_overhead",
-    "ec-protect": "ec_protect",
-    "datapath": "datapath",
-    "gpu": "datapath",
-    "sharding": "sharding",
-    "ec": "ec",
-}
-"""In the order of the goals table; ``python bench/run.py`` runs the first eight."""
 MODULES = {  # part: its module in bench/, in the order of the goals table
     "snapshot": "snapshot",
     "overhead": "overhead",
@@ -99,6 +86,7 @@ MODULES = {  # part: its module in bench/, in the order of the goals table
     "sharding": "sharding",
     "ec": "ec",
 }
+"""In the order of the goals table; ``python bench/run.py`` runs the first eight."""
 TITLES = {
     "snapshot": "Snapshot: ftmem vs torch.save vs DCP",
     "memory": "Memory per node",
