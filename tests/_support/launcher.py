@@ -65,8 +65,9 @@ def short_dir(prefix: str = "ftl-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
-def wait_verified(run_dir: Path, ranks: set[int], timeout: float) -> None:
-    """Wait until the SMP's event log shows a verified snapshot of every rank in ``ranks``.
+def wait_verified(run_dir: Path, ranks: set[int], timeout: float, min_step: int = 0) -> None:
+    """Wait until the SMP's event log shows a verified snapshot of step ``min_step`` or newer
+    of every rank in ``ranks``.
 
     Commits are asynchronous and a rank's first save is skipped while its slots are
     allocated, so under load a rank may hold nothing yet although its peers logged steps.
@@ -81,7 +82,7 @@ def wait_verified(run_dir: Path, ranks: set[int], timeout: float) -> None:
                     event = json.loads(line)
                 except ValueError:  # a line being written
                     continue
-                if event.get("event") == "verified":
+                if event.get("event") == "verified" and int(event.get("step", -1)) >= min_step:
                     seen.add(int(event["rank"]))
         if ranks <= seen:
             return

@@ -96,8 +96,9 @@ def test_smp_sigkill_restarts_smp_and_ranks(launcher_env: Launcher) -> None:
     agent = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY])
     first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
     agent.wait_for(r"step 3 loss", 60)
-    # Both ranks must hold a snapshot before the SMP dies (else there is no common step).
-    wait_verified(launcher_env.tmp / "agent-rd", {0, 1}, 60)
+    # Both ranks must hold a snapshot of step 3 before the SMP dies ("step 3 loss" is logged
+    # before step 3's save is committed; the resumed step is checked against it below).
+    wait_verified(launcher_env.tmp / "agent-rd", {0, 1}, 60, min_step=3)
     smp_pid = int(first.group(1))
     import os
 
