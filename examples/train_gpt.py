@@ -280,6 +280,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batchnorm", action="store_true", help="add a BatchNorm1d (buffers)")
     p.add_argument("--no-ftmem", action="store_true", help="train without snapshots")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="train under ftmem.run: when another rank fails, this process rejoins the next "
+        "generation in process (needs ftmem-launch)",
+    )
     p.add_argument("--save-every", type=int, default=1, help="snapshot every K steps")
     p.add_argument(
         "--no-shard",
@@ -359,13 +365,6 @@ def train(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %.2f M parameters", n_params / 1e6)
     torch.manual_seed(args.seed + 1000 * rank + 1)  # per-rank dropout masks
-    # Bucket layout must not depend on where the run started: DDP reorders its buckets after
-    # its first iteration, and with 3+ ranks a different bucket layout sums the gradients in
-    # another order (float addition is not associative). find_unused_parameters=True keeps
-    # the initial layout for good (see docs/design.md, "Bitwise resumption under DDP").
-    train_model = (
-        DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
-    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     total_sched = args.lr_decay_steps or args.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -380,55 +379,82 @@ def train(args: argparse.Namespace) -> int:
     )
 
     ftmem: Any = None
-    start = 0
     state: dict[str, Any] = {
         "model": model,
         "optim": optimizer,
         "sched": scheduler,
         "data": loader,
     }
-    if not args.no_ftmem:
+    step_times: list[float] = []
+
+    def steps_from(start: int) -> int:
+        """Train from ``start`` to ``args.steps``; under --in-process, once per generation."""
+        print(f"[rank {rank}] resumed from step {start}", flush=True)
+        # Bucket layout must not depend on where the run started: DDP reorders its buckets
+        # after its first iteration, and with 3+ ranks a different bucket layout sums the
+        # gradients in another order (float addition is not associative).
+        # find_unused_parameters=True keeps the initial layout for good (see docs/design.md,
+        # "Bitwise resumption under DDP"). DDP is bound to the process group: built here.
+        train_model = (
+            DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
+        )
+        # Under DDP every rank holds the same parameters and optimizer state: each saves
+        # 1/world of them, and load gathers them back (--no-shard: every rank saves everything).
+        replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            inputs, targets = loader.next_batch()
+            logits = train_model(inputs)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            handle = None
+            if ftmem is not None and (step + 1) % args.save_every == 0:
+                handle = ftmem.save(state, step=step + 1, replicated_over=replicas)
+            elif ftmem is not None:
+                ftmem.heartbeat(step + 1)  # progress for hang detection between snapshots
+            step_times.append(time.perf_counter() - t0)
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                logger.info(
+                    "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
+                )
+            if (
+                step + 1 == args.fail_at_step
+                and rank == args.fail_rank
+                and start < args.fail_at_step
+            ):
+                try:  # wait() also commits this step if its snapshot was skipped
+                    committed = handle is not None and ftmem.wait(timeout=60.0)
+                except TimeoutError:
+                    committed = False
+                if not committed:
+                    logger.warning("snapshot of step %d not committed before the failure", step + 1)
+                _inject_failure(args.fail_mode, rank, step + 1)
+            if args.step_delay:
+                time.sleep(args.step_delay)
+        return max(start, args.steps)
+
+    if args.no_ftmem:
+        final_step = steps_from(0)
+    else:
         # Imported here so that --no-ftmem runs without the package installed.
         import ftmem
 
         state["rng"] = ftmem.RNGState()
-        # Under DDP every rank holds the same parameters and optimizer state: each saves 1/world
-        # of them, and load gathers them back (--no-shard: every rank saves everything).
-        replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
-        start = ftmem.load(state, replicated_over=replicas)
-    print(f"[rank {rank}] resumed from step {start}", flush=True)
-
-    step_times: list[float] = []
-    for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        inputs, targets = loader.next_batch()
-        logits = train_model(inputs)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        handle = None
-        if ftmem is not None and (step + 1) % args.save_every == 0:
-            handle = ftmem.save(state, step=step + 1, replicated_over=replicas)
-        elif ftmem is not None:
-            ftmem.heartbeat(step + 1)  # progress for hang detection between snapshots
-        step_times.append(time.perf_counter() - t0)
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            logger.info(
-                "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
+        if args.in_process:
+            # Survivors of another rank's failure stay alive and run steps_from again.
+            shard = world > 1 and not args.no_shard
+            final_step = ftmem.run(
+                steps_from,
+                state,
+                replicated_over=(lambda: dist.group.WORLD) if shard else None,
+                pg_timeout=timedelta(seconds=args.pg_timeout),
             )
-        if step + 1 == args.fail_at_step and rank == args.fail_rank and start < args.fail_at_step:
-            try:  # wait() also commits this step if its snapshot was skipped
-                committed = handle is not None and ftmem.wait(timeout=60.0)
-            except TimeoutError:
-                committed = False
-            if not committed:
-                logger.warning("snapshot of step %d not committed before the failure", step + 1)
-            _inject_failure(args.fail_mode, rank, step + 1)
-        if args.step_delay:
-            time.sleep(args.step_delay)
-    final_step = max(start, args.steps)
+        else:
+            replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
+            final_step = steps_from(ftmem.load(state, replicated_over=replicas))
 
     if ftmem is not None:
         ftmem.close()

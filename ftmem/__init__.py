@@ -9,6 +9,17 @@ Public API (the simple path)::
         train_one_step()
         ftmem.save(state, step=step + 1)
 
+Ranks that should survive the failure of other ranks (in-process restart, under
+``ftmem-launch``) hand their loop to :func:`run` instead::
+
+    def train(start: int) -> None:
+        ddp = DistributedDataParallel(model)      # per generation: bound to the process group
+        for step in range(start, total):
+            train_one_step(ddp)
+            ftmem.save(state, step=step + 1)
+
+    ftmem.run(train, state)
+
 Layout of the package, by layer (each imports only its own package and the layers above it
 in this list; tests/unit/test_layers.py checks it): errors.py, config.py; format/ (slot
 layouts, skeleton codec), protocol/ (messages, the SMP client), shm.py, faults.py; exchange/
@@ -19,8 +30,9 @@ module (the public API); launch/ (``ftmem-launch``), cli/ (``ftmem``); testing/.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, MutableMapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ftmem.config import ClientConfig, SmpConfig
 from ftmem.errors import (
@@ -52,11 +64,13 @@ __all__ = [
     "close",
     "heartbeat",
     "load",
+    "run",
     "save",
     "stats",
     "wait",
 ]
 
+_T = TypeVar("_T")
 _default: Checkpointer | None = None
 _LAZY = {"Checkpointer", "RNGState", "SnapshotHandle"}
 
@@ -95,6 +109,42 @@ def load(
     ``replicated_over``: the group a sharded snapshot was saved over (default: the world)."""
     return _checkpointer().load(
         state, allow_fresh_start=allow_fresh_start, replicated_over=replicated_over
+    )
+
+
+def run(
+    train: Callable[[int], _T],
+    state: MutableMapping[str, Any],
+    *,
+    replicated_over: Callable[[], Any] | None = None,
+    backend: str | None = None,
+    pg_timeout: timedelta | None = None,
+) -> _T:
+    """Restore ``state`` and call ``train(start_step)``; when another rank fails, rejoin the
+    next generation in this same process and call it again; return what ``train`` returns.
+
+    Under ``ftmem-launch`` only (anywhere else it raises ``FtmemError`` saying so). Creates
+    the default process group from the environment if it does not exist (``backend``:
+    ``nccl`` with CUDA, else ``gloo``; ``pg_timeout``: its timeout). When a collective fails
+    because a peer died, this rank waits for its pending snapshot, tears the process group
+    down (bounded), waits for the agent's new generation (``--ftmem-rejoin-timeout``),
+    creates the group again, restores the newest step every rank holds from its SMP and
+    calls ``train`` again: the model, optimizer, compiled code and loader workers survive.
+    Any other exception, or a rejoin that fails, propagates (the process exits and is
+    started cold). Build process-group-bound objects (DDP, FSDP, ``new_group``) inside
+    ``train``. ``replicated_over``: a function returning the group a sharded snapshot is
+    saved over (called after every join), e.g. ``lambda: dist.group.WORLD``.
+    See docs/api.md, "In-process restart".
+    """
+    from ftmem.client.in_process import run_in_process
+
+    return run_in_process(
+        train,
+        state,
+        _checkpointer(),
+        replicated_over=replicated_over,
+        backend=backend,
+        pg_timeout=pg_timeout,
     )
 
 

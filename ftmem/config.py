@@ -19,6 +19,10 @@ ENV_SHARD = "FTMEM_SHARD"
 """``0`` turns sharded snapshots of replicated state off (default on)."""
 ENV_ALLOW_FRESH_START = "FTMEM_ALLOW_FRESH_START"  # "1": load returns 0 if ranks disagree
 ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"  # set by ftmem-launch: the step the node had committed
+ENV_AGENT_PID = "FTMEM_AGENT_PID"  # set by ftmem-launch: the agent's pid (the ranks' parent)
+ENV_REJOIN_TIMEOUT = (
+    "FTMEM_REJOIN_TIMEOUT"  # set by ftmem-launch: ftmem.run's wait for a new generation
+)
 ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
 ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.faults)
 ENV_FLUSH_DIRS = "FTMEM_FLUSH_DIRS"  # disk tiers, nearest first, ":"-separated (load's fallback)

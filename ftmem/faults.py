@@ -78,6 +78,9 @@ class Point(enum.Enum):
     IN_RESTORE = "in_restore"
     """(Rank) Inside ``ftmem.load``: a snapshot passed its checksums and is about to be
     matched to the state and copied into it (other ranks wait in the agreement)."""
+    IN_REJOIN = "in_rejoin"
+    """(Rank, ``ftmem.run``) A peer failed and this survivor tore down its process group; it
+    is about to wait for its new generation (``step``: the step it had restored last)."""
 
 
 class Fault(enum.Enum):

@@ -132,6 +132,7 @@ class Checkpointer:
         self._closed = False
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
+        self._in_process = False
         atexit.register(self.close)
 
     # -- connection ------------------------------------------------------------------------
@@ -145,18 +146,46 @@ class Checkpointer:
     def _connect(self) -> SmpClient:
         if self._client is None:
             client = SmpClient(self.config.run_dir, self.config.request_timeout)
-            info = client.request(
-                m.Hello(
-                    rank=self.rank,
-                    pid=os.getpid(),
-                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                    world_size=agreement.current_world_size(),
-                )
-            )
+            info = client.request(self._hello())
             self._slots.shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))
             self._client = client
             self._worker = CopyWorker(self.config.run_dir, self.config.request_timeout)
         return self._client
+
+    def _hello(self, rejoined: bool = False) -> m.Hello:
+        return m.Hello(
+            rank=self.rank,
+            pid=os.getpid(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=agreement.current_world_size(),
+            in_process=self._in_process,
+            rejoined=rejoined,
+        )
+
+    def announce_in_process(self) -> None:
+        """Tell the SMP that this rank runs under :func:`ftmem.run`: ftmem-launch keeps it
+        alive at a restart and hands it the next generation (see ``ftmem.client.in_process``)."""
+        self._in_process = True
+        if self._client is None:
+            self._connect()
+        else:
+            self._client.request(self._hello())
+
+    def leave_generation(self) -> None:
+        """A peer failed and this process rejoins in process: wait (bounded) for the pending
+        snapshot and drop everything tied to the old process group (a skipped step's retry,
+        the group and the replica sharding cache, the rank), so the group can be freed."""
+        self.wait_quietly()
+        self._pending = None
+        self._changed = False
+        self._sharder = ReplicaSharder()
+        self._group = None
+        self._rank = None
+
+    def rejoined(self) -> None:
+        """This process joined a new generation in process: say hello again, so the SMP and
+        the agent time this restart from now (call after :meth:`leave_generation`)."""
+        self._connect().request(self._hello(rejoined=True))
 
     # -- save ------------------------------------------------------------------------------
     def save(

@@ -12,7 +12,9 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - the no-progress guard, and one log line per failure and per recovery.
 
 Standby ranks (:mod:`ftmem.launch.standby`) take over restarted ranks through elastic's own
-process start; at a restart the c10d handler's start jitter is skipped.
+process start; ranks under ``ftmem.run`` that survive a failure are kept alive and rejoin
+the next generation in process (:mod:`ftmem.launch.in_process`); at a restart the c10d
+handler's start jitter is skipped.
 
 It overrides elastic's four abstract hooks (``_start_workers``, ``_stop_workers``,
 ``_monitor_workers``, ``_shutdown``); everything else it needs from elastic's private API
@@ -43,8 +45,14 @@ from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
-from ftmem.launch.elastic_compat import ElasticAgentBase, restart_without_jitter
+from ftmem.launch.elastic_compat import (
+    ElasticAgentBase,
+    failed_after_detach,
+    live_handlers,
+    restart_without_jitter,
+)
 from ftmem.launch.failures import FailureAccounting
+from ftmem.launch.in_process import InProcessRestarts
 from ftmem.launch.monitor import (
     EventLog,
     NoProgressGuard,
@@ -103,9 +111,17 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self.generation = -1
         """The rendezvous round the current ranks belong to (same on every node)."""
         self._watch = RankWatch(
-            smp.node, self.events, ftmem.hang_timeout, ftmem.first_progress_timeout
+            smp.node,
+            self.events,
+            ftmem.hang_timeout,
+            ftmem.first_progress_timeout,
+            ftmem.rejoin_timeout,
         )
         """The node's ranks: stopped and hung ones get SIGKILL."""
+        self._in_process = InProcessRestarts(smp.node, smp.run_dir)
+        """Ranks kept alive across the restart in progress (``ftmem.run``)."""
+        self._restarting = False
+        """elastic is restarting the ranks (set in before_restart, read in _stop_workers)."""
         self._recovery: Recovery | None = None
         self._slot: int | None = None
         """This node's block of global ranks (stable across rounds), None: elastic's."""
@@ -192,27 +208,35 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The ranks (and an SMP started now) inherit the agent's environment.
         expected = self._recovery.committed if self._recovery is not None else None
-        os.environ.update(
-            rank_env(
-                run_dir=self._smp.run_dir,
-                run_id=self._smp.run_id,
-                node=self._node,
-                generation=self.generation,
-                expected_step=expected,
-            )
+        ftmem_env = rank_env(
+            run_dir=self._smp.run_dir,
+            run_id=self._smp.run_id,
+            node=self._node,
+            generation=self.generation,
+            expected_step=expected,
+            rejoin_timeout_s=self._ft.rejoin_timeout.total_seconds(),
         )
+        os.environ.update(ftmem_env)
         if self._smp.ensure_running():
             self._poller.forget()
         self._smp_failed = False
         self._exchange_failed = False
         self._join_peers(worker_group)
         start = time.time()
-        with spawning_from(self._standbys):
+        self._in_process.begin_generation(self.generation, ftmem_env)
+        with spawning_from(self._standbys, self._in_process.adopt):
             pids: dict[int, Any] = super()._start_workers(worker_group)
+        self._in_process.discard("its local rank is not in the new generation")
+        kept = self._in_process.adopted
         started = time.time()
         self._started_at = started
         procs = [
-            RankProcess(rank=w.global_rank, pid=pids[w.local_rank], start_time=start)
+            RankProcess(
+                rank=w.global_rank,
+                pid=pids[w.local_rank],
+                start_time=start,
+                kept=w.global_rank in kept,
+            )
             for w in worker_group.workers
         ]
         self._watch.started(procs)
@@ -225,17 +249,19 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             ranks=[p.rank for p in procs],
             pids=[p.pid for p in procs],
             from_standby=from_standby,
+            in_process=sorted(kept),
             start_s=round(started - start, 4),
             smp_pid=self._smp.pid,
             smp_starts=self._smp.starts,
         )
         log.info(
-            "[%s] generation %d: started ranks %s (pids %s%s)",
+            "[%s] generation %d: started ranks %s (pids %s%s%s)",
             self._node,
             self.generation,
             [p.rank for p in procs],
             [p.pid for p in procs],
             f"; from standbys: ranks {from_standby}" if from_standby else "",
+            f"; rejoined in process: ranks {sorted(kept)}" if kept else "",
         )
         return pids
 
@@ -274,10 +300,36 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
         self._watch.kill_stopped("while the ranks are stopped")
+        if not self._restarting:
+            self._in_process.discard("no restart follows")
+        elif self._smp_failed or self._exchange_failed:
+            self._in_process.discard("the node's SMP side failed: every rank restarts cold")
+        else:
+            self._keep_survivors(worker_group)
+        self._restarting = False
         self.stop_ranks(signal.SIGTERM)
+
+    def _keep_survivors(self, worker_group: WorkerGroup) -> list[int]:
+        """Take the ranks that can rejoin in process out of elastic's hands before it stops
+        the others (see :mod:`ftmem.launch.in_process`); return their local ranks."""
+        progress = self._poller.fetch() if self._smp.is_alive() else None
+        if progress is None:
+            latest = self._poller.latest()
+            progress = latest[1] if latest is not None else {}
+        global_ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        keep = self._in_process.keepable(
+            self._pcontext,
+            global_ranks,
+            self._watch.procs,
+            progress,
+            set(self._watch.hang_killed),
+        )
+        self._in_process.detach(self._pcontext, keep, global_ranks)
+        return keep
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         try:
+            self._in_process.discard("the agent is shutting down")
             self._watch.kill_stopped("at shutdown")
             self.stop_ranks(death_sig, timeout)
         finally:
@@ -286,6 +338,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             self._smp.stop()
 
     def before_restart(self, worker_group: WorkerGroup) -> None:
+        self._restarting = True
         if self._recovery is None:
             # elastic restarts healthy ranks when another node (re)joins the rendezvous,
             # typically because that node's ranks failed; it is not charged as a restart.
@@ -324,7 +377,16 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             )
         if self._watch.kill_stopped_peers() and self._detected_at is None:
             self._detected_at = time.time()
-        result: RunResult = super()._monitor_workers(worker_group)
+        if (
+            self._remaining_restarts > 0
+            and _a_rank_failed(self._pcontext)
+            and self._keep_survivors(worker_group)
+        ):
+            # elastic stops every other rank as soon as it sees the failure: the ones that
+            # can rejoin in process were taken out of its reach first.
+            result: RunResult = failed_after_detach(self._pcontext, worker_group)
+        else:
+            result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result)
         elif result.state == WorkerState.HEALTHY:
@@ -372,6 +434,11 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         rec.rendezvous = self._rendezvous_at
         rec.started = self._started_at
         report_resumed(self._node, self.generation, rec, self._watch.procs, progress, self.events)
+
+
+def _a_rank_failed(pcontext: Any) -> bool:
+    """A rank of ``pcontext`` exited with an error (elastic will report a failure)."""
+    return any(h.proc.poll() not in (None, 0) for h in live_handlers(pcontext).values())
 
 
 def _peer_settings(ft: FtmemLaunchConfig) -> PeerSettings:

@@ -82,6 +82,15 @@ def get_args_parser() -> ArgumentParser:
         "step) before it counts as hung; 0 (default) disables.",
     )
     group.add_argument(
+        "--ftmem-rejoin-timeout",
+        action=env,
+        type=float,
+        default=120.0,
+        help="Seconds a rank kept alive at a restart (it runs under ftmem.run) has to report "
+        "progress in the new generation before it is SIGKILLed and cold-started; the rank "
+        "itself waits as long for its new generation (default 120).",
+    )
+    group.add_argument(
         "--ftmem-slots",
         action=env,
         type=int,
@@ -337,6 +346,7 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),
+        rejoin_timeout=_seconds(args.ftmem_rejoin_timeout),
         status_interval=_seconds(args.ftmem_status_interval),
         no_progress_restarts=int(args.ftmem_no_progress_restarts),
         smp_log_level=str(args.ftmem_smp_log_level),

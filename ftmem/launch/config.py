@@ -17,10 +17,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-# The FTMEM_* variables the launcher sets for each rank are named in ftmem/config.py; only the
-# launcher's own one is here.
-ENV_AGENT_PID = "FTMEM_AGENT_PID"
-"""The agent's pid; the exec shim kills the rank if its parent is no longer this pid."""
+from ftmem.config import ENV_AGENT_PID as ENV_AGENT_PID
+
+# The FTMEM_* variables the launcher sets for each rank are named in ftmem/config.py (among them
+# ENV_AGENT_PID, imported above: the exec shim kills the rank if its parent is not that pid).
 
 # torch's switch for the shared rendezvous TCPStore; "1" gives each generation its own store.
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -83,6 +83,9 @@ class FtmemLaunchConfig:
     """A rank that reported progress and then none for this long is SIGKILLed; 0 disables."""
     first_progress_timeout: timedelta = timedelta(0)
     """A rank that never reports progress this long after its start is SIGKILLed; 0 disables."""
+    rejoin_timeout: timedelta = timedelta(seconds=120)
+    """A rank kept alive at a restart (``ftmem.run``) that reports no progress in the new
+    generation this long after it was handed it is SIGKILLed (and so cold-started)."""
     status_interval: timedelta = timedelta(seconds=1)
     """How often the monitor asks the SMP for each rank's progress."""
     no_progress_restarts: int = 3
@@ -169,6 +172,8 @@ class FtmemLaunchConfig:
         for name in ("hang_timeout", "first_progress_timeout"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
+        if self.rejoin_timeout <= timedelta(0):
+            raise ValueError("--ftmem-rejoin-timeout must be > 0")
         if self.rank_assignment not in ("stable", "elastic"):
             raise ValueError("--ftmem-rank-assignment must be 'stable' or 'elastic'")
         if self.no_progress_restarts < 0:

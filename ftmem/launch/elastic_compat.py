@@ -16,7 +16,13 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
 3. Two module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_without_jitter`) and ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks).
-4. What changed between the supported versions: torch 2.13 added ``shutdown_timeout`` to the
+4. Ranks kept alive across a restart (``ftmem.run``): their handlers are taken out of the
+   ``SubprocessContext`` (``subprocess_handlers`` and ``_running_local_ranks``) before elastic
+   closes it (:func:`detach_handlers`), and given back to the next one through (3). elastic's
+   ``_monitor_workers`` refuses a context whose pids differ from the worker group's, so a
+   failure found right after a detach is read from the context directly
+   (:func:`failed_after_detach`).
+5. What changed between the supported versions: torch 2.13 added ``shutdown_timeout`` to the
    agent's constructor, to ``LaunchConfig`` and to ``_shutdown``; 2.11 and 2.12 have none of
    them (:meth:`~ElasticAgentBase.stop_ranks` and :func:`launch_shutdown_timeout`).
 
@@ -34,7 +40,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import api as elastic_mp_api
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
@@ -141,6 +153,41 @@ def subprocess_handler_replaced(
         if original is None:
             raise FtmemError("this torch has no multiprocessing.api.get_subprocess_handler")
         yield original
+
+
+def live_handlers(pcontext: Any) -> dict[int, Any]:
+    """Local rank -> ``SubprocessHandler`` of the ranks ``pcontext`` still manages ({} for a
+    function entrypoint's multiprocessing context, which has none)."""
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    return dict(handlers) if isinstance(handlers, dict) else {}
+
+
+def detach_handlers(pcontext: Any, local_ranks: list[int]) -> dict[int, Any]:
+    """Take the handlers of ``local_ranks`` out of ``pcontext``: elastic neither polls nor
+    closes (kills) them any more. Returns them by local rank; the caller owns them now."""
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    running = getattr(pcontext, "_running_local_ranks", None)
+    if not isinstance(handlers, dict) or not isinstance(running, set):
+        return {}
+    out = {}
+    for local_rank in local_ranks:
+        handler = handlers.pop(local_rank, None)
+        if handler is not None:
+            running.discard(local_rank)
+            out[local_rank] = handler
+    return out
+
+
+def failed_after_detach(pcontext: Any, worker_group: WorkerGroup) -> RunResult:
+    """What ``LocalElasticAgent._monitor_workers`` returns for a failed rank, for a context
+    that ranks were just detached from (its pid check would answer UNKNOWN): FAILED with
+    the failures by global rank. The caller saw a rank exit with an error."""
+    result = pcontext.wait(0)
+    failures = {}
+    if result is not None:
+        for local_rank, failure in result.failures.items():
+            failures[worker_group.workers[local_rank].global_rank] = failure
+    return RunResult(state=WorkerState.FAILED, failures=failures)
 
 
 class ElasticAgentBase(LocalElasticAgent):

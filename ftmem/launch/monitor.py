@@ -46,6 +46,8 @@ class RankProgress:
     """When its ``ftmem.load`` finished (None: it restored nothing yet)."""
     first_progress_time: float | None = None
     """Its first progress report (save or heartbeat) after its hello."""
+    in_process: bool = False
+    """It runs under ``ftmem.run``: at a restart it can rejoin in process."""
 
     @staticmethod
     def from_status(status: dict[str, Any]) -> dict[int, RankProgress]:
@@ -64,6 +66,7 @@ class RankProgress:
                 hello_time=_opt_float(entry.get("hello_time")),
                 restored_time=_opt_float(entry.get("restored_time")),
                 first_progress_time=_opt_float(entry.get("first_progress_time")),
+                in_process=entry.get("in_process") is True,
             )
         return out
 
@@ -83,7 +86,9 @@ class RankProcess:
     rank: int
     pid: int
     start_time: float
-    """``time.time()`` just before it was spawned."""
+    """``time.time()`` just before it was spawned (or, if ``kept``, handed its new generation)."""
+    kept: bool = False
+    """A survivor of the previous generation that rejoins this one in process."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,7 @@ def find_hangs(
     now: float,
     hang_timeout: timedelta,
     first_progress_timeout: timedelta = timedelta(0),
+    rejoin_timeout: timedelta = timedelta(0),
 ) -> list[HangVerdict]:
     """Return the ranks that made no progress for too long, stalest first (pure).
 
@@ -127,6 +133,8 @@ def find_hangs(
         now: ``time.time()`` when ``progress`` was fetched.
         hang_timeout: idle time after the first report that counts as a hang (0: off).
         first_progress_timeout: time from spawn to the first report (0: off).
+        rejoin_timeout: time from the hand-over of a new generation to a kept rank's first
+            report in it (0: off; else it overrides ``first_progress_timeout`` for them).
     """
     hung: list[HangVerdict] = []
     for proc in procs:
@@ -138,6 +146,12 @@ def find_hangs(
             if hang_timeout > timedelta(0) and idle > hang_timeout.total_seconds():
                 hung.append(
                     HangVerdict(proc.rank, proc.pid, idle, step, f"no progress for {idle:.1f} s")
+                )
+        elif proc.kept and rejoin_timeout > timedelta(0):
+            idle = now - proc.start_time
+            if idle > rejoin_timeout.total_seconds():
+                hung.append(
+                    HangVerdict(proc.rank, proc.pid, idle, None, f"did not rejoin in {idle:.1f} s")
                 )
         elif first_progress_timeout > timedelta(0):
             idle = now - proc.start_time

@@ -26,11 +26,13 @@ class RankWatch:
         events: EventLog,
         hang_timeout: timedelta,
         first_progress_timeout: timedelta,
+        rejoin_timeout: timedelta = timedelta(0),
     ) -> None:
         self._node = node
         self._events = events
         self._hang_timeout = hang_timeout
         self._first_progress_timeout = first_progress_timeout
+        self._rejoin_timeout = rejoin_timeout
         self.procs: list[RankProcess] = []
         """The ranks of the current generation."""
         self.hang_killed: dict[int, HangVerdict] = {}
@@ -76,20 +78,29 @@ class RankWatch:
         # A rank that already exited (e.g. finished while its peers still work) is not hung.
         running = [p for p in self.procs if proc_state(p.pid) not in (None, "Z", "X")]
         hangs = find_hangs(
-            running, progress, fetched, self._hang_timeout, self._first_progress_timeout
+            running,
+            progress,
+            fetched,
+            self._hang_timeout,
+            self._first_progress_timeout,
+            self._rejoin_timeout,
         )
         if hangs:
             self._kill_hung(hangs)
 
     def _kill_hung(self, hangs: list[HangVerdict]) -> None:
-        """SIGKILL every hung rank (a stopped one ignores the SIGTERM elastic would send).
+        """SIGKILL the hung ranks (a stopped one ignores the SIGTERM elastic would send).
 
         When one rank hangs, its peers block in collectives and stop reporting too, so the
-        whole node usually shows up here; a rank the kernel reports stopped (``T``) or in
-        uninterruptible sleep (``D``) is named first as the likely cause.
+        whole node usually shows up here. If the kernel reports some of them stopped (``T``)
+        or in uninterruptible sleep (``D``), only those (the likely cause) are killed: the
+        others' collectives then fail, and elastic stops them or, if they run under
+        ``ftmem.run``, they rejoin in process. Otherwise every idle rank is killed.
         """
         states = {h.pid: proc_state(h.pid) for h in hangs}
         hangs = sorted(hangs, key=lambda h: (states[h.pid] not in ("T", "D"), -h.idle_s))
+        if states[hangs[0].pid] in ("T", "D"):
+            hangs = [h for h in hangs if states[h.pid] in ("T", "D")]
         verdict = hangs[0]
         for h in hangs:
             self.hang_killed[h.pid] = h

@@ -387,9 +387,15 @@ class StandbyPool:
             group.clear()
 
 
+Adopt = Callable[[int, dict[str, str], Any, Any], SubprocessHandler | None]
+"""``adopt(local_rank, env, stdout, stderr)``: a process kept alive for that local rank, or None."""
+
+
 @contextlib.contextmanager
-def spawning_from(pool: StandbyPool) -> Iterator[None]:
-    """While inside, elastic starts each rank from a ready standby where there is one.
+def spawning_from(pool: StandbyPool, adopt: Adopt | None = None) -> Iterator[None]:
+    """While inside, elastic gets for each rank the process ``adopt`` returns (a rank kept
+    alive across the restart, :mod:`ftmem.launch.in_process`), else a ready standby where
+    there is one.
 
     Replaces ``get_subprocess_handler`` in elastic's ``multiprocessing.api`` module for the
     duration (the agent starts ranks from its main thread only); a rank without a ready
@@ -407,6 +413,9 @@ def spawning_from(pool: StandbyPool) -> Iterator[None]:
         local_rank_id: int,
         numa_options: Any = None,
     ) -> SubprocessHandler:
+        kept = adopt(local_rank_id, env, stdout, stderr) if adopt is not None else None
+        if kept is not None:
+            return kept
         cmd = parse_python_command(unwrap_shim(entrypoint, args)) if pool.enabled else None
         standby = pool.take(local_rank_id) if cmd is not None and numa_options is None else None
         if standby is not None and cmd is not None:

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftmem.config import ENV_EXPECTED_STEP, ENV_GENERATION, ENV_NODE, ENV_RUN_DIR, ENV_RUN_ID
+from ftmem.config import (
+    ENV_EXPECTED_STEP,
+    ENV_GENERATION,
+    ENV_NODE,
+    ENV_REJOIN_TIMEOUT,
+    ENV_RUN_DIR,
+    ENV_RUN_ID,
+)
 from ftmem.launch.config import ENV_AGENT_PID
 
 SHIM_PATH = Path(__file__).with_name("_exec_shim.py")
@@ -35,15 +42,23 @@ def wrap_entrypoint(
 
 
 def rank_env(
-    *, run_dir: Path, run_id: str, node: str, generation: int, expected_step: int | None = None
+    *,
+    run_dir: Path,
+    run_id: str,
+    node: str,
+    generation: int,
+    expected_step: int | None = None,
+    rejoin_timeout_s: float = 120.0,
 ) -> dict[str, str]:
     """The ``FTMEM_*`` variables every rank of this node gets.
 
     ``expected_step`` is the newest step all of this node's ranks had committed before the
     failure that caused this restart ("" on the first start or if none): a restore that
     finds nothing although a step was expected means snapshots were lost (e.g. the SMP).
+    ``rejoin_timeout_s``: how long a rank under ``ftmem.run`` waits for its next generation.
     """
     return {
+        ENV_REJOIN_TIMEOUT: f"{rejoin_timeout_s:g}",
         ENV_RUN_DIR: str(run_dir),
         ENV_RUN_ID: run_id,
         ENV_NODE: node,

@@ -54,6 +54,10 @@ class Hello:
     local_rank: int = 0
     world_size: int = 0
     """The job's world size (0: unknown); the flush needs it to tell a node's part from the whole."""
+    in_process: bool = False
+    """The rank runs under :func:`ftmem.run`: at a restart it can rejoin in process."""
+    rejoined: bool = False
+    """The same process rejoined a new generation in process (its restart phases start now)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,12 +233,16 @@ class RequestHandlers:
         return m.Reply(ok=True, data={"pid": os.getpid()})
 
     def _hello(self, req: Request, p: m.Hello) -> m.Reply:
-        torn = self.store.hello(p.rank, p.pid, p.world_size)
+        torn = self.store.hello(
+            p.rank, p.pid, p.world_size, in_process=p.in_process, rejoined=p.rejoined
+        )
         if torn:
             log.info(
                 "[%s/%d] rank restarted; dropped torn slots %s", self.config.node, p.rank, torn
             )
-        self.events.write("hello", rank=p.rank, pid=p.pid, torn=torn)
+        self.events.write(
+            "hello", rank=p.rank, pid=p.pid, torn=torn, in_process=p.in_process, rejoined=p.rejoined
+        )
         cfg = self.config
         return m.Reply(
             ok=True,

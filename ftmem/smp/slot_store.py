@@ -171,14 +171,25 @@ class SlotStore:
             return sorted(common or (), reverse=True)
 
     # -- the ranks' requests -----------------------------------------------------------------
-    def hello(self, rank: int, pid: int, world_size: int) -> list[int]:
+    def hello(
+        self,
+        rank: int,
+        pid: int,
+        world_size: int,
+        *,
+        in_process: bool = False,
+        rejoined: bool = False,
+    ) -> list[int]:
         """Rank ``rank`` (process ``pid``) said hello: free the slots it was writing (torn);
-        return their indices. ``world_size`` > 0 replaces the job's world size."""
+        return their indices. ``world_size`` > 0 replaces the job's world size;
+        ``in_process``: it can rejoin a restart in process; ``rejoined``: it just did (its
+        restart phases start now although its pid is the same)."""
         with self._lock:
             rs = self._rank(rank)
             if world_size > 0:
                 self._world_size = world_size
-            return rs.restarted(pid)
+            rs.in_process = in_process
+            return rs.restarted(pid, rejoined=rejoined)
 
     def progress(self, rank: int, step: int | None) -> None:
         """Rank ``rank`` made progress (a save or a heartbeat)."""

@@ -141,6 +141,8 @@ class RankSlots:
     """When the rank's current process finished its restore (``DiscardNewer``)."""
     first_progress_time: float | None = None
     """The current process's first progress report."""
+    in_process: bool = False
+    """The current process runs under ``ftmem.run`` (it can rejoin a restart in process)."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -209,9 +211,10 @@ class RankSlots:
         if step is not None:
             self.last_progress_step = step
 
-    def restarted(self, pid: int) -> list[int]:
-        """The rank (re)started: free the slots it was writing (torn); return their indices."""
-        if pid != self.pid or self.hello_time is None:  # restart phases of this process
+    def restarted(self, pid: int, rejoined: bool = False) -> list[int]:
+        """The rank (re)started (``rejoined``: the same process, in process): free the slots
+        it was writing (torn); return their indices."""
+        if pid != self.pid or self.hello_time is None or rejoined:  # this process's phases
             self.hello_time, self.restored_time, self.first_progress_time = time.time(), None, None
         self.pid = pid
         torn = []
@@ -430,6 +433,7 @@ class RankSlots:
             "hello_time": self.hello_time,
             "restored_time": self.restored_time,
             "first_progress_time": self.first_progress_time,
+            "in_process": self.in_process,
             "skipped": self.skipped,
             "last_stall_s": self.last_stall_s,
             "last_copy_s": self.last_copy_s,

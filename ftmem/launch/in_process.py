@@ -1,0 +1,193 @@
+"""Ranks that survive a restart: the agent's side of ``ftmem.run`` (in-process restart).
+
+A rank that runs its training under :func:`ftmem.run` says so at its hello to the SMP. When
+another rank fails, such a rank is not killed: the agent takes its process out of elastic's
+``SubprocessContext`` before elastic stops the others (:meth:`InProcessRestarts.detach`),
+goes through elastic's restart as usual (rendezvous, new generation, new ``MASTER_PORT``),
+and when elastic asks for that local rank's process again it gets the same process back
+(:meth:`InProcessRestarts.adopt`, through the same swap of elastic's handler factory that
+standby ranks use), after the rank was handed a
+:class:`~ftmem.protocol.rejoin.RejoinOrder` with the environment a new process would have
+had. The rank meanwhile tore down its process group when its collective failed and waits for
+that order; it then joins the new group, restores from its SMP and trains on.
+
+Which ranks are kept (:meth:`InProcessRestarts.keepable`): alive and not stopped, not killed
+as hung, under ``ftmem.run`` (its hello said so, from this very pid), and it has reported
+progress in the current generation. The last rule is the fallback: a rank that fails while
+the ranks rejoin (or that never rejoined) makes the next restart cold for every rank that had
+not stepped again yet. A restart caused by the node's SMP or its exchange thread is cold for
+every rank, and so is every rank whose global rank changed. A kept rank that reports no
+progress within ``--ftmem-rejoin-timeout`` of its order is SIGKILLed by the rank watch, which
+turns it into an ordinary failure.
+
+Every call comes from the agent's main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from ftmem.launch.elastic_compat import detach_handlers, live_handlers
+from ftmem.launch.monitor import RankProcess, RankProgress, current_progress
+from ftmem.launch.workers import proc_state
+from ftmem.protocol.rejoin import RejoinOrder, write_order
+
+log = logging.getLogger("ftmem.launch.agent")
+
+
+class InProcessRestarts:
+    """The node's ranks kept alive across the restart in progress.
+
+    Resource handling: the detached handlers are this object's until :meth:`adopt` gives
+    them back to elastic; :meth:`discard` SIGKILLs (and reaps) those left, and the agent
+    calls it on every path that does not restart (and at shutdown).
+    """
+
+    def __init__(self, node: str, run_dir: Path) -> None:
+        self._node = node
+        self._run_dir = run_dir
+        self._detached: dict[int, tuple[int, Any]] = {}
+        """Local rank -> (its global rank, elastic's SubprocessHandler)."""
+        self._generation = -1
+        self._ftmem_env: dict[str, str] = {}
+        self.adopted: dict[int, int] = {}
+        """Global rank -> pid of the ranks kept in the newest start."""
+
+    @property
+    def detached(self) -> dict[int, int]:
+        """Local rank -> pid of the ranks currently held out of elastic's hands."""
+        return {lr: int(h.proc.pid) for lr, (_, h) in self._detached.items()}
+
+    def keepable(
+        self,
+        pcontext: Any,
+        global_ranks: dict[int, int],
+        procs: list[RankProcess],
+        progress: dict[int, RankProgress],
+        hang_killed: set[int],
+    ) -> list[int]:
+        """The local ranks of ``pcontext`` that may rejoin the next generation in process.
+
+        Args:
+            global_ranks: local rank -> global rank in the current generation.
+            procs: the current generation's ranks as started.
+            progress: the SMP's newest view, by global rank.
+            hang_killed: pids the rank watch killed as hung.
+        """
+        by_rank = {p.rank: p for p in procs}
+        keep = []
+        for local_rank, handler in live_handlers(pcontext).items():
+            pid = int(handler.proc.pid)
+            rank = global_ranks.get(local_rank)
+            proc = by_rank.get(rank) if rank is not None else None
+            entry = progress.get(rank) if rank is not None else None
+            if (
+                proc is None
+                or entry is None
+                or handler.proc.poll() is not None
+                or pid in hang_killed
+                or proc_state(pid) in (None, "T", "D", "Z", "X")
+            ):
+                continue
+            if entry.in_process and entry.pid == pid and current_progress(proc, entry) is not None:
+                keep.append(local_rank)
+        return keep
+
+    def detach(self, pcontext: Any, local_ranks: list[int], global_ranks: dict[int, int]) -> None:
+        """Take ``local_ranks`` out of elastic's hands (see the module docstring)."""
+        for local_rank, handler in detach_handlers(pcontext, local_ranks).items():
+            self._detached[local_rank] = (global_ranks[local_rank], handler)
+        if local_ranks:
+            log.info(
+                "[%s] keeping ranks %s (pids %s) alive: they rejoin in process",
+                self._node,
+                [self._detached[lr][0] for lr in local_ranks if lr in self._detached],
+                [self.detached[lr] for lr in local_ranks if lr in self._detached],
+            )
+
+    def begin_generation(self, generation: int, ftmem_env: dict[str, str]) -> None:
+        """The next start is of ``generation``; kept ranks get ``ftmem_env`` with their own."""
+        self._generation = generation
+        self._ftmem_env = dict(ftmem_env)
+        self.adopted = {}
+
+    def adopt(self, local_rank: int, env: dict[str, str], stdout: Any, stderr: Any) -> Any | None:
+        """elastic wants a process for ``local_rank`` with ``env``: the kept one (handed its
+        rejoin order), or None (start one: nothing kept, it died, or its rank changed)."""
+        entry = self._detached.pop(local_rank, None)
+        if entry is None:
+            return None
+        old_rank, handler = entry
+        pid = int(handler.proc.pid)
+        rank = int(env.get("RANK", "-1"))
+        why = None
+        if handler.proc.poll() is not None:
+            why = f"it exited ({handler.proc.returncode})"
+        elif rank != old_rank:
+            why = f"its global rank changed {old_rank} -> {rank}"
+        if why is None:
+            _note_in_new_logs(handler, pid, stdout, stderr)
+            order = RejoinOrder(
+                generation=max(self._generation, 0),
+                rank=rank,
+                env={**self._ftmem_env, **{k: str(v) for k, v in env.items()}},
+                agent_pid=os.getpid(),
+                stdout=os.path.abspath(stdout) if stdout else "",
+                stderr=os.path.abspath(stderr) if stderr else "",
+            )
+            try:
+                write_order(self._run_dir, order)
+            except OSError as exc:
+                why = f"its rejoin order could not be written ({exc})"
+        if why is not None:
+            log.warning(
+                "[%s/%d] kept pid %d cannot rejoin in process: %s; cold start",
+                self._node,
+                old_rank,
+                pid,
+                why,
+            )
+            _kill(handler)
+            return None
+        self.adopted[rank] = pid
+        return handler
+
+    def discard(self, why: str) -> None:
+        """SIGKILL and reap every rank still held (no restart follows, or it was not asked
+        for again)."""
+        for local_rank, (rank, handler) in list(self._detached.items()):
+            log.warning(
+                "[%s/%d] kept pid %d is not rejoining (%s); SIGKILL",
+                self._node,
+                rank,
+                handler.proc.pid,
+                why,
+            )
+            _kill(handler)
+            del self._detached[local_rank]
+
+
+def _kill(handler: Any) -> None:
+    """SIGKILL a handler's process group and reap it (bounded); close its log files."""
+    with contextlib.suppress(OSError):
+        handler.close(death_sig=signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        handler.proc.wait(5)
+
+
+def _note_in_new_logs(handler: Any, pid: int, stdout: Any, stderr: Any) -> None:
+    """Start this generation's per-rank log files (elastic made up their names; the rank
+    reopens its stdout and stderr onto them when it reads its order) with a line that says
+    where its output went before."""
+    olds = (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None))
+    for new, old in zip((stdout, stderr), olds, strict=True):
+        if not new:
+            continue
+        where = getattr(old, "name", "the previous generation's log")
+        with contextlib.suppress(OSError), open(new, "w") as f:
+            f.write(f"[ftmem] pid {pid} rejoins in process; its earlier output is in {where}\n")
