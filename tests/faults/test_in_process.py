@@ -1,0 +1,174 @@
+"""In-process restart (``ftmem.run``) under real failures: the survivors keep their process.
+
+``examples/train_gpt.py --in-process`` runs its loop under ``ftmem.run``. A rank is SIGKILLed
+or SIGSTOPped (then killed as hung) mid-run; the other ranks must rejoin the next generation
+in the same process (same pid), only the failed rank is a new process, and the run must end
+with the digest of the same run without failures. A survivor that fails during the rejoin
+makes the next restart cold; ``ftmem.run`` outside ftmem-launch is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ftmem.testing.harness import free_port, launch_args
+from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
+from tests._support.nodes import STEPS, reference
+from tests._support.procs import REPO
+
+STARTED = r"\[(\w+)\] generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"
+SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--in-process", "--step-delay", "0.1"]
+FLAGS = ["--ftmem-status-interval", "0.2", "--ftmem-rejoin-timeout", "60"]
+
+
+def _generations(text: str) -> dict[int, dict[int, int]]:
+    """generation -> {global rank: pid} from the agent's "started ranks" lines."""
+    out: dict[int, dict[int, int]] = {}
+    for m in re.finditer(STARTED, text):
+        ranks = [int(r) for r in m.group(3).split(",")]
+        pids = [int(p) for p in m.group(4).split(",")]
+        out.setdefault(int(m.group(2)), {}).update(zip(ranks, pids, strict=True))
+    return out
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _check_in_process(text: str, failed: int, nranks: int) -> None:
+    """Generation 1 kept every rank's process but ``failed``'s."""
+    gens = _generations(text)
+    assert sorted(gens) == [0, 1], (gens, text[-3000:])
+    first, second = gens[0], gens[1]
+    assert sorted(first) == sorted(second) == list(range(nranks))
+    for rank in range(nranks):
+        if rank == failed:
+            assert second[rank] != first[rank]
+        else:
+            assert second[rank] == first[rank], f"rank {rank} is a new process: {gens}"
+
+
+def test_two_ranks_sigkill_survivor_rejoins_in_process(launcher_env: Launcher) -> None:
+    ref = reference(launcher_env, 2)
+    agent = launcher_env.single_node(
+        launcher_env.new_run_id(),
+        2,
+        FLAGS,
+        [*SCRIPT, "--fail-at-step", "12", "--fail-rank", "1"],
+    )
+    assert agent.wait(180) == 0, agent.text()[-3000:]
+    text = agent.text()
+    _check_in_process(text, failed=1, nranks=2)
+    assert re.search(r"rejoined in process: ranks \[0\]", text), text[-3000:]
+    assert re.search(r"\[rank 0\] rejoined in process \(generation 1", text), text[-3000:]
+    assert text.count("resumed from step 12") == 2
+    assert digests(text) == ref
+    events = _events(launcher_env.tmp / "agent-rd")
+    started = [e for e in events if e["event"] == "ranks_started"]
+    assert [e["in_process"] for e in started] == [[], [0]]
+    assert any(e["event"] == "resumed" for e in events)
+
+
+def test_four_ranks_sigstop_hang_is_killed_and_the_rest_rejoin(launcher_env: Launcher) -> None:
+    ref = reference(launcher_env, 4)
+    agent = launcher_env.single_node(
+        launcher_env.new_run_id(),
+        4,
+        [*FLAGS, "--ftmem-hang-timeout", "6"],
+        [*SCRIPT, "--fail-at-step", "12", "--fail-rank", "2", "--fail-mode", "hang"],
+    )
+    assert agent.wait(240) == 0, agent.text()[-3000:]
+    text = agent.text()
+    # only the stopped rank is killed as hung; the others fail their collective and stay
+    assert re.search(r"\[n0/2\] HANG: .*process state T\); SIGKILL pid \d+\n", text), text[-3000:]
+    _check_in_process(text, failed=2, nranks=4)
+    assert text.count("resumed from step 12") == 4
+    assert digests(text) == ref
+
+
+def test_two_nodes_rank_killed_survivors_on_both_nodes_rejoin(launcher_env: Launcher) -> None:
+    ref = reference(launcher_env, 4)
+    rid = launcher_env.new_run_id()
+    port = free_port()
+    script = [*SCRIPT, "--fail-at-step", "12", "--fail-rank", "3"]
+
+    def node(name: str, host: bool) -> Launch:
+        args = launch_args(
+            nnodes=2,
+            nproc=2,
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            rdzv_id=rid,
+            is_host=host,
+            node=name,
+            run_dir=launcher_env.tmp / f"{name}-rd",
+            flags=FLAGS,
+            script=script,
+        )
+        return launcher_env.start(args, name)
+
+    a = node("a", True)
+    a.wait_for(r"SMP pid \d+ ready", 60)
+    b = node("b", False)
+    assert a.wait(240) == 0 and b.wait(60) == 0, a.text()[-2500:] + b.text()[-2500:]
+    gens_a, gens_b = _generations(a.text()), _generations(b.text())
+    assert sorted(gens_a) == sorted(gens_b) == [0, 1], (gens_a, gens_b)
+    assert gens_a[1] == gens_a[0] and sorted(gens_a[1]) == [0, 1]  # node a: both kept
+    assert gens_b[1][2] == gens_b[0][2] and gens_b[1][3] != gens_b[0][3]  # node b: rank 3 new
+    both = a.text() + b.text()
+    assert both.count("resumed from step 12") == 4
+    assert {**digests(a.text()), **digests(b.text())} == ref
+
+
+def test_survivor_failing_during_its_rejoin_falls_back_to_a_cold_restart(
+    launcher_env: Launcher,
+) -> None:
+    ref = reference(launcher_env, 2)
+    agent = launcher_env.single_node(
+        launcher_env.new_run_id(),
+        2,
+        FLAGS,
+        [*SCRIPT, "--fail-at-step", "12", "--fail-rank", "1"],
+        FTMEM_FAULT="in_rejoin:rank=0:fault=crash",
+    )
+    assert agent.wait(240) == 0, agent.text()[-3000:]
+    text = agent.text()
+    gens = _generations(text)
+    assert sorted(gens) == [0, 1, 2], (gens, text[-3000:])
+    assert gens[1][0] == gens[0][0]  # kept, then it crashed in its rejoin ...
+    assert gens[2][0] != gens[0][0] and gens[2][1] != gens[1][1]  # ... so every rank is new
+    assert re.search(r"\[n0/0\] FAILED: exit code 1 \(generation 1\)", text), text[-3000:]
+    # its traceback is in its log of generation 0 (it crashed before it got its new one)
+    logs = list((launcher_env.tmp / "agent-rd" / "logs").glob("*/attempt_0/0/stderr.log"))
+    assert len(logs) == 1 and "InjectedCrash" in logs[0].read_text()
+    assert digests(text) == ref
+
+
+def test_ftmem_run_under_plain_torchrun_is_a_clear_error(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(EXAMPLE),
+        "--steps",
+        "2",
+        *TINY,
+        "--in-process",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTMEM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = str(REPO)
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode != 0
+    assert "ftmem.run restarts ranks in process and needs ftmem-launch" in out.stderr + out.stdout
+    assert "Run the same command with `ftmem-launch`" in out.stderr + out.stdout
