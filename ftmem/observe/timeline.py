@@ -225,6 +225,8 @@ def marks_of(events: Sequence[Event]) -> list[Mark]:
             started.add(e.node)
             standby = f.get("from_standby")
             extra = f", from standbys: ranks {standby}" if standby else ""
+            kept = f.get("in_process")
+            extra += f", rejoined in process: ranks {kept}" if kept else ""
             out.append(_mark(e, cat, f"ranks started (generation {f.get('generation')}{extra})"))
         elif k == "discard_newer":
             out.append(_mark(e, "restore", f"rank {f.get('rank')} restored step {f.get('step')}"))

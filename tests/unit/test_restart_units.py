@@ -63,7 +63,14 @@ def test_timeline_shows_the_restart_phases_and_standby_starts() -> None:
 
     lines = [
         {"time": 1.0, "node": "n0", "event": "ranks_started", "generation": 0},
-        {"time": 5.0, "node": "n0", "event": "ranks_started", "generation": 1, "from_standby": [0]},
+        {
+            "time": 5.0,
+            "node": "n0",
+            "event": "ranks_started",
+            "generation": 1,
+            "from_standby": [0],
+            "in_process": [1],
+        },
         {
             "time": 6.0,
             "node": "n0",
@@ -75,6 +82,8 @@ def test_timeline_shows_the_restart_phases_and_standby_starts() -> None:
     ]
     events = [parse_line(json.dumps(x), "events.jsonl", "n0") for x in lines]
     labels = [m.label for m in marks_of([e for e in events if e is not None])]
-    assert any("from standbys: ranks [0]" in label for label in labels), labels
+    assert any(
+        "from standbys: ranks [0], rejoined in process: ranks [1]" in label for label in labels
+    ), labels
     resumed = next(label for label in labels if label.startswith("at step 7"))
     assert resumed.endswith("phases: stop 0.10 s, rendezvous 0.05 s"), resumed
