@@ -214,7 +214,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             node=self._node,
             generation=self.generation,
             expected_step=expected,
-            rejoin_timeout_s=self._ft.rejoin_timeout.total_seconds(),
+            rejoin_timeout_s=self._rank_rejoin_wait(),
         )
         os.environ.update(ftmem_env)
         if self._smp.ensure_running():
@@ -264,6 +264,15 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             f"; rejoined in process: ranks {sorted(kept)}" if kept else "",
         )
         return pids
+
+    def _rank_rejoin_wait(self) -> float:
+        """How long a rank under ``ftmem.run`` waits for its next generation after a peer
+        failure: the rendezvous may wait for a replacement node up to its join timeout
+        before the order is written, and the order comes with ``--ftmem-rejoin-timeout``."""
+        settings = getattr(self._rdzv_handler, "settings", None)
+        join = getattr(getattr(settings, "timeout", None), "join", None)
+        extra = join.total_seconds() if isinstance(join, timedelta) else 0.0
+        return self._ft.rejoin_timeout.total_seconds() + extra
 
     def _join_peers(self, worker_group: WorkerGroup) -> None:
         """Sync this generation's peer mesh; a node that lost its memory rebuilds it first."""

@@ -88,7 +88,8 @@ def get_args_parser() -> ArgumentParser:
         default=120.0,
         help="Seconds a rank kept alive at a restart (it runs under ftmem.run) has to report "
         "progress in the new generation before it is SIGKILLed and cold-started; the rank "
-        "itself waits as long for its new generation (default 120).",
+        "itself waits that long plus the rendezvous join timeout for its new generation "
+        "(default 120).",
     )
     group.add_argument(
         "--ftmem-slots",
