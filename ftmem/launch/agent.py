@@ -321,16 +321,19 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
     def _keep_survivors(self, worker_group: WorkerGroup) -> list[int]:
         """Take the ranks that can rejoin in process out of elastic's hands before it stops
         the others (see :mod:`ftmem.launch.in_process`); return their local ranks."""
-        progress = self._poller.fetch() if self._smp.is_alive() else None
-        if progress is None:
-            latest = self._poller.latest()
-            progress = latest[1] if latest is not None else {}
+        # The poller's newest answer (at most --ftmem-status-interval old, 0.1 s during a
+        # recovery): progress only grows, so an older answer can only make a rank look as if
+        # it had not stepped yet in this generation, and it is then restarted cold.
+        latest = self._poller.latest()
+        progress = latest[1] if latest is not None else None
+        if progress is None and self._smp.is_alive():
+            progress = self._poller.fetch()
         global_ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         keep = self._in_process.keepable(
             self._pcontext,
             global_ranks,
             self._watch.procs,
-            progress,
+            progress or {},
             set(self._watch.hang_killed),
         )
         self._in_process.detach(self._pcontext, keep, global_ranks)
