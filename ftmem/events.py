@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -61,6 +62,9 @@ class EventLog:
         self._file: IO[str] | None = None
         self._finalizer: weakref.finalize[[IO[str]], EventLog] | None = None
         self._failing = False
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        """Called with each event and its fields after it was written (e.g. metrics); an
+        error in one is logged, never raised."""
 
     def write(self, event: str, **fields: Any) -> None:
         """Append ``event`` with ``fields`` (one line, flushed before returning)."""
@@ -84,6 +88,11 @@ class EventLog:
             if self._failing:
                 log.info("event log %s writable again", self.path)
             self._failing = False
+        for listener in self.listeners:
+            try:
+                listener(event, fields)
+            except Exception:
+                log.exception("event listener failed on %r", event)
 
     def close(self) -> None:
         """Close the file (idempotent)."""

@@ -113,6 +113,30 @@ def _prefault(mm: mmap.mmap, nbytes: int) -> None:
     del view
 
 
+def space_shortfall(directory: Path, needed: int, *, node_total: int, what: str) -> str | None:
+    """None if ``directory`` (a tmpfs such as /dev/shm) has ``needed`` bytes free; else an
+    error that says how much is missing and how to size shared memory (containers,
+    Kubernetes, a host), ``node_total`` being what every slot of the node will take."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None  # cannot tell: the creation itself will report
+    if free >= needed:
+        return None
+    gib = 2**30
+    want = max(1, -(-int(node_total * 1.2) // gib))  # GiB, rounded up, with 20% headroom
+    return (
+        f"{directory} has {free / gib:.2f} GiB free but {what} need {needed / gib:.2f} GiB "
+        f"(every snapshot slot of this node: about {node_total / gib:.2f} GiB). Give the "
+        f"node more shared memory: `docker run --shm-size={want}g`; in Kubernetes mount an "
+        f"emptyDir with `medium: Memory` and `sizeLimit: {want}Gi` at /dev/shm; on a host "
+        f"`mount -o remount,size={want}G /dev/shm`. Or set FTMEM_SHM_DIR to a larger tmpfs, "
+        "or use fewer slots (--ftmem-slots)."
+    )
+
+
 def create_segment(path: Path, nbytes: int) -> None:
     """Create the file ``path`` of ``nbytes`` (mode 0600, must not exist) and pre-fault it.
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ftmem._logging import get_logger
-from ftmem.client import agreement
+from ftmem.client import agreement, pitfalls
 from ftmem.client.flatten import Flat, flatten_state
 from ftmem.client.loading import SnapshotLoader
 from ftmem.client.save_plan import SavePlan, plan_save, walk_values
@@ -133,6 +133,8 @@ class Checkpointer:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
         self._in_process = False
+        self._checked = False
+        """The pitfalls (ftmem.client.pitfalls) were looked for at the first save."""
         atexit.register(self.close)
 
     # -- connection ------------------------------------------------------------------------
@@ -233,6 +235,11 @@ class Checkpointer:
         # The fence first, also when this save is skipped: an optimizer step after a skipped
         # save must mark the state changed (a final save of that step would be stale).
         self._hook_optimizers(state)
+        if not self._checked:  # once: the DDP check walks the garbage collector's referrers
+            self._checked = True
+            pitfalls.check_optimizer(bool(self._optimizers))
+            pitfalls.check_ddp(state, agreement.current_world_size())
+            pitfalls.check_loaders(state)
         busy = self._wait_busy(deadline)
         if busy is not None:
             return self._skip(step, busy, t0, tell=True)
@@ -327,6 +334,8 @@ class Checkpointer:
         job = self._preparing
         if job is not None and not job.done.is_set():
             return job
+        if job is not None and job.error is not None:
+            pitfalls.warn_once("prepare", f"snapshots are skipped: {job.error}")
         want = int(nbytes * (1 + self.config.arena_headroom)) + 1
         job = PrepareJob(self.rank, want, self.config.prepare_timeout, self._slots.map_new)
         self._preparing = job

@@ -53,6 +53,7 @@ from ftmem.launch.elastic_compat import (
 )
 from ftmem.launch.failures import FailureAccounting
 from ftmem.launch.in_process import InProcessRestarts
+from ftmem.launch.metrics import AgentMetrics, MetricsServer
 from ftmem.launch.monitor import (
     EventLog,
     NoProgressGuard,
@@ -146,6 +147,12 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self._rendezvous_at: float | None = None
         self.stop_reason: str | None = None
         """Why the agent gave up early (the no-progress guard), for the final report."""
+        self.metrics: MetricsServer | None = None
+        """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
+        if ftmem.metrics_port:
+            counted = AgentMetrics(smp.node, self._poller.raw)
+            self.events.listeners.append(counted.observe)
+            self.metrics = MetricsServer(counted, ftmem.metrics_port, ftmem.metrics_addr)
 
     # -- rendezvous -------------------------------------------------------------------------
 

@@ -82,6 +82,20 @@ def get_args_parser() -> ArgumentParser:
         "step) before it counts as hung; 0 (default) disables.",
     )
     group.add_argument(
+        "--ftmem-metrics-port",
+        action=env,
+        type=int,
+        default=0,
+        help="Serve Prometheus metrics of this node at http://ADDR:PORT/metrics (0, the "
+        "default: off); needs prometheus_client (pip install 'ftmem[metrics]').",
+    )
+    group.add_argument(
+        "--ftmem-metrics-addr",
+        action=env,
+        default="0.0.0.0",
+        help="The address the metrics server binds (default 0.0.0.0: every interface).",
+    )
+    group.add_argument(
         "--ftmem-rejoin-timeout",
         action=env,
         type=float,
@@ -348,6 +362,8 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),
         rejoin_timeout=_seconds(args.ftmem_rejoin_timeout),
+        metrics_port=int(args.ftmem_metrics_port),
+        metrics_addr=str(args.ftmem_metrics_addr),
         status_interval=_seconds(args.ftmem_status_interval),
         no_progress_restarts=int(args.ftmem_no_progress_restarts),
         smp_log_level=str(args.ftmem_smp_log_level),

@@ -83,6 +83,10 @@ class FtmemLaunchConfig:
     """A rank that reported progress and then none for this long is SIGKILLed; 0 disables."""
     first_progress_timeout: timedelta = timedelta(0)
     """A rank that never reports progress this long after its start is SIGKILLed; 0 disables."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port (0: off); needs ``prometheus_client``."""
+    metrics_addr: str = "0.0.0.0"
+    """The address the metrics server binds."""
     rejoin_timeout: timedelta = timedelta(seconds=120)
     """A rank kept alive at a restart (``ftmem.run``) that reports no progress in the new
     generation this long after it was handed it is SIGKILLed (and so cold-started)."""
@@ -172,6 +176,15 @@ class FtmemLaunchConfig:
         for name in ("hang_timeout", "first_progress_timeout"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--ftmem-metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_port:
+            try:
+                import prometheus_client  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "--ftmem-metrics-port needs prometheus_client: pip install 'ftmem[metrics]'"
+                ) from None
         if self.rejoin_timeout <= timedelta(0):
             raise ValueError("--ftmem-rejoin-timeout must be > 0")
         if self.rank_assignment not in ("stable", "elastic"):

@@ -166,6 +166,8 @@ def launch_agent(
     succeeded = False
     try:
         initialize_metrics(MetricsConfig(config.metrics_cfg))
+        if agent.metrics is not None:
+            agent.metrics.start()
         smp.start()
         result: RunResult | None = agent.run()
         # records that agent.run() succeeded, not that the ranks did (as torch does)
@@ -190,6 +192,8 @@ def launch_agent(
         events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
+        if agent.metrics is not None:
+            agent.metrics.stop()
         smp.stop()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()

@@ -226,6 +226,7 @@ class StatusPoller:
         self._lock = threading.Lock()
         self._latest: tuple[float, dict[int, RankProgress]] | None = None
         self._exchange: tuple[float, ExchangeStatus] | None = None
+        self._raw: tuple[float, dict[str, Any]] | None = None
         self._thread: threading.Thread | None = None
         self._failing = False
         self._fast = threading.Event()
@@ -259,6 +260,11 @@ class StatusPoller:
         with self._lock:
             return self._exchange
 
+    def raw(self) -> tuple[float, dict[str, Any]] | None:
+        """The newest status document as the SMP sent it, with when it was fetched (metrics)."""
+        with self._lock:
+            return self._raw
+
     def set_fast(self, fast: bool) -> None:
         """Poll every 0.1 s (while a recovery is timed) instead of every ``interval``."""
         if fast:
@@ -271,6 +277,7 @@ class StatusPoller:
         with self._lock:
             self._latest = None
             self._exchange = None
+            self._raw = None
 
     def fetch(self) -> dict[int, RankProgress] | None:
         """Ask the SMP now (from the calling thread); None if it does not answer."""
@@ -297,6 +304,7 @@ class StatusPoller:
         with self._lock:
             self._latest = (now, progress)
             self._exchange = None if exchange is None else (now, exchange)
+            self._raw = (now, status)
         return progress
 
     def _run(self) -> None:

@@ -97,6 +97,8 @@ class RequestHandlers:
         self.hasher = hasher
         self.allocator = allocator
         self.events = events
+        self._space_warned: set[tuple[int, int]] = set()
+        """(rank, slot size) of the shared-memory shortfalls already logged (each once)."""
         self._send = send
         self._status = status
         self.flush: FlushService | None = None
@@ -300,7 +302,7 @@ class RequestHandlers:
             },
         )
 
-    def _prepare(self, req: Request, p: m.Prepare) -> None:
+    def _prepare(self, req: Request, p: m.Prepare) -> m.Reply | None:
         _check_nbytes(p.nbytes)
         capacity = shm.round_capacity(p.nbytes)
         targets = self.store.start_resize(p.rank, p.slot, capacity)
@@ -309,6 +311,21 @@ class RequestHandlers:
             job.slots.append((index, self.store.files.path(p.rank, index, gen), capacity))
             if old:
                 self.store.files.discard(old)
+        # A full tmpfs is found here, before the allocation: pre-faulting past its end would
+        # raise SIGBUS in the SMP rather than a clean error.
+        short = shm.space_shortfall(
+            self.config.shm_dir,
+            capacity * len(targets),
+            node_total=capacity * self.config.slots * max(1, self.store.rank_count()),
+            what=f"rank {p.rank}'s {len(targets)} new snapshot slot(s) of {capacity} bytes",
+        )
+        if short is not None:
+            for index, path, _ in job.slots:
+                self.store.finish_resize(p.rank, index, str(path), capacity, False)
+            if (p.rank, capacity) not in self._space_warned:
+                self._space_warned.add((p.rank, capacity))
+                log.error("[%s/%d] NOT ENOUGH SHARED MEMORY: %s", self.config.node, p.rank, short)
+            return m.Reply(ok=False, error=f"not enough shared memory: {short}")
         self.allocator.submit(job)
         log.info(
             "[%s/%d] allocating %d slot(s) of %.1f MiB",

@@ -170,6 +170,11 @@ class SlotStore:
                 common = steps if common is None else common & steps
             return sorted(common or (), reverse=True)
 
+    def rank_count(self) -> int:
+        """How many ranks this store has slots for (those that spoke to the SMP)."""
+        with self._lock:
+            return len(self._ranks)
+
     # -- the ranks' requests -----------------------------------------------------------------
     def hello(
         self,

@@ -1,0 +1,228 @@
+"""Prometheus metrics of one node (``--ftmem-metrics-port``), served by the ftmem-launch agent.
+
+Nothing is sampled in the background for them: every scrape builds the metrics from the
+newest SMP status the agent's status poller already fetched (every ``--ftmem-status-interval``)
+and from counters the agent keeps as it writes its event log (:meth:`AgentMetrics.observe` is
+an :class:`~ftmem.events.EventLog` listener). The HTTP server is ``prometheus_client``'s (an
+optional dependency: ``pip install ftmem[metrics]``); it runs in one daemon thread of the agent
+and answers ``GET /metrics``. Every metric carries a ``node`` label; per-rank ones a ``rank``
+label (the global rank). docs/launcher.md, "Metrics", lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psutil
+
+log = logging.getLogger("ftmem.launch.agent")
+
+RESTART_CAUSES = ("rank_exit", "hang", "smp_died", "exchange_failed", "membership")
+"""The ``cause`` label of ``ftmem_restarts_total``."""
+
+StatusSource = Callable[[], "tuple[float, dict[str, Any]] | None"]
+"""Returns the newest SMP status document and when it was fetched, or None."""
+
+
+class AgentMetrics:
+    """The node's metrics: counters from the agent's events, gauges from the SMP's status.
+
+    Thread-safety: :meth:`observe` runs in the agent's threads, :meth:`collect` in the HTTP
+    server's; one lock guards the counters.
+    """
+
+    def __init__(self, node: str, status: StatusSource) -> None:
+        self.node = node
+        self._status = status
+        self._lock = threading.Lock()
+        self._restarts: Counter[str] = Counter()
+        self._in_process = 0
+        self._from_standby = 0
+        self._recovery_s: float | None = None
+        self._phases: dict[str, float] = {}
+
+    def observe(self, event: str, fields: dict[str, Any]) -> None:
+        """Count what an event of the agent's event log says (an EventLog listener)."""
+        with self._lock:
+            if event == "failed":
+                hang = str(fields.get("what", "")).startswith("HANG")
+                self._restarts["hang" if hang else "rank_exit"] += 1
+            elif event in ("smp_died", "exchange_failed"):
+                self._restarts[event] += 1
+            elif event == "restart" and fields.get("reason") == "membership":
+                self._restarts["membership"] += 1
+            elif event == "ranks_started":
+                self._in_process += len(fields.get("in_process") or ())
+                self._from_standby += len(fields.get("from_standby") or ())
+            elif event == "resumed":
+                total = fields.get("detect_to_resumed_s")
+                self._recovery_s = float(total) if isinstance(total, int | float) else None
+                phases = fields.get("phases") or {}
+                self._phases = {
+                    k: float(v) for k, v in phases.items() if isinstance(v, int | float)
+                }
+
+    def collect(self) -> Iterator[Any]:
+        """Yield the metric families (prometheus_client's custom-collector protocol)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        node = self.node
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["node", *labels])
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=["node", *labels])
+
+        with self._lock:
+            restarts = dict(self._restarts)
+            in_process, from_standby = self._in_process, self._from_standby
+            recovery_s, phases = self._recovery_s, dict(self._phases)
+        c = counter("ftmem_restarts", "Restarts of this node's ranks, by cause", ("cause",))
+        for cause in RESTART_CAUSES:
+            c.add_metric([node, cause], restarts.get(cause, 0))
+        yield c
+        c = counter("ftmem_ranks_rejoined_in_process", "Ranks kept alive across a restart")
+        c.add_metric([node], in_process)
+        yield c
+        c = counter("ftmem_ranks_from_standby", "Ranks started from a standby at a restart")
+        c.add_metric([node], from_standby)
+        yield c
+        if recovery_s is not None:
+            g = gauge("ftmem_recovery_seconds", "Last recovery: detection -> all ranks stepping")
+            g.add_metric([node], recovery_s)
+            yield g
+        g = gauge("ftmem_recovery_phase_seconds", "Last recovery, by phase", ("phase",))
+        for phase, seconds in phases.items():
+            g.add_metric([node, phase], seconds)
+        yield g
+        latest = self._status()
+        if latest is None:
+            return
+        fetched, doc = latest
+        g = gauge("ftmem_status_time_seconds", "When the SMP status behind these was fetched")
+        g.add_metric([node], fetched)
+        yield g
+        yield from _rank_metrics(node, doc, gauge, counter)
+        yield from _smp_metrics(node, doc, gauge, counter)
+
+
+def _part(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _rank_metrics(node: str, doc: dict[str, Any], gauge: Any, counter: Any) -> Iterator[Any]:
+    ranks = _part(doc, "ranks")
+    per_rank = {
+        "newest_committed": gauge("ftmem_committed_step", "Newest committed step", ("rank",)),
+        "newest_verified": gauge("ftmem_verified_step", "Newest checksummed step", ("rank",)),
+        "last_progress_step": gauge(
+            "ftmem_progress_step", "Step of the last save or heartbeat", ("rank",)
+        ),
+        "last_stall_s": gauge(
+            "ftmem_snapshot_stall_seconds", "Last snapshot: save + fence time", ("rank",)
+        ),
+        "last_copy_s": gauge(
+            "ftmem_snapshot_copy_seconds", "Last snapshot: background copy time", ("rank",)
+        ),
+        "bytes_held": gauge("ftmem_slot_bytes", "Bytes of the rank's snapshot slots", ("rank",)),
+    }
+    commits = counter("ftmem_snapshot_commits", "Committed snapshots", ("rank",))
+    skips = counter("ftmem_snapshots_skipped", "Skipped snapshots, by reason", ("rank", "reason"))
+    for rank, entry in sorted(ranks.items()):
+        if not isinstance(entry, dict):
+            continue
+        for key, family in per_rank.items():
+            value = _num(entry.get(key))
+            if value is not None:
+                family.add_metric([node, str(rank)], value)
+        commits.add_metric([node, str(rank)], _num(entry.get("commits")) or 0.0)
+        for reason, count in (entry.get("skips") or {}).items():
+            skips.add_metric([node, str(rank), str(reason)], _num(count) or 0.0)
+    yield from per_rank.values()
+    yield commits
+    yield skips
+
+
+def _smp_metrics(node: str, doc: dict[str, Any], gauge: Any, counter: Any) -> Iterator[Any]:
+    pid = _num(doc.get("pid"))
+    if pid is not None:
+        try:
+            rss = psutil.Process(int(pid)).memory_info().rss
+        except (psutil.Error, OSError):
+            rss = None
+        if rss is not None:
+            g = gauge("ftmem_smp_rss_bytes", "Resident memory of the node's SMP process")
+            g.add_metric([node], rss)
+            yield g
+    exchange = _part(doc, "exchange")
+    if exchange.get("enabled"):
+        for key, name, what in (
+            ("protected_step", "ftmem_protected_step", "Newest step protected by erasure coding"),
+            ("parity_bytes", "ftmem_parity_bytes", "Parity bytes this node holds"),
+            ("last_protect_s", "ftmem_protect_seconds", "Last protection round's time"),
+        ):
+            value = _num(exchange.get(key))
+            if value is not None:
+                g = gauge(name, what)
+                g.add_metric([node], value)
+                yield g
+    flush = _part(doc, "flush")
+    if flush.get("enabled"):
+        value = _num(flush.get("last_step"))
+        if value is not None:
+            g = gauge("ftmem_flushed_step", "Newest step flushed to the disk tiers")
+            g.add_metric([node], value)
+            yield g
+        for key, name, what in (
+            ("flushes", "ftmem_flushes", "Flushes completed"),
+            ("failures", "ftmem_flush_failures", "Flushes failed"),
+        ):
+            c = counter(name, what)
+            c.add_metric([node], _num(flush.get(key)) or 0.0)
+            yield c
+
+
+class MetricsServer:
+    """``prometheus_client``'s HTTP server for one :class:`AgentMetrics` on ``addr:port``.
+
+    Resource handling: :meth:`start` binds (raises OSError if the port is taken), :meth:`stop`
+    shuts the server down and closes its socket (idempotent).
+    """
+
+    def __init__(self, metrics: AgentMetrics, port: int, addr: str = "0.0.0.0") -> None:
+        self.metrics = metrics
+        self.port = port
+        self.addr = addr
+        self._server: Any = None
+
+    def start(self) -> None:
+        """Serve ``/metrics`` from a daemon thread."""
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.metrics)
+        server, _thread = start_http_server(self.port, addr=self.addr, registry=registry)
+        self._server = server
+        log.info(
+            "[%s] Prometheus metrics at http://%s:%d/metrics",
+            self.metrics.node,
+            self.addr,
+            self.port,
+        )
+
+    def stop(self) -> None:
+        """Stop serving (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
