@@ -38,6 +38,7 @@ LAYERS: dict[str, float] = {
     "ftmem.observe": 3,
     "ftmem": 4,  # the package root: the public API over the client
     "ftmem.launch": 5,
+    "ftmem.integrations": 5,  # framework integrations over the public API
     "ftmem.cli": 5,
     "ftmem.testing": 6,
 }

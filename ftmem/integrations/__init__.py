@@ -1,0 +1,2 @@
+"""Integrations with training frameworks: ``ftmem.integrations.transformers`` (the Hugging Face
+Trainer, ``pip install 'ftmem[hf]'``). Each imports its framework only when imported itself."""

@@ -1,0 +1,217 @@
+"""The Hugging Face ``Trainer`` with a snapshot every optimizer step and resumes from memory.
+
+Use :class:`FtmemTrainer` in place of ``transformers.Trainer`` and launch with ``ftmem-launch``
+(same flags as ``torchrun``)::
+
+    from ftmem.integrations.transformers import FtmemTrainer
+    trainer = FtmemTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+
+What it does:
+
+- **every optimizer step** (``on_step_end``, after the scheduler stepped and ``global_step``
+  was counted), ``ftmem.save`` of the model, the optimizer, the LR scheduler, the
+  ``TrainerState`` (as its JSON) and this process's RNG states;
+- **at** ``train()``, ``ftmem.load`` of the newest step every rank holds, in place, after the
+  Trainer created its optimizer and scheduler and before it wraps the model (DDP). The
+  Trainer then resumes exactly as from its own checkpoint: it skips the batches of the steps
+  already taken (``global_step`` x gradient accumulation) and sets the RNG states of the
+  snapshot after skipping them, as its own resume does. Nothing is read from or written to
+  disk for this (the Trainer's own ``save_steps`` checkpoints go on as configured).
+- ``train(resume_from_checkpoint=PATH)`` given explicitly resumes from that checkpoint the
+  Trainer's own way, and memory is not read.
+
+How it hooks in: the Trainer resumes only through a checkpoint directory, so ``train()`` passes
+a private directory holding a fresh ``trainer_state.json`` (mode 0700, removed afterwards);
+the overridden ``_init_training_state`` creates the optimizer and scheduler early (the
+Trainer keeps them), restores the snapshot and returns where to resume; the Trainer's loaders
+of that directory's model, optimizer, scheduler and scaler do nothing, and its RNG loader
+applies the snapshot's RNG states. Tested with transformers 5.24 on CPU (DDP over gloo); older versions are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import TrainerState
+
+import ftmem
+from ftmem.client.rng import RNGState
+from ftmem.errors import FtmemError
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+def _state_json(state: TrainerState) -> str:
+    """``TrainerState`` as the JSON its ``save_to_json`` writes."""
+    return json.dumps(dataclasses.asdict(state), sort_keys=True)
+
+
+class _TrainerStateBox:
+    """The Trainer's ``TrainerState`` as a Stateful (its JSON: no pickled objects)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.restored: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"json": _state_json(self.trainer.state)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.restored = str(sd["json"])
+
+
+class _DeferredRNG(RNGState):
+    """RNG states that a restore keeps for later: the Trainer sets them itself after skipping
+    the batches already trained on (skipping draws from the global generators)."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] | None = None
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.saved = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+
+    def apply(self) -> bool:
+        """Set the kept states (once); True if there were any."""
+        saved, self.saved = self.saved, None
+        if saved is None:
+            return False
+        RNGState.load_state_dict(self, saved)
+        return True
+
+
+class FtmemCallback(TrainerCallback):
+    """Snapshots the trainer's state into the node's SMP at the end of every optimizer step."""
+
+    def __init__(self, trainer: FtmemTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> Any:
+        ftmem.save(self.trainer.ftmem_state(), step=state.global_step)
+        return control
+
+    def on_train_end(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> Any:
+        ftmem.wait(timeout=120.0)
+        return control
+
+
+class FtmemTrainer(Trainer):
+    """``transformers.Trainer`` that snapshots every optimizer step into ftmem and resumes from
+    memory at ``train()`` (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not hasattr(Trainer, "_init_training_state"):
+            raise FtmemError(
+                "FtmemTrainer needs transformers >= 5.24 (its Trainer._init_training_state); "
+                "pip install 'ftmem[hf]'"
+            )
+        super().__init__(*args, **kwargs)
+        self._ftmem_box = _TrainerStateBox(self)
+        self._ftmem_rng = _DeferredRNG()
+        self._ftmem_dir: str | None = None
+        self.ftmem_restored_step = 0
+        """The step ``train()`` resumed from memory (0: none)."""
+        self.add_callback(FtmemCallback(self))
+
+    def ftmem_state(self) -> dict[str, Any]:
+        """What is snapshotted: model, optimizer, scheduler, TrainerState, RNG states."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        state: dict[str, Any] = {"model": self.model, "trainer": self._ftmem_box}
+        if optimizer is not None:
+            state["optim"] = optimizer
+        if self.lr_scheduler is not None:
+            state["sched"] = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        state["rng"] = self._ftmem_rng
+        return state
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        """``Trainer.train``, resumed from the newest step in memory when there is one."""
+        kwargs: dict[str, Any] = {"trial": trial, "ignore_keys_for_eval": ignore_keys_for_eval}
+        if resume_from_checkpoint is not None:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self._ftmem_dir = tempfile.mkdtemp(prefix="ftmem-hf-")
+        try:
+            fresh = TrainerState()  # what the Trainer checks against its arguments
+            fresh.train_batch_size = self._train_batch_size
+            fresh.compute_steps(self.args, max(self.args.max_steps, 1))  # type: ignore[no-untyped-call]
+            with open(os.path.join(self._ftmem_dir, TRAINER_STATE_NAME), "w") as f:
+                f.write(_state_json(fresh))
+            return super().train(resume_from_checkpoint=self._ftmem_dir, **kwargs)
+        finally:
+            shutil.rmtree(self._ftmem_dir, ignore_errors=True)
+            self._ftmem_dir = None
+
+    def _from_memory(self, checkpoint: Any) -> bool:
+        return checkpoint is not None and checkpoint == self._ftmem_dir
+
+    # -- the Trainer's resume, from memory --------------------------------------------------
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: Any,
+        trial: Any,
+    ) -> tuple[int, int]:
+        epochs, steps = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if not self._from_memory(resume_from_checkpoint):
+            return int(epochs), int(steps)
+        # The optimizer and scheduler exist before the restore (the Trainer keeps them: it
+        # creates an optimizer only if there is none, and a scheduler it did not create).
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=max_steps)
+        self._created_lr_scheduler = False
+        step = ftmem.load(self.ftmem_state())
+        self.ftmem_restored_step = step
+        if step == 0 or self._ftmem_box.restored is None:
+            return 0, 0
+        restored = TrainerState(**json.loads(self._ftmem_box.restored))
+        self.state = restored
+        self._load_callback_state()
+        self.state.init_training_references(  # type: ignore[no-untyped-call]
+            self, max_steps, num_train_epochs, trial
+        )
+        epochs = restored.global_step // num_update_steps_per_epoch
+        steps = 0
+        if not self.args.ignore_data_skip:
+            steps = restored.global_step % num_update_steps_per_epoch
+            steps *= self.args.gradient_accumulation_steps
+        log.info(
+            "resumed from memory at step %d (epoch %d, %d batches into it)", step, epochs, steps
+        )
+        return int(epochs), int(steps)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: Any, model: Any = None) -> None:
+        if not self._from_memory(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        if not self._from_memory(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_scaler(self, checkpoint: Any) -> None:
+        if not self._from_memory(checkpoint):
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: Any) -> None:
+        if not self._from_memory(checkpoint):
+            super()._load_rng_state(checkpoint)
+        else:
+            self._ftmem_rng.apply()
