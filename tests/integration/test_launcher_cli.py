@@ -50,6 +50,9 @@ FTMEM_FLAGS = {
     "--ftmem-standby",
     "--ftmem-standby-import",
     "--ftmem-standby-cuda",
+    "--ftmem-rejoin-timeout",
+    "--ftmem-metrics-port",
+    "--ftmem-metrics-addr",
 }
 
 
