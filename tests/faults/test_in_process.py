@@ -4,7 +4,8 @@
 or SIGSTOPped (then killed as hung) mid-run; the other ranks must rejoin the next generation
 in the same process (same pid), only the failed rank is a new process, and the run must end
 with the digest of the same run without failures. A survivor that fails during the rejoin
-makes the next restart cold; ``ftmem.run`` outside ftmem-launch is a clear error.
+makes the next restart cold; ``ftmem.run`` outside ftmem-launch is a clear error. The
+2-rank run also checks the agent's Prometheus metrics (``--ftmem-metrics-port``) over HTTP.
 """
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ import os
 import re
 import subprocess
 import sys
+import time
+import urllib.request
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.testing.harness import free_port, launch_args
 from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
 from tests._support.nodes import STEPS, reference
 from tests._support.procs import REPO
 
 STARTED = r"\[(\w+)\] generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"
-SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--in-process", "--step-delay", "0.1"]
+SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--in-process", "--step-delay", "0.05"]
 FLAGS = ["--ftmem-status-interval", "0.2", "--ftmem-rejoin-timeout", "60"]
 
 
@@ -54,14 +61,63 @@ def _check_in_process(text: str, failed: int, nranks: int) -> None:
             assert second[rank] == first[rank], f"rank {rank} is a new process: {gens}"
 
 
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _committed(run_dir: Path) -> dict[int, int]:
+    with SmpClient(run_dir, timeout=timedelta(seconds=10)) as client:
+        ranks = client.status()["ranks"]
+    return {int(r): int(e["newest_committed"] or 0) for r, e in ranks.items()}
+
+
+def _check_metrics(port: int, run_dir: Path) -> None:
+    """The agent's Prometheus metrics (--ftmem-metrics-port) while the run goes on after the
+    in-process restart: steps as the SMP reports them, the restart, the recovery's phases."""
+    n0 = (("node", "n0"),)
+    deadline = time.monotonic() + 30
+    while True:  # the poller's status must be one fetched after the ranks stepped again
+        before = _committed(run_dir)
+        got = _scrape(port)
+        after = _committed(run_dir)
+        if got.get(("ftmem_committed_step", (*n0, ("rank", "1"))), 0) > 12:
+            break
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    for rank in (0, 1):
+        value = got[("ftmem_committed_step", (*n0, ("rank", str(rank))))]
+        # the poller's status is at most a poll (0.2 s, a few steps) older than the scrape
+        assert before[rank] - 8 <= value <= after[rank], (rank, before, value, after)
+        assert got[("ftmem_snapshot_commits_total", (*n0, ("rank", str(rank))))] > 0
+        assert got[("ftmem_slot_bytes", (*n0, ("rank", str(rank))))] > 0
+    assert got[("ftmem_restarts_total", (("cause", "rank_exit"), *n0))] == 1
+    assert got[("ftmem_restarts_total", (("cause", "hang"), *n0))] == 0
+    assert got[("ftmem_ranks_rejoined_in_process_total", n0)] == 1
+    assert 0 < got[("ftmem_recovery_seconds", n0)] < 120
+    phases = {dict(k[1])["phase"] for k in got if k[0] == "ftmem_recovery_phase_seconds"}
+    assert {"stop", "rendezvous", "start", "script", "load", "first_step"} <= phases
+    assert got[("ftmem_smp_rss_bytes", n0)] > 1 << 20
+
+
 def test_two_ranks_sigkill_survivor_rejoins_in_process(launcher_env: Launcher) -> None:
     ref = reference(launcher_env, 2)
+    port = free_port()
+    metrics = ["--ftmem-metrics-port", str(port), "--ftmem-metrics-addr", "127.0.0.1"]
     agent = launcher_env.single_node(
         launcher_env.new_run_id(),
         2,
-        FLAGS,
-        [*SCRIPT, "--fail-at-step", "12", "--fail-rank", "1"],
+        [*FLAGS, *metrics],
+        # slower steps after the failure leave time to scrape the metrics while it runs
+        [*SCRIPT, "--fail-at-step", "12", "--fail-rank", "1", "--step-delay", "0.15"],
     )
+    agent.wait_for(r"RESUMED after signal SIGKILL", 120)
+    _check_metrics(port, launcher_env.tmp / "agent-rd")
     assert agent.wait(180) == 0, agent.text()[-3000:]
     text = agent.text()
     _check_in_process(text, failed=1, nranks=2)
