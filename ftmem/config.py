@@ -158,7 +158,12 @@ class SmpConfig:
         return f"ipc://{self.run_dir / SOCKET_NAME}"
 
 
-def _env_seconds(name: str, default: float) -> timedelta:
+def env_seconds(name: str, default: float) -> timedelta:
+    """Seconds from environment variable ``name`` (``default`` if unset or empty).
+
+    Raises:
+        ValueError: not a number, or not > 0.
+    """
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return timedelta(seconds=default)
@@ -178,7 +183,7 @@ class ClientConfig:
     run_dir: Path = field(default_factory=default_run_dir)
     """The SMP's run directory (FTMEM_RUN_DIR)."""
     request_timeout: timedelta = field(
-        default_factory=lambda: _env_seconds(ENV_REQUEST_TIMEOUT, 30.0)
+        default_factory=lambda: env_seconds(ENV_REQUEST_TIMEOUT, 30.0)
     )
     """Longest wait for one SMP reply (FTMEM_REQUEST_TIMEOUT); a dead SMP is noticed sooner."""
     prepare_timeout: timedelta = timedelta(seconds=600)

@@ -35,13 +35,20 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ftmem import faults
-from ftmem.config import ENV_AGENT_PID, ENV_GENERATION, ENV_REJOIN_TIMEOUT, ENV_RUN_DIR
+from ftmem.config import (
+    ENV_AGENT_PID,
+    ENV_GENERATION,
+    ENV_REJOIN_TIMEOUT,
+    ENV_RUN_DIR,
+    env_seconds,
+)
 from ftmem.errors import FtmemError
 from ftmem.protocol.rejoin import RejoinOrder, read_order
 
@@ -129,8 +136,7 @@ def init_process_group(backend: str, timeout: timedelta | None) -> None:
     if backend == "nccl":
         # Let the watchdog abort a failed communicator (the collective then raises) instead of
         # tearing the process down: 2 = abort and clean up, keep the process.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1":
+        if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") == "1":
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     kwargs: dict[str, Any] = {"backend": backend, "init_method": "env://"}
     if timeout is not None:
@@ -190,8 +196,6 @@ def wait_for_order(
         RejoinError: none within ``timeout_s``, or the agent is gone (this process was
             re-parented), or the order names another rank.
     """
-    from pathlib import Path
-
     deadline = time.monotonic() + timeout_s
     while True:
         if os.getppid() != agent_pid:
@@ -240,14 +244,6 @@ def _refuse_dtensors(state: MutableMapping[str, Any]) -> None:
                 "group in process. Use ftmem.load and process restarts (standby ranks) for "
                 "this model."
             )
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
-    return value if value > 0 else default
 
 
 def run_in_process(
@@ -314,7 +310,7 @@ def _rejoin(
     gc.collect()
     faults.maybe_inject(faults.Point.IN_REJOIN, rank, step)
     generation = int(os.environ.get(ENV_GENERATION, "-1") or -1)
-    timeout = _env_float(ENV_REJOIN_TIMEOUT, 120.0)
+    timeout = env_seconds(ENV_REJOIN_TIMEOUT, 120.0).total_seconds()
     order = wait_for_order(os.environ[ENV_RUN_DIR], rank, generation, agent_pid, timeout)
     if order.env.get("RANK", str(rank)) != str(rank):
         raise RejoinError(f"the new generation gives this process rank {order.env['RANK']}")

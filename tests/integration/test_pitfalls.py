@@ -6,7 +6,6 @@ as if the world had 3 ranks), and shared memory too small for the slots (a real 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Iterator
 from datetime import timedelta
@@ -36,8 +35,9 @@ def fresh_warnings() -> Iterator[None]:
 
 
 @pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=30))
     try:
         yield
