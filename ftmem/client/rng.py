@@ -65,3 +65,24 @@ class RNGState:
             )
         if "cuda" in sd and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(sd["cuda"])
+
+
+class DeferredRNGState(RNGState):
+    """RNG states whose restore waits for :meth:`apply`: for trainers that must draw from the
+    fresh process's generators first (creating and skipping a data loader's iterator) and set
+    the snapshot's states after that, as the run without the failure drew them."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] | None = None
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Keep the states for :meth:`apply` (nothing changes yet)."""
+        self.saved = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+
+    def apply(self) -> bool:
+        """Set the kept states (once); True if there were any."""
+        saved, self.saved = self.saved, None
+        if saved is None:
+            return False
+        RNGState.load_state_dict(self, saved)
+        return True

@@ -369,9 +369,30 @@ class Checkpointer:
                 self._hooks.append(opt.register_step_pre_hook(self._fence_hook))
                 self._hooked.add(opt)
 
-    def _fence_hook(self, *_: Any) -> None:
-        t0 = time.perf_counter()
+    def _fence_hook(
+        self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The optimizer is about to step: wait for the copy first. A step given a closure
+        (Lightning, LBFGS) runs it, forward and backward, before it changes anything: the
+        wait then moves to the closure's end, so the copy overlaps the forward and backward."""
         self._changed = True
+        closure = kwargs["closure"] if "closure" in kwargs else (args[0] if args else None)
+        if not callable(closure):
+            self._fence()
+            return None
+
+        def fenced() -> Any:
+            try:
+                return closure()
+            finally:
+                self._fence()
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": fenced}
+        return (fenced, *args[1:]), kwargs
+
+    def _fence(self) -> None:
+        t0 = time.perf_counter()
         job = self._job
         if job is not None and not job.copied.is_set():
             limit = self.config.fence_timeout.total_seconds()

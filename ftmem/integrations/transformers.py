@@ -39,12 +39,11 @@ import shutil
 import tempfile
 from typing import Any
 
-import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 
 import ftmem
-from ftmem.client.rng import RNGState
+from ftmem.client.rng import DeferredRNGState
 from ftmem.errors import FtmemError
 
 log = logging.getLogger(__name__)
@@ -69,25 +68,6 @@ class _TrainerStateBox:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.restored = str(sd["json"])
-
-
-class _DeferredRNG(RNGState):
-    """RNG states that a restore keeps for later: the Trainer sets them itself after skipping
-    the batches already trained on (skipping draws from the global generators)."""
-
-    def __init__(self) -> None:
-        self.saved: dict[str, Any] | None = None
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.saved = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-
-    def apply(self) -> bool:
-        """Set the kept states (once); True if there were any."""
-        saved, self.saved = self.saved, None
-        if saved is None:
-            return False
-        RNGState.load_state_dict(self, saved)
-        return True
 
 
 class FtmemCallback(TrainerCallback):
@@ -117,7 +97,7 @@ class FtmemTrainer(Trainer):
             )
         super().__init__(*args, **kwargs)
         self._ftmem_box = _TrainerStateBox(self)
-        self._ftmem_rng = _DeferredRNG()
+        self._ftmem_rng = DeferredRNGState()
         self._ftmem_dir: str | None = None
         self.ftmem_restored_step = 0
         """The step ``train()`` resumed from memory (0: none)."""

@@ -217,6 +217,42 @@ def test_lazy_copy_is_fenced_by_optimizer_step(ckpt: ftmem.Checkpointer, run_dir
     assert torch.equal(big2.weight, expect)
 
 
+@pytest.mark.parametrize("as_kwarg", [True, False])
+def test_step_with_a_closure_is_fenced_after_the_closure(
+    ckpt: ftmem.Checkpointer, run_dir: Path, as_kwarg: bool
+) -> None:
+    # Lightning and LBFGS run forward and backward inside step(closure): the fence moves to
+    # the closure's end (the copy overlaps them) and still comes before the update.
+    torch.manual_seed(0)
+    big = torch.nn.Linear(2048, 2048)
+    opt = torch.optim.SGD(big.parameters(), lr=0.5)
+    state = {"model": big, "optim": opt}
+    big(torch.randn(4, 2048)).sum().backward()
+    commit(ckpt, state, 0)
+    h = ckpt.save(state, step=1)
+    expect = big.weight.detach().clone()
+    calls: list[bool] = []
+
+    def closure() -> torch.Tensor:
+        calls.append(True)
+        opt.zero_grad()
+        loss = big(torch.ones(4, 2048)).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure=closure) if as_kwarg else opt.step(closure)
+    assert calls == [True] and isinstance(loss, torch.Tensor)
+    assert h.wait(30)
+    assert not torch.equal(big.weight, expect)
+    big2 = torch.nn.Linear(2048, 2048)
+    other = fresh(run_dir)
+    try:
+        assert other.load({"model": big2, "optim": torch.optim.SGD(big2.parameters(), lr=0.5)}) == 1
+    finally:
+        other.close()
+    assert torch.equal(big2.weight, expect)
+
+
 def test_killed_smp_makes_save_fail_fast(run_dir: Path, run_id: str) -> None:
     from ftmem.smp.spawn import start_smp
 

@@ -1,0 +1,47 @@
+"""Lightning under ftmem-launch (``FtmemCallback``): 2 ranks with Lightning's DDP over gloo,
+gradient accumulation 2 and 2 loader workers; one rank SIGKILLed at an epoch's last step and
+again mid-epoch; the run resumes from memory at each killed step (the loader re-seeded and
+the consumed batches skipped) and ends bitwise equal to the failure-free run without the
+callback."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from tests._support.launcher import Launcher, digests
+from tests._support.procs import REPO
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="needs ftmem[lightning]"
+)
+
+SCRIPT = [
+    str(REPO / "examples" / "train_lightning.py"),
+    *("--steps", "14", "--grad-accum", "2", "--workers", "2"),
+]
+
+
+def test_lightning_resumes_from_memory_mid_epoch_bitwise(launcher_env: Launcher) -> None:
+    ref = launcher_env.single_node(
+        launcher_env.new_run_id(), 2, [], [*SCRIPT, "--no-ftmem"], name="reference"
+    )
+    assert ref.wait(240) == 0, ref.text()[-3000:]
+    want = digests(ref.text())
+    assert len(want) == 2 and len(set(want.values())) == 1
+    # An epoch is 8 steps: step 8 closes the first one, step 11 is mid-epoch in the second.
+    agent = launcher_env.single_node(
+        launcher_env.new_run_id(), 2, [], [*SCRIPT, "--fail-at-step", "8,11", "--fail-rank", "1"]
+    )
+    assert agent.wait(360) == 0, agent.text()[-3000:]
+    text = agent.text()
+    for step in (8, 11):
+        assert re.search(
+            rf"\[n0/1\] FAILED: signal SIGKILL .*newest committed step on this node: {step}", text
+        ), text[-3000:]
+    assert len(re.findall(r"RESUMED after signal SIGKILL", text)) == 2, text[-3000:]
+    assert sorted(re.findall(r"\[rank \d\] resumed from step (\d+)", text)) == ["11", "11"]
+    assert "PITFALL" not in text, text[-3000:]
+    assert digests(text) == want
