@@ -310,6 +310,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-every", type=int, default=5, help="log the loss every K steps")
     p.add_argument(
+        "--ddp-find-unused",
+        choices=("true", "false"),
+        default="true",
+        help="DDP's find_unused_parameters (false on 3+ ranks: ftmem warns that the resume "
+        "is not exact; docs/api.md, Pitfalls)",
+    )
+    p.add_argument(
         "--step-delay",
         type=float,
         default=0.0,
@@ -396,7 +403,9 @@ def train(args: argparse.Namespace) -> int:
         # find_unused_parameters=True keeps the initial layout for good (see docs/design.md,
         # "Bitwise resumption under DDP"). DDP is bound to the process group: built here.
         train_model = (
-            DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
+            DistributedDataParallel(model, find_unused_parameters=args.ddp_find_unused == "true")
+            if world > 1
+            else model
         )
         # Under DDP every rank holds the same parameters and optimizer state: each saves
         # 1/world of them, and load gathers them back (--no-shard: every rank saves everything).

@@ -51,11 +51,18 @@ def ddp_wrapper(module: torch.nn.Module) -> Any:
 
     if isinstance(module, DDP):
         return module
-    for holder in gc.get_referrers(module):  # DDP keeps it in its ``_modules`` dict
-        if isinstance(holder, dict):
-            for owner in gc.get_referrers(holder):
-                if isinstance(owner, DDP) and owner.module is module:
-                    return owner
+    # DDP keeps it in its ``_modules`` dict, which its instance holds directly or, once
+    # something materialised the instance's ``__dict__``, through that dict.
+    for holder in gc.get_referrers(module):
+        if not isinstance(holder, dict):
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, DDP) and owner.module is module:
+                return owner
+            if isinstance(owner, dict) and owner.get("_modules") is holder:
+                for ddp in gc.get_referrers(owner):
+                    if isinstance(ddp, DDP) and ddp.module is module:
+                        return ddp
     return None
 
 

@@ -1,11 +1,13 @@
 """The pitfalls of real training loops produce their warning, once, with the fix: a DDP built
 with find_unused_parameters=False on 3+ ranks, a DataLoader without its own generator, a state
 without an optimizer (real objects; the DDP is a real one over a 1-rank gloo group, checked
-as if the world had 3 ranks), and shared memory too small for the slots (a real SMP)."""
+as if the world had 3 ranks; then for real in a launched 3-rank job), and shared memory too
+small for the slots (a real SMP)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from datetime import timedelta
@@ -23,6 +25,7 @@ from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
 from ftmem.testing.harness import free_port
+from tests._support.launcher import EXAMPLE, TINY, Launcher
 
 
 @pytest.fixture
@@ -69,6 +72,13 @@ def test_ddp_without_find_unused_parameters_on_three_ranks(
     kept = DistributedDataParallel(safe, find_unused_parameters=True)
     pitfalls.check_ddp({"model": safe}, world_size=4)
     assert _pitfalls(caplog) == [] and kept.module is safe
+    # Found also once the DDP's __dict__ exists as a dict of its own (vars() makes it).
+    pitfalls._warned.clear()
+    other = torch.nn.Linear(4, 4)
+    wrapper = DistributedDataParallel(other)
+    assert vars(wrapper)["_modules"]["module"] is other
+    pitfalls.check_ddp({"model": other}, world_size=3)
+    assert len(_pitfalls(caplog)) == 1
 
 
 def test_loader_without_generator_and_state_without_optimizer(
@@ -106,3 +116,18 @@ def test_shared_memory_too_small_is_refused_with_how_to_size_it(
         client.request(m.Prepare(rank=0, slot=-1, nbytes=1 << 20))
     log = (run_dir / "smp.log").read_text()
     assert log.count("NOT ENOUGH SHARED MEMORY") == 1
+
+
+def test_ddp_pitfall_is_warned_once_per_rank_in_a_launched_three_rank_job(
+    launcher_env: Launcher,
+) -> None:
+    # The real thing: 3 ranks under ftmem-launch, DDP with find_unused_parameters=False.
+    script = [str(EXAMPLE), "--steps", "2", *TINY, "--ddp-find-unused", "false"]
+    agent = launcher_env.single_node(launcher_env.new_run_id(), 3, [], script)
+    assert agent.wait(180) == 0, agent.text()[-3000:]
+    warned = re.findall(
+        r"\[default(\d)\]:.*PITFALL: DistributedDataParallel with find_unused_parameters=False "
+        r"on 3 ranks.*find_unused_parameters=True",
+        agent.text(),
+    )
+    assert sorted(warned) == ["0", "1", "2"], agent.text()[-3000:]
