@@ -44,7 +44,8 @@ def held_bytes(run_dir: Path, world: int, step: int) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# World 4 only: every 2-rank DDP run of the launcher tests saves 1/2 already (the default).
+@pytest.mark.parametrize("world", [4])
 def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
     procs: Procs, run_dir: Path, smp: SmpProcess, world: int
 ) -> None:
