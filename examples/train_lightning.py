@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 
 class Regressor(pl.LightningModule):
@@ -45,6 +45,20 @@ class Regressor(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class NoisyPairs(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """(x + noise, y): the noise is an augmentation drawn from the process's (or the loader
+    worker's) torch RNG, so a resume must give the workers the seeds they had."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.01 * torch.randn(self.x.shape[1:]), self.y[i]
 
 
 def digest(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> str:
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(8 * 8 * args.grad_accum * 2, 16, generator=g)  # 8 steps per epoch, 2 ranks
     y = x.sum(dim=1, keepdim=True).sin()
     loader = DataLoader(
-        TensorDataset(x, y),
+        NoisyPairs(x, y),
         batch_size=8,
         shuffle=True,
         num_workers=args.workers,

@@ -156,7 +156,7 @@ class FtmemCallback(pl.Callback):
         # After the fit loop created the epoch's data iterator, before its first batch.
         if self._resume_data:
             self._resume_data = False
-            _skip_batches(trainer, self.epoch_rng, self._rng)
+            self.epoch_rng = _skip_batches(trainer, self.epoch_rng, self._rng)
         self._rng.apply()  # the snapshot's RNG states, unless _skip_batches applied them
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -183,7 +183,9 @@ class FtmemCallback(pl.Callback):
         ftmem.wait(timeout=120.0)
 
 
-def _skip_batches(trainer: pl.Trainer, epoch_rng: torch.Tensor, rng: DeferredRNGState) -> None:
+def _skip_batches(
+    trainer: pl.Trainer, epoch_rng: torch.Tensor, rng: DeferredRNGState
+) -> torch.Tensor:
     """Bring the restored epoch's data iterator to where the run without the failure was.
 
     Lightning restores a resumable loader's position itself. For the others: in an epoch
@@ -191,25 +193,26 @@ def _skip_batches(trainer: pl.Trainer, epoch_rng: torch.Tensor, rng: DeferredRNG
     one drew its seed from (``epoch_rng`` mid-epoch; when the snapshot closed the previous
     epoch, the snapshot's own states ``rng``, applied here); then the batches already
     trained on in this epoch are drawn and dropped, the sampler's epoch set first as
-    Lightning sets it."""
+    Lightning sets it. Returns the global torch RNG state at the start of the epoch now
+    running (what later snapshots record as ``epoch_rng``)."""
     loop: Any = trainer.fit_loop
     combined = loop._combined_loader
     fetcher = loop._data_fetcher
     if combined is None or fetcher is None:
-        return
+        return epoch_rng
     epoch = loop.epoch_progress.current.processed
     done = loop.epoch_loop.batch_progress.current.processed
     if done >= trainer.num_training_batches:
         done = 0  # the snapshot closed the epoch: the next one starts from its beginning
     if all(isinstance(dl, _Stateful) for dl in combined.flattened):
-        return
+        return epoch_rng
     if done > 0 and not isinstance(trainer.num_training_batches, int):
         warnings.warn(
             "ftmem: the train loader has no length and cannot be resumed (no state_dict): "
             f"the resumed epoch starts from its beginning, not at batch {done}",
             stacklevel=2,
         )
-        return
+        return epoch_rng
     for dl in combined.flattened:
         _set_sampler_epoch(dl, epoch)  # before iter(): workers take indices at once
     if epoch > 0:
@@ -220,6 +223,8 @@ def _skip_batches(trainer: pl.Trainer, epoch_rng: torch.Tensor, rng: DeferredRNG
             torch.set_rng_state(epoch_rng)
         else:
             rng.apply()
+            # Lightning calls no on_train_epoch_start for this epoch: its start is now.
+            epoch_rng = torch.get_rng_state()
         iter(fetcher)  # a new iterator, seeded as the original one was
     iterator = fetcher.iterator
     assert iterator is not None
@@ -228,3 +233,4 @@ def _skip_batches(trainer: pl.Trainer, epoch_rng: torch.Tensor, rng: DeferredRNG
     if done:
         warnings.filterwarnings("ignore", message=_LIGHTNING_WARNING)
         log.info("skipped the %d batches of epoch %d already trained on", done, epoch)
+    return epoch_rng

@@ -1,7 +1,8 @@
 """Lightning under ftmem-launch (``FtmemCallback``): 2 ranks with Lightning's DDP over gloo,
-gradient accumulation 2 and 2 loader workers; one rank SIGKILLed at an epoch's last step and
-again mid-epoch; the run resumes from memory at each killed step (the loader re-seeded and
-the consumed batches skipped) and ends bitwise equal to the failure-free run without the
+gradient accumulation 2 and 2 loader workers that add random noise to every sample (so the
+workers' seeds matter); one rank SIGKILLed at an epoch's last step and again mid-epoch in the
+next; the run resumes from memory at each killed step (the loader re-seeded as in the first
+run, the consumed batches skipped) and ends bitwise equal to the failure-free run without the
 callback."""
 
 from __future__ import annotations
