@@ -76,7 +76,6 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.find = 0.0
-        self.verify: list[float] = []
         self.dcp = 0.0
         self.dcp_cpu = 0.0
         self.dcp_faults = 0
@@ -88,18 +87,7 @@ class PhaseTimer:
 
         import ftmem.tiers.export as export
 
-        orig_verify, orig_manifest, orig_save = (
-            export.verify_snapshot,
-            export.write_manifest,
-            saver.save,
-        )
-
-        def verify(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return orig_verify(*a, **k)
-            finally:
-                self.verify.append(time.perf_counter() - t0)
+        orig_manifest, orig_save = export.write_manifest, saver.save
 
         def manifest(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
@@ -117,13 +105,11 @@ class PhaseTimer:
                 self.dcp_cpu += cpu_self() - c0
                 self.dcp_faults += minflt(os.getpid()) - f0
 
-        export.verify_snapshot = verify  # type: ignore[assignment]
         export.write_manifest = manifest  # type: ignore[assignment]
         saver.save = save  # type: ignore[assignment]  # export_dcp imports it at call time
         try:
             yield
         finally:
-            export.verify_snapshot = orig_verify  # type: ignore[assignment]
             export.write_manifest = orig_manifest  # type: ignore[assignment]
             saver.save = orig_save  # type: ignore[assignment]
 

@@ -58,10 +58,8 @@ SYSTEMS = (EXPORT, FLUSH, DCP, TSAVE)
 _ODD = (" ERROR ", " WARNING ", "Traceback")  # the SMP log's lines a note repeats
 PHASES = (
     "find_sources (SMP query)",
-    "verify slot checksums (before)",
-    "dcp.save inside export (incl. fsync)",
-    "verify slot checksums (after)",
-    "manifest: xxh3 of every file + fsync",
+    "dcp.save with ftmem's writer: slots read, checked, written, fsync'd",
+    "manifest (data files hashed while written) + fsync",
     "rest (layout, skeleton, dir fsyncs, rename)",
 )
 
@@ -233,8 +231,7 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
                     res.disk_bytes[system] = _proc.dir_bytes(out)
                     row[system] = dt
                     if system == EXPORT:
-                        v = [*timer.verify, 0.0, 0.0][:2]
-                        parts = [timer.find, v[0], timer.dcp, v[1], timer.manifest]
+                        parts = [timer.find, timer.dcp, timer.manifest]
                         parts.append(dt - sum(parts))
                         res.inner_cpu.append(timer.dcp_cpu)
                         res.inner_faults.append(timer.dcp_faults)

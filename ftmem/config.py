@@ -135,6 +135,10 @@ class SmpConfig:
     """Flush every this many steps in the background (0: only when ``ftmem flush`` asks)."""
     flush_keep: int = 2
     """Complete checkpoints kept per tier."""
+    flush_writers: int = 2
+    """Data files the flush writes in parallel (a thread and an I/O thread each)."""
+    flush_direct: bool = True
+    """The flush writes with O_DIRECT where the file system allows it (else buffered)."""
     flush_on_stop: timedelta = timedelta(seconds=60)
     """On SIGTERM (preemption), time allowed for a final flush of the newest step."""
     hash_threads: int = 1

@@ -69,6 +69,10 @@ class Point(enum.Enum):
     """(SMP) A step was just protected: its parity is held in memory."""
     IN_FLUSH = "in_flush"
     """(Flusher) Every file of a checkpoint is written, before the rename that completes it."""
+    IN_DCP_WRITE = "in_dcp_write"
+    """(Flusher) A data file of a checkpoint is half written: its first tensor is on disk, the
+    rest and the metadata are not (``rank``: the file's index; ``fault=enospc``: the disk is full
+    there)."""
     IN_ENCODE = "in_encode"
     """(SMP) Inside a protection round: this node has every data column of a stripe it
     encodes and is about to encode it (its peers are waiting for the parity)."""

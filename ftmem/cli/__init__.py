@@ -128,6 +128,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--out", type=Path, default=None, help="new DCP directory to create")
     e.add_argument("--step", type=int, default=None, help="default: newest step of every rank")
+    e.add_argument("--writers", type=int, default=2, help="data files written in parallel")
+    e.add_argument(
+        "--buffered",
+        action="store_true",
+        help="write through the page cache (default: O_DIRECT where the file system allows it)",
+    )
     e.add_argument(
         "--torch-save",
         type=Path,
@@ -216,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             print("ftmem export: give --run-dir and --out (or --checkpoint)", file=sys.stderr)
             return 2
         try:
-            res = export_dcp(find_sources(args.run_dir, args.step), args.out)
+            sources = find_sources(args.run_dir, args.step)
+            threads, direct = max(1, args.writers), not args.buffered
+            res = export_dcp(sources, args.out, threads=threads, direct=direct)
             if args.torch_save is not None:
                 to_torch_save(res.path, args.torch_save)
             if args.safetensors is not None:

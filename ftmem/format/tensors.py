@@ -7,7 +7,6 @@ export do. Everything here is pure: no process, socket or file is touched.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,7 +25,6 @@ __all__ = [
     "encode_skeleton",
     "read_objects",
     "torch_dtype",
-    "verify_snapshot",
 ]
 
 TENSOR_MARK = "__ftmem_tensor__"
@@ -109,33 +107,6 @@ def decode_skeleton(data: bytes) -> dict[str, Any]:
     """
     out: dict[str, Any] = codec.decode_skeleton(data, _ext_decode)
     return out
-
-
-def verify_snapshot(snap: StoredSnapshot, view: memoryview, threads: int = 2) -> None:
-    """Check every tensor's and the objects' checksum (on up to ``threads`` threads) without
-    copying anything (the export and the flush read slots this way).
-
-    Raises:
-        CorruptSnapshotError: naming an extent whose bytes do not match, or a snapshot the
-            SMP has not verified (no checksums).
-    """
-    if not snap.verified:
-        raise CorruptSnapshotError(f"step {snap.step} has not been verified by the SMP")
-    v = view
-    extents = [(repr(name), off, n, h) for name, off, n, h in snap.extents()]
-
-    def bad(e: tuple[str, int, int, str]) -> str | None:
-        name, off, n, h = e
-        return None if digest(v[off : off + n]) == h else name
-
-    if threads > 1 and len(extents) > 1:
-        # xxhash releases the GIL, so the hashes run in parallel.
-        with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-verify") as pool:
-            failed = [b for b in pool.map(bad, extents) if b is not None]
-    else:
-        failed = [b for b in map(bad, extents) if b is not None]
-    if failed:
-        raise CorruptSnapshotError(f"step {snap.step}: {', '.join(failed[:5])} fail their checksum")
 
 
 def read_objects(snap: StoredSnapshot, view: memoryview) -> bytes:

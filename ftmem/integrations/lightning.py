@@ -173,7 +173,6 @@ class FtmemCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self.trainer = trainer
         step = trainer.global_step
         if step > self._saved_step:
             ftmem.save(self.ftmem_state(trainer, pl_module), step=step)

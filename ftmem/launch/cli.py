@@ -224,6 +224,23 @@ def get_args_parser() -> ArgumentParser:
         help="Complete checkpoints kept per tier. Default: 2.",
     )
     group.add_argument(
+        "--ftmem-flush-writers",
+        action=env,
+        type=int,
+        default=2,
+        help="Data files a flush writes in parallel (a copy-and-hash thread and an I/O thread "
+        "each). Default: 2.",
+    )
+    group.add_argument(
+        "--ftmem-flush-direct",
+        action=env,
+        type=str,
+        choices=("on", "off"),
+        default="on",
+        help="Flush with O_DIRECT writes where the file system allows them (not tmpfs: "
+        "buffered there); off: always through the page cache. Default: on.",
+    )
+    group.add_argument(
         "--ftmem-rebuild-timeout",
         action=env,
         type=float,
@@ -354,6 +371,8 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         ),
         flush_every=int(args.ftmem_flush_every),
         flush_keep=int(args.ftmem_flush_keep),
+        flush_writers=int(args.ftmem_flush_writers),
+        flush_direct=str(args.ftmem_flush_direct) == "on",
         hash_threads=int(args.ftmem_hash_threads),
         standby=int(args.ftmem_standby),
         standby_imports=tuple(n.strip() for n in args.ftmem_standby_import.split(",") if n.strip()),

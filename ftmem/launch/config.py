@@ -125,6 +125,10 @@ class FtmemLaunchConfig:
     """Flush every this many steps in the background (0: only on ``ftmem flush``/SIGTERM)."""
     flush_keep: int = 2
     """Complete checkpoints kept per tier."""
+    flush_writers: int = 2
+    """Data files a flush writes in parallel."""
+    flush_direct: bool = True
+    """A flush writes with O_DIRECT where the file system allows it."""
     flush_on_stop: timedelta = timedelta(seconds=60)
     """On SIGTERM, time the SMP has for a final flush of the newest step."""
     hash_threads: int = 1
@@ -155,6 +159,9 @@ class FtmemLaunchConfig:
                 str(self.flush_every),
                 "--flush-keep",
                 str(self.flush_keep),
+                "--flush-writers",
+                str(self.flush_writers),
+                *([] if self.flush_direct else ["--flush-buffered"]),
                 "--flush-on-stop",
                 str(self.flush_on_stop.total_seconds()),
             ]
@@ -195,8 +202,11 @@ class FtmemLaunchConfig:
             raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
         if self.ec_group_size < 3:
             raise ValueError("--ftmem-ec-group-size must be >= 3")
-        if self.flush_every < 0 or self.flush_keep < 1:
-            raise ValueError("--ftmem-flush-every must be >= 0 and --ftmem-flush-keep >= 1")
+        if self.flush_every < 0 or self.flush_keep < 1 or self.flush_writers < 1:
+            raise ValueError(
+                "--ftmem-flush-every must be >= 0, --ftmem-flush-keep and "
+                "--ftmem-flush-writers >= 1"
+            )
         if self.key_file is not None and not Path(self.key_file).is_file():
             raise ValueError(f"--ftmem-key-file {self.key_file} does not exist (`ftmem keygen`)")
         if self.node is not None and safe_name(self.node) != self.node:

@@ -95,6 +95,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--flush-keep", type=int, default=2, help="complete checkpoints kept per tier")
     p.add_argument(
+        "--flush-writers", type=int, default=2, help="data files written in parallel per flush"
+    )
+    p.add_argument(
+        "--flush-buffered",
+        action="store_true",
+        help="write through the page cache (default: O_DIRECT where the file system allows it)",
+    )
+    p.add_argument(
         "--flush-on-stop",
         type=float,
         default=60.0,
@@ -124,6 +132,8 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
         flush_shared=args.flush_shared_dir is not None,
         flush_every=args.flush_every,
         flush_keep=args.flush_keep,
+        flush_writers=args.flush_writers,
+        flush_direct=not args.flush_buffered,
         flush_on_stop=timedelta(seconds=args.flush_on_stop),
     )
 

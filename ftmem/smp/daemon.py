@@ -148,7 +148,12 @@ class SmpDaemon:
             self.flush = FlushService(
                 cfg.node,
                 FlushSettings(
-                    list(cfg.flush_tiers), cfg.flush_every, cfg.flush_keep, cfg.flush_shared
+                    list(cfg.flush_tiers),
+                    cfg.flush_every,
+                    cfg.flush_keep,
+                    cfg.flush_shared,
+                    writers=cfg.flush_writers,
+                    direct=cfg.flush_direct,
                 ),
                 self.store,
                 self.handlers.protected_step,

@@ -52,6 +52,10 @@ class FlushSettings:
     """``ftmem flush`` on the node of rank 0 waits this long for the other nodes' parts."""
     assemble_every_s: float = 2.0
     """How often the node of rank 0 looks for parts to assemble when idle (multi-node)."""
+    writers: int = 2
+    """Data files a flush writes in parallel."""
+    direct: bool = True
+    """Write with O_DIRECT where the file system allows it."""
 
 
 @dataclass
@@ -374,6 +378,8 @@ class FlushService:
             ],
             "tiers": [str(t) for t in self.settings.tiers[: max(1, tiers)]],
             "keep": self.settings.keep,
+            "writers": self.settings.writers,
+            "direct": self.settings.direct,
             "world_size": self.slots.world_size(),
             "shared": self.settings.shared and tiers >= len(self.settings.tiers),
             # Asked for (ftmem flush): wait for the other nodes' parts; scheduled: one look.

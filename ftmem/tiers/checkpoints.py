@@ -94,12 +94,13 @@ def write_manifest(
     known: dict[str, dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """List every file of ``directory`` (and the ``known`` entries of files in its
-    sub-directories) with its size and hash in its manifest, fsynced. ``ranks``: the ranks it
+    """List every file of ``directory`` with its size and hash in its manifest, fsynced; a
+    file in ``known`` (its entry computed as it was written, or one of a sub-directory's files)
+    is listed as given, not read again. ``ranks``: the ranks it
     holds (default all of ``world_size``); ``extra``: more fields (a part's metadata)."""
     files = dict(known or {})
     for p in sorted(directory.iterdir()):
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and p.name != MANIFEST and p.name not in files:
             files[p.name] = manifest_entry(p)
     doc = {
         "version": 1,

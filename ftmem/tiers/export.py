@@ -47,12 +47,13 @@ from ftmem.format.tensors import (
     REPLICAS_KEY,
     TENSOR_MARK,
     decode_skeleton,
+    read_objects,
     torch_dtype,
-    verify_snapshot,
 )
 from ftmem.shm import MappedSegment
 from ftmem.tiers.checkpoints import fsync_dir, temp_name, write_manifest
 from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
+from ftmem.tiers.dcp_writer import SlotWriter
 
 log = get_logger(__name__)
 
@@ -267,9 +268,18 @@ def _dir_bytes(path: Path) -> int:
 
 
 def export_dcp(
-    sources: Sequence[RankSource], out: Path, world_size: int | None = None
+    sources: Sequence[RankSource],
+    out: Path,
+    world_size: int | None = None,
+    *,
+    threads: int = 2,
+    direct: bool = True,
 ) -> ExportResult:
     """Write the step of ``sources`` (one per rank, ranks 0..N-1) as a DCP directory ``out``.
+
+    The data files are written by :class:`ftmem.tiers.dcp_writer.SlotWriter` (``threads``
+    files in parallel, ``direct``: O_DIRECT where the file system has it), which checks every
+    byte it writes against the slot's checksums as it copies it; so the slots are read once.
 
     With ``world_size`` larger than the ranks given, ``out`` is a node's *part* (its ranks of
     a multi-node job; the top level is its lowest rank's state): its manifest also carries,
@@ -278,9 +288,9 @@ def export_dcp(
 
     Raises:
         ExportError: ranks missing or at different steps, ``out`` exists, or a slot fails its
-            checksums (before or after writing; nothing is left at ``out`` then).
+            checksums (a rank reused it while it was written; nothing is left at ``out`` then).
+        OSError: writing failed (a full disk...); nothing is left at ``out`` then.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     ranks = sorted(s.rank for s in sources)
@@ -301,21 +311,24 @@ def export_dcp(
     state: dict[str, Any] = {}
     trees: list[Any] = []
     tensor_lists: list[list[torch.Tensor]] = []
+    expected: dict[int, str] = {}
     try:
         snaps = []
         for s in sorted(sources, key=lambda s: s.rank):
             snap = parse_layout(s.layout, s.capacity)
             seg = MappedSegment(Path(s.path), s.capacity)
             segs.append(seg)
-            verify_snapshot(snap, seg.view)
             snaps.append(snap)
         skeletons = []
         paths: dict[str, tuple[Any, ...]] = {}
         for snap, seg in zip(snaps, segs, strict=True):
-            raw = bytes(seg.view[snap.objects_offset : snap.objects_offset + snap.objects_nbytes])
+            raw = read_objects(snap, seg.view)  # checks the objects' checksum (and verified)
             skeleton = decode_skeleton(raw)
             tables = skeleton.pop(REPLICAS_KEY, None)
             tensors = _tensors(snap, seg)
+            for t, stored in zip(tensors, snap.tensors, strict=True):
+                if stored.nbytes:
+                    expected[t.data_ptr()] = stored.hash  # checked as the writer copies it
             skeletons.append(raw)
             tensor_lists.append(tensors)
             chunked = {i for i, t in enumerate(snap.tensors) if t.chunk is not None}
@@ -346,19 +359,24 @@ def export_dcp(
         state[PER_RANK_KEY] = per_rank
         state[META_KEY] = {"step": step, "world_size": world, "format": "ftmem-export-1"}
         tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
-        writer = _finishing_writer(FileSystemWriter)(str(tmp), sync_files=True, overwrite=False)
+        writer = _finishing_writer(SlotWriter)(
+            str(tmp), expected=expected, threads=threads, direct=direct, step=step
+        )
         with warnings.catch_warnings():
             # DCP warns that it saves in one process: that is what no_dist asks for.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            meta = dcp_save(state, storage_writer=writer, no_dist=True)
+            try:
+                meta = dcp_save(state, storage_writer=writer, no_dist=True)
+            except BaseException as exc:  # DCP's CheckpointException wraps the writer's error
+                if writer.error is not None and writer.error is not exc:
+                    raise writer.error from exc
+                raise
         chunked_names = add_chunks(meta, ranks, snaps, paths)
         if chunked_names:
             write_metadata(tmp, meta)  # DCP's, plus the global tensors made of chunks
         missing = {t.name for t in snaps[0].tensors} - set(meta.state_dict_metadata)
         if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
-        for snap, seg in zip(snaps, segs, strict=True):
-            verify_snapshot(snap, seg.view)  # a rank may have reused the slot while we wrote
         # The metadata as JSON: readers take it from the signed manifest instead of
         # unpickling .metadata; a coordinator writes the global metadata from the parts'.
         extra: dict[str, Any] = {"dcp": metadata_to_json(meta)}
@@ -370,7 +388,7 @@ def export_dcp(
                     for r, sn in zip(ranks, snaps, strict=True)
                 },
             }
-        write_manifest(tmp, step, world, ranks=ranks, extra=extra)
+        write_manifest(tmp, step, world, ranks=ranks, known=writer.files, extra=extra)
         fsync_dir(tmp)
         if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
@@ -379,13 +397,14 @@ def export_dcp(
         per_rank_count = sum(len(v["tensors"]) for v in per_rank.values())
         result = ExportResult(out, step, world, _dir_bytes(out), len(shared), per_rank_count)
         log.info(
-            "exported step %d of %d ranks to %s (%.1f MiB, %d shared tensors, %d per-rank)",
+            "exported step %d of %d ranks to %s (%.1f MiB, %d shared tensors, %d per-rank; %s)",
             step,
             len(snaps),
             out,
             result.nbytes / 2**20,
             result.shared_tensors,
             result.per_rank_tensors,
+            "O_DIRECT" if writer.used_direct else "buffered writes",
         )
         return result
     except OSError:

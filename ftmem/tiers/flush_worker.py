@@ -93,7 +93,13 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
                 t.nbytes for s in sources for t in parse_layout(s.layout, s.capacity).tensors
             )
             with _Progress(rid, 0, first, temp_name(name), expected):
-                export_dcp(sources, out, world_size=world if multi else None)
+                export_dcp(
+                    sources,
+                    out,
+                    world_size=world if multi else None,
+                    threads=max(1, int(req.get("writers", 2))),
+                    direct=bool(req.get("direct", True)),
+                )
             ckpt = read_checkpoint(out)
         paths.append(str(out))
         total += ckpt.nbytes

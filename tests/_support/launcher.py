@@ -181,6 +181,16 @@ class Launcher:
 _REFERENCE: dict[tuple[str, ...], dict[int, str]] = {}
 
 
+def failure_free_digests(launcher: Launcher, script: list[str], timeout: float) -> dict[int, str]:
+    """Digests of a failure-free 2-rank run of ``script`` (a data-parallel run: checked to be
+    the same on both ranks)."""
+    ref = launcher.single_node(launcher.new_run_id(), 2, [], script, name="reference")
+    assert ref.wait(timeout) == 0, ref.text()[-3000:]
+    want = digests(ref.text())
+    assert len(want) == 2 and len(set(want.values())) == 1
+    return want
+
+
 def reference_digests(launcher: Launcher, steps: int) -> dict[int, str]:
     """Digests of a failure-free 2-rank run of the example (cached per session)."""
     key = (str(steps),)

@@ -83,10 +83,13 @@ def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(launcher_env: Laun
     tier = launcher_env.tmp / "ckpt"
     rid = launcher_env.new_run_id()
     flags = ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", "5", "--ftmem-flush-keep", "3"]
+    flags += ["--ftmem-flush-writers", "3", "--ftmem-flush-direct", "off"]
     first = launcher_env.single_node(rid, 2, flags, SCRIPT, name="first")
     wait_flushed(tier, 10)
     lose_everything(first, rid)
     good = list_checkpoints(tier)[0]
+    for ckpt in good:  # the flags reach the flush: three data files, written in parallel
+        assert len([p for p in ckpt.path.iterdir() if p.suffix == ".distcp"]) == 3
     newest, older = good[0], good[1]
     data = next(p for p in newest.path.iterdir() if p.suffix == ".distcp")
     raw = bytearray(data.read_bytes())

@@ -261,3 +261,75 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
         timeout=120,
     )
     assert part.returncode == 1 and "assemble the parts first" in part.stderr, part.stderr
+
+
+def _load_digests(tmp_path: Path, procs: Procs, ckpt: Path, worlds: tuple[int, ...]) -> list:
+    """Load ``ckpt`` with stock dcp.load in one gloo group per world size (all at once); each
+    group's digests, one list per process."""
+    logs, ps = [], []
+    for world in worlds:
+        store = tmp_path / f"pg{world}.store"
+        script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(ckpt))
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+            logs.append(tmp_path / f"load{world}-{r}.log")
+            ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
+    for p in ps:
+        assert p.wait(timeout=180) == 0, [log.read_text()[-2000:] for log in logs]
+    return [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
+
+
+def test_the_writer_checkpoint_loads_with_stock_dcp_at_two_and_three_processes(
+    trained: tuple[Path, str], tmp_path: Path, procs: Procs
+) -> None:
+    # One and four processes: test_export_loads_with_stock_dcp_at_other_world_sizes.
+    from ftmem.tiers.export import export_dcp, find_sources
+
+    run_dir, digest = trained
+    out = tmp_path / "ckpt"
+    export_dcp(find_sources([run_dir]), out, threads=3)
+    assert len(list(out.glob("*.distcp"))) == 3  # written by three threads
+    assert _load_digests(tmp_path, procs, out, (2, 3)) == [[digest]] * 5
+
+
+def test_a_sigkill_mid_write_or_a_changed_slot_never_leaves_a_listed_checkpoint(
+    trained: tuple[Path, str], tmp_path: Path
+) -> None:
+    from ftmem.format.layout import parse_layout
+    from ftmem.tiers.checkpoints import list_checkpoints
+    from ftmem.tiers.export import ExportError, export_dcp, find_sources
+
+    run_dir, _ = trained
+    tier = tmp_path / "tier"
+    tier.mkdir(mode=0o700)
+    out = tier / "step_0000000020"
+    cmd = [sys.executable, "-m", "ftmem.cli", "export", "--run-dir", str(run_dir)]
+    cmd += ["--out", str(out)]
+    env = dict(os.environ, FTMEM_FAULT="in_dcp_write:rank=0")
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    (left,) = tier.iterdir()  # the half-written directory, under its temporary name
+    assert ".tmp-" in left.name and any(p.suffix == ".distcp" for p in left.iterdir())
+    assert not (left / ".metadata").exists()
+    good, other = list_checkpoints(tier)
+    assert good == [] and [p for p, _ in other] == [left]
+    # The same export without the fault completes and is listed.
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [c.step for c in list_checkpoints(tier)[0]] == [20]
+
+    # A slot changed after the SMP verified it (what a rank reusing it meanwhile would do):
+    # the writer refuses it as it copies it, and leaves nothing.
+    sources = find_sources([run_dir])
+    src = sources[1]
+    big = max(parse_layout(src.layout, src.capacity).tensors, key=lambda t: t.nbytes)
+    with open(src.path, "r+b") as f:
+        f.seek(big.offset + big.nbytes // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    other_dir = tmp_path / "other"
+    other_dir.mkdir(mode=0o700)
+    with pytest.raises(ExportError, match=f"{re.escape(big.name)}.*fail their checksum"):
+        export_dcp(sources, other_dir / "step_0000000020")
+    assert list(other_dir.iterdir()) == []

@@ -25,6 +25,8 @@ from ftmem.launch.monitor import (
 )
 
 FTMEM_FLAGS = {
+    "--ftmem-flush-writers",
+    "--ftmem-flush-direct",
     "--ftmem-run-dir",
     "--ftmem-node",
     "--ftmem-hang-timeout",
@@ -88,6 +90,15 @@ def test_defaults_and_config(tmp_path: Path) -> None:
     )
     ft2 = config_from_args(more)[1]
     assert (ft2.standby, ft2.standby_imports, ft2.standby_cuda) == (2, ("json", "xml.dom"), True)
+    assert (ft.flush_writers, ft.flush_direct) == (2, True)
+    flush = get_args_parser().parse_args(
+        [
+            *("--ftmem-run-dir", str(run_dir), "--ftmem-flush-dir", str(tmp_path / "t")),
+            *("--ftmem-flush-writers", "3", "--ftmem-flush-direct", "off", "t.py"),
+        ]
+    )
+    smp_args = " ".join(config_from_args(flush)[1].smp_args())
+    assert "--flush-writers 3 --flush-buffered" in smp_args
 
 
 def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
