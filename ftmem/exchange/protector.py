@@ -476,6 +476,12 @@ class GroupProtector:
         once). Requests kept by :meth:`hold_requests` are answered or refused now."""
         self._rebuilder.serve_only(step, nodes)
 
+    def rebuild_served(self) -> dict[int, int]:
+        """The nodes this node serves a rebuild to now, each with the step it rebuilds; a
+        node leaves once its HELD arrives (empty while requests are held, or before the
+        first :meth:`hold_requests`, when any node of the group is served)."""
+        return self._rebuilder.serving()
+
     @property
     def refused(self) -> int:
         """META and FETCH requests refused (not from the node being rebuilt, or outside a

@@ -150,6 +150,11 @@ class Rebuilder:
         for sender, body in held:
             self.request(sender, body)
 
+    def serving(self) -> dict[int, int]:
+        """The nodes served a rebuild now, each with the step it rebuilds (empty while
+        requests are held, or while the whole group is served)."""
+        return dict(self._gate) if isinstance(self._gate, dict) else {}
+
     def rebuilt(self, sender: int, step: int) -> None:
         """``sender`` holds ``step`` again (its HELD): it is served no more."""
         if isinstance(self._gate, dict) and self._gate.get(sender) == step:

@@ -159,11 +159,19 @@ def test_parity_is_about_m_over_n_minus_m() -> None:
 
 
 def _sync_with_survivors(
-    sync: GenerationSync, survivors: list[GroupProtector], held: dict[int, list[int]]
+    sync: GenerationSync,
+    survivors: list[GroupProtector],
+    held: dict[int, list[int]],
+    expect_held: bool = True,
 ) -> Result | None:
     """One generation's sync of the replacement node (its protector is ``sync.ctx``'s) while
-    the survivors serve; the start command's result."""
+    the survivors serve; the start command's result.
+
+    With ``expect_held`` the survivors serve until the replacement's HELD (sent once the
+    bytes are rebuilt, even if installing them fails) has reached them (bounded: 30 s): one
+    left in a socket would end the next round's serving as soon as it is read."""
     ctx, done, out = sync.ctx, threading.Event(), []
+    done_at: list[float] = []
 
     def sync_once() -> None:
         try:
@@ -178,9 +186,19 @@ def _sync_with_survivors(
                 p.serve_rebuild(1, {ctx.me})
             out.append(sync.poll())
         finally:
+            done_at.append(time.monotonic())
             done.set()
 
-    run_threads([sync_once, *[lambda p=p: p.serve(done.is_set, poll_s=0.05) for p in survivors]])
+    def until(p: GroupProtector) -> Callable[[], bool]:
+        def stop() -> bool:
+            if not done.is_set():
+                return False
+            served = expect_held and ctx.me in p.rebuild_served()
+            return not served or time.monotonic() > done_at[0] + 30
+
+        return stop
+
+    run_threads([sync_once, *[lambda p=p: p.serve(until(p), poll_s=0.05) for p in survivors]])
     return out[0]
 
 
@@ -465,7 +483,9 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
         ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
         ctx.board.move(ExchangeState.BOUND)
         sync = GenerationSync(ctx, timeout_s=30)
-        failed = _sync_with_survivors(sync, [prots[0], prots[2]], {0: [1], 2: [1]})
+        failed = _sync_with_survivors(
+            sync, [prots[0], prots[2]], {0: [1], 2: [1]}, expect_held=False
+        )
         assert failed is not None and not failed.ok, failed
         assert f"the rebuilt slots need {claim} bytes" in failed.error, failed.error
         assert ctx.board.typed().state is ExchangeState.REBUILD_FAILED
