@@ -42,6 +42,7 @@ BatchNorm1d whose running statistics the forward pass mutates; ``--d-model``/``-
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import logging
 import math
@@ -501,4 +502,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's last garbage collection of torch's heap at exit: ~0.8 s of CPU
+    # per rank here, for nothing (the process ends; nothing it would free is needed).
+    gc.freeze()
+    sys.exit(code)

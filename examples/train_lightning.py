@@ -14,6 +14,7 @@ optimizer state at the end. Needs ``pip install 'ftmem[lightning]'``.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import signal
@@ -154,4 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's last garbage collection of torch's heap at exit: ~0.8 s of CPU
+    # per rank here, for nothing (the process ends; nothing it would free is needed).
+    gc.freeze()
+    sys.exit(code)

@@ -7,6 +7,7 @@ Shaped like ``torch.distributed.run``: :func:`get_args_parser`, :func:`config_fr
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -484,6 +485,10 @@ def main(args: list[str] | None = None) -> None:
     except UsageError as exc:
         logging.getLogger("ftmem.launch").error("ftmem-launch: %s", exc)
         sys.exit(2)
+    finally:
+        # What is left is torch's and elastic's heap: the interpreter's last garbage
+        # collection of it would add ~0.5 s of CPU to every exit, for nothing.
+        gc.freeze()
 
 
 if __name__ == "__main__":
