@@ -4,6 +4,7 @@ in memory to a stock DCP checkpoint), ``ftmem keygen``."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -187,6 +188,15 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ftmem`` console script."""
+    try:
+        return _main(argv)
+    finally:
+        # ``ftmem export`` loads torch: skip the interpreter's last garbage
+        # collection of its heap at exit (~0.5 s of CPU).
+        gc.freeze()
+
+
+def _main(argv: list[str] | None) -> int:
     args = get_args_parser().parse_args(argv)
     if args.cmd in ("timeline", "plan"):
         from ftmem.observe import plan, timeline

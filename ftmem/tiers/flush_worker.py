@@ -29,6 +29,7 @@ previous checkpoints stay complete. The process ends when stdin closes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -255,6 +256,7 @@ def main() -> int:
             _emit({"ok": False, "error": f"bad request: {exc}"})
             continue
         _emit(flush(req) if req["op"] == "flush" else assemble_pending(req))
+    gc.freeze()  # skip the last garbage collection of torch's heap: the SMP waits for this exit
     return 0
 
 
