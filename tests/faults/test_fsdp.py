@@ -49,7 +49,11 @@ model.load_state_dict(sd["model"])
 opt.load_state_dict(sd["optim"])
 print("DIGEST", state_digest(model, opt), flush=True)
 if world > 1:
+    dist.barrier()
     dist.destroy_process_group()
+# The digest is out: end here. A CI run saw one loader abort in torch's teardown after it
+# ("terminate called without an active exception"), which is not what this test checks.
+os._exit(0)
 """
 
 
