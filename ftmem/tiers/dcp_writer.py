@@ -389,6 +389,15 @@ class SlotWriter(FileSystemWriter):
             self.used_direct = self.used_direct or out.direct
             self.files[name] = out.close()
             return results
+        except OSError as exc:
+            out.abort()
+            if exc.filename is not None:
+                self.error = self.error or exc
+                raise
+            # os.write on a descriptor names no file: name it (a full disk says where).
+            named = OSError(exc.errno, exc.strerror, str(root / name))
+            self.error = self.error or named
+            raise named from exc
         except BaseException as exc:
             self.error = self.error or exc
             out.abort()

@@ -315,6 +315,13 @@ def test_a_sigkill_mid_write_or_a_changed_slot_never_leaves_a_listed_checkpoint(
     assert not (left / ".metadata").exists()
     good, other = list_checkpoints(tier)
     assert good == [] and [p for p, _ in other] == [left]
+    # A full disk while the second file is written: a clear error, the other file's writer
+    # is cancelled, and nothing more is left in the tier.
+    env = dict(os.environ, FTMEM_FAULT="in_dcp_write:rank=1:fault=enospc")
+    full = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert full.returncode == 1, full.stderr
+    assert re.search(r"No space left on device.*: '\S+__0_1\.distcp'", full.stderr), full.stderr
+    assert list(tier.iterdir()) == [left] and list_checkpoints(tier)[0] == []
     # The same export without the fault completes and is listed.
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
