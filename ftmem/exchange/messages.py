@@ -195,36 +195,47 @@ def _is_curve_key(text: str) -> bool:
 _ADDRESS_KEY = " key="
 
 
+_ADDRESS_DATA = " data="
+
+
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
-    """Where a node listens and the CURVE public key it serves with (this generation's own).
+    """Where a node listens, the CURVE public key it serves with (this generation's own) and,
+    with the plain data channel, where it takes the messages that carry buffers.
 
     On the wire (the rendezvous store, PEER_START) it is one string,
-    ``tcp://<host>:<port> key=<40 Z85 characters>``: a connection to the endpoint is
-    authenticated against exactly that key, and the node's peers admit exactly that key as
-    the node's (zmq_transport.py).
+    ``tcp://<host>:<port> key=<40 Z85 characters>[ data=tcp://<host>:<port>]``: a connection
+    to the endpoint is authenticated against exactly that key, and the node's peers admit
+    exactly that key as the node's (zmq_transport.py); messages to the data endpoint carry a
+    keyed tag instead (data_mac.py).
     """
 
     endpoint: str
     key: bytes
+    data: str = ""
+    """The plain data channel's endpoint ("": none, every message goes over CURVE)."""
 
     def __str__(self) -> str:
-        return f"{self.endpoint}{_ADDRESS_KEY}{self.key.decode()}"
+        data = f"{_ADDRESS_DATA}{self.data}" if self.data else ""
+        return f"{self.endpoint}{_ADDRESS_KEY}{self.key.decode()}{data}"
 
     @classmethod
     def parse(cls, value: Any) -> PeerAddress:
-        """Validate ``tcp://<host or IP>:<port> key=<Z85 key>`` (an IPv6 address in brackets,
-        port 1..65535). Raises ProtocolError for anything else, so that a malformed value is
-        refused where it arrives instead of failing a ``connect``."""
-        if type(value) is not str or len(value) > 300:
+        """Validate ``tcp://<host or IP>:<port> key=<Z85 key>`` with an optional
+        `` data=tcp://<host or IP>:<port>`` (an IPv6 address in brackets, ports 1..65535).
+        Raises ProtocolError for anything else, so that a malformed value is refused where it
+        arrives instead of failing a ``connect``."""
+        if type(value) is not str or len(value) > 400:
             raise ProtocolError("a peer address must be a short string")
-        endpoint, sep, key = value.partition(_ADDRESS_KEY)
-        match = _ENDPOINT.fullmatch(endpoint)
-        if match is None or not 0 < int(match["port"]) < 65536:
-            raise ProtocolError("a peer endpoint must look like tcp://<host>:<port>")
+        endpoint, sep, rest = value.partition(_ADDRESS_KEY)
+        key, has_data, data = rest.partition(_ADDRESS_DATA)
+        for ep in (endpoint, data) if has_data else (endpoint,):
+            match = _ENDPOINT.fullmatch(ep)
+            if match is None or not 0 < int(match["port"]) < 65536:
+                raise ProtocolError("a peer endpoint must look like tcp://<host>:<port>")
         if not sep or not _is_curve_key(key):
-            raise ProtocolError("a peer address must end with key=<its 40-character CURVE key>")
-        return cls(endpoint, key.encode())
+            raise ProtocolError("a peer address must have key=<its 40-character CURVE key>")
+        return cls(endpoint, key.encode(), data)
 
 
 def parse_endpoint(value: Any) -> str:

@@ -17,11 +17,23 @@ claims a name anyway (a routing id a client chose) that is not its key's node is
 counted (``impostors``), so a member cannot speak as another.
 Each message is one header frame (wire.py, kind PEER: sizes and xxh3 checksums of the
 buffers) plus raw buffer frames sent without copies.
+
+The plain data channel (unless ``encrypt_data``): CURVE costs ~3.7 CPU-s per GiB on these
+machines, so the messages that carry buffers (snapshot columns, parity and fetched fragments,
+manifests) go to a second, plain ROUTER of the receiver instead, each with two more frames in
+front: the sender's name and a keyed BLAKE3 tag (data_mac.py) over the sender's and the
+receiver's public keys, the name, the header and the buffers. The receiver checks the tag
+before anything else and drops (and counts: ``forged``) a message whose tag is wrong: one
+altered on the way, or sent by anyone without the job's key. Messages without buffers stay on
+CURVE. The two channels do not keep order between each other; the group protocol does not
+need them to (a column or a fragment arriving before its SIZE is kept until the stripes are
+planned, and replies follow their requests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from typing import Any
@@ -32,6 +44,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from ftmem.errors import FtmemError, ProtocolError
+from ftmem.exchange import data_mac
 from ftmem.exchange import keys as _keys
 from ftmem.exchange.keys import CurveKeyPair
 from ftmem.exchange.messages import PeerAddress
@@ -91,9 +104,12 @@ class ZmqPeerTransport(PeerTransport):
     """PeerTransport over TCP + CURVE (see the module docstring).
 
     Resource handling: owns a context, the ZAP authenticator thread, a ROUTER (incoming) and
-    one DEALER per peer (outgoing); :meth:`close` releases all with linger 0.
+    one DEALER per peer (outgoing), and as many plain ones for the data channel unless
+    ``encrypt_data``; :meth:`close` releases all with linger 0.
 
     ``keys`` is the job's pair; the node's own pair is ``keys.node``, or a fresh one.
+    ``encrypt_data``: every message goes over CURVE (``--ftmem-ec-encrypt``); else those with
+    buffers go over the plain data channel with a keyed tag (module docstring).
 
     Error handling: :meth:`send` raises PeerUnavailableError when the peer's queue stays full
     for ``send_timeout_s``; :meth:`recv` drops (and counts) malformed messages and messages
@@ -111,8 +127,10 @@ class ZmqPeerTransport(PeerTransport):
         send_timeout_s: float = 10.0,
         send_hwm: int = 64,
         admit_wait_s: float = 20.0,
+        encrypt_data: bool = False,
     ) -> None:
         self.node = node
+        self.encrypt_data = encrypt_data
         self.keys = keys
         self.node_keys = keys.node if keys.node is not None else _keys.generate()
         """This node's own pair for the generation (its peers know it by its public key)."""
@@ -132,6 +150,16 @@ class ZmqPeerTransport(PeerTransport):
         self._endpoints: dict[str, str] = {}
         self._poller = zmq.Poller()
         self._ids = 0
+        self.forged = 0
+        """Data-channel messages dropped because their tag was wrong (altered, or no key)."""
+        self.data_sent = 0
+        """Messages sent over the plain data channel."""
+        self._data_key = data_mac.data_key(keys)
+        self._data_router: zmq.Socket[bytes] | None = None
+        self._data_port = 0
+        self._data_peers: dict[str, zmq.Socket[bytes]] = {}
+        self._peer_keys: dict[str, bytes] = {}
+        """Node name -> its public key of the generation (the tags bind it)."""
 
     @property
     def job_keys(self) -> CurveKeyPair:
@@ -157,12 +185,20 @@ class ZmqPeerTransport(PeerTransport):
             r.bind(f"tcp://{self.host}:{self.port}")
         self._router = r
         self._poller.register(r, zmq.POLLIN)
+        if not self.encrypt_data:
+            d = self._ctx.socket(zmq.ROUTER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            self._data_port = d.bind_to_random_port(f"tcp://{self.host}")
+            self._data_router = d
+            self._poller.register(d, zmq.POLLIN)
         return self.endpoint
 
     @property
     def endpoint(self) -> str:
-        """This node's address for its peers (its endpoint and public key)."""
-        return str(PeerAddress(f"tcp://{self.host}:{self.port}", self.node_keys.public))
+        """This node's address for its peers (its endpoint, public key and data endpoint)."""
+        data = f"tcp://{self.host}:{self._data_port}" if self._data_router is not None else ""
+        return str(PeerAddress(f"tcp://{self.host}:{self.port}", self.node_keys.public, data))
 
     def connect(self, peers: dict[str, str]) -> None:
         """Make ``peers`` (node name -> address, :class:`PeerAddress`) the generation's
@@ -177,13 +213,23 @@ class ZmqPeerTransport(PeerTransport):
         if len(members) != len([n for n in parsed if n != self.node]):
             raise ProtocolError("two nodes of the generation have the same key")
         self._members.keys = members
+        self._peer_keys = {node: a.key for node, a in parsed.items() if node != self.node}
         for node in list(self._peers):
             if peers.get(node) != self._endpoints.get(node):
                 self._peers.pop(node).close(linger=0)
                 self._endpoints.pop(node, None)
+                data = self._data_peers.pop(node, None)
+                if data is not None:
+                    data.close(linger=0)
         for node, addr in parsed.items():
             if node == self.node or node in self._peers:
                 continue
+            if addr.data and not self.encrypt_data:
+                p = self._ctx.socket(zmq.DEALER)
+                p.setsockopt(zmq.LINGER, 0)
+                p.setsockopt(zmq.SNDHWM, self.send_hwm)
+                p.connect(addr.data)
+                self._data_peers[node] = p
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, self.send_hwm)
@@ -205,48 +251,104 @@ class ZmqPeerTransport(PeerTransport):
         self._ids += 1
         return [encode(env, self._ids, None), *views]
 
-    def _socket(self, node: str) -> zmq.Socket[bytes]:
+    def _route(
+        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
+    ) -> tuple[zmq.Socket[bytes], list[Any]]:
+        """The socket a message to ``node`` goes on and its frames (module docstring)."""
         sock = self._peers.get(node)
         if sock is None:
             raise PeerUnavailableError(f"no connection to node {node!r}")
-        return sock
+        frames = self._frames(header, buffers)
+        data = self._data_peers.get(node) if buffers else None
+        if data is None:
+            return sock, frames
+        mac = data_mac.tag(
+            self._data_key,
+            self.node_keys.public,
+            self._peer_keys[node],
+            self.node,
+            frames[0],
+            frames[1:],
+        )
+        return data, [self.node.encode(), mac, *frames]
 
     def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
         """Queue ``header`` + ``buffers`` to ``node`` (buffers are sent without copying)."""
-        sock = self._socket(node)
+        sock, frames = self._route(node, header, buffers)
         if not sock.poll(int(self.send_timeout_s * 1000), zmq.POLLOUT):
             raise PeerUnavailableError(
                 f"node {node!r} did not take a message within {self.send_timeout_s} s"
             )
-        sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
+        sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        self.data_sent += sock is not self._peers[node]
 
     def try_send(
         self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
     ) -> bool:
         """Queue the message if ``node``'s queue has room now; never blocks."""
-        sock = self._socket(node)
+        sock, frames = self._route(node, header, buffers)
         if not sock.poll(0, zmq.POLLOUT):
             return False
         try:
-            sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
+            sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self.data_sent += sock is not self._peers[node]
         return True
 
     def recv(self, timeout_s: float) -> PeerMessage | None:
         """Return the next valid message within ``timeout_s``, or None."""
         assert self._router is not None, "start() first"
-        if not self._router.poll(int(timeout_s * 1000), zmq.POLLIN):
+        ready = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._router in ready:  # CURVE first: control messages are not held up by bulk
+            frames = self._router.recv_multipart(copy=False)
+            data = False
+        elif self._data_router is not None and self._data_router in ready:
+            frames = self._data_router.recv_multipart(copy=False)
+            data = True
+        else:
             return None
-        frames = self._router.recv_multipart(copy=False)
         try:
             self._check_total(frames)
+            if data:
+                sender = self._check_tag(frames)
+                msg = self._parse(frames[2:])
+                return PeerMessage(sender, msg.header, msg.buffers)
             msg = self._parse(frames)
             return PeerMessage(self._check_sender(frames), msg.header, msg.buffers)
         except ProtocolError as exc:
             self.dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
             return None
+
+    def _check_tag(self, frames: list[zmq.Frame]) -> str:
+        """The node a data-channel message comes from, once its tag is right (identity,
+        name, tag, header, buffers...)."""
+        if len(frames) < 4:
+            raise ProtocolError("a data-channel message without a name, a tag or a header")
+        name = bytes(frames[1].buffer)
+        sender = name.decode("ascii", "replace")
+        public = self._peer_keys.get(sender) if name.isascii() else None
+        mac = bytes(frames[2].buffer)
+        want = (
+            data_mac.tag(
+                self._data_key,
+                public,
+                self.node_keys.public,
+                sender,
+                frames[3].buffer,
+                [f.buffer for f in frames[4:]],
+            )
+            if public is not None and len(mac) == data_mac.TAG_BYTES
+            else b""
+        )
+        if not want or not hmac.compare_digest(mac, want):
+            self.forged += 1
+            raise ProtocolError(
+                f"a data-channel message naming node {name[:16]!r} does not carry its tag "
+                "(altered on the way, or sent without the job's key)"
+            )
+        return sender
 
     def _check_sender(self, frames: list[zmq.Frame]) -> str:
         """The node a message comes from: its connection's key's. A routing id the client
@@ -296,12 +398,14 @@ class ZmqPeerTransport(PeerTransport):
 
     def close(self) -> None:
         """Close every socket, stop the authenticator, terminate the context (idempotent)."""
-        for s in self._peers.values():
+        for s in [*self._peers.values(), *self._data_peers.values()]:
             s.close(linger=0)
         self._peers.clear()
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
+        self._data_peers.clear()
+        for r in (self._router, self._data_router):
+            if r is not None:
+                r.close(linger=0)
+        self._router = self._data_router = None
         self._members.closing = True  # a handshake waiting for the members gives up
         if self._auth is not None:
             self._auth.stop()

@@ -469,4 +469,5 @@ def _peer_settings(ft: FtmemLaunchConfig) -> PeerSettings:
         host=ft.peer_host or "127.0.0.1",
         interval_s=ft.ec_interval.total_seconds(),
         rebuild_timeout=ft.rebuild_timeout,
+        encrypt=ft.ec_encrypt,
     )

@@ -179,6 +179,14 @@ def get_args_parser() -> ArgumentParser:
         "the rendezvous store (a warning is logged).",
     )
     group.add_argument(
+        "--ftmem-ec-encrypt",
+        action=check_env,
+        help="Encrypt the snapshot bytes between SMPs too (CURVE for every message). Default: "
+        "messages that carry snapshot bytes go over a plain data channel, each with a keyed "
+        "BLAKE3 tag that only the job's nodes can make (altered or forged ones are refused), "
+        "at a fraction of CURVE's CPU; see docs/security.md.",
+    )
+    group.add_argument(
         "--ftmem-insecure-mesh",
         action=check_env,
         help="Allow erasure coding across hosts without --ftmem-key-file: the mesh's key "
@@ -364,6 +372,7 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         ec_interval=timedelta(seconds=float(args.ftmem_ec_interval)),
         key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
         insecure_mesh=bool(args.ftmem_insecure_mesh),
+        ec_encrypt=bool(args.ftmem_ec_encrypt),
         peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
         rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),
         flush_dir=Path(args.ftmem_flush_dir) if args.ftmem_flush_dir else None,

@@ -113,6 +113,9 @@ class FtmemLaunchConfig:
     """The job's CURVE key file (``ftmem keygen``); None: one per job via the rendezvous store."""
     insecure_mesh: bool = False
     """Allow erasure coding across hosts without a key file (``--ftmem-insecure-mesh``)."""
+    ec_encrypt: bool = False
+    """Snapshot bytes between SMPs over CURVE too (``--ftmem-ec-encrypt``); else over the
+    plain data channel with keyed tags."""
     peer_host: str = ""
     """Address the SMP's peer port binds and advertises; "": --local-addr or this host's."""
     rebuild_timeout: timedelta = timedelta(seconds=600)

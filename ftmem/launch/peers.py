@@ -55,6 +55,8 @@ class PeerSettings:
     host: str = "127.0.0.1"
     interval_s: float = 0.0
     rebuild_timeout: timedelta = timedelta(seconds=600)
+    encrypt: bool = False
+    """``--ftmem-ec-encrypt``: snapshot bytes over CURVE too (else the tagged data channel)."""
 
 
 def resolve_parity(parity: int, nodes: int) -> int:
@@ -216,7 +218,9 @@ def join_generation(
     job = keys.CurveKeyPair.from_json(job_keys(settings, store, group_rank, warned))
     pair = job.with_node(keys.generate()).to_json()
     with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
-        bound = smp.request(m.PeerBind(keys=pair, host=settings.host, me=me))
+        bound = smp.request(
+            m.PeerBind(keys=pair, host=settings.host, me=me, encrypt=settings.encrypt)
+        )
         store.set(f"{_PEER_KEY}/{me}", peer_entry(job, generation, me, str(bound["endpoint"])))
         raw = store.multi_get([f"{_PEER_KEY}/{i}" for i in range(nodes)])
         endpoints = {

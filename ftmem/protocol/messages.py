@@ -147,12 +147,14 @@ class Status:
 
 @dataclass(frozen=True, slots=True)
 class PeerBind:
-    """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON)."""
+    """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON);
+    ``encrypt``: every message over CURVE, no plain data channel (zmq_transport.py)."""
 
     keys: str
     host: str
     me: int
     port: int = 0
+    encrypt: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ class BindCommand:
     me: int
     """This node's index in the job (peers know it by this name)."""
     port: int = 0
+    encrypt: bool = False
+    """Every message over CURVE (no plain data channel)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -424,7 +424,9 @@ class RequestHandlers:
             keys = CurveKeyPair.from_json(p.keys)
         except KeyFileError as exc:
             raise ValueError(str(exc)) from exc
-        self._exchange().submit(BindCommand((req.ident, req.req_id), keys, p.host, p.me, p.port))
+        self._exchange().submit(
+            BindCommand((req.ident, req.req_id), keys, p.host, p.me, p.port, p.encrypt)
+        )
         self._pending_exchange += 1
         return None
 

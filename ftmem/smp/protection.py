@@ -283,14 +283,21 @@ class ProtectionService:
         self._early.clear()
         self._early_bytes = 0
         try:
-            t = ZmqPeerTransport(str(cmd.me), cmd.keys, host=cmd.host, port=cmd.port)
+            t = ZmqPeerTransport(
+                str(cmd.me), cmd.keys, host=cmd.host, port=cmd.port, encrypt_data=cmd.encrypt
+            )
             endpoint = t.start()
         except Exception as exc:  # zmq.ZMQError, OSError: a bad host or a port in use
             self._results.put(Result(cmd.token, False, {}, f"cannot bind the peer port: {exc}"))
             return
         self.transport = t
         self.ctx.board.move(ExchangeState.BOUND, endpoint=endpoint)
-        log.info("[%s/exchange] peer port %s (CURVE)", self.node_name, endpoint)
+        log.info(
+            "[%s/exchange] peer port %s (%s)",
+            self.node_name,
+            endpoint,
+            "CURVE for every message" if cmd.encrypt else "CURVE; snapshot bytes with keyed tags",
+        )
         self._results.put(Result(cmd.token, True, {"endpoint": endpoint}))
 
     def _start(self, cmd: StartCommand) -> None:

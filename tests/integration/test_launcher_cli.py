@@ -41,6 +41,7 @@ FTMEM_FLAGS = {
     "--ftmem-ec-group-size",
     "--ftmem-ec-interval",
     "--ftmem-key-file",
+    "--ftmem-ec-encrypt",
     "--ftmem-insecure-mesh",
     "--ftmem-peer-host",
     "--ftmem-rebuild-timeout",
@@ -148,6 +149,7 @@ def test_erasure_coding_across_hosts_needs_a_key_file(tmp_path: Path) -> None:
     ft_for("--nnodes", "2", *across[2:], "10.0.0.2")  # auto: off with 2 nodes
     local = ("--rdzv-endpoint", "localhost:29400", "--ftmem-peer-host", "127.0.0.1")
     assert not ft_for("--nnodes", "3", *local).insecure_mesh  # one host: allowed
+    assert not ft_for(*local).ec_encrypt and ft_for(*local, "--ftmem-ec-encrypt").ec_encrypt
 
 
 def test_pet_env_overrides_max_restarts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -230,3 +230,127 @@ def test_a_peer_that_connects_before_the_members_are_known_waits_then_gets_throu
     finally:
         a.close()
         b.close()
+
+
+# -- the plain data channel (data_mac.py) ---------------------------------------------------
+
+
+def test_messages_with_buffers_take_the_data_channel_named_by_their_tag(
+    pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
+) -> None:
+    a, b = pair
+    assert PeerAddress.parse(b.endpoint).data  # the address says where the data channel is
+    data = os.urandom(1 << 20)
+    a.send("b", {"step": 1}, [memoryview(data)])
+    got = recv_one(b)
+    assert got.sender == "a" and bytes(got.buffers[0]) == data
+    a.send("b", {"held": 1}, [])  # no buffers: CURVE
+    assert recv_one(b).header == {"held": 1}
+    assert a.data_sent == 1 and b.forged == 0
+
+
+def test_with_encrypt_data_every_message_goes_over_curve() -> None:
+    k = keys.generate()
+    a, b = ZmqPeerTransport("a", k, encrypt_data=True), ZmqPeerTransport("b", k)
+    try:
+        eps = {"a": a.start(), "b": b.start()}
+        assert not PeerAddress.parse(eps["a"]).data
+        a.connect(eps)
+        b.connect(eps)
+        a.send("b", {"step": 1}, [b"x" * 1000])
+        b.send("a", {"step": 2}, [b"y" * 1000])  # a takes no plain data: b uses CURVE
+        assert recv_one(b).sender == "a" and recv_one(a).sender == "b"
+        assert a.data_sent == 0 and b.data_sent == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_data_message_without_the_jobs_key_is_refused(
+    pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
+) -> None:
+    """A node holding another key, naming itself "a" (a member), reaches b's plain port but its
+    tag is wrong: dropped and counted; a's own messages still arrive."""
+    a, b = pair
+    intruder = ZmqPeerTransport("a", keys.generate())
+    try:
+        intruder.start()
+        intruder.connect({"a": intruder.endpoint, "b": b.endpoint})
+        intruder.send("b", {"step": 9}, [b"forged fragment"])
+        assert intruder.data_sent == 1
+        assert b.recv(2.0) is None and b.forged == 1 and b.dropped == 1
+    finally:
+        intruder.close()
+    a.send("b", {"step": 10}, [b"real"])
+    got = recv_one(b)
+    assert got.header == {"step": 10} and bytes(got.buffers[0]) == b"real"
+
+
+class FlippingProxy:
+    """A TCP proxy to ``target`` that flips one byte of what the client sends, ``at`` bytes
+    into the stream (once): a fragment altered on the wire."""
+
+    def __init__(self, target: str, at: int) -> None:
+        import socket
+        import threading
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.at = at
+        self.flipped = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import select
+        import socket
+
+        self.listener.settimeout(10)
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self.target, timeout=10)
+        seen = 0
+        try:
+            while not self.stop.is_set():
+                ready, _, _ = select.select([client, server], [], [], 0.05)
+                for s in ready:
+                    chunk = bytearray(s.recv(1 << 16))
+                    if not chunk:
+                        return
+                    if s is client:
+                        if not self.flipped and seen <= self.at < seen + len(chunk):
+                            chunk[self.at - seen] ^= 0x01
+                            self.flipped = True
+                        seen += len(chunk)
+                        server.sendall(chunk)
+                    else:
+                        client.sendall(chunk)
+        finally:
+            client.close()
+            server.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.listener.close()
+
+
+def test_a_fragment_altered_on_the_way_is_refused(
+    pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
+) -> None:
+    a, b = pair
+    addr = PeerAddress.parse(b.endpoint)
+    proxy = FlippingProxy(addr.data, at=1 << 20)  # inside the 3 MiB buffer
+    try:
+        a.connect({"a": a.endpoint, "b": str(PeerAddress(addr.endpoint, addr.key, proxy.endpoint))})
+        data = os.urandom(3 << 20)
+        a.send("b", {"step": 1}, [memoryview(data)])
+        assert b.recv(5.0) is None
+        assert proxy.flipped and b.forged == 1 and b.dropped == 1
+        a.send("b", {"step": 2}, [memoryview(data)])  # the proxy flips once: this one is intact
+        got = recv_one(b)
+        assert got.header == {"step": 2} and bytes(got.buffers[0]) == data
+    finally:
+        proxy.close()

@@ -425,16 +425,19 @@ def test_a_flood_of_fragments_for_many_steps_stays_within_the_byte_bound() -> No
             for body in (pm.Data(step, 0, 0), pm.Parity(step, 0, 2, (1, 2, 3)))
         ]
         flood += [pm.Data(500, stripe, 0) for stripe in range(40)]  # 10 MiB of one step
+        received = 0
         for body in flood:
             transports[1].send("0", body.to_header(0), [piece])
             msg = transports[0].recv(0)
             while msg is not None:  # node 0 keeps up with the flood
                 prots[0].handle(msg)
+                received += 1
                 msg = transports[0].recv(0)
-        msg = transports[0].recv(1.0)
-        while msg is not None:
+        while received < len(flood):  # every message of the flood is in before step 1 starts
+            msg = transports[0].recv(10.0)
+            assert msg is not None, f"{len(flood) - received} messages of the flood lost"
             prots[0].handle(msg)
-            msg = transports[0].recv(1.0)
+            received += 1
         kept = sum(
             sum(map(len, st.columns.values())) + sum(map(len, st.parity.values()))
             for st in prots[0].steps.values()

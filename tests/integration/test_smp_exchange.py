@@ -206,6 +206,17 @@ def test_garbage_and_wrong_key_on_the_peer_port_are_refused_mesh_keeps_working(
         assert node.proc is not None and node.proc.poll() is None
 
 
+def test_the_peer_port_has_a_tagged_data_channel_unless_bound_to_encrypt_everything(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory(3, 1)
+    node = c.nodes[0]
+    plain = node.req(m.PeerBind(keys=c.key.to_json(), host="127.0.0.1", me=0))
+    assert PeerAddress.parse(plain["endpoint"]).data.startswith("tcp://127.0.0.1:")
+    curve = node.req(m.PeerBind(keys=c.key.to_json(), host="127.0.0.1", me=0, encrypt=True))
+    assert PeerAddress.parse(curve["endpoint"]).data == ""
+
+
 @pytest.mark.parametrize(
     "bad",
     ["tcp://127.0.0.1:99999", "ipc:///tmp/x", "x" * 5000],
