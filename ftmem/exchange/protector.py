@@ -384,6 +384,18 @@ class GroupProtector:
             msg = self.transport.recv(self._wait_s(min(left, 0.5)))
             if msg is not None:
                 self.handle(msg)
+            for notice in self.transport.take_refused():
+                self._on_refused(notice)
+
+    def _on_refused(self, notice: PeerMessage) -> None:
+        """A message the transport refused (wrong tag): a fetched fragment is asked for
+        again, then counted lost (Rebuilder.on_refused); anything else was counted there."""
+        try:
+            env = Envelope.parse(notice)
+        except ProtocolError:
+            return
+        if env.epoch == self.epoch and isinstance(env.body, pm.FetchReply):
+            self._rebuilder.on_refused(env.sender, env.body)
 
     # -- public API ------------------------------------------------------------------------------
     def protect(self, step: int, data: SegmentedBytes | Buffer, manifest: bytes = b"") -> None:

@@ -116,6 +116,10 @@ class Rebuilder:
         """Requests refused: from a node not being rebuilt, or outside a rebuild."""
         self._fetched: dict[tuple[int, int, int], bytes] = {}
         self._wanted: set[tuple[int, int, int]] = set()
+        self._asked: dict[tuple[int, int, int], tuple[int, pm.FetchRequest]] = {}
+        """Fragment -> the node asked for it and the request (asked again once if refused)."""
+        self._refusals: dict[tuple[int, int, int], int] = {}
+        self._refused_lost: set[tuple[int, int, int]] = set()
         self._meta: dict[int, tuple[pm.MetaReply, bytes]] = {}
         self._meta_wanted: int | None = None
         self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -129,6 +133,9 @@ class Rebuilder:
         rebuilder holds requests again until the new generation's sync decides."""
         self._fetched.clear()
         self._wanted.clear()
+        self._asked.clear()
+        self._refusals.clear()
+        self._refused_lost.clear()
         self._meta.clear()
         self._meta_wanted = None
         self._sums.clear()
@@ -249,12 +256,45 @@ class Rebuilder:
         if key not in self._wanted:
             raise ProtocolError(f"fragment {key} nobody asked for")
         self._wanted.discard(key)
+        self._asked.pop(key, None)
+        self._refusals.pop(key, None)
         if not bufs:  # the holder no longer has it
             self._fetched[key] = b""
             return
         if b.sums:
             self._sums[(b.step, b.stripe)] = b.sums
         self._fetched[key] = bytes(bufs[0])
+
+    def on_refused(self, sender: int, b: pm.FetchReply) -> None:
+        """A reply to one of this node's fetches was refused for a wrong tag (altered on the
+        data channel, or forged): the holder is asked once more; refused again, the fragment
+        counts as lost, so the stripe is retried with spare fragments (or, with none, the
+        rebuild fails naming the stripe). What the refused message claimed is not trusted
+        beyond that: at worst a forger makes a rebuild use spares or fail, never take its
+        bytes."""
+        key = (b.step, b.stripe, b.frag)
+        asked = self._asked.get(key)
+        if key not in self._wanted or asked is None or asked[0] != sender:
+            return
+        n = self._refusals[key] = self._refusals.get(key, 0) + 1
+        if n == 1:
+            log.warning(
+                "[%d] fragment %s from node %d was refused (wrong tag): asking again",
+                self.p.me,
+                key,
+                sender,
+            )
+            self.p.send(sender, asked[1])
+            return
+        log.warning(
+            "[%d] fragment %s from node %d was refused twice (wrong tag): counted lost",
+            self.p.me,
+            key,
+            sender,
+        )
+        self._wanted.discard(key)
+        self._fetched[key] = b""
+        self._refused_lost.add(key)
 
     # -- lost node side: the rebuild -----------------------------------------------------------
     def rebuild(
@@ -369,6 +409,12 @@ class Rebuilder:
                 len(spares),
             )
             if not spares:
+                refused = sorted(k[2] for k in self._refused_lost if k[:2] == (step, s.index))
+                if refused:
+                    raise UnrecoverableError(
+                        f"{exc}; fragments {refused} of stripe {s.index} of step {step} were "
+                        "refused twice for a wrong tag (altered on the data channel, or forged)"
+                    ) from exc
                 raise
             self._fetch(step, s, spares)
             self._wait_fetched(step, {(step, s.index, f.fragment) for f in spares})
@@ -399,8 +445,11 @@ class Rebuilder:
 
     def _fetch(self, step: int, stripe: StripePlan, fetches: Sequence[Fetch]) -> None:
         for f in fetches:
-            self._wanted.add((step, stripe.index, f.fragment))
+            key = (step, stripe.index, f.fragment)
+            self._wanted.add(key)
             body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
+            self._asked[key] = (f.node, body)
+            self._refusals.pop(key, None)
             self.p.send(f.node, body)
 
     def _wait_fetched(

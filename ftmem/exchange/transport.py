@@ -69,6 +69,13 @@ class PeerTransport(ABC):
     def recv(self, timeout_s: float) -> PeerMessage | None:
         """Return the next valid message, or None after ``timeout_s``."""
 
+    def take_refused(self) -> list[PeerMessage]:
+        """Messages refused since the last call because their tag was wrong (altered on the
+        way, or forged), as they claimed to be: the claimed sender (a member) and header, no
+        buffers. Nothing in them is authenticated: use them only to ask again for what was
+        lost, or to count it lost. This base transport refuses nothing this way."""
+        return []
+
     @abstractmethod
     def close(self) -> None:
         """Release sockets (idempotent, bounded)."""

@@ -36,6 +36,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import xxhash
@@ -160,6 +161,7 @@ class ZmqPeerTransport(PeerTransport):
         self._data_peers: dict[str, zmq.Socket[bytes]] = {}
         self._peer_keys: dict[str, bytes] = {}
         """Node name -> its public key of the generation (the tags bind it)."""
+        self._refused: deque[PeerMessage] = deque(maxlen=64)
 
     @property
     def job_keys(self) -> CurveKeyPair:
@@ -344,6 +346,8 @@ class ZmqPeerTransport(PeerTransport):
         )
         if not want or not hmac.compare_digest(mac, want):
             self.forged += 1
+            if public is not None:
+                self._note_refused(sender, frames[3])
             raise ProtocolError(
                 f"a data-channel message naming node {name[:16]!r} does not carry its tag "
                 "(altered on the way, or sent without the job's key)"
@@ -367,6 +371,21 @@ class ZmqPeerTransport(PeerTransport):
                 f"connection of node {user[:16]!r}"
             )
         return user
+
+    def _note_refused(self, sender: str, header: zmq.Frame) -> None:
+        """Keep what a refused message claimed to be, if its header reads (take_refused)."""
+        try:
+            _, kind, env = decode(bytes(header.buffer), None, 1 << 20)
+        except (ProtocolError, ValueError):
+            return
+        if kind is m.Kind.PEER and isinstance(env.header, dict):
+            self._refused.append(PeerMessage(sender, env.header, []))
+
+    def take_refused(self) -> list[PeerMessage]:
+        """See :meth:`PeerTransport.take_refused` (at most the newest 64 are kept)."""
+        out = list(self._refused)
+        self._refused.clear()
+        return out
 
     def _check_total(self, frames: list[zmq.Frame]) -> None:
         """ZeroMQ's MAXMSGSIZE bounds each frame, not a multipart message: bound the whole."""

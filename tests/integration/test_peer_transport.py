@@ -19,6 +19,7 @@ from ftmem.exchange import keys
 from ftmem.exchange.messages import Envelope, PeerAddress
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol import messages as m
+from tests._support.tamper import TamperingProxy
 
 
 @pytest.fixture
@@ -286,69 +287,20 @@ def test_a_data_message_without_the_jobs_key_is_refused(
     assert got.header == {"step": 10} and bytes(got.buffers[0]) == b"real"
 
 
-class FlippingProxy:
-    """A TCP proxy to ``target`` that flips one byte of what the client sends, ``at`` bytes
-    into the stream (once): a fragment altered on the wire."""
-
-    def __init__(self, target: str, at: int) -> None:
-        import socket
-        import threading
-
-        host, port = target.removeprefix("tcp://").rsplit(":", 1)
-        self.target = (host, int(port))
-        self.at = at
-        self.flipped = False
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        import select
-        import socket
-
-        self.listener.settimeout(10)
-        client, _ = self.listener.accept()
-        server = socket.create_connection(self.target, timeout=10)
-        seen = 0
-        try:
-            while not self.stop.is_set():
-                ready, _, _ = select.select([client, server], [], [], 0.05)
-                for s in ready:
-                    chunk = bytearray(s.recv(1 << 16))
-                    if not chunk:
-                        return
-                    if s is client:
-                        if not self.flipped and seen <= self.at < seen + len(chunk):
-                            chunk[self.at - seen] ^= 0x01
-                            self.flipped = True
-                        seen += len(chunk)
-                        server.sendall(chunk)
-                    else:
-                        client.sendall(chunk)
-        finally:
-            client.close()
-            server.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.listener.close()
-
-
 def test_a_fragment_altered_on_the_way_is_refused(
     pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
 ) -> None:
     a, b = pair
     addr = PeerAddress.parse(b.endpoint)
-    proxy = FlippingProxy(addr.data, at=1 << 20)  # inside the 3 MiB buffer
+    proxy = TamperingProxy(addr.data, min_size=1 << 20)  # the 3 MiB buffer, once
     try:
         a.connect({"a": a.endpoint, "b": str(PeerAddress(addr.endpoint, addr.key, proxy.endpoint))})
         data = os.urandom(3 << 20)
         a.send("b", {"step": 1}, [memoryview(data)])
         assert b.recv(5.0) is None
-        assert proxy.flipped and b.forged == 1 and b.dropped == 1
+        assert proxy.flips == 1 and b.forged == 1 and b.dropped == 1
+        (notice,) = b.take_refused()  # what it claimed to be, for a rebuild to ask again
+        assert notice.sender == "a" and notice.header == {"step": 1} and not notice.buffers
         a.send("b", {"step": 2}, [memoryview(data)])  # the proxy flips once: this one is intact
         got = recv_one(b)
         assert got.header == {"step": 2} and bytes(got.buffers[0]) == data

@@ -31,6 +31,7 @@ from ftmem.smp.hashing import HashService
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import MAX_SLOT_BYTES
 from tests._support.smp_mesh import layout_for
+from tests._support.tamper import TamperingProxy
 
 STRIPE = 256 << 10
 
@@ -72,7 +73,18 @@ def mesh(
     return eps, [GroupProtector(i, plan, t, STRIPE, timeout_s=30) for i, t in enumerate(transports)]
 
 
-def scenario(n: int, m: int, sizes: list[int], lost: set[int], key_file: bool = False) -> None:
+def scenario(
+    n: int,
+    m: int,
+    sizes: list[int],
+    lost: set[int],
+    key_file: bool = False,
+    tamper: int | None = None,
+    every: bool = True,
+) -> dict[int, int]:
+    """Protect, lose ``lost``, rebuild them bitwise; with ``tamper``, that survivor's data
+    channel to each lost node goes through a proxy that flips a byte of every fragment (or,
+    not ``every``, of the first). Returns each rebuilt node's count of refused messages."""
     plan = plan_group(list(range(n)), m)
     k = keys.generate()
     key = keys.CurveKeyPair(k.public, k.secret, from_file=key_file)  # seals checked if so
@@ -85,6 +97,7 @@ def scenario(n: int, m: int, sizes: list[int], lost: set[int], key_file: bool = 
     parity_before: dict[int, dict[tuple[int, int], bytes]] = {}
     done = threading.Event()
     replacements: list[ZmqPeerTransport] = []
+    proxies: list[TamperingProxy] = []
     try:
         run_threads([lambda i=i: prots[i].protect(1, memoryview(data[i])) for i in range(n)])
         assert all(p.is_protected(1) for p in prots)
@@ -100,7 +113,15 @@ def scenario(n: int, m: int, sizes: list[int], lost: set[int], key_file: bool = 
             prots[i] = GroupProtector(i, plan, t, STRIPE, timeout_s=30)
         survivors = [i for i in range(n) if i not in lost]
         for i in range(n):
-            prots[i].transport.connect(eps)
+            if i != tamper:
+                prots[i].transport.connect(eps)
+                continue
+            seen = dict(eps)
+            for j in lost:
+                a = PeerAddress.parse(eps[str(j)])
+                proxies.append(TamperingProxy(a.data, every=every, min_size=4096))
+                seen[str(j)] = str(PeerAddress(a.endpoint, a.key, proxies[-1].endpoint))
+            prots[i].transport.connect(seen)
         for i in survivors:
             prots[i].serve_rebuild(1, lost)
         rebuilt: dict[int, bytes] = {}
@@ -121,10 +142,13 @@ def scenario(n: int, m: int, sizes: list[int], lost: set[int], key_file: bool = 
         for i in lost:
             assert rebuilt[i] == data[i], f"node {i}'s snapshot was not rebuilt bitwise"
             assert prots[i].steps[1].parity == parity_before[i], f"node {i}'s parity differs"
+        return {i: prots[i].transport.forged for i in lost}  # type: ignore[attr-defined]
     finally:
         done.set()
         for t in transports + replacements:
             t.close()
+        for proxy in proxies:
+            proxy.close()
 
 
 def test_three_nodes_one_lost() -> None:
@@ -134,6 +158,26 @@ def test_three_nodes_one_lost() -> None:
 def test_four_nodes_two_lost_at_once() -> None:
     """With a key file: each rebuilt node checks its own seal and digest (and they match)."""
     scenario(4, 2, [1_200_000, 2_000_000, 700_000, 2_000_000], {1, 3}, key_file=True)
+
+
+def test_fragments_altered_on_the_data_channel_are_refused_and_rebuilt_from_spares() -> None:
+    """A man in the middle flips a byte of every fragment node 0 sends to the rebuilding node
+    1: each is refused (wrong tag), asked for again, refused again and counted lost; with m=2
+    the stripes are rebuilt from spare fragments, bitwise."""
+    forged = scenario(4, 2, [1_200_000, 2_000_000, 700_000, 2_000_000], {1}, tamper=0)
+    assert forged[1] >= 2, forged
+
+
+def test_with_m1_altered_fragments_are_refused_with_a_clear_error() -> None:
+    with pytest.raises(
+        UnrecoverableError, match=r"stripe needs 2 valid fragments.*refused twice for a wrong tag"
+    ):
+        scenario(3, 1, [1_000_000, 1_000_000, 1_000_000], {1}, tamper=0)
+
+
+def test_a_fragment_altered_once_is_asked_for_again_and_the_rebuild_succeeds() -> None:
+    forged = scenario(3, 1, [1_000_000, 1_000_000, 1_000_000], {1}, tamper=0, every=False)
+    assert forged[1] == 1, forged
 
 
 def test_more_than_m_lost_is_unrecoverable() -> None:
