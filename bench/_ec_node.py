@@ -92,7 +92,9 @@ def _node(conn: Connection, cfg: dict[str, Any]) -> None:
         data = np.random.PCG64(cfg["seed"]).random_raw(cfg["size"] // 8).view(np.uint8)
         digest = xxhash.xxh3_64_intdigest(data)
     gen_s = time.monotonic() - t0
-    transport = ZmqPeerTransport(str(me), CurveKeyPair.from_json(cfg["keys"]))
+    transport = ZmqPeerTransport(
+        str(me), CurveKeyPair.from_json(cfg["keys"]), encrypt_data=bool(cfg.get("encrypt"))
+    )
     prot = GroupProtector(
         me, plan_group(list(range(n)), m), transport, cfg["stripe"], timeout_s=cfg["timeout"]
     )
@@ -247,6 +249,70 @@ def codec_alone(conn: Connection, k: int, m: int, stripe: int, nbytes: int, repe
             best = max(best, (done / wall, done / max(cpu, 1e-9)))
             del held
         conn.send(("ok", best))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+CHANNELS = ("zmq", "tagged", "curve")
+"""zmq: a bare DEALER -> ROUTER (the floor: no tag, no checksum); tagged: ZmqPeerTransport's
+data channel; curve: ZmqPeerTransport with every message over CURVE."""
+
+
+def channel_end(conn: Connection, keys_json: str, mode: str, nbytes: int, send: bool) -> None:
+    """One end of 'channel alone': ``nbytes`` in 1 MiB messages from the sending end to the
+    receiving one, each in its own process; sends back this end's (CPU-s, wall s) from the
+    first message to the last (all threads: ZeroMQ's I/O threads, where CURVE works, too)."""
+    try:
+        import zmq
+
+        from ftmem.exchange.keys import CurveKeyPair
+        from ftmem.exchange.zmq_transport import ZmqPeerTransport
+
+        me, peer = ("a", "b") if send else ("b", "a")
+        raw: Any = None
+        t: Any = None
+        if mode == "zmq":
+            ctx = zmq.Context()
+            raw = ctx.socket(zmq.DEALER if send else zmq.ROUTER)
+            raw.setsockopt(zmq.LINGER, 0)
+            endpoint = (
+                "" if send else f"tcp://127.0.0.1:{raw.bind_to_random_port('tcp://127.0.0.1')}"
+            )
+        else:
+            keys = CurveKeyPair.from_json(keys_json)
+            t = ZmqPeerTransport(me, keys, encrypt_data=mode == "curve")
+            endpoint = t.start()
+        conn.send(("ok", endpoint))
+        eps = conn.recv()
+        if raw is not None and send:
+            raw.connect(eps[peer])
+        elif t is not None:
+            t.connect(eps)
+        msg = memoryview(os.urandom(MiB))
+        count = nbytes // MiB
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0, t0 = usage.ru_utime + usage.ru_stime, 0.0
+        for i in range(count + 1):  # the first message is a warm-up (connections, handshake)
+            if i == 1:
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                cpu0, t0 = usage.ru_utime + usage.ru_stime, time.perf_counter()
+            if send and raw is not None:
+                raw.send_multipart([b"h", msg], copy=False)
+            elif send:
+                t.send(peer, {"i": i}, [msg])
+            elif raw is not None:
+                raw.recv_multipart(copy=False)
+            else:
+                while t.recv(30.0) is None:
+                    pass
+        if send:  # ZeroMQ's I/O thread still sends: its CPU counts once the receiver has all
+            conn.recv()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        conn.send(("ok", (usage.ru_utime + usage.ru_stime - cpu0, time.perf_counter() - t0)))
+        if t is not None:
+            t.close()
+        if raw is not None:
+            raw.close(linger=0)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 

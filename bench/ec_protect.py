@@ -3,6 +3,10 @@
     python bench/ec_protect.py                 # 2 GiB per node, 1 MiB stripes, 3 repeats
     python bench/ec_protect.py --quick         # 256 MiB per node, 2 repeats (1-2 minutes)
     python bench/ec_protect.py --size-mib 1024 --stripe-mib 4 --no-write
+    python bench/ec_protect.py --quick --modes curve   # CURVE for every message only
+
+Each case runs with the tagged data channel (the default) and with CURVE for every message
+(``--ftmem-ec-encrypt``), in the same run, so their CPU per protected GiB compare.
 
 How it measures: docs/benchmarks.md, "How the parts measure".
 """
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_
 
 from bench import _results
 from bench import _stats as st
-from bench._ec_node import CpuSampler, codec_alone, node_main, sleep_until
+from bench._ec_node import CHANNELS, CpuSampler, channel_end, codec_alone, node_main, sleep_until
 from bench._figures import (
     Goal,
     goal_rows,
@@ -41,6 +45,8 @@ CASES: dict[str, tuple[int, int, frozenset[int]]] = {
     "4:2": (4, 2, frozenset({1, 3})),
 }
 DEFAULT_SIZE_MIB = 2048
+MODES = ("tagged", "curve")
+"""tagged: snapshot bytes on the plain data channel with keyed tags; curve: all over CURVE."""
 GO_DELAY_S = 0.5  # start-time barrier: now + this, handed to every node
 
 logger = logging.getLogger("bench.ec_protect")
@@ -147,6 +153,25 @@ def _codec_alone(
         _stop([node], polite=False)
 
 
+def _channel_alone(ctx: Any, keys_json: str, mode: str, nbytes: int, timeout_s: float) -> Doc:
+    """'Channel alone': ``nbytes`` in 1 MiB messages between two fresh processes over
+    ``mode`` (one of CHANNELS); GiB/s and each end's CPU-s per GiB."""
+    recv_end = _spawn(ctx, -2, (keys_json, mode, nbytes, False), target=channel_end)
+    send_end = _spawn(ctx, -3, (keys_json, mode, nbytes, True), target=channel_end)
+    try:
+        eps = {"b": _recv(recv_end, timeout_s, "channel start")}
+        eps["a"] = _recv(send_end, timeout_s, "channel start") or eps["b"]
+        for nd in (recv_end, send_end):
+            nd.conn.send(eps)
+        rcpu, wall = _recv(recv_end, timeout_s, "channel receive")
+        send_end.conn.send("done")
+        scpu, _ = _recv(send_end, timeout_s, "channel send")
+        gib = nbytes / GiB
+        return {"mode": mode, "gibps": gib / wall, "send_cpu": scpu / gib, "recv_cpu": rcpu / gib}
+    finally:
+        _stop([recv_end, send_end], polite=False)
+
+
 def _stop(nodes: Sequence[Node], *, polite: bool = True) -> None:
     """Stop every node process by pid: ask, then SIGTERM, then SIGKILL, each join bounded."""
     for nd in nodes:
@@ -175,6 +200,7 @@ class CaseResult:
     lost: list[int]
     size: int
     stripe: int
+    mode: str = "curve"  # Results written before the data channel were all CURVE.
     protect: list[list[dict[str, Any]]] = field(default_factory=list)
     """Per repeat, per node (in node order)."""
     rebuild: list[list[dict[str, Any]]] = field(default_factory=list)
@@ -194,12 +220,20 @@ class CaseResult:
 
 
 def run_case(
-    ctx: Any, n: int, m: int, lost: frozenset[int], args: argparse.Namespace, keys_json: str
+    ctx: Any,
+    n: int,
+    m: int,
+    lost: frozenset[int],
+    args: argparse.Namespace,
+    keys_json: str,
+    mode: str,
 ) -> CaseResult:
-    """Protect ``args.repeats`` steps on n node processes, then rebuild ``lost`` as often."""
+    """Protect ``args.repeats`` steps on n node processes, then rebuild ``lost`` as often;
+    ``mode`` is one of :data:`MODES`."""
     size, stripe = args.size, args.stripe
-    res = CaseResult(n=n, m=m, lost=sorted(lost), size=size, stripe=stripe)
+    res = CaseResult(n=n, m=m, lost=sorted(lost), size=size, stripe=stripe, mode=mode)
     cfg = dict(n=n, m=m, size=size, stripe=stripe, keys=keys_json, timeout=args.timeout)
+    cfg["encrypt"] = mode == "curve"
     cfg["idle"] = args.timeout + 600.0
     tmo = args.timeout + 60.0
     nodes: list[Node] = []
@@ -288,6 +322,8 @@ class EcProtectResult(_results.PartResult):
     curve: bool
     ec_type: str
     cases: list[CaseResult] = field(default_factory=list)
+    channel: list[dict[str, Any]] = field(default_factory=list)
+    """'Channel alone' runs: mode, GiB/s, CPU-s per GiB at each end."""
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -299,6 +335,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 2)")
     p.add_argument("--timeout", type=float, default=None, help="protocol timeout per wait (s)")
     p.add_argument("--cases", default=",".join(CASES), help="n:m configurations to run")
+    p.add_argument("--modes", default=",".join(MODES), help=f"channels to run: {MODES}")
     return p
 
 
@@ -323,6 +360,9 @@ def run(argv: list[str]) -> EcProtectResult:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not cases or any(c not in CASES for c in cases):
         p.error(f"--cases: a comma-separated subset of {', '.join(CASES)}")
+    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    if not modes or any(x not in MODES for x in modes):
+        p.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
     same = {k: getattr(args, k) for k in ("size", "stripe", "repeats", "timeout", "codec_bytes")}
     zmq_info = {"libzmq": zmq.zmq_version(), "curve": bool(zmq.has("curve"))}
     res = EcProtectResult(
@@ -330,14 +370,28 @@ def run(argv: list[str]) -> EcProtectResult:
     )
     keys_json = keys.generate().to_json()
     ctx = mp.get_context("spawn")
+    for _ in range(args.repeats):
+        for mode in CHANNELS:
+            try:
+                res.channel.append(_channel_alone(ctx, keys_json, mode, args.size, args.timeout))
+            except NodeFailed as exc:
+                res.errors.append(f"channel alone, {mode}: {exc}")
     for name in cases:
         n, m, lost = CASES[name]
-        logger.info("n=%d m=%d: %d MiB per node, %d repeats", n, m, args.size // MiB, args.repeats)
-        res.cases.append(run_case(ctx, n, m, lost, args, keys_json))
+        for mode in modes:
+            logger.info(
+                "n=%d m=%d %s: %d MiB per node, %d repeats",
+                n,
+                m,
+                mode,
+                args.size // MiB,
+                args.repeats,
+            )
+            res.cases.append(run_case(ctx, n, m, lost, args, keys_json, mode))
     for r in res.cases:
         if r.error or not all(r.rebuild_ok):
             why = (r.error or "rebuild not bitwise equal").strip().splitlines()[-1]
-            res.errors.append(f"n={r.n}, m={r.m}: {why}")
+            res.errors.append(f"n={r.n}, m={r.m}, {r.mode}: {why}")
     _results.finish(res.machine)
     return res
 
@@ -394,6 +448,7 @@ def _gb_per(rows: Sequence[Doc], key: str) -> str:
 EC_PROTECT = [
     ("n", lambda c: c["n"]),
     ("m", lambda c: c["m"]),
+    ("channel", lambda c: c.get("mode", "curve")),
     ("protect time", lambda c: stat(c["walls"], ".2f", " s")),
     ("protected GB/s per node", lambda c: stat(st.gbps(c["size"], c["walls"]), ".3f")),
     ("group GB/s", lambda c: stat(st.gbps(c["n"] * c["size"], c["walls"]), ".3f")),
@@ -407,17 +462,23 @@ EC_PROTECT = [
 EC_NODE = [
     ("n", lambda c: c["n"]),
     ("m", lambda c: c["m"]),
+    ("channel", lambda c: c.get("mode", "curve")),
     ("parity held / own", lambda c: _per(c["prot"], "parity", c["size"], ".4f", "")),
     ("expected m/(n-m)", lambda c: f"{c['m'] / (c['n'] - c['m']):.4f}"),
     ("peer bytes sent / own", lambda c: _per(c["prot"], "sent", c["size"])),
     ("received / own", lambda c: _per(c["prot"], "recv", c["size"])),
     ("CPU s per GiB: protector thread / other threads", lambda c: _cpu_split(c["prot"], c["gib"])),
+    (
+        "CPU s per protected GiB (whole node)",
+        lambda c: _per(c["prot"], "cpu_s", c["gib"], ".2f", " s"),
+    ),
     ("encode share of node CPU", lambda c: stat(c["enc_share"], ".0f", " %")),
     ("peak RSS / own", lambda c: _per(c["prot"], "maxrss", c["size"])),
 ]
 EC_REBUILD = [
     ("n", lambda c: c["n"]),
     ("m", lambda c: c["m"]),
+    ("channel", lambda c: c.get("mode", "curve")),
     ("lost", lambda c: ", ".join(map(str, c["lost"]))),
     ("rebuild time", lambda c: stat(c["rwalls"], ".2f", " s")),
     ("rebuilt GB/s", lambda c: stat(st.gbps(len(c["lost"]) * c["size"], c["rwalls"]), ".3f")),
@@ -431,6 +492,25 @@ EC_REBUILD = [
 ]
 
 
+def _channel_rows(r: Doc) -> list[str]:
+    """The 'channel alone' table: one row per channel."""
+    runs = r.get("channel") or []
+    out = [
+        "| channel | GiB/s | sender CPU-s per GiB | receiver CPU-s per GiB | both ends |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in CHANNELS:
+        rr = [x for x in runs if x["mode"] == mode]
+        if rr:
+            both = [x["send_cpu"] + x["recv_cpu"] for x in rr]
+            out.append(
+                f"| {mode} | {stat([x['gibps'] for x in rr])} | "
+                f"{stat([x['send_cpu'] for x in rr])} | {stat([x['recv_cpu'] for x in rr])} | "
+                f"{stat(both)} |"
+            )
+    return [*out, ""]
+
+
 def sections(r: Doc) -> dict[str, list[str]]:
     """Section ``ec-protect``: protect, per node and snapshot, rebuild."""
     size = r["size"]
@@ -438,11 +518,18 @@ def sections(r: Doc) -> dict[str, list[str]]:
     return {
         "ec-protect": [
             f"- one OS process per node on 127.0.0.1, `ZmqPeerTransport` (TCP + CURVE: libzmq {r['libzmq']}, "
-            f"CURVE {'available' if r['curve'] else 'MISSING'}) and `GroupProtector` (timeout {r['timeout']:g} s), "
+            f"CURVE {'available' if r['curve'] else 'MISSING'}; channel 'tagged': snapshot bytes on the plain "
+            "data channel with keyed BLAKE3 tags, 'curve': every message over CURVE, `--ftmem-ec-encrypt`) "
+            f"and `GroupProtector` (timeout {r['timeout']:g} s), "
             f"`{r['ec_type']}`; a random snapshot of {size / MiB:g} MiB per node, stripes of {r['stripe'] / MiB:g} MiB; "
             f"median (min-max) over {r['repeats']} repeats; 'alone' = `encode_stripe` on {r['codec_bytes'] / MiB:g} MiB "
             "in a fresh process (GB/s; per CPU-s)",
             "",
+            "### Channel alone (two processes, 1 MiB messages, the snapshot size each run)",
+            "",
+            "'zmq' is a bare DEALER to ROUTER (no tag, no checksum): the floor under both others.",
+            "",
+            *_channel_rows(r),
             "### Protect (every node protects the same step)",
             "",
             *rows(EC_PROTECT, cases),
@@ -456,23 +543,70 @@ def sections(r: Doc) -> dict[str, list[str]]:
     }
 
 
+def _cpu_per_gib(c: Doc) -> float:
+    """Median node CPU-seconds per protected GiB of its own snapshot."""
+    gib = c["size"] / GiB
+    return st.median([x["cpu_s"] / gib for rr in c["protect"] for x in rr]) or 0.0
+
+
 def goals(r: Doc | None) -> list[Goal]:
-    """Encoding inside protect, per SMP, at 1-4 MiB stripes."""
+    """Encoding inside protect, per SMP, at 1-4 MiB stripes; CPU per protected GiB of the
+    tagged data channel against CURVE for everything (>= 5x less)."""
 
     p, t = "ec-protect", ">= 5 GB/s"
     cases = [c for c in (r or {}).get("cases", []) if c["protect"]]
     if not cases:
-        return [Goal(p, "encode throughput per SMP (in protect)", t)]
-    return [
+        return [
+            Goal(p, "encode throughput per SMP (in protect)", t),
+            Goal(p, "CPU per protected GiB, tagged channel vs CURVE", ">= 5x less"),
+        ]
+    out = [
         g
         for c in cases
         for g in goal_rows(
             p,
-            [(f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}", t)],
+            [
+                (
+                    f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}, "
+                    f"{c.get('mode', 'curve')}",
+                    t,
+                )
+            ],
             [(st.stat(ec_encode(c), ".2f", " GB/s"), (st.median(ec_encode(c)) or 0.0) >= 5.0)],
             f"ec-protect, {c['size'] / st.MiB:g} MiB per node, stripes of {c['stripe'] / st.MiB:g} MiB",
         )
     ]
+    runs = (r or {}).get("channel") or []
+    both = {
+        mode: st.median([x["send_cpu"] + x["recv_cpu"] for x in runs if x["mode"] == mode])
+        for mode in CHANNELS
+    }
+    if both.get("tagged") and both.get("curve"):
+        ratio = both["curve"] / both["tagged"]
+        out += goal_rows(
+            p,
+            [("CPU per GiB moved, tagged vs CURVE (channel alone, both ends)", ">= 5x less")],
+            [(f"{ratio:.1f}x less ({both['tagged']:.2f} vs {both['curve']:.2f})", ratio >= 5.0)],
+            "ec-protect, channel alone",
+        )
+    by = {(c["n"], c["m"], c.get("mode", "curve")): c for c in cases}
+    for (n, m, mode), c in by.items():
+        curve = by.get((n, m, "curve"))
+        if mode != "tagged" or curve is None or not _cpu_per_gib(c):
+            continue
+        ratio = _cpu_per_gib(curve) / _cpu_per_gib(c)
+        out += goal_rows(
+            p,
+            [(f"CPU per protected GiB, tagged vs CURVE, n={n}, m={m}", ">= 5x less")],
+            [
+                (
+                    f"{ratio:.1f}x less ({_cpu_per_gib(c):.2f} vs {_cpu_per_gib(curve):.2f} CPU-s)",
+                    ratio >= 5.0,
+                )
+            ],
+            f"ec-protect, same run, {c['size'] / st.MiB:g} MiB per node",
+        )
+    return out
 
 
 if __name__ == "__main__":

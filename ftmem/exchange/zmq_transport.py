@@ -253,17 +253,27 @@ class ZmqPeerTransport(PeerTransport):
         self._ids += 1
         return [encode(env, self._ids, None), *views]
 
-    def _route(
-        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
-    ) -> tuple[zmq.Socket[bytes], list[Any]]:
-        """The socket a message to ``node`` goes on and its frames (module docstring)."""
+    def _socket_for(self, node: str, buffers: list[memoryview | bytes]) -> zmq.Socket[bytes]:
+        """The socket a message to ``node`` goes on (module docstring)."""
         sock = self._peers.get(node)
         if sock is None:
             raise PeerUnavailableError(f"no connection to node {node!r}")
-        frames = self._frames(header, buffers)
         data = self._data_peers.get(node) if buffers else None
-        if data is None:
-            return sock, frames
+        return sock if data is None else data
+
+    def _frames_for(
+        self,
+        sock: zmq.Socket[bytes],
+        node: str,
+        header: dict[str, Any],
+        buffers: list[memoryview | bytes],
+    ) -> list[Any]:
+        """The frames of a message on ``sock``: tagged on the data channel. Made only once
+        the socket can take them (a full queue costs no hashing)."""
+        frames = self._frames(header, buffers)
+        if sock is self._peers[node]:
+            return frames
+        self.data_sent += 1
         mac = data_mac.tag(
             self._data_key,
             self.node_keys.public,
@@ -272,30 +282,30 @@ class ZmqPeerTransport(PeerTransport):
             frames[0],
             frames[1:],
         )
-        return data, [self.node.encode(), mac, *frames]
+        return [self.node.encode(), mac, *frames]
 
     def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
         """Queue ``header`` + ``buffers`` to ``node`` (buffers are sent without copying)."""
-        sock, frames = self._route(node, header, buffers)
+        sock = self._socket_for(node, buffers)
         if not sock.poll(int(self.send_timeout_s * 1000), zmq.POLLOUT):
             raise PeerUnavailableError(
                 f"node {node!r} did not take a message within {self.send_timeout_s} s"
             )
+        frames = self._frames_for(sock, node, header, buffers)
         sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        self.data_sent += sock is not self._peers[node]
 
     def try_send(
         self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
     ) -> bool:
         """Queue the message if ``node``'s queue has room now; never blocks."""
-        sock, frames = self._route(node, header, buffers)
+        sock = self._socket_for(node, buffers)
         if not sock.poll(0, zmq.POLLOUT):
             return False
+        frames = self._frames_for(sock, node, header, buffers)
         try:
             sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
+        except zmq.Again:  # POLLOUT said there was room: only if another thread took it
             return False
-        self.data_sent += sock is not self._peers[node]
         return True
 
     def recv(self, timeout_s: float) -> PeerMessage | None:
