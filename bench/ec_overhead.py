@@ -46,7 +46,7 @@ from ftmem.testing.harness import launch_args
 PART = "ec-overhead"
 REPO = _launch.REPO
 EXAMPLE = _launch.EXAMPLE
-CONFIGS = ("no ftmem", "off", "on")
+CONFIGS = ("no ftmem", "off", "on", "on curve")
 FINAL_RE = re.compile(r"\[rank (\d+)\] final step (\d+)")  # the example's closing line
 
 
@@ -93,7 +93,8 @@ def config_args(config: str) -> tuple[list[str], list[str]]:
         return ["--ftmem-ec-parity", "0"], ["--no-ftmem"]
     if config == "off":
         return ["--ftmem-ec-parity", "0"], []
-    return ["--ftmem-ec-parity", "1", "--ftmem-ec-interval", "0"], []
+    on = ["--ftmem-ec-parity", "1", "--ftmem-ec-interval", "0"]
+    return ([*on, "--ftmem-ec-encrypt"] if config == "on curve" else on), []
 
 
 def agent_args(
@@ -241,7 +242,7 @@ def _ec_configgoal_rows(r: Doc) -> list[Any]:
         return stat(pair_ratios(r["runs"], a, c), ".3f")
 
     def vs_off(c: str) -> str:
-        return vs("off", c) if c == "on" else ("1" if c == "off" else "-")
+        return vs("off", c) if c.startswith("on") else ("1" if c == "off" else "-")
 
     def node_median(key: str) -> Callable[[Doc], float | None]:
         return lambda x: st.median(x[key].values())
@@ -299,14 +300,18 @@ def sections(r: Doc) -> dict[str, list[str]]:
     """Section ``ec-overhead``: per configuration, protection counters, every run."""
     out = [
         f"- job: {r['nodes']} `ftmem-launch` agents x 1 rank on 127.0.0.1, `{' '.join(r['example_args'])}`; "
-        "configs: no ftmem (`--no-ftmem`), off (`--ftmem-ec-parity 0`), on (`--ftmem-ec-parity 1 --ftmem-ec-interval 0`)",
+        "configs: no ftmem (`--no-ftmem`), off (`--ftmem-ec-parity 0`), on (`--ftmem-ec-parity 1 --ftmem-ec-interval 0`: "
+        "snapshot bytes on the tagged data channel), on curve (the same with `--ftmem-ec-encrypt`: CURVE for everything)",
         "",
     ]
     ok = [x for x in r["runs"] if x["ok"]]
-    by = {c: xs for c in ("no ftmem", "off", "on") if (xs := [x for x in ok if x["config"] == c])}
+    by = {c: xs for c in CONFIGS if (xs := [x for x in ok if x["config"] == c])}
     out += rows(_ec_configgoal_rows(r), by.items())
-    if on := by.get("on"):
-        out += kv(_ec_protection(on), ("protection ('on' runs)", "median (min-max) over runs"))
+    for c in ("on", "on curve"):
+        if on := by.get(c):
+            out += kv(
+                _ec_protection(on), (f"protection ('{c}' runs)", "median (min-max) over runs")
+            )
     return {"ec-overhead": [*out, *rows(EC_RUNS, r["runs"])]}
 
 
