@@ -67,6 +67,8 @@ class RunResult(_launch.JobRun):
     sent_bytes: dict[int, int] = field(default_factory=dict)
     last_protect_s: dict[int, float] = field(default_factory=dict)
     skipped: dict[int, int] = field(default_factory=dict)
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    """Skipped snapshots of every rank, by the SMP's reason."""
     slots: dict[int, int] = field(default_factory=dict)
     smp_cpu_s: dict[int, float] = field(default_factory=dict)
     polls: int = 0
@@ -172,6 +174,8 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, tmp_root: Path)
             res.last_protect_s[i] = float(ex.get("last_protect_s") or 0.0)
         for r, rs in (status.get("ranks") or {}).items():
             res.skipped[int(r)] = int(rs.get("skipped") or 0)
+            for why, n in (rs.get("skips") or {}).items():
+                res.skip_reasons[str(why)] = res.skip_reasons.get(str(why), 0) + int(n)
             res.slots[int(r)] = len(rs.get("slots") or [])
     res.smp_cpu_s = dict(poller.cpu)
     for i, rd in enumerate(run_dirs):
@@ -258,7 +262,17 @@ def _ec_configgoal_rows(r: Doc) -> list[Any]:
         ("SMP CPU per node", ft(over(node_median("smp_cpu_s"), ".1f", " s"))),
         ("snapshots committed per node (events)", ft(over(node_median("log_commits"), ".0f"))),
         ("skipped (all ranks, STATUS)", ft(over(lambda x: sum(x["skipped"].values()), ".0f"))),
+        ("why (all runs)", ft(lambda cx: _reasons(cx[1]))),
     ]
+
+
+def _reasons(runs: list[Doc]) -> str:
+    """Skips summed over the runs, by the SMP's reason."""
+    total: dict[str, int] = {}
+    for x in runs:
+        for why, n in (x.get("skip_reasons") or {}).items():
+            total[why] = total.get(why, 0) + n
+    return "; ".join(f"{why}: {n}" for why, n in sorted(total.items())) or "-"
 
 
 def _ec_rounds(x: Doc) -> str:

@@ -112,8 +112,9 @@ def get_args_parser() -> ArgumentParser:
         type=int,
         default=None,
         help="Snapshot slots per rank in the SMP (>= 2). Default: 2, plus 1 when a flush "
-        "dir is set and 1 when erasure coding may be on (a step being flushed or protected "
-        "stays pinned while newer ones are written, so ranks rarely skip).",
+        "dir is set and 2 when erasure coding may be on (a step being flushed, the protected "
+        "step and the step being protected stay pinned while newer ones are written, so "
+        "ranks do not skip).",
     )
     group.add_argument(
         "--ftmem-hash-threads",
@@ -330,10 +331,13 @@ def _slots(args: Namespace) -> int:
     if args.ftmem_slots is not None:
         return int(args.ftmem_slots)
     ec_possible = _ec_possible(args)
-    # A step being flushed (and one reserved for the next flush) or protected stays pinned:
-    # one more slot for each keeps ranks saving every step while they run.
+    # The newest committed step and the one being written take two slots. A step being
+    # flushed (and one reserved for the next flush) stays pinned: one more slot. With erasure
+    # coding the protected step stays pinned (peers hold its parity; a rebuild needs its
+    # bytes) and so does the step a round is protecting: two more, so that rounds run back
+    # to back never make a rank skip a snapshot (docs/design.md, "Slots").
     flushing = bool(args.ftmem_flush_dir or args.ftmem_flush_persistent_dir)
-    return 2 + int(flushing) + int(ec_possible)
+    return 2 + int(flushing) + 2 * int(ec_possible)
 
 
 def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:

@@ -111,14 +111,14 @@ def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
         )
         return config_from_args(args)[1]
 
-    assert ft_for("--nnodes", "3").slots == 3  # type: ignore[attr-defined]
-    assert ft_for("--nnodes", "2:4").slots == 3  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "3").slots == 4  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "2:4").slots == 4  # type: ignore[attr-defined]
     assert ft_for("--nnodes", "2").slots == 2  # type: ignore[attr-defined]
     assert ft_for("--nnodes", "4", "--ftmem-ec-parity", "0").slots == 2  # type: ignore[attr-defined]
     assert ft_for("--nnodes", "4", "--ftmem-slots", "5").slots == 5  # type: ignore[attr-defined]
     # One more slot for flushing and one for erasure coding: ranks keep saving every step.
     assert ft_for("--ftmem-flush-dir", "d").slots == 3  # type: ignore[attr-defined]
-    assert ft_for("--nnodes", "3", "--ftmem-flush-dir", "d").slots == 4  # type: ignore[attr-defined]
+    assert ft_for("--nnodes", "3", "--ftmem-flush-dir", "d").slots == 5  # type: ignore[attr-defined]
     assert ft_for("--ftmem-hash-threads", "2").smp_args()[:2] == ["--hash-threads", "2"]  # type: ignore[attr-defined]
     assert ft_for("--ftmem-ec-parity", "2").ec_parity == 2  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="ec-parity"):
