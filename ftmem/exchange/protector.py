@@ -389,13 +389,34 @@ class GroupProtector:
 
     def _on_refused(self, notice: PeerMessage) -> None:
         """A message the transport refused (wrong tag): a fetched fragment is asked for
-        again, then counted lost (Rebuilder.on_refused); anything else was counted there."""
-        try:
-            env = Envelope.parse(notice)
+        again, then counted lost (Rebuilder.on_refused); a size, column or parity fragment of
+        a step this node is protecting gives the step up at once, here and (ABORT) at every
+        peer, instead of waiting out the timeout: the next round starts over. Anything else
+        was only counted by the transport."""
+        try:  # the header only: a refused message's buffers were not kept
+            sender = pm.parse_sender(notice.sender)
+            epoch, body = pm.parse_header(notice.header)
         except ProtocolError:
             return
-        if env.epoch == self.epoch and isinstance(env.body, pm.FetchReply):
-            self._rebuilder.on_refused(env.sender, env.body)
+        if epoch != self.epoch:
+            return
+        if isinstance(body, pm.FetchReply):
+            self._rebuilder.on_refused(sender, body)
+        elif isinstance(body, pm.Size | pm.Data | pm.Parity):
+            st = self.steps.get(body.step)
+            if st is None or st.held_sent or st.aborted:
+                return
+            log.warning(
+                "[%d] a %r of step %d from node %d was refused (wrong tag): giving the step up",
+                self.me,
+                body.KIND.value,
+                body.step,
+                sender,
+            )
+            st.aborted = True
+            for n in self._peers():
+                self.send(n, pm.Abort(body.step))
+            self.flush()  # now: protect() raises StepAborted next, its caller may not pump
 
     # -- public API ------------------------------------------------------------------------------
     def protect(self, step: int, data: SegmentedBytes | Buffer, manifest: bytes = b"") -> None:

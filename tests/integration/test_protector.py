@@ -180,6 +180,47 @@ def test_a_fragment_altered_once_is_asked_for_again_and_the_rebuild_succeeds() -
     assert forged[1] == 1, forged
 
 
+def test_a_column_altered_on_the_data_channel_gives_the_round_up_at_once() -> None:
+    """A man in the middle flips a byte of every column node 0 sends to node 1 while the
+    group protects step 1: node 1 refuses them, gives the step up and tells its peers, so
+    every node's round ends (StepAborted) long before its timeout; step 2, sent directly,
+    is protected."""
+    from ftmem.exchange.protector import StepAborted
+
+    n, key = 3, keys.generate()
+    plan = plan_group(list(range(n)), 1)
+    transports = [ZmqPeerTransport(str(i), key) for i in range(n)]
+    proxy: TamperingProxy | None = None
+    try:
+        eps, prots = mesh(plan, transports)
+        a = PeerAddress.parse(eps["1"])
+        proxy = TamperingProxy(a.data, every=True, min_size=4096)
+        transports[0].connect({**eps, "1": str(PeerAddress(a.endpoint, a.key, proxy.endpoint))})
+        blobs = [os.urandom(1_000_000) for _ in range(n)]
+        aborted: list[int] = []
+
+        def protect(i: int, step: int) -> None:
+            try:
+                prots[i].protect(step, memoryview(blobs[i]))
+            except StepAborted:
+                aborted.append(i)
+                prots[i].drain()  # node 1's ABORT to its peers, as the SMP's loop would
+                prots[i].forget(step)
+
+        started = time.monotonic()
+        run_threads([lambda i=i: protect(i, 1) for i in range(n)])
+        assert sorted(aborted) == [0, 1, 2] and time.monotonic() - started < 20, aborted
+        assert transports[1].forged >= 1 and proxy.flips >= 1
+        transports[0].connect(eps)  # the direct connection again
+        run_threads([lambda i=i: prots[i].protect(2, memoryview(blobs[i])) for i in range(n)])
+        assert all(p.is_protected(2) for p in prots)
+    finally:
+        for t in transports:
+            t.close()
+        if proxy is not None:
+            proxy.close()
+
+
 def test_more_than_m_lost_is_unrecoverable() -> None:
     with pytest.raises(UnrecoverableError, match="cannot rebuild"):
         scenario(3, 1, [500_000, 500_000, 500_000], {0, 2})
