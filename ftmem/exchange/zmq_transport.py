@@ -273,7 +273,6 @@ class ZmqPeerTransport(PeerTransport):
         frames = self._frames(header, buffers)
         if sock is self._peers[node]:
             return frames
-        self.data_sent += 1
         mac = data_mac.tag(
             self._data_key,
             self.node_keys.public,
@@ -293,6 +292,7 @@ class ZmqPeerTransport(PeerTransport):
             )
         frames = self._frames_for(sock, node, header, buffers)
         sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        self.data_sent += sock is not self._peers[node]
 
     def try_send(
         self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
@@ -306,6 +306,7 @@ class ZmqPeerTransport(PeerTransport):
             sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # POLLOUT said there was room: only if another thread took it
             return False
+        self.data_sent += sock is not self._peers[node]
         return True
 
     def recv(self, timeout_s: float) -> PeerMessage | None:
