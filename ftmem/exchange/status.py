@@ -214,6 +214,8 @@ class ExchangeStatus:
     rebuilding: int | None = None
     rebuild_progress: RebuildProgress | None = None
     dropped_messages: int = 0
+    forged_messages: int = 0
+    """Data-channel messages refused for a wrong tag (also in ``dropped_messages``)."""
     last_protect_s: float = 0.0
     last_rebuild_s: float = 0.0
     endpoint: str = ""
@@ -257,6 +259,7 @@ class ExchangeStatus:
             rebuilding=_opt_int(d, "rebuilding"),
             rebuild_progress=RebuildProgress.from_json(d.get("rebuild_progress")),
             dropped_messages=_int(d, "dropped_messages"),
+            forged_messages=_int(d, "forged_messages"),
             last_protect_s=_seconds(d, "last_protect_s"),
             last_rebuild_s=_seconds(d, "last_rebuild_s"),
             endpoint=_str(d, "endpoint", 1024),

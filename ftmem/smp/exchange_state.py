@@ -156,9 +156,10 @@ class ExchangeContext:
         pinned.close()
         self.local.unpin(pinned.pieces)
 
-    def publish(self, last_seen: dict[int, float], dropped: int) -> None:
+    def publish(self, last_seen: dict[int, float], dropped: int, forged: int = 0) -> None:
         """Refresh the status document: bytes held, peer health, counters (``dropped``: the
-        messages the service and its transport dropped)."""
+        messages the service and its transport dropped; ``forged``: those of them refused
+        for a wrong tag on the data channel)."""
         now = time.monotonic()
         p = self.protector
         own = 0
@@ -184,5 +185,6 @@ class ExchangeContext:
             last_protect_s=round(self.last_protect_s, 3),
             last_rebuild_s=round(self.last_rebuild_s, 3),
             dropped_messages=(p.dropped if p is not None else 0) + dropped,
+            forged_messages=forged,
             sent_bytes=p.sent_bytes if p is not None else 0,
         )

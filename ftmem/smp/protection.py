@@ -209,7 +209,9 @@ class ProtectionService:
                 self._results.put(result)
         elif self.sync.synced:
             self.rounds.tick()
-        self.ctx.publish(self._last_seen, self.transport.dropped + self._dropped)
+        self.ctx.publish(
+            self._last_seen, self.transport.dropped + self._dropped, self.transport.forged
+        )
 
     def _interrupted(self) -> bool:
         """A new command (a new generation) cuts short any wait of the protector."""

@@ -523,3 +523,49 @@ def test_fixed_a_stepless_peer_message_stops_the_exchange(
         time.sleep(0.1)
     c.save_all(1, 64 << 10)
     c.wait("step 1 protected", lambda: c.protected(1), timeout=30)
+
+
+def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Plain DEALERs on node 0's data channel (no key needed to connect): junk frames, a
+    member's name with a made-up tag and a real header, and a stranger's name; each is
+    dropped (the named ones also counted as forged) and the mesh protects the next step."""
+    c = cluster_factory(3, 1)
+    c.generation()
+    c.save_all(1, 64 << 10)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    target = c.nodes[0]
+    before = ExchangeStatus.from_json(target.exchange())
+    data = PeerAddress.parse(c.endpoints["0"]).data
+    assert data, "the SMP's address has no data channel"
+    header = encode(
+        m.Peer(
+            header={"t": "data", "e": c.epoch, "step": 1, "stripe": 0, "col": 0},
+            sizes=[4096],
+            hashes=[xxhash.xxh3_64_hexdigest(b"x" * 4096)],
+        ),
+        1,
+        None,
+    )
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 1000)
+    try:
+        d.connect(data)
+        d.send_multipart([b"junk"])  # too few frames
+        d.send_multipart([b"1", os.urandom(32), header, b"x" * 4096])  # member, wrong tag
+        d.send_multipart([b"intruder", os.urandom(32), header, b"x" * 4096])  # no member
+    finally:
+        d.close(linger=1000)
+        ctx.term()
+    deadline = time.monotonic() + 60
+    while True:
+        now = ExchangeStatus.from_json(target.exchange())
+        if now.dropped_messages >= before.dropped_messages + 3:
+            break
+        assert time.monotonic() < deadline, (now, target.log().read_text()[-3000:])
+        time.sleep(0.1)
+    assert now.forged_messages == before.forged_messages + 2
+    c.save_all(2, 64 << 10)
+    c.wait("step 2 protected after the forged messages", lambda: c.protected(2))
