@@ -412,6 +412,12 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             self._detected_at = None  # a rank that exited 0 is no failure
             self._check_progress()
             self._maybe_start_standbys()
+        elif result.state == WorkerState.SUCCEEDED and self._recovery is not None:
+            # The ranks stepped and finished between two polls: ask the SMP once more, so
+            # the recovery is still reported (its times are the ranks' own progress times).
+            progress = self._poller.fetch()
+            if progress is not None and all_resumed(self._watch.procs, progress):
+                self._report_resumed(progress)
         return result
 
     def _maybe_start_standbys(self) -> None:
