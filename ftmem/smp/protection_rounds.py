@@ -145,15 +145,16 @@ class ProtectionRounds:
             ctx.counters["aborted"] += 1
             log.info("[%s/exchange] %s", ctx.node_name, exc)
             ctx.event("protect_aborted", step=step, reason=str(exc))
-            ctx.drop(step, pinned)
+            self._give_up(step, pinned)
             return False
         except (FtmemError, TimeoutError, OSError, ValueError) as exc:
             if not isinstance(exc, ExchangeInterrupted):
                 ctx.counters["failed"] += 1
                 log.warning("[%s/exchange] protecting step %d failed: %s", ctx.node_name, step, exc)
                 ctx.event("protect_failed", step=step, error=str(exc))
-                ctx.protector.abort(step)
-            ctx.drop(step, pinned)
+                if not self._held_here(step):
+                    ctx.protector.abort(step)
+            self._give_up(step, pinned)
             return False
         except BaseException:  # an unexpected error stops the thread: leave no pin behind
             ctx.drop(step, pinned)
@@ -162,13 +163,38 @@ class ProtectionRounds:
             ctx.board.update(protecting=None)
         return True
 
+    def _held_here(self, step: int) -> bool:
+        """This node told the group HELD for ``step``: it holds its data and owed parity."""
+        assert self.ctx.protector is not None
+        st = self.ctx.protector.steps.get(step)
+        return st is not None and st.held_sent and st.data is not None
+
+    def _give_up(self, step: int, pinned: PinnedStep) -> None:
+        """A round that did not complete here. A step this node told the group HELD stays
+        pinned as a candidate: another node may have completed the round and released its
+        older step, and the next generation's sync keeps the newest step that enough nodes
+        hold (it releases the others; so does the next protected step). Any other is
+        dropped."""
+        if self._held_here(step):
+            self.ctx.pinned[step] = pinned
+            self.ctx.event("protect_unconfirmed", step=step)
+            log.info(
+                "[%s/exchange] step %d: this node holds it but the round did not complete; "
+                "kept for the next sync",
+                self.ctx.node_name,
+                step,
+            )
+        else:
+            self.ctx.drop(step, pinned)
+
     def _keep(self, step: int, pinned: PinnedStep, t0: float) -> None:
-        """``step`` is protected: it replaces the previous protected step."""
+        """``step`` is protected: it replaces the previous protected step (and any step kept
+        from a round that did not complete)."""
         ctx = self.ctx
         assert ctx.protector is not None
         ctx.pinned[step] = pinned
-        old, ctx.protected = ctx.protected, step
-        if old is not None:
+        ctx.protected = step
+        for old in [s for s in ctx.pinned if s != step]:
             ctx.protector.forget(old)
             ctx.release(old)
         ctx.counters["protected"] += 1
