@@ -118,7 +118,7 @@ class Rebuilder:
         self._wanted: set[tuple[int, int, int]] = set()
         self._asked: dict[tuple[int, int, int], tuple[int, pm.FetchRequest]] = {}
         """Fragment -> the node asked for it and the request (asked again once if refused)."""
-        self._refusals: dict[tuple[int, int, int], int] = {}
+        self._asked_again: set[tuple[int, int, int]] = set()
         self._refused_lost: set[tuple[int, int, int]] = set()
         self._meta: dict[int, tuple[pm.MetaReply, bytes]] = {}
         self._meta_wanted: int | None = None
@@ -134,7 +134,7 @@ class Rebuilder:
         self._fetched.clear()
         self._wanted.clear()
         self._asked.clear()
-        self._refusals.clear()
+        self._asked_again.clear()
         self._refused_lost.clear()
         self._meta.clear()
         self._meta_wanted = None
@@ -257,7 +257,7 @@ class Rebuilder:
             raise ProtocolError(f"fragment {key} nobody asked for")
         self._wanted.discard(key)
         self._asked.pop(key, None)
-        self._refusals.pop(key, None)
+        self._asked_again.discard(key)
         if not bufs:  # the holder no longer has it
             self._fetched[key] = b""
             return
@@ -276,8 +276,8 @@ class Rebuilder:
         asked = self._asked.get(key)
         if key not in self._wanted or asked is None or asked[0] != sender:
             return
-        n = self._refusals[key] = self._refusals.get(key, 0) + 1
-        if n == 1:
+        if key not in self._asked_again:
+            self._asked_again.add(key)
             log.warning(
                 "[%d] fragment %s from node %d was refused (wrong tag): asking again",
                 self.p.me,
@@ -449,7 +449,7 @@ class Rebuilder:
             self._wanted.add(key)
             body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
             self._asked[key] = (f.node, body)
-            self._refusals.pop(key, None)
+            self._asked_again.discard(key)
             self.p.send(f.node, body)
 
     def _wait_fetched(

@@ -166,8 +166,7 @@ class ProtectionRounds:
     def _held_here(self, step: int) -> bool:
         """This node told the group HELD for ``step``: it holds its data and owed parity."""
         assert self.ctx.protector is not None
-        st = self.ctx.protector.steps.get(step)
-        return st is not None and st.held_sent and st.data is not None
+        return step in self.ctx.protector.held_steps()
 
     def _give_up(self, step: int, pinned: PinnedStep) -> None:
         """A round that did not complete here. A step this node told the group HELD stays
