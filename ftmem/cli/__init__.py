@@ -166,10 +166,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list the checkpoints of disk tiers")
     ls.add_argument("tiers", type=Path, nargs="+", help="tier directories")
     ls.add_argument("--verify", action="store_true", help="also check every file's hash")
+    from ftmem.cli import combine
     from ftmem.observe import plan, timeline
 
     timeline.add_parser(sub)
     plan.add_parser(sub)
+    combine.add_parser(sub)
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
     k.add_argument("path", type=Path, help="file to create (must not exist)")
     c = sub.add_parser(
@@ -202,6 +204,10 @@ def _main(argv: list[str] | None) -> int:
         from ftmem.observe import plan, timeline
 
         return timeline.run(args) if args.cmd == "timeline" else plan.run(args)
+    if args.cmd == "combine":
+        from ftmem.cli import combine
+
+        return combine.run(args)
     from ftmem.errors import FtmemError
     from ftmem.protocol.smp_client import SmpClient
 

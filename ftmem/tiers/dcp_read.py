@@ -43,8 +43,8 @@ class CheckedReader(FileSystemReader):
 class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
     """Loads a whole checkpoint into an empty dict; non-tensor entries with weights_only."""
 
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+    def __init__(self, keys: set[str] | None = None) -> None:
+        super().__init__(keys)  # type: ignore[no-untyped-call]
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
@@ -67,14 +67,15 @@ def load_into(targets: dict[str, Any], ckpt: Checkpoint) -> None:
         dcp_load(targets, storage_reader=CheckedReader(ckpt), no_dist=True)
 
 
-def load_whole(ckpt: Checkpoint) -> dict[str, Any]:
-    """Every entry of ``ckpt`` as a nested state dict (what ``dcp_to_torch_save`` saves)."""
+def load_whole(ckpt: Checkpoint, keys: set[str] | None = None) -> dict[str, Any]:
+    """Every entry of ``ckpt`` (or those whose fqn is in ``keys``) as a nested state dict
+    (what ``dcp_to_torch_save`` saves)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         _load_state_dict(
-            sd, storage_reader=CheckedReader(ckpt), planner=_WeightsOnlyPlanner(), no_dist=True
+            sd, storage_reader=CheckedReader(ckpt), planner=_WeightsOnlyPlanner(keys), no_dist=True
         )
     return sd

@@ -4,12 +4,16 @@ the size the export tests train, to load a checkpoint into (also from a subproce
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from tests._support.procs import EXAMPLE
+from tests._support.procs import EXAMPLE, REPO, Procs
 
 MODEL_ARGS = dict(vocab=128, seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1)
 
@@ -34,3 +38,42 @@ def fresh_state(
         p.grad = torch.zeros_like(p)
     opt.step()  # creates exp_avg, exp_avg_sq, step
     return model, opt, {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+LOAD_SCRIPT = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {repo!r})
+from tests._support.example import example, fresh_state
+ex = example()
+world = int(os.environ["WORLD_SIZE"])
+if world > 1:
+    dist.init_process_group("gloo", init_method="file://" + {store!r},
+                            rank=int(os.environ["RANK"]), world_size=world)
+model, opt, sd = fresh_state(ex)
+dcp.load(sd, checkpoint_id={ckpt!r})
+model.load_state_dict(sd["model"])
+opt.load_state_dict(sd["optim"])
+print("DIGEST", ex.state_digest(model, opt), flush=True)
+if world > 1:
+    dist.barrier()
+    dist.destroy_process_group()
+os._exit(0)  # the digest is out; torch's teardown is not what is tested (test_fsdp.py's LOAD)
+"""
+"""Loads checkpoint {ckpt} with stock ``dcp.load`` into :func:`fresh_state` and prints the
+example's digest (format with repo, store, ckpt; env RANK and WORLD_SIZE)."""
+
+
+def load_digests(tmp_path: Path, procs: Procs, ckpt: Path, worlds: tuple[int, ...]) -> list:
+    """Load ``ckpt`` with stock dcp.load in one gloo group per world size (all at once); each
+    group's digests, one list per process."""
+    logs, ps = [], []
+    for world in worlds:
+        store = tmp_path / f"pg{world}.store"
+        script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(ckpt))
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+            logs.append(tmp_path / f"load{world}-{r}.log")
+            ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
+    for p in ps:
+        assert p.wait(timeout=180) == 0, [log.read_text()[-2000:] for log in logs]
+    return [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]

@@ -14,29 +14,9 @@ import pytest
 import torch
 
 from ftmem.smp.spawn import SmpProcess
-from tests._support.example import example, fresh_state
+from tests._support.example import LOAD_SCRIPT, example, fresh_state, load_digests
 from tests._support.procs import REPO, Procs
 from tests._support.ranks import SMALL, run_ranks
-
-LOAD_SCRIPT = """
-import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-sys.path.insert(0, {repo!r})
-from tests._support.example import example, fresh_state
-ex = example()
-world = int(os.environ["WORLD_SIZE"])
-if world > 1:
-    dist.init_process_group("gloo", init_method="file://" + {store!r},
-                            rank=int(os.environ["RANK"]), world_size=world)
-model, opt, sd = fresh_state(ex)
-dcp.load(sd, checkpoint_id={ckpt!r})
-model.load_state_dict(sd["model"])
-opt.load_state_dict(sd["optim"])
-print("DIGEST", ex.state_digest(model, opt), flush=True)
-if world > 1:
-    dist.barrier()
-    dist.destroy_process_group()
-os._exit(0)  # the digest is out; torch's teardown is not what is tested (test_fsdp.py's LOAD)
-"""
 
 
 @pytest.fixture
@@ -265,22 +245,6 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
     assert part.returncode == 1 and "assemble the parts first" in part.stderr, part.stderr
 
 
-def _load_digests(tmp_path: Path, procs: Procs, ckpt: Path, worlds: tuple[int, ...]) -> list:
-    """Load ``ckpt`` with stock dcp.load in one gloo group per world size (all at once); each
-    group's digests, one list per process."""
-    logs, ps = [], []
-    for world in worlds:
-        store = tmp_path / f"pg{world}.store"
-        script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(ckpt))
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-            logs.append(tmp_path / f"load{world}-{r}.log")
-            ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
-    for p in ps:
-        assert p.wait(timeout=180) == 0, [log.read_text()[-2000:] for log in logs]
-    return [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
-
-
 def test_the_writer_checkpoint_loads_with_stock_dcp_at_two_and_three_processes(
     trained: tuple[Path, str], tmp_path: Path, procs: Procs
 ) -> None:
@@ -291,7 +255,7 @@ def test_the_writer_checkpoint_loads_with_stock_dcp_at_two_and_three_processes(
     out = tmp_path / "ckpt"
     export_dcp(find_sources([run_dir]), out, threads=3)
     assert len(list(out.glob("*.distcp"))) == 3  # written by three threads
-    assert _load_digests(tmp_path, procs, out, (2, 3)) == [[digest]] * 5
+    assert load_digests(tmp_path, procs, out, (2, 3)) == [[digest]] * 5
 
 
 def test_a_sigkill_mid_write_or_a_changed_slot_never_leaves_a_listed_checkpoint(

@@ -1,0 +1,359 @@
+"""Checkpoint arithmetic: a new DCP checkpoint from a linear combination of flushed ones.
+
+LCSC (Linear Combination of Saved Checkpoints) finds that a weighted sum of checkpoints along
+the training trajectory can beat the last one; an exponential moving average is one such sum.
+ftmem flushes checkpoints in stock DCP format, so combining them needs no training code:
+
+* **Inputs** are complete checkpoints of a tier (or anywhere), each checked before any byte is
+  used: its signed manifest (:func:`~ftmem.tiers.checkpoints.read_checkpoint`: ours, not
+  writable by others) and every file's hash (:func:`~ftmem.tiers.checkpoints.verify_checkpoint`).
+  Their metadata comes from the signed manifest's JSON, never from a pickle
+  (:class:`~ftmem.tiers.dcp_read.CheckedReader`); non-tensor entries are loaded with
+  ``weights_only``.
+* **What is combined**: every floating-point tensor (optionally only those under ``keys``), in
+  float64 (or float32), then cast back to its dtype. Every other entry (integer and bool
+  tensors, non-tensor state such as an optimizer's ``param_groups``) is taken from the *base*
+  checkpoint, whose step and world size the output carries. A combined tensor must have the
+  same size and dtype in every input.
+* **Streaming**: the output is written by stock DCP (``FileSystemWriter``, a file per tensor)
+  from a state dict of meta-device placeholders; the planner computes each tensor when DCP asks
+  for it (``resolve_data``), reading it from each input in turn into one buffer, converted a
+  chunk at a time. Memory stays near a few times the largest tensor (the buffer, the float64
+  sum, the output and DCP's previous output) whatever the model's size or the inputs' count.
+  Inputs saved at any world size (DCP chunks) are read whole; the output loads at any world
+  size with ``dcp.load``.
+* **Exactness**: a term whose coefficient is 0 is skipped and the sum starts from the first
+  term, so coefficients ``(1, 0, ...)`` reproduce an input bit for bit. Each operation is a
+  separate, correctly rounded float64 operation (no fused multiply-add), so a reference
+  computed with the same formula in float64 matches exactly.
+
+The output is written as ``<out>.tmp-<host>-<pid>`` and renamed into place once DCP has written
+it and its signed manifest (which also records the inputs and coefficients) is fsynced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftmem._logging import get_logger
+from ftmem.errors import FtmemError
+from ftmem.tiers.checkpoints import (
+    Checkpoint,
+    fsync_dir,
+    read_checkpoint,
+    temp_name,
+    verify_checkpoint,
+    write_manifest,
+)
+from ftmem.tiers.dcp_meta import metadata_to_json
+from ftmem.tiers.dcp_read import CheckedReader, load_whole
+
+log = get_logger(__name__)
+
+ACCUMULATE = {"float64": torch.float64, "float32": torch.float32}
+
+
+class CombineError(FtmemError):
+    """The checkpoints cannot be combined as asked (they differ, a coefficient is missing, the
+    output exists...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """``sum(coeffs[i] * input[i])``; terms with coefficient 0 are skipped."""
+
+    coeffs: tuple[float, ...]
+
+    def describe(self) -> dict[str, Any]:
+        """The combination as JSON (for the output's manifest)."""
+        return {"kind": "linear", "coeffs": list(self.coeffs)}
+
+
+@dataclass(frozen=True, slots=True)
+class Ema:
+    """The exponential moving average of the inputs in order: ``e = x[0]``, then
+    ``e = decay * e + (1 - decay) * x[i]`` for each next input."""
+
+    decay: float
+
+    def describe(self) -> dict[str, Any]:
+        """The combination as JSON (for the output's manifest)."""
+        return {"kind": "ema", "decay": self.decay}
+
+
+Combination = Linear | Ema
+
+
+def ema_coefficients(decay: float, n: int) -> tuple[float, ...]:
+    """The weights of :class:`Ema` over ``n`` inputs as a linear combination (sum 1)."""
+    if n == 1:
+        return (1.0,)
+    return (decay ** (n - 1), *((1 - decay) * decay ** (n - 1 - i) for i in range(1, n)))
+
+
+class InputSet:
+    """Checked input checkpoints and the entries they share; reads one tensor at a time.
+
+    The inputs keep the order given (``by_step``: oldest step first). The base is ``base``, or
+    else the input of the newest step.
+
+    Raises (from the constructor):
+        CorruptSnapshotError / UnsafePathError: an input fails its checks (see the module
+            docstring); nothing of it was used.
+        CombineError: fewer than one input, a part of a multi-node checkpoint, or a combined
+            tensor whose size or dtype differs between inputs.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        base: Path | None = None,
+        keys: Sequence[str] = (),
+        by_step: bool = False,
+    ) -> None:
+        if not paths:
+            raise CombineError("no checkpoints to combine")
+        self.ckpts: list[Checkpoint] = []
+        for p in paths:
+            ckpt = read_checkpoint(Path(p))
+            if ckpt.is_part:
+                raise CombineError(f"{p} is a node's part: assemble the parts first")
+            if ckpt.dcp_json is None:
+                raise CombineError(f"{p} has no DCP metadata in its manifest (an older ftmem)")
+            verify_checkpoint(ckpt)
+            self.ckpts.append(ckpt)
+        if by_step:
+            self.ckpts.sort(key=lambda c: c.step)
+        self.readers = [_CachedReader(c) for c in self.ckpts]
+        self.base = self._base(base)
+        self.metadata = [r.read_metadata() for r in self.readers]
+        self.combined = self._combined(keys)
+        """fqn -> (size, dtype) of every tensor that is combined."""
+
+    def _base(self, base: Path | None) -> int:
+        if base is None:
+            return max(range(len(self.ckpts)), key=lambda i: self.ckpts[i].step)
+        for i, c in enumerate(self.ckpts):
+            if os.path.samefile(c.path, base):
+                return i
+        raise CombineError(f"the base {base} is not one of the checkpoints combined")
+
+    def _combined(self, keys: Sequence[str]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        for fqn, entry in self.metadata[self.base].state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                continue
+            if not entry.properties.dtype.is_floating_point or not _selected(fqn, keys):
+                continue
+            want = (entry.size, entry.properties.dtype)
+            for ckpt, md in zip(self.ckpts, self.metadata, strict=True):
+                other = md.state_dict_metadata.get(fqn)
+                if not isinstance(other, TensorStorageMetadata):
+                    raise CombineError(f"{ckpt.path} has no tensor {fqn!r}")
+                if (other.size, other.properties.dtype) != want:
+                    raise CombineError(
+                        f"{fqn!r} is {list(other.size)} {other.properties.dtype} in "
+                        f"{ckpt.path} but {list(want[0])} {want[1]} in the base"
+                    )
+            out[fqn] = want
+        if keys and not out:
+            raise CombineError(f"no floating-point tensor matches --keys {list(keys)}")
+        return out
+
+    def read(self, i: int, fqn: str, into: torch.Tensor) -> torch.Tensor:
+        """Tensor ``fqn`` of input ``i``, read into ``into`` (of its size and dtype)."""
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load({fqn: into}, storage_reader=self.readers[i], no_dist=True)
+        return into
+
+    def skeleton(self) -> dict[str, Any]:
+        """The base's state dict with its non-combined entries loaded and a meta-device
+        placeholder (size and dtype only) in place of each combined tensor."""
+        from torch.distributed.checkpoint._traverse import set_element
+
+        md = self.metadata[self.base]
+        rest = {fqn for fqn in md.state_dict_metadata if fqn not in self.combined}
+        sd: dict[str, Any] = load_whole(self.ckpts[self.base], keys=rest) if rest else {}
+        for fqn, (size, dtype) in self.combined.items():
+            path = md.planner_data.get(fqn, (fqn,)) if md.planner_data else (fqn,)
+            set_element(sd, path, torch.empty(size, dtype=dtype, device="meta"))
+        return sd
+
+
+def _selected(fqn: str, keys: Sequence[str]) -> bool:
+    return not keys or any(fqn == k or fqn.startswith(k + ".") for k in keys)
+
+
+class _CachedReader(CheckedReader):
+    """A checked reader that rebuilds the metadata once (each tensor read asks for it)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__(ckpt)
+        self._md: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._md is None:
+            self._md = super().read_metadata(*args, **kwargs)
+        return self._md
+
+
+_CHUNK = 4 << 20
+"""Elements converted to the accumulation dtype at a time (32 MiB of float64)."""
+
+
+def _add_scaled(acc: torch.Tensor, x: torch.Tensor, c: float, first: bool) -> None:
+    """``acc = x * c`` (``first``) or ``acc += x * c``, converting ``x`` a chunk at a time;
+    each product and sum is its own rounded operation (no fused multiply-add)."""
+    a, b = acc.view(-1), x.reshape(-1)
+    for s in range(0, a.numel(), _CHUNK):
+        part = b[s : s + _CHUNK].to(acc.dtype, copy=True)
+        if c != 1.0:
+            part.mul_(c)
+        if first:
+            a[s : s + _CHUNK].copy_(part)
+        else:
+            a[s : s + _CHUNK].add_(part)
+
+
+def combine_tensor(
+    inputs: InputSet,
+    fqn: str,
+    how: Combination,
+    accumulate: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Tensor ``fqn`` of the combination ``how`` of the inputs, in its own dtype.
+
+    Memory: one read buffer, the sum in ``accumulate`` and the result (plus a chunk).
+    """
+    size, dtype = inputs.combined[fqn]
+    buf = torch.empty(size, dtype=dtype)
+    acc = torch.zeros(size, dtype=accumulate)
+    if isinstance(how, Ema):
+        for i in range(len(inputs.ckpts)):
+            inputs.read(i, fqn, buf)
+            if i > 0:
+                acc.mul_(how.decay)
+            _add_scaled(acc, buf, 1.0 if i == 0 else 1.0 - how.decay, first=i == 0)
+        return acc.to(dtype)
+    if len(how.coeffs) != len(inputs.ckpts):
+        raise CombineError(f"{len(how.coeffs)} coefficients for {len(inputs.ckpts)} checkpoints")
+    first = True
+    for i, c in enumerate(how.coeffs):
+        if c != 0.0:
+            _add_scaled(acc, inputs.read(i, fqn, buf), c, first)
+            first = False
+    return acc.to(dtype)  # every coefficient 0: zeros
+
+
+def _combining_planner(compute: Callable[[str], torch.Tensor]) -> Any:
+    """DCP's default save planner, computing each combined tensor when DCP writes it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class _CombiningPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            obj = self.lookup_object(write_item.index)
+            if write_item.type != WriteItemType.BYTE_IO and obj.is_meta:
+                return compute(write_item.index.fqn)
+            return super().resolve_data(write_item)
+
+    return _CombiningPlanner()
+
+
+@dataclass(frozen=True, slots=True)
+class CombineResult:
+    """What :func:`write_combined` wrote."""
+
+    path: Path
+    step: int
+    combined: int
+    """How many tensors were combined (the rest came from the base)."""
+    nbytes: int
+
+
+def write_combined(
+    inputs: InputSet,
+    how: Combination,
+    out: Path,
+    accumulate: torch.dtype = torch.float64,
+) -> CombineResult:
+    """Write the combination ``how`` of ``inputs`` as a DCP checkpoint at ``out`` (which must
+    not exist), with a signed manifest; see the module docstring for what is combined.
+
+    Raises:
+        CombineError: ``out`` exists, or the combination does not fit the inputs.
+        OSError: writing failed (nothing is left under ``out``).
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    out = Path(out)
+    if os.path.lexists(out):
+        raise CombineError(f"{out} exists")
+    if isinstance(how, Linear) and len(how.coeffs) != len(inputs.ckpts):
+        raise CombineError(f"{len(how.coeffs)} coefficients for {len(inputs.ckpts)} checkpoints")
+    base = inputs.ckpts[inputs.base]
+    tmp = out.parent / temp_name(out.name)
+    tmp.mkdir(mode=0o700)
+    try:
+        planner = _combining_planner(lambda fqn: combine_tensor(inputs, fqn, how, accumulate))
+        # A file per tensor: DCP's writer holds every tensor of a file until it closes the file.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            md = dcp_save(
+                inputs.skeleton(),
+                storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),
+                planner=planner,
+                no_dist=True,
+            )
+        record = {
+            **how.describe(),
+            "inputs": [{"path": str(c.path), "step": c.step} for c in inputs.ckpts],
+            "base": str(base.path),
+            "accumulate": str(accumulate).removeprefix("torch."),
+        }
+        write_manifest(
+            tmp, base.step, base.world_size, extra={"dcp": metadata_to_json(md), "combined": record}
+        )
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    nbytes = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    log.info(
+        "combined %d tensors of %d checkpoints into %s",
+        len(inputs.combined),
+        len(inputs.ckpts),
+        out,
+    )
+    return CombineResult(out, base.step, len(inputs.combined), nbytes)
+
+
+def combined_state(
+    inputs: InputSet, how: Combination, accumulate: torch.dtype = torch.float64
+) -> dict[str, Any]:
+    """The combination as an in-memory state dict (nested as the base was saved: what
+    ``dcp_to_torch_save`` would give), e.g. for an evaluation."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    md = inputs.metadata[inputs.base]
+    sd = inputs.skeleton()
+    for fqn in inputs.combined:
+        path = md.planner_data.get(fqn, (fqn,)) if md.planner_data else (fqn,)
+        set_element(sd, path, combine_tensor(inputs, fqn, how, accumulate))
+    return sd
