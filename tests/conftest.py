@@ -7,6 +7,7 @@ watched and reaped with the package's harness (:mod:`ftmem.testing.harness`).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -75,7 +76,8 @@ def launcher_env() -> Iterator[Launcher]:
         yield launcher
     finally:
         launcher.cleanup()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.environ.get("FTMEM_TEST_KEEP"):  # keep the logs to read after a failure
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture

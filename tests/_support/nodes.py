@@ -112,14 +112,34 @@ class Nodes:
         return dict(st.get("exchange", {}))
 
     def wait_protected(self, at_least: int, timeout: float = 120.0) -> int:
-        """Wait until every node's SMP reports a protected step >= ``at_least``."""
+        """Wait until every node's SMP reports a protected step >= ``at_least``; fail at once
+        (with each node's exchange events) when an agent exits first."""
         deadline = time.monotonic() + timeout
         while True:
             steps = [self.exchange(i).get("protected_step") for i in range(self.n)]
             if all(isinstance(s, int) and s >= at_least for s in steps):
                 return min(s for s in steps if isinstance(s, int))
-            assert time.monotonic() < deadline, f"protected steps {steps} never reached {at_least}"
+            exited = {i: a.poll() for i, a in self.agents.items() if a.poll() is not None}
+            if exited or time.monotonic() >= deadline:
+                why = f"agents {exited} exited" if exited else f"{timeout} s passed"
+                raise AssertionError(
+                    f"protected steps {steps} never reached {at_least} ({why})\n" + self.diagnosis()
+                )
             time.sleep(0.2)
+
+    def diagnosis(self, lines: int = 25) -> str:
+        """The last exchange events of each node's SMP and the tail of each agent's log."""
+        out = []
+        for i in range(self.n):
+            path = f"{self.run_dir(i)}/smp-events.jsonl"
+            try:
+                with open(path) as f:
+                    ev = [x for x in f.read().splitlines() if '"protect' in x or '"sync"' in x]
+            except OSError as exc:
+                ev = [f"({exc})"]
+            out.append(f"--- node {i} exchange events:\n" + "\n".join(ev[-lines:]))
+            out.append(f"--- node {i} agent log:\n" + self.agents[i].text()[-2000:])
+        return "\n".join(out)
 
     def lose(self, i: int) -> None:
         """Node i dies: every process of it SIGKILLed at once, its shared memory gone."""
