@@ -13,8 +13,8 @@ ftmem flushes checkpoints in stock DCP format, so combining them needs no traini
 * **What is combined**: every floating-point tensor (optionally only those under ``keys``), in
   float64 (or float32), then cast back to its dtype. Every other entry (integer and bool
   tensors, non-tensor state such as an optimizer's ``param_groups``) is taken from the *base*
-  checkpoint, whose step and world size the output carries. A combined tensor must have the
-  same size and dtype in every input.
+  checkpoint (its tensors streamed like the combined ones), whose step and world size the
+  output carries. A combined tensor must have the same size and dtype in every input.
 * **Streaming**: the output is written by stock DCP (``FileSystemWriter``, a file per tensor)
   from a state dict of meta-device placeholders; the planner computes each tensor when DCP asks
   for it (``resolve_data``), reading it from each input in turn into one buffer, converted a
@@ -135,6 +135,7 @@ class InputSet:
         self.readers = [_CachedReader(c) for c in self.ckpts]
         self.base = self._base(base)
         self.metadata = [r.read_metadata() for r in self.readers]
+        self._tensors: dict[str, tuple[torch.Size, torch.dtype]] | None = None
         self.combined = self._combined(keys)
         """fqn -> (size, dtype) of every tensor that is combined."""
 
@@ -179,18 +180,43 @@ class InputSet:
             dcp_load({fqn: into}, storage_reader=self.readers[i], no_dist=True)
         return into
 
+    def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """fqn -> (size, dtype) of every tensor of the base (combined or not)."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        if self._tensors is None:
+            self._tensors = {
+                fqn: (e.size, e.properties.dtype)
+                for fqn, e in self.metadata[self.base].state_dict_metadata.items()
+                if isinstance(e, TensorStorageMetadata)
+            }
+        return self._tensors
+
+    def path_of(self, fqn: str) -> tuple[Any, ...]:
+        """Where entry ``fqn`` sits in the base's nested state dict."""
+        planner = self.metadata[self.base].planner_data or {}
+        return tuple(planner.get(fqn, (fqn,)))
+
     def skeleton(self) -> dict[str, Any]:
-        """The base's state dict with its non-combined entries loaded and a meta-device
-        placeholder (size and dtype only) in place of each combined tensor."""
+        """The base's state dict with its non-tensor entries loaded (``weights_only``) and a
+        meta-device placeholder (size and dtype only) in place of every tensor."""
         from torch.distributed.checkpoint._traverse import set_element
 
-        md = self.metadata[self.base]
-        rest = {fqn for fqn in md.state_dict_metadata if fqn not in self.combined}
+        tensors = self.tensors()
+        rest = {fqn for fqn in self.metadata[self.base].state_dict_metadata if fqn not in tensors}
         sd: dict[str, Any] = load_whole(self.ckpts[self.base], keys=rest) if rest else {}
-        for fqn, (size, dtype) in self.combined.items():
-            path = md.planner_data.get(fqn, (fqn,)) if md.planner_data else (fqn,)
-            set_element(sd, path, torch.empty(size, dtype=dtype, device="meta"))
+        for fqn, (size, dtype) in tensors.items():
+            set_element(sd, self.path_of(fqn), torch.empty(size, dtype=dtype, device="meta"))
         return sd
+
+    def output_tensor(
+        self, fqn: str, how: Combination, accumulate: torch.dtype = torch.float64
+    ) -> torch.Tensor:
+        """Tensor ``fqn`` of the output: the combination if it is combined, else the base's."""
+        if fqn in self.combined:
+            return combine_tensor(self, fqn, how, accumulate)
+        size, dtype = self.tensors()[fqn]
+        return self.read(self.base, fqn, torch.empty(size, dtype=dtype))
 
 
 def _selected(fqn: str, keys: Sequence[str]) -> bool:
@@ -309,7 +335,7 @@ def write_combined(
     tmp = out.parent / temp_name(out.name)
     tmp.mkdir(mode=0o700)
     try:
-        planner = _combining_planner(lambda fqn: combine_tensor(inputs, fqn, how, accumulate))
+        planner = _combining_planner(lambda fqn: inputs.output_tensor(fqn, how, accumulate))
         # A file per tensor: DCP's writer holds every tensor of a file until it closes the file.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -351,9 +377,7 @@ def combined_state(
     ``dcp_to_torch_save`` would give), e.g. for an evaluation."""
     from torch.distributed.checkpoint._traverse import set_element
 
-    md = inputs.metadata[inputs.base]
     sd = inputs.skeleton()
-    for fqn in inputs.combined:
-        path = md.planner_data.get(fqn, (fqn,)) if md.planner_data else (fqn,)
-        set_element(sd, path, combine_tensor(inputs, fqn, how, accumulate))
+    for fqn in inputs.tensors():
+        set_element(sd, inputs.path_of(fqn), inputs.output_tensor(fqn, how, accumulate))
     return sd
