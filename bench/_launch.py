@@ -33,38 +33,24 @@ __all__ = ["free_port", "remove_shm"]  # re-exported for the bench scripts
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_gpt.py"
-
-# The example's per-rank lines (``logging``) and final prints.
-RANK_LINE_RE = re.compile(
-    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\] (\S+) [A-Z]+: (.*)$", re.MULTILINE
-)
+# The example's model size in the launcher benchmarks: 2.64 M parameters (32 MB of state per
+# rank), about 0.1 s a step on one core here.
+MODEL_DEFAULTS = {"d_model": 256, "n_layers": 2, "vocab": 2048, "seq_len": 32, "batch_size": 2}
+# The example's closing prints.
 MEDIAN_RE = re.compile(r"\[rank (\d+)\] median step time ([0-9.]+) s")
 MEAN_RE = re.compile(r"\[rank (\d+)\] mean step time ([0-9.]+) s")
-DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]{64})")
-
-
-def tool(name: str, module: str) -> list[str]:
-    """The console script ``name`` if it is on PATH, else ``python -m module``."""
-    path = shutil.which(name)
-    return [path] if path else [sys.executable, "-m", module]
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment of a job (:func:`ftmem.testing.harness.agent_env`: one OpenMP thread per
-    rank, standby ranks off unless a benchmark asks for them), the repository on PYTHONPATH,
-    unbuffered output."""
+    """A job's environment: :func:`ftmem.testing.harness.agent_env` (standby ranks off unless
+    asked for), the repository on PYTHONPATH, unbuffered output."""
     return agent_env({"PYTHONUNBUFFERED": "1", **extra}, pythonpath=[REPO])
 
 
-def single_node_args(*, nproc: int, run_id: str, run_dir: Path, node: str = "n0") -> list[str]:
+def single_node_args(*, nproc: int, run_id: str, run_dir: Path) -> list[str]:
     """``ftmem-launch`` flags for one node: c10d rendezvous on a free local port, own run dir."""
-    return launch_args(
-        nproc=nproc,
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_id=run_id,
-        node=node,
-        run_dir=run_dir,
-    )
+    rdzv = {"rdzv_endpoint": f"127.0.0.1:{free_port()}", "rdzv_id": run_id}
+    return launch_args(nproc=nproc, node="n0", run_dir=run_dir, **rdzv)
 
 
 class Job(AgentProcess):
@@ -82,17 +68,10 @@ class Agent(Job):
 
 
 def wait_all(
-    jobs: list[Job],
-    *,
-    timeout: float,
-    poller: StatusPoller | None = None,
-    poll_s: float = 0.5,
+    jobs: list[Job], *, timeout: float, poller: StatusPoller | None = None, poll_s: float = 0.5
 ) -> None:
-    """Wait until every job has exited, polling ``poller`` every ``poll_s`` seconds meanwhile.
-
-    Error handling: raises TimeoutError if a job still runs after ``timeout`` seconds (the
-    caller stops the jobs).
-    """
+    """Wait until every job has exited, polling ``poller`` every ``poll_s`` seconds meanwhile;
+    TimeoutError if a job still runs after ``timeout`` seconds (the caller stops the jobs)."""
     deadline = time.monotonic() + timeout
     next_poll = 0.0
     while any(job.poll() is None for job in jobs):
@@ -107,20 +86,8 @@ def wait_all(
         time.sleep(0.1)
 
 
-def run_job(
-    cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
-) -> tuple[int | None, float]:
-    """Run ``cmd`` to its end as a :class:`Job`; return (exit code or None on timeout, seconds)."""
-    t0 = time.monotonic()
-    with Job(cmd, log_path, env) as job:
-        rc = job.wait(timeout)
-        wall = time.monotonic() - t0
-    return rc, wall
-
-
 def shm_bytes(run_id: str) -> tuple[int, int]:
-    """(allocated bytes, file count) of the shared-memory files of ``run_id``
-    (:func:`ftmem.testing.harness.shm_files`)."""
+    """(allocated bytes, file count) of the shared-memory files of ``run_id``."""
     total = count = 0
     for name in shm_files(run_id):
         with contextlib.suppress(OSError):
@@ -130,12 +97,8 @@ def shm_bytes(run_id: str) -> tuple[int, int]:
 
 
 class StatusPoller:
-    """Polls the STATUS of the SMP of each run directory (one client each, reopened on error).
-
-    Keeps the last STATUS document and the CPU seconds of each SMP (by its pid in STATUS).
-
-    Resource handling: :meth:`close` closes every client.
-    """
+    """Polls the STATUS of the SMP of each run directory (one client each, reopened on error),
+    keeping the last STATUS of each and its SMP's CPU seconds; :meth:`close` closes them."""
 
     def __init__(self, run_dirs: list[Path], timeout: timedelta = timedelta(seconds=2)) -> None:
         self.run_dirs = run_dirs
@@ -159,8 +122,7 @@ class StatusPoller:
                     self.clients[i] = SmpClient(rd, timeout=self.timeout)
                 st = self.clients[i].status()
             except (FtmemError, OSError):
-                client = self.clients.pop(i, None)
-                if client is not None:
+                if (client := self.clients.pop(i, None)) is not None:
                     client.close()
                 continue
             self.last[i] = st
@@ -182,15 +144,6 @@ class StatusPoller:
             client.close()
         self.clients.clear()
 
-    def __enter__(self) -> StatusPoller:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-MODEL_FLAGS = ("d_model", "n_layers", "vocab", "seq_len", "batch_size")
-
 
 def flags(**values: Any) -> list[str]:
     """``--name value`` for each keyword, in order (``_`` in a name becomes ``-``)."""
@@ -199,12 +152,18 @@ def flags(**values: Any) -> list[str]:
 
 def model_flags(args: argparse.Namespace) -> list[str]:
     """The example's model-size flags from ``args`` (``add_model_args``)."""
-    return flags(**{k: getattr(args, k) for k in MODEL_FLAGS})
+    return flags(**{k: getattr(args, k) for k in MODEL_DEFAULTS})
 
 
 def example() -> str:
     """The example script, relative to the repository root."""
     return str(EXAMPLE.relative_to(REPO))
+
+
+def shown(cmd: list[str], tmp: Path) -> str:
+    """A command for the docs: repository-relative, ``python``, ``tmp`` shown as ``$TMP``."""
+    text = " ".join(cmd).replace(str(tmp), "$TMP").replace(str(REPO) + "/", "")
+    return text.replace(sys.executable, "python")
 
 
 @dataclass
@@ -239,22 +198,14 @@ def clean_up(res: Any, run_id: str, tmp: Path, keep_logs: bool) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The example's model-size flags, with the defaults the launcher benchmarks share.
-
-    ``--d-model 256 --n-layers 2 --vocab 2048 --seq-len 32 --batch-size 2``: 2.64 M
-    parameters (32 MB of state per rank), about 0.1 s a step on one core here.
-    """
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=2)
+    """The example's model-size flags, with :data:`MODEL_DEFAULTS` as defaults."""
+    for name, default in MODEL_DEFAULTS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
 
 
 def add_job_args(p: argparse.ArgumentParser, *, run_timeout: float) -> None:
     """``--poll`` (STATUS interval), ``--run-timeout`` (one job) and ``--keep-logs``."""
     p.add_argument("--poll", type=float, default=0.5, help="STATUS poll interval (s)")
-    p.add_argument(
-        "--run-timeout", type=float, default=run_timeout, help="one job, start to end (s)"
-    )
+    timeout = "one job, start to end (s)"
+    p.add_argument("--run-timeout", type=float, default=run_timeout, help=timeout)
     p.add_argument("--keep-logs", action="store_true", help="keep each job's logs and dirs")

@@ -1,11 +1,9 @@
 """The training loop of ``examples/train_gpt.py``, for the bench workers that run inside ranks.
 
-``bench/recovery.py --_dcp-worker`` (torchrun + DCP) and ``bench/overhead.py --_worker``
-(blocks of snapshot cadences in one job) need the example's model, data, optimizer, schedule
-and DDP wrapping, built in the example's order so that the seeds line up and the final digest
-equals the example's. The example is imported with ``importlib`` (it is not in a package).
-The workers report what the benchmarks time as JSON lines (:meth:`Training.mark`, read back
-with :func:`marks`), not as log lines to scrape.
+``bench/recovery.py --_dcp-worker`` and ``bench/overhead.py --_worker`` build the example's
+model, data, optimizer, schedule and DDP wrapping in the example's order, so that the seeds
+line up and the final digest equals the example's. The workers report what the benchmarks
+time as JSON lines (:func:`mark`, read back with :func:`marks`), not as log lines to scrape.
 """
 
 from __future__ import annotations
@@ -17,21 +15,20 @@ import json
 import logging
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from bench import _launch
 
-MARK = "BENCH_MARK "
-"""Prefix of the workers' JSON lines: ``{"event", "time", "rank", ...}``."""
+MARK = "BENCH_MARK "  # Prefix of the workers' JSON lines: {"event", "time", "rank", ...}.
 
 
 def mark(event: str, rank: int, **fields: Any) -> None:
     """Print one JSON line of what a worker did, with the wall-clock time (``time.time()``)."""
-    import time
-
     doc = {"event": event, "time": time.time(), "rank": rank, **fields}
     print(MARK + json.dumps(doc), flush=True)
 
@@ -46,16 +43,6 @@ def marks(text: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return sorted(out, key=lambda d: d["time"])
-
-
-def load_example() -> ModuleType:
-    """Import ``examples/train_gpt.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("train_gpt_example", _launch.EXAMPLE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {_launch.EXAMPLE}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(slots=True)
@@ -88,8 +75,7 @@ class Training:
 
     def log_step(self, step: int, loss: Any) -> None:
         """The example's per-step log line (when ``--log-every`` says so)."""
-        args = self.args
-        if step % args.log_every == 0 or step == args.steps:
+        if step % self.args.log_every == 0 or step == self.args.steps:
             lr = self.scheduler.get_last_lr()[0]
             self.log.info("step %d loss %.4f lr %.2e", step, loss.item(), lr)
 
@@ -123,15 +109,13 @@ class Training:
         """Print the example's closing lines (final step, step times, digest); leave the group."""
         import torch.distributed as dist
 
-        rank = self.rank
-        print(f"[rank {rank}] final step {final_step}", flush=True)
+        say = [f"final step {final_step}"]
         if step_times:
-            mean = sum(step_times) / len(step_times)
-            print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
-            median = statistics.median(step_times)
-            print(f"[rank {rank}] median step time {median:.4f} s", flush=True)
-        digest = self.ex.state_digest(self.model, self.optimizer)
-        print(f"[rank {rank}] digest {digest}", flush=True)
+            say.append(f"mean step time {sum(step_times) / len(step_times):.4f} s")
+            say.append(f"median step time {statistics.median(step_times):.4f} s")
+        say.append(f"digest {self.ex.state_digest(self.model, self.optimizer)}")
+        for line in say:
+            print(f"[rank {self.rank}] {line}", flush=True)
         if self.world > 1:
             dist.destroy_process_group()
 
@@ -143,7 +127,11 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    ex = load_example()
+    spec = importlib.util.spec_from_file_location("train_gpt_example", _launch.EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {_launch.EXAMPLE}")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
     args = ex.get_args_parser().parse_args(list(example_argv))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -156,13 +144,9 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if world > 1:
-        dist.init_process_group(
-            "gloo",
-            init_method=args.init_method,
-            timeout=datetime.timedelta(seconds=args.pg_timeout),
-            rank=rank,
-            world_size=world,
-        )
+        timeout = datetime.timedelta(seconds=args.pg_timeout)
+        pg = {"init_method": args.init_method, "timeout": timeout, "rank": rank}
+        dist.init_process_group("gloo", world_size=world, **pg)
     torch.manual_seed(args.seed)
     gpt = ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "dropout", "batchnorm")
     model = ex.GPT(**{k: getattr(args, k) for k in gpt})
@@ -171,14 +155,24 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     mark("model", rank, params_m=n_params / 1e6)
     torch.manual_seed(args.seed + 1000 * rank + 1)
     # As the example: DDP keeps its initial bucket layout (see the example's comment).
-    train_model = (
-        DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
-    )
+    ddp = DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     total = args.lr_decay_steps or args.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, ex._lr_lambda(args.warmup_steps, total)
-    )
+    lr = ex._lr_lambda(args.warmup_steps, total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr)
     data = {k: getattr(args, k) for k in ("vocab", "seq_len", "batch_size", "seed")}
     loader = ex.SyntheticTokens(**data, rank=rank)
-    return Training(ex, args, rank, world, log, model, train_model, optimizer, scheduler, loader)
+    return Training(ex, args, rank, world, log, model, ddp, optimizer, scheduler, loader)
+
+
+def worker(prog: str, argv: Sequence[str], ints: Sequence[str]) -> tuple[Any, Training]:
+    """A worker's command line (``--ckpt-dir DIR``, the int flags ``ints``, then ``--`` and
+    the example's arguments): its arguments and the rank's :class:`Training`."""
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--ckpt-dir", type=Path, required=True)
+    for name in ints:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
+    p.add_argument("example_args", nargs=argparse.REMAINDER)
+    w = p.parse_args(list(argv))
+    example = w.example_args[1:] if w.example_args[:1] == ["--"] else w.example_args
+    return w, setup(example, prog.split(".")[0] + "_worker")

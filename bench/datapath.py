@@ -7,14 +7,14 @@
     python bench/datapath.py --sizes 1 --saves 12 --compute-ms 100 --no-write
     python bench/datapath.py --gpu --quick             # a CUDA state of >= 4 GiB, K=5
 
-What each figure is: docs/benchmarks.md, "How the parts measure". Sections ``bench:datapath``
-and ``bench:gpu``.
+Each size runs in a rank process of its own (this file with ``--_rank``) beside an SMP; the rank
+writes its raw figures to ``--result`` as JSON. What each figure is: docs/benchmarks.md, "How the
+parts measure". Sections ``bench:datapath`` and ``bench:gpu``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import hashlib
 import json
@@ -37,18 +37,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/datapath.py
 
 from bench import _baselines as baselines
-from bench import _datapath_node as dp
-from bench import _launch, _proc, _results
+from bench import _launch, _results
 from bench import _stats as st
+from bench._datapath_rank import (
+    connect,
+    cpu_wall,
+    measure_saves,
+    node_smp,
+    rank_main,
+    save_and_wait,
+    smp_args,
+    wait_verified,
+)
 from bench._figures import Goal, goal_rows, kv, le, rows, table
 from bench._stats import GiB, MiB, fmt, stat
 
 logger = logging.getLogger("bench.datapath")
 
 PART = "datapath"
-
-HASH_CHUNK = 2 * MiB
-"""Piece size of the hash table's updates (the client's copy moves 2 MiB pieces)."""
+HASH_CHUNK = 2 * MiB  # Piece size of the hash table's updates (the client's copy moves 2 MiB).
 
 _KEYS = ("sizes", "saves", "repeats", "compute_ms", "hash_mib", "idle_s")
 PROFILES: dict[str, dict[str, Any]] = {
@@ -62,11 +69,8 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 
 def bench_hashes(mib: int, repeats: int) -> list[dict[str, Any]]:
-    """CPU and wall seconds of each hash function over ``mib`` MiB, beside a memcpy of it.
-
-    One thread (this one), ``HASH_CHUNK`` updates; median over ``repeats``. Rows:
-    {name, wall, cpu, bytes} (lists of seconds).
-    """
+    """Each hash function over ``mib`` MiB beside a memcpy of it, one thread, ``HASH_CHUNK``
+    updates: rows {name, wall, cpu, bytes} (seconds per repeat, after a warm-up)."""
     import xxhash
 
     n = mib * MiB
@@ -100,22 +104,17 @@ def bench_hashes(mib: int, repeats: int) -> list[dict[str, Any]]:
             ("zlib.crc32", crc32),
             ("hashlib.blake2b", streaming(hashlib.blake2b)),
         ]
-        rows: list[dict[str, Any]] = []
+        out = []
         for name, fn in cases:
-            row: dict[str, Any] = {"name": name, "wall": [], "cpu": [], "bytes": n}
             fn()  # warm-up (caches, lazy initialisation)
-            for _ in range(repeats):
-                c0, w0 = time.process_time(), time.perf_counter()
-                fn()
-                row["cpu"].append(time.process_time() - c0)
-                row["wall"].append(time.perf_counter() - w0)
-            rows.append(row)
-        return rows
+            times = cpu_wall(fn, repeats)
+            out.append({"name": name, "wall": times["wall"], "cpu": times["cpu"], "bytes": n})
+        return out
     finally:
         torch.set_num_threads(threads)
 
 
-# --------------------------------------------------------------------------- the rank (child)
+# ----------------------------------------------------------------------------- the parent
 
 
 @dataclass(kw_only=True)
@@ -123,70 +122,10 @@ class SizeResult:
     """What the rank and this process measured for one state size."""
 
     size_gib: float
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)  # The rank's raw figures.
     notes: list[str] = field(default_factory=list)
     error: str = ""
     skipped: str = ""  # Why the size was not run (not enough memory), else "".
-
-
-def measure_size(size_gib: float, args: argparse.Namespace, smp_args: list[str]) -> SizeResult:
-    """Start an SMP and a rank process for one size; collect what the rank measured."""
-    result = SizeResult(size_gib=size_gib)
-    # The state, its slots, and one more copy: the memcpy's buffer, later DCP's staging.
-    need = (2.0 + 1.15 * args.slots) * size_gib + 0.5
-    avail = psutil.virtual_memory().available / GiB
-    if avail < need:
-        result.skipped = (
-            f"needs ~{need:.1f} GiB of free memory (state, {args.slots} slots, staging), "
-            f"{avail:.1f} GiB available"
-        )
-        logger.warning("[%g GiB] skipped: %s", size_gib, result.skipped)
-        return result
-    tmp = Path(tempfile.mkdtemp(prefix="ftmem-bench-dp-"))
-    run_dir = tmp / "run"
-    run_dir.mkdir(mode=0o700)
-    res_path = tmp / "result.json"
-    timeout = args.timeout + 120.0 * size_gib
-    wait_timeout = 60.0 + 60.0 * size_gib
-    try:
-        t0 = time.perf_counter()
-        smp_log = tmp / "smp.log"
-        with dp.node_smp(
-            run_dir, slots=args.slots, extra_args=smp_args, log_path=smp_log
-        ) as smp_id:
-            smp, run_id = smp_id
-            result.notes.append(f"SMP pid {smp.pid} ready in {time.perf_counter() - t0:.2f} s")
-            same = "saves repeats compute_ms dcp_saves idle_s loose_frac".split()
-            cmd = [sys.executable, str(Path(__file__).resolve().parent / "_datapath_node.py")]
-            cmd += _launch.flags(size_gib=repr(size_gib), run_dir=run_dir, smp_pid=smp.pid)
-            cmd += _launch.flags(result=res_path, wait_timeout=wait_timeout)
-            cmd += _launch.flags(**{k: getattr(args, k) for k in same})
-            cmd += _launch.flags(disk_dir=args.disk_dir) if args.disk_dir else []
-            cmd += ["--skip-dcp"] if args.skip_dcp else []
-            env = _launch.job_env(FTMEM_RUN_DIR=str(run_dir), FTMEM_RUN_ID=run_id)
-            with _launch.Job(cmd, tmp / "rank.log", env) as job:
-                rc = job.wait(timeout)
-                if rc is None:
-                    result.error = f"the rank did not finish within {timeout:.0f} s"
-                elif rc != 0:
-                    result.error = f"the rank exited with {rc}"
-                if result.error:
-                    result.notes.append(f"rank log tail: `{job.text()[-1500:]!r}`")
-            if smp.poll() is not None:
-                result.notes.append(f"the SMP exited early ({smp.poll()})")
-        if res_path.exists():
-            result.data = json.loads(res_path.read_text())
-        for err in result.data.get("errors", []):
-            result.notes.append(f"FAILED phase {err}")
-    except Exception as exc:  # the SMP did not start, or the result is unreadable
-        logger.exception("[%g GiB] failed", size_gib)
-        result.error = result.error or f"{type(exc).__name__}: {exc}"
-        log = tmp / "smp.log"
-        if log.exists():
-            result.notes.append(f"SMP log tail: `{log.read_text(errors='replace')[-1000:]!r}`")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return result
 
 
 @dataclass(kw_only=True)
@@ -206,7 +145,59 @@ class DatapathResult(_results.PartResult):
     sizes: list[SizeResult] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------- --gpu
+def measure_size(size_gib: float, args: argparse.Namespace, smp_extra: list[str]) -> SizeResult:
+    """Start an SMP and a rank process for one size; collect what the rank measured."""
+    result = SizeResult(size_gib=size_gib)
+    # The state, its slots, and one more copy: the memcpy's buffer, later DCP's staging.
+    need = (2.0 + 1.15 * args.slots) * size_gib + 0.5
+    if (avail := psutil.virtual_memory().available / GiB) < need:
+        result.skipped = (
+            f"needs ~{need:.1f} GiB of free memory (state, {args.slots} slots, staging), "
+            f"{avail:.1f} GiB available"
+        )
+        logger.warning("[%g GiB] skipped: %s", size_gib, result.skipped)
+        return result
+    tmp = Path(tempfile.mkdtemp(prefix="ftmem-bench-dp-"))
+    (run_dir := tmp / "run").mkdir(mode=0o700)
+    res_path, log = tmp / "result.json", tmp / "smp.log"
+    timeout = args.timeout + 120.0 * size_gib
+    try:
+        t0 = time.perf_counter()
+        with node_smp(run_dir, slots=args.slots, extra_args=smp_extra, log_path=log) as smp_id:
+            smp, run_id = smp_id
+            result.notes.append(f"SMP pid {smp.pid} ready in {time.perf_counter() - t0:.2f} s")
+            same = "saves repeats compute_ms dcp_saves idle_s loose_frac".split()
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--_rank"]
+            cmd += _launch.flags(sizes=repr(size_gib), run_dir=run_dir, smp_pid=smp.pid)
+            cmd += _launch.flags(result=res_path, wait_timeout=60.0 + 60.0 * size_gib)
+            cmd += _launch.flags(**{k: getattr(args, k) for k in same})
+            cmd += _launch.flags(disk_dir=args.disk_dir) if args.disk_dir else []
+            cmd += ["--skip-dcp"] if args.skip_dcp else []
+            env = _launch.job_env(FTMEM_RUN_DIR=str(run_dir), FTMEM_RUN_ID=run_id)
+            with _launch.Job(cmd, tmp / "rank.log", env) as job:
+                rc = job.wait(timeout)
+                if rc is None:
+                    result.error = f"the rank did not finish within {timeout:.0f} s"
+                elif rc != 0:
+                    result.error = f"the rank exited with {rc}"
+                if result.error:
+                    result.notes.append(f"rank log tail: `{job.text()[-1500:]!r}`")
+            if smp.poll() is not None:
+                result.notes.append(f"the SMP exited early ({smp.poll()})")
+        if res_path.exists():
+            result.data = json.loads(res_path.read_text())
+        result.notes += [f"FAILED phase {err}" for err in result.data.get("errors", [])]
+    except Exception as exc:  # the SMP did not start, or the result is unreadable
+        logger.exception("[%g GiB] failed", size_gib)
+        result.error = result.error or f"{type(exc).__name__}: {exc}"
+        if log.exists():
+            result.notes.append(f"SMP log tail: `{log.read_text(errors='replace')[-1000:]!r}`")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------- --gpu
 
 
 @dataclass(kw_only=True)
@@ -289,14 +280,10 @@ def pinned_copies(tensors: list[torch.Tensor], nbytes: int, repeats: int) -> tup
 
 
 def measure_gpu_size(
-    size_gib: float, args: argparse.Namespace, smp_args: list[str]
+    size_gib: float, args: argparse.Namespace, smp_extra: list[str]
 ) -> GpuSizeResult:
     """A CUDA state of ``size_gib`` in this process (the rank), an SMP of its own: the pinned
     copies, the first and K timed saves to commit, the CPU, the restore (H2D) and its check."""
-    from ftmem.client import Checkpointer
-    from ftmem.config import ClientConfig
-    from ftmem.protocol.smp_client import SmpClient
-
     r = GpuSizeResult(size_gib=size_gib)
     free_dev = torch.cuda.mem_get_info()[0] / GiB
     host_need = (1.0 + 1.15 * args.slots) * size_gib + 1.0
@@ -323,34 +310,25 @@ def measure_gpu_size(
     (run_dir := tmp / "run").mkdir(mode=0o700)
     timeout = 120.0 + 30.0 * size_gib
     try:
-        with dp.node_smp(
-            run_dir, slots=args.slots, extra_args=smp_args, log_path=tmp / "smp.log"
-        ) as (smp, _):
-            cfg = ClientConfig(run_dir=run_dir)
-            with (
-                contextlib.closing(Checkpointer(cfg)) as ckpt,
-                contextlib.closing(SmpClient(run_dir)) as client,
-            ):
+        log = tmp / "smp.log"
+        with node_smp(run_dir, slots=args.slots, extra_args=smp_extra, log_path=log) as (smp, _):
+            with connect(run_dir) as (ckpt, client):
                 logger.info("[%g GiB] first save, then %d", size_gib, args.saves)
                 torch.cuda.synchronize()
-                r.first = dp.save_and_wait(ckpt, st, 1, timeout)
+                r.first = save_and_wait(ckpt, st, 1, timeout)
                 if r.first["committed"]:
-                    v, w, _, _ = dp.wait_verified(client, ckpt.rank, 1, timeout)
+                    v, w, _, _ = wait_verified(client, ckpt.rank, 1, timeout)
                     r.first.update(verified=v, verify_wait_s=w)
-                s0, c0 = _proc.cpu_seconds(smp.pid), time.process_time()
-                saves, committed = dp.timed_saves(
-                    ckpt, st, 1, args.saves, timeout, torch.cuda.synchronize
+                saves, _ = measure_saves(
+                    ckpt, client, st, 1, args.saves, timeout, smp.pid, torch.cuda.synchronize
                 )
-                r.proc_cpu = (time.process_time() - c0) if committed else None
                 r.save_s, r.safe_s, r.skipped = saves["save_s"], saves["safe_s"], saves["skipped"]
+                r.proc_cpu = saves["rank_cpu"] if saves["committed"] else None
+                r.smp_cpu, r.verified = saves["smp_cpu"], saves["verified"]
+                r.verify_wait_s = saves["verify_wait_s"]
                 r.notes += saves["errors"]
-                if committed:
-                    r.verified, r.verify_wait_s, _, _ = dp.wait_verified(
-                        client, ckpt.rank, committed[-1], timeout
-                    )
-                r.smp_cpu = _proc.cpu_seconds(smp.pid) - s0
             logger.info("[%g GiB] restore", size_gib)
-            with contextlib.closing(Checkpointer(cfg)) as ckpt:
+            with connect(run_dir, client=False) as (ckpt, _):
                 for _ in range(args.repeats):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -377,20 +355,15 @@ def measure_gpu_size(
 
 def run_gpu(args: argparse.Namespace, sizes: list[float]) -> GpuResult:
     """Every size on the GPU (nothing without CUDA)."""
-    res = GpuResult(
-        argv=args.argv,
-        machine=_results.machine(),
-        profile=args.profile,
-        cuda_build=torch.version.cuda,
-    )
+    res = GpuResult(argv=args.argv, machine=_results.machine(), profile=args.profile)
+    res.cuda_build = torch.version.cuda
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         res.device = f"{torch.cuda.get_device_name()} ({props.total_memory / GiB:.0f} GiB)"
-        threads = args.hash_threads if args.hash_threads > 0 else None
-        smp_args, res.smp_note = dp.smp_extra_args(threads, dp.smp_help())
+        smp_extra, res.smp_note = smp_args(args.hash_threads)
         for size in sizes:
             try:
-                res.sizes.append(measure_gpu_size(size, args, smp_args))
+                res.sizes.append(measure_gpu_size(size, args, smp_extra))
             except Exception as exc:  # e.g. out of memory building the state: report, go on
                 logger.exception("[%g GiB] failed", size)
                 res.sizes.append(GpuSizeResult(size_gib=size, error=f"{type(exc).__name__}: {exc}"))
@@ -401,7 +374,7 @@ def run_gpu(args: argparse.Namespace, sizes: list[float]) -> GpuResult:
     return res
 
 
-# --------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------------------------ CLI
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -427,6 +400,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="one size's rank (+120 s/GiB)")
     p.add_argument("--skip-dcp", action="store_true", help="leave out dcp.async_save")
     p.add_argument("--skip-hashes", action="store_true", help="leave out the hash table")
+    p.add_argument("--_rank", action="store_true", help=argparse.SUPPRESS)  # the rank process
+    hidden = {"run-dir": Path, "smp-pid": int, "result": Path, "wait-timeout": float}
+    for name, kind in hidden.items():
+        p.add_argument(f"--{name}", type=kind, help=argparse.SUPPRESS)
     return p
 
 
@@ -451,21 +428,13 @@ def run(argv: list[str]) -> DatapathResult | GpuResult:
         logger.info("hash table on %d MiB", args.hash_mib)
         hashes = bench_hashes(args.hash_mib, args.repeats)
         gc.collect()
-    threads = args.hash_threads if args.hash_threads > 0 else None
-    smp_args, smp_note = dp.smp_extra_args(threads, dp.smp_help())
-    res = DatapathResult(
-        argv=argv,
-        machine=machine,
-        smp_note=smp_note,
-        hashes=hashes,
-        **{
-            k: getattr(args, k)
-            for k in "profile saves repeats compute_ms dcp_saves slots loose_frac".split()
-        },
-    )
+    smp_extra, smp_note = smp_args(args.hash_threads)
+    keys = "profile saves repeats compute_ms dcp_saves slots loose_frac".split()
+    same = {k: getattr(args, k) for k in keys}
+    res = DatapathResult(argv=argv, machine=machine, smp_note=smp_note, hashes=hashes, **same)
     for size in sizes:
         logger.info("[%g GiB] starting", size)
-        res.sizes.append(measure_size(size, args, smp_args))
+        res.sizes.append(measure_size(size, args, smp_extra))
         gc.collect()
     for r in res.sizes:
         res.errors += [
@@ -475,7 +444,7 @@ def run(argv: list[str]) -> DatapathResult | GpuResult:
     return res
 
 
-# ------------------------------------------------------------------------------ the section
+# ------------------------------------------------------------------------------ the sections
 
 Doc = dict[str, Any]
 
@@ -483,19 +452,13 @@ Doc = dict[str, Any]
 def flatten(d: Any, prefix: str = "") -> list[list[str]]:
     """Every raw figure of a nested dict as (path, value) rows; lists of numbers as stat()."""
     if isinstance(d, dict):
-        return [
-            row for k, v in d.items() for row in flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        ]
-    if (
-        isinstance(d, list)
-        and d
-        and all(isinstance(x, int | float) and not isinstance(x, bool) for x in d)
-    ):
+        return [row for k, v in d.items() for row in flatten(v, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(d, list) and d and all(type(x) in (int, float) for x in d):
         return [[prefix, f"{stat(d, '.4g')} (n={len(d)})"]]
     return [[prefix, f"{d:.4g}" if isinstance(d, float) else str(d)]]
 
 
-DATAPATH_ROWS = (
+DATAPATH_ROWS = (  # label, keys of datapath_figures() (shown "a / b"), format
     ("CPU: rank process per snapshotted GiB", "rank_cpu_per_gib", ".3f"),
     ("CPU: SMP process + children per snapshotted GiB", "smp_cpu_per_gib", ".3f"),
     ("CPU: total per snapshotted GiB", "total_cpu_per_gib", ".3f"),
@@ -522,51 +485,44 @@ DATAPATH_ROWS = (
 )
 
 
-def _datapath(r: Doc) -> dict[str, list[str]]:
-    """Section ``datapath``: derived figures per size, the raw figures, the hash functions."""
+def _datapath(r: Doc) -> list[str]:
     out = [
-        f"- profile `{r['profile']}`: K = {r['saves']} saves, {r['repeats']} repeats of the memcpy and "
-        f"the restore, compute stand-in {r['compute_ms']:g} ms, dcp.async_save {r['dcp_saves']} saves; "
-        f"{r['slots']} slots per rank; loose fraction {r['loose_frac']:g}; SMP: {r['smp_note']}",
+        f"- profile `{r['profile']}`: K = {r['saves']} saves, {r['repeats']} repeats of the memcpy "
+        f"and the restore, compute stand-in {r['compute_ms']:g} ms, dcp.async_save "
+        f"{r['dcp_saves']} saves; {r['slots']} slots per rank; loose fraction "
+        f"{r['loose_frac']:g}; SMP: {r['smp_note']}",
         "",
     ]
     figs = [datapath_figures(s) for s in r["sizes"] if s["data"].get("nbytes")]
     body = [
-        [label, *[" / ".join(fmt(f.get(k), spec) for k in keys.split()) for f in figs]]
+        [label, *(" / ".join(fmt(f.get(k), spec) for k in keys.split()) for f in figs)]
         for label, keys, spec in DATAPATH_ROWS
     ]
-    out += table(["figure", *[f"{f['gib']:.2f} GiB" for f in figs]], body)
+    out += table(["figure", *(f"{f['gib']:.2f} GiB" for f in figs)], body)
     for s in r["sizes"]:
-        raw = (s["skipped"] and [["skipped", s["skipped"]]]) or flatten(s["data"])
+        raw = [["skipped", s["skipped"]]] if s["skipped"] else flatten(s["data"])
+        raw += [["note", n] for n in s["notes"]]
         out += [f"<details><summary>Raw figures, {s['size_gib']:g} GiB</summary>", ""]
-        out += [
-            *kv([*raw, *[["note", n] for n in s["notes"]]], ("measurement", "value")),
-            "</details>",
-            "",
-        ]
-    if r["hashes"]:
-        base = st.median(r["hashes"][0]["cpu"])
-        hash_columns = [
+        out += [*kv(raw, ("measurement", "value")), "</details>", ""]
+    if hashes := r["hashes"]:
+        base = st.median(hashes[0]["cpu"])
+        columns = [
             ("function", lambda h: h["name"]),
             ("GB/s", lambda h: stat(st.gbps(h["bytes"], h["wall"]))),
             ("CPU-s per GiB", lambda h: stat(st.per_gib(h["cpu"], h["bytes"]), ".3f")),
             ("x memcpy", lambda h: fmt(st.ratio(st.median(h["cpu"]), base), ".2f", "x")),
         ]
-        out += [
-            f"### Hash functions: CPU per GiB on {r['hashes'][0]['bytes'] / MiB:.0f} MiB, one thread",
-            "",
-        ]
-        out += rows(hash_columns, r["hashes"])
-    return {"datapath": out}
+        mib = hashes[0]["bytes"] / MiB
+        out += [f"### Hash functions: CPU per GiB on {mib:.0f} MiB, one thread", ""]
+        out += rows(columns, hashes)
+    return out
 
 
-def _gpugoal_rows(x: Doc) -> list[list[Any]]:
-    n, cuda, first = x["nbytes"], x["cuda_bytes"], x["first"]
+def _gpu_rows(x: Doc) -> list[list[Any]]:
+    n, cuda, first, saves = x["nbytes"], x["cuda_bytes"], x["first"], x["save_s"]
     snap = len(x["safe_s"]) * n / GiB
     skipped = f" (skipped: {first.get('reason')})" if first.get("skipped") else ""
-    cpu = (
-        f"{fmt(st.ratio(x['proc_cpu'], snap), '.3f')} / {fmt(st.ratio(x['smp_cpu'], snap), '.3f')}"
-    )
+    cpu = [fmt(st.ratio(x[k], snap), ".3f") for k in ("proc_cpu", "smp_cpu")]
     restore = f" = {stat(st.per_gib(x['restore_s'], n), '.3f', ' s/GiB')}"
     return [
         [
@@ -575,7 +531,7 @@ def _gpugoal_rows(x: Doc) -> list[list[Any]]:
         ],
         ["pinned H2D back", stat(st.gbps(cuda, x["pinned_h2d"]), ".1f", " GB/s")],
         ["stall: first `save()`", fmt(first.get("save_s"), ".4f", " s") + skipped],
-        [f"`save()` over the {len(x['save_s'])} saves", stat(x["save_s"], ".4f", " s")],
+        [f"`save()` over the {len(saves)} saves", stat(saves, ".4f", " s")],
         ["first save to commit", fmt(first.get("safe_s"), ".3f", " s")],
         [
             "D2H by ftmem: bytes / (`save()` to commit)",
@@ -587,17 +543,16 @@ def _gpugoal_rows(x: Doc) -> list[list[Any]]:
             "SMP verified the last step, after its commit",
             f"{fmt(x['verify_wait_s'], '.3f', ' s')} ({x['verified']})",
         ],
-        ["CPU per snapshotted GiB: this process / SMP", cpu],
+        ["CPU per snapshotted GiB: this process / SMP", " / ".join(cpu)],
         ["restore (`load` in place, H2D)", stat(x["restore_s"], ".3f", " s") + restore],
         ["restore check (clobber a weight, load, compare)", x["restore_check"]],
     ]
 
 
-def _gpu(r: Doc) -> dict[str, list[str]]:
-    """Section ``gpu``: per size, the pinned copies, stall, D2H to commit, restore."""
+def _gpu(r: Doc) -> list[str]:
     if r["device"] is None:
         no_cuda = f"(`torch.cuda.is_available()` is False; CUDA build {r['cuda_build']})."
-        return {"gpu": [f"**skipped: no CUDA** {no_cuda}", ""]}
+        return [f"**skipped: no CUDA** {no_cuda}", ""]
     out = [f"- device: {r['device']}; profile `{r['profile']}`; SMP: {r['smp_note']}", ""]
     for x in r["sizes"]:
         out += [
@@ -607,27 +562,23 @@ def _gpu(r: Doc) -> dict[str, list[str]]:
         if x["error"] or x["not_run"]:
             out += [f"not measured: {x['error'] or x['not_run']}", ""]
         else:
-            out += kv(_gpugoal_rows(x)) + [f"- {note}" for note in x["notes"]] + [""]
-    return {"gpu": out}
+            out += [*kv(_gpu_rows(x)), *(f"- {note}" for note in x["notes"]), ""]
+    return out
 
 
 def datapath_figures(size: Doc) -> dict[str, Any]:
     """The per-GiB figures of one data path size from the rank's raw figures (None: missing)."""
     d = size["data"]
     nbytes = int(d.get("nbytes") or 0)
-    gib = nbytes / st.GiB
+    gib = nbytes / GiB
     f: dict[str, Any] = {"gib": gib, "nbytes": nbytes}
     if not gib:
         return f
     mc, sv, rs, dc = (d.get(k) or {} for k in ("memcpy", "saves", "restore", "dcp"))
-    f["memcpy_wall"], f["memcpy_cpu"] = (
-        st.median(mc.get("wall") or []),
-        st.median(mc.get("cpu") or []),
-    )
+    f["memcpy_wall"], f["memcpy_cpu"] = (st.median(mc.get(k) or []) for k in ("wall", "cpu"))
     f["memcpy_cpu_per_gib"] = st.ratio(f["memcpy_cpu"], gib)
     f["memcpy_gbps"] = st.ratio(nbytes / 1e9, f["memcpy_wall"])
-    n = f["committed"] = int(sv.get("committed") or 0)
-    if n:
+    if n := int(sv.get("committed") or 0):
         f["rank_cpu_per_gib"] = sv["rank_cpu"] / (n * gib)
         f["smp_cpu_per_gib"] = sv["smp_cpu"] / (n * gib)
         f["total_cpu_per_gib"] = f["rank_cpu_per_gib"] + f["smp_cpu_per_gib"]
@@ -639,17 +590,13 @@ def datapath_figures(size: Doc) -> dict[str, Any]:
         f["safe_ratio"] = st.ratio(f["safe_med"], f["memcpy_wall"])
     f["stall_limit"] = 0.001 + 0.005 * gib
     f["first_save"] = (d.get("first") or {}).get("save_s")
-    f["save_med"], f["save_max"] = (
-        st.median(sv.get("save_s") or []),
-        st.high(sv.get("save_s") or []),
-    )
+    saves = sv.get("save_s") or []
+    f["save_med"], f["save_max"] = st.median(saves), st.high(saves)
     f["stall_worst"] = st.high([f["first_save"], f["save_max"]])
     f["restore_med"] = st.median(rs.get("wall") or [])
     f["restore_per_gib"] = st.ratio(f["restore_med"], gib)
-    cpu = st.median(
-        a + b for a, b in zip(rs.get("rank_cpu") or [], rs.get("smp_cpu") or [], strict=False)
-    )
-    f["restore_cpu_per_gib"] = st.ratio(cpu, gib)
+    cpu = zip(rs.get("rank_cpu") or [], rs.get("smp_cpu") or [], strict=False)
+    f["restore_cpu_per_gib"] = st.ratio(st.median(a + b for a, b in cpu), gib)
     if dc.get("blocking"):
         f["dcp_blocking"], f["dcp_staged"], f["dcp_done"] = (
             st.median(dc[k]) for k in ("blocking", "staged", "done")
@@ -659,63 +606,69 @@ def datapath_figures(size: Doc) -> dict[str, Any]:
     return f
 
 
+DATAPATH_GOALS = (
+    ("data path: CPU per snapshotted GiB (rank + SMP) / a memcpy's", "<= 2x"),
+    ("data path: stall per save(), the first included", "<= 1 ms + 0.005 s/GiB"),
+    ("data path: time to safe (save() to commit) / a memcpy of the same bytes", "<= 1x"),
+    ("data path: restore in place", "<= 0.1 s/GiB"),
+)
+GPU_GOAL = ("GPU: stall per save(), the first included", "<= 1 ms + 0.005 s/GiB")
+
+
 def _datapath_goals(r: Doc | None) -> list[Goal]:
-    """CPU per snapshotted GiB, stall, time to safe and restore, on the largest state."""
-    p = "datapath"
-    names = [
-        ("data path: CPU per snapshotted GiB (rank + SMP) / a memcpy's", "<= 2x"),
-        ("data path: stall per save(), the first included", "<= 1 ms + 0.005 s/GiB"),
-        ("data path: time to safe (save() to commit) / a memcpy of the same bytes", "<= 1x"),
-        ("data path: restore in place", "<= 0.1 s/GiB"),
-    ]
     sizes = [s for s in (r or {}).get("sizes", []) if s["data"].get("nbytes")]
     if not sizes:
-        return [Goal(p, g, t) for g, t in names]
+        return [Goal(PART, g, t) for g, t in DATAPATH_GOALS]
     f = datapath_figures(max(sizes, key=lambda s: s["data"]["nbytes"]))
-    fm = st.fmt
+    g = {k: fmt(f.get(k), ".3f") for k in ("total_cpu_per_gib", "memcpy_cpu_per_gib")}
+    g |= {k: fmt(f.get(k), ".4f", " s") for k in ("first_save", "save_med", "save_max")}
+    g |= {k: fmt(f.get(k), ".3f", " s") for k in ("safe_med", "memcpy_wall")}
+    g |= {k: fmt(f.get(k)) for k in ("cpu_ratio", "safe_ratio")}
     values = [
         (
-            f"{fm(f.get('total_cpu_per_gib'), '.3f')} CPU-s/GiB = {fm(f.get('cpu_ratio'))}x memcpy's {fm(f.get('memcpy_cpu_per_gib'), '.3f')}",
+            f"{g['total_cpu_per_gib']} CPU-s/GiB = {g['cpu_ratio']}x memcpy's "
+            f"{g['memcpy_cpu_per_gib']}",
             le(f.get("cpu_ratio"), 2.0),
         ),
         (
-            f"first {fm(f['first_save'], '.4f', ' s')}, median {fm(f['save_med'], '.4f', ' s')}, max {fm(f['save_max'], '.4f', ' s')}; limit {f['stall_limit']:.4f} s",
+            f"first {g['first_save']}, median {g['save_med']}, max {g['save_max']}; "
+            f"limit {f['stall_limit']:.4f} s",
             le(f["stall_worst"], f["stall_limit"]),
         ),
         (
-            f"{fm(f.get('safe_med'), '.3f', ' s')} vs memcpy {fm(f.get('memcpy_wall'), '.3f', ' s')} = {fm(f.get('safe_ratio'))}x",
+            f"{g['safe_med']} vs memcpy {g['memcpy_wall']} = {g['safe_ratio']}x",
             le(f.get("safe_ratio"), 1.0),
         ),
-        (fm(f.get("restore_per_gib"), ".3f", " s/GiB"), le(f.get("restore_per_gib"), 0.1)),
+        (fmt(f.get("restore_per_gib"), ".3f", " s/GiB"), le(f.get("restore_per_gib"), 0.1)),
     ]
-    return goal_rows(p, names, values, f"datapath, {f['gib']:.2f} GiB")
+    return goal_rows(PART, DATAPATH_GOALS, values, f"datapath, {f['gib']:.2f} GiB")
 
 
 def _gpu_goals(r: Doc | None) -> list[Goal]:
-    """The stall per ``save()`` of a CUDA state, the first included."""
-    p, g, t = "gpu", "GPU: stall per save(), the first included", "<= 1 ms + 0.005 s/GiB"
     sizes = [x for x in (r or {}).get("sizes", []) if x["nbytes"] and x["save_s"]]
-    if not sizes:
-        return [Goal(p, g, t)]
-    out = []
+    out = [] if sizes else [Goal("gpu", *GPU_GOAL)]
     for x in sizes:
         worst = st.high([x["first"].get("save_s"), *x["save_s"]])
-        limit = 0.001 + 0.005 * x["nbytes"] / st.GiB
-        m = (f"{st.fmt(worst, '.4f')} s; limit {limit:.4f} s", le(worst, limit))
-        out += goal_rows(p, [(g, t)], [m], f"gpu, {x['nbytes'] / st.GiB:.2f} GiB")
+        limit = 0.001 + 0.005 * x["nbytes"] / GiB
+        m = (f"{fmt(worst, '.4f')} s; limit {limit:.4f} s", le(worst, limit))
+        out += goal_rows("gpu", [GPU_GOAL], [m], f"gpu, {x['nbytes'] / GiB:.2f} GiB")
     return out
 
 
 def sections(r: Doc) -> dict[str, list[str]]:
-    """Section ``gpu`` (a result with a ``device``) or ``datapath``."""
-    return _gpu(r) if "device" in r else _datapath(r)
+    """Section ``gpu`` (a result with a ``device``: per size, the pinned copies, stall, D2H to
+    commit, restore) or ``datapath`` (derived figures per size, the raw ones, the hashes)."""
+    return {"gpu": _gpu(r)} if "device" in r else {"datapath": _datapath(r)}
 
 
 def goals(r: Doc | None, part: str = PART) -> list[Goal]:
-    """The goals of part ``datapath`` or ``gpu``."""
+    """The goals of part ``gpu`` (the stall per save(), per size) or ``datapath`` (CPU, stall,
+    time to safe, restore, on the largest state)."""
     return _gpu_goals(r) if part == "gpu" else _datapath_goals(r)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if "--_rank" in sys.argv:
+        sys.exit(rank_main(get_args_parser().parse_args(sys.argv[1:])))
     sys.exit(_results.script_main("gpu" if "--gpu" in sys.argv else PART, run))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -34,65 +34,88 @@ CASES = [(3, 1), (4, 2)]
 STRIPES_MIB = [1, 4, 16]
 
 
-def _median_gbps(nbytes: int, repeats: int, run: Callable[[], None]) -> tuple[float, float]:
-    """Run ``run`` once to warm up, then ``repeats`` times; (median GB/s, median seconds)."""
+def _passes(repeats: int, run: Callable[[], Any]) -> list[tuple[float, float]]:
+    """(wall s, CPU s of this thread) of each of ``repeats`` passes of ``run``, after one
+    untimed warm-up pass; what a pass returns is freed after its timing."""
     run()
-    times = []
+    out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return nbytes / med / 1e9, med
+        t, cpu = time.perf_counter(), time.thread_time()
+        held = run()
+        out.append((time.perf_counter() - t, time.thread_time() - cpu))
+        del held
+    return out
+
+
+def _median_s(repeats: int, run: Callable[[], Any]) -> float:
+    """The median wall seconds of :func:`_passes`."""
+    return statistics.median(wall for wall, _ in _passes(repeats, run))
+
+
+def _stripes(data: np.ndarray[Any, Any], k: int, stripe_bytes: int) -> tuple[int, list[Any]]:
+    """The chunk size for ``k`` data columns, and ``data`` cut into whole stripes (numpy views)."""
+    chunk = chunk_bytes_for(k, stripe_bytes)
+    stripe = k * chunk
+    return chunk, [data[i * stripe : (i + 1) * stripe] for i in range(data.nbytes // stripe)]
+
+
+def _each(fn: Callable[[Any], Any], items: list[Any]) -> Callable[[], None]:
+    """A pass: ``fn`` on every item in turn, nothing kept."""
+
+    def run() -> None:
+        for x in items:
+            fn(x)
+
+    return run
 
 
 def measure(
     n: int, m: int, stripe_mib: int, data: np.ndarray[Any, Any], repeats: int, tune: bool
 ) -> dict[str, Any]:
-    """Measure one (n, m, stripe size) configuration on ``data``."""
+    """One (n, m, stripe size) configuration on ``data``: a row of :class:`EcResult`."""
     k = n - m
-    chunk = chunk_bytes_for(k, stripe_mib * MiB)
-    stripe = k * chunk
-    count = data.nbytes // stripe
-    nbytes = count * stripe
+    chunk, arrays = _stripes(data, k, stripe_mib * MiB)
+    nbytes = len(arrays) * k * chunk
     codec = StripeCodec(k, m, tune=tune)
-    driver = codec._driver  # the same ECDriver, to time pyeclib alone
-    # pyeclib's stub says bytes; its C code takes any buffer without a release hook (numpy).
-    arrays = [cast(bytes, data[i * stripe : (i + 1) * stripe]) for i in range(count)]
     views = [memoryview(a) for a in arrays]
     lengths = [chunk] * k
 
-    def raw() -> None:
-        for a in arrays:
-            driver.encode(a)
+    def rebuild(x: tuple[memoryview, EncodedStripe]) -> None:
+        v, enc = x
+        frags: dict[int, Any] = {c: v[c * chunk : (c + 1) * chunk] for c in range(m, k)}
+        frags.update({k + t: p for t, p in enumerate(enc.parity)})
+        codec.reconstruct(
+            frags, list(range(m)), chunk_bytes=chunk, lengths=lengths, checksums=enc.checksums
+        )
 
-    def in_place() -> None:
-        for v in views:
-            codec.encode_stripe(v, lengths)
-
-    def gathered() -> None:
-        for v in views:
-            codec.encode([v[c * chunk : (c + 1) * chunk] for c in range(k)], chunk)
-
-    lost = list(range(m))
-    encoded: list[EncodedStripe] = []
-
-    def rebuild() -> None:
-        for v, enc in zip(views, encoded, strict=True):
-            frags: dict[int, Any] = {c: v[c * chunk : (c + 1) * chunk] for c in range(m, k)}
-            frags.update({k + t: p for t, p in enumerate(enc.parity)})
-            codec.reconstruct(
-                frags, lost, chunk_bytes=chunk, lengths=lengths, checksums=enc.checksums
-            )
-
+    ways = {  # measured in this order (glibc's state depends on what ran before)
+        # The codec's ECDriver alone; pyeclib's C code takes any buffer without a release hook.
+        "pyeclib": _each(codec._driver.encode, arrays),
+        "encode_stripe": _each(lambda v: codec.encode_stripe(v, lengths), views),
+        "encode": _each(
+            lambda v: codec.encode([v[c * chunk : (c + 1) * chunk] for c in range(k)], chunk), views
+        ),
+    }
+    secs = {name: _median_s(repeats, run) for name, run in ways.items()}
+    encoded = [codec.encode_stripe(v, lengths) for v in views]
+    secs["rebuild"] = _median_s(repeats, _each(rebuild, list(zip(views, encoded, strict=True))))
     out: dict[str, Any] = {"n": n, "m": m, "stripe_mib": stripe_mib, "tuned": tune}
-    out["pyeclib"], _ = _median_gbps(nbytes, repeats, raw)
-    out["encode_stripe"], secs = _median_gbps(nbytes, repeats, in_place)
-    out["ms_per_stripe"] = secs / count * 1e3
-    out["encode"], _ = _median_gbps(nbytes, repeats, gathered)
-    encoded.extend(codec.encode_stripe(v, lengths) for v in views)
-    out["rebuild"], _ = _median_gbps(nbytes, repeats, rebuild)
+    out |= {name: nbytes / s / 1e9 for name, s in secs.items()}
+    out["ms_per_stripe"] = secs["encode_stripe"] / len(views) * 1e3
     return out
+
+
+def encode_alone(k: int, m: int, stripe: int, nbytes: int, repeats: int) -> tuple[float, float]:
+    """``encode_stripe`` alone on ``nbytes`` of random data, one thread, each pass holding its
+    parity (as a protector does, page faults included): the best (GB/s wall, GB/s per
+    CPU-second) of ``repeats`` passes. Run in a fresh process (``bench/ec_protect.py``)."""
+    tune_malloc()
+    chunk, stripes = _stripes(np.random.PCG64(7).random_raw(nbytes // 8).view(np.uint8), k, stripe)
+    codec, lengths = StripeCodec(k, m), [chunk] * k
+    views = [memoryview(s) for s in stripes]
+    done = len(views) * k * chunk / 1e9
+    passes = _passes(repeats, lambda: [codec.encode_stripe(v, lengths).parity for v in views])
+    return max((done / wall, done / max(cpu, 1e-9)) for wall, cpu in passes)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -107,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(malloc: str, n: int, m: int, stripe_mib: int, args: argparse.Namespace) -> Any:
-    """Run :func:`worker` in a fresh interpreter with no ``MALLOC_*`` variables."""
+    """The row :func:`worker` prints, run in a fresh interpreter with no ``MALLOC_*`` variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--malloc", malloc]
     cmd += ["--n", str(n), "--m", str(m), "--stripe-mib", str(stripe_mib)]
@@ -136,12 +159,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
     p.add_argument("--data-mib", type=int, default=None, help="data per pass (default 256)")
     p.add_argument("--repeats", type=int, default=None, help="timed passes (default 5)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     hidden = argparse.SUPPRESS
+    p.add_argument("--worker", action="store_true", help=hidden)
     p.add_argument("--malloc", choices=["tuned", "default"], default="tuned", help=hidden)
-    p.add_argument("--n", type=int, default=3, help=hidden)
-    p.add_argument("--m", type=int, default=1, help=hidden)
-    p.add_argument("--stripe-mib", type=int, default=1, help=hidden)
+    for flag, default in (("--n", 3), ("--m", 1), ("--stripe-mib", 1)):
+        p.add_argument(flag, type=int, default=default, help=hidden)
     return p
 
 
@@ -164,9 +186,6 @@ def run(argv: list[str]) -> EcResult:
 
 # ------------------------------------------------------------------------------ the section
 
-Doc = dict[str, Any]
-
-
 COLUMNS = [
     Fig("n", get="n"),
     Fig("m", get="m"),
@@ -180,7 +199,7 @@ COLUMNS = [
 ]
 
 
-def sections(r: Doc) -> dict[str, list[str]]:
+def sections(r: dict[str, Any]) -> dict[str, list[str]]:
     """Section ``ec``: the codec's throughput (GB/s of data) per case and malloc setting."""
     out = [
         f"- `{r['ec_type']}`, one thread, {r['data_mib']} MiB of data per pass, median of {r['repeats']}; "

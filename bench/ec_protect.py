@@ -6,7 +6,8 @@
     python bench/ec_protect.py --quick --modes curve   # CURVE for every message only
 
 Each case runs with the tagged data channel (the default) and with CURVE for every message
-(``--ftmem-ec-encrypt``), in the same run, so their CPU per protected GiB compare.
+(``--ftmem-ec-encrypt``) in the same run. Each node is a "spawn" child process
+(bench/_ec_node.py).
 
 How it measures: docs/benchmarks.md, "How the parts measure".
 """
@@ -17,36 +18,38 @@ import argparse
 import contextlib
 import logging
 import multiprocessing as mp
-import multiprocessing.connection as mp_connection
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import psutil
+import zmq
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_protect.py
 
 from bench import _results
-from bench import _stats as st
-from bench._ec_node import CHANNELS, CpuSampler, channel_end, codec_alone, node_main, sleep_until
-from bench._figures import (
-    Goal,
-    goal_rows,
-    rows,
+from bench._ec_node import (
+    CHANNELS,
+    MODES,
+    channel_end,
+    codec,
+    node_main,
+    run_child,
+    sleep_until,
 )
-from bench._stats import GiB, MiB, stat
+from bench._figures import Goal, rows
+from bench._stats import GiB, MiB, gbps, median, stat
+from ftmem.exchange import keys
+from ftmem.exchange.codec import EC_TYPE
 
 PART = "ec-protect"
-CASES: dict[str, tuple[int, int, frozenset[int]]] = {
-    "3:1": (3, 1, frozenset({2})),
-    "4:2": (4, 2, frozenset({1, 3})),
-}
-DEFAULT_SIZE_MIB = 2048
-MODES = ("tagged", "curve")
-"""tagged: snapshot bytes on the plain data channel with keyed tags; curve: all over CURVE."""
+CASES = {"3:1": (3, 1, frozenset({2})), "4:2": (4, 2, frozenset({1, 3}))}  # n, m, nodes lost
 GO_DELAY_S = 0.5  # start-time barrier: now + this, handed to every node
 
 logger = logging.getLogger("bench.ec_protect")
@@ -61,115 +64,71 @@ class NodeFailed(RuntimeError):
 
 @dataclass
 class Node:
-    """A node process and the parent's end of its pipe."""
+    """A child process and the parent's end of its pipe."""
 
     name: int
     proc: BaseProcess
     conn: Connection
-    endpoint: str = ""
 
 
-def _spawn(ctx: Any, name: int, args: Any, *, target: Any = node_main) -> Node:
-    """A node process running ``target(conn, *args)``, its pipe's parent end."""
+def _spawn(ctx: Any, name: int, target: Callable[..., None], *args: Any) -> Node:
+    """A child process running ``target(conn, *args)`` (see :func:`run_child`)."""
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), name=f"ec-node-{name}", daemon=True)
+    args = (child, target, *args)
+    proc = ctx.Process(target=run_child, args=args, name=f"ec-node-{name}", daemon=True)
     proc.start()
     child.close()
-    return Node(name=name, proc=proc, conn=parent)
-
-
-def _answer(node: Node, what: str) -> Any:
-    """The answer waiting on ``node``'s pipe; NodeFailed on an error report or a dead pipe."""
-    try:
-        kind, val = node.conn.recv()
-    except (EOFError, OSError) as exc:
-        node.proc.join(2.0)
-        raise NodeFailed(
-            f"node {node.name} died during {what} (exit code {node.proc.exitcode})"
-        ) from exc
-    if kind == "error":
-        raise NodeFailed(str(val))
-    return val
+    return Node(name, proc, parent)
 
 
 def _collect(nodes: Sequence[Node], timeout_s: float, what: str) -> list[Any]:
-    """One answer from every node, in node order, within ``timeout_s`` overall.
-
-    Fails fast: the first node that reports an error or dies raises NodeFailed at once,
-    whatever the others are still waiting for.
-    """
+    """One answer from every node, in node order, within ``timeout_s`` overall; NodeFailed as
+    soon as a node reports an error or dies (its pipe closes), or at the deadline."""
     deadline = time.monotonic() + timeout_s
     answers: dict[int, Any] = {}
     while len(answers) < len(nodes):
+        pending = {nd.conn: i for i, nd in enumerate(nodes) if i not in answers}
         left = deadline - time.monotonic()
         if left <= 0:
-            late = [nd.name for i, nd in enumerate(nodes) if i not in answers]
+            late = [nodes[i].name for i in pending.values()]
             raise NodeFailed(f"nodes {late}: no answer to {what} within {timeout_s:.0f} s")
-        pending = {nd.conn: i for i, nd in enumerate(nodes) if i not in answers}
-        for conn in mp_connection.wait(list(pending), timeout=min(left, 0.5)):
-            i = pending[conn]  # type: ignore[index]
-            answers[i] = _answer(nodes[i], what)
-        for i, nd in enumerate(nodes):
-            if i not in answers and not nd.proc.is_alive() and not nd.conn.poll():
-                raise NodeFailed(f"node {nd.name} died during {what} (exit {nd.proc.exitcode})")
+        for conn in wait(list(pending), timeout=left):
+            nd = nodes[i := pending[conn]]
+            try:
+                kind, answers[i] = nd.conn.recv()
+            except (EOFError, OSError) as exc:
+                nd.proc.join(2.0)
+                code = nd.proc.exitcode
+                raise NodeFailed(f"node {nd.name} died during {what} (exit code {code})") from exc
+            if kind == "error":
+                raise NodeFailed(str(answers[i]))
     return [answers[i] for i in range(len(nodes))]
 
 
-def _recv(node: Node, timeout_s: float, what: str) -> Any:
-    """``node``'s next answer within ``timeout_s`` (see :func:`_collect`)."""
-    return _collect([node], timeout_s, what)[0]
-
-
 def _ask(nodes: Sequence[Node], cmd: str, arg: Any, timeout_s: float) -> list[Any]:
-    """Send ``(cmd, arg)`` to every node, then collect every answer (bounded)."""
+    """Send ``(cmd, arg)`` to every node, then collect every answer."""
     for nd in nodes:
         nd.conn.send((cmd, arg))
     return _collect(nodes, timeout_s, cmd)
 
 
-def _at_once(
-    nodes: Sequence[Node], cmd: str, arg: Any, timeout_s: float
-) -> tuple[list[Any], float]:
-    """Send ``(cmd, arg(go))`` to every node, go being a start-time barrier; collect every
-    answer. Returns (answers, busy cores of the machine from go to the last answer)."""
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine so far, as /proc/stat counts them."""
+    t = psutil.cpu_times()
+    return sum(t[:8]) - t.idle - t.iowait, sum(t[:8])
+
+
+def _at_once(nodes: Sequence[Node], cmd: str, arg: tuple, timeout_s: float) -> tuple[list, float]:
+    """Send ``(cmd, (*arg, go))`` to every node, go being a start-time barrier, and collect the
+    answers; (answers, busy cores of the whole machine from go to the last answer)."""
     go = time.monotonic() + GO_DELAY_S
     for nd in nodes:
-        nd.conn.send((cmd, arg(go)))
+        nd.conn.send((cmd, (*arg, go)))
     sleep_until(go)
-    cpu = CpuSampler()
-    cpu.start()
-    rows = _collect(nodes, timeout_s, cmd)
-    return rows, cpu.stop()
-
-
-def _codec_alone(
-    ctx: Any, k: int, m: int, stripe: int, nbytes: int, timeout_s: float
-) -> tuple[float, float]:
-    node = _spawn(ctx, -1, (k, m, stripe, nbytes, 3), target=codec_alone)
-    try:
-        best = _recv(node, timeout_s, "encode_stripe alone")
-        return float(best[0]), float(best[1])
-    finally:
-        _stop([node], polite=False)
-
-
-def _channel_alone(ctx: Any, keys_json: str, mode: str, nbytes: int, timeout_s: float) -> Doc:
-    """'Channel alone': ``nbytes`` in 1 MiB messages between two fresh processes over
-    ``mode`` (one of CHANNELS); GiB/s and each end's CPU-s per GiB."""
-    recv_end = _spawn(ctx, -2, (keys_json, mode, nbytes, False), target=channel_end)
-    send_end = _spawn(ctx, -3, (keys_json, mode, nbytes, True), target=channel_end)
-    try:
-        eps = {"b": _recv(recv_end, timeout_s, "channel start")}
-        eps["a"] = _recv(send_end, timeout_s, "channel start") or eps["b"]
-        for nd in (recv_end, send_end):
-            nd.conn.send(eps)
-        rcpu, wall = _recv(recv_end, timeout_s, "channel receive")
-        send_end.conn.send("done")
-        scpu, _ = _recv(send_end, timeout_s, "channel send")
-        gib = nbytes / GiB
-        return {"mode": mode, "gibps": gib / wall, "send_cpu": scpu / gib, "recv_cpu": rcpu / gib}
-    finally:
-        _stop([recv_end, send_end], polite=False)
+    start = _machine_cpu()
+    answers = _collect(nodes, timeout_s, cmd)
+    busy, total = (b - a for a, b in zip(start, _machine_cpu(), strict=True))
+    return answers, busy / total * (os.cpu_count() or 1) if total > 0 else float("nan")
 
 
 def _stop(nodes: Sequence[Node], *, polite: bool = True) -> None:
@@ -180,20 +139,44 @@ def _stop(nodes: Sequence[Node], *, polite: bool = True) -> None:
                 nd.conn.send(("stop", None))
     for nd in nodes:
         nd.proc.join(5.0 if polite else 0.1)
-        if nd.proc.is_alive():
-            nd.proc.terminate()
-            nd.proc.join(5.0)
-        if nd.proc.is_alive():
-            nd.proc.kill()
-            nd.proc.join(5.0)
+        for end in (nd.proc.terminate, nd.proc.kill):
+            if nd.proc.is_alive():
+                end()
+                nd.proc.join(5.0)
         if nd.proc.is_alive():
             logger.error("node %d (pid %s) did not exit", nd.name, nd.proc.pid)
         nd.conn.close()
 
 
+def _codec_alone(ctx: Any, k: int, m: int, stripe: int, nbytes: int, tmo: float) -> Any:
+    """(GB/s wall, GB/s per CPU-s) of :func:`bench.ec.encode_alone` in a fresh process."""
+    node = _spawn(ctx, -1, codec, k, m, stripe, nbytes, 3)
+    try:
+        return _collect([node], tmo, "encode_stripe alone")[0]
+    finally:
+        _stop([node], polite=False)
+
+
+def _channel_alone(ctx: Any, keys_json: str, mode: str, nbytes: int, tmo: float) -> Doc:
+    """'Channel alone' over ``mode`` between two fresh processes: GiB/s, each end's CPU-s/GiB."""
+    ends = [_spawn(ctx, -2 - i, channel_end, keys_json, mode, nbytes, i == 1) for i in (0, 1)]
+    recv_end, send_end = ends
+    try:
+        b, a = _collect(ends, tmo, "channel start")
+        for nd in ends:
+            nd.conn.send({"b": b, "a": a or b})
+        rcpu, wall = _collect([recv_end], tmo, "channel receive")[0]
+        send_end.conn.send("done")
+        scpu, _ = _collect([send_end], tmo, "channel send")[0]
+        gib = nbytes / GiB
+        return {"mode": mode, "gibps": gib / wall, "send_cpu": scpu / gib, "recv_cpu": rcpu / gib}
+    finally:
+        _stop(ends, polite=False)
+
+
 @dataclass
 class CaseResult:
-    """Everything measured for one (n, m) configuration."""
+    """Everything measured for one (n, m) configuration and channel mode."""
 
     n: int
     m: int
@@ -201,109 +184,92 @@ class CaseResult:
     size: int
     stripe: int
     mode: str = "curve"  # Results written before the data channel were all CURVE.
-    protect: list[list[dict[str, Any]]] = field(default_factory=list)
-    """Per repeat, per node (in node order)."""
-    rebuild: list[list[dict[str, Any]]] = field(default_factory=list)
-    """Per repeat, per new node (in lost-node order)."""
-    served: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, per survivor.
+    protect: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, per node.
+    rebuild: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, new node.
+    served: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, survivor.
     rebuild_ok: list[bool] = field(default_factory=list)
     rebuild_spawn_s: list[float] = field(default_factory=list)
-    machine_busy: list[float] = field(default_factory=list)
-    """Busy cores of the whole machine during each protect (all processes)."""
+    machine_busy: list[float] = field(default_factory=list)  # Busy cores during each protect.
     machine_busy_rebuild: list[float] = field(default_factory=list)
-    codec_alone: tuple[float, float] | None = None
-    """encode_stripe alone in a fresh process: (GB/s wall, GB/s per CPU-second)."""
-    digests: dict[int, int] = field(default_factory=dict)
-    """xxh3-64 of each original node's snapshot."""
+    codec_alone: tuple[float, float] | None = None  # (GB/s wall, GB/s per CPU-second)
+    digests: dict[int, int] = field(default_factory=dict)  # Of each original node's snapshot.
     gen_s: float = 0.0
     error: str | None = None
 
 
 def run_case(
-    ctx: Any,
-    n: int,
-    m: int,
-    lost: frozenset[int],
-    args: argparse.Namespace,
-    keys_json: str,
-    mode: str,
+    ctx: Any, n: int, m: int, lost: frozenset[int], args: Any, keys_json: str, mode: str
 ) -> CaseResult:
     """Protect ``args.repeats`` steps on n node processes, then rebuild ``lost`` as often;
     ``mode`` is one of :data:`MODES`."""
-    size, stripe = args.size, args.stripe
+    size, stripe, tmo, reps = args.size, args.stripe, args.timeout + 60.0, args.repeats
     res = CaseResult(n=n, m=m, lost=sorted(lost), size=size, stripe=stripe, mode=mode)
     cfg = dict(n=n, m=m, size=size, stripe=stripe, keys=keys_json, timeout=args.timeout)
-    cfg["encrypt"] = mode == "curve"
-    cfg["idle"] = args.timeout + 600.0
-    tmo = args.timeout + 60.0
+    cfg |= {"encrypt": mode == "curve", "idle": args.timeout + 600.0}
     nodes: list[Node] = []
+    eps: dict[str, str] = {}
+    tag = f"n={n} m={m} {mode}"
 
-    def node_cfg(name: int, replacement: bool) -> dict[str, Any]:
-        return {**cfg, "node": name, "seed": 1000 + name, "replacement": replacement}
+    def start(names: list[int], replacement: bool, timeout_s: float) -> list[Any]:
+        """Node processes ``names`` (into ``nodes``); their start reports (endpoints: ``eps``)."""
+        more = {"replacement": replacement}
+        new = [
+            _spawn(ctx, i, node_main, {**cfg, "node": i, "seed": 1000 + i, **more}) for i in names
+        ]
+        nodes.extend(new)
+        infos = _collect(new, timeout_s, "start")
+        eps.update({str(i): info["endpoint"] for i, info in zip(names, infos, strict=True)})
+        return infos
 
     try:
         res.codec_alone = _codec_alone(ctx, n - m, m, stripe, args.codec_bytes, tmo)
-        logger.info("n=%d m=%d: encode_stripe alone %.2f GB/s", n, m, res.codec_alone[0])
+        logger.info("%s: encode_stripe alone %.2f GB/s", tag, res.codec_alone[0])
         t0 = time.monotonic()
-        nodes = [_spawn(ctx, i, (node_cfg(i, False),)) for i in range(n)]
-        for nd, info in zip(nodes, _collect(nodes, tmo + size / 1e8, "start"), strict=True):
-            nd.endpoint, res.digests[nd.name] = info["endpoint"], info["digest"]
-            res.gen_s = max(res.gen_s, info["gen_s"])
-        logger.info("n=%d m=%d: %d node processes up in %.1f s", n, m, n, time.monotonic() - t0)
-        eps = {str(nd.name): nd.endpoint for nd in nodes}
-        _ask(nodes, "connect", eps, tmo)
-        _ask(nodes, "warmup", 0, tmo)
-        _ask(nodes, "forget", 0, tmo)
-        step = 0
-        for r in range(args.repeats):
-            if step:
-                _ask(nodes, "forget", step, tmo)
-            step = r + 1
-            rows, busy = _at_once(nodes, "protect", lambda go, s=step: (s, go), tmo)
+        infos = start(list(range(n)), False, tmo + size / 1e8)
+        res.digests = {i: info["digest"] for i, info in enumerate(infos)}
+        res.gen_s = max(info["gen_s"] for info in infos)
+        logger.info("%s: %d node processes up in %.1f s", tag, n, time.monotonic() - t0)
+        for cmd, arg in (("connect", eps), ("warmup", 0), ("forget", 0)):
+            _ask(nodes, cmd, arg, tmo)
+        for step in range(1, reps + 1):
+            if step > 1:
+                _ask(nodes, "forget", step - 1, tmo)
+            answers, busy = _at_once(nodes, "protect", (step,), tmo)
+            res.protect.append(answers)
             res.machine_busy.append(busy)
-            res.protect.append(rows)
-            wall = max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows)
-            logger.info("n=%d m=%d protect #%d: %.2f s", n, m, r, wall)
-        names = [nd.name for nd in nodes]
-        parity_digests = dict(zip(names, _ask(nodes, "parity_digest", step, tmo), strict=True))
+            logger.info("%s protect #%d: %.2f s", tag, step - 1, _wall(answers))
+        parity = _ask(nodes, "parity_digest", reps, tmo)
         survivors = [nd for nd in nodes if nd.name not in lost]
-        source = survivors[0].name
-        for r in range(args.repeats):
+        for r in range(reps):
             victims = [nd for nd in nodes if nd.name in lost]
             for nd in victims:  # a crash: SIGKILL by pid, bounded join
                 nd.proc.kill()
                 nd.proc.join(10.0)
             _stop(victims, polite=False)
-            nodes = [nd for nd in nodes if nd.name not in lost]
+            nodes[:] = survivors
             t0 = time.monotonic()
-            fresh = [_spawn(ctx, i, (node_cfg(i, True),)) for i in sorted(lost)]
-            nodes += fresh
-            for nd, info in zip(fresh, _collect(fresh, tmo, "start"), strict=True):
-                nd.endpoint = info["endpoint"]
-            eps = {str(nd.name): nd.endpoint for nd in nodes}
+            start(sorted(lost), True, tmo)
+            fresh = nodes[len(survivors) :]
             _ask(survivors, "serve", eps, tmo)
             _ask(fresh, "connect", eps, tmo)
             res.rebuild_spawn_s.append(time.monotonic() - t0)
-            lost_list = sorted(lost)
-            rebuild = (step, lost_list, source)
-            rows, busy = _at_once(fresh, "rebuild", lambda go, a=rebuild: (*a, go), tmo)
+            answers, busy = _at_once(fresh, "rebuild", (reps, res.lost, survivors[0].name), tmo)
             res.machine_busy_rebuild.append(busy)
             res.served.append(_ask(survivors, "served", None, tmo))
-            ok = True
-            for nd, row in zip(fresh, rows, strict=True):
-                ok &= row["digest"] == res.digests[nd.name]
-                ok &= row["parity_digest"] == parity_digests[nd.name]
-                ok &= row["nbytes"] == size
-            res.rebuild.append(rows)
+            ok = all(
+                (x["digest"], x["parity_digest"], x["nbytes"])
+                == (res.digests[nd.name], parity[nd.name], size)
+                for nd, x in zip(fresh, answers, strict=True)
+            )
+            res.rebuild.append(answers)
             res.rebuild_ok.append(ok)
-            wall = max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows)
             verdict = "bitwise equal" if ok else "MISMATCH"
             logger.info(
-                "n=%d m=%d rebuild #%d of %s: %.2f s, %s", n, m, r, lost_list, wall, verdict
+                "%s rebuild #%d of %s: %.2f s, %s", tag, r, res.lost, _wall(answers), verdict
             )
     except NodeFailed as exc:
         res.error = str(exc)
-        logger.error("n=%d m=%d failed: %s", n, m, exc)
+        logger.error("%s failed: %s", tag, exc)
     finally:
         _stop(nodes)
     return res
@@ -311,7 +277,7 @@ def run_case(
 
 @dataclass(kw_only=True)
 class EcProtectResult(_results.PartResult):
-    """The erasure-coding part's results: one :class:`CaseResult` per (n, m)."""
+    """The erasure-coding part's results: one :class:`CaseResult` per (n, m) and mode."""
 
     size: int  # Snapshot bytes per node.
     stripe: int
@@ -339,16 +305,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _subset(p: argparse.ArgumentParser, flag: str, text: str, allowed: Sequence[str]) -> Any:
+    """The comma-separated names of ``text``, all in ``allowed`` (else a usage error)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(x not in allowed for x in names):
+        p.error(f"{flag}: a comma-separated subset of {', '.join(allowed)}")
+    return names
+
+
 def run(argv: list[str]) -> EcProtectResult:
-    """Parse ``argv`` and run every case."""
-    import zmq
-
-    from ftmem.exchange import keys
-    from ftmem.exchange.codec import EC_TYPE
-
+    """Parse ``argv``; run 'channel alone' and every case."""
     p = get_args_parser()
     args = p.parse_args(argv)
-    size_mib = args.size_mib or (256 if args.quick else DEFAULT_SIZE_MIB)
+    size_mib = args.size_mib or (256 if args.quick else 2048)
     args.repeats = args.repeats or (2 if args.quick else 3)
     if size_mib < 8 or args.repeats < 1 or args.stripe_mib <= 0:
         p.error("need --size-mib >= 8, --repeats >= 1, --stripe-mib > 0")
@@ -357,17 +326,12 @@ def run(argv: list[str]) -> EcProtectResult:
     # A bound on hangs, not an expectation: protect time grows faster than linearly with size.
     args.timeout = args.timeout or max(300.0, 600.0 * args.size / GiB)
     args.codec_bytes = (64 if args.quick or size_mib < 256 else 256) * MiB
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    if not cases or any(c not in CASES for c in cases):
-        p.error(f"--cases: a comma-separated subset of {', '.join(CASES)}")
-    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
-    if not modes or any(x not in MODES for x in modes):
-        p.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
+    cases = _subset(p, "--cases", args.cases, list(CASES))
+    modes = _subset(p, "--modes", args.modes, MODES)
     same = {k: getattr(args, k) for k in ("size", "stripe", "repeats", "timeout", "codec_bytes")}
     zmq_info = {"libzmq": zmq.zmq_version(), "curve": bool(zmq.has("curve"))}
-    res = EcProtectResult(
-        argv=argv, machine=_results.machine(), ec_type=EC_TYPE, **same, **zmq_info
-    )
+    machine = _results.machine()
+    res = EcProtectResult(argv=argv, machine=machine, ec_type=EC_TYPE, **same, **zmq_info)
     keys_json = keys.generate().to_json()
     ctx = mp.get_context("spawn")
     for _ in range(args.repeats):
@@ -376,18 +340,9 @@ def run(argv: list[str]) -> EcProtectResult:
                 res.channel.append(_channel_alone(ctx, keys_json, mode, args.size, args.timeout))
             except NodeFailed as exc:
                 res.errors.append(f"channel alone, {mode}: {exc}")
-    for name in cases:
-        n, m, lost = CASES[name]
-        for mode in modes:
-            logger.info(
-                "n=%d m=%d %s: %d MiB per node, %d repeats",
-                n,
-                m,
-                mode,
-                args.size // MiB,
-                args.repeats,
-            )
-            res.cases.append(run_case(ctx, n, m, lost, args, keys_json, mode))
+    for (n, m, lost), mode in [(CASES[name], mode) for name in cases for mode in modes]:
+        logger.info("n=%d m=%d %s: %d MiB per node, %d repeats", n, m, mode, size_mib, args.repeats)
+        res.cases.append(run_case(ctx, n, m, lost, args, keys_json, mode))
     for r in res.cases:
         if r.error or not all(r.rebuild_ok):
             why = (r.error or "rebuild not bitwise equal").strip().splitlines()[-1]
@@ -401,13 +356,14 @@ def run(argv: list[str]) -> EcProtectResult:
 Doc = dict[str, Any]
 
 
-def _wall(rows: Sequence[Doc]) -> float:
-    return float(max(x["t_end"] for x in rows) - min(x["t_start"] for x in rows))
+def _wall(answers: Sequence[Doc]) -> float:
+    """Seconds from the first node's start to the last node's end."""
+    return float(max(x["t_end"] for x in answers) - min(x["t_start"] for x in answers))
 
 
 def ec_encode(c: Doc) -> list[float]:
     """Encode GB/s per SMP (wall seconds inside ``encode_stripe``), every node and repeat."""
-    return [x["enc_bytes"] / x["enc_s"] / 1e9 for rows in c["protect"] for x in rows if x["enc_s"]]
+    return [x["enc_bytes"] / x["enc_s"] / 1e9 for rr in c["protect"] for x in rr if x["enc_s"]]
 
 
 def _per(rows: Sequence[Doc], key: str, den: float, spec: str = ".2f", unit: str = "x") -> str:
@@ -416,8 +372,14 @@ def _per(rows: Sequence[Doc], key: str, den: float, spec: str = ".2f", unit: str
 
 
 def _cpu_split(rows: Sequence[Doc], gib: float) -> str:
-    main = stat([x["main_cpu_s"] / gib for x in rows])
-    return f"{main} / {stat([(x['cpu_s'] - x['main_cpu_s']) / gib for x in rows])}"
+    """CPU-s per GiB of the main thread / of the other threads."""
+    other = stat([(x["cpu_s"] - x["main_cpu_s"]) / gib for x in rows])
+    return f"{stat([x['main_cpu_s'] / gib for x in rows])} / {other}"
+
+
+def _gb_per(rows: Sequence[Doc], key: str) -> str:
+    """``stat`` of GB encoded per second of ``key``."""
+    return stat([x["enc_bytes"] / x[key] / 1e9 for x in rows if x[key]])
 
 
 def _ec_case(c: Doc, size: int) -> Doc:
@@ -441,17 +403,16 @@ def _alone(c: Doc) -> str:
     return f"{c['codec_alone'][0]:.2f} ({c['codec_alone'][1]:.2f})" if c["codec_alone"] else "-"
 
 
-def _gb_per(rows: Sequence[Doc], key: str) -> str:
-    return stat([x["enc_bytes"] / x[key] / 1e9 for x in rows if x[key]])
-
-
-EC_PROTECT = [
+KEY = [
     ("n", lambda c: c["n"]),
     ("m", lambda c: c["m"]),
     ("channel", lambda c: c.get("mode", "curve")),
+]
+EC_PROTECT = [
+    *KEY,
     ("protect time", lambda c: stat(c["walls"], ".2f", " s")),
-    ("protected GB/s per node", lambda c: stat(st.gbps(c["size"], c["walls"]), ".3f")),
-    ("group GB/s", lambda c: stat(st.gbps(c["n"] * c["size"], c["walls"]), ".3f")),
+    ("protected GB/s per node", lambda c: stat(gbps(c["size"], c["walls"]), ".3f")),
+    ("group GB/s", lambda c: stat(gbps(c["n"] * c["size"], c["walls"]), ".3f")),
     ("encode GB/s per SMP (wall)", lambda c: stat(ec_encode(c))),
     ("encode GB/s per CPU-s", lambda c: _gb_per(c["prot"], "enc_cpu_s")),
     ("encode + gather + parity send GB/s", lambda c: _gb_per(c["prot"], "gather_s")),
@@ -460,9 +421,7 @@ EC_PROTECT = [
     ("machine cores busy", lambda c: stat(c["machine_busy"])),
 ]
 EC_NODE = [
-    ("n", lambda c: c["n"]),
-    ("m", lambda c: c["m"]),
-    ("channel", lambda c: c.get("mode", "curve")),
+    *KEY,
     ("parity held / own", lambda c: _per(c["prot"], "parity", c["size"], ".4f", "")),
     ("expected m/(n-m)", lambda c: f"{c['m'] / (c['n'] - c['m']):.4f}"),
     ("peer bytes sent / own", lambda c: _per(c["prot"], "sent", c["size"])),
@@ -470,18 +429,16 @@ EC_NODE = [
     ("CPU s per GiB: protector thread / other threads", lambda c: _cpu_split(c["prot"], c["gib"])),
     (
         "CPU s per protected GiB (whole node)",
-        lambda c: _per(c["prot"], "cpu_s", c["gib"], ".2f", " s"),
+        lambda c: _per(c["prot"], "cpu_s", c["gib"], unit=" s"),
     ),
     ("encode share of node CPU", lambda c: stat(c["enc_share"], ".0f", " %")),
     ("peak RSS / own", lambda c: _per(c["prot"], "maxrss", c["size"])),
 ]
 EC_REBUILD = [
-    ("n", lambda c: c["n"]),
-    ("m", lambda c: c["m"]),
-    ("channel", lambda c: c.get("mode", "curve")),
+    *KEY,
     ("lost", lambda c: ", ".join(map(str, c["lost"]))),
     ("rebuild time", lambda c: stat(c["rwalls"], ".2f", " s")),
-    ("rebuilt GB/s", lambda c: stat(st.gbps(len(c["lost"]) * c["size"], c["rwalls"]), ".3f")),
+    ("rebuilt GB/s", lambda c: stat(gbps(len(c["lost"]) * c["size"], c["rwalls"]), ".3f")),
     ("fetched per new node / own", lambda c: _per(c["reb"], "recv", c["size"])),
     ("served per survivor / own", lambda c: _per(c["srv"], "sent", c["size"])),
     ("new node CPU s per GiB: protector / other", lambda c: _cpu_split(c["reb"], c["gib"])),
@@ -490,31 +447,21 @@ EC_REBUILD = [
     ("new process up + reconnected", lambda c: stat(c["rebuild_spawn_s"], ".1f", " s")),
     ("bitwise equal", lambda c: f"{sum(c['rebuild_ok'])}/{len(c['rebuild_ok'])}"),
 ]
-
-
-def _channel_rows(r: Doc) -> list[str]:
-    """The 'channel alone' table: one row per channel."""
-    runs = r.get("channel") or []
-    out = [
-        "| channel | GiB/s | sender CPU-s per GiB | receiver CPU-s per GiB | both ends |",
-        "|---|---|---|---|---|",
-    ]
-    for mode in CHANNELS:
-        rr = [x for x in runs if x["mode"] == mode]
-        if rr:
-            both = [x["send_cpu"] + x["recv_cpu"] for x in rr]
-            out.append(
-                f"| {mode} | {stat([x['gibps'] for x in rr])} | "
-                f"{stat([x['send_cpu'] for x in rr])} | {stat([x['recv_cpu'] for x in rr])} | "
-                f"{stat(both)} |"
-            )
-    return [*out, ""]
+CHANNEL = [
+    ("channel", lambda rr: rr[0]["mode"]),
+    ("GiB/s", lambda rr: stat([x["gibps"] for x in rr])),
+    ("sender CPU-s per GiB", lambda rr: stat([x["send_cpu"] for x in rr])),
+    ("receiver CPU-s per GiB", lambda rr: stat([x["recv_cpu"] for x in rr])),
+    ("both ends", lambda rr: stat([x["send_cpu"] + x["recv_cpu"] for x in rr])),
+]
 
 
 def sections(r: Doc) -> dict[str, list[str]]:
-    """Section ``ec-protect``: protect, per node and snapshot, rebuild."""
+    """Section ``ec-protect``: channel alone, protect, per node and snapshot, rebuild."""
     size = r["size"]
     cases = [_ec_case(c, size) for c in r["cases"]]
+    runs = r.get("channel") or []
+    by_mode = [rr for mode in CHANNELS if (rr := [x for x in runs if x["mode"] == mode])]
     return {
         "ec-protect": [
             f"- one OS process per node on 127.0.0.1, `ZmqPeerTransport` (TCP + CURVE: libzmq {r['libzmq']}, "
@@ -529,7 +476,7 @@ def sections(r: Doc) -> dict[str, list[str]]:
             "",
             "'zmq' is a bare DEALER to ROUTER (no tag, no checksum): the floor under both others.",
             "",
-            *_channel_rows(r),
+            *rows(CHANNEL, by_mode),
             "### Protect (every node protects the same step)",
             "",
             *rows(EC_PROTECT, cases),
@@ -546,66 +493,45 @@ def sections(r: Doc) -> dict[str, list[str]]:
 def _cpu_per_gib(c: Doc) -> float:
     """Median node CPU-seconds per protected GiB of its own snapshot."""
     gib = c["size"] / GiB
-    return st.median([x["cpu_s"] / gib for rr in c["protect"] for x in rr]) or 0.0
+    return median([x["cpu_s"] / gib for rr in c["protect"] for x in rr]) or 0.0
 
 
 def goals(r: Doc | None) -> list[Goal]:
     """Encoding inside protect, per SMP, at 1-4 MiB stripes; CPU per protected GiB of the
     tagged data channel against CURVE for everything (>= 5x less)."""
-
-    p, t = "ec-protect", ">= 5 GB/s"
+    p, t, x5 = "ec-protect", ">= 5 GB/s", ">= 5x less"
     cases = [c for c in (r or {}).get("cases", []) if c["protect"]]
     if not cases:
         return [
             Goal(p, "encode throughput per SMP (in protect)", t),
-            Goal(p, "CPU per protected GiB, tagged channel vs CURVE", ">= 5x less"),
+            Goal(p, "CPU per protected GiB, tagged channel vs CURVE", x5),
         ]
-    out = [
-        g
-        for c in cases
-        for g in goal_rows(
-            p,
-            [
-                (
-                    f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}, "
-                    f"{c.get('mode', 'curve')}",
-                    t,
-                )
-            ],
-            [(st.stat(ec_encode(c), ".2f", " GB/s"), (st.median(ec_encode(c)) or 0.0) >= 5.0)],
-            f"ec-protect, {c['size'] / st.MiB:g} MiB per node, stripes of {c['stripe'] / st.MiB:g} MiB",
-        )
-    ]
+
+    def less(goal: str, tagged: float, curve: float, unit: str, src: str) -> Goal:
+        text = f"{curve / tagged:.1f}x less ({tagged:.2f} vs {curve:.2f}{unit})"
+        return Goal(p, goal, x5, text, curve / tagged >= 5.0, src)
+
+    out = []
+    for c in cases:
+        mode, enc = c.get("mode", "curve"), ec_encode(c)
+        goal = f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}, {mode}"
+        src = f"ec-protect, {c['size'] / MiB:g} MiB per node, stripes of {c['stripe'] / MiB:g} MiB"
+        out.append(Goal(p, goal, t, stat(enc, ".2f", " GB/s"), (median(enc) or 0.0) >= 5.0, src))
     runs = (r or {}).get("channel") or []
     both = {
-        mode: st.median([x["send_cpu"] + x["recv_cpu"] for x in runs if x["mode"] == mode])
+        mode: median([x["send_cpu"] + x["recv_cpu"] for x in runs if x["mode"] == mode])
         for mode in CHANNELS
     }
     if both.get("tagged") and both.get("curve"):
-        ratio = both["curve"] / both["tagged"]
-        out += goal_rows(
-            p,
-            [("CPU per GiB moved, tagged vs CURVE (channel alone, both ends)", ">= 5x less")],
-            [(f"{ratio:.1f}x less ({both['tagged']:.2f} vs {both['curve']:.2f})", ratio >= 5.0)],
-            "ec-protect, channel alone",
-        )
+        goal = "CPU per GiB moved, tagged vs CURVE (channel alone, both ends)"
+        out.append(less(goal, both["tagged"], both["curve"], "", "ec-protect, channel alone"))
     by = {(c["n"], c["m"], c.get("mode", "curve")): c for c in cases}
     for (n, m, mode), c in by.items():
         curve = by.get((n, m, "curve"))
-        if mode != "tagged" or curve is None or not _cpu_per_gib(c):
-            continue
-        ratio = _cpu_per_gib(curve) / _cpu_per_gib(c)
-        out += goal_rows(
-            p,
-            [(f"CPU per protected GiB, tagged vs CURVE, n={n}, m={m}", ">= 5x less")],
-            [
-                (
-                    f"{ratio:.1f}x less ({_cpu_per_gib(c):.2f} vs {_cpu_per_gib(curve):.2f} CPU-s)",
-                    ratio >= 5.0,
-                )
-            ],
-            f"ec-protect, same run, {c['size'] / st.MiB:g} MiB per node",
-        )
+        if mode == "tagged" and curve is not None and _cpu_per_gib(c):
+            goal = f"CPU per protected GiB, tagged vs CURVE, n={n}, m={m}"
+            src = f"ec-protect, same run, {c['size'] / MiB:g} MiB per node"
+            out.append(less(goal, _cpu_per_gib(c), _cpu_per_gib(curve), " CPU-s", src))
     return out
 
 

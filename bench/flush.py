@@ -10,12 +10,14 @@ How it measures: docs/benchmarks.md, "How the parts measure".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -23,29 +25,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/flush.py
 
 from bench import _baselines as baselines
-from bench import _launch, _proc, _results
+from bench import _figures as fg
+from bench import _launch, _results
 from bench import _stats as st
-from bench._figures import (
-    STRADDLE,
-    Goal,
-    ge,
-    goal_rows,
-    job_step,
-    kv,
-    mib,
-    over,
-    pair_ratios,
-    ranks,
-    rows,
-    straddles,
-    table,
-)
+from bench._proc import proc_memory
 from bench._stats import GiB, MiB, fmt, stat
 from ftmem.observe.timeline import read_events
 
@@ -64,6 +55,87 @@ PHASES = (
 )
 
 
+# ------------------------------------------------------------------------------ process readings
+
+
+def minflt(pid: int | None) -> int:
+    """Minor page faults of process ``pid`` so far (all its threads; /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])  # field 10 of stat(5): minflt
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def cpu_of(pid: int | None) -> float:
+    """CPU seconds (user + system) of process ``pid`` (this one: process_time); NaN if unknown."""
+    if pid == os.getpid():
+        return time.process_time()
+    try:
+        return sum(psutil.Process(pid).cpu_times()[:2]) if pid is not None else float("nan")
+    except psutil.Error:
+        return float("nan")
+
+
+def rss_anon(pid: int | None) -> int:
+    """Anonymous resident memory of ``pid`` (bytes; leaves out shared-memory mappings)."""
+    return 0 if pid is None else proc_memory(pid)["RssAnon"]
+
+
+def flush_worker(smp_pid: int) -> int | None:
+    """The pid of the SMP's flush worker (``python -m ftmem.tiers.flush_worker``), if it runs."""
+    with contextlib.suppress(psutil.Error):
+        for c in psutil.Process(smp_pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "ftmem.tiers.flush_worker" in " ".join(c.cmdline()):
+                    return c.pid
+    return None
+
+
+class Usage:
+    """What process ``pid`` spent in ``with`` blocks, summed over them: seconds, CPU seconds,
+    minor page faults; with ``rss``, the peak :func:`rss_anon` (sampled every 20 ms) above
+    ``base`` (default: at entry), which is what a write allocated (bytes)."""
+
+    def __init__(self, pid: int | None, rss: bool = False, base: int | None = None) -> None:
+        self.pid, self.rss, self.base = pid, rss, base
+        self.s = self.cpu = 0.0
+        self.faults = self.mem = 0
+
+    def __enter__(self) -> Usage:
+        if self.rss:
+            self.peak, self.done = rss_anon(self.pid), threading.Event()
+            self.base = self.peak if self.base is None else self.base
+            self.sampler = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+            self.sampler.start()
+        self.t0, self.cpu0, self.flt0 = time.perf_counter(), cpu_of(self.pid), minflt(self.pid)
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.02):
+            self.peak = max(self.peak, rss_anon(self.pid))
+
+    def __exit__(self, *exc: object) -> None:
+        self.s += time.perf_counter() - self.t0
+        self.cpu += cpu_of(self.pid) - self.cpu0
+        self.faults += minflt(self.pid) - self.flt0
+        if self.rss:
+            self.done.set()
+            self.sampler.join(timeout=5)
+            self.mem = max(0, max(self.peak, rss_anon(self.pid)) - (self.base or 0))
+
+
+def counted(owner: Any, name: str, usage: Usage) -> Any:
+    """A context manager that counts every call of ``owner.name`` in ``usage``."""
+    orig = getattr(owner, name)
+
+    def call(*a: Any, **k: Any) -> Any:
+        with usage:
+            return orig(*a, **k)
+
+    return mock.patch.object(owner, name, call)
+
+
 # ------------------------------------------------------------------------------ part 1
 
 
@@ -77,21 +149,15 @@ class SizeResult:
     cpu: dict[str, list[float]] = field(default_factory=dict)
     disk_bytes: dict[str, int] = field(default_factory=dict)
     phases: dict[str, list[float]] = field(default_factory=dict)
-    faults: dict[str, list[int]] = field(default_factory=dict)
-    """Minor page faults of the writing process during the write."""
-    inner_cpu: list[float] = field(default_factory=list)
-    """CPU seconds of export_dcp's own dcp.save call."""
-    inner_faults: list[int] = field(default_factory=list)
-    """Minor page faults during export_dcp's own dcp.save call."""
-    mem: dict[str, list[int]] = field(default_factory=dict)
-    """Peak anonymous memory the writing process added during the write (bytes)."""
+    faults: dict[str, list[int]] = field(default_factory=dict)  # Of the writer, minor.
+    inner_cpu: list[float] = field(default_factory=list)  # Of export_dcp's own dcp.save call.
+    inner_faults: list[int] = field(default_factory=list)  # Of export_dcp's own dcp.save call.
+    mem: dict[str, list[int]] = field(default_factory=dict)  # Peak added RssAnon of the writer.
     orders: list[list[str]] = field(default_factory=list)
     per_repeat: list[dict[str, float]] = field(default_factory=list)
     """Per repeat: seconds per system, and ``flush_smp_s`` (the SMP's own figure)."""
-    once: dict[str, float] = field(default_factory=dict)
-    """One-off figures in seconds: building the state, the first save, the warm-up FLUSH."""
-    notes: list[str] = field(default_factory=list)
-    """Leftovers and the SMP log's errors/warnings (plain text)."""
+    once: dict[str, float] = field(default_factory=dict)  # One-off figures (seconds).
+    notes: list[str] = field(default_factory=list)  # Leftovers, the SMP log's errors/warnings.
     error: str = ""
 
 
@@ -103,10 +169,9 @@ def dcp_import_seconds() -> float:
         "from torch.distributed.checkpoint.state_dict_saver import save; "
         "print(time.perf_counter() - t)"
     )
+    cmd = [sys.executable, "-c", code]
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
         return float(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError):
         return float("nan")
@@ -114,19 +179,18 @@ def dcp_import_seconds() -> float:
 
 def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[str]) -> SizeResult:
     """Build a state of ``size_gib``, put it into an SMP, time every system ``repeats`` times."""
+    import torch.distributed.checkpoint.state_dict_saver as saver
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import ftmem
+    import ftmem.tiers.export as export
     from ftmem.protocol import messages as m
     from ftmem.protocol.smp_client import SmpClient
     from ftmem.smp.spawn import start_smp
     from ftmem.tiers.checkpoints import checkpoint_name
-    from ftmem.tiers.export import export_dcp, find_sources
 
     res = SizeResult(size_gib)
-    free = shutil.disk_usage(disk_root).free
-    need = size_gib * 2**30 * 3 + 2**30
+    free, need = shutil.disk_usage(disk_root).free, size_gib * 2**30 * 3 + 2**30
     if free < need:
         res.error = f"skipped: {free / 2**30:.1f} GiB free in {disk_root}, need {need / 2**30:.1f}"
         return res
@@ -137,18 +201,15 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
     run_id = "bf" + uuid.uuid4().hex[:10]
     run_dir = Path(tempfile.mkdtemp(prefix="ftmem-bench-flush-run-"))
     work = Path(tempfile.mkdtemp(prefix="ftmem-bench-flush-", dir=disk_root))
-    tier = work / "smp-tier"
-    os.environ["FTMEM_RUN_DIR"] = str(run_dir)
-    os.environ["FTMEM_RUN_ID"] = run_id
-    st = {"model": state.model, "optim": state.optimizer}
-    log = run_dir / "smp.log"
+    tier, log = work / "smp-tier", run_dir / "smp.log"
+    os.environ["FTMEM_RUN_DIR"], os.environ["FTMEM_RUN_ID"] = str(run_dir), run_id
     try:
         smp_args = ["--flush-dir", str(tier), "--flush-keep", "1"]
         start = {"start_timeout": timedelta(seconds=120), "log_path": log, "extra_args": smp_args}
         with start_smp(run_dir=run_dir, run_id=run_id, slots=2, **start) as smp:
             t0 = time.perf_counter()
-            ftmem.save(st, step=1)  # skipped while the SMP allocates the slots...
-            ok = ftmem.wait(timeout=600.0)  # ...and committed by wait()
+            ftmem.save({"model": state.model, "optim": state.optimizer}, step=1)  # skipped while
+            ok = ftmem.wait(timeout=600.0)  # the SMP allocates the slots, committed by wait()
             first = "first ftmem.save + ftmem.wait (the SMP allocates the slots)"
             res.once[first] = time.perf_counter() - t0
             if not ok:
@@ -163,89 +224,76 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
             if FLUSH in systems:
                 # Warm-up: the worker imported torch at SMP start; this shows what else the
                 # first flush costs (not counted).
-                worker = _proc.worker_proc(smp.pid)
                 deadline = time.monotonic() + 120
-                while worker is None and time.monotonic() < deadline:
+                while flush_worker(smp.pid) is None and time.monotonic() < deadline:
                     time.sleep(0.2)
-                    worker = _proc.worker_proc(smp.pid)
                 time.sleep(1.0)
                 # The worker's heap may keep what a flush freed: count its growth from idle.
-                worker_idle = _proc.RssSampler(worker.pid if worker is not None else None).peak
+                worker_idle = rss_anon(flush_worker(smp.pid))
                 t0 = time.perf_counter()
                 reply = flush_request()
                 res.once["first FLUSH (warm-up, not counted)"] = time.perf_counter() - t0
                 res.once["first FLUSH, the SMP's own figure"] = float(reply.get("seconds") or 0)
                 shutil.rmtree(flush_out, ignore_errors=True)
                 os.sync()
-            last_reply: dict[str, Any] = {}
 
-            def write_one(system: str, out: Path, timer: _proc.PhaseTimer) -> None:
+            def write_one(system: str, out: Path, calls: list[Usage]) -> dict[str, Any]:
                 if system == EXPORT:
-                    with timer.patched():
-                        t0 = time.perf_counter()
-                        sources = find_sources([run_dir])
-                        timer.find = time.perf_counter() - t0
-                        export_dcp(sources, out)
+                    wrapped = [
+                        (export, "find_sources"),
+                        (saver, "save"),
+                        (export, "write_manifest"),
+                    ]
+                    with contextlib.ExitStack() as stack:
+                        for usage, (owner, name) in zip(calls, wrapped, strict=True):
+                            stack.enter_context(counted(owner, name, usage))
+                        export.export_dcp(export.find_sources([run_dir]), out)
                 elif system == FLUSH:
-                    last_reply.clear()
-                    last_reply.update(flush_request())
+                    return flush_request()
                 elif system == DCP:
                     writer = FileSystemWriter(str(out), sync_files=True)
-                    dcp_save(state.state_dicts(), storage_writer=writer, no_dist=True)
+                    saver.save(state.state_dicts(), storage_writer=writer, no_dist=True)
                 else:
                     with open(out, "wb") as f:
                         torch.save(state.state_dicts(), f)
                         f.flush()
                         os.fsync(f.fileno())
+                return {}
 
             for i in range(repeats):
                 k = i % len(systems)
-                order = systems[k:] + systems[:k]
-                res.orders.append(order)
-                row: dict[str, float] = {}
-                for system in order:
+                res.orders.append(systems[k:] + systems[:k])
+                res.per_repeat.append({})
+                for system in res.orders[-1]:
                     gc.collect()
                     os.sync()
                     out = work / f"{system.split()[0].replace('.', '_')}_{i}"
-                    timer, flushing = _proc.PhaseTimer(), system == FLUSH
-                    worker = _proc.worker_proc(smp.pid) if flushing else None
-                    wcpu0 = _proc.proc_cpu(worker)
-                    wpid = worker.pid if worker is not None else None
-                    base = worker_idle if flushing else None
-                    sampler = _proc.RssSampler(wpid if flushing else os.getpid(), base=base)
-                    fpid = wpid or os.getpid()
-                    flt0 = _proc.minflt(fpid)
-                    cpu0 = _proc.cpu_self()
-                    t0 = time.perf_counter()
-                    with sampler:
-                        write_one(system, out, timer)
-                    dt = time.perf_counter() - t0
-                    cpu = _proc.cpu_self() - cpu0
-                    res.faults.setdefault(system, []).append(_proc.minflt(fpid) - flt0)
-                    if system == FLUSH:
-                        out = flush_out
-                        cpu = _proc.proc_cpu(worker) - wcpu0
-                    res.mem.setdefault(system, []).append(sampler.added)
-                    res.times.setdefault(system, []).append(dt)
-                    res.cpu.setdefault(system, []).append(cpu)
-                    res.disk_bytes[system] = _proc.dir_bytes(out)
-                    row[system] = dt
+                    pid = flush_worker(smp.pid) if system == FLUSH else os.getpid()
+                    calls = [Usage(os.getpid()) for _ in range(3)]  # export_dcp's own calls
+                    with Usage(pid, rss=True, base=worker_idle if system == FLUSH else None) as u:
+                        reply = write_one(system, out, calls)
+                    for key, value in (("times", u.s), ("cpu", u.cpu), ("faults", u.faults)):
+                        getattr(res, key).setdefault(system, []).append(value)
+                    res.mem.setdefault(system, []).append(u.mem)
+                    out = flush_out if system == FLUSH else out
+                    res.disk_bytes[system] = sum(
+                        p.stat().st_size for p in [out, *out.rglob("*")] if p.is_file()
+                    )
+                    res.per_repeat[-1][system] = u.s
                     if system == EXPORT:
-                        parts = [timer.find, timer.dcp, timer.manifest]
-                        parts.append(dt - sum(parts))
-                        res.inner_cpu.append(timer.dcp_cpu)
-                        res.inner_faults.append(timer.dcp_faults)
-                        for name, val in zip(PHASES, parts, strict=True):
+                        parts = [c.s for c in calls]
+                        for name, val in zip(PHASES, [*parts, u.s - sum(parts)], strict=True):
                             res.phases.setdefault(name, []).append(val)
+                        res.inner_cpu.append(calls[1].cpu)
+                        res.inner_faults.append(calls[1].faults)
                     if system == FLUSH:
-                        row["flush_smp_s"] = float(last_reply.get("seconds") or 0.0)
-                    print(f"# [{size_gib:g} GiB] repeat {i} {system}: {dt:.2f} s", file=sys.stderr)
+                        res.per_repeat[-1]["flush_smp_s"] = float(reply.get("seconds") or 0.0)
+                    print(f"# [{size_gib:g} GiB] repeat {i} {system}: {u.s:.2f} s", file=sys.stderr)
                     if out.is_dir():
                         shutil.rmtree(out)
                     else:
                         out.unlink()
                     os.sync()
-                res.per_repeat.append(row)
             leftovers = sorted(p.name for p in work.iterdir() if p.name != "smp-tier")
             if tier.exists():
                 leftovers += [f"smp-tier/{p.name}" for p in tier.iterdir()]
@@ -261,8 +309,7 @@ def bench_size(size_gib: float, *, repeats: int, disk_root: Path, systems: list[
             os.environ.pop("FTMEM_RUN_DIR", None)
             os.environ.pop("FTMEM_RUN_ID", None)
             text = log.read_text(errors="replace") if log.exists() else ""
-            odd = [x for x in text.splitlines() if any(w in x for w in _ODD)]
-            if odd:
+            if odd := [x for x in text.splitlines() if any(w in x for w in _ODD)]:
                 res.notes.append("SMP log errors/warnings: " + " | ".join(odd[:5]))
             shutil.rmtree(run_dir, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
@@ -284,7 +331,7 @@ class RunResult(_launch.JobRun):
 
     train_s: float = float("nan")
     flushes: list[tuple[float, int, float]] = field(default_factory=list)
-    """(end time, step, seconds) of every 'flushed to' line of the SMP log."""
+    """(end time, step, seconds) of every ``flushed`` event of the SMP."""
     failed: list[str] = field(default_factory=list)
     final_flush: list[int] = field(default_factory=list)
     train_end: float = float("nan")
@@ -299,18 +346,8 @@ class RunResult(_launch.JobRun):
 
 def script_args(args: argparse.Namespace) -> list[str]:
     """The example and its arguments (model size, steps) of the training runs."""
-    return [
-        _launch.example(),
-        *_launch.model_flags(args),
-        *_launch.flags(steps=args.steps, log_every=1000),
-    ]
-
-
-def config_flags(config: str, tier: Path, args: argparse.Namespace) -> list[str]:
-    flags = ["--ftmem-slots", "3"]
-    if config != "no flush":
-        flags += ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", str(args.flush_every)]
-    return flags
+    steps = _launch.flags(steps=args.steps, log_every=1000)
+    return [_launch.example(), *_launch.model_flags(args), *steps]
 
 
 def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> RunResult:
@@ -319,16 +356,15 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
     rid = "bfl" + uuid.uuid4().hex[:10]
     tmp = Path(tempfile.mkdtemp(prefix=f"{config.split()[0]}{repeat}-", dir=root))
     run_dir, tier = tmp / "rd", tmp / "ckpt"
-    launch = [
-        *_launch.single_node_args(nproc=args.nproc, run_id=rid, run_dir=run_dir),
-        *config_flags(config, tier, args),
-        *script_args(args),
-    ]
+    launch = _launch.single_node_args(nproc=args.nproc, run_id=rid, run_dir=run_dir)
+    launch += ["--ftmem-slots", "3"]
+    if config != "no flush":
+        launch += ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", str(args.flush_every)]
     agent: _launch.Agent | None = None
     poller = _launch.StatusPoller([run_dir])
     t0 = time.monotonic()
     try:
-        agent = _launch.Agent(launch, tmp / "agent.log", _launch.job_env())
+        agent = _launch.Agent([*launch, *script_args(args)], tmp / "agent.log", _launch.job_env())
         _launch.wait_all([agent], timeout=args.run_timeout, poller=poller, poll_s=args.poll)
         res.wall_s = time.monotonic() - t0
         text = agent.text()
@@ -345,15 +381,13 @@ def run_once(config: str, repeat: int, args: argparse.Namespace, root: Path) -> 
         if agent is not None:
             agent.stop()
     res.polls = poller.polls
-    st = poller.last.get(0, {})
-    fl = st.get("flush") or {}
-    if fl.get("enabled"):
-        res.status_flushes = int(fl.get("flushes") or 0)
+    status = poller.last.get(0, {})
+    if (status.get("flush") or {}).get("enabled"):
+        res.status_flushes = int(status["flush"].get("flushes") or 0)
     res.skipped = poller.skipped()
-    res.slots = {int(r): len(rs.get("slots") or []) for r, rs in (st.get("ranks") or {}).items()}
+    res.slots = {int(r): len(x.get("slots") or []) for r, x in (status.get("ranks") or {}).items()}
     events = read_events([run_dir]).events
-    commits = [e.time for e in events if e.event == "committed"]
-    if commits:
+    if commits := [e.time for e in events if e.event == "committed"]:
         res.train_start, res.train_end = min(commits), max(commits)
     for e in events:
         if e.event == "flushed":
@@ -375,8 +409,7 @@ class FlushResult(_results.PartResult):
     steps: int
     nproc: int
     example_args: list[str]
-    dcp_import_s: float | None = None
-    """``import torch.distributed.checkpoint`` after ``import torch``, fresh process."""
+    dcp_import_s: float | None = None  # import torch.distributed.checkpoint after torch
     sizes: list[SizeResult] = field(default_factory=list)
     train: list[RunResult] = field(default_factory=list)
 
@@ -416,9 +449,8 @@ def run(argv: list[str]) -> FlushResult:
         p.error(f"{disk_root} is on {fstype} ({mp}): give --disk-dir on a real disk")
     torch.set_num_threads(1)  # as the flush worker
     same = {k: getattr(args, k) for k in ("repeats", "flush_every", "steps", "nproc")}
-    res = FlushResult(
-        argv=argv, machine=_results.machine(disk_root), example_args=script_args(args), **same
-    )
+    machine = _results.machine(disk_root)
+    res = FlushResult(argv=argv, machine=machine, example_args=script_args(args), **same)
     for size in sizes:
         res.sizes.append(
             bench_size(size, repeats=args.repeats, disk_root=disk_root, systems=systems)
@@ -444,102 +476,64 @@ def run(argv: list[str]) -> FlushResult:
 Doc = dict[str, Any]
 
 
-FLUSH_SYSTEMS = ("ftmem export_dcp", "ftmem FLUSH (SMP worker)", "dcp.save", "torch.save")
-_DCP, _EXP, _FL = "dcp.save", "ftmem export_dcp", "ftmem FLUSH (SMP worker)"
+def _size_section(r: Doc) -> list[str]:
+    """One state size: per system, per repeat, export_dcp's phases, the one-off figures."""
+    per = r["per_repeat"]
 
+    def sec(key: str) -> Callable[[int], str]:
+        return lambda i: fmt(per[i].get(key), ".2f", " s")
 
-def _flushgoal_rows(r: Doc) -> list[Any]:
-    return [
+    def vs_dcp(system: str) -> Callable[[int], str]:
+        return lambda i: fmt(st.ratio(per[i].get(DCP), per[i].get(system)), ".2f", "x")
+
+    def kilo(values: list[int]) -> str:
+        return stat(st.scale(values, 1e-3), ".0f", " k")
+
+    by_system = [
         ("system", lambda s: s),
         ("time", lambda s: stat(r["times"][s], ".2f", " s")),
         ("throughput", lambda s: stat(st.gbps(r["nbytes"], r["times"][s]), ".3f", " GB/s")),
         ("CPU s (writer process)", lambda s: stat(r["cpu"].get(s, []), ".2f")),
-        ("minor page faults", lambda s: stat(st.scale(r["faults"].get(s, []), 1e-3), ".0f", " k")),
-        ("peak memory added (RssAnon)", lambda s: mib(r["mem"].get(s, []))),
+        ("minor page faults", lambda s: kilo(r["faults"].get(s, []))),
+        ("peak memory added (RssAnon)", lambda s: fg.mib(r["mem"].get(s, []))),
         ("on disk", lambda s: f"{r['disk_bytes'].get(s, 0) / MiB:.0f} MiB"),
     ]
-
-
-def _flush_repeats(r: Doc) -> list[Any]:
-    def sec(i: int, key: str) -> str:
-        return fmt(r["per_repeat"][i].get(key), ".2f", " s")
-
-    def vs_dcp(system: str) -> Callable[[int], str]:
-        row = r["per_repeat"]
-        return lambda i: fmt(st.ratio(row[i].get(_DCP), row[i].get(system)), ".2f", "x")
-
-    return [
+    by_repeat = [
         ("repeat", lambda i: i),
         ("order", lambda i: " > ".join(r["orders"][i])),
-        ("dcp.save", lambda i: sec(i, _DCP)),
-        ("export_dcp", lambda i: sec(i, _EXP)),
-        ("export/dcp throughput", vs_dcp(_EXP)),
+        ("dcp.save", sec(DCP)),
+        ("export_dcp", sec(EXPORT)),
+        ("export/dcp throughput", vs_dcp(EXPORT)),
         (
             "FLUSH (request to reply; SMP's own figure)",
-            lambda i: f"{sec(i, _FL)}; {sec(i, 'flush_smp_s')}",
+            lambda i: f"{sec(FLUSH)(i)}; {sec('flush_smp_s')(i)}",
         ),
-        ("FLUSH/dcp throughput", vs_dcp(_FL)),
+        ("FLUSH/dcp throughput", vs_dcp(FLUSH)),
     ]
-
-
-def _flush_size(r: Doc) -> list[str]:
     out = [f"#### {r['nbytes'] / GiB:.2f} GiB state (requested {r['size_gib']:g} GiB)", ""]
-    out += rows(_flushgoal_rows(r), [s for s in FLUSH_SYSTEMS if s in r["times"]])
-    out += rows(_flush_repeats(r), range(len(r["per_repeat"])))
+    out += fg.rows(by_system, [s for s in SYSTEMS if s in r["times"]])
+    out += fg.rows(by_repeat, range(len(per)))
     if r["phases"]:
-        total = st.median(r["times"][_EXP])
+        total = st.median(r["times"][EXPORT])
         ph = [
             [k, stat(v, ".3f", " s"), fmt(st.ratio(st.median(v), total), ".0%")]
             for k, v in r["phases"].items()
         ]
         ph.append(["export_dcp's own dcp.save: CPU s", stat(r["inner_cpu"]), "-"])
-        faults = stat(st.scale(r["inner_faults"], 1e-3), ".0f", " k")
-        ph.append(["export_dcp's own dcp.save: minor page faults", faults, "-"])
-        out += table(["phase of export_dcp", "time", "share"], ph)
-    out += kv([[k, fmt(v, ".2f")] for k, v in r["once"].items()], ("one-off figure", "seconds"))
+        ph.append(["export_dcp's own dcp.save: minor page faults", kilo(r["inner_faults"]), "-"])
+        out += fg.table(["phase of export_dcp", "time", "share"], ph)
+    out += fg.kv([[k, fmt(v, ".2f")] for k, v in r["once"].items()], ("one-off figure", "seconds"))
     return out + [f"- {n}" for n in r["notes"]] + ([""] if r["notes"] else [])
 
 
-def flush_train(r: Doc) -> dict[str, Any]:
-    """Figures of the training runs: per config, and the flush/no-flush ratios of pairs."""
-    ok = [x for x in r["train"] if x["ok"]]
-    by = {c: [x for x in ok if x["config"] == c] for c in ("no flush", "flush every 5")}
-    by["flush every 5"] = [x for x in ok if x["config"] != "no flush"]
-
-    def during(x: Doc) -> list[Any]:
-        return [f for f in x["flushes"] if x["train_end"] is not None and f[0] <= x["train_end"]]
-
-    def share(x: Doc) -> float | None:
-        span = (x["train_end"] or 0) - (x["train_start"] or 0)
-        return sum(f[2] for f in during(x)) / span if span > 0 else None
-
-    ratios = pair_ratios(r["train"], "no flush", "flush every 5")
-    return {"by": by, "ratios": ratios, "during": during, "share": share}
+def _during(x: Doc) -> list[Any]:
+    """The flushes of a run that ended before its last commit."""
+    return [f for f in x["flushes"] if x["train_end"] is not None and f[0] <= x["train_end"]]
 
 
-def _flush_traingoal_rows(t: Doc) -> list[Any]:
-    def fl(f: Callable[[list[Doc]], str]) -> Callable[[tuple[str, list[Doc]]], str]:
-        return lambda cx: "-" if cx[0] == "no flush" else f(cx[1])
-
-    return [
-        ("config", lambda cx: cx[0]),
-        ("step time", over(job_step, ".4f", " s")),
-        (
-            "vs no flush (per pair)",
-            lambda cx: "1" if cx[0] == "no flush" else stat(t["ratios"], ".3f"),
-        ),
-        ("flushes during training", fl(lambda xs: stat([len(t["during"](x)) for x in xs], ".0f"))),
-        ("flushes in all", fl(lambda xs: stat([len(x["flushes"]) for x in xs], ".0f"))),
-        (
-            "seconds per flush",
-            fl(lambda xs: stat([f[2] for x in xs for f in x["flushes"]], ".2f", " s")),
-        ),
-        (
-            "flushing's share of training",
-            fl(lambda xs: stat(st.scale(map(t["share"], xs), 100), ".0f", "%")),
-        ),
-        ("snapshots skipped", over(lambda x: sum(x["skipped"].values()), ".0f")),
-    ]
+def _share(x: Doc) -> float | None:
+    span = (x["train_end"] or 0) - (x["train_start"] or 0)
+    return sum(f[2] for f in _during(x)) / span if span > 0 else None
 
 
 def _flushed_steps(x: Doc) -> str:
@@ -551,8 +545,8 @@ FLUSH_RUNS = [
     ("repeat", lambda x: x["repeat"]),
     ("config", lambda x: x["config"]),
     ("load", lambda x: fmt(x["load_start"])),
-    ("median step (ranks)", lambda x: ranks("rank_median")(x)),
-    ("mean step (ranks)", lambda x: ranks("rank_mean")(x)),
+    ("median step (ranks)", fg.ranks("rank_median")),
+    ("mean step (ranks)", fg.ranks("rank_mean")),
     ("flushed steps (* = after the last step)", _flushed_steps),
     ("STATUS flushes / skipped", lambda x: f"{x['status_flushes']} / {sum(x['skipped'].values())}"),
     ("wall", lambda x: f"{x['wall_s']:.0f} s"),
@@ -571,10 +565,31 @@ def sections(r: Doc) -> dict[str, list[str]]:
         "",
     ]
     for size in r["sizes"]:
-        out += _flush_size(size)
+        out += _size_section(size)
     if not r["train"]:
         return {"flush": out}
-    t = flush_train(r)
+    ok = [x for x in r["train"] if x["ok"]]
+    flushing = [x for x in ok if x["config"] != "no flush"]
+    by = {"no flush": [x for x in ok if x["config"] == "no flush"], "flush every 5": flushing}
+    ratios = fg.pair_ratios(r["train"], *CONFIGS)
+
+    def fl(f: Callable[[list[Doc]], str]) -> Callable[[tuple[str, list[Doc]]], str]:
+        return lambda cx: "-" if cx[0] == "no flush" else f(cx[1])
+
+    per_flush = fl(lambda xs: stat([f[2] for x in xs for f in x["flushes"]], ".2f", " s"))
+    by_config = [
+        ("config", lambda cx: cx[0]),
+        ("step time", fg.over(fg.job_step, ".4f", " s")),
+        ("vs no flush (per pair)", lambda cx: "1" if cx[0] == "no flush" else stat(ratios, ".3f")),
+        ("flushes during training", fl(lambda xs: stat([len(_during(x)) for x in xs], ".0f"))),
+        ("flushes in all", fl(lambda xs: stat([len(x["flushes"]) for x in xs], ".0f"))),
+        ("seconds per flush", per_flush),
+        (
+            "flushing's share of training",
+            fl(lambda xs: stat(st.scale(map(_share, xs), 100), ".0f", "%")),
+        ),
+        ("snapshots skipped", fg.over(lambda x: sum(x["skipped"].values()), ".0f")),
+    ]
     out += [
         "### Step time while flushing",
         "",
@@ -582,33 +597,33 @@ def sections(r: Doc) -> dict[str, list[str]]:
         f"--ftmem-flush-every {r['flush_every']}] {' '.join(r['example_args'])}`: a snapshot "
         "after every step; a run's step time = the median over its ranks of each rank's median",
         "",
-        *rows(_flush_traingoal_rows(t), t["by"].items()),
-        *rows(FLUSH_RUNS, r["train"]),
+        *fg.rows(by_config, by.items()),
+        *fg.rows(FLUSH_RUNS, r["train"]),
     ]
     return {"flush": out}
 
 
-def goals(r: Doc | None) -> list[Goal]:
+def goals(r: Doc | None) -> list[fg.Goal]:
     """Flush throughput against dcp.save (largest state), and step time while flushing."""
-    p, t = "flush", ">= 1.5x"
     names = {
-        "ftmem FLUSH (SMP worker)": "flush throughput / dcp.save's (SMP worker)",
-        "ftmem export_dcp": "flush throughput / dcp.save's (export_dcp in process)",
+        FLUSH: "flush throughput / dcp.save's (SMP worker)",
+        EXPORT: "flush throughput / dcp.save's (export_dcp in process)",
     }
     sizes = [s for s in (r or {}).get("sizes", []) if s["per_repeat"]]
     if not sizes:
-        return [Goal(p, g, t) for g in names.values()]
+        return [fg.Goal(PART, g, ">= 1.5x") for g in names.values()]
     big = max(sizes, key=lambda s: s["nbytes"])
-    rats = [[st.ratio(x.get("dcp.save"), x.get(s)) for x in big["per_repeat"]] for s in names]
-    values = [(st.stat(rat, ".2f", "x"), ge(st.median(rat), 1.5)) for rat in rats]
-    src = f"flush, {big['nbytes'] / st.GiB:.2f} GiB"
-    out = goal_rows(p, [(g, t) for g in names.values()], values, src)
-
-    if pairs := pair_ratios(r["train"], "no flush", "flush every 5"):
-        g = ("step time while flushing, flush / no flush", STRADDLE)
-        out += goal_rows(
-            p, [g], [(st.stat(pairs, ".3f"), straddles(pairs))], f"flush, {len(pairs)} pairs"
+    src = f"flush, {big['nbytes'] / GiB:.2f} GiB"
+    out = []
+    for system, g in names.items():
+        rat = [st.ratio(x.get(DCP), x.get(system)) for x in big["per_repeat"]]
+        out.append(
+            fg.Goal(PART, g, ">= 1.5x", stat(rat, ".2f", "x"), fg.ge(st.median(rat), 1.5), src)
         )
+    if pairs := fg.pair_ratios(r["train"], *CONFIGS):
+        g = "step time while flushing, flush / no flush"
+        met, src = fg.straddles(pairs), f"flush, {len(pairs)} pairs"
+        out.append(fg.Goal(PART, g, fg.STRADDLE, stat(pairs, ".3f"), met, src))
     return out
 
 

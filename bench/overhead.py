@@ -37,6 +37,7 @@ CONTROL = "none again (A/A control)"
 EVERY_STEP = "ftmem every step"
 BLOCKS_LINE = "[rank 0] blocks "
 _WORKER_INTS = ("interval", "block", "cycles", "warmup_steps", "seed")
+_SAME = ("interval", "block", "cycles", "warmup_steps", "nproc", "step_delay")  # args = results
 
 
 def configs(interval: int) -> tuple[str, ...]:
@@ -52,15 +53,7 @@ def worker(argv: Sequence[str]) -> int:
 
     import ftmem
 
-    wp = argparse.ArgumentParser(prog="overhead.py --_worker")
-    for name in _WORKER_INTS:
-        wp.add_argument(f"--{name.replace('_', '-')}", type=int, required=True)
-    wp.add_argument("--ckpt-dir", type=Path, required=True)
-    wp.add_argument("example_args", nargs=argparse.REMAINDER)
-    w = wp.parse_args(list(argv))
-    example_argv = [a for a in w.example_args if a != "--"]
-    t = _train.setup(example_argv, "overhead_worker")
-    names = configs(w.interval)
+    w, t = _train.worker("overhead.py --_worker", argv, _WORKER_INTS)
     state = {"model": t.model, "optim": t.optimizer, "sched": t.scheduler, "data": t.loader}
     state["rng"] = ftmem.RNGState()
     step = ftmem.load(state)
@@ -75,7 +68,7 @@ def worker(argv: Sequence[str]) -> int:
     blocks: list[dict[str, Any]] = []
     step_times: list[float] = []
     for cycle in range(w.cycles):
-        order = list(names)
+        order = list(configs(w.interval))
         random.Random(w.seed + cycle).shuffle(order)
         for name in order:
             skipped0 = int(ftmem.stats().get("skipped", 0))
@@ -102,21 +95,13 @@ def worker(argv: Sequence[str]) -> int:
                 step_times.append(time.perf_counter() - s0)
             if name.startswith("ftmem") and handle is not None:
                 handle.wait(timeout=120.0)  # drain: the block's last copy is the block's cost
-            blocks.append(
-                {
-                    "cycle": cycle,
-                    "config": name,
-                    "steps": w.block,
-                    "seconds": time.perf_counter() - t0,
-                    "cpu_s": time.process_time() - cpu0,
-                    "saves": saves,
-                    "skipped": int(ftmem.stats().get("skipped", 0)) - skipped0,
-                }
-            )
+            seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+            skipped = int(ftmem.stats().get("skipped", 0)) - skipped0
+            block = {"cycle": cycle, "config": name, "steps": w.block, "seconds": seconds}
+            blocks.append({**block, "cpu_s": cpu_s, "saves": saves, "skipped": skipped})
     if t.rank == 0:
         params_m = sum(p.numel() for p in t.model.parameters()) / 1e6
-        doc = {"params_m": params_m, "blocks": blocks}
-        print(BLOCKS_LINE + json.dumps(doc), flush=True)
+        print(BLOCKS_LINE + json.dumps({"params_m": params_m, "blocks": blocks}), flush=True)
     ftmem.close()
     t.finish(step, step_times)
     return 0
@@ -134,16 +119,13 @@ class OverheadResult(_results.PartResult):
     nproc: int
     step_delay: float
     command: str = ""  # The job's command line (temporary paths and ports as placeholders).
-    params_m: float | None = None
-    """The model's parameters in millions (state per rank = 12 bytes each)."""
-    blocks: list[dict[str, Any]] = field(default_factory=list)
-    """Every block in the order run: cycle, config, steps, seconds, cpu_s, saves, skipped."""
+    params_m: float | None = None  # The model's parameters in millions (12 bytes each).
+    blocks: list[dict[str, Any]] = field(default_factory=list)  # Every block in the order run.
+    # Per configuration, one figure per cycle: time and rank CPU per step, their ratios to the
+    # 'none' block's of the same cycle, snapshots taken and skipped.
     step_s: dict[str, list[float]] = field(default_factory=dict)
-    """Per configuration: time per step, one figure per cycle."""
     cpu_s: dict[str, list[float]] = field(default_factory=dict)
-    """Per configuration: CPU seconds of the rank process per step."""
     ratio: dict[str, list[float]] = field(default_factory=dict)
-    """Time per step over the 'none' block's of the same cycle."""
     cpu_ratio: dict[str, list[float]] = field(default_factory=dict)
     saves: dict[str, list[float]] = field(default_factory=dict)
     skipped: dict[str, list[float]] = field(default_factory=dict)
@@ -156,17 +138,15 @@ def _reduce(res: OverheadResult) -> None:
         by_cycle.setdefault(int(b["cycle"]), {})[b["config"]] = b
     for bs in by_cycle.values():
         none = bs.get(NONE)
-        for name in configs(res.interval):
-            if (b := bs.get(name)) is None:
-                continue
+        for name in (c for c in configs(res.interval) if c in bs):
+            b = bs[name]
             step, cpu = b["seconds"] / b["steps"], b["cpu_s"] / b["steps"]
-            res.step_s.setdefault(name, []).append(step)
-            res.cpu_s.setdefault(name, []).append(cpu)
-            res.saves.setdefault(name, []).append(float(b["saves"]))
-            res.skipped.setdefault(name, []).append(float(b["skipped"]))
+            figures = {"step_s": step, "cpu_s": cpu, "saves": b["saves"], "skipped": b["skipped"]}
             if none is not None:
-                res.ratio.setdefault(name, []).append(step / (none["seconds"] / none["steps"]))
-                res.cpu_ratio.setdefault(name, []).append(cpu / (none["cpu_s"] / none["steps"]))
+                figures["ratio"] = step / (none["seconds"] / none["steps"])
+                figures["cpu_ratio"] = cpu / (none["cpu_s"] / none["steps"])
+            for key, value in figures.items():
+                getattr(res, key).setdefault(name, []).append(float(value))
 
 
 def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
@@ -181,8 +161,7 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
     example += ["--step-delay", str(args.step_delay)] if args.step_delay else []
     cmd = launch_command([*launcher, *worker])
     cmd += ["--ckpt-dir", str(tmp / "ckpt"), "--", *example]
-    res.command = " ".join(cmd).replace(sys.executable, "python").replace(str(tmp), "$TMP")
-    res.command = res.command.replace(str(_launch.REPO) + "/", "").replace(run_id, "RID")
+    res.command = _launch.shown(cmd, tmp).replace(run_id, "RID")
     job = _launch.Job(cmd, tmp / "job.log", _launch.job_env(TMPDIR=str(tmp)))
     try:
         _launch.wait_all([job], timeout=args.run_timeout, poll_s=args.poll)
@@ -228,14 +207,8 @@ def run(argv: list[str]) -> OverheadResult:
     args.block = args.block or args.interval
     if args.interval < 2 or args.block % args.interval or args.cycles < 1:
         p.error("need --interval >= 2, --block a multiple of it, --cycles >= 1")
-    res = OverheadResult(
-        argv=argv,
-        machine=_results.machine(),
-        **{
-            k: getattr(args, k)
-            for k in ("interval", "block", "cycles", "warmup_steps", "nproc", "step_delay")
-        },
-    )
+    same = {k: getattr(args, k) for k in _SAME}
+    res = OverheadResult(argv=argv, machine=_results.machine(), **same)
     tmp = Path(tempfile.mkdtemp(prefix="ftmem-bench-overhead-"))
     try:
         measure(args, res, tmp)
@@ -263,25 +236,21 @@ BLOCKS = [
 def sections(r: dict[str, Any]) -> dict[str, list[str]]:
     """Section ``overhead``: per configuration, then every block."""
 
-    def vs_none(key: str) -> Fig:
-        label = {"ratio": "overhead vs none (wall)", "cpu_ratio": "rank CPU vs none"}[key]
+    def vs_none(key: str, label: str) -> Fig:
         return Fig(label, get=lambda c: "0 (the floor)" if c == NONE else st.pct(r[key].get(c, [])))
 
-    def count(key: str, label: str, skip: str) -> Fig:
-        return Fig(label, get=lambda c: "-" if skip in c else stat(r[key][c], ".0f"))
+    def count(key: str, label: str, shown: Any) -> Fig:
+        return Fig(label, get=lambda c: stat(r[key][c], ".0f") if shown(c) else "-")
 
     delay = f", `--step-delay {r['step_delay']:g}`" if r["step_delay"] else ""
     configs = [
         Fig("configuration", get=lambda c: c),
         Fig("time per step", ".4f", " s", get=lambda c: r["step_s"][c], how="stat"),
-        vs_none("ratio"),
-        vs_none("cpu_ratio"),
+        vs_none("ratio", "overhead vs none (wall)"),
+        vs_none("cpu_ratio", "rank CPU vs none"),
         Fig("rank CPU per step", ".4f", " s", get=lambda c: r["cpu_s"][c], how="stat"),
-        count("saves", "snapshots per cycle", NONE),
-        Fig(
-            "skipped per cycle",
-            get=lambda c: "-" if not c.startswith("ftmem") else stat(r["skipped"][c], ".0f"),
-        ),
+        count("saves", "snapshots per cycle", lambda c: NONE not in c),
+        count("skipped", "skipped per cycle", lambda c: c.startswith("ftmem")),
     ]
     out = [
         f"- model: the example's GPT at {fmt(r['params_m'])} M parameters = {(r['params_m'] or 0) * 12:.0f} MB "

@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,20 +36,19 @@ from ftmem.observe.timeline import Event, read_events
 PART = "recovery"
 EXAMPLE = _launch.EXAMPLE
 FAIL_RANK = 1
-FT_INPROC = "ftmem-launch in process"
+FT_INPROC = "ftmem-launch in process"  # the example under ftmem.run (--in-process)
 FT_STANDBY = "ftmem-launch + standbys"
 FT_COLD = "ftmem-launch (cold)"
 DCP = "torchrun + DCP"
 SYSTEMS = (FT_INPROC, FT_STANDBY, FT_COLD, DCP)
-"""In process: the example under ``ftmem.run`` (``--in-process``); rank 0 survives in its
-process and the failed rank 1 is started from its standby."""
+TAGS = {FT_INPROC: "ip", FT_STANDBY: "sb", FT_COLD: "ft", DCP: "dcp"}  # of logs and commands
 PHASES = ("detect", "stop", "rendezvous", "start", "script", "load", "first_step")
-"""detect: rank death -> detected; stop: survivors stopped; rendezvous: the new round; start:
-ranks spawned or handed to standbys (DCP: up to 'script started', the imports included);
-script: until ``ftmem.load`` is called (DCP: until the model is built); load: the restore
-(DCP: DDP wrap, optimizer, ``dcp.load``); first_step: the first step after it, on all ranks."""
+"""The split of rank death -> all ranks stepping (docs/benchmarks.md)."""
 WORKER_FLAG = "--_dcp-worker"
 _STANDALONE = ["--standalone", "--nproc-per-node", "2"]
+# The example's lines: its logging's 'script started', its closing prints.
+_STARTED = re.compile(r"(\d{4}-\d\d-\d\d \S+) \[rank (\d+)\] \S+ [A-Z]+: script started$", re.M)
+_DIGEST = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]{64})")
 # torch elastic's glog lines: torchrun writes no event log, so its phases come from these.
 _GLOG = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{6}) +\d+ \S+\] (.*)$", re.M)
 _ELASTIC = {
@@ -64,62 +63,46 @@ logger = logging.getLogger("bench.recovery")
 # --------------------------------------------------------------------------- the DCP worker
 
 
-def _newest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
-    """(step, path) of the newest complete DCP checkpoint (``.metadata`` written), or None."""
-    found = [
-        (int(m.group(1)), e)
-        for e in (ckpt_dir.iterdir() if ckpt_dir.is_dir() else ())
-        if (m := re.fullmatch(r"step_(\d+)", e.name)) and (e / ".metadata").is_file()
-    ]
-    return max(found, default=None)
-
-
 def dcp_worker(argv: Sequence[str]) -> int:
     """The torchrun + DCP system's rank (``--_dcp-worker --ckpt-dir DIR --ckpt-every K --
     EXAMPLE_ARGS``): the example's loop with a ``dcp.save`` every K steps; a restart
-    ``dcp.load``s the newest complete checkpoint."""
+    ``dcp.load``s the newest complete checkpoint (``.metadata`` written)."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    wp = argparse.ArgumentParser(prog="recovery.py --_dcp-worker")
-    wp.add_argument("--ckpt-dir", type=Path, required=True)
-    wp.add_argument("--ckpt-every", type=int, required=True)
-    wp.add_argument("example_args", nargs=argparse.REMAINDER)
-    wargs = wp.parse_args(list(argv))
-    example_argv = list(wargs.example_args)
-    if example_argv[:1] == ["--"]:
-        example_argv = example_argv[1:]
-    t = _train.setup(example_argv, "dcp_worker")
+    w, t = _train.worker("recovery.py --_dcp-worker", argv, ["ckpt_every"])
     args, rank = t.args, t.rank
-
+    found = [
+        (int(m.group(1)), e)
+        for e in (w.ckpt_dir.iterdir() if w.ckpt_dir.is_dir() else ())
+        if (m := re.fullmatch(r"step_(\d+)", e.name)) and (e / ".metadata").is_file()
+    ]
     start = 0
-    newest = _newest_checkpoint(wargs.ckpt_dir)
-    if newest is not None:
-        step, path = newest
+    if found:
+        start, path = max(found)
         t0 = time.perf_counter()
         state = t.dcp_state()  # the structure to load into (initialises AdamW state)
         dcp_load(state, checkpoint_id=str(path))
         t.dcp_restore(state)
-        start = step
-        _train.mark("restored", rank, step=step, load_s=time.perf_counter() - t0)
+        _train.mark("restored", rank, step=start, load_s=time.perf_counter() - t0)
     print(f"[rank {rank}] resumed from step {start}", flush=True)
 
     # Fail once: the example's rule (not when resumed at >= N) would fail again after a
     # restore from an older checkpoint, so only the first incarnation fails (one node here).
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     step_times: list[float] = []
-    for step in range(start, args.steps):
+    for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss = t.step()
         step_times.append(time.perf_counter() - t0)
-        t.log_step(step + 1, loss)
-        _train.mark("step", rank, step=step + 1)
-        if (step + 1) % wargs.ckpt_every == 0:
+        t.log_step(step, loss)
+        _train.mark("step", rank, step=step)
+        if step % w.ckpt_every == 0:
             t1 = time.perf_counter()
-            dcp_save(t.dcp_state(), checkpoint_id=str(wargs.ckpt_dir / f"step_{step + 1:06d}"))
-            _train.mark("checkpoint", rank, step=step + 1, save_s=time.perf_counter() - t1)
-        if step + 1 == args.fail_at_step and rank == args.fail_rank and first_start:
-            print(f"[rank {rank}] injecting failure (kill) after step {step + 1}", flush=True)
+            dcp_save(t.dcp_state(), checkpoint_id=str(w.ckpt_dir / f"step_{step:06d}"))
+            _train.mark("checkpoint", rank, step=step, save_s=time.perf_counter() - t1)
+        if step == args.fail_at_step and rank == args.fail_rank and first_start:
+            print(f"[rank {rank}] injecting failure (kill) after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if args.step_delay:
             time.sleep(args.step_delay)  # as the example: host idle (e.g. an accelerator's time)
@@ -134,8 +117,7 @@ class StandbyCost:
     warm_up_s: float  # Spawn -> ready (wall).
     cpu_s: float  # CPU (user + system) the standby spent to get ready.
     rss_mib: float
-    uss_mib: float
-    """Memory only this process holds (the shared libraries' pages are shared with ranks)."""
+    uss_mib: float  # Memory only this process holds (shared libraries' pages are shared).
     idle_cpu_s: float  # CPU it spent in the 2 s after it was ready (waiting on its socket).
 
 
@@ -178,7 +160,6 @@ class Run:
     rc: int | None = None
     wall_s: float = 0.0
     load1: float = field(default=0.0, metadata=fig("load avg at start", ".2f"))
-    """The 1-minute load average when the run started."""
     digest: str = ""  # The final digest both ranks printed ("" if they did not agree).
     digest_ok: bool = field(
         default=False, metadata=fig("digest", get=lambda x: "ok" if x["digest_ok"] else "DIFFERS")
@@ -186,25 +167,18 @@ class Run:
     restored: int | None = field(default=None, metadata=fig("restored"))
     steps_lost: int | None = None
     step_time_s: float | None = field(default=None, metadata=fig("step time", ".3f", " s"))
-    """The ranks' median step time (the example's closing lines)."""
-    phases: dict[str, float | None] = field(default_factory=dict)
-    """Rank death -> all ranks stepping, split as :data:`PHASES`."""
+    phases: dict[str, float | None] = field(default_factory=dict)  # Split as PHASES.
     death_to_resumed_s: float | None = field(
         default=None, metadata=fig("death -> stepping", ".2f", " s")
     )
     spawn_import_s: float | None = field(default=None, metadata=fig("spawn+import", ".2f", " s"))
-    """Ranks started -> 'script started' on all ranks: process start (or the standby's
-    handoff) and the script's imports."""
+    """Ranks started -> 'script started' on all ranks."""
     time_lost_s: float | None = field(default=None, metadata=fig("time lost", ".2f", " s"))
     """Death -> stepping + steps lost x step time."""
-    warmup_extra_s: float | None = None
-    """Training time the standbys' warm-ups cost (steps during them minus as many steps of the
-    run's median outside them; rank 0's commits)."""
+    warmup_extra_s: float | None = None  # Training time the standbys' warm-ups cost.
     warmups: int = 0
-    checkpoint_s: list[float] = field(default_factory=list)
-    """DCP: ``dcp.save`` per checkpoint and rank while training."""
-    load_s: list[float] = field(default_factory=list)
-    """DCP: ``dcp.load`` + ``set_state_dict`` per rank at the restore."""
+    checkpoint_s: list[float] = field(default_factory=list)  # DCP: dcp.save per save and rank.
+    load_s: list[float] = field(default_factory=list)  # DCP: the restore per rank.
     error: str = field(default="", metadata=fig("error", get=lambda x: x["error"] or "-"))
 
 
@@ -228,24 +202,13 @@ class RecoveryResult(_results.PartResult):
 # --------------------------------------------------------------------------- analysis
 
 
-def _first(items: Sequence[Any], after: float, pred: Any) -> Any:
-    return next((x for x in items if x["time"] >= after and pred(x)), None)
-
-
-def _all_ranks(marks: list[dict[str, Any]], after: float, pred: Any) -> float | None:
+def _all_ranks(items: list[dict[str, Any]], after: float, pred: Callable) -> float | None:
     """When every rank has done what ``pred`` matches (the slowest), None if one has not."""
-    times = [_first(marks, after, lambda m, r=r: m["rank"] == r and pred(m)) for r in (0, 1)]
-    return None if None in times else max(m["time"] for m in times)
-
-
-def _glog(text: str, year: int) -> list[dict[str, Any]]:
-    out = []
-    for g in _GLOG.finditer(text):
-        mo, d, hh, mm, ss, us = (int(x) for x in g.groups()[:6])
-        out.append(
-            {"time": datetime.datetime(year, mo, d, hh, mm, ss, us).timestamp(), "msg": g.group(7)}
-        )
-    return out
+    times = [
+        next((m["time"] for m in items if m["time"] >= after and m["rank"] == r and pred(m)), None)
+        for r in (0, 1)
+    ]
+    return None if None in times else max(times)  # type: ignore[type-var]
 
 
 def _finish_run(run: Run, death: float, resumed: float, fail_step: int) -> None:
@@ -258,35 +221,30 @@ def _finish_run(run: Run, death: float, resumed: float, fail_step: int) -> None:
 
 def analyse_ftmem(run: Run, events: list[Event], text: str, fail_step: int) -> None:
     """Fill ``run`` from ftmem-launch's event logs (and the example's 'script started' lines)."""
-    last = (FAIL_RANK, fail_step)
-    committed = (e for e in events if e.event == "committed")
-    death = next(
-        (e for e in committed if (e.fields.get("rank"), e.fields.get("step")) == last), None
-    )
-    failed, resumed = (
-        next((e for e in events if e.event == k), None) for k in ("failed", "resumed")
-    )
+
+    def first(kind: str, after: float = 0.0, **match: Any) -> Event | None:
+        hits = (e for e in events if e.event == kind and e.time > after)
+        return next((e for e in hits if match.items() <= e.fields.items()), None)
+
+    death = first("committed", rank=FAIL_RANK, step=fail_step)
+    failed, resumed = first("failed"), first("resumed")
     if death is None or failed is None or resumed is None:
         run.error = "no commit of the failure step, 'failed' or 'resumed' event"
         return
     detected = float(failed.fields.get("detected", failed.time))
     run.phases = {"detect": detected - death.time, **(resumed.fields.get("phases") or {})}
-    restores = [e for e in events if e.event == "discard_newer" and e.time > detected]
-    run.restored = int(restores[0].fields["step"]) if restores else int(resumed.fields["step"]) - 1
+    restore = first("discard_newer", detected)
+    run.restored = int(restore.fields["step"]) if restore else int(resumed.fields["step"]) - 1
     _finish_run(run, death.time, detected + float(resumed.fields["detect_to_resumed_s"]), fail_step)
-    started = [e for e in events if e.event == "ranks_started" and e.time > detected]
-    lines = [
-        {"time": _ts(t), "rank": int(r), "msg": msg}
-        for t, r, _n, msg in _launch.RANK_LINE_RE.findall(text)
-    ]
-    if started:
-        t = _all_ranks(lines, started[0].time - 1.0, lambda m: m["msg"] == "script started")
-        run.spawn_import_s = None if t is None else t - started[0].time
+    if started := first("ranks_started", detected):
+        stamp = "%Y-%m-%d %H:%M:%S,%f"
+        lines = [
+            {"time": datetime.datetime.strptime(t, stamp).timestamp(), "rank": int(r)}
+            for t, r in _STARTED.findall(text)
+        ]
+        t = _all_ranks(lines, started.time - 1.0, lambda m: True)
+        run.spawn_import_s = None if t is None else t - started.time
     run.warmup_extra_s, run.warmups = warmup_cost(events)
-
-
-def _ts(stamp: str) -> float:
-    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def warmup_cost(events: list[Event]) -> tuple[float | None, int]:
@@ -315,31 +273,32 @@ def warmup_cost(events: list[Event]) -> tuple[float | None, int]:
 def analyse_dcp(run: Run, text: str, fail_step: int, year: int) -> None:
     """Fill ``run`` from the DCP worker's JSON lines and elastic's log lines."""
     marks = _train.marks(text)
-    elastic = _glog(text, year)
+    elastic = [
+        (datetime.datetime(year, *map(int, g.groups()[:6])).timestamp(), g.group(7))
+        for g in _GLOG.finditer(text)
+    ]
     run.checkpoint_s = [m["save_s"] for m in marks if m["event"] == "checkpoint"]
     run.load_s = [m["load_s"] for m in marks if m["event"] == "restored"]
-    death = _first(
-        marks,
-        0.0,
-        lambda m: m["event"] == "step" and (m["rank"], m["step"]) == (FAIL_RANK, fail_step),
-    )
+    last = {"event": "step", "rank": FAIL_RANK, "step": fail_step}
+    death = next((m for m in marks if last.items() <= m.items()), None)
     if death is None:
         run.error = f"no step {fail_step} of rank {FAIL_RANK}"
         return
     t = {"death": death["time"]}
     for key, patterns in _ELASTIC.items():
-        hit = _first(elastic, t["death"], lambda x, p=patterns: any(s in x["msg"] for s in p))
-        if hit is None:
+        hit = [s for s, msg in elastic if s >= t["death"] and any(p in msg for p in patterns)]
+        if not hit:
             run.error = f"no elastic line for {key}"
             return
-        t[key] = hit["time"]
-    restored = _first(marks, t["spawned"], lambda m: m["event"] == "restored")
+        t[key] = hit[0]
+    after = [m for m in marks if m["time"] >= t["spawned"]]
+    restored = next((m for m in after if m["event"] == "restored"), None)
     run.restored = int(restored["step"]) if restored is not None else 0  # none: from scratch
 
-    def when(after: float, event: str, step: int | None = None) -> float:
-        """When every rank has logged ``event`` (of ``step``) after ``after``; NaN if one has not."""
+    def when(start: float, event: str, step: int | None = None) -> float:
+        """When every rank has marked ``event`` (of ``step``) after ``start``; NaN if one has not."""
         x = _all_ranks(
-            marks, after, lambda m: m["event"] == event and (step is None or m["step"] == step)
+            marks, start, lambda m: m["event"] == event and (step is None or m["step"] == step)
         )
         return x or float("nan")
 
@@ -356,95 +315,87 @@ def analyse_dcp(run: Run, text: str, fail_step: int, year: int) -> None:
 # --------------------------------------------------------------------------- the runs
 
 
-def _env(workdir: Path) -> dict[str, str]:
+def _job(cmd: list[str], workdir: Path, name: str, timeout: float) -> tuple[int | None, float, str]:
+    """Run ``cmd`` to its end: exit code (None: timed out), seconds, its log (``NAME.log``)."""
     tmp = workdir / "tmp"  # torchrun leaves a log directory in $TMPDIR per run
     tmp.mkdir(exist_ok=True)
     env = _launch.job_env(TMPDIR=str(tmp), LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.pop("PET_FTMEM_STANDBY", None)  # the runs pass --ftmem-standby themselves
-    return env
+    log = workdir / f"{name}.log"
+    t0 = time.monotonic()
+    with _launch.Job(cmd, log, env) as job:
+        rc = job.wait(timeout)
+        wall = time.monotonic() - t0
+    return rc, wall, log.read_text(errors="replace")
 
 
-def _show(cmd: list[str], workdir: Path) -> str:
-    """A command for the docs: repository-relative, temp dirs as placeholders."""
-    text = " ".join(cmd).replace(str(workdir), "$TMP").replace(str(_launch.REPO) + "/", "")
-    return text.replace(sys.executable, "python")
+def _launcher(name: str, module: str) -> list[str]:
+    """The console script ``name`` if it is on PATH, else ``python -m module``; one node."""
+    path = shutil.which(name)
+    return [*([path] if path else [sys.executable, "-m", module]), *_STANDALONE]
 
 
-def _digests(text: str) -> dict[int, str]:
-    return {int(r): d for r, d in _launch.DIGEST_RE.findall(text)}
-
-
-def _agreed(digests: dict[int, str]) -> str:
-    """The digest both ranks printed, "" if not."""
+def _read(text: str) -> tuple[str, float | None]:
+    """(the digest both ranks printed or "", the ranks' median step time) of a run's log."""
+    digests = {int(r): d for r, d in _DIGEST.findall(text)}
     same = len(digests) == 2 and len(set(digests.values())) == 1
-    return next(iter(digests.values())) if same else ""
-
-
-def _step_time(text: str) -> float | None:
-    vals = [float(v) for _, v in _launch.MEDIAN_RE.findall(text)]
-    return statistics.median(vals) if vals else None
+    times = [float(v) for _, v in _launch.MEDIAN_RE.findall(text)]
+    return (next(iter(digests.values())) if same else ""), median(times)
 
 
 def run_reference(res: RecoveryResult, workdir: Path, timeout: float) -> None:
     """The failure-free ``--no-ftmem`` run under torchrun: reference digest and step time."""
-    cmd = [*_launch.tool("torchrun", "torch.distributed.run"), *_STANDALONE]
-    cmd += [str(EXAMPLE), "--steps", str(res.steps), "--log-every", "1", "--no-ftmem"]
-    res.commands["reference"] = _show(cmd, workdir)
-    log = workdir / "reference.log"
-    rc, _ = _launch.run_job(cmd, _env(workdir), log, timeout)
-    text = log.read_text(errors="replace")
-    res.ref_digest, res.ref_step_time = _agreed(_digests(text)), _step_time(text)
+    cmd = [*_launcher("torchrun", "torch.distributed.run"), str(EXAMPLE)]
+    cmd += ["--steps", str(res.steps), "--log-every", "1", "--no-ftmem"]
+    res.commands["reference"] = _launch.shown(cmd, workdir)
+    rc, _, text = _job(cmd, workdir, "reference", timeout)
+    res.ref_digest, res.ref_step_time = _read(text)
     if rc != 0 or not res.ref_digest:
-        raise RuntimeError(f"reference run failed (rc {rc}); log {log} (kept with --keep)")
+        raise RuntimeError(f"reference run failed (rc {rc}); log in {workdir} (kept with --keep)")
     if (m := re.search(r"model: ([0-9.]+) M parameters", text)) is not None:
         res.params_m = float(m.group(1))
 
 
 def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeout: float) -> Run:
     """One run of ``system`` with rank 1 SIGKILLed after the failure step."""
-    tag = {FT_INPROC: "ip", FT_STANDBY: "sb", FT_COLD: "ft", DCP: "dcp"}[system]
+    tag = TAGS[system]
     rdir = workdir / f"{tag}{repeat}"
     fail = ["--fail-at-step", str(res.fail_step), "--fail-rank", str(FAIL_RANK)]
     example = ["--steps", str(res.steps), "--log-every", "1", *fail]
     if system == DCP:
         rdir.mkdir()
-        cmd = [*_launch.tool("torchrun", "torch.distributed.run"), *_STANDALONE]
+        cmd = _launcher("torchrun", "torch.distributed.run")
         cmd += ["--max-restarts", "1", str(Path(__file__).resolve()), WORKER_FLAG]
-        cmd += ["--ckpt-dir", str(rdir)]
-        cmd += ["--ckpt-every", str(res.dcp_every), "--", *example]
-        shown = _show(cmd, workdir).replace(f"$TMP/{tag}{repeat}", "$CKPT_DIR")
-        shown = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " + shown
+        cmd += ["--ckpt-dir", str(rdir), "--ckpt-every", str(res.dcp_every), "--", *example]
+        prefix, placeholder = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ", "$CKPT_DIR"
     else:
-        standby = "0" if system == FT_COLD else "1"
-        if system == FT_INPROC:
-            example.append("--in-process")
-        cmd = [*_launch.tool("ftmem-launch", "ftmem.launch"), *_STANDALONE]
-        cmd += ["--ftmem-standby", standby, "--ftmem-run-dir", str(rdir), str(EXAMPLE), *example]
-        shown = _show(cmd, workdir).replace(f"$TMP/{tag}{repeat}", "$RUN_DIR")
-    res.commands[tag] = shown
+        example += ["--in-process"] if system == FT_INPROC else []
+        cmd = _launcher("ftmem-launch", "ftmem.launch")
+        cmd += ["--ftmem-standby", "0" if system == FT_COLD else "1"]
+        cmd += ["--ftmem-run-dir", str(rdir), str(EXAMPLE), *example]
+        prefix, placeholder = "", "$RUN_DIR"
+    shown = _launch.shown(cmd, workdir).replace(f"$TMP/{tag}{repeat}", placeholder)
+    res.commands[tag] = prefix + shown
     run = Run(system=system, repeat=repeat, load1=os.getloadavg()[0])
-    log = workdir / f"{tag}{repeat}.log"
-    run.rc, run.wall_s = _launch.run_job(cmd, _env(workdir), log, timeout)
-    text = log.read_text(errors="replace")
-    run.digest = _agreed(_digests(text))
+    run.rc, run.wall_s, text = _job(cmd, workdir, f"{tag}{repeat}", timeout)
+    run.digest, run.step_time_s = _read(text)
     run.digest_ok = bool(run.digest) and run.digest == (res.ref_digest or run.digest)
-    run.step_time_s = _step_time(text)
     if system == DCP:
         analyse_dcp(run, text, res.fail_step, datetime.datetime.now().year)
     else:
         events = read_events([rdir]).events
         analyse_ftmem(run, events, text, res.fail_step)
-        started = [e for e in events if e.event == "ranks_started"]
-        second = started[1].fields if len(started) > 1 else {}
+        started = [e.fields for e in events if e.event == "ranks_started"]
+        second = started[1] if len(started) > 1 else {}
         want = {FT_STANDBY: ([0, 1], []), FT_INPROC: ([FAIL_RANK], [0])}.get(system)
-        got = (sorted(second.get("from_standby", [])), sorted(second.get("in_process", [])))
+        got = tuple(sorted(second.get(k, [])) for k in ("from_standby", "in_process"))
         if want is not None and got != want:
             why = f"restart from standbys / in process: ranks {got[0]} / {got[1]}, not {want}"
             run.error = (run.error + "; " + why).lstrip("; ")
     if run.rc != 0:
         run.error = (run.error + f"; exit code {run.rc}").lstrip("; ")
-    msg = f"rc {run.rc}, {run.wall_s:.1f} s, death->resumed {run.death_to_resumed_s} s, {run.error or 'ok'}"
-    logger.info("%s #%d: %s", system, repeat, msg)
+    msg = f"rc {run.rc}, {run.wall_s:.1f} s, death->resumed {run.death_to_resumed_s} s"
+    logger.info("%s #%d: %s, %s", system, repeat, msg, run.error or "ok")
     return run
 
 
@@ -457,9 +408,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-at-step", type=int, default=55, help="rank 1 dies after this step")
     p.add_argument("--dcp-every", type=int, default=10, help="DCP checkpoint interval K (steps)")
     p.add_argument("--timeout", type=float, default=180.0, help="per run (s)")
-    p.add_argument(
-        "--no-reference", action="store_true", help="compare the runs' digests with each other"
-    )
+    no_ref = "compare the runs' digests with each other"
+    p.add_argument("--no-reference", action="store_true", help=no_ref)
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     return p
 
@@ -489,8 +439,7 @@ def run(argv: list[str]) -> RecoveryResult:
         same = len({r.digest for r in res.runs}) == 1
         for r in res.runs:
             r.digest_ok = bool(r.digest) and same
-        times = [r.step_time_s for r in res.runs if r.step_time_s]
-        res.ref_step_time = statistics.median(times) if times else None
+        res.ref_step_time = median(r.step_time_s or None for r in res.runs)
     res.errors = [
         f"{r.system} #{r.repeat}: {r.error or 'digest differs'}"
         for r in res.runs
@@ -527,13 +476,11 @@ def _costs(r: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[lis
     dc = runs.get(DCP, [])
     sb = [*runs.get(FT_STANDBY, []), *runs.get(FT_INPROC, [])]
     save, load = ([c for x in dc for c in x[k]] for k in ("checkpoint_s", "load_s"))
+    warmups = stat([x["warmup_extra_s"] for x in sb], ".2f", " s")
     out = [
         ["torchrun + DCP: `dcp.save` blocking per checkpoint and rank", stat(save, ".3f", " s")],
         ["torchrun + DCP: `dcp.load` + `set_state_dict` per rank", stat(load, ".3f", " s")],
-        [
-            "standbys' warm-ups: training time lost per run",
-            stat([x["warmup_extra_s"] for x in sb], ".2f", " s"),
-        ],
+        ["standbys' warm-ups: training time lost per run", warmups],
     ]
     if c := r.get("standby"):
         out += [
@@ -557,12 +504,7 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
         [k, *(stat([x["phases"].get(k) for x in xs]) for xs in runs.values())]
         for k in r["phase_names"]
     ]
-    ph.append(
-        [
-            "spawn+import (within start/script)",
-            *(stat([x["spawn_import_s"] for x in xs]) for xs in runs.values()),
-        ]
-    )
+    spawn = [stat([x["spawn_import_s"] for x in xs]) for xs in runs.values()]
     out = [
         f"- model: `examples/train_gpt.py` default size ({fmt(r['params_m'])} M parameters), 2 ranks "
         f"(gloo) on one node, {r['steps']} steps; failure-free step time {fmt(r['ref_step_time'], '.3f')} s",
@@ -576,7 +518,7 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
         *groups("system", SYSTEMS_TABLE, runs),
         "Split of rank death -> all ranks stepping (seconds):",
         "",
-        *table(["phase", *runs], ph),
+        *table(["phase", *runs], [*ph, ["spawn+import (within start/script)", *spawn]]),
         "Every run, in the order run:",
         "",
         *rows(RUNS_TABLE, r["runs"]),
@@ -596,8 +538,7 @@ GOALS = (
 
 
 def goals(r: dict[str, Any] | None) -> list[Goal]:
-    """Time lost per failure against torchrun + DCP and restart time (in process, standbys),
-    detection, time to start."""
+    """Time lost against torchrun + DCP, restart time (in process, standbys), detection, start."""
     runs = by_system(r) if r else {}
     ip, sb, dc = runs.get(FT_INPROC), runs.get(FT_STANDBY), runs.get(DCP)
     if not ip or not sb or not dc:
@@ -612,9 +553,8 @@ def goals(r: dict[str, Any] | None) -> list[Goal]:
             (fmt(restart, ".2f", " s"), le(restart, limit_s)),
         ]
     detect = median(x["phases"].get("detect") for x in sb)
-    start = ("stop", "rendezvous", "start")
     to_start = median(
-        sum(x["phases"].get(k) or 0.0 for k in start)
+        sum(x["phases"].get(k) or 0.0 for k in ("stop", "rendezvous", "start"))
         for x in sb
         if x["phases"].get("start") is not None
     )

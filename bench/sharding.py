@@ -23,18 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/sha
 
 from bench import _results
 from bench import _stats as st
-from bench._figures import (
-    Goal,
-    goal_rows,
-    le,
-    mib,
-    table,
-)
+from bench._figures import Goal, goal_rows, le, mib, table
 from bench._stats import fmt, stat
 
 PART = "sharding"
-
-MARK = "RESULT "
+MARK = "RESULT "  # The line of a rank's JSON results on its stdout.
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -126,14 +119,8 @@ def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     with start_smp(run_dir=run_dir, run_id=f"bshard{os.getpid()}w{world}", slots=2):
         procs = []
         for r in range(world):
-            env = dict(
-                os.environ,
-                RANK=str(r),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(r),
-                FTMEM_RUN_DIR=str(run_dir),
-                OMP_NUM_THREADS="1",
-            )
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+            env.update(FTMEM_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
             cmd = [sys.executable, __file__, "--_worker", "--store", str(store)]
             cmd += ["--size-gib", str(args.size_gib), "--repeats", str(args.repeats)]
             cmd += ["--compute-s", str(args.compute_s)]
@@ -205,37 +192,22 @@ def sections(r: Doc) -> dict[str, list[str]]:
         for mode, m in w["modes"].items():
             copy_vs = fmt(st.ratio(st.median(m["copy"]), full and st.median(full["copy"])))
             held_vs = fmt(st.ratio(m["held"], full and full["held"]), ".3f")
-            times = [
-                stat(m[k], f, " s")
-                for k, f in (("stall", ".4f"), ("copy", ".3f"), ("restore", ".3f"))
-            ]
+            spec = {"stall": ".4f", "copy": ".3f", "restore": ".3f"}
+            times = [stat(m[k], f, " s") for k, f in spec.items()]
             body.append([w["world"], mode, mib([m["held"]]), *times, copy_vs, held_vs])
-    head = [
-        "D",
-        "mode",
-        "held per rank",
-        "stall",
-        "copy",
-        "restore",
-        "copy vs full",
-        "held vs full",
-    ]
-    return {"sharding": out + table(head, body)}
+    head = ["D", "mode", "held per rank", "stall", "copy", "restore", "copy vs full"]
+    return {"sharding": out + table([*head, "held vs full"], body)}
 
 
 def goals(r: Doc | None) -> list[Goal]:
     """Bytes held per rank with sharding on: 1/D of the full snapshot."""
-    p = "sharding"
     out = []
     for w in (r or {}).get("worlds", []):
-        full, sh = w["modes"].get("full"), w["modes"].get("sharded")
+        full, sh, d = w["modes"].get("full"), w["modes"].get("sharded"), w["world"]
         if full and sh:
             rat = st.ratio(sh["held"], full["held"])
-            g = (
-                f"bytes held per rank, sharded / full, D={w['world']}",
-                f"~1/D = {1 / w['world']:.3f}",
-            )
-            out += goal_rows(p, [g], [(st.fmt(rat, ".3f"), le(rat, 1.05 / w["world"]))], "sharding")
+            g = (f"bytes held per rank, sharded / full, D={d}", f"~1/D = {1 / d:.3f}")
+            out += goal_rows(PART, [g], [(st.fmt(rat, ".3f"), le(rat, 1.05 / d))], "sharding")
     return out
 
 

@@ -39,14 +39,6 @@ from bench._stats import GiB, fmt, stat
 logger = logging.getLogger("bench.snapshot")
 
 PART = "snapshot"
-_SYSTEMS = (
-    "dcp.async_save (async staging)",
-    "dcp.async_save (sync staging)",
-    "torch.save",
-    "torch.load",
-    "dcp.save",
-    "dcp.load",
-)
 
 
 @dataclass(kw_only=True)
@@ -118,20 +110,26 @@ class SnapshotResult(_results.PartResult):
     sizes: list[SizeResult] = field(default_factory=list)
 
 
+def _figures(res: SizeResult, out: baselines.Timings) -> None:
+    res.figures += [
+        Figure(system=s, metric=m, unit="s", values=v) for (s, m), v in out.values.items()
+    ]
+
+
 def bench_ftmem(
     state: baselines.BenchState, res: SizeResult, *, repeats: int, simulate: Callable[[], None]
 ) -> None:
     """ftmem's stall, background copy, restore and memory per node into ``res``, with an SMP
-    of its own after an uncounted warm-up save (method: docs/benchmarks.md). The SMP is stopped,
-    ``ftmem.close()`` called and the run directory removed, on failure too."""
+    of its own after an uncounted warm-up save. The SMP is stopped, ``ftmem.close()`` called and
+    the run directory removed, on failure too."""
     import ftmem
     from ftmem.smp.spawn import start_smp
 
-    out = baselines.Timings()
+    out, copy = baselines.Timings(), []
     run_dir = tempfile.mkdtemp(prefix="ftmem-bench-run-")
     run_id = "bs" + uuid.uuid4().hex[:10]  # its own shared-memory names
     os.environ["FTMEM_RUN_DIR"], os.environ["FTMEM_RUN_ID"] = run_dir, run_id
-    st = {"model": state.model, "optim": state.optimizer}
+    sd = {"model": state.model, "optim": state.optimizer}
     mem = NodeMemory(state_bytes=state.nbytes, slots=2)
     anon_before = proc_memory(os.getpid())["RssAnon"]
     try:
@@ -139,24 +137,51 @@ def bench_ftmem(
         with start_smp(run_dir=run_dir, run_id=run_id, slots=mem.slots) as smp:
             res.once["ftmem SMP start (readiness handshake)"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            h = ftmem.save(st, step=1)  # skipped: the SMP allocates the slots meanwhile
+            h = ftmem.save(sd, step=1)  # skipped: the SMP allocates the slots meanwhile
             res.once["ftmem warm-up save: in save"] = time.perf_counter() - t0
             if not ftmem.wait(timeout=300.0):  # ...and wait() commits the newest step
                 res.errors.append("the warm-up snapshot was not committed")
             res.once["ftmem warm-up save: until committed"] = time.perf_counter() - t0
             res.once["ftmem warm-up save: skipped in save"] = float(h.skipped)
-
-            def read() -> None:
-                mem.read(smp_pid=smp.pid, run_id=run_id, rank_anon_before=anon_before)
-
-            _ftmem_saves(ftmem, st, state, res, out, repeats, simulate, read)
+            released: list[float] = []  # registered after ftmem's fence hook: runs after it
+            hook = state.optimizer.register_step_pre_hook(
+                lambda *_: released.append(time.perf_counter())
+            )
+            try:
+                for i in range(repeats):
+                    t0 = time.perf_counter()
+                    h = ftmem.save(sd, step=i + 2)
+                    t_save = time.perf_counter() - t0
+                    simulate()
+                    released.clear()
+                    t1 = time.perf_counter()
+                    state.optimizer.step()  # the fence, then `released` stamped
+                    t_fence = released[0] - t1
+                    t2 = time.perf_counter()
+                    ok = h.wait(timeout=120.0)
+                    t_wait = time.perf_counter() - t2
+                    s = ftmem.stats()
+                    if h.skipped or not ok:
+                        res.skipped += 1
+                        continue
+                    out.add("ftmem", "stall (save + fence)", t_save + t_fence)
+                    out.add("ftmem", "  blocked in save", t_save)
+                    out.add("ftmem", "  blocked at fence", t_fence)
+                    out.add("ftmem", 'stats()["last_stall_s"]', float(s["last_stall_s"]))
+                    out.add("ftmem", "commit wait after step (handle.wait)", t_wait)
+                    if s.get("last_copy_s"):
+                        copy.append(state.nbytes / float(s["last_copy_s"]) / 1e9)
+                    mem.read(smp_pid=smp.pid, run_id=run_id, rank_anon_before=anon_before)
+                res.stats_after = {k: v for k, v in s.items() if isinstance(v, int | float | str)}
+            finally:
+                hook.remove()
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                got = ftmem.load(st)
-                out.add("load in place", time.perf_counter() - t0)
+                got = ftmem.load(sd)
+                out.add("ftmem", "load in place", time.perf_counter() - t0)
                 if got != repeats + 1:
                     res.errors.append(f"ftmem.load returned step {got}, expected {repeats + 1}")
-            res.restore_ok = baselines.check_restore(lambda: ftmem.load(st), state)
+            res.restore_ok = baselines.check_restore(lambda: ftmem.load(sd), state)
     finally:
         try:
             ftmem.close()
@@ -164,66 +189,12 @@ def bench_ftmem(
             os.environ.pop("FTMEM_RUN_DIR", None)
             os.environ.pop("FTMEM_RUN_ID", None)
             shutil.rmtree(run_dir, ignore_errors=True)
-    copy = out.values.pop("background copy", [])
-    res.figures += [
-        Figure(system="ftmem", metric=k, unit="s", values=v) for k, v in out.values.items()
-    ]
+    _figures(res, out)
     if copy:
         res.figures.append(
             Figure(system="ftmem", metric="background copy", unit="GB/s", values=copy)
         )
     res.memory = mem if mem.shm else None
-
-
-def _ftmem_saves(
-    ftmem: Any,
-    st: dict[str, Any],
-    state: baselines.BenchState,
-    res: SizeResult,
-    out: baselines.Timings,
-    repeats: int,
-    simulate: Callable[[], None],
-    after_commit: Callable[[], None],
-) -> None:
-    """``repeats`` save / forward-backward / optimizer.step cycles into ``out``."""
-    released: list[float] = []
-    hook = state.optimizer.register_step_pre_hook(lambda *_: released.append(time.perf_counter()))
-    try:
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            h = ftmem.save(st, step=i + 2)
-            t_save = time.perf_counter() - t0
-            simulate()
-            released.clear()
-            t1 = time.perf_counter()
-            state.optimizer.step()  # ftmem's fence hook runs first, then ours stamps `released`
-            t_fence = released[0] - t1
-            t2 = time.perf_counter()
-            ok = h.wait(timeout=120.0)
-            t_wait = time.perf_counter() - t2
-            s = ftmem.stats()
-            if h.skipped or not ok:
-                res.skipped += 1
-                continue
-            out.add("stall (save + fence)", t_save + t_fence)
-            out.add("  blocked in save", t_save)
-            out.add("  blocked at fence", t_fence)
-            out.add('stats()["last_stall_s"]', float(s["last_stall_s"]))
-            out.add("commit wait after step (handle.wait)", t_wait)
-            if s.get("last_copy_s"):
-                out.add("background copy", state.nbytes / float(s["last_copy_s"]) / 1e9)
-            after_commit()
-        res.stats_after = {k: v for k, v in s.items() if isinstance(v, int | float | str)}
-    finally:
-        hook.remove()
-
-
-def _split_name(name: str) -> tuple[str, str]:
-    """'dcp.async_save (x) blocking' -> ('dcp.async_save (x)', 'blocking')."""
-    for system in _SYSTEMS:
-        if name.startswith(system + " "):
-            return system, name[len(system) + 1 :]
-    return name, ""
 
 
 def bench_size(
@@ -233,30 +204,27 @@ def bench_size(
     state = baselines.build_state(size_gib)
     res = SizeResult(size_gib=size_gib, nbytes=state.nbytes)
     if not args.skip_baselines:
-        timings = baselines.Timings()
-        shm_dir, disk_dir = baselines.make_temp_dirs(args.disk_dir)
-        n = args.repeats
+        out = baselines.Timings()
+        shm_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir="/dev/shm")
+        disk_dir = tempfile.mkdtemp(prefix="ftmem-bench-", dir=args.disk_dir)
+        kw = {"disk_dir": disk_dir, "repeats": args.repeats, "out": out}
         try:
             logger.info("[%.2f GiB] torch.save, dcp.save", size_gib)
-            dirs = {"shm_dir": shm_dir, "disk_dir": disk_dir}
-            baselines.bench_torch_save(state, **dirs, repeats=n, out=timings)
+            baselines.bench_torch_save(state, shm_dir=shm_dir, **kw)
             gc.collect()
-            baselines.bench_dcp_save(state, **dirs, repeats=n, out=timings)
+            baselines.bench_dcp_save(state, shm_dir=shm_dir, **kw)
             gc.collect()
             for async_staging in (True, False)[: 1 if args.skip_sync_staging else 2]:
                 logger.info("[%.2f GiB] dcp.async_save async_staging=%s", size_gib, async_staging)
-                kw = {"async_staging": async_staging, "simulate": simulate}
                 baselines.bench_dcp_async_save(
-                    state, disk_dir=disk_dir, **kw, repeats=n, out=timings
+                    state, async_staging=async_staging, simulate=simulate, **kw
                 )
                 gc.collect()
         finally:
             shutil.rmtree(shm_dir, ignore_errors=True)
             shutil.rmtree(disk_dir, ignore_errors=True)
-        for name, values in timings.values.items():
-            system, metric = _split_name(name)
-            res.figures.append(Figure(system=system, metric=metric, unit="s", values=values))
-        res.once.update(timings.once)
+        _figures(res, out)
+        res.once.update(out.once)
     if not args.skip_ftmem:
         logger.info("[%.2f GiB] ftmem", size_gib)
         try:
@@ -321,19 +289,13 @@ def _node_total(m: dict[str, Any]) -> str:
 
 
 def _figure_row(f: dict[str, Any], nbytes: int) -> list[str]:
-    v, med = f["values"], st.median(f["values"])
-    if f["unit"] == "GB/s":
-        per = fmt(med and med / 1.073741824, ".2f", " GiB/s")
-        return [
-            f["system"],
-            f["metric"],
-            fmt(med, ".2f", " GB/s"),
-            f"{fmt(st.low(v))}-{fmt(st.high(v))}",
-            per,
-        ]
-    rng = f"{fmt(st.low(v), '.4f')}-{fmt(st.high(v), '.4f')}"
-    per_gib = fmt(med and med * GiB / nbytes, ".4f", " s/GiB")
-    return [f["system"], f["metric"], fmt(med, ".4f", " s"), rng, per_gib]
+    v, med, gbs = f["values"], st.median(f["values"]), f["unit"] == "GB/s"
+    spec = ".2f" if gbs else ".4f"
+    per = fmt(med and med / 1.073741824, ".2f", " GiB/s")
+    if not gbs:
+        per = fmt(med and med * GiB / nbytes, ".4f", " s/GiB")
+    rng = f"{fmt(st.low(v), spec)}-{fmt(st.high(v), spec)}"
+    return [f["system"], f["metric"], fmt(med, spec, f" {f['unit']}"), rng, per]
 
 
 def sections(r: dict[str, Any]) -> dict[str, list[str]]:
@@ -423,20 +385,14 @@ def goals(r: dict[str, Any] | None) -> list[Goal]:
     return [Goal(PART, g, t, m, ok, src) for (g, t), (m, ok) in zip(GOALS, values, strict=True)]
 
 
-HEADLINE = (
-    (
-        "torch.save (disk, fsync)",
-        ("torch.save", "disk+fsync"),
-        ("torch.load", "+ load_state_dict (/dev/shm)"),
-    ),
+_TORCH_LOAD = ("torch.load", "+ load_state_dict (/dev/shm)")
+_FTMEM = (("ftmem", "stall (save + fence)"), ("ftmem", "load in place"))
+HEADLINE = (  # label, the stall's (system, metric), the restore's (or None)
+    ("torch.save (disk, fsync)", ("torch.save", "disk+fsync"), _TORCH_LOAD),
     ("dcp.save (disk, fsync)", ("dcp.save", "disk+fsync"), ("dcp.load", "in place (/dev/shm)")),
     ("dcp.async_save, tuned: blocking call", (_ASYNC, "blocking"), None),
     ("dcp.async_save, tuned: + staging wait", (_ASYNC, "stall with fence"), None),
-    (
-        "**ftmem** (save + fence; load in place)",
-        ("ftmem", "stall (save + fence)"),
-        ("ftmem", "load in place"),
-    ),
+    ("**ftmem** (save + fence; load in place)", *_FTMEM),
 )
 
 

@@ -1,17 +1,12 @@
-"""The data path benchmark's node side: its SMP, the rank process, and the helpers of its
-``--gpu`` variant.
-
-``bench/datapath.py`` starts an SMP (:func:`node_smp`) and runs this file as the rank, one
-child process per state size (``python bench/_datapath_node.py --size-gib S --result FILE
-...``): it builds the state, times a memcpy, the saves, the restore, the skips and
-``dcp.async_save``, and writes its raw figures to ``--result`` as JSON.
+"""The data path's processes: the SMP beside each size's rank and the SMP client helpers the
+rank and ``--gpu`` share, and the rank process itself (``bench/datapath.py --_rank``), which
+measures one size phase by phase and writes its raw figures to ``--result`` as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import logging
 import os
@@ -31,33 +26,38 @@ from typing import Any
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/_datapath_node.py
-
 from bench import _baselines as baselines
 from bench import _launch, _proc
 
 logger = logging.getLogger("bench.datapath")
 
-VERIFY_POLL_MIN_S = 0.005
-VERIFY_POLL_MAX_S = 0.05
-"""STATUS poll intervals while waiting for the SMP to verify (each poll costs both sides CPU)."""
+
+def cpu_wall(fn: Callable[[], Any], repeats: int) -> dict[str, list[float]]:
+    """``fn()`` ``repeats`` times: the ``wall`` and ``cpu`` (this process) seconds of each."""
+    out: dict[str, list[float]] = {"wall": [], "cpu": []}
+    for _ in range(repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        fn()
+        out["wall"].append(time.perf_counter() - w0)
+        out["cpu"].append(time.process_time() - c0)
+    return out
 
 
-def smp_help() -> str:
-    """The SMP's ``--help`` text ("" if it could not be read)."""
+# ------------------------------------------------------------------- the SMP and its clients
+
+
+def smp_args(hash_threads: int) -> tuple[list[str], str]:
+    """The SMP's arguments for ``--hash-threads`` (if its ``--help`` lists the flag; 0: leave
+    its default) and a note saying how its hashing is set up."""
     try:
         cmd, env = [sys.executable, "-m", "ftmem.smp", "--help"], _launch.job_env()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
+        help_text = proc.stdout
     except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout
-
-
-def smp_extra_args(hash_threads: int | None, help_text: str) -> tuple[list[str], str]:
-    """SMP arguments for ``hash_threads`` (if the SMP lists the flag) and a note saying so."""
+        help_text = ""
     if "--hash-threads" not in help_text:
         return [], "`--hash-threads` not offered by this SMP (it does not hash: the rank does)"
-    if hash_threads is None:
+    if hash_threads <= 0:
         return [], "`--hash-threads` offered by this SMP, left at its default"
     return ["--hash-threads", str(hash_threads)], f"`--hash-threads {hash_threads}`"
 
@@ -87,9 +87,20 @@ def node_smp(
             for pid in kids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-        left = _launch.remove_shm(run_id)
-        if left:
+        if left := _launch.remove_shm(run_id):
             logger.warning("removed shared memory the SMP left behind: %s", left)
+
+
+@contextlib.contextmanager
+def connect(run_dir: Path, client: bool = True) -> Iterator[tuple[Any, Any]]:
+    """A ``Checkpointer`` of ``run_dir`` and an ``SmpClient`` (or None), closed on exit."""
+    from ftmem.client import Checkpointer
+    from ftmem.config import ClientConfig
+    from ftmem.protocol.smp_client import SmpClient
+
+    with contextlib.closing(Checkpointer(ClientConfig(run_dir=run_dir))) as ckpt:
+        with contextlib.closing(SmpClient(run_dir)) if client else contextlib.nullcontext() as c:
+            yield ckpt, c
 
 
 def rank_status(client: Any, rank: int) -> dict[str, Any]:
@@ -100,30 +111,27 @@ def rank_status(client: Any, rank: int) -> dict[str, Any]:
 def wait_verified(
     client: Any, rank: int, step: int, timeout: float
 ) -> tuple[bool | None, float, dict[str, Any], int]:
-    """Wait until the SMP reports ``step`` (or newer) of ``rank`` verified, polling STATUS
-    every 5 ms backing off to 50 ms; (verified: None if the SMP verifies nothing, False on
-    timeout; seconds waited, the rank's last STATUS entry, STATUS requests made)."""
-    t0 = time.perf_counter()
-    polls = 0
-    pause = VERIFY_POLL_MIN_S
+    """Wait until the SMP reports ``step`` (or newer) of ``rank`` verified, polling STATUS every
+    5 ms backing off to 50 ms (each poll costs both sides CPU); (verified: None if the SMP
+    verifies nothing, False on timeout; seconds waited, the last STATUS entry, polls made)."""
+    t0, polls, pause = time.perf_counter(), 0, 0.005
     while True:
-        st = rank_status(client, rank)
+        status = rank_status(client, rank)
         polls += 1
-        if "newest_verified" not in st:
-            return None, time.perf_counter() - t0, st, polls
-        newest = st.get("newest_verified")
-        if newest is not None and int(newest) >= step:
-            return True, time.perf_counter() - t0, st, polls
-        if time.perf_counter() - t0 > timeout:
-            return False, time.perf_counter() - t0, st, polls
+        if "newest_verified" not in status:
+            return None, time.perf_counter() - t0, status, polls
+        newest = status["newest_verified"]
+        done = newest is not None and int(newest) >= step
+        if done or time.perf_counter() - t0 > timeout:
+            return done, time.perf_counter() - t0, status, polls
         time.sleep(pause)
-        pause = min(VERIFY_POLL_MAX_S, pause * 1.5)
+        pause = min(0.05, pause * 1.5)
 
 
 def save_and_wait(ckpt: Any, state: Any, step: int, timeout: float) -> dict[str, Any]:
     """``ckpt.save(state, step)``, then ``handle.wait()`` (skipped: ``ckpt.wait()``, which saves
-    the newest step again); save_s (in ``save()``), safe_s (to committed), skipped, reason,
-    committed, error."""
+    the newest step again): save_s (in ``save()``), skipped, reason, committed, error and
+    safe_s (to committed)."""
     from ftmem.errors import FtmemError
 
     out: dict[str, Any] = {"committed": False, "error": ""}
@@ -168,6 +176,24 @@ def timed_saves(
     return out, committed
 
 
+def measure_saves(
+    ckpt: Any, client: Any, state: Any, step: int, n: int, timeout: float, smp_pid: int, sync: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`timed_saves`, then :func:`wait_verified` of the last committed step: their figures,
+    with the CPU of this process around the saves and of the SMP until verified; the last STATUS."""
+    s0, r0, w0 = _proc.cpu_seconds(smp_pid), time.process_time(), time.perf_counter()
+    saves, committed = timed_saves(ckpt, state, step, n, timeout, sync)
+    r1, w1 = time.process_time(), time.perf_counter()
+    verified, vwait, after, polls = None, 0.0, {}, 0
+    if committed:
+        verified, vwait, after, polls = wait_verified(client, ckpt.rank, committed[-1], timeout)
+    s1, w2 = _proc.cpu_seconds(smp_pid), time.perf_counter()
+    saves.update(committed=len(committed), rank_cpu=r1 - r0, smp_cpu=s1 - s0)
+    saves.update(saves_wall_s=w1 - w0, window_s=w2 - w0, verified=verified)
+    saves.update(verify_wait_s=vwait, polls=polls)
+    return saves, after
+
+
 def _delta(after: Any, before: Any) -> Any:
     """``after - before`` for counts and dicts of counts (None if either is missing)."""
     if isinstance(after, dict):
@@ -179,35 +205,12 @@ def _delta(after: Any, before: Any) -> Any:
     return None
 
 
-def memcpy_into(dst: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy the bytes of ``tensors`` one after the other into the flat uint8 ``dst``."""
-    off = 0
-    for t in tensors:
-        n = t.nbytes
-        dst[off : off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-        off += n
-
-
-# --------------------------------------------------------------------------- hash table
-
-
-def _rank_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="_datapath_node.py", description="the benchmark's rank")
-    required: dict[str, type] = {"size-gib": float, "run-dir": Path, "smp-pid": int, "result": Path}
-    required.update({"saves": int, "repeats": int, "compute-ms": float, "dcp-saves": int})
-    for name, kind in required.items():
-        p.add_argument(f"--{name}", type=kind, required=True)
-    p.add_argument("--disk-dir", default=None)
-    p.add_argument("--idle-s", type=float, default=1.0)
-    p.add_argument("--loose-frac", type=float, default=0.0)
-    p.add_argument("--wait-timeout", type=float, default=300.0)
-    p.add_argument("--skip-dcp", action="store_true")
-    return p
+# ------------------------------------------------------------------ the rank (a child process)
 
 
 @dataclass
 class _Rank:
-    """What the rank process measures, phase by phase, into ``res`` (dumped after each)."""
+    """The rank process of one size: measures phase by phase into ``res``, dumped after each."""
 
     args: argparse.Namespace
     res: dict[str, Any] = field(default_factory=lambda: {"errors": []})
@@ -225,62 +228,45 @@ class _Rank:
         return _proc.cpu_seconds(self.args.smp_pid)
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's and optimizer's state dicts, and the loose buffers if any."""
-        sd = {"model": self.state.model.state_dict(), "optim": self.state.optimizer.state_dict()}
+        sd = self.state.state_dicts()
         if "buffers" in self.st:
             sd["buffers"] = self.st["buffers"]
         return sd
 
-    # -- phases ----------------------------------------------------------------------------
     def build(self) -> None:
-        a = self.args
-        t0 = time.perf_counter()
+        a, t0 = self.args, time.perf_counter()
         self.state = baselines.build_state(a.size_gib, narrow=True)
         self.st = {"model": self.state.model, "optim": self.state.optimizer}
-        if a.loose_frac > 0:
-            total = self.state.nbytes / (1 - a.loose_frac)
-            each = max(1, int(total * a.loose_frac / 4 / 4))
+        if a.loose_frac > 0:  # tensors outside the optimizer: copied inside save()
+            each = max(1, int(self.state.nbytes / (1 - a.loose_frac) * a.loose_frac / 4 / 4))
             self.st["buffers"] = {f"b{i}": torch.randn(each) for i in range(4)}
         tensors = baselines.state_tensors(self.state_dict())
         self.nbytes = sum(t.nbytes for t in tensors)
-        self.res.update(
-            nbytes=self.nbytes,
-            tensors=len(tensors),
-            loose_bytes=sum(t.nbytes for t in baselines.state_tensors(self.st.get("buffers", {}))),
-            layers=len(self.state.model),
-            width=self.state.model[0].in_features,
-            build_s=time.perf_counter() - t0,
-            torch_threads=torch.get_num_threads(),
-            pid=os.getpid(),
-        )
+        loose = sum(t.nbytes for t in baselines.state_tensors(self.st.get("buffers", {})))
+        model = self.state.model
+        self.res.update(nbytes=self.nbytes, tensors=len(tensors), loose_bytes=loose)
+        self.res.update(layers=len(model), width=model[0].in_features)
+        self.res.update(build_s=time.perf_counter() - t0, torch_threads=torch.get_num_threads())
+        self.res["pid"] = os.getpid()
 
     def memcpy(self) -> None:
         tensors = baselines.state_tensors(self.state_dict())
         dst = torch.empty(self.nbytes, dtype=torch.uint8)
         dst.zero_()  # touched: no page faults in the timed copies
-        memcpy_into(dst, tensors)
-        out: dict[str, list[float]] = {"wall": [], "cpu": []}
-        for _ in range(max(3, self.args.repeats)):
-            c0, w0 = time.process_time(), time.perf_counter()
-            memcpy_into(dst, tensors)
-            out["wall"].append(time.perf_counter() - w0)
-            out["cpu"].append(time.process_time() - c0)
-        del dst
-        gc.collect()
-        self.res["memcpy"] = out
+
+        def copy() -> None:
+            off = 0
+            for t in tensors:
+                dst[off : off + t.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
+                off += t.nbytes
+
+        copy()
+        self.res["memcpy"] = cpu_wall(copy, max(3, self.args.repeats))
 
     def ftmem_saves(self) -> None:
-        from ftmem.client import Checkpointer
-        from ftmem.config import ClientConfig
-        from ftmem.protocol.smp_client import SmpClient
-
-        a = self.args
-        ckpt = Checkpointer(ClientConfig(run_dir=a.run_dir))
-        client = SmpClient(a.run_dir)
-        timeout = a.wait_timeout
-        try:
-            rank = ckpt.rank
-            self.res["rank"] = rank
+        a, timeout = self.args, self.args.wait_timeout
+        with connect(a.run_dir) as (ckpt, client):
+            rank = self.res["rank"] = ckpt.rank
             # The first save: the SMP creates and pre-faults the slots (inside save(), or off
             # the training thread while saves skip, then wait() saves the step again).
             self.step = 1
@@ -290,61 +276,36 @@ class _Rank:
             verified, vwait, _, polls = (None, 0.0, {}, 0)
             if first["committed"]:
                 verified, vwait, _, polls = wait_verified(client, rank, self.step, timeout)
-            first.update(
-                verified=verified, verify_wait_s=vwait, polls=polls, smp_cpu=self.smp_cpu() - s0
-            )
+            first.update(verified=verified, verify_wait_s=vwait, polls=polls)
+            first["smp_cpu"] = self.smp_cpu() - s0
             self.res["first"] = first
             self.dump()
             # What one STATUS request costs the SMP, and its CPU while idle (housekeeping).
-            n_cal = 40
             c0 = self.smp_cpu()
-            for _ in range(n_cal):
+            for _ in range(40):
                 rank_status(client, rank)
-            self.res["smp_cpu_per_status"] = (self.smp_cpu() - c0) / n_cal
+            self.res["smp_cpu_per_status"] = (self.smp_cpu() - c0) / 40
             i0, w0 = self.smp_cpu(), time.perf_counter()
             time.sleep(a.idle_s)
             self.res["smp_idle_cpu_per_s"] = (self.smp_cpu() - i0) / (time.perf_counter() - w0)
             before = rank_status(client, rank)
             # K saves, each waited for; CPU of the rank around them, of the SMP until verified.
-            s0, r0, w0 = self.smp_cpu(), time.process_time(), time.perf_counter()
-            saves, committed = timed_saves(ckpt, self.st, self.step, a.saves, timeout)
-            self.step += a.saves
-            r1, w1 = time.process_time(), time.perf_counter()
-            after: dict[str, Any] = {}
-            verified, vwait, polls = None, 0.0, 0
-            if committed:
-                verified, vwait, after, polls = wait_verified(client, rank, committed[-1], timeout)
-            s1, w2 = self.smp_cpu(), time.perf_counter()
-            saves.update(
-                committed=len(committed),
-                rank_cpu=r1 - r0,
-                smp_cpu=s1 - s0,
-                saves_wall_s=w1 - w0,
-                window_s=w2 - w0,
-                verified=verified,
-                verify_wait_s=vwait,
-                polls=polls,
-                stats=ckpt.stats(),
+            saves, after = measure_saves(
+                ckpt, client, self.st, self.step, a.saves, timeout, a.smp_pid, lambda: None
             )
+            self.step += a.saves
+            saves["stats"] = ckpt.stats()
             after = after or rank_status(client, rank)
             keep = ("newest_committed", "newest_verified", "skipped", "skips", "commits")
             saves["status_after"] = {k: after[k] for k in keep if k in after}
             saves["smp_skips"] = _delta(after.get("skips"), before.get("skips"))
             self.res["saves"] = saves
-        finally:
-            client.close()
-            ckpt.close()
 
     def restore(self) -> None:
-        from ftmem.client import Checkpointer
-        from ftmem.config import ClientConfig
-
-        a = self.args
-        ckpt = Checkpointer(ClientConfig(run_dir=a.run_dir))
         out: dict[str, Any] = {"wall": [], "rank_cpu": [], "smp_cpu": [], "steps": []}
         self.res["restore"] = out
-        try:
-            for _ in range(a.repeats):
+        with connect(self.args.run_dir, client=False) as (ckpt, _):
+            for _ in range(self.args.repeats):
                 s0, r0, t0 = self.smp_cpu(), time.process_time(), time.perf_counter()
                 got = ckpt.load(self.st)
                 out["wall"].append(time.perf_counter() - t0)
@@ -354,25 +315,15 @@ class _Rank:
             ok = baselines.check_restore(lambda: ckpt.load(self.st), self.state)
             out["check"] = "ok" if ok else "MISMATCH"
             self.step = max(self.step, *out["steps"])
-        finally:
-            ckpt.close()
 
     def skips(self) -> None:
-        from ftmem.client import Checkpointer
-        from ftmem.config import ClientConfig
-        from ftmem.protocol.smp_client import SmpClient
-
-        a = self.args
-        out: dict[str, Any] = {}
+        a, out = self.args, {}
         self.res["skips"] = out
-        ckpt = Checkpointer(ClientConfig(run_dir=a.run_dir))
-        client = SmpClient(a.run_dir)
-        try:
-            rank = ckpt.rank
+        with connect(a.run_dir) as (ckpt, client):
             cases = (("back to back", 0.0), (f"{a.compute_ms:g} ms compute", a.compute_ms))
             for label, ms in cases:
                 work = baselines.make_simulator("compute", ms / 1e3) if ms > 0 else (lambda: None)
-                before = rank_status(client, rank)
+                before = rank_status(client, ckpt.rank)
                 row: dict[str, Any] = {"saves": a.saves, "skipped": 0, "reasons": {}, "ms": ms}
                 t0 = time.perf_counter()
                 for _ in range(a.saves):
@@ -383,75 +334,35 @@ class _Rank:
                         row["reasons"][h.reason] = row["reasons"].get(h.reason, 0) + 1
                     work()
                 row["loop_s"] = time.perf_counter() - t0
-                row["last_committed"] = bool(ckpt.wait(timeout=a.wait_timeout)) and (
-                    ckpt.stats().get("last_step") == self.step
-                )
-                newest = ckpt.stats().get("last_step")
+                committed = bool(ckpt.wait(timeout=a.wait_timeout))
+                row["last_committed"] = committed and ckpt.stats().get("last_step") == self.step
                 after: dict[str, Any] = {}
-                if newest is not None:
-                    _, _, after, _ = wait_verified(client, rank, int(newest), a.wait_timeout)
-                after = after or rank_status(client, rank)
+                if (newest := ckpt.stats().get("last_step")) is not None:
+                    after = wait_verified(client, ckpt.rank, int(newest), a.wait_timeout)[2]
+                after = after or rank_status(client, ckpt.rank)
                 row["smp_skipped"] = _delta(after.get("skipped"), before.get("skipped"))
                 row["smp_skips"] = _delta(after.get("skips"), before.get("skips"))
                 out[label] = row
                 self.dump()
-        finally:
-            client.close()
-            ckpt.close()
 
     def dcp(self) -> None:
-        from torch.distributed.checkpoint.state_dict_saver import async_save
-
-        a = self.args
-        sd = self.state_dict()
         stager = baselines.cpu_stager(True)
-        disk = tempfile.mkdtemp(prefix="ftmem-bench-dp-dcp-", dir=a.disk_dir)
-        out: dict[str, Any] = {"blocking": [], "staged": [], "done": [], "disk": disk}
-        self.res["dcp"] = out
-
-        def one(i: int) -> tuple[float, float, float]:
-            path = os.path.join(disk, f"ckpt_{i}")
-            t0 = time.perf_counter()
-            resp = async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
-            t_block = time.perf_counter() - t0
-            staging = getattr(resp, "staging_completion", None)
-            if staging is not None:
-                staging.result()
-            t_staged = time.perf_counter() - t0
-            upload: Any = getattr(resp, "upload_completion", resp)
-            upload.result()
-            return t_block, t_staged, time.perf_counter() - t0
-
+        disk = tempfile.mkdtemp(prefix="ftmem-bench-dp-dcp-", dir=self.args.disk_dir)
+        self.res["dcp"] = {"blocking": [], "staged": [], "done": [], "disk": disk}
         try:
-            out["first"] = one(0)  # allocates the staging buffers
-            shutil.rmtree(os.path.join(disk, "ckpt_0"), ignore_errors=True)
-            rm_cpu = 0.0
-            c0, w0 = time.process_time(), time.perf_counter()
-            for i in range(1, a.dcp_saves + 1):
-                b, s, d = one(i)
-                out["blocking"].append(b)
-                out["staged"].append(s)
-                out["done"].append(d)
-                c1 = time.process_time()
-                shutil.rmtree(os.path.join(disk, f"ckpt_{i}"), ignore_errors=True)
-                rm_cpu += time.process_time() - c1
-            out["cpu"] = time.process_time() - c0 - rm_cpu
-            out["wall"] = time.perf_counter() - w0
+            sd, n = self.state_dict(), self.args.dcp_saves
+            self.res["dcp"].update(baselines.dcp_async_saves(sd, disk, n, stager))
         finally:
             stager.close()
             shutil.rmtree(disk, ignore_errors=True)
 
     def run(self) -> int:
-        phases: list[tuple[str, Callable[[], None]]] = [
-            ("build", self.build),
-            ("memcpy", self.memcpy),
-            ("ftmem", self.ftmem_saves),
-            ("restore", self.restore),
-            ("skips", self.skips),
-        ]
-        if not self.args.skip_dcp:
-            phases.append(("dcp", self.dcp))
-        for name, phase in phases:
+        """Every phase; a failed one is recorded in ``errors`` (0, or 1 if the build failed)."""
+        phases = {"build": self.build, "memcpy": self.memcpy, "ftmem": self.ftmem_saves}
+        phases |= {"restore": self.restore, "skips": self.skips, "dcp": self.dcp}
+        if self.args.skip_dcp:
+            del phases["dcp"]
+        for name, phase in phases.items():
             logger.info("[%g GiB] %s", self.args.size_gib, name)
             t0 = time.perf_counter()
             try:
@@ -467,18 +378,11 @@ class _Rank:
         return 0
 
 
-def rank_main(argv: list[str]) -> int:
-    """The rank process: measure one size, write the results' JSON to ``--result``."""
+def rank_main(args: argparse.Namespace) -> int:
+    """The rank process: measure one size (``--sizes``), write its raw figures to ``--result``
+    (``args``: datapath.py's command line with ``--_rank``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(name)s: %(message)s")
-    args = _rank_parser().parse_args(argv)
+    args.size_gib = float(args.sizes)
     torch.set_num_threads(1)
     os.environ["FTMEM_RUN_DIR"] = str(args.run_dir)
     return _Rank(args).run()
-
-
-# --------------------------------------------------------------------------- one size
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(rank_main(sys.argv[1:]))
