@@ -46,9 +46,10 @@ from ftmem.errors import (
 )
 
 if TYPE_CHECKING:
-    from ftmem.client import Checkpointer, RNGState, SnapshotHandle
+    from ftmem.client import CheckFreeStage, Checkpointer, RNGState, SnapshotHandle
 
 __all__ = [
+    "CheckFreeStage",
     "Checkpointer",
     "ClientConfig",
     "CorruptSnapshotError",
@@ -72,7 +73,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 _default: Checkpointer | None = None
-_LAZY = {"Checkpointer", "RNGState", "SnapshotHandle"}
+_LAZY = {"CheckFreeStage", "Checkpointer", "RNGState", "SnapshotHandle"}
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,9 @@ ENV_REQUEST_TIMEOUT = "FTMEM_REQUEST_TIMEOUT"  # seconds a rank waits for an SMP
 ENV_SHARD = "FTMEM_SHARD"
 """``0`` turns sharded snapshots of replicated state off (default on)."""
 ENV_ALLOW_FRESH_START = "FTMEM_ALLOW_FRESH_START"  # "1": load returns 0 if ranks disagree
+ENV_CHECKFREE = "FTMEM_CHECKFREE"
+"""``1`` (set by ``ftmem-launch --ftmem-checkfree``): rebuild a lost pipeline stage from its
+neighbours when no snapshot of it is left (ftmem.client.checkfree)."""
 ENV_EXPECTED_STEP = "FTMEM_EXPECTED_STEP"  # set by ftmem-launch: the step the node had committed
 ENV_AGENT_PID = "FTMEM_AGENT_PID"  # set by ftmem-launch: the agent's pid (the ranks' parent)
 ENV_REJOIN_TIMEOUT = (

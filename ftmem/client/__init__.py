@@ -4,10 +4,12 @@ snapshotter.py (Checkpointer), save_plan.py (which tensors a save copies when),
 sharding.py (this replica's share of replicated tensors), slot_maps.py (mapped slot files,
 staging a save into one), flatten.py (state <-> tensors + skeleton), staging.py (lazy copy
 and fence), loading.py (load), restore.py (verify, plan, apply), agreement.py (which step
-all ranks load), rng.py (RNGState).
+all ranks load), rng.py (RNGState), checkfree.py (CheckFreeStage: a lost pipeline stage
+rebuilt from its neighbours).
 """
 
+from ftmem.client.checkfree import CheckFreeStage
 from ftmem.client.rng import RNGState
 from ftmem.client.snapshotter import Checkpointer, SnapshotHandle
 
-__all__ = ["Checkpointer", "RNGState", "SnapshotHandle"]
+__all__ = ["CheckFreeStage", "Checkpointer", "RNGState", "SnapshotHandle"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ftmem._logging import get_logger
-from ftmem.client import agreement
+from ftmem.client import agreement, checkfree
 from ftmem.client.flatten import parse_layout
 from ftmem.client.restore import (
     RestorePlan,
@@ -104,6 +104,8 @@ class SnapshotLoader:
                         )
                     return 0
                 holders = [r for r, c in enumerate(everyone) if c]
+                if holders and not excluded and checkfree.enabled():
+                    return self._load_checkfree(state, everyone, snaps)
                 msg = (
                     f"no snapshot step is held by every rank (ranks holding some: {holders}; "
                     f"failed checks: {sorted(excluded)})"
@@ -114,6 +116,11 @@ class SnapshotLoader:
                     return 0
                 if excluded:
                     raise CorruptSnapshotError(msg)
+                if checkfree.find_stage(state) is not None:
+                    msg += (
+                        "; a pipeline stage can be rebuilt from its neighbours instead: "
+                        "ftmem-launch --ftmem-checkfree (CheckFree)"
+                    )
                 raise InconsistentSnapshotError(msg)
             snap = next(s for s in snaps if int(s["step"]) == step)
             code, plan, seg, err = self._prepare_restore(state, snap)
@@ -145,6 +152,46 @@ class SnapshotLoader:
             )
             excluded.add(step)
         raise CorruptSnapshotError("no restorable snapshot step")
+
+    def _load_checkfree(
+        self, state: MutableMapping[str, Any], everyone: list[list[int]], snaps: list[Any]
+    ) -> int:
+        """(``--ftmem-checkfree``) Some ranks hold snapshots and others none, in memory and on
+        disk: the holders restore the newest step they all hold, then the lost ranks' pipeline
+        stages are rebuilt from their neighbours (:mod:`ftmem.client.checkfree`).
+
+        Raises:
+            InconsistentSnapshotError: on every rank, if the holders share no step, one of
+                them cannot restore it, or the loss cannot be rebuilt.
+        """
+        lost = [r for r, c in enumerate(everyone) if not c]
+        step = agreement.newest_common([c for c in everyone if c])
+        holder = self._rank not in lost
+        code, plan, seg, err = _OK, None, None, ""
+        if step is not None and holder:
+            snap = next(s for s in snaps if int(s["step"]) == step)
+            code, plan, seg, err = self._prepare_restore(state, snap)
+            if plan is not None and plan.replicas is not None:
+                code, err = _MISMATCH, "CheckFree needs one stage per rank, no replicas"
+            if code == _OK:
+                try:
+                    copy_verified(plan, seg, threads=restore_threads())
+                except CorruptSnapshotError as exc:
+                    code, err = _CORRUPT, str(exc)
+        if step is None or agreement.min_over_ranks(code) != _OK:
+            raise InconsistentSnapshotError(
+                f"CheckFree: ranks {lost} hold no snapshot and the others cannot all restore a "
+                f"common step ({err or 'another rank failed'})"
+            )
+        if holder:
+            assert plan is not None and seg is not None
+            finish_restore(plan, seg, group=self._group)
+        checkfree.rebuild_lost_stages(state, step, lost)
+        self._client.request(m.DiscardNewer(rank=self._rank, step=step))
+        log.warning(
+            "restored step %d; ranks %s rebuilt from their neighbours (CheckFree)", step, lost
+        )
+        return step
 
     def _load_from_disk(self, state: MutableMapping[str, Any]) -> int | None:
         """Memory cannot serve every rank: restore the newest complete flushed checkpoint that

@@ -40,6 +40,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 
+from ftmem.config import ENV_CHECKFREE
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import (
@@ -224,6 +225,8 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             rejoin_timeout_s=self._rank_rejoin_wait(),
         )
         os.environ.update(ftmem_env)
+        if self._ft.checkfree:
+            os.environ[ENV_CHECKFREE] = "1"
         if self._smp.ensure_running():
             self._poller.forget()
         self._smp_failed = False
@@ -302,6 +305,10 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 warned=self._key_warned,
             )
         except UnrecoverableError as exc:
+            if self._ft.checkfree:  # the ranks rebuild lost pipeline stages from neighbours
+                log.error("[%s] %s; --ftmem-checkfree: going on without it", self._node, exc)
+                self.events.write("checkfree", generation=self.generation, reason=str(exc))
+                return
             self.stop_reason = str(exc)
             log.error("[%s] UNRECOVERABLE: %s", self._node, exc)
             self.events.write("unrecoverable", generation=self.generation, reason=str(exc))

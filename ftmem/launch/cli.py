@@ -188,6 +188,14 @@ def get_args_parser() -> ArgumentParser:
         "at a fraction of CURVE's CPU; see docs/security.md.",
     )
     group.add_argument(
+        "--ftmem-checkfree",
+        action=check_env,
+        help="Last resort for pipeline-parallel jobs (ftmem.CheckFreeStage in the state): when "
+        "a stage's snapshot is gone from memory and the disk tiers, rebuild it from its two "
+        "neighbouring stages (CheckFree) instead of stopping; its optimizer state is reset "
+        "(docs/api.md, CheckFree).",
+    )
+    group.add_argument(
         "--ftmem-insecure-mesh",
         action=check_env,
         help="Allow erasure coding across hosts without --ftmem-key-file: the mesh's key "
@@ -377,6 +385,7 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
         insecure_mesh=bool(args.ftmem_insecure_mesh),
         ec_encrypt=bool(args.ftmem_ec_encrypt),
+        checkfree=bool(args.ftmem_checkfree),
         peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
         rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),
         flush_dir=Path(args.ftmem_flush_dir) if args.ftmem_flush_dir else None,

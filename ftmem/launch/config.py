@@ -116,6 +116,9 @@ class FtmemLaunchConfig:
     ec_encrypt: bool = False
     """Snapshot bytes between SMPs over CURVE too (``--ftmem-ec-encrypt``); else over the
     plain data channel with keyed tags."""
+    checkfree: bool = False
+    """``--ftmem-checkfree``: rebuild a pipeline stage without any snapshot from its neighbours
+    (the ranks get FTMEM_CHECKFREE=1; a sync that finds more than m nodes lost goes on)."""
     peer_host: str = ""
     """Address the SMP's peer port binds and advertises; "": --local-addr or this host's."""
     rebuild_timeout: timedelta = timedelta(seconds=600)

@@ -42,6 +42,7 @@ FTMEM_FLAGS = {
     "--ftmem-ec-interval",
     "--ftmem-key-file",
     "--ftmem-ec-encrypt",
+    "--ftmem-checkfree",
     "--ftmem-insecure-mesh",
     "--ftmem-peer-host",
     "--ftmem-rebuild-timeout",
@@ -83,6 +84,7 @@ def test_defaults_and_config(tmp_path: Path) -> None:
     assert cmd_args[-3:] == ["train.py", "--x", "1"]
     assert ft.ec_parity == -1 and ft.key_file is None  # auto: on with >= 3 nodes
     assert ft.standby == 1 and ft.standby_imports == () and ft.standby_cuda is False
+    assert ft.checkfree is False
     more = get_args_parser().parse_args(
         [
             *("--ftmem-run-dir", str(run_dir), "--ftmem-standby", "2"),
