@@ -5,13 +5,16 @@ With ``--ftmem-checkfree`` the replacement rank rebuilds stage 2 from stages 1 a
 by their gradient norms), the others restore their snapshots, and training goes on: the loss
 before the loss is the failure-free run's exactly, and after it recovers to within a stated
 margin of the failure-free run's within a stated number of steps. Without the flag the same
-loss stops the job: every restart fails its load with the partial-snapshot error, and the
-agents give up after their restarts without progress.
+loss stops the job: with erasure coding off every restart fails its load with the
+partial-snapshot error (which names the flag) until the restarts run out; with erasure coding
+on and more than m nodes lost, the sync stops every agent UNRECOVERABLE.
 """
 
 from __future__ import annotations
 
 import re
+
+import pytest
 
 from tests._support.launcher import REPO, Launcher
 from tests._support.nodes import Nodes
@@ -85,13 +88,15 @@ def test_without_checkfree_the_same_loss_stops_the_job(launcher_env: Launcher) -
     assert "--ftmem-checkfree" in text  # the error says what would have gone on
 
 
-def test_more_nodes_lost_than_erasure_coding_covers_goes_on_with_checkfree(
-    launcher_env: Launcher,
+@pytest.mark.parametrize("checkfree", [True, False], ids=["checkfree", "without"])
+def test_more_nodes_lost_than_erasure_coding_covers(
+    launcher_env: Launcher, checkfree: bool
 ) -> None:
     """Five stages on five nodes with m=1: stages 1 and 3 are lost at once, more than m, so
-    the sync finds them UNRECOVERABLE; with --ftmem-checkfree the job goes on and both are
-    rebuilt from their neighbours."""
-    flags = ["--ftmem-ec-parity", "1", "--max-restarts", "3", "--ftmem-checkfree"]
+    the sync finds them UNRECOVERABLE. With --ftmem-checkfree the job goes on and both are
+    rebuilt from their neighbours; without it every agent stops with the usual message."""
+    flags = ["--ftmem-ec-parity", "1", "--max-restarts", "3"]
+    flags += ["--ftmem-checkfree"] if checkfree else []
     nodes = Nodes(launcher_env, 5, flags, script=[*SCRIPT[:2], "40", *SCRIPT[3:]])
     nodes.start_all()
     nodes.wait_protected(8)
@@ -99,9 +104,14 @@ def test_more_nodes_lost_than_erasure_coding_covers_goes_on_with_checkfree(
     nodes.lose(3)
     nodes.start(1)
     nodes.start(3)
+    if not checkfree:
+        for i in range(5):
+            assert nodes.agents[i].wait(180) != 0
+            text = nodes.agents[i].text()
+            assert "UNRECOVERABLE" in text and "more than m=1" in text, text[-3000:]
+        return
     for i in (1, 3):
-        nodes.agents[i].wait_for(
-            rf"\[rank {i}\] resumed from step \d+ \(rebuilt by CheckFree\)", 240
-        )
+        pattern = rf"\[rank {i}\] resumed from step \d+ \(rebuilt by CheckFree\)"
+        nodes.agents[i].wait_for(pattern, 240)
     nodes.finish(timeout=300)
     assert "--ftmem-checkfree: going on without it" in nodes.agents[0].text()
