@@ -77,3 +77,26 @@ def load_digests(tmp_path: Path, procs: Procs, ckpt: Path, worlds: tuple[int, ..
     for p in ps:
         assert p.wait(timeout=180) == 0, [log.read_text()[-2000:] for log in logs]
     return [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
+
+
+def same_as_saved(ck: object, sources: list) -> None:  # type: ignore[type-arg]
+    """Each rank of ``sources`` reads back from ``ck`` exactly the bytes it saved."""
+    from ftmem.client.flatten import parse_layout
+    from ftmem.format.tensors import decode_skeleton
+    from ftmem.shm import MappedSegment
+    from ftmem.tiers.disk_restore import load_rank
+
+    for src in sources:
+        snap, objects, buf = load_rank(ck, src.rank)  # type: ignore[arg-type]
+        orig = parse_layout(src.layout, src.capacity)
+        seg = MappedSegment(Path(src.path), src.capacity)
+        try:
+            assert [t.name for t in snap.tensors] == [t.name for t in orig.tensors]
+            for a, b in zip(snap.tensors, orig.tensors, strict=True):
+                assert (a.dtype, a.shape) == (b.dtype, b.shape)
+                got = bytes(buf.view[a.offset : a.offset + a.nbytes])
+                assert got == bytes(seg.view[b.offset : b.offset + b.nbytes]), (src.rank, a.name)
+            saved = bytes(seg.view[orig.objects_offset : orig.objects_offset + orig.objects_nbytes])
+            assert decode_skeleton(objects) == decode_skeleton(saved)
+        finally:
+            seg.close()

@@ -13,11 +13,13 @@ import torch
 
 from ftmem.cli import main as ftmem_main
 from ftmem.config import ENV_TIER_KEY_FILE
+from ftmem.smp.spawn import SmpProcess
 from ftmem.tiers.checkpoints import checkpoint_name, read_checkpoint, write_manifest
 from ftmem.tiers.dcp_meta import metadata_to_json
 from ftmem.tiers.dcp_read import load_whole
-from tests._support.example import example, fresh_state, load_digests
+from tests._support.example import example, fresh_state, load_digests, same_as_saved
 from tests._support.procs import Procs
+from tests._support.ranks import SMALL, run_ranks
 
 EVAL_MODULE = '''
 import torch
@@ -202,3 +204,34 @@ def test_search_finds_a_combination_that_beats_the_newest_checkpoint(
     assert best < 0.5 * newest  # seeded, so the same every run
     combined = read_checkpoint(out)
     assert combined.step == 3
+
+
+def test_checkpoints_of_a_real_run_combine_into_ones_ftmem_restores_each_rank_from(
+    tier: Path, tmp_path: Path, smp: SmpProcess, run_dir: Path, procs: Procs
+) -> None:
+    """Steps 19 and 20 of a 2-rank DDP run, written from the SMP in ftmem's flush format (per-
+    rank RNG, skeletons and names as uint8 tensors, the step in ``ftmem_meta``): a unit
+    combination with the same base is that step again, down to what ftmem's own disk restore
+    gives each rank; the mean loads with stock dcp.load."""
+    from ftmem.tiers.export import export_dcp, find_sources
+
+    run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
+    assert run.codes == [0, 0], run.outputs
+    steps = {s: tier / checkpoint_name(s) for s in (19, 20)}
+    sources = {s: find_sources([run_dir], step=s) for s in steps}
+    for s, path in steps.items():
+        export_dcp(sources[s], path)
+    for s, coeffs in ((19, "1,0"), (20, "0,1")):
+        out = tmp_path / f"unit-{s}"
+        assert _combine(*steps.values(), "--coeffs", coeffs, "--base", steps[s], "--out", out) == 0
+        combined = read_checkpoint(out)
+        assert combined.step == s and combined.world_size == 2
+        same_as_saved(combined, sources[s])
+    mean = tmp_path / "mean"
+    assert _combine(*steps.values(), "--coeffs", "0.5,0.5", "--out", mean) == 0
+    got = load_whole(read_checkpoint(mean))
+    a, b = (load_whole(read_checkpoint(p)) for p in steps.values())
+    fa, fb, fg = _floats(a), _floats(b), _floats(got)
+    assert fg.keys() == fa.keys() and len(fg) > 10
+    for k in fa:
+        assert torch.equal(fg[k], ((fa[k].double() + fb[k].double()) / 2).to(fa[k].dtype)), k

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ftmem.smp.spawn import SmpProcess
-from tests._support.example import LOAD_SCRIPT, example, fresh_state, load_digests
+from tests._support.example import LOAD_SCRIPT, example, fresh_state, load_digests, same_as_saved
 from tests._support.procs import REPO, Procs
 from tests._support.ranks import SMALL, run_ranks
 
@@ -117,7 +117,7 @@ def test_each_rank_reads_back_exactly_what_it_saved(
     export_dcp(sources, out)
     ck = read_checkpoint(out)
     assert [c.step for c in list_checkpoints(tmp_path)[0]] == [20]
-    _same_as_saved(ck, sources)
+    same_as_saved(ck, sources)
     # One flipped byte in the data file: detected before any byte is used.
     data = next(p for p in out.iterdir() if p.suffix == ".distcp")
     raw = bytearray(data.read_bytes())
@@ -129,29 +129,6 @@ def test_each_rank_reads_back_exactly_what_it_saved(
     data.write_bytes(bytes(raw[:-10]))
     assert list_checkpoints(tmp_path)[0] == []
     assert (out / MANIFEST).exists()
-
-
-def _same_as_saved(ck: object, sources: list) -> None:  # type: ignore[type-arg]
-    """Each rank of ``sources`` reads back from ``ck`` exactly the bytes it saved."""
-    from ftmem.client.flatten import parse_layout
-    from ftmem.format.tensors import decode_skeleton
-    from ftmem.shm import MappedSegment
-    from ftmem.tiers.disk_restore import load_rank
-
-    for src in sources:
-        snap, objects, buf = load_rank(ck, src.rank)  # type: ignore[arg-type]
-        orig = parse_layout(src.layout, src.capacity)
-        seg = MappedSegment(Path(src.path), src.capacity)
-        try:
-            assert [t.name for t in snap.tensors] == [t.name for t in orig.tensors]
-            for a, b in zip(snap.tensors, orig.tensors, strict=True):
-                assert (a.dtype, a.shape) == (b.dtype, b.shape)
-                got = bytes(buf.view[a.offset : a.offset + a.nbytes])
-                assert got == bytes(seg.view[b.offset : b.offset + b.nbytes]), (src.rank, a.name)
-            saved = bytes(seg.view[orig.objects_offset : orig.objects_offset + orig.objects_nbytes])
-            assert decode_skeleton(objects) == decode_skeleton(saved)
-        finally:
-            seg.close()
 
 
 def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
@@ -177,7 +154,7 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
     assert list_checkpoints(tier)[0] == []
     with pytest.raises(AssembleError, match=r"no part of ranks \[0\]"):
         assemble(tier, 20, 2, timeout_s=0.5)
-    _same_as_saved(part1, [sources[1]])  # a node restores its ranks from its own part
+    same_as_saved(part1, [sources[1]])  # a node restores its ranks from its own part
 
     export_dcp([sources[0]], tier / part_name(20, 0), world_size=2)
     ck = assemble(tier, 20, 2, timeout_s=10)
@@ -187,7 +164,7 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
         "part-r000000",
         "part-r000001",
     ]
-    _same_as_saved(read_checkpoint(ck.path), sources)
+    same_as_saved(read_checkpoint(ck.path), sources)
 
     ex = example()
     model, opt, sd = fresh_state(ex)
