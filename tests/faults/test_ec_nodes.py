@@ -70,8 +70,8 @@ def test_stopped_exchange_killed_smp_and_lost_node_are_recovered_same_digest(
     nodes.agents[2].wait_for(r"generation \d+: started ranks", 120, count=2)
     nodes.wait_protected(5)
     os.kill(_smp_pid(nodes, 1), signal.SIGKILL)
-    nodes.agents[1].wait_for(r"REBUILT step (\d+) of this node", 180)
-    nodes.wait_protected(12)
+    rebuilt = int(nodes.agents[1].wait_for(r"REBUILT step (\d+) of this node", 180)[0].group(1))
+    nodes.wait_protected(rebuilt + 2)  # protection goes on after the rebuild
     nodes.lose(1)
     nodes.start(1)
     m = nodes.agents[1].wait_for(r"REBUILT step (\d+) of this node", 180)[0]
