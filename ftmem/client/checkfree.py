@@ -221,7 +221,7 @@ def rebuild_lost_stages(state: Mapping[str, Any], step: int, lost: list[int]) ->
     rebuilt = False
     for r, (prev, nxt) in sorted(plan.items()):
         for nb in (prev, nxt):
-            if me == nb:
+            if me == nb:  # the norm first, so the lost rank can weigh each tensor as it comes
                 dist.send(stage.grad_norm.reshape(1).clone(), dst=r)
                 for k in wanted[(r, nb)]:
                     dist.send(own[k].detach().contiguous(), dst=r)
@@ -234,18 +234,14 @@ def rebuild_lost_stages(state: Mapping[str, Any], step: int, lost: list[int]) ->
 def _average_into(
     stage: CheckFreeStage, own: list[torch.Tensor], prev: int, nxt: int, step: int
 ) -> None:
-    """Receive both neighbours' norms and tensors; set this stage to their weighted average."""
-    norms, tensors = [], []
+    """Receive both neighbours' norms, then their tensors one pair at a time, and set this
+    stage to their weighted average (one pair of tensors in memory at a time, not two
+    stages)."""
+    norms = []
     for src in (prev, nxt):
         g = torch.empty(1, dtype=torch.float64)
         dist.recv(g, src=src)
         norms.append(float(g))
-        got = []
-        for t in own:
-            buf = torch.empty(t.shape, dtype=t.dtype)
-            dist.recv(buf, src=src)
-            got.append(buf)
-        tensors.append(got)
     total = norms[0] + norms[1]
     w = (
         (0.5, 0.5)
@@ -253,10 +249,14 @@ def _average_into(
         else (norms[0] / total, norms[1] / total)
     )
     with torch.no_grad():
-        for t, a, b in zip(own, tensors[0], tensors[1], strict=True):
+        for t in own:
+            a = torch.empty(t.shape, dtype=t.dtype)
+            b = torch.empty_like(a)
+            dist.recv(a, src=prev)
+            dist.recv(b, src=nxt)
             if t.is_floating_point():
                 t.copy_((a.double() * w[0] + b.double() * w[1]).to(t.dtype))
-            else:
+            else:  # taken from the previous stage
                 t.copy_(a)
     if stage.optimizer is not None:
         stage.optimizer.state.clear()  # reset: moments of another stage would not fit

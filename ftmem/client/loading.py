@@ -123,21 +123,8 @@ class SnapshotLoader:
                     )
                 raise InconsistentSnapshotError(msg)
             snap = next(s for s in snaps if int(s["step"]) == step)
-            code, plan, seg, err = self._prepare_restore(state, snap)
-            agreed = agreement.min_over_ranks(code)
+            agreed, err = self._restore(state, snap, step)
             if agreed == _OK:
-                assert plan is not None and seg is not None
-                # Copy and verify in one pass; the ranks agree again before anything else
-                # (Stateful objects, replicated rows) is applied.
-                try:
-                    copy_verified(plan, seg, threads=restore_threads())
-                except CorruptSnapshotError as exc:
-                    log.error("snapshot of step %d is corrupt: %s", step, exc)
-                    code, err = _CORRUPT, str(exc)
-                agreed = agreement.min_over_ranks(code)
-            if agreed == _OK:
-                assert plan is not None and seg is not None
-                finish_restore(plan, seg, group=self._group, peers=self._peer_pieces(step))
                 client.request(m.DiscardNewer(rank=self._rank, step=step))
                 log.info("restored step %d", step)
                 return step
@@ -153,6 +140,41 @@ class SnapshotLoader:
             excluded.add(step)
         raise CorruptSnapshotError("no restorable snapshot step")
 
+    def _restore(
+        self,
+        state: MutableMapping[str, Any],
+        snap: dict[str, Any] | None,
+        step: int,
+        single_stage: bool = False,
+    ) -> tuple[int, str]:
+        """Restore ``snap`` (of ``step``) into ``state`` if every rank can: check it against
+        the state, agree, copy and verify it in one pass, agree again, then apply the rest
+        (Stateful objects, replicated rows). A collective: every rank calls it, ``snap`` None
+        on a rank that restores nothing but takes part (CheckFree's lost ranks; then
+        ``single_stage``: a snapshot with replicated rows is refused, as the lost ranks could
+        not gather them). Returns the agreed code and this rank's error, if any."""
+        code, plan, seg, err = _OK, None, None, ""
+        if snap is not None:
+            code, plan, seg, err = self._prepare_restore(state, snap)
+        if single_stage and plan is not None and plan.replicas is not None:
+            code, err = _MISMATCH, "CheckFree needs one stage per rank, no replicas"
+        agreed = agreement.min_over_ranks(code)
+        if agreed != _OK:
+            return agreed, err
+        if plan is not None:
+            assert seg is not None
+            try:
+                copy_verified(plan, seg, threads=restore_threads())
+            except CorruptSnapshotError as exc:
+                log.error("snapshot of step %d is corrupt: %s", step, exc)
+                code, err = _CORRUPT, str(exc)
+        agreed = agreement.min_over_ranks(code)
+        if agreed == _OK and plan is not None:
+            assert seg is not None
+            peers = None if single_stage else self._peer_pieces(step)
+            finish_restore(plan, seg, group=self._group, peers=peers)
+        return agreed, err
+
     def _load_checkfree(
         self, state: MutableMapping[str, Any], everyone: list[list[int]], snaps: list[Any]
     ) -> int:
@@ -166,26 +188,15 @@ class SnapshotLoader:
         """
         lost = [r for r, c in enumerate(everyone) if not c]
         step = agreement.newest_common([c for c in everyone if c])
-        holder = self._rank not in lost
-        code, plan, seg, err = _OK, None, None, ""
-        if step is not None and holder:
-            snap = next(s for s in snaps if int(s["step"]) == step)
-            code, plan, seg, err = self._prepare_restore(state, snap)
-            if plan is not None and plan.replicas is not None:
-                code, err = _MISMATCH, "CheckFree needs one stage per rank, no replicas"
-            if code == _OK:
-                try:
-                    copy_verified(plan, seg, threads=restore_threads())
-                except CorruptSnapshotError as exc:
-                    code, err = _CORRUPT, str(exc)
-        if step is None or agreement.min_over_ranks(code) != _OK:
+        agreed, err = _CORRUPT, "the ranks holding snapshots share no step"
+        if step is not None:  # the same on every rank: they all take part in the agreements
+            snap = None if self._rank in lost else next(s for s in snaps if int(s["step"]) == step)
+            agreed, err = self._restore(state, snap, step, single_stage=True)
+        if step is None or agreed != _OK:
             raise InconsistentSnapshotError(
                 f"CheckFree: ranks {lost} hold no snapshot and the others cannot all restore a "
                 f"common step ({err or 'another rank failed'})"
             )
-        if holder:
-            assert plan is not None and seg is not None
-            finish_restore(plan, seg, group=self._group)
         checkfree.rebuild_lost_stages(state, step, lost)
         self._client.request(m.DiscardNewer(rank=self._rank, step=step))
         log.warning(

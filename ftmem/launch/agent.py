@@ -40,7 +40,6 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 
-from ftmem.config import ENV_CHECKFREE
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import (
@@ -223,10 +222,9 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             generation=self.generation,
             expected_step=expected,
             rejoin_timeout_s=self._rank_rejoin_wait(),
+            checkfree=self._ft.checkfree,
         )
         os.environ.update(ftmem_env)
-        if self._ft.checkfree:
-            os.environ[ENV_CHECKFREE] = "1"
         if self._smp.ensure_running():
             self._poller.forget()
         self._smp_failed = False

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.config import (
+    ENV_CHECKFREE,
     ENV_EXPECTED_STEP,
     ENV_GENERATION,
     ENV_NODE,
@@ -49,6 +50,7 @@ def rank_env(
     generation: int,
     expected_step: int | None = None,
     rejoin_timeout_s: float = 120.0,
+    checkfree: bool = False,
 ) -> dict[str, str]:
     """The ``FTMEM_*`` variables every rank of this node gets.
 
@@ -56,6 +58,7 @@ def rank_env(
     failure that caused this restart ("" on the first start or if none): a restore that
     finds nothing although a step was expected means snapshots were lost (e.g. the SMP).
     ``rejoin_timeout_s``: how long a rank under ``ftmem.run`` waits for its next generation.
+    ``checkfree``: ``--ftmem-checkfree`` (a lost pipeline stage is rebuilt from its neighbours).
     """
     return {
         ENV_REJOIN_TIMEOUT: f"{rejoin_timeout_s:g}",
@@ -65,6 +68,7 @@ def rank_env(
         ENV_GENERATION: str(generation),
         ENV_EXPECTED_STEP: "" if expected_step is None else str(expected_step),
         ENV_AGENT_PID: str(os.getpid()),
+        ENV_CHECKFREE: "1" if checkfree else "",
     }
 
 

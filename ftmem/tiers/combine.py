@@ -135,7 +135,8 @@ class InputSet:
         self.readers = [_CachedReader(c) for c in self.ckpts]
         self.base = self._base(base)
         self.metadata = [r.read_metadata() for r in self.readers]
-        self._tensors: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self.tensors = _tensors_of(self.metadata[self.base])
+        """fqn -> (size, dtype) of every tensor of the base (combined or not)."""
         self.combined = self._combined(keys)
         """fqn -> (size, dtype) of every tensor that is combined."""
 
@@ -148,22 +149,18 @@ class InputSet:
         raise CombineError(f"the base {base} is not one of the checkpoints combined")
 
     def _combined(self, keys: Sequence[str]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         out: dict[str, tuple[torch.Size, torch.dtype]] = {}
-        for fqn, entry in self.metadata[self.base].state_dict_metadata.items():
-            if not isinstance(entry, TensorStorageMetadata):
+        each = [_tensors_of(md) for md in self.metadata]
+        for fqn, want in self.tensors.items():
+            if not want[1].is_floating_point or not _selected(fqn, keys):
                 continue
-            if not entry.properties.dtype.is_floating_point or not _selected(fqn, keys):
-                continue
-            want = (entry.size, entry.properties.dtype)
-            for ckpt, md in zip(self.ckpts, self.metadata, strict=True):
-                other = md.state_dict_metadata.get(fqn)
-                if not isinstance(other, TensorStorageMetadata):
+            for ckpt, theirs in zip(self.ckpts, each, strict=True):
+                other = theirs.get(fqn)
+                if other is None:
                     raise CombineError(f"{ckpt.path} has no tensor {fqn!r}")
-                if (other.size, other.properties.dtype) != want:
+                if other != want:
                     raise CombineError(
-                        f"{fqn!r} is {list(other.size)} {other.properties.dtype} in "
+                        f"{fqn!r} is {list(other[0])} {other[1]} in "
                         f"{ckpt.path} but {list(want[0])} {want[1]} in the base"
                     )
             out[fqn] = want
@@ -180,18 +177,6 @@ class InputSet:
             dcp_load({fqn: into}, storage_reader=self.readers[i], no_dist=True)
         return into
 
-    def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """fqn -> (size, dtype) of every tensor of the base (combined or not)."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        if self._tensors is None:
-            self._tensors = {
-                fqn: (e.size, e.properties.dtype)
-                for fqn, e in self.metadata[self.base].state_dict_metadata.items()
-                if isinstance(e, TensorStorageMetadata)
-            }
-        return self._tensors
-
     def path_of(self, fqn: str) -> tuple[Any, ...]:
         """Where entry ``fqn`` sits in the base's nested state dict."""
         planner = self.metadata[self.base].planner_data or {}
@@ -202,10 +187,10 @@ class InputSet:
         meta-device placeholder (size and dtype only) in place of every tensor."""
         from torch.distributed.checkpoint._traverse import set_element
 
-        tensors = self.tensors()
-        rest = {fqn for fqn in self.metadata[self.base].state_dict_metadata if fqn not in tensors}
+        md = self.metadata[self.base]
+        rest = {fqn for fqn in md.state_dict_metadata if fqn not in self.tensors}
         sd: dict[str, Any] = load_whole(self.ckpts[self.base], keys=rest) if rest else {}
-        for fqn, (size, dtype) in tensors.items():
+        for fqn, (size, dtype) in self.tensors.items():
             set_element(sd, self.path_of(fqn), torch.empty(size, dtype=dtype, device="meta"))
         return sd
 
@@ -215,8 +200,25 @@ class InputSet:
         """Tensor ``fqn`` of the output: the combination if it is combined, else the base's."""
         if fqn in self.combined:
             return combine_tensor(self, fqn, how, accumulate)
-        size, dtype = self.tensors()[fqn]
+        size, dtype = self.tensors[fqn]
         return self.read(self.base, fqn, torch.empty(size, dtype=dtype))
+
+
+def _tensors_of(md: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """fqn -> (size, dtype) of every tensor entry of a DCP ``Metadata``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        fqn: (e.size, e.properties.dtype)
+        for fqn, e in md.state_dict_metadata.items()
+        if isinstance(e, TensorStorageMetadata)
+    }
+
+
+def _check_fits(inputs: InputSet, how: Combination) -> None:
+    """A linear combination has one coefficient per input (else CombineError)."""
+    if isinstance(how, Linear) and len(how.coeffs) != len(inputs.ckpts):
+        raise CombineError(f"{len(how.coeffs)} coefficients for {len(inputs.ckpts)} checkpoints")
 
 
 def _selected(fqn: str, keys: Sequence[str]) -> bool:
@@ -260,7 +262,8 @@ def combine_tensor(
     how: Combination,
     accumulate: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Tensor ``fqn`` of the combination ``how`` of the inputs, in its own dtype.
+    """Tensor ``fqn`` of the combination ``how`` of the inputs, in its own dtype (a linear
+    combination must have one coefficient per input: checked once by the callers).
 
     Memory: one read buffer, the sum in ``accumulate`` and the result (plus a chunk).
     """
@@ -274,8 +277,6 @@ def combine_tensor(
                 acc.mul_(how.decay)
             _add_scaled(acc, buf, 1.0 if i == 0 else 1.0 - how.decay, first=i == 0)
         return acc.to(dtype)
-    if len(how.coeffs) != len(inputs.ckpts):
-        raise CombineError(f"{len(how.coeffs)} coefficients for {len(inputs.ckpts)} checkpoints")
     first = True
     for i, c in enumerate(how.coeffs):
         if c != 0.0:
@@ -329,8 +330,7 @@ def write_combined(
     out = Path(out)
     if os.path.lexists(out):
         raise CombineError(f"{out} exists")
-    if isinstance(how, Linear) and len(how.coeffs) != len(inputs.ckpts):
-        raise CombineError(f"{len(how.coeffs)} coefficients for {len(inputs.ckpts)} checkpoints")
+    _check_fits(inputs, how)
     base = inputs.ckpts[inputs.base]
     tmp = out.parent / temp_name(out.name)
     tmp.mkdir(mode=0o700)
@@ -378,6 +378,7 @@ def combined_state(
     from torch.distributed.checkpoint._traverse import set_element
 
     sd = inputs.skeleton()
-    for fqn in inputs.tensors():
+    _check_fits(inputs, how)
+    for fqn in inputs.tensors:
         set_element(sd, inputs.path_of(fqn), inputs.output_tensor(fqn, how, accumulate))
     return sd
