@@ -8,6 +8,8 @@ Protect (every node of the group calls :meth:`GroupProtector.protect` for the sa
    range to the stripe's encoder (its first parity holder).
 3. PARITY: an encoder with all real columns of a stripe encodes it (pyeclib, ISA-L), keeps its
    own parity fragment and sends the others, with the stripe's k+m checksums, to their holders.
+   With ``encode_workers`` the stripe is encoded by worker processes (encode_pool.py) while
+   this thread goes on moving columns and parity; without, in this thread.
 4. HELD: a node that holds every parity fragment it owes for the step tells every peer; the
    step is *protected* on a node once it has seen HELD from the whole group.
 
@@ -43,17 +45,19 @@ seal (seals.py), kept with the parity and checked by a rebuilt node.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange import messages as pm
-from ftmem.exchange.codec import StripeCodec
+from ftmem.exchange.codec import EncodedStripe, StripeCodec
+from ftmem.exchange.encode_pool import EncodePool
 from ftmem.exchange.messages import Envelope
 from ftmem.exchange.outbox import Outbox
-from ftmem.exchange.placement import GroupPlan, StripePlan, stripe_map
+from ftmem.exchange.placement import GroupPlan, StripePlan, chunk_bytes_for, stripe_map
 from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder, RebuildMeta
 from ftmem.exchange.seals import Seal, digest_of, seal
 from ftmem.exchange.segments import Buffer, SegmentedBytes
@@ -96,6 +100,7 @@ class GroupProtector:
         on_progress: Callable[[int, int, int], None] | None = None,
         max_node_bytes: int | None = None,
         max_unplanned_bytes: int = MAX_UNPLANNED_BYTES,
+        encode_workers: int = 0,
     ) -> None:
         if me not in plan.nodes:
             raise ValueError(f"node {me} is not in group {plan.nodes}")
@@ -123,6 +128,14 @@ class GroupProtector:
         self.dropped = 0
         self._outbox = Outbox(me)
         self._rebuilder = Rebuilder(self)
+        self._waiting: deque[tuple[int, StripePlan]] = deque()
+        self._pool = (
+            EncodePool(self.codec, encode_workers, chunk_bytes_for(plan.k, stripe_bytes))
+            if encode_workers > 0
+            else None
+        )
+        """Worker processes that encode this node's stripes (``encode_workers``; None:
+        encoded in the owner's thread)."""
 
     @property
     def max_unplanned_bytes(self) -> int:
@@ -163,7 +176,21 @@ class GroupProtector:
         self.pump(self.flush, lambda: f"{self._outbox.queued()} messages unsent")
 
     def _wait_s(self, longest: float) -> float:
+        if self._pool is not None and (self._waiting or self._pool.busy):
+            return min(longest, 0.0005)
         return min(longest, 0.002) if self._outbox else longest
+
+    @property
+    def encode_pool(self) -> EncodePool | None:
+        """The encode pool (None without ``encode_workers``)."""
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the encode workers (bounded); the protector is not used afterwards."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+            self._waiting.clear()
 
     def reconfigure(self, transport: PeerTransport, epoch: int) -> None:
         """Use ``transport`` from now on and drop messages of earlier epochs.
@@ -174,6 +201,7 @@ class GroupProtector:
         self.transport = transport
         self.epoch = epoch
         self._outbox.clear()
+        self._waiting.clear()  # their steps are given up below; late results are dropped
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
             self.forget(step)
         self._rebuilder.clear()
@@ -227,17 +255,32 @@ class GroupProtector:
                 self.send(n, pm.Held(step))
 
     def _encode(self, step: int, s: StripePlan) -> None:
+        """Encode stripe ``s`` now, or hand it to the encode pool (queued while the pool is
+        full); its parity is kept and sent by :meth:`_encoded`."""
         faults.maybe_inject(faults.Point.IN_ENCODE, self.me, step)
         st = self.steps[step]
-        buf = self.codec.stripe_buffer(s.chunk_bytes)  # reused: every chunk is rewritten below
+        st.encoded.add(s.index)
+        if self._pool is not None:
+            self._waiting.append((step, s))
+            self._submit_waiting()
+            return
+        buf = self.codec.stripe_buffer(s.chunk_bytes)  # reused: every chunk is rewritten
+        self._gather(st, s, buf)
+        self._encoded(step, s, self.codec.encode_stripe(buf, s.lengths))
+
+    @staticmethod
+    def _gather(st: StepState, s: StripePlan, buf: memoryview) -> None:
+        """Move stripe ``s``'s received columns into ``buf``, zero-padded."""
         zero = bytes(s.chunk_bytes)
         for col in range(s.k):
             piece = st.columns.pop((s.index, col), b"")
             start = col * s.chunk_bytes
             buf[start : start + s.chunk_bytes] = zero
             buf[start : start + len(piece)] = piece
-        enc = self.codec.encode_stripe(buf, s.lengths)
-        st.encoded.add(s.index)
+
+    def _encoded(self, step: int, s: StripePlan, enc: EncodedStripe) -> None:
+        """Keep this node's parity of ``s`` and send the others to their holders."""
+        st = self.steps[step]
         st.checksums[s.index] = enc.checksums
         for t, holder in enumerate(s.holders):
             frag = s.k + t
@@ -248,6 +291,43 @@ class GroupProtector:
             else:
                 body = pm.Parity(step, s.index, frag, tuple(enc.checksums))
                 self.send(holder, body, [enc.parity[t]])
+
+    def _submit_waiting(self) -> None:
+        """Hand queued stripes to the pool while it has free slots (a stripe too large for
+        its slots is encoded here)."""
+        assert self._pool is not None
+        while self._waiting:
+            step, s = self._waiting[0]
+            st = self.steps.get(step)
+            if st is None or st.aborted:  # forgotten or given up meanwhile
+                self._waiting.popleft()
+                continue
+            tag = (self.epoch, step, s.index)
+
+            def fill(buf: memoryview, st: StepState = st, s: StripePlan = s) -> None:
+                self._gather(st, s, buf)
+
+            if not self._pool.submit(tag, s.chunk_bytes, s.lengths, fill):
+                if s.chunk_bytes <= self._pool.max_chunk_bytes and self._pool.pids:
+                    return  # full: the next turn submits it
+                buf = self.codec.stripe_buffer(s.chunk_bytes)
+                self._gather(st, s, buf)
+                self._encoded(step, s, self.codec.encode_stripe(buf, s.lengths))
+                self._progress(step, None)
+            self._waiting.popleft()
+
+    def _collect_encoded(self) -> None:
+        """Take the pool's finished stripes: keep and send their parity, then refill it."""
+        if self._pool is None:
+            return
+        for tag, enc in self._pool.poll():
+            epoch, step, index = cast(tuple[int, int, int], tag)
+            st = self.steps.get(step)
+            if epoch != self.epoch or st is None or st.stripes is None:
+                continue  # its step was forgotten or the generation changed
+            self._encoded(step, st.stripes[index], enc)
+            self._progress(step, None)
+        self._submit_waiting()
 
     # -- message handling ----------------------------------------------------------------------
     def handle(self, msg: PeerMessage | Envelope) -> None:
@@ -384,6 +464,7 @@ class GroupProtector:
             msg = self.transport.recv(self._wait_s(min(left, 0.5)))
             if msg is not None:
                 self.handle(msg)
+            self._collect_encoded()
             for notice in self.transport.take_refused():
                 self._on_refused(notice)
 
@@ -482,6 +563,7 @@ class GroupProtector:
             msg = self.transport.recv(self._wait_s(poll_s))
             if msg is not None:
                 self.handle(msg)
+            self._collect_encoded()
 
     def parity_bytes(self, step: int) -> int:
         """Parity bytes this node holds for ``step``."""

@@ -225,6 +225,12 @@ class ExchangeStatus:
     parity_bytes: int = 0
     """Parity bytes this node holds for the protected step."""
     sent_bytes: int = 0
+    encode_workers: int = 0
+    """Live encode worker processes (``--ftmem-ec-encode-workers``)."""
+    worker_stripes: int = 0
+    """Stripes the encode workers encoded (since this group's protector started)."""
+    worker_fallbacks: int = 0
+    """Stripes the exchange thread encoded after their worker died or hung."""
     counters: RoundCounters = RoundCounters()
     peers: tuple[PeerHealth, ...] = ()
 
@@ -266,6 +272,9 @@ class ExchangeStatus:
             own_bytes=_int(d, "own_bytes"),
             parity_bytes=_int(d, "parity_bytes"),
             sent_bytes=_int(d, "sent_bytes"),
+            encode_workers=_int(d, "encode_workers"),
+            worker_stripes=_int(d, "worker_stripes"),
+            worker_fallbacks=_int(d, "worker_fallbacks"),
             counters=RoundCounters.from_json(d.get("counters")),
             peers=PeerHealth.parse_all(d.get("peers")),
         )

@@ -481,4 +481,5 @@ def _peer_settings(ft: FtmemLaunchConfig) -> PeerSettings:
         interval_s=ft.ec_interval.total_seconds(),
         rebuild_timeout=ft.rebuild_timeout,
         encrypt=ft.ec_encrypt,
+        encode_workers=ft.ec_encode_workers,
     )

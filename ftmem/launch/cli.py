@@ -188,6 +188,16 @@ def get_args_parser() -> ArgumentParser:
         "at a fraction of CURVE's CPU; see docs/security.md.",
     )
     group.add_argument(
+        "--ftmem-ec-encode-workers",
+        action=env,
+        type=int,
+        default=0,
+        help="Processes per SMP that encode its erasure-coding stripes in shared memory, "
+        "while the SMP goes on sending and receiving. Default 0: the SMP's exchange thread "
+        "encodes (pyeclib holds the GIL meanwhile). Worth it when each node has cores to "
+        "spare; see docs/benchmarks.md.",
+    )
+    group.add_argument(
         "--ftmem-checkfree",
         action=check_env,
         help="Last resort for pipeline-parallel jobs (ftmem.CheckFreeStage in the state): when "
@@ -317,6 +327,15 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=float(value))
 
 
+MAX_ENCODE_WORKERS = 64
+
+
+def _encode_workers(value: int) -> int:
+    if not 0 <= int(value) <= MAX_ENCODE_WORKERS:
+        raise ValueError(f"--ftmem-ec-encode-workers must be 0..{MAX_ENCODE_WORKERS}, got {value}")
+    return int(value)
+
+
 def _parity(value: str) -> int:
     if str(value).lower() == "auto":
         return -1
@@ -385,6 +404,7 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
         insecure_mesh=bool(args.ftmem_insecure_mesh),
         ec_encrypt=bool(args.ftmem_ec_encrypt),
+        ec_encode_workers=_encode_workers(args.ftmem_ec_encode_workers),
         checkfree=bool(args.ftmem_checkfree),
         peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
         rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),

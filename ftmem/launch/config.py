@@ -116,6 +116,9 @@ class FtmemLaunchConfig:
     ec_encrypt: bool = False
     """Snapshot bytes between SMPs over CURVE too (``--ftmem-ec-encrypt``); else over the
     plain data channel with keyed tags."""
+    ec_encode_workers: int = 0
+    """Processes per SMP that encode its stripes (``--ftmem-ec-encode-workers``); 0: the
+    SMP's exchange thread encodes."""
     checkfree: bool = False
     """``--ftmem-checkfree``: rebuild a pipeline stage without any snapshot from its neighbours
     (the ranks get FTMEM_CHECKFREE=1; a sync that finds more than m nodes lost goes on)."""

@@ -57,6 +57,8 @@ class PeerSettings:
     rebuild_timeout: timedelta = timedelta(seconds=600)
     encrypt: bool = False
     """``--ftmem-ec-encrypt``: snapshot bytes over CURVE too (else the tagged data channel)."""
+    encode_workers: int = 0
+    """``--ftmem-ec-encode-workers``: processes per SMP that encode its stripes."""
 
 
 def resolve_parity(parity: int, nodes: int) -> int:
@@ -219,7 +221,13 @@ def join_generation(
     pair = job.with_node(keys.generate()).to_json()
     with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
         bound = smp.request(
-            m.PeerBind(keys=pair, host=settings.host, me=me, encrypt=settings.encrypt)
+            m.PeerBind(
+                keys=pair,
+                host=settings.host,
+                me=me,
+                encrypt=settings.encrypt,
+                encode_workers=settings.encode_workers,
+            )
         )
         store.set(f"{_PEER_KEY}/{me}", peer_entry(job, generation, me, str(bound["endpoint"])))
         raw = store.multi_get([f"{_PEER_KEY}/{i}" for i in range(nodes)])

@@ -148,13 +148,15 @@ class Status:
 @dataclass(frozen=True, slots=True)
 class PeerBind:
     """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON);
-    ``encrypt``: every message over CURVE, no plain data channel (zmq_transport.py)."""
+    ``encrypt``: every message over CURVE, no plain data channel (zmq_transport.py);
+    ``encode_workers``: processes that encode the SMP's stripes (0: its exchange thread)."""
 
     keys: str
     host: str
     me: int
     port: int = 0
     encrypt: bool = False
+    encode_workers: int = 0
 
 
 @dataclass(frozen=True, slots=True)

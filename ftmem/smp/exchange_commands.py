@@ -25,6 +25,8 @@ class BindCommand:
     port: int = 0
     encrypt: bool = False
     """Every message over CURVE (no plain data channel)."""
+    encode_workers: int = 0
+    """Processes that encode this node's stripes (0: the exchange thread)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,6 +162,7 @@ class ExchangeContext:
         for a wrong tag on the data channel)."""
         now = time.monotonic()
         p = self.protector
+        pool = p.encode_pool if p is not None else None
         own = 0
         if p is not None and self.protected is not None and self.protected in p.steps:
             st = p.steps[self.protected]
@@ -187,4 +188,7 @@ class ExchangeContext:
             dropped_messages=(p.dropped if p is not None else 0) + dropped,
             forged_messages=forged,
             sent_bytes=p.sent_bytes if p is not None else 0,
+            encode_workers=len(pool.pids) if pool is not None else 0,
+            worker_stripes=pool.encoded if pool is not None else 0,
+            worker_fallbacks=pool.fell_back if pool is not None else 0,
         )

@@ -425,7 +425,9 @@ class RequestHandlers:
         except KeyFileError as exc:
             raise ValueError(str(exc)) from exc
         self._exchange().submit(
-            BindCommand((req.ident, req.req_id), keys, p.host, p.me, p.port, p.encrypt)
+            BindCommand(
+                (req.ident, req.req_id), keys, p.host, p.me, p.port, p.encrypt, p.encode_workers
+            )
         )
         self._pending_exchange += 1
         return None

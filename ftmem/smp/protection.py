@@ -91,6 +91,8 @@ class ProtectionService:
         self._thread = threading.Thread(target=self._run, name="ftmem-smp-exchange", daemon=True)
         # Owned by the thread:
         self.transport: ZmqPeerTransport | None = None
+        self.encode_workers = 0
+        """Encode processes of the next protector (the last PEER_BIND's)."""
         self._early: list[Envelope] = []
         self._early_bytes = 0
         self._last_seen: dict[int, float] = {}
@@ -177,6 +179,8 @@ class ProtectionService:
                 if ctx.protector is not None:
                     ctx.protector.forget(step)  # drop its views before unmapping
                 ctx.release(step)
+            if ctx.protector is not None:
+                ctx.protector.close()  # its encode workers
             if self.transport is not None:
                 self.transport.close()
 
@@ -293,6 +297,7 @@ class ProtectionService:
             self._results.put(Result(cmd.token, False, {}, f"cannot bind the peer port: {exc}"))
             return
         self.transport = t
+        self.encode_workers = max(0, min(cmd.encode_workers, 64))
         self.ctx.board.move(ExchangeState.BOUND, endpoint=endpoint)
         log.info(
             "[%s/exchange] peer port %s (%s)",
@@ -351,6 +356,7 @@ class ProtectionService:
             log.warning("[%s/exchange] the group changed: dropping held steps", self.node_name)
             for step in list(ctx.pinned):
                 ctx.release(step)
+            ctx.protector.close()
             ctx.protector = None
             ctx.protected = None
         if ctx.protector is None:
@@ -364,6 +370,7 @@ class ProtectionService:
                 on_other=self._on_service,
                 interrupted=self._interrupted,
                 on_progress=lambda step, done, total: report_progress(ctx, step, done, total),
+                encode_workers=self.encode_workers,
             )
         else:
             ctx.protector.reconfigure(self.transport, epoch)

@@ -42,6 +42,7 @@ FTMEM_FLAGS = {
     "--ftmem-ec-interval",
     "--ftmem-key-file",
     "--ftmem-ec-encrypt",
+    "--ftmem-ec-encode-workers",
     "--ftmem-checkfree",
     "--ftmem-insecure-mesh",
     "--ftmem-peer-host",

@@ -81,10 +81,12 @@ def scenario(
     key_file: bool = False,
     tamper: int | None = None,
     every: bool = True,
+    encode_workers: int = 0,
 ) -> dict[int, int]:
     """Protect, lose ``lost``, rebuild them bitwise; with ``tamper``, that survivor's data
     channel to each lost node goes through a proxy that flips a byte of every fragment (or,
-    not ``every``, of the first). Returns each rebuilt node's count of refused messages."""
+    not ``every``, of the first). With ``encode_workers``, every node encodes in that many
+    worker processes. Returns each rebuilt node's count of refused messages."""
     plan = plan_group(list(range(n)), m)
     k = keys.generate()
     key = keys.CurveKeyPair(k.public, k.secret, from_file=key_file)  # seals checked if so
@@ -93,7 +95,11 @@ def scenario(
     eps = {str(i): t.start() for i, t in enumerate(transports)}
     for t in transports:
         t.connect(eps)
-    prots = [GroupProtector(i, plan, transports[i], STRIPE, timeout_s=30) for i in range(n)]
+    prots = [
+        GroupProtector(i, plan, transports[i], STRIPE, timeout_s=30, encode_workers=encode_workers)
+        for i in range(n)
+    ]
+    first = list(prots)
     parity_before: dict[int, dict[tuple[int, int], bytes]] = {}
     done = threading.Event()
     replacements: list[ZmqPeerTransport] = []
@@ -101,6 +107,11 @@ def scenario(
     try:
         run_threads([lambda i=i: prots[i].protect(1, memoryview(data[i])) for i in range(n)])
         assert all(p.is_protected(1) for p in prots)
+        if encode_workers:  # every stripe went through the workers
+            assert all(
+                p.encode_pool and p.encode_pool.encoded and not p.encode_pool.fell_back
+                for p in prots
+            )
         for i in range(n):
             parity_before[i] = dict(prots[i].steps[1].parity)
         # Lose nodes: their transports close; replacements bind the same ports, empty, with
@@ -145,6 +156,8 @@ def scenario(
         return {i: prots[i].transport.forged for i in lost}  # type: ignore[attr-defined]
     finally:
         done.set()
+        for p in first + prots:
+            p.close()
         for t in transports + replacements:
             t.close()
         for proxy in proxies:
@@ -153,6 +166,14 @@ def scenario(
 
 def test_three_nodes_one_lost() -> None:
     scenario(3, 1, [3_300_000, 1_000_000, 2_500_000], {2})
+
+
+@pytest.mark.parametrize(("n", "m", "workers"), [(3, 1, 1), (4, 2, 2)])
+def test_stripes_encoded_by_worker_processes_rebuild_bitwise(n: int, m: int, workers: int) -> None:
+    """``encode_workers``: every node's stripes are encoded by its pool's processes; the
+    lost nodes are rebuilt from that parity bitwise, and rebuild the same parity."""
+    sizes = [3_300_000, 1_000_000, 2_500_000, 2_000_000][:n]
+    scenario(n, m, sizes, set(range(1, m + 1)), encode_workers=workers)
 
 
 def test_four_nodes_two_lost_at_once() -> None:

@@ -1,0 +1,273 @@
+"""EncodePool: stripes encoded by worker processes, off the protector's thread.
+
+pyeclib holds the GIL while it encodes, so encoding in a thread of the SMP stalls the
+protector's own sending and receiving. A pool of ``workers`` processes
+(:mod:`ftmem.exchange.encode_worker`) encodes instead, while the protector goes on moving
+columns and parity (``--ftmem-ec-encode-workers``; 0 keeps encoding in the protector's thread).
+
+Memory: one memfd owned by the pool, cut into ``depth`` slots per worker; a slot holds one
+stripe's ``k`` data chunks followed by its ``m`` parity fragments. The protector gathers a
+stripe's columns into a free slot (:meth:`EncodePool.submit`: the one copy it made before
+into the codec's buffer), a worker encodes it there, and :meth:`EncodePool.poll` hands back the
+:class:`~ftmem.exchange.codec.EncodedStripe` (parity copied out, the slot freed).
+
+Failures never lose a stripe: the data stays in the pool's memory until its parity is back,
+so a stripe whose worker died (SIGKILL), stopped answering for ``stall_s`` (SIGSTOP: it is then
+killed), or refused the request is encoded in the caller's thread instead, and the worker is
+not used again (a warning says so). A pool with no live worker refuses every submit: the
+caller encodes inline. One thread owns a pool.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from ftmem._logging import get_logger
+from ftmem.exchange.codec import EncodedStripe, StripeCodec
+from ftmem.exchange.encode_worker import reply_struct, request_struct
+
+__all__ = ["EncodePool"]
+
+log = get_logger(__name__)
+
+STALL_S = 10.0
+"""A stripe not encoded this long after its submit counts its worker as hung (1 MiB takes
+about a millisecond)."""
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    slots: list[int]
+    out_fd: int
+    in_fd: int
+    pending: bytes = b""
+    busy: dict[int, tuple[Hashable, float]] = field(default_factory=dict)
+    """Slot -> (tag, submit time) of the stripes it has been given."""
+    alive: bool = True
+
+
+class EncodePool:
+    """Worker processes that encode stripes in shared memory (see the module docstring).
+
+    Resource handling: :meth:`close` stops the workers and unmaps the memory (also on garbage
+    collection of the pool: the workers see end of input and exit). Error handling: a worker
+    that dies, hangs or refuses is replaced by inline encoding, logged, never raised.
+    """
+
+    def __init__(
+        self,
+        codec: StripeCodec,
+        workers: int,
+        max_chunk_bytes: int,
+        depth: int = 2,
+        stall_s: float = STALL_S,
+    ) -> None:
+        """Start ``workers`` processes for stripes of chunks up to ``max_chunk_bytes``.
+
+        Args:
+            codec: The caller's codec (its k and m; used to encode inline on a failure).
+            workers: Processes to start (>= 1).
+            max_chunk_bytes: Largest chunk a slot holds; larger stripes are refused
+                (:meth:`submit` returns False) and encoded by the caller.
+            depth: Slots per worker (2: one encodes while the next is filled).
+            stall_s: Seconds after which an unanswered stripe marks its worker hung.
+
+        Raises:
+            ValueError: ``workers < 1`` or ``depth < 1``.
+            OSError: The memory or a process could not be created.
+        """
+        if workers < 1 or depth < 1:
+            raise ValueError(f"need workers >= 1 and depth >= 1, got {workers}, {depth}")
+        self.codec = codec
+        self.k, self.m = codec.k, codec.m
+        self.max_chunk_bytes = max_chunk_bytes
+        self.stall_s = stall_s
+        header = codec.header_bytes(max_chunk_bytes)
+        self.slot_bytes = self.k * max_chunk_bytes + self.m * (max_chunk_bytes + header)
+        nslots = workers * depth
+        self._req = request_struct(self.k)
+        self._rep = reply_struct(self.k, self.m)
+        fd = os.memfd_create("ftmem-encode", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, self.slot_bytes * nslots)
+            self._mem: mmap.mmap | None = mmap.mmap(fd, self.slot_bytes * nslots)
+            self._view = memoryview(self._mem)
+            self._workers: list[_Worker] = []
+            for w in range(workers):
+                self._workers.append(self._spawn(fd, list(range(w * depth, (w + 1) * depth))))
+        except BaseException:
+            os.close(fd)
+            self.close()
+            raise
+        os.close(fd)
+        self._inline: list[tuple[Hashable, EncodedStripe]] = []
+        self._stripes: dict[int, tuple[int, tuple[int, ...]]] = {}
+        """Slot -> (chunk_bytes, lengths) of the stripe in it."""
+        self.encoded = 0
+        """Stripes the workers encoded."""
+        self.fell_back = 0
+        """Stripes encoded inline after their worker failed."""
+
+    def _spawn(self, fd: int, slots: list[int]) -> _Worker:
+        nslots = len(self._view) // self.slot_bytes
+        args = [str(a) for a in (self.k, self.m, fd, self.slot_bytes, nslots)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftmem.exchange.encode_worker", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=(fd,),
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        return _Worker(proc, slots, proc.stdout.fileno(), proc.stdin.fileno())
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return [w.proc.pid for w in self._workers if w.alive]
+
+    @property
+    def busy(self) -> bool:
+        """True while a submitted stripe has not come back from :meth:`poll`."""
+        return bool(self._inline) or any(w.busy for w in self._workers)
+
+    def submit(
+        self,
+        tag: Hashable,
+        chunk_bytes: int,
+        lengths: tuple[int, ...],
+        fill: Callable[[memoryview], None],
+    ) -> bool:
+        """Give a stripe to a worker; its result comes from :meth:`poll` with ``tag``.
+
+        ``fill`` writes the stripe (``k * chunk_bytes``, padding included) into the view it
+        gets. Returns False, calling nothing, when no slot is free, no worker is alive or the
+        chunk is larger than the slots: the caller encodes the stripe itself.
+        """
+        if chunk_bytes > self.max_chunk_bytes:
+            return False
+        live = [w for w in self._workers if w.alive and len(w.busy) < len(w.slots)]
+        if not live:
+            return False
+        worker = min(live, key=lambda w: len(w.busy))
+        slot = next(s for s in worker.slots if s not in worker.busy)
+        base = slot * self.slot_bytes
+        fill(self._view[base : base + self.k * chunk_bytes])
+        self._stripes[slot] = (chunk_bytes, lengths)
+        worker.busy[slot] = (tag, time.monotonic())
+        try:
+            os.write(worker.in_fd, self._req.pack(slot, chunk_bytes, *lengths))
+        except OSError as exc:  # BrokenPipeError: it died
+            self._lost(worker, f"cannot be written to ({exc})")
+        return True
+
+    def poll(self) -> list[tuple[Hashable, EncodedStripe]]:
+        """The stripes encoded since the last call (non-blocking), each with its tag."""
+        out, self._inline = self._inline, []
+        now = time.monotonic()
+        for w in self._workers:
+            if not w.alive:
+                continue
+            try:
+                chunk = os.read(w.out_fd, 1 << 16)
+            except BlockingIOError:
+                chunk = None
+            except OSError:
+                chunk = b""
+            if chunk == b"":
+                self._lost(w, f"exited ({w.proc.poll()})")
+                out += self._inline
+                self._inline = []
+                continue
+            if chunk:
+                w.pending += chunk
+            while len(w.pending) >= self._rep.size:
+                raw, w.pending = w.pending[: self._rep.size], w.pending[self._rep.size :]
+                slot, ok, header, *sums = self._rep.unpack(raw)
+                if slot not in w.busy:
+                    self._lost(w, f"answered for slot {slot}, not one it was given")
+                    break
+                tag, _ = w.busy.pop(slot)
+                chunk_bytes, lengths = self._stripes.pop(slot)
+                if ok != 1 or header != self.codec.header_bytes(chunk_bytes):
+                    log.warning("encode worker %d refused a stripe: encoded inline", w.proc.pid)
+                    out.append((tag, self._encode_here(slot, chunk_bytes, lengths)))
+                    continue
+                at = slot * self.slot_bytes + self.k * chunk_bytes
+                size = chunk_bytes + header
+                parity = tuple(
+                    bytes(self._view[at + t * size : at + (t + 1) * size]) for t in range(self.m)
+                )
+                self.encoded += 1
+                out.append((tag, EncodedStripe(chunk_bytes, lengths, parity, tuple(sums))))
+            if w.alive and w.busy and now - min(t for _, t in w.busy.values()) > self.stall_s:
+                self._lost(w, f"did not answer for {self.stall_s:g} s", kill=True)
+                out += self._inline
+                self._inline = []
+        return out
+
+    def _encode_here(self, slot: int, chunk_bytes: int, lengths: tuple[int, ...]) -> EncodedStripe:
+        base = slot * self.slot_bytes
+        self.fell_back += 1
+        return self.codec.encode_stripe(self._view[base : base + self.k * chunk_bytes], lengths)
+
+    def _lost(self, w: _Worker, why: str, kill: bool = False) -> None:
+        """Stop using ``w``: kill it (our own child, by pid), encode its stripes here."""
+        log.warning(
+            "encode worker %d %s: its %d stripes are encoded inline, and it is not used again",
+            w.proc.pid,
+            why,
+            len(w.busy),
+        )
+        w.alive = False
+        self._stop(w, kill)
+        for slot, (tag, _) in sorted(w.busy.items()):
+            chunk_bytes, lengths = self._stripes.pop(slot)
+            self._inline.append((tag, self._encode_here(slot, chunk_bytes, lengths)))
+        w.busy.clear()
+
+    @staticmethod
+    def _stop(w: _Worker, kill: bool = False) -> None:
+        if kill and w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGKILL)
+        for f in (w.proc.stdin, w.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        if w.proc.poll() is None:
+            try:
+                w.proc.wait(timeout=2.0)  # end of input: it exits by itself
+            except subprocess.TimeoutExpired:
+                w.proc.send_signal(signal.SIGKILL)
+                w.proc.wait(timeout=5.0)
+
+    def close(self) -> None:
+        """Stop every worker (bounded) and unmap the memory; idempotent. Stripes still out
+        are dropped (their step is being given up)."""
+        for w in getattr(self, "_workers", []):
+            w.alive = False
+            self._stop(w)
+            w.busy.clear()
+        if getattr(self, "_mem", None) is not None:
+            self._view.release()
+            try:
+                self._mem.close()  # type: ignore[union-attr]
+            except BufferError:
+                pass  # a view is still out (a caller's fill): the mapping goes with it
+            self._mem = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
