@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import psutil
 import xxhash
 import zmq
 
@@ -94,9 +95,19 @@ def node_main(conn: Connection, cfg: dict[str, Any]) -> None:
     key_pair = keys.CurveKeyPair.from_json(cfg["keys"])
     transport = ZmqPeerTransport(str(cfg["node"]), key_pair, encrypt_data=cfg["encrypt"])
     group = plan_group(list(range(cfg["n"])), cfg["m"])
-    prot = GroupProtector(cfg["node"], group, transport, cfg["stripe"], timeout_s=cfg["timeout"])
+    workers = int(cfg.get("workers", 0))
+    prot = GroupProtector(
+        cfg["node"],
+        group,
+        transport,
+        cfg["stripe"],
+        timeout_s=cfg["timeout"],
+        encode_workers=workers,
+    )
     c = dict(COUNTERS)
     encode_stripe, encode, recv = prot.codec.encode_stripe, prot._encode, transport.recv
+    if prot.encode_pool is not None:
+        _count_pool(prot.encode_pool, c)
 
     def timed_encode_stripe(stripe: Any, lengths: Sequence[int]) -> Any:
         t, cpu = time.perf_counter(), time.thread_time()
@@ -118,13 +129,50 @@ def node_main(conn: Connection, cfg: dict[str, Any]) -> None:
         return msg
 
     prot.codec.encode_stripe = timed_encode_stripe  # type: ignore[method-assign]
-    prot._encode = timed_encode  # type: ignore[method-assign]
+    if prot.encode_pool is None:  # with workers, _encode only queues: not a figure
+        prot._encode = timed_encode  # type: ignore[method-assign]
     transport.recv = counted_recv  # type: ignore[method-assign]
     try:
         conn.send(("ok", {"endpoint": transport.start(), "digest": digest, "gen_s": gen_s}))
         _serve(conn, float(cfg["idle"]), prot, transport, data, c)
     finally:
         transport.close()
+
+
+def _count_pool(pool: Any, c: dict[str, Any]) -> None:
+    """Count a pool's work in ``c`` like the inline encode's: ``enc_s`` = wall seconds while a
+    stripe was out (submitted, not polled back), ``enc_bytes``/``enc_calls`` = the stripes the
+    workers encoded (a fallback to the thread is timed by ``encode_stripe`` as inline)."""
+    submit, poll = pool.submit, pool.poll
+    since: list[float] = []
+
+    def counted_submit(tag: Any, chunk: int, lengths: Any, fill: Any) -> bool:
+        busy = pool.busy
+        ok = bool(submit(tag, chunk, lengths, fill))
+        if ok and not busy:
+            since[:] = [time.perf_counter()]
+        if ok:
+            c["enc_bytes"] += sum(lengths)
+            c["enc_calls"] += 1
+        return ok
+
+    def counted_poll() -> Any:
+        out = poll()
+        if out and since and not pool.busy:
+            c["enc_s"] += time.perf_counter() - since.pop()
+        return out
+
+    pool.submit, pool.poll = counted_submit, counted_poll
+
+
+def _workers_cpu(prot: GroupProtector) -> float:
+    """CPU seconds the protector's live encode workers have used (0 without a pool)."""
+    total = 0.0
+    for pid in prot.encode_pool.pids if prot.encode_pool is not None else []:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def _serve(
@@ -138,7 +186,12 @@ def _serve(
         c.update(COUNTERS)
         sent0 = prot.sent_bytes
         sleep_until(t_go)
+        workers0 = _workers_cpu(prot)
         _, res = _timed(lambda: prot.protect(step, memoryview(data)))
+        if prot.encode_pool is not None:  # the workers' CPU is the node's, and the encode's
+            spent = _workers_cpu(prot) - workers0
+            c["enc_cpu_s"] += spent
+            res["cpu_s"] += spent
         res |= {k: c[k] for k in ("enc_cpu_s", "enc_s", "enc_bytes", "enc_calls", "gather_s")}
         res |= {"sent": prot.sent_bytes - sent0, "recv": c["recv_bytes"]}
         return res | {"parity": prot.parity_bytes(step)}

@@ -98,7 +98,8 @@ def shm_bytes(run_id: str) -> tuple[int, int]:
 
 class StatusPoller:
     """Polls the STATUS of the SMP of each run directory (one client each, reopened on error),
-    keeping the last STATUS of each and its SMP's CPU seconds; :meth:`close` closes them."""
+    keeping the last STATUS of each and its SMP's CPU seconds (its children's included: the
+    encode workers); :meth:`close` closes them."""
 
     def __init__(self, run_dirs: list[Path], timeout: timedelta = timedelta(seconds=2)) -> None:
         self.run_dirs = run_dirs
@@ -127,8 +128,14 @@ class StatusPoller:
                 continue
             self.last[i] = st
             with contextlib.suppress(psutil.Error, KeyError, ValueError):
-                t = psutil.Process(int(st["pid"])).cpu_times()
-                self.cpu[i] = t.user + t.system
+                smp = psutil.Process(int(st["pid"]))
+                t = smp.cpu_times()
+                # Its live children too (encode workers): their CPU is the SMP's work.
+                self.cpu[i] = t.user + t.system + t.children_user + t.children_system
+                for child in smp.children():
+                    with contextlib.suppress(psutil.Error):
+                        ct = child.cpu_times()
+                        self.cpu[i] += ct.user + ct.system
 
     def skipped(self) -> dict[int, int]:
         """Snapshots each rank skipped, summed over the nodes (last STATUS of each)."""

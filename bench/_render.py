@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,9 +52,22 @@ def machine_lines(m: Doc, what: str = "the part") -> list[str]:
     return out
 
 
+def _command(doc: Doc) -> str:
+    """The part's script with the arguments it ran with (output flags left out)."""
+    args, skip = [], False
+    for a in doc["result"].get("argv") or []:
+        if skip:
+            skip = False
+        elif a in ("--json", "--out"):
+            skip = True
+        elif a != "--no-write" and not a.startswith(("--json=", "--out=")):
+            args.append(shlex.quote(a))
+    return " ".join([f"python bench/{doc['part'].replace('-', '_')}.py", *args])
+
+
 def head(name: str, title: str, doc: Doc) -> list[str]:
     """A section's opening: markers, title, the command, the machine."""
-    cmd = doc.get("command") or f"python bench/{doc['part'].replace('-', '_')}.py"
+    cmd = doc.get("command") or _command(doc)
     intro = "Every figure below was measured in the run of this command:"
     machine = machine_lines(doc["result"]["machine"])
     return [markers(name)[0], f"## {title}", "", intro, "", "```", cmd, "```", "", *machine, ""]

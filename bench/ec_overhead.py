@@ -30,7 +30,7 @@ from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import launch_args
 
 PART = "ec-overhead"
-CONFIGS = ("no ftmem", "off", "on", "on curve")
+CONFIGS = ("no ftmem", "off", "on", "on curve", "on workers")
 FINAL_RE = re.compile(r"\[rank (\d+)\] final step (\d+)")  # the example's closing line
 EC_OFF = ["--ftmem-ec-parity", "0"]
 EC_ON = ["--ftmem-ec-parity", "1", "--ftmem-ec-interval", "0"]
@@ -39,6 +39,7 @@ CONFIG_ARGS = {  # config: (launcher flags, extra example flags)
     "off": (EC_OFF, []),
     "on": (EC_ON, []),
     "on curve": ([*EC_ON, "--ftmem-ec-encrypt"], []),
+    "on workers": ([*EC_ON, "--ftmem-ec-encode-workers", "1"], []),
 }
 
 
@@ -271,13 +272,14 @@ def sections(r: Doc) -> dict[str, list[str]]:
     out = [
         f"- job: {r['nodes']} `ftmem-launch` agents x 1 rank on 127.0.0.1, `{' '.join(r['example_args'])}`; "
         "configs: no ftmem (`--no-ftmem`), off (`--ftmem-ec-parity 0`), on (`--ftmem-ec-parity 1 --ftmem-ec-interval 0`: "
-        "snapshot bytes on the tagged data channel), on curve (the same with `--ftmem-ec-encrypt`: CURVE for everything)",
+        "snapshot bytes on the tagged data channel), on curve (the same with `--ftmem-ec-encrypt`: CURVE for everything), "
+        "on workers (tagged, `--ftmem-ec-encode-workers 1`: one encode process per SMP)",
         "",
     ]
     ok = [x for x in r["runs"] if x["ok"]]
     by = {c: xs for c in CONFIGS if (xs := [x for x in ok if x["config"] == c])}
     out += fg.rows(_config_columns(r), by.items())
-    for c in ("on", "on curve"):
+    for c in ("on", "on curve", "on workers"):
         if on := by.get(c):
             out += fg.kv(
                 _protection(on), (f"protection ('{c}' runs)", "median (min-max) over runs")

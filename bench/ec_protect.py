@@ -4,10 +4,12 @@
     python bench/ec_protect.py --quick         # 256 MiB per node, 2 repeats (1-2 minutes)
     python bench/ec_protect.py --size-mib 1024 --stripe-mib 4 --no-write
     python bench/ec_protect.py --quick --modes curve   # CURVE for every message only
+    python bench/ec_protect.py --quick --encode-workers 0,1,2
 
 Each case runs with the tagged data channel (the default) and with CURVE for every message
-(``--ftmem-ec-encrypt``) in the same run. Each node is a "spawn" child process
-(bench/_ec_node.py).
+(``--ftmem-ec-encrypt``) in the same run, and with the tagged channel and each count of encode
+worker processes per node in ``--encode-workers`` (default 0,1; 0: the protector's thread
+encodes). Each node is a "spawn" child process (bench/_ec_node.py).
 
 How it measures: docs/benchmarks.md, "How the parts measure".
 """
@@ -184,6 +186,7 @@ class CaseResult:
     size: int
     stripe: int
     mode: str = "curve"  # Results written before the data channel were all CURVE.
+    workers: int = 0  # Encode worker processes per node (0: the protector's thread).
     protect: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, per node.
     rebuild: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, new node.
     served: list[list[dict[str, Any]]] = field(default_factory=list)  # Per repeat, survivor.
@@ -198,17 +201,25 @@ class CaseResult:
 
 
 def run_case(
-    ctx: Any, n: int, m: int, lost: frozenset[int], args: Any, keys_json: str, mode: str
+    ctx: Any,
+    n: int,
+    m: int,
+    lost: frozenset[int],
+    args: Any,
+    keys_json: str,
+    mode: str,
+    workers: int = 0,
 ) -> CaseResult:
     """Protect ``args.repeats`` steps on n node processes, then rebuild ``lost`` as often;
-    ``mode`` is one of :data:`MODES`."""
+    ``mode`` is one of :data:`MODES`; ``workers`` encode processes per node."""
     size, stripe, tmo, reps = args.size, args.stripe, args.timeout + 60.0, args.repeats
     res = CaseResult(n=n, m=m, lost=sorted(lost), size=size, stripe=stripe, mode=mode)
+    res.workers = workers
     cfg = dict(n=n, m=m, size=size, stripe=stripe, keys=keys_json, timeout=args.timeout)
-    cfg |= {"encrypt": mode == "curve", "idle": args.timeout + 600.0}
+    cfg |= {"encrypt": mode == "curve", "idle": args.timeout + 600.0, "workers": workers}
     nodes: list[Node] = []
     eps: dict[str, str] = {}
-    tag = f"n={n} m={m} {mode}"
+    tag = f"n={n} m={m} {mode} workers={workers}"
 
     def start(names: list[int], replacement: bool, timeout_s: float) -> list[Any]:
         """Node processes ``names`` (into ``nodes``); their start reports (endpoints: ``eps``)."""
@@ -302,6 +313,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="protocol timeout per wait (s)")
     p.add_argument("--cases", default=",".join(CASES), help="n:m configurations to run")
     p.add_argument("--modes", default=",".join(MODES), help=f"channels to run: {MODES}")
+    p.add_argument(
+        "--encode-workers",
+        default="0,1",
+        help="encode worker processes per node to run (tagged channel; 0 runs every mode)",
+    )
     return p
 
 
@@ -328,6 +344,9 @@ def run(argv: list[str]) -> EcProtectResult:
     args.codec_bytes = (64 if args.quick or size_mib < 256 else 256) * MiB
     cases = _subset(p, "--cases", args.cases, list(CASES))
     modes = _subset(p, "--modes", args.modes, MODES)
+    counts = _subset(p, "--encode-workers", args.encode_workers, [str(i) for i in range(9)])
+    variants = [(mode, 0) for mode in modes if "0" in counts]
+    variants += [("tagged", int(w)) for w in counts if w != "0"]
     same = {k: getattr(args, k) for k in ("size", "stripe", "repeats", "timeout", "codec_bytes")}
     zmq_info = {"libzmq": zmq.zmq_version(), "curve": bool(zmq.has("curve"))}
     machine = _results.machine()
@@ -340,13 +359,16 @@ def run(argv: list[str]) -> EcProtectResult:
                 res.channel.append(_channel_alone(ctx, keys_json, mode, args.size, args.timeout))
             except NodeFailed as exc:
                 res.errors.append(f"channel alone, {mode}: {exc}")
-    for (n, m, lost), mode in [(CASES[name], mode) for name in cases for mode in modes]:
-        logger.info("n=%d m=%d %s: %d MiB per node, %d repeats", n, m, mode, size_mib, args.repeats)
-        res.cases.append(run_case(ctx, n, m, lost, args, keys_json, mode))
+    for (n, m, lost), (mode, w) in [(CASES[c], v) for c in cases for v in variants]:
+        logger.info(
+            "n=%d m=%d %s, %d encode workers: %d MiB per node, %d repeats",
+            *(n, m, mode, w, size_mib, args.repeats),
+        )
+        res.cases.append(run_case(ctx, n, m, lost, args, keys_json, mode, w))
     for r in res.cases:
         if r.error or not all(r.rebuild_ok):
             why = (r.error or "rebuild not bitwise equal").strip().splitlines()[-1]
-            res.errors.append(f"n={r.n}, m={r.m}, {r.mode}: {why}")
+            res.errors.append(f"n={r.n}, m={r.m}, {r.mode}, {r.workers} workers: {why}")
     _results.finish(res.machine)
     return res
 
@@ -407,6 +429,7 @@ KEY = [
     ("n", lambda c: c["n"]),
     ("m", lambda c: c["m"]),
     ("channel", lambda c: c.get("mode", "curve")),
+    ("encode workers", lambda c: c.get("workers", 0)),
 ]
 EC_PROTECT = [
     *KEY,
@@ -513,8 +536,9 @@ def goals(r: Doc | None) -> list[Goal]:
 
     out = []
     for c in cases:
-        mode, enc = c.get("mode", "curve"), ec_encode(c)
+        mode, enc, w = c.get("mode", "curve"), ec_encode(c), c.get("workers", 0)
         goal = f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}, {mode}"
+        goal += f", {w} encode workers" if w else ""
         src = f"ec-protect, {c['size'] / MiB:g} MiB per node, stripes of {c['stripe'] / MiB:g} MiB"
         out.append(Goal(p, goal, t, stat(enc, ".2f", " GB/s"), (median(enc) or 0.0) >= 5.0, src))
     runs = (r or {}).get("channel") or []
@@ -525,7 +549,7 @@ def goals(r: Doc | None) -> list[Goal]:
     if both.get("tagged") and both.get("curve"):
         goal = "CPU per GiB moved, tagged vs CURVE (channel alone, both ends)"
         out.append(less(goal, both["tagged"], both["curve"], "", "ec-protect, channel alone"))
-    by = {(c["n"], c["m"], c.get("mode", "curve")): c for c in cases}
+    by = {(c["n"], c["m"], c.get("mode", "curve")): c for c in cases if not c.get("workers")}
     for (n, m, mode), c in by.items():
         curve = by.get((n, m, "curve"))
         if mode == "tagged" and curve is not None and _cpu_per_gib(c):
