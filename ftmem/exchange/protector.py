@@ -45,9 +45,8 @@ seal (seals.py), kept with the parity and checked by a rebuilt node.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from ftmem import faults
 from ftmem._logging import get_logger
@@ -67,6 +66,7 @@ from ftmem.exchange.steps import (
     StepTable,
     physical_memory,
 )
+from ftmem.exchange.stripe_encoder import StripeEncoder
 from ftmem.exchange.transport import PeerMessage, PeerTransport
 
 log = get_logger(__name__)
@@ -128,14 +128,9 @@ class GroupProtector:
         self.dropped = 0
         self._outbox = Outbox(me)
         self._rebuilder = Rebuilder(self)
-        self._waiting: deque[tuple[int, StripePlan]] = deque()
-        self._pool = (
-            EncodePool(self.codec, encode_workers, chunk_bytes_for(plan.k, stripe_bytes))
-            if encode_workers > 0
-            else None
+        self._encoder = StripeEncoder(
+            self.codec, encode_workers, chunk_bytes_for(plan.k, stripe_bytes)
         )
-        """Worker processes that encode this node's stripes (``encode_workers``; None:
-        encoded in the owner's thread)."""
 
     @property
     def max_unplanned_bytes(self) -> int:
@@ -176,21 +171,18 @@ class GroupProtector:
         self.pump(self.flush, lambda: f"{self._outbox.queued()} messages unsent")
 
     def _wait_s(self, longest: float) -> float:
-        if self._pool is not None and (self._waiting or self._pool.busy):
+        if self._encoder.busy:
             return min(longest, 0.0005)
         return min(longest, 0.002) if self._outbox else longest
 
     @property
     def encode_pool(self) -> EncodePool | None:
         """The encode pool (None without ``encode_workers``)."""
-        return self._pool
+        return self._encoder.pool
 
     def close(self) -> None:
         """Stop the encode workers (bounded); the protector is not used afterwards."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-            self._waiting.clear()
+        self._encoder.close()
 
     def reconfigure(self, transport: PeerTransport, epoch: int) -> None:
         """Use ``transport`` from now on and drop messages of earlier epochs.
@@ -201,7 +193,7 @@ class GroupProtector:
         self.transport = transport
         self.epoch = epoch
         self._outbox.clear()
-        self._waiting.clear()  # their steps are given up below; late results are dropped
+        self._encoder.drop_queued()  # their steps are given up below; late results are dropped
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
             self.forget(step)
         self._rebuilder.clear()
@@ -255,18 +247,19 @@ class GroupProtector:
                 self.send(n, pm.Held(step))
 
     def _encode(self, step: int, s: StripePlan) -> None:
-        """Encode stripe ``s`` now, or hand it to the encode pool (queued while the pool is
-        full); its parity is kept and sent by :meth:`_encoded`."""
+        """Encode stripe ``s`` now, or hand it to the encode workers (its parity is then kept
+        and sent when it comes back: :meth:`_collect_encoded`)."""
         faults.maybe_inject(faults.Point.IN_ENCODE, self.me, step)
         st = self.steps[step]
         st.encoded.add(s.index)
-        if self._pool is not None:
-            self._waiting.append((step, s))
-            self._submit_waiting()
-            return
-        buf = self.codec.stripe_buffer(s.chunk_bytes)  # reused: every chunk is rewritten
-        self._gather(st, s, buf)
-        self._encoded(step, s, self.codec.encode_stripe(buf, s.lengths))
+        enc = self._encoder.encode(
+            (self.epoch, step, s.index),
+            s,
+            lambda buf: self._gather(st, s, buf),
+            lambda: self.steps.get(step) is st and not st.aborted,
+        )
+        if enc is not None:
+            self._encoded(step, s, enc)
 
     @staticmethod
     def _gather(st: StepState, s: StripePlan, buf: memoryview) -> None:
@@ -292,42 +285,14 @@ class GroupProtector:
                 body = pm.Parity(step, s.index, frag, tuple(enc.checksums))
                 self.send(holder, body, [enc.parity[t]])
 
-    def _submit_waiting(self) -> None:
-        """Hand queued stripes to the pool while it has free slots (a stripe too large for
-        its slots is encoded here)."""
-        assert self._pool is not None
-        while self._waiting:
-            step, s = self._waiting[0]
-            st = self.steps.get(step)
-            if st is None or st.aborted:  # forgotten or given up meanwhile
-                self._waiting.popleft()
-                continue
-            tag = (self.epoch, step, s.index)
-
-            def fill(buf: memoryview, st: StepState = st, s: StripePlan = s) -> None:
-                self._gather(st, s, buf)
-
-            if not self._pool.submit(tag, s.chunk_bytes, s.lengths, fill):
-                if s.chunk_bytes <= self._pool.max_chunk_bytes and self._pool.pids:
-                    return  # full: the next turn submits it
-                buf = self.codec.stripe_buffer(s.chunk_bytes)
-                self._gather(st, s, buf)
-                self._encoded(step, s, self.codec.encode_stripe(buf, s.lengths))
-                self._progress(step, None)
-            self._waiting.popleft()
-
     def _collect_encoded(self) -> None:
-        """Take the pool's finished stripes: keep and send their parity, then refill it."""
-        if self._pool is None:
-            return
-        for tag, enc in self._pool.poll():
-            epoch, step, index = cast(tuple[int, int, int], tag)
+        """Keep and send the parity of the stripes the workers finished."""
+        for (epoch, step, index), enc in self._encoder.ready():
             st = self.steps.get(step)
             if epoch != self.epoch or st is None or st.stripes is None:
                 continue  # its step was forgotten or the generation changed
             self._encoded(step, st.stripes[index], enc)
             self._progress(step, None)
-        self._submit_waiting()
 
     # -- message handling ----------------------------------------------------------------------
     def handle(self, msg: PeerMessage | Envelope) -> None:
