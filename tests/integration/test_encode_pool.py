@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import pytest
@@ -124,3 +124,40 @@ def test_with_every_worker_gone_submit_refuses_and_close_is_idempotent() -> None
     finally:
         pool.close()
         pool.close()
+
+
+def test_stripe_encoder_drops_unwanted_stripes_and_encodes_oversized_ones_itself() -> None:
+    """Queued stripes whose step is gone are skipped; a stripe larger than the pool's slots
+    is encoded in the caller's thread and returned by ``ready`` like the others."""
+    from ftmem.exchange.placement import StripePlan, plan_group, stripe_map
+    from ftmem.exchange.stripe_encoder import StripeEncoder
+
+    codec = StripeCodec(2, 1)
+    plan = plan_group([0, 1, 2], 1)
+    small = stripe_map(plan, {0: CHUNK, 1: CHUNK, 2: CHUNK}, 2 * CHUNK)[0]
+    big = stripe_map(plan, {0: 4 * CHUNK, 1: 4 * CHUNK, 2: 4 * CHUNK}, 8 * CHUNK)[0]
+    data = {s.chunk_bytes: os.urandom(2 * s.chunk_bytes) for s in (small, big)}
+
+    def gather(s: StripePlan) -> Callable[[memoryview], None]:
+        def fill(buf: memoryview) -> None:
+            buf[:] = data[s.chunk_bytes]
+
+        return fill
+
+    enc = StripeEncoder(codec, 1, CHUNK)
+    try:
+        assert enc.encode((0, 1, 0), small, gather(small), lambda: False) is None
+        assert enc.encode((0, 2, 0), big, gather(big), lambda: True) is None
+        assert enc.encode((0, 3, 0), small, gather(small), lambda: True) is None
+        got: dict[object, EncodedStripe] = {}
+        deadline = time.monotonic() + 30
+        while enc.busy:
+            assert time.monotonic() < deadline
+            got.update(enc.ready())
+            time.sleep(0.001)
+        assert set(got) == {(0, 2, 0), (0, 3, 0)}
+        assert enc.pool is not None and enc.pool.encoded == 1
+        for key, s in (((0, 2, 0), big), ((0, 3, 0), small)):
+            assert got[key] == codec.encode_stripe(data[s.chunk_bytes], s.lengths)
+    finally:
+        enc.close()
