@@ -9,6 +9,7 @@ fixed function of the one before), so the loss falls fast and a rebuilt stage's 
 shows.
 
     ftmem-launch --nproc-per-node 4 examples/train_pipeline.py --steps 60
+    ftmem-launch --nproc-per-node 4 examples/train_pipeline.py --steps 60 --in-process
     python examples/train_pipeline.py --no-ftmem      # one process per stage, torchrun-style
 
 The last stage prints ``[rank R] step S loss L`` every step and every rank its digest at the
@@ -109,44 +110,54 @@ def train(args: argparse.Namespace) -> int:
     stage_mod = Stage(rank, world, args.vocab, args.seq_len, args.d_model)
     optimizer = torch.optim.AdamW(stage_mod.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
     ftmem: Any = None
-    start = 0
     state: dict[str, Any] = {"model": stage_mod, "optim": optimizer, "sched": scheduler}
-    if not args.no_ftmem:
+
+    def steps_from(start: int) -> int:
+        """Train from ``start`` to ``args.steps``; under --in-process, once per generation."""
+        if ftmem is not None:
+            how = " (rebuilt by CheckFree)" if state["checkfree"].rebuilt_at is not None else ""
+            print(f"[rank {rank}] resumed from step {start}{how}", flush=True)
+        # The stage and its schedule talk over the process group: built for each one.
+        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+        for step in range(start, args.steps):
+            inputs, targets = batch(step, args)
+            optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            if stage_mod.first:
+                schedule.step(inputs)
+            elif stage_mod.last:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
+            if ftmem is not None:
+                state["checkfree"].record_gradients()
+            optimizer.step()
+            scheduler.step()
+            if ftmem is not None:
+                ftmem.save(state, step=step + 1)
+            if losses:
+                loss = torch.stack(losses).mean().item()
+                print(f"[rank {rank}] step {step + 1} loss {loss:.6f}", flush=True)
+            if args.step_delay:
+                time.sleep(args.step_delay)
+        return max(start, args.steps)
+
+    if args.no_ftmem:
+        steps_from(0)
+    else:
         import ftmem
 
-        cf = ftmem.CheckFreeStage(stage_mod, rank, world, optimizer, scheduler)
-        state["checkfree"] = cf
-        start = ftmem.load(state)
-        how = " (rebuilt by CheckFree)" if cf.rebuilt_at is not None else ""
-        print(f"[rank {rank}] resumed from step {start}{how}", flush=True)
-    for step in range(start, args.steps):
-        inputs, targets = batch(step, args)
-        optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        if stage_mod.first:
-            schedule.step(inputs)
-        elif stage_mod.last:
-            schedule.step(target=targets, losses=losses)
+        state["checkfree"] = ftmem.CheckFreeStage(stage_mod, rank, world, optimizer, scheduler)
+        if args.in_process:  # survivors of another rank's failure run steps_from again
+            ftmem.run(steps_from, state, pg_timeout=timedelta(seconds=args.pg_timeout))
         else:
-            schedule.step()
-        if ftmem is not None:
-            state["checkfree"].record_gradients()
-        optimizer.step()
-        scheduler.step()
-        if ftmem is not None:
-            ftmem.save(state, step=step + 1)
-        if losses:
-            loss = torch.stack(losses).mean().item()
-            print(f"[rank {rank}] step {step + 1} loss {loss:.6f}", flush=True)
-        if args.step_delay:
-            time.sleep(args.step_delay)
+            steps_from(ftmem.load(state))
     print(f"[rank {rank}] digest {digest(stage_mod)}", flush=True)
     if ftmem is not None:
         ftmem.close()
@@ -170,6 +181,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step")
     p.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout (s)")
     p.add_argument("--init-method", default="env://")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="train under ftmem.run: ranks that survive another's failure keep their process",
+    )
     return p
 
 
