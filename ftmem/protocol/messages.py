@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -261,8 +262,8 @@ def _check(name: str, value: Any, tp: Any) -> None:
             raise ProtocolError(f"field {name!r} must be an integer")
         return
     if tp is float:
-        if type(value) not in (int, float):
-            raise ProtocolError(f"field {name!r} must be a number")
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ProtocolError(f"field {name!r} must be a finite number")
         return
     if tp in (str, bool):
         if type(value) is not tp:
@@ -300,19 +301,30 @@ def from_fields(kind: Kind, fields: Any) -> Any:
     Raises:
         ProtocolError: unknown or missing fields, or a field of the wrong type.
     """
-    cls = PAYLOAD_TYPES[kind]
+    return build(PAYLOAD_TYPES[kind], fields, what=kind.name)
+
+
+def build(cls: type[Any], fields: Any, *, skip: tuple[str, ...] = (), what: str = "") -> Any:
+    """Build the dataclass ``cls`` from decoded JSON, checking every field's type against
+    its annotation (fields named in ``skip`` the caller has checked and built already).
+
+    Raises:
+        ProtocolError: not an object, unknown or missing fields, or a field of the wrong type.
+    """
+    what = what or cls.__name__
     if not isinstance(fields, dict):
-        raise ProtocolError("payload must be a JSON object")
+        raise ProtocolError(f"{what} must be a JSON object")
     hints = _hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(fields) - set(known)
     if unknown:
-        raise ProtocolError(f"unknown fields {sorted(unknown)} for {kind.name}")
+        raise ProtocolError(f"unknown fields {sorted(unknown)} for {what}")
     for name, f in known.items():
         if name in fields:
-            _check(name, fields[name], hints[name])
+            if name not in skip:
+                _check(name, fields[name], hints[name])
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"missing field {name!r} for {kind.name}")
+            raise ProtocolError(f"missing field {name!r} for {what}")
     return cls(**fields)
 
 

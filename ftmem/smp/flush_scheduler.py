@@ -16,20 +16,27 @@ and unpins; :meth:`final_flush` (on SIGTERM) writes the newest step not yet flus
 
 from __future__ import annotations
 
-import json
 import queue
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ftmem._logging import get_logger
 from ftmem.events import EventLog
+from ftmem.protocol.flush_jobs import (
+    AssembleJob,
+    FlushJob,
+    JobDone,
+    Progress,
+    SlotSource,
+    TierWritten,
+    WorkerReady,
+)
+from ftmem.smp.flush_process import FlushProcess
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
 
@@ -100,8 +107,10 @@ class FlushService:
         self._requests: queue.Queue[FlushRequest | None] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftmem-smp-flush", daemon=True)
-        self._proc: subprocess.Popen[str] | None = None
-        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.worker = FlushProcess(node)
+        """The worker process that writes (started on demand; its ``ready`` is set once it
+        has imported torch and DCP: scheduled flushes pin nothing before it, since a pin held
+        during a cold start would make ranks skip)."""
         self._running: _Running | None = None
         self._waiting: list[FlushRequest] = []
         self._ids = 0
@@ -128,16 +137,13 @@ class FlushService:
         # step is still there when the last rank has committed it (guarded by _res_lock).
         self._reserved: dict[int, dict[int, RankPiece]] = {}
         self._res_lock = threading.Lock()
-        self._worker_ready = threading.Event()
-        """Set once the worker process has imported torch and DCP: scheduled flushes pin
-        nothing before it (a pin held during a cold start would make ranks skip)."""
 
     # -- main-loop side ----------------------------------------------------------------------
     def start(self) -> None:
         """Start the thread and the worker process (its torch import takes seconds: better
         now than while the first flush holds slots)."""
         try:
-            self._ensure_worker()
+            self.worker.ensure()
         except OSError as exc:
             log.error("[%s/flush] cannot start the flush worker: %s", self.node, exc)
         self._thread.start()
@@ -157,7 +163,7 @@ class FlushService:
             and step % every == 0
             and (last is None or step > last)
             and self._running is None
-            and self._worker_ready.is_set()
+            and self.worker.ready.is_set()
         )
 
     def reserve(self, rank: int, step: int, piece: RankPiece) -> list[RankPiece]:
@@ -221,7 +227,7 @@ class FlushService:
         self._requests.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
-        self._end_worker()
+        self.worker.end()
         with self._res_lock:
             held = [p for d in self._reserved.values() for p in d.values()]
             self._reserved.clear()
@@ -241,7 +247,7 @@ class FlushService:
             log.exception("[%s/flush] stopped by an unexpected error", self.node)
         finally:
             if self._running is not None:
-                self._finish({"ok": False, "error": "the SMP is stopping"})
+                self._finish(JobDone(self._running.rid, False, error="the SMP is stopping"))
 
     def _tick(self) -> None:
         try:
@@ -262,7 +268,7 @@ class FlushService:
                 self._begin(got[0], len(self.settings.tiers), got[1])
                 return
         step, tiers = self._next()
-        if step is not None and (self._waiting or self._worker_ready.is_set()):
+        if step is not None and (self._waiting or self.worker.ready.is_set()):
             self._begin(step, tiers)
         elif self._coordinates() and self._running is None:
             if time.monotonic() - self._last_assemble > self.settings.assemble_every_s:
@@ -294,19 +300,14 @@ class FlushService:
     def _start_assemble(self) -> None:
         self._last_assemble = time.monotonic()
         try:
-            self._ensure_worker()
+            self.worker.ensure()
         except OSError:
             return
         self._ids += 1
         self._running = _Running(self._ids, -1, [], 0, time.monotonic(), assemble_only=True)
-        req = {
-            "op": "assemble",
-            "id": self._ids,
-            "tier": str(self.settings.tiers[-1]),
-            "world_size": self.slots.world_size(),
-            "keep": self.settings.keep,
-        }
-        self._send_worker(req)
+        tier = str(self.settings.tiers[-1])
+        world = self.slots.world_size()
+        self._send(AssembleJob(self._ids, tier, world, self.settings.keep))
 
     def _ranks(self) -> list[int]:
         return self.slots.all_ranks()
@@ -354,7 +355,7 @@ class FlushService:
             self.last_step = step if self.last_step is None else max(self.last_step, step)
             return
         try:
-            self._ensure_worker()
+            self.worker.ensure()
         except OSError as exc:
             self.slots.unpin(pieces)
             for w in waiters:
@@ -362,182 +363,113 @@ class FlushService:
             return
         self._ids += 1
         self._running = _Running(self._ids, step, pieces, tiers, time.monotonic(), waiters)
-        req = {
-            "op": "flush",
-            "id": self._ids,
-            "step": step,
-            "sources": [
-                {
-                    "rank": p.rank,
-                    "step": step,
-                    "path": p.path,
-                    "capacity": p.capacity,
-                    "layout": p.layout,
-                }
-                for p in pieces
-            ],
-            "tiers": [str(t) for t in self.settings.tiers[: max(1, tiers)]],
-            "keep": self.settings.keep,
-            "writers": self.settings.writers,
-            "direct": self.settings.direct,
-            "world_size": self.slots.world_size(),
-            "shared": self.settings.shared and tiers >= len(self.settings.tiers),
+        job = FlushJob(
+            id=self._ids,
+            step=step,
+            sources=[SlotSource(p.rank, step, p.path, p.capacity, p.layout) for p in pieces],
+            tiers=[str(t) for t in self.settings.tiers[: max(1, tiers)]],
+            keep=self.settings.keep,
+            writers=self.settings.writers,
+            direct=self.settings.direct,
+            world_size=self.slots.world_size(),
+            shared=self.settings.shared and tiers >= len(self.settings.tiers),
             # Asked for (ftmem flush): wait for the other nodes' parts; scheduled: one look.
-            "assemble_timeout": self.settings.assemble_timeout_s if waiters else 0.0,
-        }
+            assemble_timeout=self.settings.assemble_timeout_s if waiters else 0.0,
+        )
         self._set(running={"step": step, "stage": "starting", "tier": 0})
-        self._send_worker(req)
+        self._send(job)
 
-    def _send_worker(self, req: dict[str, Any]) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(json.dumps(req) + "\n")
-            self._proc.stdin.flush()
-        except OSError as exc:
-            self._finish({"ok": False, "error": f"the flush worker is gone: {exc}"})
+    def _send(self, job: FlushJob | AssembleJob) -> None:
+        if not self.worker.send(job):
+            self._finish(JobDone(job.id, False, error="the flush worker is gone"))
 
     def _poll_worker(self) -> None:
-        """Read the worker's lines: its readiness, and the running flush's progress and end
-        (if one runs); a closed stream means the worker died."""
-        while True:
-            try:
-                line = self._lines.get_nowait()
-            except queue.Empty:
-                return
+        """Read the worker's replies: its readiness, and the running job's progress and end
+        (if one runs); the end of its output means it died."""
+        for reply in self.worker.replies():
             run = self._running
-            if line is None:
-                self._worker_ready.clear()
-                if run is not None:
-                    code = self._proc.poll() if self._proc is not None else None
-                    self._finish({"ok": False, "error": f"the flush worker died (exit {code})"})
-                self._end_worker()
-                return
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(doc, dict):
-                continue
-            if doc.get("event") == "ready":
-                self._worker_ready.set()
-                log.info("[%s/flush] flush worker ready", self.node)
-                continue
-            if run is None or doc.get("id") != run.rid:
-                continue
-            if "ok" in doc:
-                self._finish(doc)
-                return
-            if doc.get("event") == "progress" and not run.assemble_only:
-                self._set(
-                    running={
-                        "step": run.step,
-                        "stage": doc.get("stage"),
-                        "tier": doc.get("tier"),
-                        "done": doc.get("done"),
-                        "total": doc.get("total"),
-                        "unit": doc.get("unit", "bytes"),
-                    }
-                )
-            elif doc.get("event") == "tier":
-                log.info("[%s/flush] step %d durable in %s", self.node, run.step, doc.get("path"))
+            match reply:
+                case None:
+                    if run is not None:
+                        code = self.worker.exit_code
+                        error = f"the flush worker died (exit {code})"
+                        self._finish(JobDone(run.rid, False, error=error))
+                    self.worker.end()
+                    return
+                case WorkerReady():
+                    log.info("[%s/flush] flush worker ready", self.node)
+                case _ if run is None or reply.id != run.rid:
+                    continue  # a late reply of a job given up
+                case JobDone():
+                    self._finish(reply)
+                    return
+                case Progress() if not run.assemble_only:
+                    self._set(
+                        running={
+                            "step": run.step,
+                            "stage": reply.stage,
+                            "tier": reply.tier,
+                            "done": reply.done,
+                            "total": reply.total,
+                            "unit": reply.unit,
+                        }
+                    )
+                case TierWritten():
+                    log.info("[%s/flush] step %d durable in %s", self.node, run.step, reply.path)
 
-    def _finish(self, doc: dict[str, Any]) -> None:
+    def _finish(self, done: JobDone) -> None:
         run, self._running = self._running, None
         assert run is not None
         if run.assemble_only:
-            steps = [int(x) for x in doc.get("assembled", [])]
-            if steps:
-                self._set(assembled_step=max(steps))
+            if done.assembled:
+                self._set(assembled_step=max(done.assembled))
                 if self.events is not None:
-                    self.events.write("assembled", step=max(steps))
-            if not doc.get("ok"):
-                log.error("[%s/flush] assembling failed: %s", self.node, doc.get("error"))
+                    self.events.write("assembled", step=max(done.assembled))
+            if not done.ok:
+                log.error("[%s/flush] assembling failed: %s", self.node, done.error)
             return
-        if doc.get("assembled"):
-            self._set(assembled_step=max(int(x) for x in doc["assembled"]))
+        if done.assembled:
+            self._set(assembled_step=max(done.assembled))
         self.slots.unpin(run.pieces)
-        ok = bool(doc.get("ok"))
         seconds = time.monotonic() - run.started
         with self._lock:
             self._status["running"] = None
-            if ok:
+            if done.ok:
                 self._status.update(
                     last_step=run.step,
-                    last_paths=list(doc.get("paths", [])),
+                    last_paths=list(done.paths),
                     last_seconds=round(seconds, 3),
-                    last_bytes=int(doc.get("bytes", 0)),
+                    last_bytes=done.bytes,
                     flushes=self._status["flushes"] + 1,
                 )
             else:
-                self._status.update(
-                    last_error=str(doc.get("error")), failures=self._status["failures"] + 1
-                )
+                self._status.update(last_error=done.error, failures=self._status["failures"] + 1)
         if self.events is not None:
             self.events.write(
-                "flushed" if ok else "flush_failed",
+                "flushed" if done.ok else "flush_failed",
                 step=run.step,
                 seconds=round(seconds, 3),
-                paths=list(doc.get("paths", [])),
-                bytes=int(doc.get("bytes", 0)),
-                assembled=list(doc.get("assembled", [])),
-                error="" if ok else str(doc.get("error")),
+                paths=list(done.paths),
+                bytes=done.bytes,
+                assembled=list(done.assembled),
+                error=done.error,
             )
         # A failed step is not retried by the schedule (the next one will be flushed).
         self.last_step = run.step if self.last_step is None else max(self.last_step, run.step)
-        if ok:
+        if done.ok:
             log.info(
                 "[%s/flush] step %d flushed to %d tier(s) in %.2f s (%.1f MiB)",
                 self.node,
                 run.step,
-                len(doc.get("paths", [])),
+                len(done.paths),
                 seconds,
-                int(doc.get("bytes", 0)) / 2**20,
+                done.bytes / 2**20,
             )
         else:
-            log.error(
-                "[%s/flush] flush of step %d failed: %s", self.node, run.step, doc.get("error")
-            )
-        data = {"step": run.step, "paths": list(doc.get("paths", [])), "seconds": round(seconds, 3)}
+            log.error("[%s/flush] flush of step %d failed: %s", self.node, run.step, done.error)
+        data = {"step": run.step, "paths": list(done.paths), "seconds": round(seconds, 3)}
         for w in run.waiters:
-            self.on_reply(w.token, ok, data, "" if ok else str(doc.get("error")))
-
-    # -- worker process ----------------------------------------------------------------------
-    def _ensure_worker(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            return
-        self._end_worker()
-        self._worker_ready.clear()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ftmem.tiers.flush_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        self._lines = queue.Queue()
-        reader = threading.Thread(
-            target=_pump_lines,
-            args=(self._proc.stdout, self._lines),
-            name="ftmem-flush-reader",
-            daemon=True,
-        )
-        reader.start()
-        log.info("[%s/flush] flush worker pid %d", self.node, self._proc.pid)
-
-    def _end_worker(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            self.on_reply(w.token, done.ok, data, done.error)
 
     def final_flush(self, timeout_s: float) -> None:
         """(SIGTERM) Flush the newest step every rank of this node has verified (not the
@@ -557,10 +489,3 @@ class FlushService:
                 return
             time.sleep(0.05)
         log.error("[%s/flush] final flush of step %d did not finish in time", self.node, cand)
-
-
-def _pump_lines(stream: IO[str] | None, out: queue.Queue[str | None]) -> None:
-    if stream is not None:
-        for line in stream:
-            out.put(line)
-    out.put(None)

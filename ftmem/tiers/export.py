@@ -50,6 +50,7 @@ from ftmem.format.tensors import (
     read_objects,
     torch_dtype,
 )
+from ftmem.protocol.flush_jobs import SlotSource
 from ftmem.shm import MappedSegment
 from ftmem.tiers.checkpoints import fsync_dir, temp_name, write_manifest
 from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
@@ -65,15 +66,8 @@ class ExportError(FtmemError):
     """The requested step cannot be exported (missing on a rank, corrupt, or the output exists)."""
 
 
-@dataclass(frozen=True, slots=True)
-class RankSource:
-    """One rank's committed slot of the step to export."""
-
-    rank: int
-    step: int
-    path: str
-    capacity: int
-    layout: str
+RankSource = SlotSource
+"""One rank's committed slot of the step to export (the flush worker's job carries them)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,10 @@
 """``python -m ftmem.tiers.flush_worker``: the SMP's flush worker process (it imports torch; the SMP
 does not).
 
-It reads one JSON request per line on stdin (``flush``, or ``assemble``: see
-:func:`assemble_pending`) and answers with JSON lines on stdout::
-
-    {"op": "flush", "id": 3, "step": 40, "sources": [{rank, step, path, capacity, layout}...],
-     "tiers": ["/local/ckpt", "/shared/ckpt"], "keep": 2,
-     "world_size": 8, "shared": true, "assemble_timeout": 300}
-    -> {"id": 3, "event": "progress", "stage": "writing", "tier": 0, "done": B, "total": T}
-    -> {"id": 3, "event": "tier", "tier": 0, "path": "...", "bytes": N}
-    -> {"id": 3, "ok": true, "paths": [...], "bytes": N, "seconds": S}
-       or {"id": 3, "ok": false, "error": "..."}
+It reads one job per line on stdin (:class:`~ftmem.protocol.flush_jobs.FlushJob`, or
+:class:`~ftmem.protocol.flush_jobs.AssembleJob`: see :func:`assemble_pending`) and answers with
+typed lines on stdout (``WorkerReady`` once, then ``Progress`` and ``TierWritten`` on the way and
+``JobDone`` at the end of each job); protocol/flush_jobs.py has the wire format.
 
 The first tier gets the checkpoint from the slots (``export_dcp``: tmp dir, fsync, rename);
 each further tier gets a verified copy of it; each tier then keeps its newest ``keep``.
@@ -30,7 +24,6 @@ previous checkpoints stay complete. The process ends when stdin closes.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import threading
@@ -39,6 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from ftmem._logging import configure, get_logger
+from ftmem.errors import ProtocolError
+from ftmem.protocol.flush_jobs import (
+    AssembleJob,
+    FlushJob,
+    JobDone,
+    Progress,
+    Reply,
+    TierWritten,
+    WorkerReady,
+    encode,
+    parse_job,
+)
 
 log = get_logger("ftmem.tiers.flush_worker")
 
@@ -46,13 +51,13 @@ log = get_logger("ftmem.tiers.flush_worker")
 _emit_lock = threading.Lock()
 
 
-def _emit(doc: dict[str, Any]) -> None:
+def _emit(msg: Reply) -> None:
     with _emit_lock:
-        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.write(encode(msg))
         sys.stdout.flush()
 
 
-def flush(req: dict[str, Any]) -> dict[str, Any]:
+def flush(job: FlushJob) -> JobDone:
     """Run one flush request; return the final answer (progress lines are emitted on the way)."""
     from ftmem.errors import FtmemError
     from ftmem.format.layout import parse_layout
@@ -65,19 +70,14 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
         read_checkpoint,
         temp_name,
     )
-    from ftmem.tiers.export import RankSource, export_dcp
+    from ftmem.tiers.export import export_dcp
 
-    rid, step = int(req["id"]), int(req["step"])
-    tiers = [Path(t) for t in req["tiers"]]
-    keep = max(1, int(req.get("keep", 2)))
+    rid, step = job.id, job.step
+    tiers = [Path(t) for t in job.tiers]
+    keep = max(1, job.keep)
     t0 = time.monotonic()
-    sources = [
-        RankSource(
-            int(s["rank"]), int(s["step"]), str(s["path"]), int(s["capacity"]), str(s["layout"])
-        )
-        for s in req["sources"]
-    ]
-    world = int(req.get("world_size") or 0)
+    sources = list(job.sources)
+    world = job.world_size
     ranks = sorted(s.rank for s in sources)
     multi = world > 0 and ranks != list(range(world))
     name = part_name(step, ranks[0]) if multi else checkpoint_name(step)
@@ -98,38 +98,28 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
                     sources,
                     out,
                     world_size=world if multi else None,
-                    threads=max(1, int(req.get("writers", 2))),
-                    direct=bool(req.get("direct", True)),
+                    threads=max(1, job.writers),
+                    direct=job.direct,
                 )
             ckpt = read_checkpoint(out)
         paths.append(str(out))
         total += ckpt.nbytes
-        _emit({"id": rid, "event": "tier", "tier": 0, "path": str(out), "bytes": ckpt.nbytes})
+        _emit(TierWritten(rid, 0, str(out), ckpt.nbytes))
         prune(first, keep)
         for i, tier in enumerate(tiers[1:], start=1):
             with _Progress(rid, i, tier, temp_name(name), ckpt.nbytes, "copying"):
                 path = copy_checkpoint(ckpt, tier)
             paths.append(str(path))
             total += ckpt.nbytes
-            _emit({"id": rid, "event": "tier", "tier": i, "path": str(path), "bytes": ckpt.nbytes})
+            _emit(TierWritten(rid, i, str(path), ckpt.nbytes))
             prune(tier, keep)
-        if multi and bool(req.get("shared")) and 0 in ranks:
+        if multi and job.shared and 0 in ranks:
             last = len(tiers) - 1
 
             def waiting(have: int, world: int) -> None:
-                _emit(
-                    {
-                        "id": rid,
-                        "event": "progress",
-                        "stage": "waiting for parts",
-                        "tier": last,
-                        "done": have,
-                        "total": world,
-                        "unit": "ranks",
-                    }
-                )
+                _emit(Progress(rid, "waiting for parts", last, have, world, "ranks"))
 
-            wait_s = float(req.get("assemble_timeout", 0))
+            wait_s = job.assemble_timeout
             try:
                 whole = assemble(tiers[-1], step, world, wait_s, on_wait=waiting)
             except AssembleError:
@@ -139,28 +129,22 @@ def flush(req: dict[str, Any]) -> dict[str, Any]:
             if whole is not None:
                 assembled.append(step)
                 paths[-1] = str(whole.path)
-                _emit({"id": rid, "event": "tier", "tier": last, "path": paths[-1], "bytes": 0})
+                _emit(TierWritten(rid, last, paths[-1], 0))
                 prune(tiers[-1], keep)
     except (FtmemError, OSError, ValueError) as exc:
-        return {"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}", "paths": paths}
-    return {
-        "id": rid,
-        "ok": True,
-        "paths": paths,
-        "bytes": total,
-        "seconds": round(time.monotonic() - t0, 3),
-        "assembled": assembled,
-    }
+        return JobDone(rid, False, paths=paths, error=f"{type(exc).__name__}: {exc}")
+    seconds = round(time.monotonic() - t0, 3)
+    return JobDone(rid, True, paths, total, seconds, assembled)
 
 
-def assemble_pending(req: dict[str, Any]) -> dict[str, Any]:
+def assemble_pending(job: AssembleJob) -> JobDone:
     """(The node of rank 0) assemble the newest step whose parts cover every rank in the
     shared tier, if it is newer than its newest global checkpoint; never waits."""
     from ftmem.errors import FtmemError
     from ftmem.tiers.assemble import AssembleError, assemble
     from ftmem.tiers.checkpoints import list_checkpoints, prune
 
-    rid, tier, world = int(req["id"]), Path(req["tier"]), int(req["world_size"])
+    rid, tier, world = job.id, Path(job.tier), job.world_size
     assembled: list[int] = []
     try:
         good = list_checkpoints(tier, parts=True)[0]
@@ -172,11 +156,11 @@ def assemble_pending(req: dict[str, Any]) -> dict[str, Any]:
             except AssembleError:
                 continue
             assembled.append(step)
-            prune(tier, max(1, int(req.get("keep", 2))))
+            prune(tier, max(1, job.keep))
             break
     except (FtmemError, OSError, ValueError) as exc:
-        return {"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"id": rid, "ok": True, "assembled": assembled}
+        return JobDone(rid, False, error=f"{type(exc).__name__}: {exc}")
+    return JobDone(rid, True, assembled=assembled)
 
 
 def _existing(path: Path) -> Any:
@@ -198,7 +182,7 @@ class _Progress:
     def __init__(
         self, rid: int, tier: int, parent: Path, tmp_name: str, total: int, stage: str = "writing"
     ) -> None:
-        self.doc = {"id": rid, "event": "progress", "stage": stage, "tier": tier, "total": total}
+        self.rid, self.stage, self.tier, self.total = rid, stage, tier, total
         self.tmp = parent / tmp_name
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ftmem-flush-progress", daemon=True)
@@ -209,7 +193,7 @@ class _Progress:
                 done = sum(p.stat().st_size for p in self.tmp.rglob("*") if p.is_file())
             except OSError:
                 done = 0
-            _emit({**self.doc, "done": done})
+            _emit(Progress(self.rid, self.stage, self.tier, done, self.total))
             if self.stop.wait(0.5):
                 return
 
@@ -246,16 +230,14 @@ def main() -> int:
     import torch.distributed.checkpoint  # ~1 s: now, not in the first flush
 
     torch.set_num_threads(1)
-    _emit({"event": "ready", "pid": os.getpid()})
+    _emit(WorkerReady(os.getpid()))
     for line in sys.stdin:
         try:
-            req = json.loads(line)
-            if not isinstance(req, dict) or req.get("op") not in ("flush", "assemble"):
-                raise ValueError("expected a flush or assemble request")
-        except ValueError as exc:
-            _emit({"ok": False, "error": f"bad request: {exc}"})
+            job = parse_job(line)
+        except ProtocolError as exc:
+            _emit(JobDone(-1, False, error=f"bad request: {exc}"))
             continue
-        _emit(flush(req) if req["op"] == "flush" else assemble_pending(req))
+        _emit(flush(job) if isinstance(job, FlushJob) else assemble_pending(job))
     gc.freeze()  # skip the last garbage collection of torch's heap: the SMP waits for this exit
     return 0
 
