@@ -3,6 +3,9 @@ where MASTER_ADDR/PORT point, and the generation.
 
 :mod:`ftmem.launch.ranks` decides (pure); this module moves its inputs and outputs through
 the round's store. Every key lives under the round's own prefix, so it is never stale.
+Every value read back is checked (:class:`~ftmem.errors.ProtocolError` names the key): the
+store is reachable by whoever reaches its port, and a malformed value must stop the agent
+with a clear message, not a ``KeyError`` in the middle of a restart.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from ftmem.errors import ProtocolError
 from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
 
 # Keys in the rendezvous round's store (a fresh prefix every round, so never stale).
@@ -47,12 +51,41 @@ def agree_slot(
     store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
     if group_rank == 0:
         keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
-        infos = [json.loads(raw) for raw in store.multi_get(keys)]
-        same_size = len({info["size"] for info in infos}) == 1
-        slots = assign_slots([info["slot"] for info in infos]) if same_size else None
+        infos = [_slot_info(k, raw) for k, raw in zip(keys, store.multi_get(keys), strict=True)]
+        same_size = len({size for _, size in infos}) == 1
+        slots = assign_slots([slot for slot, _ in infos]) if same_size else None
         store.set(_ASSIGNED_KEY, json.dumps(slots))
-    assigned = json.loads(store.get(_ASSIGNED_KEY))
-    return None if assigned is None else int(assigned[group_rank])
+    assigned = _value(_ASSIGNED_KEY, store.get(_ASSIGNED_KEY))
+    if assigned is None:
+        return None
+    if not _int_list(assigned, group_world_size):
+        raise ProtocolError(f"rendezvous store: {_ASSIGNED_KEY!r} is not {group_world_size} slots")
+    return int(assigned[group_rank])
+
+
+def _value(key: str, raw: bytes) -> Any:
+    """A JSON value of the store, or ProtocolError naming ``key``."""
+    try:
+        return json.loads(raw)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"rendezvous store: {key!r} is not JSON: {exc}") from exc
+
+
+def _int_list(value: Any, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(type(v) is int for v in value)
+
+
+def _slot_info(key: str, raw: bytes) -> tuple[int | None, int]:
+    """An agent's ``{"slot": int | null, "size": int}``."""
+    doc = _value(key, raw)
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"slot", "size"}
+        or not (doc["slot"] is None or type(doc["slot"]) is int)
+        or type(doc["size"]) is not int
+    ):
+        raise ProtocolError(f"rendezvous store: {key!r} is not a slot offer: {doc!r:.200}")
+    return doc["slot"], doc["size"]
 
 
 def slot_workers(slot: int, local_world_size: int, group_world_size: int) -> list[Worker]:
@@ -87,8 +120,18 @@ def share_master(worker_group: WorkerGroup, slot: int | None) -> None:
             spec = worker_group.spec
             addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
         store.set(_MASTER_KEY, json.dumps([addr, port]))
-    addr, port = json.loads(store.get(_MASTER_KEY))
-    worker_group.master_addr, worker_group.master_port = str(addr), int(port)
+    master = _value(_MASTER_KEY, store.get(_MASTER_KEY))
+    if (
+        not isinstance(master, list)
+        or len(master) != 2
+        or type(master[0]) is not str
+        or type(master[1]) is not int
+        or not 0 < master[1] < 65536
+    ):
+        raise ProtocolError(
+            f"rendezvous store: {_MASTER_KEY!r} is not [host, port]: {master!r:.200}"
+        )
+    worker_group.master_addr, worker_group.master_port = master[0], master[1]
 
 
 def exchange_generation(
@@ -103,4 +146,8 @@ def exchange_generation(
         gen = next_generation(rendezvous_round(), previous)
         store.set(_GENERATION_KEY, str(gen))
         return gen
-    return int(store.get(_GENERATION_KEY).decode())
+    raw = store.get(_GENERATION_KEY)
+    try:
+        return int(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"rendezvous store: {_GENERATION_KEY!r} is not a number") from exc
