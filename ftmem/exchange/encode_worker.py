@@ -13,8 +13,10 @@ Wire (fixed-size little-endian structs on the worker's stdin and stdout, nothing
   range), the fragments' header bytes, then the ``k + m`` xxh3-64 checksums. The ``m`` parity
   fragments (header included, ``chunk_bytes + header`` each) follow the data in the slot.
 
-A worker exits on end of input (its parent closed the pipe or died) and, on Linux, when its
-parent dies (``PR_SET_PDEATHSIG``). Its errors go to stderr, which it shares with its parent.
+A worker exits on end of input (its parent closed the pipe or died) and, on Linux, is killed
+when the thread that started it ends (``PR_SET_PDEATHSIG`` follows the creating thread: the
+protector's owner, which closes the pool before it ends anyway). Its errors go to stderr,
+which it shares with its parent.
 """
 
 from __future__ import annotations
