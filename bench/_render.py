@@ -4,8 +4,9 @@
 
 Every table of docs/benchmarks.md between ``<!-- bench:NAME:start -->`` and
 ``<!-- bench:NAME:end -->`` is made here from the figures of one run; the rest of the file
-(the hand-written reading of the figures) is never touched. Each part's module gives its
-sections' tables (``sections(result)``, from the figures declared on its results dataclasses,
+(the hand-written reading of the figures) is never touched. Each part's rendering module
+(:data:`MODULES`: the part's own module, or its ``*_tables.py`` beside it) gives its sections'
+tables (``sections(result)``, from the figures declared on its results dataclasses,
 ``bench/_figures.py``) and its goals (``goals(result)``: goal, threshold, measured, met).
 """
 
@@ -88,19 +89,20 @@ def goal_table(rows: Sequence[Goal], title: str) -> list[str]:
     return [title, "", *table(["goal", "threshold", "measured", "met", "from"], body)]
 
 
-MODULES = {  # part: its module in bench/, in the order of the goals table
+MODULES = {  # part: the module in bench/ that renders it, in the order of the goals table
     "snapshot": "snapshot",
     "overhead": "overhead",
-    "flush": "flush",
-    "recovery": "recovery",
+    "flush": "flush_tables",
+    "recovery": "recovery_tables",
     "ec-overhead": "ec_overhead",
-    "ec-protect": "ec_protect",
-    "datapath": "datapath",
-    "gpu": "datapath",
+    "ec-protect": "ec_protect_tables",
+    "datapath": "datapath_tables",
+    "gpu": "datapath_tables",
     "sharding": "sharding",
     "ec": "ec",
 }
-"""In the order of the goals table; ``python bench/run.py`` runs the first eight."""
+"""In the order of the goals table; ``python bench/run.py`` runs the first eight (their
+measuring modules: ``bench/run.py``'s ``SCRIPTS``)."""
 TITLES = {
     "snapshot": "Snapshot: ftmem vs torch.save vs DCP",
     "memory": "Memory per node",
@@ -117,7 +119,7 @@ TITLES = {
 
 
 def module(part: str) -> Any:
-    """The module of ``part``: its ``sections(result)`` and ``goals(result)``."""
+    """The rendering module of ``part``: its ``sections(result)`` and ``goals(result)``."""
     return importlib.import_module(f"bench.{MODULES[part]}")
 
 

@@ -32,8 +32,11 @@ from bench import _plots, _render, _results
 
 logger = logging.getLogger("bench.run")
 
-MODULES = _render.MODULES
 PARTS = tuple("snapshot overhead recovery ec-protect ec-overhead flush datapath gpu".split())
+SCRIPTS = {  # part: its measuring module in bench/ (its ``run(argv)``; the script run alone)
+    **{part: part.replace("-", "_") for part in PARTS},
+    "gpu": "datapath",
+}
 _PROFILES = {  # part: (smoke, quick, full) arguments
     "snapshot": (
         "--sizes 0.02 --repeats 1 --fwd-bwd-s 0.05 --simulate sleep --skip-sync-staging",
@@ -94,8 +97,8 @@ def part_argv(name: str, args: argparse.Namespace) -> list[str]:
 
 def run_part(name: str, argv: list[str], suite_command: str) -> tuple[dict[str, Any] | None, str]:
     """Run one part; (its JSON document or None, error text). A crash is caught, not raised."""
-    module = importlib.import_module(f"bench.{MODULES[name]}")
-    shown = " ".join(["python", f"bench/{MODULES[name]}.py", *map(shlex.quote, argv)])
+    module = importlib.import_module(f"bench.{SCRIPTS[name]}")
+    shown = " ".join(["python", f"bench/{SCRIPTS[name]}.py", *map(shlex.quote, argv)])
     try:
         doc = _results.document(name, module.run(argv))
     except (Exception, SystemExit) as exc:  # argparse errors are SystemExit
