@@ -170,7 +170,7 @@ def goals(r: Doc | None) -> list[Goal]:
     for c in cases:
         mode, enc, w = c.get("mode", "curve"), ec_encode(c), c.get("workers", 0)
         goal = f"encode throughput per SMP (in protect), n={c['n']}, m={c['m']}, {mode}"
-        goal += f", {w} encode workers" if w else ""
+        goal += f", {w} encode worker{'s' if w > 1 else ''}" if w else ""
         src = f"ec-protect, {c['size'] / MiB:g} MiB per node, stripes of {c['stripe'] / MiB:g} MiB"
         out.append(Goal(p, goal, t, stat(enc, ".2f", " GB/s"), (median(enc) or 0.0) >= 5.0, src))
     runs = (r or {}).get("channel") or []
