@@ -59,7 +59,7 @@ logger = logging.getLogger("bench.ec_protect")
 Doc = dict[str, Any]
 
 
-def _wall(answers: Sequence[Doc]) -> float:
+def wall(answers: Sequence[Doc]) -> float:
     """Seconds from the first node's start to the last node's end."""
     return float(max(x["t_end"] for x in answers) - min(x["t_start"] for x in answers))
 
@@ -174,11 +174,16 @@ def _channel_alone(ctx: Any, keys_json: str, mode: str, nbytes: int, tmo: float)
         b, a = _collect(ends, tmo, "channel start")
         for nd in ends:
             nd.conn.send({"b": b, "a": a or b})
-        rcpu, wall = _collect([recv_end], tmo, "channel receive")[0]
+        rcpu, seconds = _collect([recv_end], tmo, "channel receive")[0]
         send_end.conn.send("done")
         scpu, _ = _collect([send_end], tmo, "channel send")[0]
         gib = nbytes / GiB
-        return {"mode": mode, "gibps": gib / wall, "send_cpu": scpu / gib, "recv_cpu": rcpu / gib}
+        return {
+            "mode": mode,
+            "gibps": gib / seconds,
+            "send_cpu": scpu / gib,
+            "recv_cpu": rcpu / gib,
+        }
     finally:
         _stop(ends, polite=False)
 
@@ -255,7 +260,7 @@ def run_case(
             answers, busy = _at_once(nodes, "protect", (step,), tmo)
             res.protect.append(answers)
             res.machine_busy.append(busy)
-            logger.info("%s protect #%d: %.2f s", tag, step - 1, _wall(answers))
+            logger.info("%s protect #%d: %.2f s", tag, step - 1, wall(answers))
         parity = _ask(nodes, "parity_digest", reps, tmo)
         survivors = [nd for nd in nodes if nd.name not in lost]
         for r in range(reps):
@@ -283,7 +288,7 @@ def run_case(
             res.rebuild_ok.append(ok)
             verdict = "bitwise equal" if ok else "MISMATCH"
             logger.info(
-                "%s rebuild #%d of %s: %.2f s, %s", tag, r, res.lost, _wall(answers), verdict
+                "%s rebuild #%d of %s: %.2f s, %s", tag, r, res.lost, wall(answers), verdict
             )
     except NodeFailed as exc:
         res.error = str(exc)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from bench._ec_node import CHANNELS
 from bench._figures import Goal, rows
 from bench._stats import GiB, MiB, gbps, median, stat
-from bench.ec_protect import Doc, _wall
+from bench.ec_protect import Doc, wall
 
 
 def ec_encode(c: Doc) -> list[float]:
@@ -42,11 +42,11 @@ def _ec_case(c: Doc, size: int) -> Doc:
     return {
         **c,
         "prot": prot,
-        "walls": [_wall(rr) for rr in c["protect"]],
+        "walls": [wall(rr) for rr in c["protect"]],
         "reb": [x for rr in c["rebuild"] for x in rr],
-        "rwalls": [_wall(rr) for rr in c["rebuild"]],
+        "rwalls": [wall(rr) for rr in c["rebuild"]],
         "srv": [x for rr in c["served"] for x in rr],
-        "busy": [sum(x["cpu_s"] for x in rr) / _wall(rr) for rr in c["protect"]],
+        "busy": [sum(x["cpu_s"] for x in rr) / wall(rr) for rr in c["protect"]],
         "enc_share": [100 * x["enc_cpu_s"] / x["cpu_s"] for x in prot if x["cpu_s"]],
         "size": size,
         "gib": size / GiB,

@@ -31,15 +31,25 @@ from dataclasses import dataclass, field
 
 from ftmem._logging import get_logger
 from ftmem.exchange.codec import EncodedStripe, StripeCodec
-from ftmem.exchange.encode_worker import reply_struct, request_struct
+from ftmem.exchange.encode_worker import MAX_WORKERS, reply_struct, request_struct
 
-__all__ = ["EncodePool"]
+__all__ = ["MAX_WORKERS", "EncodePool"]
 
 log = get_logger(__name__)
 
 STALL_S = 10.0
 """A stripe not encoded this long after its submit counts its worker as hung (1 MiB takes
 about a millisecond)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """A stripe given to a worker: its caller's tag, shape and submit time."""
+
+    tag: Hashable
+    chunk_bytes: int
+    lengths: tuple[int, ...]
+    since: float
 
 
 @dataclass
@@ -49,8 +59,8 @@ class _Worker:
     out_fd: int
     in_fd: int
     pending: bytes = b""
-    busy: dict[int, tuple[Hashable, float]] = field(default_factory=dict)
-    """Slot -> (tag, submit time) of the stripes it has been given."""
+    busy: dict[int, _Out] = field(default_factory=dict)
+    """Slot -> the stripe in it, for the stripes it has been given."""
     alive: bool = True
 
 
@@ -109,8 +119,7 @@ class EncodePool:
             raise
         os.close(fd)
         self._inline: list[tuple[Hashable, EncodedStripe]] = []
-        self._stripes: dict[int, tuple[int, tuple[int, ...]]] = {}
-        """Slot -> (chunk_bytes, lengths) of the stripe in it."""
+        """Stripes of lost workers, encoded here, for the next :meth:`poll`."""
         self.encoded = 0
         """Stripes the workers encoded."""
         self.fell_back = 0
@@ -161,8 +170,7 @@ class EncodePool:
         slot = next(s for s in worker.slots if s not in worker.busy)
         base = slot * self.slot_bytes
         fill(self._view[base : base + self.k * chunk_bytes])
-        self._stripes[slot] = (chunk_bytes, lengths)
-        worker.busy[slot] = (tag, time.monotonic())
+        worker.busy[slot] = _Out(tag, chunk_bytes, lengths, time.monotonic())
         try:
             os.write(worker.in_fd, self._req.pack(slot, chunk_bytes, *lengths))
         except OSError as exc:  # BrokenPipeError: it died
@@ -171,7 +179,7 @@ class EncodePool:
 
     def poll(self) -> list[tuple[Hashable, EncodedStripe]]:
         """The stripes encoded since the last call (non-blocking), each with its tag."""
-        out, self._inline = self._inline, []
+        out: list[tuple[Hashable, EncodedStripe]] = []
         now = time.monotonic()
         for w in self._workers:
             if not w.alive:
@@ -184,8 +192,6 @@ class EncodePool:
                 chunk = b""
             if chunk == b"":
                 self._lost(w, f"exited ({w.proc.poll()})")
-                out += self._inline
-                self._inline = []
                 continue
             if chunk:
                 w.pending += chunk
@@ -195,11 +201,11 @@ class EncodePool:
                 if slot not in w.busy:
                     self._lost(w, f"answered for slot {slot}, not one it was given")
                     break
-                tag, _ = w.busy.pop(slot)
-                chunk_bytes, lengths = self._stripes.pop(slot)
+                got = w.busy.pop(slot)
+                chunk_bytes, lengths = got.chunk_bytes, got.lengths
                 if ok != 1 or header != self.codec.header_bytes(chunk_bytes):
                     log.warning("encode worker %d refused a stripe: encoded inline", w.proc.pid)
-                    out.append((tag, self._encode_here(slot, chunk_bytes, lengths)))
+                    out.append((got.tag, self._encode_here(slot, got)))
                     continue
                 at = slot * self.slot_bytes + self.k * chunk_bytes
                 size = chunk_bytes + header
@@ -207,17 +213,18 @@ class EncodePool:
                     bytes(self._view[at + t * size : at + (t + 1) * size]) for t in range(self.m)
                 )
                 self.encoded += 1
-                out.append((tag, EncodedStripe(chunk_bytes, lengths, parity, tuple(sums))))
-            if w.alive and w.busy and now - min(t for _, t in w.busy.values()) > self.stall_s:
+                out.append((got.tag, EncodedStripe(chunk_bytes, lengths, parity, tuple(sums))))
+            if w.alive and w.busy and now - min(o.since for o in w.busy.values()) > self.stall_s:
                 self._lost(w, f"did not answer for {self.stall_s:g} s", kill=True)
-                out += self._inline
-                self._inline = []
+        out += self._inline
+        self._inline = []
         return out
 
-    def _encode_here(self, slot: int, chunk_bytes: int, lengths: tuple[int, ...]) -> EncodedStripe:
+    def _encode_here(self, slot: int, stripe: _Out) -> EncodedStripe:
         base = slot * self.slot_bytes
         self.fell_back += 1
-        return self.codec.encode_stripe(self._view[base : base + self.k * chunk_bytes], lengths)
+        data = self._view[base : base + self.k * stripe.chunk_bytes]
+        return self.codec.encode_stripe(data, stripe.lengths)
 
     def _lost(self, w: _Worker, why: str, kill: bool = False) -> None:
         """Stop using ``w``: kill it (our own child, by pid), encode its stripes here."""
@@ -229,9 +236,8 @@ class EncodePool:
         )
         w.alive = False
         self._stop(w, kill)
-        for slot, (tag, _) in sorted(w.busy.items()):
-            chunk_bytes, lengths = self._stripes.pop(slot)
-            self._inline.append((tag, self._encode_here(slot, chunk_bytes, lengths)))
+        for slot, stripe in sorted(w.busy.items()):
+            self._inline.append((stripe.tag, self._encode_here(slot, stripe)))
         w.busy.clear()
 
     @staticmethod

@@ -29,6 +29,7 @@ from torch.distributed.run import get_args_parser as torchrun_args_parser
 from torch.distributed.run import parse_min_max_nnodes
 
 from ftmem.errors import UnrecoverableError
+from ftmem.exchange.encode_worker import MAX_WORKERS
 from ftmem.launch.config import (
     DEFAULT_MAX_RESTARTS,
     FtmemLaunchConfig,
@@ -327,12 +328,9 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=float(value))
 
 
-MAX_ENCODE_WORKERS = 64
-
-
 def _encode_workers(value: int) -> int:
-    if not 0 <= int(value) <= MAX_ENCODE_WORKERS:
-        raise ValueError(f"--ftmem-ec-encode-workers must be 0..{MAX_ENCODE_WORKERS}, got {value}")
+    if not 0 <= int(value) <= MAX_WORKERS:
+        raise ValueError(f"--ftmem-ec-encode-workers must be 0..{MAX_WORKERS}, got {value}")
     return int(value)
 
 

@@ -180,12 +180,6 @@ def parse_job(line: str | bytes) -> Job:
         ProtocolError: not a job, or a field missing, unknown or of the wrong type.
     """
     cls, doc = _read(line, "op", _OPS)
-    if cls is FlushJob:
-        sources = doc.get("sources")
-        if not isinstance(sources, list):
-            raise ProtocolError("field 'sources' must be a list")
-        doc["sources"] = [build(SlotSource, s) for s in sources]
-        return build(FlushJob, doc, skip=("sources",))  # type: ignore[no-any-return]
     return build(cls, doc)  # type: ignore[no-any-return]
 
 

@@ -295,6 +295,23 @@ def _hints(cls: type[Any]) -> dict[str, Any]:
     return hints
 
 
+_NESTED: dict[type[Any], dict[str, type[Any]]] = {}
+
+
+def _nested(cls: type[Any]) -> dict[str, type[Any]]:
+    """The fields of ``cls`` annotated ``list[D]`` of a dataclass ``D``, each with ``D``
+    (cached per class, like :func:`_hints`)."""
+    nested = _NESTED.get(cls)
+    if nested is None:
+        nested = {}
+        for name, tp in _hints(cls).items():
+            args = typing.get_args(tp) if typing.get_origin(tp) is list else ()
+            if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+                nested[name] = args[0]
+        _NESTED[cls] = nested
+    return nested
+
+
 def from_fields(kind: Kind, fields: Any) -> Any:
     """Build the payload dataclass of ``kind`` from decoded JSON, checking every field.
 
@@ -304,9 +321,9 @@ def from_fields(kind: Kind, fields: Any) -> Any:
     return build(PAYLOAD_TYPES[kind], fields, what=kind.name)
 
 
-def build(cls: type[Any], fields: Any, *, skip: tuple[str, ...] = (), what: str = "") -> Any:
+def build(cls: type[Any], fields: Any, *, what: str = "") -> Any:
     """Build the dataclass ``cls`` from decoded JSON, checking every field's type against
-    its annotation (fields named in ``skip`` the caller has checked and built already).
+    its annotation; a ``list[D]`` field of a dataclass ``D`` is built item by item.
 
     Raises:
         ProtocolError: not an object, unknown or missing fields, or a field of the wrong type.
@@ -319,10 +336,18 @@ def build(cls: type[Any], fields: Any, *, skip: tuple[str, ...] = (), what: str 
     unknown = set(fields) - set(known)
     if unknown:
         raise ProtocolError(f"unknown fields {sorted(unknown)} for {what}")
+    nested = _nested(cls)
+    if nested:
+        fields = dict(fields)
     for name, f in known.items():
         if name in fields:
-            if name not in skip:
+            item = nested.get(name)
+            if item is None:
                 _check(name, fields[name], hints[name])
+            elif isinstance(fields[name], list):
+                fields[name] = [build(item, v, what=f"an item of {name!r}") for v in fields[name]]
+            else:
+                raise ProtocolError(f"field {name!r} must be a list")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"missing field {name!r} for {what}")
     return cls(**fields)

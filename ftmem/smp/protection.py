@@ -32,6 +32,7 @@ from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
 from ftmem.events import EventLog
 from ftmem.exchange import messages as pm
+from ftmem.exchange.encode_pool import MAX_WORKERS
 from ftmem.exchange.messages import Envelope
 from ftmem.exchange.placement import GroupPlan, group_of, plan_groups
 from ftmem.exchange.protector import GroupProtector
@@ -297,7 +298,7 @@ class ProtectionService:
             self._results.put(Result(cmd.token, False, {}, f"cannot bind the peer port: {exc}"))
             return
         self.transport = t
-        self.encode_workers = max(0, min(cmd.encode_workers, 64))
+        self.encode_workers = max(0, min(cmd.encode_workers, MAX_WORKERS))
         self.ctx.board.move(ExchangeState.BOUND, endpoint=endpoint)
         log.info(
             "[%s/exchange] peer port %s (%s)",

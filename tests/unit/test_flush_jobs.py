@@ -23,6 +23,7 @@ from ftmem.protocol.flush_jobs import (
     parse_job,
     parse_reply,
 )
+from tests._support.strategies import json_values
 
 JOB = FlushJob(
     id=3,
@@ -94,13 +95,6 @@ def test_a_job_is_not_a_reply_and_a_reply_not_a_job() -> None:
         parse_job(encode(WorkerReady(1)))
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
-    ),
-    max_leaves=30,
-)
 tagged = st.dictionaries(st.text(max_size=10), json_values, max_size=8).flatmap(
     lambda d: st.sampled_from(
         [

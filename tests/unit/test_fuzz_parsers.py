@@ -23,14 +23,7 @@ from ftmem.smp import records
 from ftmem.smp.protection import decide
 from ftmem.tiers import signing
 from ftmem.tiers.checkpoints import MANIFEST, read_checkpoint
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
-    ),
-    max_leaves=30,
-)
+from tests._support.strategies import json_values
 
 # Peer headers reach the protector as Python objects (no JSON text in between), so they may
 # also hold what JSON text cannot carry back: ints of thousands of digits.
