@@ -1,7 +1,8 @@
 """Deterministic fault injection at named points of ftmem's code, driven by FTMEM_FAULT.
 
 ``FTMEM_FAULT="in_copy:rank=1:step=12"`` SIGKILLs rank 1 inside the copy of step 12's
-snapshot (before its commit). The fault fires at most once per process. Faults are real
+snapshot (before its commit); ``min_step=12`` instead of ``step=12`` inside the first copy at
+or after step 12 (a skipped snapshot has no copy). The fault fires at most once per process. Faults are real
 signals to real processes, or real damage to real memory; nothing is mocked. In an SMP,
 ``rank`` matches the node index of the peer mesh:
 ``FTMEM_FAULT="parity_held:rank=2:fault=flip"`` flips a byte of node 2's parity once it has
@@ -105,26 +106,6 @@ class InjectedCrash(RuntimeError):
     """The error a ``crash`` fault raises: no code path expects it, as with a real bug."""
 
 
-def _parse(spec: str) -> tuple[Point, int | None, int | None, Fault] | None:
-    if not spec:
-        return None
-    parts = spec.split(":")
-    point = Point(parts[0])
-    rank = step = None
-    fault = Fault.KILL
-    for p in parts[1:]:
-        k, _, v = p.partition("=")
-        if k == "rank":
-            rank = int(v)
-        elif k == "step":
-            step = int(v)
-        elif k == "fault":
-            fault = Fault(v)
-        else:
-            raise ValueError(f"{ENV_FAULT}: unknown field {k!r}")
-    return point, rank, step, fault
-
-
 @dataclass(frozen=True, slots=True)
 class ArmedFault:
     """One armed fault: fires once per run, in the first process whose point matches."""
@@ -188,6 +169,24 @@ class ArmedFault:
             step=ints["step"],
             min_step=ints["min_step"],
         )
+
+
+def _parse(spec: str) -> ArmedFault | None:
+    """The fault of an ``FTMEM_FAULT`` value: ``POINT[:rank=R][:step=S][:min_step=S][:fault=F]``
+    (None if empty). Raises ValueError on an unknown point, fault or field."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    fields: dict[str, Any] = {"id": "env", "point": Point(parts[0])}
+    for p in parts[1:]:
+        k, _, v = p.partition("=")
+        if k in ("rank", "step", "min_step"):
+            fields[k] = int(v)
+        elif k == "fault":
+            fields[k] = Fault(v)
+        else:
+            raise ValueError(f"{ENV_FAULT}: unknown field {k!r}")
+    return ArmedFault(**fields)
 
 
 def marker_path(path: Path, fault_id: str) -> Path:
@@ -343,11 +342,9 @@ def maybe_inject(point: Point, rank: int, step: int) -> bool:
     its write there. Raises :class:`InjectedCrash` when the fault is CRASH.
     """
     global _fired
-    if _SPEC is not None and not _fired:
-        p, r, s, fault = _SPEC
-        if p is point and (r is None or r == rank) and (s is None or s == step):
-            _fired = True
-            return _fire(fault)
+    if _SPEC is not None and not _fired and _SPEC.matches(point, None, rank, step):
+        _fired = True
+        return _fire(_SPEC.fault)
     if _ARMED is not None:
         armed = _ARMED.check(point, rank, step)
         if armed is not None:
