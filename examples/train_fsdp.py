@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import GPT, SyntheticTokens, _inject_failure, get_args_parser
+from train_gpt import GPT, SyntheticTokens, fail_when_committed, get_args_parser
 
 logger = logging.getLogger("train_fsdp")
 
@@ -135,10 +135,8 @@ def train(args: Any) -> int:
             ftmem.heartbeat(step + 1)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             logger.info("step %d loss %.4f", step + 1, loss.item())
-        if step + 1 == args.fail_at_step and rank == args.fail_rank and start < args.fail_at_step:
-            if handle is not None:
-                ftmem.wait(timeout=60.0)  # also commits this step if its snapshot was skipped
-            _inject_failure(args.fail_mode, rank, step + 1)
+        if step + 1 == args.fail_at_step and start < args.fail_at_step:
+            fail_when_committed(ftmem, handle is not None, args, rank, step + 1)
         if args.step_delay:
             time.sleep(args.step_delay)
     if ftmem is not None:

@@ -297,7 +297,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--fail-at-step",
         type=int,
         default=0,
-        help="after the snapshot of step N is committed, fail (once: not when resumed at >= N)",
+        help="once every rank committed its snapshot of step N, --fail-rank fails (once: not "
+        "when resumed at >= N)",
     )
     p.add_argument("--fail-rank", type=int, default=0, help="the rank that fails")
     p.add_argument("--fail-mode", choices=("kill", "hang"), default="kill")
@@ -340,6 +341,27 @@ def _inject_failure(mode: str, rank: int, step: int) -> None:
     print(f"[rank {rank}] injecting failure ({mode}) after step {step}", flush=True)
     sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
     os.kill(os.getpid(), sig)
+
+
+def fail_when_committed(
+    ftmem: Any, saved: bool, args: argparse.Namespace, rank: int, step: int
+) -> None:
+    """At ``--fail-at-step``: every rank waits until its snapshot of ``step`` is committed
+    (``ftmem.wait`` also commits one that was skipped), the ranks meet at a barrier, and then
+    ``--fail-rank`` fails. So the restart resumes from ``step`` however loaded the machine is:
+    an ordinary save may skip when the SMP still holds both slots."""
+    committed = True
+    if ftmem is not None and saved:
+        try:  # wait() also commits this step if its snapshot was skipped
+            committed = ftmem.wait(timeout=60.0)
+        except TimeoutError:
+            committed = False
+    if not committed:
+        logger.warning("snapshot of step %d not committed before the failure", step)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == args.fail_rank:
+        _inject_failure(args.fail_mode, rank, step)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -430,18 +452,8 @@ def train(args: argparse.Namespace) -> int:
                 logger.info(
                     "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
                 )
-            if (
-                step + 1 == args.fail_at_step
-                and rank == args.fail_rank
-                and start < args.fail_at_step
-            ):
-                try:  # wait() also commits this step if its snapshot was skipped
-                    committed = handle is not None and ftmem.wait(timeout=60.0)
-                except TimeoutError:
-                    committed = False
-                if not committed:
-                    logger.warning("snapshot of step %d not committed before the failure", step + 1)
-                _inject_failure(args.fail_mode, rank, step + 1)
+            if step + 1 == args.fail_at_step and start < args.fail_at_step:
+                fail_when_committed(ftmem, handle is not None, args, rank, step + 1)
             if args.step_delay:
                 time.sleep(args.step_delay)
         return max(start, args.steps)

@@ -58,7 +58,8 @@ def digest(model: torch.nn.Module, optimizer: Any) -> str:
 
 
 class FailOnce(TrainerCallback):
-    """SIGKILL this rank once ``step`` is committed to ftmem (not again after a resume)."""
+    """SIGKILL rank ``rank`` once every rank committed ``step`` to ftmem (not again after a
+    resume): each waits for its commit, then all meet at a barrier."""
 
     def __init__(self, step: int, rank: int, trainer: Any) -> None:
         self.step, self.rank, self.trainer = step, rank, trainer
@@ -66,12 +67,15 @@ class FailOnce(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         me = int(os.environ.get("RANK", "0"))
         resumed = getattr(self.trainer, "ftmem_restored_step", 0)
-        if state.global_step == self.step and me == self.rank and resumed < self.step:
+        if state.global_step == self.step and resumed < self.step:
             import ftmem
 
-            ftmem.wait(timeout=60.0)
-            print(f"[rank {me}] injecting failure after step {self.step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            ftmem.wait(timeout=60.0)  # also commits the step if its snapshot was skipped
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            if me == self.rank:
+                print(f"[rank {me}] injecting failure after step {self.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         return control
 
 

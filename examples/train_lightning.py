@@ -78,20 +78,23 @@ def digest(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> s
 
 
 class FailOnce(pl.Callback):
-    """SIGKILL this rank once each of ``steps`` is committed to ftmem (not again after the
-    resume from it)."""
+    """SIGKILL rank ``rank`` once every rank committed each of ``steps`` to ftmem (not again
+    after the resume from it): each waits for its commit, then all meet at a barrier."""
 
     def __init__(self, steps: list[int], rank: int, ftmem_cb: Any) -> None:
         self.steps, self.rank, self.ftmem_cb = steps, rank, ftmem_cb
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         me, step = trainer.global_rank, trainer.global_step
-        if step in self.steps and me == self.rank and self.ftmem_cb.restored_step < step:
+        if step in self.steps and self.ftmem_cb.restored_step < step:
             import ftmem
 
-            ftmem.wait(timeout=60.0)
-            print(f"[rank {me}] injecting failure after step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            ftmem.wait(timeout=60.0)  # also commits the step if its snapshot was skipped
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            if me == self.rank:
+                print(f"[rank {me}] injecting failure after step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
