@@ -227,11 +227,21 @@ def analyse_ftmem(run: Run, events: list[Event], text: str, fail_step: int) -> N
         hits = (e for e in events if e.event == kind and e.time > after)
         return next((e for e in hits if match.items() <= e.fields.items()), None)
 
-    death = first("committed", rank=FAIL_RANK, step=fail_step)
     failed, resumed = first("failed"), first("resumed")
-    if death is None or failed is None or resumed is None:
+    # Every rank commits the failure step and they meet at a barrier; then the rank dies.
+    commits = [
+        e
+        for e in events
+        if e.event == "committed"
+        and e.fields.get("step") == fail_step
+        and failed is not None
+        and e.time <= failed.time
+    ]
+    death = max(commits, key=lambda e: e.time, default=None)
+    if not any(e.fields.get("rank") == FAIL_RANK for e in commits) or resumed is None:
         run.error = "no commit of the failure step, 'failed' or 'resumed' event"
         return
+    assert death is not None and failed is not None
     detected = float(failed.fields.get("detected", failed.time))
     run.phases = {"detect": detected - death.time, **(resumed.fields.get("phases") or {})}
     restore = first("discard_newer", detected)
