@@ -136,7 +136,9 @@ def train(args: Any) -> int:
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             logger.info("step %d loss %.4f", step + 1, loss.item())
         if step + 1 == args.fail_at_step and start < args.fail_at_step:
-            fail_when_committed(ftmem, handle is not None, args, rank, step + 1)
+            fail_when_committed(
+                ftmem, handle is not None, rank, args.fail_rank, step + 1, args.fail_mode
+            )
         if args.step_delay:
             time.sleep(args.step_delay)
     if ftmem is not None:

@@ -344,12 +344,13 @@ def _inject_failure(mode: str, rank: int, step: int) -> None:
 
 
 def fail_when_committed(
-    ftmem: Any, saved: bool, args: argparse.Namespace, rank: int, step: int
+    ftmem: Any, saved: bool, rank: int, fail_rank: int, step: int, mode: str = "kill"
 ) -> None:
-    """At ``--fail-at-step``: every rank waits until its snapshot of ``step`` is committed
-    (``ftmem.wait`` also commits one that was skipped), the ranks meet at a barrier, and then
-    ``--fail-rank`` fails. So the restart resumes from ``step`` however loaded the machine is:
-    an ordinary save may skip when the SMP still holds both slots."""
+    """At the failure step (``--fail-at-step``), on every rank: wait until this rank's
+    snapshot of ``step`` is committed (``ftmem.wait`` also commits one that was skipped; not
+    when ``saved`` is False), meet the other ranks at a barrier, and then, on ``fail_rank``,
+    fail (``mode``: kill or hang). So the restart resumes from ``step`` however loaded the
+    machine is: an ordinary save may skip when the SMP still holds both slots."""
     committed = True
     if ftmem is not None and saved:
         try:  # wait() also commits this step if its snapshot was skipped
@@ -360,8 +361,8 @@ def fail_when_committed(
         logger.warning("snapshot of step %d not committed before the failure", step)
     if dist.is_initialized():
         dist.barrier()
-    if rank == args.fail_rank:
-        _inject_failure(args.fail_mode, rank, step)
+    if rank == fail_rank:
+        _inject_failure(mode, rank, step)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -453,7 +454,9 @@ def train(args: argparse.Namespace) -> int:
                     "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
                 )
             if step + 1 == args.fail_at_step and start < args.fail_at_step:
-                fail_when_committed(ftmem, handle is not None, args, rank, step + 1)
+                fail_when_committed(
+                    ftmem, handle is not None, rank, args.fail_rank, step + 1, args.fail_mode
+                )
             if args.step_delay:
                 time.sleep(args.step_delay)
         return max(start, args.steps)
