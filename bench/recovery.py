@@ -293,7 +293,13 @@ def analyse_dcp(run: Run, text: str, fail_step: int, year: int) -> None:
     last = {"event": "step", "rank": FAIL_RANK, "step": fail_step}
     death = next((m for m in marks if last.items() <= m.items()), None)
     if death is None:
-        run.error = f"no step {fail_step} of rank {FAIL_RANK}"
+        seen = [m["step"] for m in marks if m["event"] == "step" and m["rank"] == FAIL_RANK]
+        starts = sum(m["event"] == "script_started" for m in marks)
+        run.error = (
+            f"no step {fail_step} of rank {FAIL_RANK} (its steps seen: {len(seen)}, up to "
+            f"{max(seen, default=0)}; {starts} rank starts; failure "
+            f"{'injected' if 'injecting failure' in text else 'never injected'})"
+        )
         return
     t = {"death": death["time"]}
     for key, patterns in _ELASTIC.items():
@@ -442,8 +448,8 @@ def run(argv: list[str]) -> RecoveryResult:
         for i in range(repeats):
             res.runs += [run_one(res, system, i, workdir, args.timeout) for system in SYSTEMS]
     finally:
-        if args.keep:
-            logger.info("logs kept in %s", workdir)
+        if args.keep or any(r.error for r in res.runs):
+            logger.info("logs kept in %s%s", workdir, "" if args.keep else " (a run failed)")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     if args.no_reference:  # the runs' digests against each other
