@@ -228,20 +228,20 @@ def analyse_ftmem(run: Run, events: list[Event], text: str, fail_step: int) -> N
         return next((e for e in hits if match.items() <= e.fields.items()), None)
 
     failed, resumed = first("failed"), first("resumed")
+    missing = "no commit of the failure step, 'failed' or 'resumed' event"
+    if failed is None or resumed is None:
+        run.error = missing
+        return
     # Every rank commits the failure step and they meet at a barrier; then the rank dies.
     commits = [
         e
         for e in events
-        if e.event == "committed"
-        and e.fields.get("step") == fail_step
-        and failed is not None
-        and e.time <= failed.time
+        if e.event == "committed" and e.fields.get("step") == fail_step and e.time <= failed.time
     ]
-    death = max(commits, key=lambda e: e.time, default=None)
-    if not any(e.fields.get("rank") == FAIL_RANK for e in commits) or resumed is None:
-        run.error = "no commit of the failure step, 'failed' or 'resumed' event"
+    if FAIL_RANK not in {e.fields.get("rank") for e in commits}:
+        run.error = missing
         return
-    assert death is not None and failed is not None
+    death = max(commits, key=lambda e: e.time)
     detected = float(failed.fields.get("detected", failed.time))
     run.phases = {"detect": detected - death.time, **(resumed.fields.get("phases") or {})}
     restore = first("discard_newer", detected)

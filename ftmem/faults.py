@@ -2,9 +2,9 @@
 
 ``FTMEM_FAULT="in_copy:rank=1:step=12"`` SIGKILLs rank 1 inside the copy of step 12's
 snapshot (before its commit); ``min_step=12`` instead of ``step=12`` inside the first copy at
-or after step 12 (a skipped snapshot has no copy). The fault fires at most once per process. Faults are real
-signals to real processes, or real damage to real memory; nothing is mocked. In an SMP,
-``rank`` matches the node index of the peer mesh:
+or after step 12 (a skipped snapshot has no copy). The fault fires at most once per process.
+Faults are real signals to real processes, or real damage to real memory; nothing is mocked.
+In an SMP, ``rank`` matches the node index of the peer mesh:
 ``FTMEM_FAULT="parity_held:rank=2:fault=flip"`` flips a byte of node 2's parity once it has
 protected a step; ``in_protect:rank=1:step=5`` SIGKILLs node 1's SMP as it starts protecting
 step 5.
