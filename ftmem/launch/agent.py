@@ -63,6 +63,7 @@ from ftmem.launch.monitor import (
     all_resumed,
 )
 from ftmem.launch.peers import PeerSettings, join_generation
+from ftmem.launch.rank_store import RankStore, per_round_store
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.rendezvous import (
     agree_slot,
@@ -121,6 +122,8 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         """The node's ranks: stopped and hung ones get SIGKILL."""
         self._in_process = InProcessRestarts(smp.node, smp.run_dir)
         """Ranks kept alive across the restart in progress (``ftmem.run``)."""
+        self._rank_store = RankStore(smp.node)
+        """The ranks' TCPStore, served here when this node runs global rank 0."""
         self._restarting = False
         """elastic is restarting the ranks (set in before_restart, read in _stop_workers)."""
         self._recovery: Recovery | None = None
@@ -173,6 +176,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self._rendezvous_at = time.time()
         share_master(worker_group, self._slot)
         self.generation = exchange_generation(worker_group, self.rendezvous_round, self.generation)
+        self._serve_rank_store(worker_group)
         ranks = [w.global_rank for w in worker_group.workers]
         if self._prev_ranks is not None and ranks != self._prev_ranks:
             log.warning(
@@ -183,6 +187,18 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 ranks,
             )
         self._prev_ranks = ranks
+
+    def _serve_rank_store(self, worker_group: WorkerGroup) -> None:
+        """Serve this generation's rank store here if this node runs global rank 0
+        (:mod:`ftmem.launch.rank_store`): the node of slot 0, else elastic's group rank 0."""
+        if not per_round_store():
+            return
+        hosts = self._slot == 0 if self._slot is not None else worker_group.group_rank == 0
+        addr, port = worker_group.master_addr, worker_group.master_port
+        if hosts and addr is not None and port is not None:
+            self._rank_store.serve(addr, port, self.generation)
+        else:
+            self._rank_store.not_hosting()
 
     def assign_worker_ranks(
         self,
@@ -232,7 +248,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self._join_peers(worker_group)
         start = time.time()
         self._in_process.begin_generation(self.generation, ftmem_env)
-        with spawning_from(self._standbys, self._in_process.adopt):
+        with spawning_from(self._standbys, self._in_process.adopt, self._rank_store.rank_env()):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         self._in_process.discard("its local rank is not in the new generation")
         kept = self._in_process.adopted
@@ -360,6 +376,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             self._standbys.stop()
             self._poller.close()
             self._smp.stop()
+            self._rank_store.close()
 
     def before_restart(self, worker_group: WorkerGroup) -> None:
         self._restarting = True

@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,10 +392,13 @@ Adopt = Callable[[int, dict[str, str], Any, Any], SubprocessHandler | None]
 
 
 @contextlib.contextmanager
-def spawning_from(pool: StandbyPool, adopt: Adopt | None = None) -> Iterator[None]:
+def spawning_from(
+    pool: StandbyPool, adopt: Adopt | None = None, env_update: Mapping[str, str] | None = None
+) -> Iterator[None]:
     """While inside, elastic gets for each rank the process ``adopt`` returns (a rank kept
     alive across the restart, :mod:`ftmem.launch.in_process`), else a ready standby where
-    there is one.
+    there is one. Every rank, however started, gets ``env_update`` on top of elastic's
+    environment.
 
     Replaces ``get_subprocess_handler`` in elastic's ``multiprocessing.api`` module for the
     duration (the agent starts ranks from its main thread only); a rank without a ready
@@ -413,6 +416,7 @@ def spawning_from(pool: StandbyPool, adopt: Adopt | None = None) -> Iterator[Non
         local_rank_id: int,
         numa_options: Any = None,
     ) -> SubprocessHandler:
+        env = {**env, **(env_update or {})}
         kept = adopt(local_rank_id, env, stdout, stderr) if adopt is not None else None
         if kept is not None:
             return kept

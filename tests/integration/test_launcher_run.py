@@ -10,15 +10,19 @@ from ftmem.testing.harness import shm_files, wait_gone
 from tests._support.launcher import EXAMPLE, TINY, Launcher, digests
 
 ENV_SCRIPT = """
-import ctypes, json, os
+import ctypes, json, os, socket
 libc = ctypes.CDLL(None)
 sig = ctypes.c_int(0)
 libc.prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
 keys = ["FTMEM_RUN_DIR", "FTMEM_RUN_ID", "FTMEM_NODE", "FTMEM_GENERATION", "RANK",
         "FTMEM_EXPECTED_STEP",
         "TORCHELASTIC_USE_AGENT_STORE"]
-print("ENV " + json.dumps({**{k: os.environ.get(k) for k in keys}, "pdeathsig": sig.value}),
-      flush=True)
+# No rank serves a store here: a listener on MASTER_PORT is the agent's.
+with socket.socket() as s:
+    s.settimeout(10)
+    served = s.connect_ex((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))) == 0
+print("ENV " + json.dumps({**{k: os.environ.get(k) for k in keys}, "pdeathsig": sig.value,
+                           "store_served": served}), flush=True)
 """
 
 
@@ -51,7 +55,9 @@ def test_ranks_get_ftmem_env_and_a_parent_death_signal(launcher_env: Launcher) -
         assert e["FTMEM_GENERATION"] == "0"
         assert e["FTMEM_EXPECTED_STEP"] == ""  # first start: nothing to restore
         assert e["pdeathsig"] == signal.SIGKILL
-        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # a store per rendezvous round
+        # A fresh store per generation, served by the agent: every rank is a client of it.
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert e["store_served"] is True
 
 
 def test_sigterm_stops_ranks_and_smp_and_frees_shared_memory(launcher_env: Launcher) -> None:
