@@ -303,10 +303,11 @@ def _rejoin(
     step: int,
 ) -> None:
     checkpointer.leave_generation()
-    # gloo closes a group's connections only when nothing refers to it any more, and a peer
-    # blocked on this rank notices the failure only then: collect what train left behind.
-    gc.collect()
     teardown_process_group(backend)
+    # gloo closes a group's connections only when nothing refers to it any more, and a peer
+    # blocked on this rank notices the failure only then: collect what train left behind
+    # (its DDP module holds the group). One full collection, after the teardown has dropped
+    # torch's own references: each costs ~0.15 s here, on the path of the restart.
     gc.collect()
     faults.maybe_inject(faults.Point.IN_REJOIN, rank, step)
     generation = int(os.environ.get(ENV_GENERATION, "-1") or -1)
