@@ -49,6 +49,7 @@ from ftmem.launch.elastic_compat import (
     ElasticAgentBase,
     failed_after_detach,
     live_handlers,
+    log_tails_stop_at_once,
     restart_without_jitter,
 )
 from ftmem.launch.failures import FailureAccounting
@@ -248,7 +249,10 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self._join_peers(worker_group)
         start = time.time()
         self._in_process.begin_generation(self.generation, ftmem_env)
-        with spawning_from(self._standbys, self._in_process.adopt, self._rank_store.rank_env()):
+        with (
+            log_tails_stop_at_once(),
+            spawning_from(self._standbys, self._in_process.adopt, self._rank_store.rank_env()),
+        ):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         self._in_process.discard("its local rank is not in the new generation")
         kept = self._in_process.adopted
