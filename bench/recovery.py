@@ -14,6 +14,7 @@ import argparse
 import datetime
 import itertools
 import logging
+import math
 import os
 import re
 import shutil
@@ -254,7 +255,9 @@ def analyse_ftmem(run: Run, events: list[Event], text: str, fail_step: int) -> N
             for t, r in _STARTED.findall(text)
         ]
         t = _all_ranks(lines, started.time - 1.0, lambda m: True)
-        run.spawn_import_s = None if t is None else t - started.time
+        # A standby runs the script a few ms before the agent writes ranks_started (the event
+        # follows the last handoff): nothing was spawned or imported after the failure, so 0.
+        run.spawn_import_s = None if t is None else max(0.0, t - started.time)
     run.warmup_extra_s, run.warmups = warmup_cost(events)
 
 
@@ -324,6 +327,9 @@ def analyse_dcp(run: Run, text: str, fail_step: int, year: int) -> None:
     t["restored"] = t["model"] if restored is None else when(t["spawned"], "restored")
     t["resumed"] = when(t["restored"], "step", run.restored + 1)
     keys = ["death", "failed", "stopped", "spawned", "script", "model", "restored", "resumed"]
+    if unmarked := [k for k in keys if math.isnan(t[k])]:
+        run.error = f"not every rank's JSON line after the restart for: {', '.join(unmarked)}"
+        return
     run.phases = {p: t[b] - t[a] for p, a, b in zip(PHASES, keys[:-1], keys[1:], strict=True)}
     run.spawn_import_s = run.phases["start"]
     _finish_run(run, t["death"], t["resumed"], fail_step)
