@@ -50,7 +50,9 @@ from ftmem.launch.elastic_compat import (
     failed_after_detach,
     live_handlers,
     log_tails_stop_at_once,
-    restart_without_jitter,
+    rendezvous_poll_s,
+    restart_rendezvous_quickly,
+    trust_rendezvous_state_for,
 )
 from ftmem.launch.failures import FailureAccounting
 from ftmem.launch.in_process import InProcessRestarts
@@ -172,7 +174,9 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             )
         else:
             log.info("[%s] joining the rendezvous", self._node)
-        with restart_without_jitter(restart=self.generation >= 0):
+        poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
+        trust_rendezvous_state_for(self._rdzv_handler, poll_s)
+        with restart_rendezvous_quickly(restart=self.generation >= 0, poll_s=poll_s):
             join()
         self._rendezvous_at = time.time()
         share_master(worker_group, self._slot)

@@ -11,10 +11,11 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    ``_rendezvous`` -> :meth:`~ElasticAgentBase.join_rendezvous`,
    ``_assign_worker_ranks`` -> :meth:`~ElasticAgentBase.assign_worker_ranks`,
    ``_restart_workers`` -> :meth:`~ElasticAgentBase.before_restart`.
-2. The rendezvous round, read from the c10d handler's ``_state_holder``
-   (:meth:`~ElasticAgentBase.rendezvous_round`).
+2. The c10d handler's ``_state_holder``: the rendezvous round is read from it
+   (:meth:`~ElasticAgentBase.rendezvous_round`) and its cache shortened
+   (:func:`trust_rendezvous_state_for`).
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
-   (:func:`restart_without_jitter`), ``multiprocessing.api.get_subprocess_handler``
+   (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
    ``multiprocessing.tail_log.tail_logfile`` (:func:`log_tails_stop_at_once`).
 4. Ranks kept alive across a restart (``ftmem.run``): their handlers are taken out of the
@@ -121,14 +122,51 @@ def replaced(module: Any, name: str, replacement: Callable[..., Any]) -> Iterato
         setattr(module, name, original)
 
 
-@contextlib.contextmanager
-def restart_without_jitter(restart: bool) -> Iterator[None]:
-    """At a restart, skip the c10d handler's random 0-0.3 s start delay.
+ELASTIC_POLL_S = 1.0
+"""elastic's wait between two reads of the rendezvous state (its ``_Action.SYNC``), and how
+long its c10d handler trusts a state it read (``cache_duration``)."""
+STORE_READS_PER_S = 1000.0
+"""What the nodes' polls may ask of the c10d store together, at most (with quick polls)."""
 
-    ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is our first
-    run" (to spread the nodes' first joins), but tests ``round == 0``, which still holds at
-    the first restart. Its delay helper is swapped for one that skips random (tuple) delays
-    only; the 1 s polls stay.
+
+def rendezvous_poll_s(max_nodes: int) -> float:
+    """How often each node re-reads the rendezvous state: 50 ms, longer with many nodes so
+    that all of them together read it at most :data:`STORE_READS_PER_S` times a second, and
+    never less often than elastic's 1 s."""
+    return min(ELASTIC_POLL_S, max(0.05, max_nodes / STORE_READS_PER_S))
+
+
+def trust_rendezvous_state_for(handler: Any, seconds: float) -> bool:
+    """Make the c10d handler re-read the rendezvous state once it is ``seconds`` old.
+
+    elastic's handler serves a state it read less than 1 s ago from its cache, to every
+    poll of a join and to the agent's check for nodes waiting to join (each monitor
+    interval): a node that re-joined after a failure was seen up to 1 s late, and each step of
+    a restart's rendezvous (leave the round, join the wait list, join the next round, see it
+    complete) could wait that long again. Returns False where this handler has no such cache
+    (another backend, another torch).
+    """
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None or not isinstance(getattr(holder, "_cache_duration", None), int | float):
+        return False
+    holder._cache_duration = seconds
+    return True
+
+
+@contextlib.contextmanager
+def restart_rendezvous_quickly(restart: bool, poll_s: float = ELASTIC_POLL_S) -> Iterator[None]:
+    """At a restart, join the rendezvous without elastic's start delay and with quick polls.
+
+    - ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is our
+      first run" (to spread the nodes' first joins), but tests ``round == 0``, which still
+      holds at the first restart: that random (tuple) delay is skipped.
+    - While it waits for the other nodes it re-reads the rendezvous state every 1 s; at a
+      restart the nodes re-join within a fraction of a second of each other, so it re-reads
+      every ``poll_s`` (:func:`rendezvous_poll_s`; with :func:`trust_rendezvous_state_for`
+      the read is a real one).
+
+    Elastic's helper is swapped for the join (``dynamic_rendezvous._delay``); any other delay
+    is elastic's own.
     """
     if not restart:
         yield
@@ -136,8 +174,9 @@ def restart_without_jitter(restart: bool) -> Iterator[None]:
     original: Callable[[Any], None] | None = getattr(dynamic_rendezvous, "_delay", None)
 
     def delay(seconds: float | tuple[float, float]) -> None:
-        if not isinstance(seconds, tuple) and original is not None:
-            original(seconds)
+        if isinstance(seconds, tuple) or original is None:
+            return
+        original(poll_s if seconds == ELASTIC_POLL_S else seconds)
 
     with replaced(dynamic_rendezvous, "_delay", delay):
         yield

@@ -1,4 +1,4 @@
-"""The log tailer ftmem-launch gives elastic (ftmem.launch.elastic_compat): real files, threads."""
+"""What ftmem-launch swaps into elastic (ftmem.launch.elastic_compat): log tailers, rendezvous waits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import tail_log
 
-from ftmem.launch.elastic_compat import _tail_logfile, log_tails_stop_at_once
+from ftmem.launch.elastic_compat import (
+    _tail_logfile,
+    log_tails_stop_at_once,
+    rendezvous_poll_s,
+    restart_rendezvous_quickly,
+    trust_rendezvous_state_for,
+)
 
 
 def _tail(path: Path, dst: io.StringIO, **kw: object) -> tuple[threading.Thread, threading.Event]:
@@ -68,3 +74,44 @@ def test_elastic_tails_with_it_while_inside(tmp_path: Path) -> None:
     done.join(10)
     assert not done.is_alive()
     assert dst.getvalue() == "[default0]:hello\n"
+
+
+def test_rendezvous_polls_50_ms_or_at_most_1000_store_reads_a_second() -> None:
+    assert rendezvous_poll_s(2) == 0.05
+    assert rendezvous_poll_s(200) == 0.2  # 200 nodes, each every 0.2 s: 1000 reads a second
+    assert rendezvous_poll_s(20000) == 1.0  # never less often than elastic's own 1 s
+
+
+def test_a_c10d_handler_re_reads_the_state_sooner() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftmem.testing.harness import free_port
+
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id="trust",
+        min_nodes=1,
+        max_nodes=1,
+        is_host=True,
+    )
+    handler = get_rendezvous_handler(params)
+    try:
+        assert trust_rendezvous_state_for(handler, 0.05)
+        assert handler._state_holder._cache_duration == 0.05
+    finally:
+        handler.shutdown()
+    assert not trust_rendezvous_state_for(object(), 0.05)  # no such cache: left alone
+
+
+def test_the_swap_is_only_inside_a_restart_join() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = dynamic_rendezvous._delay
+    with restart_rendezvous_quickly(restart=False):
+        assert dynamic_rendezvous._delay is original
+    with restart_rendezvous_quickly(restart=True):
+        assert dynamic_rendezvous._delay is not original
+        dynamic_rendezvous._delay(seconds=(0, 0.3))  # returns at once (nothing to assert)
+    assert dynamic_rendezvous._delay is original
