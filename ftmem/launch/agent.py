@@ -66,7 +66,7 @@ from ftmem.launch.monitor import (
     all_resumed,
 )
 from ftmem.launch.peers import PeerSettings, join_generation
-from ftmem.launch.rank_store import RankStore, per_round_store
+from ftmem.launch.rank_store import RankStore
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.rendezvous import (
     agree_slot,
@@ -196,14 +196,12 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
     def _serve_rank_store(self, worker_group: WorkerGroup) -> None:
         """Serve this generation's rank store here if this node runs global rank 0
         (:mod:`ftmem.launch.rank_store`): the node of slot 0, else elastic's group rank 0."""
-        if not per_round_store():
-            return
         hosts = self._slot == 0 if self._slot is not None else worker_group.group_rank == 0
         addr, port = worker_group.master_addr, worker_group.master_port
         if hosts and addr is not None and port is not None:
             self._rank_store.serve(addr, port, self.generation)
         else:
-            self._rank_store.not_hosting()
+            self._rank_store.close()
 
     def assign_worker_ranks(
         self,

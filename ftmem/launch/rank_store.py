@@ -44,12 +44,16 @@ def per_round_store(environ: dict[str, str] | None = None) -> bool:
 class RankStore:
     """Serves the ranks' TCPStore of the current generation (one at a time) on this node.
 
-    Call order, from the agent's main thread: :meth:`serve` (or :meth:`not_hosting`) after
-    each rendezvous, :meth:`rank_env` when starting the ranks, :meth:`close` at shutdown.
+    Call order, from the agent's main thread: after each rendezvous :meth:`serve` on the node
+    that runs global rank 0 and :meth:`close` on the others, :meth:`rank_env` when starting
+    the ranks, :meth:`close` at shutdown. Nothing is served with elastic's shared store
+    (:attr:`enabled` False, read once: the launcher sets its environment before the agent).
     """
 
     def __init__(self, node: str) -> None:
         self.node = node
+        self.enabled = per_round_store()
+        """Whether the agent serves the ranks' store (elastic's per-round stores)."""
         self.port: int | None = None
         """The port served now, None when this node serves none."""
         self._server: Store | None = None
@@ -62,6 +66,8 @@ class RankStore:
         :meth:`rank_env`); it does not fail the restart.
         """
         self.close()
+        if not self.enabled:
+            return
         try:
             self._server = TCPStore(
                 host_name=addr,
@@ -90,14 +96,10 @@ class RankStore:
             port,
         )
 
-    def not_hosting(self) -> None:
-        """This node does not run global rank 0 this generation: close any store it served."""
-        self.close()
-
     def rank_env(self) -> dict[str, str]:
         """What every rank of this node gets on top of elastic's environment ({} with
         elastic's shared store)."""
-        if not per_round_store():
+        if not self.enabled:
             return {}
         return {ENV_USE_AGENT_STORE: str(not self._failed)}
 

@@ -72,7 +72,7 @@ def test_a_taken_port_leaves_rank_0_to_serve(per_round: None) -> None:
         store.serve("127.0.0.1", taken.getsockname()[1], 3)  # logged, not raised
     assert store.port is None
     assert store.rank_env() == {ENV_USE_AGENT_STORE: "False"}
-    store.not_hosting()  # the next generation, on a node without rank 0: a client again
+    store.close()  # the next generation, on a node without rank 0: a client again
     assert store.rank_env() == {ENV_USE_AGENT_STORE: "True"}
 
 
