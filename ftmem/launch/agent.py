@@ -46,16 +46,19 @@ from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
 from ftmem.launch.elastic_compat import (
+    ELASTIC_POLL_S,
     ElasticAgentBase,
     failed_after_detach,
     live_handlers,
     log_tails_stop_at_once,
+    rendezvous_members,
     rendezvous_poll_s,
     restart_rendezvous_quickly,
     trust_rendezvous_state_for,
 )
 from ftmem.launch.failures import FailureAccounting
 from ftmem.launch.in_process import InProcessRestarts
+from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.metrics import AgentMetrics, MetricsServer
 from ftmem.launch.monitor import (
     EventLog,
@@ -153,6 +156,11 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self._rendezvous_at: float | None = None
         self.stop_reason: str | None = None
         """Why the agent gave up early (the no-progress guard), for the final report."""
+        self._spare = False
+        """This agent waits in the rendezvous as a hot spare (the job has all its nodes)."""
+        handler = self._worker_group.spec.rdzv_handler
+        if isinstance(handler, MembershipWatch):
+            handler.on_event = self.events.write
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
         if ftmem.metrics_port:
@@ -176,8 +184,17 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             log.info("[%s] joining the rendezvous", self._node)
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
         trust_rendezvous_state_for(self._rdzv_handler, poll_s)
-        with restart_rendezvous_quickly(restart=self.generation >= 0, poll_s=poll_s):
+        with restart_rendezvous_quickly(
+            restart=self.generation >= 0, poll_s=poll_s, between_polls=self._while_joining
+        ):
             join()
+        # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the
+        # healthy loop reads the store about once a second (not every monitor interval).
+        trust_rendezvous_state_for(self._rdzv_handler, ELASTIC_POLL_S)
+        if self._spare:
+            self._spare = False
+            log.warning("[%s] SPARE TAKES OVER: a node left the job; joining it", self._node)
+            self.events.write("spare_joins")
         self._rendezvous_at = time.time()
         share_master(worker_group, self._slot)
         self.generation = exchange_generation(worker_group, self.rendezvous_round, self.generation)
@@ -192,6 +209,44 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 ranks,
             )
         self._prev_ranks = ranks
+
+    def _while_joining(self) -> None:
+        """Between two reads of the rendezvous state while joining: notice that this node
+        waits as a hot spare (elastic's redundancy list: the round has all its nodes), then
+        keep standby ranks warm for the moment it takes a lost node's place."""
+        if not self._spare:
+            members = rendezvous_members(self._rdzv_handler)
+            if members is None or not members.spare:
+                return
+            self._spare = True
+            log.warning(
+                "[%s] SPARE: the job has all its nodes; waiting as a hot spare (an SMP and "
+                "warm standby ranks) to take the place of a lost node",
+                self._node,
+            )
+            self.events.write("spare", generation=self.generation)
+            if self._slot is not None:
+                self._fence(f"slot {self._slot} went on without this node")
+                self._slot = None
+            self._standbys.spawn_missing()
+        self._standbys.poll()
+
+    def _fence(self, why: str) -> None:
+        """This node was dropped from the job and its place taken (it was cut off or stalled
+        past the keep-alive bound): its snapshots are of an identity it no longer has. It
+        drops them (a fresh SMP) and its ranks' history; the caller gives it a new slot (or
+        none: a spare), so it can only come back as a new node."""
+        log.warning(
+            "[%s] FENCED: %s (this node was dropped from the job); dropping this node's "
+            "snapshots and its slot",
+            self._node,
+            why,
+        )
+        self.events.write("fenced", slot=self._slot, why=why)
+        self._prev_ranks = None
+        self._smp.stop()
+        self._smp.ensure_running()
+        self._poller.forget()
 
     def _serve_rank_store(self, worker_group: WorkerGroup) -> None:
         """Serve this generation's rank store here if this node runs global rank 0
@@ -221,9 +276,12 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         if not stable_ranks_apply(self._ft.rank_assignment, spec):
             self._slot = None
             return elastic_default()
+        claimed = self._slot
         self._slot = agree_slot(
-            store, group_rank, group_world_size, self._slot, spec.local_world_size
+            store, group_rank, group_world_size, claimed, spec.local_world_size, self.generation
         )
+        if claimed is not None and claimed < group_world_size and self._slot not in (None, claimed):
+            self._fence(f"slot {claimed} is held by a node that took it over more recently")
         if self._slot is None:
             log.warning("[%s] nodes differ in size: elastic assigns the ranks", self._node)
             return elastic_default()
@@ -391,7 +449,13 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             # typically because that node's ranks failed; it is not charged as a restart.
             ranks = [w.global_rank for w in worker_group.workers]
             committed = self._committed_now(ranks)
-            what = "a membership change (another node re-joined the rendezvous)"
+            handler = worker_group.spec.rdzv_handler
+            lost = handler.lost if isinstance(handler, MembershipWatch) else []
+            what = (
+                f"MACHINE LOST ({', '.join(lost)}): a spare or a replacement takes its place"
+                if lost
+                else "a membership change (another node re-joined the rendezvous)"
+            )
             log.warning(
                 "[%s] RESTART: %s (generation %d); newest committed step on this node: %s",
                 self._node,
@@ -402,7 +466,11 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
             self._poller.set_fast(True)
             self.events.write(
-                "restart", reason="membership", generation=self.generation, committed=committed
+                "restart",
+                reason="machine_lost" if lost else "membership",
+                lost=lost,
+                generation=self.generation,
+                committed=committed,
             )
 
     # -- monitoring -------------------------------------------------------------------------

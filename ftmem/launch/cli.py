@@ -33,7 +33,9 @@ from ftmem.exchange.encode_worker import MAX_WORKERS
 from ftmem.launch.config import (
     DEFAULT_MAX_RESTARTS,
     FtmemLaunchConfig,
+    check_host_address,
     check_mesh_key,
+    check_rdzv_backend,
     default_peer_host,
     resolve_names,
 )
@@ -380,6 +382,13 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         peer_host=config.peer_host,
         rdzv_host=_rdzv_host(args),
     )
+    check_rdzv_backend(str(args.rdzv_backend))
+    _, max_nodes = parse_min_max_nnodes(str(args.nnodes))
+    set_env = check_host_address(
+        max_nodes=max_nodes, rdzv_host=_rdzv_host(args), local_addr=args.local_addr
+    )
+    if set_env:
+        log.info("ranks' gloo groups bind to --local-addr's interface: %s", set_env)
     return config
 
 

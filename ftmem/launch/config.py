@@ -319,3 +319,79 @@ def resolve_names(config: FtmemLaunchConfig, run_id: str) -> None:
     if config.run_dir is None:
         config.run_dir = default_run_dir(safe_name(run_id), config.node)
         config.auto_run_dir = True
+
+
+def check_rdzv_backend(backend: str) -> None:
+    """Refuse ``--rdzv-backend static``.
+
+    With the static backend the agent serves the ranks' store on ``--master-port`` and rank
+    0 binds the same port (the first start fails), and its one shared store hands stale keys
+    to the ranks of the next generation (a restart breaks); nor can it admit a spare.
+
+    Raises:
+        ValueError: the backend is ``static``.
+    """
+    if backend == "static":
+        raise ValueError(
+            "--rdzv-backend static cannot restart ranks (the agent's store and rank 0 both "
+            "bind --master-port, and one store serves every generation): use --rdzv-backend "
+            "c10d --rdzv-endpoint HOST:PORT, or etcd-v2 against an etcd cluster"
+        )
+
+
+def gloo_interface_for(local_addr: str) -> str | None:
+    """The network interface that holds ``local_addr`` (an IP address), None if none does."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == local_addr for a in addrs):
+            return str(name)
+    return None
+
+
+def check_host_address(
+    *,
+    max_nodes: int,
+    rdzv_host: str,
+    local_addr: str | None,
+    environ: dict[str, str] | None = None,
+    hostname: str | None = None,
+) -> dict[str, str]:
+    """Make sure the ranks' gloo groups can reach this host from the others, before any
+    rank starts.
+
+    gloo binds each rank to the address of the host's name; a name that does not resolve
+    (or resolves to loopback only) makes it fall back to 127.0.0.1, and then the ranks of
+    several hosts never connect (``connectFullMesh failed``) and the job restarts until the
+    no-progress guard stops it. Nothing is checked for one node, for a rendezvous on
+    loopback (every node on this host) or when ``GLOO_SOCKET_IFNAME`` is set; with
+    ``--local-addr`` it is set to the interface holding that address.
+
+    Returns the environment variables it set (for the start-up log).
+
+    Raises:
+        ValueError: the host name does not resolve to a non-loopback address.
+    """
+    env = os.environ if environ is None else environ
+    if max_nodes <= 1 or is_loopback(rdzv_host) or env.get("GLOO_SOCKET_IFNAME"):
+        return {}
+    if local_addr:
+        iface = gloo_interface_for(local_addr)
+        if iface is not None:
+            env["GLOO_SOCKET_IFNAME"] = iface
+            return {"GLOO_SOCKET_IFNAME": iface}
+    name = hostname if hostname is not None else socket.gethostname()
+    try:
+        addrs = sorted({str(ai[4][0]) for ai in socket.getaddrinfo(name, None)})
+    except OSError as exc:
+        addrs, why = [], f"does not resolve ({exc})"
+    else:
+        why = f"resolves to {', '.join(addrs)} only (loopback)"
+    if addrs and not all(is_loopback(a) for a in addrs):
+        return {}
+    raise ValueError(
+        f"this host's name {name!r} {why}: the ranks' gloo groups bind to that address, so "
+        "ranks on other hosts could not reach this one's. Give the name its network address "
+        "(DNS or /etc/hosts), or set GLOO_SOCKET_IFNAME=<interface>, or pass --local-addr "
+        "<this host's address>"
+    )

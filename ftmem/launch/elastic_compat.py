@@ -12,8 +12,9 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    ``_assign_worker_ranks`` -> :meth:`~ElasticAgentBase.assign_worker_ranks`,
    ``_restart_workers`` -> :meth:`~ElasticAgentBase.before_restart`.
 2. The c10d handler's ``_state_holder``: the rendezvous round is read from it
-   (:meth:`~ElasticAgentBase.rendezvous_round`) and its cache shortened
-   (:func:`trust_rendezvous_state_for`).
+   (:meth:`~ElasticAgentBase.rendezvous_round`), its cache shortened
+   (:func:`trust_rendezvous_state_for`), and its participants, heartbeats and redundancy
+   list read (:func:`rendezvous_members`, for :mod:`ftmem.launch.membership`).
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
@@ -41,6 +42,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any, TextIO
 
 import torch
@@ -153,8 +156,62 @@ def trust_rendezvous_state_for(handler: Any, seconds: float) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class RendezvousMembers:
+    """What the c10d handler's newest read of the rendezvous state says about the nodes.
+
+    Nodes are named by elastic's descriptors (``host_pid_id``)."""
+
+    round: int
+    complete: bool
+    participants: frozenset[str]
+    heartbeat_age_s: dict[str, float]
+    """Seconds since each node's last keep-alive, as of the read."""
+    me: str
+    spare: bool
+    """This node waits in elastic's redundancy list (the round has all its nodes)."""
+
+
+def rendezvous_members(handler: Any) -> RendezvousMembers | None:
+    """The members of the rendezvous as the handler last read them (no store access); None
+    where the handler has no such state (another backend, another torch)."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    me = getattr(handler, "_this_node", None)
+    participants = getattr(state, "participants", None)
+    beats = getattr(state, "last_heartbeats", None)
+    redundant = getattr(state, "redundancy_list", None)
+    if state is None or me is None or not isinstance(participants, dict):
+        return None
+    now = datetime.now(timezone.utc)
+    ages = {}
+    if isinstance(beats, dict):
+        ages = {repr(n): (now - t).total_seconds() for n, t in beats.items()}
+    return RendezvousMembers(
+        round=int(getattr(state, "round", -1)),
+        complete=bool(getattr(state, "complete", False)),
+        participants=frozenset(repr(n) for n in participants),
+        heartbeat_age_s=ages,
+        me=repr(me),
+        spare=isinstance(redundant, set) and me in redundant,
+    )
+
+
+def keep_alive_bound_s(handler: Any) -> float:
+    """After how long without a keep-alive elastic drops a node (interval x attempts)."""
+    settings = getattr(handler, "settings", None)
+    interval = getattr(settings, "keep_alive_interval", None)
+    attempts = getattr(settings, "keep_alive_max_attempt", None)
+    if isinstance(interval, timedelta) and isinstance(attempts, int):
+        return interval.total_seconds() * attempts
+    return 15.0
+
+
 @contextlib.contextmanager
-def restart_rendezvous_quickly(restart: bool, poll_s: float = ELASTIC_POLL_S) -> Iterator[None]:
+def restart_rendezvous_quickly(
+    restart: bool,
+    poll_s: float = ELASTIC_POLL_S,
+    between_polls: Callable[[], None] | None = None,
+) -> Iterator[None]:
     """At a restart, join the rendezvous without elastic's start delay and with quick polls.
 
     - ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is our
@@ -165,18 +222,26 @@ def restart_rendezvous_quickly(restart: bool, poll_s: float = ELASTIC_POLL_S) ->
       every ``poll_s`` (:func:`rendezvous_poll_s`; with :func:`trust_rendezvous_state_for`
       the read is a real one).
 
+    ``between_polls`` (any join, first or not) runs on this thread before each wait between
+    two reads: the agent notices there that it waits as a spare.
+
     Elastic's helper is swapped for the join (``dynamic_rendezvous._delay``); any other delay
     is elastic's own.
     """
-    if not restart:
+    if not restart and between_polls is None:
         yield
         return
     original: Callable[[Any], None] | None = getattr(dynamic_rendezvous, "_delay", None)
 
     def delay(seconds: float | tuple[float, float]) -> None:
-        if isinstance(seconds, tuple) or original is None:
+        if isinstance(seconds, tuple):
+            if not restart and original is not None:
+                original(seconds)  # the first join's spread is elastic's
             return
-        original(poll_s if seconds == ELASTIC_POLL_S else seconds)
+        if between_polls is not None:
+            between_polls()
+        if original is not None:
+            original(poll_s if restart and seconds == ELASTIC_POLL_S else seconds)
 
     with replaced(dynamic_rendezvous, "_delay", delay):
         yield

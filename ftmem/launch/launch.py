@@ -33,6 +33,7 @@ from torch.distributed.launcher.api import (
 )
 
 from ftmem.config import ENV_FLUSH_DIRS
+from ftmem.errors import UnrecoverableError
 from ftmem.launch.agent import FtmemElasticAgent
 from ftmem.launch.config import (
     FtmemLaunchConfig,
@@ -42,6 +43,7 @@ from ftmem.launch.config import (
     safe_name,
 )
 from ftmem.launch.elastic_compat import check_torch_version, launch_shutdown_timeout
+from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.workers import wrap_entrypoint
 
@@ -125,7 +127,7 @@ def launch_agent(
         local_world_size=config.nproc_per_node,
         entrypoint=wrapped,
         args=tuple(wrapped_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        rdzv_handler=MembershipWatch(rdzv_registry.get_rendezvous_handler(rdzv_parameters), node),
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         master_addr=master_addr,
@@ -162,7 +164,11 @@ def launch_agent(
         ftmem=ftmem,
         smp=smp,
     )
-    shutdown_rdzv = True
+    # Only a job that is over closes the rendezvous for every node: it finished, its ranks
+    # failed past --max-restarts or the no-progress guard, or its snapshots are lost beyond
+    # repair. An agent that fails for its own reasons (a store it cannot reach, a partition,
+    # a signal) leaves the rendezvous open: the other nodes go on, with a spare in its place.
+    shutdown_rdzv = False
     succeeded = False
     try:
         initialize_metrics(MetricsConfig(config.metrics_cfg))
@@ -172,6 +178,7 @@ def launch_agent(
         result: RunResult | None = agent.run()
         # records that agent.run() succeeded, not that the ranks did (as torch does)
         events.record(agent.get_event_succeeded(), config.event_log_handler)
+        shutdown_rdzv = True
         if result is None:  # the rendezvous was closed gracefully
             succeeded = True
             return {}
@@ -183,12 +190,16 @@ def launch_agent(
         return values
     except ChildFailedError:
         raise
-    except SignalException:
-        # Like torch: a signalled agent must not close the rendezvous for the other nodes.
-        shutdown_rdzv = False
+    except UnrecoverableError:
+        shutdown_rdzv = True  # every node reaches the same verdict
         events.record(agent.get_event_failed(), config.event_log_handler)
         raise
-    except Exception:
+    except Exception as exc:
+        log.error(
+            "[%s] ftmem-launch stops (%s); the rendezvous stays open for the other nodes",
+            node,
+            "signalled" if isinstance(exc, SignalException) else f"{type(exc).__name__}",
+        )
         events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:

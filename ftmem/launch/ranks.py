@@ -14,18 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def assign_slots(previous: list[int | None]) -> list[int]:
+def assign_slots(previous: list[int | None], generations: list[int] | None = None) -> list[int]:
     """Give each node (by group rank) a slot: its block of global ranks.
 
     ``previous[i]`` is the slot the node with group rank ``i`` held in the previous round
-    (None for a new node). A node keeps its slot if it still exists (< the node count) and
-    no node with a lower group rank kept it; the other nodes take the free slots in order.
-    So survivors keep their global ranks and a replacement takes the lost node's ranks.
+    (None for a new node or a spare) and ``generations[i]`` the generation it held it in
+    (default: all equal). A slot that several nodes claim goes to the one that held it most
+    recently, then to the lowest group rank: a node that was cut off while a spare took its
+    slot over must not take it back with its older snapshots (it is *fenced*). A claim that
+    loses, or a slot beyond the node count, leaves the node to take a free slot in order. So
+    survivors keep their global ranks and a replacement takes the lost node's ranks.
     """
     n = len(previous)
+    gens = generations if generations is not None else [0] * n
     slots: list[int | None] = [None] * n
+    order = sorted(range(n), key=lambda i: (-gens[i], i))
     taken: set[int] = set()
-    for i, prev in enumerate(previous):
+    for i in order:
+        prev = previous[i]
         if prev is not None and 0 <= prev < n and prev not in taken:
             slots[i] = prev
             taken.add(prev)

@@ -39,21 +39,29 @@ def stable_ranks_apply(rank_assignment: str, spec: WorkerSpec) -> bool:
 
 
 def agree_slot(
-    store: Any, group_rank: int, group_world_size: int, slot: int | None, local_world_size: int
+    store: Any,
+    group_rank: int,
+    group_world_size: int,
+    slot: int | None,
+    local_world_size: int,
+    generation: int = -1,
 ) -> int | None:
     """This node's slot in the new round (None: the nodes differ in size).
 
     Each agent publishes the slot (block of ``local_world_size`` global ranks) it held in
-    the previous round (``slot``; None for a new node); group rank 0 assigns slots with
-    :func:`~ftmem.launch.ranks.assign_slots` and publishes them.
+    the previous round (``slot``; None for a new node) and the ``generation`` it held it in;
+    group rank 0 assigns slots with :func:`~ftmem.launch.ranks.assign_slots` (the most recent
+    holder of a slot keeps it) and publishes them.
     """
-    mine = {"slot": slot, "size": local_world_size}
+    mine = {"slot": slot, "size": local_world_size, "generation": generation}
     store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
     if group_rank == 0:
         keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
         infos = [_slot_info(k, raw) for k, raw in zip(keys, store.multi_get(keys), strict=True)]
-        same_size = len({size for _, size in infos}) == 1
-        slots = assign_slots([slot for slot, _ in infos]) if same_size else None
+        same_size = len({size for _, size, _ in infos}) == 1
+        slots = (
+            assign_slots([s for s, _, _ in infos], [g for _, _, g in infos]) if same_size else None
+        )
         store.set(_ASSIGNED_KEY, json.dumps(slots))
     assigned = _value(_ASSIGNED_KEY, store.get(_ASSIGNED_KEY))
     if assigned is None:
@@ -75,17 +83,18 @@ def _int_list(value: Any, n: int) -> bool:
     return isinstance(value, list) and len(value) == n and all(type(v) is int for v in value)
 
 
-def _slot_info(key: str, raw: bytes) -> tuple[int | None, int]:
-    """An agent's ``{"slot": int | null, "size": int}``."""
+def _slot_info(key: str, raw: bytes) -> tuple[int | None, int, int]:
+    """An agent's ``{"slot": int | null, "size": int, "generation": int}``."""
     doc = _value(key, raw)
     if (
         not isinstance(doc, dict)
-        or set(doc) != {"slot", "size"}
+        or set(doc) != {"slot", "size", "generation"}
         or not (doc["slot"] is None or type(doc["slot"]) is int)
         or type(doc["size"]) is not int
+        or type(doc["generation"]) is not int
     ):
         raise ProtocolError(f"rendezvous store: {key!r} is not a slot offer: {doc!r:.200}")
-    return doc["slot"], doc["size"]
+    return doc["slot"], doc["size"], doc["generation"]
 
 
 def slot_workers(slot: int, local_world_size: int, group_world_size: int) -> list[Worker]:

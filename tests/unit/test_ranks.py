@@ -19,6 +19,14 @@ def test_assign_slots_keeps_survivors_and_fills_gaps() -> None:
     assert assign_slots([]) == []
 
 
+def test_the_most_recent_holder_of_a_slot_keeps_it() -> None:
+    # node 0 held slot 1 until generation 3 and was cut off; node 2 (a spare) took slot 1
+    # over in generation 5: node 0 is fenced to the free slot 2
+    assert assign_slots([1, 0, 1], [3, 5, 5]) == [2, 0, 1]
+    # equal generations: the lower group rank wins, as without generations
+    assert assign_slots([1, 1], [4, 4]) == [1, 0]
+
+
 @pytest.mark.parametrize("n", range(1, 7))
 def test_assign_slots_is_a_permutation_for_any_history(n: int) -> None:
     import itertools

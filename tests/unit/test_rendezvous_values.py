@@ -20,8 +20,17 @@ def store() -> TCPStore:
 
 
 def test_two_nodes_keep_their_slots(store: TCPStore) -> None:
-    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 2}))
-    assert agree_slot(store, 0, 2, 1, 2) == 1
+    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 2, "generation": 4}))
+    assert agree_slot(store, 0, 2, 1, 2, generation=4) == 1
+
+
+def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
+    store: TCPStore,
+) -> None:
+    # group rank 1 held slot 0 until generation 7 (it took it over); this node (group rank
+    # 0) held slot 0 until generation 2, then was cut off: it is fenced to the free slot.
+    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 1, "generation": 7}))
+    assert agree_slot(store, 0, 2, 0, 1, generation=2) == 1
 
 
 @pytest.mark.parametrize(
@@ -30,6 +39,8 @@ def test_two_nodes_keep_their_slots(store: TCPStore) -> None:
         (b"\xff not json", "'ftmem/slot/1' is not JSON"),
         (json.dumps({"slot": "0", "size": 2}), "'ftmem/slot/1' is not a slot offer"),
         (json.dumps({"size": 2}), "is not a slot offer"),
+        (json.dumps({"slot": 0, "size": 2}), "is not a slot offer"),
+        (json.dumps({"slot": 0, "size": 2, "generation": "1"}), "is not a slot offer"),
         (json.dumps([0, 2]), "is not a slot offer"),
     ],
 )

@@ -1,0 +1,247 @@
+"""Which machines are in the job, and riding out a rendezvous store that does not answer.
+
+elastic's agent asks its rendezvous handler, at every monitor interval while the ranks are
+healthy, whether nodes wait to join (``num_nodes_waiting``: a read of the store). When the
+store's host is unreachable (a partition, a flapping link) that read blocks until the store's
+timeout (60 s) and then raises, and elastic's agent exits on the error: the partitioned node
+stopped its ranks and its SMP and, before ftmem changed its exit path, closed the rendezvous
+for every node. :class:`MembershipWatch` wraps the handler so that:
+
+- the read runs on a thread of its own and the agent waits for it at most ``patience``: the
+  agent's loop (rank exits, hang detection, the SMP) keeps running during an outage, which is
+  logged once when it starts and once when it ends;
+- a failed read is retried with a doubling backoff (0.5 s up to 8 s) and counts as "nobody
+  waits", so a store error never ends the agent;
+- a failed join (``next_rendezvous``) is retried with the same backoff until the join timeout;
+- after each read it compares the rendezvous members with those of the round the ranks run in:
+  a node whose keep-alive is late is logged (``STALL``), one that elastic dropped for good is
+  logged as ``MACHINE LOST`` (the keep-alive's bound, ``keep_alive_interval *
+  keep_alive_max_attempt``, is the detection time); each is written to the event log.
+
+Everything else is the wrapped handler's (attribute access is forwarded).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+)
+
+from ftmem.launch.elastic_compat import keep_alive_bound_s, rendezvous_members
+
+log = logging.getLogger(__name__)
+
+STALL_SHARE = 0.7
+"""A keep-alive older than this share of the bound is logged as a stall (a heartbeat is
+sent about every interval and the state read may be one interval old: up to ~2 intervals
+is normal)."""
+BACKOFF_S = (0.5, 8.0)
+"""First and longest wait before a failed store read or join is tried again."""
+
+
+class MembershipWatch(RendezvousHandler):
+    """elastic's rendezvous handler (``inner``) with the behaviour of the module docstring.
+
+    Args:
+        inner: the c10d (or etcd) rendezvous handler elastic made.
+        node: this node's name, for the logs.
+        patience: how long the agent's loop waits for one read of the store.
+        on_event: called with an event name and fields (the agent's event log).
+
+    Resource handling: a read that outlives ``patience`` goes on in a daemon thread that
+    ends with the read (the store's own timeout bounds it); no second read starts meanwhile.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        node: str,
+        patience: timedelta = timedelta(seconds=1),
+        on_event: Callable[..., None] | None = None,
+    ) -> None:
+        self._inner = inner
+        self._node = node
+        self._patience = patience.total_seconds()
+        self.on_event: Callable[..., None] = on_event or (lambda name, **fields: None)
+        """Called with an event name and its fields (the agent sets its event log's write)."""
+        self._reader: threading.Thread | None = None
+        self._answer: list[int | BaseException] = []
+        self._not_before = 0.0
+        self._backoff = BACKOFF_S[0]
+        self._outage_since: float | None = None
+        self._round_members: frozenset[str] = frozenset()
+        self._stalled: set[str] = set()
+        self.lost: list[str] = []
+        """Nodes of the current round that elastic dropped (no keep-alive), in order."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what this class does not define: the wrapped handler's settings
+        # and internals (read through ftmem.launch.elastic_compat).
+        return getattr(self._inner, name)
+
+    @property
+    def inner(self) -> Any:
+        """The wrapped handler."""
+        return self._inner
+
+    @property
+    def use_agent_store(self) -> bool:
+        """The wrapped handler's."""
+        return bool(self._inner.use_agent_store)
+
+    def get_backend(self) -> str:
+        """The wrapped handler's."""
+        return str(self._inner.get_backend())
+
+    def get_run_id(self) -> str:
+        """The wrapped handler's."""
+        return str(self._inner.get_run_id())
+
+    def is_closed(self) -> bool:
+        """The wrapped handler's."""
+        return bool(self._inner.is_closed())
+
+    def set_closed(self) -> None:
+        """The wrapped handler's."""
+        self._inner.set_closed()
+
+    def shutdown(self) -> bool:
+        """The wrapped handler's (closes the rendezvous for every node)."""
+        return bool(self._inner.shutdown())
+
+    # -- joining ------------------------------------------------------------------------------
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """elastic's join, retried with backoff while the store cannot be reached (until the
+        join timeout); then the members of the new round are remembered."""
+        settings = getattr(self._inner, "settings", None)
+        join = getattr(getattr(settings, "timeout", None), "join", None)
+        budget = join.total_seconds() if isinstance(join, timedelta) else 600.0
+        deadline = time.monotonic() + budget
+        delay = BACKOFF_S[0]
+        while True:
+            try:
+                info: RendezvousInfo = self._inner.next_rendezvous()
+                break
+            except RendezvousConnectionError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "[%s] the rendezvous store cannot be reached while joining (%s): "
+                    "trying again in %.1f s",
+                    self._node,
+                    exc.__cause__ or exc,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(2 * delay, BACKOFF_S[1])
+        members = rendezvous_members(self._inner)
+        self._round_members = members.participants if members is not None else frozenset()
+        self._stalled.clear()
+        self.lost = []
+        return info
+
+    # -- the healthy loop's read --------------------------------------------------------------
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join, as elastic's handler says; 0 while the store does not answer
+        (see the module docstring)."""
+        now = time.monotonic()
+        if self._reader is None:
+            if now < self._not_before:
+                return 0
+            self._answer = []
+            self._reader = threading.Thread(target=self._read, name="ftmem-rdzv-read", daemon=True)
+            self._reader.start()
+        self._reader.join(self._patience)
+        if self._reader.is_alive():
+            self._outage(now, "no answer yet")
+            return 0
+        self._reader = None
+        answer = self._answer[0] if self._answer else RuntimeError("no answer")
+        if isinstance(answer, BaseException):
+            self._outage(now, f"{type(answer).__name__}: {answer.__cause__ or answer}")
+            self._not_before = time.monotonic() + self._backoff
+            self._backoff = min(2 * self._backoff, BACKOFF_S[1])
+            return 0
+        if self._outage_since is not None:
+            lasted = now - self._outage_since
+            log.warning("[%s] the rendezvous store answers again after %.1f s", self._node, lasted)
+            self.on_event("store_reachable", after_s=round(lasted, 3))
+            self._outage_since = None
+        self._backoff = BACKOFF_S[0]
+        self._check_members()
+        return answer
+
+    def _read(self) -> None:
+        try:
+            self._answer.append(int(self._inner.num_nodes_waiting()))
+        except BaseException as exc:  # handed to num_nodes_waiting
+            self._answer.append(exc)
+
+    def _outage(self, now: float, why: str) -> None:
+        if self._outage_since is None:
+            self._outage_since = now
+            log.warning(
+                "[%s] STORE UNREACHABLE: the rendezvous store does not answer (%s); the ranks "
+                "go on, and so does this agent's watch over them; retrying",
+                self._node,
+                why,
+            )
+            self.on_event("store_unreachable", why=why)
+
+    def _check_members(self) -> None:
+        """Log the members of this round whose keep-alive is late, or that were dropped."""
+        members = rendezvous_members(self._inner)
+        if members is None or not self._round_members:
+            return
+        bound = keep_alive_bound_s(self._inner)
+        for node in sorted(self._round_members - members.participants - set(self.lost)):
+            # A node that leaves to re-join (a restart) had a fresh keep-alive; one elastic
+            # dropped was seen stalled first (the stall share of the bound is below it).
+            if node not in self._stalled and node != members.me:
+                continue
+            self.lost.append(node)
+            if node == members.me:
+                log.error(
+                    "[%s] DROPPED: this node's rendezvous keep-alive did not reach the store "
+                    "for %.0f s; it was dropped from the job (a spare may take its place)",
+                    self._node,
+                    bound,
+                )
+                self.on_event("dropped", node=node, bound_s=bound)
+                continue
+            log.error(
+                "[%s] MACHINE LOST: %s sent no rendezvous keep-alive for %.0f s and was "
+                "dropped from the job",
+                self._node,
+                node,
+                bound,
+            )
+            self.on_event("machine_lost", node=node, bound_s=bound)
+        for node in sorted(self._round_members & members.participants - {members.me}):
+            age = members.heartbeat_age_s.get(node)
+            late = age is not None and age > STALL_SHARE * bound
+            if late and node not in self._stalled:
+                self._stalled.add(node)
+                log.warning(
+                    "[%s] STALL: no rendezvous keep-alive from %s for %.1f s (dropped after "
+                    "%.0f s)",
+                    self._node,
+                    node,
+                    age,
+                    bound,
+                )
+                self.on_event("stall", node=node, age_s=round(age or 0.0, 3))
+            elif not late and node in self._stalled:
+                self._stalled.discard(node)
+                log.info("[%s] %s sends its keep-alive again", self._node, node)
