@@ -170,6 +170,8 @@ class RendezvousMembers:
     me: str
     spare: bool
     """This node waits in elastic's redundancy list (the round has all its nodes)."""
+    waiting: int
+    """Nodes waiting outside the round (wait list and redundancy list)."""
 
 
 def rendezvous_members(handler: Any) -> RendezvousMembers | None:
@@ -180,6 +182,7 @@ def rendezvous_members(handler: Any) -> RendezvousMembers | None:
     participants = getattr(state, "participants", None)
     beats = getattr(state, "last_heartbeats", None)
     redundant = getattr(state, "redundancy_list", None)
+    wait_list = getattr(state, "wait_list", None)
     if state is None or me is None or not isinstance(participants, dict):
         return None
     now = datetime.now(timezone.utc)
@@ -193,6 +196,8 @@ def rendezvous_members(handler: Any) -> RendezvousMembers | None:
         heartbeat_age_s=ages,
         me=repr(me),
         spare=isinstance(redundant, set) and me in redundant,
+        waiting=(len(redundant) if isinstance(redundant, set) else 0)
+        + (len(wait_list) if isinstance(wait_list, set) else 0),
     )
 
 

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
+    RendezvousTimeoutError,
 )
 
 from ftmem.launch.elastic_compat import keep_alive_bound_s, rendezvous_members
@@ -45,6 +46,9 @@ STALL_SHARE = 0.7
 sent about every interval and the state read may be one interval old: up to ~2 intervals
 is normal)."""
 BACKOFF_S = (0.5, 8.0)
+SPARES_LINGER_S = 3.0
+"""How long an agent that closed the rendezvous keeps running while spares wait (they read
+the state about once a second)."""
 """First and longest wait before a failed store read or join is tried again."""
 
 
@@ -115,8 +119,20 @@ class MembershipWatch(RendezvousHandler):
         self._inner.set_closed()
 
     def shutdown(self) -> bool:
-        """The wrapped handler's (closes the rendezvous for every node)."""
-        return bool(self._inner.shutdown())
+        """Close the rendezvous for every node (the wrapped handler's). If spares wait, the
+        store stays up :data:`SPARES_LINGER_S` longer, so that they read that the job is
+        over and leave cleanly (with a store on this node, they would lose it first)."""
+        closed = bool(self._inner.shutdown())
+        members = rendezvous_members(self._inner)
+        if closed and members is not None and members.waiting:
+            log.info(
+                "[%s] %d spare(s) wait: keeping the store up %.0f s for them to leave",
+                self._node,
+                members.waiting,
+                SPARES_LINGER_S,
+            )
+            time.sleep(SPARES_LINGER_S)
+        return closed
 
     # -- joining ------------------------------------------------------------------------------
 
@@ -132,8 +148,18 @@ class MembershipWatch(RendezvousHandler):
             try:
                 info: RendezvousInfo = self._inner.next_rendezvous()
                 break
+            except RendezvousTimeoutError:
+                self._not_enough(settings, budget)
+                raise
             except RendezvousConnectionError as exc:
                 if time.monotonic() + delay > deadline:
+                    log.error(
+                        "[%s] STORE LOST: the rendezvous store did not answer until the join "
+                        "timeout (%.0f s): stopping this agent",
+                        self._node,
+                        budget,
+                    )
+                    self.on_event("store_lost", waited_s=budget)
                     raise
                 log.warning(
                     "[%s] the rendezvous store cannot be reached while joining (%s): "
@@ -149,6 +175,23 @@ class MembershipWatch(RendezvousHandler):
         self._stalled.clear()
         self.lost = []
         return info
+
+    def _not_enough(self, settings: Any, waited_s: float) -> None:
+        """Say why the join timed out: too few machines (lost ones, no spare left)."""
+        need = getattr(settings, "min_nodes", "?")
+        members = rendezvous_members(self._inner)
+        have = len(members.participants) if members is not None else "?"
+        log.error(
+            "[%s] NOT ENOUGH MACHINES: the job needs %s nodes and only %s joined within the "
+            "join timeout (%.0f s)%s; no spare was left to take a lost node's place. "
+            "Stopping this agent (its SMP's snapshots go with it; flushed checkpoints stay)",
+            self._node,
+            need,
+            have,
+            waited_s,
+            f" after losing {', '.join(self.lost)}" if self.lost else "",
+        )
+        self.on_event("not_enough_machines", need=need, have=have, lost=self.lost)
 
     # -- the healthy loop's read --------------------------------------------------------------
 

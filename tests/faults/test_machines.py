@@ -1,0 +1,100 @@
+"""Machines lost, cut off and returning, on network-namespace hosts with a hot spare.
+
+Every host has its own address on a private bridge, host name, /etc/hosts and /dev/shm
+(:mod:`ftmem.testing.hosts`); host 0's agent serves the c10d rendezvous store. The job has 3
+nodes x 1 rank of ``examples/train_gpt.py`` with erasure coding (m=1) and a key file; a
+fourth machine waits as a hot spare. Nobody starts a replacement: the spare takes the lost
+machine's place, its SMP rebuilds the lost snapshot from the peers, and the run ends with the
+digests of a failure-free run of the same world size.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from tests._support.launcher import EXAMPLE, TINY, Launcher, digests
+from tests._support.machines import STEPS, events, machines
+
+_REFERENCE: dict[int, str] = {}
+
+
+def reference(launcher: Launcher) -> dict[int, str]:
+    """Digests of a failure-free single-node run with 3 ranks (the same world size)."""
+    if not _REFERENCE:
+        ref = launcher.single_node(
+            launcher.new_run_id(),
+            3,
+            ["--ftmem-ec-parity", "0"],
+            [str(EXAMPLE), "--steps", str(STEPS), *TINY],
+            name="reference3",
+        )
+        assert ref.wait(240) == 0, ref.text()[-3000:]
+        _REFERENCE.update(digests(ref.text()))
+        assert len(_REFERENCE) == 3
+    return dict(_REFERENCE)
+
+
+def test_silent_machine_loss_a_spare_takes_over_same_digest(launcher_env: Launcher) -> None:
+    """Host 2's link is cut, then the host dies (as a real crash looks to its peers): its
+    keep-alive stops, elastic drops it, the spare (host 3) takes its slot, rebuilds its
+    snapshot from the peers' data and parity and its warm standby becomes rank 2."""
+    want = reference(launcher_env)
+    with machines(launcher_env, 4, 3) as m:
+        m.start_all()
+        m.wait_step(2, 15)
+        m.hosts.cut(2)
+        m.hosts.kill(2)
+        spare = m.agents[3]
+        spare.wait_for(r"SPARE TAKES OVER", 120)
+        rebuilt = int(spare.wait_for(r"REBUILT step (\d+) of this node", 60)[0].group(1))
+        spare.wait_for(rf"\[rank 2\] resumed from step {rebuilt}", 60)
+        spare.wait_for(r"started ranks \[2\] .*from standbys: ranks \[2\]", 5)
+        for i in (0, 1):
+            m.agents[i].wait_for(r"RESUMED after .*MACHINE LOST \(h2", 120)
+        assert m.finish([0, 1, 3]) == want
+
+
+def test_a_60s_partition_ends_nothing_and_the_returning_machine_is_fenced(
+    launcher_env: Launcher,
+) -> None:
+    """Host 2 is cut off for 60 s (alive all along). The others drop it after the keep-alive
+    bound and go on with the spare; host 2's agent rides out the unreachable store. When the
+    link heals it finds its place taken: it drops its snapshots, waits as a spare, and
+    leaves cleanly when the job ends. No node closes the rendezvous or loses a snapshot."""
+    want = reference(launcher_env)
+    with machines(launcher_env, 4, 3, step_delay=0.3) as m:
+        m.start_all()
+        m.wait_step(2, 10)
+        m.hosts.cut(2)
+        cut = time.monotonic()
+        cut_off = m.agents[2]
+        cut_off.wait_for(r"STORE UNREACHABLE", 30)
+        m.agents[3].wait_for(r"SPARE TAKES OVER", 60)
+        m.agents[3].wait_for(r"\[rank 2\] resumed from step", 60)
+        time.sleep(max(0.0, 60.0 - (time.monotonic() - cut)))
+        assert cut_off.poll() is None, cut_off.text()[-3000:]
+        m.hosts.heal(2)
+        cut_off.wait_for(r"FENCED: slot 2 went on without this node", 120)
+        cut_off.wait_for(r"SPARE: the job has all its nodes", 10)
+        assert m.finish([0, 1, 3]) == want
+        assert cut_off.wait(60) == 0, cut_off.text()[-3000:]
+        assert "digest" not in cut_off.text().split("FENCED")[1]
+        for i in (0, 1):
+            assert "machine_lost" in events(launcher_env.tmp / f"h{i}-rd")
+        assert re.search(r"\[h0\] MACHINE LOST: h2_", m.agents[0].text())
+
+
+def test_two_machines_lost_with_one_spare_stop_clearly(launcher_env: Launcher) -> None:
+    """Hosts 1 and 2 die together; the spare takes one place, no machine is left for the
+    other: within the join timeout every agent stops, saying so."""
+    with machines(launcher_env, 4, 3, rdzv_conf="join_timeout=20") as m:
+        m.start_all()
+        m.wait_step(2, 8)
+        m.hosts.kill(1)
+        m.hosts.kill(2)
+        assert m.agents[0].wait(120) != 0
+        assert "NOT ENOUGH MACHINES: the job needs 3 nodes" in m.agents[0].text()
+        # The spare times out too, or finds the store gone with host 0 (which served it).
+        assert m.agents[3].wait(120) != 0
+        assert re.search(r"NOT ENOUGH MACHINES|STORE LOST", m.agents[3].text())
