@@ -42,3 +42,7 @@ class UnrecoverableError(FtmemError):
 class UnsafePathError(FtmemError):
     """A file or directory ftmem would trust is not this user's, is a symlink, or is writable
     (or, for secrets, readable) by others; it was not used."""
+
+
+class IllegalTransition(FtmemError):
+    """A state machine was asked for a change its table does not allow (a bug)."""

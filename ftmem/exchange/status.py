@@ -15,14 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ftmem.errors import FtmemError, ProtocolError
+from ftmem.errors import IllegalTransition as IllegalTransition  # re-exported
+from ftmem.errors import ProtocolError
 
 _MAX_INT = (1 << 63) - 1
 _MAX_LIST = 4096
-
-
-class IllegalTransition(FtmemError):
-    """The protection service tried a state change its state machine does not allow."""
 
 
 class ExchangeState(enum.Enum):

@@ -39,9 +39,11 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
+from ftmem.exchange.status import ExchangeState
 from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
@@ -56,7 +58,6 @@ from ftmem.launch.elastic_compat import (
     restart_rendezvous_quickly,
     trust_rendezvous_state_for,
 )
-from ftmem.launch.failures import FailureAccounting
 from ftmem.launch.in_process import InProcessRestarts
 from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.metrics import AgentMetrics, MetricsServer
@@ -67,10 +68,12 @@ from ftmem.launch.monitor import (
     RankProgress,
     StatusPoller,
     all_resumed,
+    min_committed,
 )
 from ftmem.launch.peers import PeerSettings, join_generation
 from ftmem.launch.rank_store import RankStore
 from ftmem.launch.rank_watch import RankWatch
+from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
 from ftmem.launch.rendezvous import (
     agree_slot,
     exchange_generation,
@@ -78,13 +81,10 @@ from ftmem.launch.rendezvous import (
     slot_workers,
     stable_ranks_apply,
 )
-from ftmem.launch.report import (
-    Recovery,
-    report_resumed,
-)
+from ftmem.launch.report import report_resumed, tail_lines
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
-from ftmem.launch.workers import rank_env
+from ftmem.launch.workers import describe_exit, rank_env
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,11 @@ STANDBY_FALLBACK_S = 30.0
 """Standbys start this long after the ranks even if the ranks never report progress."""
 
 
-class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
+class FtmemElasticAgent(ElasticAgentBase):
     """LocalElasticAgent that also runs the node's SMP and detects hung ranks.
+
+    Its recovery lifecycle (what state it is in, the failure being recovered from) is one
+    :class:`~ftmem.launch.recovery.RecoveryLifecycle`; see that module for the states.
 
     Resource handling: the SMP and the status poller are stopped in :meth:`_shutdown`,
     which elastic calls on every exit path of ``run()`` (success, failure, signal).
@@ -113,9 +116,12 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         self._poller = StatusPoller(
             smp.run_dir, ftmem.status_interval, request_timeout=timedelta(seconds=5)
         )
-        self._guard = NoProgressGuard(ftmem.no_progress_restarts)
         self.events = EventLog(smp.run_dir / "events.jsonl", smp.node)
         """The machine-readable event log (JSON lines) in the run directory."""
+        self._life = RecoveryLifecycle(
+            smp.node, self.events, NoProgressGuard(ftmem.no_progress_restarts)
+        )
+        """The agent's state and the recovery in progress (ftmem.launch.recovery)."""
         self.generation = -1
         """The rendezvous round the current ranks belong to (same on every node)."""
         self._watch = RankWatch(
@@ -130,15 +136,9 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         """Ranks kept alive across the restart in progress (``ftmem.run``)."""
         self._rank_store = RankStore(smp.node)
         """The ranks' TCPStore, served here when this node runs global rank 0."""
-        self._restarting = False
-        """elastic is restarting the ranks (set in before_restart, read in _stop_workers)."""
-        self._recovery: Recovery | None = None
         self._slot: int | None = None
         """This node's block of global ranks (stable across rounds), None: elastic's."""
         self._prev_ranks: list[int] | None = None
-        self._smp_failed = False
-        self._exchange_failed = False
-        self._last_failure: tuple[int | None, str, list[str]] | None = None
         self._peer_settings = _peer_settings(ftmem)
         self._key_warned = [False]
         self._standbys = StandbyPool(
@@ -150,14 +150,6 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         )
         spec = self._worker_group.spec
         self._standbys.configure(spec.entrypoint, spec.args, spec.local_world_size)
-        self._started_at = 0.0
-        self._detected_at: float | None = None
-        """When the monitor first saw a rank dead (before elastic stopped the survivors)."""
-        self._rendezvous_at: float | None = None
-        self.stop_reason: str | None = None
-        """Why the agent gave up early (the no-progress guard), for the final report."""
-        self._spare = False
-        """This agent waits in the rendezvous as a hot spare (the job has all its nodes)."""
         handler = self._worker_group.spec.rdzv_handler
         if isinstance(handler, MembershipWatch):
             handler.on_event = self.events.write
@@ -171,7 +163,8 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
     # -- rendezvous -------------------------------------------------------------------------
 
     def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
-        settings = getattr(self._rdzv_handler, "settings", None)  # the c10d/etcd-v2 handler
+        self._life.to(AgentState.JOINING, generation=self.generation)
+        settings = getattr(self.rdzv_handler, "settings", None)  # the c10d/etcd-v2 handler
         if settings is not None:
             log.info(
                 "[%s] joining the rendezvous: %d-%d nodes, join timeout %.0f s",
@@ -183,19 +176,17 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         else:
             log.info("[%s] joining the rendezvous", self._node)
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
-        trust_rendezvous_state_for(self._rdzv_handler, poll_s)
+        trust_rendezvous_state_for(self.rdzv_handler, poll_s)
         with restart_rendezvous_quickly(
             restart=self.generation >= 0, poll_s=poll_s, between_polls=self._while_joining
         ):
             join()
         # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the
         # healthy loop reads the store about once a second (not every monitor interval).
-        trust_rendezvous_state_for(self._rdzv_handler, ELASTIC_POLL_S)
-        if self._spare:
-            self._spare = False
+        trust_rendezvous_state_for(self.rdzv_handler, ELASTIC_POLL_S)
+        if self._life.state is AgentState.SPARE:
             log.warning("[%s] SPARE TAKES OVER: a node left the job; joining it", self._node)
-            self.events.write("spare_joins")
-        self._rendezvous_at = time.time()
+            self._life.to(AgentState.JOINING, spare=True)
         share_master(worker_group, self._slot)
         self.generation = exchange_generation(worker_group, self.rendezvous_round, self.generation)
         self._serve_rank_store(worker_group)
@@ -209,22 +200,22 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 ranks,
             )
         self._prev_ranks = ranks
+        self._life.to(AgentState.SYNCING, generation=self.generation, ranks=ranks)
 
     def _while_joining(self) -> None:
         """Between two reads of the rendezvous state while joining: notice that this node
         waits as a hot spare (elastic's redundancy list: the round has all its nodes), then
         keep standby ranks warm for the moment it takes a lost node's place."""
-        if not self._spare:
-            members = rendezvous_members(self._rdzv_handler)
+        if self._life.state is not AgentState.SPARE:
+            members = rendezvous_members(self.rdzv_handler)
             if members is None or not members.spare:
                 return
-            self._spare = True
+            self._life.to(AgentState.SPARE)
             log.warning(
                 "[%s] SPARE: the job has all its nodes; waiting as a hot spare (an SMP and "
                 "warm standby ranks) to take the place of a lost node",
                 self._node,
             )
-            self.events.write("spare", generation=self.generation)
             if self._slot is not None:
                 self._fence(f"slot {self._slot} went on without this node")
                 self._slot = None
@@ -291,7 +282,8 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The ranks (and an SMP started now) inherit the agent's environment.
-        expected = self._recovery.committed if self._recovery is not None else None
+        rec = self._life.recovery
+        expected = rec.committed if rec is not None else None
         ftmem_env = rank_env(
             run_dir=self._smp.run_dir,
             run_id=self._smp.run_id,
@@ -304,8 +296,6 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         os.environ.update(ftmem_env)
         if self._smp.ensure_running():
             self._poller.forget()
-        self._smp_failed = False
-        self._exchange_failed = False
         self._join_peers(worker_group)
         start = time.time()
         self._in_process.begin_generation(self.generation, ftmem_env)
@@ -316,8 +306,8 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         self._in_process.discard("its local rank is not in the new generation")
         kept = self._in_process.adopted
-        started = time.time()
-        self._started_at = started
+        self._life.to(AgentState.STARTED, generation=self.generation)
+        started = self._life.started_at
         procs = [
             RankProcess(
                 rank=w.global_rank,
@@ -357,7 +347,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         """How long a rank under ``ftmem.run`` waits for its next generation after a peer
         failure: the rendezvous may wait for a replacement node up to its join timeout
         before the order is written, and the order comes with ``--ftmem-rejoin-timeout``."""
-        settings = getattr(self._rdzv_handler, "settings", None)
+        settings = getattr(self.rdzv_handler, "settings", None)
         join = getattr(getattr(settings, "timeout", None), "join", None)
         extra = join.total_seconds() if isinstance(join, timedelta) else 0.0
         return self._ft.rejoin_timeout.total_seconds() + extra
@@ -387,7 +377,7 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 log.error("[%s] %s; --ftmem-checkfree: going on without it", self._node, exc)
                 self.events.write("checkfree", generation=self.generation, reason=str(exc))
                 return
-            self.stop_reason = str(exc)
+            self._life.stop_reason = str(exc)
             log.error("[%s] UNRECOVERABLE: %s", self._node, exc)
             self.events.write("unrecoverable", generation=self.generation, reason=str(exc))
             raise
@@ -401,14 +391,16 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
         self._watch.kill_stopped("while the ranks are stopped")
-        if not self._restarting:
+        kind = self._life.kind
+        if self._life.state is not AgentState.RESTARTING:
             self._in_process.discard("no restart follows")
-        elif self._smp_failed or self._exchange_failed:
+        elif kind is not None and kind.node_side:
             self._in_process.discard("the node's SMP side failed: every rank restarts cold")
         else:
             self._keep_survivors(worker_group)
-        self._restarting = False
         self.stop_ranks(signal.SIGTERM)
+        if self._life.state is AgentState.RESTARTING:
+            self._life.to(AgentState.STOPPED)
 
     def _keep_survivors(self, worker_group: WorkerGroup) -> list[int]:
         """Take the ranks that can rejoin in process out of elastic's hands before it stops
@@ -422,17 +414,18 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             progress = self._poller.fetch()
         global_ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         keep = self._in_process.keepable(
-            self._pcontext,
+            self.process_context(),
             global_ranks,
             self._watch.procs,
             progress or {},
             set(self._watch.hang_killed),
         )
-        self._in_process.detach(self._pcontext, keep, global_ranks)
+        self._in_process.detach(self.process_context(), keep, global_ranks)
         return keep
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         try:
+            self._life.to(AgentState.DONE)
             self._in_process.discard("the agent is shutting down")
             self._watch.kill_stopped("at shutdown")
             self.stop_ranks(death_sig, timeout)
@@ -443,10 +436,10 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
             self._rank_store.close()
 
     def before_restart(self, worker_group: WorkerGroup) -> None:
-        self._restarting = True
-        if self._recovery is None:
-            # elastic restarts healthy ranks when another node (re)joins the rendezvous,
-            # typically because that node's ranks failed; it is not charged as a restart.
+        if self._life.state is not AgentState.DETECTED:
+            # elastic restarts healthy ranks when another node (re)joins the rendezvous:
+            # typically that node's ranks failed, or a spare replaces a lost machine. It is
+            # not charged as a restart.
             ranks = [w.global_rank for w in worker_group.workers]
             committed = self._committed_now(ranks)
             handler = worker_group.spec.rdzv_handler
@@ -463,20 +456,22 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 self.generation,
                 committed,
             )
-            self._recovery = Recovery(detected=time.time(), what=what, committed=committed)
+            kind = FailureKind.MACHINE_LOST if lost else FailureKind.MEMBERSHIP
+            self._life.detected(kind, what, committed)
             self._poller.set_fast(True)
             self.events.write(
                 "restart",
-                reason="machine_lost" if lost else "membership",
+                reason=kind.value,
                 lost=lost,
                 generation=self.generation,
                 committed=committed,
             )
+        self._life.to(AgentState.RESTARTING)
 
     # -- monitoring -------------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        smp_exit = None if self._smp_failed else self._smp.poll()
+        smp_exit = self._smp.poll() if self._life.watching else None
         if smp_exit is not None:
             return self._on_smp_death(worker_group, smp_exit)
         exchange_error = self._exchange_failure()
@@ -490,30 +485,30 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
                 local_ranks=[s.local_rank for s in ready],
                 warm_up_s=[round((s.ready_at or s.spawned) - s.spawned, 3) for s in ready],
             )
-        if self._watch.kill_stopped_peers() and self._detected_at is None:
-            self._detected_at = time.time()
+        if self._watch.kill_stopped_peers() and self._life.first_seen is None:
+            self._life.first_seen = time.time()
         if (
-            self._remaining_restarts > 0
-            and _a_rank_failed(self._pcontext)
+            self.restarts_left > 0
+            and _a_rank_failed(self.process_context())
             and self._keep_survivors(worker_group)
         ):
             # elastic stops every other rank as soon as it sees the failure: the ones that
             # can rejoin in process were taken out of its reach first.
-            result: RunResult = failed_after_detach(self._pcontext, worker_group)
+            result: RunResult = failed_after_detach(self.process_context(), worker_group)
         else:
             result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._on_failure(worker_group, result)
         elif result.state == WorkerState.HEALTHY:
-            self._detected_at = None  # a rank that exited 0 is no failure
+            self._life.first_seen = None  # a rank that exited 0 is no failure
             self._check_progress()
             self._maybe_start_standbys()
-        elif result.state == WorkerState.SUCCEEDED and self._recovery is not None:
+        elif result.state == WorkerState.SUCCEEDED and self._life.state is AgentState.STARTED:
             # The ranks stepped and finished between two polls: ask the SMP once more, so
             # the recovery is still reported (its times are the ranks' own progress times).
             progress = self._poller.fetch()
             if progress is not None and all_resumed(self._watch.procs, progress):
-                self._report_resumed(progress)
+                self._resumed(progress)
         return result
 
     def _maybe_start_standbys(self) -> None:
@@ -523,13 +518,13 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         priority anyway); ranks that never report progress get them after
         :data:`STANDBY_FALLBACK_S`.
         """
-        if not self._standbys.enabled or self._recovery is not None:
+        if not self._standbys.enabled or self._life.recovery is not None:
             return
         if len(self._standbys.standbys()) >= self._standbys.count * len(self._watch.procs):
             return
         latest = self._poller.latest()
         stepping = latest is not None and all_resumed(self._watch.procs, latest[1])
-        if stepping or time.time() - self._started_at > STANDBY_FALLBACK_S:
+        if stepping or time.time() - self._life.started_at > STANDBY_FALLBACK_S:
             started = self._standbys.spawn_missing()
             if started:
                 self.events.write(
@@ -544,17 +539,142 @@ class FtmemElasticAgent(FailureAccounting, ElasticAgentBase):
         if latest is None:
             return
         fetched, progress = latest
-        if self._recovery is not None and all_resumed(self._watch.procs, progress):
-            self._report_resumed(progress)
+        if self._life.state is AgentState.STARTED and all_resumed(self._watch.procs, progress):
+            self._resumed(progress)
         self._watch.check_hangs(progress, fetched)
 
-    def _report_resumed(self, progress: dict[int, RankProgress]) -> None:
-        rec, self._recovery = self._recovery, None
-        assert rec is not None
+    def _resumed(self, progress: dict[int, RankProgress]) -> None:
+        """Every rank stepped: RUNNING; a recovery in progress is reported."""
+        rec = self._life.resumed()
+        if rec is None:
+            return
         self._poller.set_fast(False)
-        rec.rendezvous = self._rendezvous_at
-        rec.started = self._started_at
         report_resumed(self._node, self.generation, rec, self._watch.procs, progress, self.events)
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _committed_now(self, ranks: list[int]) -> int | None:
+        """The newest step every one of ``ranks`` committed (the SMP asked now if it runs)."""
+        progress = self._poller.fetch() if self._smp.is_alive() else None
+        if progress is None:
+            latest = self._poller.latest()
+            progress = latest[1] if latest is not None else {}
+        return min_committed(ranks, progress)
+
+    def _check_guard(self, committed: int | None) -> None:
+        if self._life.check_guard(committed, self.restarts_left):
+            self.stop_restarting()
+
+    def _log_failure(
+        self, rank: int | None, what: str, committed: int | None, stopped: list[int]
+    ) -> None:
+        restarts = (self.restarts_left, self._worker_group.spec.max_restarts)
+        self._life.log_failure(rank, what, self.generation, committed, restarts, stopped)
+
+    def _on_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        """A rank failed (elastic's verdict; elastic has stopped the survivors by now)."""
+        now = time.time()
+        ranks = [w.global_rank for w in worker_group.workers]
+        committed = self._committed_now(ranks)
+        failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
+        root_rank, root = failures[0] if failures else (None, None)
+        cause = next(iter(self._watch.hang_killed.values()), None)
+        kind = FailureKind.RANK
+        if cause is not None:
+            root_rank, kind = cause.rank, FailureKind.HANG
+            what = f"HANG ({cause.reason}, last step {cause.last_step}), killed"
+        elif root is None:
+            what = f"worker group {result.state.name}"
+        else:
+            what = describe_exit(root.exitcode)
+        rec = self._life.detected(kind, what, committed, stopped=now)
+        self._check_guard(committed)
+        stopped = [r for r, f in failures[1:] if f.exitcode == -signal.SIGTERM]
+        self._log_failure(root_rank, what, committed, stopped)
+        if root is not None:
+            tail = tail_lines(self.rank_stderr_paths().get(root.local_rank))
+            self._life.last_failure = (root_rank, what, tail)
+        self.events.write(
+            "failed",
+            rank=root_rank,
+            what=what,
+            exitcode=None if root is None else root.exitcode,
+            generation=self.generation,
+            committed=committed,
+            restarts_left=self.restarts_left,
+            detected=round(rec.detected, 4),
+            stop_s=round(now - rec.detected, 4),
+        )
+        self._poller.set_fast(True)
+
+    def _on_smp_death(self, worker_group: WorkerGroup, exitcode: int) -> RunResult:
+        pid = self._smp.pid or -1
+        latest = self._poller.latest()
+        ranks = [w.global_rank for w in worker_group.workers]
+        committed = min_committed(ranks, latest[1]) if latest is not None else None
+        why = describe_exit(exitcode)
+        self.events.write(
+            "smp_died", pid=pid, exitcode=exitcode, generation=self.generation, committed=committed
+        )
+        what = f"SMP pid {pid} died ({why})"
+        return self._node_failure(
+            FailureKind.SMP, ranks, what, f"the node's SMP died ({why})", committed, exitcode
+        )
+
+    def _exchange_failure(self) -> str | None:
+        """The error that stopped the SMP's exchange thread during this generation, or None.
+
+        Only a status fetched after these ranks started counts: the SMP replaces a failed
+        exchange at the generation's PEER_BIND, so an older answer may predate that.
+        """
+        latest = self._poller.exchange() if self._life.watching else None
+        if latest is None:
+            return None
+        fetched, status = latest
+        if fetched <= self._life.started_at or status.state is not ExchangeState.FAILED:
+            return None
+        return status.error or "no error given"
+
+    def _on_exchange_failure(self, worker_group: WorkerGroup, error: str) -> RunResult:
+        """The exchange thread stopped: snapshots are no longer protected. Restart the ranks
+        (from memory) with a new generation, whose PEER_BIND gives the SMP a new exchange."""
+        ranks = [w.global_rank for w in worker_group.workers]
+        committed = self._committed_now(ranks)
+        what = f"the SMP's erasure-coding thread stopped ({error})"
+        log.error(
+            "[%s] PROTECTION STOPPED: %s; snapshots of this node are no longer protected: "
+            "restarting the ranks from memory with a new peer mesh",
+            self._node,
+            what,
+        )
+        self.events.write(
+            "exchange_failed", error=error, generation=self.generation, committed=committed
+        )
+        return self._node_failure(FailureKind.EXCHANGE, ranks, what, what, committed, 1)
+
+    def _node_failure(
+        self,
+        kind: FailureKind,
+        ranks: list[int],
+        what: str,
+        message: str,
+        committed: int | None,
+        exitcode: int,
+    ) -> RunResult:
+        """A failure of the node's SMP side (not of a rank): account for it and have elastic
+        restart the ranks (the result names the SMP as the failed process)."""
+        pid = self._smp.pid or -1
+        failure = ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="<N/A>")
+        failure.message = f"{message}; see {self._smp.log_path}"
+        self._life.detected(kind, what, committed)
+        self._check_guard(committed)
+        self._log_failure(None, what, committed, [])
+        self._poller.set_fast(True)
+        return RunResult(state=WorkerState.FAILED, failures={ranks[0]: failure})
+
+    def report_last_failure(self) -> None:
+        """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
+        self._life.report_last_failure()
 
 
 def _a_rank_failed(pcontext: Any) -> bool:

@@ -7,7 +7,8 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
 (and running the launcher tests):
 
 1. Three private, non-abstract methods of ``SimpleElasticAgent``, forwarded by
-   :class:`ElasticAgentBase` to hooks with names of their own:
+   :class:`ElasticAgentBase` to hooks with names of their own (and its ``_rdzv_handler``,
+   ``_pcontext`` and ``_remaining_restarts``, read and set through its accessors):
    ``_rendezvous`` -> :meth:`~ElasticAgentBase.join_rendezvous`,
    ``_assign_worker_ranks`` -> :meth:`~ElasticAgentBase.assign_worker_ranks`,
    ``_restart_workers`` -> :meth:`~ElasticAgentBase.before_restart`.
@@ -375,6 +376,29 @@ class ElasticAgentBase(LocalElasticAgent):
         """Called when elastic is about to restart the ranks (any cause)."""
 
     # -- elastic internals --------------------------------------------------------------------
+
+    @property
+    def rdzv_handler(self) -> Any:
+        """The rendezvous handler elastic uses (``_rdzv_handler``)."""
+        return self._rdzv_handler
+
+    def process_context(self) -> Any:
+        """The ranks' ``PContext`` of the running generation (``_pcontext``; None before)."""
+        return self._pcontext
+
+    def rank_stderr_paths(self) -> dict[int, str]:
+        """Local rank -> its stderr file (empty if the output is not in files)."""
+        paths = getattr(self._pcontext, "stderrs", None)
+        return dict(paths) if isinstance(paths, dict) else {}
+
+    @property
+    def restarts_left(self) -> int:
+        """How many more restarts elastic allows (``_remaining_restarts``)."""
+        return int(self._remaining_restarts)
+
+    def stop_restarting(self) -> None:
+        """elastic restarts the ranks no more: the next failure ends the agent."""
+        self._remaining_restarts = 0
 
     def rendezvous_round(self) -> int | None:
         """The c10d handler's round number (the same on every node), None if unknown."""
