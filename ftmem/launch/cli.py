@@ -382,6 +382,18 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         peer_host=config.peer_host,
         rdzv_host=_rdzv_host(args),
     )
+    return config
+
+
+def preflight(args: Namespace) -> None:
+    """Checks of the machine and the rendezvous before anything starts: the backend can
+    restart ranks (:func:`~ftmem.launch.config.check_rdzv_backend`) and, with several
+    nodes, the host name gives gloo a reachable address
+    (:func:`~ftmem.launch.config.check_host_address`).
+
+    Raises:
+        ValueError: a check failed (the message names the fix).
+    """
     check_rdzv_backend(str(args.rdzv_backend))
     _, max_nodes = parse_min_max_nnodes(str(args.nnodes))
     set_env = check_host_address(
@@ -389,7 +401,6 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
     )
     if set_env:
         log.info("ranks' gloo groups bind to --local-addr's interface: %s", set_env)
-    return config
 
 
 def _rdzv_host(args: Namespace) -> str:
@@ -513,6 +524,7 @@ def run(args: Namespace) -> dict[int, Any]:
     install_signal_handlers(args.signals_to_handle)
     try:
         config, ftmem, cmd, cmd_args = config_from_args(args)
+        preflight(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     return launch_agent(config, ftmem, cmd, cmd_args)

@@ -49,6 +49,12 @@ def test_rank_sigkill_restarts_all_ranks_from_memory(launcher_env: Launcher) -> 
         json.loads(line)
         for line in (launcher_env.tmp / "agent-rd" / "events.jsonl").read_text().splitlines()
     ]
+    states = [e["state"] for e in events if e["event"] == "state"]
+    # (RUNNING before the failure depends on a status poll seeing every rank step first)
+    restart = ["detected", "restarting", "stopped", "joining", "syncing", "started", "running"]
+    assert states[:3] == ["joining", "syncing", "started"], states
+    assert states[-len(restart) - 1 :] == [*restart, "done"], states
+    events = [e for e in events if e["event"] != "state"]
     kinds = [e["event"] for e in events]
     assert kinds == ["ranks_started", "failed", "ranks_started", "resumed"], kinds
     assert events[1]["rank"] == 1 and events[1]["exitcode"] == -signal.SIGKILL
@@ -192,9 +198,8 @@ def test_stopped_rank_does_not_stall_the_restart_after_a_peer_dies(
         ],
     )
     agent.wait_for(r"injecting failure \(hang\)", 60)
-    started = json.loads(
-        (launcher_env.tmp / "agent-rd" / "events.jsonl").read_text().splitlines()[0]
-    )
+    lines = (launcher_env.tmp / "agent-rd" / "events.jsonl").read_text().splitlines()
+    started = next(e for e in map(json.loads, lines) if e["event"] == "ranks_started")
     rank0 = started["pids"][started["ranks"].index(0)]
     time.sleep(0.5)
     killed = time.monotonic()

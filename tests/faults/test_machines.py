@@ -11,10 +11,13 @@ digests of a failure-free run of the same world size.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
+import pytest
+
 from tests._support.launcher import EXAMPLE, TINY, Launcher, digests
-from tests._support.machines import STEPS, events, machines
+from tests._support.machines import STEPS, events, finish, machines
 
 _REFERENCE: dict[int, str] = {}
 
@@ -46,13 +49,13 @@ def test_silent_machine_loss_a_spare_takes_over_same_digest(launcher_env: Launch
         m.hosts.cut(2)
         m.hosts.kill(2)
         spare = m.agents[3]
-        spare.wait_for(r"SPARE TAKES OVER", 120)
-        rebuilt = int(spare.wait_for(r"REBUILT step (\d+) of this node", 60)[0].group(1))
-        spare.wait_for(rf"\[rank 2\] resumed from step {rebuilt}", 60)
-        spare.wait_for(r"started ranks \[2\] .*from standbys: ranks \[2\]", 5)
+        spare.wait_log(r"SPARE TAKES OVER", 120)
+        rebuilt = int(spare.wait_log(r"REBUILT step (\d+) of this node", 60)[0].group(1))
+        spare.wait_log(rf"\[rank 2\] resumed from step {rebuilt}", 60)
+        spare.wait_log(r"started ranks \[2\] .*from standbys: ranks \[2\]", 5)
         for i in (0, 1):
-            m.agents[i].wait_for(r"RESUMED after .*MACHINE LOST \(h2", 120)
-        assert m.finish([0, 1, 3]) == want
+            m.agents[i].wait_log(r"RESUMED after .*MACHINE LOST \(h2", 120)
+        assert finish(m, [0, 1, 3]) == want
 
 
 def test_a_60s_partition_ends_nothing_and_the_returning_machine_is_fenced(
@@ -69,19 +72,19 @@ def test_a_60s_partition_ends_nothing_and_the_returning_machine_is_fenced(
         m.hosts.cut(2)
         cut = time.monotonic()
         cut_off = m.agents[2]
-        cut_off.wait_for(r"STORE UNREACHABLE", 30)
-        m.agents[3].wait_for(r"SPARE TAKES OVER", 60)
-        m.agents[3].wait_for(r"\[rank 2\] resumed from step", 60)
+        cut_off.wait_log(r"STORE UNREACHABLE", 30)
+        m.agents[3].wait_log(r"SPARE TAKES OVER", 60)
+        m.agents[3].wait_log(r"\[rank 2\] resumed from step", 60)
         time.sleep(max(0.0, 60.0 - (time.monotonic() - cut)))
         assert cut_off.poll() is None, cut_off.text()[-3000:]
         m.hosts.heal(2)
-        cut_off.wait_for(r"FENCED: slot 2 went on without this node", 120)
-        cut_off.wait_for(r"SPARE: the job has all its nodes", 10)
-        assert m.finish([0, 1, 3]) == want
+        cut_off.wait_log(r"FENCED: slot 2 went on without this node", 120)
+        cut_off.wait_log(r"SPARE: the job has all its nodes", 10)
+        assert finish(m, [0, 1, 3]) == want
         assert cut_off.wait(60) == 0, cut_off.text()[-3000:]
         assert "digest" not in cut_off.text().split("FENCED")[1]
         for i in (0, 1):
-            assert "machine_lost" in events(launcher_env.tmp / f"h{i}-rd")
+            assert "machine_lost" in events(m.run_dir(i))
         assert re.search(r"\[h0\] MACHINE LOST: h2_", m.agents[0].text())
 
 
@@ -98,3 +101,27 @@ def test_two_machines_lost_with_one_spare_stop_clearly(launcher_env: Launcher) -
         # The spare times out too, or finds the store gone with host 0 (which served it).
         assert m.agents[3].wait(120) != 0
         assert re.search(r"NOT ENOUGH MACHINES|STORE LOST", m.agents[3].text())
+
+
+def test_the_machine_serving_the_rendezvous_is_lost_etcd_keeps_the_job(
+    launcher_env: Launcher,
+) -> None:
+    """The rendezvous is a 3-member etcd cluster with a member on each training machine.
+    Host 0 dies: with it the etcd member every agent was pointed at, global rank 0 and the
+    ranks' store its agent served. The other agents' etcd clients fail over to the other
+    members (the cluster keeps its quorum), the spare takes slot 0 (and serves the next
+    generation's ranks' store), and the run ends with the failure-free digests."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian: etcd-server; .ci/run installs it)")
+    pytest.importorskip("etcd", reason="python-etcd (the etcd-v2 rendezvous' client)")
+    want = reference(launcher_env)
+    with machines(launcher_env, 4, 3) as m:
+        m.use_etcd([0, 1, 2])
+        m.start_all()
+        m.wait_step(0, 15)
+        m.hosts.kill(0)
+        spare = m.agents[3]
+        spare.wait_log(r"SPARE TAKES OVER", 120)
+        spare.wait_log(r"REBUILT step (\d+) of this node", 60)
+        spare.wait_log(r"started ranks \[0\]", 60)
+        assert finish(m, [1, 2, 3]) == want

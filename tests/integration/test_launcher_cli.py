@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from argparse import Namespace
 from datetime import timedelta
 from pathlib import Path
 
@@ -244,3 +245,39 @@ def test_no_progress_guard() -> None:
     assert not g.on_failure(6)
     assert g.on_failure(6) and g.best == 6
     assert not any(NoProgressGuard(limit=0).on_failure(None) for _ in range(5))
+
+
+def test_preflight_refuses_the_static_backend_and_an_unreachable_host_name() -> None:
+    from ftmem.launch.cli import preflight
+    from ftmem.launch.config import check_host_address
+
+    def args(*extra: str) -> Namespace:
+        return get_args_parser().parse_args([*extra, "train.py"])
+
+    with pytest.raises(ValueError, match="static cannot restart ranks"):
+        preflight(args("--nnodes", "2", "--master-addr", "10.0.0.1"))
+    preflight(args("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"))  # one host
+    with pytest.raises(ValueError, match="does not resolve"):
+        check_host_address(
+            max_nodes=2,
+            rdzv_host="10.0.0.1",
+            local_addr=None,
+            environ={},
+            hostname="no-such-host.invalid",
+        )
+    with pytest.raises(ValueError, match="loopback"):
+        check_host_address(
+            max_nodes=2, rdzv_host="10.0.0.1", local_addr=None, environ={}, hostname="localhost"
+        )
+    env: dict[str, str] = {}
+    assert check_host_address(
+        max_nodes=2, rdzv_host="10.0.0.1", local_addr="127.0.0.1", environ=env
+    ) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert env == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert (
+        check_host_address(  # the user's choice stands; one node or loopback: no check
+            max_nodes=2, rdzv_host="10.0.0.1", local_addr=None, environ=env, hostname="localhost"
+        )
+        == {}
+    )
+    assert check_host_address(max_nodes=1, rdzv_host="10.0.0.1", local_addr=None, environ={}) == {}

@@ -1,0 +1,149 @@
+"""One job on several machines (:mod:`ftmem.testing.hosts`), for the tests and benchmarks of
+machine loss: each host runs one ``ftmem-launch`` agent; host 0's agent serves the c10d
+rendezvous store unless :meth:`Machines.use_etcd` puts the rendezvous on an etcd cluster;
+erasure coding with a key file and warm standbys; agents beyond ``--nnodes`` wait as hot
+spares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from ftmem.exchange.keys import generate, write_key_file
+from ftmem.testing.harness import AgentProcess, launch_args, launch_command
+from ftmem.testing.hosts import Hosts
+
+RDZV_PORT = 29400
+
+
+class Machines:
+    """``hosts.n`` machines running a job of ``nnodes`` nodes (the rest are spares).
+
+    Args:
+        hosts: the machines.
+        workdir: where logs, run directories, the key file and etcd's data go.
+        run_id: the rendezvous id.
+        nnodes: the job's nodes (``--nnodes``).
+        script: the training script and its arguments (one rank per node).
+        env: the agents' environment.
+        extra: more ``ftmem-launch`` flags.
+        rdzv_conf: more ``--rdzv-conf`` settings (``key=value,...``).
+        process: the class of the processes started (an :class:`AgentProcess`).
+        on_start: called with every process started (agents and etcd members).
+
+    Resource handling: every process runs on a host; :meth:`Hosts.close` kills them all.
+    """
+
+    def __init__(
+        self,
+        hosts: Hosts,
+        workdir: Path,
+        run_id: str,
+        nnodes: int,
+        script: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        extra: Sequence[str] = (),
+        rdzv_conf: str = "",
+        process: type[AgentProcess] = AgentProcess,
+        on_start: Callable[[AgentProcess], None] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.hosts = hosts
+        self.workdir = workdir
+        self.rid = run_id
+        self.nnodes = nnodes
+        self.script = list(script)
+        self.env = dict(env)
+        self.extra = list(extra)
+        self.rdzv_conf = rdzv_conf
+        self.process = process
+        self.on_start = on_start or (lambda proc: None)
+        self.cwd = cwd
+        self.rdzv_backend = "c10d"
+        self.rdzv_endpoint = f"{hosts.addr(0)}:{RDZV_PORT}"
+        self.key = workdir / "job.key"
+        write_key_file(self.key, generate())
+        self.agents: dict[int, AgentProcess] = {}
+
+    def run_dir(self, i: int) -> Path:
+        """Host ``i``'s agent's run directory."""
+        return self.workdir / f"{self.hosts.name(i)}-rd"
+
+    def _spawn(self, i: int, argv: list[str], log_name: str) -> AgentProcess:
+        cmd = self.hosts.command(i, argv)
+        proc = self.process(cmd, self.workdir / log_name, self.env, cwd=self.cwd)
+        self.on_start(proc)
+        return proc
+
+    def start(self, i: int) -> AgentProcess:
+        """Start host ``i``'s agent."""
+        h = self.hosts
+        conf = [self.rdzv_conf] if self.rdzv_conf else []
+        if self.rdzv_backend == "c10d":
+            conf.insert(0, f"is_host={int(i == 0)}")
+        args = launch_args(
+            nnodes=self.nnodes,
+            rdzv_endpoint=self.rdzv_endpoint,
+            rdzv_id=self.rid,
+            node=h.name(i),
+            run_dir=self.run_dir(i),
+            flags=[
+                *(["--rdzv-conf", ",".join(conf)] if conf else []),
+                "--rdzv-backend",
+                self.rdzv_backend,
+                "--ftmem-ec-parity",
+                "1",
+                "--ftmem-key-file",
+                str(self.key),
+                "--ftmem-peer-host",
+                h.addr(i),
+                "--ftmem-standby",
+                "1",
+                *self.extra,
+            ],
+            script=self.script,
+        )
+        self.agents[i] = self._spawn(i, launch_command(args), f"{h.name(i)}.log")
+        return self.agents[i]
+
+    def use_etcd(self, members: Sequence[int], timeout: float = 60.0) -> None:
+        """Run an etcd cluster (v2 API on) with a member on each host of ``members`` and make
+        it the rendezvous (``etcd-v2``, endpoint: the first member's; the client learns the
+        others from it). A member is a process on its host: losing the host loses it."""
+        h = self.hosts
+        cluster = ",".join(f"e{i}=http://{h.addr(i)}:2380" for i in members)
+        started = []
+        for i in members:
+            cmd = [
+                "etcd", "--name", f"e{i}", "--data-dir", str(self.workdir / f"etcd{i}"),
+                "--listen-client-urls", f"http://{h.addr(i)}:2379",
+                "--advertise-client-urls", f"http://{h.addr(i)}:2379",
+                "--listen-peer-urls", f"http://{h.addr(i)}:2380",
+                "--initial-advertise-peer-urls", f"http://{h.addr(i)}:2380",
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--initial-cluster-token", self.rid, "--enable-v2=true",
+            ]  # fmt: skip
+            started.append(self._spawn(i, cmd, f"etcd{i}.log"))
+        for member in started:
+            member.wait_log(r"ready to serve client requests", timeout)
+        self.rdzv_backend = "etcd-v2"
+        self.rdzv_endpoint = f"{h.addr(members[0])}:2379"
+
+    def start_all(self, timeout: float = 120.0) -> None:
+        """Start host 0, then the other nodes of the job; once their ranks run, the spares
+        (which then find the job full)."""
+        if self.rdzv_backend == "c10d":
+            self.start(0).wait_log(r"SMP pid \d+ ready", timeout)
+        else:
+            self.start(0)
+        for i in range(1, self.nnodes):
+            self.start(i)
+        for i in range(self.nnodes):
+            self.agents[i].wait_log(r"generation 0: started ranks", timeout)
+        for i in range(self.nnodes, self.hosts.n):
+            self.start(i).wait_log(r"SPARE: the job has all its nodes", timeout)
+
+    def wait_step(self, i: int, step: int, timeout: float = 120.0) -> None:
+        """Wait until host ``i``'s rank logged ``step``."""
+        self.agents[i].wait_log(rf"step {step} loss", timeout)
