@@ -161,7 +161,7 @@ def run_dcp(workdir: Path, steps: int, fail_at: int, dcp_every: int) -> Run:
                 "--monitor-interval", "0.1",
                 str(REPO / "bench" / "recovery.py"), "--_dcp-worker",
                 "--ckpt-dir", str(ckpt), "--ckpt-every", str(dcp_every), "--",
-                str(EXAMPLE), "--steps", str(steps), "--step-delay", "0.1", *TINY,
+                "--steps", str(steps), "--step-delay", "0.1", *TINY,
             ]  # fmt: skip
             return AgentProcess(hosts.command(i, cmd), workdir / f"dcp-h{i}.log", env, cwd=REPO)
 

@@ -148,9 +148,9 @@ class FtmemElasticAgent(ElasticAgentBase):
             run_dir=smp.run_dir,
             node=smp.node,
         )
-        spec = self._worker_group.spec
+        spec = self.get_worker_group().spec
         self._standbys.configure(spec.entrypoint, spec.args, spec.local_world_size)
-        handler = self._worker_group.spec.rdzv_handler
+        handler = self.get_worker_group().spec.rdzv_handler
         if isinstance(handler, MembershipWatch):
             handler.on_event = self.events.write
         self.metrics: MetricsServer | None = None
@@ -568,7 +568,7 @@ class FtmemElasticAgent(ElasticAgentBase):
     def _log_failure(
         self, rank: int | None, what: str, committed: int | None, stopped: list[int]
     ) -> None:
-        restarts = (self.restarts_left, self._worker_group.spec.max_restarts)
+        restarts = (self.restarts_left, self.get_worker_group().spec.max_restarts)
         self._life.log_failure(rank, what, self.generation, committed, restarts, stopped)
 
     def _on_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:

@@ -261,7 +261,7 @@ class MembershipWatch(RendezvousHandler):
                     self._node,
                     bound,
                 )
-                self.on_event("dropped", node=node, bound_s=bound)
+                self.on_event("dropped", peer=node, bound_s=bound)
                 continue
             log.error(
                 "[%s] MACHINE LOST: %s sent no rendezvous keep-alive for %.0f s and was "
@@ -270,7 +270,7 @@ class MembershipWatch(RendezvousHandler):
                 node,
                 bound,
             )
-            self.on_event("machine_lost", node=node, bound_s=bound)
+            self.on_event("machine_lost", peer=node, bound_s=bound)
         for node in sorted(self._round_members & members.participants - {members.me}):
             age = members.heartbeat_age_s.get(node)
             late = age is not None and age > STALL_SHARE * bound
@@ -284,7 +284,7 @@ class MembershipWatch(RendezvousHandler):
                     age,
                     bound,
                 )
-                self.on_event("stall", node=node, age_s=round(age or 0.0, 3))
+                self.on_event("stall", peer=node, age_s=round(age or 0.0, 3))
             elif not late and node in self._stalled:
                 self._stalled.discard(node)
                 log.info("[%s] %s sends its keep-alive again", self._node, node)

@@ -57,6 +57,11 @@ _INFO_EVENTS = frozenset(
         "protect_failed",
         "peers_synced",
         "peers_failed",
+        "stall",
+        "fenced",
+        "dropped",
+        "store_unreachable",
+        "store_reachable",
     }
 )
 """Events listed by ``--text`` but not drawn."""
@@ -222,6 +227,15 @@ def marks_of(events: Sequence[Event]) -> list[Mark]:
             out.append(_mark(e, "failure", label, step=_int(f.get("committed"))))
         elif k == "no_progress_stop":
             out.append(_mark(e, "stop", f"stopped: {f.get('reason')}"))
+        elif k == "machine_lost":
+            label = (
+                f"machine {f.get('peer')} lost: no rendezvous keep-alive for {f.get('bound_s')} s"
+            )
+            out.append(_mark(e, "failure", label))
+        elif k in ("not_enough_machines", "store_lost"):
+            out.append(_mark(e, "stop", f"stopped: {k.replace('_', ' ')} {_brief(f)}".rstrip()))
+        elif k == "state":
+            out.append(_mark(e, "info", f"agent {f.get('previous')} -> {f.get('state')}"))
         elif k == "ranks_started":
             cat = "restart" if e.node in started else "start"
             started.add(e.node)

@@ -33,6 +33,7 @@ def machines(
     nnodes: int,
     step_delay: float = 0.1,
     rdzv_conf: str = "",
+    extra: list[str] | None = None,
 ) -> Iterator[Machines]:
     """``n`` namespace hosts running a job of ``nnodes`` nodes; every process, namespace and
     mount is gone afterwards (skips where namespace hosts cannot be made)."""
@@ -53,6 +54,7 @@ def machines(
             script(step_delay),
             launcher.env(),
             rdzv_conf=rdzv_conf,
+            extra=extra or [],
             process=Launch,
             on_start=started,
             cwd=REPO,

@@ -39,13 +39,20 @@ def reference(launcher: Launcher) -> dict[int, str]:
 
 
 def test_silent_machine_loss_a_spare_takes_over_same_digest(launcher_env: Launcher) -> None:
-    """Host 2's link is cut, then the host dies (as a real crash looks to its peers): its
-    keep-alive stops, elastic drops it, the spare (host 3) takes its slot, rebuilds its
-    snapshot from the peers' data and parity and its warm standby becomes rank 2."""
+    """Host 1's link flaps for 3 s (logged, nothing restarts). Then host 2's link is cut and
+    the host dies (as a real crash looks to its peers): its keep-alive stops, elastic drops
+    it, the spare (host 3) takes its slot, rebuilds its snapshot from the peers' data and
+    parity and its warm standby becomes rank 2."""
     want = reference(launcher_env)
     with machines(launcher_env, 4, 3) as m:
         m.start_all()
         m.wait_step(2, 15)
+        # A 3 s flap of host 1's link first: logged, not fatal (no restart, no spare).
+        m.hosts.cut(1)
+        time.sleep(3)
+        m.hosts.heal(1)
+        m.agents[1].wait_log(r"the rendezvous store answers again after", 30)
+        assert all("FAILED" not in m.agents[i].text() for i in range(4))
         m.hosts.cut(2)
         m.hosts.kill(2)
         spare = m.agents[3]
@@ -62,17 +69,21 @@ def test_a_60s_partition_ends_nothing_and_the_returning_machine_is_fenced(
     launcher_env: Launcher,
 ) -> None:
     """Host 2 is cut off for 60 s (alive all along). The others drop it after the keep-alive
-    bound and go on with the spare; host 2's agent rides out the unreachable store. When the
-    link heals it finds its place taken: it drops its snapshots, waits as a spare, and
-    leaves cleanly when the job ends. No node closes the rendezvous or loses a snapshot."""
+    bound and go on with the spare; host 2's agent rides out the unreachable store and still
+    detects its rank's hang (``--ftmem-hang-timeout 20``). When the link heals it finds its
+    place taken: it drops its snapshots, waits as a spare, and leaves cleanly when the job
+    ends. No node closes the rendezvous or loses a snapshot."""
     want = reference(launcher_env)
-    with machines(launcher_env, 4, 3, step_delay=0.3) as m:
+    with machines(launcher_env, 4, 3, step_delay=0.3, extra=["--ftmem-hang-timeout", "20"]) as m:
         m.start_all()
         m.wait_step(2, 10)
         m.hosts.cut(2)
         cut = time.monotonic()
         cut_off = m.agents[2]
         cut_off.wait_log(r"STORE UNREACHABLE", 30)
+        # Its agent keeps watching its rank while the store does not answer: the rank, stuck
+        # in a collective with peers it cannot reach, is found hung and killed.
+        cut_off.wait_log(r"\[h2/2\] HANG", 45)
         m.agents[3].wait_log(r"SPARE TAKES OVER", 60)
         m.agents[3].wait_log(r"\[rank 2\] resumed from step", 60)
         time.sleep(max(0.0, 60.0 - (time.monotonic() - cut)))

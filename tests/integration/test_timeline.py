@@ -301,3 +301,23 @@ def test_real_smp_logs_commits_and_restores(
     out = capsys.readouterr().out
     assert "node nodeX:" in out and "commits: 3 by ranks 0, 3 (steps 1-3)" in out
     assert "RESTORE    rank 0 restored step 3" in out and "0 malformed" in out
+
+
+def test_machine_loss_marks_the_lost_machine_the_spare_and_the_agent_states() -> None:
+    lines = [
+        '{"time": 1, "node": "h0", "event": "state", "state": "running", "previous": "started"}',
+        '{"time": 2, "node": "h3", "event": "state", "state": "spare", "previous": "joining"}',
+        '{"time": 5, "node": "h0", "event": "machine_lost", "peer": "h2_7_0", "bound_s": 5.0}',
+        '{"time": 6, "node": "h3", "event": "state", "state": "syncing", "previous": "joining"}',
+        '{"time": 9, "node": "h2", "event": "fenced", "slot": 2, "why": "went on"}',
+        '{"time": 9, "node": "h0", "event": "not_enough_machines", "need": 3, "have": 2}',
+    ]
+    events = [e for e in (parse_line(x, "agent", "?") for x in lines) if e is not None]
+    marks = marks_of(events)
+    labels = {(m.node, m.category, m.label.split(":")[0]) for m in marks}
+    assert ("h0", "failure", "machine h2_7_0 lost") in labels
+    assert ("h0", "info", "agent started -> running") in labels
+    assert ("h3", "info", "agent joining -> syncing") in labels
+    assert ("h3", "info", "agent joining -> spare") in labels
+    assert any(m.node == "h2" and m.label.startswith("fenced") for m in marks)
+    assert any(m.category == "stop" and "not enough machines" in m.label for m in marks)
