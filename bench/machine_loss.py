@@ -1,12 +1,13 @@
 """Machine-loss benchmark: a machine killed -> every rank stepping again, on namespace hosts.
 
-    sudo python bench/machine_loss.py                 # 2 repeats per system (~5 min)
+    sudo python bench/machine_loss.py                 # 2 repeats per system (~10 min)
     python bench/machine_loss.py --repeats 1 --no-write
 
 Both systems run 3 machines x 1 rank of ``examples/train_gpt.py`` (the test-sized model, a
 0.1 s step delay) on network-namespace hosts (:mod:`ftmem.testing.hosts`: own address,
 host name and /dev/shm each, a private bridge); host 0 serves the c10d rendezvous store;
-host 2 is killed (every process SIGKILLed, its /dev/shm wiped) after step ``--fail-at-step``.
+host 2 is killed (every process SIGKILLed, its /dev/shm wiped) after step ``--fail-at-step``
+(late enough that the standby ranks are warm).
 
 - **ftmem-launch + hot spare**: a fourth machine waits as a spare (SMP, warm standby);
   erasure coding m=1 with a key file, ftmem's defaults otherwise (keep-alive 1 s x 5).
@@ -21,7 +22,8 @@ the latest of them; the hosts share one clock), and the steps done again (the ne
 logged before the kill minus the step training resumed from). For ftmem, the spare's phases
 from its event log: until the rendezvous round with the spare formed, the peer sync (the
 rebuild of the lost machine's snapshot), the start of the ranks, the first step. Written to
-docs/benchmarks.md (section ``bench:machine-loss``) with the machine's load.
+docs/benchmarks.md (section ``bench:machine-loss``) with the machine's load. Not part of
+``bench/run.py`` (it needs root for the namespaces); it renders its own section.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -42,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/machine_loss.py
 
-from bench import _launch
+from bench import _launch, _render
 from ftmem.testing.harness import AgentProcess, agent_env
 from ftmem.testing.hosts import Hosts, unavailable
 from ftmem.testing.machines import RDZV_PORT, Machines
@@ -53,7 +56,9 @@ TINY = (
     "--d-model 32 --n-layers 1 --n-heads 2 --vocab 64 --seq-len 16 --batch-size 2 --log-every 1"
 ).split()
 FTMEM = "ftmem-launch + hot spare"
+FTMEM3 = "ftmem-launch + hot spare, keep-alive 1 s x 3"
 DCP = "torchrun + DCP, replacement by hand"
+SYSTEMS = (FTMEM, FTMEM3, DCP)
 _STEP = re.compile(
     r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d+)\] \S+ INFO: step (\d+) loss"
 )
@@ -103,13 +108,15 @@ def _events(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def run_ftmem(workdir: Path, steps: int, fail_at: int) -> Run:
+def run_ftmem(workdir: Path, steps: int, fail_at: int, system: str) -> Run:
     """ftmem-launch on 3 machines plus a spare; machine 2 killed."""
-    run = Run(FTMEM)
+    run = Run(system)
     script = [str(EXAMPLE), "--steps", str(steps), "--step-delay", "0.1", *TINY]
     env = agent_env({"PET_FTMEM_STANDBY": "1"}, pythonpath=[REPO])
+    conf = "keep_alive_max_attempt=3" if system == FTMEM3 else ""
     with Hosts(4, shm_size="512m") as hosts:
-        m = Machines(hosts, workdir, "ml" + uuid.uuid4().hex[:8], 3, script, env, cwd=REPO)
+        rid = "ml" + uuid.uuid4().hex[:8]
+        m = Machines(hosts, workdir, rid, 3, script, env, rdzv_conf=conf, cwd=REPO)
         m.start_all()
         m.agents[2].wait_log(rf"step {fail_at} loss", 300)
         killed = time.time()
@@ -186,8 +193,9 @@ def _load() -> str:
 def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
     """The section of docs/benchmarks.md."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    start, end = _render.markers(SECTION)
     lines = [
-        f"<!-- bench:{SECTION} -->",
+        start,
         "## A machine lost: ftmem-launch with a hot spare vs torchrun + DCP",
         "",
         f"`python bench/machine_loss.py --repeats {args.repeats}` ({when}; {load}; "
@@ -198,7 +206,7 @@ def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
         "| system | machine lost -> all ranks stepping (s) | steps done again | runs |",
         "|---|---|---|---|",
     ]
-    for system in (FTMEM, DCP):
+    for system in SYSTEMS:
         mine = [r for r in runs if r.system == system]
         lost = [r.lost_s for r in mine if r.lost_s is not None]
         redone = sorted({r.redone for r in mine if r.redone is not None})
@@ -208,12 +216,14 @@ def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
             else "did not recover"
         )
         lines.append(f"| {system} | {cell} | {', '.join(map(str, redone)) or '-'} | {len(mine)} |")
-    phases = [r.phases for r in runs if r.system == FTMEM and r.phases]
-    if phases:
+    for system in (FTMEM, FTMEM3):
+        phases = [r.phases for r in runs if r.system == system and r.phases]
+        if not phases:
+            continue
         names = list(phases[0])
         lines += [
             "",
-            "ftmem's phases (median s): "
+            f"{system}, phases (median s): "
             + ", ".join(
                 f"{n} {statistics.median(p[n] for p in phases if n in p):.2f}" for n in names
             )
@@ -222,32 +232,22 @@ def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
             " syncs and the spare's SMP rebuilds the lost snapshot; start -> stepping: the"
             " standby becomes rank 2, `ftmem.load`, the first step).",
         ]
-    lines.append(f"<!-- /bench:{SECTION} -->")
+    lines.append(end)
     return "\n".join(lines) + "\n"
-
-
-def write_section(text: str) -> None:
-    """Replace (or append) the section in docs/benchmarks.md."""
-    doc = DOC.read_text()
-    start, end = f"<!-- bench:{SECTION} -->", f"<!-- /bench:{SECTION} -->"
-    if start in doc and end in doc:
-        head, rest = doc.split(start, 1)
-        doc = head + text.rstrip("\n") + rest.split(end, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    DOC.write_text(doc)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write it to docs/benchmarks.md unless told not."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--fail-at-step", type=int, default=40)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--fail-at-step", type=int, default=110)
     p.add_argument("--dcp-every", type=int, default=20)
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep each run's logs")
     args = p.parse_args(argv)
+    # SIGTERM unwinds like an exception, so that every host (namespaces, mounts) is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     why = unavailable()
     if why:
         print(f"machine_loss: {why}", file=sys.stderr)
@@ -255,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     loads = []
     for rep in range(args.repeats):
-        for system in (FTMEM, DCP):  # alternating, so both see the same machine
+        for system in SYSTEMS:  # alternating, so all see the same machine
             workdir = Path(tempfile.mkdtemp(prefix="ml-", dir="/tmp"))
             loads.append(_load())
-            if system == FTMEM:
-                r = run_ftmem(workdir, args.steps, args.fail_at_step)
+            if system != DCP:
+                r = run_ftmem(workdir, args.steps, args.fail_at_step, system)
             else:
                 r = run_dcp(workdir, args.steps, args.fail_at_step, args.dcp_every)
             print(f"[{rep}] {system}: lost {r.lost_s} s, redone {r.redone}, {r.phases}")
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(runs, args, f"{loads[0]} at the start, {_load()} at the end")
     print(text)
     if not args.no_write:
-        write_section(text)
+        _render.write_section(DOC, SECTION, text)
     return 0
 
 
