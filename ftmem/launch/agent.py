@@ -9,7 +9,15 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - stable global ranks: a node keeps its ranks across rounds, a replacement takes the lost
   node's, and MASTER_ADDR/PORT follow global rank 0;
 - hang detection from the SMP's per-rank progress (SIGKILL, then elastic's restart);
+- hot spares: an agent that finds the round full waits in elastic's redundancy list with
+  warm standbys and takes a lost machine's slot; a node that was dropped and returns is
+  fenced (its slot and snapshots dropped);
 - the no-progress guard, and one log line per failure and per recovery.
+
+Its state (joining, spare, syncing, started, running, detected, ...) is one state machine,
+:class:`~ftmem.launch.recovery.RecoveryLifecycle`; the rendezvous handler it is given is
+wrapped in :class:`~ftmem.launch.membership.MembershipWatch`, which rides out a store that
+does not answer and names lost machines.
 
 Standby ranks (:mod:`ftmem.launch.standby`) take over restarted ranks through elastic's own
 process start; ranks under ``ftmem.run`` that survive a failure are kept alive and rejoin
