@@ -9,6 +9,11 @@ bind-mounted in a mount namespace of the host's processes). Every process starte
 runs inside all of these, so a host can be lost for real: its link cut (silent), every
 process in it SIGKILLed, and its shared memory wiped.
 
+Links can also be slowed and made lossy (:meth:`Hosts.impair`): this kernel has no netem, so
+iptables in the bridge's namespace hands the host's forwarded packets to an NFQUEUE served by
+:mod:`ftmem.testing.delayer` (needs iptables with ``physdev`` and the NetfilterQueue
+package; :func:`impair_unavailable` says why not).
+
 Needs root and iproute2 (``ip``) and util-linux (``unshare``); :func:`unavailable` says why
 not, for a test to skip with that reason.
 
@@ -24,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -41,6 +47,17 @@ def unavailable() -> str | None:
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"network-namespace hosts need {tool!r}"
+    return None
+
+
+def impair_unavailable() -> str | None:
+    """Why :meth:`Hosts.impair` cannot work here (None: it can)."""
+    if shutil.which("iptables") is None:
+        return "impairing a link needs iptables"
+    try:
+        import netfilterqueue  # noqa: F401  (only whether it imports)
+    except ImportError:
+        return "impairing a link needs the NetfilterQueue package (libnetfilter-queue)"
     return None
 
 
@@ -66,6 +83,7 @@ class Hosts:
         self.root = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir="/tmp"))
         self._made: list[str] = []
         self._mounted: list[Path] = []
+        self._delayers: dict[int, subprocess.Popen[bytes]] = {}
         self._closed = False
         try:
             self._make(shm_size)
@@ -166,6 +184,53 @@ class Hosts:
         """Restore host ``i``'s link."""
         _run("ip", "-n", self.bridge_ns, "link", "set", f"p{i}", "up")
 
+    def impair(self, i: int, delay_ms: float, loss: float = 0.0, seed: int = 0) -> None:
+        """Delay every packet to and from host ``i`` by ``delay_ms`` and drop a share
+        ``loss`` of them (each direction passes the delayer once: a round trip between two
+        hosts gains ``2 * delay_ms``). Replaces an earlier impairment of the host.
+
+        Raises:
+            RuntimeError: :func:`impair_unavailable` says why it cannot work here.
+        """
+        why = impair_unavailable()
+        if why:
+            raise RuntimeError(why)
+        self.unimpair(i)
+        br = ("ip", "netns", "exec", self.bridge_ns)
+        _run(*br, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")
+        proc = subprocess.Popen(
+            [*br, sys.executable, "-m", "ftmem.testing.delayer", str(i + 1), f"{delay_ms:g}",
+             f"{loss:g}", str(seed)],
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        self._delayers[i] = proc
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"READY":
+            self.unimpair(i)
+            raise RuntimeError(f"the delayer of host {i} did not start")
+        for way in ("--physdev-in", "--physdev-out"):
+            _run(*br, "iptables", "-A", "FORWARD", "-m", "physdev", way, f"p{i}",
+                 "-j", "NFQUEUE", "--queue-num", str(i + 1))  # fmt: skip
+
+    def unimpair(self, i: int) -> None:
+        """Undo :meth:`impair` of host ``i`` (nothing if it is not impaired)."""
+        proc = self._delayers.pop(i, None)
+        if proc is None:
+            return
+        br = ("ip", "netns", "exec", self.bridge_ns)
+        for way in ("--physdev-in", "--physdev-out"):
+            with contextlib.suppress(subprocess.SubprocessError):
+                _run(*br, "iptables", "-D", "FORWARD", "-m", "physdev", way, f"p{i}",
+                     "-j", "NFQUEUE", "--queue-num", str(i + 1))  # fmt: skip
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
     # -- teardown -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -173,6 +238,9 @@ class Hosts:
         if self._closed:
             return
         self._closed = True
+        for i in list(self._delayers):
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                self.unimpair(i)
         for i in range(self.n):
             if self.netns(i) in self._made:
                 with contextlib.suppress(subprocess.SubprocessError, OSError):

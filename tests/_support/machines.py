@@ -73,9 +73,11 @@ def finish(m: Machines, hosts: list[int], timeout: float = 300.0) -> dict[int, s
     return out
 
 
-def events(run_dir: Path) -> list[str]:
-    """The event names of an agent's event log."""
-    path = run_dir / "events.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(x)["event"] for x in path.read_text().splitlines() if x.strip()]
+def events(run_dir: Path, name: str | None = None) -> list[dict[str, object]]:
+    """The events of an agent's event log and its SMP's (all, or those called ``name``)."""
+    out = []
+    for log_name in ("events.jsonl", "smp-events.jsonl"):
+        path = run_dir / log_name
+        if path.is_file():
+            out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [e for e in out if name is None or e.get("event") == name]
