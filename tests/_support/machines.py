@@ -21,9 +21,9 @@ STEPS = 300
 """Long enough to outlast a 60 s partition with ``--step-delay 0.3``."""
 
 
-def script(step_delay: float) -> list[str]:
+def script(step_delay: float, steps: int = STEPS) -> list[str]:
     """The training script and its arguments (the digest does not depend on the delay)."""
-    return [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", f"{step_delay:g}", *TINY]
+    return [str(EXAMPLE), "--steps", str(steps), "--step-delay", f"{step_delay:g}", *TINY]
 
 
 @contextmanager
@@ -34,6 +34,7 @@ def machines(
     step_delay: float = 0.1,
     rdzv_conf: str = "",
     extra: list[str] | None = None,
+    steps: int = STEPS,
 ) -> Iterator[Machines]:
     """``n`` namespace hosts running a job of ``nnodes`` nodes; every process, namespace and
     mount is gone afterwards (skips where namespace hosts cannot be made)."""
@@ -51,7 +52,7 @@ def machines(
             launcher.tmp,
             launcher.new_run_id(),
             nnodes,
-            script(step_delay),
+            script(step_delay, steps),
             launcher.env(),
             rdzv_conf=rdzv_conf,
             extra=extra or [],
