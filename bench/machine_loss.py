@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import re
 import shutil
@@ -46,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/machine_loss.py
 
 from bench import _launch, _render
+from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import AgentProcess, agent_env
 from ftmem.testing.hosts import Hosts, unavailable
 from ftmem.testing.machines import RDZV_PORT, Machines
@@ -102,12 +102,6 @@ def _measure(run: Run, texts: list[str], killed: float, ranks: int) -> None:
         run.redone = before - max(resumed)
 
 
-def _events(path: Path) -> list[dict[str, object]]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def run_ftmem(workdir: Path, steps: int, fail_at: int, system: str) -> Run:
     """ftmem-launch on 3 machines plus a spare; machine 2 killed."""
     run = Run(system)
@@ -126,15 +120,14 @@ def run_ftmem(workdir: Path, steps: int, fail_at: int, system: str) -> Run:
         texts = [m.agents[i].text() for i in range(4)]
         _measure(run, texts, killed, 3)
         states = {
-            str(e["state"]): float(str(e["time"]))
-            for e in _events(m.run_dir(3) / "events.jsonl")
-            if e.get("event") == "state" and float(str(e["time"])) > killed
+            str(e.fields["state"]): e.time
+            for e in read_events([m.run_dir(3)]).events
+            if e.event == "state" and e.time > killed
         }
         detected = [
-            float(str(e["time"]))
-            for i in (0, 1)
-            for e in _events(m.run_dir(i) / "events.jsonl")
-            if e.get("event") == "state" and e.get("state") == "detected"
+            e.time
+            for e in read_events([m.run_dir(0), m.run_dir(1)]).events
+            if e.event == "state" and e.fields.get("state") == "detected"
         ]
         marks = [
             ("detect", min(detected, default=None)),

@@ -159,8 +159,10 @@ class FtmemElasticAgent(ElasticAgentBase):
         spec = self.get_worker_group().spec
         self._standbys.configure(spec.entrypoint, spec.args, spec.local_world_size)
         handler = self.get_worker_group().spec.rdzv_handler
-        if isinstance(handler, MembershipWatch):
-            handler.on_event = self.events.write
+        self._membership = handler if isinstance(handler, MembershipWatch) else None
+        """The rendezvous handler's watch (launch_agent always wraps it), None otherwise."""
+        if self._membership is not None:
+            self._membership.on_event = self.events.write
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
         if ftmem.metrics_port:
@@ -450,8 +452,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             # not charged as a restart.
             ranks = [w.global_rank for w in worker_group.workers]
             committed = self._committed_now(ranks)
-            handler = worker_group.spec.rdzv_handler
-            lost = handler.lost if isinstance(handler, MembershipWatch) else []
+            lost = list(self._membership.lost) if self._membership is not None else []
             what = (
                 f"MACHINE LOST ({', '.join(lost)}): a spare or a replacement takes its place"
                 if lost

@@ -4,13 +4,13 @@ rank of ``examples/train_gpt.py`` per machine, processes reaped by the test's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import AgentProcess
 from ftmem.testing.hosts import Hosts, unavailable
 from ftmem.testing.machines import Machines
@@ -76,9 +76,8 @@ def finish(m: Machines, hosts: list[int], timeout: float = 300.0) -> dict[int, s
 
 def events(run_dir: Path, name: str | None = None) -> list[dict[str, object]]:
     """The events of an agent's event log and its SMP's (all, or those called ``name``)."""
-    out = []
-    for log_name in ("events.jsonl", "smp-events.jsonl"):
-        path = run_dir / log_name
-        if path.is_file():
-            out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [e for e in out if name is None or e.get("event") == name]
+    return [
+        {"event": e.event, "time": e.time, **e.fields}
+        for e in read_events([run_dir]).events
+        if name is None or e.event == name
+    ]

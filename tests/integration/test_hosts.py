@@ -22,9 +22,9 @@ except OSError as exc:
     print("failed", type(exc).__name__, time.monotonic() - t0)
 """
 SERVER = """
-import socket, time
+import signal, socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 22222)); s.listen(8); print("up", flush=True); time.sleep(120)
+s.bind(("0.0.0.0", 22222)); s.listen(8); print("up", flush=True); signal.pause()
 """
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))

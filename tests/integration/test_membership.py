@@ -21,14 +21,27 @@ from ftmem.launch.membership import MembershipWatch
 from ftmem.testing.harness import free_port, pid_gone
 
 STORE = """
-import sys, time
+import signal, sys
 from datetime import timedelta
 from torch.distributed import TCPStore
 s = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
              timeout=timedelta(seconds=60))
 print("up", flush=True)
-time.sleep(600)
+signal.pause()
 """
+
+
+def _c10d_handler(port: int, run_id: str, *, max_nodes: int, is_host: bool) -> Any:
+    """elastic's c10d rendezvous handler on a store at 127.0.0.1:``port``."""
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{port}",
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=max_nodes,
+        is_host=is_host,
+    )
+    return get_rendezvous_handler(params)
 
 
 def _until(pred: Any, timeout: float) -> None:
@@ -45,17 +58,9 @@ def test_a_store_that_stops_answering_holds_the_agent_at_most_its_patience() -> 
     )
     try:
         assert store.stdout is not None and store.stdout.readline().strip() == "up"
-        params = RendezvousParameters(
-            backend="c10d",
-            endpoint=f"127.0.0.1:{port}",
-            run_id="membership",
-            min_nodes=1,
-            max_nodes=1,
-            is_host=False,
-        )
         events: list[tuple[str, dict[str, Any]]] = []
         watch = MembershipWatch(
-            get_rendezvous_handler(params),
+            _c10d_handler(port, "membership", max_nodes=1, is_host=False),
             "n0",
             patience=timedelta(seconds=0.5),
             on_event=lambda name, **fields: events.append((name, fields)),
@@ -91,15 +96,7 @@ def test_a_store_that_stops_answering_holds_the_agent_at_most_its_patience() -> 
 
 
 def test_the_wrapper_is_the_handler_elastic_sees() -> None:
-    params = RendezvousParameters(
-        backend="c10d",
-        endpoint=f"127.0.0.1:{free_port()}",
-        run_id="wrapped",
-        min_nodes=1,
-        max_nodes=2,
-        is_host=True,
-    )
-    inner = get_rendezvous_handler(params)
+    inner = _c10d_handler(free_port(), "wrapped", max_nodes=2, is_host=True)
     watch = MembershipWatch(inner, "n0")
     assert watch.get_backend() == "c10d" and watch.get_run_id() == "wrapped"
     assert watch.settings is inner.settings  # elastic's internals, read through the wrapper
