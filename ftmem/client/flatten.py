@@ -12,6 +12,7 @@ its extension types. The layout schema and its validator live in :mod:`ftmem.for
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "shard_replicated",
     "signature_of",
     "split_rows",
+    "state_dicts",
 ]
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype)
@@ -105,8 +107,18 @@ def _dtensor_chunk(obj: Any, name: str) -> tuple[torch.Tensor, ChunkOf]:
     return local, ChunkOf(tuple(int(s) for s in obj.shape), tuple(int(o) for o in offset))
 
 
-def flatten_state(state: Mapping[str, Any]) -> Flat:
-    """Flatten ``state`` (calling ``state_dict()`` on Stateful values).
+def state_dicts(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Each top-level entry of ``state`` as a save reads it: a Stateful's ``state_dict()``,
+    anything else as it is."""
+    return [
+        (k, v.state_dict() if is_stateful(v) and not isinstance(v, torch.Tensor) else v)
+        for k, v in state.items()
+    ]
+
+
+def flatten_state(state: Mapping[str, Any], sds: list[tuple[str, Any]] | None = None) -> Flat:
+    """Flatten ``state`` (calling ``state_dict()`` on Stateful values; ``sds``: what those
+    calls returned already, in the state's order).
 
     Raises:
         ValueError: a value that cannot be snapshotted (e.g. an arbitrary object, a sparse
@@ -153,14 +165,9 @@ def flatten_state(state: Mapping[str, Any]) -> Flat:
         )
 
     skeleton: dict[str, Any] = {}
-    for key, value in state.items():
+    for key, sd in state_dicts(state) if sds is None else sds:
         if not isinstance(key, str):
             raise ValueError(f"top-level key {key!r} must be a string")
-        sd = (
-            value.state_dict()
-            if is_stateful(value) and not isinstance(value, torch.Tensor)
-            else value
-        )
         skeleton[key] = walk(sd, key)
     return Flat(tensors, names, skeleton, chunks, groups)
 
@@ -275,12 +282,17 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+_layout_ids = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Tensor placement in a slot (reused while names, dtypes and shapes stay the same)."""
 
     extents: tuple[TensorExtent, ...]
     tensors_end: int
+    id: int = field(default_factory=lambda: next(_layout_ids), compare=False)
+    """Unique in this process: a COMMIT names the layout by it once the SMP holds it."""
 
     @functools.cached_property
     def tensors_json(self) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -26,6 +25,7 @@ from ftmem.client.staging import (
     unregister_pinned,
 )
 from ftmem.config import default_shm_dir
+from ftmem.protocol import messages as m
 from ftmem.shm import MappedSegment
 
 
@@ -69,10 +69,10 @@ class SlotMappings:
                     gone.close()
             return seg
 
-    def map_new(self, slots: list[dict[str, Any]]) -> None:
+    def map_new(self, slots: list[m.SlotFile]) -> None:
         """Map (and populate the page tables of) slots the SMP just made (copy thread)."""
         for slot in slots:
-            self.segment(str(slot["path"]), int(slot["capacity"]))
+            self.segment(slot.path, slot.capacity)
 
     def views(self, seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
         """The views of every tensor of ``layout`` in the mapping ``seg`` (cached)."""

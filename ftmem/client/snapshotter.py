@@ -36,12 +36,13 @@ import torch
 
 from ftmem._logging import get_logger
 from ftmem.client import agreement, pitfalls
-from ftmem.client.flatten import Flat, flatten_state
+from ftmem.client.flatten import Flat, flatten_state, state_dicts
 from ftmem.client.loading import SnapshotLoader
 from ftmem.client.save_plan import SavePlan, plan_save, walk_values
 from ftmem.client.sharding import ReplicaSharder, gather_group
 from ftmem.client.slot_maps import SlotMappings, stage
 from ftmem.client.staging import CopyJob, CopyWorker, PrepareJob, SkipNotice
+from ftmem.client.steady import SteadyState
 from ftmem.config import ClientConfig
 from ftmem.errors import FtmemError
 from ftmem.format.tensors import encode_skeleton
@@ -118,6 +119,9 @@ class Checkpointer:
         self._rank: int | None = None
         self._slots = SlotMappings()
         self._plan: SavePlan | None = None
+        self._steady: SteadyState | None = None
+        """What the last full read of the state found (the next saves re-read only that)."""
+        self._unsharded = 0
         self._sharder = ReplicaSharder()
         self._preparing: PrepareJob | None = None
         self._pending: _Pending | None = None
@@ -178,9 +182,11 @@ class Checkpointer:
         snapshot and drop everything tied to the old process group (a skipped step's retry,
         the group and the replica sharding cache, the rank), so the group can be freed."""
         self.wait_quietly()
+        self._drop_grant()
         self._pending = None
         self._changed = False
         self._sharder = ReplicaSharder()
+        self._steady = None
         self._group = None
         self._rank = None
 
@@ -243,15 +249,18 @@ class Checkpointer:
         busy = self._wait_busy(deadline)
         if busy is not None:
             return self._skip(step, busy, t0, tell=True)
-        whole = flatten_state(state)
-        flat = self._shard(state, whole, replicated_over)
-        plan = self._plan = plan_save(flat, self._plan, self._optimizers)
-        objects = encode_skeleton(flat.skeleton)
+        flat, objects, unsharded = self._read(state, replicated_over)
+        assert self._plan is not None
+        plan = self._plan
         total = max(1, plan.layout.tensors_end + len(objects))
-        decision = self._begin(client, step, total, deadline)
+        decision = self._take_grant(total)
+        if decision is not None:
+            client.check_alive()
+        else:
+            decision = self._begin(client, step, total, deadline)
         if isinstance(decision, _Refusal):
             return self._skip(step, decision.reason, t0, tell=decision.tell)
-        seg = self._slots.segment(str(decision["path"]), int(decision["capacity"]))
+        seg = self._slots.segment(decision.path, decision.capacity)
         job = stage(
             flat,
             plan,
@@ -260,17 +269,38 @@ class Checkpointer:
             self._slots.views(seg, plan.layout),
             rank=self.rank,
             step=step,
-            slot=int(decision["slot"]),
-            gen=int(decision["gen"]),
+            slot=decision.slot,
+            gen=decision.gen,
         )
+        job.next_nbytes = total
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
-        if flat is not whole:
-            job.unsharded_nbytes = sum(t.nbytes for t in whole.tensors) + len(objects)
+        if unsharded:
+            job.unsharded_nbytes = unsharded + len(objects)
         self._job = job
         assert self._worker is not None
         self._worker.submit(job)
         return SnapshotHandle(step=step, skipped=False, _job=job)
+
+    def _read(self, state: Mapping[str, Any], replicated_over: Any) -> tuple[Flat, bytes, int]:
+        """This save's tensors (this replica's share), its encoded skeleton, and the bytes of
+        the whole state's tensors when sharded (0: not sharded); sets ``self._plan``.
+
+        While the state keeps the structure of the last full read, only what may change is
+        read again (:class:`~ftmem.client.steady.SteadyState`); otherwise the state is
+        walked, sharded, planned and encoded in full."""
+        sds = state_dicts(state)
+        steady = self._steady
+        if steady is not None and self._plan is not None:
+            got = steady.refresh(state, sds, self._optimizers, replicated_over)
+            if got is not None:
+                return got[0], got[1], self._unsharded
+        whole = flatten_state(state, sds)
+        flat = self._shard(state, whole, replicated_over)
+        self._plan = plan_save(flat, self._plan, self._optimizers)
+        self._unsharded = sum(t.nbytes for t in whole.tensors) if flat is not whole else 0
+        self._steady = SteadyState.build(state, sds, whole, flat, self._optimizers, replicated_over)
+        return flat, encode_skeleton(flat.skeleton), self._unsharded
 
     def _wait_busy(self, deadline: float | None) -> str | None:
         """Why a save must skip because this rank is busy (None: it may go on).
@@ -293,20 +323,39 @@ class Checkpointer:
             preparing.done.wait(self._left(deadline, self.config.prepare_timeout))
         return None
 
+    def _take_grant(self, total: int) -> m.BeginReply | None:
+        """The slot the SMP granted to this save with the previous COMMIT's reply, if it
+        holds ``total`` bytes (else None: the save asks with a BEGIN, which also gives the
+        grant back). Each grant serves one save."""
+        job = self._job
+        if job is None or not job.finished.is_set() or job.grant is None:
+            return None
+        grant, job.grant = job.grant, None
+        if grant.action is m.Decision.WRITE and grant.capacity >= total:
+            return grant
+        return None
+
+    def _drop_grant(self) -> None:
+        """Forget the grant for the next save (a new generation: the next save asks)."""
+        if self._job is not None:
+            self._job.grant = None
+
     def _begin(
         self, client: SmpClient, step: int, total: int, deadline: float | None
-    ) -> dict[str, Any] | _Refusal:
+    ) -> m.BeginReply | _Refusal:
         """Ask the SMP for a slot of ``total`` bytes: its ``write`` decision, or why not.
 
         The final save (``deadline`` set) waits for the slots' allocation and polls
         (bounded) while a flush or a protection round holds the slots."""
         final = deadline is not None
         while True:
-            decision = client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final))
-            action = decision["action"]
-            if action == "write":
+            decision = m.parse_reply(
+                m.BeginReply,
+                client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final)),
+            )
+            if decision.action is m.Decision.WRITE:
                 return decision
-            if action == "resize":
+            if decision.action is m.Decision.RESIZE:
                 prep = self._prepare_ahead(total)
                 if not final:
                     return _Refusal("slots are being allocated", tell=True)
@@ -314,7 +363,7 @@ class Checkpointer:
                 if prep.error is not None or not prep.done.is_set():
                     return _Refusal(f"slots could not be allocated: {prep.error}")
                 continue
-            reason = str(decision.get("reason", action))
+            reason = decision.reason or decision.action.value
             if not final:
                 return _Refusal(reason)
             assert deadline is not None
@@ -488,6 +537,7 @@ class Checkpointer:
         allow = self.config.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
         self._group = gather_group(state, replicated_over)
         self.wait_quietly()
+        self._drop_grant()
         client = self._connect()
         loader = SnapshotLoader(
             rank=self.rank,

@@ -30,8 +30,7 @@ import torch
 from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.client.flatten import Layout
-from ftmem.errors import FtmemError
-from ftmem.format.layout import layout_json
+from ftmem.errors import FtmemError, SmpRequestError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
@@ -89,6 +88,10 @@ class CopyJob:
     """The lazily copied CPU tensors, largest first."""
     objects: tuple[int, int]
     """(offset, nbytes) of the encoded skeleton in the slot."""
+    next_nbytes: int = 0
+    """Ask the SMP (with the COMMIT) for a slot of this many bytes for the next save."""
+    grant: m.BeginReply | None = None
+    """The SMP's answer to ``next_nbytes`` (set when the commit succeeded)."""
     stall_s: float = 0.0
     skipped: int = 0
     unsharded_nbytes: int = 0
@@ -119,7 +122,7 @@ class PrepareJob:
     rank: int
     nbytes: int
     timeout: timedelta
-    on_slots: Callable[[list[dict[str, Any]]], None]
+    on_slots: Callable[[list[m.SlotFile]], None]
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -149,6 +152,8 @@ class CopyWorker:
     """
 
     def __init__(self, run_dir: Any, timeout: timedelta) -> None:
+        self._registered: set[int] = set()
+        """Layout ids this worker registered with the SMP (sent with their first commit)."""
         self._run_dir = run_dir
         self._timeout = timeout
         self._q: queue.Queue[Work | None] = queue.Queue()
@@ -194,10 +199,13 @@ class CopyWorker:
     @staticmethod
     def _prepare(job: PrepareJob, client: SmpClient) -> None:
         try:
-            made = client.request(
-                m.Prepare(rank=job.rank, slot=-1, nbytes=job.nbytes), timeout=job.timeout
+            made = m.parse_reply(
+                m.Prepared,
+                client.request(
+                    m.Prepare(rank=job.rank, slot=-1, nbytes=job.nbytes), timeout=job.timeout
+                ),
             )
-            job.on_slots(list(made.get("slots", [])))
+            job.on_slots(made.slots)
         except (FtmemError, OSError, ValueError) as exc:
             log.error("allocating slots of %d bytes failed: %s", job.nbytes, exc)
             job.error = exc
@@ -230,24 +238,47 @@ class CopyWorker:
             return
         faults.maybe_inject(faults.Point.BEFORE_COMMIT, job.rank, job.step)
         try:
-            text = layout_json(job.layout.tensors_json, job.step, job.objects, job.unsharded_nbytes)
-            client.request(
-                m.Commit(
-                    rank=job.rank,
-                    slot=job.slot,
-                    gen=job.gen,
-                    step=job.step,
-                    layout=text,
-                    stall_s=job.stall_s,
-                    copy_s=job.copy_s,
-                    skipped=job.skipped,
-                )
-            )
+            job.grant = m.parse_reply(m.BeginReply, self._commit(job, client))
         except FtmemError as exc:
             log.error("commit of step %d failed: %s", job.step, exc)
             job.error = _CommitError(str(exc))
         finally:
             job.finished.set()
+
+    def _commit(self, job: CopyJob, client: SmpClient) -> dict[str, Any]:
+        """COMMIT ``job``, naming its layout by id (sent along the first time, and again
+        if the SMP no longer holds it); the reply grants the next save its slot."""
+        lid = job.layout.id
+
+        def commit(register: bool) -> dict[str, Any]:
+            return client.request(
+                m.Commit(
+                    rank=job.rank,
+                    slot=job.slot,
+                    gen=job.gen,
+                    step=job.step,
+                    layout_id=lid,
+                    objects_offset=job.objects[0],
+                    objects_nbytes=job.objects[1],
+                    layout=job.layout.tensors_json if register else "",
+                    unsharded_nbytes=job.unsharded_nbytes,
+                    next_nbytes=job.next_nbytes,
+                    stall_s=job.stall_s,
+                    copy_s=job.copy_s,
+                    skipped=job.skipped,
+                )
+            )
+
+        if lid in self._registered:
+            try:
+                return commit(False)
+            except SmpRequestError as exc:
+                if "unknown layout" not in str(exc):
+                    raise
+                self._registered.discard(lid)  # a restarted SMP, or it forgot the oldest
+        reply = commit(True)
+        self._registered.add(lid)
+        return reply
 
     @staticmethod
     def _abort(job: CopyJob, client: SmpClient) -> None:

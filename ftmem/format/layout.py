@@ -299,3 +299,72 @@ def parse_layout(text: str, capacity: int) -> StoredSnapshot:
     piece_hashes(oh, on)
     unsharded = _int(doc.get("unsharded_nbytes", 0), "unsharded_nbytes")
     return StoredSnapshot(step, tensors, ooff, on, oh, unsharded)
+
+
+_NO_HASH = '"hash":""'
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredLayout:
+    """A layout's ``tensors`` array, validated once when a rank registers it with the SMP;
+    each COMMIT then names it by id and gives only the step and the objects extent."""
+
+    text: str
+    """The ``tensors`` array as the rank sent it (no checksums)."""
+    tensors: tuple[StoredTensor, ...]
+    end: int
+    """The end of the last tensor extent: a slot must be at least this big."""
+    parts: tuple[str, ...]
+    """``text`` split at each tensor's empty checksum (one more part than tensors)."""
+
+    def snapshot(
+        self, step: int, objects: tuple[int, int], unsharded_nbytes: int, capacity: int
+    ) -> StoredSnapshot:
+        """The snapshot of ``step`` committed with this layout into a slot of ``capacity``.
+
+        Raises:
+            CorruptSnapshotError: the tensors or the objects extent do not fit the slot.
+        """
+        ooff = _int(objects[0], "objects offset")
+        on = _int(objects[1], "objects size")
+        if self.end > capacity or ooff + on > capacity:
+            raise CorruptSnapshotError("the layout does not fit its slot")
+        _int(step, "step")
+        _int(unsharded_nbytes, "unsharded_nbytes")
+        return StoredSnapshot(step, self.tensors, ooff, on, "", unsharded_nbytes)
+
+    def render(self, snap: StoredSnapshot, digests: list[str]) -> str:
+        """The layout document of ``snap`` with every checksum filled in: ``digests`` holds
+        the objects' first, then each tensor's (as :meth:`StoredSnapshot.extents` orders
+        them). Built by joining strings: nothing is parsed again.
+
+        Raises:
+            CorruptSnapshotError: the number of digests does not match.
+        """
+        if len(digests) != len(self.tensors) + 1:
+            raise CorruptSnapshotError("layout and checksums do not match")
+        filled = [self.parts[0]]
+        for part, h in zip(self.parts[1:], digests[1:], strict=True):
+            filled.append(f'"hash":"{h}"')
+            filled.append(part)
+        head = (
+            f'{{"version":{LAYOUT_VERSION},"step":{int(snap.step)},'
+            f'"objects":{{"offset":{snap.objects_offset},"nbytes":{snap.objects_nbytes},'
+            f'"hash":"{digests[0]}"}},"unsharded_nbytes":{int(snap.unsharded_nbytes)},"tensors":'
+        )
+        return head + "".join(filled) + "}"
+
+
+def register_layout(text: str, max_bytes: int) -> RegisteredLayout:
+    """Validate a layout's ``tensors`` array (as :func:`tensors_json` makes it: no
+    checksums) for slots of at most ``max_bytes``.
+
+    Raises:
+        CorruptSnapshotError: anything malformed, out of bounds, or carrying checksums.
+    """
+    snap = parse_layout(layout_json(text, 0, (0, 0)), max_bytes)
+    parts = tuple(text.split(_NO_HASH))
+    if any(t.hash for t in snap.tensors) or len(parts) != len(snap.tensors) + 1:
+        raise CorruptSnapshotError("a registered layout must carry no checksums")
+    end = max((t.offset + t.nbytes for t in snap.tensors), default=0)
+    return RegisteredLayout(text, snap.tensors, end, parts)

@@ -85,14 +85,26 @@ class Prepare:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """The copy of ``step`` into ``slot`` is complete; ``layout`` describes it (JSON text,
-    without checksums: the SMP hashes the slot and the snapshot becomes *verified*)."""
+    """The copy of ``step`` into ``slot`` is complete. Its tensors are placed as the rank's
+    layout ``layout_id`` says; ``layout`` (the layout's ``tensors`` array, JSON, without
+    checksums) registers that id with the SMP and is sent only with the first commit that
+    uses it (the SMP keeps a few per rank and says "unknown layout" otherwise). The encoded
+    skeleton sits at ``objects_offset`` (``objects_nbytes`` bytes). The SMP hashes the slot
+    and the snapshot becomes *verified*.
+
+    ``next_nbytes`` > 0: grant a slot of that many bytes to the rank's next save in the
+    reply (a :class:`BeginReply`), so that the save sends no BEGIN of its own."""
 
     rank: int
     slot: int
     gen: int
     step: int
-    layout: str
+    layout_id: int
+    objects_offset: int
+    objects_nbytes: int
+    layout: str = ""
+    unsharded_nbytes: int = 0
+    next_nbytes: int = 0
     stall_s: float = 0.0
     copy_s: float = 0.0
     skipped: int = 0
@@ -193,6 +205,49 @@ class Peer:
     hashes: list[str] = field(default_factory=list)
 
 
+class Decision(str, enum.Enum):
+    """What the SMP decided about a slot for a save (the ``action`` of a BeginReply)."""
+
+    WRITE = "write"
+    """Write into the granted slot."""
+    RESIZE = "resize"
+    """No slot is big enough: grow them (PREPARE) first."""
+    SKIP = "skip"
+    """No slot may be written now (``reason`` says why); the save is skipped."""
+    NONE = "none"
+    """No slot was asked for (a COMMIT without ``next_nbytes``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeginReply:
+    """The answer to BEGIN, and to COMMIT for the rank's next save: a slot granted for
+    writing (``slot``, its generation ``gen``, its file ``path`` of ``capacity`` bytes), or
+    why not."""
+
+    action: Decision
+    slot: int = -1
+    gen: int = 0
+    path: str = ""
+    capacity: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFile:
+    """One slot file the SMP made."""
+
+    slot: int
+    path: str
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """The answer to PREPARE: the slot files made (none: nothing could be grown)."""
+
+    slots: list[SlotFile] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to every request: ``ok`` plus fields, or ``ok=False`` and ``error``."""
@@ -264,6 +319,10 @@ def _check(name: str, value: Any, tp: Any) -> None:
     if tp is float:
         if type(value) not in (int, float) or not math.isfinite(value):
             raise ProtocolError(f"field {name!r} must be a finite number")
+        return
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if value not in {e.value for e in tp}:
+            raise ProtocolError(f"field {name!r} must be one of {[e.value for e in tp]}")
         return
     if tp in (str, bool):
         if type(value) is not tp:
@@ -350,9 +409,30 @@ def build(cls: type[Any], fields: Any, *, what: str = "") -> Any:
                 raise ProtocolError(f"field {name!r} must be a list")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"missing field {name!r} for {what}")
+    enums = {n: tp for n, tp in hints.items() if isinstance(tp, type) and issubclass(tp, enum.Enum)}
+    if enums:
+        fields = {k: enums[k](v) if k in enums else v for k, v in fields.items()}
     return cls(**fields)
 
 
+def parse_reply(cls: type[Any], data: dict[str, Any]) -> Any:
+    """The typed reply ``cls`` (e.g. :class:`BeginReply`) from a Reply's ``data``.
+
+    Raises:
+        ProtocolError: the data does not fit ``cls``.
+    """
+    return build(cls, data, what=f"reply {cls.__name__}")
+
+
 def to_fields(payload: Any) -> dict[str, Any]:
-    """Return the JSON-ready fields of a payload dataclass."""
-    return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload)}
+    """Return the JSON-ready fields of a payload or reply dataclass (nested dataclasses and
+    enums as JSON values)."""
+    return {f.name: _json_value(getattr(payload, f.name)) for f in dataclasses.fields(payload)}
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):
+        return [to_fields(x) for x in v]
+    return v

@@ -106,6 +106,16 @@ class SmpClient:
             f"within {limit / 1000:.1f} s"
         )
 
+    def check_alive(self) -> None:
+        """Raise SmpUnavailableError if the SMP's process is gone (no message is sent: a
+        save that needs no request still fails fast on a dead SMP)."""
+        if self._sock is None:
+            raise SmpUnavailableError("client is closed")
+        if self.smp_pid is not None and not pid_alive(self.smp_pid):
+            raise SmpUnavailableError(
+                f"the SMP (pid {self.smp_pid}) serving {self.run_dir} is gone"
+            )
+
     def status(self) -> dict[str, Any]:
         """Return the SMP's STATUS document."""
         return self.request(m.Status())

@@ -311,6 +311,7 @@ class SmpDaemon:
             "endpoint": self.config.endpoint,
             "uptime_s": time.time() - self.started_at,
             "bad_messages": self.bad_messages,
+            "requests": dict(self.handlers.requests),
             "ranks": self.store.describe(),
             "exchange": exchange.status() if exchange else {"enabled": False},
             "flush": self.flush.status() if self.flush else {"enabled": False},

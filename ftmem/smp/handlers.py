@@ -32,7 +32,7 @@ from ftmem.smp.allocation import Allocator, AllocJob
 from ftmem.smp.flush_scheduler import FlushRequest, FlushService
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection import BindCommand, ProtectionService, StartCommand
-from ftmem.smp.slot_store import SlotStore
+from ftmem.smp.slot_store import Grant, SlotStore
 from ftmem.smp.store import MAX_SLOT_BYTES
 
 log = get_logger(__name__)
@@ -109,6 +109,8 @@ class RequestHandlers:
         self._queries: list[tuple[Request, int]] = []
         """QUERY requests waiting for that rank's hashes."""
         self._flush_replies: queue.Queue[tuple[Any, bool, dict[str, Any], str]] = queue.Queue()
+        self.requests: dict[str, int] = {}
+        """Requests served, per kind (STATUS shows them: a steady-state save is one COMMIT)."""
         self.table: dict[m.Kind, Handler] = {
             m.Kind.PING: self._ping,
             m.Kind.HELLO: self._hello,
@@ -137,6 +139,7 @@ class RequestHandlers:
         handler = self.table.get(kind)
         if handler is None:
             raise ProtocolError(f"unexpected request {type(payload).__name__}")
+        self.requests[kind.name] = self.requests.get(kind.name, 0) + 1
         return handler(req, payload)
 
     def busy(self) -> bool:
@@ -208,8 +211,8 @@ class RequestHandlers:
             if job.error:
                 self._send(job.ident, job.req_id, m.Reply(ok=False, error=job.error))
             else:
-                made = [{"slot": i, "path": str(p), "capacity": c} for i, p, c in job.slots]
-                self._send(job.ident, job.req_id, m.Reply(ok=True, data={"slots": made}))
+                made = m.Prepared([m.SlotFile(i, str(p), c) for i, p, c in job.slots])
+                self._send(job.ident, job.req_id, m.Reply(ok=True, data=m.to_fields(made)))
 
     def _finish_exchange(self) -> None:
         if self.exchange is None:
@@ -287,25 +290,21 @@ class RequestHandlers:
             if released:
                 self.store.unpin(released)
                 g = self.store.begin(p.rank, p.step, p.nbytes)
-        if g.action == "skip":
-            if not p.final:  # a final save polling for a slot is not a skip (yet)
-                self._count_skip(p.rank, p.step, g.reason)
-            return m.Reply(ok=True, data={"action": "skip", "reason": g.reason})
-        return m.Reply(
-            ok=True,
-            data={
-                "action": g.action,
-                "slot": g.slot,
-                "gen": g.gen,
-                "path": g.path,
-                "capacity": g.capacity,
-            },
-        )
+        if g.action == "skip" and not p.final:  # a final save polling is not a skip (yet)
+            self._count_skip(p.rank, p.step, g.reason)
+        return _grant_reply(g)
 
     def _prepare(self, req: Request, p: m.Prepare) -> m.Reply | None:
         _check_nbytes(p.nbytes)
         capacity = shm.round_capacity(p.nbytes)
         targets = self.store.start_resize(p.rank, p.slot, capacity)
+        if not targets:
+            # Every slot is the newest committed, pinned, being written, or big enough: a
+            # resize now cannot make progress. Say so rather than let the rank ask forever.
+            raise ValueError(
+                f"no slot of rank {p.rank} can grow to {capacity} bytes now: "
+                f"{self.store.describe_slots(p.rank)}"
+            )
         job = AllocJob(req.ident, req.req_id, p.rank, [])
         for index, old, gen in targets:
             job.slots.append((index, self.store.files.path(p.rank, index, gen), capacity))
@@ -338,12 +337,16 @@ class RequestHandlers:
 
     def _commit(self, req: Request, p: m.Commit) -> m.Reply:
         _check_step(p.step)
+        if p.layout:
+            self.store.register(p.rank, p.layout_id, p.layout)
         snap = self.store.commit(
             p.rank,
             p.slot,
             p.gen,
             p.step,
-            p.layout,
+            p.layout_id,
+            (p.objects_offset, p.objects_nbytes),
+            unsharded_nbytes=p.unsharded_nbytes,
             stall_s=p.stall_s,
             copy_s=p.copy_s,
             skipped=p.skipped,
@@ -359,7 +362,10 @@ class RequestHandlers:
             slot=p.slot,
             skipped=p.skipped,
         )
-        return m.Reply(ok=True)
+        if p.next_nbytes <= 0:
+            return _reply(m.BeginReply(m.Decision.NONE))
+        _check_nbytes(p.next_nbytes)
+        return _grant_reply(self.store.grant(p.rank, p.next_nbytes))
 
     def _abort(self, req: Request, p: m.Abort) -> m.Reply:
         self.store.abort(p.rank, p.slot, p.gen)
@@ -452,6 +458,15 @@ class RequestHandlers:
         self._exchange().submit(cmd)
         self._pending_exchange += 1
         return None
+
+
+def _reply(typed: Any) -> m.Reply:
+    return m.Reply(ok=True, data=m.to_fields(typed))
+
+
+def _grant_reply(g: Grant) -> m.Reply:
+    """A BEGIN's (or a COMMIT's, for the next save) typed reply."""
+    return _reply(m.BeginReply(m.Decision(g.action), g.slot, g.gen, g.path, g.capacity, g.reason))
 
 
 def _snapshots_reply(snaps: list[dict[str, Any]]) -> m.Reply:

@@ -14,11 +14,13 @@ method                    transitions (of :mod:`ftmem.smp.store`'s diagram)
 ========================  ===================================================================
 ``hello``                 WRITING -> FREE (the rank restarted: torn copies)
 ``begin``                 FREE / COMMITTED -> WRITING (its old commit record is removed)
-``commit``                WRITING -> COMMITTED, record written, pinned for the hasher
+``grant``                 FREE / COMMITTED -> GRANTED (at a COMMIT, for the rank's next
+                          save; a verified slot keeps its checksummed record)
+``commit``                WRITING / GRANTED -> COMMITTED, pinned for the hasher
 ``abort``                 WRITING -> FREE
 ``start_resize``          EMPTY / FREE / COMMITTED -> ALLOCATING
 ``finish_resize``         ALLOCATING -> FREE (or EMPTY when the file could not be made)
-``verify``                unpin (hasher); COMMITTED -> verified, or -> FREE (drop)
+``verify``                unpin (hasher); COMMITTED -> verified (record rewritten), or -> FREE
 ``discard_newer``         COMMITTED -> FREE (newer steps of an abandoned run)
 ``pin_step`` / ``unpin``  pins of COMMITTED slots (the exchange and the flush)
 ``install_rebuilt``       any unpinned -> ALLOCATING -> COMMITTED (pinned), file written
@@ -26,7 +28,15 @@ method                    transitions (of :mod:`ftmem.smp.store`'s diagram)
 ========================  ===================================================================
 
 Commit records (:mod:`ftmem.smp.records`) follow the transitions under the same lock: written
-at a commit, rewritten at verification, removed before a slot's data is overwritten or dropped.
+at the commit (without checksums: a restarted SMP hashes an adopted slot that has none, so a
+commit the rank was told about survives the SMP's death even before it was verified),
+rewritten with the checksums at verification, removed before a slot's data is overwritten or
+dropped. A GRANTED slot keeps its record, which carries its checksums: a restarted SMP adopts
+the older step it holds, and a load finds it corrupt if the rank had begun to overwrite it.
+
+Layouts are registered once per rank (:class:`~ftmem.format.layout.RegisteredLayout`, at
+most ``MAX_LAYOUTS`` each, validated when registered); a COMMIT names one by id and the
+verified layout document is rendered from it and the checksums, never parsed again.
 The only I/O done outside the lock is writing a rebuilt snapshot into its new slot file (the
 slot is ALLOCATING meanwhile, which nothing else touches).
 """
@@ -42,16 +52,29 @@ from typing import Any
 from ftmem import shm
 from ftmem._logging import get_logger
 from ftmem.errors import CorruptSnapshotError
-from ftmem.format.layout import StoredSnapshot, parse_layout
+from ftmem.format.layout import (
+    RegisteredLayout,
+    StoredSnapshot,
+    parse_layout,
+    register_layout,
+    with_hashes,
+)
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashJob, HashResult
-from ftmem.smp.store import MAX_SLOT_BYTES, RankPiece, RankSlots, Slot
+from ftmem.smp.store import MAX_SLOT_BYTES, RankPiece, RankSlots, Slot, SlotState
 
 log = get_logger(__name__)
 
 MAX_RANK = 1 << 20
 """Ranks at or above this are refused (a malformed request must not grow the store)."""
+MAX_LAYOUTS = 4
+"""Layouts kept registered per rank (the oldest is forgotten; a COMMIT naming it then gets
+"unknown layout" and the rank registers it again)."""
+
+
+class UnknownLayoutError(ValueError):
+    """A COMMIT named a layout id the SMP does not hold (the rank sends the layout again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +132,8 @@ class SlotStore:
         self.files = files
         self._submit_hash = submit_hash
         self._ranks: dict[int, RankSlots] = {}
+        self._layouts: dict[int, dict[int, RegisteredLayout]] = {}
+        """rank -> layout id -> registered layout (at most MAX_LAYOUTS each)."""
         self._world_size = 0
         self._lock = threading.Lock()
 
@@ -136,6 +161,14 @@ class SlotStore:
         with self._lock:
             return {str(r): rs.describe() for r, rs in sorted(self._ranks.items())}
 
+    def describe_slots(self, rank: int) -> str:
+        """One line on ``rank``'s slots (state, step, capacity, pins) for an error message."""
+        with self._lock:
+            return ", ".join(
+                f"slot {s.index} {s.state.value} step {s.step} {s.capacity} B pinned {s.pinned}"
+                for s in self._rank(rank).slots
+            )
+
     def committed_steps(self) -> dict[str, list[int | None]]:
         """Each rank's committed steps, newest first."""
         with self._lock:
@@ -157,7 +190,7 @@ class SlotStore:
                     "capacity": s.capacity,
                     "layout": s.layout,
                 }
-                for s in rs.verified()
+                for s in rs.readable()
             ]
 
     def complete_steps(self, ranks: Iterable[int]) -> list[int]:
@@ -208,16 +241,57 @@ class SlotStore:
 
     def begin(self, rank: int, step: int, nbytes: int) -> Grant:
         """Choose the slot ``rank`` writes ``step`` (``nbytes``) into; never the newest
-        committed or a pinned one. A slot handed out for writing loses its commit record."""
+        committed or a pinned one. A slot handed out for writing loses its commit record;
+        a slot granted to this save and not used gets its record back."""
         with self._lock:
             rs = self._rank(rank)
+            held = rs.granted()
             d = rs.begin(step, nbytes)
-            if d.action == "skip":
-                return Grant("skip", reason=d.reason)
-            s = rs.slot(d.slot)
-            if d.action == "write":
-                records.remove_record(s.path)  # its old data is about to be overwritten
-            return Grant(d.action, s.index, s.gen, s.path, s.capacity)
+            if held is not None and held.state is SlotState.FREE:
+                records.remove_record(held.path)  # a dead process's grant: maybe torn
+            return self._grant_of(rs, d)
+
+    def grant(self, rank: int, nbytes: int) -> Grant:
+        """Promise a slot of ``nbytes`` to ``rank``'s next save (see :mod:`ftmem.smp.store`);
+        its commit record goes (its data may be overwritten from now on)."""
+        with self._lock:
+            rs = self._rank(rank)
+            held = rs.granted()
+            d = rs.grant(nbytes)
+            if held is not None and held.state is SlotState.FREE:
+                records.remove_record(held.path)
+            return self._grant_of(rs, d)
+
+    @staticmethod
+    def _grant_of(rs: RankSlots, d: Any) -> Grant:
+        if d.action == "skip":
+            return Grant("skip", reason=d.reason)
+        s = rs.slot(d.slot)
+        if s.state is SlotState.WRITING or (s.state is SlotState.GRANTED and s.step is None):
+            records.remove_record(s.path)  # its old data is about to be overwritten
+        return Grant(d.action, s.index, s.gen, s.path, s.capacity)
+
+    def register(self, rank: int, layout_id: int, text: str) -> RegisteredLayout:
+        """Validate and keep ``rank``'s layout ``layout_id`` (its ``tensors`` array); the
+        oldest of more than ``MAX_LAYOUTS`` is forgotten.
+
+        Raises:
+            ValueError: a bad id, or a layout that does not validate.
+        """
+        if not 0 < layout_id < 1 << 62:
+            raise ValueError(f"layout id {layout_id} out of range")
+        try:
+            reg = register_layout(text, MAX_SLOT_BYTES)
+        except CorruptSnapshotError as exc:
+            raise ValueError(str(exc)) from exc
+        with self._lock:
+            self._rank(rank)
+            held = self._layouts.setdefault(rank, {})
+            held.pop(layout_id, None)
+            held[layout_id] = reg
+            while len(held) > MAX_LAYOUTS:
+                del held[next(iter(held))]
+        return reg
 
     def commit(
         self,
@@ -225,30 +299,35 @@ class SlotStore:
         index: int,
         gen: int,
         step: int,
-        layout: str,
+        layout_id: int,
+        objects: tuple[int, int],
         *,
+        unsharded_nbytes: int = 0,
         stall_s: float = 0.0,
         copy_s: float = 0.0,
         skipped: int = 0,
     ) -> StoredSnapshot:
-        """Commit ``step`` into slot ``index`` (generation ``gen``) of ``rank``: write its
-        commit record (unverified: a restarted SMP hashes it when adopting) and queue its
-        checksums. Return the layout as parsed against the slot.
+        """Commit ``step`` into slot ``index`` (generation ``gen``) of ``rank``, placed as its
+        registered layout ``layout_id`` says with the skeleton at ``objects`` (offset,
+        nbytes), and queue its checksums (the record is written once they are in). Return
+        the snapshot's layout as checked against the slot.
 
         Raises:
-            ValueError: the layout does not parse, fit the slot, or name ``step``.
-            StoreError: the slot is not being written with ``step`` and ``gen``.
+            UnknownLayoutError: ``layout_id`` is not registered for ``rank``.
+            ValueError: the layout does not fit the slot.
+            StoreError: the slot is not being written with ``step`` and ``gen`` (or granted).
         """
         with self._lock:
             rs = self._rank(rank)
+            reg = self._layouts.get(rank, {}).get(layout_id)
+            if reg is None:
+                raise UnknownLayoutError(f"unknown layout {layout_id} of rank {rank}")
             s = rs.slot(index)
             try:
-                snap = parse_layout(layout, s.capacity)
+                snap = reg.snapshot(step, objects, unsharded_nbytes, s.capacity)
             except CorruptSnapshotError as exc:
                 raise ValueError(str(exc)) from exc
-            if snap.step != step:
-                raise ValueError(f"layout of step {snap.step} committed as step {step}")
-            rs.commit(index, gen, step, layout)
+            rs.commit(index, gen, step, snap, reg)
             self._write_record(rs, s)
             self._hash(rs, s, snap)
             rs.progress(step)
@@ -258,7 +337,11 @@ class SlotStore:
     def abort(self, rank: int, index: int, gen: int) -> None:
         """Give back the slot whose copy failed (ignored if it was replaced since)."""
         with self._lock:
-            self._rank(rank).abort(index, gen)
+            rs = self._rank(rank)
+            s = rs.slot(index)
+            rs.abort(index, gen)
+            if s.state is SlotState.FREE:
+                records.remove_record(s.path)
 
     def discard_newer(self, rank: int, step: int) -> list[int]:
         """``rank`` restored ``step``: drop its unpinned committed slots of newer steps (and
@@ -298,7 +381,7 @@ class SlotStore:
         """Pin a committed slot and queue its checksums (lock held)."""
         assert sl.step is not None
         rs.pin(sl.index)
-        self._submit_hash(HashJob(rs.rank, sl.index, sl.gen, sl.step, sl.path, sl.layout, snap))
+        self._submit_hash(HashJob(rs.rank, sl.index, sl.gen, sl.step, sl.path, snap))
 
     def verify(self, result: HashResult, keep: bool = False) -> Verified | None:
         """Take a hash result: the hasher's pin goes; the slot gets its checksummed layout
@@ -325,8 +408,14 @@ class SlotStore:
                     records.remove_record(sl.path)
                     rs.drop(job.slot, job.gen)
                 return None
-            if not rs.verify(job.slot, job.gen, job.step, result.layout):
+            if sl.gen != job.gen or sl.step != job.step:
                 return None  # replaced or dropped while it was hashed
+            if sl.template is not None:
+                layout = sl.template.render(job.snap, result.digests)
+            else:  # an adopted or rebuilt snapshot: its whole document, without checksums
+                layout = with_hashes(sl.layout, result.digests[1:], result.digests[0])
+            if not rs.verify(job.slot, job.gen, job.step, layout):
+                return None
             rs.last_hash_s = result.seconds
             self._write_record(rs, sl)
             if not keep:
@@ -352,7 +441,7 @@ class SlotStore:
             pieces = []
             for rs, sl in chosen:
                 rs.pin(sl.index)
-                used = parse_layout(sl.layout, sl.capacity).used_bytes
+                used = (sl.snap or parse_layout(sl.layout, sl.capacity)).used_bytes
                 pieces.append(
                     RankPiece(rs.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
                 )
@@ -401,7 +490,9 @@ class SlotStore:
                 shm.remove_segment(path)
         with self._lock:
             # Its checksums came with the manifest; the ranks verify them again at load.
-            sl = rs.finish_rebuild(index, str(path), sp.capacity, step, sp.layout, sp.snap.verified)
+            sl = rs.finish_rebuild(
+                index, str(path), sp.capacity, step, sp.layout, sp.snap.verified, sp.snap
+            )
             self._write_record(rs, sl)
             if not sp.snap.verified:
                 self._hash(rs, sl, sp.snap)
@@ -440,6 +531,7 @@ class SlotStore:
                         r.seq,
                         r.layout,
                         snap.verified,
+                        snap,
                     )
                     if not snap.verified:  # committed, not yet hashed when the previous SMP died
                         self._hash(rs, rs.slot(r.slot), snap)
@@ -454,6 +546,9 @@ class SlotStore:
     def _write_record(self, rs: RankSlots, sl: Slot) -> None:
         """Write the commit record of a committed slot (lock held)."""
         assert sl.step is not None
+        layout = sl.layout
+        if not layout and sl.template is not None and sl.snap is not None:
+            layout = sl.template.render(sl.snap, [""] * (len(sl.snap.tensors) + 1))
         try:
             records.write_record(
                 sl.path,
@@ -464,7 +559,7 @@ class SlotStore:
                     capacity=sl.capacity,
                     step=sl.step,
                     seq=sl.seq,
-                    layout=sl.layout,
+                    layout=layout,
                 ),
             )
         except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost

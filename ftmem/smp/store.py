@@ -12,9 +12,14 @@ a slot, with the method that makes it (the same name on both classes)::
                                                     or hold the rebuilt step already)
     ALLOCATING --finish_rebuild--> COMMITTED       (verified if the manifest had checksums; pinned)
     FREE ---------------------begin--> WRITING
-    COMMITTED ----------------begin--> WRITING     (not the newest, not pinned)
-    WRITING --commit--> COMMITTED                  (unverified; the hasher pins it meanwhile)
+    COMMITTED / GRANTED ------begin--> WRITING     (not the newest, not pinned)
+    FREE / COMMITTED ---------grant--> GRANTED     (at a COMMIT, for the rank's next save:
+                                                    not the newest, not pinned, verified)
+    GRANTED ------------------begin--> COMMITTED   (an explicit BEGIN gives the grant back;
+                                                    FREE if a restarted rank asks: maybe torn)
+    WRITING / GRANTED --commit--> COMMITTED        (unverified; the hasher pins it meanwhile)
     WRITING --abort / restarted (the rank's copy failed, or the rank restarted: torn)--> FREE
+    GRANTED --abort--> FREE                        (the copy into it failed: maybe torn)
     COMMITTED --verify--> COMMITTED                (verified: the layout carries the checksums)
     COMMITTED --drop (hashing failed, not pinned)--> FREE
     COMMITTED --discard_newer (a newer step of an abandoned run, not pinned)--> FREE
@@ -24,6 +29,12 @@ a slot, with the method that makes it (the same name on both classes)::
 Any other request raises :class:`StoreError` (a stale gen or step, a wrong state, a bad
 index), except the late ones that are expected and ignored: an abort, drop, verify or unpin of
 a slot replaced since (its gen moved on).
+
+A GRANTED slot is promised to the rank's next save, which writes into it without asking
+again (the SMP's reply to the COMMIT of step N grants the slot for N+1: one message per
+save). Until that save commits, the slot may still hold the older step it held (``step``
+set): loads may read it (they check every checksum, so a copy begun meanwhile is seen as
+corrupt, never restored), but it is never pinned, protected or flushed.
 
 A COMMITTED slot is *verified* once the SMP has checksummed it (``verified``; the hasher
 pins the slot meanwhile). Only verified snapshots are served to loads, protected and
@@ -36,11 +47,11 @@ reason). Pinned slots (hasher, peer exchange, flush) are never written, resized 
 from __future__ import annotations
 
 import enum
-import functools
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ftmem.format.layout import RegisteredLayout, StoredSnapshot
 
 MAX_SLOT_BYTES = 1 << 40
 """The largest slot the SMP makes (a request for more is refused)."""
@@ -53,6 +64,7 @@ class SlotState(enum.Enum):
     ALLOCATING = "allocating"
     FREE = "free"
     WRITING = "writing"
+    GRANTED = "granted"
     COMMITTED = "committed"
 
 
@@ -67,6 +79,12 @@ class Slot:
     capacity: int = 0
     step: int | None = None
     layout: str = ""
+    """The committed snapshot's layout document once verified (with every checksum)."""
+    snap: StoredSnapshot | None = None
+    """The committed snapshot's parsed layout (checksums not needed: extents and sizes)."""
+    template: RegisteredLayout | None = None
+    """The registered layout it was committed with (None: ``layout`` holds the whole
+    document, e.g. an adopted or rebuilt snapshot); the checksums are filled into it."""
     seq: int = 0
     """Commit sequence number: larger means committed later."""
     pinned: int = 0
@@ -143,6 +161,8 @@ class RankSlots:
     """The current process's first progress report."""
     in_process: bool = False
     """The current process runs under ``ftmem.run`` (it can rejoin a restart in process)."""
+    granted_to: int | None = None
+    """The pid of the process the GRANTED slot was promised to."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -174,25 +194,41 @@ class RankSlots:
         return max(done, key=lambda s: s.seq) if done else None
 
     def newer_unpinned(self, step: int) -> list[Slot]:
-        """Committed slots of a step newer than ``step`` that no one holds (what
-        :meth:`discard_newer` frees)."""
+        """Committed (or granted) slots of a step newer than ``step`` that no one holds
+        (what :meth:`discard_newer` frees)."""
         return [
             s
             for s in self.slots
-            if s.state is SlotState.COMMITTED
+            if s.state in (SlotState.COMMITTED, SlotState.GRANTED)
             and s.step is not None
             and s.step > step
             and not s.pinned
         ]
 
+    def readable(self) -> list[Slot]:
+        """Verified slots a load may read, newest step first: the committed ones and those
+        granted to the next save that still hold their older step."""
+        held = [
+            s
+            for s in self.slots
+            if s.verified
+            and s.step is not None
+            and s.state in (SlotState.COMMITTED, SlotState.GRANTED)
+        ]
+        return sorted(held, key=lambda s: (s.step or 0, s.seq), reverse=True)
+
     def growable(self, capacity: int, but: int = -1) -> list[Slot]:
-        """FREE or EMPTY slots (other than ``but``) smaller than ``capacity``: a PREPARE
-        grows them too, so the next saves need no resize."""
+        """Slots (other than ``but``) smaller than ``capacity`` that a PREPARE may grow, so
+        the next saves need no resize: EMPTY, FREE, GRANTED, and COMMITTED ones that are
+        neither the newest nor pinned (the newest committed snapshot always survives)."""
+        newest = self.newest()
         return [
             s
             for s in self.slots
             if s.index != but
-            and s.state in (SlotState.FREE, SlotState.EMPTY)
+            and s is not newest
+            and not s.pinned
+            and s.state in (SlotState.FREE, SlotState.EMPTY, SlotState.GRANTED, SlotState.COMMITTED)
             and s.capacity < capacity
         ]
 
@@ -225,9 +261,53 @@ class RankSlots:
         return torn
 
     def begin(self, step: int, nbytes: int) -> BeginDecision:
-        """Choose the slot to write ``step`` (``nbytes``) into, without ever touching the newest."""
+        """Choose the slot to write ``step`` (``nbytes``) into, without ever touching the
+        newest. A slot granted to this save (the rank asks again instead of using it) is
+        given back first."""
         if any(s.state is SlotState.WRITING for s in self.slots):
             return BeginDecision("skip", reason="a copy is still being written")
+        self.release_grant()
+        target = self._choose(nbytes)
+        if target.action != "write":
+            return target
+        s = self.slots[target.slot]
+        s.state, s.step, s.layout, s.snap, s.verified = SlotState.WRITING, step, "", None, False
+        return target
+
+    def grant(self, nbytes: int) -> BeginDecision:
+        """Promise a slot of at least ``nbytes`` to the rank's next save (-> GRANTED); the
+        slot keeps the older step it holds until that save commits (see the module
+        docstring). A ``resize`` or ``skip`` grants nothing."""
+        self.release_grant()
+        d = self._choose(nbytes)
+        if d.action == "write":
+            s = self.slots[d.slot]
+            if s.state is SlotState.FREE:
+                s.step, s.layout, s.snap, s.verified = None, "", None, False
+            s.state = SlotState.GRANTED
+            self.granted_to = self.pid
+        return d
+
+    def granted(self) -> Slot | None:
+        """The slot granted to the rank's next save, if any."""
+        return next((s for s in self.slots if s.state is SlotState.GRANTED), None)
+
+    def release_grant(self) -> Slot | None:
+        """Give back the slot granted to the next save; return it, or None if there was none.
+        Asked by the process it was promised to, which did not write it: COMMITTED again if
+        it still holds a step. Asked by another process (the rank restarted): FREE, since the
+        process that died may have begun to write it."""
+        s = self.granted()
+        if s is not None:
+            intact = s.step is not None and self.granted_to == self.pid
+            s.state = SlotState.COMMITTED if intact else SlotState.FREE
+            if not intact:
+                s.step, s.layout, s.snap, s.verified, s.template = None, "", None, False, None
+        return s
+
+    def _choose(self, nbytes: int) -> BeginDecision:
+        """The slot a save of ``nbytes`` may write: never the newest committed or a pinned
+        one; never-committed slots first, then the oldest committed one."""
         newest = self.newest()
         usable = [
             s
@@ -238,25 +318,32 @@ class RankSlots:
         ]
         if not usable:
             return BeginDecision("skip", reason="no slot is free (all held)")
-        # Prefer never-committed slots, then the oldest committed one.
         usable.sort(key=lambda s: (s.state is SlotState.COMMITTED, s.seq))
         fitting = [s for s in usable if s.state is not SlotState.EMPTY and s.capacity >= nbytes]
         if not fitting:
             return BeginDecision("resize", slot=usable[0].index)
-        target = fitting[0]
-        target.state, target.step, target.layout = SlotState.WRITING, step, ""
-        return BeginDecision("write", slot=target.index)
+        return BeginDecision("write", slot=fitting[0].index)
 
-    def commit(self, index: int, gen: int, step: int, layout: str) -> None:
-        """Mark slot ``index`` committed with ``step`` and its layout."""
+    def commit(
+        self,
+        index: int,
+        gen: int,
+        step: int,
+        snap: StoredSnapshot | None = None,
+        template: RegisteredLayout | None = None,
+    ) -> None:
+        """Mark slot ``index`` committed with ``step`` and its parsed layout: a slot being
+        written with ``step``, or the slot granted to this save."""
         s = self.slot(index)
-        if s.state is not SlotState.WRITING or s.gen != gen or s.step != step:
+        granted = s.state is SlotState.GRANTED
+        if not (granted or (s.state is SlotState.WRITING and s.step == step)) or s.gen != gen:
             raise StoreError(
                 f"commit of step {step} to slot {index} gen {gen} does not match "
                 f"its state {s.state.value} step {s.step} gen {s.gen}"
             )
         self._seq += 1
-        s.state, s.layout, s.seq, s.verified = SlotState.COMMITTED, layout, self._seq, False
+        s.state, s.step, s.layout, s.snap = SlotState.COMMITTED, step, "", snap
+        s.seq, s.verified, s.template = self._seq, False, template
         self.commits += 1
 
     def commit_stats(self, stall_s: float, copy_s: float, skipped: int) -> None:
@@ -270,7 +357,7 @@ class RankSlots:
         s = self.slot(index)
         if s.state is not SlotState.COMMITTED or s.gen != gen or s.step != step:
             return False
-        s.layout, s.verified = layout, True
+        s.layout, s.verified, s.template = layout, True, None
         return True
 
     def drop(self, index: int, gen: int) -> None:
@@ -280,10 +367,10 @@ class RankSlots:
             s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
 
     def abort(self, index: int, gen: int) -> None:
-        """Give back a slot whose copy failed."""
+        """Give back a slot whose copy failed (written, or granted: maybe torn either way)."""
         s = self.slot(index)
-        if s.state is SlotState.WRITING and s.gen == gen:
-            s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
+        if s.state in (SlotState.WRITING, SlotState.GRANTED) and s.gen == gen:
+            s.state, s.step, s.layout, s.snap, s.verified = SlotState.FREE, None, "", None, False
 
     def discard_newer(self, step: int) -> list[int]:
         """Free committed slots with a step newer than ``step``; return the steps dropped."""
@@ -291,7 +378,7 @@ class RankSlots:
         for s in self.newer_unpinned(step):
             assert s.step is not None
             dropped.append(s.step)
-            s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
+            s.state, s.step, s.layout, s.snap, s.verified = SlotState.FREE, None, "", None, False
         return dropped
 
     def start_resize(self, index: int) -> Slot:
@@ -299,7 +386,7 @@ class RankSlots:
         s = self.slot(index)
         if s is self.newest() or s.pinned or s.state in (SlotState.WRITING, SlotState.ALLOCATING):
             raise StoreError(f"slot {index} of rank {self.rank} cannot be resized now")
-        s.state, s.step, s.layout, s.verified = SlotState.ALLOCATING, None, "", False
+        s.state, s.step, s.layout, s.snap, s.verified = SlotState.ALLOCATING, None, "", None, False
         return s
 
     def finish_resize(self, index: int, path: str, capacity: int, ok: bool) -> None:
@@ -328,7 +415,8 @@ class RankSlots:
         candidates = [
             s
             for s in self.slots
-            if not s.pinned and s.state not in (SlotState.WRITING, SlotState.ALLOCATING)
+            if not s.pinned
+            and s.state not in (SlotState.WRITING, SlotState.ALLOCATING, SlotState.GRANTED)
         ]
         holding = [s for s in candidates if s.state is SlotState.COMMITTED and s.step == step]
         free = [s for s in candidates if s.state in (SlotState.FREE, SlotState.EMPTY)]
@@ -337,12 +425,19 @@ class RankSlots:
         if not ranked:
             raise StoreError(f"rank {self.rank} has no slot to take a rebuilt snapshot")
         chosen = ranked[0]
-        chosen.state, chosen.step, chosen.layout = SlotState.ALLOCATING, None, ""
+        chosen.state, chosen.step, chosen.layout, chosen.snap = SlotState.ALLOCATING, None, "", None
         chosen.verified = False
         return chosen
 
     def finish_rebuild(
-        self, index: int, path: str, capacity: int, step: int, layout: str, verified: bool
+        self,
+        index: int,
+        path: str,
+        capacity: int,
+        step: int,
+        layout: str,
+        verified: bool,
+        snap: StoredSnapshot | None = None,
     ) -> Slot:
         """The rebuilt snapshot of ``step`` is in slot ``index``'s new file: commit it as the
         newest commit and pin it once (for the exchange that rebuilt it).
@@ -353,7 +448,7 @@ class RankSlots:
         s = self._allocating(index)
         s.gen += 1
         s.path, s.capacity = path, capacity
-        self._install(s, step, self.next_seq(), layout, verified)
+        self._install(s, step, self.next_seq(), layout, verified, snap)
         return self.pin(index)
 
     def adopt(
@@ -366,6 +461,7 @@ class RankSlots:
         seq: int,
         layout: str,
         verified: bool = True,
+        snap: StoredSnapshot | None = None,
     ) -> None:
         """Take over a committed slot left by a previous SMP of this node (see records.py);
         ``verified``: its layout carries every checksum.
@@ -377,11 +473,19 @@ class RankSlots:
         if s.state not in (SlotState.EMPTY, SlotState.FREE):
             raise StoreError(f"slot {index} of rank {self.rank} is {s.state.value}: not adopted")
         s.gen, s.path, s.capacity = gen, path, capacity
-        self._install(s, step, seq, layout, verified)
+        self._install(s, step, seq, layout, verified, snap)
 
-    def _install(self, s: Slot, step: int, seq: int, layout: str, verified: bool) -> None:
-        s.state = SlotState.COMMITTED
-        s.step, s.seq, s.layout, s.verified = step, seq, layout, verified
+    def _install(
+        self,
+        s: Slot,
+        step: int,
+        seq: int,
+        layout: str,
+        verified: bool,
+        snap: StoredSnapshot | None,
+    ) -> None:
+        s.state, s.template = SlotState.COMMITTED, None
+        s.step, s.seq, s.layout, s.verified, s.snap = step, seq, layout, verified, snap
         self._seq = max(self._seq, seq)
 
     def _allocating(self, index: int) -> Slot:
@@ -439,21 +543,15 @@ class RankSlots:
             "last_copy_s": self.last_copy_s,
             "commits": self.commits,
             "bytes_held": sum(s.capacity for s in self.slots),
-            **_snapshot_sizes(newest.layout if newest else ""),
+            **_snapshot_sizes(newest.snap if newest else None),
             "slots": [s.describe() for s in self.slots],
         }
 
 
-@functools.lru_cache(maxsize=256)
-def _snapshot_sizes(layout: str) -> dict[str, int]:
+def _snapshot_sizes(snap: StoredSnapshot | None) -> dict[str, int]:
     """Bytes of a committed snapshot's tensors and objects, and what they would be without
-    sharding the replicated state (the client says; equal when not sharded). Cached: STATUS
-    is polled every second and a layout is parsed once."""
-    try:
-        doc = json.loads(layout) if layout else {}
-        held = sum(int(t["nbytes"]) for t in doc.get("tensors", []))
-        held += int(doc.get("objects", {}).get("nbytes", 0))
-        unsharded = int(doc.get("unsharded_nbytes") or 0) or held
-    except (ValueError, TypeError, KeyError, AttributeError):
-        held = unsharded = 0
-    return {"snapshot_bytes": held, "unsharded_bytes": unsharded}
+    sharding the replicated state (the client says; equal when not sharded)."""
+    if snap is None:
+        return {"snapshot_bytes": 0, "unsharded_bytes": 0}
+    held = sum(t.nbytes for t in snap.tensors) + snap.objects_nbytes
+    return {"snapshot_bytes": held, "unsharded_bytes": snap.unsharded_nbytes or held}

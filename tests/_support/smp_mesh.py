@@ -37,6 +37,22 @@ def layout_for(payload: bytes, step: int) -> str:
     return layout_json(tensors_json([TensorExtent(0, "t", "uint8", (n,), 0, n)]), step, (n, 0))
 
 
+def commit_of(rank: int, slot: int, gen: int, step: int, payload: bytes) -> m.Commit:
+    """The COMMIT of ``payload`` as one uint8 tensor (registering its layout, id 1: no
+    checksums, the SMP computes them), the skeleton empty right after it."""
+    n = len(payload)
+    return m.Commit(
+        rank=rank,
+        slot=slot,
+        gen=gen,
+        step=step,
+        layout_id=1,
+        objects_offset=n,
+        objects_nbytes=0,
+        layout=tensors_json([TensorExtent(0, "t", "uint8", (n,), 0, n)]),
+    )
+
+
 @dataclass
 class Node:
     """One node: its SMP (``proc``), a client to it, and what its ranks committed."""
@@ -90,15 +106,7 @@ class Node:
             os.pwrite(fd, payload, 0)
         finally:
             os.close(fd)
-        self.req(
-            m.Commit(
-                rank=rank,
-                slot=int(r["slot"]),
-                gen=int(r["gen"]),
-                step=step,
-                layout=layout_for(payload, step),
-            )  # type: ignore[call-overload]
-        )
+        self.req(commit_of(rank, int(r["slot"]), int(r["gen"]), step, payload))  # type: ignore[call-overload]
         self.committed[(rank, step)] = payload
         return True
 

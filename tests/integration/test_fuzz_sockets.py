@@ -39,13 +39,12 @@ from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
 from ftmem.exchange import keys
 from ftmem.exchange.messages import PeerAddress
 from ftmem.exchange.status import ExchangeState, ExchangeStatus
-from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from ftmem.testing.harness import pid_gone, shm_files
-from tests._support.smp_mesh import Cluster
+from tests._support.smp_mesh import Cluster, commit_of
 
 SEED = 20240607
 CASES = 300
@@ -212,9 +211,7 @@ def _save(client: SmpClient, rank: int, step: int, payload: bytes) -> list[bytes
         os.pwrite(fd, payload, 0)
     finally:
         os.close(fd)
-    n = len(payload)
-    layout = layout_json(tensors_json([TensorExtent(0, "t", "uint8", (n,), 0, n)]), step, (n, 0))
-    commit = m.Commit(rank=rank, slot=int(r["slot"]), gen=int(r["gen"]), step=step, layout=layout)
+    commit = commit_of(rank, int(r["slot"]), int(r["gen"]), step, payload)
     client.request(commit)
     key = client._key
     return [

@@ -52,7 +52,20 @@ def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_
         encode(m.Ping(), 2, None),  # unauthenticated
         encode(m.Ping(), 3, b"w" * 32),  # wrong key
         good[:4] + b"\x09\x00" + good[6:],  # wrong version
-        encode(m.Commit(rank=0, slot=9, gen=0, step=1, layout="{}"), 4, key),  # out of place
+        encode(
+            m.Commit(
+                rank=0,
+                slot=9,
+                gen=0,
+                step=1,
+                layout_id=1,
+                objects_offset=0,
+                objects_nbytes=0,
+                layout="{}",
+            ),
+            4,
+            key,
+        ),  # out of place
         encode(m.Begin(rank=-1, step=1, nbytes=1), 5, key),
         encode(m.Begin(rank=0, step=1, nbytes=1 << 50), 6, key),
     ]
@@ -76,7 +89,9 @@ def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_
 
 def test_refused_request_raises(smp: SmpProcess, run_dir: Path) -> None:
     with SmpClient(run_dir) as c, pytest.raises(SmpRequestError):
-        c.request(m.Commit(rank=0, slot=0, gen=0, step=1, layout="{}"))
+        c.request(
+            m.Commit(rank=0, slot=0, gen=0, step=1, layout_id=1, objects_offset=0, objects_nbytes=0)
+        )
 
 
 def test_sigterm_removes_shared_memory(run_dir: Path, run_id: str) -> None:

@@ -283,6 +283,9 @@ def test_save_is_skipped_not_blocked_when_no_slot_is_free(
     model, _ = make()
     commit(ckpt, {"model": model}, 1)
     before = ckpt.stats()["skipped"]  # the first save was skipped while slots were allocated
+    # The SMP granted a slot for the next save with the commit's reply; a load starts a
+    # generation and forgets it, so the next save asks with a BEGIN again.
+    assert ckpt.load({"model": model}) == 1
     with SmpClient(run_dir) as other:  # another writer holds the only reusable slot
         held = other.request(m.Begin(rank=0, step=2, nbytes=64))
         assert held["action"] == "write"

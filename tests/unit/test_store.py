@@ -15,7 +15,7 @@ from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashResult, HashService
-from ftmem.smp.slot_store import Grant, SlotStore
+from ftmem.smp.slot_store import Grant, SlotStore, UnknownLayoutError
 from ftmem.smp.store import RankPiece, RankSlots, SlotState, StoreError
 
 
@@ -163,10 +163,14 @@ def allocate(store: SlotStore, rank: int = 0) -> None:
         store.finish_resize(rank, index, str(path), CAP, ok=True)
 
 
+TENSORS = tensors_json([TensorExtent(0, "w", "float32", (4, 4), 0, 64)])
+
+
 def save(store: SlotStore, step: int, rank: int = 0) -> Grant:
     g = store.begin(rank, step, USED)
     assert g.action == "write", g
-    store.commit(rank, g.slot, g.gen, step, layout(step))
+    store.register(rank, 1, TENSORS)
+    store.commit(rank, g.slot, g.gen, step, 1, (64, USED - 64))
     return g
 
 
@@ -200,7 +204,7 @@ def test_store_commit_writes_record_pins_for_hasher_then_verifies(
     allocate(store)
     g = save(store, 3)
     rec = records.record_path(g.path)
-    assert records.read_record(rec).step == 3
+    assert records.read_record(rec).step == 3  # unverified: an adopting SMP hashes it
     sl = slots(store)[g.slot]
     assert (sl["state"], sl["verified"]) == ("committed", False)
     assert store.snapshots(0) is None  # a QUERY waits for the hash
@@ -208,8 +212,9 @@ def test_store_commit_writes_record_pins_for_hasher_then_verifies(
     assert settle(store, hasher) == [True]
     sl = slots(store)[g.slot]
     assert (sl["state"], sl["verified"], sl["pinned"]) == ("committed", True, 0)
-    assert parse_layout(records.read_record(rec).layout, CAP).verified
+    assert parse_layout(records.read_record(rec).layout, CAP).verified  # now with checksums
     snaps = store.snapshots(0)
+    assert snaps is not None and parse_layout(snaps[0]["layout"], CAP).verified
     assert snaps is not None and [s["step"] for s in snaps] == [3]
     assert store.complete_steps([0]) == [3]
 
@@ -217,14 +222,19 @@ def test_store_commit_writes_record_pins_for_hasher_then_verifies(
 def test_store_commit_refuses_what_does_not_match(store: SlotStore) -> None:
     allocate(store)
     g = store.begin(0, 5, USED)
+    with pytest.raises(UnknownLayoutError):
+        store.commit(0, g.slot, g.gen, 5, 1, (64, 16))  # never registered
     with pytest.raises(ValueError):
-        store.commit(0, g.slot, g.gen, 5, layout(6))  # the layout names another step
+        store.register(0, 1, "not json")
     with pytest.raises(ValueError):
-        store.commit(0, g.slot, g.gen, 5, "not json")
+        store.register(0, 1, layout(5))  # a whole document, not a tensors array
+    store.register(0, 1, TENSORS)
+    with pytest.raises(ValueError):
+        store.commit(0, g.slot, g.gen, 5, 1, (CAP - 8, 16))  # objects outside the slot
     with pytest.raises(StoreError):
-        store.commit(0, g.slot, g.gen + 1, 5, layout(5))  # stale gen
+        store.commit(0, g.slot, g.gen + 1, 5, 1, (64, 16))  # stale gen
     with pytest.raises(StoreError):
-        store.commit(0, 1 - g.slot, g.gen, 5, layout(5))  # FREE, not WRITING
+        store.commit(0, 1 - g.slot, g.gen, 5, 1, (64, 16))  # FREE, not WRITING
     assert slots(store)[g.slot]["state"] == "writing"
 
 
@@ -243,6 +253,80 @@ def test_store_begin_reuses_oldest_committed_and_removes_its_record(
     assert slots(store)[g.slot]["state"] == "free"
 
 
+def commit_granted(store: SlotStore, g: Grant, step: int) -> None:
+    """The rank writes its next save into the slot it was granted and commits it."""
+    assert g.action == "write", g
+    store.commit(0, g.slot, g.gen, step, 1, (64, USED - 64))
+
+
+def test_store_grant_serves_the_next_save_and_keeps_the_old_step_readable(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    a, b = save(store, 1), save(store, 2)
+    settle(store, hasher)
+    g = store.grant(0, USED)  # at the COMMIT of 2: the slot of step 1, for step 3
+    assert (g.action, g.slot) == ("write", a.slot)
+    assert slots(store)[a.slot]["state"] == "granted"
+    # Its record keeps its checksums: an adopting SMP serves it, a load checks it.
+    assert parse_layout(records.read_record(records.record_path(a.path)).layout, CAP).verified
+    snaps = store.snapshots(0)
+    assert snaps is not None and [x["step"] for x in snaps] == [2, 1]  # loads check checksums
+    assert store.complete_steps([0]) == [2]  # never protected or flushed
+    assert store.pin_step([0], 1) is None
+    commit_granted(store, g, 3)  # no BEGIN: GRANTED -> COMMITTED
+    settle(store, hasher)
+    assert [x["step"] for x in store.snapshots(0) or []] == [3, 2]
+    g = store.grant(0, USED)
+    assert g.slot == b.slot
+    # An explicit BEGIN from the same process gives the unused grant back, record and all.
+    h = store.begin(0, 4, USED * 100)
+    assert h.action == "resize"
+    assert slots(store)[b.slot]["state"] == "committed"
+    record = records.read_record(records.record_path(b.path))
+    assert record.step == 2 and parse_layout(record.layout, CAP).verified
+
+
+def test_store_grant_of_a_dead_process_is_not_trusted(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    store.hello(0, pid=100, world_size=1)
+    a = save(store, 1)
+    save(store, 2)
+    settle(store, hasher)
+    assert store.grant(0, USED).slot == a.slot
+    store.hello(0, pid=200, world_size=1)  # the rank restarted: it may have died mid-copy
+    assert slots(store)[a.slot]["state"] == "granted"  # still readable, checked at load
+    g = store.begin(0, 3, USED * 100)  # the new process asks: the grant is dropped
+    assert g.action == "resize"
+    assert (slots(store)[a.slot]["state"], slots(store)[a.slot]["step"]) == ("free", None)
+    assert not records.record_path(a.path).exists()
+
+
+def test_store_slots_grow_after_two_commits_and_the_newest_survives(
+    store: SlotStore, hasher: HashService
+) -> None:
+    allocate(store)
+    save(store, 1)
+    b = save(store, 2)
+    settle(store, hasher)
+    assert store.begin(0, 3, CAP * 2).action == "resize"
+    targets = store.start_resize(0, -1, CAP * 2)  # both COMMITTED: the older one grows
+    assert [t[0] for t in targets] == [1 - b.slot]
+    for index, old, gen in targets:
+        store.files.discard(old)
+        path = store.files.path(0, index, gen)
+        shm.create_segment(path, CAP * 2)
+        store.finish_resize(0, index, str(path), CAP * 2, ok=True)
+    assert [x["step"] for x in store.snapshots(0) or []] == [2]
+    assert records.read_record(records.record_path(b.path)).step == 2
+    g = store.begin(0, 3, CAP * 2)
+    assert g.action == "write" and g.capacity == CAP * 2
+    # The newest is never resized: with nothing else to grow, there is nothing to do.
+    assert store.start_resize(0, -1, CAP * 4) == []
+
+
 def test_store_hello_frees_torn_slots(store: SlotStore) -> None:
     allocate(store)
     g = store.begin(0, 1, USED)
@@ -256,7 +340,7 @@ def test_store_hash_failure_drops_the_slot(store: SlotStore, hasher: HashService
     g = save(store, 1)
     assert hasher.wait_idle(30)
     (result,) = hasher.results()
-    failed = HashResult(result.job, "", 0.0, 0, "cannot map it")
+    failed = HashResult(result.job, [], 0.0, 0, "cannot map it")
     assert store.verify(failed) is None  # COMMITTED -> FREE
     sl = slots(store)[g.slot]
     assert (sl["state"], sl["step"], sl["pinned"]) == ("free", None, 0)
@@ -361,8 +445,8 @@ def test_store_install_rebuilt_replaces_even_the_newest(
     assert not Path(b.path).exists() and Path(piece.path).read_bytes()[:USED] == bytes(data)
     sl = slots(store)[b.slot]
     assert (sl["state"], sl["step"], sl["pinned"]) == ("committed", 9, 2)  # exchange + hasher
-    assert records.read_record(records.record_path(piece.path)).step == 9
     assert settle(store, hasher) == [True]  # the manifest had no checksums: hashed here
+    assert records.read_record(records.record_path(piece.path)).step == 9  # once verified
     assert store.complete_steps([0]) == [9, 1]
     store.unpin([piece, *pieces])
     assert all(s["pinned"] == 0 for s in slots(store))
