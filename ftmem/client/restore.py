@@ -2,9 +2,10 @@
 
 :func:`plan_restore` matches the snapshot to the state without changing anything (its
 objects were checked first). :func:`copy_verified` then copies every tensor into its place
-in one pass: each checksummed piece (4 MiB) is hashed and, only if it matches, copied while
-it is still in cache, on several threads. No corrupt byte is ever written into a live
-tensor. Only when every piece passed on every rank does :func:`finish_restore` gather the
+in one pass, on several threads, in tasks of at least 4 MiB (a large tensor's checksummed
+pieces one by one, small tensors batched): a task hashes its pieces and, only if every one
+matches, copies them while they are still in cache. No corrupt byte is ever written into a
+live tensor. Only when every piece passed on every rank does :func:`finish_restore` gather the
 replicated rows and call ``load_state_dict`` on the Stateful objects; otherwise the caller
 restores an older step over the same tensors. If no step passes, ``load`` raises and the
 live tensors hold, piece by piece, either their old bytes or verified bytes of a snapshot
@@ -21,12 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ftmem import faults
 from ftmem.client.flatten import StoredSnapshot, StoredTensor, is_stateful
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
-from ftmem.format.layout import digest, hash_bytes, piece_hashes, pieces
+from ftmem.format.layout import HASH_PIECE, digest, hash_bytes, piece_hashes, pieces
 from ftmem.format.tensors import (
     DTYPES,
     GATHER_MARK,
@@ -300,22 +302,37 @@ def finish_restore(
         fn()
 
 
+_Piece = tuple[StoredTensor, "np.ndarray[Any, Any] | None", int, int, str]
+"""One checksummed piece to restore: (stored tensor, the target's bytes (None: check only),
+start, end (within the tensor), expected xxh3-64)."""
+
+
 def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> None:
-    """Copy every planned tensor out of the slot, checking each piece's checksum just before
-    copying it (one read of the slot, the piece still in cache); pieces run on up to
-    ``threads`` threads (xxhash and ``copy_`` release the GIL). A piece that fails is not
-    copied. Stored tensors without a target (this replica's rows of replicated tensors, read
-    later by :func:`gather_replicated`) are only checked; a strided or device target is
-    checked whole, then copied.
+    """Copy every planned tensor out of the slot, checking each piece's checksum before any of
+    its bytes are copied (one read of the slot, the piece still in cache). The pieces go out
+    in tasks of at least ``HASH_PIECE`` bytes: each piece of a tensor larger than that is a
+    task, and consecutive smaller tensors are batched into one (a task per small tensor cost
+    more than its hash and copy: 30 MiB in 119 tensors restored at 0.33 s/GiB). A task
+    hashes all its pieces first and copies nothing unless every one matches; tasks run on up
+    to ``threads`` threads. Both the hash and the copy release the GIL; the copy is numpy's,
+    one thread per task (``Tensor.copy_`` splits itself over torch's intra-op threads: from
+    several pool threads at once, that oversubscribed the cores and took longer than one
+    thread).
+    Stored tensors without a target (this replica's rows of replicated tensors, read later
+    by :func:`gather_replicated`) are only checked; a strided or device target is checked
+    whole, then copied.
 
     Raises:
         CorruptSnapshotError: naming the tensors with a piece that does not match.
     """
     targets = {id(st): t for st, t in plan.copies}
     view = seg.view
+    src = seg.tensor.numpy()  # a view of the slot, no copy
     failed: set[str] = set()
     lock = threading.Lock()
-    work: list[tuple[StoredTensor, torch.Tensor | None, int, int, str]] = []
+    tasks: list[list[_Piece]] = []
+    small: list[_Piece] = []  # consecutive one-piece tensors, until HASH_PIECE bytes
+    small_bytes = 0
     whole: list[tuple[StoredTensor, torch.Tensor]] = []
     for st in plan.stored:
         dst = targets.get(id(st))
@@ -327,28 +344,43 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
             failed.add(repr(st.name))
             continue
         direct = dst is not None and dst.is_contiguous() and dst.device.type == "cpu"
-        out = dst.reshape(-1).view(torch.uint8) if dst is not None and direct else None
-        for (a, b), h in zip(pieces(st.nbytes), expect, strict=True):
-            work.append((st, out, a, b, h))
+        out = dst.reshape(-1).view(torch.uint8).numpy() if dst is not None and direct else None
+        if len(expect) > 1:
+            tasks += [
+                [(st, out, a, b, h)] for (a, b), h in zip(pieces(st.nbytes), expect, strict=True)
+            ]
+        else:
+            small.append((st, out, 0, st.nbytes, expect[0]))
+            small_bytes += st.nbytes
+            if small_bytes >= HASH_PIECE:
+                tasks.append(small)
+                small, small_bytes = [], 0
         if dst is not None and not direct:
             whole.append((st, dst))
+    if small:
+        tasks.append(small)
 
-    def one(w: tuple[StoredTensor, torch.Tensor | None, int, int, str]) -> None:
-        st, out, a, b, h = w
-        lo = st.offset
-        if hash_bytes(view[lo + a : lo + b]) != h:
+    def run(task: list[_Piece]) -> None:
+        bad = [
+            repr(st.name)
+            for st, _, a, b, h in task
+            if hash_bytes(view[st.offset + a : st.offset + b]) != h
+        ]
+        if bad:  # nothing of this task is copied
             with lock:
-                failed.add(repr(st.name))
-        elif out is not None and b > a:
-            out[a:b].copy_(seg.tensor[lo + a : lo + b])
+                failed.update(bad)
+            return
+        for st, out, a, b, _ in task:
+            if out is not None and b > a:
+                np.copyto(out[a:b], src[st.offset + a : st.offset + b])
 
-    if threads > 1 and len(work) > 1:
+    if threads > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore") as pool:
-            for _ in pool.map(one, work):
+            for _ in pool.map(run, tasks):
                 pass
     else:
-        for w in work:
-            one(w)
+        for task in tasks:
+            run(task)
     for st, dst in whole:
         if repr(st.name) not in failed and st.nbytes:
             raw = seg.tensor[st.offset : st.offset + st.nbytes]

@@ -253,7 +253,7 @@ class Checkpointer:
         assert self._plan is not None
         plan = self._plan
         total = max(1, plan.layout.tensors_end + len(objects))
-        decision = self._take_grant(total)
+        decision: m.BeginReply | _Refusal | None = self._take_grant(total)
         if decision is not None:
             client.check_alive()
         else:
@@ -349,7 +349,7 @@ class Checkpointer:
         (bounded) while a flush or a protection round holds the slots."""
         final = deadline is not None
         while True:
-            decision = m.parse_reply(
+            decision: m.BeginReply = m.parse_reply(
                 m.BeginReply,
                 client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final)),
             )

@@ -63,7 +63,14 @@ _DTENSOR = _dtensor_type()
 
 def _strict_key(t: torch.Tensor) -> tuple[Any, ...]:
     local = t._local_tensor if _DTENSOR is not None and type(t) is _DTENSOR else t  # type: ignore[attr-defined]
-    key = (type(t), local.data_ptr(), local.shape, local.stride(), local.dtype, local.device)
+    key: tuple[Any, ...] = (
+        type(t),
+        local.data_ptr(),
+        local.shape,
+        local.stride(),
+        local.dtype,
+        local.device,
+    )
     if local is not t:
         key += (t.shape, t.placements, id(t.device_mesh))  # type: ignore[attr-defined]
     return key
