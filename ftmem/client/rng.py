@@ -7,10 +7,17 @@ Everything is stored as tensors and plain values (no pickled objects).
 
 from __future__ import annotations
 
+import array
 import random
 from typing import Any
 
 import torch
+
+
+def _int64_tensor(values: tuple[int, ...]) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64)``, through an array (4x faster for the 625
+    words of Python's generator: every save of a state with an RNGState pays it)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 class RNGState:
@@ -22,7 +29,7 @@ class RNGState:
         sd: dict[str, Any] = {
             "python": {
                 "version": version,
-                "state": torch.tensor(internal, dtype=torch.int64),
+                "state": _int64_tensor(internal),
                 "gauss": gauss,
             },
             "torch": torch.get_rng_state(),

@@ -70,9 +70,15 @@ class SlotMappings:
             return seg
 
     def map_new(self, slots: list[m.SlotFile]) -> None:
-        """Map (and populate the page tables of) slots the SMP just made (copy thread)."""
+        """Map (and populate the page tables of) slots the SMP just made (copy thread); when
+        this process uses CUDA, page-lock them too (cudaHostRegister: ~50 ms per GiB on an
+        H100 host, which the first save into each slot otherwise paid on the training
+        thread)."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         for slot in slots:
-            self.segment(slot.path, slot.capacity)
+            seg = self.segment(slot.path, slot.capacity)
+            if cuda:
+                register_pinned(seg)
 
     def views(self, seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
         """The views of every tensor of ``layout`` in the mapping ``seg`` (cached)."""

@@ -61,26 +61,46 @@ def _dtensor_type() -> type | None:
 _DTENSOR = _dtensor_type()
 
 
+_TENSOR = torch.Tensor
+
+
 def _strict_key(t: torch.Tensor) -> tuple[Any, ...]:
-    local = t._local_tensor if _DTENSOR is not None and type(t) is _DTENSOR else t  # type: ignore[attr-defined]
-    key: tuple[Any, ...] = (
-        type(t),
-        local.data_ptr(),
-        local.shape,
-        local.stride(),
-        local.dtype,
-        local.device,
-    )
-    if local is not t:
-        key += (t.shape, t.placements, id(t.device_mesh))  # type: ignore[attr-defined]
-    return key
+    """What must stay equal for a tensor whose memory the plan and the slot views refer to.
+    The data pointer says which memory: the remembered tensor keeps that memory alive, so an
+    equal pointer cannot be a new allocation at an old address (``is_cuda``: which address
+    space)."""
+    if type(t) is _TENSOR:
+        return (t.data_ptr(), t.stride(), t.shape, t.dtype, t.is_cuda)
+    if _DTENSOR is not None and type(t) is _DTENSOR:
+        local = t._local_tensor  # type: ignore[attr-defined]
+        return (
+            _DTENSOR,
+            local.data_ptr(),
+            local.stride(),
+            local.shape,
+            local.dtype,
+            local.is_cuda,
+            t.shape,
+            t.placements,  # type: ignore[attr-defined]
+            id(t.device_mesh),  # type: ignore[attr-defined]
+        )
+    return (type(t),)  # never equal to a remembered key of another type: a full save says why
 
 
 def _fresh_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What must stay equal for a tensor taken anew each save (copied eagerly)."""
+    if type(t) is _TENSOR:
+        return (t.shape, t.dtype, t.is_cuda, t.layout)
     if _DTENSOR is not None and type(t) is _DTENSOR:
         local = t._local_tensor  # type: ignore[attr-defined]
-        return (type(t), t.shape, t.placements, id(t.device_mesh), local.shape, local.dtype)  # type: ignore[attr-defined]
-    return (type(t), t.layout, t.shape, t.dtype, t.device)
+        return (_DTENSOR, t.shape, t.placements, id(t.device_mesh), local.shape, local.dtype)  # type: ignore[attr-defined]
+    return (type(t),)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if _DTENSOR is not None and type(t) is _DTENSOR:
+        return t._local_tensor.detach()  # type: ignore[attr-defined,no-any-return]
+    return t.detach()
 
 
 def _optimizer_counts(optimizers: list[torch.optim.Optimizer]) -> tuple[int, ...]:
@@ -219,32 +239,48 @@ class SteadyState:
 
 def _check(obj: Any, n: Any, fresh: list[torch.Tensor], plains: list[bytes]) -> bool:
     """Whether ``obj`` has the structure of node ``n``; collects the fresh tensors and the
-    encodings of the plain subtrees, in order."""
+    encodings of the plain subtrees, in order (the hot loop of a steady-state save)."""
     kind = n[0]
-    if kind == _STRICT:
-        return isinstance(obj, torch.Tensor) and _strict_key(obj) == n[1]
-    if kind == _FRESH:
-        if not isinstance(obj, torch.Tensor) or _fresh_key(obj) != n[1]:
-            return False
-        local = obj._local_tensor if _DTENSOR is not None and type(obj) is _DTENSOR else obj  # type: ignore[attr-defined]
-        fresh.append(local.detach())
-        return True
-    if kind == _PLAIN:
-        if isinstance(obj, torch.Tensor):
-            return False
-        try:
-            plains.append(encode_skeleton(obj))
-        except ValueError:
-            return False  # e.g. a tensor inside now, or an object: the full save says why
-        return True
     if kind == _DICT:
         if type(obj) is not n[1] or tuple(obj) != n[2]:
             return False
-        return all(_check(v, c, fresh, plains) for v, c in zip(obj.values(), n[3], strict=True))
-    want = list if kind == _LIST else tuple
-    if type(obj) is not want or len(obj) != n[1]:
+        children: Any = obj.values()
+        kids = n[3]
+    elif kind == _LIST or kind == _TUPLE:
+        if type(obj) is not (list if kind == _LIST else tuple) or len(obj) != n[1]:
+            return False
+        children, kids = obj, n[2]
+    else:
+        return _leaf(obj, n, fresh, plains)
+    for v, c in zip(children, kids, strict=True):
+        k = c[0]
+        if k == _STRICT:
+            if type(v) is _TENSOR:  # inlined _strict_key: most leaves are plain tensors
+                if (v.data_ptr(), v.stride(), v.shape, v.dtype, v.is_cuda) != c[1]:
+                    return False
+            elif not isinstance(v, _TENSOR) or _strict_key(v) != c[1]:
+                return False
+        elif not _check(v, c, fresh, plains):
+            return False
+    return True
+
+
+def _leaf(obj: Any, n: Any, fresh: list[torch.Tensor], plains: list[bytes]) -> bool:
+    kind = n[0]
+    if kind == _STRICT:
+        return isinstance(obj, _TENSOR) and _strict_key(obj) == n[1]
+    if kind == _FRESH:
+        if not isinstance(obj, _TENSOR) or _fresh_key(obj) != n[1]:
+            return False
+        fresh.append(_local(obj))
+        return True
+    if isinstance(obj, _TENSOR):  # a plain subtree
         return False
-    return all(_check(v, c, fresh, plains) for v, c in zip(obj, n[2], strict=True))
+    try:
+        plains.append(encode_skeleton(obj))
+    except ValueError:
+        return False  # e.g. a tensor inside now, or an object: the full save says why
+    return True
 
 
 def _mark_like(saved: Any, marked: Any) -> Any:

@@ -8,6 +8,7 @@ when matplotlib is installed, and leaves no process or shared memory behind.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -99,3 +100,56 @@ def test_suite_draws_the_stall_plot(suite: SuiteRun) -> None:
     png = suite.img_dir / "bench-stall.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "img/bench-stall.png" in suite.out.read_text()
+
+
+SAVE_COST_TIMEOUT_S = 120.0
+
+
+def test_save_cost_smoke_writes_its_figures_and_section(tmp_path: Path) -> None:
+    """``python -m bench.save_cost --smoke``: tiny states, 3 saves each, against this checkout;
+    the JSON holds every figure's key for each state (no figure is checked), the section is
+    written beside the hand-written text, and nothing is left behind."""
+    out, res = tmp_path / "benchmarks.md", tmp_path / "save-cost.json"
+    out.write_text("# Benchmarks\n\nhand-written text that must stay\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    shm_before = _shm_names()
+    cmd = [sys.executable, "-m", "bench.save_cost", "--smoke", "--json", str(res)]
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=SAVE_COST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"save_cost --smoke ran over {SAVE_COST_TIMEOUT_S} s:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-3000:]
+    doc = json.loads(res.read_text())
+    assert doc["part"] == "save-cost"
+    (tree,) = doc["result"]["trees"]
+    assert tree["label"] == "this checkout" and tree["error"] == ""
+    assert [s["name"] for s in tree["states"]] == ["small", "many"]
+    for s in tree["states"]:
+        assert s["committed"] + s["skipped"] == 3 == len(s["save_wall"]) == len(s["train_cpu"])
+        for key in ("ftmem_threads_cpu", "rank_other_cpu", "smp_cpu_raw", "memcpy_cpu"):
+            assert key in s, key
+        assert "ftmem-copy" in s["ftmem_threads_cpu"] and s["messages"], s
+        assert s["restore_check"] == "ok" and s["error"] == ""
+    text = out.read_text()
+    assert "hand-written text that must stay" in text
+    assert "<!-- bench:save-cost:start -->" in text and "<!-- bench:save-cost:end -->" in text
+    assert _shm_names() <= shm_before, "save_cost left shared memory behind"
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("processes of save_cost's session outlived it")
