@@ -254,9 +254,9 @@ class Checkpointer:
         plan = self._plan
         total = max(1, plan.layout.tensors_end + len(objects))
         decision: m.BeginReply | _Refusal | None = self._take_grant(total)
-        if decision is not None:
+        if isinstance(decision, m.BeginReply):
             client.check_alive()
-        else:
+        elif decision is None:
             decision = self._begin(client, step, total, deadline)
         if isinstance(decision, _Refusal):
             return self._skip(step, decision.reason, t0, tell=decision.tell)
@@ -273,6 +273,7 @@ class Checkpointer:
             gen=decision.gen,
         )
         job.next_nbytes = total
+        job.premap = self._slots.segment
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
         if unsharded:
@@ -325,15 +326,18 @@ class Checkpointer:
 
     def _take_grant(self, total: int) -> m.BeginReply | None:
         """The slot the SMP granted to this save with the previous COMMIT's reply, if it
-        holds ``total`` bytes (else None: the save asks with a BEGIN, which also gives the
-        grant back). Each grant serves one save."""
+        holds ``total`` bytes (None: the save asks with a BEGIN, which also gives the grant
+        back). Each grant serves one save. A new slot file is mapped by the copy thread
+        right after the COMMIT; a save that comes sooner waits for that mapping rather than
+        map the file twice."""
         job = self._job
         if job is None or not job.finished.is_set() or job.grant is None:
             return None
         grant, job.grant = job.grant, None
-        if grant.action is m.Decision.WRITE and grant.capacity >= total:
-            return grant
-        return None
+        if grant.action is not m.Decision.WRITE or grant.capacity < total:
+            return None
+        job.premapped.wait(self.config.request_timeout.total_seconds())
+        return grant
 
     def _drop_grant(self) -> None:
         """Forget the grant for the next save (a new generation: the next save asks)."""

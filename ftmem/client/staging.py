@@ -92,6 +92,9 @@ class CopyJob:
     """Ask the SMP (with the COMMIT) for a slot of this many bytes for the next save."""
     grant: m.BeginReply | None = None
     """The SMP's answer to ``next_nbytes`` (set when the commit succeeded)."""
+    premap: Callable[[str, int], Any] | None = None
+    """Maps a granted slot file (path, capacity): called by the copy thread once the job is
+    finished, so that a new slot is never mapped (and page-locked) on the training thread."""
     stall_s: float = 0.0
     skipped: int = 0
     unsharded_nbytes: int = 0
@@ -99,6 +102,8 @@ class CopyJob:
     cuda_event: Any = None
     copied: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
+    premapped: threading.Event = field(default_factory=threading.Event)
+    """Set once ``premap`` ran (or was not needed), whether or not it succeeded."""
     error: BaseException | None = None
     copy_s: float = 0.0
     cancelled: bool = False
@@ -244,6 +249,13 @@ class CopyWorker:
             job.error = _CommitError(str(exc))
         finally:
             job.finished.set()
+        grant = job.grant
+        if grant is not None and grant.action is m.Decision.WRITE and job.premap is not None:
+            try:
+                job.premap(grant.path, grant.capacity)
+            except (OSError, ValueError, FtmemError) as exc:  # the save that uses it says why
+                log.warning("cannot map the slot granted after step %d: %s", job.step, exc)
+        job.premapped.set()
 
     def _commit(self, job: CopyJob, client: SmpClient) -> dict[str, Any]:
         """COMMIT ``job``, naming its layout by id (sent along the first time, and again

@@ -125,7 +125,8 @@ class SlotFiles:
 class AllocJob:
     """New slot files one PREPARE asked for, and whom to answer when they exist."""
 
-    ident: bytes
+    ident: bytes | None
+    """None: nobody waits for these files (the rest of a PREPARE, made after its reply)."""
     req_id: int
     rank: int
     slots: list[tuple[int, Path, int]]

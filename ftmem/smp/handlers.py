@@ -208,6 +208,8 @@ class RequestHandlers:
                 if not ok:
                     shm.remove_segment(path)
                 self.store.finish_resize(job.rank, index, str(path), capacity, ok)
+            if job.ident is None:
+                continue  # the rest of a PREPARE, answered when its first slot was made
             if job.error:
                 self._send(job.ident, job.req_id, m.Reply(ok=False, error=job.error))
             else:
@@ -325,7 +327,13 @@ class RequestHandlers:
                 self._space_warned.add((p.rank, capacity))
                 log.error("[%s/%d] NOT ENOUGH SHARED MEMORY: %s", self.config.node, p.rank, short)
             return m.Reply(ok=False, error=f"not enough shared memory: {short}")
-        self.allocator.submit(job)
+        # The first slot is answered as soon as it exists: the rank's first snapshot needs one
+        # slot, and making every slot first doubled the time until it was safe (first-touch
+        # of fresh memory costs ~3 s/GiB on a loaded VM). The rest follow on the same thread.
+        first, rest = job.slots[:1], job.slots[1:]
+        self.allocator.submit(AllocJob(req.ident, req.req_id, p.rank, first))
+        if rest:
+            self.allocator.submit(AllocJob(None, 0, p.rank, rest))
         log.info(
             "[%s/%d] allocating %d slot(s) of %.1f MiB",
             self.config.node,

@@ -317,6 +317,8 @@ class RankSlots:
             and s.state in (SlotState.FREE, SlotState.EMPTY, SlotState.COMMITTED)
         ]
         if not usable:
+            if any(s.state is SlotState.ALLOCATING for s in self.slots):
+                return BeginDecision("skip", reason="slots are being allocated")
             return BeginDecision("skip", reason="no slot is free (all held)")
         usable.sort(key=lambda s: (s.state is SlotState.COMMITTED, s.seq))
         fitting = [s for s in usable if s.state is not SlotState.EMPTY and s.capacity >= nbytes]
