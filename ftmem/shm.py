@@ -1,7 +1,9 @@
 """Named shared-memory segments (slot files on a tmpfs) that hold snapshot slots.
 
-The SMP creates each slot file (mode 0600, pre-faulted so no rank ever pays first-touch
-page faults on the training path) and removes it; ranks map the files it names.
+The SMP creates each slot file (mode 0600, its pages allocated with ``posix_fallocate``) and
+removes it; ranks map the files it names, populating their page tables when they map them
+(``MAP_POPULATE``, on the copy thread), so no rank pays first-touch page faults on the
+training path.
 
 Where and under which name: every slot file and commit record lives in this user's private
 directory (mode 0700, default ``/dev/shm/ftmem-<uid>``, :func:`ftmem.config.default_shm_dir`),

@@ -4,7 +4,7 @@ One thread (the caller of :meth:`SmpDaemon.serve_forever`) owns the ROUTER socke
 each request and hands it to its handler through the table of
 :class:`~ftmem.smp.handlers.RequestHandlers` (request kind -> handler), then sends the reply.
 The slots live in the :class:`~ftmem.smp.slot_store.SlotStore`, which every thread changes
-through its methods. Arena creation (pre-faulting costs ~1 s/GiB) runs on the
+through its methods. Slot file creation (up to seconds per GiB) runs on the
 :class:`~ftmem.smp.allocation.Allocator`'s thread so the loop keeps answering other ranks.
 Checksums of committed slots are computed by the :class:`~ftmem.smp.hashing.HashService`
 (``--hash-threads``); a slot is served to loads, protected and flushed only once verified,
