@@ -234,7 +234,7 @@ def fired(path: Path, fault_id: str) -> dict[str, Any] | None:
         return None
     try:
         doc = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None  # claimed, its writer died before finishing the record
     return doc if isinstance(doc, dict) else {"id": fault_id, "incomplete": True}
 

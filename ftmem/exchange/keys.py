@@ -70,7 +70,7 @@ class CurveKeyPair:
                 if node is None
                 else cls(public=str(node["public"]).encode(), secret=str(node["secret"]).encode()),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise KeyFileError(f"malformed key pair: {exc}") from exc
 
     def derived_key(self, purpose: str) -> bytes:

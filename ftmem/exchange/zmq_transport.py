@@ -414,7 +414,7 @@ class ZmqPeerTransport(PeerTransport):
         sender = ""  # filled in by _check_sender
         try:
             _, kind, env = decode(bytes(frames[1].buffer), None, 1 << 20)
-        except ValueError as exc:  # json.loads: a bare ValueError for an int of 4300+ digits
+        except (ValueError, RecursionError) as exc:  # json.loads: ValueError for 4300+ digits
             raise ProtocolError(f"peer header is not valid JSON: {exc}") from exc
         if kind is not m.Kind.PEER:
             raise ProtocolError(f"unexpected {kind.name} from a peer")

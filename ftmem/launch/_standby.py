@@ -125,7 +125,7 @@ def _receive(ctl: socket.socket) -> tuple[dict[str, Any], list[int]]:
         os._exit(0)
     try:
         msg = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         msg = None
     ok = (
         isinstance(msg, dict)

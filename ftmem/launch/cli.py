@@ -96,8 +96,10 @@ def get_args_parser() -> ArgumentParser:
     group.add_argument(
         "--ftmem-metrics-addr",
         action=env,
-        default="0.0.0.0",
-        help="The address the metrics server binds (default 0.0.0.0: every interface).",
+        default="127.0.0.1",
+        help="The address the metrics server binds (default 127.0.0.1: this host only; the "
+        "metrics are unauthenticated, so bind another interface only where every host that "
+        "can reach it may read them, e.g. 0.0.0.0 behind a firewall for Prometheus).",
     )
     group.add_argument(
         "--ftmem-rejoin-timeout",

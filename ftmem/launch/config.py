@@ -85,7 +85,7 @@ class FtmemLaunchConfig:
     """A rank that never reports progress this long after its start is SIGKILLed; 0 disables."""
     metrics_port: int = 0
     """Serve Prometheus metrics on this port (0: off); needs ``prometheus_client``."""
-    metrics_addr: str = "0.0.0.0"
+    metrics_addr: str = "127.0.0.1"
     """The address the metrics server binds."""
     rejoin_timeout: timedelta = timedelta(seconds=120)
     """A rank kept alive at a restart (``ftmem.run``) that reports no progress in the new

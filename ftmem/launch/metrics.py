@@ -199,7 +199,7 @@ class MetricsServer:
     shuts the server down and closes its socket (idempotent).
     """
 
-    def __init__(self, metrics: AgentMetrics, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, metrics: AgentMetrics, port: int, addr: str = "127.0.0.1") -> None:
         self.metrics = metrics
         self.port = port
         self.addr = addr

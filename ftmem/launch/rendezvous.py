@@ -75,7 +75,7 @@ def _value(key: str, raw: bytes) -> Any:
     """A JSON value of the store, or ProtocolError naming ``key``."""
     try:
         return json.loads(raw)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise ProtocolError(f"rendezvous store: {key!r} is not JSON: {exc}") from exc
 
 

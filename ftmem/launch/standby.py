@@ -147,7 +147,7 @@ class Standby:
                 return False
             try:
                 report = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 report = None
             if isinstance(report, dict) and report.get("ready") is True:
                 self.ready_at = time.time()

@@ -162,7 +162,7 @@ def _read(
         raise ProtocolError(f"a line of {len(line)} bytes")
     try:
         doc = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"not JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON object")

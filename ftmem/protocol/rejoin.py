@@ -80,7 +80,7 @@ class RejoinOrder:
         """Parse and validate an order; raise :class:`ProtocolError` on anything unexpected."""
         try:
             doc: Any = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ProtocolError(f"rejoin order is not JSON: {exc}") from None
         if not isinstance(doc, dict) or set(doc) != set(_FIELDS):
             raise ProtocolError(f"rejoin order: expected exactly the fields {', '.join(_FIELDS)}")

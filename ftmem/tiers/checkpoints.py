@@ -143,7 +143,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CorruptSnapshotError(f"{mpath} is too large")
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
     if not isinstance(doc, dict):
         raise CorruptSnapshotError(f"{path}: the manifest is not a JSON object")

@@ -21,6 +21,7 @@ memory stays near one model plus one tensor per input.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import os
 import random
@@ -40,24 +41,49 @@ Evaluate = Callable[[dict[str, Any]], float]
 
 
 def load_evaluator(spec: str) -> Evaluate:
-    """The function named by ``module:function`` (the current directory is searched first,
-    as ``python -m`` does).
+    """The function named by ``MODULE:FUNCTION`` (a module importable as installed: the current
+    directory is never searched, so a file planted there is never imported) or by
+    ``PATH.py:FUNCTION`` (that file, loaded by its path).
 
     Raises:
         CombineError: the spec is malformed, or the module or function cannot be found.
     """
-    module, sep, name = spec.partition(":")
+    module, sep, name = spec.rpartition(":")
     if not sep or not module or not name:
-        raise CombineError(f"--search wants MODULE:FUNCTION, got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        raise CombineError(f"--search wants MODULE:FUNCTION or PATH.py:FUNCTION, got {spec!r}")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
+        mod = _load_file(module) if module.endswith(".py") else _import_outside_cwd(module)
+        fn = getattr(mod, name)
+    except (ImportError, AttributeError, OSError) as exc:
         raise CombineError(f"cannot load the evaluation {spec!r}: {exc}") from exc
     if not callable(fn):
         raise CombineError(f"the evaluation {spec!r} is not callable")
     return fn  # type: ignore[no-any-return]
+
+
+def _import_outside_cwd(module: str) -> Any:
+    """``importlib.import_module(module)`` with the current directory (which ``python -m``
+    puts first on ``sys.path``) left out of the search."""
+    cwd = os.getcwd()
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path[:] = saved
+
+
+def _load_file(path: str) -> Any:
+    """The module in file ``path`` (what the user named, wherever it is)."""
+    file = os.path.abspath(path)
+    if not os.path.isfile(file):
+        raise ImportError(f"no file {file}")
+    spec = importlib.util.spec_from_file_location(f"ftmem_search_{abs(hash(file))}", file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {file}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ from ftmem.cli import main as ftmem_main
 from ftmem.config import ENV_TIER_KEY_FILE
 from ftmem.smp.spawn import SmpProcess
 from ftmem.tiers.checkpoints import checkpoint_name, read_checkpoint, write_manifest
+from ftmem.tiers.combine import CombineError
+from ftmem.tiers.combine_search import load_evaluator
 from ftmem.tiers.dcp_meta import metadata_to_json
 from ftmem.tiers.dcp_read import load_whole
 from tests._support.example import example, fresh_state, load_digests, same_as_saved
@@ -192,11 +194,13 @@ def test_search_finds_a_combination_that_beats_the_newest_checkpoint(
     evaldir.mkdir()
     (evaldir / "ftmem_combine_eval.py").write_text(EVAL_MODULE)
     torch.save(0.3 * w[1] + 0.7 * w[3], evaldir / "ftmem_combine_eval.pt")
-    monkeypatch.chdir(evaldir)
-    monkeypatch.syspath_prepend(str(evaldir))
+    monkeypatch.chdir(evaldir)  # a module there is never imported by name...
+    with pytest.raises(CombineError, match="No module named 'ftmem_combine_eval'"):
+        load_evaluator("ftmem_combine_eval:score")
     out = tmp_path / "best"
     paths = [saved[s][0] for s in (1, 2, 3)]
-    code = _combine(*paths, "--search", "ftmem_combine_eval:score", "--budget", "24", "--out", out)
+    spec = f"{evaldir / 'ftmem_combine_eval.py'}:score"  # ...only the file the user names
+    code = _combine(*paths, "--search", spec, "--budget", "24", "--out", out)
     assert code == 0
     got = load_whole(read_checkpoint(out))["model"]["tok_emb.weight"].double()
     best = (got - (0.3 * w[1] + 0.7 * w[3])).abs().mean()

@@ -87,6 +87,7 @@ def test_defaults_and_config(tmp_path: Path) -> None:
     assert ft.ec_parity == -1 and ft.key_file is None  # auto: on with >= 3 nodes
     assert ft.standby == 1 and ft.standby_imports == () and ft.standby_cuda is False
     assert ft.checkfree is False
+    assert ft.metrics_port == 0 and ft.metrics_addr == "127.0.0.1"  # unauthenticated: this host
     more = get_args_parser().parse_args(
         [
             *("--ftmem-run-dir", str(run_dir), "--ftmem-standby", "2"),

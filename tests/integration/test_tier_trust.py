@@ -209,3 +209,26 @@ def test_copy_replaces_an_existing_copy_by_rename(tmp_path: Path) -> None:
     again = copy_checkpoint(ckpt, dst_tier)
     assert first == again and read_checkpoint(again).step == 8
     assert sorted(p.name for p in dst_tier.iterdir()) == [checkpoint_name(8)]
+
+
+def test_a_manifest_nested_too_deeply_spoils_only_its_own_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """json.loads raises RecursionError (not ValueError) on deep nesting: the reader turns it
+    into its one "corrupt" error, so listing, `ftmem ls` and the disk fallback keep the rest."""
+    from ftmem.cli import main
+
+    tier = tmp_path / "tier"
+    _write(tier, 1)
+    bad = _write(tier, 2)
+    (bad / MANIFEST).write_text("[" * 200_000 + "]" * 200_000)
+    good, other = list_checkpoints(tier)
+    assert [c.step for c in good] == [1]
+    assert other == [(bad, other[0][1])] and "incomplete" in other[0][1]
+    assert main(["ls", str(tier)]) == 0
+    out = capsys.readouterr().out
+    assert "step_1" in out or "1" in out
+    # The disk fallback reads the same listing: step 1 is still restored.
+    target = _state(0)
+    dcp.load(target, checkpoint_id=str(good[0].path), no_dist=True)
+    assert torch.equal(target["w"], _state(1)["w"])  # type: ignore[arg-type]
