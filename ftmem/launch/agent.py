@@ -78,7 +78,7 @@ from ftmem.launch.monitor import (
     all_resumed,
     min_committed,
 )
-from ftmem.launch.peers import PeerSettings, join_generation
+from ftmem.launch.peers import PeerSettings, host_key_path, join_generation
 from ftmem.launch.rank_store import RankStore
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
@@ -147,7 +147,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._slot: int | None = None
         """This node's block of global ranks (stable across rounds), None: elastic's."""
         self._prev_ranks: list[int] | None = None
-        self._peer_settings = _peer_settings(ftmem)
+        self._peer_settings = _peer_settings(ftmem, smp.run_id)
         self._key_warned = [False]
         self._standbys = StandbyPool(
             count=ftmem.standby,
@@ -691,12 +691,16 @@ def _a_rank_failed(pcontext: Any) -> bool:
     return any(h.proc.poll() not in (None, 0) for h in live_handlers(pcontext).values())
 
 
-def _peer_settings(ft: FtmemLaunchConfig) -> PeerSettings:
-    """The peer mesh's settings from the launcher's flags."""
+def _peer_settings(ft: FtmemLaunchConfig, run_id: str) -> PeerSettings:
+    """The peer mesh's settings from the launcher's flags. Without a key file (and without
+    ``--ftmem-insecure-mesh``) the mesh is on this host only (``check_mesh_key``): its key is
+    then shared through a private file of this host, never through the store."""
+    host_local = ft.key_file is None and not ft.insecure_mesh
     return PeerSettings(
         parity=ft.ec_parity,
         max_group=ft.ec_group_size,
         key_file=ft.key_file,
+        host_key=host_key_path(run_id) if host_local else None,
         host=ft.peer_host or "127.0.0.1",
         interval_s=ft.ec_interval.total_seconds(),
         rebuild_timeout=ft.rebuild_timeout,

@@ -291,10 +291,11 @@ def check_mesh_key(
 ) -> None:
     """Refuse erasure coding across hosts without a key file.
 
-    Without ``--ftmem-key-file`` the mesh's CURVE key pair is handed out through the
-    rendezvous store, which is plain TCP: anyone who can reach it could join the mesh. That is
-    allowed only when the mesh stays on this host (the peer host and the rendezvous endpoint
-    are loopback) or when the user says ``--ftmem-insecure-mesh``.
+    Without ``--ftmem-key-file`` the agents share the mesh's CURVE key pair through a private
+    file of this host (``ftmem.launch.peers.host_key_path``), which works only when the mesh
+    stays on this host (the peer host and the rendezvous endpoint are loopback). Across hosts
+    the only other way is the rendezvous store, plain TCP on every interface: anyone who can
+    reach it could join the mesh, so that needs ``--ftmem-insecure-mesh``.
 
     Raises:
         ValueError: erasure coding may span hosts, with neither a key file nor the flag.

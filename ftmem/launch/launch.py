@@ -44,6 +44,7 @@ from ftmem.launch.config import (
 )
 from ftmem.launch.elastic_compat import check_torch_version, launch_shutdown_timeout
 from ftmem.launch.membership import MembershipWatch
+from ftmem.launch.peers import host_key_path
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.workers import wrap_entrypoint
 
@@ -208,6 +209,9 @@ def launch_agent(
         smp.stop()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+            # The job is over: the key its agents shared on this host goes too (a late agent
+            # of the same job makes a new one: each generation reads it again).
+            host_key_path(smp.run_id).unlink(missing_ok=True)
         _cleanup_run_dir(run_dir, auto=ftmem.auto_run_dir, keep=not succeeded)
 
 

@@ -33,7 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError
+from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
 from ftmem.exchange.status import ExchangeState, ExchangeStatus, SyncReply
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ class PeerSettings:
     parity: int = AUTO
     max_group: int = 8
     key_file: Path | None = None
+    host_key: Path | None = None
+    """Without a key file: the private file of this host through which the agents of a
+    mesh that stays on this host share the job's key (:func:`host_key_path`); None (with
+    ``--ftmem-insecure-mesh``): the key goes through the rendezvous store."""
     host: str = "127.0.0.1"
     interval_s: float = 0.0
     rebuild_timeout: timedelta = timedelta(seconds=600)
@@ -76,12 +80,61 @@ def resolve_parity(parity: int, nodes: int) -> int:
     return parity
 
 
+HOST_KEY_WAIT_S = 60.0
+"""How long an agent waits for the host's key file the first agent makes."""
+
+
+def host_key_path(run_id: str) -> Path:
+    """The file through which the agents of run ``run_id`` on this host share the job's key
+    when no key file was given: in this user's private shared-memory directory (mode 0700,
+    ``ftmem.config.default_shm_dir``). Torch's TCPStore listens on every interface whatever
+    address it is given, so a key handed out through the store could be read from any host."""
+    from ftmem.config import default_shm_dir
+    from ftmem.launch.config import safe_name
+
+    return default_shm_dir() / f"{safe_name(run_id)}.mesh-key"
+
+
+def _host_keys(path: Path, group_rank: int) -> str:
+    """The key pair in ``path`` (JSON), made there by the agent of group rank 0 if missing
+    (atomically: complete or absent, never replaced); the others wait for it (bounded).
+
+    Raises:
+        FtmemError: the file is not this user's private file, is malformed, or does not
+            appear within ``HOST_KEY_WAIT_S``.
+    """
+    from ftmem.exchange import keys
+    from ftmem.secure_fs import create_private_file, prepare_private_dir, read_private_file
+
+    prepare_private_dir(path.parent, "shared-memory directory")
+    if group_rank == 0:
+        create_private_file(path, keys.generate().to_json().encode())
+    deadline = time.monotonic() + HOST_KEY_WAIT_S
+    while True:
+        try:
+            data = read_private_file(path, "the job's host key file", 4096)
+            return keys.CurveKeyPair.from_json(data).to_json()
+        except UnsafePathError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise FtmemError(str(exc)) from exc
+        except keys.KeyFileError as exc:
+            raise FtmemError(f"the job's host key file {path}: {exc}") from exc
+        if time.monotonic() > deadline:
+            raise FtmemError(
+                f"the job's host key file {path} did not appear in {HOST_KEY_WAIT_S} s"
+            )
+        time.sleep(0.05)
+
+
 def job_keys(settings: PeerSettings, store: Any, group_rank: int, warned: list[bool]) -> str:
-    """The job's CURVE key pair as JSON (from the key file, else through the store)."""
+    """The job's CURVE key pair as JSON: from the key file; else, for a mesh on this host,
+    from the host's private key file; else (``--ftmem-insecure-mesh``) through the store."""
     from ftmem.exchange import keys
 
     if settings.key_file is not None:
         return keys.read_key_file(settings.key_file).to_json()
+    if settings.host_key is not None:
+        return _host_keys(settings.host_key, group_rank)
     if not warned[0]:
         warned[0] = True
         log.warning(
