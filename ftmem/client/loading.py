@@ -66,6 +66,8 @@ class SnapshotLoader:
         self._group = group
         """The replica group a sharded snapshot gathers over (None: the default group)."""
         self._flush_dirs = list(flush_dirs)
+        self.unreadable: list[str] = []
+        """The configured disk tiers this rank could not read, with why."""
 
     def load(self, state: MutableMapping[str, Any], *, allow_fresh_start: bool) -> int:
         """Restore the newest step every rank can restore (in place); return it, or 0.
@@ -94,6 +96,7 @@ class SnapshotLoader:
                 from_disk = self._load_from_disk(state)
                 if from_disk is not None:
                     return from_disk
+                self._refuse_unread_tiers(allow)
                 if not any(everyone) and not excluded:
                     lost = expected_step()
                     if lost > 0 and not allow:
@@ -204,6 +207,24 @@ class SnapshotLoader:
         )
         return step
 
+    def _refuse_unread_tiers(self, allow: bool) -> None:
+        """Memory and the readable tiers hold nothing to restore: if a configured tier could
+        not be read on some rank (all ranks agree), stop rather than start over on top of
+        what it may hold, unless fresh starts are allowed.
+
+        Raises:
+            InconsistentSnapshotError: naming the tier and why it could not be read.
+        """
+        readable = agreement.min_over_ranks(0 if self.unreadable else 1)
+        if readable or allow:
+            return
+        why = "; ".join(self.unreadable) or "on another rank"
+        raise InconsistentSnapshotError(
+            f"a disk tier could not be read ({why}): it may hold this job's checkpoints, so the "
+            "job does not start over; fix the tier, or set FTMEM_ALLOW_FRESH_START=1 to start "
+            "from step 0"
+        )
+
     def _load_from_disk(self, state: MutableMapping[str, Any]) -> int | None:
         """Memory cannot serve every rank: restore the newest complete flushed checkpoint that
         every rank can read, nearest tier first; None if there is none (all ranks agree)."""
@@ -215,8 +236,9 @@ class SnapshotLoader:
         for tier in self._flush_dirs:
             try:
                 good, other = list_checkpoints(tier, parts=True)
-            except UnsafePathError as exc:
-                log.error("not reading disk tier %s: %s", tier, exc)
+            except (UnsafePathError, OSError) as exc:
+                log.error("cannot read disk tier %s: %s", tier, exc)
+                self.unreadable.append(f"{tier}: {exc}")
                 continue
             for path, why in other:
                 log.warning("ignoring %s: %s", path, why)

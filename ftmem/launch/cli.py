@@ -33,6 +33,7 @@ from ftmem.exchange.encode_worker import MAX_WORKERS
 from ftmem.launch.config import (
     DEFAULT_MAX_RESTARTS,
     FtmemLaunchConfig,
+    check_flush_tiers,
     check_host_address,
     check_mesh_key,
     check_rdzv_backend,
@@ -527,6 +528,7 @@ def run(args: Namespace) -> dict[int, Any]:
     try:
         config, ftmem, cmd, cmd_args = config_from_args(args)
         preflight(args)
+        check_flush_tiers(ftmem.flush_tiers())
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     return launch_agent(config, ftmem, cmd, cmd_args)

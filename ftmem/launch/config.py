@@ -313,6 +313,27 @@ def check_mesh_key(
     )
 
 
+def check_flush_tiers(tiers: list[Path]) -> None:
+    """Refuse, before any rank starts, a disk tier directory that ftmem could not trust when
+    it reads it back (``ftmem.tiers.checkpoints.check_tier``): writable by others without the
+    sticky bit, another user's, or a symbolic link. One that does not exist yet is made
+    private when first written.
+
+    Raises:
+        ValueError: naming the directory and the fix.
+    """
+    from ftmem.errors import UnsafePathError
+    from ftmem.tiers.checkpoints import check_tier
+
+    for tier in tiers:
+        if not os.path.lexists(tier):
+            continue
+        try:
+            check_tier(tier)
+        except UnsafePathError as exc:
+            raise ValueError(f"--ftmem-flush-dir: {exc}") from exc
+
+
 def resolve_names(config: FtmemLaunchConfig, run_id: str) -> None:
     """Fill in the node name and the run directory if the user gave none."""
     if config.node is None:

@@ -229,6 +229,32 @@ def verify_checkpoint(ckpt: Checkpoint) -> None:
             raise CorruptSnapshotError(f"{ckpt.path}: {name} fails its checksum")
 
 
+def check_tier(tier: Path) -> None:
+    """``tier`` is a directory a disk tier may use: this user's, not writable by others; or a
+    shared one with the sticky bit (a cluster's scratch directory, mode 1777), root's or
+    ours, where nobody else can rename or remove our entries and every entry is checked on
+    its own (others' are ignored).
+
+    Raises:
+        UnsafePathError: a symbolic link, not a directory, another user's directory, or one
+            others can write without the sticky bit (the message says how to fix it).
+    """
+    try:
+        st = os.lstat(tier)
+    except OSError as exc:
+        raise UnsafePathError(f"disk tier {tier}: {exc}") from exc
+    shared = stat.S_ISVTX & st.st_mode and st.st_mode & 0o022
+    if stat.S_ISDIR(st.st_mode) and shared and st.st_uid in (0, os.geteuid()):
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and st.st_uid == os.geteuid():
+        raise UnsafePathError(
+            f"disk tier {tier} is writable by others without the sticky bit (mode "
+            f"{st.st_mode & 0o7777:o}): anyone could replace what ftmem writes there. "
+            f"`chmod go-w {tier}`, or `chmod +t {tier}` for a directory other users share"
+        )
+    check_dir(tier, "disk tier")
+
+
 def list_checkpoints(
     tier: Path, parts: bool = False
 ) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
@@ -243,7 +269,7 @@ def list_checkpoints(
     other: list[tuple[Path, str]] = []
     if not os.path.lexists(tier):
         return good, other
-    check_dir(tier, "disk tier")
+    check_tier(tier)
     for p in sorted(tier.iterdir()):
         whole, part = _NAME_RE.match(p.name), _PART_RE.match(p.name)
         mt = whole or part
@@ -319,7 +345,7 @@ def copy_checkpoint(ckpt: Checkpoint, tier: Path) -> Path:
         CorruptSnapshotError: the source does not match its manifest.
     """
     tier.mkdir(parents=True, exist_ok=True)
-    check_dir(tier, "disk tier")
+    check_tier(tier)
     final = tier / ckpt.path.name
     tmp = tier / temp_name(ckpt.path.name)
     shutil.rmtree(tmp, ignore_errors=True)

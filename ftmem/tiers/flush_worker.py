@@ -63,6 +63,7 @@ def flush(job: FlushJob) -> JobDone:
     from ftmem.format.layout import parse_layout
     from ftmem.tiers.assemble import AssembleError, assemble
     from ftmem.tiers.checkpoints import (
+        check_tier,
         checkpoint_name,
         copy_checkpoint,
         part_name,
@@ -87,6 +88,7 @@ def flush(job: FlushJob) -> JobDone:
     try:
         first = tiers[0]
         first.mkdir(parents=True, exist_ok=True)
+        check_tier(first)
         out = first / name
         ckpt = _existing(out)
         if ckpt is None:

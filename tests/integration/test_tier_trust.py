@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from ftmem.config import ENV_TIER_KEY_FILE
 from ftmem.errors import CorruptSnapshotError, UnsafePathError
+from ftmem.smp.spawn import SmpProcess
 from ftmem.tiers import signing
 from ftmem.tiers.checkpoints import (
     MANIFEST,
@@ -232,3 +233,63 @@ def test_a_manifest_nested_too_deeply_spoils_only_its_own_checkpoint(
     target = _state(0)
     dcp.load(target, checkpoint_id=str(good[0].path), no_dist=True)
     assert torch.equal(target["w"], _state(1)["w"])  # type: ignore[arg-type]
+
+
+def test_a_shared_sticky_tier_is_read_entry_by_entry(tmp_path: Path) -> None:
+    """A tier in a shared scratch directory (mode 1777): our checkpoints are read back,
+    another user's planted newer step is ignored (and nobody else could rename ours)."""
+    tier = tmp_path / "scratch"
+    tier.mkdir()
+    os.chmod(tier, 0o1777)
+    ours = _write(tier, 5)
+    planted = _write(tier, 9)
+    os.chown(planted, 65534, 65534)
+    good, other = list_checkpoints(tier)
+    assert [c.path for c in good] == [ours]
+    assert other[0][0] == planted and "untrusted" in other[0][1]
+
+
+def test_a_world_writable_tier_without_the_sticky_bit_stops_ftmem_launch(tmp_path: Path) -> None:
+    tier = tmp_path / "open"
+    tier.mkdir()
+    os.chmod(tier, 0o777)
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    child = subprocess.run(
+        [
+            *(sys.executable, "-m", "ftmem.launch", "--standalone", "--nproc-per-node", "1"),
+            *("--ftmem-run-dir", str(tmp_path / "rd"), "--ftmem-flush-dir", str(tier)),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 2, child.stderr[-2000:]
+    assert "without the sticky bit" in child.stderr and "chmod" in child.stderr
+    assert not marker.exists()  # no rank started
+
+
+def test_a_tier_that_cannot_be_read_stops_the_load_unless_a_fresh_start_is_allowed(
+    tmp_path: Path, smp: SmpProcess, run_dir: Path
+) -> None:
+    import ftmem
+    from ftmem.config import ClientConfig
+    from ftmem.errors import InconsistentSnapshotError
+
+    tier = tmp_path / "theirs"
+    tier.mkdir()
+    _write(tier, 3)
+    os.chmod(tier, 0o777)  # anyone could have replaced what is there: not read
+    state = {"w": torch.zeros(8)}
+    for allow in (False, True):
+        ck = ftmem.Checkpointer(ClientConfig(run_dir=run_dir, flush_dirs=[tier]))
+        try:
+            if allow:
+                assert ck.load(state, allow_fresh_start=True) == 0
+            else:
+                with pytest.raises(InconsistentSnapshotError, match=str(tier)):
+                    ck.load(state, allow_fresh_start=False)
+        finally:
+            ck.close()
