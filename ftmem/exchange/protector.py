@@ -71,6 +71,10 @@ from ftmem.exchange.transport import PeerMessage, PeerTransport
 
 log = get_logger(__name__)
 
+REFUSED_GRACE_S = 3.0
+"""How long a step being protected waits, after one of its messages was refused for a wrong
+tag, for something valid to come before it is given up (see ``_give_up_refused``)."""
+
 
 class StepAborted(FtmemError):
     """A node of the group gave up protecting this step (its data was gone, or it failed)."""
@@ -344,10 +348,13 @@ class GroupProtector:
         match env.body:
             case pm.Size() as b:
                 self._on_size(sender, b, bufs)
+                self._progressed(b.step)
             case pm.Data() as b:
                 self._on_data(b, bufs[0])
+                self._progressed(b.step)
             case pm.Parity() as b:
                 self._on_parity(b, bufs[0])
+                self._progressed(b.step)
             case pm.Held() as b:
                 self.table.for_peer(b.step, self.forget).held.add(sender)
                 self._rebuilder.rebuilt(sender, b.step)
@@ -432,13 +439,47 @@ class GroupProtector:
             self._collect_encoded()
             for notice in self.transport.take_refused():
                 self._on_refused(notice)
+            self._give_up_refused()
+
+    def _progressed(self, step: int) -> None:
+        st = self.steps.get(step)
+        if st is not None:
+            st.progress_at = time.monotonic()
+
+    def _give_up_refused(self) -> None:
+        """Give up (here and, with ABORT, at every peer) each step being protected that had a
+        message refused and has received nothing valid for ``REFUSED_GRACE_S`` since: the
+        refused message was then most likely the real one, altered on the way, and the round
+        ends long before its timeout. A forged message (anyone can reach the data channel)
+        aborts nothing while the real ones keep coming."""
+        now = time.monotonic()
+        for step, st in list(self.steps.items()):
+            if st.refused_at is None or st.held_sent or st.aborted:
+                continue
+            if not _waits_for_peers(st):
+                st.refused_at = None  # it has what it needs: the refused one was not needed
+                continue
+            if now - max(st.refused_at, st.progress_at) < REFUSED_GRACE_S:
+                continue
+            log.warning(
+                "[%d] step %d had a message refused (wrong tag) and nothing valid came for "
+                "%.0f s: giving the step up",
+                self.me,
+                step,
+                REFUSED_GRACE_S,
+            )
+            st.aborted = True
+            for n in self._peers():
+                self.send(n, pm.Abort(step))
+            self.flush()  # now: protect() raises StepAborted next, its caller may not pump
 
     def _on_refused(self, notice: PeerMessage) -> None:
         """A message the transport refused (wrong tag): a fetched fragment is asked for
         again, then counted lost (Rebuilder.on_refused); a size, column or parity fragment of
-        a step this node is protecting gives the step up at once, here and (ABORT) at every
-        peer, instead of waiting out the timeout: the next round starts over. Anything else
-        was only counted by the transport."""
+        a step this node is protecting starts the step's grace (``_give_up_refused``): it is
+        given up only if nothing valid comes for a while, since the refused message may have
+        been forged by anyone who can reach the data channel. Anything else was only counted
+        by the transport."""
         try:  # the header only: a refused message's buffers were not kept
             sender = pm.parse_sender(notice.sender)
             epoch, body = pm.parse_header(notice.header)
@@ -450,19 +491,18 @@ class GroupProtector:
             self._rebuilder.on_refused(sender, body)
         elif isinstance(body, pm.Size | pm.Data | pm.Parity):
             st = self.steps.get(body.step)
-            if st is None or st.held_sent or st.aborted:
+            if st is None or st.held_sent or st.aborted or st.refused_at is not None:
                 return
+            st.refused_at = time.monotonic()
             log.warning(
-                "[%d] a %r of step %d from node %d was refused (wrong tag): giving the step up",
+                "[%d] a %r of step %d claiming node %d was refused (wrong tag): the step is "
+                "given up if nothing valid comes within %.0f s",
                 self.me,
                 body.KIND.value,
                 body.step,
                 sender,
+                REFUSED_GRACE_S,
             )
-            st.aborted = True
-            for n in self._peers():
-                self.send(n, pm.Abort(body.step))
-            self.flush()  # now: protect() raises StepAborted next, its caller may not pump
 
     # -- public API ------------------------------------------------------------------------------
     def protect(self, step: int, data: SegmentedBytes | Buffer, manifest: bytes = b"") -> None:
@@ -594,3 +634,11 @@ class GroupProtector:
             Whatever ``accept`` raises.
         """
         return self._rebuilder.rebuild(step, lost, source, accept)
+
+
+def _waits_for_peers(st: StepState) -> bool:
+    """Whether the step still needs something a peer sends: the sizes (before the stripes
+    are known), data columns of a stripe this node encodes, or parity it must hold."""
+    if st.stripes is None:
+        return True
+    return any(v > 0 for v in st.missing.values()) or bool(st.owed_left)

@@ -64,6 +64,11 @@ class StepState:
     """Each node's seal of the step (its digest and tag, seals.py), kept for its rebuild."""
     unplanned: int = 0
     """Bytes of columns and parity kept before the stripe map was known."""
+    refused_at: float | None = None
+    """When (monotonic) a message of this step naming a member was first refused for a wrong
+    tag (altered on the way, or forged by someone without the job's key)."""
+    progress_at: float = 0.0
+    """When (monotonic) a valid size, column or parity of this step last came in."""
 
 
 class StepTable:

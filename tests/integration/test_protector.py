@@ -603,3 +603,66 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
         for t in transports:
             t.close()
         hasher.close()
+
+
+def test_forged_messages_naming_a_member_abort_no_round() -> None:
+    """Anyone can reach the data channel: a stranger without the job's key floods node 1 with
+    columns, sizes and parity of the step being protected that name node 0 and carry a made-up
+    tag. They are refused and counted, and, since the real ones keep coming, no round is given
+    up: every node protects the step."""
+    import xxhash
+    import zmq
+
+    from ftmem.protocol import messages as m
+    from ftmem.protocol.wire import encode
+
+    n, key = 3, keys.generate()
+    plan = plan_group(list(range(n)), 1)
+    transports = [ZmqPeerTransport(str(i), key) for i in range(n)]
+    stop = threading.Event()
+    try:
+        eps, prots = mesh(plan, transports)
+        data = PeerAddress.parse(eps["1"]).data
+        payload = b"x" * 4096
+        headers = [
+            encode(
+                m.Peer(
+                    header={"t": t, "e": 0, "step": 1, **extra},
+                    sizes=[4096],
+                    hashes=[xxhash.xxh3_64_hexdigest(payload)],
+                ),
+                1,
+                None,
+            )
+            for t, extra in (
+                ("data", {"stripe": 0, "col": 0}),
+                ("parity", {"stripe": 0, "frag": 0}),
+                ("size", {"nbytes": 1000}),
+            )
+        ]
+
+        def forge() -> None:
+            ctx = zmq.Context()
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(data)
+            try:
+                while not stop.is_set():
+                    for h in headers:
+                        d.send_multipart([b"0", os.urandom(32), h, payload])
+                    time.sleep(0.005)
+            finally:
+                d.close(linger=0)
+                ctx.term()
+
+        forger = threading.Thread(target=forge, daemon=True)
+        forger.start()
+        time.sleep(0.2)  # the flood is on before the round starts
+        blobs = [os.urandom(1_000_000) for _ in range(n)]
+        run_threads([lambda i=i: prots[i].protect(1, memoryview(blobs[i])) for i in range(n)])
+        assert all(p.is_protected(1) for p in prots)
+        assert transports[1].forged >= 1
+    finally:
+        stop.set()
+        for t in transports:
+            t.close()
