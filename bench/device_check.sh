@@ -256,14 +256,12 @@ from bench.datapath import build_cuda_state  # noqa: E402
 
 size, saves = float(os.environ["DCP_GIB"]), int(os.environ["DCP_SAVES"])
 model, optimizer, layers = build_cuda_state(size)
-# Plain dicts of the same tensors: DefaultStager's deepcopy rebuilds other objects through
-# __reduce_ex__, whose class argument it has no rule for (KeyError: <class 'type'> on torch
-# 2.11, from the model's OrderedDict).
-opt_state = optimizer.state_dict()["state"]
-sd = {
-    "model": dict(model.state_dict()),
-    "optim": {int(k): dict(v) for k, v in opt_state.items()},
-}
+# One flat dict of the same tensors: DefaultStager's deepcopy rebuilds any other object
+# through __reduce_ex__, whose class argument it has no rule for (KeyError: <class 'type'>
+# on torch 2.11, with the model's OrderedDict and with nested plain dicts alike).
+sd = {f"model.{k}": v for k, v in model.state_dict().items()}
+for pid, st in optimizer.state_dict()["state"].items():
+    sd.update({f"optim.{pid}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
 tensors = baselines.state_tensors(sd)
 cuda = sum(t.nbytes for t in tensors if t.is_cuda)
 options = StagingOptions(

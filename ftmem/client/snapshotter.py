@@ -51,6 +51,10 @@ from ftmem.protocol.smp_client import SmpClient
 
 log = get_logger(__name__)
 
+PREMAP_WAIT_S = 0.05
+"""How long a save waits for the copy thread to map a newly granted slot before it skips
+(see ``Checkpointer._take_grant``)."""
+
 
 @dataclass
 class _Pending:
@@ -253,7 +257,7 @@ class Checkpointer:
         assert self._plan is not None
         plan = self._plan
         total = max(1, plan.layout.tensors_end + len(objects))
-        decision: m.BeginReply | _Refusal | None = self._take_grant(total)
+        decision = self._take_grant(total, deadline is not None)
         if isinstance(decision, m.BeginReply):
             client.check_alive()
         elif decision is None:
@@ -324,19 +328,26 @@ class Checkpointer:
             preparing.done.wait(self._left(deadline, self.config.prepare_timeout))
         return None
 
-    def _take_grant(self, total: int) -> m.BeginReply | None:
+    def _take_grant(self, total: int, final: bool) -> m.BeginReply | _Refusal | None:
         """The slot the SMP granted to this save with the previous COMMIT's reply, if it
         holds ``total`` bytes (None: the save asks with a BEGIN, which also gives the grant
-        back). Each grant serves one save. A new slot file is mapped by the copy thread
-        right after the COMMIT; a save that comes sooner waits for that mapping rather than
-        map the file twice."""
+        back). Each grant serves one save.
+
+        A new slot file is mapped (and on CUDA page-locked) by the copy thread right after
+        the COMMIT; a save that comes sooner waits for that at most ``PREMAP_WAIT_S`` (a small
+        slot is mapped by then) and is otherwise skipped, keeping the grant: mapping a slot of
+        GiBs takes seconds, which the training thread never waits for (``final``: the last
+        save waits)."""
         job = self._job
         if job is None or not job.finished.is_set() or job.grant is None:
             return None
         grant, job.grant = job.grant, None
         if grant.action is not m.Decision.WRITE or grant.capacity < total:
             return None
-        job.premapped.wait(self.config.request_timeout.total_seconds())
+        wait = self.config.request_timeout.total_seconds() if final else PREMAP_WAIT_S
+        if not job.premapped.wait(wait):
+            job.grant = grant
+            return _Refusal("a new slot is being mapped", tell=True)
         return grant
 
     def _drop_grant(self) -> None:

@@ -236,8 +236,12 @@ def test_buffers_changed_by_the_next_forward_are_saved_as_they_were_at_save(
     train(model, opt)
     commit(ckpt, state, 1)  # allocates the slots
     train(model, opt)
+    # The second slot is made after the first and mapped (page-locked) by the copy thread
+    # after the first commit; a save that comes sooner is skipped: wait() commits it.
+    commit(ckpt, state, 2)
+    train(model, opt)
     want = tensors_of(model, opt)
-    h = ckpt.save(state, step=2)
+    h = ckpt.save(state, step=3)
     assert not h.skipped, h.reason
     with torch.no_grad():
         model(torch.randn(16, 4096, device=DEVICE))  # updates running_mean/var at once
@@ -249,7 +253,7 @@ def test_buffers_changed_by_the_next_forward_are_saved_as_they_were_at_save(
         nn.Linear(4096, 4096), nn.BatchNorm1d(4096), nn.ReLU(), nn.Linear(4096, 8)
     ).to(DEVICE)
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
-    assert restore(run_dir, {"model": model2, "optim": opt2}) == 2
+    assert restore(run_dir, {"model": model2, "optim": opt2}) == 3
     assert_same(tensors_of(model2, opt2), want)
 
 
