@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
         metavar="MODULE:FUNCTION",
         help="find the coefficients by evolutionary search: FUNCTION(state_dict) returns a "
         "score, higher is better; MODULE is imported as installed (never from the current "
-        "directory), or give the file: PATH.py:FUNCTION",
+        "directory), or give the file: FILE.py:FUNCTION",
     )
     c.add_argument(
         "--base",

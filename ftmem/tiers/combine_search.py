@@ -43,14 +43,14 @@ Evaluate = Callable[[dict[str, Any]], float]
 def load_evaluator(spec: str) -> Evaluate:
     """The function named by ``MODULE:FUNCTION`` (a module importable as installed: the current
     directory is never searched, so a file planted there is never imported) or by
-    ``PATH.py:FUNCTION`` (that file, loaded by its path).
+    ``FILE.py:FUNCTION`` (that file, loaded by its path).
 
     Raises:
         CombineError: the spec is malformed, or the module or function cannot be found.
     """
     module, sep, name = spec.rpartition(":")
     if not sep or not module or not name:
-        raise CombineError(f"--search wants MODULE:FUNCTION or PATH.py:FUNCTION, got {spec!r}")
+        raise CombineError(f"--search wants MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
     try:
         mod = _load_file(module) if module.endswith(".py") else _import_outside_cwd(module)
         fn = getattr(mod, name)
