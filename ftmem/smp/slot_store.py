@@ -252,12 +252,15 @@ class SlotStore:
             return self._grant_of(rs, d)
 
     def grant(self, rank: int, nbytes: int) -> Grant:
-        """Promise a slot of ``nbytes`` to ``rank``'s next save (see :mod:`ftmem.smp.store`);
-        its commit record goes (its data may be overwritten from now on)."""
+        """Promise a slot of ``nbytes`` to ``rank``'s next save (see :mod:`ftmem.smp.store`):
+        never one holding a step that is, or may be, the newest every rank of this node has
+        committed (``RankSlots.grant``'s ``needed``)."""
         with self._lock:
             rs = self._rank(rank)
             held = rs.granted()
-            d = rs.grant(nbytes)
+            newest = [o.newest() for o in self._ranks.values()]
+            steps = [n.step for n in newest if n is not None and n.step is not None]
+            d = rs.grant(nbytes, needed=min(steps) if steps else None)
             if held is not None and held.state is SlotState.FREE:
                 records.remove_record(held.path)
             return self._grant_of(rs, d)

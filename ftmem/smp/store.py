@@ -274,12 +274,20 @@ class RankSlots:
         s.state, s.step, s.layout, s.snap, s.verified = SlotState.WRITING, step, "", None, False
         return target
 
-    def grant(self, nbytes: int) -> BeginDecision:
+    def grant(self, nbytes: int, needed: int | None = None) -> BeginDecision:
         """Promise a slot of at least ``nbytes`` to the rank's next save (-> GRANTED); the
         slot keeps the older step it holds until that save commits (see the module
-        docstring). A ``resize`` or ``skip`` grants nothing."""
+        docstring). A ``resize`` or ``skip`` grants nothing. ``needed``: the newest step
+        every rank of the node has committed; a slot holding that step or a newer one is not
+        granted (``skip``), since the rank would overwrite it unannounced while another rank
+        of the node may still need it as their newest common step (its next save asks with a
+        BEGIN, which the SMP serves in order with the other ranks' commits)."""
         self.release_grant()
         d = self._choose(nbytes)
+        if d.action == "write" and needed is not None:
+            held = self.slots[d.slot].step
+            if held is not None and held >= needed:
+                return BeginDecision("skip", reason=f"step {held} may still be needed")
         if d.action == "write":
             s = self.slots[d.slot]
             if s.state is SlotState.FREE:

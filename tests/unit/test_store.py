@@ -541,3 +541,21 @@ def test_slot_file_names_map_back_to_one_run_and_node() -> None:
         a.replace("@r0", "@r" + "9" * 40),
     ):
         assert shm.parse_slot_name(name) is None
+
+
+def test_store_never_grants_a_step_another_rank_of_the_node_may_still_need(
+    store: SlotStore, hasher: HashService
+) -> None:
+    """A granted slot is overwritten without a message: while rank 1's newest commit is step 1,
+    rank 0's slot of step 1 may be their newest common step, so it is not granted (rank 0's
+    next save asks with a BEGIN, served in order with rank 1's commits)."""
+    allocate(store, 0)
+    allocate(store, 1)
+    save(store, 1, rank=0)
+    save(store, 2, rank=0)
+    save(store, 1, rank=1)
+    settle(store, hasher)
+    assert store.grant(0, USED).action == "skip"
+    save(store, 2, rank=1)
+    settle(store, hasher)
+    assert store.grant(0, USED).action == "write"
