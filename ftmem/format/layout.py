@@ -309,13 +309,12 @@ class RegisteredLayout:
     """A layout's ``tensors`` array, validated once when a rank registers it with the SMP;
     each COMMIT then names it by id and gives only the step and the objects extent."""
 
-    text: str
-    """The ``tensors`` array as the rank sent it (no checksums)."""
     tensors: tuple[StoredTensor, ...]
     end: int
     """The end of the last tensor extent: a slot must be at least this big."""
     parts: tuple[str, ...]
-    """``text`` split at each tensor's empty checksum (one more part than tensors)."""
+    """The registered ``tensors`` array split at each tensor's empty checksum (one more part
+    than tensors): the array itself is ``"".join(parts)`` with the checksums left empty."""
 
     def snapshot(
         self, step: int, objects: tuple[int, int], unsharded_nbytes: int, capacity: int
@@ -367,4 +366,4 @@ def register_layout(text: str, max_bytes: int) -> RegisteredLayout:
     if any(t.hash for t in snap.tensors) or len(parts) != len(snap.tensors) + 1:
         raise CorruptSnapshotError("a registered layout must carry no checksums")
     end = max((t.offset + t.nbytes for t in snap.tensors), default=0)
-    return RegisteredLayout(text, snap.tensors, end, parts)
+    return RegisteredLayout(snap.tensors, end, parts)
