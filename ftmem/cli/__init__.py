@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from datetime import timedelta
@@ -105,7 +106,10 @@ def get_args_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="the SMP's run directory, or several (one per node on this host); default "
-        "$FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run id>",
+        "$FTMEM_RUN_DIR, else every SMP of yours running on this host",
+    )
+    s.add_argument(
+        "--run-id", default=None, help="the SMPs of this run on this host (ftmem-launch's)"
     )
     s.add_argument("--json", action="store_true", help="print the raw STATUS document")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the SMP")
@@ -149,6 +153,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     f = sub.add_parser("flush", help="flush the newest step to the disk tiers now and wait")
     f.add_argument("--run-dir", type=Path, nargs="+", default=None, help="the SMPs to ask")
+    f.add_argument("--run-id", default=None, help="ask the SMPs of this run on this host")
     f.add_argument("--step", type=int, default=-1, help="default: the newest complete step")
     f.add_argument(
         "--tier",
@@ -185,6 +190,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=None,
         help="where slot files live (default: $FTMEM_SHM_DIR, else /dev/shm/ftmem-<uid>)",
     )
+    c.add_argument("--run-id", default=None, help="only this run's files (e.g. after a requeue)")
     return p
 
 
@@ -211,10 +217,16 @@ def _main(argv: list[str] | None) -> int:
     from ftmem.errors import FtmemError
     from ftmem.protocol.smp_client import SmpClient
 
+    if args.cmd in ("status", "flush") and args.run_dir is None:
+        try:
+            args.run_dir = chosen_run_dirs(args.run_id)
+        except FtmemError as exc:
+            print(f"ftmem {args.cmd}: {exc}", file=sys.stderr)
+            return 1
     if args.cmd == "status":
         code = 0
         docs = []
-        for run_dir in args.run_dir or [default_run_dir()]:
+        for run_dir in args.run_dir:
             try:
                 with SmpClient(run_dir, timeout=timedelta(seconds=args.timeout)) as c:
                     docs.append(c.status())
@@ -279,6 +291,60 @@ def _main(argv: list[str] | None) -> int:
         print(f"wrote {args.path} (mode 0600)")
         return 0
     return 2
+
+
+def live_runs() -> dict[Path, dict[str, Any]]:
+    """The run directories of this user on this host whose SMP answers, with its status
+    (looked for under ``/tmp/ftmem-<uid>`` and :func:`~ftmem.config.user_base_dir`)."""
+    import socket
+    import tempfile
+
+    from ftmem.config import SOCKET_NAME, user_base_dir
+    from ftmem.errors import FtmemError
+    from ftmem.protocol.smp_client import SmpClient
+
+    bases = {Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}", user_base_dir()}
+    found: dict[Path, dict[str, Any]] = {}
+    for base in sorted(bases):
+        try:
+            dirs = sorted(d for d in base.iterdir() if (d / SOCKET_NAME).is_socket())
+        except OSError:  # no such base
+            continue
+        for d in dirs:
+            with socket.socket(socket.AF_UNIX) as probe:  # a stale socket refuses at once
+                try:
+                    probe.connect(str(d / SOCKET_NAME))
+                except OSError:
+                    continue
+            try:
+                with SmpClient(d, timeout=timedelta(seconds=2)) as c:
+                    found[d] = c.status()
+            except FtmemError:
+                continue
+    return found
+
+
+def chosen_run_dirs(run_id: str | None) -> list[Path]:
+    """The run directories ``ftmem status``/``flush`` ask when given no ``--run-dir``: those of
+    ``run_id``'s SMPs on this host; else $FTMEM_RUN_DIR; else every SMP of the user's here.
+    Raises FtmemError naming the runs that do exist when none matches."""
+    from ftmem.config import ENV_RUN_DIR
+    from ftmem.errors import SmpUnavailableError
+
+    if run_id is None and os.environ.get(ENV_RUN_DIR):
+        return [default_run_dir()]
+    runs = live_runs()
+    chosen = [d for d, st in runs.items() if run_id is None or st.get("run_id") == run_id]
+    if chosen:
+        return chosen
+    listed = "; ".join(
+        f"run {st.get('run_id')} node {st.get('node')} ({d})" for d, st in runs.items()
+    )
+    what = f"of run {run_id!r} " if run_id is not None else "of yours "
+    raise SmpUnavailableError(
+        f"no SMP {what}runs on this host"
+        + (f"; running here: {listed} (give --run-id or --run-dir)" if listed else "")
+    )
 
 
 def _flush(args: argparse.Namespace) -> int:

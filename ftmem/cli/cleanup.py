@@ -11,6 +11,8 @@ open (``/proc/<pid>/maps`` and ``fd``: a rank maps its slots for its whole life,
 job is recognised even if its lock lives elsewhere, e.g. under another ``XDG_RUNTIME_DIR``).
 Files of other users are never listed. Names are parsed (:func:`ftmem.shm.parse_slot_name`),
 so a live run ``a`` node ``b-c`` never protects (nor hides) run ``a-b`` node ``c``'s files.
+A run's host key file (``<run id>.mesh-key``, written when no ``--ftmem-key-file`` was given)
+is orphaned when no live SMP of that run is left. ``--run-id`` limits all this to one run.
 """
 
 from __future__ import annotations
@@ -87,9 +89,26 @@ def in_use(shm_dir: Path) -> set[str]:
     return names
 
 
-def find_orphans(shm_dir: Path | None = None, base: Path | None = None) -> list[Orphan]:
-    """This user's slot files and records in ``shm_dir`` (default
-    :func:`ftmem.config.default_shm_dir`) that no live SMP serves and no process uses.
+_MESH_KEY = ".mesh-key"
+
+
+def _run_and_node(name: str, live: set[tuple[str, str]]) -> tuple[str, bool] | None:
+    """(run id, whether a live SMP keeps it) of a file ftmem makes, or None for other names."""
+    if name.endswith(_MESH_KEY):
+        run = name.removesuffix(_MESH_KEY)
+        return run, any(r == run for r, _ in live)
+    parsed = parse_slot_name(name)
+    if parsed is None:
+        return None
+    return parsed.run_id, (parsed.run_id, parsed.node) in live
+
+
+def find_orphans(
+    shm_dir: Path | None = None, base: Path | None = None, run_id: str | None = None
+) -> list[Orphan]:
+    """This user's slot files, records and host key files in ``shm_dir`` (default
+    :func:`ftmem.config.default_shm_dir`) that no live SMP serves and no process uses; only
+    run ``run_id``'s when given.
 
     Raises:
         UnsafePathError: ``shm_dir`` is a symlink, another user's, or writable by others
@@ -103,10 +122,11 @@ def find_orphans(shm_dir: Path | None = None, base: Path | None = None) -> list[
     used = in_use(shm_dir)
     found = []
     for name in sorted(os.listdir(shm_dir)):
-        parsed = parse_slot_name(name)
-        if parsed is None or (parsed.run_id, parsed.node) in live:
+        which = _run_and_node(name, live)
+        if which is None or which[1] or (run_id is not None and which[0] != run_id):
             continue
-        if name in used or name.removesuffix(parsed.suffix) in used:
+        parsed = parse_slot_name(name)
+        if name in used or (parsed is not None and name.removesuffix(parsed.suffix) in used):
             continue
         try:
             st = os.lstat(shm_dir / name)
@@ -124,7 +144,7 @@ def run_cleanup(args: argparse.Namespace) -> int:
     arg = getattr(args, "shm_dir", None)
     shm_dir = default_shm_dir() if arg in (None, _TMPFS_ROOT) else Path(arg)
     try:
-        orphans = find_orphans(shm_dir)
+        orphans = find_orphans(shm_dir, run_id=getattr(args, "run_id", None))
     except UnsafePathError as exc:
         print(f"ftmem cleanup: {exc}", file=sys.stderr)
         return 1

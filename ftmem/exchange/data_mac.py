@@ -39,6 +39,21 @@ def _framed(h: blake3.blake3, part: bytes | memoryview) -> None:
     h.update(part)
 
 
+def _started(
+    domain: bytes,
+    key: bytes,
+    sender_public: bytes,
+    receiver_public: bytes,
+    sender: str,
+    header: bytes | memoryview,
+) -> blake3.blake3:
+    h = blake3.blake3(key=key)
+    h.update(domain)
+    for part in (sender_public, receiver_public, sender.encode(), header):
+        _framed(h, part)
+    return h
+
+
 def tag(
     key: bytes,
     sender_public: bytes,
@@ -48,11 +63,29 @@ def tag(
     buffers: Sequence[bytes | memoryview],
 ) -> bytes:
     """The tag of one message (see the module docstring); ``key`` is :func:`data_key`'s."""
-    h = blake3.blake3(key=key)
-    h.update(_DOMAIN)
-    for part in (sender_public, receiver_public, sender.encode(), header):
-        _framed(h, part)
+    h = _started(_DOMAIN, key, sender_public, receiver_public, sender, header)
     h.update(len(buffers).to_bytes(8, "little"))
     for b in buffers:
         _framed(h, b)
+    return h.digest()
+
+
+_HEAD_DOMAIN = b"ftmem/peer-data-head/1\0"
+
+
+def head_tag(
+    key: bytes,
+    sender_public: bytes,
+    receiver_public: bytes,
+    sender: str,
+    header: bytes | memoryview,
+    sizes: Sequence[int],
+) -> bytes:
+    """The tag of a message's head: what a receiver checks before it makes room for the
+    buffers (data_channel.py), over both public keys, the sender's name, the header and the
+    buffers' sizes; a domain of its own, so it is never mistaken for a message's :func:`tag`."""
+    h = _started(_HEAD_DOMAIN, key, sender_public, receiver_public, sender, header)
+    h.update(len(sizes).to_bytes(8, "little"))
+    for n in sizes:
+        h.update(int(n).to_bytes(8, "little"))
     return h.digest()

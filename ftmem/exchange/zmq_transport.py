@@ -20,14 +20,15 @@ buffers) plus raw buffer frames sent without copies.
 
 The plain data channel (unless ``encrypt_data``): CURVE costs ~3.7 CPU-s per GiB on these
 machines, so the messages that carry buffers (snapshot columns, parity and fetched fragments,
-manifests) go to a second, plain ROUTER of the receiver instead, each with two more frames in
-front: the sender's name and a keyed BLAKE3 tag (data_mac.py) over the sender's and the
-receiver's public keys, the name, the header and the buffers. The receiver checks the tag
-before anything else and drops (and counts: ``forged``) a message whose tag is wrong: one
-altered on the way, or sent by anyone without the job's key. Messages without buffers stay on
-CURVE. The two channels do not keep order between each other; the group protocol does not
-need them to (a column or a fragment arriving before its SIZE is kept until the stripes are
-planned, and replies follow their requests).
+manifests) go to the receiver's data channel instead (data_channel.py: a length-prefixed TCP
+stream of our own, read into buffers whose sizes are checked and authenticated before they are
+made, so nobody can grow the receiver without bound). Each message carries a keyed BLAKE3 tag
+of its head and one of the whole message (data_mac.py) over the sender's and the receiver's
+public keys, the sender's name, the header and the buffers; a message whose tag is wrong (one
+altered on the way, or sent by anyone without the job's key) is dropped and counted
+(``forged``). Messages without buffers stay on CURVE. The two channels do not keep order
+between each other; the group protocol does not need them to (a column or a fragment arriving
+before its SIZE is kept until the stripes are planned, and replies follow their requests).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from ftmem.errors import FtmemError, ProtocolError
-from ftmem.exchange import data_mac
+from ftmem.exchange import data_channel, data_mac
 from ftmem.exchange import keys as _keys
 from ftmem.exchange.keys import CurveKeyPair
 from ftmem.exchange.messages import PeerAddress
@@ -56,7 +57,7 @@ from ftmem.protocol.wire import decode, encode
 log = logging.getLogger(__name__)
 
 MAX_FRAMES = 8
-"""Most frames in one peer message: an identity, a header and (today) at most one buffer."""
+"""Most frames in one CURVE message: an identity, a header and (today) at most one buffer."""
 _HEADER_ROOM = 2 << 20  # an identity and a header (at most 1 MiB) beside the largest buffer
 
 ZAP_DOMAIN = "ftmem"
@@ -105,8 +106,8 @@ class ZmqPeerTransport(PeerTransport):
     """PeerTransport over TCP + CURVE (see the module docstring).
 
     Resource handling: owns a context, the ZAP authenticator thread, a ROUTER (incoming) and
-    one DEALER per peer (outgoing), and as many plain ones for the data channel unless
-    ``encrypt_data``; :meth:`close` releases all with linger 0.
+    one DEALER per peer (outgoing), and the data channel (its listener, connections and I/O
+    thread) unless ``encrypt_data``; :meth:`close` releases all with linger 0.
 
     ``keys`` is the job's pair; the node's own pair is ``keys.node``, or a fresh one.
     ``encrypt_data``: every message goes over CURVE (``--ftmem-ec-encrypt``); else those with
@@ -143,7 +144,8 @@ class ZmqPeerTransport(PeerTransport):
         self.max_message_bytes = max_message_bytes
         self.send_timeout_s = send_timeout_s
         self.send_hwm = send_hwm
-        self.dropped = 0
+        self.admit_wait_s = admit_wait_s
+        self._dropped = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -151,17 +153,24 @@ class ZmqPeerTransport(PeerTransport):
         self._endpoints: dict[str, str] = {}
         self._poller = zmq.Poller()
         self._ids = 0
-        self.forged = 0
-        """Data-channel messages dropped because their tag was wrong (altered, or no key)."""
+        self._forged = 0
         self.data_sent = 0
         """Messages sent over the plain data channel."""
         self._data_key = data_mac.data_key(keys)
-        self._data_router: zmq.Socket[bytes] | None = None
-        self._data_port = 0
-        self._data_peers: dict[str, zmq.Socket[bytes]] = {}
+        self._data: data_channel.DataChannel | None = None
         self._peer_keys: dict[str, bytes] = {}
         """Node name -> its public key of the generation (the tags bind it)."""
         self._refused: deque[PeerMessage] = deque(maxlen=64)
+
+    @property
+    def dropped(self) -> int:
+        """Messages (and data-channel connections) dropped as malformed, forged or cut."""
+        return self._dropped + (self._data.dropped if self._data is not None else 0)
+
+    @property
+    def forged(self) -> int:
+        """Data-channel messages dropped because a tag was wrong (altered, or no key)."""
+        return self._forged + (self._data.forged if self._data is not None else 0)
 
     @property
     def job_keys(self) -> CurveKeyPair:
@@ -188,18 +197,24 @@ class ZmqPeerTransport(PeerTransport):
         self._router = r
         self._poller.register(r, zmq.POLLIN)
         if not self.encrypt_data:
-            d = self._ctx.socket(zmq.ROUTER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            self._data_port = d.bind_to_random_port(f"tcp://{self.host}")
-            self._data_router = d
-            self._poller.register(d, zmq.POLLIN)
+            d = data_channel.DataChannel(
+                self.node,
+                self._data_key,
+                self.node_keys.public,
+                self.host,
+                self.max_message_bytes,
+                self.send_hwm,
+                self.admit_wait_s,
+            )
+            d.start()
+            self._data = d
+            self._poller.register(d.wake_fd, zmq.POLLIN)
         return self.endpoint
 
     @property
     def endpoint(self) -> str:
         """This node's address for its peers (its endpoint, public key and data endpoint)."""
-        data = f"tcp://{self.host}:{self._data_port}" if self._data_router is not None else ""
+        data = self._data.endpoint if self._data is not None else ""
         return str(PeerAddress(f"tcp://{self.host}:{self.port}", self.node_keys.public, data))
 
     def connect(self, peers: dict[str, str]) -> None:
@@ -216,22 +231,18 @@ class ZmqPeerTransport(PeerTransport):
             raise ProtocolError("two nodes of the generation have the same key")
         self._members.keys = members
         self._peer_keys = {node: a.key for node, a in parsed.items() if node != self.node}
+        if self._data is not None:
+            self._data.set_members(
+                self._peer_keys,
+                {n: a.data for n, a in parsed.items() if n != self.node and a.data},
+            )
         for node in list(self._peers):
             if peers.get(node) != self._endpoints.get(node):
                 self._peers.pop(node).close(linger=0)
                 self._endpoints.pop(node, None)
-                data = self._data_peers.pop(node, None)
-                if data is not None:
-                    data.close(linger=0)
         for node, addr in parsed.items():
             if node == self.node or node in self._peers:
                 continue
-            if addr.data and not self.encrypt_data:
-                p = self._ctx.socket(zmq.DEALER)
-                p.setsockopt(zmq.LINGER, 0)
-                p.setsockopt(zmq.SNDHWM, self.send_hwm)
-                p.connect(addr.data)
-                self._data_peers[node] = p
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, self.send_hwm)
@@ -253,117 +264,108 @@ class ZmqPeerTransport(PeerTransport):
         self._ids += 1
         return [encode(env, self._ids, None), *views]
 
-    def _socket_for(self, node: str, buffers: list[memoryview | bytes]) -> zmq.Socket[bytes]:
-        """The socket a message to ``node`` goes on (module docstring)."""
-        sock = self._peers.get(node)
-        if sock is None:
+    def _on_data(self, node: str, buffers: list[memoryview | bytes]) -> bool:
+        """Whether a message to ``node`` goes on the data channel (module docstring)."""
+        if node not in self._peers:
             raise PeerUnavailableError(f"no connection to node {node!r}")
-        data = self._data_peers.get(node) if buffers else None
-        return sock if data is None else data
+        return bool(buffers) and self._data is not None and self._data.has_peer(node)
 
-    def _frames_for(
-        self,
-        sock: zmq.Socket[bytes],
-        node: str,
-        header: dict[str, Any],
-        buffers: list[memoryview | bytes],
-    ) -> list[Any]:
-        """The frames of a message on ``sock``: tagged on the data channel. Made only once
-        the socket can take them (a full queue costs no hashing)."""
-        frames = self._frames(header, buffers)
-        if sock is self._peers[node]:
-            return frames
-        mac = data_mac.tag(
+    def _put_data(
+        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
+    ) -> None:
+        """Frame and tag a message once the data channel takes it (a full queue costs no
+        hashing), and queue it."""
+        assert self._data is not None
+        head, *views = self._frames(header, buffers)
+        parts = data_channel.frame(
             self._data_key,
             self.node_keys.public,
             self._peer_keys[node],
             self.node,
-            frames[0],
-            frames[1:],
+            head,
+            views,
         )
-        return [self.node.encode(), mac, *frames]
+        self._data.put(node, parts)
+        self.data_sent += 1
 
     def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
         """Queue ``header`` + ``buffers`` to ``node`` (buffers are sent without copying)."""
-        sock = self._socket_for(node, buffers)
+        if self._on_data(node, buffers):
+            assert self._data is not None
+            if not self._data.wait_room(node, self.send_timeout_s):
+                raise PeerUnavailableError(
+                    f"node {node!r} did not take a message within {self.send_timeout_s} s"
+                )
+            self._put_data(node, header, buffers)
+            return
+        sock = self._peers[node]
         if not sock.poll(int(self.send_timeout_s * 1000), zmq.POLLOUT):
             raise PeerUnavailableError(
                 f"node {node!r} did not take a message within {self.send_timeout_s} s"
             )
-        frames = self._frames_for(sock, node, header, buffers)
-        sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        self.data_sent += sock is not self._peers[node]
+        sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
 
     def try_send(
         self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
     ) -> bool:
         """Queue the message if ``node``'s queue has room now; never blocks."""
-        sock = self._socket_for(node, buffers)
+        if self._on_data(node, buffers):
+            assert self._data is not None
+            if not self._data.has_room(node):
+                return False
+            self._put_data(node, header, buffers)
+            return True
+        sock = self._peers[node]
         if not sock.poll(0, zmq.POLLOUT):
             return False
-        frames = self._frames_for(sock, node, header, buffers)
         try:
-            sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # POLLOUT said there was room: only if another thread took it
             return False
-        self.data_sent += sock is not self._peers[node]
         return True
 
     def recv(self, timeout_s: float) -> PeerMessage | None:
         """Return the next valid message within ``timeout_s``, or None."""
         assert self._router is not None, "start() first"
         ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        if self._router in ready:  # CURVE first: control messages are not held up by bulk
-            frames = self._router.recv_multipart(copy=False)
-            data = False
-        elif self._data_router is not None and self._data_router in ready:
-            frames = self._data_router.recv_multipart(copy=False)
-            data = True
-        else:
-            return None
         try:
-            self._check_total(frames)
-            if data:
-                sender = self._check_tag(frames)
-                msg = self._parse(frames[2:])
-                return PeerMessage(sender, msg.header, msg.buffers)
-            msg = self._parse(frames)
-            return PeerMessage(self._check_sender(frames), msg.header, msg.buffers)
+            if self._router in ready:  # CURVE first: control messages are not held up by bulk
+                frames = self._router.recv_multipart(copy=False)
+                self._check_total(frames)
+                if len(frames) < 2:
+                    raise ProtocolError("peer message without a header")
+                msg = self._parse(bytes(frames[1].buffer), [f.buffer for f in frames[2:]])
+                return PeerMessage(self._check_sender(frames), msg.header, msg.buffers)
+            if self._data is not None and self._data.wake_fd in ready:
+                got = self._data.take()
+                if got is None:
+                    return None
+                self._check_tag(got)
+                msg = self._parse(got.header, got.buffers)
+                return PeerMessage(got.sender, msg.header, msg.buffers)
         except ProtocolError as exc:
-            self.dropped += 1
+            self._dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
-            return None
+        return None
 
-    def _check_tag(self, frames: list[zmq.Frame]) -> str:
-        """The node a data-channel message comes from, once its tag is right (identity,
-        name, tag, header, buffers...)."""
-        if len(frames) < 4:
-            raise ProtocolError("a data-channel message without a name, a tag or a header")
-        name = bytes(frames[1].buffer)
-        sender = name.decode("ascii", "replace")
-        public = self._peer_keys.get(sender) if name.isascii() else None
-        mac = bytes(frames[2].buffer)
+    def _check_tag(self, got: data_channel.Received) -> None:
+        """Check a data-channel message's tag (its head's was checked as it arrived)."""
+        public = self._peer_keys.get(got.sender)
         want = (
             data_mac.tag(
-                self._data_key,
-                public,
-                self.node_keys.public,
-                sender,
-                frames[3].buffer,
-                [f.buffer for f in frames[4:]],
+                self._data_key, public, self.node_keys.public, got.sender, got.header, got.buffers
             )
-            if public is not None and len(mac) == data_mac.TAG_BYTES
+            if public is not None
             else b""
         )
-        if not want or not hmac.compare_digest(mac, want):
-            self.forged += 1
+        if not want or not hmac.compare_digest(got.tag, want):
+            self._forged += 1
             if public is not None:
-                self._note_refused(sender, frames[3])
+                self._note_refused(got.sender, got.header)
             raise ProtocolError(
-                f"a data-channel message naming node {name[:16]!r} does not carry its tag "
+                f"a data-channel message from node {got.sender[:16]!r} does not carry its tag "
                 "(altered on the way, or sent without the job's key)"
             )
-        return sender
 
     def _check_sender(self, frames: list[zmq.Frame]) -> str:
         """The node a message comes from: its connection's key's. A routing id the client
@@ -383,10 +385,10 @@ class ZmqPeerTransport(PeerTransport):
             )
         return user
 
-    def _note_refused(self, sender: str, header: zmq.Frame) -> None:
+    def _note_refused(self, sender: str, header: bytes) -> None:
         """Keep what a refused message claimed to be, if its header reads (take_refused)."""
         try:
-            _, kind, env = decode(bytes(header.buffer), None, 1 << 20)
+            _, kind, env = decode(header, None, 1 << 20)
         except (ProtocolError, ValueError):
             return
         if kind is m.Kind.PEER and isinstance(env.header, dict):
@@ -394,6 +396,10 @@ class ZmqPeerTransport(PeerTransport):
 
     def take_refused(self) -> list[PeerMessage]:
         """See :meth:`PeerTransport.take_refused` (at most the newest 64 are kept)."""
+        if self._data is not None:
+            while self._data.refused:
+                r = self._data.refused.popleft()
+                self._note_refused(r.sender, r.header)
         out = list(self._refused)
         self._refused.clear()
         return out
@@ -408,17 +414,15 @@ class ZmqPeerTransport(PeerTransport):
                 f"a message of {total} bytes, larger than {self.max_message_bytes} in all"
             )
 
-    def _parse(self, frames: list[zmq.Frame]) -> PeerMessage:
-        if len(frames) < 2:
-            raise ProtocolError("peer message without a header")
-        sender = ""  # filled in by _check_sender
+    def _parse(self, header: bytes, bufs: list[memoryview]) -> PeerMessage:
+        """The header and buffers of a message, checked against each other."""
+        sender = ""  # filled in by the caller
         try:
-            _, kind, env = decode(bytes(frames[1].buffer), None, 1 << 20)
+            _, kind, env = decode(header, None, 1 << 20)
         except (ValueError, RecursionError) as exc:  # json.loads: ValueError for 4300+ digits
             raise ProtocolError(f"peer header is not valid JSON: {exc}") from exc
         if kind is not m.Kind.PEER:
             raise ProtocolError(f"unexpected {kind.name} from a peer")
-        bufs = [f.buffer for f in frames[2:]]
         if len(bufs) != len(env.sizes) or len(env.hashes) != len(env.sizes):
             raise ProtocolError("buffer count does not match the header")
         for b, size, h in zip(bufs, env.sizes, env.hashes, strict=True):
@@ -428,14 +432,15 @@ class ZmqPeerTransport(PeerTransport):
 
     def close(self) -> None:
         """Close every socket, stop the authenticator, terminate the context (idempotent)."""
-        for s in [*self._peers.values(), *self._data_peers.values()]:
+        for s in self._peers.values():
             s.close(linger=0)
         self._peers.clear()
-        self._data_peers.clear()
-        for r in (self._router, self._data_router):
-            if r is not None:
-                r.close(linger=0)
-        self._router = self._data_router = None
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+        if self._router is not None:
+            self._router.close(linger=0)
+        self._router = None
         self._members.closing = True  # a handshake waiting for the members gives up
         if self._auth is not None:
             self._auth.stop()

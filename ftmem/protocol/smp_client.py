@@ -47,8 +47,8 @@ class SmpClient:
         sock_path = self.run_dir / SOCKET_NAME
         if not sock_path.exists():
             raise SmpUnavailableError(
-                f"no SMP serves {self.run_dir} (missing {SOCKET_NAME}); start one with "
-                f"`python -m ftmem.smp --run-dir {self.run_dir}` or run under ftmem-launch"
+                f"no SMP serves {self.run_dir} (missing {SOCKET_NAME}): is the job running "
+                "here? `ftmem status` with no arguments lists your SMPs on this host"
             )
         try:
             check_dir(self.run_dir, "SMP run directory", private=True)

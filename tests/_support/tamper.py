@@ -1,59 +1,71 @@
 """A man in the middle for the peer data channel: a TCP proxy that flips one byte in the body
-of ZeroMQ message frames (ZMTP 3: a 64-byte greeting, then frames of a flags byte, a 1- or
-8-byte size and the body), never in the framing, so the connection lives and only the tagged
-message is refused."""
+of data-channel buffers (data_channel.py's wire format: a 12-byte prelude of magic, name
+length u16, buffer count u16 and header length u32, little endian; the buffer sizes as u64; the
+name, header and a 32-byte head tag; the buffers; a 32-byte tag), never in the framing, so the
+connection lives and only the tagged message is refused."""
 
 from __future__ import annotations
 
 import select
 import socket
+import struct
 import threading
 
-_MORE_LONG = 0x02
-_COMMAND = 0x04
+_TAG = 32
 
 
 class _Flipper:
-    """Tracks the ZMTP frames of one direction of a stream and flips a byte in the middle of
-    the body of message frames of at least ``min_size`` bytes (every one, or the first)."""
+    """Follows the messages of one direction of a data-channel stream and flips a byte in the
+    middle of buffers of at least ``min_size`` bytes (every one, or the first)."""
 
     def __init__(self, every: bool, min_size: int) -> None:
         self.every, self.min_size = every, min_size
         self.flips = 0
-        self._state, self._left = "greeting", 64
-        self._flags, self._size = 0, bytearray()
-        self._pos, self._flip_at = 0, -1
+        self._want, self._got = 12, bytearray()  # the bytes of the current framing part
+        self._state = "prelude"
+        self._sizes: list[int] = []
+        self._left, self._pos, self._flip_at = 0, 0, -1
+        self._head = 0
+
+    def _framing(self, done: bytes) -> None:
+        if self._state == "prelude":
+            _, name_n, nbuf, header_n = struct.unpack("<4sHHI", done)
+            self._head = nbuf * 8
+            self._state, self._want = "head", nbuf * 8 + name_n + header_n + _TAG
+        elif self._state == "head":
+            self._sizes = list(struct.unpack_from(f"<{self._head // 8}Q", done))
+            self._next_buffer()
+        else:  # the tag
+            self._state, self._want = "prelude", 12
+
+    def _next_buffer(self) -> None:
+        if not self._sizes:
+            self._state, self._want = "tag", _TAG
+            return
+        self._left = self._sizes.pop(0)
+        flip = self._left >= self.min_size and (self.every or self.flips == 0)
+        self._state, self._pos, self._flip_at = "body", 0, self._left // 2 if flip else -1
+        if not self._left:
+            self._next_buffer()
 
     def feed(self, chunk: bytearray) -> None:
         i = 0
         while i < len(chunk):
-            if self._state == "greeting":
-                n = min(self._left, len(chunk) - i)
-                i, self._left = i + n, self._left - n
-                if not self._left:
-                    self._state = "flags"
-            elif self._state == "flags":
-                self._flags, self._size = chunk[i], bytearray()
-                i, self._state = i + 1, "size"
-            elif self._state == "size":
-                width = 8 if self._flags & _MORE_LONG else 1
-                n = min(width - len(self._size), len(chunk) - i)
-                self._size += chunk[i : i + n]
-                i += n
-                if len(self._size) == width:
-                    self._left = int.from_bytes(self._size, "big")
-                    flip = not self._flags & _COMMAND and self._left >= self.min_size
-                    flip = flip and (self.every or self.flips == 0)
-                    self._pos, self._flip_at = 0, self._left // 2 if flip else -1
-                    self._state = "body" if self._left else "flags"
-            else:
+            if self._state == "body":
                 n = min(self._left, len(chunk) - i)
                 if 0 <= self._flip_at - self._pos < n:
                     chunk[i + self._flip_at - self._pos] ^= 0x01
                     self.flips += 1
                 self._pos, self._left, i = self._pos + n, self._left - n, i + n
                 if not self._left:
-                    self._state = "flags"
+                    self._next_buffer()
+                continue
+            n = min(self._want - len(self._got), len(chunk) - i)
+            self._got += chunk[i : i + n]
+            i += n
+            if len(self._got) == self._want:
+                done, self._got = bytes(self._got), bytearray()
+                self._framing(done)
 
 
 class TamperingProxy:
@@ -104,3 +116,32 @@ class TamperingProxy:
         self._stop.set()
         self.listener.close()
         self._thread.join(10)
+
+
+def data_message(
+    name: bytes, header: bytes, buffers: list[bytes], head_tag: bytes = b"", tag: bytes = b""
+) -> bytes:
+    """One data-channel message as the wire carries it, with made-up tags (random unless
+    given): what anyone without the job's key can send."""
+    import os
+
+    sizes = struct.pack(f"<{len(buffers)}Q", *(len(b) for b in buffers))
+    prelude = struct.pack("<4sHHI", b"FTD1", len(name), len(buffers), len(header))
+    return b"".join(
+        [
+            prelude,
+            sizes,
+            name,
+            header,
+            head_tag or os.urandom(_TAG),
+            *buffers,
+            tag or os.urandom(_TAG),
+        ]
+    )
+
+
+def send_raw(endpoint: str, data: bytes, timeout: float = 5.0) -> None:
+    """Connect to ``tcp://host:port``, send ``data``, close."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)

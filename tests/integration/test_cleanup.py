@@ -75,12 +75,21 @@ def test_cleanup_lists_and_removes_only_orphans(run_dir: Path, run_id: str) -> N
         dead.kill()  # the OOM killer: nothing is cleaned up
         orphans, live_files = shm_files(dead_id, shm_dir=shm), shm_files(run_id, shm_dir=shm)
         assert orphans and live_files
+        # the host key files of both runs (a killed agent leaves its run's behind)
+        for rid in (dead_id, run_id):
+            fd = os.open(shm / f"{rid}.mesh-key", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.close(fd)
+        orphans = sorted([*orphans, str(shm / f"{dead_id}.mesh-key")])
         out = _cleanup("--shm-dir", str(shm))
         assert "dry run" in out
         assert sorted(_listed(out)) == orphans  # all of them, and nothing else
-        assert shm_files(dead_id, shm_dir=shm) == orphans  # a dry run removes nothing
-        _cleanup("--remove", "--shm-dir", str(shm))
+        assert _listed(_cleanup("--shm-dir", str(shm), "--run-id", run_id + "-zz")) == []
+        assert sorted(_listed(_cleanup("--shm-dir", str(shm), "--run-id", dead_id))) == orphans
+        assert shm_files(dead_id, shm_dir=shm) == orphans[1:]  # a dry run removes nothing
+        _cleanup("--remove", "--shm-dir", str(shm), "--run-id", dead_id)
         assert shm_files(dead_id, shm_dir=shm) == []
+        assert not (shm / f"{dead_id}.mesh-key").exists()
+        assert (shm / f"{run_id}.mesh-key").exists(), "the live run's key was removed"
         assert shm_files(run_id, shm_dir=shm) == live_files, "the live SMP's slots were removed"
         live_client.close()
     finally:

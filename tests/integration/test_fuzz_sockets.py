@@ -31,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import xxhash
 import zmq
@@ -45,6 +46,7 @@ from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from ftmem.testing.harness import pid_gone, shm_files
 from tests._support.smp_mesh import Cluster, commit_of
+from tests._support.tamper import data_message, send_raw
 
 SEED = 20240607
 CASES = 300
@@ -525,7 +527,7 @@ def test_fixed_a_stepless_peer_message_stops_the_exchange(
 def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
-    """Plain DEALERs on node 0's data channel (no key needed to connect): junk frames, a
+    """Raw TCP clients on node 0's data channel (no key needed to connect): junk bytes, a
     member's name with a made-up tag and a real header, and a stranger's name; each is
     dropped (the named ones also counted as forged) and the mesh protects the next step."""
     c = cluster_factory(3, 1)
@@ -545,17 +547,9 @@ def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
         1,
         None,
     )
-    ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 1000)
-    try:
-        d.connect(data)
-        d.send_multipart([b"junk"])  # too few frames
-        d.send_multipart([b"1", os.urandom(32), header, b"x" * 4096])  # member, wrong tag
-        d.send_multipart([b"intruder", os.urandom(32), header, b"x" * 4096])  # no member
-    finally:
-        d.close(linger=1000)
-        ctx.term()
+    send_raw(data, b"junk" * 8)  # not a data-channel message
+    send_raw(data, data_message(b"1", header, [b"x" * 4096]))  # a member, a made-up tag
+    send_raw(data, data_message(b"intruder", header, [b"x" * 4096]))  # no member
     deadline = time.monotonic() + 60
     while True:
         now = ExchangeStatus.from_json(target.exchange())
@@ -566,3 +560,70 @@ def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
     assert now.forged_messages == before.forged_messages + 2
     c.save_all(2, 64 << 10)
     c.wait("step 2 protected after the forged messages", lambda: c.protected(2))
+
+
+def _rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def test_data_channel_memory_stays_bounded_whatever_anyone_sends(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Security round 3, finding 1: a client with no key used to grow an SMP by 576 MiB with
+    ZeroMQ frames that never ended a message. Against the data channel of our own, the same
+    probe (and worse) leaves node 0's RSS within 48 MiB of where it was, while 40 unfinished
+    1 MiB heads (at most 16 are kept), 200 bare connections, an endless stream behind a
+    forged head declaring 8 x 64 MiB, and an oversized header are sent; then the mesh
+    protects the next step."""
+    c = cluster_factory(3, 1)
+    c.generation()
+    c.save_all(1, 64 << 10)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    pid = c.nodes[0].proc.pid
+    data = PeerAddress.parse(c.endpoints["0"]).data
+    host, port = data.removeprefix("tcp://").rsplit(":", 1)
+    rss0 = _rss_mib(pid)
+    dropped0 = ExchangeStatus.from_json(c.nodes[0].exchange()).dropped_messages
+    held: list[socket.socket] = []
+    ctx = zmq.Context()
+    try:
+        # ZeroMQ frames with "more" set that never end a message (the original probe)
+        z = ctx.socket(zmq.DEALER)
+        z.setsockopt(zmq.LINGER, 0)
+        z.connect(data)
+        for _ in range(12):
+            z.send(b"\0" * (8 << 20), zmq.SNDMORE | zmq.NOBLOCK)
+        # unfinished heads: a 1 MiB header, no tag yet
+        prelude = struct.pack("<4sHHI", b"FTD1", 1, 1, 1 << 20)
+        for _ in range(40):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(prelude + struct.pack("<Q", 64 << 20) + b"0" + b"{" * (1 << 20))
+            held.append(s)
+        for _ in range(200):  # bare connections
+            held.append(socket.create_connection((host, int(port)), timeout=10))
+        # a forged head declaring 8 x 64 MiB, then an endless stream
+        big = data_message(b"1", b"{}", [b""] * 8)[: 12 + 64 + 1 + 2 + 32]
+        big = big[:12] + struct.pack("<8Q", *([64 << 20] * 8)) + big[12 + 64 :]
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            try:
+                s.sendall(big)
+                for _ in range(50):
+                    s.sendall(b"\0" * (4 << 20))
+            except OSError:
+                pass  # closed by the SMP after the head, as it should be
+        send_raw(data, struct.pack("<4sHHI", b"FTD1", 1, 1, 2 << 20))  # header over the limit
+        # every connection but the newest 16 unfinished heads is dropped: wait for that
+        want = dropped0 + (40 - 16) + 200 + 2
+        deadline = time.monotonic() + 60
+        while ExchangeStatus.from_json(c.nodes[0].exchange()).dropped_messages < want:
+            assert time.monotonic() < deadline, "the SMP did not drop the probes' connections"
+            time.sleep(0.1)
+        grown = _rss_mib(pid) - rss0
+        print(f"SMP RSS grew by {grown:.1f} MiB under the probes")
+        assert grown < 48, f"the SMP grew by {grown:.0f} MiB"
+    finally:
+        for s in held:
+            s.close()
+        ctx.destroy(linger=0)
+    c.save_all(2, 64 << 10)
+    c.wait("step 2 protected after the probes", lambda: c.protected(2))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -306,3 +307,44 @@ def test_a_fragment_altered_on_the_way_is_refused(
         assert got.header == {"step": 2} and bytes(got.buffers[0]) == data
     finally:
         proxy.close()
+
+
+def test_the_data_channel_takes_connections_only_from_peer_hosts(
+    pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
+) -> None:
+    """The generation's peers are on 127.0.0.1: a connection from 127.0.0.2 (another address of
+    this machine) is closed at once and counted, before it is read."""
+    a, b = pair
+    host, port = PeerAddress.parse(b.endpoint).data.removeprefix("tcp://").rsplit(":", 1)
+    before = b.dropped
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.2", 0))
+        s.connect((host, int(port)))
+        s.settimeout(10)
+        assert s.recv(1) == b""  # closed by b
+    finally:
+        s.close()
+    assert b.dropped == before + 1
+    a.send("b", {"step": 1}, [b"still ok"])
+    assert bytes(recv_one(b).buffers[0]) == b"still ok"
+
+
+def test_a_message_over_the_bound_is_dropped_before_its_buffers_and_the_next_arrives() -> None:
+    """Even a key holder cannot make the receiver hold more than ``max_message_bytes`` for a
+    message: its connection is closed after the head; the sender connects again for the next."""
+    k = keys.generate()
+    a, b = ZmqPeerTransport("a", k), ZmqPeerTransport("b", k, max_message_bytes=1 << 20)
+    try:
+        eps = {"a": a.start(), "b": b.start()}
+        a.connect(eps)
+        b.connect(eps)
+        a.send("b", {"step": 1}, [os.urandom(2 << 20)])
+        assert b.recv(2.0) is None
+        a.send("b", {"step": 2}, [b"small"])
+        got = recv_one(b)
+        assert got.header == {"step": 2} and bytes(got.buffers[0]) == b"small"
+        assert b.dropped >= 1 and b.forged == 0
+    finally:
+        a.close()
+        b.close()
