@@ -96,7 +96,8 @@ class Received:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """What a refused message claimed (its sender, a member, and its header bytes)."""
+    """What a refused message claimed (its sender, a member, and its header bytes); kept only
+    for a message that came over a connection already authenticated as that sender."""
 
     sender: str
     header: bytes
@@ -517,8 +518,8 @@ class DataChannel:
         )
         if not want or not hmac.compare_digest(want, c.head):
             self.forged += 1
-            if public is not None:
-                self.refused.append(Refused(c.name, c.header))
+            if public is not None and c.node == c.name:  # only over that node's own connection:
+                self.refused.append(Refused(c.name, c.header))  # anyone can name a member
             self._drop(
                 c,
                 f"a head naming node {c.name[:16]!r} without its tag "

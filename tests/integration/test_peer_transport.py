@@ -281,6 +281,7 @@ def test_a_data_message_without_the_jobs_key_is_refused(
         intruder.send("b", {"step": 9}, [b"forged fragment"])
         assert intruder.data_sent == 1
         assert b.recv(2.0) is None and b.forged == 1 and b.dropped == 1
+        assert b.take_refused() == []  # it came over no connection of a's: nothing to ask again
     finally:
         intruder.close()
     a.send("b", {"step": 10}, [b"real"])
