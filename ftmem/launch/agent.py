@@ -96,6 +96,12 @@ from ftmem.launch.workers import describe_exit, rank_env
 
 log = logging.getLogger(__name__)
 
+RESTART_STOP_GRACE_S = 3
+"""Seconds the ranks get after SIGTERM before SIGKILL when they are stopped for a restart
+(elastic's ``shutdown_timeout``, 30 s, still applies when the job ends). Their state is in the
+SMP, so they have nothing to save; a SIGTERM handler that talks to dead peers (Lightning's
+calls ``dist.broadcast``) would otherwise hold the restart for the whole 30 s."""
+
 STANDBY_FALLBACK_S = 30.0
 """Standbys start this long after the ranks even if the ranks never report progress."""
 
@@ -408,7 +414,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._in_process.discard("the node's SMP side failed: every rank restarts cold")
         else:
             self._keep_survivors(worker_group)
-        self.stop_ranks(signal.SIGTERM)
+        self.stop_ranks(signal.SIGTERM, min(RESTART_STOP_GRACE_S, self.shutdown_timeout_s))
         if self._life.state is AgentState.RESTARTING:
             self._life.to(AgentState.STOPPED)
 

@@ -210,3 +210,51 @@ def test_stopped_rank_does_not_stall_the_restart_after_a_peer_dies(
     agent.wait_for(r"RESUMED after signal SIGKILL", 30)
     assert time.monotonic() - killed < 20
     assert agent.wait(60) == 0, agent.text()[-3000:]
+
+
+_HANG_ON_SIGTERM = """
+import os, runpy, signal, sys, time
+
+def hang(signum, frame):  # like Lightning's SIGTERM handler: a collective with a dead peer
+    while os.path.exists(os.environ["HANG_WHILE"]):
+        time.sleep(0.1)
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, hang)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_rank_whose_sigterm_handler_hangs_does_not_hold_the_restart(
+    launcher_env: Launcher,
+) -> None:
+    """The SMP is SIGKILLed, so every rank restarts cold and gets SIGTERM; their SIGTERM
+    handler does not return (Lightning's broadcasts inside DDP's backward). elastic would wait
+    30 s before its SIGKILL; a restart gives the ranks RESTART_STOP_GRACE_S (3 s). At the end
+    of the job the handler returns and the ranks stop on SIGTERM as usual."""
+    wrapper = launcher_env.tmp / "hang_on_sigterm.py"
+    wrapper.write_text(_HANG_ON_SIGTERM)
+    marker = launcher_env.tmp / "hang-while"
+    marker.touch()
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        [],
+        [str(wrapper), str(EXAMPLE), "--steps", "100000", *TINY],
+        HANG_WHILE=str(marker),
+    )
+    first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
+    agent.wait_for(r"step 3 loss", 60)
+    wait_verified(launcher_env.tmp / "agent-rd", {0, 1}, 60, min_step=3)
+    os.kill(int(first.group(1)), signal.SIGKILL)
+    killed = time.monotonic()
+    agent.wait_for(RESUMED, 25)  # elastic alone: 30 s, then the restart
+    assert time.monotonic() - killed < 25
+    marker.unlink()
+    kids = agent.descendants()
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(40) == 1
+    assert not wait_gone(kids, 10)
+    assert shm_files(rid) == []
