@@ -584,7 +584,8 @@ class FtmemElasticAgent(ElasticAgentBase):
         self, rank: int | None, what: str, committed: int | None, stopped: list[int]
     ) -> None:
         restarts = (self.restarts_left, self.get_worker_group().spec.max_restarts)
-        self._life.log_failure(rank, what, self.generation, committed, restarts, stopped)
+        dead = not self._smp.is_alive()
+        self._life.log_failure(rank, what, self.generation, committed, restarts, stopped, dead)
 
     def _on_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:
         """A rank failed (elastic's verdict; elastic has stopped the survivors by now)."""

@@ -44,6 +44,8 @@ class RankProgress:
     """When this incarnation of the rank first spoke to the SMP (``ftmem.load``/``save``)."""
     restored_time: float | None = None
     """When its ``ftmem.load`` finished (None: it restored nothing yet)."""
+    restored_step: int | None = None
+    """The step its ``ftmem.load`` restored."""
     first_progress_time: float | None = None
     """Its first progress report (save or heartbeat) after its hello."""
     in_process: bool = False
@@ -65,6 +67,7 @@ class RankProgress:
                 newest_committed=_opt_int(entry.get("newest_committed")),
                 hello_time=_opt_float(entry.get("hello_time")),
                 restored_time=_opt_float(entry.get("restored_time")),
+                restored_step=_opt_int(entry.get("restored_step")),
                 first_progress_time=_opt_float(entry.get("first_progress_time")),
                 in_process=entry.get("in_process") is True,
             )

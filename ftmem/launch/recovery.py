@@ -201,6 +201,7 @@ class RecoveryLifecycle:
         committed: int | None,
         restarts: tuple[int, int],
         stopped: list[int],
+        smp_died: bool = False,
     ) -> None:
         """The ``FAILED`` line; ``restarts`` is (left, max)."""
         left, most = restarts
@@ -210,7 +211,7 @@ class RecoveryLifecycle:
             outcome = "not restarting (no-progress guard)"
         else:
             outcome = f"no restarts left (max {most})"
-        log_failure(self.node, rank, what, generation, committed, outcome, stopped)
+        log_failure(self.node, rank, what, generation, committed, outcome, stopped, smp_died)
 
     def report_last_failure(self) -> None:
         """Log why the agent gave up: the guard's reason and the failing rank's last lines."""

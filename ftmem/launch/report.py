@@ -85,15 +85,19 @@ def log_failure(
     committed: int | None,
     outcome: str,
     stopped: list[int],
+    smp_died: bool = False,
 ) -> None:
-    """``[node/rank] FAILED: <what> (generation g); newest committed step ...; <outcome>``."""
+    """``[node/rank] FAILED: <what> (generation g); newest committed step ...; <outcome>``.
+    With ``smp_died`` the step is the last one seen before the SMP died (the restarted SMP
+    adopts what it finds; RESUMED names the step restored)."""
     log.error(
-        "[%s/%s] FAILED: %s (generation %d); newest committed step on this node: %s; %s%s",
+        "[%s/%s] FAILED: %s (generation %d); newest committed step on this node: %s%s; %s%s",
         node,
         "-" if rank is None else rank,
         what,
         generation,
         committed,
+        " as last seen before the SMP died (RESUMED names the step restored)" if smp_died else "",
         outcome,
         f"; ranks {stopped} stopped by the agent" if stopped else "",
     )
@@ -149,15 +153,29 @@ def report_resumed(
     spawned = min(p.start_time for p in procs)
     steps = [progress[p.rank].last_progress_step for p in procs if p.rank in progress]
     first = min((s for s in steps if s is not None), default=None)
+    restored_steps = sorted(
+        {
+            r.restored_step
+            for p, r in zip(procs, ranks, strict=True)
+            if r is not None and r.pid == p.pid and r.restored_step is not None
+        }
+    )
+    restored: int | str | None = (
+        restored_steps[0]
+        if len(restored_steps) == 1
+        else (str(restored_steps) if restored_steps else None)
+    )
     total = resumed - rec.detected
     log.warning(
-        "[%s] RESUMED after %s: generation %d, %d local rank(s) stepping again at step %s "
-        "(newest committed before the failure: %s); detect->resumed %.2f s "
+        "[%s] RESUMED after %s: generation %d, %d local rank(s) restored step %s and are "
+        "stepping again (step %s when seen; newest committed before the failure, as last "
+        "seen: %s); detect->resumed %.2f s "
         "(detect->spawn %.2f s, spawn->stepping %.2f s; phases: %s)",
         node,
         rec.what,
         generation,
         len(procs),
+        restored,
         first,
         rec.committed,
         total,
@@ -170,6 +188,7 @@ def report_resumed(
         after=rec.what,
         generation=generation,
         step=first,
+        restored_step=restored,
         committed_before=rec.committed,
         detect_to_resumed_s=round(total, 3),
         detect_to_spawn_s=round(spawned - rec.detected, 3),

@@ -354,7 +354,7 @@ class SlotStore:
             for sl in rs.newer_unpinned(step):
                 records.remove_record(sl.path)
             dropped = rs.discard_newer(step)
-            rs.restored_time = time.time()
+            rs.restored_time, rs.restored_step = time.time(), step
             return dropped
 
     # -- allocation --------------------------------------------------------------------------

@@ -157,6 +157,8 @@ class RankSlots:
     """When the rank's current process first spoke to the SMP."""
     restored_time: float | None = None
     """When the rank's current process finished its restore (``DiscardNewer``)."""
+    restored_step: int | None = None
+    """The step the rank's current process restored (None: none yet)."""
     first_progress_time: float | None = None
     """The current process's first progress report."""
     in_process: bool = False
@@ -252,6 +254,7 @@ class RankSlots:
         it was writing (torn); return their indices."""
         if pid != self.pid or self.hello_time is None or rejoined:  # this process's phases
             self.hello_time, self.restored_time, self.first_progress_time = time.time(), None, None
+            self.restored_step = None
         self.pid = pid
         torn = []
         for s in self.slots:
@@ -546,6 +549,7 @@ class RankSlots:
             "last_progress_step": self.last_progress_step,
             "hello_time": self.hello_time,
             "restored_time": self.restored_time,
+            "restored_step": self.restored_step,
             "first_progress_time": self.first_progress_time,
             "in_process": self.in_process,
             "skipped": self.skipped,

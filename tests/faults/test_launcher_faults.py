@@ -43,6 +43,7 @@ def test_rank_sigkill_restarts_all_ranks_from_memory(launcher_env: Launcher) -> 
     ), text[-3000:]
     assert text.count("resumed from step 6") == 2
     assert re.search(RESUMED, text)
+    assert re.search(r"RESUMED after .* 2 local rank\(s\) restored step 6 and are stepping", text)
     assert digests(text) == ref
     assert shm_files(rid) == []
     events = [
@@ -109,11 +110,16 @@ def test_smp_sigkill_restarts_smp_and_ranks(launcher_env: Launcher) -> None:
     import os
 
     os.kill(smp_pid, signal.SIGKILL)
-    agent.wait_for(rf"FAILED: SMP pid {smp_pid} died \(signal SIGKILL\)", 15)
+    agent.wait_for(
+        rf"FAILED: SMP pid {smp_pid} died \(signal SIGKILL\).*newest committed step on this "
+        r"node: (\d+|None) as last seen before the SMP died",
+        15,
+    )
     agent.wait_for(r"SMP pid \d+ ready in [0-9.]+ s .*start #2", 30)
     agent.wait_for(RESUMED, 60)
     later = re.findall(r"resumed from step (\d+)", agent.text())[2:]
     assert len(later) == 2 and all(int(x) >= 3 for x in later), later
+    assert re.search(rf"RESUMED after .*restored step {later[0]} and are stepping", agent.text())
     kids = agent.descendants()
     agent.signal(signal.SIGTERM)
     assert agent.wait(40) == 1
