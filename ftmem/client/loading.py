@@ -109,10 +109,21 @@ class SnapshotLoader:
                 holders = [r for r, c in enumerate(everyone) if c]
                 if holders and not excluded and checkfree.enabled():
                     return self._load_checkfree(state, everyone, snaps)
+                held = "; ".join(
+                    f"rank {r}: {sorted(c) if c else 'none'}" for r, c in enumerate(everyone[:8])
+                ) + (f"; {len(everyone) - 8} more ranks" if len(everyone) > 8 else "")
                 msg = (
-                    f"no snapshot step is held by every rank (ranks holding some: {holders}; "
-                    f"failed checks: {sorted(excluded)})"
+                    f"no snapshot step is held by every rank (steps each rank holds: {held}; "
+                    f"steps that failed their checks: {sorted(excluded)})"
                 )
+                if not excluded and len(holders) > 1:
+                    msg += (
+                        ". The ranks did not save the same steps: every rank must call "
+                        "ftmem.save at the same steps, in one distributed run (a script that "
+                        "did not start torch.distributed, e.g. the HF Trainer on CPU without "
+                        "a distributed backend, or a save behind a rank-dependent condition, "
+                        "gives each rank steps of its own)"
+                    )
                 if allow:
                     log.warning("%s; starting fresh as allowed", msg)
                     client.request(m.DiscardNewer(rank=self._rank, step=0))

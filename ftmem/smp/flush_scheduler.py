@@ -326,8 +326,11 @@ class FlushService:
             step = want[0] if want else cand
             tiers = max(r.tiers for r in self._waiting)
             if step is None:
+                why = "no step is committed by every rank yet " + held_by_rank(
+                    self.slots.committed_steps()
+                )
                 for r in self._waiting:
-                    self.on_reply(r.token, False, {}, "no step is committed by every rank yet")
+                    self.on_reply(r.token, False, {}, why)
                 self._waiting.clear()
                 return None, 0
             return step, tiers
@@ -489,3 +492,19 @@ class FlushService:
                 return
             time.sleep(0.05)
         log.error("[%s/flush] final flush of step %d did not finish in time", self.node, cand)
+
+
+def held_by_rank(steps: dict[str, list[int | None]], most: int = 8) -> str:
+    """``(rank 0: steps [5, 6]; rank 1: none; ...)`` for an error message (at most ``most``
+    ranks named)."""
+    parts = [
+        f"rank {r}: "
+        + (
+            f"steps {sorted(s for s in v if s is not None)}"
+            if any(s is not None for s in v)
+            else "none"
+        )
+        for r, v in sorted(steps.items(), key=lambda kv: int(kv[0]))[:most]
+    ]
+    more = f"; {len(steps) - most} more" if len(steps) > most else ""
+    return f"({'; '.join(parts)}{more})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ftmem.smp.spawn import SmpProcess
@@ -19,7 +20,8 @@ def test_partial_snapshots_are_a_clear_error_unless_fresh_start_allowed(
     pair = run_ranks(procs, run_dir, args, env_extra=env, tag="pair")
     assert pair.codes[0] != 0 and pair.codes[1] != 0
     for out in pair.outputs:
-        assert "InconsistentSnapshotError" in out and "ranks holding some: [0]" in out
+        assert "InconsistentSnapshotError" in out
+        assert re.search(r"steps each rank holds: rank 0: \[\d[\d, ]*\]; rank 1: none", out), out
     fresh = run_ranks(
         procs, run_dir, args, env_extra={**env, "FTMEM_ALLOW_FRESH_START": "1"}, tag="fresh"
     )
