@@ -527,19 +527,19 @@ class FtmemElasticAgent(ElasticAgentBase):
         return result
 
     def _maybe_start_standbys(self) -> None:
-        """Start the standbys for the next failure once every rank is stepping.
-
-        Started no earlier, so that their imports do not slow this start (they run at a low
-        priority anyway); ranks that never report progress get them after
-        :data:`STANDBY_FALLBACK_S`.
+        """Start the standbys for the next failure: at once where the host has idle cores
+        for their warm-up (:func:`~ftmem.launch.standby.idle_cores`), else once every rank is
+        stepping, so that their imports do not slow this start (ranks that never report
+        progress get them after :data:`STANDBY_FALLBACK_S`).
         """
-        if not self._standbys.enabled or self._life.recovery is not None:
+        idle = self._standbys.idle
+        if not self._standbys.enabled or (self._life.recovery is not None and not idle):
             return
         if len(self._standbys.standbys()) >= self._standbys.count * len(self._watch.procs):
             return
         latest = self._poller.latest()
         stepping = latest is not None and all_resumed(self._watch.procs, latest[1])
-        if stepping or time.time() - self._life.started_at > STANDBY_FALLBACK_S:
+        if idle or stepping or time.time() - self._life.started_at > STANDBY_FALLBACK_S:
             started = self._standbys.spawn_missing()
             if started:
                 self.events.write(

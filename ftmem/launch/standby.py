@@ -241,6 +241,11 @@ class StandbyPool:
         self._spawned = 0
         self.handed: dict[int, Standby] = {}
         """Local rank -> the standby that became it at the newest start."""
+        self.idle = False
+        """The host has a core for every standby's warm-up beside the ranks and the SMP
+        (:func:`idle_cores`): standbys then start with the ranks, and a standby not ready at a
+        restart keeps warming up; without, they start once the ranks step, and one not ready
+        at a restart is retired so that it does not slow the cold start."""
 
     @property
     def enabled(self) -> bool:
@@ -265,6 +270,13 @@ class StandbyPool:
             )
             return
         self.command = cmd
+        self.idle, why = idle_cores(local_world_size, self.count)
+        log.info(
+            "[%s] standby ranks start %s (%s)",
+            self.node,
+            "with the ranks" if self.idle else "once the ranks are stepping",
+            why,
+        )
 
     def standbys(self) -> list[Standby]:
         """Every standby not handed out yet."""
@@ -370,11 +382,16 @@ class StandbyPool:
                 return standby
         if group:
             log.warning(
-                "[%s] standby for local rank %d is not ready yet (pid %s): cold start",
+                "[%s] standby for local rank %d is not ready yet (pid %s): cold start%s",
                 self.node,
                 local_rank,
                 [s.pid for s in group],
+                "" if self.idle else "; retired, so that its warm-up does not slow the cold start",
             )
+            if not self.idle:
+                for standby in group:
+                    standby.kill()
+                group.clear()
         elif self.enabled and self._spawned:  # not at the job's first start: none is due then
             log.warning("[%s] no standby for local rank %d: cold start", self.node, local_rank)
         return None
@@ -385,6 +402,23 @@ class StandbyPool:
             for standby in group:
                 standby.kill()
             group.clear()
+
+
+def idle_cores(local_ranks: int, count: int) -> tuple[bool, str]:
+    """Whether this host has a core for each of ``count`` standbys per local rank beside the
+    ranks (``OMP_NUM_THREADS`` threads each, 1 if unset, as torchrun sets it) and the SMP;
+    with the reason, for the log."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        threads = 1
+    spare = cores - local_ranks * threads - 1
+    why = f"{cores} cores, {local_ranks} ranks x {threads} threads + the SMP: {max(spare, 0)} idle"
+    return spare >= local_ranks * count, why
 
 
 Adopt = Callable[[int, dict[str, str], Any, Any], SubprocessHandler | None]
