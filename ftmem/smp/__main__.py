@@ -11,16 +11,33 @@ or SIGINT removes its shared memory and exits 0.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from datetime import timedelta
-from pathlib import Path
+import signal
+from types import FrameType
 
-from ftmem._logging import configure, get_logger
-from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id, default_shm_dir
-from ftmem.errors import SmpStartError
-from ftmem.smp.daemon import SmpDaemon
+_EARLY_STOP: list[int] = []
+"""SIGTERM/SIGINT received before the daemon's own handlers (imports take ~1 s): killed by
+the default action then, an SMP that a restart had just started left its predecessor's slot
+files behind (it had not adopted them yet). Recorded here, honoured once it serves."""
+
+
+def _early(signum: int, frame: FrameType | None) -> None:
+    _EARLY_STOP.append(signum)
+
+
+if __name__ == "__main__":  # (not when imported for its parser)
+    signal.signal(signal.SIGTERM, _early)
+    signal.signal(signal.SIGINT, _early)
+
+import argparse  # noqa: E402 (after the handlers, on purpose)
+import os  # noqa: E402
+import sys  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from ftmem._logging import configure, get_logger  # noqa: E402
+from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id, default_shm_dir  # noqa: E402
+from ftmem.errors import SmpStartError  # noqa: E402
+from ftmem.smp.daemon import SmpDaemon  # noqa: E402
 
 log = get_logger("ftmem.smp")
 
@@ -149,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     daemon = SmpDaemon(config)
     daemon.install_signal_handlers()
+    if _EARLY_STOP:  # start anyway (adopting what a predecessor left), then stop cleanly
+        log.warning("stop requested (signal %d) while starting", _EARLY_STOP[0])
+        daemon.request_stop(_EARLY_STOP[0])
     try:
         daemon.start()
     except (SmpStartError, OSError) as exc:

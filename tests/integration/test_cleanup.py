@@ -110,3 +110,62 @@ def test_cleanup_refuses_a_directory_others_can_write(tmp_path: Path) -> None:
         timeout=120,
     )
     assert p.returncode == 1 and str(shm) in p.stderr and "writable by others" in p.stderr
+
+
+def _catches_sigterm(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) & (1 << (15 - 1)))
+
+
+def test_an_smp_stopped_while_starting_still_removes_what_its_predecessor_left(
+    run_dir: Path, run_id: str
+) -> None:
+    """An SMP SIGKILLed leaves its slots; its replacement gets SIGTERM while it is still
+    importing (a job's timeout hitting right after an SMP restart). It used to die by the
+    default action and leave the slots; now it starts, adopts them, and removes them."""
+    import signal
+    import time
+
+    shm = Path("/dev/shm") / f"ftmem-test-{run_id}"
+    args = ["--shm-dir", str(shm)]
+    try:
+        first = start_smp(
+            run_dir=run_dir, run_id=run_id, node="n0", log_path=run_dir / "smp.log", extra_args=args
+        )
+        c = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+        c.save({"model": torch.nn.Linear(64, 64)}, step=1)
+        assert c.wait(60)
+        c.close()
+        first.kill()
+        assert shm_files(run_id, shm_dir=shm)
+        with open(run_dir / "smp2.log", "wb") as log:
+            second = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ftmem.smp",
+                    "--run-dir",
+                    str(run_dir),
+                    "--run-id",
+                    run_id,
+                    "--node",
+                    "n0",
+                    *args,
+                ],
+                stdout=log,
+                stderr=log,
+            )
+            deadline = time.monotonic() + 30  # until it catches SIGTERM (its first act),
+            while not _catches_sigterm(second.pid):  # i.e. well inside its imports (~0.7 s)
+                assert time.monotonic() < deadline and second.poll() is None
+                time.sleep(0.002)
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(60) == 0, (run_dir / "smp2.log").read_text()[-2000:]
+        assert "stop requested (signal 15) while starting" in (run_dir / "smp2.log").read_text()
+        assert shm_files(run_id, shm_dir=shm) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
