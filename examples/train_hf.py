@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = FtmemTrainer(model=model, args=targs, train_dataset=data)
         if args.fail_at_step:
             trainer.add_callback(FailOnce(args.fail_at_step, args.fail_rank, trainer))
-    trainer.train()
+    metrics = trainer.train().metrics
     resumed = getattr(trainer, "ftmem_restored_step", 0)
+    print(f"[rank {rank}] train_runtime {metrics['train_runtime']:.3f} s", flush=True)
     print(f"[rank {rank}] resumed from step {resumed}", flush=True)
     print(f"[rank {rank}] final step {trainer.state.global_step}", flush=True)
     print(f"[rank {rank}] digest {digest(trainer.model, trainer.optimizer)}", flush=True)
