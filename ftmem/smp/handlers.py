@@ -32,7 +32,7 @@ from ftmem.smp.allocation import Allocator, AllocJob
 from ftmem.smp.flush_scheduler import FlushRequest, FlushService
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection import BindCommand, ProtectionService, StartCommand
-from ftmem.smp.slot_store import Grant, SlotStore
+from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import MAX_SLOT_BYTES
 
 log = get_logger(__name__)
@@ -285,14 +285,14 @@ class RequestHandlers:
         _check_nbytes(p.nbytes)
         self.store.progress(p.rank, p.step)
         g = self.store.begin(p.rank, p.step, p.nbytes)
-        if g.action == "skip" and self.flush is not None:
+        if g.action is m.Decision.SKIP and self.flush is not None:
             # A slot pinned for a scheduled flush that may never be complete must not keep the
             # rank from saving (its final save would wait for it in vain).
             released = self.flush.release_incomplete(p.rank)
             if released:
                 self.store.unpin(released)
                 g = self.store.begin(p.rank, p.step, p.nbytes)
-        if g.action == "skip" and not p.final:  # a final save polling is not a skip (yet)
+        if g.action is m.Decision.SKIP and not p.final:  # a final save polling is not a skip (yet)
             self._count_skip(p.rank, p.step, g.reason)
         return _grant_reply(g)
 
@@ -472,9 +472,9 @@ def _reply(typed: Any) -> m.Reply:
     return m.Reply(ok=True, data=m.to_fields(typed))
 
 
-def _grant_reply(g: Grant) -> m.Reply:
+def _grant_reply(g: m.BeginReply) -> m.Reply:
     """A BEGIN's (or a COMMIT's, for the next save) typed reply."""
-    return _reply(m.BeginReply(m.Decision(g.action), g.slot, g.gen, g.path, g.capacity, g.reason))
+    return _reply(g)
 
 
 def _snapshots_reply(snaps: list[dict[str, Any]]) -> m.Reply:

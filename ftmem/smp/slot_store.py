@@ -59,6 +59,7 @@ from ftmem.format.layout import (
     register_layout,
     with_hashes,
 )
+from ftmem.protocol import messages as m
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashJob, HashResult
@@ -75,19 +76,6 @@ MAX_LAYOUTS = 4
 
 class UnknownLayoutError(ValueError):
     """A COMMIT named a layout id the SMP does not hold (the rank sends the layout again)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """What :meth:`SlotStore.begin` decided, with the slot's file for a ``write`` or
-    ``resize`` (``skip``: ``reason`` says why)."""
-
-    action: str  # "write" | "resize" | "skip"
-    slot: int = -1
-    gen: int = 0
-    path: str = ""
-    capacity: int = 0
-    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +227,7 @@ class SlotStore:
         with self._lock:
             self._rank(rank).count_skip(reason)
 
-    def begin(self, rank: int, step: int, nbytes: int) -> Grant:
+    def begin(self, rank: int, step: int, nbytes: int) -> m.BeginReply:
         """Choose the slot ``rank`` writes ``step`` (``nbytes``) into; never the newest
         committed or a pinned one. A slot handed out for writing loses its commit record;
         a slot granted to this save and not used gets its record back."""
@@ -251,7 +239,7 @@ class SlotStore:
                 records.remove_record(held.path)  # a dead process's grant: maybe torn
             return self._grant_of(rs, d)
 
-    def grant(self, rank: int, nbytes: int) -> Grant:
+    def grant(self, rank: int, nbytes: int) -> m.BeginReply:
         """Promise a slot of ``nbytes`` to ``rank``'s next save (see :mod:`ftmem.smp.store`):
         never one holding a step that is, or may be, the newest every rank of this node has
         committed (``RankSlots.grant``'s ``needed``)."""
@@ -266,13 +254,13 @@ class SlotStore:
             return self._grant_of(rs, d)
 
     @staticmethod
-    def _grant_of(rs: RankSlots, d: Any) -> Grant:
+    def _grant_of(rs: RankSlots, d: Any) -> m.BeginReply:
         if d.action == "skip":
-            return Grant("skip", reason=d.reason)
+            return m.BeginReply(m.Decision.SKIP, reason=d.reason)
         s = rs.slot(d.slot)
         if s.state is SlotState.WRITING or (s.state is SlotState.GRANTED and s.step is None):
             records.remove_record(s.path)  # its old data is about to be overwritten
-        return Grant(d.action, s.index, s.gen, s.path, s.capacity)
+        return m.BeginReply(m.Decision(d.action), s.index, s.gen, s.path, s.capacity)
 
     def register(self, rank: int, layout_id: int, text: str) -> RegisteredLayout:
         """Validate and keep ``rank``'s layout ``layout_id`` (its ``tensors`` array); the

@@ -12,10 +12,11 @@ import pytest
 
 from ftmem import shm
 from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
+from ftmem.protocol.messages import BeginReply
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashResult, HashService
-from ftmem.smp.slot_store import Grant, SlotStore, UnknownLayoutError
+from ftmem.smp.slot_store import SlotStore, UnknownLayoutError
 from ftmem.smp.store import RankPiece, RankSlots, SlotState, StoreError
 
 
@@ -166,7 +167,7 @@ def allocate(store: SlotStore, rank: int = 0) -> None:
 TENSORS = tensors_json([TensorExtent(0, "w", "float32", (4, 4), 0, 64)])
 
 
-def save(store: SlotStore, step: int, rank: int = 0) -> Grant:
+def save(store: SlotStore, step: int, rank: int = 0) -> BeginReply:
     g = store.begin(rank, step, USED)
     assert g.action == "write", g
     store.register(rank, 1, TENSORS)
@@ -253,7 +254,7 @@ def test_store_begin_reuses_oldest_committed_and_removes_its_record(
     assert slots(store)[g.slot]["state"] == "free"
 
 
-def commit_granted(store: SlotStore, g: Grant, step: int) -> None:
+def commit_granted(store: SlotStore, g: BeginReply, step: int) -> None:
     """The rank writes its next save into the slot it was granted and commits it."""
     assert g.action == "write", g
     store.commit(0, g.slot, g.gen, step, 1, (64, USED - 64))
