@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("ftmem.client")
+log = logging.getLogger(__name__)
 
 _warned: set[str] = set()
 

@@ -37,7 +37,7 @@ from ftmem.launch.monitor import RankProcess, RankProgress, current_progress
 from ftmem.launch.workers import proc_state
 from ftmem.protocol.rejoin import RejoinOrder, write_order
 
-log = logging.getLogger("ftmem.launch.agent")
+log = logging.getLogger(__name__)
 
 
 class InProcessRestarts:

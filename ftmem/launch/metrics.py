@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-log = logging.getLogger("ftmem.launch.agent")
+log = logging.getLogger(__name__)
 
 RESTART_CAUSES = ("rank_exit", "hang", "smp_died", "exchange_failed", "membership")
 """The ``cause`` label of ``ftmem_restarts_total``."""

@@ -29,7 +29,7 @@ from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
 from ftmem.launch.config import ENV_DISABLE_SHARED_STORE
 
-log = logging.getLogger("ftmem.launch.agent")
+log = logging.getLogger(__name__)
 
 ENV_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 """torch's switch: ``"True"`` makes every rank a client of a store the agent serves."""

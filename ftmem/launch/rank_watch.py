@@ -14,7 +14,7 @@ from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, RankProgres
 from ftmem.launch.workers import kill_rank, proc_state
 
 # The agent's logger: these lines are the agent's (as in report.py and standby.py).
-log = logging.getLogger("ftmem.launch.agent")
+log = logging.getLogger(__name__)
 
 
 class RankWatch:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ftmem.launch.monitor import EventLog, RankProcess, RankProgress, current_progress
 
-log = logging.getLogger("ftmem.launch.agent")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 from ftmem.launch.elastic_compat import subprocess_handler_replaced
 from ftmem.launch.workers import SHIM_PATH
 
-log = logging.getLogger("ftmem.launch.agent")
+log = logging.getLogger(__name__)
 
 STANDBY_PATH = Path(__file__).with_name("_standby.py")
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._inductor.config", "ftmem.client")

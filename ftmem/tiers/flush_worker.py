@@ -45,7 +45,7 @@ from ftmem.protocol.flush_jobs import (
     parse_job,
 )
 
-log = get_logger("ftmem.tiers.flush_worker")
+log = get_logger(__name__)
 
 
 _emit_lock = threading.Lock()
