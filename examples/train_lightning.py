@@ -19,6 +19,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -97,6 +98,23 @@ class FailOnce(pl.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TrainTime(pl.Callback):
+    """Seconds from the first training batch to the end of training (what a snapshot every
+    step adds to, without the start-up)."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.seconds = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def on_train_end(self, *args: Any) -> None:
+        if self.start is not None:
+            self.seconds = time.perf_counter() - self.start
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train; print the digest."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -129,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.fail_at_step:
             steps = [int(s) for s in args.fail_at_step.split(",")]
             callbacks.append(FailOnce(steps, args.fail_rank, ftmem_cb))
+    timer = TrainTime()
+    callbacks.append(timer)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = int(os.environ.get("WORLD_SIZE", "1")) // local
     model = Regressor()
@@ -152,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = trainer.global_rank
     resumed = ftmem_cb.restored_step if ftmem_cb is not None else 0
     print(f"[rank {rank}] resumed from step {resumed}", flush=True)
+    print(f"[rank {rank}] train_runtime {timer.seconds:.3f} s", flush=True)
     print(f"[rank {rank}] final step {trainer.global_step}", flush=True)
     print(f"[rank {rank}] digest {digest(model, trainer.optimizers)}", flush=True)
     return 0
