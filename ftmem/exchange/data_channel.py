@@ -201,6 +201,7 @@ class DataChannel:
         self._ready_r, self._ready_w = os.pipe()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
+        os.set_blocking(self._ready_r, False)
         os.set_blocking(self._ready_w, False)
         self._stop = False
         self._paused = False
