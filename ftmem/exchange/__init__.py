@@ -2,7 +2,9 @@
 
 placement.py (pure: groups, stripe layout, parity holders, rebuild plans), codec.py (pyeclib
 ISA-L encode/rebuild of one stripe, xxh3 fragment checksums, malloc tuning), transport.py
-(PeerTransport interface), zmq_transport.py (ZeroMQ + CURVE), keys.py (CURVE key files).
+(PeerTransport interface), zmq_transport.py (ZeroMQ + CURVE), data_channel.py (the plain
+data channel: a length-prefixed TCP stream read into bounded buffers), data_mac.py (its keyed
+tags), keys.py (CURVE key files).
 
 The codec names are imported on first use, so ``from ftmem.exchange import keys`` (the
 ``ftmem keygen`` command) does not load numpy and pyeclib.
