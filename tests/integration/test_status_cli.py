@@ -108,3 +108,38 @@ def test_an_unknown_run_id_names_the_runs_that_exist(
     for (rid, node), d in runs.items():
         assert f"run {rid} node {node} ({d})" in got.stderr
     assert "python -m ftmem.smp" not in got.stderr
+
+
+def test_a_flush_without_a_common_step_names_each_ranks_steps(run_dir: Path, run_id: str) -> None:
+    """Rank 0 committed step 1, rank 1 said hello and committed nothing: `ftmem flush` says
+    which rank holds what instead of only "no step is committed by every rank yet"."""
+    import torch
+
+    import ftmem
+    from ftmem.config import ClientConfig
+    from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
+
+    shm = Path("/dev/shm") / f"ftmem-test-{run_id}"
+    smp = start_smp(
+        run_dir=run_dir,
+        run_id=run_id,
+        node="n0",
+        log_path=run_dir / "smp.log",
+        extra_args=["--shm-dir", str(shm), "--flush-dir", str(run_dir / "tier")],
+    )
+    try:
+        c = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+        c.save({"model": torch.nn.Linear(8, 8)}, step=1)
+        assert c.wait(60)
+        with SmpClient(run_dir) as other:
+            other.request(m.Hello(rank=1, pid=os.getpid(), world_size=2))
+        got = _ftmem("flush", "--run-dir", str(run_dir), "--timeout", "60")
+        assert got.returncode == 1
+        assert "no step is committed by every rank yet (rank 0: steps [1]; rank 1: none)" in (
+            got.stderr + got.stdout
+        )
+        c.close()
+    finally:
+        smp.stop()
+        shutil.rmtree(shm, ignore_errors=True)
