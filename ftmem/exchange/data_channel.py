@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ftmem.errors import FtmemError
 from ftmem.exchange import data_mac
 from ftmem.exchange.codec import tune_malloc
 
@@ -81,6 +82,10 @@ RECV_QUEUE = 8
 """Whole messages waiting for take(); reading pauses while this many do."""
 _IOV = 64  # parts per sendmsg call
 _BACKOFF_S = (0.1, 2.0)
+
+
+class DataChannelError(FtmemError):
+    """The data channel cannot work any more (its I/O thread stopped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +193,10 @@ class DataChannel:
         self.lost = 0
         """Outgoing messages cut by a failed connection."""
         self.refused: deque[Refused] = deque(maxlen=64)
+        self.failed = ""
+        """Why the I/O thread stopped on an unexpected error ("" while it runs):
+        :meth:`take` then raises, so the exchange thread fails visibly instead of waiting for
+        data that can no longer come."""
         self.port = 0
         self._peer_keys: dict[str, bytes] | None = None
         self._allowed: frozenset[str] | None = None
@@ -293,7 +302,13 @@ class DataChannel:
         self._wake()
 
     def take(self) -> Received | None:
-        """The next received message, if one waits (call when :attr:`wake_fd` is readable)."""
+        """The next received message, if one waits (call when :attr:`wake_fd` is readable).
+
+        Raises:
+            DataChannelError: the I/O thread stopped on an unexpected error.
+        """
+        if self.failed:
+            raise DataChannelError(f"the data channel's I/O thread stopped: {self.failed}")
         try:
             os.read(self._ready_r, 1)
         except BlockingIOError:
@@ -356,8 +371,13 @@ class DataChannel:
                     elif isinstance(what, _Outbound):
                         self._write(what, events)
                 self._housekeep()
-        except Exception:  # a bug here must not go unnoticed: the exchange then sees no data
+        except Exception as exc:  # a bug here must not go unnoticed: no data would come
             log.exception("[%s] the data channel's I/O thread failed", self.node)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            try:
+                os.write(self._ready_w, b"x")  # wake the exchange thread to see it
+            except OSError:
+                pass
 
     def _timeout(self) -> float | None:
         now = time.monotonic()

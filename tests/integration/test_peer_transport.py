@@ -349,3 +349,22 @@ def test_a_message_over_the_bound_is_dropped_before_its_buffers_and_the_next_arr
     finally:
         a.close()
         b.close()
+
+
+def test_a_data_channel_whose_io_thread_fails_makes_recv_raise(
+    pair: tuple[ZmqPeerTransport, ZmqPeerTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the data channel's I/O thread must not leave the exchange waiting for data
+    that never comes: recv raises, which stops the exchange thread visibly (FAILED)."""
+    from ftmem.exchange import data_channel
+
+    a, b = pair
+
+    def broken(self: object, c: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(data_channel.DataChannel, "_read", broken)
+    a.send("b", {"step": 1}, [b"x" * 100])
+    with pytest.raises(data_channel.DataChannelError, match="RuntimeError: a bug"):
+        for _ in range(50):
+            b.recv(0.2)
