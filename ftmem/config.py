@@ -28,6 +28,8 @@ ENV_REJOIN_TIMEOUT = (
 )
 ENV_LOG_LEVEL = "FTMEM_LOG_LEVEL"  # log level of the ftmem CLIs and the SMP
 ENV_FAULT = "FTMEM_FAULT"  # testing only: a fault to inject (see ftmem.faults)
+ENV_FAULT_FILE = "FTMEM_FAULT_FILE"
+"""Testing only: the armed-faults file (JSON lines) every process of a run watches."""
 ENV_FLUSH_DIRS = "FTMEM_FLUSH_DIRS"  # disk tiers, nearest first, ":"-separated (load's fallback)
 ENV_TIER_KEY_FILE = "FTMEM_TIER_KEY_FILE"
 """The key that signs every checkpoint's manifest (default ``~/.config/ftmem/tier.key``)."""

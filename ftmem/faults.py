@@ -44,12 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftmem.config import ENV_FAULT, ENV_NODE
+from ftmem.config import ENV_FAULT, ENV_FAULT_FILE, ENV_NODE
 
 log = logging.getLogger(__name__)
-
-ENV_FAULT_FILE = "FTMEM_FAULT_FILE"
-"""Testing only: the armed-faults file (JSON lines) every process of a run watches."""
 
 RECHECK_S = 0.05
 """A process looks at the armed-faults file again at most this often (one ``stat``)."""

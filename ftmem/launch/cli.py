@@ -28,6 +28,7 @@ from torch.distributed.run import config_from_args as torchrun_config_from_args
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 from torch.distributed.run import parse_min_max_nnodes
 
+from ftmem.config import ENV_LOG_LEVEL
 from ftmem.errors import UnrecoverableError
 from ftmem.exchange.encode_worker import MAX_WORKERS
 from ftmem.launch.config import (
@@ -510,7 +511,7 @@ def configure_logging() -> None:
     """Log the launcher's events to stderr (level from FTMEM_LOG_LEVEL, default INFO)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    level = os.environ.get("FTMEM_LOG_LEVEL", "INFO").upper()
+    level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
     for name in ("ftmem",):
         logger = logging.getLogger(name)
         if not logger.handlers:

@@ -15,6 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+from ftmem.config import ENV_LOG_LEVEL
+
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +85,7 @@ class SmpRunner:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(self.extra_env)
-        env.setdefault("FTMEM_LOG_LEVEL", self.log_level)
+        env.setdefault(ENV_LOG_LEVEL, self.log_level)
         t0 = time.monotonic()
         self._proc = start_smp(
             run_dir=self.run_dir,

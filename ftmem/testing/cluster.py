@@ -28,10 +28,9 @@ from typing import Any
 
 import psutil
 
-from ftmem.config import ENV_NODE, ENV_RUN_DIR
+from ftmem.config import ENV_FAULT_FILE, ENV_NODE, ENV_RUN_DIR
 from ftmem.errors import FtmemError
 from ftmem.exchange import keys
-from ftmem.faults import ENV_FAULT_FILE
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.testing.harness import (
     AgentProcess,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem._logging import configure, get_logger
+from ftmem.config import ENV_LOG_LEVEL
 from ftmem.errors import ProtocolError
 from ftmem.protocol.flush_jobs import (
     AssembleJob,
@@ -226,7 +227,7 @@ def _lower_priority() -> None:
 
 def main() -> int:
     """Serve flush requests from stdin until it closes."""
-    configure(os.environ.get("FTMEM_LOG_LEVEL"))
+    configure(os.environ.get(ENV_LOG_LEVEL))
     _lower_priority()
     import torch
     import torch.distributed.checkpoint  # ~1 s: now, not in the first flush

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ftmem.config import ENV_FAULT_FILE
 from ftmem.testing import chaos
 from ftmem.testing.cluster import shm_files
 
@@ -107,7 +108,7 @@ def test_an_armed_fault_fires_once_per_run_in_the_matching_process(tmp_path: Pat
     from ftmem import faults
 
     armed = tmp_path / "armed.jsonl"
-    env = {**os.environ, faults.ENV_FAULT_FILE: str(armed)}
+    env = {**os.environ, ENV_FAULT_FILE: str(armed)}
     env.pop("FTMEM_FAULT", None)
     procs = [
         subprocess.Popen(
