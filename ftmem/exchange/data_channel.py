@@ -425,8 +425,8 @@ class DataChannel:
             ip = str(ipaddress.ip_address(addr[0].split("%")[0]))
             allowed = self._allowed
             if allowed is not None and ip not in allowed:
+                self.dropped += 1  # counted before the peer can see the close
                 sock.close()
-                self.dropped += 1
                 log.warning(
                     "[%s] data channel: refused a connection from %s, no peer host of "
                     "this generation",
@@ -455,8 +455,8 @@ class DataChannel:
             self._in.remove(c)
             if c.reading:
                 self._sel.unregister(c.sock)
+            self.dropped += 1  # counted before the peer can see the close
             c.sock.close()
-            self.dropped += 1
             log.warning(
                 "[%s] data channel: closed a connection from %s (%s): %s",
                 self.node,
