@@ -293,7 +293,7 @@ def _main(argv: list[str] | None) -> int:
     return 2
 
 
-def live_runs() -> dict[Path, dict[str, Any]]:
+def running_smps() -> dict[Path, dict[str, Any]]:
     """The run directories of this user on this host whose SMP answers, with its status
     (looked for under ``/tmp/ftmem-<uid>`` and :func:`~ftmem.config.user_base_dir`)."""
     import socket
@@ -333,7 +333,7 @@ def chosen_run_dirs(run_id: str | None) -> list[Path]:
 
     if run_id is None and os.environ.get(ENV_RUN_DIR):
         return [default_run_dir()]
-    runs = live_runs()
+    runs = running_smps()
     chosen = [d for d, st in runs.items() if run_id is None or st.get("run_id") == run_id]
     if chosen:
         return chosen

@@ -190,8 +190,6 @@ class DataChannel:
         """Messages or connections dropped by the I/O thread (malformed, refused, cut)."""
         self.forged = 0
         """Heads whose tag was wrong (altered, or sent without the job's key)."""
-        self.lost = 0
-        """Outgoing messages cut by a failed connection."""
         self.refused: deque[Refused] = deque(maxlen=64)
         self.failed = ""
         """Why the I/O thread stopped on an unexpected error ("" while it runs):
@@ -607,7 +605,6 @@ class DataChannel:
                 pass
             o.sock.close()
         if cut and o.current is not None:
-            self.lost += 1
             log.warning("[%s] data channel: a message to node %s was cut", self.node, o.node)
         o.sock, o.connected, o.current = None, False, None
         o.retry_at = time.monotonic() + o.backoff
