@@ -100,8 +100,14 @@ def worker(argv: Sequence[str]) -> int:
             block = {"cycle": cycle, "config": name, "steps": w.block, "seconds": seconds}
             blocks.append({**block, "cpu_s": cpu_s, "saves": saves, "skipped": skipped})
     if t.rank == 0:
+        from ftmem.config import ClientConfig
+        from ftmem.protocol.smp_client import SmpClient
+
         params_m = sum(p.numel() for p in t.model.parameters()) / 1e6
-        print(BLOCKS_LINE + json.dumps({"params_m": params_m, "blocks": blocks}), flush=True)
+        with SmpClient(ClientConfig().run_dir) as c:  # the node's requests, all ranks
+            requests = c.status().get("requests", {})
+        doc = {"params_m": params_m, "blocks": blocks, "requests": requests}
+        print(BLOCKS_LINE + json.dumps(doc), flush=True)
     ftmem.close()
     t.finish(step, step_times)
     return 0
@@ -121,6 +127,8 @@ class OverheadResult(_results.PartResult):
     command: str = ""  # The job's command line (temporary paths and ports as placeholders).
     params_m: float | None = None  # The model's parameters in millions (12 bytes each).
     blocks: list[dict[str, Any]] = field(default_factory=list)  # Every block in the order run.
+    # The SMP's requests per kind over the whole job (all ranks, warm-up included).
+    requests: dict[str, int] = field(default_factory=dict)
     # Per configuration, one figure per cycle: time and rank CPU per step, their ratios to the
     # 'none' block's of the same cycle, snapshots taken and skipped.
     step_s: dict[str, list[float]] = field(default_factory=dict)
@@ -177,6 +185,7 @@ def measure(args: argparse.Namespace, res: OverheadResult, tmp: Path) -> None:
     else:
         doc = json.loads(line.split(BLOCKS_LINE, 1)[1])
         res.params_m, res.blocks = doc["params_m"], doc["blocks"]
+        res.requests = doc.get("requests", {})
         _reduce(res)
     if left := _launch.remove_shm(run_id):
         res.errors.append(f"shared memory left behind (removed): {left}")
@@ -257,6 +266,7 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
         f"of state per rank, {r['nproc']} ranks on one node (gloo, one torch thread each){delay}",
         f"- {r['cycles']} cycles of one {r['block']}-step block per configuration, after "
         f"{r['warmup_steps']} warm-up steps; median (min-max) over the cycles",
+        f"- the SMP's requests over the job (all ranks, warm-up included): {_requests(r)}",
         "",
         "```",
         f"# {r['command']}",
@@ -270,6 +280,16 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
         "",
     ]
     return {"overhead": out}
+
+
+def _requests(r: dict[str, Any]) -> str:
+    """The SMP's request counts and the messages per save (BEGIN + COMMIT per COMMIT)."""
+    req = r.get("requests") or {}
+    if not req.get("COMMIT"):
+        return "not recorded"
+    per = (req.get("BEGIN", 0) + req["COMMIT"]) / req["COMMIT"]
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(req.items()))
+    return f"{counts}; {per:.2f} messages per committed save"
 
 
 def verdict(r: dict[str, Any]) -> tuple[bool | None, str]:

@@ -46,10 +46,12 @@ NAME_SEP = "@"
 RECORD_SUFFIXES = (".commit", ".commit.tmp")
 """A commit record's suffix and its temporary file's (see :mod:`ftmem.smp.records`)."""
 _NONCE_HEX = 16
+BOARD_SUFFIX = "grants"
+"""The "suffix" :func:`parse_slot_name` gives an SMP's grant board (:class:`GrantBoard`)."""
 _SLOT_NAME_RE = re.compile(
     rf"(?P<run>{NAME_PATTERN})@(?P<node>{NAME_PATTERN})@(?P<nonce>[0-9a-f]{{{_NONCE_HEX}}})"
-    r"@r(?P<rank>\d{1,9})-s(?P<slot>\d{1,9})-g(?P<gen>\d{1,18})"
-    r"(?P<suffix>\.commit(?:\.tmp)?)?"
+    r"@(?:r(?P<rank>\d{1,9})-s(?P<slot>\d{1,9})-g(?P<gen>\d{1,18})"
+    rf"(?P<suffix>\.commit(?:\.tmp)?)?|(?P<board>{BOARD_SUFFIX}))"
 )
 
 
@@ -64,7 +66,8 @@ class SlotName:
     slot: int
     gen: int
     suffix: str
-    """``""`` for a slot file, else one of :data:`RECORD_SUFFIXES`."""
+    """``""`` for a slot file, :data:`BOARD_SUFFIX` for a grant board (rank, slot and gen
+    -1), else one of :data:`RECORD_SUFFIXES`."""
 
 
 def new_nonce() -> str:
@@ -82,10 +85,13 @@ def slot_file_name(run_id: str, node: str, nonce: str, rank: int, slot: int, gen
 
 
 def parse_slot_name(name: str) -> SlotName | None:
-    """The parts of a slot file's or commit record's name; None for any other name."""
+    """The parts of a slot file's, commit record's or grant board's name; None for any
+    other name."""
     m = _SLOT_NAME_RE.fullmatch(name)
     if m is None:
         return None
+    if m["board"]:
+        return SlotName(m["run"], m["node"], m["nonce"], -1, -1, -1, BOARD_SUFFIX)
     return SlotName(
         m["run"],
         m["node"],
@@ -262,5 +268,81 @@ def write_segment(path: Path, data: memoryview) -> None:
         done = 0
         while done < data.nbytes:
             done += os.pwrite(fd, data[done : done + (64 << 20)], done)
+    finally:
+        os.close(fd)
+
+
+GRANT_PENDING, GRANT_READY, GRANT_REVOKED = 0, 1, 2
+"""A cell of a grant board: the rank may not write its granted slot yet (it asks with a
+BEGIN), may write it, or the slot was taken back (it asks with a BEGIN)."""
+BOARD_CELLS = 4096
+"""Cells (bytes) of a grant board: one per rank the SMP serves."""
+
+
+def board_file_name(run_id: str, node: str, nonce: str) -> str:
+    """The file name of an SMP's grant board, ``<run>@<node>@<nonce>@grants``."""
+    name = f"{run_id}{NAME_SEP}{node}{NAME_SEP}{nonce}{NAME_SEP}{BOARD_SUFFIX}"
+    parsed = parse_slot_name(name)
+    if parsed is None or parsed.suffix != BOARD_SUFFIX:
+        raise ValueError(f"not a valid grant board name: {name!r}")
+    return name
+
+
+class GrantBoard:
+    """An SMP's grant board: one byte per rank saying whether the slot granted to its next
+    save is ready to be written (:data:`GRANT_READY`), which the rank reads from its
+    read-only mapping (:func:`read_board`) without a message. Only the SMP writes it, a
+    cell at a time (a byte: never torn).
+
+    Resource handling: the file (mode 0600, ``BOARD_CELLS`` bytes) is made at construction
+    and removed by :meth:`close` (and with the run's other files by a restarted SMP or
+    ``ftmem cleanup``).
+    """
+
+    def __init__(self, path: Path) -> None:
+        create_segment(path, BOARD_CELLS)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(fd, BOARD_CELLS, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.path = path
+
+    def set(self, cell: int, value: int) -> None:
+        """Write ``value`` into ``cell`` (no-op once closed)."""
+        if self._mm is not None:
+            self._mm[cell] = value
+
+    def close(self) -> None:
+        """Unmap and remove the file (idempotent)."""
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+            remove_segment(self.path)
+
+
+def map_board(path: Path, shm_dir: Path) -> mmap.mmap:
+    """A rank's read-only mapping of the grant board ``path``, which must be a grant board's
+    name directly in ``shm_dir`` (this user's directory, mode 0700) and a regular file of this
+    user, readable by nobody else, of ``BOARD_CELLS`` bytes.
+
+    Raises:
+        UnsafePathError: the directory or the file is not this user's private one.
+        ValueError: a wrong name, place or size.
+    """
+    resolved = Path(os.path.realpath(path))
+    name = parse_slot_name(resolved.name)
+    if (
+        resolved.parent != Path(os.path.realpath(shm_dir))
+        or name is None
+        or (name.suffix != BOARD_SUFFIX)
+    ):
+        raise ValueError(f"refusing to map {path}: not a grant board in {shm_dir}")
+    check_dir(shm_dir, "shared-memory directory", private=True)
+    fd = open_owned(resolved, "grant board", os.O_RDONLY, private=True)
+    try:
+        if os.fstat(fd).st_size != BOARD_CELLS:
+            raise ValueError(f"grant board {path} is not {BOARD_CELLS} bytes")
+        return mmap.mmap(fd, BOARD_CELLS, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)

@@ -8,6 +8,7 @@ returns the job that copies the rest in the background.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -26,7 +27,7 @@ from ftmem.client.staging import (
 )
 from ftmem.config import default_shm_dir
 from ftmem.protocol import messages as m
-from ftmem.shm import MappedSegment
+from ftmem.shm import GRANT_READY, MappedSegment, map_board
 
 
 class SlotMappings:
@@ -46,7 +47,28 @@ class SlotMappings:
         self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
         """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
         when the mapping is closed (holding the layout keeps its identity unique)."""
+        self._board: tuple[str, mmap.mmap] | None = None
         self._lock = threading.Lock()
+
+    def grant_ready(self, grant: m.BeginReply) -> bool:
+        """Whether the slot of ``grant`` may be written now: always for an unconditional
+        grant; for a conditional one, once the SMP's grant board says so (a byte read from
+        a read-only mapping, made at the first conditional grant; see
+        :class:`ftmem.shm.GrantBoard`).
+
+        Raises:
+            UnsafePathError, ValueError: the board is not a grant board in this user's
+                private directory (nothing is mapped).
+        """
+        if not grant.board:
+            return True
+        with self._lock:
+            if self._board is None or self._board[0] != grant.board:
+                if self._board is not None:
+                    self._board[1].close()
+                self._board = (grant.board, map_board(Path(grant.board), self.shm_dir))
+            board = self._board[1]
+        return 0 <= grant.cell < len(board) and board[grant.cell] == GRANT_READY
 
     def segment(self, path: str, capacity: int) -> MappedSegment:
         """The mapping of the slot file ``path`` of ``capacity`` bytes (mapped now if new).
@@ -94,6 +116,9 @@ class SlotMappings:
             unregister_pinned(seg)
             seg.close()
         self._segments.clear()
+        if self._board is not None:
+            self._board[1].close()
+            self._board = None
 
 
 def stage(

@@ -330,8 +330,9 @@ class Checkpointer:
 
     def _take_grant(self, total: int, final: bool) -> m.BeginReply | _Refusal | None:
         """The slot the SMP granted to this save with the previous COMMIT's reply, if it
-        holds ``total`` bytes (None: the save asks with a BEGIN, which also gives the grant
-        back). Each grant serves one save.
+        holds ``total`` bytes and, if conditional, the SMP's grant board says it is ready
+        (None: the save asks with a BEGIN, which also gives the grant back). Each grant
+        serves one save.
 
         A new slot file is mapped (and on CUDA page-locked) by the copy thread right after
         the COMMIT; a save that comes sooner waits for that at most ``PREMAP_WAIT_S`` (a small
@@ -344,6 +345,8 @@ class Checkpointer:
         grant, job.grant = job.grant, None
         if grant.action is not m.Decision.WRITE or grant.capacity < total:
             return None
+        if not self._slots.grant_ready(grant):
+            return None  # conditional and not (yet) settled: the BEGIN gives it back
         wait = self.config.request_timeout.total_seconds() if final else PREMAP_WAIT_S
         if not job.premapped.wait(wait):
             job.grant = grant

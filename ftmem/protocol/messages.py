@@ -230,6 +230,11 @@ class BeginReply:
     path: str = ""
     capacity: int = 0
     reason: str = ""
+    board: str = ""
+    """Set for a conditional grant (COMMIT only): the SMP's grant board, whose byte ``cell``
+    says when the slot may be written (:class:`ftmem.shm.GrantBoard`); until then the save
+    asks with a BEGIN."""
+    cell: int = -1
 
 
 @dataclass(frozen=True, slots=True)

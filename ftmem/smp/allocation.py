@@ -92,6 +92,10 @@ class SlotFiles:
         name = shm.slot_file_name(self.run_id, self.node, self.nonce, rank, index, gen)
         return self.shm_dir / name
 
+    def board_path(self) -> Path:
+        """This SMP's grant board (:class:`ftmem.shm.GrantBoard`)."""
+        return self.shm_dir / shm.board_file_name(self.run_id, self.node, self.nonce)
+
     def discard(self, path: Path | str) -> None:
         """Remove a slot file that is being replaced: its commit record first, then its data."""
         records.remove_record(path)

@@ -212,6 +212,7 @@ class SmpDaemon:
                 self.flush.final_flush(self.config.flush_on_stop.total_seconds())
             self.flush.close()
         self.handlers.close()
+        self.store.close()
         self.allocator.close(timeout_s=30)
         if self._sock is not None:
             self._sock.close(linger=0)

@@ -15,14 +15,17 @@ method                    transitions (of :mod:`ftmem.smp.store`'s diagram)
 ``hello``                 WRITING -> FREE (the rank restarted: torn copies)
 ``begin``                 FREE / COMMITTED -> WRITING (its old commit record is removed)
 ``grant``                 FREE / COMMITTED -> GRANTED (at a COMMIT, for the rank's next
-                          save; a verified slot keeps its checksummed record)
+                          save; a verified slot keeps its checksummed record; conditional,
+                          with a grant board cell, while its step may be needed)
+``commit``                also settles other ranks' conditional grants (board: ready)
 ``commit``                WRITING / GRANTED -> COMMITTED, pinned for the hasher
 ``abort``                 WRITING -> FREE
 ``start_resize``          EMPTY / FREE / COMMITTED -> ALLOCATING
 ``finish_resize``         ALLOCATING -> FREE (or EMPTY when the file could not be made)
 ``verify``                unpin (hasher); COMMITTED -> verified (record rewritten), or -> FREE
 ``discard_newer``         COMMITTED -> FREE (newer steps of an abandoned run)
-``pin_step`` / ``unpin``  pins of COMMITTED slots (the exchange and the flush)
+``pin_step`` / ``unpin``  pins of COMMITTED slots (the exchange and the flush); a
+                          conditionally GRANTED one is revoked first (board: revoked)
 ``install_rebuilt``       any unpinned -> ALLOCATING -> COMMITTED (pinned), file written
 ``adopt_left``            EMPTY -> COMMITTED (a previous SMP's records)
 ========================  ===================================================================
@@ -37,12 +40,19 @@ the older step it holds, and a load finds it corrupt if the rank had begun to ov
 Layouts are registered once per rank (:class:`~ftmem.format.layout.RegisteredLayout`, at
 most ``MAX_LAYOUTS`` each, validated when registered); a COMMIT names one by id and the
 verified layout document is rendered from it and the checksums, never parsed again.
+The grant board (:class:`ftmem.shm.GrantBoard`, one byte per rank, made at the first
+conditional grant) is written under the lock too: pending when a conditional grant is made,
+ready when a commit settles it, revoked when a pin takes its slot back. The rank reads its
+byte before writing a conditionally granted slot, so the steady state of several ranks per
+node saving in lockstep still needs one message per save.
+
 The only I/O done outside the lock is writing a rebuilt snapshot into its new slot file (the
 slot is ALLOCATING meanwhile, which nothing else touches).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -123,6 +133,9 @@ class SlotStore:
         self._layouts: dict[int, dict[int, RegisteredLayout]] = {}
         """rank -> layout id -> registered layout (at most MAX_LAYOUTS each)."""
         self._world_size = 0
+        self._board: shm.GrantBoard | None = None
+        self._cells: dict[int, int] = {}
+        """rank -> its byte on the grant board."""
         self._lock = threading.Lock()
 
     # -- ranks and queries -------------------------------------------------------------------
@@ -187,7 +200,7 @@ class SlotStore:
             common: set[int] | None = None
             for r in ranks:
                 rs = self._ranks.get(r)
-                steps = {s.step for s in rs.verified() if s.step is not None} if rs else set()
+                steps = {s.step for s in rs.keepable() if s.step is not None} if rs else set()
                 common = steps if common is None else common & steps
             return sorted(common or (), reverse=True)
 
@@ -241,17 +254,57 @@ class SlotStore:
 
     def grant(self, rank: int, nbytes: int) -> m.BeginReply:
         """Promise a slot of ``nbytes`` to ``rank``'s next save (see :mod:`ftmem.smp.store`):
-        never one holding a step that is, or may be, the newest every rank of this node has
-        committed (``RankSlots.grant``'s ``needed``)."""
+        one holding a step that is, or may be, the newest every rank of this node has
+        committed is granted conditionally, with the rank's cell on the grant board (pending
+        until a commit settles it); without a board (it cannot be made) it is not granted."""
         with self._lock:
             rs = self._rank(rank)
             held = rs.granted()
-            newest = [o.newest() for o in self._ranks.values()]
-            steps = [n.step for n in newest if n is not None and n.step is not None]
-            d = rs.grant(nbytes, needed=min(steps) if steps else None)
+            d = rs.grant(nbytes, needed=self._needed())
             if held is not None and held.state is SlotState.FREE:
                 records.remove_record(held.path)
-            return self._grant_of(rs, d)
+            reply = self._grant_of(rs, d)
+            if rs.grant_after is None:
+                return reply
+            try:
+                board, cell = self._cell(rank)
+            except (OSError, ValueError) as exc:
+                log.warning("[%s/smp] no grant board: %s", self.node, exc)
+                rs.release_grant()
+                return m.BeginReply(m.Decision.SKIP, reason=f"step {rs.grant_after} may be needed")
+            board.set(cell, shm.GRANT_PENDING)
+            return dataclasses.replace(reply, board=str(board.path), cell=cell)
+
+    def _needed(self) -> int | None:
+        """The oldest of the ranks' newest committed steps (ranks with none not counted;
+        None: no rank has one): the newest step every rank of this node may have in common."""
+        newest = [rs.newest() for rs in self._ranks.values()]
+        steps = [n.step for n in newest if n is not None and n.step is not None]
+        return min(steps) if steps else None
+
+    def _cell(self, rank: int) -> tuple[shm.GrantBoard, int]:
+        """The grant board (made now if it is the first) and ``rank``'s cell on it."""
+        if self._board is None:
+            self._board = shm.GrantBoard(self.files.board_path())
+        cell = self._cells.get(rank)
+        if cell is None:
+            if len(self._cells) >= shm.BOARD_CELLS:
+                raise ValueError(f"more than {shm.BOARD_CELLS} ranks on one node")
+            cell = self._cells[rank] = len(self._cells)
+        return self._board, cell
+
+    def _settle(self) -> None:
+        """Mark ready every conditional grant whose step every rank has committed past."""
+        needed = self._needed()
+        for r, rs in self._ranks.items():
+            if rs.settle(needed) and self._board is not None:
+                self._board.set(self._cells[r], shm.GRANT_READY)
+
+    def close(self) -> None:
+        """Remove the grant board (the slot files are the caller's)."""
+        with self._lock:
+            if self._board is not None:
+                self._board.close()
 
     @staticmethod
     def _grant_of(rs: RankSlots, d: Any) -> m.BeginReply:
@@ -323,6 +376,7 @@ class SlotStore:
             self._hash(rs, s, snap)
             rs.progress(step)
             rs.commit_stats(stall_s, copy_s, skipped)
+            self._settle()
             return snap
 
     def abort(self, rank: int, index: int, gen: int) -> None:
@@ -420,17 +474,21 @@ class SlotStore:
     # -- pins: the exchange and the flush ----------------------------------------------------
     def pin_step(self, ranks: Iterable[int], step: int) -> list[RankPiece] | None:
         """Pin every rank's verified slot of ``step``; None (nothing pinned) if a rank has
-        none. Each piece is one pin, given back with :meth:`unpin`."""
+        none. A conditionally granted slot of ``step`` is taken back first (its board cell
+        says revoked, so the rank's next save asks with a BEGIN). Each piece is one pin,
+        given back with :meth:`unpin`."""
         with self._lock:
             chosen: list[tuple[RankSlots, Slot]] = []
             for r in ranks:
                 rs = self._ranks.get(r)
-                found = [s for s in rs.verified() if s.step == step] if rs else []
+                found = [s for s in rs.keepable() if s.step == step] if rs else []
                 if rs is None or not found:
                     return None
                 chosen.append((rs, found[0]))
             pieces = []
             for rs, sl in chosen:
+                if rs.revoke(sl.index) and self._board is not None:
+                    self._board.set(self._cells[rs.rank], shm.GRANT_REVOKED)
                 rs.pin(sl.index)
                 used = (sl.snap or parse_layout(sl.layout, sl.capacity)).used_bytes
                 pieces.append(

@@ -14,7 +14,11 @@ a slot, with the method that makes it (the same name on both classes)::
     FREE ---------------------begin--> WRITING
     COMMITTED / GRANTED ------begin--> WRITING     (not the newest, not pinned)
     FREE / COMMITTED ---------grant--> GRANTED     (at a COMMIT, for the rank's next save:
-                                                    not the newest, not pinned, verified)
+                                                    not the newest, not pinned, verified;
+                                                    conditional while its step may be needed)
+    GRANTED (conditional) ----settle--> GRANTED    (every rank of the node committed past
+                                                    its step: the rank may write it)
+    GRANTED (conditional) ----revoke--> COMMITTED  (a pin wants its step first)
     GRANTED ------------------begin--> COMMITTED   (an explicit BEGIN gives the grant back;
                                                     FREE if a restarted rank asks: maybe torn)
     WRITING / GRANTED --commit--> COMMITTED        (unverified; the hasher pins it meanwhile)
@@ -35,6 +39,13 @@ again (the SMP's reply to the COMMIT of step N grants the slot for N+1: one mess
 save). Until that save commits, the slot may still hold the older step it held (``step``
 set): loads may read it (they check every checksum, so a copy begun meanwhile is seen as
 corrupt, never restored), but it is never pinned, protected or flushed.
+
+A grant is *conditional* (``grant_after`` set) while the step its slot holds may still be the
+newest step every rank of the node has committed: the rank writes the slot only once the SMP
+has marked the grant ready on its grant board (:class:`~ftmem.smp.slot_store.SlotStore`), which
+it does as soon as every rank of the node committed a newer step (``settle``). Until then a pin
+of that step takes the slot back (``revoke``: the board says so, and the rank's save asks with
+a BEGIN instead). Ready is final: a slot the rank may be writing is never taken back.
 
 A COMMITTED slot is *verified* once the SMP has checksummed it (``verified``; the hasher
 pins the slot meanwhile). Only verified snapshots are served to loads, protected and
@@ -165,6 +176,10 @@ class RankSlots:
     """The current process runs under ``ftmem.run`` (it can rejoin a restart in process)."""
     granted_to: int | None = None
     """The pid of the process the GRANTED slot was promised to."""
+    grant_after: int | None = None
+    """Set while the grant is conditional: the step its slot holds, which every rank of the
+    node must have committed past before the rank may write the slot (see the module
+    docstring)."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -180,6 +195,16 @@ class RankSlots:
     def verified(self) -> list[Slot]:
         """Committed and verified slots, newest step first."""
         return [s for s in self.committed() if s.verified]
+
+    def keepable(self) -> list[Slot]:
+        """The verified slots a pin may take, newest step first: the committed ones and a
+        conditionally granted one (a pin revokes its grant, :meth:`revoke`)."""
+        held = self.verified()
+        s = self.granted()
+        if s is not None and self.grant_after is not None and s.verified and s.step is not None:
+            held.append(s)
+            held.sort(key=lambda x: (x.step or 0, x.seq), reverse=True)
+        return held
 
     def unverified(self) -> list[Slot]:
         """Committed slots the SMP has not checksummed yet."""
@@ -281,23 +306,38 @@ class RankSlots:
         """Promise a slot of at least ``nbytes`` to the rank's next save (-> GRANTED); the
         slot keeps the older step it holds until that save commits (see the module
         docstring). A ``resize`` or ``skip`` grants nothing. ``needed``: the newest step
-        every rank of the node has committed; a slot holding that step or a newer one is not
-        granted (``skip``), since the rank would overwrite it unannounced while another rank
-        of the node may still need it as their newest common step (its next save asks with a
-        BEGIN, which the SMP serves in order with the other ranks' commits)."""
+        every rank of the node has committed; a slot holding that step or a newer one is
+        granted conditionally (``grant_after``), since another rank of the node may still
+        need it as their newest common step: the rank writes it only once :meth:`settle`
+        says every rank has committed past it."""
         self.release_grant()
         d = self._choose(nbytes)
-        if d.action == "write" and needed is not None:
-            held = self.slots[d.slot].step
-            if held is not None and held >= needed:
-                return BeginDecision("skip", reason=f"step {held} may still be needed")
         if d.action == "write":
             s = self.slots[d.slot]
             if s.state is SlotState.FREE:
                 s.step, s.layout, s.snap, s.verified = None, "", None, False
             s.state = SlotState.GRANTED
             self.granted_to = self.pid
+            if s.step is not None and needed is not None and s.step >= needed:
+                self.grant_after = s.step
         return d
+
+    def settle(self, needed: int | None) -> bool:
+        """A conditional grant becomes ready once ``needed`` (the newest step every rank of
+        the node has committed) is past its slot's step; True if it just did."""
+        if self.grant_after is None or needed is None or needed <= self.grant_after:
+            return False
+        self.grant_after = None
+        return True
+
+    def revoke(self, index: int) -> bool:
+        """Take back slot ``index`` if it is conditionally granted (-> COMMITTED, its step
+        intact: the rank has not been told it may write it); True if it was."""
+        s = self.slot(index)
+        if s.state is not SlotState.GRANTED or self.grant_after is None:
+            return False
+        s.state, self.grant_after = SlotState.COMMITTED, None
+        return True
 
     def granted(self) -> Slot | None:
         """The slot granted to the rank's next save, if any."""
@@ -309,6 +349,7 @@ class RankSlots:
         it still holds a step. Asked by another process (the rank restarted): FREE, since the
         process that died may have begun to write it."""
         s = self.granted()
+        self.grant_after = None
         if s is not None:
             intact = s.step is not None and self.granted_to == self.pid
             s.state = SlotState.COMMITTED if intact else SlotState.FREE
@@ -354,6 +395,8 @@ class RankSlots:
                 f"commit of step {step} to slot {index} gen {gen} does not match "
                 f"its state {s.state.value} step {s.step} gen {s.gen}"
             )
+        if granted:
+            self.grant_after = None
         self._seq += 1
         s.state, s.step, s.layout, s.snap = SlotState.COMMITTED, step, "", snap
         s.seq, s.verified, s.template = self._seq, False, template
@@ -383,6 +426,8 @@ class RankSlots:
         """Give back a slot whose copy failed (written, or granted: maybe torn either way)."""
         s = self.slot(index)
         if s.state in (SlotState.WRITING, SlotState.GRANTED) and s.gen == gen:
+            if s.state is SlotState.GRANTED:
+                self.grant_after = None
             s.state, s.step, s.layout, s.snap, s.verified = SlotState.FREE, None, "", None, False
 
     def discard_newer(self, step: int) -> list[int]:
@@ -399,6 +444,8 @@ class RankSlots:
         s = self.slot(index)
         if s is self.newest() or s.pinned or s.state in (SlotState.WRITING, SlotState.ALLOCATING):
             raise StoreError(f"slot {index} of rank {self.rank} cannot be resized now")
+        if s.state is SlotState.GRANTED:
+            self.grant_after = None
         s.state, s.step, s.layout, s.snap, s.verified = SlotState.ALLOCATING, None, "", None, False
         return s
 

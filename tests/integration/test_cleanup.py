@@ -17,6 +17,7 @@ import torch
 
 import ftmem
 from ftmem.config import ClientConfig
+from ftmem.shm import board_file_name, new_nonce
 from ftmem.smp.spawn import start_smp
 from ftmem.testing.harness import shm_files
 
@@ -73,6 +74,11 @@ def test_cleanup_lists_and_removes_only_orphans(run_dir: Path, run_id: str) -> N
             else:
                 live_client = c  # keeps its slots mapped
         dead.kill()  # the OOM killer: nothing is cleaned up
+        # grant boards (an SMP of several ranks makes one): the dead one's is an orphan
+        for rid, node in ((dead_id, dead_node), (run_id, live_node)):
+            board = shm / board_file_name(rid, node, new_nonce())
+            fd = os.open(board, os.O_CREAT | os.O_WRONLY, 0o600)
+            os.close(fd)
         orphans, live_files = shm_files(dead_id, shm_dir=shm), shm_files(run_id, shm_dir=shm)
         assert orphans and live_files
         # the host key files of both runs (a killed agent leaves its run's behind)

@@ -49,14 +49,14 @@ def requests(run_dir: Path) -> dict[str, int]:
     return out
 
 
-def verified(run_dir: Path, step: int) -> None:
-    """Until the SMP has checksummed ``step`` of rank 0: at a step's pace (milliseconds
+def verified(run_dir: Path, step: int, rank: int = 0) -> None:
+    """Until the SMP has checksummed ``step`` of ``rank``: at a step's pace (milliseconds
     here, far longer in training) the previous slot is free again when the next COMMIT
     asks for it; a slot the hasher still reads is never granted."""
     deadline = time.monotonic() + 60
     while True:
         with SmpClient(run_dir) as c:
-            if c.status()["ranks"]["0"]["newest_verified"] == step:
+            if c.status()["ranks"][str(rank)]["newest_verified"] == step:
                 return
         assert time.monotonic() < deadline, f"step {step} not verified"
         time.sleep(0.01)
@@ -125,6 +125,54 @@ def test_steady_state_sends_one_message_per_save(ckpt: ftmem.Checkpointer, run_d
     assert sent.get("COMMIT") == 10
     assert sent.get("BEGIN", 0) == 0 and sent.get("PREPARE", 0) == 0
     check_bitwise(run_dir, state, 13)
+
+
+def test_two_ranks_of_a_node_saving_in_lockstep_send_one_message_per_save(
+    smp: SmpProcess, run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks of one node commit each step one after the other (alternating who is
+    first). The first to commit step N may not overwrite its step N-1 yet (the other rank's
+    newest), so its grant is conditional; the other's commit settles it on the grant board, and
+    the next save writes without a BEGIN. Both ranks' newest snapshots restore bitwise."""
+    ckpts, states = [], []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        c = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+        model, opt, bag = make()
+        states.append({"model": model, "optim": opt, "bag": bag})
+        assert c.rank == rank
+        ckpts.append(c)
+    try:
+
+        def step_all(step: int, warm: bool = True) -> None:
+            order = (0, 1) if step % 2 else (1, 0)
+            for r in order:
+                train(states[r]["model"], states[r]["optim"])
+                states[r]["bag"].sd["count"] = step
+                skipped = ckpts[r].save(states[r], step=step).skipped
+                assert not (warm and skipped), (r, step)
+                assert ckpts[r].wait(60)
+            if warm:
+                for r in (0, 1):
+                    verified(run_dir, step, rank=r)
+
+        step_all(1, warm=False)  # the first save of each rank makes its slots
+        for step in (2, 3):  # layouts planned
+            step_all(step)
+        before = requests(run_dir)
+        for step in range(4, 14):
+            step_all(step)
+        after = requests(run_dir)
+        sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert sent.get("COMMIT") == 20
+        assert sent.get("BEGIN", 0) == 0 and sent.get("PREPARE", 0) == 0
+        monkeypatch.setenv("RANK", "1")
+        check_bitwise(run_dir, states[1], 13)
+        monkeypatch.setenv("RANK", "0")
+        check_bitwise(run_dir, states[0], 13)
+    finally:
+        for c in ckpts:
+            c.close()
 
 
 def test_a_state_that_changes_structure_is_snapshotted_as_it_is(

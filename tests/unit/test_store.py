@@ -544,19 +544,39 @@ def test_slot_file_names_map_back_to_one_run_and_node() -> None:
         assert shm.parse_slot_name(name) is None
 
 
-def test_store_never_grants_a_step_another_rank_of_the_node_may_still_need(
-    store: SlotStore, hasher: HashService
+def test_a_step_another_rank_of_the_node_may_still_need_is_granted_only_conditionally(
+    store: SlotStore, hasher: HashService, tmp_path: Path
 ) -> None:
-    """A granted slot is overwritten without a message: while rank 1's newest commit is step 1,
-    rank 0's slot of step 1 may be their newest common step, so it is not granted (rank 0's
-    next save asks with a BEGIN, served in order with rank 1's commits)."""
+    """A granted slot is overwritten without a message: while rank 1's newest commit is step
+    1, rank 0's slot of step 1 may be their newest common step, so its grant is conditional:
+    the board says pending until rank 1 commits step 2, and a pin of step 1 meanwhile takes the
+    slot back (revoked) and keeps step 1 for both ranks. Ready is final."""
+    tmp_path.chmod(0o700)
     allocate(store, 0)
     allocate(store, 1)
     save(store, 1, rank=0)
     save(store, 2, rank=0)
     save(store, 1, rank=1)
     settle(store, hasher)
-    assert store.grant(0, USED).action == "skip"
-    save(store, 2, rank=1)
-    settle(store, hasher)
-    assert store.grant(0, USED).action == "write"
+    g = store.grant(0, USED)
+    assert g.action == "write" and g.board and g.cell >= 0, g
+    board = shm.map_board(Path(g.board), tmp_path)
+    try:
+        assert board[g.cell] == shm.GRANT_PENDING
+        assert store.complete_steps([0, 1]) == [1]  # the granted step 1 still counts
+        pieces = store.pin_step([0, 1], 1)
+        assert pieces is not None and board[g.cell] == shm.GRANT_REVOKED
+        assert [s["state"] for s in slots(store)].count("granted") == 0
+        assert store.grant(0, USED).action == "skip"  # step 1 pinned, step 2 the newest
+        store.unpin(pieces)
+        g2 = store.grant(0, USED)
+        assert g2.action == "write" and g2.board == g.board and board[g2.cell] == shm.GRANT_PENDING
+        save(store, 2, rank=1)
+        assert board[g2.cell] == shm.GRANT_READY
+        settle(store, hasher)
+        assert store.pin_step([0, 1], 1) is None  # a ready grant is never taken back
+        assert store.complete_steps([0, 1]) == [2]
+    finally:
+        board.close()
+    store.close()
+    assert not Path(g.board).exists()
