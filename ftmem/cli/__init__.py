@@ -15,54 +15,51 @@ from typing import Any
 
 from ftmem.config import default_run_dir
 from ftmem.errors import ProtocolError
-from ftmem.exchange.status import ExchangeStatus
+from ftmem.protocol.status import ExchangeStatus, SmpStatus
 
 
 def _fmt_age(t: float | None) -> str:
     return "-" if t is None else f"{time.time() - t:.1f}s ago"
 
 
-def print_status(st: dict[str, Any]) -> None:
-    """Print one SMP's STATUS document as a table."""
+def print_status(st: SmpStatus) -> None:
+    """Print one SMP's STATUS as a table."""
     print(
-        f"node {st['node']}  run {st['run_id']}  smp pid {st['pid']}  up {st['uptime_s']:.0f}s  "
-        f"bad messages {st['bad_messages']}"
+        f"node {st.node}  run {st.run_id}  smp pid {st.pid}  up {st.uptime_s:.0f}s  "
+        f"bad messages {st.bad_messages}"
     )
     print(
         f"{'rank':>5} {'pid':>8} {'committed':>10} {'verified':>9} {'steps':>12} {'held MiB':>9} "
         f"{'snap MiB':>9} {'unshard':>8} "
         f"{'stall ms':>9} {'copy ms':>8} {'skipped':>8} {'progress':>14}"
     )
-    for rank, r in st["ranks"].items():
-        steps = ",".join(str(s) for s in r["committed_steps"]) or "-"
-        newest = "-" if r["newest_committed"] is None else str(r["newest_committed"])
-        verified = r.get("newest_verified")
+    for rank, r in sorted(st.ranks.items()):
+        steps = ",".join(str(s) for s in r.committed_steps) or "-"
+        newest = "-" if r.newest_committed is None else str(r.newest_committed)
+        verified = "-" if r.newest_verified is None else str(r.newest_verified)
         print(
-            f"{rank:>5} {r['pid'] or '-':>8} {newest:>10} {'-' if verified is None else verified:>9} "
-            f"{steps:>12} "
-            f"{r['bytes_held'] / 2**20:>9.1f} {r.get('snapshot_bytes', 0) / 2**20:>9.1f} "
-            f"{r.get('unsharded_bytes', 0) / 2**20:>8.1f} {r['last_stall_s'] * 1e3:>9.2f} "
-            f"{r['last_copy_s'] * 1e3:>8.1f} {r['skipped']:>8} {_fmt_age(r['last_progress_time']):>14}"
+            f"{rank:>5} {r.pid or '-':>8} {newest:>10} {verified:>9} {steps:>12} "
+            f"{r.bytes_held / 2**20:>9.1f} {r.snapshot_bytes / 2**20:>9.1f} "
+            f"{r.unsharded_bytes / 2**20:>8.1f} {r.last_stall_s * 1e3:>9.2f} "
+            f"{r.last_copy_s * 1e3:>8.1f} {r.skipped:>8} {_fmt_age(r.last_progress_time):>14}"
         )
-    skips = {rank: r.get("skips") or {} for rank, r in st["ranks"].items()}
-    for rank, why in skips.items():
-        if why:
-            reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(why.items()))
+    for rank, r in sorted(st.ranks.items()):
+        if r.skips:
+            reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(r.skips.items()))
             print(f"  rank {rank} skipped: {reasons}")
-    try:
-        print_exchange(ExchangeStatus.from_json(st.get("exchange")))
-    except ProtocolError as exc:
-        print(f"erasure coding: unreadable status ({exc})")
-    fl = st.get("flush") or {}
-    if fl.get("enabled"):
-        running = fl.get("running")
+    if st.exchange is None:
+        print("erasure coding: unreadable status")
+    else:
+        print_exchange(st.exchange)
+    fl = st.flush
+    if fl.enabled:
+        running = fl.running
         print(
-            f"disk tiers: {', '.join(fl.get('tiers') or [])}  every {fl.get('every')} steps, "
-            f"keep {fl.get('keep')}; last flushed step {fl.get('last_step')} "
-            f"({fl.get('last_seconds')} s); flushes {fl.get('flushes')}, failures "
-            f"{fl.get('failures')}"
-            + (f"; now step {running.get('step')}: {running.get('stage')}" if running else "")
-            + (f"; last error: {fl['last_error']}" if fl.get("last_error") else "")
+            f"disk tiers: {', '.join(fl.tiers)}  every {fl.every} steps, "
+            f"keep {fl.keep}; last flushed step {fl.last_step} "
+            f"({fl.last_seconds} s); flushes {fl.flushes}, failures {fl.failures}"
+            + (f"; now step {running.step}: {running.stage}" if running else "")
+            + (f"; last error: {fl.last_error}" if fl.last_error else "")
         )
 
 
@@ -225,21 +222,25 @@ def _main(argv: list[str] | None) -> int:
             return 1
     if args.cmd == "status":
         code = 0
-        docs = []
+        docs: list[dict[str, Any]] = []
         for run_dir in args.run_dir:
             try:
                 with SmpClient(run_dir, timeout=timedelta(seconds=args.timeout)) as c:
-                    docs.append(c.status())
+                    docs.append(c.status_document())
             except FtmemError as exc:
                 print(f"ftmem status: {run_dir}: {exc}", file=sys.stderr)
                 code = 1
-        for i, st in enumerate(docs):
+        for i, doc in enumerate(docs):
             if args.json:
-                print(json.dumps(st, indent=2))
-            else:
-                if i:
-                    print()
-                print_status(st)
+                print(json.dumps(doc, indent=2))
+                continue
+            if i:
+                print()
+            try:
+                print_status(SmpStatus.from_json(doc))
+            except ProtocolError as exc:
+                print(f"ftmem status: unreadable status ({exc})", file=sys.stderr)
+                code = 1
         return code
     if args.cmd == "export":
         from ftmem.tiers.export import export_dcp, find_sources, to_safetensors, to_torch_save
@@ -293,7 +294,7 @@ def _main(argv: list[str] | None) -> int:
     return 2
 
 
-def running_smps() -> dict[Path, dict[str, Any]]:
+def running_smps() -> dict[Path, SmpStatus]:
     """The run directories of this user on this host whose SMP answers, with its status
     (looked for under ``/tmp/ftmem-<uid>`` and :func:`~ftmem.config.user_base_dir`)."""
     import socket
@@ -304,7 +305,7 @@ def running_smps() -> dict[Path, dict[str, Any]]:
     from ftmem.protocol.smp_client import SmpClient
 
     bases = {Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}", user_base_dir()}
-    found: dict[Path, dict[str, Any]] = {}
+    found: dict[Path, SmpStatus] = {}
     for base in sorted(bases):
         try:
             dirs = sorted(d for d in base.iterdir() if (d / SOCKET_NAME).is_socket())
@@ -334,12 +335,10 @@ def chosen_run_dirs(run_id: str | None) -> list[Path]:
     if run_id is None and os.environ.get(ENV_RUN_DIR):
         return [default_run_dir()]
     runs = running_smps()
-    chosen = [d for d, st in runs.items() if run_id is None or st.get("run_id") == run_id]
+    chosen = [d for d, st in runs.items() if run_id is None or st.run_id == run_id]
     if chosen:
         return chosen
-    listed = "; ".join(
-        f"run {st.get('run_id')} node {st.get('node')} ({d})" for d, st in runs.items()
-    )
+    listed = "; ".join(f"run {st.run_id} node {st.node} ({d})" for d, st in runs.items())
     what = f"of run {run_id!r} " if run_id is not None else "of yours "
     raise SmpUnavailableError(
         f"no SMP {what}runs on this host"

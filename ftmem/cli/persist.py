@@ -19,45 +19,42 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.config import default_run_dir
+from ftmem.protocol import messages as m
+from ftmem.protocol.status import FlushRunning
 
 _BAR = 24
 
 
 def common_step(run_dirs: list[Path]) -> int | None:
     """The newest step committed by every rank of every SMP in ``run_dirs`` (None: none)."""
-    from ftmem.protocol import messages as m
     from ftmem.protocol.smp_client import SmpClient
 
     common: set[int] | None = None
     for rd in run_dirs:
         with SmpClient(rd, timeout=timedelta(seconds=10)) as c:
-            for rank in c.status()["ranks"]:
-                snaps = c.request(m.Query(rank=int(rank)))["snapshots"]
-                steps = {int(s["step"]) for s in snaps}
+            for rank in c.status().ranks:
+                steps = {s.step for s in c.query(rank)}
                 common = steps if common is None else common & steps
     return max(common) if common else None
 
 
-def _bar(running: dict[str, Any], tiers: list[str]) -> str:
-    stage = str(running.get("stage") or "")
-    tier = int(running.get("tier") or 0)
-    where = Path(tiers[tier]).name if tier < len(tiers) else "?"
-    done, total = running.get("done"), running.get("total")
-    if not isinstance(done, int) or not isinstance(total, int) or total <= 0:
-        return f"{stage} {where}"
+def _bar(running: FlushRunning, tiers: list[str]) -> str:
+    where = Path(tiers[running.tier]).name if running.tier < len(tiers) else "?"
+    done, total = running.done, running.total
+    if done is None or total is None or total <= 0:
+        return f"{running.stage} {where}"
     frac = min(1.0, done / total)
     fill = int(frac * _BAR)
-    if running.get("unit") == "ranks":
+    if running.unit == "ranks":
         amount = f"{done}/{total} ranks"
     else:
         amount = f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB"
-    return f"{stage:<18} [{'#' * fill}{'.' * (_BAR - fill)}] {frac:4.0%} {amount} ({where})"
+    return f"{running.stage:<18} [{'#' * fill}{'.' * (_BAR - fill)}] {frac:4.0%} {amount} ({where})"
 
 
 def run_flush(args: argparse.Namespace) -> int:
     """Flush the same step on every SMP of ``args.run_dir``; print the durable paths."""
     from ftmem.errors import FtmemError
-    from ftmem.protocol import messages as m
     from ftmem.protocol.smp_client import SmpClient
 
     run_dirs: list[Path] = list(args.run_dir or [default_run_dir()])
@@ -80,7 +77,7 @@ def run_flush(args: argparse.Namespace) -> int:
     def ask(rd: Path, box: dict[str, Any]) -> None:
         try:
             with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
-                box["ok"] = c.request(m.Flush(step=step, tier=args.tier))
+                box["ok"] = c.call(m.Flush(step=step, tier=args.tier), m.FlushReply)
         except FtmemError as exc:
             box["error"] = exc
         finally:
@@ -102,14 +99,14 @@ def run_flush(args: argparse.Namespace) -> int:
         for rd in run_dirs:
             try:
                 with SmpClient(rd, timeout=timedelta(seconds=2)) as c:
-                    fl = c.status().get("flush", {})
+                    fl = c.status().flush
             except FtmemError:
                 continue
-            running = fl.get("running")
-            if not running:
+            running = fl.running
+            if running is None:
                 continue
-            line = f"[{time.monotonic() - t0:6.1f}s] {rd.name} step {running.get('step')}: "
-            line += _bar(running, list(fl.get("tiers") or []))
+            line = f"[{time.monotonic() - t0:6.1f}s] {rd.name} step {running.step}: "
+            line += _bar(running, list(fl.tiers))
             if line.split("] ", 1)[1] != shown.get(rd):
                 shown[rd] = line.split("] ", 1)[1]
                 print(("\r" if tty and len(run_dirs) == 1 else "") + line, file=sys.stderr)
@@ -121,12 +118,11 @@ def run_flush(args: argparse.Namespace) -> int:
             print(f"ftmem flush: {rd}: {box['error']}", file=sys.stderr)
             code = 1
             continue
-        res = box["ok"]
-        for path in res.get("paths", []):
+        res: m.FlushReply = box["ok"]
+        for path in res.paths:
             print(path)
         print(
-            f"{rd.name}: step {res.get('step')} durable in {len(res.get('paths', []))} tier(s) "
-            f"after {res.get('seconds')} s",
+            f"{rd.name}: step {res.step} durable in {len(res.paths)} tier(s) after {res.seconds} s",
             file=sys.stderr,
         )
     return code

@@ -86,10 +86,10 @@ class SnapshotLoader:
         """
         allow = allow_fresh_start
         client = self._client
-        snaps = client.request(m.Query(rank=self._rank))["snapshots"]
+        snaps = client.query(self._rank)
         excluded: set[int] = set()
         for _ in range(agreement.MAX_CANDIDATES + 1):
-            mine = [int(s["step"]) for s in snaps if int(s["step"]) not in excluded]
+            mine = [s.step for s in snaps if s.step not in excluded]
             everyone = agreement.gather_candidates(mine)
             step = agreement.newest_common(everyone)
             if step is None:
@@ -136,7 +136,7 @@ class SnapshotLoader:
                         "ftmem-launch --ftmem-checkfree (CheckFree)"
                     )
                 raise InconsistentSnapshotError(msg)
-            snap = next(s for s in snaps if int(s["step"]) == step)
+            snap = next(s for s in snaps if s.step == step)
             agreed, err = self._restore(state, snap, step)
             if agreed == _OK:
                 client.request(m.DiscardNewer(rank=self._rank, step=step))
@@ -157,7 +157,7 @@ class SnapshotLoader:
     def _restore(
         self,
         state: MutableMapping[str, Any],
-        snap: dict[str, Any] | None,
+        snap: m.SnapshotInfo | None,
         step: int,
         single_stage: bool = False,
     ) -> tuple[int, str]:
@@ -190,7 +190,10 @@ class SnapshotLoader:
         return agreed, err
 
     def _load_checkfree(
-        self, state: MutableMapping[str, Any], everyone: list[list[int]], snaps: list[Any]
+        self,
+        state: MutableMapping[str, Any],
+        everyone: list[list[int]],
+        snaps: list[m.SnapshotInfo],
     ) -> int:
         """(``--ftmem-checkfree``) Some ranks hold snapshots and others none, in memory and on
         disk: the holders restore the newest step they all hold, then the lost ranks' pipeline
@@ -204,7 +207,7 @@ class SnapshotLoader:
         step = agreement.newest_common([c for c in everyone if c])
         agreed, err = _CORRUPT, "the ranks holding snapshots share no step"
         if step is not None:  # the same on every rank: they all take part in the agreements
-            snap = None if self._rank in lost else next(s for s in snaps if int(s["step"]) == step)
+            snap = None if self._rank in lost else next(s for s in snaps if s.step == step)
             agreed, err = self._restore(state, snap, step, single_stage=True)
         if step is None or agreed != _OK:
             raise InconsistentSnapshotError(
@@ -298,15 +301,15 @@ class SnapshotLoader:
         return None
 
     def _prepare_restore(
-        self, state: MutableMapping[str, Any], snap: dict[str, Any]
+        self, state: MutableMapping[str, Any], snap: m.SnapshotInfo
     ) -> tuple[int, Any, Any, str]:
         try:
-            seg = self._segment_of(str(snap["path"]), int(snap["capacity"]))
-            stored = parse_layout(str(snap["layout"]), int(snap["capacity"]))
+            seg = self._segment_of(snap.path, snap.capacity)
+            stored = parse_layout(snap.layout, snap.capacity)
             objects = read_objects(stored, seg.view)  # the tensors are checked as they are copied
             return _OK, self._check_group(plan_restore(state, stored, objects)), seg, ""
         except (CorruptSnapshotError, OSError, ValueError) as exc:
-            log.error("snapshot of step %s is corrupt: %s", snap.get("step"), exc)
+            log.error("snapshot of step %s is corrupt: %s", snap.step, exc)
             return _CORRUPT, None, None, str(exc)
         except SnapshotMismatchError as exc:
             return _MISMATCH, None, None, str(exc)
@@ -316,7 +319,7 @@ class SnapshotLoader:
         SMP holds (same shared memory), so their rows are copied, not sent over the network."""
         if not agreement.distributed():
             return None
-        here = {int(r) for r in self._client.status().get("ranks", {})}
+        here = set(self._client.status().ranks)
         group = self._group if self._group is not None else torch.distributed.group.WORLD
         assert group is not None
 
@@ -324,12 +327,10 @@ class SnapshotLoader:
             g = torch.distributed.get_global_rank(group, k)
             if g not in here:
                 return None
-            for snap in self._client.request(m.Query(rank=g))["snapshots"]:
-                if int(snap["step"]) == step:
-                    path, cap = str(snap["path"]), int(snap["capacity"])
-                    return self._segment_of(path, cap), parse_layout(
-                        str(snap["layout"]), cap
-                    ).tensors
+            for snap in self._client.query(g):
+                if snap.step == step:
+                    seg = self._segment_of(snap.path, snap.capacity)
+                    return seg, parse_layout(snap.layout, snap.capacity).tensors
             return None
 
         return find

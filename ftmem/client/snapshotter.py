@@ -156,8 +156,8 @@ class Checkpointer:
     def _connect(self) -> SmpClient:
         if self._client is None:
             client = SmpClient(self.config.run_dir, self.config.request_timeout)
-            info = client.request(self._hello())
-            self._slots.shm_dir = Path(str(info.get("shm_dir", "/dev/shm")))
+            info = client.call(self._hello(), m.HelloReply)
+            self._slots.shm_dir = Path(info.shm_dir)
             self._client = client
             self._worker = CopyWorker(self.config.run_dir, self.config.request_timeout)
         return self._client

@@ -45,11 +45,11 @@ and rebuilds its own share (its data and its parity), independently of the other
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ftmem.errors import UnrecoverableError
+from ftmem.protocol.peer import FragmentKind
 
 ALIGN = 64
 """Chunk sizes are rounded up to this many bytes (ISA-L works on aligned vectors)."""
@@ -268,13 +268,6 @@ def parity_bytes_per_node(
         for node in s.holders:
             held[node] += s.chunk_bytes + header_bytes
     return held
-
-
-class FragmentKind(enum.Enum):
-    """What a fetched fragment is: a byte range of a node's snapshot, or a stored parity fragment."""
-
-    DATA = "data"
-    PARITY = "parity"
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ protector reads them (``memoryview`` or :class:`SegmentedBytes`) until :meth:`fo
 step. Messages of kinds the protector does not know go to ``on_other`` (the SMP's exchange
 service uses this for its own agreement messages).
 
-Messages are the typed dataclasses of messages.py: :meth:`GroupProtector.handle` validates
+Messages are the typed dataclasses of :mod:`ftmem.protocol.peer`: :meth:`GroupProtector.handle` validates
 each one (:meth:`Envelope.parse`) and dispatches on its type; a malformed message, one of an
 earlier epoch or one from outside the group is logged, counted in ``dropped`` and ignored.
 
@@ -51,10 +51,8 @@ from typing import Any
 from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, ProtocolError
-from ftmem.exchange import messages as pm
 from ftmem.exchange.codec import EncodedStripe, StripeCodec
 from ftmem.exchange.encode_pool import EncodePool
-from ftmem.exchange.messages import Envelope
 from ftmem.exchange.outbox import Outbox
 from ftmem.exchange.placement import GroupPlan, StripePlan, chunk_bytes_for, stripe_map
 from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder, RebuildMeta
@@ -67,7 +65,9 @@ from ftmem.exchange.steps import (
     physical_memory,
 )
 from ftmem.exchange.stripe_encoder import StripeEncoder
-from ftmem.exchange.transport import PeerMessage, PeerTransport
+from ftmem.exchange.transport import PeerTransport
+from ftmem.protocol import peer as pm
+from ftmem.protocol.peer import Envelope, PeerMessage
 
 log = get_logger(__name__)
 

@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
-from ftmem.exchange import messages as pm
 from ftmem.exchange import seals
 from ftmem.exchange.placement import (
     Fetch,
-    FragmentKind,
     StripePlan,
     StripeRebuild,
     rebuild_plan,
     stripe_map,
 )
 from ftmem.exchange.segments import SegmentedBytes
+from ftmem.protocol import peer as pm
+from ftmem.protocol.peer import FragmentKind
 
 if TYPE_CHECKING:
     from collections.abc import Callable

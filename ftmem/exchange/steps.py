@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError
-from ftmem.exchange import messages as pm
 from ftmem.exchange.placement import StripePlan
 from ftmem.exchange.seals import Seal
 from ftmem.exchange.segments import SegmentedBytes
+from ftmem.protocol import peer as pm
 
 log = get_logger(__name__)
 

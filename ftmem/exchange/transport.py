@@ -14,26 +14,18 @@ One thread owns a transport: the SMP's exchange thread. Implementations: zmq_tra
 checksummed before ``recv`` returns it, and its ``sender`` is the node whose key the
 connection authenticated (a message claiming another name is dropped); bad messages are
 dropped and counted. A transport does not read headers beyond that: what they mean, and
-their validation, is messages.py's.
+their validation, is :mod:`ftmem.protocol.peer`'s.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ftmem.protocol.peer import PeerMessage
 
 if TYPE_CHECKING:
     from ftmem.exchange.keys import CurveKeyPair
-
-
-@dataclass(frozen=True, slots=True)
-class PeerMessage:
-    """One message from a peer: who sent it, a small JSON header, and raw buffers."""
-
-    sender: str
-    header: dict[str, Any]
-    buffers: list[memoryview]
 
 
 class PeerTransport(ABC):

@@ -49,9 +49,9 @@ from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange import data_channel, data_mac
 from ftmem.exchange import keys as _keys
 from ftmem.exchange.keys import CurveKeyPair
-from ftmem.exchange.messages import PeerAddress
-from ftmem.exchange.transport import PeerMessage, PeerTransport
+from ftmem.exchange.transport import PeerTransport
 from ftmem.protocol import messages as m
+from ftmem.protocol.peer import PeerAddress, PeerMessage
 from ftmem.protocol.wire import decode, encode
 
 log = logging.getLogger(__name__)

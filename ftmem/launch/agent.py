@@ -51,7 +51,6 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
-from ftmem.exchange.status import ExchangeState
 from ftmem.launch.config import (
     FtmemLaunchConfig,
 )
@@ -73,7 +72,6 @@ from ftmem.launch.monitor import (
     EventLog,
     NoProgressGuard,
     RankProcess,
-    RankProgress,
     StatusPoller,
     all_resumed,
     min_committed,
@@ -93,6 +91,7 @@ from ftmem.launch.report import report_resumed, tail_lines
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
 from ftmem.launch.workers import describe_exit, rank_env
+from ftmem.protocol.status import ExchangeState, RankProgress
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +171,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
         if ftmem.metrics_port:
-            counted = AgentMetrics(smp.node, self._poller.raw)
+            counted = AgentMetrics(smp.node, self._poller.status)
             self.events.listeners.append(counted.observe)
             self.metrics = MetricsServer(counted, ftmem.metrics_port, ftmem.metrics_addr)
 

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.launch.elastic_compat import detach_handlers, live_handlers
-from ftmem.launch.monitor import RankProcess, RankProgress, current_progress
+from ftmem.launch.monitor import RankProcess, current_progress
 from ftmem.launch.workers import proc_state
 from ftmem.protocol.rejoin import RejoinOrder, write_order
+from ftmem.protocol.status import RankProgress
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,15 @@ from typing import Any
 
 import psutil
 
+from ftmem.protocol.status import SmpStatus
+
 log = logging.getLogger(__name__)
 
 RESTART_CAUSES = ("rank_exit", "hang", "smp_died", "exchange_failed", "membership")
 """The ``cause`` label of ``ftmem_restarts_total``."""
 
-StatusSource = Callable[[], "tuple[float, dict[str, Any]] | None"]
-"""Returns the newest SMP status document and when it was fetched, or None."""
+StatusSource = Callable[[], "tuple[float, SmpStatus] | None"]
+"""Returns the newest SMP status and when it was fetched, or None."""
 
 
 class AgentMetrics:
@@ -103,25 +105,15 @@ class AgentMetrics:
         latest = self._status()
         if latest is None:
             return
-        fetched, doc = latest
+        fetched, status = latest
         g = gauge("ftmem_status_time_seconds", "When the SMP status behind these was fetched")
         g.add_metric([node], fetched)
         yield g
-        yield from _rank_metrics(node, doc, gauge, counter)
-        yield from _smp_metrics(node, doc, gauge, counter)
+        yield from _rank_metrics(node, status, gauge, counter)
+        yield from _smp_metrics(node, status, gauge, counter)
 
 
-def _part(doc: dict[str, Any], key: str) -> dict[str, Any]:
-    value = doc.get(key)
-    return value if isinstance(value, dict) else {}
-
-
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _rank_metrics(node: str, doc: dict[str, Any], gauge: Any, counter: Any) -> Iterator[Any]:
-    ranks = _part(doc, "ranks")
+def _rank_metrics(node: str, status: SmpStatus, gauge: Any, counter: Any) -> Iterator[Any]:
     per_rank = {
         "newest_committed": gauge("ftmem_committed_step", "Newest committed step", ("rank",)),
         "newest_verified": gauge("ftmem_verified_step", "Newest checksummed step", ("rank",)),
@@ -138,57 +130,51 @@ def _rank_metrics(node: str, doc: dict[str, Any], gauge: Any, counter: Any) -> I
     }
     commits = counter("ftmem_snapshot_commits", "Committed snapshots", ("rank",))
     skips = counter("ftmem_snapshots_skipped", "Skipped snapshots, by reason", ("rank", "reason"))
-    for rank, entry in sorted(ranks.items()):
-        if not isinstance(entry, dict):
-            continue
+    for rank, entry in sorted(status.ranks.items()):
         for key, family in per_rank.items():
-            value = _num(entry.get(key))
+            value = getattr(entry, key)
             if value is not None:
-                family.add_metric([node, str(rank)], value)
-        commits.add_metric([node, str(rank)], _num(entry.get("commits")) or 0.0)
-        for reason, count in (entry.get("skips") or {}).items():
-            skips.add_metric([node, str(rank), str(reason)], _num(count) or 0.0)
+                family.add_metric([node, str(rank)], float(value))
+        commits.add_metric([node, str(rank)], float(entry.commits))
+        for reason, count in entry.skips.items():
+            skips.add_metric([node, str(rank), reason], float(count))
     yield from per_rank.values()
     yield commits
     yield skips
 
 
-def _smp_metrics(node: str, doc: dict[str, Any], gauge: Any, counter: Any) -> Iterator[Any]:
-    pid = _num(doc.get("pid"))
-    if pid is not None:
-        try:
-            rss = psutil.Process(int(pid)).memory_info().rss
-        except (psutil.Error, OSError):
-            rss = None
-        if rss is not None:
-            g = gauge("ftmem_smp_rss_bytes", "Resident memory of the node's SMP process")
-            g.add_metric([node], rss)
-            yield g
-    exchange = _part(doc, "exchange")
-    if exchange.get("enabled"):
-        for key, name, what in (
-            ("protected_step", "ftmem_protected_step", "Newest step protected by erasure coding"),
-            ("parity_bytes", "ftmem_parity_bytes", "Parity bytes this node holds"),
-            ("last_protect_s", "ftmem_protect_seconds", "Last protection round's time"),
+def _smp_metrics(node: str, status: SmpStatus, gauge: Any, counter: Any) -> Iterator[Any]:
+    try:
+        rss = psutil.Process(status.pid).memory_info().rss
+    except (psutil.Error, OSError):
+        rss = None
+    if rss is not None:
+        g = gauge("ftmem_smp_rss_bytes", "Resident memory of the node's SMP process")
+        g.add_metric([node], rss)
+        yield g
+    ex = status.exchange
+    if ex is not None and ex.enabled:
+        for value, name, what in (
+            (ex.protected_step, "ftmem_protected_step", "Newest step protected by erasure coding"),
+            (ex.parity_bytes, "ftmem_parity_bytes", "Parity bytes this node holds"),
+            (ex.last_protect_s, "ftmem_protect_seconds", "Last protection round's time"),
         ):
-            value = _num(exchange.get(key))
             if value is not None:
                 g = gauge(name, what)
-                g.add_metric([node], value)
+                g.add_metric([node], float(value))
                 yield g
-    flush = _part(doc, "flush")
-    if flush.get("enabled"):
-        value = _num(flush.get("last_step"))
-        if value is not None:
+    flush = status.flush
+    if flush.enabled:
+        if flush.last_step is not None:
             g = gauge("ftmem_flushed_step", "Newest step flushed to the disk tiers")
-            g.add_metric([node], value)
+            g.add_metric([node], float(flush.last_step))
             yield g
-        for key, name, what in (
-            ("flushes", "ftmem_flushes", "Flushes completed"),
-            ("failures", "ftmem_flush_failures", "Flushes failed"),
+        for value, name, what in (
+            (flush.flushes, "ftmem_flushes", "Flushes completed"),
+            (flush.failures, "ftmem_flush_failures", "Flushes failed"),
         ):
             c = counter(name, what)
-            c.add_metric([node], _num(flush.get(key)) or 0.0)
+            c.add_metric([node], float(value))
             yield c
 
 

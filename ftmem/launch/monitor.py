@@ -21,65 +21,13 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from ftmem.events import EventLog as EventLog  # re-exported: agent.py, report.py
-from ftmem.exchange.status import ExchangeStatus
+from ftmem.protocol.status import ExchangeStatus, RankProgress, SmpStatus
 
 log = logging.getLogger(__name__)
 
 _FAST_POLL_S = 0.1
-
-
-@dataclass(frozen=True, slots=True)
-class RankProgress:
-    """One rank's entry in the SMP status."""
-
-    rank: int
-    pid: int | None
-    last_progress_time: float | None
-    last_progress_step: int | None
-    newest_committed: int | None
-    hello_time: float | None = None
-    """When this incarnation of the rank first spoke to the SMP (``ftmem.load``/``save``)."""
-    restored_time: float | None = None
-    """When its ``ftmem.load`` finished (None: it restored nothing yet)."""
-    restored_step: int | None = None
-    """The step its ``ftmem.load`` restored."""
-    first_progress_time: float | None = None
-    """Its first progress report (save or heartbeat) after its hello."""
-    in_process: bool = False
-    """It runs under ``ftmem.run``: at a restart it can rejoin in process."""
-
-    @staticmethod
-    def from_status(status: dict[str, Any]) -> dict[int, RankProgress]:
-        """Parse the ``ranks`` part of an SMP status reply (unknown fields are ignored)."""
-        out: dict[int, RankProgress] = {}
-        for key, entry in (status.get("ranks") or {}).items():
-            if not isinstance(entry, dict):
-                continue
-            rank = int(key)
-            out[rank] = RankProgress(
-                rank=rank,
-                pid=_opt_int(entry.get("pid")),
-                last_progress_time=_opt_float(entry.get("last_progress_time")),
-                last_progress_step=_opt_int(entry.get("last_progress_step")),
-                newest_committed=_opt_int(entry.get("newest_committed")),
-                hello_time=_opt_float(entry.get("hello_time")),
-                restored_time=_opt_float(entry.get("restored_time")),
-                restored_step=_opt_int(entry.get("restored_step")),
-                first_progress_time=_opt_float(entry.get("first_progress_time")),
-                in_process=entry.get("in_process") is True,
-            )
-        return out
-
-
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +177,7 @@ class StatusPoller:
         self._lock = threading.Lock()
         self._latest: tuple[float, dict[int, RankProgress]] | None = None
         self._exchange: tuple[float, ExchangeStatus] | None = None
-        self._raw: tuple[float, dict[str, Any]] | None = None
+        self._status: tuple[float, SmpStatus] | None = None
         self._thread: threading.Thread | None = None
         self._failing = False
         self._fast = threading.Event()
@@ -263,10 +211,10 @@ class StatusPoller:
         with self._lock:
             return self._exchange
 
-    def raw(self) -> tuple[float, dict[str, Any]] | None:
-        """The newest status document as the SMP sent it, with when it was fetched (metrics)."""
+    def status(self) -> tuple[float, SmpStatus] | None:
+        """The newest status, whole, with when it was fetched (metrics)."""
         with self._lock:
-            return self._raw
+            return self._status
 
     def set_fast(self, fast: bool) -> None:
         """Poll every 0.1 s (while a recovery is timed) instead of every ``interval``."""
@@ -280,7 +228,7 @@ class StatusPoller:
         with self._lock:
             self._latest = None
             self._exchange = None
-            self._raw = None
+            self._status = None
 
     def fetch(self) -> dict[int, RankProgress] | None:
         """Ask the SMP now (from the calling thread); None if it does not answer."""
@@ -298,16 +246,13 @@ class StatusPoller:
         if self._failing:
             log.info("SMP status available again")
         self._failing = False
-        progress = RankProgress.from_status(status)
-        try:
-            exchange: ExchangeStatus | None = ExchangeStatus.from_json(status.get("exchange"))
-        except FtmemError:  # ProtocolError: keep the progress, drop the exchange part
-            exchange = None
+        progress = dict(status.ranks)
+        exchange = status.exchange
         now = time.time()
         with self._lock:
             self._latest = (now, progress)
             self._exchange = None if exchange is None else (now, exchange)
-            self._raw = (now, status)
+            self._status = (now, status)
         return progress
 
     def _run(self) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
-from ftmem.exchange.status import ExchangeState, ExchangeStatus, SyncReply
+from ftmem.protocol.status import ExchangeState, SyncReply
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
         FtmemError: the entry is malformed, fails its MAC, or is of another generation or node.
     """
     from ftmem.errors import ProtocolError
-    from ftmem.exchange.messages import parse_endpoint
+    from ftmem.protocol.peer import parse_endpoint
 
     try:
         doc = json.loads(raw)
@@ -220,8 +220,10 @@ def _start_showing_progress(
             if not t.is_alive():
                 break
             try:  # ProtocolError (a malformed status) is an FtmemError too
-                ex = ExchangeStatus.from_json(status.status().get("exchange"))
+                ex = status.status().exchange
             except FtmemError:
+                continue
+            if ex is None:
                 continue
             prog = ex.rebuild_progress
             if ex.state is ExchangeState.REBUILDING and prog is not None:
@@ -256,7 +258,7 @@ def join_generation(
     warned: list[bool],
 ) -> dict[str, Any] | None:
     """Run steps 1-4 of the module docstring; return the sync result (None: EC off): the
-    fields of :class:`~ftmem.exchange.status.SyncReply` plus ``seconds``.
+    fields of :class:`~ftmem.protocol.status.SyncReply` plus ``seconds``.
 
     Raises:
         UnrecoverableError: more than m nodes of a group lost their snapshots.
@@ -273,16 +275,17 @@ def join_generation(
     job = keys.CurveKeyPair.from_json(job_keys(settings, store, group_rank, warned))
     pair = job.with_node(keys.generate()).to_json()
     with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
-        bound = smp.request(
+        bound = smp.call(
             m.PeerBind(
                 keys=pair,
                 host=settings.host,
                 me=me,
                 encrypt=settings.encrypt,
                 encode_workers=settings.encode_workers,
-            )
+            ),
+            m.PeerBound,
         )
-        store.set(f"{_PEER_KEY}/{me}", peer_entry(job, generation, me, str(bound["endpoint"])))
+        store.set(f"{_PEER_KEY}/{me}", peer_entry(job, generation, me, bound.endpoint))
         raw = store.multi_get([f"{_PEER_KEY}/{i}" for i in range(nodes)])
         endpoints = {
             str(i): read_peer_entry(job, bytes(v), generation, i) for i, v in enumerate(raw)
@@ -294,7 +297,7 @@ def join_generation(
             nodes,
             parity,
             me,
-            bound["endpoint"],
+            bound.endpoint,
         )
         start = m.PeerStart(
             epoch=generation,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, RankProgress, find_hangs
+from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, find_hangs
 from ftmem.launch.workers import kill_rank, proc_state
+from ftmem.protocol.status import RankProgress
 
 # The agent's logger: these lines are the agent's (as in report.py and standby.py).
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ftmem.launch.monitor import EventLog, RankProcess, RankProgress, current_progress
+from ftmem.launch.monitor import EventLog, RankProcess, current_progress
+from ftmem.protocol.status import RankProgress
 
 log = logging.getLogger(__name__)
 

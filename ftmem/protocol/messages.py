@@ -254,6 +254,63 @@ class Prepared:
 
 
 @dataclass(frozen=True, slots=True)
+class HelloReply:
+    """The answer to HELLO: the SMP's pid and identity, the slots per rank, and the directory
+    its slot files live in (the rank maps only files directly in it)."""
+
+    pid: int
+    node: str
+    run_id: str
+    slots: int
+    shm_dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class PingReply:
+    """The answer to PING: the SMP's pid."""
+
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """One verified snapshot of a rank the SMP holds: its step, slot (generation ``gen``),
+    file ``path`` of ``capacity`` bytes, and its layout document (with every checksum)."""
+
+    step: int
+    slot: int
+    gen: int
+    path: str
+    capacity: int
+    layout: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueryReply:
+    """The answer to QUERY: the rank's verified snapshots, newest step first."""
+
+    snapshots: list[SnapshotInfo]
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReply:
+    """The answer to FLUSH: the step made durable, the paths written (one per tier) and how
+    long it took."""
+
+    step: int
+    paths: list[str]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBound:
+    """The answer to PEER_BIND: the endpoint this node's peer port is bound to (the reply to
+    PEER_START is :class:`ftmem.protocol.status.SyncReply`)."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to every request: ``ok`` plus fields, or ``ok=False`` and ``error``."""
 

@@ -6,7 +6,7 @@ import itertools
 import json
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -15,10 +15,13 @@ from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME
 from ftmem.errors import ProtocolError, SmpRequestError, SmpUnavailableError, UnsafePathError
 from ftmem.protocol import messages as m
+from ftmem.protocol.status import SmpStatus
 from ftmem.protocol.wire import decode, encode
 from ftmem.secure_fs import check_dir, read_private_file
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 _SLICE_MS = 200  # how often a waiting request checks that the SMP process still exists
 
@@ -116,8 +119,25 @@ class SmpClient:
                 f"the SMP (pid {self.smp_pid}) serving {self.run_dir} is gone"
             )
 
-    def status(self) -> dict[str, Any]:
-        """Return the SMP's STATUS document."""
+    def call(self, payload: Any, reply: type[T], timeout: timedelta | None = None) -> T:
+        """Send one request and return its typed reply ``reply`` (e.g. ``m.HelloReply``).
+
+        Raises:
+            ProtocolError: the reply does not fit ``reply``; otherwise as :meth:`request`.
+        """
+        typed: T = m.parse_reply(reply, self.request(payload, timeout))
+        return typed
+
+    def query(self, rank: int) -> list[m.SnapshotInfo]:
+        """``rank``'s verified snapshots the SMP holds, newest step first."""
+        return self.call(m.Query(rank=rank), m.QueryReply).snapshots
+
+    def status(self) -> SmpStatus:
+        """The SMP's STATUS, typed (:class:`~ftmem.protocol.status.SmpStatus`)."""
+        return SmpStatus.from_json(self.request(m.Status()))
+
+    def status_document(self) -> dict[str, Any]:
+        """The SMP's STATUS as the JSON document it sent (``ftmem status`` prints it)."""
         return self.request(m.Status())
 
     def close(self) -> None:

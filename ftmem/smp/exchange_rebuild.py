@@ -22,7 +22,7 @@ from typing import Any
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
-from ftmem.exchange.status import ExchangeState
+from ftmem.protocol.status import ExchangeState
 from ftmem.smp.exchange_state import ExchangeContext, PinnedStep
 from ftmem.smp.store import MAX_SLOT_BYTES, StoreError
 

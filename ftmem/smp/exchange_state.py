@@ -22,11 +22,11 @@ from typing import Any
 from ftmem import shm
 from ftmem._logging import get_logger
 from ftmem.events import EventLog
-from ftmem.exchange import messages as pm
 from ftmem.exchange.placement import GroupPlan
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
-from ftmem.exchange.status import ExchangeState, ExchangeStatus
+from ftmem.protocol import peer as pm
+from ftmem.protocol.status import ExchangeState, ExchangeStatus
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ftmem._logging import get_logger
 from ftmem.exchange.placement import GroupPlan
-from ftmem.exchange.status import ExchangeState
+from ftmem.protocol.status import ExchangeState
 from ftmem.smp.exchange_commands import Result, StartCommand
 from ftmem.smp.exchange_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
 from ftmem.smp.exchange_state import ExchangeContext

@@ -27,6 +27,7 @@ from typing import Any
 
 from ftmem._logging import get_logger
 from ftmem.events import EventLog
+from ftmem.protocol import messages as m
 from ftmem.protocol.flush_jobs import (
     AssembleJob,
     FlushJob,
@@ -470,7 +471,7 @@ class FlushService:
             )
         else:
             log.error("[%s/flush] flush of step %d failed: %s", self.node, run.step, done.error)
-        data = {"step": run.step, "paths": list(done.paths), "seconds": round(seconds, 3)}
+        data = m.to_fields(m.FlushReply(run.step, list(done.paths), round(seconds, 3)))
         for w in run.waiters:
             self.on_reply(w.token, done.ok, data, done.error)
 

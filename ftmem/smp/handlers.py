@@ -25,9 +25,9 @@ from ftmem._logging import get_logger
 from ftmem.config import SmpConfig
 from ftmem.errors import ProtocolError
 from ftmem.events import EventLog
-from ftmem.exchange import messages as pm
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
 from ftmem.protocol import messages as m
+from ftmem.protocol import peer as pm
 from ftmem.smp.allocation import Allocator, AllocJob
 from ftmem.smp.flush_scheduler import FlushRequest, FlushService
 from ftmem.smp.hashing import HashService
@@ -237,7 +237,7 @@ class RequestHandlers:
 
     # -- a rank's life -----------------------------------------------------------------------
     def _ping(self, req: Request, p: m.Ping) -> m.Reply:
-        return m.Reply(ok=True, data={"pid": os.getpid()})
+        return _reply(m.PingReply(os.getpid()))
 
     def _hello(self, req: Request, p: m.Hello) -> m.Reply:
         torn = self.store.hello(
@@ -251,16 +251,7 @@ class RequestHandlers:
             "hello", rank=p.rank, pid=p.pid, torn=torn, in_process=p.in_process, rejoined=p.rejoined
         )
         cfg = self.config
-        return m.Reply(
-            ok=True,
-            data={
-                "pid": os.getpid(),
-                "node": cfg.node,
-                "run_id": cfg.run_id,
-                "slots": cfg.slots,
-                "shm_dir": str(cfg.shm_dir),
-            },
-        )
+        return _reply(m.HelloReply(os.getpid(), cfg.node, cfg.run_id, cfg.slots, str(cfg.shm_dir)))
 
     def _heartbeat(self, req: Request, p: m.Heartbeat) -> m.Reply:
         _check_step(p.step)
@@ -477,5 +468,5 @@ def _grant_reply(g: m.BeginReply) -> m.Reply:
     return _reply(g)
 
 
-def _snapshots_reply(snaps: list[dict[str, Any]]) -> m.Reply:
-    return m.Reply(ok=True, data={"snapshots": snaps})
+def _snapshots_reply(snaps: list[m.SnapshotInfo]) -> m.Reply:
+    return _reply(m.QueryReply(snaps))

@@ -31,14 +31,14 @@ from typing import Any
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
 from ftmem.events import EventLog
-from ftmem.exchange import messages as pm
 from ftmem.exchange.encode_pool import MAX_WORKERS
-from ftmem.exchange.messages import Envelope
 from ftmem.exchange.placement import GroupPlan, group_of, plan_groups
 from ftmem.exchange.protector import GroupProtector
-from ftmem.exchange.status import ExchangeState, ExchangeStatus
-from ftmem.exchange.transport import PeerMessage
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
+from ftmem.protocol import messages as m
+from ftmem.protocol import peer as pm
+from ftmem.protocol.peer import Envelope, PeerMessage
+from ftmem.protocol.status import ExchangeState, ExchangeStatus
 from ftmem.smp.exchange_commands import BindCommand, Result, StartCommand
 from ftmem.smp.exchange_rebuild import report_progress
 from ftmem.smp.exchange_state import ExchangeContext
@@ -306,7 +306,7 @@ class ProtectionService:
             endpoint,
             "CURVE for every message" if cmd.encrypt else "CURVE; snapshot bytes with keyed tags",
         )
-        self._results.put(Result(cmd.token, True, {"endpoint": endpoint}))
+        self._results.put(Result(cmd.token, True, m.to_fields(m.PeerBound(endpoint))))
 
     def _start(self, cmd: StartCommand) -> None:
         if self.transport is None:

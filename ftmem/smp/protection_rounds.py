@@ -17,8 +17,8 @@ import time
 from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError
-from ftmem.exchange import messages as pm
 from ftmem.exchange.protector import ExchangeInterrupted, StepAborted
+from ftmem.protocol import peer as pm
 from ftmem.smp.exchange_state import ExchangeContext, PinnedStep
 
 log = get_logger(__name__)

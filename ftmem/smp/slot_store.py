@@ -175,7 +175,7 @@ class SlotStore:
         with self._lock:
             return {str(r): [s.step for s in rs.committed()] for r, rs in self._ranks.items()}
 
-    def snapshots(self, rank: int) -> list[dict[str, Any]] | None:
+    def snapshots(self, rank: int) -> list[m.SnapshotInfo] | None:
         """The verified snapshots of ``rank`` for a QUERY, newest first; None while one of
         its commits is still being hashed (the QUERY waits for it)."""
         with self._lock:
@@ -183,14 +183,7 @@ class SlotStore:
             if rs.unverified():
                 return None
             return [
-                {
-                    "step": s.step,
-                    "slot": s.index,
-                    "gen": s.gen,
-                    "path": s.path,
-                    "capacity": s.capacity,
-                    "layout": s.layout,
-                }
+                m.SnapshotInfo(s.step or 0, s.index, s.gen, s.path, s.capacity, s.layout)
                 for s in rs.readable()
             ]
 

@@ -14,8 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ftmem import faults
-from ftmem.errors import ProtocolError
-from ftmem.exchange.status import ExchangeStatus
+from ftmem.protocol.status import ExchangeStatus
 from ftmem.testing._chaos_config import ChaosConfig, RunFailed
 from ftmem.testing._chaos_inject import Injector
 from ftmem.testing._chaos_report import (
@@ -293,12 +292,7 @@ class ChaosRunner:
         """Node ``i``'s exchange status, typed (None: its SMP did not answer, or sent a
         malformed one)."""
         st = self._require_cluster().status(i)
-        if st is None:
-            return None
-        try:
-            return ExchangeStatus.from_json(st.get("exchange"))
-        except ProtocolError:
-            return None
+        return None if st is None else st.exchange
 
     def _wait_recovered(self, o: Outcome, t: float) -> None:
         """Wait until every rank resumed after ``t`` and logged 2 steps since."""
@@ -343,8 +337,8 @@ class ChaosRunner:
         cluster = self._require_cluster()
         for d in list(self._disk):
             st = cluster.status(d.node, timeout=timedelta(seconds=1))
-            last = None if st is None else st.get("flush", {}).get("last_step")
-            if isinstance(last, int) and last > d.step:
+            last = None if st is None else st.flush.last_step
+            if last is not None and last > d.step:
                 self._disk.remove(d)
                 d.outcome.recovery_s = round(time.time() - d.t, 2)
                 d.outcome.note = f"flush of step {d.step} failed; step {last} flushed next"

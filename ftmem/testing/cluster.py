@@ -24,7 +24,6 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -32,6 +31,7 @@ from ftmem.config import ENV_FAULT_FILE, ENV_NODE, ENV_RUN_DIR
 from ftmem.errors import FtmemError
 from ftmem.exchange import keys
 from ftmem.protocol.smp_client import SmpClient
+from ftmem.protocol.status import SmpStatus
 from ftmem.testing.harness import (
     AgentProcess,
     agent_env,
@@ -210,7 +210,7 @@ class LoopbackCluster:
                 continue
         return out
 
-    def status(self, i: int, timeout: timedelta = timedelta(seconds=3)) -> dict[str, Any] | None:
+    def status(self, i: int, timeout: timedelta = timedelta(seconds=3)) -> SmpStatus | None:
         """Node ``i``'s SMP status, or None if it does not answer."""
         try:
             with SmpClient(self.run_dir(i), timeout=timeout) as c:

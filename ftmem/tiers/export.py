@@ -51,6 +51,7 @@ from ftmem.format.tensors import (
     torch_dtype,
 )
 from ftmem.protocol.flush_jobs import SlotSource
+from ftmem.protocol.messages import SnapshotInfo
 from ftmem.shm import MappedSegment
 from ftmem.tiers.checkpoints import fsync_dir, temp_name, write_manifest
 from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
@@ -91,17 +92,16 @@ def find_sources(run_dirs: Sequence[Path], step: int | None = None) -> list[Rank
     Raises:
         ExportError: no step is committed by every rank, or ``step`` is missing on a rank.
     """
-    from ftmem.protocol import messages as m
     from ftmem.protocol.smp_client import SmpClient
 
-    per_rank: dict[int, list[dict[str, Any]]] = {}
+    per_rank: dict[int, list[SnapshotInfo]] = {}
     for run_dir in run_dirs:
         with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
-            for rank in sorted(int(r) for r in c.status()["ranks"]):
-                per_rank[rank] = list(c.request(m.Query(rank=rank))["snapshots"])
+            for rank in sorted(c.status().ranks):
+                per_rank[rank] = c.query(rank)
     if not per_rank:
         raise ExportError(f"no rank has a snapshot in {', '.join(map(str, run_dirs))}")
-    common = set.intersection(*({int(s["step"]) for s in snaps} for snaps in per_rank.values()))
+    common = set.intersection(*({s.step for s in snaps} for snaps in per_rank.values()))
     if step is None:
         if not common:
             raise ExportError("no step is committed by every rank")
@@ -110,8 +110,8 @@ def find_sources(run_dirs: Sequence[Path], step: int | None = None) -> list[Rank
         raise ExportError(f"step {step} is not committed by every rank (common: {sorted(common)})")
     out = []
     for rank, snaps in sorted(per_rank.items()):
-        s = next(s for s in snaps if int(s["step"]) == step)
-        out.append(RankSource(rank, step, str(s["path"]), int(s["capacity"]), str(s["layout"])))
+        s = next(s for s in snaps if s.step == step)
+        out.append(RankSource(rank, step, s.path, s.capacity, s.layout))
     return out
 
 

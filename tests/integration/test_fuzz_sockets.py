@@ -38,10 +38,10 @@ import zmq
 
 from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME
 from ftmem.exchange import keys
-from ftmem.exchange.messages import PeerAddress
-from ftmem.exchange.status import ExchangeState, ExchangeStatus
 from ftmem.protocol import messages as m
+from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.smp_client import SmpClient
+from ftmem.protocol.status import ExchangeState, ExchangeStatus
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from ftmem.testing.harness import pid_gone, shm_files

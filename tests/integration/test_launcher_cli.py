@@ -19,11 +19,11 @@ from ftmem.launch.config import (
 from ftmem.launch.monitor import (
     NoProgressGuard,
     RankProcess,
-    RankProgress,
     all_resumed,
     find_hangs,
     min_committed,
 )
+from ftmem.protocol.status import RankProgress
 
 FTMEM_FLAGS = {
     "--ftmem-flush-writers",

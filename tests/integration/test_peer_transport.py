@@ -17,9 +17,9 @@ from xxhash import xxh64_intdigest as xxh64
 
 from ftmem.errors import ProtocolError
 from ftmem.exchange import keys
-from ftmem.exchange.messages import Envelope, PeerAddress
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol import messages as m
+from ftmem.protocol.peer import Envelope, PeerAddress
 from tests._support.tamper import TamperingProxy
 
 

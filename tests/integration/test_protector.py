@@ -18,12 +18,12 @@ import pytest
 from ftmem import shm
 from ftmem.errors import UnrecoverableError
 from ftmem.exchange import keys
-from ftmem.exchange.messages import PeerAddress
 from ftmem.exchange.placement import GroupPlan, plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
-from ftmem.exchange.status import ExchangeState
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
+from ftmem.protocol.peer import PeerAddress
+from ftmem.protocol.status import ExchangeState
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.exchange_commands import Result, StartCommand
 from ftmem.smp.exchange_state import ExchangeContext
@@ -484,8 +484,8 @@ def test_oversized_sizes_in_a_meta_reply_are_refused_before_allocation() -> None
 def test_a_fetch_or_meta_from_a_node_not_being_rebuilt_gets_no_bytes() -> None:
     """Node 1 (a member, not rebuilding) asks node 0 for node 2's data and for sizes: node 0
     answers nothing and counts both; once the sync says node 1 rebuilds, it is answered."""
-    from ftmem.exchange import messages as pm
-    from ftmem.exchange.placement import FragmentKind
+    from ftmem.protocol import peer as pm
+    from ftmem.protocol.peer import FragmentKind
 
     key = keys.generate()
     _, transports, prots, _ = _protected_trio(key)
@@ -516,8 +516,8 @@ def test_a_flood_of_fragments_for_many_steps_stays_within_the_byte_bound() -> No
     of columns of one step: node 0 keeps at most its unplanned-bytes bound (4 MiB here) and
     the newest MAX_OPEN_STEPS steps, drops and counts the rest, and protects a real step
     afterwards."""
-    from ftmem.exchange import messages as pm
     from ftmem.exchange.steps import MAX_OPEN_STEPS
+    from ftmem.protocol import peer as pm
 
     key = keys.generate()
     plan = plan_group([0, 1, 2], 1)

@@ -21,10 +21,9 @@ import zmq
 
 from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
-from ftmem.exchange import messages as pm
-from ftmem.exchange.messages import PeerAddress
-from ftmem.exchange.placement import FragmentKind
 from ftmem.protocol import messages as m
+from ftmem.protocol import peer as pm
+from ftmem.protocol.peer import FragmentKind, PeerAddress
 from ftmem.protocol.wire import encode
 from tests._support.smp_mesh import Cluster, Node
 

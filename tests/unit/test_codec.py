@@ -13,12 +13,12 @@ from pyeclib.ec_iface import ECDriver
 
 from ftmem.exchange.codec import EC_TYPE, StripeCodec, checksum, tune_malloc
 from ftmem.exchange.placement import (
-    FragmentKind,
     UnrecoverableError,
     plan_group,
     rebuild_plan,
     stripe_map,
 )
+from ftmem.protocol.peer import FragmentKind
 
 CHUNK = 256
 

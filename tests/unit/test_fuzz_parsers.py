@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from ftmem.client.flatten import parse_layout
 from ftmem.errors import CorruptSnapshotError, ProtocolError
-from ftmem.exchange import messages as pm
-from ftmem.exchange.placement import FragmentKind, plan_group
+from ftmem.exchange.placement import plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
-from ftmem.exchange.transport import PeerMessage, PeerTransport
+from ftmem.exchange.transport import PeerTransport
+from ftmem.protocol import peer as pm
+from ftmem.protocol.peer import FragmentKind, PeerMessage
 from ftmem.smp import records
 from ftmem.smp.protection import decide
 from ftmem.tiers import signing

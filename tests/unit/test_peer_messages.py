@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftmem.errors import ProtocolError
-from ftmem.exchange import messages as pm
-from ftmem.exchange.placement import FragmentKind
-from ftmem.exchange.status import (
+from ftmem.protocol import peer as pm
+from ftmem.protocol.peer import FragmentKind, PeerMessage
+from ftmem.protocol.status import (
     ExchangeState,
     ExchangeStatus,
     IllegalTransition,
@@ -25,7 +25,6 @@ from ftmem.exchange.status import (
     RoundCounters,
     SyncReply,
 )
-from ftmem.exchange.transport import PeerMessage
 
 SAMPLES: list[pm.PeerBody] = [
     pm.Size(3, 1 << 30),
@@ -453,7 +452,7 @@ def test_sync_reply_round_trip_and_refusals() -> None:
 def test_a_peer_address_carries_a_valid_curve_key() -> None:
     import zmq
 
-    from ftmem.exchange.messages import PeerAddress, parse_endpoint
+    from ftmem.protocol.peer import PeerAddress, parse_endpoint
 
     public, _ = zmq.curve_keypair()
     good = f"tcp://127.0.0.1:5555 key={public.decode()}"

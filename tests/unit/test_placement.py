@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from ftmem.exchange.placement import (
     ALIGN,
-    FragmentKind,
     GroupPlan,
     StripePlan,
     UnrecoverableError,
@@ -22,6 +21,7 @@ from ftmem.exchange.placement import (
     rebuild_plan,
     stripe_map,
 )
+from ftmem.protocol.peer import FragmentKind
 
 C = ALIGN  # one aligned chunk; stripe_bytes = k * C gives chunk_bytes = C
 

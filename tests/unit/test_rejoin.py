@@ -20,7 +20,8 @@ from ftmem.client.in_process import (
     wait_for_order,
 )
 from ftmem.errors import ProtocolError, UnsafePathError
-from ftmem.launch.monitor import RankProcess, RankProgress, find_hangs
+from ftmem.launch.monitor import RankProcess, find_hangs
+from ftmem.protocol.status import RankProgress, SmpStatus
 from ftmem.protocol.rejoin import RejoinOrder, order_path, read_order, write_order
 
 GLOO_RESET = (
@@ -158,6 +159,6 @@ def test_a_kept_rank_that_does_not_rejoin_in_time_is_hung() -> None:
     assert find_hangs([kept], progress, now, timedelta(5), rejoin_timeout=timedelta(60)) == []
     rejoined = {0: RankProgress(0, 10, now - 1, 13, 12, in_process=True)}
     assert find_hangs([kept], rejoined, now, timedelta(5), rejoin_timeout=timedelta(20)) == []
-    status = {"ranks": {"0": {"pid": 10, "in_process": True}, "1": {"pid": 11}}}
-    parsed = RankProgress.from_status(status)
+    status = {"pid": 9, "ranks": {"0": {"pid": 10, "in_process": True}, "1": {"pid": 11}}}
+    parsed = SmpStatus.from_json(status).ranks
     assert parsed[0].in_process and not parsed[1].in_process

@@ -215,8 +215,8 @@ def test_store_commit_writes_record_pins_for_hasher_then_verifies(
     assert (sl["state"], sl["verified"], sl["pinned"]) == ("committed", True, 0)
     assert parse_layout(records.read_record(rec).layout, CAP).verified  # now with checksums
     snaps = store.snapshots(0)
-    assert snaps is not None and parse_layout(snaps[0]["layout"], CAP).verified
-    assert snaps is not None and [s["step"] for s in snaps] == [3]
+    assert snaps is not None and parse_layout(snaps[0].layout, CAP).verified
+    assert snaps is not None and [s.step for s in snaps] == [3]
     assert store.complete_steps([0]) == [3]
 
 
@@ -272,12 +272,12 @@ def test_store_grant_serves_the_next_save_and_keeps_the_old_step_readable(
     # Its record keeps its checksums: an adopting SMP serves it, a load checks it.
     assert parse_layout(records.read_record(records.record_path(a.path)).layout, CAP).verified
     snaps = store.snapshots(0)
-    assert snaps is not None and [x["step"] for x in snaps] == [2, 1]  # loads check checksums
+    assert snaps is not None and [x.step for x in snaps] == [2, 1]  # loads check checksums
     assert store.complete_steps([0]) == [2]  # never protected or flushed
     assert store.pin_step([0], 1) is None
     commit_granted(store, g, 3)  # no BEGIN: GRANTED -> COMMITTED
     settle(store, hasher)
-    assert [x["step"] for x in store.snapshots(0) or []] == [3, 2]
+    assert [x.step for x in store.snapshots(0) or []] == [3, 2]
     g = store.grant(0, USED)
     assert g.slot == b.slot
     # An explicit BEGIN from the same process gives the unused grant back, record and all.
@@ -320,7 +320,7 @@ def test_store_slots_grow_after_two_commits_and_the_newest_survives(
         path = store.files.path(0, index, gen)
         shm.create_segment(path, CAP * 2)
         store.finish_resize(0, index, str(path), CAP * 2, ok=True)
-    assert [x["step"] for x in store.snapshots(0) or []] == [2]
+    assert [x.step for x in store.snapshots(0) or []] == [2]
     assert records.read_record(records.record_path(b.path)).step == 2
     g = store.begin(0, 3, CAP * 2)
     assert g.action == "write" and g.capacity == CAP * 2

@@ -27,8 +27,6 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
 from ftmem.errors import ProtocolError
-from ftmem.exchange.placement import FragmentKind
-from ftmem.exchange.transport import PeerMessage
 
 MAX_INT = (1 << 63) - 1
 """Largest integer a field may hold (steps, epochs, stripe and fragment indices)."""
@@ -51,6 +49,23 @@ MAX_STEPS = 1024
 _MAX_SENDER_CHARS = 9
 _DECIMAL = re.compile(r"[0-9]{1,20}")
 _CHECKSUM_LIMIT = 1 << 64
+
+
+class FragmentKind(enum.Enum):
+    """What a fetched fragment is: a byte range of a node's snapshot, or a stored parity fragment."""
+
+    DATA = "data"
+    PARITY = "parity"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMessage:
+    """One message from a peer: who sent it, a small JSON header, and raw buffers (what a
+    :class:`~ftmem.exchange.transport.PeerTransport` delivers)."""
+
+    sender: str
+    header: dict[str, Any]
+    buffers: list[memoryview]
 
 
 class PeerKind(enum.Enum):
