@@ -104,8 +104,9 @@ def connect(run_dir: Path, client: bool = True) -> Iterator[tuple[Any, Any]]:
 
 
 def rank_status(client: Any, rank: int) -> dict[str, Any]:
-    """The SMP's STATUS entry of ``rank`` ({} if it has none)."""
-    return dict((client.status().get("ranks") or {}).get(str(rank)) or {})
+    """The SMP's STATUS entry of ``rank`` as the SMP sent it ({} if it has none; the bench
+    records these documents)."""
+    return dict((client.status_document().get("ranks") or {}).get(str(rank)) or {})
 
 
 def wait_verified(

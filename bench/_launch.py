@@ -121,7 +121,7 @@ class StatusPoller:
             try:
                 if i not in self.clients:
                     self.clients[i] = SmpClient(rd, timeout=self.timeout)
-                st = self.clients[i].status()
+                st = self.clients[i].status_document()  # recorded as sent
             except (FtmemError, OSError):
                 if (client := self.clients.pop(i, None)) is not None:
                     client.close()

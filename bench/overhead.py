@@ -105,7 +105,7 @@ def worker(argv: Sequence[str]) -> int:
 
         params_m = sum(p.numel() for p in t.model.parameters()) / 1e6
         with SmpClient(ClientConfig().run_dir) as c:  # the node's requests, all ranks
-            requests = c.status().get("requests", {})
+            requests = dict(c.status().requests)
         doc = {"params_m": params_m, "blocks": blocks, "requests": requests}
         print(BLOCKS_LINE + json.dumps(doc), flush=True)
     ftmem.close()

@@ -91,22 +91,21 @@ def _held_bytes(rank: int, step: int) -> int:
     """Bytes of ``rank``'s snapshot of ``step`` (tensors + objects), from the SMP."""
     from datetime import timedelta
 
-    from ftmem.protocol import messages as m
     from ftmem.protocol.smp_client import SmpClient
 
     deadline = time.monotonic() + 20.0  # the SMP lists a step once it has verified it
     with SmpClient(Path(os.environ["FTMEM_RUN_DIR"]), timeout=timedelta(seconds=10)) as c:
         while True:
-            snaps = c.request(m.Query(rank=rank))["snapshots"]
-            if mine := [s for s in snaps if int(s["step"]) == step]:
+            snaps = c.query(rank)
+            if mine := [s for s in snaps if s.step == step]:
                 break
             if time.monotonic() > deadline:
-                held = [s["step"] for s in snaps]
+                held = [s.step for s in snaps]
                 raise RuntimeError(
                     f"step {step} of rank {rank} is not in the SMP (it holds {held})"
                 )
             time.sleep(0.05)
-    doc = json.loads(mine[0]["layout"])
+    doc = json.loads(mine[0].layout)
     return sum(int(t["nbytes"]) for t in doc["tensors"]) + int(doc["objects"]["nbytes"])
 
 

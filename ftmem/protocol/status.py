@@ -374,10 +374,10 @@ class RankProgress:
     """Its first progress report (save or heartbeat) after its hello."""
     in_process: bool = False
     """It runs under ``ftmem.run``: at a restart it can rejoin in process."""
-    committed_steps: tuple[int, ...] = ()
+    committed_steps: list[int] = field(default_factory=list)
     """Committed steps, newest first."""
     newest_verified: int | None = None
-    verified_steps: tuple[int, ...] = ()
+    verified_steps: list[int] = field(default_factory=list)
     """Committed steps the SMP has checksummed, newest first."""
     commits: int = 0
     skipped: int = 0
@@ -392,7 +392,7 @@ class RankProgress:
     """Bytes of its newest committed snapshot."""
     unsharded_bytes: int = 0
     """What that snapshot would hold unsharded (equal when not sharded)."""
-    slots: tuple[SlotStatus, ...] = ()
+    slots: list[SlotStatus] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, rank: int, doc: Any) -> RankProgress:
@@ -412,9 +412,9 @@ class RankProgress:
             restored_step=_opt_int(d, "restored_step"),
             first_progress_time=_opt_seconds(d, "first_progress_time"),
             in_process=d.get("in_process") is True,
-            committed_steps=_ints(d, "committed_steps"),
+            committed_steps=list(_ints(d, "committed_steps")),
             newest_verified=_opt_int(d, "newest_verified"),
-            verified_steps=_ints(d, "verified_steps"),
+            verified_steps=list(_ints(d, "verified_steps")),
             commits=_int(d, "commits"),
             skipped=_int(d, "skipped"),
             skips=_counts(d, "skips"),
@@ -424,7 +424,7 @@ class RankProgress:
             bytes_held=_int(d, "bytes_held"),
             snapshot_bytes=_int(d, "snapshot_bytes"),
             unsharded_bytes=_int(d, "unsharded_bytes"),
-            slots=tuple(SlotStatus.from_json(s) for s in slots),
+            slots=[SlotStatus.from_json(s) for s in slots],
         )
 
 

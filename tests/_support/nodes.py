@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
+from ftmem.protocol.status import ExchangeStatus
 from ftmem.testing.harness import free_port, launch_args, remove_shm
 from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
 
@@ -102,21 +103,20 @@ class Nodes:
         for i in range(self.n):
             self.agents[i].wait_for(r"generation \d+: started ranks", 120)
 
-    def exchange(self, i: int) -> dict[str, object]:
-        """The exchange part of node ``i``'s SMP status ({} if it does not answer)."""
+    def exchange(self, i: int) -> ExchangeStatus | None:
+        """The exchange part of node ``i``'s SMP status (None if it does not answer)."""
         try:
             with SmpClient(self.run_dir(i), timeout=timedelta(seconds=5)) as c:
-                st = c.status()
+                return c.status().exchange
         except FtmemError:
-            return {}
-        return dict(st.get("exchange", {}))
+            return None
 
     def wait_protected(self, at_least: int, timeout: float = 120.0) -> int:
         """Wait until every node's SMP reports a protected step >= ``at_least``; fail at once
         (with each node's exchange events) when an agent exits first."""
         deadline = time.monotonic() + timeout
         while True:
-            steps = [self.exchange(i).get("protected_step") for i in range(self.n)]
+            steps = [getattr(self.exchange(i), "protected_step", None) for i in range(self.n)]
             if all(isinstance(s, int) and s >= at_least for s in steps):
                 return min(s for s in steps if isinstance(s, int))
             exited = {i: a.poll() for i, a in self.agents.items() if a.poll() is not None}

@@ -24,6 +24,7 @@ from ftmem.exchange import keys
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
+from ftmem.protocol.status import ExchangeStatus
 from ftmem.smp.spawn import SmpProcess, start_smp
 from ftmem.testing.harness import pid_gone, remove_shm
 
@@ -112,17 +113,20 @@ class Node:
 
     def read(self, rank: int, step: int) -> bytes | None:
         """The bytes the SMP holds of ``rank`` at ``step``, or None."""
-        snaps = self.req(m.Query(rank=rank))["snapshots"]
-        for s in snaps:  # type: ignore[attr-defined]
-            if s["step"] == step:
-                n = json.loads(s["layout"])["tensors"][0]["nbytes"]
-                with open(s["path"], "rb") as f:
+        assert self.client is not None
+        for s in self.client.query(rank):
+            if s.step == step:
+                n = json.loads(s.layout)["tensors"][0]["nbytes"]
+                with open(s.path, "rb") as f:
                     return f.read(n)
         return None
 
-    def exchange(self) -> dict[str, object]:
+    def exchange(self) -> ExchangeStatus:
         """The exchange part of the SMP's status."""
-        return self.req(m.Status())["exchange"]  # type: ignore[return-value]
+        assert self.client is not None
+        ex = self.client.status().exchange
+        assert ex is not None, "the SMP's exchange status does not parse"
+        return ex
 
     def lose(self) -> None:
         """The node dies: SMP SIGKILLed, its shared memory gone with the machine."""
@@ -238,7 +242,7 @@ class Cluster:
 
     def protected(self, step: int) -> bool:
         """Every node reports ``step`` as its protected step."""
-        return all(n.exchange().get("protected_step") == step for n in self.nodes)
+        return all(n.exchange().protected_step == step for n in self.nodes)
 
     def close(self) -> None:
         """Stop every node."""

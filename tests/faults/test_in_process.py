@@ -73,8 +73,8 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def _committed(run_dir: Path) -> dict[int, int]:
     with SmpClient(run_dir, timeout=timedelta(seconds=10)) as client:
-        ranks = client.status()["ranks"]
-    return {int(r): int(e["newest_committed"] or 0) for r, e in ranks.items()}
+        ranks = client.status().ranks
+    return {r: e.newest_committed or 0 for r, e in ranks.items()}
 
 
 def _check_metrics(port: int, run_dir: Path) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
 from tests._support.procs import Procs
@@ -36,8 +35,8 @@ def held_bytes(run_dir: Path, world: int, step: int) -> list[tuple[int, int]]:
     out = []
     with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
         for rank in range(world):
-            snaps = c.request(m.Query(rank=rank))["snapshots"]
-            layout = json.loads(next(s for s in snaps if int(s["step"]) == step)["layout"])
+            snaps = c.query(rank)
+            layout = json.loads(next(s for s in snaps if s.step == step).layout)
             chunked = sum(t["nbytes"] for t in layout["tensors"] if "chunk" in t)
             other = sum(t["nbytes"] for t in layout["tensors"] if "chunk" not in t)
             out.append((chunked, other))
@@ -64,11 +63,11 @@ def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
     assert all(other < 0.1 * replicated for _, other in held), held
     # ftmem status shows both: what each rank holds, what it would hold without sharding.
     with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
-        ranks = c.status()["ranks"]
+        ranks = c.status().ranks
     for rank, (chunked, other) in enumerate(held):
-        r = ranks[str(rank)]
-        assert r["snapshot_bytes"] >= chunked + other
-        assert r["unsharded_bytes"] >= r["snapshot_bytes"] + (replicated - chunked)
+        r = ranks[rank]
+        assert r.snapshot_bytes >= chunked + other
+        assert r.unsharded_bytes >= r.snapshot_bytes + (replicated - chunked)
 
     second = run_ranks(procs, run_dir, args, world=world, env_extra=env, tag="second")
     assert second.codes == [0] * world, second.outputs

@@ -144,7 +144,7 @@ def wait_verified(run_dir: Path, step: int, timeout: float = 60.0) -> None:
     """Wait until the SMP has checksummed rank 0's snapshot of ``step``."""
     deadline = time.monotonic() + timeout
     with SmpClient(run_dir) as c:
-        while c.status()["ranks"]["0"]["newest_verified"] != step:
+        while c.status().ranks[0].newest_verified != step:
             assert time.monotonic() < deadline, f"step {step} not verified in {timeout} s"
             time.sleep(0.02)
 

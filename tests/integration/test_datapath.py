@@ -40,7 +40,7 @@ def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.T
 def _wait_verified(run_dir: Path, step: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     with SmpClient(run_dir) as c:
-        while c.status()["ranks"]["0"]["newest_verified"] != step:
+        while c.status().ranks[0].newest_verified != step:
             assert time.monotonic() < deadline, f"step {step} not verified in {timeout} s"
             time.sleep(0.02)
 
@@ -58,9 +58,9 @@ def test_first_save_allocates_off_the_training_thread_and_skips_are_reported(
         assert ckpt.wait(60)  # the newest step is committed all the same
         _wait_verified(run_dir, 1)
         with SmpClient(run_dir) as c:
-            r = c.status()["ranks"]["0"]
-        assert r["newest_committed"] == 1 and r["verified_steps"] == [1]
-        assert r["skips"] == {"slots are being allocated": 1}
+            r = c.status().ranks[0]
+        assert r.newest_committed == 1 and r.verified_steps == [1]
+        assert r.skips == {"slots are being allocated": 1}
         layout = c_layout(run_dir)
         assert all(t["hash"] for t in json.loads(layout)["tensors"])  # filled in by the SMP
     finally:
@@ -75,11 +75,9 @@ def test_first_save_allocates_off_the_training_thread_and_skips_are_reported(
 
 
 def c_layout(run_dir: Path) -> str:
-    from ftmem.protocol import messages as m
 
     with SmpClient(run_dir) as c:
-        snaps = c.request(m.Query(rank=0))["snapshots"]
-    return str(snaps[0]["layout"])
+        return c.query(0)[0].layout
 
 
 def test_smp_killed_mid_hash_loses_nothing(run_dir: Path, run_id: str) -> None:
@@ -115,7 +113,7 @@ def test_smp_killed_mid_hash_loses_nothing(run_dir: Path, run_id: str) -> None:
         proc.stop()
         proc = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
         with SmpClient(run_dir) as c:
-            assert c.status()["ranks"]["0"]["committed_steps"] == [3, 2]
+            assert c.status().ranks[0].committed_steps == [3, 2]
         model2, opt2, state2 = _state(seed=5)
         other = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
         try:

@@ -98,9 +98,8 @@ def test_hostile_leftovers_are_removed_and_the_smp_serves(run_dir: Path, shm_dir
     proc = _start(run_dir, shm_dir)
     try:
         with SmpClient(run_dir / "rd", timeout=timedelta(seconds=10)) as c:
-            snaps = c.request(m.Query(rank=0))["snapshots"]
-            assert [s["step"] for s in snaps] == [5]  # only the consistent slot
-            assert c.request(m.Ping())["pid"] == proc.pid
+            assert [s.step for s in c.query(0)] == [5]  # only the consistent slot
+            assert c.call(m.Ping(), m.PingReply).pid == proc.pid
     finally:
         proc.stop()
     assert pid_gone(proc.pid)
@@ -129,6 +128,6 @@ def test_fixed_slot_files_of_another_user_are_not_adopted(run_dir: Path, shm_dir
     proc = _start(run_dir, shm_dir)
     try:
         with SmpClient(run_dir / "rd", timeout=timedelta(seconds=10)) as c:
-            assert c.request(m.Query(rank=0))["snapshots"] == []
+            assert c.query(0) == []
     finally:
         proc.stop()

@@ -41,7 +41,7 @@ from ftmem.exchange import keys
 from ftmem.protocol import messages as m
 from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.smp_client import SmpClient
-from ftmem.protocol.status import ExchangeState, ExchangeStatus
+from ftmem.protocol.status import ExchangeState
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from ftmem.testing.harness import pid_gone, shm_files
@@ -223,10 +223,10 @@ def _save(client: SmpClient, rank: int, step: int, payload: bytes) -> list[bytes
 
 
 def _read(client: SmpClient, rank: int, step: int) -> bytes | None:
-    for s in client.request(m.Query(rank=rank))["snapshots"]:
-        if s["step"] == step:
-            n = json.loads(s["layout"])["tensors"][0]["nbytes"]
-            with open(s["path"], "rb") as f:
+    for s in client.query(rank):
+        if s.step == step:
+            n = json.loads(s.layout)["tensors"][0]["nbytes"]
+            with open(s.path, "rb") as f:
                 return f.read(n)
     return None
 
@@ -279,12 +279,12 @@ def test_rank_socket_refuses_hostile_input_and_keeps_serving(
     assert small_smp.poll() is None, "the SMP died"
     with SmpClient(run_dir, timeout=timedelta(seconds=10)) as legit:
         st = legit.status()
-        assert st["bad_messages"] >= refused
+        assert st.bad_messages >= refused
         assert _read(legit, 0, 1) == payload  # the committed snapshot is intact
         legit.request(m.Hello(rank=0, pid=os.getpid() + 1))  # as a restarted rank would
         _save(legit, 0, 2, payload[::-1])
         assert _read(legit, 0, 2) == payload[::-1]
-        assert legit.request(m.Ping())["pid"] == small_smp.pid
+        assert legit.call(m.Ping(), m.PingReply).pid == small_smp.pid
 
 
 # ------------------------------------------------------------------------------ peer socket
@@ -449,7 +449,7 @@ def _hostile_peers(
 
 
 def _dropped(node: Any) -> int:
-    return ExchangeStatus.from_json(node.exchange()).dropped_messages
+    return node.exchange().dropped_messages
 
 
 def test_peer_socket_drops_hostile_input_and_the_mesh_keeps_protecting(
@@ -487,13 +487,13 @@ def test_peer_socket_drops_hostile_input_and_the_mesh_keeps_protecting(
         if _dropped(target) >= dropped_before + sent:
             break
         assert time.monotonic() < deadline, (
-            f"{sent} hostile messages sent, {ex.get('dropped_messages')} - {dropped_before} "
+            f"{sent} hostile messages sent, {ex.dropped_messages} - {dropped_before} "
             f"counted; exchange status {ex}; log tail:\n{target.log().read_text()[-4000:]}"
         )
         time.sleep(0.1)
     for node in c.nodes:
         assert node.proc is not None and node.proc.poll() is None, f"{node.name} died"
-        assert node.req(m.Ping())["pid"] == node.proc.pid
+        assert m.parse_reply(m.PingReply, node.req(m.Ping())).pid == node.proc.pid
     c.save_all(2, 64 << 10)
     c.wait("step 2 protected after the hostile input", lambda: c.protected(2))
     assert c.nodes[0].read(0, 2) is not None
@@ -517,7 +517,7 @@ def test_fixed_a_stepless_peer_message_stops_the_exchange(
         ctx.term()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        state = ExchangeStatus.from_json(c.nodes[0].exchange()).state
+        state = c.nodes[0].exchange().state
         assert state is not ExchangeState.FAILED, "the exchange thread stopped"
         time.sleep(0.1)
     c.save_all(1, 64 << 10)
@@ -535,7 +535,7 @@ def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
     c.save_all(1, 64 << 10)
     c.wait("step 1 protected", lambda: c.protected(1))
     target = c.nodes[0]
-    before = ExchangeStatus.from_json(target.exchange())
+    before = target.exchange()
     data = PeerAddress.parse(c.endpoints["0"]).data
     assert data, "the SMP's address has no data channel"
     header = encode(
@@ -552,7 +552,7 @@ def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
     send_raw(data, data_message(b"intruder", header, [b"x" * 4096]))  # no member
     deadline = time.monotonic() + 60
     while True:
-        now = ExchangeStatus.from_json(target.exchange())
+        now = target.exchange()
         if now.dropped_messages >= before.dropped_messages + 3:
             break
         assert time.monotonic() < deadline, (now, target.log().read_text()[-3000:])
@@ -583,7 +583,7 @@ def test_data_channel_memory_stays_bounded_whatever_anyone_sends(
     data = PeerAddress.parse(c.endpoints["0"]).data
     host, port = data.removeprefix("tcp://").rsplit(":", 1)
     rss0 = _rss_mib(pid)
-    dropped0 = ExchangeStatus.from_json(c.nodes[0].exchange()).dropped_messages
+    dropped0 = c.nodes[0].exchange().dropped_messages
     held: list[socket.socket] = []
     ctx = zmq.Context()
     try:
@@ -615,7 +615,7 @@ def test_data_channel_memory_stays_bounded_whatever_anyone_sends(
         # every connection but the newest 16 unfinished heads is dropped: wait for that
         want = dropped0 + (40 - 16) + 200 + 2
         deadline = time.monotonic() + 60
-        while ExchangeStatus.from_json(c.nodes[0].exchange()).dropped_messages < want:
+        while c.nodes[0].exchange().dropped_messages < want:
             assert time.monotonic() < deadline, "the SMP did not drop the probes' connections"
             time.sleep(0.1)
         grown = _rss_mib(pid) - rss0

@@ -49,8 +49,7 @@ def _start(
 
 def _committed(run_dir: Path) -> list[int]:
     with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
-        steps: list[int] = c.status()["ranks"]["0"]["committed_steps"]
-    return steps
+        return c.status().ranks[0].committed_steps
 
 
 def _save(run_dir: Path, value: float, step: int = 1) -> None:

@@ -37,7 +37,7 @@ def test_ready_status_and_private_files(smp: SmpProcess, run_dir: Path) -> None:
     assert ((run_dir / AUTH_KEY_NAME).stat().st_mode & 0o777) == 0o600
     with SmpClient(run_dir) as c:
         st = c.status()
-    assert st["pid"] == smp.pid and st["ranks"] == {}
+    assert st.pid == smp.pid and st.ranks == {}
 
 
 def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_dir: Path) -> None:
@@ -82,8 +82,8 @@ def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_
     s.send(b"x" * (17 << 20))
     s.close()
     with SmpClient(run_dir) as c:
-        assert c.request(m.Ping())["pid"] == smp.pid
-        assert c.status()["bad_messages"] >= len(bad)
+        assert c.call(m.Ping(), m.PingReply).pid == smp.pid
+        assert c.status().bad_messages >= len(bad)
     assert smp.poll() is None
 
 
@@ -136,7 +136,7 @@ def test_second_smp_on_same_dir_refuses(smp: SmpProcess, run_dir: Path, run_id: 
     with pytest.raises(SmpStartError):
         start_smp(run_dir=run_dir, run_id=run_id, start_timeout=timedelta(seconds=60))
     with SmpClient(run_dir) as c:
-        assert c.request(m.Ping())["pid"] == smp.pid
+        assert c.call(m.Ping(), m.PingReply).pid == smp.pid
 
 
 def test_exits_with_parent(run_dir: Path, run_id: str) -> None:
@@ -175,7 +175,7 @@ def test_restarted_smp_adopts_committed_slots_of_a_killed_one(run_dir: Path, run
         assert left != []  # a SIGKILLed SMP cannot clean up
         smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
         with SmpClient(run_dir) as sc:
-            steps = sc.status()["ranks"]["0"]["committed_steps"]
+            steps = sc.status().ranks[0].committed_steps
         assert steps == [3, 2]
         # Each SMP names its files with a nonce of its own; the new one adopted the old
         # one's files where they are, under the old nonce.
@@ -222,6 +222,6 @@ def test_no_adopt_discards_left_slots(run_dir: Path, run_id: str) -> None:
         )
         assert shm_files(run_id) == []
         with SmpClient(run_dir) as sc:
-            assert sc.status()["ranks"] == {}
+            assert sc.status().ranks == {}
     finally:
         smp.stop()

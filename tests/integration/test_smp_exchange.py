@@ -108,8 +108,8 @@ def payload(rank: int, step: int, size: int) -> bytes:
 
 def flip_slot_byte(node: Node, rank: int, step: int, offset: int) -> None:
     """Corrupt one byte of a committed slot in shared memory (a bad DIMM, a stray write)."""
-    snaps = node.req(m.Query(rank=rank))["snapshots"]
-    path = next(s["path"] for s in snaps if s["step"] == step)  # type: ignore[attr-defined]
+    assert node.client is not None
+    path = next(s.path for s in node.client.query(rank) if s.step == step)
     fd = os.open(path, os.O_RDWR)
     try:
         b = os.pread(fd, 1, offset)

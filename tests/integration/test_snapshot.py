@@ -63,7 +63,7 @@ def wait_verified(run_dir: Path, step: int) -> None:
     corrupting what the SMP then hashes)."""
     deadline = time.monotonic() + 60
     with SmpClient(run_dir) as c:
-        while c.status()["ranks"]["0"]["newest_verified"] != step:
+        while c.status().ranks[0].newest_verified != step:
             assert time.monotonic() < deadline, f"step {step} not verified"
             time.sleep(0.02)
 
@@ -135,9 +135,9 @@ def test_corrupted_newest_falls_back_to_older_step(
     commit(ckpt, state, 2)
     wait_verified(run_dir, 2)  # corrupt it after the SMP has checksummed it
     with SmpClient(run_dir) as c:
-        st = c.status()["ranks"]["0"]
-    slot2 = next(s for s in st["slots"] if s["step"] == 2)
-    path = next(f for f in shm_files(run_id) if f"-s{slot2['slot']}-g{slot2['gen']}" in f)
+        st = c.status().ranks[0]
+    slot2 = next(s for s in st.slots if s.step == 2)
+    path = next(f for f in shm_files(run_id) if f"-s{slot2.slot}-g{slot2.gen}" in f)
     with open(path, "r+b") as f:  # flip one byte of a parameter
         f.seek(100)
         b = f.read(1)
@@ -291,12 +291,12 @@ def test_save_is_skipped_not_blocked_when_no_slot_is_free(
         assert held["action"] == "write"
         h = ckpt.save({"model": model}, step=3)
         assert h.skipped and not h.wait(1) and ckpt.stats()["skipped"] == before + 1
-        r = other.status()["ranks"]["0"]
-        assert r["newest_committed"] == 1 and r["newest_verified"] == 1
-        assert r["skips"]["a copy is still being written"] == 1
-        assert r["skips"]["slots are being allocated"] == 1
+        r = other.status().ranks[0]
+        assert r.newest_committed == 1 and r.newest_verified == 1
+        assert r.skips["a copy is still being written"] == 1
+        assert r.skips["slots are being allocated"] == 1
         # The writer gives its slot back: the skipped newest step is committed by wait().
         other.request(m.Abort(rank=0, slot=int(held["slot"]), gen=int(held["gen"])))
     assert ckpt.wait(30)
     with SmpClient(run_dir) as c:
-        assert c.status()["ranks"]["0"]["newest_committed"] == 3
+        assert c.status().ranks[0].newest_committed == 3

@@ -45,8 +45,7 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def requests(run_dir: Path) -> dict[str, int]:
     with SmpClient(run_dir) as c:
-        out: dict[str, int] = c.status()["requests"]
-    return out
+        return dict(c.status().requests)
 
 
 def verified(run_dir: Path, step: int, rank: int = 0) -> None:
@@ -56,7 +55,7 @@ def verified(run_dir: Path, step: int, rank: int = 0) -> None:
     deadline = time.monotonic() + 60
     while True:
         with SmpClient(run_dir) as c:
-            if c.status()["ranks"][str(rank)]["newest_verified"] == step:
+            if c.status().ranks[rank].newest_verified == step:
                 return
         assert time.monotonic() < deadline, f"step {step} not verified"
         time.sleep(0.01)
@@ -224,20 +223,20 @@ def test_a_state_that_grows_after_two_commits_gets_bigger_slots(
     ckpt.save(state, step=2).wait(30)  # both slots committed
     verified(run_dir, 2)
     with SmpClient(run_dir) as c:
-        r = c.status()["ranks"]["0"]
-    assert r["newest_committed"] == 2
-    assert {s["state"] for s in r["slots"]} <= {"committed", "granted"}  # step 1's: maybe granted
-    small = max(s["capacity"] for s in r["slots"])
+        r = c.status().ranks[0]
+    assert r.newest_committed == 2
+    assert {s.state for s in r.slots} <= {"committed", "granted"}  # step 1's: maybe granted
+    small = max(s.capacity for s in r.slots)
     bag.sd["big"] = torch.randn(small // 4 + 1024)  # now bigger than any slot
     ckpt.save(state, step=3)  # skipped while the slots grow (the newest is kept)
     with SmpClient(run_dir) as c:
-        assert 2 in c.status()["ranks"]["0"]["committed_steps"]
+        assert 2 in c.status().ranks[0].committed_steps
     assert ckpt.wait(60)  # the final save waits for the bigger slots: step 3 committed
     check_bitwise(run_dir, state, 3)
     ckpt.save(state, step=4)
     assert ckpt.wait(60)
     with SmpClient(run_dir) as c:
-        r = c.status()["ranks"]["0"]
-    assert r["newest_committed"] == 4
-    assert min(s["capacity"] for s in r["slots"]) > small
+        r = c.status().ranks[0]
+    assert r.newest_committed == 4
+    assert min(s.capacity for s in r.slots) > small
     check_bitwise(run_dir, state, 4)

@@ -21,8 +21,8 @@ from ftmem.client.in_process import (
 )
 from ftmem.errors import ProtocolError, UnsafePathError
 from ftmem.launch.monitor import RankProcess, find_hangs
-from ftmem.protocol.status import RankProgress, SmpStatus
 from ftmem.protocol.rejoin import RejoinOrder, order_path, read_order, write_order
+from ftmem.protocol.status import RankProgress, SmpStatus
 
 GLOO_RESET = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1955: "
