@@ -142,7 +142,7 @@ def space_shortfall(directory: Path, needed: int, *, node_total: int, what: str)
         f"node more shared memory: `docker run --shm-size={want}g`; in Kubernetes mount an "
         f"emptyDir with `medium: Memory` and `sizeLimit: {want}Gi` at /dev/shm; on a host "
         f"`mount -o remount,size={want}G /dev/shm`. Or set FTMEM_SHM_DIR to a larger tmpfs, "
-        "or use fewer slots (--ftmem-slots)."
+        "or use fewer slots (--ftmem-tune slots)."
     )
 
 

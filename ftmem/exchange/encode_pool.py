@@ -3,7 +3,7 @@
 pyeclib holds the GIL while it encodes, so encoding in a thread of the SMP stalls the
 protector's own sending and receiving. A pool of ``workers`` processes
 (:mod:`ftmem.exchange.encode_worker`) encodes instead, while the protector goes on moving
-columns and parity (``--ftmem-ec-encode-workers``; 0 keeps encoding in the protector's thread).
+columns and parity (``--ftmem-tune ec-encode-workers``; 0 keeps encoding in the protector's thread).
 
 Memory: one memfd owned by the pool, cut into ``depth`` slots per worker; a slot holds one
 stripe's ``k`` data chunks followed by its ``m`` parity fragments. The protector gathers a

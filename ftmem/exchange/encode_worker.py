@@ -32,7 +32,7 @@ import sys
 __all__ = ["MAX_WORKERS", "reply_struct", "request_struct"]
 
 MAX_WORKERS = 64
-"""Most encode workers per SMP (``--ftmem-ec-encode-workers``; the SMP clamps a PEER_BIND's
+"""Most encode workers per SMP (``--ftmem-tune ec-encode-workers``; the SMP clamps a PEER_BIND's
 count to it). Here, not in encode_pool.py, because this module imports nothing heavy: the
 launcher's command line checks the flag against it."""
 

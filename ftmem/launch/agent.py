@@ -420,7 +420,7 @@ class FtmemElasticAgent(ElasticAgentBase):
     def _keep_survivors(self, worker_group: WorkerGroup) -> list[int]:
         """Take the ranks that can rejoin in process out of elastic's hands before it stops
         the others (see :mod:`ftmem.launch.in_process`); return their local ranks."""
-        # The poller's newest answer (at most --ftmem-status-interval old, 0.1 s during a
+        # The poller's newest answer (at most --ftmem-tune status-interval old, 0.1 s during a
         # recovery): progress only grows, so an older answer can only make a rank look as if
         # it had not stepped yet in this generation, and it is then restarted cold.
         latest = self._poller.latest()

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import uuid
-from argparse import ArgumentParser, Namespace
+from argparse import SUPPRESS, ArgumentParser, Namespace
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -118,18 +118,14 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=int,
         default=None,
-        help="Snapshot slots per rank in the SMP (>= 2). Default: 2, plus 1 when a flush "
-        "dir is set and 2 when erasure coding may be on (a step being flushed, the protected "
-        "step and the step being protected stay pinned while newer ones are written, so "
-        "ranks do not skip).",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune slots=VALUE
     )
     group.add_argument(
         "--ftmem-hash-threads",
         action=env,
         type=int,
         default=1,
-        help="Threads of the SMP that checksum committed snapshots (default 1; the training "
-        "processes never hash).",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune hash-threads=VALUE
     )
     group.add_argument(
         "--ftmem-standby",
@@ -137,7 +133,7 @@ def get_args_parser() -> ArgumentParser:
         type=int,
         default=1,
         help="Standby ranks per local rank, started once the ranks are stepping: processes "
-        "that have imported torch (and --ftmem-standby-import) and take over a rank at the "
+        "that have imported torch (and --ftmem-tune standby-import) and take over a rank at the "
         "next restart instead of a cold start. 0: off. Default: 1.",
     )
     group.add_argument(
@@ -145,8 +141,7 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=str,
         default="",
-        help="Comma-separated modules a standby imports ahead (besides torch, "
-        "torch.distributed, torch._inductor.config and ftmem.client), e.g. transformers.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune standby-import=VALUE
     )
     group.add_argument(
         "--ftmem-standby-cuda",
@@ -166,16 +161,14 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=int,
         default=8,
-        help="Most nodes per erasure-coding group (nodes are split into balanced groups). "
-        "Default: 8.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune ec-group-size=VALUE
     )
     group.add_argument(
         "--ftmem-ec-interval",
         action=env,
         type=float,
         default=0.0,
-        help="Least seconds between two protection rounds; 0 (default): as often as the "
-        "SMPs manage.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune ec-interval=VALUE
     )
     group.add_argument(
         "--ftmem-key-file",
@@ -199,10 +192,7 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=int,
         default=0,
-        help="Processes per SMP that encode its erasure-coding stripes in shared memory, "
-        "while the SMP goes on sending and receiving. Default 0: the SMP's exchange thread "
-        "encodes (pyeclib holds the GIL meanwhile). Worth it when each node has cores to "
-        "spare; see docs/benchmarks.md.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune ec-encode-workers=VALUE
     )
     group.add_argument(
         "--ftmem-checkfree",
@@ -263,8 +253,7 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=int,
         default=2,
-        help="Data files a flush writes in parallel (a copy-and-hash thread and an I/O thread "
-        "each). Default: 2.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune flush-writers=VALUE
     )
     group.add_argument(
         "--ftmem-flush-direct",
@@ -272,31 +261,28 @@ def get_args_parser() -> ArgumentParser:
         type=str,
         choices=("on", "off"),
         default="on",
-        help="Flush with O_DIRECT writes where the file system allows them (not tmpfs: "
-        "buffered there); off: always through the page cache. Default: on.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune flush-direct=VALUE
     )
     group.add_argument(
         "--ftmem-rebuild-timeout",
         action=env,
         type=float,
         default=600.0,
-        help="Seconds a node waits for its peers' sync and its own rebuild before its ranks "
-        "start. Default: 600.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune rebuild-timeout=VALUE
     )
     group.add_argument(
         "--ftmem-smp-start-timeout",
         action=env,
         type=float,
         default=60.0,
-        help="Seconds the SMP may take to become ready. Default: 60.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune smp-start-timeout=VALUE
     )
     group.add_argument(
         "--ftmem-no-progress-restarts",
         action=env,
         type=int,
         default=3,
-        help="Stop after this many restarts in a row without a newer committed step; "
-        "0 disables. Default: 3.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune no-progress-restarts=VALUE
     )
     group.add_argument(
         "--ftmem-rank-assignment",
@@ -313,16 +299,73 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=float,
         default=1.0,
-        help="Seconds between the agent's SMP status polls (hang detection). Default: 1.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune status-interval=VALUE
     )
     group.add_argument(
         "--ftmem-smp-log-level",
         action=env,
         type=str,
         default="INFO",
-        help="Log level of the SMP (its log is <run dir>/smp.log). Default: INFO.",
+        help=SUPPRESS,  # a tuning knob: --ftmem-tune smp-log-level=VALUE
+    )
+    group.add_argument(
+        "--ftmem-tune",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="Set a tuning knob (repeatable; also PET_FTMEM_TUNE, comma-separated): "
+        + ", ".join(TUNING)
+        + ". Their meanings and defaults: docs/launcher.md, Tuning.",
     )
     return parser
+
+
+TUNING = (
+    "slots",
+    "hash-threads",
+    "ec-group-size",
+    "ec-interval",
+    "ec-encode-workers",
+    "flush-writers",
+    "flush-direct",
+    "rebuild-timeout",
+    "smp-start-timeout",
+    "no-progress-restarts",
+    "status-interval",
+    "smp-log-level",
+    "standby-import",
+)
+"""The knobs ``--ftmem-tune KEY=VALUE`` sets (each also a hidden ``--ftmem-KEY`` flag, as
+before): settings with defaults a user should not need to see to run a job."""
+
+
+def apply_tuning(args: Namespace) -> None:
+    """Apply ``--ftmem-tune KEY=VALUE`` (and ``PET_FTMEM_TUNE``) to ``args``, each value
+    parsed as its knob's flag would parse it; a later setting of a key wins.
+
+    Raises:
+        ValueError: an unknown key, a setting without ``=``, or a value the knob refuses.
+    """
+    settings = list(getattr(args, "ftmem_tune", None) or [])
+    if not settings and os.environ.get("PET_FTMEM_TUNE"):
+        settings = [x for x in os.environ["PET_FTMEM_TUNE"].split(",") if x.strip()]
+    if not settings:
+        return
+    actions = {a.dest: a for a in get_args_parser()._actions}
+    for setting in settings:
+        key, sep, value = setting.strip().partition("=")
+        if not sep or key not in TUNING:
+            raise ValueError(
+                f"--ftmem-tune {setting!r}: expected KEY=VALUE with KEY one of {', '.join(TUNING)}"
+            )
+        action = actions["ftmem_" + key.replace("-", "_")]
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"--ftmem-tune {key}: choose from {', '.join(action.choices)}")
+        try:
+            parsed = action.type(value) if callable(action.type) else value
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--ftmem-tune {key}: {value!r} is not valid ({exc})") from exc
+        setattr(args, action.dest, parsed)
 
 
 def parse_args(args: list[str] | None) -> Namespace:
@@ -336,7 +379,7 @@ def _seconds(value: float) -> timedelta:
 
 def _encode_workers(value: int) -> int:
     if not 0 <= int(value) <= MAX_WORKERS:
-        raise ValueError(f"--ftmem-ec-encode-workers must be 0..{MAX_WORKERS}, got {value}")
+        raise ValueError(f"--ftmem-tune ec-encode-workers must be 0..{MAX_WORKERS}, got {value}")
     return int(value)
 
 
@@ -378,6 +421,7 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
         ValueError: a setting is out of range, or erasure coding could span hosts without a
             key file (:func:`~ftmem.launch.config.check_mesh_key`).
     """
+    apply_tuning(args)
     config = _ftmem_config(args)
     check_mesh_key(
         ec_possible=_ec_possible(args),
@@ -546,10 +590,10 @@ def main(args: list[str] | None = None) -> None:
     try:
         run(parse_args(args))
     except UnrecoverableError as exc:
-        logging.getLogger("ftmem.launch").error("ftmem-launch: UNRECOVERABLE: %s", exc)
+        log.error("ftmem-launch: UNRECOVERABLE: %s", exc)
         sys.exit(3)
     except UsageError as exc:
-        logging.getLogger("ftmem.launch").error("ftmem-launch: %s", exc)
+        log.error("ftmem-launch: %s", exc)
         sys.exit(2)
     finally:
         # What is left is torch's and elastic's heap: the interpreter's last garbage

@@ -117,7 +117,7 @@ class FtmemLaunchConfig:
     """Snapshot bytes between SMPs over CURVE too (``--ftmem-ec-encrypt``); else over the
     plain data channel with keyed tags."""
     ec_encode_workers: int = 0
-    """Processes per SMP that encode its stripes (``--ftmem-ec-encode-workers``); 0: the
+    """Processes per SMP that encode its stripes (``--ftmem-tune ec-encode-workers``); 0: the
     SMP's exchange thread encodes."""
     checkfree: bool = False
     """``--ftmem-checkfree``: rebuild a pipeline stage without any snapshot from its neighbours
@@ -178,14 +178,16 @@ class FtmemLaunchConfig:
 
     def __post_init__(self) -> None:
         if self.slots < 2:
-            raise ValueError(f"--ftmem-slots must be >= 2, got {self.slots}")
+            raise ValueError(f"--ftmem-tune slots must be >= 2, got {self.slots}")
         if not 1 <= self.hash_threads <= 64:
-            raise ValueError(f"--ftmem-hash-threads must be in [1, 64], got {self.hash_threads}")
+            raise ValueError(
+                f"--ftmem-tune hash-threads must be in [1, 64], got {self.hash_threads}"
+            )
         if not 0 <= self.standby <= 4:
             raise ValueError(f"--ftmem-standby must be in [0, 4], got {self.standby}")
         for name in self.standby_imports:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", name):
-                raise ValueError(f"--ftmem-standby-import: {name!r} is not a module name")
+                raise ValueError(f"--ftmem-tune standby-import: {name!r} is not a module name")
         for name in ("smp_start_timeout", "smp_stop_timeout", "status_interval"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be > 0")
@@ -206,15 +208,15 @@ class FtmemLaunchConfig:
         if self.rank_assignment not in ("stable", "elastic"):
             raise ValueError("--ftmem-rank-assignment must be 'stable' or 'elastic'")
         if self.no_progress_restarts < 0:
-            raise ValueError("--ftmem-no-progress-restarts must be >= 0")
+            raise ValueError("--ftmem-tune no-progress-restarts must be >= 0")
         if self.ec_parity < -1:
             raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
         if self.ec_group_size < 3:
-            raise ValueError("--ftmem-ec-group-size must be >= 3")
+            raise ValueError("--ftmem-tune ec-group-size must be >= 3")
         if self.flush_every < 0 or self.flush_keep < 1 or self.flush_writers < 1:
             raise ValueError(
                 "--ftmem-flush-every must be >= 0, --ftmem-flush-keep and "
-                "--ftmem-flush-writers >= 1"
+                "--ftmem-tune flush-writers >= 1"
             )
         if self.key_file is not None and not Path(self.key_file).is_file():
             raise ValueError(f"--ftmem-key-file {self.key_file} does not exist (`ftmem keygen`)")

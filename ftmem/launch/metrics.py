@@ -1,7 +1,7 @@
 """Prometheus metrics of one node (``--ftmem-metrics-port``), served by the ftmem-launch agent.
 
 Nothing is sampled in the background for them: every scrape builds the metrics from the
-newest SMP status the agent's status poller already fetched (every ``--ftmem-status-interval``)
+newest SMP status the agent's status poller already fetched (every ``--ftmem-tune status-interval``)
 and from counters the agent keeps as it writes its event log (:meth:`AgentMetrics.observe` is
 an :class:`~ftmem.events.EventLog` listener). The HTTP server is ``prometheus_client``'s (an
 optional dependency: ``pip install ftmem[metrics]``); it runs in one daemon thread of the agent

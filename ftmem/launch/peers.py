@@ -62,7 +62,7 @@ class PeerSettings:
     encrypt: bool = False
     """``--ftmem-ec-encrypt``: snapshot bytes over CURVE too (else the tagged data channel)."""
     encode_workers: int = 0
-    """``--ftmem-ec-encode-workers``: processes per SMP that encode its stripes."""
+    """``--ftmem-tune ec-encode-workers``: processes per SMP that encode its stripes."""
 
 
 def resolve_parity(parity: int, nodes: int) -> int:

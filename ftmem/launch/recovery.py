@@ -102,7 +102,7 @@ class RecoveryLifecycle:
     Args:
         node: this node's name, for the logs.
         events: the agent's event log.
-        guard: the no-progress guard (``--ftmem-no-progress-restarts``).
+        guard: the no-progress guard (``--ftmem-tune no-progress-restarts``).
     """
 
     def __init__(self, node: str, events: EventLog, guard: NoProgressGuard) -> None:
@@ -187,7 +187,7 @@ class RecoveryLifecycle:
         self.stop_reason = (
             f"{self.guard.streak} restart(s) in a row without a newer committed step "
             f"(newest committed: {self.guard.best}); stopping "
-            f"(--ftmem-no-progress-restarts {self.guard.limit})"
+            f"(--ftmem-tune no-progress-restarts={self.guard.limit})"
         )
         log.error("[%s] NO PROGRESS: %s", self.node, self.stop_reason)
         self.events.write("no_progress_stop", reason=self.stop_reason)

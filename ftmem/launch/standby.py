@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 STANDBY_PATH = Path(__file__).with_name("_standby.py")
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._inductor.config", "ftmem.client")
-"""What every standby imports (``--ftmem-standby-import`` adds to it). ``torch._inductor.config``
+"""What every standby imports (``--ftmem-tune standby-import`` adds to it). ``torch._inductor.config``
 pulls in ``torch._dynamo`` (1.7 s here), which ``torch.compile`` and even
 ``torch.use_deterministic_algorithms`` import at their first call."""
 STANDBY_NICE = 10

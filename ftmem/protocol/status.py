@@ -229,7 +229,7 @@ class ExchangeStatus:
     """Parity bytes this node holds for the protected step."""
     sent_bytes: int = 0
     encode_workers: int = 0
-    """Live encode worker processes (``--ftmem-ec-encode-workers``)."""
+    """Live encode worker processes (``--ftmem-tune ec-encode-workers``)."""
     worker_stripes: int = 0
     """Stripes the encode workers encoded (since this group's protector started)."""
     worker_fallbacks: int = 0

@@ -73,7 +73,14 @@ from ftmem.protocol import messages as m
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashJob, HashResult
-from ftmem.smp.store import MAX_SLOT_BYTES, RankPiece, RankSlots, Slot, SlotState
+from ftmem.smp.store import (
+    MAX_SLOT_BYTES,
+    BeginDecision,
+    RankPiece,
+    RankSlots,
+    Slot,
+    SlotState,
+)
 
 log = get_logger(__name__)
 
@@ -300,13 +307,13 @@ class SlotStore:
                 self._board.close()
 
     @staticmethod
-    def _grant_of(rs: RankSlots, d: Any) -> m.BeginReply:
-        if d.action == "skip":
+    def _grant_of(rs: RankSlots, d: BeginDecision) -> m.BeginReply:
+        if d.action is m.Decision.SKIP:
             return m.BeginReply(m.Decision.SKIP, reason=d.reason)
         s = rs.slot(d.slot)
         if s.state is SlotState.WRITING or (s.state is SlotState.GRANTED and s.step is None):
             records.remove_record(s.path)  # its old data is about to be overwritten
-        return m.BeginReply(m.Decision(d.action), s.index, s.gen, s.path, s.capacity)
+        return m.BeginReply(d.action, s.index, s.gen, s.path, s.capacity)
 
     def register(self, rank: int, layout_id: int, text: str) -> RegisteredLayout:
         """Validate and keep ``rank``'s layout ``layout_id`` (its ``tensors`` array); the

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftmem.format.layout import RegisteredLayout, StoredSnapshot
+from ftmem.protocol.messages import Decision
 
 MAX_SLOT_BYTES = 1 << 40
 """The largest slot the SMP makes (a request for more is refused)."""
@@ -121,7 +122,7 @@ class Slot:
 class BeginDecision:
     """What :meth:`RankSlots.begin` decided: write into ``slot``, ``resize`` it, or ``skip``."""
 
-    action: str  # "write" | "resize" | "skip"
+    action: Decision
     slot: int = -1
     reason: str = ""
 
@@ -293,10 +294,10 @@ class RankSlots:
         newest. A slot granted to this save (the rank asks again instead of using it) is
         given back first."""
         if any(s.state is SlotState.WRITING for s in self.slots):
-            return BeginDecision("skip", reason="a copy is still being written")
+            return BeginDecision(Decision.SKIP, reason="a copy is still being written")
         self.release_grant()
         target = self._choose(nbytes)
-        if target.action != "write":
+        if target.action is not Decision.WRITE:
             return target
         s = self.slots[target.slot]
         s.state, s.step, s.layout, s.snap, s.verified = SlotState.WRITING, step, "", None, False
@@ -312,7 +313,7 @@ class RankSlots:
         says every rank has committed past it."""
         self.release_grant()
         d = self._choose(nbytes)
-        if d.action == "write":
+        if d.action is Decision.WRITE:
             s = self.slots[d.slot]
             if s.state is SlotState.FREE:
                 s.step, s.layout, s.snap, s.verified = None, "", None, False
@@ -370,13 +371,13 @@ class RankSlots:
         ]
         if not usable:
             if any(s.state is SlotState.ALLOCATING for s in self.slots):
-                return BeginDecision("skip", reason="slots are being allocated")
-            return BeginDecision("skip", reason="no slot is free (all held)")
+                return BeginDecision(Decision.SKIP, reason="slots are being allocated")
+            return BeginDecision(Decision.SKIP, reason="no slot is free (all held)")
         usable.sort(key=lambda s: (s.state is SlotState.COMMITTED, s.seq))
         fitting = [s for s in usable if s.state is not SlotState.EMPTY and s.capacity >= nbytes]
         if not fitting:
-            return BeginDecision("resize", slot=usable[0].index)
-        return BeginDecision("write", slot=fitting[0].index)
+            return BeginDecision(Decision.RESIZE, slot=usable[0].index)
+        return BeginDecision(Decision.WRITE, slot=fitting[0].index)
 
     def commit(
         self,

@@ -28,7 +28,7 @@ from ftmem.testing._chaos_report import (
 from ftmem.testing._chaos_schedule import DISK_ONLY, Kind, ScheduledFault
 from ftmem.testing.cluster import ClusterConfig, LoopbackCluster
 
-log = logging.getLogger("ftmem.testing.chaos")
+log = logging.getLogger(__name__)
 
 
 @dataclass

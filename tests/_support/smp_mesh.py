@@ -95,19 +95,21 @@ class Node:
 
     def commit(self, rank: int, step: int, payload: bytes) -> bool:
         """Play rank ``rank`` saving ``payload`` as ``step``; False if the SMP said skip."""
-        r = self.req(m.Begin(rank=rank, step=step, nbytes=len(payload)))
-        if r["action"] == "resize":
-            self.req(m.Prepare(rank=rank, slot=int(r["slot"]), nbytes=len(payload)))  # type: ignore[call-overload]
-            r = self.req(m.Begin(rank=rank, step=step, nbytes=len(payload)))
-        if r["action"] == "skip":
+        assert self.client is not None
+        begin = m.Begin(rank=rank, step=step, nbytes=len(payload))
+        r = self.client.call(begin, m.BeginReply)
+        if r.action is m.Decision.RESIZE:
+            self.req(m.Prepare(rank=rank, slot=r.slot, nbytes=len(payload)))
+            r = self.client.call(begin, m.BeginReply)
+        if r.action is m.Decision.SKIP:
             return False
-        assert r["action"] == "write", r
-        fd = os.open(str(r["path"]), os.O_WRONLY)
+        assert r.action is m.Decision.WRITE, r
+        fd = os.open(r.path, os.O_WRONLY)
         try:
             os.pwrite(fd, payload, 0)
         finally:
             os.close(fd)
-        self.req(commit_of(rank, int(r["slot"]), int(r["gen"]), step, payload))  # type: ignore[call-overload]
+        self.req(commit_of(rank, r.slot, r.gen, step, payload))
         self.committed[(rank, step)] = payload
         return True
 

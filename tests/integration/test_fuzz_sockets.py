@@ -203,17 +203,18 @@ def _exchange(sock: zmq.Socket[bytes], data: bytes | list[bytes], key: bytes) ->
 
 def _save(client: SmpClient, rank: int, step: int, payload: bytes) -> list[bytes]:
     """Play a rank saving ``payload`` as ``step``; return the frames a replayer would see."""
-    r = client.request(m.Begin(rank=rank, step=step, nbytes=len(payload)))
-    if r["action"] == "resize":
-        client.request(m.Prepare(rank=rank, slot=int(r["slot"]), nbytes=len(payload)))
-        r = client.request(m.Begin(rank=rank, step=step, nbytes=len(payload)))
-    assert r["action"] == "write", r
-    fd = os.open(str(r["path"]), os.O_WRONLY)
+    begin = m.Begin(rank=rank, step=step, nbytes=len(payload))
+    r = client.call(begin, m.BeginReply)
+    if r.action is m.Decision.RESIZE:
+        client.request(m.Prepare(rank=rank, slot=r.slot, nbytes=len(payload)))
+        r = client.call(begin, m.BeginReply)
+    assert r.action is m.Decision.WRITE, r
+    fd = os.open(r.path, os.O_WRONLY)
     try:
         os.pwrite(fd, payload, 0)
     finally:
         os.close(fd)
-    commit = commit_of(rank, int(r["slot"]), int(r["gen"]), step, payload)
+    commit = commit_of(rank, r.slot, r.gen, step, payload)
     client.request(commit)
     key = client._key
     return [

@@ -5,6 +5,7 @@ from __future__ import annotations
 from argparse import Namespace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed.run import get_args_parser as torchrun_args_parser
@@ -59,6 +60,7 @@ FTMEM_FLAGS = {
     "--ftmem-rejoin-timeout",
     "--ftmem-metrics-port",
     "--ftmem-metrics-addr",
+    "--ftmem-tune",
 }
 
 
@@ -105,6 +107,42 @@ def test_defaults_and_config(tmp_path: Path) -> None:
     )
     smp_args = " ".join(config_from_args(flush)[1].smp_args())
     assert "--flush-writers 3 --flush-buffered" in smp_args
+
+
+def test_tuning_knobs_are_set_with_ftmem_tune(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ftmem-tune KEY=VALUE`` sets the knobs ``--help`` no longer lists, parsed as their
+    flags parse them (the later setting wins); ``PET_FTMEM_TUNE`` is the environment's form;
+    an unknown key or a bad value is refused with the keys or the reason."""
+    run_dir = str(tmp_path / "rd")
+
+    def ft(*tune: str) -> Any:
+        args = get_args_parser().parse_args(["--ftmem-run-dir", run_dir, *tune, "t.py"])
+        return config_from_args(args)[1]
+
+    got = ft(
+        *("--ftmem-tune", "slots=4", "--ftmem-tune", "status-interval=0.5"),
+        *("--ftmem-tune", "flush-direct=off", "--ftmem-tune", "slots=5"),
+        *("--ftmem-tune", "standby-import=json"),
+    )
+    assert (got.slots, got.status_interval, got.flush_direct) == (5, timedelta(seconds=0.5), False)
+    assert got.standby_imports == ("json",)
+    help_text = get_args_parser().format_help()
+    assert "--ftmem-tune" in help_text and "--ftmem-slots" not in help_text
+    assert ft("--ftmem-slots", "3").slots == 3  # the flag itself still works
+    for bad, why in (
+        ("slot=3", "KEY one of"),
+        ("slots", "KEY one of"),
+        ("slots=x", "is not valid"),
+        ("flush-direct=maybe", "choose from"),
+        ("slots=1", "must be >= 2"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            ft("--ftmem-tune", bad)
+    monkeypatch.setenv("PET_FTMEM_TUNE", "hash-threads=2,ec-group-size=5")
+    got = ft()
+    assert (got.hash_threads, got.ec_group_size) == (2, 5)
 
 
 def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:

@@ -99,7 +99,8 @@ def test_sigterm_removes_shared_memory(run_dir: Path, run_id: str) -> None:
     try:
         with SmpClient(run_dir) as c:
             c.request(m.Hello(rank=0, pid=os.getpid()))
-            assert c.request(m.Begin(rank=0, step=1, nbytes=1000))["action"] == "resize"
+            begin = m.Begin(rank=0, step=1, nbytes=1000)
+            assert c.call(begin, m.BeginReply).action is m.Decision.RESIZE
             c.request(m.Prepare(rank=0, slot=0, nbytes=1000), timeout=timedelta(seconds=60))
         assert len(shm_files(run_id)) == 2
         for f in shm_files(run_id):

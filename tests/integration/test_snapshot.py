@@ -287,8 +287,8 @@ def test_save_is_skipped_not_blocked_when_no_slot_is_free(
     # generation and forgets it, so the next save asks with a BEGIN again.
     assert ckpt.load({"model": model}) == 1
     with SmpClient(run_dir) as other:  # another writer holds the only reusable slot
-        held = other.request(m.Begin(rank=0, step=2, nbytes=64))
-        assert held["action"] == "write"
+        held = other.call(m.Begin(rank=0, step=2, nbytes=64), m.BeginReply)
+        assert held.action is m.Decision.WRITE
         h = ckpt.save({"model": model}, step=3)
         assert h.skipped and not h.wait(1) and ckpt.stats()["skipped"] == before + 1
         r = other.status().ranks[0]
@@ -296,7 +296,7 @@ def test_save_is_skipped_not_blocked_when_no_slot_is_free(
         assert r.skips["a copy is still being written"] == 1
         assert r.skips["slots are being allocated"] == 1
         # The writer gives its slot back: the skipped newest step is committed by wait().
-        other.request(m.Abort(rank=0, slot=int(held["slot"]), gen=int(held["gen"])))
+        other.request(m.Abort(rank=0, slot=held.slot, gen=held.gen))
     assert ckpt.wait(30)
     with SmpClient(run_dir) as c:
         assert c.status().ranks[0].newest_committed == 3
