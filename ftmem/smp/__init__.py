@@ -3,6 +3,12 @@
 Modules: store.py (per-rank slot state machine, pure), slot_store.py (SlotStore: every
 rank's slots behind one lock, the only way any thread changes them), daemon.py (SmpDaemon:
 sockets and the poll loop), handlers.py (request kind -> handler, deferred replies),
-allocation.py (slot files and their creation off the loop), spawn.py (start one with a
-readiness handshake), __main__.py (its CLI).
+allocation.py (slot files and their creation off the loop), records.py (commit records),
+hashing.py (the checksum pool), node_lock.py (one SMP per run and node), spawn.py (start one
+with a readiness handshake), __main__.py (its CLI). The protection service (erasure coding
+across nodes, one thread): protection.py (the service), protection_commands.py (what the
+loop asks of it), protection_state.py (what its parts share), protection_sync.py (the
+generation's sync), protection_rounds.py (the rounds), protection_rebuild.py (a lost node's
+rebuild). The disk tiers: flush_scheduler.py (when and what to flush), flush_process.py (the
+flush worker process).
 """

@@ -9,14 +9,14 @@ Life of a generation (the launcher drives it, once per rendezvous round):
 1. **bind** (keys, host): a new transport with the round's key pair; the endpoint goes back to
    the launcher, which publishes it in the rendezvous store.
 2. **start** (epoch, this node, every node's endpoint, m, group cap, this node's ranks):
-   connect to the group and *sync* (exchange_sync.py): every node tells the group which steps
+   connect to the group and *sync* (protection_sync.py): every node tells the group which steps
    it holds; all keep the newest step enough nodes hold, and nodes that lost it rebuild it
-   (exchange_rebuild.py) before the launcher starts their ranks.
+   (protection_rebuild.py) before the launcher starts their ranks.
 3. **rounds** (protection_rounds.py): the group's coordinator orders the newest step every
    node has committed; each node pins it and protects it with the group.
 
 This module holds the thread, its commands and the routing of peer messages; the state the
-parts share and the status other threads read are in exchange_state.py. Commands come from the
+parts share and the status other threads read are in protection_state.py. Commands come from the
 main loop through :meth:`ProtectionService.submit`; results go back through
 :meth:`ProtectionService.results` (the main loop sends the deferred replies).
 """
@@ -39,11 +39,11 @@ from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import Envelope, PeerMessage
 from ftmem.protocol.status import ExchangeState, ExchangeStatus
-from ftmem.smp.exchange_commands import BindCommand, Result, StartCommand
-from ftmem.smp.exchange_rebuild import report_progress
-from ftmem.smp.exchange_state import ExchangeContext
-from ftmem.smp.exchange_sync import GenerationSync, SyncVerdict, decide
+from ftmem.smp.protection_commands import BindCommand, Result, StartCommand
+from ftmem.smp.protection_rebuild import report_progress
 from ftmem.smp.protection_rounds import ProtectionRounds
+from ftmem.smp.protection_state import ExchangeContext
+from ftmem.smp.protection_sync import GenerationSync, SyncVerdict, decide
 from ftmem.smp.slot_store import SlotStore
 
 __all__ = [

@@ -19,7 +19,7 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError
 from ftmem.exchange.protector import ExchangeInterrupted, StepAborted
 from ftmem.protocol import peer as pm
-from ftmem.smp.exchange_state import ExchangeContext, PinnedStep
+from ftmem.smp.protection_state import ExchangeContext, PinnedStep
 
 log = get_logger(__name__)
 

@@ -25,10 +25,10 @@ from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.status import ExchangeState
 from ftmem.smp.allocation import SlotFiles
-from ftmem.smp.exchange_commands import Result, StartCommand
-from ftmem.smp.exchange_state import ExchangeContext
-from ftmem.smp.exchange_sync import GenerationSync
 from ftmem.smp.hashing import HashService
+from ftmem.smp.protection_commands import Result, StartCommand
+from ftmem.smp.protection_state import ExchangeContext
+from ftmem.smp.protection_sync import GenerationSync
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import MAX_SLOT_BYTES
 from tests._support.smp_mesh import layout_for

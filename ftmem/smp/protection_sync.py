@@ -3,7 +3,7 @@
 Every node tells the group which steps it holds (own data plus owed parity). Once every node's
 list is in, each node runs :func:`decide` on the same inputs, so all agree: the newest step
 held by at least ``n - m`` nodes is the group's protected step; nodes that do not hold it
-rebuild it (exchange_rebuild.py) before the launcher starts their ranks; every node keeps only
+rebuild it (protection_rebuild.py) before the launcher starts their ranks; every node keeps only
 that step. No such step while some node holds data: more than m nodes were lost.
 
 Until the sync has decided, a node keeps its peers' META and FETCH requests unanswered; then
@@ -20,9 +20,9 @@ from typing import Any
 from ftmem._logging import get_logger
 from ftmem.exchange.placement import GroupPlan
 from ftmem.protocol.status import ExchangeState
-from ftmem.smp.exchange_commands import Result, StartCommand
-from ftmem.smp.exchange_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
-from ftmem.smp.exchange_state import ExchangeContext
+from ftmem.smp.protection_commands import Result, StartCommand
+from ftmem.smp.protection_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
+from ftmem.smp.protection_state import ExchangeContext
 
 log = get_logger(__name__)
 

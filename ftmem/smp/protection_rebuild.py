@@ -23,7 +23,7 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
 from ftmem.protocol.status import ExchangeState
-from ftmem.smp.exchange_state import ExchangeContext, PinnedStep
+from ftmem.smp.protection_state import ExchangeContext, PinnedStep
 from ftmem.smp.store import MAX_SLOT_BYTES, StoreError
 
 log = get_logger(__name__)

@@ -1,8 +1,8 @@
 """What the SMP's exchange thread holds and what it reports.
 
 :class:`ExchangeContext` is the state the thread's parts share (the service in protection.py,
-the sync in exchange_sync.py, the rounds in protection_rounds.py, the rebuild in
-exchange_rebuild.py): the generation's group and protector, the pinned steps, the protected
+the sync in protection_sync.py, the rounds in protection_rounds.py, the rebuild in
+protection_rebuild.py): the generation's group and protector, the pinned steps, the protected
 step and the counters. Only the exchange thread touches it.
 
 :class:`StatusBoard` is the one thing other threads read: the state machine's state and a
