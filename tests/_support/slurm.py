@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class SlurmCluster:
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self._procs: list[subprocess.Popen[bytes]] = []
+        self.jobs: list[int] = []
+        """Every job submitted (:meth:`close` removes their agents' run directories)."""
         self.hosts = Hosts(nodes + 1, shm_size=shm_size)
         try:
             self._start()
@@ -208,7 +211,9 @@ class SlurmCluster:
         )
         if out.returncode != 0:
             raise RuntimeError(f"sbatch exited {out.returncode}: {out.stderr}")
-        return int(out.stdout.strip().split(";")[0])
+        job = int(out.stdout.strip().split(";")[0])
+        self.jobs.append(job)
+        return job
 
     def job(self, job_id: int) -> dict[str, str]:
         """``scontrol show job``'s fields of ``job_id`` ({} once it is forgotten)."""
@@ -248,6 +253,12 @@ class SlurmCluster:
                 p.wait(10)
         self._procs.clear()
         self.hosts.close()
+        # ftmem-launch keeps an agent's run directory after a signal or a failure (for
+        # inspection): the jobs' are this cluster's, named <job id>-<attempt>-<node>.
+        base = Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}"
+        for job in self.jobs:
+            for rd in base.glob(f"{job}-*-*"):
+                shutil.rmtree(rd, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
         return self

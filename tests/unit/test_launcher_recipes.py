@@ -1,0 +1,94 @@
+"""launcher/: the Kubernetes manifests validate against the schemas of the version they name
+(``kubernetes-validate``, strict: an unknown field is an error), and the Slurm script's dry
+run prints the commands it would run. The Slurm script runs for real on a Slurm cluster in
+tests/faults/test_slurm.py."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "launcher" / "kubernetes"
+SBATCH = REPO / "launcher" / "slurm" / "ftmem.sbatch"
+K8S_VERSION = "1.33.0"
+"""The version the manifests name in their header."""
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_the_kubernetes_manifests_validate_against_their_version() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    files = sorted(K8S.glob("*.yaml"))
+    assert [f.name for f in files] == ["etcd.yaml", "ftmem-job.yaml"]
+    kinds = []
+    for f in files:
+        assert f"Kubernetes {K8S_VERSION.rsplit('.', 1)[0]}" in f.read_text().split("---")[0]
+        for doc in _docs(f):
+            kv.validate(doc, K8S_VERSION, strict=True)
+            kinds.append(doc["kind"])
+    assert sorted(kinds) == sorted(
+        ["Service", "StatefulSet", "Service", "Job", "PersistentVolumeClaim"]
+    )
+    job = next(d for d in _docs(K8S / "ftmem-job.yaml") if d["kind"] == "Job")
+    pod = job["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"  # /dev/shm: not Docker's 64 MiB
+    args = " ".join(pod["containers"][0]["args"])
+    assert "--rdzv-backend etcd-v2" in args and "--ftmem-key-file" in args
+    # A misspelled field is refused: the validation is not vacuous.
+    job["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kv.ValidationError):
+        kv.validate(job, K8S_VERSION, strict=True)
+
+
+def _dry_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run(
+        ["bash", str(SBATCH)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**base, "FTMEM_DRY_RUN": "1", "SHARED_DIR": str(tmp_path / "shared"), **env},
+    )
+
+
+def test_the_slurm_script_runs_one_agent_per_node_without_killing_the_job(
+    tmp_path: Path,
+) -> None:
+    slurm = {
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NAME": "ftmem",
+        "SLURM_RESTART_COUNT": "1",
+        "TRAIN_NODES": "3",
+        "RDZV_ENDPOINT": "n1:29500",
+    }
+    out = _dry_run(tmp_path, **slurm)
+    assert out.returncode == 0, out.stderr
+    lines = [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
+    sruns = [x for x in lines if x[0] == "srun"]
+    assert len(sruns) == 3  # cleanup, the agents, cleanup
+    assert sruns[0][-2:] == ["cleanup", "--remove"] and sruns[2][-2:] == ["cleanup", "--remove"]
+    launch = sruns[1]
+    assert "--no-kill" in launch and "--kill-on-bad-exit=0" in launch
+    flags = dict(itertools.pairwise(launch))
+    assert flags["--nnodes"] == "3" and flags["--rdzv-id"] == "77-1"  # a new one per attempt
+    assert flags["--rdzv-endpoint"] == "n1:29500"
+    assert flags["--ftmem-key-file"] == str(tmp_path / "shared" / "mesh.key")
+    assert flags["--ftmem-flush-persistent-dir"] == str(tmp_path / "shared" / "checkpoints")
+    assert any(x[:2] == ["ftmem", "keygen"] for x in lines)  # made once, on the shared dir
+
+    too_few = _dry_run(tmp_path, **{**slurm, "SLURM_JOB_NUM_NODES": "2"})
+    assert too_few.returncode == 2 and "fewer than TRAIN_NODES=3" in too_few.stderr
+    outside = _dry_run(tmp_path)
+    assert outside.returncode != 0 and "run this under sbatch" in outside.stderr
