@@ -28,8 +28,6 @@ from ftmem.format.layout import (
     tensors_json,
 )
 from ftmem.format.tensors import (
-    GATHER_MARK,
-    REPLICAS_KEY,
     TENSOR_MARK,
     dtype_name,
 )
@@ -46,9 +44,7 @@ __all__ = [
     "is_stateful",
     "parse_layout",
     "plan_layout",
-    "shard_replicated",
     "signature_of",
-    "split_rows",
     "state_dicts",
 ]
 
@@ -172,112 +168,6 @@ def flatten_state(state: Mapping[str, Any], sds: list[tuple[str, Any]] | None = 
     return Flat(tensors, names, skeleton, chunks, groups)
 
 
-def split_rows(items: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
-    """Spread ``items`` ((rows, bytes per row) each, in order) over ``parts`` owners, balanced
-    by bytes, each owner getting a contiguous run; a tensor is split between rows only.
-    Returns per owner its ``(item, first row, end row)`` pieces. Deterministic: every replica
-    computes the same split."""
-    total = sum(r * b for r, b in items)
-    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
-    k, acc = 0, 0
-    for i, (rows, row_bytes) in enumerate(items):
-        r = 0
-        while r < rows:
-            target = total * (k + 1) // parts
-            if k < parts - 1 and acc >= target:
-                k += 1
-                continue
-            if k == parts - 1 or row_bytes == 0:
-                take = rows - r
-            else:
-                take = min(rows - r, max(1, -(-(target - acc) // row_bytes)))
-            out[k].append((i, r, r + take))
-            acc += take * row_bytes
-            r += take
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_split(
-    items: tuple[tuple[int, int], ...], parts: int
-) -> list[list[tuple[int, int, int]]]:
-    """:func:`split_rows`, cached: every save of an unchanged state splits the same way."""
-    return split_rows(list(items), parts)
-
-
-def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -> Flat:
-    """Keep only this replica's share of the tensors ``replicated`` (indices into ``flat``,
-    equal on all ``size`` replicas of a group in which this one is ``index``).
-
-    The replicated tensors (in index order) are split by rows over the replicas
-    (:func:`split_rows`); this replica stores its rows as chunks (``ChunkOf``), named like the
-    whole tensor; the skeleton marks each replicated tensor with ``GATHER_MARK`` and records
-    under ``REPLICAS_KEY`` the whole split, so that a restore can gather the rows back from
-    every replica (:func:`ftmem.client.restore.gather_replicated`).
-    """
-    rep = sorted(set(replicated))
-    pos = {j: n for n, j in enumerate(rep)}
-    items = []
-    for j in rep:
-        t = flat.tensors[j]
-        rows = t.shape[0] if t.dim() > 0 else 1
-        items.append((rows, t.nbytes // rows if rows else 0))
-    split = _cached_split(tuple(items), size)
-    tensors: list[torch.Tensor] = []
-    names: list[str] = []
-    chunks: list[ChunkOf | None] = []
-    new_index: dict[int, int] = {}
-    groups: list[Any] = []
-    for j, t in enumerate(flat.tensors):
-        if j not in pos:
-            new_index[j] = len(tensors)
-            tensors.append(t)
-            names.append(flat.names[j])
-            chunks.append(flat.chunks[j] if flat.chunks else None)
-            groups.append(None)
-    pieces: list[list[int]] = []
-    for owner, run in enumerate(split):
-        for i, a, b in run:
-            stored = -1
-            if owner == index:
-                t = flat.tensors[rep[i]]
-                stored = len(tensors)
-                tensors.append(t[a:b] if t.dim() > 0 else t)
-                names.append(flat.names[rep[i]])
-                # A DTensor's local shard sits at its own offsets in the global tensor.
-                whole = (flat.chunks[rep[i]] if flat.chunks else None) or ChunkOf(
-                    tuple(t.shape), (0,) * t.dim()
-                )
-                start = (whole.offset[0] + a, *whole.offset[1:]) if t.dim() else ()
-                chunks.append(ChunkOf(whole.shape, start))
-                groups.append(None)
-            pieces.append([i, a, b, owner, stored])
-
-    def mark(skel: Any) -> Any:
-        if isinstance(skel, tuple) and len(skel) == 2 and skel[0] == TENSOR_MARK:
-            j = int(skel[1])
-            return (GATHER_MARK, pos[j]) if j in pos else (TENSOR_MARK, new_index[j])
-        if isinstance(skel, dict):
-            return {k: mark(v) for k, v in skel.items()}
-        if isinstance(skel, list):
-            return [mark(v) for v in skel]
-        if isinstance(skel, tuple):
-            return tuple(mark(v) for v in skel)
-        return skel
-
-    skeleton = mark(flat.skeleton)
-    skeleton[REPLICAS_KEY] = {
-        "size": size,
-        "index": index,
-        "tensors": [
-            [flat.names[j], dtype_name(flat.tensors[j].dtype), list(flat.tensors[j].shape)]
-            for j in rep
-        ],
-        "pieces": pieces,
-    }
-    return Flat(tensors, names, skeleton, chunks, groups)
-
-
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -330,3 +220,24 @@ def plan_layout(flat: Flat) -> Layout:
         )
         offset = _align(offset + t.nbytes)
     return Layout(tuple(sorted(extents, key=lambda e: e.index)), offset)
+
+
+def walk_values(obj: Any) -> list[Any]:
+    """The leaves of nested mappings, lists and tuples (a state's modules, optimizers...)."""
+    out = []
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        else:
+            out.append(v)
+    return out
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """The data pointer of a tensor's storage (a DTensor's: its local shard's)."""
+    local = getattr(t, "_local_tensor", None)
+    return int((local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr())

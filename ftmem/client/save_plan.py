@@ -8,13 +8,12 @@ by a side stream). The plan is pure: it reads the tensors' storages, never copie
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ftmem.client.flatten import Flat, Layout, plan_layout, signature_of
+from ftmem.client.flatten import Flat, Layout, plan_layout, signature_of, storage_ptr
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,27 +75,6 @@ def plan_save(
     lazy.sort(key=lambda i: -tensors[i].nbytes)
     key = (sig, tuple(tensors[i].data_ptr() for i in lazy + cuda_lazy))
     return SavePlan(key, layout, eager, lazy, cuda, cuda_lazy)
-
-
-def walk_values(obj: Any) -> list[Any]:
-    """The leaves of nested mappings, lists and tuples (a state's modules, optimizers...)."""
-    out = []
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Mapping):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        else:
-            out.append(v)
-    return out
-
-
-def storage_ptr(t: torch.Tensor) -> int:
-    """The data pointer of a tensor's storage (a DTensor's: its local shard's)."""
-    local = getattr(t, "_local_tensor", None)
-    return int((local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr())
 
 
 def optimizer_storage_ptrs(optimizers: list[torch.optim.Optimizer]) -> set[int]:

@@ -36,9 +36,9 @@ import torch
 
 from ftmem._logging import get_logger
 from ftmem.client import agreement, pitfalls
-from ftmem.client.flatten import Flat, flatten_state, state_dicts
+from ftmem.client.flatten import Flat, flatten_state, state_dicts, walk_values
 from ftmem.client.loading import SnapshotLoader
-from ftmem.client.save_plan import SavePlan, plan_save, walk_values
+from ftmem.client.save_plan import SavePlan, plan_save
 from ftmem.client.sharding import ReplicaSharder, gather_group
 from ftmem.client.slot_maps import SlotMappings, stage
 from ftmem.client.staging import CopyJob, CopyWorker, PrepareJob, SkipNotice

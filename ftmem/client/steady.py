@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ftmem.client.flatten import Flat
-from ftmem.client.save_plan import optimizer_storage_ptrs, storage_ptr
+from ftmem.client.flatten import Flat, storage_ptr
+from ftmem.client.save_plan import optimizer_storage_ptrs
 from ftmem.format.tensors import TENSOR_MARK, encode_skeleton
 
 FULL_EVERY = 1000
