@@ -197,15 +197,15 @@ def failure_free_digests(launcher: Launcher, script: list[str], timeout: float) 
     return want
 
 
-def reference_digests(launcher: Launcher, steps: int) -> dict[int, str]:
-    """Digests of a failure-free 2-rank run of the example (cached per session)."""
-    key = (str(steps),)
+def reference_digests(launcher: Launcher, steps: int, nproc: int = 2) -> dict[int, str]:
+    """Digests of a failure-free single-node run of the example with ``nproc`` ranks (the
+    world size of the job it is compared with; cached per session)."""
+    key = (str(steps), str(nproc))
     if key not in _REFERENCE:
         rid = launcher.new_run_id()
-        ref = launcher.single_node(
-            rid, 2, [], [str(EXAMPLE), "--steps", str(steps), *TINY], name="reference"
-        )
-        assert ref.wait(90) == 0, ref.text()[-3000:]
+        script = [str(EXAMPLE), "--steps", str(steps), *TINY]
+        ref = launcher.single_node(rid, nproc, [], script, name=f"reference{nproc}")
+        assert ref.wait(240) == 0, ref.text()[-3000:]
         _REFERENCE[key] = digests(ref.text())
-        assert len(_REFERENCE[key]) == 2
-    return _REFERENCE[key]
+        assert len(_REFERENCE[key]) == nproc
+    return dict(_REFERENCE[key])

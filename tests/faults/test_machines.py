@@ -18,26 +18,13 @@ import pytest
 
 from ftmem.testing.harness import launch_args, launch_command
 from ftmem.testing.hosts import impair_unavailable
-from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
+from tests._support.launcher import Launch, Launcher, reference_digests
 from tests._support.machines import STEPS, events, finish, machines
-
-_REFERENCE: dict[int, dict[int, str]] = {}
 
 
 def reference(launcher: Launcher, steps: int = STEPS) -> dict[int, str]:
     """Digests of a failure-free single-node run with 3 ranks (the same world size)."""
-    if steps not in _REFERENCE:
-        ref = launcher.single_node(
-            launcher.new_run_id(),
-            3,
-            ["--ftmem-ec-parity", "0"],
-            [str(EXAMPLE), "--steps", str(steps), *TINY],
-            name=f"reference3-{steps}",
-        )
-        assert ref.wait(240) == 0, ref.text()[-3000:]
-        _REFERENCE[steps] = digests(ref.text())
-        assert len(_REFERENCE[steps]) == 3
-    return dict(_REFERENCE[steps])
+    return reference_digests(launcher, steps, nproc=3)
 
 
 def test_silent_machine_loss_a_spare_takes_over_same_digest(launcher_env: Launcher) -> None:

@@ -24,29 +24,17 @@ import pytest
 from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.tiers.checkpoints import list_checkpoints
-from tests._support.launcher import EXAMPLE, TINY, Launcher, digests
+from tests._support.launcher import EXAMPLE, TINY, Launcher, digests, reference_digests
 from tests._support.procs import REPO
 from tests._support.slurm import SlurmCluster, slurm_unavailable
 
 SBATCH = REPO / "launcher" / "slurm" / "ftmem.sbatch"
 STEPS = 150
-_REFERENCE: dict[int, dict[int, str]] = {}
 
 
 def reference(launcher: Launcher, steps: int = STEPS) -> dict[int, str]:
-    """Digests of a failure-free single-node run with 3 ranks (the jobs' world size)."""
-    if steps not in _REFERENCE:
-        ref = launcher.single_node(
-            launcher.new_run_id(),
-            3,
-            ["--ftmem-ec-parity", "0"],
-            [str(EXAMPLE), "--steps", str(steps), *TINY],
-            name=f"reference3-{steps}",
-        )
-        assert ref.wait(240) == 0, ref.text()[-3000:]
-        _REFERENCE[steps] = digests(ref.text())
-        assert len(_REFERENCE[steps]) == 3
-    return dict(_REFERENCE[steps])
+    """Digests of a failure-free single-node run with 3 ranks (the same world size)."""
+    return reference_digests(launcher, steps, nproc=3)
 
 
 @pytest.fixture
