@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ftmem._logging import get_logger
 from ftmem.client.flatten import Flat, Layout
 from ftmem.client.save_plan import SavePlan
 from ftmem.client.staging import (
@@ -26,8 +27,11 @@ from ftmem.client.staging import (
     unregister_pinned,
 )
 from ftmem.config import default_shm_dir
+from ftmem.errors import UnsafePathError
 from ftmem.protocol import messages as m
 from ftmem.shm import GRANT_READY, MappedSegment, map_board
+
+log = get_logger(__name__)
 
 
 class SlotMappings:
@@ -54,19 +58,21 @@ class SlotMappings:
         """Whether the slot of ``grant`` may be written now: always for an unconditional
         grant; for a conditional one, once the SMP's grant board says so (a byte read from
         a read-only mapping, made at the first conditional grant; see
-        :class:`ftmem.shm.GrantBoard`).
-
-        Raises:
-            UnsafePathError, ValueError: the board is not a grant board in this user's
-                private directory (nothing is mapped).
-        """
+        :class:`ftmem.shm.GrantBoard`). A board that cannot be mapped (not a grant board in
+        this user's private directory, or gone) is logged and counts as not ready: the save
+        asks with a BEGIN, as without a grant."""
         if not grant.board:
             return True
         with self._lock:
             if self._board is None or self._board[0] != grant.board:
                 if self._board is not None:
                     self._board[1].close()
-                self._board = (grant.board, map_board(Path(grant.board), self.shm_dir))
+                    self._board = None
+                try:
+                    self._board = (grant.board, map_board(Path(grant.board), self.shm_dir))
+                except (OSError, ValueError, UnsafePathError) as exc:
+                    log.warning("not using the SMP's grant board: %s", exc)
+                    return False
             board = self._board[1]
         return 0 <= grant.cell < len(board) and board[grant.cell] == GRANT_READY
 

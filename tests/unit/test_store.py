@@ -3,6 +3,7 @@ every transition of ftmem/smp/store.py's diagram, and that the others raise."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from ftmem import shm
+from ftmem.client.slot_maps import SlotMappings
 from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
 from ftmem.protocol.messages import BeginReply
 from ftmem.smp import records
@@ -571,8 +573,16 @@ def test_a_step_another_rank_of_the_node_may_still_need_is_granted_only_conditio
         store.unpin(pieces)
         g2 = store.grant(0, USED)
         assert g2.action == "write" and g2.board == g.board and board[g2.cell] == shm.GRANT_PENDING
+        rank_view = SlotMappings()  # what a rank reads before it writes the slot
+        rank_view.shm_dir = tmp_path
+        assert not rank_view.grant_ready(g2)
         save(store, 2, rank=1)
         assert board[g2.cell] == shm.GRANT_READY
+        assert rank_view.grant_ready(g2)
+        planted = tmp_path / "elsewhere@n@0123456789abcdef@grants"
+        planted.write_bytes(b"\x01" * shm.BOARD_CELLS)
+        assert not rank_view.grant_ready(dataclasses.replace(g2, board=str(planted) + "x"))
+        rank_view.close()
         settle(store, hasher)
         assert store.pin_step([0, 1], 1) is None  # a ready grant is never taken back
         assert store.complete_steps([0, 1]) == [2]
