@@ -170,7 +170,8 @@ def test_a_standby_runs_the_script_as_a_cold_start_would(
     # exit codes reach elastic as for any rank; the traceback is the script's own
     assert re.search(r"FAILED: exit code 3 \(generation 0\)", text)
     assert re.search(r"FAILED: exit code 1 \(generation 1\)", text)
-    tb = text[text.index("Traceback") : text.index("ValueError: boom from generation 1")]
+    end = text.index("ValueError: boom from generation 1")
+    tb = text[text.rindex("Traceback", 0, end) : end]  # its own traceback, nothing before
     assert "_standby.py" not in tb and "identity.py" in tb
     # the standby wrote into elastic's per-rank log file of its attempt
     logs = list((launcher_env.tmp / "agent-rd" / "logs").glob("*/attempt_1/0/stdout.log"))
