@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ftmem.testing.hosts import Hosts, unavailable
@@ -169,9 +170,9 @@ class SlurmCluster:
                 )
             )
 
-    def _wait(self, ok: object, timeout: float, what: str) -> None:
+    def _wait(self, ok: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
-        while not ok():  # type: ignore[operator]
+        while not ok():
             for p in self._procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"{what}: {p.args[0]} exited {p.returncode}; {self.logs()}")

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,7 +38,7 @@ def reference(launcher: Launcher, steps: int = STEPS) -> dict[int, str]:
 
 
 @pytest.fixture
-def cluster(launcher_env: Launcher) -> object:
+def cluster(launcher_env: Launcher) -> Iterator[SlurmCluster]:
     why = slurm_unavailable()
     if why:
         pytest.skip(why)
