@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from ftmem.testing import workload
 from ftmem.testing.harness import (
     AgentProcess,
     agent_env,
@@ -32,7 +33,8 @@ from ftmem.testing.harness import (
 __all__ = ["free_port", "remove_shm"]  # re-exported for the bench scripts
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "train_gpt.py"
+EXAMPLE = Path(workload.SCRIPT)
+"""The script the benchmarks train: the test workload (the example's loop plus its switches)."""
 # The example's model size in the launcher benchmarks: 2.64 M parameters (32 MB of state per
 # rank), about 0.1 s a step on one core here.
 MODEL_DEFAULTS = {"d_model": 256, "n_layers": 2, "vocab": 2048, "seq_len": 32, "batch_size": 2}
@@ -163,7 +165,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def example() -> str:
-    """The example script, relative to the repository root."""
+    """The workload script, relative to the repository root."""
     return str(EXAMPLE.relative_to(REPO))
 
 

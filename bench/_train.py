@@ -1,4 +1,4 @@
-"""The training loop of ``examples/train_gpt.py``, for the bench workers that run inside ranks.
+"""The training loop of the test workload (``ftmem/testing/workload/train.py``), for the bench workers that run inside ranks.
 
 ``bench/recovery.py --_dcp-worker`` and ``bench/overhead.py --_worker`` build the example's
 model, data, optimizer, schedule and DDP wrapping in the example's order, so that the seeds
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
+import importlib
 import json
 import logging
 import os
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-
-from bench import _launch
 
 MARK = "BENCH_MARK "  # Prefix of the workers' JSON lines: {"event", "time", "rank", ...}.
 
@@ -133,11 +131,7 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    spec = importlib.util.spec_from_file_location("train_gpt_example", _launch.EXAMPLE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {_launch.EXAMPLE}")
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = importlib.import_module("ftmem.testing.workload.train")
     args = ex.get_args_parser().parse_args(list(example_argv))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

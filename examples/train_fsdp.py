@@ -15,8 +15,8 @@ Commands (from the repository root, with ftmem installed: ``pip install -e .``):
     ftmem-launch --nproc-per-node 4 examples/train_fsdp.py --steps 20 --hsdp 2   # HSDP 2 x 2
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --steps 20 --no-ftmem
 
-The model, data, flags and output lines are those of ``examples/train_gpt.py`` (it is imported
-from there); only the wrapping (``fully_shard`` per block, then the whole model, on a 1-D CPU
+The model, data, flags (failure injection included) and output lines are those of the test
+workload, ``ftmem/testing/workload/train.py`` (imported from there); only the wrapping (``fully_shard`` per block, then the whole model, on a 1-D CPU
 device mesh) and the digest differ.
 """
 
@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,8 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import GPT, SyntheticTokens, fail_when_committed, get_args_parser
+from ftmem.testing.workload.train import (
+    GPT,
+    SyntheticTokens,
+    fail_when_committed,
+    get_args_parser,
+)
 
 logger = logging.getLogger("train_fsdp")
 

@@ -1,58 +1,24 @@
-"""Train a small GPT on synthetic tokens, with an in-memory snapshot after every step (ftmem).
+"""Train a small GPT on synthetic tokens with DDP, snapshotting the whole state every step.
 
-What it shows: a training loop that calls ``ftmem.load(state)`` once and ``ftmem.save(state,
-step=...)`` after each step, where ``state`` holds the model, the AdamW optimizer, the LR
-scheduler, the data loader's position and the RNG state. Killing a rank and restarting every
-rank resumes from the newest snapshot that every rank committed, and the run ends bit for bit
-where an uninterrupted run ends: compare the ``[rank R] digest`` lines.
+The loop calls ``ftmem.load(state)`` once and ``ftmem.save(state, step=...)`` after every
+step. ``state`` holds the model, the optimizer, the LR schedule, the data position and the
+RNG state, so a restarted job resumes exactly where the newest snapshot every rank committed
+left off.
 
-Commands (from the repository root, with ftmem installed: ``pip install -e .``):
+    ftmem-launch --nproc-per-node 2 examples/train_gpt.py --steps 200
 
-    # 1. Plain torchrun plus a hand-started SMP (one per node).
-    export FTMEM_RUN_DIR=$(mktemp -d)
-    python -m ftmem.smp --run-dir "$FTMEM_RUN_DIR" &          # prints when it is ready
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20
-    # kill rank 1 right after the snapshot of step 12 is committed, then restart both ranks:
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 \
-        --fail-at-step 12 --fail-rank 1        # exits non-zero: rank 1 was SIGKILLed
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 \
-        --fail-at-step 12 --fail-rank 1        # prints "resumed from step 12"; same digest
-    kill %1                                    # SIGTERM stops the SMP
-
-    # 2. With the ftmem launcher, which starts the SMP and restarts the ranks itself:
-    ftmem-launch --nproc-per-node 2 examples/train_gpt.py --steps 20 --fail-at-step 12 --fail-rank 1
-
-    # Baseline without snapshots (reference digest; the benchmark's "no snapshot" case):
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20 --no-ftmem
-
-The SMP keeps the snapshots of its run until it stops: a new run (rather than a restart) needs
-a new SMP or run directory, else it resumes where the last one ended.
-
-A single process (``python examples/train_gpt.py``) trains without DDP. Every rank prints
-``[rank R] resumed from step N`` after ``ftmem.load``, and at the end ``[rank R] final step N``,
-``[rank R] mean step time X s`` (and the median) and ``[rank R] digest <sha256>``: the digest covers every byte
-of the parameters (sorted by name) and of the optimizer state (per parameter index, sorted
-keys, ``step`` included), the same on every rank; with persistent buffers (``--batchnorm``) a
-per-rank ``[rank R] buffers sha256 <hex>`` line follows. ``--batchnorm`` adds a
-BatchNorm1d whose running statistics the forward pass mutates; ``--d-model``/``--n-layers``/
-``--vocab`` scale the state (12 bytes per parameter: fp32 weights + two AdamW moments), e.g.
-``--d-model 768 --n-layers 4 --vocab 8192`` is ~41 M parameters, ~0.5 GB of state.
+Kill a rank (``kill -9 <pid>``) while it trains: the launcher restarts the ranks, they log
+``resumed from step N`` and train on. Under plain ``torchrun``, start one SMP per node first
+(``FTMEM_RUN_DIR=$(mktemp -d) python -m ftmem.smp --run-dir "$FTMEM_RUN_DIR" &``).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import logging
 import math
 import os
-import signal
-import statistics
-import sys
-import time
-from collections.abc import Iterator, Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -61,133 +27,46 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-logger = logging.getLogger("train_gpt")
+import ftmem
 
-
-# --------------------------------------------------------------------------- model
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with a causal mask."""
-
-    mask: torch.Tensor
-
-    def __init__(self, d_model: int, n_heads: int, seq_len: int, dropout: float) -> None:
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model {d_model} is not a multiple of n_heads {n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.attn_drop = nn.Dropout(dropout)
-        self.resid_drop = nn.Dropout(dropout)
-        mask = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
-        # Not persistent: derived from seq_len, so it is neither saved nor restored.
-        self.register_buffer("mask", mask.view(1, 1, seq_len, seq_len), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q = q.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
-        k = k.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
-        v = v.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        out: torch.Tensor = self.resid_drop(self.proj(y))
-        return out
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, d_model: int, n_heads: int, seq_len: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, seq_len, dropout)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model),
-            nn.GELU(),
-            nn.Linear(4 * d_model, d_model),
-            nn.Dropout(dropout),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
+log = logging.getLogger("train_gpt")
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer: token + position embedding, pre-LN blocks, LM head.
+    """Token and position embeddings, pre-LayerNorm causal transformer blocks, an LM head."""
 
-    With ``batchnorm=True`` a BatchNorm1d over the channels sits before the final LayerNorm,
-    so the forward pass mutates buffers (its running statistics) in training mode.
-    """
-
-    def __init__(
-        self,
-        *,
-        vocab: int,
-        seq_len: int,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        dropout: float,
-        batchnorm: bool = False,
-    ) -> None:
+    def __init__(self, vocab: int, seq_len: int, d_model: int, n_layers: int) -> None:
         super().__init__()
-        self.tok_emb = nn.Embedding(vocab, d_model)
-        self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, seq_len, dropout) for _ in range(n_layers)
-        )
-        self.bn = nn.BatchNorm1d(d_model) if batchnorm else None
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.1, batch_first=True,
+            norm_first=True,
+        )  # fmt: skip
+        self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.head = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Return logits of shape (batch, time, vocab) for token ids of shape (batch, time)."""
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        if self.bn is not None:
-            x = self.bn(x.transpose(1, 2)).transpose(1, 2)
-        logits: torch.Tensor = self.head(self.ln_f(x))
-        return logits
-
-
-# --------------------------------------------------------------------------- data
+        """Logits (batch, time, vocab) for token ids (batch, time)."""
+        t = idx.size(1)
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        out: torch.Tensor = self.head(self.blocks(x, mask=mask, is_causal=True))
+        return out
 
 
 class SyntheticTokens:
-    """An endless, deterministic stream of token batches whose whole state is its position.
+    """Noisy arithmetic progressions; batch ``p`` of rank ``r`` depends only on ``(r, p)``, so
+    the position is the loader's whole state (``state_dict``/``load_state_dict``)."""
 
-    Batch ``p`` of rank ``r`` is generated from a ``torch.Generator`` seeded from
-    ``(seed, r, p)``, so restoring ``position`` reproduces exactly the same batches. Each row is
-    a noisy arithmetic progression modulo ``vocab`` (learnable, so the loss goes down).
-    """
-
-    def __init__(self, *, vocab: int, seq_len: int, batch_size: int, seed: int, rank: int) -> None:
-        self.vocab = vocab
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
+    def __init__(self, vocab: int, seq_len: int, batch_size: int, rank: int) -> None:
+        self.vocab, self.seq_len, self.batch_size, self.rank = vocab, seq_len, batch_size, rank
         self.position = 0
 
-    def _generator(self) -> torch.Generator:
-        key = f"{self.seed}/{self.rank}/{self.position}".encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
-        return torch.Generator().manual_seed(seed)
-
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (inputs, targets), each (batch_size, seq_len) int64, and advance by one."""
-        g = self._generator()
+        """(inputs, targets), each (batch, seq_len); advances the position."""
+        key = hashlib.sha256(f"{self.rank}/{self.position}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
         n, t = self.batch_size, self.seq_len + 1
         start = torch.randint(0, self.vocab, (n, 1), generator=g)
         stride = torch.randint(1, 8, (n, 1), generator=g)
@@ -195,330 +74,75 @@ class SyntheticTokens:
         noise = torch.rand(n, t, generator=g) < 0.1
         seq = torch.where(noise, torch.randint(0, self.vocab, (n, t), generator=g), seq)
         self.position += 1
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
+        return seq[:, :-1], seq[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the loader's state: its position in the stream."""
+        """The position in the stream."""
         return {"position": self.position}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the position saved by :meth:`state_dict`."""
-        self.position = int(state_dict["position"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go back to a position saved by :meth:`state_dict`."""
+        self.position = int(state["position"])
 
 
-# --------------------------------------------------------------------------- digest
-
-
-def _update_tensor(h: Any, name: str, t: torch.Tensor) -> None:
-    t = t.detach().cpu().contiguous()
-    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """Return a sha256 over the parameters and the optimizer's state, in a fixed order.
-
-    Covers every parameter (sorted by name) and, for every parameter index of
-    ``optimizer.state_dict()``, every state tensor (sorted keys, ``step`` included) and scalar.
-    Under DDP it is the same on every rank.
-    """
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        _update_tensor(h, f"param.{name}", p)
-    opt_state = optimizer.state_dict()["state"]
-    for idx in sorted(opt_state):
-        for key in sorted(opt_state[idx]):
-            value = opt_state[idx][key]
-            if isinstance(value, torch.Tensor):
-                _update_tensor(h, f"optim.{idx}.{key}", value)
-            else:
-                h.update(f"optim.{idx}.{key}={value!r}|".encode())
-    return h.hexdigest()
-
-
-def buffers_digest(model: nn.Module) -> str | None:
-    """Return a sha256 over the persistent buffers (sorted by name), or None if there are none.
-
-    BatchNorm running statistics differ between ranks (each sees its own batches), so this is
-    a per-rank figure, printed apart from the digest.
-    """
-    params = {name for name, _ in model.named_parameters()}
-    buffers = sorted((k, v) for k, v in model.state_dict().items() if k not in params)
-    if not buffers:
-        return None
-    h = hashlib.sha256()
-    for name, t in buffers:
-        _update_tensor(h, f"buffer.{name}", t)
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------- training
-
-
-def get_args_parser() -> argparse.ArgumentParser:
-    """Return the example's argument parser."""
+def main() -> None:
+    """Parse the flags and train."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument(
-        "--lr-decay-steps",
-        type=int,
-        default=0,
-        help="length of the cosine schedule (default: --steps)",
-    )
-    p.add_argument("--batchnorm", action="store_true", help="add a BatchNorm1d (buffers)")
-    p.add_argument("--no-ftmem", action="store_true", help="train without snapshots")
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="train under ftmem.run: when another rank fails, this process rejoins the next "
-        "generation in process (needs ftmem-launch)",
-    )
-    p.add_argument("--save-every", type=int, default=1, help="snapshot every K steps")
-    p.add_argument(
-        "--no-shard",
-        action="store_true",
-        help="every rank snapshots all of the replicated (DDP) state instead of 1/world of it",
-    )
-    p.add_argument(
-        "--fail-at-step",
-        type=int,
-        default=0,
-        help="once every rank committed its snapshot of step N, --fail-rank fails (once: not "
-        "when resumed at >= N)",
-    )
-    p.add_argument("--fail-rank", type=int, default=0, help="the rank that fails")
-    p.add_argument("--fail-mode", choices=("kill", "hang"), default="kill")
-    p.add_argument(
-        "--pg-timeout", type=float, default=300.0, help="gloo init/collective timeout (s)"
-    )
-    p.add_argument(
-        "--init-method",
-        default="env://",
-        help="process group init method (tests use file:// to avoid racing for a free port)",
-    )
-    p.add_argument("--log-every", type=int, default=5, help="log the loss every K steps")
-    p.add_argument(
-        "--ddp-find-unused",
-        choices=("true", "false"),
-        default="true",
-        help="DDP's find_unused_parameters (false on 3+ ranks: ftmem warns that the resume "
-        "is not exact; docs/api.md, Pitfalls)",
-    )
-    p.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="seconds to sleep after each step (tests: time to lose a node mid-run)",
-    )
-    return p
-
-
-def _lr_lambda(warmup: int, total: int) -> Any:
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-    return fn
-
-
-def _inject_failure(mode: str, rank: int, step: int) -> None:
-    print(f"[rank {rank}] injecting failure ({mode}) after step {step}", flush=True)
-    sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
-    os.kill(os.getpid(), sig)
-
-
-def fail_when_committed(
-    ftmem: Any, saved: bool, rank: int, fail_rank: int, step: int, mode: str = "kill"
-) -> None:
-    """At the failure step (``--fail-at-step``), on every rank: wait until this rank's
-    snapshot of ``step`` is committed (``ftmem.wait`` also commits one that was skipped; not
-    when ``saved`` is False), meet the other ranks at a barrier, and then, on ``fail_rank``,
-    fail (``mode``: kill or hang). So the restart resumes from ``step`` however loaded the
-    machine is: an ordinary save may skip when the SMP still holds both slots."""
-    committed = True
-    if ftmem is not None and saved:
-        try:  # wait() also commits this step if its snapshot was skipped
-            committed = ftmem.wait(timeout=60.0)
-        except TimeoutError:
-            committed = False
-    if not committed:
-        logger.warning("snapshot of step %d not committed before the failure", step)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == fail_rank:
-        _inject_failure(mode, rank, step)
-
-
-def train(args: argparse.Namespace) -> int:
-    """Run the training loop described by ``args``; return the process exit code."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    args = p.parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
     if world > 1:
-        t_pg = time.perf_counter()
-        # Bounded, so that a peer that never comes (or died) fails the rank instead of hanging.
-        dist.init_process_group(
-            "gloo",
-            init_method=args.init_method,
-            timeout=timedelta(seconds=args.pg_timeout),
-            rank=rank,
-            world_size=world,
-        )
-        logger.info("process group: %.3f s", time.perf_counter() - t_pg)
+        dist.init_process_group("gloo")
 
-    torch.manual_seed(args.seed)  # same initial weights on every rank
-    model: nn.Module = GPT(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        dropout=args.dropout,
-        batchnorm=args.batchnorm,
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("model: %.2f M parameters", n_params / 1e6)
-    torch.manual_seed(args.seed + 1000 * rank + 1)  # per-rank dropout masks
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = GPT(args.vocab, args.seq_len, args.d_model, args.n_layers)
+    torch.manual_seed(1 + rank)  # each rank its own dropout masks
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    total_sched = args.lr_decay_steps or args.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(args.warmup_steps, total_sched)
+    warmup = 10
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps)),
     )
-    loader = SyntheticTokens(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        rank=rank,
-    )
-
-    ftmem: Any = None
-    state: dict[str, Any] = {
+    data = SyntheticTokens(args.vocab, args.seq_len, args.batch_size, rank)
+    state = {
         "model": model,
         "optim": optimizer,
-        "sched": scheduler,
-        "data": loader,
+        "sched": schedule,
+        "data": data,
+        "rng": ftmem.RNGState(),
     }
-    step_times: list[float] = []
+    # Under DDP every rank holds the same model and optimizer: each rank snapshots 1/world of
+    # them and ftmem.load gathers the rest from the other ranks' snapshots.
+    replicas = dist.group.WORLD if world > 1 else None
+    start = ftmem.load(state, replicated_over=replicas)  # 0 for a fresh run
+    log.info("resumed from step %d", start)
+    # find_unused_parameters=True keeps DDP's gradient buckets as they were at the start, so a
+    # resumed run sums gradients in the same order as one that never failed (docs/api.md).
+    ddp = DistributedDataParallel(model, find_unused_parameters=True) if world > 1 else model
 
-    def steps_from(start: int) -> int:
-        """Train from ``start`` to ``args.steps``; under --in-process, once per generation."""
-        print(f"[rank {rank}] resumed from step {start}", flush=True)
-        # Bucket layout must not depend on where the run started: DDP reorders its buckets
-        # after its first iteration, and with 3+ ranks a different bucket layout sums the
-        # gradients in another order (float addition is not associative).
-        # find_unused_parameters=True keeps the initial layout for good (see docs/design.md,
-        # "Bitwise resumption under DDP"). DDP is bound to the process group: built here.
-        train_model = (
-            DistributedDataParallel(model, find_unused_parameters=args.ddp_find_unused == "true")
-            if world > 1
-            else model
-        )
-        # Under DDP every rank holds the same parameters and optimizer state: each saves
-        # 1/world of them, and load gathers them back (--no-shard: every rank saves everything).
-        replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
-        for step in range(start, args.steps):
-            t0 = time.perf_counter()
-            inputs, targets = loader.next_batch()
-            logits = train_model(inputs)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            handle = None
-            if ftmem is not None and (step + 1) % args.save_every == 0:
-                handle = ftmem.save(state, step=step + 1, replicated_over=replicas)
-            elif ftmem is not None:
-                ftmem.heartbeat(step + 1)  # progress for hang detection between snapshots
-            step_times.append(time.perf_counter() - t0)
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                logger.info(
-                    "step %d loss %.4f lr %.2e", step + 1, loss.item(), scheduler.get_last_lr()[0]
-                )
-            if step + 1 == args.fail_at_step and start < args.fail_at_step:
-                fail_when_committed(
-                    ftmem, handle is not None, rank, args.fail_rank, step + 1, args.fail_mode
-                )
-            if args.step_delay:
-                time.sleep(args.step_delay)
-        return max(start, args.steps)
+    for step in range(start, args.steps):
+        inputs, targets = data.next_batch()
+        logits = ddp(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        ftmem.save(state, step=step + 1, replicated_over=replicas)  # returns at once
+        if (step + 1) % 10 == 0 or step + 1 == args.steps:
+            log.info("step %d loss %.4f", step + 1, loss.item())
 
-    if args.no_ftmem:
-        final_step = steps_from(0)
-    else:
-        # Imported here so that --no-ftmem runs without the package installed.
-        import ftmem
-
-        state["rng"] = ftmem.RNGState()
-        if args.in_process:
-            # Survivors of another rank's failure stay alive and run steps_from again.
-            shard = world > 1 and not args.no_shard
-            final_step = ftmem.run(
-                steps_from,
-                state,
-                replicated_over=(lambda: dist.group.WORLD) if shard else None,
-                pg_timeout=timedelta(seconds=args.pg_timeout),
-            )
-        else:
-            replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
-            final_step = steps_from(ftmem.load(state, replicated_over=replicas))
-
-    if ftmem is not None:
-        ftmem.close()
-    mean = sum(step_times) / len(step_times) if step_times else 0.0
-    print(f"[rank {rank}] final step {final_step}", flush=True)
-    print(f"[rank {rank}] mean step time {mean:.4f} s", flush=True)
-    if step_times:
-        median = statistics.median(step_times)
-        print(f"[rank {rank}] median step time {median:.4f} s", flush=True)
-    print(f"[rank {rank}] digest {state_digest(model, optimizer)}", flush=True)
-    buffers = buffers_digest(model)
-    if buffers is not None:
-        print(f"[rank {rank}] buffers sha256 {buffers}", flush=True)
+    ftmem.close()  # waits for the last snapshot
     if world > 1:
         dist.destroy_process_group()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, set up logging and train."""
-    parser = get_args_parser()
-    args = parser.parse_args(argv)
-    if args.save_every < 1 or args.steps < 0:
-        parser.error("--save-every must be >= 1 and --steps >= 0")
-    if args.fail_at_step % args.save_every:
-        # Else the restart resumes before the failure step and fails again, for ever.
-        parser.error("--fail-at-step must be a multiple of --save-every")
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
-    )
-    logger.info("script started")  # after the interpreter and the imports (for the benchmarks)
-    return train(args)
 
 
 if __name__ == "__main__":
-    code = main()
-    # Skip the interpreter's last garbage collection of torch's heap at exit: ~0.8 s of CPU
-    # per rank here, for nothing (the process ends; nothing it would free is needed).
-    gc.freeze()
-    sys.exit(code)
+    main()

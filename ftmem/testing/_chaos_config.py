@@ -5,19 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftmem.testing.workload import SCRIPT
-
-TINY_MODEL = [
-    "--d-model=32",
-    "--n-layers=1",
-    "--n-heads=2",
-    "--vocab=64",
-    "--seq-len=16",
-    "--batch-size=2",
-    "--log-every=1",
-]
-"""Model arguments for ``examples/train_gpt.py`` as ``script`` (``model_args``): tens of
-milliseconds per step on one core. The default workload's own defaults are as small."""
+from ftmem.testing.workload import SCRIPT, TINY_ARGS
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,9 +27,9 @@ class ChaosConfig:
     tail_steps: int = 15
     """Steps trained after the last fault's step (room for the last faults' recovery and
     for the flushes that show that the disk faults were recovered from)."""
-    model_args: list[str] = field(default_factory=list)
-    """More arguments of the script (its model's size: e.g. :data:`TINY_MODEL` for
-    ``examples/train_gpt.py``)."""
+    model_args: list[str] = field(default_factory=lambda: list(TINY_ARGS))
+    """More arguments of the script: its model's size (default the workload's tiny model,
+    :data:`ftmem.testing.workload.TINY_ARGS`)."""
     script: Path = SCRIPT
     """The training script: by default the package's workload
     (:data:`ftmem.testing.workload.SCRIPT`). It must take ``--steps``, ``--pg-timeout`` and

@@ -16,7 +16,7 @@ from typing import Any
 from ftmem.testing._chaos_schedule import Kind, ScheduledFault
 
 STEP_RE = re.compile(r"\[rank (\d+)\] [\w.]+ INFO: step (\d+) loss")
-"""A training step logged by the workload (or ``examples/train_gpt.py --log-every 1``)."""
+"""A training step logged by the workload (with ``--log-every 1``)."""
 RESUMED_RE = re.compile(r"\[rank (\d+)\] resumed from step (\d+)")
 """What every rank prints after ``ftmem.load``."""
 DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]+)")

@@ -44,7 +44,7 @@ import random
 import sys
 from pathlib import Path
 
-from ftmem.testing._chaos_config import TINY_MODEL, ChaosConfig, RunFailed
+from ftmem.testing._chaos_config import ChaosConfig, RunFailed
 from ftmem.testing._chaos_report import ChaosReport, Outcome
 from ftmem.testing._chaos_runner import ChaosRunner
 from ftmem.testing._chaos_schedule import (
@@ -59,7 +59,6 @@ from ftmem.testing._chaos_schedule import (
 
 __all__ = [
     "DESCRIPTIONS",
-    "TINY_MODEL",
     "ChaosConfig",
     "ChaosReport",
     "ChaosRunner",

@@ -1,9 +1,9 @@
-"""The example (examples/train_gpt.py) loaded as a module, and a fresh model and optimizer of
+"""The test workload (:mod:`ftmem.testing.workload.train`) as a module, and a fresh model and optimizer of
 the size the export tests train, to load a checkpoint into (also from a subprocess)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import re
 import sys
@@ -13,18 +13,14 @@ from typing import Any
 
 import torch
 
-from tests._support.procs import EXAMPLE, REPO, Procs
+from tests._support.procs import REPO, Procs
 
 MODEL_ARGS = dict(vocab=128, seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1)
 
 
 def example() -> ModuleType:
-    """examples/train_gpt.py, imported from its file."""
-    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The test workload's module (its model, its digest)."""
+    return importlib.import_module("ftmem.testing.workload.train")
 
 
 def fresh_state(

@@ -29,7 +29,7 @@ from ftmem.testing.harness import (
     shm_files,
     wait_gone,
 )
-from tests._support.procs import EXAMPLE, REPO
+from tests._support.procs import REPO, WORKLOAD
 
 # A model small enough that a step takes tens of milliseconds on one core.
 TINY = [
@@ -51,8 +51,8 @@ TINY = [
 DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]+)")
 
 __all__ = [
-    "EXAMPLE",
     "TINY",
+    "WORKLOAD",
     "Launch",
     "Launcher",
     "digests",
@@ -203,7 +203,7 @@ def reference_digests(launcher: Launcher, steps: int, nproc: int = 2) -> dict[in
     key = (str(steps), str(nproc))
     if key not in _REFERENCE:
         rid = launcher.new_run_id()
-        script = [str(EXAMPLE), "--steps", str(steps), *TINY]
+        script = [str(WORKLOAD), "--steps", str(steps), *TINY]
         ref = launcher.single_node(rid, nproc, [], script, name=f"reference{nproc}")
         assert ref.wait(240) == 0, ref.text()[-3000:]
         _REFERENCE[key] = digests(ref.text())

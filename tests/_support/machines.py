@@ -1,5 +1,5 @@
 """A job on network-namespace machines for the tests (:mod:`ftmem.testing.machines`): one
-rank of ``examples/train_gpt.py`` per machine, processes reaped by the test's
+rank of the test workload per machine, processes reaped by the test's
 :class:`~tests._support.launcher.Launcher`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import AgentProcess
 from ftmem.testing.hosts import Hosts, unavailable
 from ftmem.testing.machines import Machines
-from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
+from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests
 from tests._support.procs import REPO
 
 STEPS = 300
@@ -23,7 +23,7 @@ STEPS = 300
 
 def script(step_delay: float, steps: int = STEPS) -> list[str]:
     """The training script and its arguments (the digest does not depend on the delay)."""
-    return [str(EXAMPLE), "--steps", str(steps), "--step-delay", f"{step_delay:g}", *TINY]
+    return [str(WORKLOAD), "--steps", str(steps), "--step-delay", f"{step_delay:g}", *TINY]
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Whole nodes of one job on loopback, for the tests of node loss: each node an
 ``ftmem-launch`` agent (started by a test's :class:`~tests._support.launcher.Launcher`) with
-one rank of ``examples/train_gpt.py``; node ``i`` is named ``n<i>`` and holds global rank i.
+one rank of the test workload; node ``i`` is named ``n<i>`` and holds global rank i.
 A node is lost for real: SIGKILL of its agent, SMP and rank at once, and its shared memory
 removed (a dead machine takes its memory with it)."""
 
@@ -13,10 +13,10 @@ from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ExchangeStatus
 from ftmem.testing.harness import free_port, launch_args, remove_shm
-from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
+from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests
 
 STEPS = 40
-SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.15", *TINY]
+SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.15", *TINY]
 """The default script of :class:`Nodes` (a step delay leaves time to lose a node mid-run)."""
 _REFERENCE: dict[int, dict[int, str]] = {}
 
@@ -29,7 +29,7 @@ def reference(launcher: Launcher, nproc: int) -> dict[int, str]:
             rid,
             nproc,
             ["--ftmem-ec-parity", "0"],
-            [str(EXAMPLE), "--steps", str(STEPS), *TINY],
+            [str(WORKLOAD), "--steps", str(STEPS), *TINY],
             name=f"reference{nproc}",
         )
         assert ref.wait(180) == 0, ref.text()[-3000:]

@@ -8,10 +8,12 @@ import signal
 import subprocess
 from pathlib import Path
 
+from ftmem.testing import workload
+
 REPO = Path(__file__).resolve().parents[2]
 """The repository checkout the tests run from."""
-EXAMPLE = REPO / "examples" / "train_gpt.py"
-"""The example the tests train."""
+WORKLOAD = Path(workload.SCRIPT)
+"""The script the tests train: the test workload, :mod:`ftmem.testing.workload.train`."""
 
 
 class Procs:

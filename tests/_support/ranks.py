@@ -1,4 +1,4 @@
-"""Run examples/train_gpt.py as real ranks (what a launcher does), and read their output."""
+"""Run the test workload as real ranks (what a launcher does), and read their output."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftmem.testing.harness import free_port
-from tests._support.procs import EXAMPLE as EXAMPLE_PATH
-from tests._support.procs import Procs
+from tests._support.procs import WORKLOAD, Procs
 
-EXAMPLE = str(EXAMPLE_PATH)
-"""The example, as a command-line argument."""
 SMALL = [
     "--d-model",
     "64",
@@ -67,7 +64,7 @@ def run_ranks(
     timeout: float = 120.0,
     tag: str = "run",
 ) -> RankRun:
-    """Start ``world`` ranks of the example, wait (bounded) for all to exit, return codes + output.
+    """Start ``world`` ranks of the workload, wait (bounded) for all to exit, return codes + output.
 
     When one rank dies, the others fail in their next collective and exit; any rank still
     running after ``timeout`` is killed (its code is then -9).
@@ -93,7 +90,7 @@ def run_ranks(
         )
         log = workdir / f"{tag}-rank{r}.log"
         logs.append(log)
-        ps.append(procs.spawn([sys.executable, EXAMPLE, *args], env, log))
+        ps.append(procs.spawn([sys.executable, str(WORKLOAD), *args], env, log))
     deadline = time.monotonic() + timeout
     for p in ps:
         try:

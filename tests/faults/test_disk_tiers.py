@@ -17,8 +17,8 @@ import psutil
 from ftmem.testing.harness import remove_shm
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import (
-    EXAMPLE,
     TINY,
+    WORKLOAD,
     Launch,
     Launcher,
     digests,
@@ -26,7 +26,7 @@ from tests._support.launcher import (
 )
 
 STEPS = 30
-SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.1", *TINY]
+SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.1", *TINY]
 
 
 def wait_flushed(tier: Path, step: int, timeout: float = 120.0) -> list[int]:
@@ -180,7 +180,7 @@ def test_ftmem_flush_during_training_returns_a_complete_checkpoint(
     rid = launcher_env.new_run_id()
     flags = ["--ftmem-flush-dir", str(local), "--ftmem-flush-persistent-dir", str(shared)]
     run = launcher_env.single_node(
-        rid, 2, flags, [str(EXAMPLE), "--steps", "150", "--step-delay", "0.1", *TINY], name="run"
+        rid, 2, flags, [str(WORKLOAD), "--steps", "150", "--step-delay", "0.1", *TINY], name="run"
     )
     run.wait_for(r"step 5 loss", 120)
     out = subprocess.run(

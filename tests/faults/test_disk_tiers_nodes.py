@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from ftmem.tiers.checkpoints import list_checkpoints, read_checkpoint, verify_checkpoint
-from tests._support.launcher import EXAMPLE, TINY, Launcher
+from tests._support.launcher import TINY, WORKLOAD, Launcher
 from tests._support.nodes import Nodes, reference
 
 STEPS = 40
-SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", "0.3", *TINY]
+SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.3", *TINY]
 
 
 def wait_global(tier: Path, step: int, timeout: float = 180.0) -> int:

@@ -1,6 +1,6 @@
 """Whole nodes lost and replaced: ftmem-launch agents on loopback rebuild from their peers.
 
-Each node is an ``ftmem-launch`` agent with one rank of ``examples/train_gpt.py``. A node is
+Each node is an ``ftmem-launch`` agent with one rank of the test workload. A node is
 lost for real: SIGKILL of its agent, SMP and rank at once, and its shared memory removed (a
 dead machine takes its memory with it). A replacement agent with the lost node's name joins;
 its SMP rebuilds the node's snapshot from the peers' data and parity before its rank starts,

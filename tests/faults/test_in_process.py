@@ -1,6 +1,6 @@
 """In-process restart (``ftmem.run``) under real failures: the survivors keep their process.
 
-``examples/train_gpt.py --in-process`` runs its loop under ``ftmem.run``. A rank is SIGKILLed
+The test workload's ``--in-process`` runs its loop under ``ftmem.run``. A rank is SIGKILLed
 or SIGSTOPped (then killed as hung) mid-run; the other ranks must rejoin the next generation
 in the same process (same pid), only the failed rank is a new process, and the run must end
 with the digest of the same run without failures. A survivor that fails during the rejoin
@@ -25,12 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.testing.harness import free_port, launch_args
-from tests._support.launcher import EXAMPLE, TINY, Launch, Launcher, digests
+from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests
 from tests._support.nodes import STEPS, reference
 from tests._support.procs import REPO
 
 STARTED = r"\[(\w+)\] generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"
-SCRIPT = [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--in-process", "--step-delay", "0.05"]
+SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), *TINY, "--in-process", "--step-delay", "0.05"]
 FLAGS = ["--ftmem-status-interval", "0.2", "--ftmem-rejoin-timeout", "60"]
 
 
@@ -213,7 +213,7 @@ def test_ftmem_run_under_plain_torchrun_is_a_clear_error(tmp_path: Path) -> None
         "--standalone",
         "--nproc-per-node",
         "1",
-        str(EXAMPLE),
+        str(WORKLOAD),
         "--steps",
         "2",
         *TINY,

@@ -1,7 +1,7 @@
 """The final step of a run with ``--ftmem-flush-every`` is always its newest flushed checkpoint.
 
 Run as a new user would (``ftmem-launch --nproc-per-node 2 --ftmem-flush-dir D
---ftmem-flush-every 4 examples/train_gpt.py --steps 12``). While a flush holds a slot, a rank
+--ftmem-flush-every 4 -m ftmem.testing.workload.train --steps 12``). While a flush holds a slot, a rank
 with no free slot skips its snapshot; when that happened to the last step, the final state was
 never in memory and the final flush (when the SMP is stopped at the end of the job) wrote an
 older step (9 of 12 in 1 run of 4). The last step passed to ``save`` must be committed
@@ -28,7 +28,7 @@ import pytest
 
 from ftmem.events import SMP_EVENTS_NAME
 from ftmem.tiers.checkpoints import list_checkpoints, verify_checkpoint
-from tests._support.launcher import EXAMPLE, TINY, Launcher, digests, reference_digests
+from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, reference_digests
 
 STEPS = 12
 WORLD = 2
@@ -83,7 +83,7 @@ def test_final_step_is_the_newest_flushed_checkpoint(
         launcher_env.new_run_id(),
         WORLD,
         flags,
-        [str(EXAMPLE), "--steps", str(STEPS), "--step-delay", DELAY, *TINY],
+        [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", DELAY, *TINY],
         name="run",
     )
     assert run.wait(120) == 0, run.text()[-4000:]
@@ -123,7 +123,7 @@ def test_final_step_is_the_newest_flushed_checkpoint(
         launcher_env.new_run_id(),
         WORLD,
         ["--ftmem-flush-dir", str(only)],
-        [str(EXAMPLE), "--steps", str(STEPS), *TINY],
+        [str(WORKLOAD), "--steps", str(STEPS), *TINY],
         name="resume",
     )
     assert resume.wait(120) == 0, resume.text()[-4000:]

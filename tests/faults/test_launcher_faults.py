@@ -15,8 +15,8 @@ import pytest
 
 from ftmem.testing.harness import shm_files, wait_gone
 from tests._support.launcher import (
-    EXAMPLE,
     TINY,
+    WORKLOAD,
     Launcher,
     digests,
     reference_digests,
@@ -34,7 +34,7 @@ def test_rank_sigkill_restarts_all_ranks_from_memory(launcher_env: Launcher) -> 
         rid,
         2,
         [],
-        [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--fail-at-step", "6", "--fail-rank", "1"],
+        [str(WORKLOAD), "--steps", str(STEPS), *TINY, "--fail-at-step", "6", "--fail-rank", "1"],
     )
     assert agent.wait(90) == 0, agent.text()[-3000:]
     text = agent.text()
@@ -71,7 +71,7 @@ def test_sigstopped_rank_is_detected_as_hung_and_restarted(launcher_env: Launche
         2,
         ["--ftmem-hang-timeout", str(hang_timeout), "--ftmem-status-interval", "0.5"],
         [
-            str(EXAMPLE),
+            str(WORKLOAD),
             "--steps",
             str(STEPS),
             *TINY,
@@ -100,7 +100,7 @@ def test_sigstopped_rank_is_detected_as_hung_and_restarted(launcher_env: Launche
 def test_smp_sigkill_restarts_smp_and_ranks(launcher_env: Launcher) -> None:
     rid = launcher_env.new_run_id()
     # The slot files outlive the SMP: the restarted SMP adopts them and the ranks resume.
-    agent = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY])
+    agent = launcher_env.single_node(rid, 2, [], [str(WORKLOAD), "--steps", "100000", *TINY])
     first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
     agent.wait_for(r"step 3 loss", 60)
     # Both ranks must hold a snapshot of step 3 before the SMP dies ("step 3 loss" is logged
@@ -134,7 +134,7 @@ def test_smp_sigkill_without_fresh_start_stops_with_a_clear_message(launcher_env
         rid,
         2,
         ["--ftmem-no-progress-restarts", "1", "--ftmem-status-interval", "0.2"],
-        [str(EXAMPLE), "--steps", "100000", *TINY],
+        [str(WORKLOAD), "--steps", "100000", *TINY],
     )
     first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]
     # Give the agent's status poll time to learn a committed step (what it passes to restarts).
@@ -164,7 +164,7 @@ def test_agent_sigkill_leaves_no_orphans(launcher_env: Launcher, sig: signal.Sig
         rid,
         2,
         ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
-        [str(EXAMPLE), "--steps", "100000", *TINY, "--step-delay", "0.05"],
+        [str(WORKLOAD), "--steps", "100000", *TINY, "--step-delay", "0.05"],
     )
     agent.wait_for(r"standby pid \d+ for local rank \d ready", 90, count=2)
     kids = agent.descendants()
@@ -191,7 +191,7 @@ def test_stopped_rank_does_not_stall_the_restart_after_a_peer_dies(
         2,
         ["--ftmem-hang-timeout", "0"],
         [
-            str(EXAMPLE),
+            str(WORKLOAD),
             "--steps",
             str(STEPS),
             *TINY,
@@ -248,7 +248,7 @@ def test_a_rank_whose_sigterm_handler_hangs_does_not_hold_the_restart(
         rid,
         2,
         [],
-        [str(wrapper), str(EXAMPLE), "--steps", "100000", *TINY],
+        [str(wrapper), str(WORKLOAD), "--steps", "100000", *TINY],
         HANG_WHILE=str(marker),
     )
     first = agent.wait_for(r"SMP pid (\d+) ready", 60)[0]

@@ -8,8 +8,8 @@ import time
 
 from ftmem.testing.harness import free_port, launch_args, shm_files, wait_gone
 from tests._support.launcher import (
-    EXAMPLE,
     TINY,
+    WORKLOAD,
     Launch,
     Launcher,
     digests,
@@ -49,7 +49,7 @@ def test_rank_killed_on_one_node_restarts_both_nodes(launcher_env: Launcher) -> 
     a, b = _two_nodes(
         launcher_env,
         rid,
-        [str(EXAMPLE), "--steps", str(STEPS), *TINY, "--fail-at-step", "6", "--fail-rank", "1"],
+        [str(WORKLOAD), "--steps", str(STEPS), *TINY, "--fail-at-step", "6", "--fail-rank", "1"],
     )
     assert a.wait(120) == 0 and b.wait(60) == 0, a.text()[-2000:] + b.text()[-2000:]
     both = a.text() + b.text()
@@ -66,7 +66,7 @@ def test_agent_killed_on_one_node_leaves_no_orphans_and_the_other_waits(
     launcher_env: Launcher,
 ) -> None:
     rid = launcher_env.new_run_id()
-    a, b = _two_nodes(launcher_env, rid, [str(EXAMPLE), "--steps", "100000", *TINY])
+    a, b = _two_nodes(launcher_env, rid, [str(WORKLOAD), "--steps", "100000", *TINY])
     for launch in (a, b):
         launch.wait_for(r"step 3 loss", 60)
     b_kids = b.descendants()
@@ -155,7 +155,7 @@ def test_rank_hung_on_one_node_is_killed_and_both_nodes_resume(launcher_env: Lau
         launcher_env,
         rid,
         [
-            str(EXAMPLE),
+            str(WORKLOAD),
             "--steps",
             str(STEPS),
             *TINY,

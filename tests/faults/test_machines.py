@@ -2,7 +2,7 @@
 
 Every host has its own address on a private bridge, host name, /etc/hosts and /dev/shm
 (:mod:`ftmem.testing.hosts`); host 0's agent serves the c10d rendezvous store. The job has 3
-nodes x 1 rank of ``examples/train_gpt.py`` with erasure coding (m=1) and a key file; a
+nodes x 1 rank of the test workload with erasure coding (m=1) and a key file; a
 fourth machine waits as a hot spare. Nobody starts a replacement: the spare takes the lost
 machine's place, its SMP rebuilds the lost snapshot from the peers, and the run ends with the
 digests of a failure-free run of the same world size.

@@ -24,7 +24,7 @@ import pytest
 from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.tiers.checkpoints import list_checkpoints
-from tests._support.launcher import EXAMPLE, TINY, Launcher, digests, reference_digests
+from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, reference_digests
 from tests._support.procs import REPO
 from tests._support.slurm import SlurmCluster, slurm_unavailable
 
@@ -59,7 +59,7 @@ def _job_env(launcher: Launcher, shared: Path, **extra: str) -> dict[str, str]:
     return launcher.env(
         TRAIN_NODES="3",
         NPROC_PER_NODE="1",
-        TRAIN_SCRIPT=str(EXAMPLE),
+        TRAIN_SCRIPT=str(WORKLOAD),
         TRAIN_ARGS=" ".join(["--steps", str(STEPS), "--step-delay", "0.15", *TINY]),
         SHARED_DIR=str(shared),
         LOCAL_DIR="/dev/shm/ftmem-local",  # each host's own /dev/shm: node-local for real

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from tests._support.launcher import EXAMPLE, TINY, Launcher, digests, reference_digests
+from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, reference_digests
 
 READY = r"\[n0\] standby pid (\d+) for local rank (\d+) ready"
 STARTED = r"generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"
@@ -36,7 +36,7 @@ def test_sigkilled_rank_is_replaced_by_standbys_and_a_dead_standby_by_a_cold_sta
         rid,
         2,
         ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
-        [str(EXAMPLE), "--steps", str(steps), *TINY, "--step-delay", "0.25"],
+        [str(WORKLOAD), "--steps", str(steps), *TINY, "--step-delay", "0.25"],
     )
     ready = {int(m.group(2)): int(m.group(1)) for m in agent.wait_for(READY, 90, count=2)}
     assert sorted(ready) == [0, 1]

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from ftmem.testing.harness import shm_files, wait_gone
-from tests._support.launcher import EXAMPLE, TINY, Launcher, digests
+from tests._support.launcher import TINY, WORKLOAD, Launcher, digests
 
 ENV_SCRIPT = """
 import ctypes, json, os, socket
@@ -29,7 +29,9 @@ print("ENV " + json.dumps({**{k: os.environ.get(k) for k in keys}, "pdeathsig": 
 def test_clean_run_same_digest_on_all_ranks_and_smp_stopped(launcher_env: Launcher) -> None:
     # Its own run (reference_digests caches across tests, so its log may be elsewhere).
     rid = launcher_env.new_run_id()
-    run = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "12", *TINY], name="clean")
+    run = launcher_env.single_node(
+        rid, 2, [], [str(WORKLOAD), "--steps", "12", *TINY], name="clean"
+    )
     assert run.wait(90) == 0, run.text()[-3000:]
     log = run.text()
     ref = digests(log)
@@ -62,7 +64,7 @@ def test_ranks_get_ftmem_env_and_a_parent_death_signal(launcher_env: Launcher) -
 
 def test_sigterm_stops_ranks_and_smp_and_frees_shared_memory(launcher_env: Launcher) -> None:
     rid = launcher_env.new_run_id()
-    agent = launcher_env.single_node(rid, 2, [], [str(EXAMPLE), "--steps", "100000", *TINY])
+    agent = launcher_env.single_node(rid, 2, [], [str(WORKLOAD), "--steps", "100000", *TINY])
     agent.wait_for(r"step 3 loss", 60)
     assert shm_files(rid), "the ranks' arenas should exist while training"
     kids = agent.descendants()

@@ -25,7 +25,7 @@ from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
 from ftmem.testing.harness import free_port
-from tests._support.launcher import EXAMPLE, TINY, Launcher
+from tests._support.launcher import TINY, WORKLOAD, Launcher
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_ddp_pitfall_is_warned_once_per_rank_in_a_launched_three_rank_job(
     launcher_env: Launcher,
 ) -> None:
     # The real thing: 3 ranks under ftmem-launch, DDP with find_unused_parameters=False.
-    script = [str(EXAMPLE), "--steps", "2", *TINY, "--ddp-find-unused", "false"]
+    script = [str(WORKLOAD), "--steps", "2", *TINY, "--ddp-find-unused", "false"]
     agent = launcher_env.single_node(launcher_env.new_run_id(), 3, [], script)
     assert agent.wait(180) == 0, agent.text()[-3000:]
     warned = re.findall(
