@@ -296,7 +296,6 @@ class FtmemElasticAgent(ElasticAgentBase):
     # -- start / stop ranks -----------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        # The ranks (and an SMP started now) inherit the agent's environment.
         rec = self._life.recovery
         expected = rec.committed if rec is not None else None
         ftmem_env = rank_env(
@@ -307,8 +306,12 @@ class FtmemElasticAgent(ElasticAgentBase):
             expected_step=expected,
             rejoin_timeout_s=self._rank_rejoin_wait(),
             checkfree=self._ft.checkfree,
+            flush_dirs=self._ft.flush_tiers(),
         )
-        os.environ.update(ftmem_env)
+        if not isinstance(worker_group.spec.entrypoint, str):
+            # A function entrypoint runs in multiprocessing children that elastic gives a copy
+            # of this process's environment: no hook hands them a value.
+            os.environ.update(ftmem_env)
         if self._smp.ensure_running():
             self._poller.forget()
         self._join_peers(worker_group)
@@ -316,7 +319,11 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._in_process.begin_generation(self.generation, ftmem_env)
         with (
             log_tails_stop_at_once(),
-            spawning_from(self._standbys, self._in_process.adopt, self._rank_store.rank_env()),
+            spawning_from(
+                self._standbys,
+                self._in_process.adopt,
+                {**ftmem_env, **self._rank_store.rank_env()},
+            ),
         ):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         self._in_process.discard("its local rank is not in the new generation")

@@ -32,7 +32,6 @@ from torch.distributed.launcher.api import (
     _get_entrypoint_name,
 )
 
-from ftmem.config import ENV_FLUSH_DIRS
 from ftmem.errors import UnrecoverableError
 from ftmem.launch.agent import FtmemElasticAgent
 from ftmem.launch.config import (
@@ -153,9 +152,6 @@ def launch_agent(
         extra_env=ftmem.extra_env,
         extra_args=ftmem.smp_args(),
     )
-    if ftmem.flush_tiers():
-        # The ranks' load falls back to these when memory cannot serve every rank.
-        os.environ[ENV_FLUSH_DIRS] = ":".join(str(t) for t in ftmem.flush_tiers())
     agent = FtmemElasticAgent(
         spec=spec,
         logs_specs=config.logs_specs,

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ftmem.config import (
     ENV_CHECKFREE,
     ENV_EXPECTED_STEP,
+    ENV_FLUSH_DIRS,
     ENV_GENERATION,
     ENV_NODE,
     ENV_REJOIN_TIMEOUT,
@@ -51,16 +52,18 @@ def rank_env(
     expected_step: int | None = None,
     rejoin_timeout_s: float = 120.0,
     checkfree: bool = False,
+    flush_dirs: Sequence[Path] = (),
 ) -> dict[str, str]:
-    """The ``FTMEM_*`` variables every rank of this node gets.
+    """The ``FTMEM_*`` variables every rank of this node gets, on top of elastic's.
 
     ``expected_step`` is the newest step all of this node's ranks had committed before the
     failure that caused this restart ("" on the first start or if none): a restore that
     finds nothing although a step was expected means snapshots were lost (e.g. the SMP).
     ``rejoin_timeout_s``: how long a rank under ``ftmem.run`` waits for its next generation.
     ``checkfree``: ``--ftmem-checkfree`` (a lost pipeline stage is rebuilt from its neighbours).
+    ``flush_dirs``: the disk tiers, nearest first, ``ftmem.load`` falls back to.
     """
-    return {
+    env = {
         ENV_REJOIN_TIMEOUT: f"{rejoin_timeout_s:g}",
         ENV_RUN_DIR: str(run_dir),
         ENV_RUN_ID: run_id,
@@ -70,6 +73,9 @@ def rank_env(
         ENV_AGENT_PID: str(os.getpid()),
         ENV_CHECKFREE: "1" if checkfree else "",
     }
+    if flush_dirs:
+        env[ENV_FLUSH_DIRS] = ":".join(str(d) for d in flush_dirs)
+    return env
 
 
 def kill_rank(pid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
