@@ -42,7 +42,7 @@ from ftmem.protocol.status import ExchangeState, ExchangeStatus
 from ftmem.smp.protection_commands import BindCommand, Result, StartCommand
 from ftmem.smp.protection_rebuild import report_progress
 from ftmem.smp.protection_rounds import ProtectionRounds
-from ftmem.smp.protection_state import ExchangeContext
+from ftmem.smp.protection_state import ProtectionContext
 from ftmem.smp.protection_sync import GenerationSync, SyncVerdict, decide
 from ftmem.smp.slot_store import SlotStore
 
@@ -83,13 +83,13 @@ class ProtectionService:
         self.node_name = node_name
         self.stripe_bytes = stripe_bytes
         self.timeout_s = timeout_s
-        self.ctx = ExchangeContext(node_name, local, events)
+        self.ctx = ProtectionContext(node_name, local, events)
         """What the thread holds (only the thread touches it; other threads read status())."""
         self.sync = GenerationSync(self.ctx, sync_timeout_s)
         self.rounds = ProtectionRounds(self.ctx)
         self._cmds: queue.Queue[BindCommand | StartCommand | None] = queue.Queue()
         self._results: queue.Queue[Result] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="ftmem-smp-exchange", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ftmem-smp-protection", daemon=True)
         # Owned by the thread:
         self.transport: ZmqPeerTransport | None = None
         self.encode_workers = 0

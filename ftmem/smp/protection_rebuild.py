@@ -23,7 +23,7 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
 from ftmem.protocol.status import ExchangeState
-from ftmem.smp.protection_state import ExchangeContext, PinnedStep
+from ftmem.smp.protection_state import PinnedStep, ProtectionContext
 from ftmem.smp.store import MAX_SLOT_BYTES, StoreError
 
 log = get_logger(__name__)
@@ -33,7 +33,7 @@ REBUILD_ERRORS = (FtmemError, StoreError, TimeoutError, OSError, ValueError)
 as the rebuild's failure, none stops the exchange thread."""
 
 
-def report_progress(ctx: ExchangeContext, step: int, done: int, total: int) -> None:
+def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) -> None:
     """(The protector's ``on_progress``) publish and log how far the rebuild of ``step`` is."""
     pct = 100.0 * done / total if total else 100.0
     ctx.board.update(rebuild_progress={"step": step, "fragments": done, "of": total})
@@ -54,7 +54,7 @@ def _int_field(entry: dict[str, Any], name: str, hi: int) -> int:
     return value
 
 
-def check_manifest(ctx: ExchangeContext, meta: RebuildMeta) -> None:
+def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> None:
     """Refuse a rebuild whose manifest does not fit this node (see the module docstring).
 
     Raises:
@@ -92,7 +92,7 @@ def check_manifest(ctx: ExchangeContext, meta: RebuildMeta) -> None:
         )
 
 
-def rebuild_step(ctx: ExchangeContext, step: int, lost: frozenset[int], source: int) -> None:
+def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source: int) -> None:
     """Rebuild ``step`` from the group (``source``: a node that holds it) and install it.
 
     Raises:
@@ -146,7 +146,7 @@ def rebuild_step(ctx: ExchangeContext, step: int, lost: frozenset[int], source: 
     )
 
 
-def rebuild_failed(ctx: ExchangeContext, step: int, exc: BaseException) -> str:
+def rebuild_failed(ctx: ProtectionContext, step: int, exc: BaseException) -> str:
     """Record a failed rebuild of ``step`` (log, event, REBUILD_FAILED); return the error."""
     ctx.protected = None
     msg = f"rebuild of step {step} failed: {exc}"

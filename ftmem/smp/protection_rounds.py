@@ -19,7 +19,7 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError
 from ftmem.exchange.protector import ExchangeInterrupted, StepAborted
 from ftmem.protocol import peer as pm
-from ftmem.smp.protection_state import ExchangeContext, PinnedStep
+from ftmem.smp.protection_state import PinnedStep, ProtectionContext
 
 log = get_logger(__name__)
 
@@ -35,7 +35,7 @@ class ProtectionRounds:
     step stays); nothing raises.
     """
 
-    def __init__(self, ctx: ExchangeContext) -> None:
+    def __init__(self, ctx: ProtectionContext) -> None:
         self.ctx = ctx
         self.interval_s = 0.0
         """Least seconds between two rounds (the coordinator waits)."""

@@ -1,6 +1,6 @@
 """What the SMP's exchange thread holds and what it reports.
 
-:class:`ExchangeContext` is the state the thread's parts share (the service in protection.py,
+:class:`ProtectionContext` is the state the thread's parts share (the service in protection.py,
 the sync in protection_sync.py, the rounds in protection_rounds.py, the rebuild in
 protection_rebuild.py): the generation's group and protector, the pinned steps, the protected
 step and the counters. Only the exchange thread touches it.
@@ -105,7 +105,7 @@ class StatusBoard:
 
 
 @dataclass(eq=False)
-class ExchangeContext:
+class ProtectionContext:
     """The exchange thread's state, shared by its parts (see the module docstring)."""
 
     node_name: str

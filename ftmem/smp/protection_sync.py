@@ -22,7 +22,7 @@ from ftmem.exchange.placement import GroupPlan
 from ftmem.protocol.status import ExchangeState
 from ftmem.smp.protection_commands import Result, StartCommand
 from ftmem.smp.protection_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
-from ftmem.smp.protection_state import ExchangeContext
+from ftmem.smp.protection_state import ProtectionContext
 
 log = get_logger(__name__)
 
@@ -73,7 +73,7 @@ class GenerationSync:
     as REBUILD_FAILED. Each is the start command's failed :class:`Result`; none raises.
     """
 
-    def __init__(self, ctx: ExchangeContext, timeout_s: float) -> None:
+    def __init__(self, ctx: ProtectionContext, timeout_s: float) -> None:
         self.ctx = ctx
         self.timeout_s = timeout_s
         self.pending: StartCommand | None = None

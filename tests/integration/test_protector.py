@@ -27,7 +27,7 @@ from ftmem.protocol.status import ExchangeState
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection_commands import Result, StartCommand
-from ftmem.smp.protection_state import ExchangeContext
+from ftmem.smp.protection_state import ProtectionContext
 from ftmem.smp.protection_sync import GenerationSync
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import MAX_SLOT_BYTES
@@ -321,7 +321,7 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
     hasher = HashService("n1", 1)
     hasher.start()
     store = SlotStore("n1", 2, SlotFiles(tmp_path, "run", "n1"), hasher.submit)
-    ctx = ExchangeContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
+    ctx = ProtectionContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
     try:
         eps, prots = mesh(plan, transports)
         blobs = [os.urandom(size) for _ in range(n)]
@@ -576,7 +576,7 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
     hasher = HashService("n1", 1)
     hasher.start()
     store = SlotStore("n1", 2, SlotFiles(tmp_path, "run", "n1"), hasher.submit)
-    ctx = ExchangeContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
+    ctx = ProtectionContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
     try:
         eps, prots = mesh(plan, transports)
         blobs = [os.urandom(size) for _ in range(n)]
