@@ -124,7 +124,10 @@ def scenario(
             replacements.append(t)
             prots[i] = GroupProtector(i, plan, t, STRIPE, timeout_s=30)
         survivors = [i for i in range(n) if i not in lost]
-        for i in range(n):
+        # The survivors learn the new members first, as under the SMP, whose survivors bind a
+        # fresh transport each generation: a handshake that reaches a transport which still
+        # admits the old members only is refused for good (ZeroMQ does not retry it).
+        for i in [*survivors, *sorted(lost)]:
             if i != tamper:
                 prots[i].transport.connect(eps)
                 continue
