@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ftmem.launch.peers import host_key_path
 from ftmem.testing.harness import (
     AgentProcess,
     Timeout,
@@ -176,6 +177,8 @@ class Launcher:
         seen = {p for launch in self.launches for p in launch.seen | {launch.pid}}
         alive = wait_gone(seen, 15)
         assert not alive, f"processes left behind: {alive}"
+        for rid in self.run_ids:  # an agent that was killed leaves its host's job key
+            host_key_path(rid).unlink(missing_ok=True)
         left = {rid: shm_files(rid) for rid in self.run_ids}
         for path in (p for paths in left.values() for p in paths):
             with contextlib.suppress(FileNotFoundError):
