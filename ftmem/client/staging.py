@@ -6,7 +6,8 @@ their views of the slot with ``torch._foreach_copy_`` in batches (one call per b
 GIL released inside it), not a Python loop per piece. The :class:`CopyWorker` thread does
 this for the lazily copied tensors (parameters and optimizer state: only the optimizer
 mutates them) and then commits the snapshot to the SMP over its own socket.
-:meth:`CopyJob.wait_copied` is the fence: it blocks only while the copy is still running.
+The fence is :attr:`CopyJob.copied` (the snapshotter waits on it before the optimizer or
+the next save changes the tensors): it blocks only while the copy is still running.
 The same thread also runs the rank's other background requests: growing the slots ahead of
 the first save (:class:`PrepareJob`) and telling the SMP about skipped snapshots.
 
@@ -108,15 +109,6 @@ class CopyJob:
     copy_s: float = 0.0
     cancelled: bool = False
     """Set by the fence when it gave up waiting: the copy may be torn, so it must not commit."""
-
-    def wait_copied(self, timeout: float | None = None) -> None:
-        """The fence: return once the source tensors may change; raise if the copy failed."""
-        if not self.copied.wait(timeout):
-            raise TimeoutError(f"copy of step {self.step} not done within {timeout} s")
-        if self.error is not None and not isinstance(self.error, _CommitError):
-            raise FtmemError(
-                f"snapshot copy of step {self.step} failed: {self.error}"
-            ) from self.error
 
 
 @dataclass(eq=False)

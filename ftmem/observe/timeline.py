@@ -32,20 +32,6 @@ log = logging.getLogger(__name__)
 
 FAILURE_EVENTS = frozenset({"failed", "hang", "smp_died", "exchange_failed", "unrecoverable"})
 """Agent events that are a failure of this node (their time is the detection)."""
-CATEGORIES = (
-    "start",
-    "commit",
-    "protected",
-    "flushed",
-    "failure",
-    "detection",
-    "restart",
-    "restore",
-    "resume",
-    "stop",
-    "info",
-)
-"""Every mark category."""
 _INFO_EVENTS = frozenset(
     {
         "smp_start",

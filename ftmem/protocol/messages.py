@@ -319,24 +319,6 @@ class Reply:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-Payload = (
-    Ping
-    | Hello
-    | Begin
-    | Prepare
-    | Commit
-    | Abort
-    | Query
-    | DiscardNewer
-    | Heartbeat
-    | Status
-    | PeerBind
-    | PeerStart
-    | Flush
-    | Skipped
-    | Reply
-)
-
 PAYLOAD_TYPES: dict[Kind, type[Any]] = {
     Kind.REPLY: Reply,
     Kind.PING: Ping,

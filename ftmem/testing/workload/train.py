@@ -29,7 +29,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -174,10 +174,6 @@ class SyntheticTokens:
         seq = torch.where(noise, torch.randint(0, self.vocab, (n, t), generator=g), seq)
         self.position += 1
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         """Return the loader's state: its position in the stream."""
