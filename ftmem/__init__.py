@@ -25,7 +25,10 @@ in this list; tests/unit/test_layers.py checks it): errors.py, config.py; format
 layouts, skeleton codec), protocol/ (messages, the SMP client), shm.py, faults.py; exchange/
 (erasure coding, peer mesh), tiers/ (disk checkpoints in DCP format); client/ (runs in the
 ranks), smp/ (the per-node snapshot management process), observe/ (event-log readers); this
-module (the public API); launch/ (``ftmem-launch``), cli/ (``ftmem``); testing/.
+module (the public API), integrations/ (Hugging Face Trainer, Lightning); launch/
+(``ftmem-launch``), cli/ (``ftmem``); testing/. Helpers beside errors.py and config.py:
+_logging.py (loggers, the ``[node/rank step]`` prefix), _process.py (process helpers),
+events.py (JSON-lines event logs), secure_fs.py (owner and mode checks on trusted paths).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The ``ftmem`` command: ``ftmem status`` (what a node's SMP holds), ``ftmem export`` (a step
-in memory to a stock DCP checkpoint), ``ftmem keygen``."""
+in memory to a stock DCP checkpoint), ``ftmem keygen``.
+
+Modules: __main__.py (``python -m ftmem.cli``, the subcommands), cleanup.py (``ftmem cleanup``:
+orphaned slot files), persist.py (``ftmem flush``, ``ftmem assemble``), combine.py
+(``ftmem combine``)."""
 
 from __future__ import annotations
 

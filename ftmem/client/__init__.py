@@ -5,7 +5,9 @@ sharding.py (this replica's share of replicated tensors), slot_maps.py (mapped s
 staging a save into one), flatten.py (state <-> tensors + skeleton), staging.py (lazy copy
 and fence), loading.py (load), restore.py (verify, plan, apply), agreement.py (which step
 all ranks load), rng.py (RNGState), checkfree.py (CheckFreeStage: a lost pipeline stage
-rebuilt from its neighbours).
+rebuilt from its neighbours), steady.py (the steady-state save of an already planned state),
+pitfalls.py (loop mistakes that break an exact resume, caught at run time), in_process.py
+(``ftmem.run``: in-process restart).
 """
 
 from ftmem.client.checkfree import CheckFreeStage

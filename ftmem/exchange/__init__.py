@@ -4,7 +4,11 @@ placement.py (pure: groups, stripe layout, parity holders, rebuild plans), codec
 ISA-L encode/rebuild of one stripe, xxh3 fragment checksums, malloc tuning), transport.py
 (PeerTransport interface), zmq_transport.py (ZeroMQ + CURVE), data_channel.py (the plain
 data channel: a length-prefixed TCP stream read into bounded buffers), data_mac.py (its keyed
-tags), keys.py (CURVE key files).
+tags), keys.py (CURVE key files). The protocol of one node: protector.py (GroupProtector),
+steps.py (its per-step state and bounds), outbox.py (messages queued per peer), rebuilder.py
+(a lost node's rebuild, both ends), seals.py (what a node commits about each step),
+segments.py (buffers read as one), stripe_encoder.py (where stripes are encoded),
+encode_pool.py and encode_worker.py (encoding in worker processes).
 
 The codec names are imported on first use, so ``from ftmem.exchange import keys`` (the
 ``ftmem keygen`` command) does not load numpy and pyeclib.

@@ -6,6 +6,8 @@
 * :mod:`ftmem.format.skeleton`: the codec of a state's non-tensor structure (JSON with tags,
   never pickle).
 * :mod:`ftmem.format.record`: the commit record written next to a committed slot.
+* :mod:`ftmem.format.tensors`: the torch side (dtype names, the skeleton's tensor markers);
+  the only module here that imports torch, and only the client and the tiers import it.
 """
 
 from __future__ import annotations

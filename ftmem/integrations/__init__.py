@@ -1,2 +1,2 @@
 """Integrations with training frameworks: ``ftmem.integrations.transformers`` (the Hugging Face
-Trainer, ``pip install 'ftmem[hf]'``). Each imports its framework only when imported itself."""
+Trainer, ``pip install 'ftmem[hf]'``) and ``ftmem.integrations.lightning`` (Lightning). Each imports its framework only when imported itself."""

@@ -1,11 +1,17 @@
 """ftmem-launch: a torchrun drop-in that restarts every rank from in-memory snapshots.
 
-Layout: cli.py (flags, ``main``), config.py (ftmem settings, safe elastic defaults),
-launch.py (``launch_agent``), agent.py (FtmemElasticAgent on torch.distributed.elastic),
-rendezvous.py (slots, master address and generation through the round's store),
-rank_watch.py (stopped and hung ranks), smp_runner.py (the node's SMP), monitor.py (SMP status, hang detection, no-progress guard,
-event log), report.py (log lines and the final report), workers.py and _exec_shim.py (rank
-spawning with a parent-death signal, stable rank slots, the ranks' environment).
+Layout: cli.py (flags, ``main``), __main__.py, config.py (ftmem settings, safe elastic
+defaults), launch.py (``launch_agent``), agent.py (FtmemElasticAgent on
+torch.distributed.elastic), recovery.py (the agent's recovery state machine),
+elastic_compat.py (every use of elastic's private API), rendezvous.py (slots, master address
+and generation through the round's store), ranks.py (which global ranks each node runs),
+membership.py (machines in the job, a store that does not answer), rank_store.py (the store
+the ranks meet at), rank_watch.py (stopped and hung ranks), smp_runner.py (the node's SMP),
+peers.py (the peer mesh's keys and sync), monitor.py (SMP status, hang detection,
+no-progress guard), report.py (log lines and the final report), metrics.py (Prometheus),
+standby.py and _standby.py (standby ranks), in_process.py (ranks kept across a restart),
+workers.py and _exec_shim.py (rank spawning with a parent-death signal, the ranks'
+environment).
 Importing this package does not import torch.
 """
 

@@ -2,6 +2,7 @@
 
 - :mod:`ftmem.observe.timeline`: ``ftmem timeline``, a picture (or a text summary) of a run
   from the agents' ``events.jsonl`` and the SMPs' ``smp-events.jsonl``;
+  :mod:`ftmem.observe.timeline_plot` draws the picture;
 - :mod:`ftmem.observe.plan`: ``ftmem plan``, a goodput model of ftmem against periodic disk
   checkpoints at the Young/Daly interval.
 
