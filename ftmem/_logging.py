@@ -29,6 +29,7 @@ def configure(level: str | int | None = None) -> None:
 
     The level comes from ``level``, else ``FTMEM_LOG_LEVEL``, else INFO.
     """
+    # ftmem.config.ENV_LOG_LEVEL, spelled out: this module sits below config in the layers.
     lvl = level if level is not None else os.environ.get("FTMEM_LOG_LEVEL", "INFO")
     root = logging.getLogger("ftmem")
     if not any(getattr(h, "_ftmem", False) for h in root.handlers):
