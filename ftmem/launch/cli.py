@@ -114,20 +114,6 @@ def get_args_parser() -> ArgumentParser:
         "(default 120).",
     )
     group.add_argument(
-        "--ftmem-slots",
-        action=env,
-        type=int,
-        default=None,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune slots=VALUE
-    )
-    group.add_argument(
-        "--ftmem-hash-threads",
-        action=env,
-        type=int,
-        default=1,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune hash-threads=VALUE
-    )
-    group.add_argument(
         "--ftmem-standby",
         action=env,
         type=int,
@@ -135,13 +121,6 @@ def get_args_parser() -> ArgumentParser:
         help="Standby ranks per local rank, started once the ranks are stepping: processes "
         "that have imported torch (and --ftmem-tune standby-import) and take over a rank at the "
         "next restart instead of a cold start. 0: off. Default: 1.",
-    )
-    group.add_argument(
-        "--ftmem-standby-import",
-        action=env,
-        type=str,
-        default="",
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune standby-import=VALUE
     )
     group.add_argument(
         "--ftmem-standby-cuda",
@@ -155,20 +134,6 @@ def get_args_parser() -> ArgumentParser:
         default="auto",
         help="Erasure-coding parity m: any m nodes of a group may be lost at once. 'auto' "
         "(default): 1 with at least 3 nodes, else off; 0: off.",
-    )
-    group.add_argument(
-        "--ftmem-ec-group-size",
-        action=env,
-        type=int,
-        default=8,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune ec-group-size=VALUE
-    )
-    group.add_argument(
-        "--ftmem-ec-interval",
-        action=env,
-        type=float,
-        default=0.0,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune ec-interval=VALUE
     )
     group.add_argument(
         "--ftmem-key-file",
@@ -186,13 +151,6 @@ def get_args_parser() -> ArgumentParser:
         "messages that carry snapshot bytes go over a plain data channel, each with a keyed "
         "BLAKE3 tag that only the job's nodes can make (altered or forged ones are refused), "
         "at a fraction of CURVE's CPU; see docs/security.md.",
-    )
-    group.add_argument(
-        "--ftmem-ec-encode-workers",
-        action=env,
-        type=int,
-        default=0,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune ec-encode-workers=VALUE
     )
     group.add_argument(
         "--ftmem-checkfree",
@@ -249,42 +207,6 @@ def get_args_parser() -> ArgumentParser:
         help="Complete checkpoints kept per tier. Default: 2.",
     )
     group.add_argument(
-        "--ftmem-flush-writers",
-        action=env,
-        type=int,
-        default=2,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune flush-writers=VALUE
-    )
-    group.add_argument(
-        "--ftmem-flush-direct",
-        action=env,
-        type=str,
-        choices=("on", "off"),
-        default="on",
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune flush-direct=VALUE
-    )
-    group.add_argument(
-        "--ftmem-rebuild-timeout",
-        action=env,
-        type=float,
-        default=600.0,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune rebuild-timeout=VALUE
-    )
-    group.add_argument(
-        "--ftmem-smp-start-timeout",
-        action=env,
-        type=float,
-        default=60.0,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune smp-start-timeout=VALUE
-    )
-    group.add_argument(
-        "--ftmem-no-progress-restarts",
-        action=env,
-        type=int,
-        default=3,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune no-progress-restarts=VALUE
-    )
-    group.add_argument(
         "--ftmem-rank-assignment",
         action=env,
         type=str,
@@ -294,20 +216,10 @@ def get_args_parser() -> ArgumentParser:
         "replacement node takes the lost node's, so each rank finds its own snapshot; "
         "elastic: torchrun's numbering (by node order in each round).",
     )
-    group.add_argument(
-        "--ftmem-status-interval",
-        action=env,
-        type=float,
-        default=1.0,
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune status-interval=VALUE
-    )
-    group.add_argument(
-        "--ftmem-smp-log-level",
-        action=env,
-        type=str,
-        default="INFO",
-        help=SUPPRESS,  # a tuning knob: --ftmem-tune smp-log-level=VALUE
-    )
+    for key, (kind, default, choices) in TUNING.items():
+        group.add_argument(
+            f"--ftmem-{key}", action=env, type=kind, default=default, choices=choices, help=SUPPRESS
+        )
     group.add_argument(
         "--ftmem-tune",
         action="append",
@@ -320,23 +232,24 @@ def get_args_parser() -> ArgumentParser:
     return parser
 
 
-TUNING = (
-    "slots",
-    "hash-threads",
-    "ec-group-size",
-    "ec-interval",
-    "ec-encode-workers",
-    "flush-writers",
-    "flush-direct",
-    "rebuild-timeout",
-    "smp-start-timeout",
-    "no-progress-restarts",
-    "status-interval",
-    "smp-log-level",
-    "standby-import",
-)
-"""The knobs ``--ftmem-tune KEY=VALUE`` sets (each also a hidden ``--ftmem-KEY`` flag, as
-before): settings with defaults a user should not need to see to run a job."""
+TUNING: dict[str, tuple[type, object, tuple[str, ...] | None]] = {
+    "slots": (int, None, None),
+    "hash-threads": (int, 1, None),
+    "ec-group-size": (int, 8, None),
+    "ec-interval": (float, 0.0, None),
+    "ec-encode-workers": (int, 0, None),
+    "flush-writers": (int, 2, None),
+    "flush-direct": (str, "on", ("on", "off")),
+    "rebuild-timeout": (float, 600.0, None),
+    "smp-start-timeout": (float, 60.0, None),
+    "no-progress-restarts": (int, 3, None),
+    "status-interval": (float, 1.0, None),
+    "smp-log-level": (str, "INFO", None),
+    "standby-import": (str, "", None),
+}
+"""The knobs ``--ftmem-tune KEY=VALUE`` sets (type, default, choices): settings with defaults
+a user should not need to see to run a job. Each is also a hidden ``--ftmem-KEY`` flag (and
+``PET_FTMEM_KEY``), as before; docs/launcher.md, Tuning, says what each means."""
 
 
 def apply_tuning(args: Namespace) -> None:
