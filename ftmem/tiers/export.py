@@ -30,7 +30,8 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -261,32 +262,46 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def export_dcp(
-    sources: Sequence[RankSource],
-    out: Path,
-    world_size: int | None = None,
-    *,
-    threads: int = 2,
-    direct: bool = True,
-) -> ExportResult:
-    """Write the step of ``sources`` (one per rank, ranks 0..N-1) as a DCP directory ``out``.
+@dataclass(eq=False)
+class StepState:
+    """A step of ``sources`` as the DCP state the export saves (see the module docstring),
+    over read-only views of the mapped slots; built by :func:`step_state`."""
 
-    The data files are written by :class:`ftmem.tiers.dcp_writer.SlotWriter` (``threads``
-    files in parallel, ``direct``: O_DIRECT where the file system has it), which checks every
-    byte it writes against the slot's checksums as it copies it; so the slots are read once.
+    step: int
+    world: int
+    ranks: list[int]
+    part: bool
+    """True when the sources are some ranks of a larger world (a node's part)."""
+    snaps: list[StoredSnapshot]
+    state: dict[str, Any]
+    paths: dict[str, tuple[Any, ...]]
+    """Where each chunked tensor sits in the state (DCP's planner data)."""
+    expected: dict[int, str]
+    """Each tensor's checksum, by the address of its bytes."""
+    shared: set[str]
+    """Tensors equal on every rank (saved once)."""
+    per_rank_tensors: int
 
-    With ``world_size`` larger than the ranks given, ``out`` is a node's *part* (its ranks of
-    a multi-node job; the top level is its lowest rank's state): its manifest also carries,
-    as JSON, the part's DCP metadata and each rank's tensor hashes, which is all
-    :func:`ftmem.tiers.assemble.assemble` needs to write the global metadata.
+    def add_chunks(self, meta: Any) -> set[str]:
+        """:func:`add_chunks` for this step: describe the chunked tensors in ``meta``."""
+        return add_chunks(meta, self.ranks, self.snaps, self.paths)
+
+    def check_names(self, meta: Any) -> None:
+        """Raise ExportError unless every tensor of rank 0 is a key of ``meta``."""
+        missing = {t.name for t in self.snaps[0].tensors} - set(meta.state_dict_metadata)
+        if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
+            raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
+
+
+@contextmanager
+def step_state(sources: Sequence[RankSource], world_size: int | None = None) -> Iterator[StepState]:
+    """Map the slots of ``sources`` (one per rank, all of one step) read-only and yield the
+    step as the state the export saves; unmapped on exit (every view must be gone by then).
 
     Raises:
-        ExportError: ranks missing or at different steps, ``out`` exists, or a slot fails its
-            checksums (a rank reused it while it was written; nothing is left at ``out`` then).
-        OSError: writing failed (a full disk...); nothing is left at ``out`` then.
+        ExportError: ranks missing or at different steps, or the state uses a reserved key.
+        FtmemError: a slot's layout or objects are corrupt.
     """
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     ranks = sorted(s.rank for s in sources)
     world = len(ranks) if world_size is None else world_size
     part = ranks != list(range(world))
@@ -296,16 +311,12 @@ def export_dcp(
         raise ExportError(f"need every rank 0..N-1, got {ranks}")
     if len({s.step for s in sources}) != 1:
         raise ExportError("sources are of different steps")
-    out = Path(out)
-    if out.exists():
-        raise ExportError(f"{out} exists; choose a new directory")
     step = sources[0].step
     segs: list[MappedSegment] = []
-    tmp = out.with_name(temp_name(out.name))
-    state: dict[str, Any] = {}
     trees: list[Any] = []
     tensor_lists: list[list[torch.Tensor]] = []
     expected: dict[int, str] = {}
+    st: StepState | None = None
     try:
         snaps = []
         for s in sorted(sources, key=lambda s: s.rank):
@@ -322,7 +333,7 @@ def export_dcp(
             tensors = _tensors(snap, seg)
             for t, stored in zip(tensors, snap.tensors, strict=True):
                 if stored.nbytes:
-                    expected[t.data_ptr()] = stored.hash  # checked as the writer copies it
+                    expected[t.data_ptr()] = stored.hash
             skeletons.append(raw)
             tensor_lists.append(tensors)
             chunked = {i for i, t in enumerate(snap.tensors) if t.chunk is not None}
@@ -352,55 +363,109 @@ def export_dcp(
             }
         state[PER_RANK_KEY] = per_rank
         state[META_KEY] = {"step": step, "world_size": world, "format": "ftmem-export-1"}
-        tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
-        writer = _finishing_writer(SlotWriter)(
-            str(tmp), expected=expected, threads=threads, direct=direct, step=step
-        )
-        with warnings.catch_warnings():
-            # DCP warns that it saves in one process: that is what no_dist asks for.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            try:
-                meta = dcp_save(state, storage_writer=writer, no_dist=True)
-            except BaseException as exc:  # DCP's CheckpointException wraps the writer's error
-                if writer.error is not None and writer.error is not exc:
-                    raise writer.error from exc
-                raise
-        chunked_names = add_chunks(meta, ranks, snaps, paths)
-        if chunked_names:
-            write_metadata(tmp, meta)  # DCP's, plus the global tensors made of chunks
-        missing = {t.name for t in snaps[0].tensors} - set(meta.state_dict_metadata)
-        if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
-            raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
-        # The metadata as JSON: readers take it from the signed manifest instead of
-        # unpickling .metadata; a coordinator writes the global metadata from the parts'.
-        extra: dict[str, Any] = {"dcp": metadata_to_json(meta)}
-        if part:
-            extra |= {
-                "chunked": sorted(chunked_names),
-                "hashes": {
-                    str(r): {t.name: t.hash for t in sn.tensors}
-                    for r, sn in zip(ranks, snaps, strict=True)
-                },
-            }
-        write_manifest(tmp, step, world, ranks=ranks, known=writer.files, extra=extra)
-        fsync_dir(tmp)
-        if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-        per_rank_count = sum(len(v["tensors"]) for v in per_rank.values())
-        result = ExportResult(out, step, world, _dir_bytes(out), len(shared), per_rank_count)
-        log.info(
-            "exported step %d of %d ranks to %s (%.1f MiB, %d shared tensors, %d per-rank; %s)",
+        st = StepState(
             step,
-            len(snaps),
-            out,
-            result.nbytes / 2**20,
-            result.shared_tensors,
-            result.per_rank_tensors,
-            "O_DIRECT" if writer.used_direct else "buffered writes",
+            world,
+            ranks,
+            part,
+            snaps,
+            state,
+            paths,
+            expected,
+            shared,
+            sum(len(v["tensors"]) for v in per_rank.values()),
         )
-        return result
+        yield st
+    finally:
+        if st is not None:
+            st.state.clear()  # drop every view of the mappings before unmapping
+        trees.clear()
+        tensor_lists.clear()
+        for seg in segs:
+            seg.close()
+
+
+def export_dcp(
+    sources: Sequence[RankSource],
+    out: Path,
+    world_size: int | None = None,
+    *,
+    threads: int = 2,
+    direct: bool = True,
+) -> ExportResult:
+    """Write the step of ``sources`` (one per rank, ranks 0..N-1) as a DCP directory ``out``.
+
+    The data files are written by :class:`ftmem.tiers.dcp_writer.SlotWriter` (``threads``
+    files in parallel, ``direct``: O_DIRECT where the file system has it), which checks every
+    byte it writes against the slot's checksums as it copies it; so the slots are read once.
+
+    With ``world_size`` larger than the ranks given, ``out`` is a node's *part* (its ranks of
+    a multi-node job; the top level is its lowest rank's state): its manifest also carries,
+    as JSON, the part's DCP metadata and each rank's tensor hashes, which is all
+    :func:`ftmem.tiers.assemble.assemble` needs to write the global metadata.
+
+    Raises:
+        ExportError: ranks missing or at different steps, ``out`` exists, or a slot fails its
+            checksums (a rank reused it while it was written; nothing is left at ``out`` then).
+        OSError: writing failed (a full disk...); nothing is left at ``out`` then.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} exists; choose a new directory")
+    step = sources[0].step if sources else -1
+    tmp = out.with_name(temp_name(out.name))
+    try:
+        with step_state(sources, world_size) as st:
+            tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
+            writer = _finishing_writer(SlotWriter)(
+                str(tmp), expected=st.expected, threads=threads, direct=direct, step=step
+            )
+            with warnings.catch_warnings():
+                # DCP warns that it saves in one process: that is what no_dist asks for.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                try:
+                    meta = dcp_save(st.state, storage_writer=writer, no_dist=True)
+                except BaseException as exc:  # DCP's CheckpointException wraps the writer's
+                    if writer.error is not None and writer.error is not exc:
+                        raise writer.error from exc
+                    raise
+            chunked_names = st.add_chunks(meta)
+            if chunked_names:
+                write_metadata(tmp, meta)  # DCP's, plus the global tensors made of chunks
+            st.check_names(meta)
+            # The metadata as JSON: readers take it from the signed manifest instead of
+            # unpickling .metadata; a coordinator writes the global metadata from the parts'.
+            extra: dict[str, Any] = {"dcp": metadata_to_json(meta)}
+            if st.part:
+                extra |= {
+                    "chunked": sorted(chunked_names),
+                    "hashes": {
+                        str(r): {t.name: t.hash for t in sn.tensors}
+                        for r, sn in zip(st.ranks, st.snaps, strict=True)
+                    },
+                }
+            write_manifest(tmp, step, st.world, ranks=st.ranks, known=writer.files, extra=extra)
+            fsync_dir(tmp)
+            if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            os.rename(tmp, out)
+            fsync_dir(out.parent)
+            result = ExportResult(
+                out, step, st.world, _dir_bytes(out), len(st.shared), st.per_rank_tensors
+            )
+            log.info(
+                "exported step %d of %d ranks to %s (%.1f MiB, %d shared tensors, %d per-rank; %s)",
+                step,
+                len(st.snaps),
+                out,
+                result.nbytes / 2**20,
+                result.shared_tensors,
+                result.per_rank_tensors,
+                "O_DIRECT" if writer.used_direct else "buffered writes",
+            )
+            return result
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -412,12 +477,6 @@ def export_dcp(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        state.clear()  # drop every view of the mappings before unmapping
-        trees.clear()
-        tensor_lists.clear()
-        for seg in segs:
-            seg.close()
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
