@@ -283,3 +283,87 @@ def test_a_sigkill_mid_write_or_a_changed_slot_never_leaves_a_listed_checkpoint(
     with pytest.raises(ExportError, match=f"{re.escape(big.name)}.*fail their checksum"):
         export_dcp(sources, other_dir / "step_0000000020")
     assert list(other_dir.iterdir()) == []
+
+
+MEMORY_LOAD = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from ftmem.tiers.export import find_sources
+from ftmem.tiers.memory_dcp import MemoryCheckpoint
+from tests._support.example import example, fresh_state
+ex = example()
+dist.init_process_group("gloo", init_method="file://" + {store!r},
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+model, opt, sd = fresh_state(ex)
+with MemoryCheckpoint(find_sources([Path({run_dir!r})])) as ckpt:
+    dcp.load(sd, storage_reader=ckpt.reader())
+model.load_state_dict(sd["model"])
+opt.load_state_dict(sd["optim"])
+print("DIGEST", ex.state_digest(model, opt), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_a_step_in_memory_loads_through_dcp_at_other_world_sizes_as_its_flush_does(
+    trained: tuple[Path, str], tmp_path: Path, procs: Procs
+) -> None:
+    """The 2-rank step (each rank saved 1/2 of the replicated state: chunks) read by DCP from
+    the SMP's memory into 1 and 3 processes: every tensor equals the flushed checkpoint's."""
+    import torch.distributed.checkpoint as dcp
+
+    from ftmem.tiers.export import export_dcp, find_sources
+    from ftmem.tiers.memory_dcp import MemoryCheckpoint
+
+    run_dir, digest = trained
+    sources = find_sources([run_dir])
+    export_dcp(sources, tmp_path / "ckpt")
+    ex = example()
+    _, _, from_disk = fresh_state(ex)
+    dcp.load(from_disk, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    model, opt, sd = fresh_state(ex)
+    with MemoryCheckpoint(sources) as ckpt:
+        assert (ckpt.step, ckpt.world_size) == (20, 2)
+        dcp.load(sd, storage_reader=ckpt.reader(), no_dist=True)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    assert ex.state_digest(model, opt) == digest
+    for key, value in from_disk["model"].items():
+        assert torch.equal(sd["model"][key], value), key
+
+    store = tmp_path / "pg.store"
+    script = MEMORY_LOAD.format(repo=str(REPO), store=str(store), run_dir=str(run_dir))
+    logs = []
+    ps = []
+    for r in range(3):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="3", OMP_NUM_THREADS="1")
+        logs.append(tmp_path / f"mem{r}.log")
+        ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
+    for p in ps:
+        assert p.wait(timeout=120) == 0, [log.read_text()[-2000:] for log in logs]
+    got = [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
+    assert got == [[digest]] * 3, [log.read_text()[-2000:] for log in logs]
+
+
+def test_a_step_in_memory_whose_bytes_were_altered_is_refused(
+    trained: tuple[Path, str],
+) -> None:
+    from ftmem.errors import CorruptSnapshotError
+    from ftmem.format.layout import parse_layout
+    from ftmem.tiers.export import find_sources
+    from ftmem.tiers.memory_dcp import MemoryCheckpoint
+
+    run_dir, _ = trained
+    sources = find_sources([run_dir])
+    src = sources[1]
+    snap = parse_layout(src.layout, src.capacity)
+    t = max(snap.tensors, key=lambda t: t.nbytes)  # a chunk of a weight: DCP reads it
+    with open(src.path, "r+b") as f:
+        f.seek(t.offset + t.nbytes // 2)
+        b = f.read(1)
+        f.seek(t.offset + t.nbytes // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CorruptSnapshotError, match="fails its checksum"):
+        MemoryCheckpoint(sources)
