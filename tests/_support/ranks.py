@@ -63,8 +63,9 @@ def run_ranks(
     env_extra: dict[str, str] | None = None,
     timeout: float = 120.0,
     tag: str = "run",
+    script: Path = WORKLOAD,
 ) -> RankRun:
-    """Start ``world`` ranks of the workload, wait (bounded) for all to exit, return codes + output.
+    """Start ``world`` ranks of ``script`` (default: the workload), wait (bounded) for all to exit, return codes + output.
 
     When one rank dies, the others fail in their next collective and exit; any rank still
     running after ``timeout`` is killed (its code is then -9).
@@ -90,7 +91,7 @@ def run_ranks(
         )
         log = workdir / f"{tag}-rank{r}.log"
         logs.append(log)
-        ps.append(procs.spawn([sys.executable, str(WORKLOAD), *args], env, log))
+        ps.append(procs.spawn([sys.executable, str(script), *args], env, log))
     deadline = time.monotonic() + timeout
     for p in ps:
         try:

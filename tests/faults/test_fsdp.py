@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from ftmem.smp.spawn import SmpProcess
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import TINY, Launcher, digests
 from tests._support.procs import REPO, Procs
+from tests._support.ranks import run_ranks
 
 FSDP = REPO / "examples" / "train_fsdp.py"
 STEPS = 16
@@ -44,7 +46,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 _init_optim_state(opt)  # state tensors to load into (DCP's own helper)
 sd = {{"model": model.state_dict(), "optim": opt.state_dict()}}
-dcp.load(sd, checkpoint_id={ckpt!r}, no_dist=world == 1)
+{load}
 model.load_state_dict(sd["model"])
 opt.load_state_dict(sd["optim"])
 print("DIGEST", state_digest(model, opt), flush=True)
@@ -86,7 +88,10 @@ def test_fsdp2_kill_restart_same_digest_and_flush_reshards(
     store = tmp_path / "pg.store"
     store.unlink(missing_ok=True)
     script = LOAD.format(
-        examples=str(REPO / "examples"), tiny=TINY, store=str(store), ckpt=str(ckpts[0].path)
+        examples=str(REPO / "examples"),
+        tiny=TINY,
+        store=str(store),
+        load=f"dcp.load(sd, checkpoint_id={str(ckpts[0].path)!r}, no_dist=world == 1)",
     )
     for world in (1, 3):
         loaders = []
@@ -140,3 +145,43 @@ def test_hsdp_replicas_save_half_their_shards_and_restart_bitwise(launcher_env: 
     assert set(digests(run.text()).values()) == want
     full_bytes, sharded_bytes = _committed_bytes(full_dir), _committed_bytes(run_dir)
     assert max(sharded_bytes) < 0.65 * min(full_bytes), (full_bytes[:4], sharded_bytes[:4])
+
+
+FROM_MEMORY = """
+from ftmem.tiers.export import find_sources
+from ftmem.tiers.memory_dcp import MemoryCheckpoint
+with MemoryCheckpoint(find_sources([Path({run_dir!r})])) as ckpt:
+    dcp.load(sd, storage_reader=ckpt.reader(), no_dist=world == 1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp2_step_in_memory_reshards_through_dcp(
+    smp: SmpProcess, run_dir: Path, procs: Procs, tmp_path: Path
+) -> None:
+    """A 2-rank FSDP2 run's last step, held in its SMP, loaded by DCP from memory into 1
+    process and into 3 FSDP2 ranks: the digest of the full state is the run's."""
+    run = run_ranks(
+        procs,
+        run_dir,
+        ["--steps", "6", *TINY],
+        env_extra={"FTMEM_RUN_DIR": str(run_dir)},
+        script=FSDP,
+    )
+    assert run.codes == [0, 0], run.outputs
+    (want,) = run.digests()
+    load = FROM_MEMORY.format(run_dir=str(run_dir)).strip()
+    for world in (1, 3):
+        store = tmp_path / f"pg{world}.store"
+        script = "from pathlib import Path\n" + LOAD.format(
+            examples=str(REPO / "examples"), tiny=TINY, store=str(store), load=load
+        )
+        loaders = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+            log = tmp_path / f"mem{world}-{r}.log"
+            loaders.append((procs.spawn([sys.executable, "-c", script], env, log), log))
+        for p, log in loaders:
+            assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+        got = {m for _, log in loaders for m in re.findall(r"DIGEST (\w+)", log.read_text())}
+        assert got == {want}, (world, got)
