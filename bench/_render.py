@@ -100,6 +100,7 @@ MODULES = {  # part: the module in bench/ that renders it, in the order of the g
     "gpu": "datapath_tables",
     "sharding": "sharding",
     "ec": "ec",
+    "reshard": "reshard",
 }
 """In the order of the goals table; ``python bench/run.py`` runs the first eight (their
 measuring modules: ``bench/run.py``'s ``SCRIPTS``)."""
@@ -115,6 +116,7 @@ TITLES = {
     "gpu": "GPU data path: snapshot of a CUDA state",
     "sharding": "Sharded snapshots of replicated state (DDP): 1/D per rank vs everything",
     "ec": "Erasure codec alone: encode and rebuild throughput",
+    "reshard": "Resharding a step to another world size: DCP from memory vs from disk",
 }
 
 

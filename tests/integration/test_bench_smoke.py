@@ -153,3 +153,29 @@ def test_save_cost_smoke_writes_its_figures_and_section(tmp_path: Path) -> None:
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("processes of save_cost's session outlived it")
+
+
+def test_reshard_smoke_loads_bitwise_and_writes_its_section(tmp_path: Path) -> None:
+    """``bench/reshard.py`` on a tiny state: both paths load the saved state bitwise (the
+    part records an error otherwise) and its section is written; no timing is checked."""
+    out, res = tmp_path / "benchmarks.md", tmp_path / "reshard.json"
+    out.write_text("# Benchmarks\n\nhand-written text that must stay\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    shm_before = _shm_names()
+    cmd = [sys.executable, "bench/reshard.py", "--size-gib", "0.01", "--repeats", "2"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(res), "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    doc = json.loads(res.read_text())
+    runs = doc["result"]["runs"]
+    assert runs["exact"] is True and len(runs["memory"]) == len(runs["disk"]) == 2
+    text = out.read_text()
+    assert "hand-written text that must stay" in text and "<!-- bench:reshard:end -->" in text
+    assert _shm_names() == shm_before
