@@ -1,37 +1,47 @@
 """A step held in SMP memory as a DCP checkpoint: ``dcp.load`` reshards it to any world size
-without a byte on disk.
+without a byte on disk, across hosts.
 
-:class:`MemoryCheckpoint` maps the ranks' committed slots of one step read-only, checks every
-tensor it will serve against the slot's checksums, and plans the step exactly as the disk
-export does (:func:`ftmem.tiers.export.step_state`: the same state, saved through DCP's own
-planner into a writer that keeps references instead of writing files, the same metadata, chunks
-described as DCP describes a sharded tensor). Its :meth:`~MemoryCheckpoint.reader` then serves
-DCP's load planner from the mapped bytes. So::
+:class:`MemoryCheckpoint` maps the committed slots of the step that this host's SMPs hold
+(read-only), checks every tensor it will serve against the slot's checksums, and plans them
+exactly as a node's flush does (:func:`ftmem.tiers.export.step_state`: the same state, saved
+through DCP's own planner into a writer that keeps references instead of writing files): a
+*part*. The loading processes exchange their parts' metadata (JSON over the process group;
+nothing unpickled) and merge it as the disk tier assembles a multi-node checkpoint
+(:func:`ftmem.tiers.assemble.merge_parts`). Its :meth:`~MemoryCheckpoint.reader` then serves
+DCP's load planner: extents this host holds are copied from the mapped slots; the others are
+sent, in one ``all_to_all`` over the process group, by a process of a host that holds them. So::
 
-    with MemoryCheckpoint(find_sources([run_dir])) as ckpt:
+    with MemoryCheckpoint(local_sources, world_size=old_world, group=dist.group.WORLD) as ckpt:
         dcp.load({"model": model.state_dict(), "optim": opt.state_dict()},
                  storage_reader=ckpt.reader())
 
-fills the state at this process's world size as ``dcp.load`` of the flushed checkpoint of the
-same step would, bit for bit: DCP's planners do the resharding.
+fills the state at the loading job's world size and layout as ``dcp.load`` of the flushed
+checkpoint of the same step would, bit for bit: DCP's planners do the resharding. Every
+process of ``group`` must open a MemoryCheckpoint of the same step and load together (the
+reads are collective); a process on a host that holds nothing (a new machine) passes no
+sources. Without ``group``, the sources must be every rank of the step.
 
-Limits: every process that reads maps the slots itself, so today they must be on its host (the
-SMPs of this machine); the slots must not be reused meanwhile (the ranks that own them are
-stopped, or the step is pinned).
+The slots must not be reused meanwhile (the ranks that own them are stopped, or the step is
+pinned). Non-tensor values that come from another process are read with ``weights_only``.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
+    ReadItem,
     SavePlan,
     SavePlanner,
 )
@@ -40,9 +50,15 @@ from torch.futures import Future
 
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import digest
+from ftmem.tiers.assemble import Part, merge_parts
+from ftmem.tiers.checkpoints import Checkpoint
+from ftmem.tiers.dcp_meta import metadata_from_json, metadata_to_json
 from ftmem.tiers.export import ExportError, RankSource, StepState, step_state
 
 __all__ = ["MemoryCheckpoint"]
+
+Kept = torch.Tensor | bytes
+"""A captured entry: a tensor (a view of a slot) or a non-tensor value's bytes."""
 
 
 def _done(value: Any) -> Future[Any]:
@@ -51,17 +67,21 @@ def _done(value: Any) -> Future[Any]:
     return fut
 
 
+def _prefix(ranks: list[int]) -> str:
+    return f"part-r{ranks[0]:06d}"
+
+
 class _Capture(StorageWriter):
-    """A StorageWriter that keeps what DCP's save planner hands it: each tensor (a view of a
-    slot) or byte string, by its metadata index."""
+    """A StorageWriter that keeps what DCP's save planner hands it, each tensor (a view of a
+    slot) or byte string under an entry name of its own (``relative_path``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.items: dict[MetadataIndex, torch.Tensor | bytes] = {}
+        self.items: dict[str, Kept] = {}
         self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        """Nothing to reset: one capture per checkpoint."""
+        """Nothing to reset: one capture per step."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Nothing to set up."""
@@ -76,24 +96,26 @@ class _Capture(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Keep a reference to each item's data (no copy of a tensor)."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
         results = []
         for item in plan.items:
             data = planner.resolve_data(item)
-            kept: torch.Tensor | bytes
+            kept: Kept
             if isinstance(data, torch.Tensor):
                 kept = data.detach()
                 size = kept.numel() * kept.element_size()
             else:  # BYTE_IO: what DCP serialized of a non-tensor value, in this process
                 kept = data.getvalue()
                 size = len(kept)
-            self.items[item.index] = kept
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=size, storage_data=item.index)
-            )
+            name = str(len(self.items))
+            self.items[name] = kept
+            info = _StorageInfo(name, 0, size)
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=info))
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Record where each entry's data is (its own index) in ``metadata``."""
+        """Record where each entry's data is in ``metadata``."""
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
         self.metadata = metadata
 
@@ -103,21 +125,50 @@ class _Capture(StorageWriter):
         return False
 
 
-class _Reader(StorageReader):
-    """DCP's StorageReader over a capture: each read item is a narrow of a kept tensor."""
+def _verify(st: StepState, items: dict[str, Kept]) -> None:
+    """Check every kept tensor that lies in a slot against the slot's checksums."""
+    for data in items.values():
+        if not isinstance(data, torch.Tensor) or data.nbytes == 0:
+            continue
+        want = st.expected.get(data.data_ptr())
+        if want is None:
+            continue  # made here (the skeleton's bytes, the names): not a slot's
+        if not want:
+            raise CorruptSnapshotError("a slot of the step has not been verified by its SMP")
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        if digest(raw.data) != want:
+            raise CorruptSnapshotError("a tensor of the step in memory fails its checksum")
 
-    def __init__(self, metadata: Metadata, items: dict[MetadataIndex, torch.Tensor | bytes]):
+
+def _all_gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every process's ``obj`` (JSON), gathered over ``group`` as bytes."""
+    data = json.dumps(obj).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    most = max(int(s) for s in sizes)
+    buf = torch.zeros(most, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    bufs = [torch.zeros(most, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [json.loads(b[: int(s)].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
+
+
+class _Reader(StorageReader):
+    """DCP's StorageReader over the merged parts (see the module docstring)."""
+
+    def __init__(self, ckpt: MemoryCheckpoint) -> None:
         super().__init__()
-        self.metadata = metadata
-        self.items = items
-        self.storage_data: dict[MetadataIndex, Any] = dict(metadata.storage_data or {})
+        self.ckpt = ckpt
+        self.storage_data: dict[Any, Any] = dict(ckpt.metadata.storage_data or {})
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Nothing to reset."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The step's metadata (as the disk export's ``.metadata`` would hold it)."""
-        return self.metadata
+        """The step's merged metadata (as the assembled flush's ``.metadata`` would hold it)."""
+        return self.ckpt.metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -134,26 +185,74 @@ class _Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Copy each requested extent of a kept tensor into the planner's target."""
+        """Serve each request from this host's slots, or from another process's (collective:
+        every process of the group calls it once)."""
+        local: list[tuple[ReadItem, str]] = []
+        remote: list[tuple[ReadItem, str]] = []
         for req in plan.items:
-            src = self.items.get(self.storage_data.get(req.storage_index))  # type: ignore[arg-type]
-            if src is None:
-                raise ExportError(f"the step in memory has no entry {req.storage_index}")
-            if isinstance(src, bytes):
-                planner.load_bytes(req, io.BytesIO(src))
-                continue
-            view = src
-            for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                view = view.narrow(dim, off, n)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != view.size():
-                raise ExportError(
-                    f"{req.dest_index.fqn}: {tuple(view.size())} in memory, "
-                    f"{tuple(target.size())} asked for"
-                )
-            target.copy_(view)
-            planner.commit_tensor(req, target)
+            path = self.storage_data[req.storage_index].relative_path
+            (local if path in self.ckpt.items else remote).append((req, path))
+        for req, path in local:
+            src = self.ckpt.items[path]
+            _deliver(planner, req, src if isinstance(src, bytes) else _extent(src, req))
+        if self.ckpt.group is not None:
+            self._exchange(planner, remote)
+        elif remote:
+            raise ExportError(f"{len(remote)} extents of the step are not in this host's memory")
         return _done(None)
+
+    def _exchange(self, planner: LoadPlanner, remote: list[tuple[ReadItem, str]]) -> None:
+        """Fetch ``remote`` from the processes that hold them, in one all_to_all; send what
+        the others asked of this process in the same call."""
+        ck = self.ckpt
+        needs = [[path, list(r.storage_offsets), list(r.lengths)] for r, path in remote]
+        asked = _all_gather_json(needs, ck.group)
+        send: list[torch.Tensor] = []
+        in_splits = []
+        for wanted in asked:
+            n = 0
+            for path, offsets, lengths in wanted:
+                if ck.holder(path) != ck.rank:
+                    continue
+                src = ck.items[path]
+                if isinstance(src, bytes):
+                    piece = torch.frombuffer(bytearray(src), dtype=torch.uint8)
+                else:
+                    view = _narrow(src, offsets, lengths).contiguous()
+                    piece = view.reshape(-1).view(torch.uint8)
+                send.append(piece)
+                n += piece.numel()
+            in_splits.append(n)
+        out_splits = [0] * len(asked)
+        sizes = []
+        for req, path in remote:
+            nbytes = self._nbytes(req)
+            out_splits[ck.holder(path)] += nbytes
+            sizes.append(nbytes)
+        inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(sum(out_splits), dtype=torch.uint8)
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=ck.group)
+        pos, start = [], 0
+        for n in out_splits:
+            pos.append(start)
+            start += n
+        for (req, path), nbytes in zip(remote, sizes, strict=True):
+            server = ck.holder(path)
+            piece = out[pos[server] : pos[server] + nbytes]
+            pos[server] += nbytes
+            if req.type == LoadItemType.BYTE_IO:
+                _deliver(planner, req, bytes(piece.numpy()), foreign=True)
+            else:
+                dtype = ck.metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype  # type: ignore[union-attr]
+                _deliver(planner, req, piece.view(dtype).reshape(req.lengths))
+
+    def _nbytes(self, req: ReadItem) -> int:
+        """Bytes of the extent ``req`` asks for (from the metadata)."""
+        if req.type == LoadItemType.BYTE_IO:
+            return int(self.storage_data[req.storage_index].length)
+        entry = self.ckpt.metadata.state_dict_metadata[req.storage_index.fqn]
+        item = torch.empty((), dtype=entry.properties.dtype).element_size()  # type: ignore[union-attr]
+        return int(torch.Size(req.lengths).numel()) * item
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -161,60 +260,143 @@ class _Reader(StorageReader):
         return False
 
 
-def _verify(st: StepState, items: dict[MetadataIndex, torch.Tensor | bytes]) -> None:
-    """Check every kept tensor that lies in a slot against the slot's checksums."""
-    for data in items.values():
-        if not isinstance(data, torch.Tensor) or data.nbytes == 0:
-            continue
-        want = st.expected.get(data.data_ptr())
-        if want is None:
-            continue  # made here (the skeleton's bytes, the names): not a slot's
-        if not want:
-            raise CorruptSnapshotError("a slot of the step has not been verified by its SMP")
-        raw = data.reshape(-1).view(torch.uint8).numpy()
-        if digest(raw.data) != want:
-            raise CorruptSnapshotError("a tensor of the step in memory fails its checksum")
+def _narrow(src: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    view = src
+    for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
+        view = view.narrow(dim, int(off), int(n))
+    return view
+
+
+def _extent(src: torch.Tensor, req: ReadItem) -> torch.Tensor:
+    return _narrow(src, req.storage_offsets, req.lengths)
+
+
+def _deliver(planner: LoadPlanner, req: ReadItem, src: Kept, *, foreign: bool = False) -> None:
+    """Hand ``src`` (the extent asked for) to the planner: bytes through ``load_bytes``, a
+    tensor copied into its target. ``foreign`` bytes were serialized by another process:
+    read with ``weights_only`` and serialized again here before DCP's planner reads them."""
+    if isinstance(src, bytes):
+        if foreign:
+            obj = torch.load(io.BytesIO(src), weights_only=True)
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            src = buf.getvalue()
+        planner.load_bytes(req, io.BytesIO(src))
+        return
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != src.size():
+        raise ExportError(
+            f"{req.dest_index.fqn}: {tuple(src.size())} in memory, {tuple(target.size())} asked for"
+        )
+    target.copy_(src)
+    planner.commit_tensor(req, target)
 
 
 class MemoryCheckpoint:
-    """One step of ``sources`` (every rank's committed slot of it) as a DCP checkpoint in
-    memory (see the module docstring).
+    """One step held in SMP memory as a DCP checkpoint (see the module docstring).
+
+    ``sources``: the committed slots of the step on this host (one per rank; none on a host
+    that holds nothing); ``world_size``: the world size the step was saved at (default: the
+    number of sources, which must then be every rank); ``group``: the process group of the
+    processes that load together (None: this process alone, holding every rank).
 
     Resource handling: holds the slots mapped until :meth:`close` (or the ``with`` block's
     end); every tensor it served was copied out, so nothing refers to the slots afterwards.
 
-    Raises (at construction):
-        ExportError: ranks missing or at different steps.
-        CorruptSnapshotError: a slot's layout, objects or tensors fail their checks.
+    Raises (at construction; with ``group``, collectively):
+        ExportError: ranks missing, at different steps, or held by no process.
+        CorruptSnapshotError: a slot's layout, objects or tensors fail their checks, or a
+            part's metadata from another process is malformed.
     """
 
-    def __init__(self, sources: list[RankSource], world_size: int | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
+    def __init__(
+        self, sources: list[RankSource], world_size: int | None = None, group: Any = None
+    ) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.items: dict[str, Kept] = {}
         self._stack = ExitStack()
         try:
-            st = self._stack.enter_context(step_state(sources, world_size))
-            capture = _Capture()
-            with warnings.catch_warnings():
-                # DCP warns that it saves in one process: that is what no_dist asks for.
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp_save(st.state, storage_writer=capture, no_dist=True)
-            assert capture.metadata is not None
-            st.add_chunks(capture.metadata)
-            st.check_names(capture.metadata)
-            _verify(st, capture.items)
+            part = self._open_part(sources, world_size) if sources else None
+            docs = _all_gather_json(part, group) if group is not None else [part]
+            parts = self._parts(docs)
+            self.metadata: Metadata = metadata_from_json(merge_parts(parts))
         except BaseException:
-            self._stack.close()
+            self.close()
             raise
-        self.step = st.step
-        self.world_size = st.world
-        self.metadata: Metadata = capture.metadata
-        self._items = capture.items
-        self._stack.callback(self._items.clear)
+
+    def _open_part(self, sources: list[RankSource], world_size: int | None) -> dict[str, Any]:
+        """Map and check this host's slots; keep the captured entries; the part's JSON."""
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        st = self._stack.enter_context(step_state(sources, world_size))
+        capture = _Capture()
+        with warnings.catch_warnings():
+            # DCP warns that it saves in one process: that is what no_dist asks for.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(st.state, storage_writer=capture, no_dist=True)
+        assert capture.metadata is not None
+        chunked = st.add_chunks(capture.metadata)
+        st.check_names(capture.metadata)
+        _verify(st, capture.items)
+        prefix = _prefix(st.ranks)
+        self.items = {f"{prefix}/{k}": v for k, v in capture.items.items()}
+        self._stack.callback(self.items.clear)
+        return {
+            "step": st.step,
+            "world": st.world,
+            "ranks": st.ranks,
+            "dcp": metadata_to_json(capture.metadata),
+            "hashes": {
+                str(r): {t.name: t.hash for t in sn.tensors}
+                for r, sn in zip(st.ranks, st.snaps, strict=True)
+            },
+            "chunked": sorted(chunked),
+        }
+
+    def _parts(self, docs: list[Any]) -> list[Part]:
+        """The distinct parts the processes hold, checked to cover every rank once; sets
+        :attr:`step`, :attr:`world_size` and which process serves each part."""
+        held = [(i, d) for i, d in enumerate(docs) if d is not None]
+        if not held:
+            raise ExportError("no process holds a slot of the step")
+        try:
+            steps = {int(d["step"]) for _, d in held}
+            worlds = {int(d["world"]) for _, d in held}
+            if len(steps) != 1 or len(worlds) != 1:
+                raise ExportError(f"the processes hold steps {sorted(steps)} of worlds {worlds}")
+            self.step, self.world_size = steps.pop(), worlds.pop()
+            parts: dict[str, Part] = {}
+            self._holders: dict[str, int] = {}
+            for i, d in held:
+                ranks = tuple(int(r) for r in d["ranks"])
+                prefix = _prefix(list(ranks))
+                self._holders.setdefault(prefix, i)  # the lowest process that holds it
+                if prefix in parts:
+                    continue
+                ckpt = Checkpoint(Path(prefix), self.step, self.world_size, 0, {}, ranks)
+                hashes = {
+                    int(r): {str(k): str(v) for k, v in dict(h).items()}
+                    for r, h in dict(d["hashes"]).items()
+                }
+                parts[prefix] = Part(ckpt, dict(d["dcp"]), hashes, frozenset(d["chunked"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptSnapshotError(f"malformed part metadata from a process: {exc!r}") from exc
+        covered = sorted(r for p in parts.values() for r in p.ckpt.ranks)
+        if covered != list(range(self.world_size)):
+            raise ExportError(f"the step's ranks held in memory are {covered}, not 0..N-1")
+        return list(parts.values())
+
+    def holder(self, path: str) -> int:
+        """The process (rank in the group) that serves entry ``path``."""
+        server = self._holders.get(path.split("/", 1)[0])
+        if server is None:
+            raise ExportError(f"no process holds {path} of the step in memory")
+        return server
 
     def reader(self) -> StorageReader:
         """A StorageReader for ``dcp.load(..., storage_reader=...)`` over this step."""
-        return _Reader(self.metadata, self._items)
+        return _Reader(self)
 
     def close(self) -> None:
         """Drop every reference to the slots and unmap them (idempotent)."""

@@ -64,6 +64,7 @@ def run_ranks(
     timeout: float = 120.0,
     tag: str = "run",
     script: Path = WORKLOAD,
+    rank_env: list[dict[str, str]] | None = None,
 ) -> RankRun:
     """Start ``world`` ranks of ``script`` (default: the workload), wait (bounded) for all to exit, return codes + output.
 
@@ -88,6 +89,7 @@ def run_ranks(
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             **(env_extra or {}),
+            **(rank_env[r] if rank_env else {}),
         )
         log = workdir / f"{tag}-rank{r}.log"
         logs.append(log)

@@ -1,0 +1,100 @@
+"""A step held in the memory of two hosts' SMPs, loaded by DCP into another world size across
+hosts (``MemoryCheckpoint`` with a process group): each loader maps only its own host's slots,
+a loader on a host that holds nothing (a machine that joins) gets everything from the others,
+and every loader ends with the saved state, bit for bit.
+
+The two hosts are two SMPs with run directories of their own; each loader is given only the
+slots of its host's SMP, so every byte it did not map crossed the process group."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from ftmem.smp.spawn import SmpProcess, start_smp
+from ftmem.testing.harness import shm_files
+from tests._support.procs import REPO, Procs
+from tests._support.ranks import SMALL, run_ranks
+
+LOAD = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from ftmem.tiers.export import find_sources
+from ftmem.tiers.memory_dcp import MemoryCheckpoint
+from tests._support.example import example, fresh_state
+ex = example()
+dist.init_process_group("gloo", init_method="file://" + {store!r},
+                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+host = os.environ["LOADER_HOST"]
+sources = find_sources([Path(host)]) if host else []
+model, opt, sd = fresh_state(ex)
+with MemoryCheckpoint(sources, world_size=2, group=dist.group.WORLD) as ckpt:
+    print("MAPPED", len(ckpt.items), flush=True)
+    dcp.load(sd, storage_reader=ckpt.reader())
+model.load_state_dict(sd["model"])
+opt.load_state_dict(sd["optim"])
+print("DIGEST", ex.state_digest(model, opt), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path, run_id: str) -> Iterator[list[SmpProcess]]:
+    """Two SMPs of one run (nodes a and b), stopped afterwards with nothing left behind."""
+    smps: list[SmpProcess] = []
+    try:
+        for node in ("a", "b"):
+            run_dir = tmp_path / node
+            smps.append(
+                start_smp(
+                    run_dir=run_dir,
+                    run_id=run_id,
+                    node=node,
+                    start_timeout=timedelta(seconds=60),
+                    log_path=tmp_path / f"smp-{node}.log",
+                )
+            )
+        yield smps
+    finally:
+        for smp in smps:
+            smp.stop()
+        assert shm_files(run_id) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_step_in_two_hosts_memory_reshards_across_them(
+    two_hosts: list[SmpProcess], tmp_path: Path, procs: Procs
+) -> None:
+    a, b = (tmp_path / node for node in ("a", "b"))
+    run = run_ranks(
+        procs,
+        tmp_path,
+        SMALL,
+        rank_env=[{"FTMEM_RUN_DIR": str(a)}, {"FTMEM_RUN_DIR": str(b)}],
+    )
+    assert run.codes == [0, 0], run.outputs
+    (digest,) = run.digests()
+
+    hosts = [str(a), str(b), ""]  # loader 2 is on a host that holds nothing
+    store = tmp_path / "pg.store"
+    script = LOAD.format(repo=str(REPO), store=str(store))
+    logs, ps = [], []
+    for r, host in enumerate(hosts):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="3", OMP_NUM_THREADS="1", LOADER_HOST=host)
+        logs.append(tmp_path / f"load{r}.log")
+        ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
+    for p in ps:
+        assert p.wait(timeout=120) == 0, [log.read_text()[-2000:] for log in logs]
+    texts = [log.read_text() for log in logs]
+    assert [re.findall(r"DIGEST (\w+)", t) for t in texts] == [[digest]] * 3, texts
+    mapped = [int(re.findall(r"MAPPED (\d+)", t)[0]) for t in texts]
+    assert mapped[0] > 0 and mapped[1] > 0 and mapped[2] == 0, mapped
