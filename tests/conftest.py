@@ -101,3 +101,27 @@ def cluster_factory(run_id: str) -> Iterator[Callable[..., Cluster]]:
             c.close()
         assert shm_files(run_id) == [], "an SMP left shared memory behind"
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path, run_id: str) -> Iterator[list[Path]]:
+    """Two SMPs of one run (nodes a and b: two hosts' memory); their run directories.
+    Stopped afterwards, with nothing left behind."""
+    smps: list[SmpProcess] = []
+    try:
+        for node in ("a", "b"):
+            run_dir = tmp_path / node
+            smps.append(
+                start_smp(
+                    run_dir=run_dir,
+                    run_id=run_id,
+                    node=node,
+                    start_timeout=timedelta(seconds=60),
+                    log_path=tmp_path / f"smp-{node}.log",
+                )
+            )
+        yield [tmp_path / "a", tmp_path / "b"]
+    finally:
+        for smp in smps:
+            smp.stop()
+        assert shm_files(run_id) == []

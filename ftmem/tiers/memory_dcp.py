@@ -140,14 +140,25 @@ def _verify(st: StepState, items: dict[str, Kept]) -> None:
             raise CorruptSnapshotError("a tensor of the step in memory fails its checksum")
 
 
+MAX_GATHERED_JSON = 256 << 20
+"""Most bytes of one process's JSON (a part's metadata, a list of extents) the others take."""
+
+
 def _all_gather_json(obj: Any, group: Any) -> list[Any]:
-    """Every process's ``obj`` (JSON), gathered over ``group`` as bytes."""
+    """Every process's ``obj`` (JSON), gathered over ``group`` as bytes.
+
+    Raises:
+        ExportError: a process's JSON is larger than :data:`MAX_GATHERED_JSON` (checked on
+            every process before anything is allocated for it).
+    """
     data = json.dumps(obj).encode()
     world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     most = max(int(s) for s in sizes)
+    if most > MAX_GATHERED_JSON or min(int(s) for s in sizes) < 0:
+        raise ExportError(f"a process sent {most} bytes of metadata (at most {MAX_GATHERED_JSON})")
     buf = torch.zeros(most, dtype=torch.uint8)
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     bufs = [torch.zeros(most, dtype=torch.uint8) for _ in range(world)]

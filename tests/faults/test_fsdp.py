@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.smp.spawn import SmpProcess
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import TINY, Launcher, digests
 from tests._support.procs import REPO, Procs
@@ -150,27 +149,32 @@ def test_hsdp_replicas_save_half_their_shards_and_restart_bitwise(launcher_env: 
 FROM_MEMORY = """
 from ftmem.tiers.export import find_sources
 from ftmem.tiers.memory_dcp import MemoryCheckpoint
-with MemoryCheckpoint(find_sources([Path({run_dir!r})])) as ckpt:
+hosts = [Path(h) for h in os.environ["LOADER_HOSTS"].split(":") if h]
+group = dist.group.WORLD if world > 1 else None
+with MemoryCheckpoint(find_sources(hosts) if hosts else [], world_size=2, group=group) as ckpt:
     dcp.load(sd, storage_reader=ckpt.reader(), no_dist=world == 1)
 """
 
 
 @pytest.mark.timeout(300)
-def test_an_fsdp2_step_in_memory_reshards_through_dcp(
-    smp: SmpProcess, run_dir: Path, procs: Procs, tmp_path: Path
+def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
+    two_hosts: list[Path], procs: Procs, tmp_path: Path
 ) -> None:
-    """A 2-rank FSDP2 run's last step, held in its SMP, loaded by DCP from memory into 1
-    process and into 3 FSDP2 ranks: the digest of the full state is the run's."""
+    """A 2-rank FSDP2 run, one rank per host (two SMPs), its last step loaded by DCP from
+    memory into 1 process (mapping both hosts) and into 3 FSDP2 ranks, each mapping only its
+    own host's slots (the third on a host holding nothing): the digest is the run's."""
+    a, b = two_hosts
     run = run_ranks(
         procs,
-        run_dir,
+        tmp_path,
         ["--steps", "6", *TINY],
-        env_extra={"FTMEM_RUN_DIR": str(run_dir)},
+        rank_env=[{"FTMEM_RUN_DIR": str(a)}, {"FTMEM_RUN_DIR": str(b)}],
         script=FSDP,
     )
     assert run.codes == [0, 0], run.outputs
     (want,) = run.digests()
-    load = FROM_MEMORY.format(run_dir=str(run_dir)).strip()
+    load = FROM_MEMORY.strip()
+    hosts = {1: [f"{a}:{b}"], 3: [str(a), str(b), ""]}
     for world in (1, 3):
         store = tmp_path / f"pg{world}.store"
         script = "from pathlib import Path\n" + LOAD.format(
@@ -179,6 +183,7 @@ def test_an_fsdp2_step_in_memory_reshards_through_dcp(
         loaders = []
         for r in range(world):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+            env["LOADER_HOSTS"] = hosts[world][r]
             log = tmp_path / f"mem{world}-{r}.log"
             loaders.append((procs.spawn([sys.executable, "-c", script], env, log), log))
         for p, log in loaders:

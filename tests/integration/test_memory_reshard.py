@@ -11,14 +11,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import shm_files
 from tests._support.procs import REPO, Procs
 from tests._support.ranks import SMALL, run_ranks
 
@@ -47,34 +43,11 @@ os._exit(0)
 """
 
 
-@pytest.fixture
-def two_hosts(tmp_path: Path, run_id: str) -> Iterator[list[SmpProcess]]:
-    """Two SMPs of one run (nodes a and b), stopped afterwards with nothing left behind."""
-    smps: list[SmpProcess] = []
-    try:
-        for node in ("a", "b"):
-            run_dir = tmp_path / node
-            smps.append(
-                start_smp(
-                    run_dir=run_dir,
-                    run_id=run_id,
-                    node=node,
-                    start_timeout=timedelta(seconds=60),
-                    log_path=tmp_path / f"smp-{node}.log",
-                )
-            )
-        yield smps
-    finally:
-        for smp in smps:
-            smp.stop()
-        assert shm_files(run_id) == []
-
-
 @pytest.mark.timeout(300)
 def test_a_step_in_two_hosts_memory_reshards_across_them(
-    two_hosts: list[SmpProcess], tmp_path: Path, procs: Procs
+    two_hosts: list[Path], tmp_path: Path, procs: Procs
 ) -> None:
-    a, b = (tmp_path / node for node in ("a", "b"))
+    a, b = two_hosts
     run = run_ranks(
         procs,
         tmp_path,
