@@ -355,11 +355,18 @@ class SnapshotLoader:
             torch.distributed.get_rank(self._group),
         )
         if have != shape:
-            raise SnapshotMismatchError(
+            msg = (
                 f"the snapshot was sharded over {shape[0]} replicas (this one #{shape[1]}); "
-                f"the replica group here has {have[0]} (this one #{have[1]}): pass "
-                "replicated_over= to load"
+                f"the replica group here has {have[0]} (this one #{have[1]})"
             )
+            if have[0] != shape[0]:
+                raise SnapshotMismatchError(
+                    f"{msg}: the job's size changed, and ftmem.load restores a snapshot only "
+                    "at the size it was saved at; reshard it with DCP instead, from memory "
+                    "(ftmem.tiers.memory_dcp.MemoryCheckpoint) or from a flushed checkpoint "
+                    "(docs/api.md)"
+                )
+            raise SnapshotMismatchError(f"{msg}: pass the group that saved it as replicated_over=")
         return plan
 
 
