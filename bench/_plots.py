@@ -217,7 +217,7 @@ def overhead_from(doc: dict[str, Any], path: Path) -> bool:
         return Series(name, tuple(range(len(labels))), med, lo, hi)
 
     cpu = series(r["cpu_ratio"], "cpu") if r["cpu_ratio"] else None
-    title = f"examples/train_gpt.py, {r['nproc']} ranks, {r['params_m'] * 12:.0f} MB of state per rank; {r['method']}"
+    title = f"the GPT test workload, {r['nproc']} ranks, {r['params_m'] * 12:.0f} MB of state per rank; {r['method']}"
     plot_overhead(labels, series(r["ratio"], "wall"), cpu, path, goal=3.0, title=title)
     return True
 

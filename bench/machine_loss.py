@@ -3,8 +3,8 @@
     sudo python bench/machine_loss.py                 # 2 repeats per system (~10 min)
     python bench/machine_loss.py --repeats 1 --no-write
 
-Both systems run 3 machines x 1 rank of ``examples/train_gpt.py`` (the test-sized model, a
-0.1 s step delay) on network-namespace hosts (:mod:`ftmem.testing.hosts`: own address,
+Both systems run 3 machines x 1 rank of the test workload (``ftmem/testing/workload/train.py``,
+the test-sized model, a 0.1 s step delay) on network-namespace hosts (:mod:`ftmem.testing.hosts`: own address,
 host name and /dev/shm each, a private bridge); host 0 serves the c10d rendezvous store;
 host 2 is killed (every process SIGKILLed, its /dev/shm wiped) after step ``--fail-at-step``
 (late enough that the standby ranks are warm).
