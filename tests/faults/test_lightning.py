@@ -41,6 +41,11 @@ def test_lightning_resumes_from_memory_mid_epoch_bitwise(launcher_env: Launcher)
     # the agent reports RESUMED once it sees a generation step, which it may not see for
     # generation 1 before its death.
     assert re.search(r"RESUMED after signal SIGKILL", text), text[-3000:]
-    assert sorted(re.findall(r"\[rank \d\] resumed from step (\d+)", text)) == ["11", "11"]
+    resumed = sorted(re.findall(r"\[rank \d\] resumed from step (\d+)", text), key=int)
+    # A generation that restored the final step (14) trained nothing: it follows a rank that
+    # finished but did not exit before the hang timeout (seen once in CI, at teardown, after
+    # its final lines were out); the restarts under test are the two above.
+    assert [s for s in resumed if s != "14"] == ["11", "11"], text[-3000:]
+    assert len(resumed) in (2, 4), text[-3000:]
     assert "PITFALL" not in text, text[-3000:]
     assert digests(text) == want
