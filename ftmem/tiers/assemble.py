@@ -50,6 +50,11 @@ from ftmem.tiers.export import PER_RANK_KEY
 log = get_logger(__name__)
 
 
+def part_prefix(first_rank: int) -> str:
+    """The name of the part whose lowest rank is ``first_rank`` (its sub-directory)."""
+    return f"part-r{first_rank:06d}"
+
+
 class AssembleError(FtmemError):
     """The parts of a step cannot be assembled (missing past the deadline, inconsistent)."""
 
@@ -69,7 +74,7 @@ class Part:
     @property
     def prefix(self) -> str:
         """The part's sub-directory in the assembled checkpoint."""
-        return f"part-r{self.ckpt.ranks[0]:06d}"
+        return part_prefix(self.ckpt.ranks[0])
 
 
 def read_part(ckpt: Checkpoint) -> Part:

@@ -50,7 +50,7 @@ from torch.futures import Future
 
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import digest
-from ftmem.tiers.assemble import Part, merge_parts
+from ftmem.tiers.assemble import Part, merge_parts, part_prefix
 from ftmem.tiers.checkpoints import Checkpoint
 from ftmem.tiers.dcp_meta import metadata_from_json, metadata_to_json
 from ftmem.tiers.export import ExportError, RankSource, StepState, step_state
@@ -65,10 +65,6 @@ def _done(value: Any) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
-
-
-def _prefix(ranks: list[int]) -> str:
-    return f"part-r{ranks[0]:06d}"
 
 
 class _Capture(StorageWriter):
@@ -350,7 +346,7 @@ class MemoryCheckpoint:
         chunked = st.add_chunks(capture.metadata)
         st.check_names(capture.metadata)
         _verify(st, capture.items)
-        prefix = _prefix(st.ranks)
+        prefix = part_prefix(st.ranks[0])
         self.items = {f"{prefix}/{k}": v for k, v in capture.items.items()}
         self._stack.callback(self.items.clear)
         return {
@@ -381,7 +377,7 @@ class MemoryCheckpoint:
             self._holders: dict[str, int] = {}
             for i, d in held:
                 ranks = tuple(int(r) for r in d["ranks"])
-                prefix = _prefix(list(ranks))
+                prefix = part_prefix(ranks[0])
                 self._holders.setdefault(prefix, i)  # the lowest process that holds it
                 if prefix in parts:
                     continue

@@ -438,7 +438,7 @@ def train(args: argparse.Namespace) -> int:
     if args.no_ftmem:
         final_step = steps_from(0)
     else:
-        # Imported here so that --no-ftmem runs without the package installed.
+        # Imported only with snapshots: the --no-ftmem reference run never touches ftmem.
         import ftmem
 
         state["rng"] = ftmem.RNGState()
