@@ -49,13 +49,20 @@ from ftmem.errors import (
 )
 
 if TYPE_CHECKING:
-    from ftmem.client import CheckFreeStage, Checkpointer, RNGState, SnapshotHandle
+    from ftmem.client import (
+        CheckFreeStage,
+        Checkpointer,
+        ElasticSampler,
+        RNGState,
+        SnapshotHandle,
+    )
 
 __all__ = [
     "CheckFreeStage",
     "Checkpointer",
     "ClientConfig",
     "CorruptSnapshotError",
+    "ElasticSampler",
     "FtmemError",
     "InconsistentSnapshotError",
     "ProtocolError",
@@ -76,7 +83,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 _default: Checkpointer | None = None
-_LAZY = {"CheckFreeStage", "Checkpointer", "RNGState", "SnapshotHandle"}
+_LAZY = {"CheckFreeStage", "Checkpointer", "ElasticSampler", "RNGState", "SnapshotHandle"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ftmem._logging import get_logger
-from ftmem.client import agreement, checkfree
+from ftmem.client import agreement, checkfree, reshard
 from ftmem.client.flatten import parse_layout
 from ftmem.client.restore import (
     RestorePlan,
@@ -33,15 +33,16 @@ from ftmem.errors import (
     SnapshotMismatchError,
     UnsafePathError,
 )
-from ftmem.format.tensors import read_objects
+from ftmem.format.tensors import REPLICAS_KEY, decode_skeleton, read_objects
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
 
 log = get_logger(__name__)
 
-_OK, _CORRUPT, _MISMATCH = 2, 1, 0
-"""A rank's verdict on a candidate step; the ranks take the minimum."""
+_OK, _CORRUPT, _MISMATCH, _RESIZED = 2, 1, 0, -1
+"""A rank's verdict on a candidate step; the ranks take the minimum (_RESIZED: the step was
+saved by a job of another size; it is resharded from memory)."""
 
 
 class SnapshotLoader:
@@ -59,8 +60,10 @@ class SnapshotLoader:
         segment: Callable[[str, int], MappedSegment],
         group: Any,
         flush_dirs: Sequence[Path],
+        run_dir: Path | None = None,
     ) -> None:
         self._rank = rank
+        self._run_dir = run_dir
         self._client = client
         self._segment_of = segment
         self._group = group
@@ -68,6 +71,8 @@ class SnapshotLoader:
         self._flush_dirs = list(flush_dirs)
         self.unreadable: list[str] = []
         """The configured disk tiers this rank could not read, with why."""
+        self._saved_world = 0
+        """The world size of a sharded snapshot saved by a job of another size (0: none)."""
 
     def load(self, state: MutableMapping[str, Any], *, allow_fresh_start: bool) -> int:
         """Restore the newest step every rank can restore (in place); return it, or 0.
@@ -85,6 +90,9 @@ class SnapshotLoader:
             SnapshotMismatchError: the snapshot does not fit ``state``.
         """
         allow = allow_fresh_start
+        request = reshard.requested()
+        if request is not None:  # ftmem-launch: the job's size changed
+            return self._reshard(state, request.world_size, request.step, request.run_dirs)
         client = self._client
         snaps = client.query(self._rank)
         excluded: set[int] = set()
@@ -107,6 +115,9 @@ class SnapshotLoader:
                         )
                     return 0
                 holders = [r for r, c in enumerate(everyone) if c]
+                saved = -agreement.min_over_ranks(-self._saved_world_of(snaps))
+                if holders and not excluded and saved and saved != agreement.current_world_size():
+                    return self._reshard(state, saved, None, ())  # the job grew
                 if holders and not excluded and checkfree.enabled():
                     return self._load_checkfree(state, everyone, snaps)
                 held = "; ".join(
@@ -142,6 +153,9 @@ class SnapshotLoader:
                 client.request(m.DiscardNewer(rank=self._rank, step=step))
                 log.info("restored step %d", step)
                 return step
+            if agreed == _RESIZED:
+                world = -agreement.min_over_ranks(-self._saved_world)
+                return self._reshard(state, world, None, ())
             if agreed == _MISMATCH:
                 raise SnapshotMismatchError(
                     err or f"snapshot {step} does not fit another rank's state"
@@ -312,7 +326,38 @@ class SnapshotLoader:
             log.error("snapshot of step %s is corrupt: %s", snap.step, exc)
             return _CORRUPT, None, None, str(exc)
         except SnapshotMismatchError as exc:
-            return _MISMATCH, None, None, str(exc)
+            return (_RESIZED if self._saved_world else _MISMATCH), None, None, str(exc)
+
+    def _saved_world_of(self, snaps: list[m.SnapshotInfo]) -> int:
+        """The world size this rank's newest snapshot was sharded over (0: none, or not
+        sharded; the world size of an unsharded snapshot is not recorded)."""
+        if not snaps:
+            return 0
+        snap = max(snaps, key=lambda s: s.step)
+        try:
+            seg = self._segment_of(snap.path, snap.capacity)
+            table = decode_skeleton(
+                read_objects(parse_layout(snap.layout, snap.capacity), seg.view)
+            )
+            size = dict(table.get(REPLICAS_KEY) or {}).get("size", 0)
+            return int(size) if type(size) is int and size > 0 else 0
+        except (CorruptSnapshotError, OSError, ValueError, TypeError):
+            return 0
+
+    def _reshard(
+        self, state: MutableMapping[str, Any], world: int, step: int | None, extra: Sequence[Path]
+    ) -> int:
+        """Load a step of a job of ``world`` ranks at this job's size, from memory (the SMPs
+        of this host: the rank's own and ``extra``); drop this rank's newer snapshots."""
+        dirs = ([self._run_dir] if self._run_dir is not None else []) + list(extra)
+        done = reshard.load_resharded(state, world_size=world, run_dirs=dirs, step=step)
+        self._client.request(m.DiscardNewer(rank=self._rank, step=done))
+        # Old ranks beyond the new world are gone for good: their snapshots here would be
+        # taken for this job's if it grew back (every process of the host asks; idempotent).
+        for rank in range(agreement.current_world_size(), world):
+            if self._client.query(rank):
+                self._client.request(m.DiscardNewer(rank=rank, step=0))
+        return done
 
     def _peer_pieces(self, step: int) -> Any:
         """For a sharded restore: the other replicas' snapshots of ``step`` that this node's
@@ -359,6 +404,8 @@ class SnapshotLoader:
                 f"the snapshot was sharded over {shape[0]} replicas (this one #{shape[1]}); "
                 f"the replica group here has {have[0]} (this one #{have[1]})"
             )
+            if have[0] != shape[0] and self._group in (None, torch.distributed.group.WORLD):
+                self._saved_world = shape[0]  # load() reshards the step from memory instead
             if have[0] != shape[0]:
                 raise SnapshotMismatchError(
                     f"{msg}: the job's size changed, and ftmem.load restores a snapshot only "

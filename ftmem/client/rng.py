@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,6 +52,14 @@ class RNGState:
         if cuda_on:
             sd["cuda"] = torch.cuda.get_rng_state_all()
         return sd
+
+    def load_resharded_state(
+        self, states: Sequence[dict[str, Any]], rank: int, world_size: int
+    ) -> None:
+        """After the job's size changed (``states``: every old rank's, by old rank): rank
+        ``r`` takes old rank ``r mod len(states)``'s generators, so each rank still draws a
+        stream of its own when the job shrinks (a grown job's new ranks repeat old streams)."""
+        self.load_state_dict(states[rank % len(states)])
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore the generator states saved by :meth:`state_dict`."""

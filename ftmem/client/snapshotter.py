@@ -563,6 +563,7 @@ class Checkpointer:
             segment=self._slots.segment,
             group=self._group,
             flush_dirs=self.config.flush_dirs,
+            run_dir=self.config.run_dir,
         )
         return loader.load(state, allow_fresh_start=allow)
 

@@ -55,7 +55,7 @@ from ftmem.tiers.checkpoints import Checkpoint
 from ftmem.tiers.dcp_meta import metadata_from_json, metadata_to_json
 from ftmem.tiers.export import ExportError, RankSource, StepState, step_state
 
-__all__ = ["MemoryCheckpoint"]
+__all__ = ["MemoryCheckpoint", "all_gather_json"]
 
 Kept = torch.Tensor | bytes
 """A captured entry: a tensor (a view of a slot) or a non-tensor value's bytes."""
@@ -140,7 +140,7 @@ MAX_GATHERED_JSON = 256 << 20
 """Most bytes of one process's JSON (a part's metadata, a list of extents) the others take."""
 
 
-def _all_gather_json(obj: Any, group: Any) -> list[Any]:
+def all_gather_json(obj: Any, group: Any) -> list[Any]:
     """Every process's ``obj`` (JSON), gathered over ``group`` as bytes.
 
     Raises:
@@ -213,7 +213,7 @@ class _Reader(StorageReader):
         the others asked of this process in the same call."""
         ck = self.ckpt
         needs = [[path, list(r.storage_offsets), list(r.lengths)] for r, path in remote]
-        asked = _all_gather_json(needs, ck.group)
+        asked = all_gather_json(needs, ck.group)
         send: list[torch.Tensor] = []
         in_splits = []
         for wanted in asked:
@@ -325,7 +325,7 @@ class MemoryCheckpoint:
         self._stack = ExitStack()
         try:
             part = self._open_part(sources, world_size) if sources else None
-            docs = _all_gather_json(part, group) if group is not None else [part]
+            docs = all_gather_json(part, group) if group is not None else [part]
             parts = self._parts(docs)
             self.metadata: Metadata = metadata_from_json(merge_parts(parts))
         except BaseException:
@@ -374,6 +374,8 @@ class MemoryCheckpoint:
                 raise ExportError(f"the processes hold steps {sorted(steps)} of worlds {worlds}")
             self.step, self.world_size = steps.pop(), worlds.pop()
             parts: dict[str, Part] = {}
+            self.chunked: frozenset[str] = frozenset(str(n) for _, d in held for n in d["chunked"])
+            """Tensors the step holds as chunks (sharded rows, DTensor shards)."""
             self._holders: dict[str, int] = {}
             for i, d in held:
                 ranks = tuple(int(r) for r in d["ranks"])

@@ -12,12 +12,13 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ftmem.smp.spawn import SmpProcess
 from tests._support.procs import REPO, Procs
-from tests._support.ranks import SMALL, run_ranks
+from tests._support.ranks import SMALL, RankRun, run_ranks
 
 LOAD = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
@@ -75,31 +76,97 @@ def test_a_step_in_two_hosts_memory_reshards_across_them(
 
 
 @pytest.mark.timeout(300)
-def test_a_smaller_job_is_told_to_reshard_and_the_step_in_memory_still_reshards(
-    smp: SmpProcess, run_dir: Path, tmp_path: Path, procs: Procs
+def test_a_smaller_job_reshards_the_step_from_memory_in_ftmem_load(
+    smp: SmpProcess, run_dir: Path, procs: Procs
 ) -> None:
-    """4 ranks save (1/4 each); 3 ranks restarting on the same SMP get a clear error from
-    ``ftmem.load`` (not a silent restore), which loses nothing: the step still loads into
-    those 3 processes from memory through DCP, with the 4-rank run's digest."""
+    """4 ranks save (1/4 of the replicated state each); 3 ranks restarting on the same SMP
+    load it with plain ``ftmem.load``: the saved sharding says the job's size changed, so
+    the step is resharded from memory through DCP (not refused, not restored wrongly). Their
+    parameters and optimizer state are the 4-rank run's (its digest: the run trains no
+    further step). The per-rank RNG states reshard through ``RNGState``'s own method."""
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     first = run_ranks(procs, run_dir, SMALL, world=4, env_extra=env, tag="w4", timeout=240)
     assert first.codes == [0] * 4, first.outputs
     (digest,) = first.digests()
-    again = list(SMALL)
-    again[again.index("--steps") + 1] = "30"
-    smaller = run_ranks(procs, run_dir, again, world=3, env_extra=env, tag="w3", timeout=240)
-    assert all(c != 0 for c in smaller.codes), smaller.outputs
-    assert all("the job's size changed" in out for out in smaller.outputs), smaller.outputs
+    smaller = run_ranks(procs, run_dir, SMALL, world=3, env_extra=env, tag="w3", timeout=240)
+    assert smaller.codes == [0] * 3, smaller.outputs
+    steps = SMALL[SMALL.index("--steps") + 1]
+    for out in smaller.outputs:
+        assert f"resharded step {steps} from 4 to 3 ranks" in out, out[-3000:]
+        assert f"resumed from step {steps}" in out, out[-3000:]
+    assert smaller.digests() == {digest}, smaller.outputs
 
-    store = tmp_path / "pg.store"
-    script = LOAD.format(repo=str(REPO), store=str(store), saved=4)
-    logs, ps = [], []
-    for r in range(3):
-        env_r = dict(os.environ, RANK=str(r), WORLD_SIZE="3", OMP_NUM_THREADS="1")
-        env_r["LOADER_HOST"] = str(run_dir)
-        logs.append(tmp_path / f"load{r}.log")
-        ps.append(procs.spawn([sys.executable, "-c", script], env_r, logs[-1]))
-    for p in ps:
-        assert p.wait(timeout=120) == 0, [log.read_text()[-2000:] for log in logs]
-    got = [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
-    assert got == [[digest]] * 3, [log.read_text()[-2000:] for log in logs]
+
+ELASTIC = REPO / "tests" / "_support" / "elastic_train.py"
+
+
+def _sources(run_dir: Path, step: int, ranks: int) -> list[Any]:
+    """The committed slots of ``step`` of ranks ``0..ranks-1`` in the SMP of ``run_dir``."""
+    from ftmem.protocol.smp_client import SmpClient
+    from ftmem.tiers.export import RankSource
+
+    out = []
+    with SmpClient(run_dir) as c:
+        for r in range(ranks):
+            s = next(s for s in c.query(r) if s.step == step)
+            out.append(RankSource(r, step, s.path, s.capacity, s.layout))
+    return out
+
+
+def _seen(outputs: list[str]) -> list[int]:
+    return [
+        int(i)
+        for out in outputs
+        for line in re.findall(r"SEEN \d+ (.*)", out)
+        for i in line.split()
+    ]
+
+
+@pytest.mark.timeout(400)
+def test_an_epoch_shrinks_from_4_to_3_ranks_and_grows_back_from_memory(
+    smp: SmpProcess, run_dir: Path, tmp_path: Path, procs: Procs
+) -> None:
+    """An epoch of 48 numbered samples (``ftmem.ElasticSampler``): 4 ranks train 3 steps and
+    stop, 3 ranks go on from memory for 2 steps and stop, 4 ranks finish the epoch from
+    memory. Right after each ``ftmem.load`` every rank's parameters and optimizer state equal
+    stock ``dcp.load`` of the flushed step at the new world size, and over the epoch every
+    sample is trained on exactly once (as in a run without the changes)."""
+    from ftmem.tiers.export import export_dcp
+
+    env = {"FTMEM_RUN_DIR": str(run_dir)}
+    runs: list[RankRun] = []
+    for world, stop, flushed_step in ((4, 3, 0), (3, 5, 3), (4, 0, 5)):
+        args = ["--stop-after", str(stop)] if stop else []
+        if flushed_step:
+            flushed = tmp_path / f"step{flushed_step}"
+            export_dcp(_sources(run_dir, flushed_step, ranks=len(runs[-1].codes)), flushed)
+            args += ["--compare-dcp", str(flushed)]
+        run = run_ranks(
+            procs, run_dir, args, world=world, env_extra=env, tag=f"w{world}", script=ELASTIC
+        )
+        assert run.codes == [0] * world, run.outputs
+        loaded = run.lines(r"LOADED (\d+ \w+)")
+        assert len(set(loaded)) == 1 and loaded[0].startswith(f"{flushed_step} "), loaded
+        if flushed_step:
+            assert set(run.lines(r"DCP (\w+)")) == {loaded[0].split()[1]}, run.outputs
+        runs.append(run)
+    seen = [i for run in runs for i in _seen(run.outputs)]
+    assert sorted(seen) == list(range(48)), sorted(seen)
+
+
+@pytest.mark.timeout(300)
+def test_a_per_rank_entry_without_a_reshard_method_is_refused_clearly(
+    smp: SmpProcess, run_dir: Path, procs: Procs
+) -> None:
+    """An entry whose state differs between the ranks that saved (here each rank's number)
+    and that has no ``load_resharded_state`` cannot be resharded: ``ftmem.load`` says which
+    entry and what to do, before anything is loaded."""
+    env = {"FTMEM_RUN_DIR": str(run_dir)}
+    args = ["--stop-after", "2", "--per-rank"]
+    first = run_ranks(procs, run_dir, args, world=4, env_extra=env, tag="w4", script=ELASTIC)
+    assert first.codes == [0] * 4, first.outputs
+    second = run_ranks(procs, run_dir, args, world=3, env_extra=env, tag="w3", script=ELASTIC)
+    assert all(c != 0 for c in second.codes), second.outputs
+    for out in second.outputs:
+        assert "state['data'] (PerRank) differs between the 4 ranks that saved step 2" in out, out
+        assert "load_resharded_state" in out and "LOADED" not in out, out[-3000:]

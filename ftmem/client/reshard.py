@@ -1,0 +1,344 @@
+"""Restore a step saved at another world size: DCP reshards it from the SMPs' memory.
+
+When the job's size changed (a machine was lost and no spare came; one came back), the ranks
+of the new world cannot restore their own snapshots: rank ``r`` of 3 is not rank ``r`` of 4.
+:func:`load_resharded` loads the step instead the way ``dcp.load`` loads a flushed checkpoint
+at another world size, but from memory (:class:`~ftmem.tiers.memory_dcp.MemoryCheckpoint`):
+
+1. every rank lists the snapshots its host's SMPs hold (its own SMP, and any SMP the launcher
+   names, e.g. one that rebuilt a lost machine's snapshots from parity); the ranks exchange the
+   lists (JSON) and take the newest step of which every old rank ``0..W-1`` is held somewhere;
+2. every old rank's *skeleton* (its non-tensor values, never unpickled) is read first, and each
+   top-level entry of the state is checked: an entry whose value differed between the old ranks
+   (a per-rank data position, RNG states) is resharded by the object's own
+   ``load_resharded_state(states, rank, world_size)`` (``states``: every old rank's
+   ``state_dict()``, by old rank); an object without it is refused with a clear
+   :class:`~ftmem.errors.SnapshotMismatchError` *before anything is changed*;
+3. ``dcp.load`` fills the state: the model and optimizer (its state created first, as DCP's
+   own ``get_optimizer_state_dict`` does) come out exactly as ``dcp.load`` of a flushed
+   checkpoint of the same step at this world size; entries equal on every old rank take old
+   rank 0's value;
+4. each Stateful's ``load_state_dict`` is called, and this rank's SMP drops the snapshots newer
+   than the step (as a normal load does).
+
+Every rank of the job calls it together (it is collective, over a gloo group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftmem._logging import get_logger
+from ftmem.client.flatten import is_stateful
+from ftmem.config import ENV_RESHARD
+from ftmem.errors import ProtocolError, SnapshotMismatchError
+from ftmem.format.tensors import GATHER_MARK, REPLICAS_KEY, TENSOR_MARK, decode_skeleton
+
+log = get_logger(__name__)
+
+RESHARD_METHOD = "load_resharded_state"
+"""The method of a Stateful whose value differs between ranks and that can take a new world
+size: ``obj.load_resharded_state(states, rank=..., world_size=...)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardRequest:
+    """What ftmem-launch asks of a generation whose world size changed (``$FTMEM_RESHARD``)."""
+
+    world_size: int
+    """The world size the step was saved at."""
+    step: int | None = None
+    """The step to load (None: the newest one every old rank holds)."""
+    run_dirs: tuple[Path, ...] = ()
+    """SMP run directories on this host besides the rank's own (one that rebuilt a lost
+    machine's snapshots)."""
+
+    def to_env(self) -> str:
+        """The value of ``$FTMEM_RESHARD`` that :func:`requested` reads back."""
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "step": self.step,
+                "run_dirs": list(map(str, self.run_dirs)),
+            }
+        )
+
+
+def requested() -> ReshardRequest | None:
+    """The launcher's request to reshard (``$FTMEM_RESHARD``), or None.
+
+    Raises:
+        ProtocolError: the variable is set but malformed.
+    """
+    raw = os.environ.get(ENV_RESHARD, "")
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+        world, step, dirs = doc["world_size"], doc.get("step"), doc.get("run_dirs", [])
+        if type(world) is not int or world < 1:
+            raise ValueError("world_size is not a positive integer")
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError("step is not a non-negative integer")
+        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+            raise ValueError("run_dirs is not a list of paths")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"${ENV_RESHARD} is malformed ({exc}): {raw[:200]!r}") from exc
+    return ReshardRequest(world, step, tuple(Path(d) for d in dirs))
+
+
+def _inventory(run_dirs: Sequence[Path], world: int) -> dict[int, dict[int, Any]]:
+    """rank -> step -> SnapshotInfo of the old ranks (< ``world``) the SMPs of ``run_dirs``
+    hold (a run directory without a live SMP is skipped, with a warning)."""
+    from ftmem.errors import SmpUnavailableError
+    from ftmem.protocol.smp_client import SmpClient
+
+    out: dict[int, dict[int, Any]] = {}
+    for run_dir in run_dirs:
+        try:
+            with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:
+                for rank in sorted(c.status().ranks):
+                    if 0 <= rank < world:
+                        out.setdefault(rank, {}).update({s.step: s for s in c.query(rank)})
+        except (SmpUnavailableError, OSError) as exc:
+            log.warning("resharding: no snapshots from %s: %s", run_dir, exc)
+    return out
+
+
+def _pick_step(gathered: list[Any], world: int, want: int | None) -> int:
+    """The newest step (or ``want``) of which every old rank is held by some process."""
+    holders: dict[int, set[int]] = {}
+    for inv in gathered:
+        for rank, steps in dict(inv).items():
+            for s in steps:
+                holders.setdefault(int(s), set()).add(int(rank))
+    full = sorted((s for s, r in holders.items() if r >= set(range(world))), reverse=True)
+    if want is not None:
+        if want not in full:
+            have = sorted(holders.get(want, set()))
+            raise SnapshotMismatchError(
+                f"cannot reshard step {want} from memory: of its {world} ranks only {have} "
+                "are held by the SMPs of this job"
+            )
+        return want
+    if not full:
+        newest = max(holders, default=None)
+        have = sorted(holders.get(newest, set())) if newest is not None else []
+        raise SnapshotMismatchError(
+            f"cannot reshard from memory: no step of the {world}-rank job is held for every "
+            f"rank (the newest, {newest}, for ranks {have}); restore from a flushed checkpoint "
+            "with dcp.load instead"
+        )
+    return full[0]
+
+
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state (zero gradients, one step at lr 0) so that
+    ``dcp.load`` has tensors to fill, as DCP's ``get_optimizer_state_dict`` does; the
+    parameters do not change (weight decay is scaled by the learning rate too)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if all(opt.state.get(p) for p in params):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    grads = [p.grad for p in params]
+    try:
+        for g in opt.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
+def _named(tree: Any, names: list[str]) -> Any:
+    """A skeleton with its tensor marks replaced by the tensors' names (comparable between
+    ranks, whose tensor indices differ)."""
+    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == TENSOR_MARK:
+        i = tree[1]
+        return ("tensor", names[i] if type(i) is int and 0 <= i < len(names) else i)
+    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == GATHER_MARK:
+        return ("gathered", tree[1])
+    if isinstance(tree, dict):
+        return {k: _named(v, names) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_named(v, names) for v in tree)
+    return tree
+
+
+def _fill(tree: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
+    """A named skeleton (:func:`_named`) with its tensors put back (``tensor``: by name)."""
+    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == "tensor":
+        return tensor(str(tree[1]))
+    if isinstance(tree, dict):
+        return {k: _fill(v, tensor) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_fill(v, tensor) for v in tree)
+    return tree
+
+
+def _empty(meta: Any, key: str) -> torch.Tensor:
+    """A tensor to load DCP entry ``key`` into (its size and dtype from the metadata)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = meta.state_dict_metadata.get(key)
+    if not isinstance(md, TensorStorageMetadata):
+        raise SnapshotMismatchError(f"the step in memory has no tensor {key!r}")
+    return torch.empty(md.size, dtype=md.properties.dtype)
+
+
+def load_resharded(
+    state: MutableMapping[str, Any],
+    *,
+    world_size: int,
+    run_dirs: Sequence[Path],
+    step: int | None = None,
+) -> int:
+    """Load the step saved by a job of ``world_size`` ranks into ``state`` at this job's world
+    size, from the SMPs' memory (see the module docstring); return the step.
+
+    ``run_dirs``: the SMP run directories on this host (the rank's own first). Every rank of
+    the default process group calls this together.
+
+    Raises:
+        SnapshotMismatchError: no step is held for every old rank, the state does not fit the
+            step, or an entry differs between the old ranks and its object cannot be
+            resharded (nothing in ``state`` was changed then).
+        CorruptSnapshotError: a slot fails its checksums.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from ftmem.tiers.export import PER_RANK_KEY, RankSource
+    from ftmem.tiers.memory_dcp import MemoryCheckpoint, all_gather_json
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise SnapshotMismatchError("resharding a step needs torch.distributed initialised")
+    group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    held = _inventory(run_dirs, world_size)
+    gathered = all_gather_json({str(r): sorted(v) for r, v in held.items()}, group)
+    chosen = _pick_step(gathered, world_size, step)
+    sources = [
+        RankSource(r, chosen, s.path, s.capacity, s.layout)
+        for r, steps in sorted(held.items())
+        if (s := steps.get(chosen)) is not None
+    ]
+    log.info(
+        "resharding step %d of a %d-rank job to %d ranks from memory (%d of its ranks here)",
+        chosen,
+        world_size,
+        world,
+        len(sources),
+    )
+    with MemoryCheckpoint(sources, world_size=world_size, group=group) as ckpt:
+        meta = ckpt.metadata
+        # 1. Every old rank's skeleton and tensor names: what differs between them.
+        per_rank = {
+            str(r): {
+                "skeleton": _empty(meta, f"{PER_RANK_KEY}.{r}.skeleton"),
+                "names": _empty(meta, f"{PER_RANK_KEY}.{r}.names"),
+            }
+            for r in range(world_size)
+        }
+        dcp_load({PER_RANK_KEY: per_rank}, storage_reader=ckpt.reader(), process_group=group)
+        names = [json.loads(per_rank[str(r)]["names"].numpy().tobytes()) for r in range(world_size)]
+        trees = []
+        for r in range(world_size):
+            skeleton = decode_skeleton(per_rank[str(r)]["skeleton"].numpy().tobytes())
+            skeleton.pop(REPLICAS_KEY, None)
+            trees.append(_named(skeleton, names[r]))
+        own = {
+            key
+            for r in range(1, world_size)
+            for key in meta.state_dict_metadata
+            if key.startswith(f"{PER_RANK_KEY}.{r}.tensors.")
+            and key.split(".tensors.", 1)[1] not in ckpt.chunked
+        }
+        resharded: list[str] = []
+        for key, obj in state.items():
+            values = [t.get(key) for t in trees]
+            differs = any(v != values[0] for v in values[1:]) or any(
+                k.split(".tensors.", 1)[1] == key
+                or k.split(".tensors.", 1)[1].startswith(key + ".")
+                for k in own
+            )
+            if not differs:
+                continue
+            if not callable(getattr(obj, RESHARD_METHOD, None)):
+                raise SnapshotMismatchError(
+                    f"state[{key!r}] ({type(obj).__name__}) differs between the {world_size} "
+                    f"ranks that saved step {chosen} (a per-rank data position?), and it cannot "
+                    f"be resharded to {world} ranks: give it a {RESHARD_METHOD}(states, rank, "
+                    "world_size) method, or keep its state the same on every rank (e.g. "
+                    "ftmem.ElasticSampler counts the samples of the whole job); nothing was "
+                    "loaded"
+                )
+            resharded.append(key)
+        # 2. The state at this world size; DCP's planners reshard.
+        targets: dict[str, Any] = {}
+        for key, obj in state.items():
+            if key in resharded:
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                init_optimizer_state(obj)
+            targets[key] = (
+                obj.state_dict() if is_stateful(obj) and not torch.is_tensor(obj) else obj
+            )
+        dcp_load(targets, storage_reader=ckpt.reader(), process_group=group)
+        # 3. Each old rank's value of the per-rank entries, for their objects to reshard.
+        wanted: dict[str, torch.Tensor] = {}
+        for key in resharded:
+            for r in range(world_size):
+                for name in _tensor_names(trees[r].get(key)):
+                    entry = f"{PER_RANK_KEY}.{r}.tensors.{name}"
+                    src = entry if entry in meta.state_dict_metadata else name
+                    if src not in wanted:
+                        wanted[src] = _empty(meta, src)
+        if wanted:
+            dcp_load(wanted, storage_reader=ckpt.reader(), process_group=group)
+    for key, obj in state.items():
+        if key in resharded:
+            states = [_fill(trees[r][key], _old_rank_tensor(wanted, r)) for r in range(world_size)]
+            getattr(obj, RESHARD_METHOD)(states, rank=rank, world_size=world)
+        elif is_stateful(obj) and not torch.is_tensor(obj):
+            obj.load_state_dict(targets[key])
+        else:
+            state[key] = targets[key]
+    dist.barrier(group)  # every rank has read what it needs before any slot is released
+    log.info("resharded step %d from %d to %d ranks", chosen, world_size, world)
+    return chosen
+
+
+def _tensor_names(tree: Any) -> list[str]:
+    """The tensor names in a named skeleton."""
+    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == "tensor":
+        return [str(tree[1])]
+    if isinstance(tree, dict):
+        return [n for v in tree.values() for n in _tensor_names(v)]
+    if isinstance(tree, list | tuple):
+        return [n for v in tree for n in _tensor_names(v)]
+    return []
+
+
+def _old_rank_tensor(wanted: dict[str, torch.Tensor], r: int) -> Callable[[str], torch.Tensor]:
+    """Old rank ``r``'s tensor of a name: its own entry where it differed from rank 0's."""
+    from ftmem.tiers.export import PER_RANK_KEY
+
+    def tensor(name: str) -> torch.Tensor:
+        entry = f"{PER_RANK_KEY}.{r}.tensors.{name}"
+        return wanted[entry] if entry in wanted else wanted[name]
+
+    return tensor

@@ -1,0 +1,130 @@
+"""A data-parallel job over a dataset of numbered samples, for the tests of a changing world
+size: DDP over a small MLP, AdamW, ``ftmem.ElasticSampler`` and one ``ftmem.save`` per step.
+
+It prints ``SEEN <step> <index>...`` for every batch it trains on (the samples' numbers),
+``LOADED <step> <digest>`` after ``ftmem.load`` (the parameters and optimizer state), with
+``--compare-dcp DIR`` also ``DCP <digest>`` of the same state loaded by stock ``dcp.load``
+from DIR at this world size, and ``FINAL <digest>`` at the end of the epoch. ``--stop-after
+K``: exit after step K is committed (a job that stops there). ``--per-rank``: add an entry
+whose state differs between the ranks and that cannot be resharded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import ftmem
+
+SAMPLES = 48
+
+
+class Numbered(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """Sample ``i``: its number, an input and a target made from ``i`` alone."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        return i, x, x.sum(0, keepdim=True)
+
+
+class PerRank:
+    """A Stateful whose state is the rank's own (and no load_resharded_state)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.rank = int(sd["rank"])
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode() + p.detach().contiguous().numpy().tobytes())
+    for i, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{i}.{k}".encode() + torch.as_tensor(v).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stop-after", type=int, default=0)
+    ap.add_argument("--compare-dcp", default="")
+    ap.add_argument("--per-rank", action="store_true")
+    ap.add_argument("--init-method", required=True)
+    args, _ = ap.parse_known_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group(
+        "gloo",
+        init_method=args.init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    model, opt = build()
+    sampler = ftmem.ElasticSampler(SAMPLES, seed=7)
+    state: dict[str, Any] = {"model": model, "optim": opt, "sampler": sampler}
+    state["rng"] = ftmem.RNGState()
+    if args.per_rank:
+        state["data"] = PerRank(rank)
+    start = ftmem.load(state, replicated_over=dist.group.WORLD)
+    print(f"LOADED {start} {digest(model, opt)}", flush=True)
+    if args.compare_dcp:
+        import torch.distributed.checkpoint as dcp
+
+        from ftmem.client.reshard import init_optimizer_state
+
+        m2, o2 = build()
+        init_optimizer_state(o2)
+        sd = {"model": m2.state_dict(), "optim": o2.state_dict()}
+        dcp.load(sd, checkpoint_id=args.compare_dcp)
+        m2.load_state_dict(sd["model"])
+        o2.load_state_dict(sd["optim"])
+        print(f"DCP {digest(m2, o2)}", flush=True)
+    ddp = DistributedDataParallel(model)
+    step = start
+    for idx, x, y in DataLoader(Numbered(), batch_size=2, sampler=sampler):
+        loss = F.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        print(f"SEEN {step} " + " ".join(str(int(i)) for i in idx), flush=True)
+        ftmem.save(state, step, replicated_over=dist.group.WORLD)
+        if step == args.stop_after:
+            break
+    assert ftmem.wait(timeout=60)
+    print(f"FINAL {step} {digest(model, opt)}", flush=True)
+    ftmem.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
