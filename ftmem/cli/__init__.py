@@ -80,7 +80,8 @@ def print_exchange(ex: ExchangeStatus) -> None:
     c = ex.counters
     print(
         f"erasure coding: node {ex.me} of group {group} m={ex.m} "
-        f"generation {ex.epoch} state {ex.state.value}" + (f" ({ex.error})" if ex.error else "")
+        f"generation {'-' if ex.epoch is None else ex.epoch // 2} state {ex.state.value}"
+        + (f" ({ex.error})" if ex.error else "")
     )
     print(
         f"  protected step {ex.protected_step}  own {own / 2**20:.1f} MiB  "

@@ -210,8 +210,10 @@ def load_resharded(
     """Load the step saved by a job of ``world_size`` ranks into ``state`` at this job's world
     size, from the SMPs' memory (see the module docstring); return the step.
 
-    ``run_dirs``: the SMP run directories on this host (the rank's own first). Every rank of
-    the default process group calls this together.
+    ``run_dirs``: the SMP run directories on this host (the rank's own first). ``step``: the
+    step to load (None: the newest one held for every old rank; where ranks ask for
+    different ones, the newest asked for). Every rank of the default process group calls
+    this together.
 
     Raises:
         SnapshotMismatchError: no step is held for every old rank, the state does not fit the
@@ -229,8 +231,11 @@ def load_resharded(
     group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     held = _inventory(run_dirs, world_size)
-    gathered = all_gather_json({str(r): sorted(v) for r, v in held.items()}, group)
-    chosen = _pick_step(gathered, world_size, step)
+    gathered = all_gather_json(
+        {"held": {str(r): sorted(v) for r, v in held.items()}, "want": step}, group
+    )
+    asked = [int(d["want"]) for d in gathered if d.get("want") is not None]
+    chosen = _pick_step([d["held"] for d in gathered], world_size, max(asked, default=None))
     sources = [
         RankSource(r, chosen, s.path, s.capacity, s.layout)
         for r, steps in sorted(held.items())

@@ -38,6 +38,7 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -49,6 +50,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from ftmem.client.reshard import ReshardRequest
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import (
@@ -76,7 +78,13 @@ from ftmem.launch.monitor import (
     all_resumed,
     min_committed,
 )
-from ftmem.launch.peers import PeerSettings, host_key_path, join_generation
+from ftmem.launch.peers import (
+    PeerSettings,
+    host_key_path,
+    join_generation,
+    mesh_epoch,
+    resolve_parity,
+)
 from ftmem.launch.rank_store import RankStore
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
@@ -84,10 +92,18 @@ from ftmem.launch.rendezvous import (
     agree_slot,
     exchange_generation,
     share_master,
+    slot_offers,
     slot_workers,
     stable_ranks_apply,
 )
 from ftmem.launch.report import report_resumed, tail_lines
+from ftmem.launch.reshape import (
+    Reshape,
+    guest_run_dir,
+    plan_reshape,
+    run_all,
+    survivors_barrier,
+)
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
 from ftmem.launch.workers import describe_exit, rank_env
@@ -152,6 +168,15 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._slot: int | None = None
         """This node's block of global ranks (stable across rounds), None: elastic's."""
         self._prev_ranks: list[int] | None = None
+        self._prev_nodes: int | None = None
+        """The node count of the last round this node ran ranks in (None: none yet)."""
+        self._claimed: int | None = None
+        """The slot this node held in the last round (what it offered in this one)."""
+        self._reshard: ReshardRequest | None = None
+        """This generation's step to reshard (the job's size changed), else None."""
+        self._reshard_step: int | None = None
+        self._guests: list[SmpRunner] = []
+        """Guest SMPs holding lost slots' rebuilt step until the new mesh protects a newer one."""
         self._peer_settings = _peer_settings(ftmem, smp.run_id)
         self._key_warned = [False]
         self._standbys = StandbyPool(
@@ -282,9 +307,15 @@ class FtmemElasticAgent(ElasticAgentBase):
         if not stable_ranks_apply(self._ft.rank_assignment, spec):
             self._slot = None
             return elastic_default()
-        claimed = self._slot
+        claimed = self._claimed = self._slot
         self._slot = agree_slot(
-            store, group_rank, group_world_size, claimed, spec.local_world_size, self.generation
+            store,
+            group_rank,
+            group_world_size,
+            claimed,
+            spec.local_world_size,
+            self.generation,
+            nodes=self._prev_nodes if claimed is not None else None,
         )
         if claimed is not None and claimed < group_world_size and self._slot not in (None, claimed):
             self._fence(f"slot {claimed} is held by a node that took it over more recently")
@@ -298,6 +329,9 @@ class FtmemElasticAgent(ElasticAgentBase):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         rec = self._life.recovery
         expected = rec.committed if rec is not None else None
+        if self._smp.ensure_running():
+            self._poller.forget()
+        self._join_peers(worker_group)
         ftmem_env = rank_env(
             run_dir=self._smp.run_dir,
             run_id=self._smp.run_id,
@@ -307,14 +341,12 @@ class FtmemElasticAgent(ElasticAgentBase):
             rejoin_timeout_s=self._rank_rejoin_wait(),
             checkfree=self._ft.checkfree,
             flush_dirs=self._ft.flush_tiers(),
+            reshard=self._reshard.to_env() if self._reshard is not None else "",
         )
         if not isinstance(worker_group.spec.entrypoint, str):
             # A function entrypoint runs in multiprocessing children that elastic gives a copy
             # of this process's environment: no hook hands them a value.
             os.environ.update(ftmem_env)
-        if self._smp.ensure_running():
-            self._poller.forget()
-        self._join_peers(worker_group)
         start = time.time()
         self._in_process.begin_generation(self.generation, ftmem_env)
         with (
@@ -375,10 +407,19 @@ class FtmemElasticAgent(ElasticAgentBase):
         return self._ft.rejoin_timeout.total_seconds() + extra
 
     def _join_peers(self, worker_group: WorkerGroup) -> None:
-        """Sync this generation's peer mesh; a node that lost its memory rebuilds it first."""
+        """Sync this generation's peer mesh; a node that lost its memory rebuilds it first.
+        When the job's size changed, the lost machines' step is rebuilt first
+        (:mod:`ftmem.launch.reshape`) and the ranks are told to reshard it."""
         store = worker_group.store
+        self._reshard = None
         if store is None:
             return
+        reshape = None
+        if self._slot is not None:
+            reshape = plan_reshape(slot_offers(store, worker_group.group_world_size))
+        self._prev_nodes = worker_group.group_world_size
+        if reshape is not None:
+            self._rebuild_lost(worker_group, reshape)
         me = self._slot if self._slot is not None else worker_group.group_rank
         ranks = [w.global_rank for w in worker_group.workers]
         try:
@@ -393,6 +434,7 @@ class FtmemElasticAgent(ElasticAgentBase):
                 ranks=ranks,
                 node_name=self._node,
                 warned=self._key_warned,
+                epoch=mesh_epoch(self.generation, reshaped=reshape is not None),
             )
         except UnrecoverableError as exc:
             if self._ft.checkfree:  # the ranks rebuild lost pipeline stages from neighbours
@@ -409,6 +451,133 @@ class FtmemElasticAgent(ElasticAgentBase):
             return
         if result is not None:
             self.events.write("peers_synced", generation=self.generation, **result)
+
+    def _rebuild_lost(self, worker_group: WorkerGroup, rs: Reshape) -> None:
+        """The job changed size: rebuild the lost slots' protected step in guest SMPs (this
+        node hosts some), and set the step the ranks reshard (:mod:`ftmem.launch.reshape`)."""
+        grew = rs.new_nodes > rs.old_nodes
+        log.warning(
+            "[%s] RESHAPE: the job %s from %d to %d nodes%s; the ranks reshard its step from "
+            "memory",
+            self._node,
+            "grows" if grew else "shrinks",
+            rs.old_nodes,
+            rs.new_nodes,
+            f" (lost slots {list(rs.lost)})" if rs.lost else "",
+        )
+        self.events.write(
+            "reshape",
+            generation=self.generation,
+            old_nodes=rs.old_nodes,
+            new_nodes=rs.new_nodes,
+            lost=list(rs.lost),
+        )
+        step: int | None = None
+        dirs: list[Path] = []
+        parity = resolve_parity(self._peer_settings.parity, rs.old_nodes)
+        claimed = self._claimed
+        if rs.lost and claimed is not None and 0 < len(rs.lost) <= parity:
+            t0 = time.monotonic()
+            hosted = [s for s, g in rs.guests.items() if g == worker_group.group_rank]
+            try:
+                jobs = {"self": self._old_mesh_join(worker_group, rs, claimed, self._smp)}
+                for slot in hosted:
+                    guest = self._start_guest(slot)
+                    dirs.append(guest.run_dir)
+                    jobs[f"guest{slot}"] = self._old_mesh_join(worker_group, rs, slot, guest)
+                results = run_all(jobs)
+            except (FtmemError, KeyFileError, OSError) as exc:
+                log.error(
+                    "[%s] rebuilding the lost slots %s failed: %s; the ranks reshard from "
+                    "what memory holds, else from the newest flushed checkpoint",
+                    self._node,
+                    list(rs.lost),
+                    exc,
+                )
+                self.events.write("reshape_failed", generation=self.generation, reason=str(exc))
+                self._stop_guests()
+                dirs = []
+            else:
+                mine = results.get("self") or {}
+                step = mine.get("step")
+                self.events.write(
+                    "rebuilt_lost",
+                    generation=self.generation,
+                    step=step,
+                    slots=hosted,
+                    seconds=round(time.monotonic() - t0, 3),
+                )
+                log.info(
+                    "[%s] the old mesh kept step %s; lost slots %s rebuilt here: %s (%.2f s)",
+                    self._node,
+                    step,
+                    list(rs.lost),
+                    hosted,
+                    time.monotonic() - t0,
+                )
+        elif rs.lost:
+            log.error(
+                "[%s] %d slots lost, erasure coding covers %d: the ranks reshard from the "
+                "newest flushed checkpoint of the %d-node job (--ftmem-flush-dir)",
+                self._node,
+                len(rs.lost),
+                parity,
+                rs.old_nodes,
+            )
+        if claimed is not None and rs.lost and 0 < len(rs.lost) <= parity:
+            try:
+                survivors_barrier(
+                    worker_group.store, rs, worker_group.group_rank or 0, self.generation
+                )
+            except RuntimeError as exc:  # torch's DistStoreError: a survivor never arrived
+                log.error("[%s] the survivors did not all finish the rebuild: %s", self._node, exc)
+        self._reshard = ReshardRequest(rs.old_world, step, tuple(dirs))
+        self._reshard_step = step
+
+    def _old_mesh_join(
+        self, worker_group: WorkerGroup, rs: Reshape, slot: int, smp: SmpRunner
+    ) -> Callable[[], Any]:
+        """Join the last round's mesh once more as old slot ``slot`` with SMP ``smp``."""
+        own = smp is self._smp
+        # A store client serves one blocking call at a time: each concurrent join its own.
+        assert worker_group.store is not None
+        store = worker_group.store if own else worker_group.store.clone()
+        return lambda: join_generation(
+            settings=self._peer_settings,
+            store=store,
+            group_rank=(worker_group.group_rank or 0) if own else -1,
+            nodes=rs.old_nodes,
+            me=slot,
+            generation=self.generation,
+            run_dir=smp.run_dir,
+            ranks=rs.old_ranks(slot),
+            node_name=smp.node,
+            warned=self._key_warned,
+            epoch=mesh_epoch(self.generation),
+            tag="/rebuild",
+        )
+
+    def _start_guest(self, slot: int) -> SmpRunner:
+        """Start (and keep) the guest SMP of lost slot ``slot`` on this node."""
+        main = self._smp
+        guest = SmpRunner(
+            run_dir=guest_run_dir(main.run_dir, slot),
+            run_id=main.run_id,
+            node=f"{self._node}-guest{slot}",
+            slots=main.slots,
+            start_timeout=main.start_timeout,
+            stop_timeout=main.stop_timeout,
+            log_level=main.log_level,
+            extra_env=main.extra_env,
+        )
+        self._guests.append(guest)
+        guest.start()
+        return guest
+
+    def _stop_guests(self) -> None:
+        guests, self._guests = self._guests, []
+        for guest in guests:
+            guest.stop()
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
@@ -454,6 +623,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         finally:
             self._standbys.stop()
             self._poller.close()
+            self._stop_guests()
             self._smp.stop()
             self._rank_store.close()
 
@@ -562,6 +732,16 @@ class FtmemElasticAgent(ElasticAgentBase):
         fetched, progress = latest
         if self._life.state is AgentState.STARTED and all_resumed(self._watch.procs, progress):
             self._resumed(progress)
+        if self._guests:
+            ex = self._poller.exchange()
+            protected = ex[1].protected_step if ex is not None else None
+            if protected is not None and protected > (self._reshard_step or 0):
+                log.info(
+                    "[%s] step %s is protected at the new size: stopping the guest SMPs",
+                    self._node,
+                    protected,
+                )
+                self._stop_guests()
         self._watch.check_hangs(progress, fetched)
 
     def _resumed(self, progress: dict[int, RankProgress]) -> None:

@@ -65,6 +65,13 @@ class PeerSettings:
     """``--ftmem-tune ec-encode-workers``: processes per SMP that encode its stripes."""
 
 
+def mesh_epoch(generation: int, reshaped: bool = False) -> int:
+    """The peer mesh's epoch in ``generation``: epochs only grow, and a round whose job
+    changed size makes two meshes (the old nodes' to rebuild, then the new one's), so
+    each generation has two (the SMPs keep a message of a newer epoch until they start it)."""
+    return 2 * generation + int(reshaped)
+
+
 def resolve_parity(parity: int, nodes: int) -> int:
     """The parity m to use with ``nodes`` nodes (0: erasure coding off)."""
     if parity == AUTO:
@@ -256,9 +263,15 @@ def join_generation(
     ranks: list[int],
     node_name: str,
     warned: list[bool],
+    epoch: int | None = None,
+    tag: str = "",
 ) -> dict[str, Any] | None:
     """Run steps 1-4 of the module docstring; return the sync result (None: EC off): the
     fields of :class:`~ftmem.protocol.status.SyncReply` plus ``seconds``.
+
+    ``epoch``: the mesh's epoch (default :func:`mesh_epoch` of the generation); ``tag``: a
+    name for a second mesh of the same round (its own store keys), as a change of the
+    job's size makes (:mod:`ftmem.launch.reshape`).
 
     Raises:
         UnrecoverableError: more than m nodes of a group lost their snapshots.
@@ -271,6 +284,8 @@ def join_generation(
     parity = resolve_parity(settings.parity, nodes)
     if parity == 0:
         return None
+    epoch = mesh_epoch(generation) if epoch is None else epoch
+    key = f"{_PEER_KEY}{tag}"
     t0 = time.monotonic()
     job = keys.CurveKeyPair.from_json(job_keys(settings, store, group_rank, warned))
     pair = job.with_node(keys.generate()).to_json()
@@ -285,8 +300,8 @@ def join_generation(
             ),
             m.PeerBound,
         )
-        store.set(f"{_PEER_KEY}/{me}", peer_entry(job, generation, me, bound.endpoint))
-        raw = store.multi_get([f"{_PEER_KEY}/{i}" for i in range(nodes)])
+        store.set(f"{key}/{me}", peer_entry(job, generation, me, bound.endpoint))
+        raw = store.multi_get([f"{key}/{i}" for i in range(nodes)])
         endpoints = {
             str(i): read_peer_entry(job, bytes(v), generation, i) for i, v in enumerate(raw)
         }
@@ -300,7 +315,7 @@ def join_generation(
             bound.endpoint,
         )
         start = m.PeerStart(
-            epoch=generation,
+            epoch=epoch,
             me=me,
             endpoints=endpoints,
             m=parity,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
@@ -38,6 +39,18 @@ def stable_ranks_apply(rank_assignment: str, spec: WorkerSpec) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class SlotOffer:
+    """What an agent published of its previous round: the slot it held there (None: a new
+    node or a spare), the generation it held it in, its ranks per node, and how many nodes
+    that round had (None: it was in none)."""
+
+    slot: int | None
+    size: int
+    generation: int
+    nodes: int | None = None
+
+
 def agree_slot(
     store: Any,
     group_rank: int,
@@ -45,22 +58,25 @@ def agree_slot(
     slot: int | None,
     local_world_size: int,
     generation: int = -1,
+    nodes: int | None = None,
 ) -> int | None:
     """This node's slot in the new round (None: the nodes differ in size).
 
     Each agent publishes the slot (block of ``local_world_size`` global ranks) it held in
-    the previous round (``slot``; None for a new node) and the ``generation`` it held it in;
-    group rank 0 assigns slots with :func:`~ftmem.launch.ranks.assign_slots` (the most recent
-    holder of a slot keeps it) and publishes them.
+    the previous round (``slot``; None for a new node), the ``generation`` it held it in and
+    that round's node count (``nodes``); group rank 0 assigns slots with
+    :func:`~ftmem.launch.ranks.assign_slots` (the most recent holder of a slot keeps it) and
+    publishes them. :func:`slot_offers` reads every agent's offer back.
     """
-    mine = {"slot": slot, "size": local_world_size, "generation": generation}
+    mine = {"slot": slot, "size": local_world_size, "generation": generation, "nodes": nodes}
     store.set(f"{_SLOT_KEY}/{group_rank}", json.dumps(mine))
     if group_rank == 0:
-        keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
-        infos = [_slot_info(k, raw) for k, raw in zip(keys, store.multi_get(keys), strict=True)]
-        same_size = len({size for _, size, _ in infos}) == 1
+        infos = slot_offers(store, group_world_size)
+        same_size = len({o.size for o in infos}) == 1
         slots = (
-            assign_slots([s for s, _, _ in infos], [g for _, _, g in infos]) if same_size else None
+            assign_slots([o.slot for o in infos], [o.generation for o in infos])
+            if same_size
+            else None
         )
         store.set(_ASSIGNED_KEY, json.dumps(slots))
     assigned = _value(_ASSIGNED_KEY, store.get(_ASSIGNED_KEY))
@@ -83,18 +99,26 @@ def _int_list(value: Any, n: int) -> bool:
     return isinstance(value, list) and len(value) == n and all(type(v) is int for v in value)
 
 
-def _slot_info(key: str, raw: bytes) -> tuple[int | None, int, int]:
-    """An agent's ``{"slot": int | null, "size": int, "generation": int}``."""
+def slot_offers(store: Any, group_world_size: int) -> list[SlotOffer]:
+    """Every agent's offer of this round (by group rank), checked (waits until all are in)."""
+    keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
+    return [_slot_info(k, raw) for k, raw in zip(keys, store.multi_get(keys), strict=True)]
+
+
+def _slot_info(key: str, raw: bytes) -> SlotOffer:
+    """An agent's ``{"slot": int | null, "size": int, "generation": int, "nodes": int |
+    null}``."""
     doc = _value(key, raw)
     if (
         not isinstance(doc, dict)
-        or set(doc) != {"slot", "size", "generation"}
+        or set(doc) != {"slot", "size", "generation", "nodes"}
         or not (doc["slot"] is None or type(doc["slot"]) is int)
         or type(doc["size"]) is not int
         or type(doc["generation"]) is not int
+        or not (doc["nodes"] is None or (type(doc["nodes"]) is int and doc["nodes"] > 0))
     ):
         raise ProtocolError(f"rendezvous store: {key!r} is not a slot offer: {doc!r:.200}")
-    return doc["slot"], doc["size"], doc["generation"]
+    return SlotOffer(doc["slot"], doc["size"], doc["generation"], doc["nodes"])
 
 
 def slot_workers(slot: int, local_world_size: int, group_world_size: int) -> list[Worker]:

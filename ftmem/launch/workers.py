@@ -22,6 +22,7 @@ from ftmem.config import (
     ENV_GENERATION,
     ENV_NODE,
     ENV_REJOIN_TIMEOUT,
+    ENV_RESHARD,
     ENV_RUN_DIR,
     ENV_RUN_ID,
 )
@@ -53,6 +54,7 @@ def rank_env(
     rejoin_timeout_s: float = 120.0,
     checkfree: bool = False,
     flush_dirs: Sequence[Path] = (),
+    reshard: str = "",
 ) -> dict[str, str]:
     """The ``FTMEM_*`` variables every rank of this node gets, on top of elastic's.
 
@@ -62,6 +64,9 @@ def rank_env(
     ``rejoin_timeout_s``: how long a rank under ``ftmem.run`` waits for its next generation.
     ``checkfree``: ``--ftmem-checkfree`` (a lost pipeline stage is rebuilt from its neighbours).
     ``flush_dirs``: the disk tiers, nearest first, ``ftmem.load`` falls back to.
+    ``reshard``: the job's size changed, the step ``ftmem.load`` reshards (JSON of
+    :class:`~ftmem.client.reshard.ReshardRequest`; "" otherwise, which also clears it for a
+    rank that rejoins in process).
     """
     env = {
         ENV_REJOIN_TIMEOUT: f"{rejoin_timeout_s:g}",
@@ -72,6 +77,7 @@ def rank_env(
         ENV_EXPECTED_STEP: "" if expected_step is None else str(expected_step),
         ENV_AGENT_PID: str(os.getpid()),
         ENV_CHECKFREE: "1" if checkfree else "",
+        ENV_RESHARD: reshard,
     }
     if flush_dirs:
         env[ENV_FLUSH_DIRS] = ":".join(str(d) for d in flush_dirs)

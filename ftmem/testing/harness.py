@@ -108,6 +108,7 @@ def remove_shm(run_id: str, node: str | None = None, shm_dir: Path | None = None
 def launch_args(
     *,
     nnodes: int = 1,
+    min_nodes: int | None = None,
     nproc: int = 1,
     rdzv_endpoint: str,
     rdzv_id: str,
@@ -118,16 +119,17 @@ def launch_args(
     flags: Sequence[str] = (),
     script: Sequence[str] = (),
 ) -> list[str]:
-    """The arguments of one ``ftmem-launch`` agent, in this order: ``--nnodes``,
+    """The arguments of one ``ftmem-launch`` agent, in this order: ``--nnodes`` (``MIN:MAX``
+    with ``min_nodes``),
     ``--nproc-per-node``, c10d rendezvous at ``rdzv_endpoint`` (host:port) with id
     ``rdzv_id`` (and ``--rdzv-conf is_host=`` when ``is_host`` is given), the agent's
     ``--monitor-interval`` (unless None: the launcher's default), ``--ftmem-node``, ``--ftmem-run-dir``, then ``flags`` (more
     torchrun or ``--ftmem-*`` flags) and last the training script and its arguments."""
-    if nnodes < 1 or nproc < 1:
-        raise ValueError("nnodes and nproc must be >= 1")
+    if nnodes < 1 or nproc < 1 or (min_nodes is not None and not 1 <= min_nodes <= nnodes):
+        raise ValueError("nnodes and nproc must be >= 1, min_nodes in 1..nnodes")
     args = [
         "--nnodes",
-        str(nnodes),
+        str(nnodes) if min_nodes is None else f"{min_nodes}:{nnodes}",
         "--nproc-per-node",
         str(nproc),
         "--rdzv-backend",

@@ -24,6 +24,7 @@ class Machines:
         workdir: where logs, run directories, the key file and etcd's data go.
         run_id: the rendezvous id.
         nnodes: the job's nodes (``--nnodes``).
+        min_nodes: the fewest nodes it may shrink to (``--nnodes MIN:MAX``; None: fixed).
         script: the training script and its arguments (one rank per node).
         env: the agents' environment.
         extra: more ``ftmem-launch`` flags.
@@ -48,11 +49,13 @@ class Machines:
         process: type[AgentProcess] = AgentProcess,
         on_start: Callable[[AgentProcess], None] | None = None,
         cwd: Path | None = None,
+        min_nodes: int | None = None,
     ) -> None:
         self.hosts = hosts
         self.workdir = workdir
         self.rid = run_id
         self.nnodes = nnodes
+        self.min_nodes = min_nodes
         self.script = list(script)
         self.env = dict(env)
         self.extra = list(extra)
@@ -84,6 +87,7 @@ class Machines:
             conf.insert(0, f"is_host={int(i == 0)}")
         args = launch_args(
             nnodes=self.nnodes,
+            min_nodes=self.min_nodes,
             rdzv_endpoint=self.rdzv_endpoint,
             rdzv_id=self.rid,
             node=h.name(i),

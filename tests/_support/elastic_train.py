@@ -6,7 +6,8 @@ It prints ``SEEN <step> <index>...`` for every batch it trains on (the samples' 
 ``--compare-dcp DIR`` also ``DCP <digest>`` of the same state loaded by stock ``dcp.load``
 from DIR at this world size, and ``FINAL <digest>`` at the end of the epoch. ``--stop-after
 K``: exit after step K is committed (a job that stops there). ``--per-rank``: add an entry
-whose state differs between the ranks and that cannot be resharded.
+whose state differs between the ranks and that cannot be resharded. ``--samples N``: the
+epoch's size; ``--step-delay S``: a pause after each step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,10 +32,13 @@ SAMPLES = 48
 
 
 class Numbered(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
-    """Sample ``i``: its number, an input and a target made from ``i`` alone."""
+    """``size`` samples; sample ``i``: its number, an input and a target made from ``i``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
 
     def __len__(self) -> int:
-        return SAMPLES
+        return self.size
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(i)
@@ -75,7 +80,9 @@ def main() -> None:
     ap.add_argument("--stop-after", type=int, default=0)
     ap.add_argument("--compare-dcp", default="")
     ap.add_argument("--per-rank", action="store_true")
-    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--init-method", default="env://")
+    ap.add_argument("--samples", type=int, default=SAMPLES)
+    ap.add_argument("--step-delay", type=float, default=0.0)
     args, _ = ap.parse_known_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -88,7 +95,7 @@ def main() -> None:
         timeout=timedelta(seconds=60),
     )
     model, opt = build()
-    sampler = ftmem.ElasticSampler(SAMPLES, seed=7)
+    sampler = ftmem.ElasticSampler(args.samples, seed=7)
     state: dict[str, Any] = {"model": model, "optim": opt, "sampler": sampler}
     state["rng"] = ftmem.RNGState()
     if args.per_rank:
@@ -107,9 +114,12 @@ def main() -> None:
         m2.load_state_dict(sd["model"])
         o2.load_state_dict(sd["optim"])
         print(f"DCP {digest(m2, o2)}", flush=True)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
     step = start
-    for idx, x, y in DataLoader(Numbered(), batch_size=2, sampler=sampler):
+    done = bool(args.stop_after) and start >= args.stop_after
+    for idx, x, y in (
+        [] if done else DataLoader(Numbered(args.samples), batch_size=2, sampler=sampler)
+    ):
         loss = F.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -119,7 +129,9 @@ def main() -> None:
         ftmem.save(state, step, replicated_over=dist.group.WORLD)
         if step == args.stop_after:
             break
-    assert ftmem.wait(timeout=60)
+        if args.step_delay:
+            time.sleep(args.step_delay)
+    assert ftmem.wait(timeout=60) or done  # (nothing saved when nothing was trained)
     print(f"FINAL {step} {digest(model, opt)}", flush=True)
     ftmem.close()
     dist.barrier()

@@ -35,9 +35,13 @@ def machines(
     rdzv_conf: str = "",
     extra: list[str] | None = None,
     steps: int = STEPS,
+    min_nodes: int | None = None,
+    command: list[str] | None = None,
 ) -> Iterator[Machines]:
-    """``n`` namespace hosts running a job of ``nnodes`` nodes; every process, namespace and
-    mount is gone afterwards (skips where namespace hosts cannot be made)."""
+    """``n`` namespace hosts running a job of ``nnodes`` nodes (``min_nodes``: it may shrink
+    to that many) of the test workload (or ``command``: a script and its arguments); every
+    process, namespace and mount is gone afterwards (skips where namespace hosts cannot be
+    made)."""
     why = unavailable()
     if why:
         pytest.skip(why)
@@ -52,13 +56,14 @@ def machines(
             launcher.tmp,
             launcher.new_run_id(),
             nnodes,
-            script(step_delay, steps),
+            command or script(step_delay, steps),
             launcher.env(),
             rdzv_conf=rdzv_conf,
             extra=extra or [],
             process=Launch,
             on_start=started,
             cwd=REPO,
+            min_nodes=min_nodes,
         )
         launcher.cleanup()
         launcher.launches.clear()

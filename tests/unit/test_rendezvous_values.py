@@ -20,7 +20,7 @@ def store() -> TCPStore:
 
 
 def test_two_nodes_keep_their_slots(store: TCPStore) -> None:
-    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 2, "generation": 4}))
+    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 2, "generation": 4, "nodes": 2}))
     assert agree_slot(store, 0, 2, 1, 2, generation=4) == 1
 
 
@@ -29,7 +29,7 @@ def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
 ) -> None:
     # group rank 1 held slot 0 until generation 7 (it took it over); this node (group rank
     # 0) held slot 0 until generation 2, then was cut off: it is fenced to the free slot.
-    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 1, "generation": 7}))
+    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 1, "generation": 7, "nodes": 2}))
     assert agree_slot(store, 0, 2, 0, 1, generation=2) == 1
 
 
@@ -41,6 +41,8 @@ def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
         (json.dumps({"size": 2}), "is not a slot offer"),
         (json.dumps({"slot": 0, "size": 2}), "is not a slot offer"),
         (json.dumps({"slot": 0, "size": 2, "generation": "1"}), "is not a slot offer"),
+        (json.dumps({"slot": 0, "size": 2, "generation": 1}), "is not a slot offer"),
+        (json.dumps({"slot": 0, "size": 2, "generation": 1, "nodes": 0}), "is not a slot offer"),
         (json.dumps([0, 2]), "is not a slot offer"),
     ],
 )
