@@ -350,7 +350,9 @@ class SnapshotLoader:
         """Load a step of a job of ``world`` ranks at this job's size, from memory (the SMPs
         of this host: the rank's own and ``extra``); drop this rank's newer snapshots."""
         dirs = ([self._run_dir] if self._run_dir is not None else []) + list(extra)
-        done = reshard.load_resharded(state, world_size=world, run_dirs=dirs, step=step)
+        done = reshard.load_resharded(
+            state, world_size=world, run_dirs=dirs, step=step, flush_dirs=self._flush_dirs
+        )
         self._client.request(m.DiscardNewer(rank=self._rank, step=done))
         # Old ranks beyond the new world are gone for good: their snapshots here would be
         # taken for this job's if it grew back (every process of the host asks; idempotent).

@@ -206,6 +206,7 @@ def load_resharded(
     world_size: int,
     run_dirs: Sequence[Path],
     step: int | None = None,
+    flush_dirs: Sequence[Path] = (),
 ) -> int:
     """Load the step saved by a job of ``world_size`` ranks into ``state`` at this job's world
     size, from the SMPs' memory (see the module docstring); return the step.
@@ -213,29 +214,33 @@ def load_resharded(
     ``run_dirs``: the SMP run directories on this host (the rank's own first). ``step``: the
     step to load (None: the newest one held for every old rank; where ranks ask for
     different ones, the newest asked for). Every rank of the default process group calls
-    this together.
+    this together. When memory does not hold a step for every old rank (more machines lost
+    than the erasure code covers), the newest whole checkpoint of the old size in
+    ``flush_dirs`` (nearest first) is resharded instead, after its files pass their checksums.
 
     Raises:
-        SnapshotMismatchError: no step is held for every old rank, the state does not fit the
+        SnapshotMismatchError: no step is held for every old rank (nor flushed), the state does not fit the
             step, or an entry differs between the old ranks and its object cannot be
             resharded (nothing in ``state`` was changed then).
         CorruptSnapshotError: a slot fails its checksums.
     """
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from ftmem.tiers.export import PER_RANK_KEY, RankSource
+    from ftmem.tiers.export import RankSource
     from ftmem.tiers.memory_dcp import MemoryCheckpoint, all_gather_json
 
     if not (dist.is_available() and dist.is_initialized()):
         raise SnapshotMismatchError("resharding a step needs torch.distributed initialised")
     group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     held = _inventory(run_dirs, world_size)
     gathered = all_gather_json(
         {"held": {str(r): sorted(v) for r, v in held.items()}, "want": step}, group
     )
     asked = [int(d["want"]) for d in gathered if d.get("want") is not None]
-    chosen = _pick_step([d["held"] for d in gathered], world_size, max(asked, default=None))
+    try:
+        chosen = _pick_step([d["held"] for d in gathered], world_size, max(asked, default=None))
+    except SnapshotMismatchError as exc:  # the same verdict on every rank (the same inputs)
+        return _load_flushed(state, world_size, flush_dirs, group, exc)
     sources = [
         RankSource(r, chosen, s.path, s.capacity, s.layout)
         for r, steps in sorted(held.items())
@@ -249,82 +254,75 @@ def load_resharded(
         len(sources),
     )
     with MemoryCheckpoint(sources, world_size=world_size, group=group) as ckpt:
-        meta = ckpt.metadata
-        # 1. Every old rank's skeleton and tensor names: what differs between them.
-        per_rank = {
-            str(r): {
-                "skeleton": _empty(meta, f"{PER_RANK_KEY}.{r}.skeleton"),
-                "names": _empty(meta, f"{PER_RANK_KEY}.{r}.names"),
-            }
-            for r in range(world_size)
-        }
-        dcp_load({PER_RANK_KEY: per_rank}, storage_reader=ckpt.reader(), process_group=group)
-        names = [json.loads(per_rank[str(r)]["names"].numpy().tobytes()) for r in range(world_size)]
-        trees = []
-        for r in range(world_size):
-            skeleton = decode_skeleton(per_rank[str(r)]["skeleton"].numpy().tobytes())
-            skeleton.pop(REPLICAS_KEY, None)
-            trees.append(_named(skeleton, names[r]))
-        own = {
-            key
-            for r in range(1, world_size)
-            for key in meta.state_dict_metadata
-            if key.startswith(f"{PER_RANK_KEY}.{r}.tensors.")
-            and key.split(".tensors.", 1)[1] not in ckpt.chunked
-        }
-        resharded: list[str] = []
-        for key, obj in state.items():
-            values = [t.get(key) for t in trees]
-            differs = any(v != values[0] for v in values[1:]) or any(
-                k.split(".tensors.", 1)[1] == key
-                or k.split(".tensors.", 1)[1].startswith(key + ".")
-                for k in own
-            )
-            if not differs:
-                continue
-            if not callable(getattr(obj, RESHARD_METHOD, None)):
-                raise SnapshotMismatchError(
-                    f"state[{key!r}] ({type(obj).__name__}) differs between the {world_size} "
-                    f"ranks that saved step {chosen} (a per-rank data position?), and it cannot "
-                    f"be resharded to {world} ranks: give it a {RESHARD_METHOD}(states, rank, "
-                    "world_size) method, or keep its state the same on every rank (e.g. "
-                    "ftmem.ElasticSampler counts the samples of the whole job); nothing was "
-                    "loaded"
-                )
-            resharded.append(key)
-        # 2. The state at this world size; DCP's planners reshard.
-        targets: dict[str, Any] = {}
-        for key, obj in state.items():
-            if key in resharded:
-                continue
-            if isinstance(obj, torch.optim.Optimizer):
-                init_optimizer_state(obj)
-            targets[key] = (
-                obj.state_dict() if is_stateful(obj) and not torch.is_tensor(obj) else obj
-            )
-        dcp_load(targets, storage_reader=ckpt.reader(), process_group=group)
-        # 3. Each old rank's value of the per-rank entries, for their objects to reshard.
-        wanted: dict[str, torch.Tensor] = {}
-        for key in resharded:
-            for r in range(world_size):
-                for name in _tensor_names(trees[r].get(key)):
-                    entry = f"{PER_RANK_KEY}.{r}.tensors.{name}"
-                    src = entry if entry in meta.state_dict_metadata else name
-                    if src not in wanted:
-                        wanted[src] = _empty(meta, src)
-        if wanted:
-            dcp_load(wanted, storage_reader=ckpt.reader(), process_group=group)
-    for key, obj in state.items():
-        if key in resharded:
-            states = [_fill(trees[r][key], _old_rank_tensor(wanted, r)) for r in range(world_size)]
-            getattr(obj, RESHARD_METHOD)(states, rank=rank, world_size=world)
-        elif is_stateful(obj) and not torch.is_tensor(obj):
-            obj.load_state_dict(targets[key])
-        else:
-            state[key] = targets[key]
+        _reshard_into(state, ckpt.metadata, ckpt.reader, ckpt.chunked, chosen, world_size, group)
     dist.barrier(group)  # every rank has read what it needs before any slot is released
     log.info("resharded step %d from %d to %d ranks", chosen, world_size, world)
     return chosen
+
+
+def _load_flushed(
+    state: MutableMapping[str, Any],
+    world_size: int,
+    flush_dirs: Sequence[Path],
+    group: Any,
+    why: SnapshotMismatchError,
+) -> int:
+    """The fallback of :func:`load_resharded`: the newest whole flushed checkpoint of the old
+    size every rank finds, verified, resharded by ``dcp.load``; ``why`` if there is none."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from ftmem.errors import UnsafePathError
+    from ftmem.tiers.checkpoints import list_checkpoints, read_manifest, verify_checkpoint
+    from ftmem.tiers.dcp_meta import metadata_from_json
+    from ftmem.tiers.memory_dcp import all_gather_json
+
+    found: dict[int, Any] = {}
+    for tier in flush_dirs:
+        try:
+            good, _ = list_checkpoints(tier)
+        except (UnsafePathError, OSError) as exc:
+            log.error("cannot read disk tier %s: %s", tier, exc)
+            continue
+        for ck in good:
+            if ck.world_size == world_size and not ck.is_part:
+                found.setdefault(ck.step, ck)  # the nearest tier's copy wins
+    everyone = all_gather_json(sorted(found), group)
+    common = set.intersection(*(set(steps) for steps in everyone)) if everyone else set()
+    if not common:
+        raise SnapshotMismatchError(
+            f"{why}; nor is a flushed checkpoint of the {world_size}-rank job readable by "
+            f"every rank in the disk tiers ({', '.join(map(str, flush_dirs)) or 'none set'})"
+        ) from why
+    ck = found[max(common)]
+    log.warning("%s: resharding the flushed checkpoint %s instead", why, ck.path)
+    verify_checkpoint(ck)  # every file against the manifest the tier key signed
+    if ck.dcp_json is None:
+        raise SnapshotMismatchError(f"{why}; {ck.path} has no DCP metadata in its manifest")
+    meta = metadata_from_json(ck.dcp_json)  # not .metadata: nothing unpickled
+    listed = read_manifest(ck.path).get("chunked")
+    chunked = frozenset(map(str, listed)) if isinstance(listed, list) else _chunked(meta)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return meta
+
+    _reshard_into(state, meta, lambda: Reader(ck.path), chunked, ck.step, world_size, group)
+    dist.barrier(group)
+    log.info("resharded step %d from %d ranks, from %s", ck.step, world_size, ck.path)
+    return int(ck.step)
+
+
+def _chunked(meta: Any) -> frozenset[str]:
+    """The tensors a checkpoint without a ``chunked`` list holds as chunks: those DCP
+    describes in several pieces, or in one smaller than the tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return frozenset(
+        name
+        for name, md in meta.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        and (len(md.chunks) > 1 or any(tuple(c.sizes) != tuple(md.size) for c in md.chunks))
+    )
 
 
 def _tensor_names(tree: Any) -> list[str]:
@@ -347,3 +345,91 @@ def _old_rank_tensor(wanted: dict[str, torch.Tensor], r: int) -> Callable[[str],
         return wanted[entry] if entry in wanted else wanted[name]
 
     return tensor
+
+
+def _reshard_into(
+    state: MutableMapping[str, Any],
+    meta: Any,
+    reader: Callable[[], Any],
+    chunked: frozenset[str],
+    chosen: int,
+    world_size: int,
+    group: Any,
+) -> None:
+    """Load step ``chosen`` of a ``world_size``-rank job (DCP metadata ``meta``, read through
+    a new ``reader()`` per ``dcp.load``; ``chunked``: the tensors held as chunks) into
+    ``state`` at this world size (steps 2-4 of the module docstring)."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from ftmem.tiers.export import PER_RANK_KEY
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # 1. Every old rank's skeleton and tensor names: what differs between them.
+    per_rank = {
+        str(r): {
+            "skeleton": _empty(meta, f"{PER_RANK_KEY}.{r}.skeleton"),
+            "names": _empty(meta, f"{PER_RANK_KEY}.{r}.names"),
+        }
+        for r in range(world_size)
+    }
+    dcp_load({PER_RANK_KEY: per_rank}, storage_reader=reader(), process_group=group)
+    names = [json.loads(per_rank[str(r)]["names"].numpy().tobytes()) for r in range(world_size)]
+    trees = []
+    for r in range(world_size):
+        skeleton = decode_skeleton(per_rank[str(r)]["skeleton"].numpy().tobytes())
+        skeleton.pop(REPLICAS_KEY, None)
+        trees.append(_named(skeleton, names[r]))
+    own = {
+        key
+        for r in range(1, world_size)
+        for key in meta.state_dict_metadata
+        if key.startswith(f"{PER_RANK_KEY}.{r}.tensors.")
+        and key.split(".tensors.", 1)[1] not in chunked
+    }
+    resharded: list[str] = []
+    for key, obj in state.items():
+        values = [t.get(key) for t in trees]
+        differs = any(v != values[0] for v in values[1:]) or any(
+            k.split(".tensors.", 1)[1] == key or k.split(".tensors.", 1)[1].startswith(key + ".")
+            for k in own
+        )
+        if not differs:
+            continue
+        if not callable(getattr(obj, RESHARD_METHOD, None)):
+            raise SnapshotMismatchError(
+                f"state[{key!r}] ({type(obj).__name__}) differs between the {world_size} "
+                f"ranks that saved step {chosen} (a per-rank data position?), and it cannot "
+                f"be resharded to {world} ranks: give it a {RESHARD_METHOD}(states, rank, "
+                "world_size) method, or keep its state the same on every rank (e.g. "
+                "ftmem.ElasticSampler counts the samples of the whole job); nothing was "
+                "loaded"
+            )
+        resharded.append(key)
+    # 2. The state at this world size; DCP's planners reshard.
+    targets: dict[str, Any] = {}
+    for key, obj in state.items():
+        if key in resharded:
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            init_optimizer_state(obj)
+        targets[key] = obj.state_dict() if is_stateful(obj) and not torch.is_tensor(obj) else obj
+    dcp_load(targets, storage_reader=reader(), process_group=group)
+    # 3. Each old rank's value of the per-rank entries, for their objects to reshard.
+    wanted: dict[str, torch.Tensor] = {}
+    for key in resharded:
+        for r in range(world_size):
+            for name in _tensor_names(trees[r].get(key)):
+                entry = f"{PER_RANK_KEY}.{r}.tensors.{name}"
+                src = entry if entry in meta.state_dict_metadata else name
+                if src not in wanted:
+                    wanted[src] = _empty(meta, src)
+    if wanted:
+        dcp_load(wanted, storage_reader=reader(), process_group=group)
+    for key, obj in state.items():
+        if key in resharded:
+            states = [_fill(trees[r][key], _old_rank_tensor(wanted, r)) for r in range(world_size)]
+            getattr(obj, RESHARD_METHOD)(states, rank=rank, world_size=world)
+        elif is_stateful(obj) and not torch.is_tensor(obj):
+            obj.load_state_dict(targets[key])
+        else:
+            state[key] = targets[key]

@@ -437,10 +437,12 @@ def export_dcp(
             st.check_names(meta)
             # The metadata as JSON: readers take it from the signed manifest instead of
             # unpickling .metadata; a coordinator writes the global metadata from the parts'.
-            extra: dict[str, Any] = {"dcp": metadata_to_json(meta)}
+            extra: dict[str, Any] = {
+                "dcp": metadata_to_json(meta),
+                "chunked": sorted(chunked_names),
+            }
             if st.part:
                 extra |= {
-                    "chunked": sorted(chunked_names),
                     "hashes": {
                         str(r): {t.name: t.hash for t in sn.tensors}
                         for r, sn in zip(st.ranks, st.snaps, strict=True)

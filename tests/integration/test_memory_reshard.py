@@ -170,3 +170,38 @@ def test_a_per_rank_entry_without_a_reshard_method_is_refused_clearly(
     for out in second.outputs:
         assert "state['data'] (PerRank) differs between the 4 ranks that saved step 2" in out, out
         assert "load_resharded_state" in out and "LOADED" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_when_memory_lacks_a_rank_the_flushed_checkpoint_is_resharded(
+    two_hosts: list[Path], tmp_path: Path, procs: Procs
+) -> None:
+    """ftmem-launch asks 3 ranks to reshard a 4-rank step (``$FTMEM_RESHARD``) but their
+    SMP holds none of it (more machines were lost than the erasure code covers). Without a
+    disk tier the error says so; with one, the newest flushed checkpoint of the 4-rank job is
+    verified and resharded by ``dcp.load``, equal to stock ``dcp.load`` of it at 3 ranks."""
+    from ftmem.client.reshard import ReshardRequest
+    from ftmem.tiers.checkpoints import checkpoint_name
+    from ftmem.tiers.export import export_dcp, find_sources
+
+    a, b = two_hosts
+    args = ["--stop-after", "3"]
+    first = run_ranks(
+        procs, a, args, world=4, env_extra={"FTMEM_RUN_DIR": str(a)}, tag="w4", script=ELASTIC
+    )
+    assert first.codes == [0] * 4, first.outputs
+    tier = tmp_path / "tier"
+    tier.mkdir(mode=0o700)
+    flushed = tier / checkpoint_name(3)
+    export_dcp(find_sources([a], step=3), flushed)
+    env = {"FTMEM_RUN_DIR": str(b), "FTMEM_RESHARD": ReshardRequest(4).to_env()}
+    lost = run_ranks(procs, b, args, world=3, env_extra=env, tag="none", script=ELASTIC)
+    assert all(c != 0 for c in lost.codes), lost.outputs
+    for out in lost.outputs:
+        assert "nor is a flushed checkpoint of the 4-rank job" in out, out[-3000:]
+    env["FTMEM_FLUSH_DIRS"] = str(tier)
+    args += ["--compare-dcp", str(flushed)]
+    disk = run_ranks(procs, b, args, world=3, env_extra=env, tag="disk", script=ELASTIC)
+    assert disk.codes == [0] * 3, disk.outputs
+    loaded = set(disk.lines(r"LOADED 3 (\w+)"))
+    assert len(loaded) == 1 and set(disk.lines(r"DCP (\w+)")) == loaded, disk.outputs
