@@ -48,6 +48,7 @@ _INFO_EVENTS = frozenset(
         "dropped",
         "store_unreachable",
         "store_reachable",
+        "reshape_failed",
     }
 )
 """Events listed by ``--text`` but not drawn."""
@@ -232,6 +233,20 @@ def marks_of(events: Sequence[Event]) -> list[Mark]:
             out.append(_mark(e, cat, f"ranks started (generation {f.get('generation')}{extra})"))
         elif k == "discard_newer":
             out.append(_mark(e, "restore", f"rank {f.get('rank')} restored step {f.get('step')}"))
+        elif k == "reshape":
+            grows = (_int(f.get("new_nodes")) or 0) > (_int(f.get("old_nodes")) or 0)
+            how = "grows" if grows else "shrinks"
+            lost = f.get("lost")
+            label = f"the job {how}: {f.get('old_nodes')} -> {f.get('new_nodes')} nodes" + (
+                f" (lost slots {lost})" if lost else ""
+            )
+            out.append(_mark(e, "restart", label))
+        elif k == "rebuilt_lost":
+            label = (
+                f"lost slots' step {f.get('step')} rebuilt by the survivors in "
+                f"{f.get('seconds')} s (guests here: {f.get('slots')})"
+            )
+            out.append(_mark(e, "restore", label))
         elif k == "rebuilt":
             label = f"rebuilt step {f.get('step')} from peers in {f.get('seconds')} s"
             out.append(_mark(e, "restore", label))

@@ -31,7 +31,8 @@ class BindCommand:
 
 @dataclass(frozen=True, slots=True)
 class StartCommand:
-    """Join generation ``epoch``: peers, erasure code, this node's ranks; then sync."""
+    """Join the mesh of ``epoch`` (two per generation: ftmem.launch.peers.mesh_epoch): peers,
+    erasure code, this node's ranks; then sync."""
 
     token: Any
     epoch: int

@@ -107,7 +107,7 @@ class GenerationSync:
             self.pending = None
             ctx.protector.serve_rebuild(None, frozenset())
             ctx.board.move(ExchangeState.SYNC_FAILED)
-            ctx.event("sync", generation=ctx.epoch, ok=False, missing=missing)
+            ctx.event("sync", epoch=ctx.epoch, ok=False, missing=missing)
             why = f"nodes {missing} did not answer the sync in {self.timeout_s:.0f} s"
             return Result(cmd.token, False, {}, why)
         self.pending = None
@@ -120,7 +120,7 @@ class GenerationSync:
         ctx.protector.serve_rebuild(None if verdict.error else verdict.step, verdict.lost)
         ctx.event(
             "sync",
-            generation=ctx.epoch,
+            epoch=ctx.epoch,
             ok=not verdict.error,
             step=verdict.step,
             holders=sorted(verdict.holders),
@@ -150,7 +150,7 @@ class GenerationSync:
         self.synced = True
         ctx.board.move(ExchangeState.READY, error="")
         log.info(
-            "[%s/exchange] generation %d: protected step %s (lost nodes %s)",
+            "[%s/exchange] mesh epoch %d: protected step %s (lost nodes %s)",
             ctx.node_name,
             ctx.epoch,
             keep,

@@ -251,6 +251,8 @@ class _Reader(StorageReader):
                 _deliver(planner, req, bytes(piece.numpy()), foreign=True)
             else:
                 dtype = ck.metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype  # type: ignore[union-attr]
+                if piece.storage_offset() % dtype.itemsize:  # after an odd-sized piece
+                    piece = piece.clone()
                 _deliver(planner, req, piece.view(dtype).reshape(req.lengths))
 
     def _nbytes(self, req: ReadItem) -> int:

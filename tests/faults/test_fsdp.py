@@ -190,3 +190,39 @@ def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
             assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
         got = {m for _, log in loaders for m in re.findall(r"DIGEST (\w+)", log.read_text())}
         assert got == {want}, (world, got)
+
+
+@pytest.mark.timeout(300)
+def test_ftmem_load_reshards_an_fsdp2_step_onto_more_ranks_from_memory(
+    two_hosts: list[Path], procs: Procs, tmp_path: Path
+) -> None:
+    """A 2-rank FSDP2 run, one rank per host; the same script restarted with 3 ranks and
+    ``$FTMEM_RESHARD`` (as ftmem-launch sets it when the job's size changed): plain
+    ``ftmem.load`` reshards the DTensor shards from both hosts' memory through DCP, and the
+    3 ranks hold the run's parameters and optimizer state (it trains no further step)."""
+    from ftmem.client.reshard import ReshardRequest
+
+    a, b = two_hosts
+    args = ["--steps", "6", *TINY]
+    run = run_ranks(
+        procs,
+        tmp_path,
+        args,
+        rank_env=[{"FTMEM_RUN_DIR": str(a)}, {"FTMEM_RUN_DIR": str(b)}],
+        script=FSDP,
+    )
+    assert run.codes == [0, 0], run.outputs
+    (want,) = run.digests()
+    reshard = {"FTMEM_RESHARD": ReshardRequest(2).to_env()}
+    wider = run_ranks(
+        procs,
+        tmp_path,
+        args,
+        world=3,
+        rank_env=[{"FTMEM_RUN_DIR": str(h), **reshard} for h in (a, a, b)],
+        script=FSDP,
+        tag="w3",
+    )
+    assert wider.codes == [0, 0, 0], wider.outputs
+    assert wider.lines(r"resumed from step (\d+)") == ["6"] * 3, wider.outputs
+    assert wider.digests() == {want}, wider.outputs
