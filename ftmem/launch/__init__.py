@@ -7,7 +7,8 @@ elastic_compat.py (every use of elastic's private API), rendezvous.py (slots, ma
 and generation through the round's store), ranks.py (which global ranks each node runs),
 membership.py (machines in the job, a store that does not answer), rank_store.py (the store
 the ranks meet at), rank_watch.py (stopped and hung ranks), smp_runner.py (the node's SMP),
-peers.py (the peer mesh's keys and sync), monitor.py (SMP status, hang detection,
+peers.py (the peer mesh's keys and sync), reshape.py (a round of
+another size: the lost slots rebuilt in guest SMPs, the ranks told to reshard), monitor.py (SMP status, hang detection,
 no-progress guard), report.py (log lines and the final report), metrics.py (Prometheus),
 standby.py and _standby.py (standby ranks), in_process.py (ranks kept across a restart),
 workers.py and _exec_shim.py (rank spawning with a parent-death signal, the ranks'
