@@ -636,7 +636,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             committed = self._committed_now(ranks)
             lost = list(self._membership.lost) if self._membership is not None else []
             what = (
-                f"MACHINE LOST ({', '.join(lost)}): a spare or a replacement takes its place"
+                f"MACHINE LOST ({', '.join(lost)}): a spare or a replacement takes its place, or the job shrinks"
                 if lost
                 else "a membership change (another node re-joined the rendezvous)"
             )
