@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ftmem.smp.spawn import SmpProcess
-from tests._support.launcher import Launcher
+from tests._support.launcher import TINY, Launcher
 from tests._support.machines import events, finish, machines
 from tests._support.procs import REPO, Procs
 from tests._support.ranks import run_ranks
@@ -113,3 +113,24 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
     cmp = run_ranks(procs, run_dir, args, world=3, env_extra=env, tag="cmp", script=ELASTIC)
     assert cmp.codes == [0] * 3, cmp.outputs
     assert set(cmp.lines(r"DCP (\w+)")) == loaded, (cmp.outputs, loaded)
+
+
+@pytest.mark.timeout(400)
+def test_an_fsdp2_job_shrinks_from_3_machines_to_2_from_memory(launcher_env: Launcher) -> None:
+    """FSDP2 (DTensor shards, one rank per machine) on 3 machines, ``--nnodes 2:3``: a machine
+    dies, a survivor's guest SMP rebuilds its shards from parity, and the 2 ranks reshard the
+    kept step from memory and train to the end, in agreement. (That such a reshard equals
+    stock ``dcp.load`` at the new size is tests/faults/test_fsdp.py's.)"""
+    fsdp = REPO / "examples" / "train_fsdp.py"
+    command = [str(fsdp), "--steps", "150", "--step-delay", "0.1", *TINY]
+    with machines(
+        launcher_env, 3, 3, min_nodes=2, command=command, rdzv_conf="last_call_timeout=2"
+    ) as m:
+        m.start_all()
+        m.wait_step(0, 8)
+        m.hosts.kill(2)
+        kept = int(m.agents[0].wait_log(r"the old mesh kept step (\d+)", 180)[0].group(1))
+        for i in (0, 1):
+            m.agents[i].wait_log(r"RESHAPE: the job shrinks from 3 to 2 nodes", 5)
+            m.agents[i].wait_log(rf"\[rank {i}\] resumed from step {kept}", 120)
+        assert len(set(finish(m, [0, 1]).values())) == 1
