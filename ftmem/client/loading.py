@@ -26,7 +26,7 @@ from ftmem.client.restore import (
     plan_restore,
     restore_threads,
 )
-from ftmem.config import ENV_EXPECTED_STEP
+from ftmem.config import ENV_EXPECTED_STEP, SOCKET_NAME
 from ftmem.errors import (
     CorruptSnapshotError,
     InconsistentSnapshotError,
@@ -348,8 +348,16 @@ class SnapshotLoader:
         self, state: MutableMapping[str, Any], world: int, step: int | None, extra: Sequence[Path]
     ) -> int:
         """Load a step of a job of ``world`` ranks at this job's size, from memory (the SMPs
-        of this host: the rank's own and ``extra``); drop this rank's newer snapshots."""
+        of this host: the rank's own, ``extra`` and any live guest SMP in its run directory,
+        which ftmem-launch keeps after a shrink until a newer step is protected); drop this
+        rank's newer snapshots."""
         dirs = ([self._run_dir] if self._run_dir is not None else []) + list(extra)
+        if self._run_dir is not None:  # guest SMPs ftmem-launch runs here after a shrink
+            dirs += [
+                d
+                for d in sorted(self._run_dir.glob("guest-*"))
+                if d not in dirs and (d / SOCKET_NAME).exists()
+            ]
         done = reshard.load_resharded(
             state, world_size=world, run_dirs=dirs, step=step, flush_dirs=self._flush_dirs
         )
