@@ -219,12 +219,11 @@ def load_resharded(
     ``flush_dirs`` (nearest first) is resharded instead, after its files pass their checksums.
 
     Raises:
-        SnapshotMismatchError: no step is held for every old rank (nor flushed), the state does not fit the
-            step, or an entry differs between the old ranks and its object cannot be
-            resharded (nothing in ``state`` was changed then).
-        CorruptSnapshotError: a slot fails its checksums.
+        SnapshotMismatchError: no step is held for every old rank (nor flushed), the state
+            does not fit the step, or an entry differs between the old ranks and its object
+            cannot be resharded (nothing in ``state`` was changed then).
+        CorruptSnapshotError: a slot or a flushed file fails its checksums.
     """
-
     from ftmem.tiers.export import RankSource
     from ftmem.tiers.memory_dcp import MemoryCheckpoint, all_gather_json
 
