@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +184,22 @@ def _load() -> str:
     return f"load {one:.1f} (1 min) / {five:.1f} (5 min), {os.cpu_count()} vCPUs"
 
 
+def result_rows(runs: list[Run], systems: Sequence[str]) -> list[str]:
+    """One table row per system: recovery time (median, min-max), steps redone, runs."""
+    rows = []
+    for system in systems:
+        mine = [r for r in runs if r.system == system]
+        lost = [r.lost_s for r in mine if r.lost_s is not None]
+        redone = sorted({r.redone for r in mine if r.redone is not None})
+        cell = (
+            f"{statistics.median(lost):.2f} ({min(lost):.2f}-{max(lost):.2f})"
+            if lost
+            else "did not recover"
+        )
+        rows.append(f"| {system} | {cell} | {', '.join(map(str, redone)) or '-'} | {len(mine)} |")
+    return rows
+
+
 def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
     """The section of docs/benchmarks.md."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -199,16 +216,7 @@ def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
         "| system | machine lost -> all ranks stepping (s) | steps done again | runs |",
         "|---|---|---|---|",
     ]
-    for system in SYSTEMS:
-        mine = [r for r in runs if r.system == system]
-        lost = [r.lost_s for r in mine if r.lost_s is not None]
-        redone = sorted({r.redone for r in mine if r.redone is not None})
-        cell = (
-            f"{statistics.median(lost):.2f} ({min(lost):.2f}-{max(lost):.2f})"
-            if lost
-            else "did not recover"
-        )
-        lines.append(f"| {system} | {cell} | {', '.join(map(str, redone)) or '-'} | {len(mine)} |")
+    lines += result_rows(runs, SYSTEMS)
     for system in (FTMEM, FTMEM3):
         phases = [r.phases for r in runs if r.system == system and r.phases]
         if not phases:

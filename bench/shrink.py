@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/shrink.py
 
 from bench import _render
-from bench.machine_loss import EXAMPLE, REPO, TINY, Run, _load, _measure
+from bench.machine_loss import EXAMPLE, REPO, TINY, Run, _load, _measure, result_rows
 from ftmem.observe.timeline import read_events
 from ftmem.testing.harness import AgentProcess, agent_env
 from ftmem.testing.hosts import Hosts, unavailable
@@ -155,16 +155,7 @@ def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
         "| system | machine lost -> 3 ranks stepping (s) | steps done again | runs |",
         "|---|---|---|---|",
     ]
-    for system in SYSTEMS:
-        mine = [r for r in runs if r.system == system]
-        lost = [r.lost_s for r in mine if r.lost_s is not None]
-        redone = sorted({r.redone for r in mine if r.redone is not None})
-        cell = (
-            f"{statistics.median(lost):.2f} ({min(lost):.2f}-{max(lost):.2f})"
-            if lost
-            else "did not recover"
-        )
-        lines.append(f"| {system} | {cell} | {', '.join(map(str, redone)) or '-'} | {len(mine)} |")
+    lines += result_rows(runs, SYSTEMS)
     phases = [r.phases for r in runs if r.system == FTMEM and r.phases]
     if phases:
         names = list(phases[0])

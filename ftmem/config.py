@@ -41,6 +41,9 @@ ENV_SHM_DIR = "FTMEM_SHM_DIR"
 (default ``/dev/shm/ftmem-<uid>``); ``python -m ftmem.smp --shm-dir`` overrides it."""
 
 SOCKET_NAME = "smp.sock"
+GUEST_DIR_PREFIX = "guest-"
+"""A guest SMP's run directory inside its host agent's: ``guest-<lost slot>`` (ftmem-launch
+makes them after a shrink; a rank's resharding load reads the live ones)."""
 AUTH_KEY_NAME = "auth.key"
 READY_NAME = "smp.ready"
 

@@ -26,7 +26,7 @@ from ftmem.client.restore import (
     plan_restore,
     restore_threads,
 )
-from ftmem.config import ENV_EXPECTED_STEP, SOCKET_NAME
+from ftmem.config import ENV_EXPECTED_STEP, GUEST_DIR_PREFIX, SOCKET_NAME
 from ftmem.errors import (
     CorruptSnapshotError,
     InconsistentSnapshotError,
@@ -355,7 +355,7 @@ class SnapshotLoader:
         if self._run_dir is not None:  # guest SMPs ftmem-launch runs here after a shrink
             dirs += [
                 d
-                for d in sorted(self._run_dir.glob("guest-*"))
+                for d in sorted(self._run_dir.glob(f"{GUEST_DIR_PREFIX}*"))
                 if d not in dirs and (d / SOCKET_NAME).exists()
             ]
         done = reshard.load_resharded(

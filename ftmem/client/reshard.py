@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ftmem._logging import get_logger
 from ftmem.client.flatten import is_stateful
 from ftmem.config import ENV_RESHARD
-from ftmem.errors import ProtocolError, SnapshotMismatchError
+from ftmem.errors import ProtocolError, SmpUnavailableError, SnapshotMismatchError
 from ftmem.format.tensors import GATHER_MARK, REPLICAS_KEY, TENSOR_MARK, decode_skeleton
 
 log = get_logger(__name__)
@@ -99,7 +99,6 @@ def requested() -> ReshardRequest | None:
 def _inventory(run_dirs: Sequence[Path], world: int) -> dict[int, dict[int, Any]]:
     """rank -> step -> SnapshotInfo of the old ranks (< ``world``) the SMPs of ``run_dirs``
     hold (a run directory without a live SMP is skipped, with a warning)."""
-    from ftmem.errors import SmpUnavailableError
     from ftmem.protocol.smp_client import SmpClient
 
     out: dict[int, dict[int, Any]] = {}

@@ -476,7 +476,8 @@ class FtmemElasticAgent(ElasticAgentBase):
         dirs: list[Path] = []
         parity = resolve_parity(self._peer_settings.parity, rs.old_nodes)
         claimed = self._claimed
-        if rs.lost and claimed is not None and 0 < len(rs.lost) <= parity:
+        rebuild = claimed is not None and 0 < len(rs.lost) <= parity
+        if rebuild and claimed is not None:
             t0 = time.monotonic()
             hosted = [s for s, g in rs.guests.items() if g == worker_group.group_rank]
             try:
@@ -524,7 +525,7 @@ class FtmemElasticAgent(ElasticAgentBase):
                 parity,
                 rs.old_nodes,
             )
-        if claimed is not None and rs.lost and 0 < len(rs.lost) <= parity:
+        if rebuild:  # every survivor, whatever its own join did
             try:
                 survivors_barrier(
                     worker_group.store, rs, worker_group.group_rank or 0, self.generation

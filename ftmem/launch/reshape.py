@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftmem.config import GUEST_DIR_PREFIX
 from ftmem.launch.rendezvous import SlotOffer
 
 log = logging.getLogger(__name__)
@@ -139,4 +140,4 @@ def survivors_barrier(store: Any, rs: Reshape, group_rank: int, generation: int)
 
 def guest_run_dir(run_dir: Path, slot: int) -> Path:
     """The run directory of the guest SMP of lost slot ``slot`` on this node."""
-    return run_dir / f"guest-{slot}"
+    return run_dir / f"{GUEST_DIR_PREFIX}{slot}"

@@ -13,7 +13,6 @@ epoch's size; ``--step-delay S``: a pause after each step.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import time
 from datetime import timedelta
@@ -27,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import ftmem
+from ftmem.testing.workload.train import state_digest as digest
 
 SAMPLES = 48
 
@@ -63,16 +63,6 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode() + p.detach().contiguous().numpy().tobytes())
-    for i, st in sorted(opt.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{i}.{k}".encode() + torch.as_tensor(v).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
