@@ -99,6 +99,7 @@ from ftmem.launch.rendezvous import (
 from ftmem.launch.report import report_resumed, tail_lines
 from ftmem.launch.reshape import (
     Reshape,
+    drop_newer,
     guest_run_dir,
     plan_reshape,
     run_all,
@@ -501,6 +502,8 @@ class FtmemElasticAgent(ElasticAgentBase):
             else:
                 mine = results.get("self") or {}
                 step = mine.get("step")
+                if step is not None:
+                    self._drop_unprotected(rs.old_ranks(claimed), step)
                 self.events.write(
                     "rebuilt_lost",
                     generation=self.generation,
@@ -534,6 +537,16 @@ class FtmemElasticAgent(ElasticAgentBase):
                 log.error("[%s] the survivors did not all finish the rebuild: %s", self._node, exc)
         self._reshard = ReshardRequest(rs.old_world, step, tuple(dirs))
         self._reshard_step = step
+
+    def _drop_unprotected(self, ranks: list[int], step: int) -> None:
+        """Drop this node's snapshots of the old job newer than the kept ``step`` before the
+        new mesh forms (:func:`~ftmem.launch.reshape.drop_newer`)."""
+        try:
+            drop_newer(self._smp.run_dir, ranks, step)
+        except FtmemError as exc:  # the ranks' load drops them as well, later
+            log.warning(
+                "[%s] could not drop the old job's steps newer than %d: %s", self._node, step, exc
+            )
 
     def _old_mesh_join(
         self, worker_group: WorkerGroup, rs: Reshape, slot: int, smp: SmpRunner

@@ -14,8 +14,11 @@ snapshots exist only as parity. So, before the ranks start, every agent:
    indices, the guests in the lost slots' places, epoch ``2g``): the generation sync finds
    the guests without the group's protected step and they rebuild it from the survivors'
    data and parity, exactly as a replacement machine would;
-3. forms the new round's mesh (its slots, epoch ``2g+1``): the group changed, so nothing is
-   protected in it until the ranks' first steps at the new size are;
+3. drops from its own SMP the steps of its old ranks newer than the kept one
+   (:func:`drop_newer`): committed at the old size but never protected, they cannot be
+   resharded (the lost machine's part is gone), and the new mesh must not protect them as
+   if they were the new job's; then forms the new round's mesh (its slots, epoch ``2g+1``):
+   nothing is protected in it until the ranks' first steps at the new size are;
 4. starts the ranks with ``$FTMEM_RESHARD`` (:class:`~ftmem.client.reshard.ReshardRequest`):
    the old world size, the step the old mesh kept, and the guests' run directories. Their
    ``ftmem.load`` reshards that step through DCP from the SMPs' memory
@@ -35,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +140,20 @@ def survivors_barrier(store: Any, rs: Reshape, group_rank: int, generation: int)
     key = f"ftmem/reshaped/{generation}"
     store.set(f"{key}/{group_rank}", "1")
     store.wait([f"{key}/{g}" for g in rs.survivors])
+
+
+def drop_newer(run_dir: Path, ranks: list[int], step: int) -> None:
+    """Drop the snapshots of ``ranks`` newer than ``step`` from the SMP of ``run_dir``.
+
+    Raises:
+        SmpUnavailableError, SmpRequestError: the SMP did not do it.
+    """
+    from ftmem.protocol import messages as m
+    from ftmem.protocol.smp_client import SmpClient
+
+    with SmpClient(run_dir, timeout=timedelta(seconds=10)) as smp:
+        for rank in ranks:
+            smp.request(m.DiscardNewer(rank=rank, step=step))
 
 
 def guest_run_dir(run_dir: Path, slot: int) -> Path:

@@ -34,11 +34,6 @@ def _seen(text: str, after: int = 0, upto: int | None = None) -> list[int]:
     return out
 
 
-@pytest.mark.skip(
-    reason="failed once in CI (2026-11-28 22:27, 1 of 3 runs; passed 3 times locally): a rank "
-    "of a later generation took the automatic reshard without the guest's slot and no flushed "
-    "checkpoint, with '1 spare(s) wait' in h0's log; to be found before this runs again"
-)
 @pytest.mark.timeout(600)
 def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_back(
     launcher_env: Launcher, smp: SmpProcess, run_dir: Path, tmp_path: Path, procs: Procs
@@ -51,6 +46,9 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
         min_nodes=3,
         command=command,
         rdzv_conf="last_call_timeout=2",
+        # Protection lags the ranks' commits (as on a loaded machine): the survivors hold
+        # newer steps of the 4-rank job than the one the old mesh kept.
+        extra=["--ftmem-tune", "ec-interval=1.5"],
     ) as m:
         m.start(0).wait_log(r"SMP pid \d+ ready", 120)
         for i in (1, 2, 3):
@@ -59,7 +57,12 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
             m.agents[i].wait_log(r"generation 0: started ranks", 120)
         m.agents[0].wait_log(r"SEEN 8 ", 120)
         m.hosts.kill(3)
-        lost_text = m.agents[3].text()
+        # What the lost machine's rank printed, from its stdout file: the agent's copy to its
+        # console can miss the last lines when the machine dies (they were written, and
+        # trained on).
+        lost_text = "".join(
+            p.read_text() for p in sorted(m.run_dir(3).glob("logs/*/attempt_*/*/stdout.log"))
+        )
         kept = int(m.agents[0].wait_log(r"the old mesh kept step (\d+)", 180)[0].group(1))
         for i in range(3):
             m.agents[i].wait_log(r"RESHAPE: the job shrinks from 4 to 3 nodes", 5)
