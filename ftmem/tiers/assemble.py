@@ -255,7 +255,10 @@ def assemble(
             for name, (size, digest) in p.ckpt.files.items():
                 known[f"{p.prefix}/{name}"] = {"bytes": size, "xxh3": digest}
             known[f"{p.prefix}/{MANIFEST}"] = manifest_entry(tmp / p.prefix / MANIFEST)
-        write_manifest(tmp, step, world_size, known=known, extra={"dcp": merged})
+        chunked = sorted(set().union(*(p.chunked for p in cover)))
+        write_manifest(
+            tmp, step, world_size, known=known, extra={"dcp": merged, "chunked": chunked}
+        )
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(tier)

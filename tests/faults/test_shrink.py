@@ -11,6 +11,7 @@ reshard that step through DCP into 3 ranks. Later a fifth machine joins and the 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,58 @@ def test_an_fsdp2_job_shrinks_from_3_machines_to_2_from_memory(launcher_env: Lau
             m.agents[i].wait_log(r"RESHAPE: the job shrinks from 3 to 2 nodes", 5)
             m.agents[i].wait_log(rf"\[rank {i}\] resumed from step {kept}", 120)
         assert len(set(finish(m, [0, 1]).values())) == 1
+
+
+@pytest.mark.timeout(400)
+def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoint(
+    launcher_env: Launcher, smp: SmpProcess, run_dir: Path, procs: Procs
+) -> None:
+    """4 machines, erasure coding m=1, ``--nnodes 2:4``, a shared tier flushed every 4 steps:
+    two machines die together. Memory cannot serve their ranks (2 > m), so the survivors
+    start no guest and their 2 ranks reshard the newest flushed (assembled) checkpoint of
+    the 4-rank job; right after the load they hold what stock ``dcp.load`` of it gives at 2
+    ranks, and the job ends in agreement."""
+    from ftmem.tiers.checkpoints import list_checkpoints
+
+    shared = launcher_env.tmp / "shared"
+    samples = ["--samples", "240"]
+    command = [str(ELASTIC), *samples, "--step-delay", "0.2"]
+    flags = ["--ftmem-flush-persistent-dir", str(shared), "--ftmem-flush-every", "4"]
+    with machines(
+        launcher_env,
+        4,
+        4,
+        min_nodes=2,
+        command=command,
+        rdzv_conf="last_call_timeout=2",
+        extra=[*flags, "--ftmem-flush-keep", "100"],
+    ) as m:
+        m.start(0).wait_log(r"SMP pid \d+ ready", 120)
+        for i in (1, 2, 3):
+            m.start(i)
+        deadline = time.monotonic() + 120
+        while not list_checkpoints(shared)[0]:  # an assembled checkpoint of all 4 ranks
+            assert time.monotonic() < deadline, "no checkpoint assembled in the shared tier"
+            time.sleep(0.2)
+        m.hosts.kill(2)
+        m.hosts.kill(3)
+        for i in (0, 1):
+            a = m.agents[i]
+            a.wait_log(r"RESHAPE: the job shrinks from 4 to 2 nodes \(lost slots \[2, 3\]\)", 180)
+            a.wait_log(r"2 slots lost, erasure coding covers 1", 5)
+        loaded = [m.agents[i].wait_log(r"LOADED (\d+) (\w+)", 120, count=2)[1] for i in (0, 1)]
+        assert len({(x.group(1), x.group(2)) for x in loaded}) == 1, loaded
+        step = int(loaded[0].group(1))
+        assert "resharding the flushed checkpoint" in m.agents[0].text()
+        assert "REBUILT" not in m.agents[0].text() + m.agents[1].text()
+        finish(m, [0, 1], timeout=300)
+        finals = {f for i in (0, 1) for f in re.findall(r"FINAL \d+ (\w+)", m.agents[i].text())}
+        assert len(finals) == 1, finals
+
+    # Stock dcp.load of that checkpoint at 2 ranks (a fresh job: nothing in memory).
+    ckpt = shared / f"step_{step:010d}"
+    args = [*samples, "--stop-after", "1", "--compare-dcp", str(ckpt)]
+    env = {"FTMEM_RUN_DIR": str(run_dir)}
+    cmp = run_ranks(procs, run_dir, args, world=2, env_extra=env, tag="cmp", script=ELASTIC)
+    assert cmp.codes == [0, 0], cmp.outputs
+    assert set(cmp.lines(r"DCP (\w+)")) == {loaded[0].group(2)}, cmp.outputs
