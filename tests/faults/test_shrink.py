@@ -23,7 +23,7 @@ from tests._support.procs import REPO, Procs
 from tests._support.ranks import run_ranks
 
 ELASTIC = REPO / "tests" / "_support" / "elastic_train.py"
-SAMPLES = 1200
+SAMPLES = 600
 
 
 def _seen(text: str, after: int = 0, upto: int | None = None) -> list[int]:
@@ -125,24 +125,34 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
 
 
 @pytest.mark.timeout(400)
-def test_an_fsdp2_job_shrinks_from_3_machines_to_2_from_memory(launcher_env: Launcher) -> None:
+def test_an_fsdp2_job_shrinks_from_3_machines_to_2_and_grows_back_from_memory(
+    launcher_env: Launcher,
+) -> None:
     """FSDP2 (DTensor shards, one rank per machine) on 3 machines, ``--nnodes 2:3``: a machine
     dies, a survivor's guest SMP rebuilds its shards from parity, and the 2 ranks reshard the
-    kept step from memory and train to the end, in agreement. (That such a reshard equals
+    kept step from memory; then a new machine joins, the job grows back to 3 and every rank
+    reshards the newest step; it trains to the end, in agreement. (That such a reshard equals
     stock ``dcp.load`` at the new size is tests/faults/test_fsdp.py's.)"""
     fsdp = REPO / "examples" / "train_fsdp.py"
-    command = [str(fsdp), "--steps", "150", "--step-delay", "0.1", *TINY]
+    command = [str(fsdp), "--steps", "200", "--step-delay", "0.1", *TINY]
     with machines(
-        launcher_env, 3, 3, min_nodes=2, command=command, rdzv_conf="last_call_timeout=2"
+        launcher_env, 4, 3, min_nodes=2, command=command, rdzv_conf="last_call_timeout=2"
     ) as m:
-        m.start_all()
+        m.start(0).wait_log(r"SMP pid \d+ ready", 120)
+        m.start(1)
+        m.start(2)
         m.wait_step(0, 8)
         m.hosts.kill(2)
         kept = int(m.agents[0].wait_log(r"the old mesh kept step (\d+)", 180)[0].group(1))
         for i in (0, 1):
             m.agents[i].wait_log(r"RESHAPE: the job shrinks from 3 to 2 nodes", 5)
             m.agents[i].wait_log(rf"\[rank {i}\] resumed from step {kept}", 120)
-        assert len(set(finish(m, [0, 1]).values())) == 1
+        m.start(3)  # a new machine: it takes the free slot (ranks 2)
+        m.agents[3].wait_log(r"RESHAPE: the job grows from 2 to 3 nodes", 180)
+        grown = m.agents[3].wait_log(r"\[rank 2\] resumed from step (\d+)", 120)[0].group(1)
+        for i in (0, 1):
+            m.agents[i].wait_log(rf"\[rank {i}\] resumed from step {grown}", 60)
+        assert len(set(finish(m, [0, 1, 3]).values())) == 1
 
 
 @pytest.mark.timeout(400)
