@@ -4,14 +4,18 @@ Network-namespace hosts, one rank each, ``--nnodes 3:4`` and erasure coding (m=1
 machine dies and no spare comes within the rendezvous' last call, so the three survivors
 rebuild its protected step in a guest SMP from their data and parity, form a 3-node job and
 reshard that step through DCP into 3 ranks. Later a fifth machine joins and the job grows to
-4 again, resharding from memory. The training is an epoch of numbered samples under
-``ftmem.ElasticSampler`` (tests/_support/elastic_train.py).
+4 again, resharding from memory. After each reshard the ranks hold what stock ``dcp.load``
+of the same step gives at the new size (bitwise). The training is an epoch of numbered
+samples under ``ftmem.ElasticSampler`` (tests/_support/elastic_train.py). Also here: an FSDP2
+job that shrinks and grows back, and a loss of more machines than the parity covers (the
+survivors reshard the shared tier's flushed checkpoint).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -90,6 +94,8 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
             assert events(m.run_dir(i), name="reshape"), m.agents[i].text()[-3000:]
         finals = {f for t in texts for f in re.findall(r"FINAL \d+ (\w+)", t)}
         assert len(finals) == 1, finals
+        regrown = {re.findall(rf"LOADED {grown} (\w+)", t)[-1] for t in texts}
+        assert len(regrown) == 1, regrown
 
     # The samples trained on: the 4-node steps up to the kept one, the 3-node steps up to the
     # one the grown job resharded, then the 4-node steps after it.
@@ -108,9 +114,11 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
     tail = ElasticSampler(SAMPLES, seed=7).order()[len(seen) :]
     assert set(range(SAMPLES)) - set(seen) == set(tail) and len(tail) < 4, tail
 
-    # Right after the shrink, the 3 ranks held what stock dcp.load of the kept step, flushed
-    # from a failure-free 4-rank run, gives at 3 ranks.
-    from ftmem.tiers.export import export_dcp, find_sources
+    # Right after each reshard, the ranks held what stock dcp.load of the same step, flushed,
+    # gives at the new size. The same history without failures: 4 ranks to the kept step,
+    # then (resharded) 3 ranks to the step the job grew at.
+    from ftmem.protocol.smp_client import SmpClient
+    from ftmem.tiers.export import RankSource, export_dcp, find_sources
 
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = ["--samples", str(SAMPLES), "--stop-after", str(kept)]
@@ -118,10 +126,24 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
     assert ref.codes == [0] * 4, ref.outputs
     flushed = tmp_path / f"step{kept}"
     export_dcp(find_sources([run_dir], step=kept), flushed)
-    args = ["--samples", str(SAMPLES), "--stop-after", str(kept), "--compare-dcp", str(flushed)]
+    args = ["--samples", str(SAMPLES), "--stop-after", str(grown), "--compare-dcp", str(flushed)]
     cmp = run_ranks(procs, run_dir, args, world=3, env_extra=env, tag="cmp", script=ELASTIC)
     assert cmp.codes == [0] * 3, cmp.outputs
     assert set(cmp.lines(r"DCP (\w+)")) == loaded, (cmp.outputs, loaded)
+    flushed = tmp_path / f"step{grown}"
+    with SmpClient(run_dir, timeout=timedelta(seconds=10)) as c:  # (rank 3: dropped, empty)
+        sources = [
+            RankSource(r, grown, s.path, s.capacity, s.layout)
+            for r in range(3)
+            for s in c.query(r)
+            if s.step == grown
+        ]
+    export_dcp(sources, flushed)
+    args = ["--samples", str(SAMPLES), "--stop-after", str(grown), "--compare-dcp", str(flushed)]
+    cmp = run_ranks(procs, run_dir, args, world=4, env_extra=env, tag="cmp4", script=ELASTIC)
+    assert cmp.codes == [0] * 4, cmp.outputs
+    assert set(cmp.lines(rf"LOADED {grown} (\w+)")) == regrown, (cmp.outputs, regrown)
+    assert set(cmp.lines(r"DCP (\w+)")) == regrown, (cmp.outputs, regrown)
 
 
 @pytest.mark.timeout(400)
