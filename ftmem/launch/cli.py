@@ -366,7 +366,7 @@ def preflight(args: Namespace) -> None:
 
 def _rdzv_host(args: Namespace) -> str:
     """The rendezvous store's host: ``--rdzv-endpoint``'s, else ``--master-addr`` (static)."""
-    endpoint = str(args.rdzv_endpoint or "")
+    endpoint = str(args.rdzv_endpoint or "").split(",")[0].strip()  # etcd-v3: first member
     if not endpoint:
         return str(args.master_addr or "127.0.0.1")
     return endpoint.rsplit(":", 1)[0] if ":" in endpoint.strip("[]") else endpoint

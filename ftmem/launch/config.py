@@ -359,7 +359,7 @@ def check_rdzv_backend(backend: str) -> None:
         raise ValueError(
             "--rdzv-backend static cannot restart ranks (the agent's store and rank 0 both "
             "bind --master-port, and one store serves every generation): use --rdzv-backend "
-            "c10d --rdzv-endpoint HOST:PORT, or etcd-v2 against an etcd cluster"
+            "c10d --rdzv-endpoint HOST:PORT, or etcd-v3 against an etcd cluster"
         )
 
 

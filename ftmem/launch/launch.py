@@ -32,6 +32,7 @@ from torch.distributed.launcher.api import (
     _get_entrypoint_name,
 )
 
+import ftmem.launch.etcd_v3  # noqa: F401  (registers --rdzv-backend etcd-v3)
 from ftmem.errors import UnrecoverableError
 from ftmem.launch.agent import FtmemElasticAgent
 from ftmem.launch.config import (

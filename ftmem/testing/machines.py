@@ -111,10 +111,13 @@ class Machines:
         self.agents[i] = self._spawn(i, launch_command(args), f"{h.name(i)}.log")
         return self.agents[i]
 
-    def use_etcd(self, members: Sequence[int], timeout: float = 60.0) -> None:
-        """Run an etcd cluster (v2 API on) with a member on each host of ``members`` and make
-        it the rendezvous (``etcd-v2``, endpoint: the first member's; the client learns the
-        others from it). A member is a process on its host: losing the host loses it."""
+    def use_etcd(self, members: Sequence[int], timeout: float = 60.0, api: str = "v3") -> None:
+        """Run an etcd cluster with a member on each host of ``members`` and make it the
+        rendezvous: ``api="v3"`` (``etcd-v3``) or ``"v2"`` (``etcd-v2``, the v2 API turned
+        on). The endpoint is the first member's only; the client learns the others from it.
+        A member is a process on its host: losing the host loses it."""
+        if api not in ("v2", "v3"):
+            raise ValueError(f"api must be 'v2' or 'v3', not {api!r}")
         h = self.hosts
         cluster = ",".join(f"e{i}=http://{h.addr(i)}:2380" for i in members)
         started = []
@@ -126,12 +129,13 @@ class Machines:
                 "--listen-peer-urls", f"http://{h.addr(i)}:2380",
                 "--initial-advertise-peer-urls", f"http://{h.addr(i)}:2380",
                 "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                "--initial-cluster-token", self.rid, "--enable-v2=true",
+                "--initial-cluster-token", self.rid,
+                *(["--enable-v2=true"] if api == "v2" else []),
             ]  # fmt: skip
             started.append(self._spawn(i, cmd, f"etcd{i}.log"))
         for member in started:
             member.wait_log(r"ready to serve client requests", timeout)
-        self.rdzv_backend = "etcd-v2"
+        self.rdzv_backend = f"etcd-{api}"
         self.rdzv_endpoint = f"{h.addr(members[0])}:2379"
 
     def start_all(self, timeout: float = 120.0) -> None:
