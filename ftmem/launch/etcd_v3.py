@@ -107,9 +107,10 @@ def parse_endpoints(endpoint: str) -> list[Member]:
             host, _, rest = item[1:].partition("]")
             if rest:
                 port = rest.removeprefix(":")
-        elif item.count(":") == 1:
-            host, port = item.split(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        elif ":" in item:
+            host, _, port = item.rpartition(":")
+        bare_v6 = ":" in host and not item.startswith("[")  # [v6]:port, please
+        if not host or bare_v6 or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"etcd-v3: bad endpoint {raw.strip()!r} (want host:port)")
         if (host, int(port)) not in out:
             out.append((host, int(port)))
@@ -221,8 +222,8 @@ class EtcdV3Client:
         member_timeout: seconds one member may take to connect, then to answer each read.
         budget: seconds one request goes on trying the members.
 
-    Resource handling: one keep-alive connection per member and thread, closed by
-    :meth:`close` (this thread's) or when the client is collected. Thread-safe.
+    Resource handling: keep-alive connections, one per member and concurrent request, kept
+    for the next request; :meth:`close` closes them. Thread-safe.
     """
 
     def __init__(
@@ -238,7 +239,7 @@ class EtcdV3Client:
         self.member_timeout = member_timeout
         self.budget = max(budget, member_timeout)
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._idle: dict[Member, list[http.client.HTTPConnection]] = {}
         self._discovered = False
 
     @property
@@ -255,9 +256,10 @@ class EtcdV3Client:
         return twin
 
     def close(self) -> None:
-        """Close this thread's connections."""
-        conns: dict[Member, http.client.HTTPConnection] = self._local.__dict__.pop("conns", {})
-        for conn in conns.values():
+        """Close the idle connections (one in use is closed when its request ends)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conn in (c for conns in idle.values() for c in conns):
             conn.close()
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -309,27 +311,29 @@ class EtcdV3Client:
             time.sleep(_PASS_PAUSE_S)
 
     def _post(self, member: Member, path: str, payload: bytes) -> dict[str, Any]:
-        conns: dict[Member, http.client.HTTPConnection] = self._local.__dict__.setdefault(
-            "conns", {}
-        )
         for attempt in range(2):
-            reused = member in conns
-            if not reused:
-                conns[member] = http.client.HTTPConnection(*member, timeout=self.member_timeout)
-            conn = conns[member]
+            with self._lock:
+                idle = self._idle.get(member)
+                conn = idle.pop() if idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = http.client.HTTPConnection(*member, timeout=self.member_timeout)
             try:
                 conn.request("POST", path, payload, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
-                return parse_response(resp.status, read_bounded(resp))
+                out = parse_response(resp.status, read_bounded(resp))
             except (OSError, http.client.HTTPException) as exc:
-                conns.pop(member).close()
+                conn.close()
                 # A kept-alive connection the server closed meanwhile: once more, afresh.
                 if reused and attempt == 0 and not isinstance(exc, TimeoutError):
                     continue
                 raise _MemberFailed(f"{type(exc).__name__}: {exc}") from exc
-            except (EtcdV3Error, _MemberFailed):
-                conns.pop(member).close()
+            except BaseException:
+                conn.close()
                 raise
+            with self._lock:
+                self._idle.setdefault(member, []).append(conn)
+            return out
         raise AssertionError("unreachable")
 
     # -- the key-value calls ------------------------------------------------------------------
@@ -388,6 +392,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
         self._key = (key_prefix + run_id).encode()
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._client.close()
 
     @property
     def name(self) -> str:
@@ -465,6 +473,12 @@ class EtcdV3Store(Store):
         twin = EtcdV3Store(self.client.clone(), self.run_id, self._timeout(), self.prefix)
         self._clones.append(twin)
         return twin
+
+    def close(self) -> None:
+        """Close the connections of this store and of its clones."""
+        for twin in self._clones:
+            twin.close()
+        self.client.close()
 
     def set(self, key: str, value: str | bytes) -> None:
         """Write ``key``."""
