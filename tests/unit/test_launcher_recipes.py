@@ -44,7 +44,11 @@ def test_the_kubernetes_manifests_validate_against_their_version() -> None:
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"  # /dev/shm: not Docker's 64 MiB
     args = " ".join(pod["containers"][0]["args"])
-    assert "--rdzv-backend etcd-v2" in args and "--ftmem-key-file" in args
+    assert "--rdzv-backend etcd-v3" in args and "--ftmem-key-file" in args
+    etcd = next(d for d in _docs(K8S / "etcd.yaml") if d["kind"] == "StatefulSet")
+    member = etcd["spec"]["template"]["spec"]["containers"][0]
+    assert member["image"].rsplit(":", 1)[1].startswith("v3.6")  # v3 only: no --enable-v2
+    assert not any("enable-v2" in a for a in member["args"])
     # A misspelled field is refused: the validation is not vacuous.
     job["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
     with pytest.raises(kv.ValidationError):
