@@ -9,6 +9,9 @@ accounting, node-loss detection through the rendezvous keep-alive) and adds:
 - stable global ranks: a node keeps its ranks across rounds, a replacement takes the lost
   node's, and MASTER_ADDR/PORT follow global rank 0;
 - hang detection from the SMP's per-rank progress (SIGKILL, then elastic's restart);
+- a failure detector of its own (:mod:`ftmem.launch.detector`): heartbeats with its ring
+  neighbours; a machine declared lost is marked expired in the rendezvous, and every agent
+  restarts its ranks at once, a spare waiting or not;
 - hot spares: an agent that finds the round full waits in elastic's redundancy list with
   warm standbys and takes a lost machine's slot; a node that was dropped and returns is
   fenced (its slot and snapshots dropped);
@@ -55,10 +58,13 @@ from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import (
     FtmemLaunchConfig,
+    is_loopback,
 )
+from ftmem.launch.detector import FailureDetector, read_watch_entry, watch_entry
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
     ElasticAgentBase,
+    expire_keep_alive,
     failed_after_detach,
     live_handlers,
     log_tails_stop_at_once,
@@ -81,6 +87,7 @@ from ftmem.launch.monitor import (
 from ftmem.launch.peers import (
     PeerSettings,
     host_key_path,
+    job_keys,
     join_generation,
     mesh_epoch,
     resolve_parity,
@@ -194,6 +201,10 @@ class FtmemElasticAgent(ElasticAgentBase):
         """The rendezvous handler's watch (launch_agent always wraps it), None otherwise."""
         if self._membership is not None:
             self._membership.on_event = self.events.write
+        self._detector: FailureDetector | None = None
+        """The failure detector, started at the first round of several nodes."""
+        self._detector_off = ftmem.detect_timeout.total_seconds() <= 0
+        self._detector_key = b""
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
         if ftmem.metrics_port:
@@ -218,8 +229,13 @@ class FtmemElasticAgent(ElasticAgentBase):
             log.info("[%s] joining the rendezvous", self._node)
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
+        lost = self._life.kind is FailureKind.MACHINE_LOST
         with restart_rendezvous_quickly(
-            restart=self.generation >= 0, poll_s=poll_s, between_polls=self._while_joining
+            restart=self.generation >= 0,
+            poll_s=poll_s,
+            between_polls=self._while_joining,
+            handler=self.rdzv_handler,
+            last_call=self._ft.restart_last_call if lost else None,
         ):
             join()
         # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the
@@ -243,14 +259,15 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._prev_ranks = ranks
         self._life.to(AgentState.SYNCING, generation=self.generation, ranks=ranks)
 
-    def _while_joining(self) -> None:
+    def _while_joining(self) -> bool:
         """Between two reads of the rendezvous state while joining: notice that this node
         waits as a hot spare (elastic's redundancy list: the round has all its nodes), then
-        keep standby ranks warm for the moment it takes a lost node's place."""
+        keep standby ranks warm for the moment it takes a lost node's place. True while a
+        spare: it reads the state quickly, to see a lost node's place free at once."""
         if self._life.state is not AgentState.SPARE:
             members = rendezvous_members(self.rdzv_handler)
             if members is None or not members.spare:
-                return
+                return False
             self._life.to(AgentState.SPARE)
             log.warning(
                 "[%s] SPARE: the job has all its nodes; waiting as a hot spare (an SMP and "
@@ -262,6 +279,7 @@ class FtmemElasticAgent(ElasticAgentBase):
                 self._slot = None
             self._standbys.spawn_missing()
         self._standbys.poll()
+        return True
 
     def _fence(self, why: str) -> None:
         """This node was dropped from the job and its place taken (it was cut off or stalled
@@ -332,6 +350,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         expected = rec.committed if rec is not None else None
         if self._smp.ensure_running():
             self._poller.forget()
+        self._watch_nodes(worker_group)
         self._join_peers(worker_group)
         ftmem_env = rank_env(
             run_dir=self._smp.run_dir,
@@ -406,6 +425,78 @@ class FtmemElasticAgent(ElasticAgentBase):
         join = getattr(getattr(settings, "timeout", None), "join", None)
         extra = join.total_seconds() if isinstance(join, timedelta) else 0.0
         return self._ft.rejoin_timeout.total_seconds() + extra
+
+    def _watch_nodes(self, worker_group: WorkerGroup) -> None:
+        """Have the failure detector watch this round's nodes: publish this node's heartbeat
+        address in the store (authenticated with the job's key), read the others'."""
+        store, n = worker_group.store, worker_group.group_world_size
+        members = rendezvous_members(self.rdzv_handler)
+        if self._detector_off or store is None or n < 2 or members is None:
+            return
+        me = self._slot if self._slot is not None else worker_group.group_rank
+        try:
+            detector = self._detector or self._start_detector(store, worker_group.group_rank)
+            if detector is None:
+                return
+            key = self._detector_key
+            store.set(
+                f"ftmem/watch/{me}",
+                watch_entry(key, self.generation, me, members.me, detector.address),
+            )
+            raw = store.multi_get([f"ftmem/watch/{i}" for i in range(n)])
+            entries = [
+                read_watch_entry(key, bytes(v), self.generation, i) for i, v in enumerate(raw)
+            ]
+        except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
+            log.warning(
+                "[%s] the failure detector does not watch generation %d (%s): a lost machine "
+                "is found by the rendezvous keep-alive alone",
+                self._node,
+                self.generation,
+                exc,
+            )
+            return
+        detector.watch(
+            self.generation,
+            members.me,
+            {e.node: e.addr for e in entries},
+            [e.node for e in entries],
+        )
+
+    def _start_detector(self, store: Any, group_rank: int) -> FailureDetector | None:
+        """Start the failure detector with a key derived from the job's (None: no key)."""
+        from ftmem.exchange import keys
+
+        ps = self._peer_settings
+        if ps.key_file is None and not self._ft.insecure_mesh and not is_loopback(ps.host):
+            log.warning(
+                "[%s] no --ftmem-key-file: the failure detector's heartbeats cannot be "
+                "authenticated across hosts, so it is off; a lost machine is found by the "
+                "rendezvous keep-alive alone",
+                self._node,
+            )
+            self._detector_off = True
+            return None
+        job = keys.CurveKeyPair.from_json(job_keys(ps, store, group_rank, self._key_warned))
+        self._detector_key = job.derived_key("heartbeat")
+        detector = FailureDetector(
+            node=self._node,
+            run_id=self._smp.run_id,
+            key=self._detector_key,
+            host=ps.host,
+            suspect=self._ft.detect_timeout,
+            publish=lambda node: expire_keep_alive(self.rdzv_handler, node),
+            on_lost=self._declared_lost,
+        )
+        detector.start()
+        self._detector = detector
+        return detector
+
+    def _declared_lost(self, node: str, why: str) -> None:
+        """The failure detector published ``node`` lost (its thread): restart at once."""
+        self.events.write("declared_lost", peer=node, why=why, generation=self.generation)
+        if self._membership is not None:
+            self._membership.declare(node, why)
 
     def _join_peers(self, worker_group: WorkerGroup) -> None:
         """Sync this generation's peer mesh; a node that lost its memory rebuilds it first.
@@ -595,6 +686,8 @@ class FtmemElasticAgent(ElasticAgentBase):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
+        if self._detector is not None:
+            self._detector.pause()
         self._watch.kill_stopped("while the ranks are stopped")
         kind = self._life.kind
         if self._life.state is not AgentState.RESTARTING:
@@ -635,6 +728,8 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._watch.kill_stopped("at shutdown")
             self.stop_ranks(death_sig, timeout)
         finally:
+            if self._detector is not None:
+                self._detector.close()
             self._standbys.stop()
             self._poller.close()
             self._stop_guests()

@@ -244,6 +244,7 @@ TUNING: dict[str, tuple[type, object, tuple[str, ...] | None]] = {
     "smp-start-timeout": (float, 60.0, None),
     "no-progress-restarts": (int, 3, None),
     "status-interval": (float, 1.0, None),
+    "detect-timeout": (float, 1.0, None),
     "smp-log-level": (str, "INFO", None),
     "standby-import": (str, "", None),
 }
@@ -406,6 +407,7 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         metrics_port=int(args.ftmem_metrics_port),
         metrics_addr=str(args.ftmem_metrics_addr),
         status_interval=_seconds(args.ftmem_status_interval),
+        detect_timeout=_seconds(args.ftmem_detect_timeout),
         no_progress_restarts=int(args.ftmem_no_progress_restarts),
         smp_log_level=str(args.ftmem_smp_log_level),
         rank_assignment=str(args.ftmem_rank_assignment),

@@ -92,6 +92,15 @@ class FtmemLaunchConfig:
     generation this long after it was handed it is SIGKILLed (and so cold-started)."""
     status_interval: timedelta = timedelta(seconds=1)
     """How often the monitor asks the SMP for each rank's progress."""
+    detect_timeout: timedelta = timedelta(seconds=1)
+    """ftmem's failure detector suspects a node after this long without its heartbeat and
+    declares it lost once another neighbour agrees (``--ftmem-tune detect-timeout``; 0: off,
+    elastic's rendezvous keep-alive alone): shorter finds a lost machine sooner, and takes a
+    longer stall of a live one (its process starved, its link flapping) for a loss."""
+    restart_last_call: timedelta | None = timedelta(seconds=1)
+    """The rendezvous' last call when the agents re-join after a machine loss, so that a job
+    below its maximum size (``--nnodes MIN:MAX``) goes on with the survivors that soon; None
+    (``last_call_timeout`` given in ``--rdzv-conf``): the user's value throughout."""
     no_progress_restarts: int = 3
     """Stop after this many restarts in a row without a newer committed step; 0 disables."""
     smp_log_level: str = "INFO"
@@ -191,7 +200,7 @@ class FtmemLaunchConfig:
         for name in ("smp_start_timeout", "smp_stop_timeout", "status_interval"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be > 0")
-        for name in ("hang_timeout", "first_progress_timeout"):
+        for name in ("hang_timeout", "first_progress_timeout", "detect_timeout"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must be >= 0 (0 disables it)")
         if not 0 <= self.metrics_port <= 65535:

@@ -14,8 +14,11 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    ``_restart_workers`` -> :meth:`~ElasticAgentBase.before_restart`.
 2. The c10d handler's ``_state_holder``: the rendezvous round is read from it
    (:meth:`~ElasticAgentBase.rendezvous_round`), its cache shortened
-   (:func:`trust_rendezvous_state_for`), and its participants, heartbeats and redundancy
-   list read (:func:`rendezvous_members`, for :mod:`ftmem.launch.membership`).
+   (:func:`trust_rendezvous_state_for`), and its participants, heartbeats, redundancy list
+   and the nodes its last read found dead read (:func:`rendezvous_members`, for
+   :mod:`ftmem.launch.membership`); through its backend a lost node's keep-alive is marked
+   expired (:func:`expire_keep_alive`, for :mod:`ftmem.launch.detector`), and its timeout's
+   ``_last_call`` is shortened while restarting (:func:`restart_rendezvous_quickly`).
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
@@ -173,12 +176,15 @@ class RendezvousMembers:
     """This node waits in elastic's redundancy list (the round has all its nodes)."""
     waiting: int
     """Nodes waiting outside the round (wait list and redundancy list)."""
+    dead: frozenset[str] = frozenset()
+    """Nodes the read dropped because their keep-alive had expired."""
 
 
 def rendezvous_members(handler: Any) -> RendezvousMembers | None:
     """The members of the rendezvous as the handler last read them (no store access); None
     where the handler has no such state (another backend, another torch)."""
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
     me = getattr(handler, "_this_node", None)
     participants = getattr(state, "participants", None)
     beats = getattr(state, "last_heartbeats", None)
@@ -199,7 +205,46 @@ def rendezvous_members(handler: Any) -> RendezvousMembers | None:
         spare=isinstance(redundant, set) and me in redundant,
         waiting=(len(redundant) if isinstance(redundant, set) else 0)
         + (len(wait_list) if isinstance(wait_list, set) else 0),
+        dead=frozenset(repr(n) for n in getattr(holder, "_dead_nodes", None) or ()),
     )
+
+
+EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)
+"""The keep-alive time :func:`expire_keep_alive` writes: older than any bound."""
+
+
+def expire_keep_alive(handler: Any, node: str, attempts: int = 5) -> bool:
+    """Publish that ``node`` (a descriptor's ``repr``) is lost: mark its keep-alive in the
+    rendezvous state as expired, by compare-and-set through the handler's backend.
+
+    That is elastic's own verdict on a node whose keep-alive stopped: the next read of every
+    handler drops it from the round (and its wait and redundancy lists). The state is elastic's
+    pickle, which its handler reads the same way. Returns True once written, or if ``node``
+    is no participant any more; False where this handler has no such backend or every attempt
+    lost the race.
+
+    Raises:
+        Exception: what the backend raises when the store cannot be reached.
+    """
+    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
+    if backend is None:
+        return False
+    import pickle
+
+    for _ in range(attempts):
+        got = backend.get_state()
+        if got is None:
+            return True
+        bits, token = got
+        state = pickle.loads(bits)
+        key = next((n for n in state.participants if repr(n) == node), None)
+        if key is None:
+            return True
+        state.last_heartbeats[key] = EXPIRED
+        answer = backend.set_state(pickle.dumps(state), token)
+        if answer is not None and answer[2]:
+            return True
+    return False
 
 
 def keep_alive_bound_s(handler: Any) -> float:
@@ -216,7 +261,9 @@ def keep_alive_bound_s(handler: Any) -> float:
 def restart_rendezvous_quickly(
     restart: bool,
     poll_s: float = ELASTIC_POLL_S,
-    between_polls: Callable[[], None] | None = None,
+    between_polls: Callable[[], bool] | None = None,
+    handler: Any = None,
+    last_call: timedelta | None = None,
 ) -> Iterator[None]:
     """At a restart, join the rendezvous without elastic's start delay and with quick polls.
 
@@ -227,12 +274,16 @@ def restart_rendezvous_quickly(
       restart the nodes re-join within a fraction of a second of each other, so it re-reads
       every ``poll_s`` (:func:`rendezvous_poll_s`; with :func:`trust_rendezvous_state_for`
       the read is a real one).
+    - ``last_call`` (at a restart): the handler's last call for this join (its timeout's
+      ``_last_call``), so that a round with fewer nodes than its maximum (a shrink) completes
+      that long after the minimum joined, not after ``last_call_timeout``.
 
     ``between_polls`` (any join, first or not) runs on this thread before each wait between
-    two reads: the agent notices there that it waits as a spare.
+    two reads; when it returns True (the agent waits as a hot spare) the wait is ``poll_s``
+    too, so that a spare sees a lost node's place free at once.
 
-    Elastic's helper is swapped for the join (``dynamic_rendezvous._delay``); any other delay
-    is elastic's own.
+    Elastic's helpers are swapped for the join (``dynamic_rendezvous._delay``, the timeout's
+    ``_last_call``); any other delay is elastic's own.
     """
     if not restart and between_polls is None:
         yield
@@ -244,13 +295,23 @@ def restart_rendezvous_quickly(
             if not restart and original is not None:
                 original(seconds)  # the first join's spread is elastic's
             return
+        quick = restart
         if between_polls is not None:
-            between_polls()
+            quick = between_polls() or quick
         if original is not None:
-            original(poll_s if restart and seconds == ELASTIC_POLL_S else seconds)
+            original(poll_s if quick and seconds == ELASTIC_POLL_S else seconds)
 
-    with replaced(dynamic_rendezvous, "_delay", delay):
-        yield
+    timeout: Any = getattr(getattr(handler, "settings", None), "timeout", None)
+    before = getattr(timeout, "_last_call", None)
+    swap = restart and last_call is not None and isinstance(before, timedelta)
+    if swap:
+        timeout._last_call = last_call
+    try:
+        with replaced(dynamic_rendezvous, "_delay", delay):
+            yield
+    finally:
+        if swap:
+            timeout._last_call = before
 
 
 def _tail_logfile(

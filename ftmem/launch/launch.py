@@ -86,6 +86,8 @@ def launch_agent(
     assert ftmem.node is not None and ftmem.run_dir is not None
     node, run_dir = ftmem.node, ftmem.run_dir
     env_set = apply_safe_env_defaults()
+    if "last_call_timeout" in config.rdzv_configs:
+        ftmem.restart_last_call = None  # the user's choice holds at restarts too
     rdzv_set = apply_safe_rdzv_defaults(config.rdzv_configs)
     log.info(
         "[%s] ftmem-launch: run id %s, run dir %s, nodes %s:%s x %d ranks, max restarts %d, "

@@ -14,9 +14,13 @@ for every node. :class:`MembershipWatch` wraps the handler so that:
   waits", so a store error never ends the agent;
 - a failed join (``next_rendezvous``) is retried with the same backoff until the join timeout;
 - after each read it compares the rendezvous members with those of the round the ranks run in:
-  a node whose keep-alive is late is logged (``STALL``), one that elastic dropped for good is
-  logged as ``MACHINE LOST`` (the keep-alive's bound, ``keep_alive_interval *
-  keep_alive_max_attempt``, is the detection time); each is written to the event log.
+  a node whose keep-alive is late is logged (``STALL``), one that elastic dropped for good
+  (its keep-alive expired, or ftmem's failure detector marked it expired) is logged as
+  ``MACHINE LOST``; each is written to the event log;
+- a loss that this node's failure detector declared (:mod:`ftmem.launch.detector`, through
+  :meth:`MembershipWatch.declare`) is a ``MACHINE LOST`` at once, and the next check answers
+  that a node waits: elastic's agent then restarts its ranks (a membership change, not
+  charged as a restart), whether or not a spare waits to take the lost node's place.
 
 Everything else is the wrapped handler's (attribute access is forwarded).
 """
@@ -86,6 +90,8 @@ class MembershipWatch(RendezvousHandler):
         self._stalled: set[str] = set()
         self.lost: list[str] = []
         """Nodes of the current round that elastic dropped (no keep-alive), in order."""
+        self._declared: list[tuple[str, str]] = []
+        self._declared_lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for what this class does not define: the wrapped handler's settings
@@ -174,7 +180,32 @@ class MembershipWatch(RendezvousHandler):
         self._round_members = members.participants if members is not None else frozenset()
         self._stalled.clear()
         self.lost = []
+        with self._declared_lock:
+            self._declared = []
         return info
+
+    def declare(self, node: str, why: str) -> None:
+        """The failure detector declared ``node`` lost (and published it): the next
+        :meth:`num_nodes_waiting` reports it and makes the agent restart. Thread-safe."""
+        with self._declared_lock:
+            self._declared.append((node, why))
+
+    def _take_declared(self) -> bool:
+        """Log the declared losses not yet reported; True if any node of the round is lost."""
+        with self._declared_lock:
+            declared, self._declared = self._declared, []
+        for node, why in declared:
+            if node in self.lost or node not in self._round_members:
+                continue
+            self.lost.append(node)
+            log.error(
+                "[%s] MACHINE LOST: %s declared lost by the failure detector (%s)",
+                self._node,
+                node,
+                why,
+            )
+            self.on_event("machine_lost", peer=node, detector=True, why=why)
+        return bool(self.lost)
 
     def _not_enough(self, settings: Any, waited_s: float) -> None:
         """Say why the join timed out: too few machines (lost ones, no spare left)."""
@@ -197,7 +228,9 @@ class MembershipWatch(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, as elastic's handler says; 0 while the store does not answer
-        (see the module docstring)."""
+        (see the module docstring); at least 1 once a node of the round was declared lost."""
+        if self._take_declared():
+            return max(1, len(self.lost))
         now = time.monotonic()
         if self._reader is None:
             if now < self._not_before:
@@ -223,6 +256,8 @@ class MembershipWatch(RendezvousHandler):
             self._outage_since = None
         self._backoff = BACKOFF_S[0]
         self._check_members()
+        if self._take_declared():
+            return max(1, answer)
         return answer
 
     def _read(self) -> None:
@@ -250,27 +285,31 @@ class MembershipWatch(RendezvousHandler):
         bound = keep_alive_bound_s(self._inner)
         for node in sorted(self._round_members - members.participants - set(self.lost)):
             # A node that leaves to re-join (a restart) had a fresh keep-alive; one elastic
-            # dropped was seen stalled first (the stall share of the bound is below it).
-            if node not in self._stalled and node != members.me:
+            # dropped was seen stalled first (the stall share of the bound is below it), or
+            # was found dead by this read (a failure detector marked its keep-alive expired).
+            if node not in self._stalled and node not in members.dead and node != members.me:
                 continue
             self.lost.append(node)
+            declared = node in members.dead and node not in self._stalled
             if node == members.me:
                 log.error(
-                    "[%s] DROPPED: this node's rendezvous keep-alive did not reach the store "
-                    "for %.0f s; it was dropped from the job (a spare may take its place)",
+                    "[%s] DROPPED: %s; it was dropped from the job (a spare may take its place)",
                     self._node,
-                    bound,
+                    "the other nodes' failure detectors declared this node lost"
+                    if declared
+                    else f"this node's rendezvous keep-alive did not reach the store for {bound:.0f} s",
                 )
-                self.on_event("dropped", peer=node, bound_s=bound)
+                self.on_event("dropped", peer=node, bound_s=bound, declared=declared)
                 continue
             log.error(
-                "[%s] MACHINE LOST: %s sent no rendezvous keep-alive for %.0f s and was "
-                "dropped from the job",
+                "[%s] MACHINE LOST: %s %s and was dropped from the job",
                 self._node,
                 node,
-                bound,
+                "was declared lost by the failure detectors"
+                if declared
+                else f"sent no rendezvous keep-alive for {bound:.0f} s",
             )
-            self.on_event("machine_lost", peer=node, bound_s=bound)
+            self.on_event("machine_lost", peer=node, bound_s=bound, declared=declared)
         for node in sorted(self._round_members & members.participants - {members.me}):
             age = members.heartbeat_age_s.get(node)
             late = age is not None and age > STALL_SHARE * bound
