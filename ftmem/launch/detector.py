@@ -256,7 +256,8 @@ def verdicts(
     declare lost with why (module docstring, Corroboration). Pure: no clock, no socket.
 
     ``heard``: when each peer was last heard from; ``reports``: each peer's last heartbeat's
-    (suspected, declared) names.
+    (suspected, declared) names, of this round only (a verdict of an earlier round is about
+    a node that may have re-joined since).
     """
     mine = neighbours(rnd.order, rnd.me)
     suspected = {
@@ -358,6 +359,7 @@ class FailureDetector:
         ``order``; ``me`` is this node."""
         with self._lock:
             self._round = WatchedRound(generation, me, list(order), dict(members), time.monotonic())
+            self._reports = {}  # earlier rounds' suspicions and verdicts are void
         mine = neighbours(order, me)
         log.info(
             "[%s] failure detector: generation %d, watching %s (lost after %.1f s of silence, "
@@ -494,11 +496,13 @@ class FailureDetector:
                     continue
                 self._seqs[beat.sender] = beat.seq
                 self._heard[beat.sender] = time.monotonic()
+                if beat.leaving:
+                    self._departed.add(beat.sender)
+                if self._round is None or beat.generation != self._round.generation:
+                    continue  # alive, but what it suspects is about another round
                 report = (frozenset(beat.suspects), frozenset(beat.lost))
                 changed |= report != self._reports.get(beat.sender) and bool(report[0] | report[1])
                 self._reports[beat.sender] = report
-                if beat.leaving:
-                    self._departed.add(beat.sender)
         return changed
 
     def _drop(self, why: str) -> None:

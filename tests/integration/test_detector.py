@@ -130,3 +130,20 @@ def test_forged_and_replayed_datagrams_are_dropped_and_keep_nobody_alive() -> No
             t.join(5)
         assert sorted((who, node) for who, node, _ in lost) == [("a", "c"), ("b", "c")]
         assert ds["a"].dropped > 10
+
+
+def test_a_verdict_of_an_earlier_round_is_void_in_the_next() -> None:
+    """c re-joined after a's verdict on it: b's leftover heartbeats of the earlier round,
+    which still name c as lost, must not make a declare it again (a restart loop)."""
+    v = Verdicts()
+    with detectors(v) as ds:
+        addrs = {n: d.address for n, d in ds.items()}
+        for n, d in ds.items():
+            d.watch(1, n, addrs, NAMES)
+        stale = Heartbeat("run", "b", 10**6, 0, lost=("c",)).encode(KEY)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _ in range(5):
+                s.sendto(stale, ds["a"].address)
+                time.sleep(0.1)
+        time.sleep(1.0)
+        assert not v.lost and not v.published
