@@ -293,11 +293,11 @@ class MembershipWatch(RendezvousHandler):
             declared = node in members.dead and node not in self._stalled
             if node == members.me:
                 log.error(
-                    "[%s] DROPPED: %s; it was dropped from the job (a spare may take its place)",
+                    "[%s] DROPPED: this node was dropped from the job (the other nodes' "
+                    "failure detectors declared it lost, or its rendezvous keep-alive did not "
+                    "reach the store for %.0f s); it re-joins (a spare may have its place)",
                     self._node,
-                    "the other nodes' failure detectors declared this node lost"
-                    if declared
-                    else f"this node's rendezvous keep-alive did not reach the store for {bound:.0f} s",
+                    bound,
                 )
                 self.on_event("dropped", peer=node, bound_s=bound, declared=declared)
                 continue

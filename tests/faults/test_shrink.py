@@ -61,6 +61,9 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
         for i in range(4):
             m.agents[i].wait_log(r"generation 0: started ranks", 120)
         m.agents[0].wait_log(r"SEEN 8 ", 120)
+        # Lost silently (link first, then every process): no FIN, no RST; the survivors'
+        # ranks sit in a collective until the failure detectors declare the machine lost.
+        m.hosts.cut(3)
         m.hosts.kill(3)
         # What the lost machine's rank printed, from its stdout file: the agent's copy to its
         # console can miss the last lines when the machine dies (they were written, and
@@ -164,6 +167,7 @@ def test_an_fsdp2_job_shrinks_from_3_machines_to_2_and_grows_back_from_memory(
         m.start(1)
         m.start(2)
         m.wait_step(0, 8)
+        m.hosts.cut(2)  # silently: the link first
         m.hosts.kill(2)
         kept = int(m.agents[0].wait_log(r"the old mesh kept step (\d+)", 180)[0].group(1))
         for i in (0, 1):
@@ -208,6 +212,8 @@ def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoi
         while not list_checkpoints(shared)[0]:  # an assembled checkpoint of all 4 ranks
             assert time.monotonic() < deadline, "no checkpoint assembled in the shared tier"
             time.sleep(0.2)
+        m.hosts.cut(2)  # silently: both links first
+        m.hosts.cut(3)
         m.hosts.kill(2)
         m.hosts.kill(3)
         for i in (0, 1):

@@ -115,3 +115,60 @@ def test_the_swap_is_only_inside_a_restart_join() -> None:
         assert dynamic_rendezvous._delay is not original
         dynamic_rendezvous._delay(seconds=(0, 0.3))  # returns at once (nothing to assert)
     assert dynamic_rendezvous._delay is original
+
+
+def test_a_node_marked_expired_is_dropped_by_every_handler_at_its_next_read() -> None:
+    """Two c10d handlers form a round over a real TCPStore; one marks the other's keep-alive
+    expired (the failure detector's verdict): its next read finds the other dead and gone,
+    as elastic finds a node whose keep-alive stopped; a second mark is a no-op."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+    from typing import Any
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftmem.launch.elastic_compat import expire_keep_alive, rendezvous_members
+    from ftmem.testing.harness import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def handler(host: bool) -> Any:
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=endpoint,
+            run_id="expire",
+            min_nodes=2,
+            max_nodes=2,
+            is_host=host,
+            join_timeout=30,
+            last_call_timeout=1,
+        )
+        return get_rendezvous_handler(params)
+
+    a = handler(True)
+    b = handler(False)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(h.next_rendezvous) for h in (a, b)]:
+                f.result(timeout=60)
+        other = repr(b._this_node)
+        members = rendezvous_members(a)
+        assert members is not None and other in members.participants
+        assert expire_keep_alive(a, other)
+        trust_rendezvous_state_for(a, 0.0)
+        a._state_holder.sync()
+        members = rendezvous_members(a)
+        assert members is not None
+        assert other in members.dead and other not in members.participants
+        assert members.participants == {members.me}
+        assert expire_keep_alive(a, other)  # already gone: nothing to write
+        assert not expire_keep_alive(object(), other)  # no backend: nothing done
+        # The restart's last call is swapped in for the join only.
+        before = a.settings.timeout.last_call
+        with restart_rendezvous_quickly(restart=True, handler=a, last_call=timedelta(seconds=0.5)):
+            assert a.settings.timeout.last_call == timedelta(seconds=0.5)
+        assert a.settings.timeout.last_call == before
+    finally:
+        b.shutdown()
+        a.shutdown()
