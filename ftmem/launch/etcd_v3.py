@@ -10,7 +10,8 @@ python-etcd: neither bounds a request per member nor fails over to the next memb
 for its whole socket timeout. Here every request has a bounded timeout per member
 (:data:`MEMBER_TIMEOUT_S`, connect and each read), then goes to the next member; the member
 that answered last is tried first, so a silent member costs about one timeout, once. The
-members are learned from ``/v3/cluster/member/list``, so ``--rdzv-endpoint`` may name one.
+members are learned from ``/v3/cluster/member/list``, so ``--rdzv-endpoint`` may name one;
+a client's clones (the store's, the backend's) share what any of them learned.
 
 What a caller should know: reads are linearizable (a member cut off from the quorum does not
 answer them); nothing is ever unpickled (the rendezvous state is opaque bytes here); keys are
@@ -214,6 +215,42 @@ def _unchanged(key: bytes, mod_revision: int) -> dict[str, Any]:
     return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(mod_revision)}
 
 
+class _MemberView:
+    """What a client and its clones know of the cluster (thread-safe): the members, in the
+    order they were named or learned, and the one that answered last (tried first).
+
+    Shared by the clones so that a client that has not sent anything yet (the store's, on a
+    spare, until a round completes) knows the members another one learned: it must not
+    depend on the members it was given being alive."""
+
+    def __init__(self, members: Sequence[Member]) -> None:
+        self._lock = threading.Lock()
+        self._members = list(members)
+        self._first = self._members[0]
+        self.discovered = False
+
+    def ordered(self) -> list[Member]:
+        """The members, the one that answered last first."""
+        with self._lock:
+            i = self._members.index(self._first)
+            return self._members[i:] + self._members[:i]
+
+    def answered(self, member: Member) -> bool:
+        """``member`` answered: try it first from now on. Whether it was not first yet."""
+        with self._lock:
+            switched = member != self._first
+            self._first = member
+        return switched
+
+    def learn(self, members: Sequence[Member]) -> list[Member]:
+        """Add the ``members`` of the cluster's member list; the new ones."""
+        with self._lock:
+            new = [m for m in dict.fromkeys(members) if m not in self._members]
+            self._members += new
+            self.discovered = True
+        return new
+
+
 class EtcdV3Client:
     """A client of an etcd cluster's v3 gateway (see the module docstring).
 
@@ -234,25 +271,22 @@ class EtcdV3Client:
     ) -> None:
         if not members or member_timeout <= 0:
             raise ValueError("etcd-v3: need a member and a positive member_timeout")
-        self._members = list(members)
-        self._first = self._members[0]
+        self._view = _MemberView(members)
         self.member_timeout = member_timeout
         self.budget = max(budget, member_timeout)
         self._lock = threading.Lock()
         self._idle: dict[Member, list[http.client.HTTPConnection]] = {}
-        self._discovered = False
 
     @property
     def members(self) -> list[Member]:
         """The members known, the one that answered last first."""
-        with self._lock:
-            i = self._members.index(self._first)
-            return self._members[i:] + self._members[:i]
+        return self._view.ordered()
 
     def clone(self) -> EtcdV3Client:
-        """A new client of the same members (no connection shared)."""
+        """A new client of the same members (no connection shared). The clones share what
+        they know of the cluster: the members one learns, and the one that answered last."""
         twin = EtcdV3Client(self.members, self.member_timeout, self.budget)
-        twin._discovered = self._discovered
+        twin._view = self._view
         return twin
 
     def close(self) -> None:
@@ -270,7 +304,7 @@ class EtcdV3Client:
             EtcdV3Error: etcd refused the request, or answered garbage.
         """
         out = self._call(path, body)
-        if not self._discovered:
+        if not self._view.discovered:
             self._discover()
         return out
 
@@ -280,10 +314,7 @@ class EtcdV3Client:
         except EtcdV3Error as exc:
             log.debug("etcd-v3: no member list yet: %s", exc)
             return
-        with self._lock:
-            new = [m for m in learned if m not in self._members]
-            self._members += new
-            self._discovered = True
+        new = self._view.learn(learned)
         if new:
             log.info("etcd-v3: learned members %s", ", ".join(f"{h}:{p}" for h, p in new))
 
@@ -298,9 +329,8 @@ class EtcdV3Client:
                 except _MemberFailed as exc:
                     why[member] = str(exc)
                     continue
-                if member != self._first:
+                if self._view.answered(member):
                     log.info("etcd-v3: %s:%d answers; trying it first from now on", *member)
-                    self._first = member
                 return out
             if time.monotonic() + _PASS_PAUSE_S >= deadline:
                 raise EtcdUnavailableError(

@@ -14,6 +14,12 @@ from ftmem.testing.harness import AgentProcess, launch_args, launch_command
 from ftmem.testing.hosts import Hosts
 
 RDZV_PORT = 29400
+_KILLED_ON_TERM = (
+    "trap 'kill -KILL $p 2>/dev/null' TERM INT; \"$@\" & p=$!; s=0; "
+    "while kill -0 $p 2>/dev/null; do wait $p; s=$?; done; exit $s"
+)
+"""Runs ``"$@"`` (an etcd member) and SIGKILLs it on SIGTERM or SIGINT (see
+:meth:`Machines.use_etcd`)."""
 
 
 class Machines:
@@ -115,7 +121,10 @@ class Machines:
         """Run an etcd cluster with a member on each host of ``members`` and make it the
         rendezvous: ``api="v3"`` (``etcd-v3``) or ``"v2"`` (``etcd-v2``, the v2 API turned
         on). The endpoint is the first member's only; the client learns the others from it.
-        A member is a process on its host: losing the host loses it."""
+        A member is a process on its host: losing the host loses it. Stopping one (SIGTERM,
+        as the tests' cleanup does) SIGKILLs it: etcd's graceful stop can outlast any
+        reasonable wait while a peer's host is silently gone (a leader hands its leadership
+        over, then stays up for tens of seconds), and its data directory is thrown away."""
         if api not in ("v2", "v3"):
             raise ValueError(f"api must be 'v2' or 'v3', not {api!r}")
         h = self.hosts
@@ -123,6 +132,7 @@ class Machines:
         started = []
         for i in members:
             cmd = [
+                "sh", "-c", _KILLED_ON_TERM, "sh",
                 "etcd", "--name", f"e{i}", "--data-dir", str(self.workdir / f"etcd{i}"),
                 "--listen-client-urls", f"http://{h.addr(i)}:2379",
                 "--advertise-client-urls", f"http://{h.addr(i)}:2379",

@@ -25,12 +25,16 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 
 from ftmem.launch.etcd_v3 import (
     EtcdV3Client,
     EtcdV3RendezvousBackend,
     EtcdV3Store,
+    create_backend,
     parse_endpoints,
 )
 from ftmem.testing.harness import AgentProcess, free_port, launch_args, pid_gone
@@ -314,6 +318,54 @@ def test_a_silent_first_member_costs_about_one_timeout(
     while True:
         try:
             assert back.get("during") == b"2"
+            break
+        except RendezvousConnectionError:
+            assert time.monotonic() < deadline, "member 0 did not answer after SIGCONT"
+
+
+def test_the_store_fails_over_to_members_only_the_backend_learned(
+    cluster: Cluster, opened: list[Closable]
+) -> None:
+    """A spare's case: its store's client sends nothing until a round completes, while its
+    backend has learned the members from the one named (member 0). Member 0 then goes
+    silent; the store's first ``get`` (elastic's MASTER_ADDR, set by another agent through
+    another member) fails over to the members the backend learned, within a few seconds."""
+    rid = _run_id()
+    params = RendezvousParameters(
+        backend="etcd-v3",
+        endpoint=cluster.endpoint(0),
+        run_id=rid,
+        min_nodes=1,
+        max_nodes=2,
+        read_timeout="10",
+    )
+    backend, store = create_backend(params)
+    writer = EtcdV3Store(cluster.client(1), rid, timedelta(seconds=10))
+    opened += [backend, store, writer]
+    assert backend.set_state(b"s0") is not None  # the backend learns the members
+    assert len(store.client.members) == 3  # and so does the store's client, unused yet
+    stopped = cluster.members[0].pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        rank1 = dist.PrefixStore("torch.rendezvous.r.1", store)
+        rank0 = dist.PrefixStore("torch.rendezvous.r.1", writer)
+        timer = threading.Timer(0.5, rank0.set, args=("MASTER_ADDR", "h1"))
+        timer.start()
+        t0 = time.monotonic()
+        assert rank1.get("MASTER_ADDR") == b"h1"
+        took = time.monotonic() - t0
+        timer.join(10)
+        print(f"etcd {cluster.version}: the store's first get with member 0 silent: {took:.2f} s")
+        assert took < 5
+        assert store.client.members[0] != parse_endpoints(cluster.endpoint(0))[0]
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    back = EtcdV3Store(cluster.client(0), rid, timedelta(seconds=10))
+    opened.append(back)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert back.get("torch.rendezvous.r.1/MASTER_ADDR") == b"h1"
             break
         except RendezvousConnectionError:
             assert time.monotonic() < deadline, "member 0 did not answer after SIGCONT"

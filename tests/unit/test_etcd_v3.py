@@ -1,13 +1,18 @@
 """The pure parts of ``--rdzv-backend etcd-v3`` (:mod:`ftmem.launch.etcd_v3`): endpoints,
 response validation and bounds, settings, registration, and the per-member timeout against
-local sockets that never answer (no etcd here: tests/integration/test_etcd_v3.py runs one)."""
+local sockets that never answer, and failover between fake gateways (no etcd here:
+tests/integration/test_etcd_v3.py runs one)."""
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -145,3 +150,67 @@ def test_no_member_answers_within_the_budget(silent: tuple[str, int]) -> None:
     assert 0.5 <= took < 3.0, took  # passes of 0.3 s + a refusal, within the 1 s budget
     # elastic's handler sees a RendezvousConnectionError, the store's callers a RuntimeError.
     assert isinstance(e.value, RendezvousConnectionError) and isinstance(e.value, RuntimeError)
+
+
+class _Gateway(BaseHTTPRequestHandler):
+    """A fake etcd gateway: the member list names ``server.members``; every key read holds
+    ``b"v"`` (a range of the ``txn`` of ``get_many``, or a plain ``range``)."""
+
+    server: _GatewayServer
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        kv = {"value": base64.b64encode(b"v").decode(), "mod_revision": "3"}
+        if self.path == "/v3/cluster/member/list":
+            urls = [f"http://{h}:{p}" for h, p in self.server.members]
+            doc: dict[str, object] = {"members": [{"clientURLs": [u]} for u in urls]}
+        elif self.path == "/v3/kv/txn":
+            ranges = [op["request_range"]["key"] for op in body["success"]]
+            doc = {"responses": [{"response_range": {"kvs": [{"key": k, **kv}]}} for k in ranges]}
+        else:
+            doc = {"kvs": [{"key": body["key"], **kv}]}
+        out = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _GatewayServer(ThreadingHTTPServer):
+    daemon_threads = True
+    members: list[tuple[str, int]] = []
+
+
+def _gateway() -> tuple[_GatewayServer, tuple[str, int]]:
+    server = _GatewayServer(("127.0.0.1", 0), _Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, ("127.0.0.1", int(server.server_address[1]))
+
+
+def test_the_store_fails_over_to_the_members_its_backend_learned() -> None:
+    """A spare's agent: its rendezvous backend learns the members from the one named; its
+    store sends nothing until the spare joins, when that member may be gone. The store's
+    client knows the others all the same (clones share what they learn)."""
+    named, named_at = _gateway()
+    other, other_at = _gateway()
+    named.members = other.members = [named_at, other_at]
+    backend, store = create_backend(_params(f"{named_at[0]}:{named_at[1]}", read_timeout="3"))
+    try:
+        assert backend.get_state() == (b"v", 3)  # learns the members
+        assert store.client.members == [named_at, other_at]
+        assert store.clone().client.members == [named_at, other_at]
+        named.shutdown()
+        named.server_close()  # refused from now on
+        t0 = time.monotonic()
+        assert store.get("MASTER_ADDR") == b"v"
+        assert time.monotonic() - t0 < 2
+        assert backend.get_state() == (b"v", 3)
+        assert backend._client.members[0] == other_at  # what one client found, all know
+    finally:
+        backend.close()
+        store.close()
+        other.shutdown()
+        other.server_close()
