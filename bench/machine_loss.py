@@ -117,7 +117,7 @@ def _measure(run: Run, texts: list[str], killed: float, ranks: int) -> None:
     resumed = [int(s) for text in texts for _, s in _RESUMED.findall(text)]
     if len(after) == ranks:
         run.lost_s = round(max(after.values()) - killed, 3)
-    if before is not None and resumed:
+    if before is not None and resumed and run.lost_s is not None:
         run.redone = before - max(resumed)
 
 
@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--fail-at-step", type=int, default=110)
     p.add_argument("--dcp-every", type=int, default=20)
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = []
     for rep in range(args.repeats):
         for case in args.cases:
-            for system in SYSTEMS:  # alternating, so all see the same machine
+            for system in args.systems:  # alternating, so all see the same machine
                 workdir = Path(tempfile.mkdtemp(prefix="ml-", dir="/tmp"))
                 loads.append(_load())
                 run = run_ftmem if system == FTMEM else run_dcp

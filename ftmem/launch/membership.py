@@ -148,7 +148,8 @@ class MembershipWatch(RendezvousHandler):
         settings = getattr(self._inner, "settings", None)
         join = getattr(getattr(settings, "timeout", None), "join", None)
         budget = join.total_seconds() if isinstance(join, timedelta) else 600.0
-        deadline = time.monotonic() + budget
+        t0 = time.monotonic()
+        deadline = t0 + budget
         delay = BACKOFF_S[0]
         while True:
             try:
@@ -178,6 +179,13 @@ class MembershipWatch(RendezvousHandler):
                 delay = min(2 * delay, BACKOFF_S[1])
         members = rendezvous_members(self._inner)
         self._round_members = members.participants if members is not None else frozenset()
+        log.info(
+            "[%s] rendezvous round %s formed: %d nodes, joined in %.2f s",
+            self._node,
+            members.round if members is not None else "?",
+            len(self._round_members),
+            time.monotonic() - t0,
+        )
         self._stalled.clear()
         self.lost = []
         with self._declared_lock:
