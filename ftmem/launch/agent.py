@@ -60,7 +60,7 @@ from ftmem.launch.config import (
     FtmemLaunchConfig,
     is_loopback,
 )
-from ftmem.launch.detector import FailureDetector, read_watch_entry, watch_entry
+from ftmem.launch.detector import FailureDetector, neighbours, read_watch_entry, watch_entry
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
     ElasticAgentBase,
@@ -428,12 +428,17 @@ class FtmemElasticAgent(ElasticAgentBase):
 
     def _watch_nodes(self, worker_group: WorkerGroup) -> None:
         """Have the failure detector watch this round's nodes: publish this node's heartbeat
-        address in the store (authenticated with the job's key), read the others'."""
+        address in the store (authenticated with the job's key) and read its ring
+        neighbours' (at most ``2 * RADIUS`` reads, whatever the job's size)."""
         store, n = worker_group.store, worker_group.group_world_size
         members = rendezvous_members(self.rdzv_handler)
         if self._detector_off or store is None or n < 2 or members is None:
             return
         me = self._slot if self._slot is not None else worker_group.group_rank
+        if me is None or not 0 <= me < n:
+            return
+        slots = [f"slot {i}" for i in range(n)]  # the ring, by slot; names filled in below
+        near = [int(x.split()[1]) for x in neighbours(slots, slots[me])]
         try:
             detector = self._detector or self._start_detector(store, worker_group.group_rank)
             if detector is None:
@@ -443,9 +448,10 @@ class FtmemElasticAgent(ElasticAgentBase):
                 f"ftmem/watch/{me}",
                 watch_entry(key, self.generation, me, members.me, detector.address),
             )
-            raw = store.multi_get([f"ftmem/watch/{i}" for i in range(n)])
+            raw = store.multi_get([f"ftmem/watch/{i}" for i in near])
             entries = [
-                read_watch_entry(key, bytes(v), self.generation, i) for i, v in enumerate(raw)
+                read_watch_entry(key, bytes(v), self.generation, i)
+                for i, v in zip(near, raw, strict=True)
             ]
         except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
             log.warning(
@@ -456,12 +462,10 @@ class FtmemElasticAgent(ElasticAgentBase):
                 exc,
             )
             return
-        detector.watch(
-            self.generation,
-            members.me,
-            {e.node: e.addr for e in entries},
-            [e.node for e in entries],
-        )
+        slots[me] = members.me
+        for e in entries:
+            slots[e.slot] = e.node
+        detector.watch(self.generation, members.me, {e.node: e.addr for e in entries}, slots)
 
     def _start_detector(self, store: Any, group_rank: int) -> FailureDetector | None:
         """Start the failure detector with a key derived from the job's (None: no key)."""
@@ -694,6 +698,10 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._in_process.discard("no restart follows")
         elif kind is not None and kind.node_side:
             self._in_process.discard("the node's SMP side failed: every rank restarts cold")
+        elif kind is FailureKind.MACHINE_LOST:
+            # A machine lost silently leaves its peers' collectives blocked, not failed: a
+            # rank kept in process would wait for them until the rejoin timeout.
+            self._in_process.discard("a machine was lost: every rank restarts (from standbys)")
         else:
             self._keep_survivors(worker_group)
         self.stop_ranks(signal.SIGTERM, min(RESTART_STOP_GRACE_S, self.shutdown_timeout_s))
