@@ -255,43 +255,61 @@ def result_rows(runs: list[Run], systems: Sequence[str]) -> list[str]:
     return rows
 
 
+def _case_block(case: str, runs: list[Run], when: str, load: str) -> list[str]:
+    """The lines of one case, between markers of their own (a later run of some cases
+    replaces only theirs)."""
+    lines = [
+        f"<!-- case:{case} -->",
+        f"**{case}**: {CASES[case]} ({when}; {load}).",
+        "",
+        "| system | machine lost -> all ranks stepping (s) | steps done again | runs |",
+        "|---|---|---|---|",
+        *result_rows(runs, SYSTEMS),
+    ]
+    phases = [r.phases for r in runs if r.system == FTMEM and r.phases]
+    if phases:
+        names = list(phases[0])
+        lines += [
+            "",
+            "ftmem-launch, phases (median s): "
+            + ", ".join(
+                f"{n} {statistics.median(p[n] for p in phases if n in p):.2f}" for n in names
+            )
+            + ".",
+        ]
+    return [*lines, "<!-- /case -->"]
+
+
+def _kept_blocks(cases: list[str]) -> dict[str, str]:
+    """The blocks of the cases not run now, from the section docs/benchmarks.md has."""
+    start, end = _render.markers(SECTION)
+    text = DOC.read_text() if DOC.exists() else ""
+    section = text[text.find(start) : text.find(end)] if start in text else ""
+    found = re.findall(r"(<!-- case:(\w+) -->.*?<!-- /case -->)", section, flags=re.S)
+    return {case: block for block, case in found if case in CASES and case not in cases}
+
+
 def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
-    """The section of docs/benchmarks.md."""
+    """The section of docs/benchmarks.md (the cases not run now kept as they were)."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     start, end = _render.markers(SECTION)
+    kept = _kept_blocks(args.cases)
     lines = [
         start,
         "## A machine lost silently: ftmem-launch vs torchrun + DCP",
         "",
-        f"`python bench/machine_loss.py --repeats {args.repeats}` ({when}; {load}; "
-        f"namespace machines x 1 rank, the lost machine's link cut, then its processes killed, "
-        f"after step {args.fail_at_step} of {args.steps}; DCP every {args.dcp_every} steps; "
-        f"a run not stepping again within {args.give_up:.0f} s counts as not recovered). "
-        "Loss -> every rank stepping again (median, min-max), and the steps trained again.",
+        f"`python bench/machine_loss.py --repeats {args.repeats}`: namespace machines x 1 "
+        f"rank, the lost machine's link cut, then its processes killed, after step "
+        f"{args.fail_at_step} of {args.steps}; DCP every {args.dcp_every} steps; a run not "
+        f"stepping again within {args.give_up:.0f} s counts as not recovered. Loss -> every "
+        "rank stepping again (median, min-max), and the steps trained again.",
     ]
-    for case in args.cases:
+    for case in CASES:
         mine = [r for r in runs if r.case == case]
-        if not mine:
-            continue
-        lines += [
-            "",
-            f"**{case}**: {CASES[case]}.",
-            "",
-            "| system | machine lost -> all ranks stepping (s) | steps done again | runs |",
-            "|---|---|---|---|",
-            *result_rows(mine, SYSTEMS),
-        ]
-        phases = [r.phases for r in mine if r.system == FTMEM and r.phases]
-        if phases:
-            names = list(phases[0])
-            lines += [
-                "",
-                "ftmem-launch, phases (median s): "
-                + ", ".join(
-                    f"{n} {statistics.median(p[n] for p in phases if n in p):.2f}" for n in names
-                )
-                + ".",
-            ]
+        if mine:
+            lines += ["", *_case_block(case, mine, when, load)]
+        elif case in kept:
+            lines += ["", kept[case]]
     lines += [
         "",
         "Phases: detect (loss -> a survivor's failure detector declared it, with a second "

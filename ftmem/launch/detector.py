@@ -65,8 +65,9 @@ RADIUS = 2
 """Ring neighbours watched on each side (fan-out ``2 * RADIUS``)."""
 BEATS_PER_BOUND = 5
 """Heartbeats sent per ``suspect_s``: a peer is suspected after this many are missed in a row."""
-MAX_DATAGRAM = 2048
-"""The largest heartbeat (tag included); larger datagrams are dropped unread."""
+MAX_DATAGRAM = 8192
+"""The largest heartbeat (tag included; up to 13 names of a fully qualified host name's length);
+larger datagrams are dropped unread."""
 MAX_NAMES = 2 * RADIUS + 2
 """Most peer names one heartbeat may list as suspected or declared."""
 MAX_DRAIN = 256
@@ -224,7 +225,7 @@ def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> Watc
 
 
 def _name(value: object) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= 200
+    return isinstance(value, str) and 0 < len(value) <= 512
 
 
 @dataclass(slots=True)

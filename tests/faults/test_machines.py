@@ -54,6 +54,9 @@ def test_silent_machine_loss_a_spare_takes_over_same_digest(launcher_env: Launch
             assert events(m.run_dir(i), name="declared_lost")
 
 
+FLAP_STEPS = 100
+
+
 def test_a_2s_link_flap_costs_at_most_one_restart_and_no_committed_step(
     launcher_env: Launcher,
 ) -> None:
@@ -61,8 +64,8 @@ def test_a_2s_link_flap_costs_at_most_one_restart_and_no_committed_step(
     into the rendezvous; when the link is back, host 1 finds itself dropped, restarts and
     re-joins with its slot and its snapshots: one restart, resumed from memory at the newest
     step every rank had committed, the failure-free digests at the end."""
-    want = reference(launcher_env)
-    with machines(launcher_env, 3, 3) as m:
+    want = reference(launcher_env, FLAP_STEPS)
+    with machines(launcher_env, 3, 3, steps=FLAP_STEPS) as m:
         m.start_all()
         m.wait_step(1, 15)
         m.hosts.cut(1)
