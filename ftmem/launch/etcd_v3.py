@@ -7,9 +7,12 @@ client port, keys and values base64), served by etcd 3.4 and later.
 The client is written on the standard library's :mod:`http.client` rather than on etcd3gw or
 python-etcd: neither bounds a request per member nor fails over to the next member, so one
 *silent* member (SIGSTOPped, or its host's link down: no RST ever comes) stalls every call
-for its whole socket timeout. Here every request has a bounded timeout per member
-(:data:`MEMBER_TIMEOUT_S`, connect and each read), then goes to the next member; the member
-that answered last is tried first, so a silent member costs about one timeout, once. The
+for its whole socket timeout. Here every request opens its own connection, which a member
+must accept within :data:`CONNECT_TIMEOUT_S` (a live host's kernel accepts at once, however
+busy etcd is: only a silent host takes the whole of it) and then answer within
+:data:`MEMBER_TIMEOUT_S`, else the request goes to the next member; the member that answered
+last is tried first, so a silent member costs a fraction of a second, once (a stopped etcd
+process on a live host: one read timeout). The
 members are learned from ``/v3/cluster/member/list``, so ``--rdzv-endpoint`` may name one;
 a client's clones (the store's, the backend's) share what any of them learned.
 
@@ -53,8 +56,10 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "etcd-v3"
 DEFAULT_PORT = 2379
 MEMBER_TIMEOUT_S = 1.0
-"""How long one member may take to connect, and then to answer each read (``member_timeout``
-in ``--rdzv-conf``)."""
+"""How long one member may take to answer each read of a request (``member_timeout`` in
+``--rdzv-conf``)."""
+CONNECT_TIMEOUT_S = 0.25
+"""How long one member may take to accept a connection (at most ``member_timeout``)."""
 REQUEST_BUDGET_S = 5.0
 """How long one request goes on trying the members (several passes: an election lasts about
 a second) before :class:`EtcdUnavailableError`."""
@@ -274,8 +279,6 @@ class EtcdV3Client:
         self._view = _MemberView(members)
         self.member_timeout = member_timeout
         self.budget = max(budget, member_timeout)
-        self._lock = threading.Lock()
-        self._idle: dict[Member, list[http.client.HTTPConnection]] = {}
 
     @property
     def members(self) -> list[Member]:
@@ -290,11 +293,8 @@ class EtcdV3Client:
         return twin
 
     def close(self) -> None:
-        """Close the idle connections (one in use is closed when its request ends)."""
-        with self._lock:
-            idle, self._idle = self._idle, {}
-        for conn in (c for conns in idle.values() for c in conns):
-            conn.close()
+        """Nothing to release: no connection outlives its request (kept for the callers that
+        close what they made)."""
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``path`` (``/v3/kv/range``...) on the first member that answers.
@@ -341,30 +341,23 @@ class EtcdV3Client:
             time.sleep(_PASS_PAUSE_S)
 
     def _post(self, member: Member, path: str, payload: bytes) -> dict[str, Any]:
-        for attempt in range(2):
-            with self._lock:
-                idle = self._idle.get(member)
-                conn = idle.pop() if idle else None
-            reused = conn is not None
-            if conn is None:
-                conn = http.client.HTTPConnection(*member, timeout=self.member_timeout)
-            try:
-                conn.request("POST", path, payload, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                out = parse_response(resp.status, read_bounded(resp))
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                # A kept-alive connection the server closed meanwhile: once more, afresh.
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
-                    continue
-                raise _MemberFailed(f"{type(exc).__name__}: {exc}") from exc
-            except BaseException:
-                conn.close()
-                raise
-            with self._lock:
-                self._idle.setdefault(member, []).append(conn)
-            return out
-        raise AssertionError("unreachable")
+        # A connection per request: a kept-alive one to a member gone silent would cost a
+        # whole read timeout before failing over; a fresh connect fails within
+        # CONNECT_TIMEOUT_S. Requests are few (rendezvous polls, keep-alives, store calls).
+        conn = http.client.HTTPConnection(
+            *member, timeout=min(CONNECT_TIMEOUT_S, self.member_timeout)
+        )
+        try:
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(self.member_timeout)
+            conn.request("POST", path, payload, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return parse_response(resp.status, read_bounded(resp))
+        except (OSError, http.client.HTTPException) as exc:
+            raise _MemberFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
 
     # -- the key-value calls ------------------------------------------------------------------
 
