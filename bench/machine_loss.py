@@ -18,8 +18,8 @@ is SIGKILLed, so no FIN or RST reaches its peers. The loss comes after step
 - **store**: 3 machines + a 4th, the rendezvous on a 3-member etcd cluster with a member on
   each training machine, every agent given machine 0's member; machine 0 lost (that member,
   global rank 0, the ranks' store). ftmem-launch: ``etcd-v3``, the spare waiting. torchrun +
-  DCP: ``etcd-v2`` (torch's only etcd backend, python-etcd) on the same kind of cluster with
-  the v2 API on, a replacement started at once.
+  DCP: ``etcd-v2`` (torch's only etcd backend, python-etcd: ``pip install 'ftmem[etcd]'``) on
+  the same kind of cluster with the v2 API on, a replacement started at once.
 
 ftmem-launch runs erasure coding m=1 with a key file and its defaults otherwise (failure
 detector 1 s); torchrun runs torch's defaults (keep-alive 5 s x 3, c10d or etcd-v2) with
@@ -255,12 +255,13 @@ def result_rows(runs: list[Run], systems: Sequence[str]) -> list[str]:
     return rows
 
 
-def _case_block(case: str, runs: list[Run], when: str, load: str) -> list[str]:
+def _case_block(case: str, runs: list[Run], when: str, load: str, give_up: float) -> list[str]:
     """The lines of one case, between markers of their own (a later run of some cases
     replaces only theirs)."""
     lines = [
         f"<!-- case:{case} -->",
-        f"**{case}**: {CASES[case]} ({when}; {load}).",
+        f"**{case}**: {CASES[case]} ({when}; {load}; not recovered: not stepping within "
+        f"{give_up:.0f} s).",
         "",
         "| system | machine lost -> all ranks stepping (s) | steps done again | runs |",
         "|---|---|---|---|",
@@ -300,14 +301,13 @@ def render(runs: list[Run], args: argparse.Namespace, load: str) -> str:
         "",
         f"`python bench/machine_loss.py --repeats {args.repeats}`: namespace machines x 1 "
         f"rank, the lost machine's link cut, then its processes killed, after step "
-        f"{args.fail_at_step} of {args.steps}; DCP every {args.dcp_every} steps; a run not "
-        f"stepping again within {args.give_up:.0f} s counts as not recovered. Loss -> every "
+        f"{args.fail_at_step} of {args.steps}; DCP every {args.dcp_every} steps. Loss -> every "
         "rank stepping again (median, min-max), and the steps trained again.",
     ]
     for case in CASES:
         mine = [r for r in runs if r.case == case]
         if mine:
-            lines += ["", *_case_block(case, mine, when, load)]
+            lines += ["", *_case_block(case, mine, when, load, args.give_up)]
         elif case in kept:
             lines += ["", kept[case]]
     lines += [
