@@ -698,10 +698,6 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._in_process.discard("no restart follows")
         elif kind is not None and kind.node_side:
             self._in_process.discard("the node's SMP side failed: every rank restarts cold")
-        elif kind is FailureKind.MACHINE_LOST:
-            # A machine lost silently leaves its peers' collectives blocked, not failed: a
-            # rank kept in process would wait for them until the rejoin timeout.
-            self._in_process.discard("a machine was lost: every rank restarts (from standbys)")
         else:
             self._keep_survivors(worker_group)
         self.stop_ranks(signal.SIGTERM, min(RESTART_STOP_GRACE_S, self.shutdown_timeout_s))
