@@ -37,6 +37,7 @@ FTMEM_FLAGS = {
     "--ftmem-smp-start-timeout",
     "--ftmem-no-progress-restarts",
     "--ftmem-status-interval",
+    "--ftmem-detect-timeout",
     "--ftmem-smp-log-level",
     "--ftmem-rank-assignment",
     "--ftmem-ec-parity",
