@@ -109,6 +109,8 @@ class SlurmCluster:
             "SwitchType=switch/none",
             "MpiDefault=none",
             "SchedulerType=sched/builtin",
+            # The main scheduling loop runs every 60 s by default: a requeued job waited for it.
+            "SchedulerParameters=sched_interval=2",
             "SelectType=select/linear",
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
