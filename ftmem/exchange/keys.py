@@ -7,6 +7,7 @@ key file the user provides, or handed out per job through the rendezvous store).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -98,22 +99,36 @@ def write_key_file(path: Path, pair: CurveKeyPair) -> None:
 
 
 def read_key_file(path: Path) -> CurveKeyPair:
-    """Read a key file, refusing one that group or others may read.
+    """Read a key file: a regular file (not a symlink: it is opened with ``O_NOFOLLOW``) of
+    this user or root that group and others can neither read nor write. The checks are made
+    on the opened file (``fstat``), so a file swapped in between cannot pass them.
 
     Raises:
-        KeyFileError: missing, not a regular file, too open, or malformed.
+        KeyFileError: missing, a symlink, not a regular file, another user's, too open, too
+            large, or malformed.
     """
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        raise KeyFileError(f"cannot read key file {path}: {exc}") from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise KeyFileError(f"key file {path} is not a regular file")
-    if st.st_mode & 0o077:
-        raise KeyFileError(
-            f"key file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it"
-        )
-    if st.st_size > 4096:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or exc
+        raise KeyFileError(f"cannot read key file {path}: {why}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileError(f"key file {path} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise KeyFileError(
+                f"key file {path} belongs to uid {st.st_uid}, not to this user "
+                f"({os.geteuid()}) or root: another user may have planted it"
+            )
+        if st.st_mode & 0o077:
+            raise KeyFileError(
+                f"key file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+            )
+        data = os.read(fd, 4097)
+    finally:
+        os.close(fd)
+    if len(data) > 4096:
         raise KeyFileError(f"key file {path} is too large")
-    pair = CurveKeyPair.from_json(Path(path).read_text())
+    pair = CurveKeyPair.from_json(data)
     return CurveKeyPair(pair.public, pair.secret, from_file=True)
