@@ -3,15 +3,18 @@
 Nothing is sampled in the background for them: every scrape builds the metrics from the
 newest SMP status the agent's status poller already fetched (every ``--ftmem-tune status-interval``)
 and from counters the agent keeps as it writes its event log (:meth:`AgentMetrics.observe` is
-an :class:`~ftmem.events.EventLog` listener). The HTTP server is ``prometheus_client``'s (an
-optional dependency: ``pip install ftmem[metrics]``); it runs in one daemon thread of the agent
-and answers ``GET /metrics``. Every metric carries a ``node`` label; per-rank ones a ``rank``
+an :class:`~ftmem.events.EventLog` listener). The metrics are ``prometheus_client``'s (an
+optional dependency: ``pip install ftmem[metrics]``), the HTTP server is ours: one daemon thread
+of the agent answers ``GET /metrics``, with a deadline per connection and a bound on the
+connections (:class:`MetricsServer`). Every metric carries a ``node`` label; per-rank ones a ``rank``
 label (the global rank). docs/launcher.md, "Metrics", lists them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -179,26 +182,58 @@ def _smp_metrics(node: str, status: SmpStatus, gauge: Any, counter: Any) -> Iter
 
 
 class MetricsServer:
-    """``prometheus_client``'s HTTP server for one :class:`AgentMetrics` on ``addr:port``.
+    """``GET /metrics`` for one :class:`AgentMetrics` on ``addr:port``, from one daemon thread.
 
-    Resource handling: :meth:`start` binds (raises OSError if the port is taken), :meth:`stop`
-    shuts the server down and closes its socket (idempotent).
+    An event loop (not a thread per connection, as ``prometheus_client``'s server has) holds
+    the connections: an idle or slow one costs a socket, never a thread. Each connection has
+    ``timeout`` seconds to send its request (at most 16 KiB of head) and take the answer,
+    then it is closed; at most ``max_connections`` are open, a new one closes the oldest, so
+    a scraper's connection, whose request follows at once, is answered while others idle.
+
+    Resource handling: :meth:`start` binds (raises OSError if the port is taken; port 0 picks
+    one, then in ``port``), :meth:`stop` closes the socket, the connections and the loop
+    (idempotent).
     """
 
-    def __init__(self, metrics: AgentMetrics, port: int, addr: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        metrics: AgentMetrics,
+        port: int,
+        addr: str = "127.0.0.1",
+        timeout: float = 5.0,
+        max_connections: int = 64,
+    ) -> None:
         self.metrics = metrics
         self.port = port
         self.addr = addr
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._server: Any = None
+        self._conns: dict[asyncio.StreamWriter, None] = {}  # oldest first
 
     def start(self) -> None:
-        """Serve ``/metrics`` from a daemon thread."""
-        from prometheus_client import CollectorRegistry, start_http_server
+        """Bind and serve from a daemon thread."""
+        from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
-        server, _thread = start_http_server(self.port, addr=self.addr, registry=registry)
+        loop = asyncio.new_event_loop()
+        try:
+            server = loop.run_until_complete(
+                asyncio.start_server(
+                    lambda r, w: self._serve(r, w, registry), self.addr, self.port, limit=16384
+                )
+            )
+        except BaseException:
+            loop.close()
+            raise
+        self.port = server.sockets[0].getsockname()[1]
         self._server = server
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="ftmem-metrics", daemon=True)
+        self._thread.start()
         log.info(
             "[%s] Prometheus metrics at http://%s:%d/metrics",
             self.metrics.node,
@@ -206,9 +241,60 @@ class MetricsServer:
             self.port,
         )
 
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, registry: Any
+    ) -> None:
+        from prometheus_client.exposition import choose_encoder
+
+        self._conns[writer] = None
+        if len(self._conns) > self.max_connections:  # the oldest goes: its _serve ends
+            oldest = next(iter(self._conns))
+            self._conns.pop(oldest)
+            oldest.close()
+        try:
+            async with asyncio.timeout(self.timeout):
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+                method, path, *_ = [*head.split("\r\n", 1)[0].split(" "), "", ""]
+                if method != "GET" or path.split("?")[0] not in ("/", "/metrics"):
+                    status, ctype, body = "404 Not Found", "text/plain", b"GET /metrics\n"
+                else:
+                    accept = re.search(r"^accept:(.*)$", head, re.I | re.M)
+                    encoder, ctype = choose_encoder(accept[1].strip() if accept else "")
+                    status, body = "200 OK", encoder(registry)
+                writer.write(
+                    f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: "
+                    f"{len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+        except (
+            TimeoutError,
+            ValueError,
+            OSError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+        ):
+            pass  # silent, slow, oversized or gone: closed below
+        finally:
+            self._conns.pop(writer, None)
+            writer.close()
+
     def stop(self) -> None:
         """Stop serving (idempotent)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+
+        async def close() -> None:
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.stop()
+
+        asyncio.run_coroutine_threadsafe(close(), loop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if not loop.is_running():
+            loop.close()
