@@ -17,8 +17,9 @@ from ftmem.testing.machines import Machines
 from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests
 from tests._support.procs import REPO
 
-STEPS = 300
-"""Long enough to outlast a 60 s partition with ``--step-delay 0.3``."""
+STEPS = 150
+"""Long enough to outlast a 30 s partition with ``--step-delay 0.3`` (the Slurm test runs as
+many steps of the same world size, so both share one reference run)."""
 
 
 def script(step_delay: float, steps: int = STEPS) -> list[str]:
