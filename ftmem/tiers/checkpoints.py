@@ -229,11 +229,12 @@ def verify_checkpoint(ckpt: Checkpoint) -> None:
             raise CorruptSnapshotError(f"{ckpt.path}: {name} fails its checksum")
 
 
-def check_tier(tier: Path) -> None:
+def check_tier(tier: Path, parents: bool = False) -> None:
     """``tier`` is a directory a disk tier may use: this user's, not writable by others; or a
     shared one with the sticky bit (a cluster's scratch directory, mode 1777), root's or
     ours, where nobody else can rename or remove our entries and every entry is checked on
-    its own (others' are ignored).
+    its own (others' are ignored). With ``parents``, nobody else can move it away either
+    (:func:`check_tier_parents`).
 
     Raises:
         UnsafePathError: a symbolic link, not a directory, another user's directory, or one
@@ -243,6 +244,8 @@ def check_tier(tier: Path) -> None:
         st = os.lstat(tier)
     except OSError as exc:
         raise UnsafePathError(f"disk tier {tier}: {exc}") from exc
+    if parents:
+        check_tier_parents(tier)
     shared = stat.S_ISVTX & st.st_mode and st.st_mode & 0o022
     if stat.S_ISDIR(st.st_mode) and shared and st.st_uid in (0, os.geteuid()):
         return
@@ -253,6 +256,44 @@ def check_tier(tier: Path) -> None:
             f"`chmod go-w {tier}`, or `chmod +t {tier}` for a directory other users share"
         )
     check_dir(tier, "disk tier")
+
+
+def check_tier_parents(tier: Path) -> None:
+    """Nobody but this user or root can rename ``tier`` or a directory above it (as written
+    and as resolved): each directory holding one is ours or root's, and if others can write
+    it, it has the sticky bit and the entry is ours or root's (``/tmp/<ours>``). An entry not
+    made yet counts as ours (it is checked again once made).
+
+    Raises:
+        UnsafePathError: naming the directory, its owner and mode.
+    """
+    uid = os.geteuid()
+    for path in (Path(os.path.abspath(tier)), Path(os.path.realpath(tier))):
+        for entry in (path, *path.parents[:-1]):
+            holder = Path(os.path.realpath(entry.parent))
+            try:
+                d = os.stat(holder)
+                owner = os.lstat(entry).st_uid if os.path.lexists(entry) else uid  # to make
+            except FileNotFoundError:
+                continue
+            mode = d.st_mode
+            if d.st_uid in (0, uid) and (
+                not mode & 0o022 or (mode & stat.S_ISVTX and owner in (0, uid))
+            ):
+                continue
+            raise UnsafePathError(
+                f"disk tier {tier}: another user could move {entry} away ({holder}: uid "
+                f"{d.st_uid}, mode {stat.S_IMODE(mode):o}; {entry.name}: uid {owner}). Use a "
+                "directory only you (or root) can write, e.g. one made by `mktemp -d`"
+            )
+
+
+def prepare_local_tier(tier: Path) -> None:
+    """Make the first (node-local) tier ``tier`` and missing parents once its parents are
+    checked, then check it and them again (:func:`check_tier`). Raises UnsafePathError."""
+    check_tier_parents(tier)
+    tier.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_tier(tier, parents=True)
 
 
 def list_checkpoints(

@@ -64,10 +64,10 @@ def flush(job: FlushJob) -> JobDone:
     from ftmem.format.layout import parse_layout
     from ftmem.tiers.assemble import AssembleError, assemble
     from ftmem.tiers.checkpoints import (
-        check_tier,
         checkpoint_name,
         copy_checkpoint,
         part_name,
+        prepare_local_tier,
         prune,
         read_checkpoint,
         temp_name,
@@ -88,8 +88,7 @@ def flush(job: FlushJob) -> JobDone:
     total = 0
     try:
         first = tiers[0]
-        first.mkdir(parents=True, exist_ok=True)
-        check_tier(first)
+        prepare_local_tier(first)  # ours, and nobody else can move it away
         out = first / name
         ckpt = _existing(out)
         if ckpt is None:
