@@ -18,7 +18,11 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    and the nodes its last read found dead read (:func:`rendezvous_members`, for
    :mod:`ftmem.launch.membership`); through its backend a lost node's keep-alive is marked
    expired (:func:`expire_keep_alive`, for :mod:`ftmem.launch.detector`), and its timeout's
-   ``_last_call`` is shortened while restarting (:func:`restart_rendezvous_quickly`).
+   ``_last_call`` is shortened while restarting (:func:`restart_rendezvous_quickly`). Its
+   ``_backend`` is wrapped in a :class:`~ftmem.launch.state_guard.GuardedBackend`
+   (:func:`guard_rendezvous_state`): elastic unpickles the state it reads, so only the globals
+   of ``_RendezvousState`` are admitted (:func:`load_rendezvous_state`, which also knows its
+   fields).
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
@@ -43,6 +47,7 @@ import contextlib
 import inspect
 import logging
 import os
+import pickle
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -64,6 +69,7 @@ from torch.distributed.elastic.multiprocessing import tail_log as elastic_tail_l
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from ftmem.errors import FtmemError
+from ftmem.launch.state_guard import GuardedBackend, restricted_loads
 
 log = logging.getLogger(__name__)
 
@@ -218,25 +224,23 @@ def expire_keep_alive(handler: Any, node: str, attempts: int = 5) -> bool:
     rendezvous state as expired, by compare-and-set through the handler's backend.
 
     That is elastic's own verdict on a node whose keep-alive stopped: the next read of every
-    handler drops it from the round (and its wait and redundancy lists). The state is elastic's
-    pickle, which its handler reads the same way. Returns True once written, or if ``node``
-    is no participant any more; False where this handler has no such backend or every attempt
-    lost the race.
+    handler drops it from the round (and its wait and redundancy lists). The state is read
+    through the same guard as elastic's reads (:func:`guard_rendezvous_state`; a refused state
+    is the last one that passed). Returns True once written, or if ``node`` is no participant
+    any more; False where this handler has no such backend or every attempt lost the race.
 
     Raises:
         Exception: what the backend raises when the store cannot be reached.
     """
-    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
-    if backend is None:
+    if not guard_rendezvous_state(handler):  # guarded now, without a key, if it was not
         return False
-    import pickle
-
+    backend = handler._state_holder._backend
     for _ in range(attempts):
         got = backend.get_state()
         if got is None:
             return True
         bits, token = got
-        state = pickle.loads(bits)
+        state = load_rendezvous_state(bits)
         key = next((n for n in state.participants if repr(n) == node), None)
         if key is None:
             return True
@@ -245,6 +249,97 @@ def expire_keep_alive(handler: Any, node: str, attempts: int = 5) -> bool:
         if answer is not None and answer[2]:
             return True
     return False
+
+
+_STATE_GLOBALS = frozenset(
+    {
+        (dynamic_rendezvous.__name__, "_RendezvousState"),
+        (dynamic_rendezvous.__name__, "_NodeDesc"),
+        ("datetime", "datetime"),
+        ("datetime", "timezone"),
+        ("datetime", "timedelta"),
+    }
+)
+"""The only globals a pickled ``_RendezvousState`` names (pickle protocols 4 and 5: elastic
+pickles with the default protocol, 4 up to Python 3.13 and 5 from 3.14)."""
+_STATE_FIELDS = {"round", "complete", "deadline", "closed", "participants", "wait_list"}
+_STATE_FIELDS |= {"redundancy_list", "last_heartbeats"}
+
+
+def load_rendezvous_state(data: bytes) -> Any:
+    """elastic's ``_RendezvousState`` in ``data``, unpickled with only :data:`_STATE_GLOBALS`
+    (:func:`~ftmem.launch.state_guard.restricted_loads`) and rebuilt field by field: a fresh
+    object whose fields have exactly the types elastic's have (nodes as ``_NodeDesc``,
+    times as aware ``datetime`` in UTC). No code of the pickle's choosing runs.
+
+    Raises:
+        Exception: ``data`` is not such a state (``UnpicklingError``, ``ValueError``, ...).
+    """
+    got = restricted_loads(data, _STATE_GLOBALS)
+    cls, node_cls = dynamic_rendezvous._RendezvousState, dynamic_rendezvous._NodeDesc
+    fields = vars(got) if type(got) is cls else {}
+    if set(fields) != _STATE_FIELDS:
+        raise ValueError(f"not a rendezvous state: {type(got).__name__} {sorted(fields)}")
+
+    def node(n: Any) -> Any:
+        f = vars(n) if type(n) is node_cls else {}
+        types = {k: type(v) for k, v in f.items()}
+        if types != {"addr": str, "pid": int, "local_id": int}:
+            raise ValueError("a node is not a _NodeDesc")
+        return node_cls(f["addr"], f["pid"], f["local_id"])
+
+    def when(t: Any) -> datetime:
+        if type(t) is not datetime or t.tzinfo is None:
+            raise ValueError("a time is not an aware datetime")
+        return t.astimezone(timezone.utc)
+
+    def nodes(s: Any) -> set[Any]:
+        if type(s) is not set:
+            raise ValueError("a node list is not a set")
+        return {node(n) for n in s}
+
+    if type(fields["round"]) is not int or fields["round"] < 0:
+        raise ValueError("the round is not a number")
+    if type(fields["complete"]) is not bool or type(fields["closed"]) is not bool:
+        raise ValueError("complete/closed are not booleans")
+    parts, beats = fields["participants"], fields["last_heartbeats"]
+    if type(parts) is not dict or type(beats) is not dict:
+        raise ValueError("participants/last_heartbeats are not dicts")
+    if any(type(r) is not int for r in parts.values()):
+        raise ValueError("a participant's rank is not a number")
+    state = cls()
+    state.round, state.complete, state.closed = (
+        fields["round"],
+        fields["complete"],
+        fields["closed"],
+    )
+    state.deadline = None if fields["deadline"] is None else when(fields["deadline"])
+    state.participants = {node(n): r for n, r in parts.items()}
+    state.wait_list = nodes(fields["wait_list"])
+    state.redundancy_list = nodes(fields["redundancy_list"])
+    state.last_heartbeats = {node(n): when(t) for n, t in beats.items()}
+    return state
+
+
+def _clean_state(data: bytes) -> bytes:
+    return pickle.dumps(load_rendezvous_state(data))
+
+
+def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
+    """Wrap the handler's rendezvous backend in a
+    :class:`~ftmem.launch.state_guard.GuardedBackend`: every state elastic reads is checked
+    (:func:`load_rendezvous_state`) and re-pickled before elastic unpickles it, and with
+    ``key`` (:func:`~ftmem.launch.state_guard.state_key`) MACed. Call it right after the
+    handler is made, before any read. False where the handler has no backend (another kind)."""
+    holder: Any = getattr(handler, "_state_holder", None)
+    backend = getattr(holder, "_backend", None)
+    if backend is None:
+        return False
+    if not isinstance(backend, GuardedBackend):
+        run_id = str(getattr(getattr(handler, "settings", None), "run_id", ""))
+        empty = pickle.dumps(dynamic_rendezvous._RendezvousState())
+        holder._backend = GuardedBackend(backend, _clean_state, empty, key, run_id)
+    return True
 
 
 def keep_alive_bound_s(handler: Any) -> float:

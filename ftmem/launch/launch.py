@@ -42,10 +42,15 @@ from ftmem.launch.config import (
     resolve_names,
     safe_name,
 )
-from ftmem.launch.elastic_compat import check_torch_version, launch_shutdown_timeout
+from ftmem.launch.elastic_compat import (
+    check_torch_version,
+    guard_rendezvous_state,
+    launch_shutdown_timeout,
+)
 from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.peers import host_key_path
 from ftmem.launch.smp_runner import SmpRunner
+from ftmem.launch.state_guard import state_key
 from ftmem.launch.workers import wrap_entrypoint
 
 log = logging.getLogger(__name__)
@@ -125,12 +130,15 @@ def launch_agent(
         )
     }
     spec_fields = {f.name for f in dataclasses.fields(WorkerSpec)}
+    # elastic unpickles the rendezvous state it reads: checked first (and MACed with a key).
+    rdzv_handler = rdzv_registry.get_rendezvous_handler(rdzv_parameters)
+    guard_rendezvous_state(rdzv_handler, state_key(ftmem.key_file))
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=wrapped,
         args=tuple(wrapped_args),
-        rdzv_handler=MembershipWatch(rdzv_registry.get_rendezvous_handler(rdzv_parameters), node),
+        rdzv_handler=MembershipWatch(rdzv_handler, node),
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         master_addr=master_addr,

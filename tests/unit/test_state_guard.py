@@ -1,0 +1,170 @@
+"""The rendezvous state guard (ftmem.launch.state_guard, elastic_compat.load_rendezvous_state):
+a real elastic state round-trips; a pickle that names anything else runs nothing and is
+refused; a MACed state verifies only with the job's key and run id; a refused read answers
+the last state that passed, with the refused value's token."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import pickle
+import subprocess
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from ftmem.launch.elastic_compat import _clean_state, load_rendezvous_state
+from ftmem.launch.state_guard import (
+    MAGIC,
+    GuardedBackend,
+    StateRefused,
+    restricted_loads,
+    seal,
+    unseal,
+)
+
+
+def _state() -> _RendezvousState:
+    s = _RendezvousState()
+    a, b = _NodeDesc("host-a", 11, 0), _NodeDesc("host-b", 12, 1)
+    now = datetime.now(timezone.utc)
+    s.round, s.complete, s.deadline = 3, True, now + timedelta(seconds=5)
+    s.participants = {a: 0}
+    s.wait_list, s.redundancy_list = {b}, set()
+    s.last_heartbeats = {a: now, b: now - timedelta(seconds=1)}
+    return s
+
+
+class Runs:
+    """``__reduce__`` of a pickle that would call ``fn(*args)`` when loaded."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
+
+
+def test_a_real_state_round_trips_in_the_protocols_elastic_uses() -> None:
+    want = _state()
+    for protocol in (4, 5):
+        got = load_rendezvous_state(pickle.dumps(want, protocol=protocol))
+        assert type(got) is _RendezvousState and vars(got) == vars(want)
+    # the guard's bytes are what elastic unpickles: the same state again
+    assert vars(pickle.loads(_clean_state(pickle.dumps(want)))) == vars(want)
+
+
+@pytest.mark.parametrize(
+    "evil",
+    [
+        lambda m: Runs(os.system, f"touch {m}"),
+        lambda m: Runs(builtins.eval, f"open({str(m)!r}, 'w')"),
+        lambda m: Runs(subprocess.call, ["touch", str(m)]),
+        lambda m: Runs(open, str(m), "w"),
+        # the payload hidden inside an otherwise real state
+        lambda m: {**vars(_state()), "round": Runs(os.system, f"touch {m}")},
+    ],
+)
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(
+    tmp_path: Path, evil: Any
+) -> None:
+    marker = tmp_path / "MARKER"
+    bits = pickle.dumps(evil(marker))
+    with pytest.raises(pickle.UnpicklingError, match="is not allowed"):
+        load_rendezvous_state(bits)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"x": 1},  # not a state
+        _NodeDesc("a", 1, 2),
+        datetime.now(timezone.utc),
+    ],
+)
+def test_allowed_globals_that_are_no_state_are_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="not a rendezvous state"):
+        load_rendezvous_state(pickle.dumps(bad))
+
+
+def test_a_state_with_wrong_field_types_is_refused() -> None:
+    s = _state()
+    s.last_heartbeats = {next(iter(s.participants)): datetime.now()}  # naive: elastic would crash
+    with pytest.raises(ValueError, match="aware datetime"):
+        load_rendezvous_state(pickle.dumps(s))
+    s = _state()
+    s.participants = {_NodeDesc("a", "1", 0): 0}  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="_NodeDesc"):
+        load_rendezvous_state(pickle.dumps(s))
+    with pytest.raises(pickle.UnpicklingError, match="over the bound"):
+        restricted_loads(b"x" * 100, frozenset(), max_bytes=99)
+
+
+def test_the_mac_binds_the_key_and_the_run_id() -> None:
+    body = pickle.dumps(_state())
+    framed = seal(b"k" * 32, b"run", body)
+    assert framed.startswith(MAGIC) and unseal(b"k" * 32, b"run", framed) == body
+    for key, ctx, data in [
+        (b"j" * 32, b"run", framed),  # another job's key
+        (b"k" * 32, b"other-run", framed),  # another run
+        (b"k" * 32, b"run", body),  # no MAC
+        (b"k" * 32, b"run", framed[:-1] + bytes([framed[-1] ^ 1])),  # tampered
+    ]:
+        with pytest.raises(StateRefused):
+            unseal(key, ctx, data)
+
+
+class DictBackend:
+    """A backend over a dict, with elastic's token semantics (a counter)."""
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.value: bytes | None = None
+        self.token = 0
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        return None if self.value is None else (self.value, self.token)
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        if (token or 0) == self.token:
+            self.value, self.token = state, self.token + 1
+            return state, self.token, True
+        assert self.value is not None
+        return self.value, self.token, False
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 32])
+def test_a_planted_state_answers_the_last_one_that_passed_with_its_token(
+    tmp_path: Path, key: bytes | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    inner = DictBackend()
+    empty = pickle.dumps(_RendezvousState())
+    guard = GuardedBackend(inner, _clean_state, empty, key, "run")
+    marker, real = tmp_path / "MARKER", _state()
+    # nothing passed yet: a planted value reads as a fresh state
+    inner.value, inner.token = pickle.dumps(Runs(os.system, f"touch {marker}")), 7
+    with caplog.at_level(logging.WARNING, logger="ftmem.launch.state_guard"):
+        assert guard.get_state() == (empty, 7)
+        written = guard.set_state(pickle.dumps(real), 7)  # elastic's next write wins
+        assert written is not None and written[2]
+        assert vars(pickle.loads(written[0])) == vars(real)
+        assert (inner.value or b"").startswith(MAGIC) == (key is not None)
+        last = written[0]
+        for _ in range(3):  # planted again: the last state that passed, the planted token
+            inner.value, inner.token = pickle.dumps(Runs(os.system, f"touch {marker}")), 9
+            assert guard.get_state() == (last, 9)
+        if key is not None:  # a real state without this job's MAC is refused too
+            inner.value = pickle.dumps(real)
+            assert guard.get_state() == (last, 9)
+        assert guard.set_state(pickle.dumps(real), 9) is not None
+        assert guard.get_state() == (last, 10)
+    assert not marker.exists()
+    refused = [r for r in caplog.records if "not written by this job" in r.message]
+    assert len(refused) == 2  # once per incident (3 planted reads in the second)
+    assert sum("passes its checks again" in r.message for r in caplog.records) == 2
