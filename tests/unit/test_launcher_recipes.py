@@ -82,15 +82,30 @@ def test_the_slurm_script_runs_one_agent_per_node_without_killing_the_job(
     lines = [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
     sruns = [x for x in lines if x[0] == "srun"]
     assert len(sruns) == 3  # cleanup, the agents, cleanup
-    assert sruns[0][-2:] == ["cleanup", "--remove"] and sruns[2][-2:] == ["cleanup", "--remove"]
+    # Only this job's runs are cleaned: its earlier attempts' before, this one's after.
+    assert sruns[0][-3:] == ["ftmem", "77-0", "77-1"] and "--run-id" in sruns[0][-4]
+    assert sruns[2][-4:] == ["cleanup", "--remove", "--run-id", "77-1"]
     launch = sruns[1]
     assert "--no-kill" in launch and "--kill-on-bad-exit=0" in launch
     flags = dict(itertools.pairwise(launch))
     assert flags["--nnodes"] == "3" and flags["--rdzv-id"] == "77-1"  # a new one per attempt
     assert flags["--rdzv-endpoint"] == "n1:29500"
-    assert flags["--ftmem-key-file"] == str(tmp_path / "shared" / "mesh.key")
-    assert flags["--ftmem-flush-persistent-dir"] == str(tmp_path / "shared" / "checkpoints")
-    assert any(x[:2] == ["ftmem", "keygen"] for x in lines)  # made once, on the shared dir
+    shared = tmp_path / "shared"
+    # A mesh key of this job's own; the tier key shared by every job of these checkpoints.
+    assert flags["--ftmem-key-file"] == str(shared / "mesh-77.key")
+    assert any(x[:2] == ["ftmem", "keygen"] and x[2] == str(shared / "mesh-77.key") for x in lines)
+    assert ["private_key", str(shared / "tier.key")] in lines
+    assert ["private_dir", str(shared)] in lines and [
+        "private_dir",
+        str(shared / "checkpoints"),
+    ] in lines
+    # Each node's local tier is made private there (mktemp -d) under LOCAL_DIR.
+    assert (
+        flags["--ftmem-flush-dir"] == "@LOCAL_TIER@"
+        and "mktemp -d" in launch[launch.index("-c") + 1]
+    )
+    assert launch[launch.index("-c") + 4] == "/tmp"  # LOCAL_DIR's default (no SLURM_TMPDIR)
+    assert flags["--ftmem-flush-persistent-dir"] == str(shared / "checkpoints")
 
     too_few = _dry_run(tmp_path, **{**slurm, "SLURM_JOB_NUM_NODES": "2"})
     assert too_few.returncode == 2 and "fewer than TRAIN_NODES=3" in too_few.stderr
