@@ -26,6 +26,11 @@ def _docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+def job_pods(job: dict[str, Any]) -> dict[str, Any]:
+    """The selector of a Job's pods (the label Kubernetes gives them)."""
+    return {"matchLabels": {"job-name": job["metadata"]["name"]}}
+
+
 def test_the_kubernetes_manifests_validate_against_their_version() -> None:
     kv = pytest.importorskip("kubernetes_validate")
     files = sorted(K8S.glob("*.yaml"))
@@ -36,19 +41,50 @@ def test_the_kubernetes_manifests_validate_against_their_version() -> None:
         for doc in _docs(f):
             kv.validate(doc, K8S_VERSION, strict=True)
             kinds.append(doc["kind"])
+    policies = ["NetworkPolicy", "NetworkPolicy"]  # one for etcd, one for the Job's pods
     assert sorted(kinds) == sorted(
-        ["Service", "StatefulSet", "Service", "Job", "PersistentVolumeClaim"]
+        ["Service", "StatefulSet", "Service", "Job", "PersistentVolumeClaim", *policies]
     )
     job = next(d for d in _docs(K8S / "ftmem-job.yaml") if d["kind"] == "Job")
     pod = job["spec"]["template"]["spec"]
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"  # /dev/shm: not Docker's 64 MiB
-    args = " ".join(pod["containers"][0]["args"])
-    assert "--rdzv-backend etcd-v3" in args and "--ftmem-key-file" in args
+    train = pod["containers"][0]
+    args = " ".join(train["args"])
+    assert "--rdzv-backend etcd-v3" in args and "--ftmem-key-file /run/ftmem/mesh.key" in args
+    # etcd over TLS with this Job's client certificate (torch's etcd --rdzv-conf names).
+    assert "--rdzv-conf protocol=https,cacert=/run/ftmem/ca.crt,cert=" in args
+    assert '--ftmem-metrics-addr "$POD_IP"' in args and "0.0.0.0" not in args
+    # Non-root, no capabilities; the keys reach the uid through the init container (K2, K3).
+    ctx = pod["securityContext"]
+    assert ctx["runAsNonRoot"] and ctx["runAsUser"] == ctx["fsGroup"] == 10001
+    assert ctx["seccompProfile"]["type"] == "RuntimeDefault"
+    assert train["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    init = pod["initContainers"][0]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert "chmod 0600 /run/ftmem/*" in init["args"][0]
+    env = {e["name"]: e.get("value") for e in train["env"]}
+    assert env["FTMEM_TIER_KEY_FILE"] == "/run/ftmem/tier.key"
+    secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {"ftmem-mesh-key", "ftmem-tier-key", "ftmem-etcd-client"}
+    mounts = {m["name"] for m in train["volumeMounts"]}
+    assert "keys" in mounts and not mounts & {"mesh-key", "tier-key", "etcd-client"}
+    policy = next(d for d in _docs(K8S / "ftmem-job.yaml") if d["kind"] == "NetworkPolicy")
+    assert policy["spec"]["podSelector"] == job_pods(job)
     etcd = next(d for d in _docs(K8S / "etcd.yaml") if d["kind"] == "StatefulSet")
     member = etcd["spec"]["template"]["spec"]["containers"][0]
     assert member["image"].rsplit(":", 1)[1].startswith("v3.6")  # v3 only: no --enable-v2
     assert not any("enable-v2" in a for a in member["args"])
+    assert "--client-cert-auth" in member["args"] and "--peer-client-cert-auth" in member["args"]
+    assert not any("http://" in a for a in member["args"])
+    etcd_policy = next(d for d in _docs(K8S / "etcd.yaml") if d["kind"] == "NetworkPolicy")
+    rules = {
+        r["ports"][0]["port"]: r["from"][0]["podSelector"] for r in etcd_policy["spec"]["ingress"]
+    }
+    assert rules == {2379: job_pods(job), 2380: etcd["spec"]["selector"]}
     # A misspelled field is refused: the validation is not vacuous.
     job["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
     with pytest.raises(kv.ValidationError):
