@@ -10,6 +10,7 @@ and nothing answers), and two ftmem-launch agents training to the end on the clu
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -30,12 +31,18 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
 )
 
-from ftmem.launch.etcd_v3 import (
+from ftmem.launch.etcd_client import (
+    EtcdUnavailableError,
     EtcdV3Client,
+    EtcdV3Error,
+    parse_endpoints,
+    tls_context,
+)
+from ftmem.launch.etcd_v3 import (
     EtcdV3RendezvousBackend,
     EtcdV3Store,
     create_backend,
-    parse_endpoints,
+    create_rdzv_handler,
 )
 from ftmem.testing.harness import AgentProcess, free_port, launch_args, pid_gone
 from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, short_dir
@@ -74,27 +81,78 @@ PARAMS = [pytest.param(b, id=f"etcd-{b[0]}") for b in BINARIES] or [
 ]
 
 
-class Cluster:
-    """Three etcd members on 127.0.0.1 (distinct ports, a temp data dir each)."""
+class Certs:
+    """A CA, a server certificate of 127.0.0.1 signed by it (client use too: etcd's gateway
+    presents it to etcd's own gRPC port) and a client one; a second CA and a client
+    certificate signed by that one (a stranger's). Made with the ``openssl`` CLI, EC keys."""
 
-    def __init__(self, version: str, binary: str, tmp: Path) -> None:
+    def __init__(self, tmp: Path) -> None:
+        self.dir = tmp
+
+        def run(*args: str) -> None:
+            subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+        def make(name: str, ca: str | None, ext: str) -> None:
+            key, crt = f"{tmp}/{name}.key", f"{tmp}/{name}.crt"
+            new = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+            if ca is None:
+                run("req", "-x509", *new, "-keyout", key, "-out", crt, "-days", "1",
+                    "-subj", f"/CN={name}")  # fmt: skip
+                return
+            run("req", *new, "-keyout", key, "-out", f"{tmp}/{name}.csr", "-subj", f"/CN={name}")
+            (tmp / f"{name}.ext").write_text(ext)
+            run("x509", "-req", "-in", f"{tmp}/{name}.csr", "-CA", f"{tmp}/{ca}.crt",
+                "-CAkey", f"{tmp}/{ca}.key", "-CAcreateserial", "-out", crt, "-days", "1",
+                "-extfile", f"{tmp}/{name}.ext")  # fmt: skip
+
+        make("ca", None, "")
+        make(
+            "server", "ca", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"
+        )
+        make("client", "ca", "extendedKeyUsage=clientAuth\n")
+        make("other-ca", None, "")
+        make("stranger", "other-ca", "extendedKeyUsage=clientAuth\n")
+        for key in tmp.glob("*.key"):
+            key.chmod(0o600)
+
+    def __getitem__(self, name: str) -> str:
+        return str(self.dir / name)
+
+
+class Cluster:
+    """``size`` etcd members on 127.0.0.1 (distinct ports, a temp data dir each); with
+    ``certs``, the client port is https and wants a client certificate of ``certs``' CA."""
+
+    def __init__(
+        self, version: str, binary: str, tmp: Path, size: int = 3, certs: Certs | None = None
+    ) -> None:
         self.version = version
-        self.ports = [(free_port(), free_port()) for _ in range(3)]
+        self.certs = certs
+        self.ports = [(free_port(), free_port()) for _ in range(size)]
         peers = ",".join(f"e{i}=http://127.0.0.1:{p}" for i, (_, p) in enumerate(self.ports))
+        scheme = "http" if certs is None else "https"
+        tls = [] if certs is None else [
+            "--client-cert-auth", "--trusted-ca-file", certs["ca.crt"],
+            "--cert-file", certs["server.crt"], "--key-file", certs["server.key"],
+        ]  # fmt: skip
         self.members: list[AgentProcess] = []
         for i, (client, peer) in enumerate(self.ports):
             cmd = [
                 binary, "--name", f"e{i}", "--data-dir", str(tmp / f"e{i}"),
-                "--listen-client-urls", f"http://127.0.0.1:{client}",
-                "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                "--listen-client-urls", f"{scheme}://127.0.0.1:{client}",
+                "--advertise-client-urls", f"{scheme}://127.0.0.1:{client}",
                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                 "--initial-cluster", peers, "--initial-cluster-state", "new",
-                "--initial-cluster-token", tmp.name,
+                "--initial-cluster-token", tmp.name, *tls,
             ]  # fmt: skip
             self.members.append(AgentProcess(cmd, tmp / f"e{i}.log", dict(os.environ)))
-        for member in self.members:
-            member.wait_log(r"ready to serve client requests", 60)
+        try:
+            for member in self.members:
+                member.wait_log(r"ready to serve client requests", 60)
+        except BaseException:
+            self.stop()
+            raise
 
     def endpoint(self, *which: int) -> str:
         """``--rdzv-endpoint`` naming members ``which`` (in that order)."""
@@ -137,16 +195,32 @@ class Cluster:
         assert all(pid_gone(m.pid) for m in self.members)
 
 
-@pytest.fixture(scope="module", params=PARAMS)
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    version, binary = request.param
+@contextlib.contextmanager
+def _running(version: str, binary: str, size: int, tls: bool) -> Iterator[Cluster]:
     tmp = short_dir("etcd-")
-    made = Cluster(version, binary, tmp)
+    made = None
     try:
+        made = Cluster(version, binary, tmp, size, Certs(tmp) if tls else None)
         yield made
     finally:
-        made.stop()
+        if made is not None:
+            made.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    with _running(*request.param, size=3, tls=False) as made:
+        yield made
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def tls_member(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """One etcd member with https on its client port and ``--client-cert-auth``."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed (apt-get install openssl)")
+    with _running(*request.param, size=1, tls=True) as made:
+        yield made
 
 
 Closable = EtcdV3Client | EtcdV3Store | EtcdV3RendezvousBackend
@@ -165,6 +239,18 @@ def opened() -> Iterator[list[Closable]]:
 
 def _run_id() -> str:
     return f"t{time.monotonic_ns()}"
+
+
+def _member_0_answers_again(cluster: Cluster, rid: str, key: str, value: bytes) -> None:
+    """Member 0, alone, serves ``key`` of run ``rid`` (after a SIGCONT: within 20 s)."""
+    back = EtcdV3Store(EtcdV3Client(parse_endpoints(cluster.endpoint(0))), rid)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert back.get(key) == value
+            return
+        except RendezvousConnectionError:
+            assert time.monotonic() < deadline, "member 0 did not answer after SIGCONT"
 
 
 def test_backend_sets_the_state_by_compare_and_set_on_its_token(
@@ -311,16 +397,7 @@ def test_a_silent_first_member_costs_about_one_timeout(
             lone.get(b"x")  # it never learned the others
     finally:
         os.kill(stopped, signal.SIGCONT)
-    # Member 0 catches up and answers again.
-    back = EtcdV3Store(cluster.client(0), rid, timedelta(seconds=10))
-    opened.append(back)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            assert back.get("during") == b"2"
-            break
-        except RendezvousConnectionError:
-            assert time.monotonic() < deadline, "member 0 did not answer after SIGCONT"
+    _member_0_answers_again(cluster, rid, "during", b"2")  # it catches up
 
 
 def test_the_store_fails_over_to_members_only_the_backend_learned(
@@ -360,15 +437,87 @@ def test_the_store_fails_over_to_members_only_the_backend_learned(
         assert store.client.members[0] != parse_endpoints(cluster.endpoint(0))[0]
     finally:
         os.kill(stopped, signal.SIGCONT)
-    back = EtcdV3Store(cluster.client(0), rid, timedelta(seconds=10))
-    opened.append(back)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            assert back.get("torch.rendezvous.r.1/MASTER_ADDR") == b"h1"
-            break
-        except RendezvousConnectionError:
-            assert time.monotonic() < deadline, "member 0 did not answer after SIGCONT"
+    _member_0_answers_again(cluster, rid, "torch.rendezvous.r.1/MASTER_ADDR", b"h1")
+
+
+def _tls_params(member: Cluster, rid: str, **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="etcd-v3",
+        endpoint=f"https://{member.endpoint(0)}",
+        run_id=rid,
+        min_nodes=1,
+        max_nodes=1,
+        read_timeout="10",
+        protocol="https",
+        **conf,
+    )
+
+
+def test_over_tls_a_client_certificate_of_the_ca_serves_a_rendezvous_round(
+    tls_member: Cluster, opened: list[Closable]
+) -> None:
+    """etcd with ``--client-cert-auth``: the backend's compare-and-set, the store, and a
+    real round of elastic's handler, with torch's etcd-v2 setting names and with the names
+    of its legacy backend."""
+    certs = tls_member.certs
+    assert certs is not None
+    rid = _run_id()
+    conf = {"ca_cert": certs["ca.crt"], "ssl_cert": certs["client.crt"]}
+    backend, store = create_backend(
+        _tls_params(tls_member, rid, **conf, ssl_cert_key=certs["client.key"])
+    )
+    opened += [backend, store]
+    assert store.client.scheme == "https"
+    first = backend.set_state(b"s0")
+    assert first is not None and first[2] and backend.get_state() == (b"s0", first[1])
+    assert backend.set_state(b"s1", "0") == (b"s0", first[1], False)  # a stale token loses
+    store.set("k", b"v")
+    assert store.get("k") == b"v" and store.add("n", 2) == 2 and store.clone().add("n", 1) == 3
+    assert store.client.members == [("127.0.0.1", tls_member.ports[0][0])]  # an https member
+
+    legacy = {"cacert": certs["ca.crt"], "cert": certs["client.crt"], "key": certs["client.key"]}
+    handler = create_rdzv_handler(_tls_params(tls_member, _run_id(), **legacy))
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("after", "round")
+        assert info.store.get("after") == b"round"
+    finally:
+        handler.shutdown()
+
+
+def test_over_tls_a_client_without_the_right_certificate_is_refused(
+    tls_member: Cluster, opened: list[Closable]
+) -> None:
+    """No client certificate, a stranger's (another CA), a server checked against another
+    CA: each refused at once (not retried for the request budget) with a message naming
+    the certificate at fault; plain http to the https port finds no etcd."""
+    certs = tls_member.certs
+    assert certs is not None
+    members = parse_endpoints(tls_member.endpoint(0), "https")
+    cases = [
+        (
+            tls_context(certs["ca.crt"], None, None),
+            r"etcd (closed|refused).*client certificate signed by a CA of its --trusted-ca-file",
+        ),
+        (
+            tls_context(certs["ca.crt"], certs["stranger.crt"], certs["stranger.key"]),
+            r"etcd (closed|refused).*client certificate signed by a CA of its --trusted-ca-file",
+        ),
+        (
+            tls_context(certs["other-ca.crt"], certs["client.crt"], certs["client.key"]),
+            r"etcd's certificate is not trusted.*check ca_cert",
+        ),
+    ]
+    for context, why in cases:
+        backend = EtcdV3RendezvousBackend(EtcdV3Client(members, tls=context), _run_id())
+        opened.append(backend)
+        with pytest.raises(EtcdV3Error, match=why) as caught:
+            backend.set_state(b"s0")
+        assert not isinstance(caught.value, EtcdUnavailableError), caught.value
+    plain = EtcdV3Client(members, member_timeout=0.5, budget=0.5)
+    with pytest.raises(EtcdUnavailableError, match=r"Remote|reset|closed"):
+        plain.get(b"k")
 
 
 def test_two_agents_train_to_the_end_on_etcd_v3(cluster: Cluster) -> None:

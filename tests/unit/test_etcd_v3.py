@@ -8,11 +8,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+import ssl
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -22,18 +24,18 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from ftmem.launch import etcd_v3
-from ftmem.launch.etcd_v3 import (
+from ftmem.launch import etcd_client, etcd_v3
+from ftmem.launch.etcd_client import (
     EtcdUnavailableError,
     EtcdV3Client,
     EtcdV3Error,
-    create_backend,
     decode_kvs,
     member_endpoints,
     parse_endpoints,
     parse_response,
     read_bounded,
 )
+from ftmem.launch.etcd_v3 import create_backend
 
 
 def test_endpoints_name_one_or_more_members() -> None:
@@ -48,8 +50,11 @@ def test_endpoints_name_one_or_more_members() -> None:
     for bad in ("", " , ", "a:x", "a:0", "a:70000", ":1", "a:1:2"):
         with pytest.raises(ValueError):
             parse_endpoints(bad)
-    with pytest.raises(ValueError, match="https"):
+    with pytest.raises(ValueError, match="protocol=http or https"):
         parse_endpoints("https://a:2379")
+    assert parse_endpoints("https://a:1,b", "https") == [("a", 1), ("b", 2379)]
+    with pytest.raises(ValueError, match="not https"):
+        parse_endpoints("http://a:1", "https")
 
 
 def test_responses_are_validated() -> None:
@@ -60,9 +65,9 @@ def test_responses_are_validated() -> None:
         parse_response(200, b"[1, 2]")
     with pytest.raises(EtcdV3Error, match=r"refused.*too large"):
         parse_response(400, b'{"error": "x", "message": "etcdserver: request is too large"}')
-    with pytest.raises(etcd_v3._MemberFailed, match="leader changed"):  # another may answer
+    with pytest.raises(etcd_client._MemberFailed, match="leader changed"):  # another may answer
         parse_response(503, b'{"error": "etcdserver: leader changed", "code": 14}')
-    with pytest.raises(etcd_v3._MemberFailed):
+    with pytest.raises(etcd_client._MemberFailed):
         parse_response(502, b"<html>bad gateway</html>")
     with pytest.raises(EtcdV3Error, match="bad base64"):
         decode_kvs({"kvs": [{"key": "!!!", "value": ""}]})
@@ -79,7 +84,7 @@ def test_response_bodies_are_bounded() -> None:
     assert read_bounded(io.BytesIO(b"x" * 10), cap=10) == b"x" * 10
     with pytest.raises(EtcdV3Error, match="larger than 10 bytes"):
         read_bounded(io.BytesIO(b"x" * 11), cap=10)
-    assert etcd_v3.MAX_RESPONSE_BYTES == 64 << 20
+    assert etcd_client.MAX_RESPONSE_BYTES == 64 << 20
 
 
 def test_members_are_learned_from_the_member_list() -> None:
@@ -92,6 +97,7 @@ def test_members_are_learned_from_the_member_list() -> None:
         ]
     }
     assert member_endpoints(doc) == [("10.0.0.1", 2379), ("10.0.0.2", 2379)]
+    assert member_endpoints(doc, "https") == [("10.0.0.1", 2381)]
     assert member_endpoints({"members": "x"}) == []
 
 
@@ -107,17 +113,47 @@ def test_settings_come_from_rdzv_conf_and_nothing_is_sent_at_creation() -> None:
         assert backend.name == "etcd-v3"
         assert store.timeout.total_seconds() == 7
         assert store.client.members == [("127.0.0.1", 1), ("127.0.0.1", 2)]
-        assert store.client.member_timeout == etcd_v3.MEMBER_TIMEOUT_S
+        assert store.client.member_timeout == etcd_client.MEMBER_TIMEOUT_S
     finally:
         backend.close()
         store.close()
     _, store = create_backend(_params(member_timeout="0.25"))
     assert store.client.member_timeout == 0.25
-    for bad in ({"read_timeout": "0"}, {"member_timeout": "x"}, {"protocol": "https"}):
+    for bad in ({"read_timeout": "0"}, {"member_timeout": "x"}, {"protocol": "ftp"}):
         with pytest.raises(ValueError):
             create_backend(_params(**bad))
     with pytest.raises(ValueError, match="at least one"):
         create_backend(_params(""))
+
+
+def test_tls_settings_are_checked_before_anything_is_sent(tmp_path: Path) -> None:
+    """torch's etcd-v2 names (and its legacy backend's), https only, both halves of the
+    client certificate, and a private key file of this user (no symlink)."""
+    key = tmp_path / "client.key"
+    key.write_text("not a key")
+    key.chmod(0o600)
+    cert = tmp_path / "client.crt"
+    cert.write_text("not a cert")
+    _, store = create_backend(_params(protocol="HTTPS"))  # the system's CAs, no client cert
+    assert store.client.scheme == "https" and store.client.tls is not None
+    assert store.client.tls.verify_mode == ssl.CERT_REQUIRED and store.client.tls.check_hostname
+    for conf, why in (
+        ({"ca_cert": str(cert)}, "ca_cert need protocol=https"),
+        ({"protocol": "https", "ssl_cert": str(cert)}, "both ssl_cert and ssl_cert_key"),
+        ({"protocol": "https", "cert": str(cert), "ssl_cert": str(key)}, "different files"),
+        ({"protocol": "https", "cacert": str(cert)}, "cannot load ca_cert"),
+        ({"protocol": "https", "cert": str(cert), "key": str(key)}, "cannot load ssl_cert"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            create_backend(_params(**conf))
+    key.chmod(0o640)
+    with pytest.raises(ValueError, match=r"client key.*open to others"):
+        create_backend(_params(protocol="https", ssl_cert=str(cert), ssl_cert_key=str(key)))
+    key.chmod(0o600)
+    link = tmp_path / "link.key"
+    link.symlink_to(key)
+    with pytest.raises(ValueError, match="symbolic link"):
+        create_backend(_params(protocol="https", ssl_cert=str(cert), ssl_cert_key=str(link)))
 
 
 def test_registered_as_etcd_v3_for_elastic() -> None:
