@@ -96,10 +96,10 @@ from ftmem.launch.rank_store import RankStore
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
 from ftmem.launch.rendezvous import (
-    agree_slot,
+    SlotClaims,
+    SlotOffer,
     exchange_generation,
     share_master,
-    slot_offers,
     slot_workers,
     stable_ranks_apply,
 )
@@ -186,6 +186,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._guests: list[SmpRunner] = []
         """Guest SMPs holding lost slots' rebuilt step until the new mesh protects a newer one."""
         self._peer_settings = _peer_settings(ftmem, smp.run_id)
+        self._claims = SlotClaims(self._peer_settings, smp.node)
         self._key_warned = [False]
         self._standbys = StandbyPool(
             count=ftmem.standby,
@@ -327,16 +328,12 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._slot = None
             return elastic_default()
         claimed = self._claimed = self._slot
-        self._slot = agree_slot(
-            store,
-            group_rank,
-            group_world_size,
-            claimed,
-            spec.local_world_size,
-            self.generation,
-            nodes=self._prev_nodes if claimed is not None else None,
+        nodes = self._prev_nodes if claimed is not None else None
+        offer = SlotOffer(claimed, spec.local_world_size, self.generation, nodes)
+        self._slot = self._claims.agree(
+            store, group_rank, group_world_size, offer, self.rendezvous_round()
         )
-        if claimed is not None and claimed < group_world_size and self._slot not in (None, claimed):
+        if claimed is not None and self._claims.fenced_by(claimed, group_rank):
             self._fence(f"slot {claimed} is held by a node that took it over more recently")
         if self._slot is None:
             log.warning("[%s] nodes differ in size: elastic assigns the ranks", self._node)
@@ -512,7 +509,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             return
         reshape = None
         if self._slot is not None:
-            reshape = plan_reshape(slot_offers(store, worker_group.group_world_size))
+            reshape = plan_reshape(self._claims.offers())
         self._prev_nodes = worker_group.group_world_size
         if reshape is not None:
             self._rebuild_lost(worker_group, reshape)

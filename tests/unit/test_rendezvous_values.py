@@ -1,17 +1,26 @@
-"""Values the agents read from the rendezvous round's store (a real TCPStore): well-formed
-ones agree the slots; a malformed one (whoever reaches the store's port can write it) stops
-the agent with a ProtocolError naming the key, never a KeyError or TypeError."""
+"""Values the agents read from the rendezvous round's store (a real TCPStore): offers and the
+assignment MACed with the job's key and bound to the round agree the slots; what a store
+writer plants (no MAC, another round or rank, a generation beyond the round, an assignment
+that is no permutation) is refused: an offer then claims nothing, a missing assignment is a
+ProtocolError naming the key, never a KeyError or TypeError."""
 
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
 
 from ftmem.errors import ProtocolError
-from ftmem.launch.rendezvous import agree_slot
+from ftmem.exchange import keys
+from ftmem.launch.peers import _entry_mac
+from ftmem.launch.rendezvous import SlotOffer, agree_slot, agree_slots
+
+JOB = keys.generate()
+WAIT = 0.3  # how long a refused value is read again (VERIFY_WAIT_S in an agent)
 
 
 @pytest.fixture
@@ -19,9 +28,18 @@ def store() -> TCPStore:
     return TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
 
 
+def offer(rank: int, slot: int | None, gen: int, round_: int = 9, job: Any = JOB, **kw: Any) -> str:
+    fields = {"kind": "slot-offer", "round": round_, "rank": rank, "slot": slot, "size": 1}
+    fields |= {"generation": gen, "nodes": 2 if slot is not None else None, **kw}
+    return json.dumps({**fields, "mac": _entry_mac(job, fields)})
+
+
 def test_two_nodes_keep_their_slots(store: TCPStore) -> None:
-    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 2, "generation": 4, "nodes": 2}))
-    assert agree_slot(store, 0, 2, 1, 2, generation=4) == 1
+    store.set("ftmem/slot/1", offer(1, 0, 4))
+    assert agree_slot(store, 0, 2, 1, 1, generation=4, round_=9, job=JOB, wait_s=WAIT) == 1
+    # the other node reads the assignment back, checked
+    got = agree_slots(store, 1, 2, SlotOffer(0, 1, 4, 2), 9, JOB, WAIT)
+    assert got.slots == [1, 0] and got.offers[1] == SlotOffer(0, 1, 4, 2)
 
 
 def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
@@ -29,31 +47,68 @@ def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
 ) -> None:
     # group rank 1 held slot 0 until generation 7 (it took it over); this node (group rank
     # 0) held slot 0 until generation 2, then was cut off: it is fenced to the free slot.
-    store.set("ftmem/slot/1", json.dumps({"slot": 0, "size": 1, "generation": 7, "nodes": 2}))
-    assert agree_slot(store, 0, 2, 0, 1, generation=2) == 1
+    store.set("ftmem/slot/1", offer(1, 0, 7))
+    assert agree_slot(store, 0, 2, 0, 1, generation=2, round_=9, job=JOB, wait_s=WAIT) == 1
 
 
 @pytest.mark.parametrize(
-    ("other", "why"),
+    "planted",
     [
-        (b"\xff not json", "'ftmem/slot/1' is not JSON"),
-        (json.dumps({"slot": "0", "size": 2}), "'ftmem/slot/1' is not a slot offer"),
-        (json.dumps({"size": 2}), "is not a slot offer"),
-        (json.dumps({"slot": 0, "size": 2}), "is not a slot offer"),
-        (json.dumps({"slot": 0, "size": 2, "generation": "1"}), "is not a slot offer"),
-        (json.dumps({"slot": 0, "size": 2, "generation": 1}), "is not a slot offer"),
-        (json.dumps({"slot": 0, "size": 2, "generation": 1, "nodes": 0}), "is not a slot offer"),
-        (json.dumps([0, 2]), "is not a slot offer"),
+        offer(1, 0, 2**62),  # a generation beyond the round
+        offer(1, 0, 8, job=keys.generate()),  # another key
+        offer(1, 0, 8, round_=8),  # another round's (replayed)
+        offer(0, 0, 8),  # another rank's
+        json.dumps({"kind": "slot-offer", "round": 9, "rank": 1, "slot": 0, "size": 1,
+                    "generation": 8, "nodes": 2, "mac": None}),  # no MAC
+        b"\xff not json",
+        json.dumps({"slot": "0", "size": 2}),
+        json.dumps([0, 2]),
+    ],
+)  # fmt: skip
+def test_a_rogue_offer_claims_nothing(store: TCPStore, planted: Any) -> None:
+    # group rank 1's key holds what a store writer planted: slot 0 is not taken from this
+    # node (group rank 0, slot 0 since generation 5)
+    store.set("ftmem/slot/1", planted)
+    got = agree_slots(store, 0, 2, SlotOffer(0, 1, 5, 2), 9, JOB, WAIT)
+    assert got.slots == [0, 1] and got.offers[1] == SlotOffer(None, 1, -1)
+
+
+def test_the_real_offer_written_after_a_planted_one_is_honoured(store: TCPStore) -> None:
+    store.set("ftmem/slot/1", offer(1, 0, 2**62, job=keys.generate()))
+    late = threading.Timer(0.1, lambda: store.set("ftmem/slot/1", offer(1, 1, 5)))
+    late.start()
+    try:
+        got = agree_slots(store, 0, 2, SlotOffer(0, 1, 5, 2), 9, JOB, wait_s=10)
+    finally:
+        late.join()
+    assert got.slots == [0, 1] and got.offers[1] == SlotOffer(1, 1, 5, 2)
+
+
+def assignment(slots: Any, round_: int = 9, job: Any = JOB) -> str:
+    fields = {"kind": "slots", "round": round_, "slots": slots, "offers": [[0, 1, 5, 2]] * 2}
+    return json.dumps({**fields, "mac": _entry_mac(job, fields) if job else None})
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        assignment([0, 0]),  # two nodes in slot 0, even with the job's MAC
+        assignment([0, 1], job=keys.generate()),
+        assignment([1, 0], round_=8),
+        "[0, 0]",
+        "nope",
     ],
 )
-def test_a_malformed_slot_offer_is_a_clear_error(store: TCPStore, other: object, why: str) -> None:
-    store.set("ftmem/slot/1", other)  # type: ignore[arg-type]
-    with pytest.raises(ProtocolError, match=why):
-        agree_slot(store, 0, 2, 1, 2)
-
-
-@pytest.mark.parametrize("assigned", ["[0]", '["0", 1]', '{"0": 1}', "nope"])
-def test_a_malformed_assignment_is_a_clear_error(store: TCPStore, assigned: str) -> None:
-    store.set("ftmem/slots", assigned)
+def test_a_planted_assignment_is_refused(store: TCPStore, planted: str) -> None:
+    store.set("ftmem/slots", planted)
     with pytest.raises(ProtocolError, match="'ftmem/slots'"):
-        agree_slot(store, 1, 2, None, 2)
+        agree_slots(store, 1, 2, SlotOffer(1, 1, 5, 2), 9, JOB, WAIT)
+
+
+def test_without_a_key_the_round_bound_and_the_permutation_still_hold(store: TCPStore) -> None:
+    store.set("ftmem/slot/1", offer(1, 0, 2**62, job=JOB))
+    got = agree_slots(store, 0, 2, SlotOffer(0, 1, 5, 2), 9, None, WAIT)
+    assert got.slots == [0, 1]
+    store.set("ftmem/slots", assignment([0, 0], job=None))
+    with pytest.raises(ProtocolError, match="not a permutation"):
+        agree_slots(store, 1, 2, SlotOffer(1, 1, 5, 2), 9, None, WAIT)
