@@ -48,7 +48,7 @@ from ftmem.launch.elastic_compat import (
     launch_shutdown_timeout,
 )
 from ftmem.launch.membership import MembershipWatch
-from ftmem.launch.peers import host_key_path
+from ftmem.launch.peers import host_key_path, release_host_key
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.state_guard import state_key
 from ftmem.launch.workers import wrap_entrypoint
@@ -216,9 +216,9 @@ def launch_agent(
         smp.stop()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
-            # The job is over: the key its agents shared on this host goes too (a late agent
-            # of the same job makes a new one: each generation reads it again).
-            host_key_path(smp.run_id).unlink(missing_ok=True)
+        # The key the job's agents share on this host goes when the job is over or with its
+        # last agent here (a late agent of the same job makes a new one).
+        release_host_key(host_key_path(smp.run_id), job_over=shutdown_rdzv)
         _cleanup_run_dir(run_dir, auto=ftmem.auto_run_dir, keep=not succeeded)
 
 
