@@ -6,38 +6,57 @@ multipart message whole before the application sees any of it, so anyone who can
 grows the receiver without bound with frames that never end a message. Here every byte is read
 by this module into buffers whose sizes were checked, and authenticated, before they are made.
 
-Wire format (one direction of a TCP connection, messages back to back, integers little endian)::
+Wire format (one TCP connection, integers little endian)::
 
+    sender -> receiver, first:
+    hello     92 bytes: b"FTH1", the sender's public key of the generation (Z85), its nonce
+              (16 bytes, fresh), data_mac.hello_tag over both public keys and that nonce
+    receiver -> sender, once the hello's tag is right (and nothing else ever):
+    nonce     16 random bytes
+    sender -> receiver, then messages back to back:
     prelude   12 bytes: b"FTD1", name bytes (u16), buffer count (u16), header bytes (u32)
     sizes     8 bytes per buffer (u64)
     name      the sender's node name (ASCII)
     header    the PEER envelope frame (wire.py: sizes and xxh3 checksums of the buffers)
-    head tag  32 bytes: data_mac.head_tag over both public keys, the name, header and sizes
+    head tag  32 bytes: data_mac.head_tag over both public keys, the name, header and sizes,
+              the receiver's nonce and the message's number on the connection (0, 1, ...)
     buffers   the raw bytes
     tag       32 bytes: data_mac.tag over both public keys, the name, header and buffers
 
 A receiver reads a connection through these stages::
 
-    PRELUDE -> HEAD -> (PARKED until the generation's keys are known) -> BODY -> TAG -> PRELUDE
-       any bad prelude or head, a head tag that is wrong, EOF, a deadline: the connection closes
+    HELLO -> (PARKED until the generation's keys are known) -> send the nonce ->
+    PRELUDE -> HEAD -> BODY -> TAG -> PRELUDE
+       a bad hello, prelude or head, a tag that is wrong, EOF, a deadline: the connection closes
 
 What it holds, whatever anyone sends:
-- A connection that has not yet sent a head whose tag is right (no key holder, so far) holds at
-  most one head (:data:`MAX_HEAD` bytes); at most :data:`MAX_PENDING` such connections are open
-  (the oldest is closed for a new one) and each is closed after ``admit_wait_s``.
-- Buffers are made only once the head tag, which binds their sizes, is right: a key holder's
-  connection holds at most one message of ``max_message_bytes``; a node keeps at most
-  :data:`PER_NODE` connections (the older is closed).
-- At most :data:`RECV_QUEUE` whole messages wait for :meth:`DataChannel.take`; reading stops
-  while they do.
-- Connections come only from the generation's peer hosts once those are known; a sender binds
-  its outgoing socket to the address it advertises, so its connections come from there.
+- A connection whose hello is not yet right (anyone's) holds at most :data:`HELLO` bytes and
+  lives at most :data:`HEAD_S` (``admit_wait_s`` while its hello is parked). Who may hold one
+  (admission.py): at most ``PER_SOURCE`` per address, each peer host of the generation with
+  room of its own, no other address once those are known. One over its quota is closed at
+  once, before the receiver's first byte (the sender sends it again: nothing is lost); no open
+  connection is closed to make room. One whose right hello is already in as it is accepted is
+  taken anyway (a key holder: a flood from a shared address does not shut the peers out). A
+  hello whose nonce was seen before in the generation (a replay) closes the connection.
+- A key holder's connection (its hello was right) must send a head whose tag is right within
+  :data:`HEAD_S` of the nonce; buffers are made only once the head tag, which binds their
+  sizes, is right: it holds at most one message of ``max_message_bytes``, and within a message
+  it may stay silent at most :data:`BODY_S` (the body deadline). A node keeps at most
+  :data:`PER_NODE` connections that carried a message (the older is closed): a head is good on
+  one connection only (the nonce), so only the node itself can make a newer one.
+- At most :data:`RECV_QUEUE` whole messages wait for :meth:`DataChannel.take`; reading key
+  holders' connections stops while they do.
+- A sender binds its outgoing socket to the address it advertises, so its connections come
+  from there. Refused and closed connections without a right hello are logged as counts
+  (admission.DropLog); accept failing for want of descriptors pauses accepting briefly.
 
 The full tag is checked by the consumer (zmq_transport.py) before anything else is read; a
 message whose buffers do not match it leaves the stream in frame (the sizes were
 authenticated), so the connection goes on. Sending: per peer, a queue of at most ``send_hwm``
-messages and one connection (made on demand, remade after a failure with a backoff; a message
-cut by a failure is lost, as on any dead link; the group protocol asks again).
+messages and one connection (made on demand, remade after a failure with a backoff). A message
+leaves the queue once the receiver's nonce is in, and goes back to it if its connection closes
+before any of its bytes were sent; a message cut by a failure is lost, as on any dead link
+(the group protocol asks again).
 
 One thread ("data-channel") does all socket I/O; the exchange thread queues sends and takes
 received messages, and is woken through :attr:`DataChannel.wake_fd`.
@@ -49,39 +68,51 @@ import errno
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ftmem.errors import FtmemError
-from ftmem.exchange import data_mac
+from ftmem.exchange import admission, data_mac
 from ftmem.exchange.codec import tune_malloc
+from ftmem.exchange.data_send import (
+    HELLO,
+    HELLO_MAGIC,
+    MAGIC,
+    PRELUDE,
+    Outbound,
+    Outgoing,
+    Sender,
+    frame,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"FTD1"
-PRELUDE = struct.Struct("<4sHHI")
-"""magic, name bytes, buffer count, header bytes."""
 MAX_NAME = 64
 MAX_BUFFERS = 8
 MAX_HEADER = 1 << 20
 MAX_HEAD = MAX_BUFFERS * 8 + MAX_NAME + MAX_HEADER + data_mac.TAG_BYTES
-"""The most a connection holds before its sender is authenticated."""
-MAX_PENDING = 16
-"""Open connections whose sender is not yet authenticated."""
+"""The most a key holder's connection holds before its head's tag is checked."""
+HEAD_S = 1.5
+"""A connection's hello, and a key holder's first head after the nonce, within this."""
+BODY_S = 10.0
+"""Within a message, a connection may stay silent this long at most."""
 PER_NODE = 2
-"""Connections kept per authenticated node."""
+"""Connections kept per node (those that carried a message)."""
 RECV_QUEUE = 8
 """Whole messages waiting for take(); reading pauses while this many do."""
-_IOV = 64  # parts per sendmsg call
-_BACKOFF_S = (0.1, 2.0)
+SEEN = 4096
+"""Hello nonces remembered per generation (a replayed hello is refused)."""
+_ACCEPT_PAUSE_S = 0.5  # accept failing for want of descriptors: wait this long
+_NO_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class DataChannelError(FtmemError):
@@ -133,11 +164,16 @@ def _buffer(n: int) -> memoryview:
 class _Inbound:
     sock: socket.socket
     ip: str
-    since: float
+    due: float
+    """When it is closed unless it moves on (inf: never; only while it is read or parked)."""
     node: str = ""
-    """The authenticated sender ("" until a head's tag was right)."""
-    stage: str = "prelude"
-    target: memoryview = field(default_factory=lambda: memoryview(bytearray(PRELUDE.size)))
+    """The key holder its hello named ("" until the hello's tag was right)."""
+    proven: bool = False
+    """A head's tag was right on it (the node itself sent it)."""
+    nonce: bytes = b""
+    seq: int = 0
+    stage: str = "hello"
+    target: memoryview = field(default_factory=lambda: memoryview(bytearray(HELLO.size)))
     got: int = 0
     layout: tuple[int, int, int] = (0, 0, 0)
     """The head's buffer count, name and header bytes (from the prelude)."""
@@ -149,20 +185,7 @@ class _Inbound:
     reading: bool = True
 
 
-@dataclass(eq=False, slots=True)
-class _Outbound:
-    node: str
-    host: str
-    port: int
-    queue: deque[list[memoryview]] = field(default_factory=deque)
-    sock: socket.socket | None = None
-    connected: bool = False
-    current: list[memoryview] | None = None
-    retry_at: float = 0.0
-    backoff: float = _BACKOFF_S[0]
-
-
-class DataChannel:
+class DataChannel(Sender):
     """Receives and sends data-channel messages (module docstring). Thread-safe between the
     exchange thread (:meth:`set_members`, :meth:`has_room`, :meth:`wait_room`, :meth:`put`,
     :meth:`take`) and its own I/O thread.
@@ -189,7 +212,8 @@ class DataChannel:
         self.dropped = 0
         """Messages or connections dropped by the I/O thread (malformed, refused, cut)."""
         self.forged = 0
-        """Heads whose tag was wrong (altered, or sent without the job's key)."""
+        """Hellos and heads whose tag was wrong (altered, replayed, or sent without the job's
+        key; a connection whose first bytes are no hello counts as one)."""
         self.refused: deque[Refused] = deque(maxlen=64)
         self.failed = ""
         """Why the I/O thread stopped on an unexpected error ("" while it runs):
@@ -197,11 +221,15 @@ class DataChannel:
         data that can no longer come."""
         self.port = 0
         self._peer_keys: dict[str, bytes] | None = None
+        self._by_public: dict[bytes, str] = {}
+        self._seen: dict[bytes, None] = {}
         self._allowed: frozenset[str] | None = None
+        self._drops = admission.DropLog(log, f"[{node}] data channel")
+        self._accept_at = 0.0  # > 0: accepting paused until then
         self._lock = threading.Condition()
         self._inbox: deque[Received] = deque()
-        self._out: dict[str, _Outbound] = {}
-        self._retired: list[_Outbound] = []
+        self._out: dict[str, Outbound] = {}
+        self._retired: list[Outbound] = []
         self._in: list[_Inbound] = []
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -230,7 +258,7 @@ class DataChannel:
         tune_malloc()
         host = self.host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        lst = socket.create_server((host, 0), family=family, backlog=64)
+        lst = socket.create_server((host, 0), family=family, backlog=256)
         lst.setblocking(False)
         self.port = lst.getsockname()[1]
         self._listener = lst
@@ -257,6 +285,9 @@ class DataChannel:
             )
             allowed = None
         with self._lock:
+            if peer_keys != self._peer_keys:
+                self._seen = {}
+            self._by_public = {k: n for n, k in peer_keys.items()}
             self._peer_keys = dict(peer_keys)
             self._allowed = allowed
             for node, o in list(self._out.items()):
@@ -266,10 +297,12 @@ class DataChannel:
                     o.current = None
                     o.retry_at = -1.0  # closed by the I/O thread
                     self._retired.append(o)
+                else:
+                    o.public = peer_keys[node]
             for node, ep in data.items():
                 if node not in self._out:
                     host, port = split_endpoint(ep)
-                    self._out[node] = _Outbound(node, host, port)
+                    self._out[node] = Outbound(node, host, port, peer_keys[node])
             self._lock.notify_all()
         self._wake()
 
@@ -293,10 +326,11 @@ class DataChannel:
                 self._lock.wait(left)
         return True
 
-    def put(self, node: str, parts: list[memoryview]) -> None:
-        """Queue one message (its wire parts, sent without copies; kept until sent)."""
+    def put(self, node: str, msg: Outgoing) -> None:
+        """Queue one message (:func:`frame`'s; its buffers are sent without copies and kept
+        until sent)."""
         with self._lock:
-            self._out[node].queue.append(parts)
+            self._out[node].queue.append(msg)
         self._wake()
 
     def take(self) -> Received | None:
@@ -325,6 +359,7 @@ class DataChannel:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+        self._drops.flush(force=True)
         for c in self._in:
             c.sock.close()
         self._in.clear()
@@ -366,7 +401,7 @@ class DataChannel:
                             pass
                     elif isinstance(what, _Inbound):
                         self._read(what)
-                    elif isinstance(what, _Outbound):
+                    elif isinstance(what, Outbound):
                         self._write(what, events)
                 self._housekeep()
         except Exception as exc:  # a bug here must not go unnoticed: no data would come
@@ -379,9 +414,11 @@ class DataChannel:
 
     def _timeout(self) -> float | None:
         now = time.monotonic()
-        times = [c.since + self.admit_wait_s for c in self._in if not c.node]
+        times = [c.due for c in self._in if c.reading or c.stage == "parked"]
         times += [o.retry_at for o in list(self._out.values()) if o.sock is None and o.queue]
-        return max(0.0, min(times) - now) if times else None
+        times += [self._drops.due(), self._accept_at or math.inf]
+        soonest = min(times)
+        return max(0.0, soonest - now) if soonest < math.inf else None
 
     def _housekeep(self) -> None:
         now = time.monotonic()
@@ -391,60 +428,72 @@ class DataChannel:
             paused = len(self._inbox) >= RECV_QUEUE
             keys = self._peer_keys
         for o in retired:
-            self._close_out(o, cut=False)
+            self._close_out(o)
         for c in list(self._in):
-            if not c.node and now > c.since + self.admit_wait_s:
-                self._drop(c, "no authenticated head in time")
+            if now > c.due and (c.reading or c.stage == "parked"):
+                self._drop(c, "no hello" if c.stage == "hello" else "a deadline passed")
             elif c.stage == "parked" and keys is not None:
-                c.stage = "checked"
-                self._after_head(c)
+                self._after_hello(c)
         for o in outs:
             if o.sock is None and (o.queue or o.current) and now >= o.retry_at:
                 self._connect(o)
-            elif o.connected and (o.queue or o.current):
+            elif o.got == data_mac.NONCE_BYTES and (o.queue or o.current):
                 self._watch(o, selectors.EVENT_READ | selectors.EVENT_WRITE)
         if paused != self._paused:
             self._paused = paused
             for c in self._in:
-                if c.stage != "parked":
+                if c.node and c.stage != "parked":
                     self._reading(c, not paused)
+        if self._accept_at and now >= self._accept_at and self._listener is not None:
+            self._accept_at = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        self._drops.flush(now)
 
     # inbound
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
+        while not self._accept_at:
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: the peer retries
-                log.warning("[%s] data channel: accept failed: %s", self.node, exc)
+            except OSError as exc:
+                if exc.errno not in _NO_FDS:
+                    continue  # that connection is gone (ECONNABORTED and the like)
+                self._drops.count("", f"accept failed ({exc.strerror}); paused a while")
+                self._sel.unregister(self._listener)  # the peer's connect waits meanwhile
+                self._accept_at = time.monotonic() + _ACCEPT_PAUSE_S
                 return
-            ip = str(ipaddress.ip_address(addr[0].split("%")[0]))
-            allowed = self._allowed
-            if allowed is not None and ip not in allowed:
-                self.dropped += 1  # counted before the peer can see the close
-                sock.close()
-                log.warning(
-                    "[%s] data channel: refused a connection from %s, no peer host of "
-                    "this generation",
-                    self.node,
-                    ip,
-                )
-                continue
-            pending = [c for c in self._in if not c.node]
-            if len(pending) >= MAX_PENDING:
-                self._drop(pending[0], "too many unauthenticated connections")
             sock.setblocking(False)
-            c = _Inbound(sock, ip, time.monotonic())
+            ip = str(ipaddress.ip_address(addr[0].split("%")[0]))
+            c = _Inbound(sock, ip, time.monotonic() + HEAD_S)
+            why = admission.refusal(
+                ip, Counter(x.ip for x in self._in if not x.node), self._allowed
+            )
             self._in.append(c)
-            self._sel.register(sock, selectors.EVENT_READ, c)
+            if not why:
+                self._sel.register(sock, selectors.EVENT_READ, c)
+                continue
+            c.reading = False  # over quota: taken only if its right hello is in already
+            try:
+                c.got = sock.recv_into(c.target)
+            except OSError:
+                pass
+            if c.got == HELLO.size and self._peer_keys is not None:
+                self._reading(c, True)
+                c.stage = "parked"
+                self._after_hello(c)
+                why = "" if c.node else why
+            if why:
+                self._drop(c, why)
 
     def _reading(self, c: _Inbound, on: bool) -> None:
         if on != c.reading:
             c.reading = on
             if on:
                 self._sel.register(c.sock, selectors.EVENT_READ, c)
+                if c.due < math.inf:
+                    c.due = max(c.due, time.monotonic() + HEAD_S)
             else:
                 self._sel.unregister(c.sock)
 
@@ -455,11 +504,14 @@ class DataChannel:
                 self._sel.unregister(c.sock)
             self.dropped += 1  # counted before the peer can see the close
             c.sock.close()
+            if not c.node:  # anyone's: counted, logged now and then
+                self._drops.count(c.ip, why)
+                return
             log.warning(
-                "[%s] data channel: closed a connection from %s (%s): %s",
+                "[%s] data channel: closed a connection from %s (node %s): %s",
                 self.node,
                 c.ip,
-                c.node or "not authenticated",
+                c.node,
                 why,
             )
 
@@ -473,20 +525,29 @@ class DataChannel:
                 self._drop(c, f"read failed: {exc}")
                 return
             if n == 0:
-                if c.stage == "prelude" and c.got == 0 and c.node:
+                if c.stage == "prelude" and c.got == 0 and c.proven:
                     self._in.remove(c)  # a clean close between messages
                     self._sel.unregister(c.sock)
                     c.sock.close()
                 else:
-                    self._drop(c, "closed in the middle of a message")
+                    self._drop(c, f"closed in stage {c.stage}")
                 return
             c.got += n
+            if c.proven:
+                c.due = time.monotonic() + BODY_S
             if c.got == len(c.target):
                 self._advance(c)
 
     def _advance(self, c: _Inbound) -> None:
         """The current stage's bytes are all in: check them and go to the next stage."""
-        if c.stage == "prelude":
+        if c.stage == "hello":
+            c.stage = "parked"
+            if self._peer_keys is None:  # no generation yet: wait for it (bounded)
+                self._reading(c, False)
+                c.due = time.monotonic() + self.admit_wait_s
+                return
+            self._after_hello(c)
+        elif c.stage == "prelude":
             magic, name_n, nbuf, header_n = PRELUDE.unpack(c.target)
             if (
                 magic != MAGIC
@@ -506,11 +567,6 @@ class DataChannel:
             c.header = raw[nbuf * 8 + name_n : nbuf * 8 + name_n + header_n]
             c.head = raw[-data_mac.TAG_BYTES :]
             c.name = name.decode("ascii", "replace") if name.isascii() else "?"
-            if self._peer_keys is None:  # no generation yet: wait for it (bounded)
-                c.stage = "parked"
-                self._reading(c, False)
-                return
-            c.stage = "checked"
             self._after_head(c)
         elif c.stage == "body":
             c.buffers.append(c.target)
@@ -527,42 +583,72 @@ class DataChannel:
         if stage == "body" and not len(c.target):  # an empty buffer: nothing to read
             self._advance(c)
 
+    def _after_hello(self, c: _Inbound) -> None:
+        """Check a (parked) connection's hello now that the keys are known: a key holder's
+        gets the nonce and goes on to its first message; any other closes."""
+        magic, public, nonce, tag = HELLO.unpack(c.target)
+        node = self._by_public.get(public, "") if magic == HELLO_MAGIC else ""
+        if not node or not hmac.compare_digest(
+            tag, data_mac.hello_tag(self._key, public, self._public, nonce)
+        ):
+            self.forged += 1
+            self._drop(c, "not a key holder's hello" if node else "no member's hello")
+            return
+        if nonce in self._seen:
+            self.forged += 1
+            self._drop(c, "a replayed hello")
+            return
+        self._seen[nonce] = None
+        if len(self._seen) > SEEN:
+            del self._seen[next(iter(self._seen))]
+        c.nonce = os.urandom(data_mac.NONCE_BYTES)
+        try:
+            sent = c.sock.send(c.nonce)
+        except OSError:
+            sent = 0
+        if sent != len(c.nonce):
+            self._drop(c, "the nonce could not be sent")
+            return
+        c.node, c.due = node, time.monotonic() + HEAD_S
+        self._reading(c, not self._paused)
+        self._expect(c, "prelude", bytearray(PRELUDE.size))
+
     def _after_head(self, c: _Inbound) -> None:
         keys = self._peer_keys or {}
         public = keys.get(c.name)
         want = (
-            data_mac.head_tag(self._key, public, self._public, c.name, c.header, c.sizes)
-            if public is not None
+            data_mac.head_tag(
+                self._key, public, self._public, c.name, c.header, c.sizes, c.nonce, c.seq
+            )
+            if public is not None and c.name == c.node
             else b""
         )
         if not want or not hmac.compare_digest(want, c.head):
             self.forged += 1
-            if public is not None and c.node == c.name:  # only over that node's own connection:
-                self.refused.append(Refused(c.name, c.header))  # anyone can name a member
+            if want:  # a member's, over that node's own connection (anyone can name one)
+                self.refused.append(Refused(c.name, c.header))
             self._drop(
                 c,
                 f"a head naming node {c.name[:16]!r} without its tag "
-                "(altered on the way, or sent without the job's key)",
+                "(altered on the way, replayed, or sent without the job's key)",
             )
             return
-        if c.node and c.node != c.name:
-            self._drop(c, f"node {c.node!r}'s connection sent a message naming {c.name!r}")
-            return
+        c.seq += 1
         if sum(c.sizes) > self.max_message_bytes:
             self._drop(c, f"a message of {sum(c.sizes)} bytes (at most {self.max_message_bytes})")
             return
-        if not c.node:
-            c.node = c.name
-            mine = [x for x in self._in if x.node == c.node]
+        if not c.proven:
+            c.proven = True
+            mine = [x for x in self._in if x.node == c.node and x.proven]
             if len(mine) > PER_NODE:
                 self._drop(mine[0], "a newer connection of the same node")
-        self._reading(c, not self._paused)
+        c.due = time.monotonic() + BODY_S
         c.buffers = []
         self._expect(c, "body", None)
 
     def _deliver(self, c: _Inbound, tag: bytes) -> None:
         got = Received(c.node, c.header, c.buffers, tag)
-        c.buffers, c.header = [], b""
+        c.buffers, c.header, c.due = [], b"", math.inf
         self._expect(c, "prelude", bytearray(PRELUDE.size))
         with self._lock:
             self._inbox.append(got)
@@ -571,111 +657,8 @@ class DataChannel:
         if full and not self._paused:
             self._paused = True
             for x in self._in:
-                if x.stage != "parked":
+                if x.node and x.stage != "parked":
                     self._reading(x, False)
 
-    # outbound
-    def _watch(self, o: _Outbound, events: int) -> None:
-        assert o.sock is not None
-        try:
-            self._sel.modify(o.sock, events, o)
-        except KeyError:
-            self._sel.register(o.sock, events, o)
 
-    def _connect(self, o: _Outbound) -> None:
-        family = socket.AF_INET6 if ":" in o.host else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.bind((self.host.strip("[]"), 0))  # connections come from the advertised host
-        except OSError as exc:
-            log.debug("[%s] data channel: cannot bind to %s: %s", self.node, self.host, exc)
-        err = s.connect_ex((o.host, o.port))
-        o.sock, o.connected = s, False
-        if err not in (0, errno.EINPROGRESS):
-            self._close_out(o, cut=False)
-            return
-        self._watch(o, selectors.EVENT_WRITE)
-
-    def _close_out(self, o: _Outbound, cut: bool) -> None:
-        if o.sock is not None:
-            try:
-                self._sel.unregister(o.sock)
-            except (KeyError, ValueError):
-                pass
-            o.sock.close()
-        if cut and o.current is not None:
-            log.warning("[%s] data channel: a message to node %s was cut", self.node, o.node)
-        o.sock, o.connected, o.current = None, False, None
-        o.retry_at = time.monotonic() + o.backoff
-        o.backoff = min(o.backoff * 2, _BACKOFF_S[1])
-
-    def _write(self, o: _Outbound, events: int) -> None:
-        if o.sock is None:
-            return
-        if not o.connected:
-            err = o.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                self._close_out(o, cut=False)
-                return
-            o.connected, o.backoff = True, _BACKOFF_S[0]
-        if events & selectors.EVENT_READ:  # a receiver sends nothing: its close, or junk
-            try:
-                o.sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                self._close_out(o, cut=True)
-                return
-            else:
-                self._close_out(o, cut=True)
-                return
-        while True:
-            if not o.current:
-                with self._lock:
-                    o.current = o.queue.popleft() if o.queue else None
-                    self._lock.notify_all()
-                if o.current is None:
-                    self._watch(o, selectors.EVENT_READ)
-                    return
-            try:
-                n = o.sock.sendmsg(o.current[:_IOV])
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._close_out(o, cut=True)
-                return
-            parts = o.current
-            while parts and n >= len(parts[0]):
-                n -= len(parts[0])
-                parts.pop(0)
-            if parts and n:
-                parts[0] = parts[0][n:]
-
-
-def frame(
-    key: bytes,
-    sender_public: bytes,
-    receiver_public: bytes,
-    sender: str,
-    header: bytes,
-    buffers: list[memoryview],
-) -> list[memoryview]:
-    """The wire parts of one message (module docstring); buffers are not copied."""
-    name = sender.encode()
-    sizes = tuple(b.nbytes for b in buffers)
-    head = data_mac.head_tag(key, sender_public, receiver_public, sender, header, sizes)
-    tag = data_mac.tag(key, sender_public, receiver_public, sender, header, buffers)
-    prefix = b"".join(
-        (
-            PRELUDE.pack(MAGIC, len(name), len(buffers), len(header)),
-            struct.pack(f"<{len(sizes)}Q", *sizes),
-            name,
-            header,
-            head,
-        )
-    )
-    return [memoryview(prefix), *(b.cast("B") for b in buffers), memoryview(tag)]
-
-
-__all__ = ["DataChannel", "Received", "Refused", "frame", "split_endpoint"]
+__all__ = ["DataChannel", "Outgoing", "Received", "Refused", "frame", "split_endpoint"]

@@ -8,7 +8,9 @@ over the sender's and the receiver's public keys of the generation, the sender's
 header frame and every buffer, each length-prefixed. A receiver recomputes the tag before it
 reads anything else, so a message that was altered on the way, or made by anyone without the
 job's key, is refused; binding both public keys refuses a message replayed into another
-generation or to another node. BLAKE3 hashes at several GB/s on one core and releases the GIL.
+generation or to another node. A connection opens with a tagged hello, and each head also
+binds the receiver's nonce of the connection and the message's sequence number on it, so a
+sniffed head is refused on any other connection and in any other place. BLAKE3 hashes at several GB/s on one core and releases the GIL.
 
 What it does not give: secrecy (the bytes are in the clear on the wire), and a distinction
 between the job's own nodes (they share the key; CURVE, which still carries every message
@@ -70,7 +72,10 @@ def tag(
     return h.digest()
 
 
-_HEAD_DOMAIN = b"ftmem/peer-data-head/1\0"
+_HEAD_DOMAIN = b"ftmem/peer-data-head/2\0"
+_HELLO_DOMAIN = b"ftmem/peer-data-hello/1\0"
+NONCE_BYTES = 16
+"""Bytes of a connection's nonces (the sender's in its hello, the receiver's in reply)."""
 
 
 def head_tag(
@@ -80,12 +85,29 @@ def head_tag(
     sender: str,
     header: bytes | memoryview,
     sizes: Sequence[int],
+    nonce: bytes,
+    seq: int,
 ) -> bytes:
     """The tag of a message's head: what a receiver checks before it makes room for the
-    buffers (data_channel.py), over both public keys, the sender's name, the header and the
-    buffers' sizes; a domain of its own, so it is never mistaken for a message's :func:`tag`."""
+    buffers (data_channel.py), over both public keys, the sender's name, the header, the
+    buffers' sizes, the receiver's ``nonce`` of the connection and the message's ``seq`` on it
+    (0, 1, ...), so a head is good once, on one connection; a domain of its own, so it is never
+    mistaken for a message's :func:`tag`."""
     h = _started(_HEAD_DOMAIN, key, sender_public, receiver_public, sender, header)
     h.update(len(sizes).to_bytes(8, "little"))
     for n in sizes:
         h.update(int(n).to_bytes(8, "little"))
+    _framed(h, nonce)
+    h.update(seq.to_bytes(8, "little"))
+    return h.digest()
+
+
+def hello_tag(key: bytes, sender_public: bytes, receiver_public: bytes, nonce: bytes) -> bytes:
+    """The tag of a connection's hello (data_channel.py): the sender, whose public key of the
+    generation it names, holds the job's key; ``nonce`` is the sender's, fresh per connection
+    (the receiver refuses one it has seen in the generation)."""
+    h = blake3.blake3(key=key)
+    h.update(_HELLO_DOMAIN)
+    for part in (sender_public, receiver_public, nonce):
+        _framed(h, part)
     return h.digest()

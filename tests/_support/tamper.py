@@ -1,5 +1,5 @@
 """A man in the middle for the peer data channel: a TCP proxy that flips one byte in the body
-of data-channel buffers (data_channel.py's wire format: a 12-byte prelude of magic, name
+of data-channel buffers (data_channel.py's wire format: a 92-byte hello first, then a 12-byte prelude of magic, name
 length u16, buffer count u16 and header length u32, little endian; the buffer sizes as u64; the
 name, header and a 32-byte head tag; the buffers; a 32-byte tag), never in the framing, so the
 connection lives and only the tagged message is refused."""
@@ -12,6 +12,7 @@ import struct
 import threading
 
 _TAG = 32
+_HELLO = 92  # the connection's hello, before its first message
 
 
 class _Flipper:
@@ -21,14 +22,16 @@ class _Flipper:
     def __init__(self, every: bool, min_size: int) -> None:
         self.every, self.min_size = every, min_size
         self.flips = 0
-        self._want, self._got = 12, bytearray()  # the bytes of the current framing part
-        self._state = "prelude"
+        self._want, self._got = _HELLO, bytearray()  # the bytes of the current framing part
+        self._state = "hello"
         self._sizes: list[int] = []
         self._left, self._pos, self._flip_at = 0, 0, -1
         self._head = 0
 
     def _framing(self, done: bytes) -> None:
-        if self._state == "prelude":
+        if self._state == "hello":
+            self._state, self._want = "prelude", 12
+        elif self._state == "prelude":
             _, name_n, nbuf, header_n = struct.unpack("<4sHHI", done)
             self._head = nbuf * 8
             self._state, self._want = "head", nbuf * 8 + name_n + header_n + _TAG

@@ -272,7 +272,8 @@ def test_a_data_message_without_the_jobs_key_is_refused(
     pair: tuple[ZmqPeerTransport, ZmqPeerTransport],
 ) -> None:
     """A node holding another key, naming itself "a" (a member), reaches b's plain port but its
-    tag is wrong: dropped and counted; a's own messages still arrive."""
+    hello's tag is wrong: each try is dropped and counted (its sender tries again, as after any
+    connection closed before the receiver's nonce); a's own messages still arrive."""
     a, b = pair
     intruder = ZmqPeerTransport("a", keys.generate())
     try:
@@ -280,7 +281,7 @@ def test_a_data_message_without_the_jobs_key_is_refused(
         intruder.connect({"a": intruder.endpoint, "b": b.endpoint})
         intruder.send("b", {"step": 9}, [b"forged fragment"])
         assert intruder.data_sent == 1
-        assert b.recv(2.0) is None and b.forged == 1 and b.dropped == 1
+        assert b.recv(2.0) is None and b.forged >= 1 and b.dropped >= 1
         assert b.take_refused() == []  # it came over no connection of a's: nothing to ask again
     finally:
         intruder.close()
