@@ -279,37 +279,36 @@ class SlotClaims:
     def __init__(self, settings: PeerSettings, node: str) -> None:
         self._settings = settings
         self._node = node
-        self._job: Any = None
-        self._looked = False
+        self._warned = False
         self.agreed: SlotAgreement | None = None
         """The last round's agreement (this node's view)."""
 
-    def job(self, group_rank: int) -> Any:
-        """The job's key pair for the claims' MACs (None: none to be had)."""
+    def job(self, store: Any, group_rank: int) -> Any:
+        """The job's key pair for this round's claims (None: none to be had)."""
         from ftmem.launch.config import is_loopback
 
-        ps = self._settings
-        if not self._looked:
-            self._looked = True
-            if ps.key_file is not None or (ps.host_key is not None and is_loopback(ps.host)):
-                try:
-                    self._job = keys.CurveKeyPair.from_json(job_keys(ps, None, group_rank, [True]))
-                except FtmemError as exc:
-                    log.warning("[%s] no job key for the slot claims: %s", self._node, exc)
-            if self._job is None:
-                log.warning(
-                    "[%s] slot claims in the rendezvous store are not authenticated (no key "
-                    "file; with --ftmem-insecure-mesh the job's key travels through the store, "
-                    "so a MAC would prove nothing): a store writer can claim a slot",
-                    self._node,
-                )
-        return self._job
+        ps, job = self._settings, None
+        if ps.key_file is not None or (ps.host_key is not None and is_loopback(ps.host)):
+            try:
+                job = keys.CurveKeyPair.from_json(job_keys(ps, store, group_rank, [True]))
+            except FtmemError as exc:
+                log.warning("[%s] no job key for the slot claims: %s", self._node, exc)
+        if job is None and not self._warned:
+            self._warned = True
+            log.warning(
+                "[%s] slot claims in the rendezvous store are not authenticated (no key "
+                "file; with --ftmem-insecure-mesh the job's key travels through the store, "
+                "so a MAC would prove nothing): a store writer can claim a slot",
+                self._node,
+            )
+        return job
 
     def agree(
         self, store: Any, group_rank: int, n: int, offer: SlotOffer, round_: int | None
     ) -> int | None:
         """This node's slot in round ``round_`` (None: the nodes differ in size)."""
-        self.agreed = agree_slots(store, group_rank, n, offer, round_, self.job(group_rank))
+        job = self.job(store, group_rank)
+        self.agreed = agree_slots(store, group_rank, n, offer, round_, job)
         slots = self.agreed.slots
         return None if slots is None else slots[group_rank]
 

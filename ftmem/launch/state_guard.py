@@ -189,7 +189,7 @@ class GuardedBackend(RendezvousBackend):
             self._refuse(exc)
             return self._last if self._last is not None else self._empty
         if self._refused:
-            log.warning(
+            log.info(
                 "the rendezvous state in the store passes its checks again (%d refused reads)",
                 self._refused,
             )

@@ -149,7 +149,7 @@ def test_a_planted_state_answers_the_last_one_that_passed_with_its_token(
     marker, real = tmp_path / "MARKER", _state()
     # nothing passed yet: a planted value reads as a fresh state
     inner.value, inner.token = pickle.dumps(Runs(os.system, f"touch {marker}")), 7
-    with caplog.at_level(logging.WARNING, logger="ftmem.launch.state_guard"):
+    with caplog.at_level(logging.INFO, logger="ftmem.launch.state_guard"):
         assert guard.get_state() == (empty, 7)
         written = guard.set_state(pickle.dumps(real), 7)  # elastic's next write wins
         assert written is not None and written[2]
