@@ -52,8 +52,8 @@ def test_the_kubernetes_manifests_validate_against_their_version() -> None:
     train = pod["containers"][0]
     args = " ".join(train["args"])
     assert "--rdzv-backend etcd-v3" in args and "--ftmem-key-file /run/ftmem/mesh.key" in args
-    # etcd over TLS with this Job's client certificate (torch's etcd --rdzv-conf names).
-    assert "--rdzv-conf protocol=https,cacert=/run/ftmem/ca.crt,cert=" in args
+    # etcd over TLS with this Job's client certificate (torch's etcd-v2 --rdzv-conf names).
+    assert "--rdzv-conf protocol=https,ca_cert=/run/ftmem/ca.crt,ssl_cert=" in args
     assert '--ftmem-metrics-addr "$POD_IP"' in args and "0.0.0.0" not in args
     # Non-root, no capabilities; the keys reach the uid through the init container (K2, K3).
     ctx = pod["securityContext"]
