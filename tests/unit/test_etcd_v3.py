@@ -8,8 +8,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import ssl
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
