@@ -1,4 +1,4 @@
-"""``read_key_file`` (issue 48, S2): it trusts only a regular file of this user (or root)
+"""``read_key_file``: it trusts only a regular file of this user (or root)
 that nobody else can read, checked on the file it opened: a symlink, another user's file, a
 FIFO or a too-open file is refused with the reason."""
 
