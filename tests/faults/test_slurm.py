@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ftmem.config import ENV_TIER_KEY_FILE
 from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.tiers.checkpoints import list_checkpoints
@@ -131,17 +132,20 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_job_completes(
 
 
 def test_a_requeued_job_resumes_from_the_persistent_tier(
-    launcher_env: Launcher, cluster: SlurmCluster
+    launcher_env: Launcher, cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The job flushes every 10 steps. Once a checkpoint is in the shared directory, the whole
     job is requeued and held, every node's memory and local disk are wiped (a new allocation
     has neither), and it is released: the second attempt starts a new rendezvous, finds no
     snapshot in memory and resumes from the persistent tier; the job ends COMPLETED with the
-    failure-free digests."""
+    failure-free digests. The checkpoints are signed with the tier key the script made on the
+    shared directory; the job's own mesh key is gone at the end, and so are the nodes' local
+    tiers."""
     ref = reference(launcher_env)
     c = cluster
     out = c.dir / "job.out"
     shared = c.dir / "shared"
+    monkeypatch.setenv(ENV_TIER_KEY_FILE, str(shared / "tier.key"))  # to read the job's tiers
     env = _job_env(launcher_env, shared, FLUSH_EVERY="10")
     job = c.sbatch(SBATCH, env, "--nodes=4", f"--output={out}")
     ckpts = shared / "checkpoints"
@@ -167,3 +171,7 @@ def test_a_requeued_job_resumes_from_the_persistent_tier(
     resumed = [int(s) for s in re.findall(r"\[rank \d+\] resumed from step (\d+)", text)]
     assert max(resumed, default=0) >= first, (first, resumed, text[-4000:])
     assert digests(text) == ref, text[-4000:]
+    assert (shared / "tier.key").stat().st_mode & 0o777 == 0o600
+    assert not (shared / f"mesh-{job}.key").exists()
+    for k in range(1, 5):  # each agent succeeded: its private local tier is removed
+        assert list((c.hosts.shm_dir(k) / "ftmem-local").glob(f"ftmem-{job}.*")) == []
