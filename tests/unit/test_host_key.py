@@ -1,7 +1,6 @@
 """Without a key file, the agents of a mesh on one host share the job's key through a private
 file of that host: it never enters the rendezvous store (torch's TCPStore listens on every
-interface whatever address it is given). The file is bound to the job instance (issue 48,
-H1): group rank 0 names its job id in the round's store, every agent holds the file it read
+interface whatever address it is given). The file is bound to the job instance: group rank 0 names its job id in the round's store, every agent holds the file it read
 (a shared lock) until it exits, and a file no live agent holds, left by a killed job of the
 same run id, is replaced rather than reused; the last agent to leave removes it."""
 
