@@ -327,20 +327,22 @@ def check_mesh_key(
 def check_flush_tiers(tiers: list[Path]) -> None:
     """Refuse, before any rank starts, a disk tier directory that ftmem could not trust when
     it reads it back (``ftmem.tiers.checkpoints.check_tier``): writable by others without the
-    sticky bit, another user's, or a symbolic link. One that does not exist yet is made
+    sticky bit, another user's, or a symbolic link; and a node-local (first) tier whose parents
+    someone else could rename (``check_tier_parents``). One that does not exist yet is made
     private when first written.
 
     Raises:
         ValueError: naming the directory and the fix.
     """
     from ftmem.errors import UnsafePathError
-    from ftmem.tiers.checkpoints import check_tier
+    from ftmem.tiers.checkpoints import check_tier, check_tier_parents
 
-    for tier in tiers:
-        if not os.path.lexists(tier):
-            continue
+    for i, tier in enumerate(tiers):
         try:
-            check_tier(tier)
+            if i == 0:  # the node-local tier: nobody else may be able to move it away
+                check_tier_parents(tier)
+            if os.path.lexists(tier):
+                check_tier(tier)
         except UnsafePathError as exc:
             raise ValueError(f"--ftmem-flush-dir: {exc}") from exc
 

@@ -72,3 +72,16 @@ def test_a_tier_another_user_could_move_away_is_refused(base: Path) -> None:
     assert moved.returncode != 0 and ours.is_dir(), moved
     moved = _as_nobody("mv", str(ours / "checkpoints"), str(scratch / "moved"))
     assert moved.returncode != 0 and (ours / "checkpoints").is_dir(), moved
+
+
+def test_ftmem_launch_refuses_a_local_tier_under_another_users_directory(base: Path) -> None:
+    """Checked before any rank starts, even where the tier does not exist yet (exit 2)."""
+    from ftmem.launch.config import check_flush_tiers
+
+    theirs = base / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(ValueError, match=r"--ftmem-flush-dir: .*another user could move"):
+        check_flush_tiers([theirs / "local", base / "persistent"])
+    assert not (theirs / "local").exists()
+    check_flush_tiers([base / "local"])  # ours (root's): accepted
