@@ -6,7 +6,9 @@ round), and its address is its endpoint plus that public key (:class:`PeerAddres
 node's address. Its ZAP handler then admits exactly those nodes' keys and names each
 connection after the node its key belongs to (the ZAP user id, which ZeroMQ attaches to every
 message as ``User-Id``); a client presenting any other key (no member, a member of an earlier
-generation, the job's own pair) fails the handshake. A connection that arrives before the
+generation, the job's own pair), or connecting from an address that is no member's host, fails
+the handshake. Nodes connect from the host they advertise. A connection that has not finished
+its handshake within :data:`HANDSHAKE_MS` is closed, so idle connections do not pile up. A connection that arrives before the
 members are known waits in its handshake (up to ``admit_wait_s``) instead of being refused,
 because ZeroMQ does not retry a client that a ZAP handler refused.
 
@@ -35,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+import socket
 import time
 from collections import deque
 from typing import Any
@@ -46,7 +50,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from ftmem.errors import FtmemError, ProtocolError
-from ftmem.exchange import data_channel, data_mac
+from ftmem.exchange import admission, data_channel, data_mac
 from ftmem.exchange import keys as _keys
 from ftmem.exchange.keys import CurveKeyPair
 from ftmem.exchange.transport import PeerTransport
@@ -61,6 +65,9 @@ MAX_FRAMES = 8
 _HEADER_ROOM = 2 << 20  # an identity and a header (at most 1 MiB) beside the largest buffer
 
 ZAP_DOMAIN = "ftmem"
+HANDSHAKE_MS = 2000
+"""A connection to the ROUTER that has not finished its handshake (greeting, CURVE, ZAP) in
+this long is closed (ZeroMQ's default, 30 s, let idle connections pile up)."""
 
 
 class PeerUnavailableError(FtmemError):
@@ -68,17 +75,22 @@ class PeerUnavailableError(FtmemError):
 
 
 class _Members:
-    """ZAP credentials provider and user ids: admit exactly the generation's node keys.
+    """ZAP credentials provider and user ids: admit exactly the generation's node keys, from
+    the generation's hosts.
 
-    The exchange thread replaces :attr:`keys` (one assignment, read by the authenticator's
-    thread); until the first assignment a handshake waits (bounded) instead of failing.
+    The exchange thread replaces :attr:`keys` and :attr:`hosts` (one assignment each, read by
+    the authenticator's thread); until the first a handshake waits (bounded) instead of
+    failing. Refusals are logged as counts (:class:`~ftmem.exchange.admission.DropLog`).
     """
 
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, node: str) -> None:
         self.keys: dict[bytes, str] | None = None
         """Z85 public key -> node name; None until the generation's members are known."""
+        self.hosts: frozenset[str] | None = None
+        """The members' host addresses; None: any address (unknown, or one did not resolve)."""
         self.wait_s = wait_s
         self.closing = False
+        self.drops = admission.DropLog(log, f"[{node}] CURVE port")
 
     async def callback(self, domain: str, key: bytes) -> bool:
         deadline = time.monotonic() + self.wait_s
@@ -86,20 +98,62 @@ class _Members:
             await asyncio.sleep(0.01)
         ok = self.keys is not None and key in self.keys
         if not ok:
-            log.warning("refused a peer presenting a CURVE key of no member of this generation")
+            self.drops.count("a peer", "a CURVE key of no member of this generation")
+            self.drops.flush()
         return ok
 
 
 class _MeshAuthenticator(ThreadAuthenticator):
-    """The ZAP handler thread; a connection's user id is the name of the node its key is."""
+    """The ZAP handler thread; a connection's user id is the name of the node its key is. A
+    handshake from an address that is no member's host is refused before its key is looked at."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], members: _Members) -> None:
         super().__init__(ctx)
         self.members = members
 
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        """Refuse a request from no member's host; else the usual handling (the key)."""
+        hosts = self.members.hosts
+        if hosts is not None and len(msg) >= 6 and _ip(msg[3]) not in hosts:
+            self.members.drops.count(_ip(msg[3]), "no peer host of this generation")
+            self.members.drops.flush()
+            self._send_zap_reply(msg[1], b"400", b"Address not allowed")
+            return
+        await super().handle_zap_message(msg)
+
     def curve_user_id(self, client_public_key: bytes) -> str:
         """The node the admitted ``client_public_key`` belongs to."""
         return (self.members.keys or {}).get(z85.encode(client_public_key), "")
+
+
+def _ip(address: bytes) -> str:
+    """A ZAP request's address, normalized as ``data_channel`` resolves hosts ("" if none)."""
+    try:
+        return str(ipaddress.ip_address(address.decode("ascii").strip("[]").split("%")[0]))
+    except (UnicodeDecodeError, ValueError):
+        return ""
+
+
+def _hosts(endpoints: list[str]) -> frozenset[str] | None:
+    """The addresses of ``endpoints``' hosts; None (any address) if one does not resolve."""
+    try:
+        return frozenset(
+            ip for ep in endpoints for ip in data_channel._ips(data_channel.split_endpoint(ep)[0])
+        )
+    except (OSError, ValueError) as exc:
+        log.warning("a peer host does not resolve (%s); its CURVE port takes any address", exc)
+        return None
+
+
+def _bindable(host: str) -> bool:
+    """Whether ``host`` is a local address that outgoing connections can come from."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET) as s:
+            s.bind((str(ip), 0))
+    except (OSError, ValueError):
+        return False
+    return not ip.is_unspecified
 
 
 class ZmqPeerTransport(PeerTransport):
@@ -138,7 +192,7 @@ class ZmqPeerTransport(PeerTransport):
         """This node's own pair for the generation (its peers know it by its public key)."""
         self.impostors = 0
         """Messages dropped because their claimed sender was not their authenticated node."""
-        self._members = _Members(admit_wait_s)
+        self._members = _Members(admit_wait_s, node)
         self.host = host
         self.port = port
         self.max_message_bytes = max_message_bytes
@@ -161,6 +215,7 @@ class ZmqPeerTransport(PeerTransport):
         self._peer_keys: dict[str, bytes] = {}
         """Node name -> its public key of the generation (the tags bind it)."""
         self._refused: deque[PeerMessage] = deque(maxlen=64)
+        self._source = "tcp://"
 
     @property
     def dropped(self) -> int:
@@ -190,12 +245,15 @@ class ZmqPeerTransport(PeerTransport):
         r.curve_publickey = self.node_keys.public
         r.zap_domain = ZAP_DOMAIN.encode()
         r.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        r.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         if self.port == 0:
             self.port = r.bind_to_random_port(f"tcp://{self.host}")
         else:
             r.bind(f"tcp://{self.host}:{self.port}")
         self._router = r
         self._poller.register(r, zmq.POLLIN)
+        # connections come from the advertised host (peers allow only their members' hosts)
+        self._source = f"tcp://{self.host}:0;" if _bindable(self.host) else "tcp://"
         if not self.encrypt_data:
             d = data_channel.DataChannel(
                 self.node,
@@ -230,6 +288,7 @@ class ZmqPeerTransport(PeerTransport):
         if len(members) != len([n for n in parsed if n != self.node]):
             raise ProtocolError("two nodes of the generation have the same key")
         self._members.keys = members
+        self._members.hosts = _hosts([a.endpoint for n, a in parsed.items() if n != self.node])
         self._peer_keys = {node: a.key for node, a in parsed.items() if node != self.node}
         if self._data is not None:
             self._data.set_members(
@@ -249,7 +308,7 @@ class ZmqPeerTransport(PeerTransport):
             d.curve_serverkey = addr.key
             d.curve_publickey = self.node_keys.public
             d.curve_secretkey = self.node_keys.secret
-            d.connect(addr.endpoint)
+            d.connect(self._source + addr.endpoint.removeprefix("tcp://"))
             ep = peers[node]
             self._peers[node] = d
             self._endpoints[node] = ep
@@ -442,6 +501,7 @@ class ZmqPeerTransport(PeerTransport):
             self._router.close(linger=0)
         self._router = None
         self._members.closing = True  # a handshake waiting for the members gives up
+        self._members.drops.flush(force=True)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -30,6 +30,7 @@ if __name__ == "__main__":  # (not when imported for its parser)
 
 import argparse  # noqa: E402 (after the handlers, on purpose)
 import os  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -155,10 +156,26 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
     )
 
 
+def raise_nofile() -> int:
+    """Raise this process's soft limit of open files to its hard limit (at most 2**20), so
+    connections held open by anyone who reaches the peer ports do not exhaust the SMP's
+    descriptors at the usual 1024; the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the open-file limit to %d: %s", want, exc)
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the SMP until SIGTERM/SIGINT (or its parent's death); return the exit code."""
     args = get_args_parser().parse_args(argv)
     configure(args.log_level)
+    raise_nofile()
     try:
         config = config_from_args(args)
     except ValueError as exc:

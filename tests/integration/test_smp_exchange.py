@@ -300,7 +300,7 @@ def test_a_member_claiming_another_nodes_name_is_dropped_and_a_stale_key_is_refu
         c.wait(
             "the stale key refused",
             lambda: (
-                "refused a peer presenting a CURVE key of no member" in c.nodes[0].log().read_text()
+                "a CURVE key of no member of this generation" in c.nodes[0].log().read_text()
             ),
             timeout=20,
         )
