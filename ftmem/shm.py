@@ -157,7 +157,8 @@ def create_segment(path: Path, nbytes: int) -> None:
         try:
             # On a tmpfs this allocates (and zeroes) every page, with the GIL released; the
             # SMP never writes a slot, so populating its own page tables as well would only
-            # cost time (0.36 s/GiB here) with the GIL held (mmap.madvise keeps it).
+            # cost time in proportion to the slot's size with the GIL held (mmap.madvise
+            # keeps it).
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):

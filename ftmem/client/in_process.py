@@ -167,7 +167,7 @@ def _bounded(what: str, fn: Callable[[], None], timeout_s: float) -> None:
 def teardown_process_group(backend: str, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
     """Tear down every process group of this process after a peer failure (bounded).
 
-    gloo: ``destroy_process_group`` (measured: immediate once the collective has failed).
+    gloo: ``destroy_process_group`` (it returns at once once the collective has failed).
     NCCL: abort every communicator (``_abort_process_group``: it does not wait for the hung
     kernels), then check that the device is usable (a CUDA error raises: a process that saw
     one cannot be trusted, so it restarts cold).
@@ -307,7 +307,8 @@ def _rejoin(
     # gloo closes a group's connections only when nothing refers to it any more, and a peer
     # blocked on this rank notices the failure only then: collect what train left behind
     # (its DDP module holds the group). One full collection, after the teardown has dropped
-    # torch's own references: each costs ~0.15 s here, on the path of the restart.
+    # torch's own references: each is on the path of the restart (part of the 'script' phase
+    # that bench/recovery.py measures in process).
     gc.collect()
     faults.maybe_inject(faults.Point.IN_REJOIN, rank, step)
     generation = int(os.environ.get(ENV_GENERATION, "-1") or -1)

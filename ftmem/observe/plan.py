@@ -1,6 +1,6 @@
 """``ftmem plan``: a goodput model of ftmem against periodic disk checkpoints.
 
-This is a model, stated as one, fed by figures measured on this repository's benchmark machine
+This is a model, stated as one, fed by figures of the kind this repository's benches measure
 (docs/benchmarks.md); it is not a measurement of any cluster.
 
 **The model** (first order, as in Young 1974 and Daly 2006: valid while the checkpoint
@@ -25,22 +25,21 @@ written in the background (``dcp.async_save``: a small ``C`` but a copy that com
 training, like ftmem's), several failures during one recovery, and restarts that grow with the
 cluster (both systems pay them; only the difference matters).
 
-**Defaults** (docs/benchmarks.md; a ~0.5 GiB state: model + AdamW, fp32):
+**Defaults**: inputs of the kind the benches measure, for a ~0.5 GiB state (model + AdamW,
+fp32) on a 2-core CPU machine (:data:`SOURCES` says where each came from); give your own:
 
-- ``F = 0.045``: "End to end: examples/train_gpt.py, one process", +69.0 ms per step (+4.5%)
-  with a snapshot after every step (1 process on 2 CPU cores, where the background copy
-  competes with training for the cores).
-- ``s = 1.54 s``: the same run's median step time without snapshots (1.5415 s).
-- ``R = 6.65 s``: "Recovery", ftmem-launch rank death -> all ranks stepping again, 6.58 s
-  (median), plus ``ftmem.load`` in place of the 0.52 GiB state, 0.0694 s.
-- ``restart = 5.77 s``: "Recovery", torchrun + DCP rank death -> all ranks stepping again,
-  6.10 s (median), minus its own ``dcp.load`` + ``set_state_dict`` of the small model, 0.334 s.
-- ``C = 0.45 s``: "Snapshot", ``dcp.save`` to the local disk with fsync, 0.52 GiB: 0.4542 s.
-- ``L = 0.27 s``: "Snapshot", ``dcp.load`` in place from /dev/shm, 0.52 GiB: 0.2658 s
-  (optimistic for a reload from storage).
+- ``F = 0.045``: the snapshots' share of a step, end to end (``bench/overhead.py``).
+- ``s = 1.54 s``: the step time without snapshots of the same job.
+- ``R = 6.65 s``: ftmem-launch rank death -> all ranks stepping again (``bench/recovery.py``)
+  plus ``ftmem.load`` in place of the state (``bench/snapshot.py``).
+- ``restart = 5.77 s``: torchrun + DCP rank death -> all ranks stepping again
+  (``bench/recovery.py``), minus its own ``dcp.load``.
+- ``C = 0.45 s``: ``dcp.save`` to the local disk with fsync (``bench/snapshot.py``).
+- ``L = 0.27 s``: ``dcp.load`` in place from /dev/shm (``bench/snapshot.py``; optimistic for a
+  reload from storage).
 
-The node MTBF has no default: docs/benchmarks.md uses ~6300 h per 8-GPU node, from Llama 3's
-419 unexpected interruptions in 54 days on 16,384 GPUs (Dubey et al., 2024).
+The node MTBF has no default: docs/benchmarks.md's example assumes ~6300 h per 8-GPU node, from
+Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs (Dubey et al., 2024).
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ SOURCES = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanInputs:
-    """The model's inputs (seconds unless stated); defaults are measured figures (see above)."""
+    """The model's inputs (seconds unless stated); defaults: see the module's docstring."""
 
     node_mtbf_s: float
     """Mean time between failures of one node."""
