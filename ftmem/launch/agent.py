@@ -1,36 +1,30 @@
 """The ftmem-launch agent: torch.distributed.elastic's LocalElasticAgent plus the node's SMP.
 
 :class:`FtmemElasticAgent` keeps elastic's restart loop (rendezvous, worker groups, restart
-accounting, node-loss detection through the rendezvous keep-alive) and adds:
+accounting, node-loss detection through the rendezvous keep-alive) and orchestrates, from
+elastic's hooks, the rooms that add ftmem's recovery:
 
-- the SMP's lifecycle: started before the first ranks, kept across rank restarts, restarted
-  (with the ranks) when it dies, stopped when the agent shuts down;
-- a generation id common to all nodes (the rendezvous round), passed to the ranks;
-- stable global ranks: a node keeps its ranks across rounds, a replacement takes the lost
-  node's, and MASTER_ADDR/PORT follow global rank 0;
-- hang detection from the SMP's per-rank progress (SIGKILL, then elastic's restart);
-- a failure detector of its own (:mod:`ftmem.launch.detector`): heartbeats with its ring
-  neighbours; a machine declared lost is marked expired in the rendezvous, and every agent
-  restarts its ranks at once, a spare waiting or not;
-- hot spares: an agent that finds the round full waits in elastic's redundancy list with
-  warm standbys and takes a lost machine's slot; a node that was dropped and returns is
+- the SMP (:mod:`~ftmem.launch.smp_runner`): started before the first ranks, kept across rank
+  restarts, restarted with the ranks when it dies, stopped with the agent;
+- the rendezvous (:mod:`~ftmem.launch.rendezvous`): a generation common to all nodes, stable
+  global ranks (slots) with MASTER_ADDR/PORT at global rank 0; hot spares that wait in
+  elastic's redundancy list with warm standbys, and a node that was dropped and returns is
   fenced (its slot and snapshots dropped);
-- the no-progress guard, and one log line per failure and per recovery.
+- each generation's peer mesh (:mod:`~ftmem.launch.peers`), and a round of another size
+  (:mod:`~ftmem.launch.reshape`): the lost slots rebuilt, the ranks told to reshard;
+- the failure detector (:mod:`~ftmem.launch.node_watch`): a machine declared lost makes
+  every agent restart at once;
+- what failed, reported once (:mod:`~ftmem.launch.failures`), hung ranks
+  (:mod:`~ftmem.launch.rank_watch`), and the recovery reported when every rank steps again.
 
-Its state (joining, spare, syncing, started, running, detected, ...) is one state machine,
-:class:`~ftmem.launch.recovery.RecoveryLifecycle`; the rendezvous handler it is given is
-wrapped in :class:`~ftmem.launch.membership.MembershipWatch`, which rides out a store that
-does not answer and names lost machines.
-
-Standby ranks (:mod:`ftmem.launch.standby`) take over restarted ranks through elastic's own
-process start; ranks under ``ftmem.run`` that survive a failure are kept alive and rejoin
-the next generation in process (:mod:`ftmem.launch.in_process`); at a restart the c10d
-handler's start jitter is skipped.
+The agent's state is :class:`~ftmem.launch.recovery.RecoveryLifecycle`, changed only
+through its methods. Standby ranks (:mod:`~ftmem.launch.standby`) take over restarted
+ranks; ranks under ``ftmem.run`` that survive a failure rejoin the next generation in
+process (:mod:`~ftmem.launch.in_process`).
 
 It overrides elastic's four abstract hooks (``_start_workers``, ``_stop_workers``,
 ``_monitor_workers``, ``_shutdown``); everything else it needs from elastic's private API
-(three private methods, the rendezvous round, two swapped module functions, and what differs
-between the supported torch versions) is in :mod:`ftmem.launch.elastic_compat`.
+is in :mod:`ftmem.launch.elastic_compat`.
 """
 
 from __future__ import annotations
@@ -41,7 +35,6 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -51,16 +44,10 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ftmem.client.reshard import ReshardRequest
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
-from ftmem.launch.config import (
-    FtmemLaunchConfig,
-    is_loopback,
-)
-from ftmem.launch.detector import FailureDetector, neighbours, read_watch_entry, watch_entry
+from ftmem.launch.config import FtmemLaunchConfig
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
     ElasticAgentBase,
@@ -73,6 +60,7 @@ from ftmem.launch.elastic_compat import (
     restart_rendezvous_quickly,
     trust_rendezvous_state_for,
 )
+from ftmem.launch.failures import NodeFailures
 from ftmem.launch.in_process import InProcessRestarts
 from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.metrics import AgentMetrics, MetricsServer
@@ -82,16 +70,9 @@ from ftmem.launch.monitor import (
     RankProcess,
     StatusPoller,
     all_resumed,
-    min_committed,
 )
-from ftmem.launch.peers import (
-    PeerSettings,
-    host_key_path,
-    job_keys,
-    join_generation,
-    mesh_epoch,
-    resolve_parity,
-)
+from ftmem.launch.node_watch import NodeWatch
+from ftmem.launch.peers import PeerMesh, PeerSettings, mesh_epoch
 from ftmem.launch.rank_store import RankStore
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
@@ -103,19 +84,12 @@ from ftmem.launch.rendezvous import (
     slot_workers,
     stable_ranks_apply,
 )
-from ftmem.launch.report import report_resumed, tail_lines
-from ftmem.launch.reshape import (
-    Reshape,
-    drop_newer,
-    guest_run_dir,
-    plan_reshape,
-    run_all,
-    survivors_barrier,
-)
+from ftmem.launch.report import report_resumed
+from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
-from ftmem.launch.workers import describe_exit, rank_env
-from ftmem.protocol.status import ExchangeState, RankProgress
+from ftmem.launch.workers import rank_env
+from ftmem.protocol.status import RankProgress
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +143,16 @@ class FtmemElasticAgent(ElasticAgentBase):
             ftmem.rejoin_timeout,
         )
         """The node's ranks: stopped and hung ones get SIGKILL."""
+        self._failures = NodeFailures(
+            life=self._life,
+            smp=smp,
+            poller=self._poller,
+            watch=self._watch,
+            events=self.events,
+            restarts=lambda: (self.restarts_left, self.get_worker_group().spec.max_restarts),
+            stop_restarting=self.stop_restarting,
+        )
+        """What failed, reported once."""
         self._in_process = InProcessRestarts(smp.node, smp.run_dir)
         """Ranks kept alive across the restart in progress (``ftmem.run``)."""
         self._rank_store = RankStore(smp.node)
@@ -180,14 +164,11 @@ class FtmemElasticAgent(ElasticAgentBase):
         """The node count of the last round this node ran ranks in (None: none yet)."""
         self._claimed: int | None = None
         """The slot this node held in the last round (what it offered in this one)."""
-        self._reshard: ReshardRequest | None = None
-        """This generation's step to reshard (the job's size changed), else None."""
-        self._reshard_step: int | None = None
-        self._guests: list[SmpRunner] = []
-        """Guest SMPs holding lost slots' rebuilt step until the new mesh protects a newer one."""
-        self._peer_settings = _peer_settings(ftmem, smp.run_id)
-        self._claims = SlotClaims(self._peer_settings, smp.node)
-        self._key_warned = [False]
+        self._mesh = PeerMesh(PeerSettings.from_launch(ftmem, smp.run_id))
+        """Each generation's peer mesh and the job's key."""
+        self._reshape = Reshaper(smp, self._mesh, self.events)
+        """A round of another size: guest SMPs, the old mesh, the step the ranks reshard."""
+        self._claims = SlotClaims(self._mesh.settings, smp.node)
         self._standbys = StandbyPool(
             count=ftmem.standby,
             imports=ftmem.standby_imports,
@@ -202,10 +183,16 @@ class FtmemElasticAgent(ElasticAgentBase):
         """The rendezvous handler's watch (launch_agent always wraps it), None otherwise."""
         if self._membership is not None:
             self._membership.on_event = self.events.write
-        self._detector: FailureDetector | None = None
-        """The failure detector, started at the first round of several nodes."""
-        self._detector_off = ftmem.detect_timeout.total_seconds() <= 0
-        self._detector_key = b""
+        self._nodes = NodeWatch(
+            node=smp.node,
+            run_id=smp.run_id,
+            mesh=self._mesh,
+            suspect=ftmem.detect_timeout,
+            insecure=ftmem.insecure_mesh,
+            publish=lambda node: expire_keep_alive(self.rdzv_handler, node),
+            on_lost=self._declared_lost,
+        )
+        """The failure detector, told each round's ring neighbours."""
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
         if ftmem.metrics_port:
@@ -358,7 +345,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             rejoin_timeout_s=self._rank_rejoin_wait(),
             checkfree=self._ft.checkfree,
             flush_dirs=self._ft.flush_tiers(),
-            reshard=self._reshard.to_env() if self._reshard is not None else "",
+            reshard=self._reshape.request.to_env() if self._reshape.request else "",
         )
         if not isinstance(worker_group.spec.entrypoint, str):
             # A function entrypoint runs in multiprocessing children that elastic gives a copy
@@ -424,74 +411,16 @@ class FtmemElasticAgent(ElasticAgentBase):
         return self._ft.rejoin_timeout.total_seconds() + extra
 
     def _watch_nodes(self, worker_group: WorkerGroup) -> None:
-        """Have the failure detector watch this round's nodes: publish this node's heartbeat
-        address in the store (authenticated with the job's key) and read its ring
-        neighbours' (at most ``2 * RADIUS`` reads, whatever the job's size)."""
-        store, n = worker_group.store, worker_group.group_world_size
+        """Have the failure detector watch this round's ring neighbours."""
         members = rendezvous_members(self.rdzv_handler)
-        if self._detector_off or store is None or n < 2 or members is None:
-            return
-        me = self._slot if self._slot is not None else worker_group.group_rank
-        if me is None or not 0 <= me < n:
-            return
-        slots = [f"slot {i}" for i in range(n)]  # the ring, by slot; names filled in below
-        near = [int(x.split()[1]) for x in neighbours(slots, slots[me])]
-        try:
-            detector = self._detector or self._start_detector(store, worker_group.group_rank)
-            if detector is None:
-                return
-            key = self._detector_key
-            store.set(
-                f"ftmem/watch/{me}",
-                watch_entry(key, self.generation, me, members.me, detector.address),
-            )
-            raw = store.multi_get([f"ftmem/watch/{i}" for i in near])
-            entries = [
-                read_watch_entry(key, bytes(v), self.generation, i)
-                for i, v in zip(near, raw, strict=True)
-            ]
-        except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
-            log.warning(
-                "[%s] the failure detector does not watch generation %d (%s): a lost machine "
-                "is found by the rendezvous keep-alive alone",
-                self._node,
-                self.generation,
-                exc,
-            )
-            return
-        slots[me] = members.me
-        for e in entries:
-            slots[e.slot] = e.node
-        detector.watch(self.generation, members.me, {e.node: e.addr for e in entries}, slots)
-
-    def _start_detector(self, store: Any, group_rank: int) -> FailureDetector | None:
-        """Start the failure detector with a key derived from the job's (None: no key)."""
-        from ftmem.exchange import keys
-
-        ps = self._peer_settings
-        if ps.key_file is None and not self._ft.insecure_mesh and not is_loopback(ps.host):
-            log.warning(
-                "[%s] no --ftmem-key-file: the failure detector's heartbeats cannot be "
-                "authenticated across hosts, so it is off; a lost machine is found by the "
-                "rendezvous keep-alive alone",
-                self._node,
-            )
-            self._detector_off = True
-            return None
-        job = keys.CurveKeyPair.from_json(job_keys(ps, store, group_rank, self._key_warned))
-        self._detector_key = job.derived_key("heartbeat")
-        detector = FailureDetector(
-            node=self._node,
-            run_id=self._smp.run_id,
-            key=self._detector_key,
-            host=ps.host,
-            suspect=self._ft.detect_timeout,
-            publish=lambda node: expire_keep_alive(self.rdzv_handler, node),
-            on_lost=self._declared_lost,
+        self._nodes.watch_round(
+            worker_group.store,
+            nodes=worker_group.group_world_size,
+            slot=self._slot if self._slot is not None else worker_group.group_rank,
+            group_rank=worker_group.group_rank,
+            me=members.me if members is not None else None,
+            generation=self.generation,
         )
-        detector.start()
-        self._detector = detector
-        return detector
 
     def _declared_lost(self, node: str, why: str) -> None:
         """The failure detector published ``node`` lost (its thread): restart at once."""
@@ -504,30 +433,28 @@ class FtmemElasticAgent(ElasticAgentBase):
         When the job's size changed, the lost machines' step is rebuilt first
         (:mod:`ftmem.launch.reshape`) and the ranks are told to reshard it."""
         store = worker_group.store
-        self._reshard = None
+        self._reshape.request = None
         if store is None:
             return
-        reshape = None
-        if self._slot is not None:
-            reshape = plan_reshape(self._claims.offers())
+        reshaped = self._reshape.prepare(
+            store,
+            self._claims.offers() if self._slot is not None else [],
+            group_rank=worker_group.group_rank or 0,
+            claimed=self._claimed,
+            generation=self.generation,
+        )
         self._prev_nodes = worker_group.group_world_size
-        if reshape is not None:
-            self._rebuild_lost(worker_group, reshape)
-        me = self._slot if self._slot is not None else worker_group.group_rank
-        ranks = [w.global_rank for w in worker_group.workers]
         try:
-            result = join_generation(
-                settings=self._peer_settings,
+            sync = self._mesh.join(
                 store=store,
                 group_rank=worker_group.group_rank,
                 nodes=worker_group.group_world_size,
-                me=me,
+                me=self._slot if self._slot is not None else worker_group.group_rank,
                 generation=self.generation,
                 run_dir=self._smp.run_dir,
-                ranks=ranks,
+                ranks=[w.global_rank for w in worker_group.workers],
                 node_name=self._node,
-                warned=self._key_warned,
-                epoch=mesh_epoch(self.generation, reshaped=reshape is not None),
+                epoch=mesh_epoch(self.generation, reshaped=reshaped),
             )
         except UnrecoverableError as exc:
             if self._ft.checkfree:  # the ranks rebuild lost pipeline stages from neighbours
@@ -542,153 +469,12 @@ class FtmemElasticAgent(ElasticAgentBase):
             log.error("[%s] the peer mesh is not protecting this generation: %s", self._node, exc)
             self.events.write("peers_failed", generation=self.generation, reason=str(exc))
             return
-        if result is not None:
-            self.events.write("peers_synced", generation=self.generation, **result)
-
-    def _rebuild_lost(self, worker_group: WorkerGroup, rs: Reshape) -> None:
-        """The job changed size: rebuild the lost slots' protected step in guest SMPs (this
-        node hosts some), and set the step the ranks reshard (:mod:`ftmem.launch.reshape`)."""
-        grew = rs.new_nodes > rs.old_nodes
-        log.warning(
-            "[%s] RESHAPE: the job %s from %d to %d nodes%s; the ranks reshard its step from "
-            "memory",
-            self._node,
-            "grows" if grew else "shrinks",
-            rs.old_nodes,
-            rs.new_nodes,
-            f" (lost slots {list(rs.lost)})" if rs.lost else "",
-        )
-        self.events.write(
-            "reshape",
-            generation=self.generation,
-            old_nodes=rs.old_nodes,
-            new_nodes=rs.new_nodes,
-            lost=list(rs.lost),
-        )
-        step: int | None = None
-        dirs: list[Path] = []
-        parity = resolve_parity(self._peer_settings.parity, rs.old_nodes)
-        claimed = self._claimed
-        rebuild = claimed is not None and 0 < len(rs.lost) <= parity
-        if rebuild and claimed is not None:
-            t0 = time.monotonic()
-            hosted = [s for s, g in rs.guests.items() if g == worker_group.group_rank]
-            try:
-                jobs = {"self": self._old_mesh_join(worker_group, rs, claimed, self._smp)}
-                for slot in hosted:
-                    guest = self._start_guest(slot)
-                    dirs.append(guest.run_dir)
-                    jobs[f"guest{slot}"] = self._old_mesh_join(worker_group, rs, slot, guest)
-                results = run_all(jobs)
-            except (FtmemError, KeyFileError, OSError) as exc:
-                log.error(
-                    "[%s] rebuilding the lost slots %s failed: %s; the ranks reshard from "
-                    "what memory holds, else from the newest flushed checkpoint",
-                    self._node,
-                    list(rs.lost),
-                    exc,
-                )
-                self.events.write("reshape_failed", generation=self.generation, reason=str(exc))
-                self._stop_guests()
-                dirs = []
-            else:
-                mine = results.get("self") or {}
-                step = mine.get("step")
-                if step is not None:
-                    self._drop_unprotected(rs.old_ranks(claimed), step)
-                self.events.write(
-                    "rebuilt_lost",
-                    generation=self.generation,
-                    step=step,
-                    slots=hosted,
-                    seconds=round(time.monotonic() - t0, 3),
-                )
-                log.info(
-                    "[%s] the old mesh kept step %s; lost slots %s rebuilt here: %s (%.2f s)",
-                    self._node,
-                    step,
-                    list(rs.lost),
-                    hosted,
-                    time.monotonic() - t0,
-                )
-        elif rs.lost:
-            log.error(
-                "[%s] %d slots lost, erasure coding covers %d: the ranks reshard from the "
-                "newest flushed checkpoint of the %d-node job (--ftmem-flush-dir)",
-                self._node,
-                len(rs.lost),
-                parity,
-                rs.old_nodes,
-            )
-        if rebuild:  # every survivor, whatever its own join did
-            try:
-                survivors_barrier(
-                    worker_group.store, rs, worker_group.group_rank or 0, self.generation
-                )
-            except RuntimeError as exc:  # torch's DistStoreError: a survivor never arrived
-                log.error("[%s] the survivors did not all finish the rebuild: %s", self._node, exc)
-        self._reshard = ReshardRequest(rs.old_world, step, tuple(dirs))
-        self._reshard_step = step
-
-    def _drop_unprotected(self, ranks: list[int], step: int) -> None:
-        """Drop this node's snapshots of the old job newer than the kept ``step`` before the
-        new mesh forms (:func:`~ftmem.launch.reshape.drop_newer`)."""
-        try:
-            drop_newer(self._smp.run_dir, ranks, step)
-        except FtmemError as exc:  # the ranks' load drops them as well, later
-            log.warning(
-                "[%s] could not drop the old job's steps newer than %d: %s", self._node, step, exc
-            )
-
-    def _old_mesh_join(
-        self, worker_group: WorkerGroup, rs: Reshape, slot: int, smp: SmpRunner
-    ) -> Callable[[], Any]:
-        """Join the last round's mesh once more as old slot ``slot`` with SMP ``smp``."""
-        own = smp is self._smp
-        # A store client serves one blocking call at a time: each concurrent join its own.
-        assert worker_group.store is not None
-        store = worker_group.store if own else worker_group.store.clone()
-        return lambda: join_generation(
-            settings=self._peer_settings,
-            store=store,
-            group_rank=(worker_group.group_rank or 0) if own else -1,
-            nodes=rs.old_nodes,
-            me=slot,
-            generation=self.generation,
-            run_dir=smp.run_dir,
-            ranks=rs.old_ranks(slot),
-            node_name=smp.node,
-            warned=self._key_warned,
-            epoch=mesh_epoch(self.generation),
-            tag="/rebuild",
-        )
-
-    def _start_guest(self, slot: int) -> SmpRunner:
-        """Start (and keep) the guest SMP of lost slot ``slot`` on this node."""
-        main = self._smp
-        guest = SmpRunner(
-            run_dir=guest_run_dir(main.run_dir, slot),
-            run_id=main.run_id,
-            node=f"{self._node}-guest{slot}",
-            slots=main.slots,
-            start_timeout=main.start_timeout,
-            stop_timeout=main.stop_timeout,
-            log_level=main.log_level,
-            extra_env=main.extra_env,
-        )
-        self._guests.append(guest)
-        guest.start()
-        return guest
-
-    def _stop_guests(self) -> None:
-        guests, self._guests = self._guests, []
-        for guest in guests:
-            guest.stop()
+        if sync is not None:
+            self.events.write("peers_synced", generation=self.generation, **sync.event_fields())
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
-        if self._detector is not None:
-            self._detector.pause()
+        self._nodes.pause()
         self._watch.kill_stopped("while the ranks are stopped")
         kind = self._life.kind
         if self._life.state is not AgentState.RESTARTING:
@@ -729,55 +515,30 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._watch.kill_stopped("at shutdown")
             self.stop_ranks(death_sig, timeout)
         finally:
-            if self._detector is not None:
-                self._detector.close()
+            self._nodes.close()
             self._standbys.stop()
             self._poller.close()
-            self._stop_guests()
+            self._reshape.stop()
             self._smp.stop()
             self._rank_store.close()
 
     def before_restart(self, worker_group: WorkerGroup) -> None:
-        if self._life.state is not AgentState.DETECTED:
-            # elastic restarts healthy ranks when another node (re)joins the rendezvous:
-            # typically that node's ranks failed, or a spare replaces a lost machine. It is
-            # not charged as a restart.
+        if self._life.state is not AgentState.DETECTED:  # another node changed the job
             ranks = [w.global_rank for w in worker_group.workers]
-            committed = self._committed_now(ranks)
             lost = list(self._membership.lost) if self._membership is not None else []
-            what = (
-                f"MACHINE LOST ({', '.join(lost)}): a spare or a replacement takes its place, or the job shrinks"
-                if lost
-                else "a membership change (another node re-joined the rendezvous)"
-            )
-            log.warning(
-                "[%s] RESTART: %s (generation %d); newest committed step on this node: %s",
-                self._node,
-                what,
-                self.generation,
-                committed,
-            )
-            kind = FailureKind.MACHINE_LOST if lost else FailureKind.MEMBERSHIP
-            self._life.detected(kind, what, committed)
-            self._poller.set_fast(True)
-            self.events.write(
-                "restart",
-                reason=kind.value,
-                lost=lost,
-                generation=self.generation,
-                committed=committed,
-            )
+            self._failures.membership_changed(ranks, lost, self.generation)
         self._life.to(AgentState.RESTARTING)
 
     # -- monitoring -------------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        ranks = [w.global_rank for w in worker_group.workers]
         smp_exit = self._smp.poll() if self._life.watching else None
         if smp_exit is not None:
-            return self._on_smp_death(worker_group, smp_exit)
-        exchange_error = self._exchange_failure()
+            return self._failures.smp_died(ranks, smp_exit, self.generation)
+        exchange_error = self._failures.exchange_error()
         if exchange_error is not None:
-            return self._on_exchange_failure(worker_group, exchange_error)
+            return self._failures.exchange_failed(ranks, exchange_error, self.generation)
         ready = self._standbys.poll()
         if ready:
             self.events.write(
@@ -799,7 +560,8 @@ class FtmemElasticAgent(ElasticAgentBase):
         else:
             result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            self._on_failure(worker_group, result)
+            paths = self.rank_stderr_paths()
+            self._failures.rank_failed(ranks, result, paths, self.generation)
         elif result.state == WorkerState.HEALTHY:
             self._life.first_seen = None  # a rank that exited 0 is no failure
             self._check_progress()
@@ -842,16 +604,9 @@ class FtmemElasticAgent(ElasticAgentBase):
         fetched, progress = latest
         if self._life.state is AgentState.STARTED and all_resumed(self._watch.procs, progress):
             self._resumed(progress)
-        if self._guests:
+        if self._reshape.guests:
             ex = self._poller.exchange()
-            protected = ex[1].protected_step if ex is not None else None
-            if protected is not None and protected > (self._reshard_step or 0):
-                log.info(
-                    "[%s] step %s is protected at the new size: stopping the guest SMPs",
-                    self._node,
-                    protected,
-                )
-                self._stop_guests()
+            self._reshape.protected(ex[1].protected_step if ex is not None else None)
         self._watch.check_hangs(progress, fetched)
 
     def _resumed(self, progress: dict[int, RankProgress]) -> None:
@@ -862,128 +617,6 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._poller.set_fast(False)
         report_resumed(self._node, self.generation, rec, self._watch.procs, progress, self.events)
 
-    # -- failures ---------------------------------------------------------------------------
-
-    def _committed_now(self, ranks: list[int]) -> int | None:
-        """The newest step every one of ``ranks`` committed (the SMP asked now if it runs)."""
-        progress = self._poller.fetch() if self._smp.is_alive() else None
-        if progress is None:
-            latest = self._poller.latest()
-            progress = latest[1] if latest is not None else {}
-        return min_committed(ranks, progress)
-
-    def _check_guard(self, committed: int | None) -> None:
-        if self._life.check_guard(committed, self.restarts_left):
-            self.stop_restarting()
-
-    def _log_failure(
-        self, rank: int | None, what: str, committed: int | None, stopped: list[int]
-    ) -> None:
-        restarts = (self.restarts_left, self.get_worker_group().spec.max_restarts)
-        dead = not self._smp.is_alive()
-        self._life.log_failure(rank, what, self.generation, committed, restarts, stopped, dead)
-
-    def _on_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:
-        """A rank failed (elastic's verdict; elastic has stopped the survivors by now)."""
-        now = time.time()
-        ranks = [w.global_rank for w in worker_group.workers]
-        committed = self._committed_now(ranks)
-        failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
-        root_rank, root = failures[0] if failures else (None, None)
-        cause = next(iter(self._watch.hang_killed.values()), None)
-        kind = FailureKind.RANK
-        if cause is not None:
-            root_rank, kind = cause.rank, FailureKind.HANG
-            what = f"HANG ({cause.reason}, last step {cause.last_step}), killed"
-        elif root is None:
-            what = f"worker group {result.state.name}"
-        else:
-            what = describe_exit(root.exitcode)
-        rec = self._life.detected(kind, what, committed, stopped=now)
-        self._check_guard(committed)
-        stopped = [r for r, f in failures[1:] if f.exitcode == -signal.SIGTERM]
-        self._log_failure(root_rank, what, committed, stopped)
-        if root is not None:
-            tail = tail_lines(self.rank_stderr_paths().get(root.local_rank))
-            self._life.last_failure = (root_rank, what, tail)
-        self.events.write(
-            "failed",
-            rank=root_rank,
-            what=what,
-            exitcode=None if root is None else root.exitcode,
-            generation=self.generation,
-            committed=committed,
-            restarts_left=self.restarts_left,
-            detected=round(rec.detected, 4),
-            stop_s=round(now - rec.detected, 4),
-        )
-        self._poller.set_fast(True)
-
-    def _on_smp_death(self, worker_group: WorkerGroup, exitcode: int) -> RunResult:
-        pid = self._smp.pid or -1
-        latest = self._poller.latest()
-        ranks = [w.global_rank for w in worker_group.workers]
-        committed = min_committed(ranks, latest[1]) if latest is not None else None
-        why = describe_exit(exitcode)
-        self.events.write(
-            "smp_died", pid=pid, exitcode=exitcode, generation=self.generation, committed=committed
-        )
-        what = f"SMP pid {pid} died ({why})"
-        return self._node_failure(
-            FailureKind.SMP, ranks, what, f"the node's SMP died ({why})", committed, exitcode
-        )
-
-    def _exchange_failure(self) -> str | None:
-        """The error that stopped the SMP's exchange thread during this generation, or None.
-
-        Only a status fetched after these ranks started counts: the SMP replaces a failed
-        exchange at the generation's PEER_BIND, so an older answer may predate that.
-        """
-        latest = self._poller.exchange() if self._life.watching else None
-        if latest is None:
-            return None
-        fetched, status = latest
-        if fetched <= self._life.started_at or status.state is not ExchangeState.FAILED:
-            return None
-        return status.error or "no error given"
-
-    def _on_exchange_failure(self, worker_group: WorkerGroup, error: str) -> RunResult:
-        """The exchange thread stopped: snapshots are no longer protected. Restart the ranks
-        (from memory) with a new generation, whose PEER_BIND gives the SMP a new exchange."""
-        ranks = [w.global_rank for w in worker_group.workers]
-        committed = self._committed_now(ranks)
-        what = f"the SMP's erasure-coding thread stopped ({error})"
-        log.error(
-            "[%s] PROTECTION STOPPED: %s; snapshots of this node are no longer protected: "
-            "restarting the ranks from memory with a new peer mesh",
-            self._node,
-            what,
-        )
-        self.events.write(
-            "exchange_failed", error=error, generation=self.generation, committed=committed
-        )
-        return self._node_failure(FailureKind.EXCHANGE, ranks, what, what, committed, 1)
-
-    def _node_failure(
-        self,
-        kind: FailureKind,
-        ranks: list[int],
-        what: str,
-        message: str,
-        committed: int | None,
-        exitcode: int,
-    ) -> RunResult:
-        """A failure of the node's SMP side (not of a rank): account for it and have elastic
-        restart the ranks (the result names the SMP as the failed process)."""
-        pid = self._smp.pid or -1
-        failure = ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="<N/A>")
-        failure.message = f"{message}; see {self._smp.log_path}"
-        self._life.detected(kind, what, committed)
-        self._check_guard(committed)
-        self._log_failure(None, what, committed, [])
-        self._poller.set_fast(True)
-        return RunResult(state=WorkerState.FAILED, failures={ranks[0]: failure})
-
     def report_last_failure(self) -> None:
         """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
         self._life.report_last_failure()
@@ -992,21 +625,3 @@ class FtmemElasticAgent(ElasticAgentBase):
 def _a_rank_failed(pcontext: Any) -> bool:
     """A rank of ``pcontext`` exited with an error (elastic will report a failure)."""
     return any(h.proc.poll() not in (None, 0) for h in live_handlers(pcontext).values())
-
-
-def _peer_settings(ft: FtmemLaunchConfig, run_id: str) -> PeerSettings:
-    """The peer mesh's settings from the launcher's flags. Without a key file (and without
-    ``--ftmem-insecure-mesh``) the mesh is on this host only (``check_mesh_key``): its key is
-    then shared through a private file of this host, never through the store."""
-    host_local = ft.key_file is None and not ft.insecure_mesh
-    return PeerSettings(
-        parity=ft.ec_parity,
-        max_group=ft.ec_group_size,
-        key_file=ft.key_file,
-        host_key=host_key_path(run_id) if host_local else None,
-        host=ft.peer_host or "127.0.0.1",
-        interval_s=ft.ec_interval.total_seconds(),
-        rebuild_timeout=ft.rebuild_timeout,
-        encrypt=ft.ec_encrypt,
-        encode_workers=ft.ec_encode_workers,
-    )

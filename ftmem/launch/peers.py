@@ -32,10 +32,13 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
 from ftmem.protocol.status import ExchangeState, SyncReply
+
+if TYPE_CHECKING:
+    from ftmem.launch.config import FtmemLaunchConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,24 @@ class PeerSettings:
     """``--ftmem-ec-encrypt``: snapshot bytes over CURVE too (else the tagged data channel)."""
     encode_workers: int = 0
     """``--ftmem-tune ec-encode-workers``: processes per SMP that encode its stripes."""
+
+    @classmethod
+    def from_launch(cls, ft: FtmemLaunchConfig, run_id: str) -> PeerSettings:
+        """The mesh's settings from the launcher's flags. Without a key file (and without
+        ``--ftmem-insecure-mesh``) the mesh is on this host only (``check_mesh_key``): its
+        key is then shared through a private file of this host, never through the store."""
+        host_local = ft.key_file is None and not ft.insecure_mesh
+        return cls(
+            parity=ft.ec_parity,
+            max_group=ft.ec_group_size,
+            key_file=ft.key_file,
+            host_key=host_key_path(run_id) if host_local else None,
+            host=ft.peer_host or "127.0.0.1",
+            interval_s=ft.ec_interval.total_seconds(),
+            rebuild_timeout=ft.rebuild_timeout,
+            encrypt=ft.ec_encrypt,
+            encode_workers=ft.ec_encode_workers,
+        )
 
 
 def mesh_epoch(generation: int, reshaped: bool = False) -> int:
@@ -276,17 +297,17 @@ def release_host_key(path: Path, job_over: bool) -> None:
             os.close(fd)
 
 
-def job_keys(settings: PeerSettings, store: Any, group_rank: int, warned: list[bool]) -> str:
+def job_keys(settings: PeerSettings, store: Any, group_rank: int, warn: bool = True) -> str:
     """The job's CURVE key pair as JSON: from the key file; else, for a mesh on this host,
-    from the host's private key file; else (``--ftmem-insecure-mesh``) through the store."""
+    from the host's private key file; else (``--ftmem-insecure-mesh``) through the store,
+    with a warning when ``warn`` (:class:`PeerMesh` warns once per agent)."""
     from ftmem.exchange import keys
 
     if settings.key_file is not None:
         return keys.read_key_file(settings.key_file).to_json()
     if settings.host_key is not None:
         return _host_keys(settings.host_key, store, group_rank)
-    if not warned[0]:
-        warned[0] = True
+    if warn:
         log.warning(
             "no --ftmem-key-file: the peer mesh's CURVE key pair is handed out through the "
             "rendezvous store, so anyone who can read that store can join the mesh; make a "
@@ -345,11 +366,15 @@ def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
 
 def _start_showing_progress(
     smp: Any, start: Any, timeout: timedelta, run_dir: Path, node_name: str
-) -> dict[str, Any]:
-    """Send PEER_START and wait for its reply; meanwhile log the rebuild's progress each second.
+) -> SyncReply:
+    """Send PEER_START and return its typed reply; meanwhile log the rebuild's progress each
+    second.
 
     The request runs on a thread of its own (a client belongs to one thread); this thread polls
     the SMP's status with a second client.
+
+    Raises:
+        SmpRequestError, SmpUnavailableError: as the request; ProtocolError: a malformed reply.
     """
     from ftmem.protocol.smp_client import SmpClient
 
@@ -390,105 +415,139 @@ def _start_showing_progress(
                     )
     if "error" in box:
         raise box["error"]
-    result: dict[str, Any] = box["result"]
-    return result
+    return SyncReply.from_json(box["result"])
 
 
-def join_generation(
-    *,
-    settings: PeerSettings,
-    store: Any,
-    group_rank: int,
-    nodes: int,
-    me: int,
-    generation: int,
-    run_dir: Path,
-    ranks: list[int],
-    node_name: str,
-    warned: list[bool],
-    epoch: int | None = None,
-    tag: str = "",
-) -> dict[str, Any] | None:
-    """Run steps 1-4 of the module docstring; return the sync result (None: EC off): the
-    fields of :class:`~ftmem.protocol.status.SyncReply` plus ``seconds``.
+@dataclass(frozen=True, slots=True)
+class MeshSync:
+    """A generation's mesh in sync: the SMP's PEER_START reply and how long the join took."""
 
-    ``epoch``: the mesh's epoch (default :func:`mesh_epoch` of the generation); ``tag``: a
-    name for a second mesh of the same round (its own store keys), as a change of the
-    job's size makes (:mod:`ftmem.launch.reshape`).
+    reply: SyncReply
+    seconds: float
 
-    Raises:
-        UnrecoverableError: more than m nodes of a group lost their snapshots.
-        FtmemError: the SMP could not open its port or the sync failed otherwise.
+    def event_fields(self) -> dict[str, Any]:
+        """The ``peers_synced`` event's fields: the reply as the SMP sent it, and ``seconds``."""
+        return {**self.reply.to_json(), "seconds": self.seconds}
+
+
+class PeerMesh:
+    """This node's side of every generation's peer mesh (steps 1-4 of the module docstring),
+    with the job's key: one object per agent, which warns once about a key that travels
+    through the store.
+
+    Args:
+        settings: the launcher's mesh settings.
     """
-    from ftmem.exchange import keys
-    from ftmem.protocol import messages as m
-    from ftmem.protocol.smp_client import SmpClient
 
-    parity = resolve_parity(settings.parity, nodes)
-    if parity == 0:
-        return None
-    epoch = mesh_epoch(generation) if epoch is None else epoch
-    key = f"{_PEER_KEY}{tag}"
-    t0 = time.monotonic()
-    job = keys.CurveKeyPair.from_json(job_keys(settings, store, group_rank, warned))
-    pair = job.with_node(keys.generate()).to_json()
-    with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
-        bound = smp.call(
-            m.PeerBind(
-                keys=pair,
-                host=settings.host,
-                me=me,
-                encrypt=settings.encrypt,
-                encode_workers=settings.encode_workers,
-            ),
-            m.PeerBound,
-        )
-        store.set(f"{key}/{me}", peer_entry(job, generation, me, bound.endpoint))
-        raw = store.multi_get([f"{key}/{i}" for i in range(nodes)])
-        endpoints = {
-            str(i): read_peer_entry(job, bytes(v), generation, i) for i, v in enumerate(raw)
-        }
-        log.info(
-            "[%s] peer mesh of generation %d: %d nodes, m=%d, this node %d at %s",
-            node_name,
-            generation,
-            nodes,
-            parity,
-            me,
-            bound.endpoint,
-        )
-        start = m.PeerStart(
-            epoch=epoch,
-            me=me,
-            endpoints=endpoints,
-            m=parity,
-            max_group=settings.max_group,
-            ranks=ranks,
-            protect_interval_s=settings.interval_s,
-        )
-        try:
-            result = _start_showing_progress(
-                smp, start, settings.rebuild_timeout, run_dir, node_name
+    def __init__(self, settings: PeerSettings) -> None:
+        self.settings = settings
+        self.key_warned = False
+        """The warning about a key handed out through the store was logged."""
+
+    def job_keys(self, store: Any, group_rank: int) -> str:
+        """The job's CURVE key pair as JSON (:func:`job_keys`), warning at most once."""
+        pair = job_keys(self.settings, store, group_rank, warn=not self.key_warned)
+        self.key_warned = True
+        return pair
+
+    def parity(self, nodes: int) -> int:
+        """The parity m of a mesh of ``nodes`` nodes (0: erasure coding off)."""
+        return resolve_parity(self.settings.parity, nodes)
+
+    def join(
+        self,
+        *,
+        store: Any,
+        group_rank: int,
+        nodes: int,
+        me: int,
+        generation: int,
+        run_dir: Path,
+        ranks: list[int],
+        node_name: str,
+        epoch: int | None = None,
+        tag: str = "",
+    ) -> MeshSync | None:
+        """Bind, publish, read and start the mesh of ``generation`` for the SMP of ``run_dir``
+        as node ``me`` of ``nodes``; return once the group is in sync (None: EC off).
+
+        ``epoch``: the mesh's epoch (default :func:`mesh_epoch` of the generation); ``tag``:
+        a name for a second mesh of the same round (its own store keys), as a change of the
+        job's size makes (:mod:`ftmem.launch.reshape`).
+
+        Raises:
+            UnrecoverableError: more than m nodes of a group lost their snapshots.
+            FtmemError: the SMP could not open its port or the sync failed otherwise.
+        """
+        from ftmem.exchange import keys
+        from ftmem.protocol import messages as m
+        from ftmem.protocol.smp_client import SmpClient
+
+        settings = self.settings
+        parity = self.parity(nodes)
+        if parity == 0:
+            return None
+        epoch = mesh_epoch(generation) if epoch is None else epoch
+        key = f"{_PEER_KEY}{tag}"
+        t0 = time.monotonic()
+        job = keys.CurveKeyPair.from_json(self.job_keys(store, group_rank))
+        pair = job.with_node(keys.generate()).to_json()
+        with SmpClient(run_dir, timeout=timedelta(seconds=30)) as smp:
+            bound = smp.call(
+                m.PeerBind(
+                    keys=pair,
+                    host=settings.host,
+                    me=me,
+                    encrypt=settings.encrypt,
+                    encode_workers=settings.encode_workers,
+                ),
+                m.PeerBound,
             )
-        except SmpRequestError as exc:
-            if "more than m=" in str(exc):
-                raise UnrecoverableError(str(exc).split(": ", 1)[-1]) from exc
-            raise FtmemError(f"peer sync failed: {exc}") from exc
-    reply = SyncReply.from_json(result)
-    seconds = round(time.monotonic() - t0, 3)
-    if reply.rebuilt:
-        log.info(
-            "[%s] REBUILT step %s of this node from its peers (lost nodes %s) in %.2f s",
-            node_name,
-            reply.step,
-            list(reply.lost),
-            seconds,
-        )
-    else:
-        log.info(
-            "[%s] peers in sync: protected step %s (lost nodes %s)",
-            node_name,
-            reply.step,
-            list(reply.lost),
-        )
-    return {**reply.to_json(), "seconds": seconds}
+            store.set(f"{key}/{me}", peer_entry(job, generation, me, bound.endpoint))
+            raw = store.multi_get([f"{key}/{i}" for i in range(nodes)])
+            endpoints = {
+                str(i): read_peer_entry(job, bytes(v), generation, i) for i, v in enumerate(raw)
+            }
+            log.info(
+                "[%s] peer mesh of generation %d: %d nodes, m=%d, this node %d at %s",
+                node_name,
+                generation,
+                nodes,
+                parity,
+                me,
+                bound.endpoint,
+            )
+            start = m.PeerStart(
+                epoch=epoch,
+                me=me,
+                endpoints=endpoints,
+                m=parity,
+                max_group=settings.max_group,
+                ranks=ranks,
+                protect_interval_s=settings.interval_s,
+            )
+            try:
+                reply = _start_showing_progress(
+                    smp, start, settings.rebuild_timeout, run_dir, node_name
+                )
+            except SmpRequestError as exc:
+                if "more than m=" in str(exc):
+                    raise UnrecoverableError(str(exc).split(": ", 1)[-1]) from exc
+                raise FtmemError(f"peer sync failed: {exc}") from exc
+        seconds = round(time.monotonic() - t0, 3)
+        if reply.rebuilt:
+            log.info(
+                "[%s] REBUILT step %s of this node from its peers (lost nodes %s) in %.2f s",
+                node_name,
+                reply.step,
+                list(reply.lost),
+                seconds,
+            )
+        else:
+            log.info(
+                "[%s] peers in sync: protected step %s (lost nodes %s)",
+                node_name,
+                reply.step,
+                list(reply.lost),
+            )
+        return MeshSync(reply, seconds)

@@ -193,25 +193,36 @@ class RecoveryLifecycle:
         self.events.write("no_progress_stop", reason=self.stop_reason)
         return True
 
-    def log_failure(
+    def failed(
         self,
-        rank: int | None,
+        kind: FailureKind,
         what: str,
-        generation: int,
         committed: int | None,
+        *,
+        generation: int,
         restarts: tuple[int, int],
-        stopped: list[int],
+        rank: int | None = None,
+        stopped_ranks: list[int] | None = None,
         smp_died: bool = False,
-    ) -> None:
-        """The ``FAILED`` line; ``restarts`` is (left, max)."""
+        stopped: float | None = None,
+    ) -> bool:
+        """A failure of ``kind`` on this node, reported once: DETECTED (its recovery opened,
+        :meth:`detected`), counted by the no-progress guard, and the ``FAILED`` line
+        (:func:`~ftmem.launch.report.log_failure`); ``restarts`` is (left, max). True: the
+        agent must stop restarting (the guard's verdict, which the line already tells)."""
+        self.detected(kind, what, committed, stopped=stopped)
         left, most = restarts
-        if left > 0:
+        stop = self.check_guard(committed, left)
+        if left > 0 and not stop:
             outcome = f"restarting ({most - left + 1}/{most})"
         elif self.stop_reason:
             outcome = "not restarting (no-progress guard)"
         else:
             outcome = f"no restarts left (max {most})"
-        log_failure(self.node, rank, what, generation, committed, outcome, stopped, smp_died)
+        log_failure(
+            self.node, rank, what, generation, committed, outcome, stopped_ranks or [], smp_died
+        )
+        return stop
 
     def report_last_failure(self) -> None:
         """Log why the agent gave up: the guard's reason and the failing rank's last lines."""

@@ -290,7 +290,7 @@ class SlotClaims:
         ps, job = self._settings, None
         if ps.key_file is not None or (ps.host_key is not None and is_loopback(ps.host)):
             try:
-                job = keys.CurveKeyPair.from_json(job_keys(ps, store, group_rank, [True]))
+                job = keys.CurveKeyPair.from_json(job_keys(ps, store, group_rank, warn=False))
             except FtmemError as exc:
                 log.warning("[%s] no job key for the slot claims: %s", self._node, exc)
         if job is None and not self._warned:

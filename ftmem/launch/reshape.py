@@ -37,13 +37,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ftmem.client.reshard import ReshardRequest
 from ftmem.config import GUEST_DIR_PREFIX
+from ftmem.errors import FtmemError
+from ftmem.events import EventLog
+from ftmem.exchange.keys import KeyFileError
+from ftmem.launch.peers import MeshSync, PeerMesh, mesh_epoch
 from ftmem.launch.rendezvous import SlotOffer
+from ftmem.launch.smp_runner import SmpRunner
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +167,196 @@ def drop_newer(run_dir: Path, ranks: list[int], step: int) -> None:
 def guest_run_dir(run_dir: Path, slot: int) -> Path:
     """The run directory of the guest SMP of lost slot ``slot`` on this node."""
     return run_dir / f"{GUEST_DIR_PREFIX}{slot}"
+
+
+class Reshaper:
+    """This node's part in a round of another size (steps 2-4 of the module docstring): the
+    guest SMPs it hosts, the old mesh joined once more, the survivors' barrier and the step
+    the ranks reshard.
+
+    Args:
+        smp: this node's SMP.
+        mesh: the peer mesh (its settings and job key).
+        events: the agent's event log.
+
+    Resource handling: the guests run until the new mesh protected a newer step
+    (:meth:`protected`) or :meth:`stop`, which the agent calls at shutdown.
+    """
+
+    def __init__(self, smp: SmpRunner, mesh: PeerMesh, events: EventLog) -> None:
+        self._smp = smp
+        self._node = smp.node
+        self._mesh = mesh
+        self._events = events
+        self.request: ReshardRequest | None = None
+        """This generation's step to reshard (the job's size changed), else None."""
+        self._step: int | None = None
+        self.guests: list[SmpRunner] = []
+        """Guest SMPs holding lost slots' rebuilt step until the new mesh protects a newer one."""
+
+    def prepare(
+        self,
+        store: Any,
+        offers: list[SlotOffer],
+        *,
+        group_rank: int,
+        claimed: int | None,
+        generation: int,
+    ) -> bool:
+        """Plan this round from its ``offers`` (:func:`plan_reshape`); when the job's size
+        changed, rebuild the lost slots' step (this node held old slot ``claimed``) and set
+        :attr:`request`. True: the round reshapes (its new mesh takes the second epoch)."""
+        self.request = None
+        rs = plan_reshape(offers)
+        if rs is None:
+            return False
+        self._rebuild_lost(store, rs, group_rank, claimed, generation)
+        return True
+
+    def _rebuild_lost(
+        self, store: Any, rs: Reshape, group_rank: int, claimed: int | None, generation: int
+    ) -> None:
+        """The job changed size: rebuild the lost slots' protected step in guest SMPs (this
+        node hosts some), and set the step the ranks reshard."""
+        grew = rs.new_nodes > rs.old_nodes
+        log.warning(
+            "[%s] RESHAPE: the job %s from %d to %d nodes%s; the ranks reshard its step from "
+            "memory",
+            self._node,
+            "grows" if grew else "shrinks",
+            rs.old_nodes,
+            rs.new_nodes,
+            f" (lost slots {list(rs.lost)})" if rs.lost else "",
+        )
+        self._events.write(
+            "reshape",
+            generation=generation,
+            old_nodes=rs.old_nodes,
+            new_nodes=rs.new_nodes,
+            lost=list(rs.lost),
+        )
+        step: int | None = None
+        dirs: list[Path] = []
+        parity = self._mesh.parity(rs.old_nodes)
+        rebuild = claimed is not None and 0 < len(rs.lost) <= parity
+        if rebuild and claimed is not None:
+            t0 = time.monotonic()
+            hosted = [s for s, g in rs.guests.items() if g == group_rank]
+            try:
+                join = self._old_mesh_join
+                jobs = {"self": join(store, rs, generation, claimed, self._smp, group_rank)}
+                for slot in hosted:
+                    guest = self._start_guest(slot)
+                    dirs.append(guest.run_dir)
+                    jobs[f"guest{slot}"] = join(store.clone(), rs, generation, slot, guest, -1)
+                results = run_all(jobs)
+            except (FtmemError, KeyFileError, OSError) as exc:
+                log.error(
+                    "[%s] rebuilding the lost slots %s failed: %s; the ranks reshard from "
+                    "what memory holds, else from the newest flushed checkpoint",
+                    self._node,
+                    list(rs.lost),
+                    exc,
+                )
+                self._events.write("reshape_failed", generation=generation, reason=str(exc))
+                self.stop()
+                dirs = []
+            else:
+                mine: MeshSync | None = results.get("self")
+                step = mine.reply.step if mine is not None else None
+                if step is not None:
+                    self._drop_unprotected(rs.old_ranks(claimed), step)
+                self._events.write(
+                    "rebuilt_lost",
+                    generation=generation,
+                    step=step,
+                    slots=hosted,
+                    seconds=round(time.monotonic() - t0, 3),
+                )
+                log.info(
+                    "[%s] the old mesh kept step %s; lost slots %s rebuilt here: %s (%.2f s)",
+                    self._node,
+                    step,
+                    list(rs.lost),
+                    hosted,
+                    time.monotonic() - t0,
+                )
+        elif rs.lost:
+            log.error(
+                "[%s] %d slots lost, erasure coding covers %d: the ranks reshard from the "
+                "newest flushed checkpoint of the %d-node job (--ftmem-flush-dir)",
+                self._node,
+                len(rs.lost),
+                parity,
+                rs.old_nodes,
+            )
+        if rebuild:  # every survivor, whatever its own join did
+            try:
+                survivors_barrier(store, rs, group_rank, generation)
+            except RuntimeError as exc:  # torch's DistStoreError: a survivor never arrived
+                log.error("[%s] the survivors did not all finish the rebuild: %s", self._node, exc)
+        self.request = ReshardRequest(rs.old_world, step, tuple(dirs))
+        self._step = step
+
+    def _drop_unprotected(self, ranks: list[int], step: int) -> None:
+        """Drop this node's snapshots of the old job newer than the kept ``step`` before the
+        new mesh forms (:func:`drop_newer`)."""
+        try:
+            drop_newer(self._smp.run_dir, ranks, step)
+        except FtmemError as exc:  # the ranks' load drops them as well, later
+            log.warning(
+                "[%s] could not drop the old job's steps newer than %d: %s", self._node, step, exc
+            )
+
+    def _old_mesh_join(
+        self, store: Any, rs: Reshape, generation: int, slot: int, smp: SmpRunner, group_rank: int
+    ) -> Callable[[], MeshSync | None]:
+        """Join the last round's mesh once more as old slot ``slot`` with SMP ``smp`` (a
+        guest's: group rank -1), through ``store`` (a store client serves one blocking call
+        at a time: each concurrent join has its own)."""
+        return lambda: self._mesh.join(
+            store=store,
+            group_rank=group_rank,
+            nodes=rs.old_nodes,
+            me=slot,
+            generation=generation,
+            run_dir=smp.run_dir,
+            ranks=rs.old_ranks(slot),
+            node_name=smp.node,
+            epoch=mesh_epoch(generation),
+            tag="/rebuild",
+        )
+
+    def _start_guest(self, slot: int) -> SmpRunner:
+        """Start (and keep) the guest SMP of lost slot ``slot`` on this node."""
+        main = self._smp
+        guest = SmpRunner(
+            run_dir=guest_run_dir(main.run_dir, slot),
+            run_id=main.run_id,
+            node=f"{self._node}-guest{slot}",
+            slots=main.slots,
+            start_timeout=main.start_timeout,
+            stop_timeout=main.stop_timeout,
+            log_level=main.log_level,
+            extra_env=main.extra_env,
+        )
+        self.guests.append(guest)
+        guest.start()
+        return guest
+
+    def protected(self, step: int | None) -> None:
+        """The new mesh protects ``step``: the guests go once it is newer than the resharded
+        step (it is not needed any more)."""
+        if self.guests and step is not None and step > (self._step or 0):
+            log.info(
+                "[%s] step %s is protected at the new size: stopping the guest SMPs",
+                self._node,
+                step,
+            )
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the guest SMPs."""
+        guests, self.guests = self.guests, []
+        for guest in guests:
+            guest.stop()

@@ -1,0 +1,153 @@
+"""The agent's use of its failure detector (:mod:`ftmem.launch.detector`), round by round.
+
+At each round of several nodes, before the ranks start, :meth:`NodeWatch.watch_round`:
+
+1. starts the detector at the first such round, with a key derived from the job's
+   (:class:`~ftmem.launch.peers.PeerMesh`); without a key file, across hosts, it stays off
+   (its heartbeats could not be authenticated) and a lost machine is found by the
+   rendezvous keep-alive alone;
+2. publishes this node's heartbeat address in the rendezvous store (``ftmem/watch/<slot>``,
+   authenticated, :func:`~ftmem.launch.detector.watch_entry`) and reads its ring neighbours'
+   (at most ``2 * RADIUS`` reads, whatever the job's size);
+3. has the detector watch them for this generation.
+
+A machine the detector declares lost is handed to ``on_lost`` (the agent restarts at once).
+Nothing here touches elastic: the agent hands in how to publish a verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ftmem.errors import FtmemError
+from ftmem.exchange.keys import KeyFileError
+from ftmem.launch.config import is_loopback
+from ftmem.launch.detector import FailureDetector, neighbours, read_watch_entry, watch_entry
+from ftmem.launch.peers import PeerMesh
+
+log = logging.getLogger(__name__)
+
+
+class NodeWatch:
+    """The failure detector of one agent, told each round's ring neighbours.
+
+    Args:
+        node: this node's name, for the logs.
+        run_id: the job's run id.
+        mesh: the peer mesh, whose settings and job key the detector shares.
+        suspect: ``--ftmem-tune detect-timeout`` (0: the detector is off).
+        insecure: ``--ftmem-insecure-mesh`` (a key through the store is accepted).
+        publish: marks a node lost in the rendezvous (elastic's keep-alive expired).
+        on_lost: called (on the detector's thread) with a node declared lost and why.
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        run_id: str,
+        mesh: PeerMesh,
+        suspect: timedelta,
+        insecure: bool,
+        publish: Callable[[str], bool],
+        on_lost: Callable[[str, str], None],
+    ) -> None:
+        self._node = node
+        self._run_id = run_id
+        self._mesh = mesh
+        self._suspect = suspect
+        self._insecure = insecure
+        self._publish = publish
+        self._on_lost = on_lost
+        self._off = suspect.total_seconds() <= 0
+        self._key = b""
+        self.detector: FailureDetector | None = None
+        """The failure detector, started at the first round of several nodes."""
+
+    def watch_round(
+        self,
+        store: Any,
+        *,
+        nodes: int | None,
+        slot: int | None,
+        group_rank: int | None,
+        me: str | None,
+        generation: int,
+    ) -> None:
+        """Watch this round's ring neighbours (steps 1-3 of the module docstring): this node
+        holds ``slot`` of ``nodes`` and is ``me`` in the rendezvous. A failure to publish or
+        read the entries is logged: the round goes unwatched, the job goes on."""
+        if self._off or store is None or nodes is None or nodes < 2 or me is None:
+            return
+        if slot is None or group_rank is None or not 0 <= slot < nodes:
+            return
+        slots = [f"slot {i}" for i in range(nodes)]  # the ring, by slot; names filled in below
+        near = [int(x.split()[1]) for x in neighbours(slots, slots[slot])]
+        try:
+            detector = self.detector or self._start(store, group_rank)
+            if detector is None:
+                return
+            store.set(
+                f"ftmem/watch/{slot}",
+                watch_entry(self._key, generation, slot, me, detector.address),
+            )
+            raw = store.multi_get([f"ftmem/watch/{i}" for i in near])
+            entries = [
+                read_watch_entry(self._key, bytes(v), generation, i)
+                for i, v in zip(near, raw, strict=True)
+            ]
+        except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
+            log.warning(
+                "[%s] the failure detector does not watch generation %d (%s): a lost machine "
+                "is found by the rendezvous keep-alive alone",
+                self._node,
+                generation,
+                exc,
+            )
+            return
+        slots[slot] = me
+        for e in entries:
+            slots[e.slot] = e.node
+        detector.watch(generation, me, {e.node: e.addr for e in entries}, slots)
+
+    def _start(self, store: Any, group_rank: int) -> FailureDetector | None:
+        """Start the failure detector with a key derived from the job's (None: no key)."""
+        from ftmem.exchange import keys
+
+        ps = self._mesh.settings
+        if ps.key_file is None and not self._insecure and not is_loopback(ps.host):
+            log.warning(
+                "[%s] no --ftmem-key-file: the failure detector's heartbeats cannot be "
+                "authenticated across hosts, so it is off; a lost machine is found by the "
+                "rendezvous keep-alive alone",
+                self._node,
+            )
+            self._off = True
+            return None
+        job = keys.CurveKeyPair.from_json(self._mesh.job_keys(store, group_rank))
+        self._key = job.derived_key("heartbeat")
+        detector = FailureDetector(
+            node=self._node,
+            run_id=self._run_id,
+            key=self._key,
+            host=ps.host,
+            suspect=self._suspect,
+            publish=self._publish,
+            on_lost=self._on_lost,
+        )
+        detector.start()
+        self.detector = detector
+        return detector
+
+    def pause(self) -> None:
+        """The ranks are stopped: declare nothing until the next round is watched."""
+        if self.detector is not None:
+            self.detector.pause()
+
+    def close(self) -> None:
+        """Stop the detector (its peers hear that this agent leaves)."""
+        if self.detector is not None:
+            self.detector.close()
