@@ -460,7 +460,7 @@ class DataChannel(Sender):
             except OSError as exc:
                 if exc.errno not in _NO_FDS:
                     continue  # that connection is gone (ECONNABORTED and the like)
-                self._drops.count("", f"accept failed ({exc.strerror}); paused a while")
+                self._drops.count("any address", f"accept failed ({exc.strerror}); paused a while")
                 self._sel.unregister(self._listener)  # the peer's connect waits meanwhile
                 self._accept_at = time.monotonic() + _ACCEPT_PAUSE_S
                 return
