@@ -1,30 +1,19 @@
 """The ftmem-launch agent: torch.distributed.elastic's LocalElasticAgent plus the node's SMP.
 
 :class:`FtmemElasticAgent` keeps elastic's restart loop (rendezvous, worker groups, restart
-accounting, node-loss detection through the rendezvous keep-alive) and orchestrates, from
-elastic's hooks, the rooms that add ftmem's recovery:
+accounting, node-loss detection through the rendezvous keep-alive); from elastic's hooks it
+calls, in order, the rooms that add ftmem's recovery: the SMP (:mod:`~ftmem.launch.smp_runner`),
+the round's generation and this node's slot (:mod:`~ftmem.launch.rendezvous`,
+:mod:`~ftmem.launch.node_slot`: stable global ranks, hot spares, fencing), the failure
+detector (:mod:`~ftmem.launch.node_watch`), the peer mesh (:mod:`~ftmem.launch.peers`) and a
+round of another size (:mod:`~ftmem.launch.reshape`), the ranks' start (standbys, ranks kept
+in process), hung ranks (:mod:`~ftmem.launch.rank_watch`), what failed
+(:mod:`~ftmem.launch.failures`, each failure reported once) and the recovery's report.
 
-- the SMP (:mod:`~ftmem.launch.smp_runner`): started before the first ranks, kept across rank
-  restarts, restarted with the ranks when it dies, stopped with the agent;
-- the rendezvous (:mod:`~ftmem.launch.rendezvous`): a generation common to all nodes, stable
-  global ranks (slots) with MASTER_ADDR/PORT at global rank 0; hot spares that wait in
-  elastic's redundancy list with warm standbys, and a node that was dropped and returns is
-  fenced (its slot and snapshots dropped);
-- each generation's peer mesh (:mod:`~ftmem.launch.peers`), and a round of another size
-  (:mod:`~ftmem.launch.reshape`): the lost slots rebuilt, the ranks told to reshard;
-- the failure detector (:mod:`~ftmem.launch.node_watch`): a machine declared lost makes
-  every agent restart at once;
-- what failed, reported once (:mod:`~ftmem.launch.failures`), hung ranks
-  (:mod:`~ftmem.launch.rank_watch`), and the recovery reported when every rank steps again.
-
-The agent's state is :class:`~ftmem.launch.recovery.RecoveryLifecycle`, changed only
-through its methods. Standby ranks (:mod:`~ftmem.launch.standby`) take over restarted
-ranks; ranks under ``ftmem.run`` that survive a failure rejoin the next generation in
-process (:mod:`~ftmem.launch.in_process`).
-
-It overrides elastic's four abstract hooks (``_start_workers``, ``_stop_workers``,
-``_monitor_workers``, ``_shutdown``); everything else it needs from elastic's private API
-is in :mod:`ftmem.launch.elastic_compat`.
+Its state is :class:`~ftmem.launch.recovery.RecoveryLifecycle`, changed only through its
+methods. It overrides elastic's four abstract hooks (``_start_workers``, ``_stop_workers``,
+``_monitor_workers``, ``_shutdown``); everything else it needs from elastic's private API is
+in :mod:`ftmem.launch.elastic_compat`.
 """
 
 from __future__ import annotations
@@ -45,22 +34,20 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 
-from ftmem.errors import FtmemError, UnrecoverableError
-from ftmem.exchange.keys import KeyFileError
+from ftmem.errors import UnrecoverableError
 from ftmem.launch.config import FtmemLaunchConfig
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
     ElasticAgentBase,
     expire_keep_alive,
     failed_after_detach,
-    live_handlers,
     log_tails_stop_at_once,
     rendezvous_members,
     rendezvous_poll_s,
     restart_rendezvous_quickly,
     trust_rendezvous_state_for,
 )
-from ftmem.launch.failures import NodeFailures
+from ftmem.launch.failures import NodeFailures, a_rank_failed
 from ftmem.launch.in_process import InProcessRestarts
 from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.metrics import AgentMetrics, MetricsServer
@@ -71,6 +58,7 @@ from ftmem.launch.monitor import (
     StatusPoller,
     all_resumed,
 )
+from ftmem.launch.node_slot import NodeSlot
 from ftmem.launch.node_watch import NodeWatch
 from ftmem.launch.peers import PeerMesh, PeerSettings, mesh_epoch
 from ftmem.launch.rank_store import RankStore
@@ -78,13 +66,12 @@ from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
 from ftmem.launch.rendezvous import (
     SlotClaims,
-    SlotOffer,
     exchange_generation,
     share_master,
     slot_workers,
     stable_ranks_apply,
 )
-from ftmem.launch.report import report_resumed
+from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.standby import StandbyPool, spawning_from
@@ -104,10 +91,7 @@ STANDBY_FALLBACK_S = 30.0
 
 
 class FtmemElasticAgent(ElasticAgentBase):
-    """LocalElasticAgent that also runs the node's SMP and detects hung ranks.
-
-    Its recovery lifecycle (what state it is in, the failure being recovered from) is one
-    :class:`~ftmem.launch.recovery.RecoveryLifecycle`; see that module for the states.
+    """LocalElasticAgent that also runs the node's SMP and its recovery (module docstring).
 
     Resource handling: the SMP and the status poller are stopped in :meth:`_shutdown`,
     which elastic calls on every exit path of ``run()`` (success, failure, signal).
@@ -157,18 +141,14 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Ranks kept alive across the restart in progress (``ftmem.run``)."""
         self._rank_store = RankStore(smp.node)
         """The ranks' TCPStore, served here when this node runs global rank 0."""
-        self._slot: int | None = None
-        """This node's block of global ranks (stable across rounds), None: elastic's."""
-        self._prev_ranks: list[int] | None = None
-        self._prev_nodes: int | None = None
-        """The node count of the last round this node ran ranks in (None: none yet)."""
-        self._claimed: int | None = None
-        """The slot this node held in the last round (what it offered in this one)."""
         self._mesh = PeerMesh(PeerSettings.from_launch(ftmem, smp.run_id))
         """Each generation's peer mesh and the job's key."""
         self._reshape = Reshaper(smp, self._mesh, self.events)
         """A round of another size: guest SMPs, the old mesh, the step the ranks reshard."""
-        self._claims = SlotClaims(self._mesh.settings, smp.node)
+        self._seat = NodeSlot(
+            SlotClaims(self._mesh.settings, smp.node), smp, self._poller, self.events
+        )
+        """This node's slot across rounds, and its fencing."""
         self._standbys = StandbyPool(
             count=ftmem.standby,
             imports=ftmem.standby_imports,
@@ -178,7 +158,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         )
         spec = self.get_worker_group().spec
         self._standbys.configure(spec.entrypoint, spec.args, spec.local_world_size)
-        handler = self.get_worker_group().spec.rdzv_handler
+        handler = spec.rdzv_handler
         self._membership = handler if isinstance(handler, MembershipWatch) else None
         """The rendezvous handler's watch (launch_agent always wraps it), None otherwise."""
         if self._membership is not None:
@@ -190,7 +170,8 @@ class FtmemElasticAgent(ElasticAgentBase):
             suspect=ftmem.detect_timeout,
             insecure=ftmem.insecure_mesh,
             publish=lambda node: expire_keep_alive(self.rdzv_handler, node),
-            on_lost=self._declared_lost,
+            events=self.events,
+            declare=self._membership.declare if self._membership is not None else None,
         )
         """The failure detector, told each round's ring neighbours."""
         self.metrics: MetricsServer | None = None
@@ -200,21 +181,10 @@ class FtmemElasticAgent(ElasticAgentBase):
             self.events.listeners.append(counted.observe)
             self.metrics = MetricsServer(counted, ftmem.metrics_port, ftmem.metrics_addr)
 
-    # -- rendezvous -------------------------------------------------------------------------
-
     def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
         self._life.to(AgentState.JOINING, generation=self.generation)
         settings = getattr(self.rdzv_handler, "settings", None)  # the c10d/etcd-v2 handler
-        if settings is not None:
-            log.info(
-                "[%s] joining the rendezvous: %d-%d nodes, join timeout %.0f s",
-                self._node,
-                settings.min_nodes,
-                settings.max_nodes,
-                settings.timeout.join.total_seconds(),
-            )
-        else:
-            log.info("[%s] joining the rendezvous", self._node)
+        log_joining(self._node, settings)
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
         lost = self._life.kind is FailureKind.MACHINE_LOST
@@ -232,19 +202,11 @@ class FtmemElasticAgent(ElasticAgentBase):
         if self._life.state is AgentState.SPARE:
             log.warning("[%s] SPARE TAKES OVER: a node left the job; joining it", self._node)
             self._life.to(AgentState.JOINING, spare=True)
-        share_master(worker_group, self._slot)
+        share_master(worker_group, self._seat.slot)
         self.generation = exchange_generation(worker_group, self.rendezvous_round, self.generation)
         self._serve_rank_store(worker_group)
         ranks = [w.global_rank for w in worker_group.workers]
-        if self._prev_ranks is not None and ranks != self._prev_ranks:
-            log.warning(
-                "[%s] global ranks changed %s -> %s (elastic's numbering): this node's "
-                "ranks now find other ranks' snapshots in its SMP",
-                self._node,
-                self._prev_ranks,
-                ranks,
-            )
-        self._prev_ranks = ranks
+        self._seat.joined(ranks)
         self._life.to(AgentState.SYNCING, generation=self.generation, ranks=ranks)
 
     def _while_joining(self) -> bool:
@@ -257,39 +219,15 @@ class FtmemElasticAgent(ElasticAgentBase):
             if members is None or not members.spare:
                 return False
             self._life.to(AgentState.SPARE)
-            log.warning(
-                "[%s] SPARE: the job has all its nodes; waiting as a hot spare (an SMP and "
-                "warm standby ranks) to take the place of a lost node",
-                self._node,
-            )
-            if self._slot is not None:
-                self._fence(f"slot {self._slot} went on without this node")
-                self._slot = None
+            self._seat.to_spare()
             self._standbys.spawn_missing()
         self._standbys.poll()
         return True
 
-    def _fence(self, why: str) -> None:
-        """This node was dropped from the job and its place taken (it was cut off or stalled
-        past the keep-alive bound): its snapshots are of an identity it no longer has. It
-        drops them (a fresh SMP) and its ranks' history; the caller gives it a new slot (or
-        none: a spare), so it can only come back as a new node."""
-        log.warning(
-            "[%s] FENCED: %s (this node was dropped from the job); dropping this node's "
-            "snapshots and its slot",
-            self._node,
-            why,
-        )
-        self.events.write("fenced", slot=self._slot, why=why)
-        self._prev_ranks = None
-        self._smp.stop()
-        self._smp.ensure_running()
-        self._poller.forget()
-
     def _serve_rank_store(self, worker_group: WorkerGroup) -> None:
         """Serve this generation's rank store here if this node runs global rank 0
         (:mod:`ftmem.launch.rank_store`): the node of slot 0, else elastic's group rank 0."""
-        hosts = self._slot == 0 if self._slot is not None else worker_group.group_rank == 0
+        hosts = self._seat.index(worker_group.group_rank) == 0
         addr, port = worker_group.master_addr, worker_group.master_port
         if hosts and addr is not None and port is not None:
             self._rank_store.serve(addr, port, self.generation)
@@ -304,30 +242,16 @@ class FtmemElasticAgent(ElasticAgentBase):
         spec: WorkerSpec,
         elastic_default: Callable[[], list[Worker]],
     ) -> list[Worker]:
-        """Keep every node's global ranks across rounds (elastic renumbers by node order).
-
-        Each agent publishes the slot (block of ``local_world_size`` global ranks) it held
-        in the previous round; group rank 0 assigns slots
-        (:func:`~ftmem.launch.rendezvous.agree_slot`) and publishes them. Nodes of
-        different sizes fall back to elastic's assignment.
-        """
+        """Keep every node's global ranks across rounds (elastic renumbers by node order):
+        :meth:`NodeSlot.agree`; nodes of different sizes fall back to elastic's assignment."""
         if not stable_ranks_apply(self._ft.rank_assignment, spec):
-            self._slot = None
+            self._seat.unassigned()
             return elastic_default()
-        claimed = self._claimed = self._slot
-        nodes = self._prev_nodes if claimed is not None else None
-        offer = SlotOffer(claimed, spec.local_world_size, self.generation, nodes)
-        self._slot = self._claims.agree(
-            store, group_rank, group_world_size, offer, self.rendezvous_round()
-        )
-        if claimed is not None and self._claims.fenced_by(claimed, group_rank):
-            self._fence(f"slot {claimed} is held by a node that took it over more recently")
-        if self._slot is None:
-            log.warning("[%s] nodes differ in size: elastic assigns the ranks", self._node)
+        size, round_ = spec.local_world_size, self.rendezvous_round()
+        slot = self._seat.agree(store, group_rank, group_world_size, size, self.generation, round_)
+        if slot is None:
             return elastic_default()
-        return slot_workers(self._slot, spec.local_world_size, group_world_size)
-
-    # -- start / stop ranks -----------------------------------------------------------------
+        return slot_workers(slot, size, group_world_size)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         rec = self._life.recovery
@@ -366,38 +290,23 @@ class FtmemElasticAgent(ElasticAgentBase):
         kept = self._in_process.adopted
         self._life.to(AgentState.STARTED, generation=self.generation)
         started = self._life.started_at
+        workers = worker_group.workers
         procs = [
-            RankProcess(
-                rank=w.global_rank,
-                pid=pids[w.local_rank],
-                start_time=start,
-                kept=w.global_rank in kept,
-            )
-            for w in worker_group.workers
+            RankProcess(w.global_rank, pids[w.local_rank], start, kept=w.global_rank in kept)
+            for w in workers
         ]
         self._watch.started(procs)
-        handed = self._standbys.handed
-        from_standby = [w.global_rank for w in worker_group.workers if w.local_rank in handed]
         self._poller.start()
-        self.events.write(
-            "ranks_started",
-            generation=self.generation,
-            ranks=[p.rank for p in procs],
-            pids=[p.pid for p in procs],
-            from_standby=from_standby,
+        report_started(
+            self._node,
+            self.generation,
+            procs,
+            self.events,
+            from_standby=[w.global_rank for w in workers if w.local_rank in self._standbys.handed],
             in_process=sorted(kept),
             start_s=round(started - start, 4),
             smp_pid=self._smp.pid,
             smp_starts=self._smp.starts,
-        )
-        log.info(
-            "[%s] generation %d: started ranks %s (pids %s%s%s)",
-            self._node,
-            self.generation,
-            [p.rank for p in procs],
-            [p.pid for p in procs],
-            f"; from standbys: ranks {from_standby}" if from_standby else "",
-            f"; rejoined in process: ranks {sorted(kept)}" if kept else "",
         )
         return pids
 
@@ -416,17 +325,11 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._nodes.watch_round(
             worker_group.store,
             nodes=worker_group.group_world_size,
-            slot=self._slot if self._slot is not None else worker_group.group_rank,
+            slot=self._seat.index(worker_group.group_rank),
             group_rank=worker_group.group_rank,
             me=members.me if members is not None else None,
             generation=self.generation,
         )
-
-    def _declared_lost(self, node: str, why: str) -> None:
-        """The failure detector published ``node`` lost (its thread): restart at once."""
-        self.events.write("declared_lost", peer=node, why=why, generation=self.generation)
-        if self._membership is not None:
-            self._membership.declare(node, why)
 
     def _join_peers(self, worker_group: WorkerGroup) -> None:
         """Sync this generation's peer mesh; a node that lost its memory rebuilds it first.
@@ -438,18 +341,20 @@ class FtmemElasticAgent(ElasticAgentBase):
             return
         reshaped = self._reshape.prepare(
             store,
-            self._claims.offers() if self._slot is not None else [],
+            self._seat.offers(),
             group_rank=worker_group.group_rank or 0,
-            claimed=self._claimed,
+            claimed=self._seat.claimed,
             generation=self.generation,
         )
-        self._prev_nodes = worker_group.group_world_size
+        self._seat.nodes = worker_group.group_world_size
         try:
-            sync = self._mesh.join(
+            self._mesh.sync(
+                self.events,
+                self._ft.checkfree,
                 store=store,
                 group_rank=worker_group.group_rank,
                 nodes=worker_group.group_world_size,
-                me=self._slot if self._slot is not None else worker_group.group_rank,
+                me=self._seat.index(worker_group.group_rank),
                 generation=self.generation,
                 run_dir=self._smp.run_dir,
                 ranks=[w.global_rank for w in worker_group.workers],
@@ -457,20 +362,8 @@ class FtmemElasticAgent(ElasticAgentBase):
                 epoch=mesh_epoch(self.generation, reshaped=reshaped),
             )
         except UnrecoverableError as exc:
-            if self._ft.checkfree:  # the ranks rebuild lost pipeline stages from neighbours
-                log.error("[%s] %s; --ftmem-checkfree: going on without it", self._node, exc)
-                self.events.write("checkfree", generation=self.generation, reason=str(exc))
-                return
             self._life.stop_reason = str(exc)
-            log.error("[%s] UNRECOVERABLE: %s", self._node, exc)
-            self.events.write("unrecoverable", generation=self.generation, reason=str(exc))
             raise
-        except (FtmemError, KeyFileError) as exc:
-            log.error("[%s] the peer mesh is not protecting this generation: %s", self._node, exc)
-            self.events.write("peers_failed", generation=self.generation, reason=str(exc))
-            return
-        if sync is not None:
-            self.events.write("peers_synced", generation=self.generation, **sync.event_fields())
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # LocalElasticAgent's version calls self._shutdown(), which here also stops the SMP.
@@ -529,8 +422,6 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._failures.membership_changed(ranks, lost, self.generation)
         self._life.to(AgentState.RESTARTING)
 
-    # -- monitoring -------------------------------------------------------------------------
-
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         ranks = [w.global_rank for w in worker_group.workers]
         smp_exit = self._smp.poll() if self._life.watching else None
@@ -539,19 +430,12 @@ class FtmemElasticAgent(ElasticAgentBase):
         exchange_error = self._failures.exchange_error()
         if exchange_error is not None:
             return self._failures.exchange_failed(ranks, exchange_error, self.generation)
-        ready = self._standbys.poll()
-        if ready:
-            self.events.write(
-                "standbys_ready",
-                pids=[s.pid for s in ready],
-                local_ranks=[s.local_rank for s in ready],
-                warm_up_s=[round((s.ready_at or s.spawned) - s.spawned, 3) for s in ready],
-            )
+        record_standbys(self.events, "standbys_ready", self._standbys.poll())
         if self._watch.kill_stopped_peers() and self._life.first_seen is None:
             self._life.first_seen = time.time()
         if (
             self.restarts_left > 0
-            and _a_rank_failed(self.process_context())
+            and a_rank_failed(self.process_context())
             and self._keep_survivors(worker_group)
         ):
             # elastic stops every other rank as soon as it sees the failure: the ones that
@@ -578,8 +462,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Start the standbys for the next failure: at once where the host has idle cores
         for their warm-up (:func:`~ftmem.launch.standby.idle_cores`), else once every rank is
         stepping, so that their imports do not slow this start (ranks that never report
-        progress get them after :data:`STANDBY_FALLBACK_S`).
-        """
+        progress get them after :data:`STANDBY_FALLBACK_S`)."""
         idle = self._standbys.idle
         if not self._standbys.enabled or (self._life.recovery is not None and not idle):
             return
@@ -589,13 +472,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         stepping = latest is not None and all_resumed(self._watch.procs, latest[1])
         if idle or stepping or time.time() - self._life.started_at > STANDBY_FALLBACK_S:
             started = self._standbys.spawn_missing()
-            if started:
-                self.events.write(
-                    "standbys_started",
-                    generation=self.generation,
-                    pids=[s.pid for s in started],
-                    local_ranks=[s.local_rank for s in started],
-                )
+            record_standbys(self.events, "standbys_started", started, generation=self.generation)
 
     def _check_progress(self) -> None:
         latest = self._poller.latest()
@@ -620,8 +497,3 @@ class FtmemElasticAgent(ElasticAgentBase):
     def report_last_failure(self) -> None:
         """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
         self._life.report_last_failure()
-
-
-def _a_rank_failed(pcontext: Any) -> bool:
-    """A rank of ``pcontext`` exited with an error (elastic will report a failure)."""
-    return any(h.proc.poll() not in (None, 0) for h in live_handlers(pcontext).values())

@@ -26,6 +26,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ftmem.events import EventLog
+from ftmem.launch.elastic_compat import live_handlers
 from ftmem.launch.monitor import StatusPoller, min_committed
 from ftmem.launch.rank_watch import RankWatch
 from ftmem.launch.recovery import FailureKind, RecoveryLifecycle
@@ -35,6 +36,11 @@ from ftmem.launch.workers import describe_exit
 from ftmem.protocol.status import ExchangeState
 
 log = logging.getLogger(__name__)
+
+
+def a_rank_failed(pcontext: Any) -> bool:
+    """A rank of ``pcontext`` exited with an error (elastic will report a failure)."""
+    return any(h.proc.poll() not in (None, 0) for h in live_handlers(pcontext).values())
 
 
 class NodeFailures:

@@ -11,8 +11,10 @@ At each round of several nodes, before the ranks start, :meth:`NodeWatch.watch_r
    (at most ``2 * RADIUS`` reads, whatever the job's size);
 3. has the detector watch them for this generation.
 
-A machine the detector declares lost is handed to ``on_lost`` (the agent restarts at once).
-Nothing here touches elastic: the agent hands in how to publish a verdict.
+A machine the detector declares lost is recorded (``declared_lost``) and handed to
+``declare`` (:meth:`MembershipWatch.declare <ftmem.launch.membership.MembershipWatch.declare>`:
+every agent restarts at once). Nothing here touches elastic: the agent hands in how to
+publish a verdict.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftmem.errors import FtmemError
+from ftmem.events import EventLog
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import is_loopback
 from ftmem.launch.detector import FailureDetector, neighbours, read_watch_entry, watch_entry
@@ -41,7 +44,8 @@ class NodeWatch:
         suspect: ``--ftmem-tune detect-timeout`` (0: the detector is off).
         insecure: ``--ftmem-insecure-mesh`` (a key through the store is accepted).
         publish: marks a node lost in the rendezvous (elastic's keep-alive expired).
-        on_lost: called (on the detector's thread) with a node declared lost and why.
+        events: the agent's event log.
+        declare: called (on the detector's thread) with a node declared lost and why.
     """
 
     def __init__(
@@ -53,7 +57,8 @@ class NodeWatch:
         suspect: timedelta,
         insecure: bool,
         publish: Callable[[str], bool],
-        on_lost: Callable[[str, str], None],
+        events: EventLog,
+        declare: Callable[[str, str], None] | None,
     ) -> None:
         self._node = node
         self._run_id = run_id
@@ -61,7 +66,9 @@ class NodeWatch:
         self._suspect = suspect
         self._insecure = insecure
         self._publish = publish
-        self._on_lost = on_lost
+        self._events = events
+        self._declare = declare
+        self._generation = -1
         self._off = suspect.total_seconds() <= 0
         self._key = b""
         self.detector: FailureDetector | None = None
@@ -80,6 +87,7 @@ class NodeWatch:
         """Watch this round's ring neighbours (steps 1-3 of the module docstring): this node
         holds ``slot`` of ``nodes`` and is ``me`` in the rendezvous. A failure to publish or
         read the entries is logged: the round goes unwatched, the job goes on."""
+        self._generation = generation
         if self._off or store is None or nodes is None or nodes < 2 or me is None:
             return
         if slot is None or group_rank is None or not 0 <= slot < nodes:
@@ -136,11 +144,17 @@ class NodeWatch:
             host=ps.host,
             suspect=self._suspect,
             publish=self._publish,
-            on_lost=self._on_lost,
+            on_lost=self._declared_lost,
         )
         detector.start()
         self.detector = detector
         return detector
+
+    def _declared_lost(self, node: str, why: str) -> None:
+        """The detector published ``node`` lost (its thread): restart at once."""
+        self._events.write("declared_lost", peer=node, why=why, generation=self._generation)
+        if self._declare is not None:
+            self._declare(node, why)
 
     def pause(self) -> None:
         """The ranks are stopped: declare nothing until the next round is watched."""

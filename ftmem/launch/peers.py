@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
+from ftmem.exchange.keys import KeyFileError
 from ftmem.protocol.status import ExchangeState, SyncReply
 
 if TYPE_CHECKING:
@@ -551,3 +552,31 @@ class PeerMesh:
                 list(reply.lost),
             )
         return MeshSync(reply, seconds)
+
+    def sync(self, events: Any, checkfree: bool, *, generation: int, **join: Any) -> None:
+        """:meth:`join` this generation's mesh (``join``: its arguments) and record the
+        outcome (``peers_synced``, ``peers_failed``): a mesh that does not form leaves the
+        generation unprotected; more than m nodes lost is ``checkfree`` (the ranks rebuild
+        lost pipeline stages from neighbours) or ends the job.
+
+        Raises:
+            UnrecoverableError: more than m nodes of a group lost their snapshots and
+                ``checkfree`` is off (logged ``UNRECOVERABLE``, recorded).
+        """
+        node = join["node_name"]
+        try:
+            sync = self.join(generation=generation, **join)
+        except UnrecoverableError as exc:
+            if checkfree:
+                log.error("[%s] %s; --ftmem-checkfree: going on without it", node, exc)
+                events.write("checkfree", generation=generation, reason=str(exc))
+                return
+            log.error("[%s] UNRECOVERABLE: %s", node, exc)
+            events.write("unrecoverable", generation=generation, reason=str(exc))
+            raise
+        except (FtmemError, KeyFileError) as exc:
+            log.error("[%s] the peer mesh is not protecting this generation: %s", node, exc)
+            events.write("peers_failed", generation=generation, reason=str(exc))
+            return
+        if sync is not None:
+            events.write("peers_synced", generation=generation, **sync.event_fields())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ftmem.launch.monitor import EventLog, RankProcess, current_progress
 from ftmem.protocol.status import RankProgress
@@ -195,4 +196,66 @@ def report_resumed(
         detect_to_spawn_s=round(spawned - rec.detected, 3),
         spawn_to_stepping_s=round(resumed - spawned, 3),
         phases=phases,
+    )
+
+
+def report_started(
+    node: str,
+    generation: int,
+    procs: list[RankProcess],
+    events: EventLog,
+    *,
+    from_standby: list[int],
+    in_process: list[int],
+    **fields: object,
+) -> None:
+    """Log (and record, ``ranks_started``) a generation's ranks started: their pids, those
+    handed to standbys and those that rejoined in process; ``fields`` go to the event."""
+    events.write(
+        "ranks_started",
+        generation=generation,
+        ranks=[p.rank for p in procs],
+        pids=[p.pid for p in procs],
+        from_standby=from_standby,
+        in_process=in_process,
+        **fields,
+    )
+    log.info(
+        "[%s] generation %d: started ranks %s (pids %s%s%s)",
+        node,
+        generation,
+        [p.rank for p in procs],
+        [p.pid for p in procs],
+        f"; from standbys: ranks {from_standby}" if from_standby else "",
+        f"; rejoined in process: ranks {in_process}" if in_process else "",
+    )
+
+
+def log_joining(node: str, settings: object | None) -> None:
+    """``joining the rendezvous``, with the node range and join timeout of the c10d/etcd-v2
+    handler's ``settings`` (None: another handler)."""
+    if settings is None:
+        log.info("[%s] joining the rendezvous", node)
+        return
+    log.info(
+        "[%s] joining the rendezvous: %d-%d nodes, join timeout %.0f s",
+        node,
+        getattr(settings, "min_nodes", 0),
+        getattr(settings, "max_nodes", 0),
+        settings.timeout.join.total_seconds(),  # type: ignore[attr-defined]
+    )
+
+
+def record_standbys(events: EventLog, event: str, standbys: list[Any], **fields: object) -> None:
+    """Record standby ranks that started (``standbys_started``) or are warm
+    (``standbys_ready``, with their warm-up times), if any."""
+    if not standbys:
+        return
+    if event == "standbys_ready":
+        fields["warm_up_s"] = [round((s.ready_at or s.spawned) - s.spawned, 3) for s in standbys]
+    events.write(
+        event,
+        **fields,
+        pids=[s.pid for s in standbys],
+        local_ranks=[s.local_rank for s in standbys],
     )
