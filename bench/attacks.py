@@ -1,5 +1,5 @@
 """Keyless attackers against a real SMP mesh: time to a protected step and to a rebuild, with
-and without each attack running (issue 48, D1 and D2).
+and without each attack running: a keyless flood of connects and idle connections to the CURVE port.
 
     python bench/attacks.py                   # 5 steps per case, 1 MiB per node
     python bench/attacks.py --steps 3 --no-write

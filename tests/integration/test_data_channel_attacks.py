@@ -1,4 +1,4 @@
-"""Security round 4 (issue 48, D1-D3): keyless attackers of a real SMP mesh's peer ports,
+"""Keyless attackers of a real SMP mesh's peer ports,
 each running for the whole test. Protection and rebuilds go on, and the attacked SMP's
 descriptors, memory and log stay bounded:
 
