@@ -1,5 +1,5 @@
 """Starting and reaping the jobs the bench scripts run (``ftmem-launch`` agents, ``torchrun``)
-on :mod:`ftmem.testing.harness`'s process handling; what the training-job parts share (the
+on :mod:`tests._support.launcher`'s process handling; what the training-job parts share (the
 example's flags, a job's result, its clean-up); SMP STATUS polling.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from ftmem.testing import workload
-from ftmem.testing.harness import (
+from tests._support import workload
+from tests._support.launcher import (
     AgentProcess,
     agent_env,
     free_port,
@@ -44,7 +44,7 @@ MEAN_RE = re.compile(r"\[rank (\d+)\] mean step time ([0-9.]+) s")
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """A job's environment: :func:`ftmem.testing.harness.agent_env` (standby ranks off unless
+    """A job's environment: :func:`tests._support.launcher.agent_env` (standby ranks off unless
     asked for), the repository on PYTHONPATH, unbuffered output."""
     return agent_env({"PYTHONUNBUFFERED": "1", **extra}, pythonpath=[REPO])
 

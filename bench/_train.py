@@ -1,4 +1,4 @@
-"""The training loop of the test workload (``ftmem/testing/workload/train.py``), for the bench workers that run inside ranks.
+"""The training loop of the test workload (``tests/_support/workload/train.py``), for the bench workers that run inside ranks.
 
 ``bench/recovery.py --_dcp-worker`` and ``bench/overhead.py --_worker`` build the example's
 model, data, optimizer, schedule and DDP wrapping in the example's order, so that the seeds
@@ -131,7 +131,7 @@ def setup(example_argv: Sequence[str], logger_name: str) -> Training:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    ex = importlib.import_module("ftmem.testing.workload.train")
+    ex = importlib.import_module("tests._support.workload.train")
     args = ex.get_args_parser().parse_args(list(example_argv))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -27,7 +27,7 @@ from bench import _figures as fg
 from bench import _launch, _results
 from bench._stats import finite, fmt, median, stat
 from ftmem.observe.timeline import read_events
-from ftmem.testing.harness import launch_args
+from tests._support.launcher import launch_args
 
 PART = "ec-overhead"
 CONFIGS = ("no ftmem", "off", "on", "on curve", "on workers")

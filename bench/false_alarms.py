@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/fal
 from bench import _render
 from bench.machine_loss import EXAMPLE, REPO, TINY, _load
 from ftmem.observe.timeline import read_events
-from ftmem.testing.harness import agent_env
-from ftmem.testing.hosts import Hosts, impair_unavailable, unavailable
-from ftmem.testing.machines import Machines
+from tests._support.hosts import Hosts, impair_unavailable, unavailable
+from tests._support.launcher import agent_env
+from tests._support.machines import Machines
 
 DOC = REPO / "docs" / "benchmarks.md"
 SECTION = "false-alarms"

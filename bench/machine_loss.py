@@ -3,9 +3,9 @@
     sudo python bench/machine_loss.py                 # 2 repeats per system and case (~25 min)
     python bench/machine_loss.py --repeats 1 --cases spare --no-write
 
-Every run is on network-namespace hosts (:mod:`ftmem.testing.hosts`: own address, host name
+Every run is on network-namespace hosts (:mod:`tests._support.hosts`: own address, host name
 and /dev/shm each, a private bridge), 1 rank of the test workload per machine
-(``ftmem/testing/workload/train.py``, the test-sized model, a 0.1 s step delay). A machine is
+(``tests/_support/workload/train.py``, the test-sized model, a 0.1 s step delay). A machine is
 lost **silently**, as after a power cut: its link goes down first, then every process of it
 is SIGKILLed, so no FIN or RST reaches its peers. The loss comes after step
 ``--fail-at-step`` of the lost machine's rank, once every standby rank is warm. Three cases:
@@ -58,9 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/mac
 
 from bench import _launch, _render
 from ftmem.observe.timeline import read_events
-from ftmem.testing.harness import AgentProcess, agent_env
-from ftmem.testing.hosts import Hosts, unavailable
-from ftmem.testing.machines import RDZV_PORT, Machines
+from tests._support.hosts import Hosts, unavailable
+from tests._support.launcher import AgentProcess, agent_env
+from tests._support.machines import RDZV_PORT, Machines
 
 EXAMPLE = _launch.EXAMPLE
 REPO = _launch.REPO

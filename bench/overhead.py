@@ -28,7 +28,7 @@ from bench import _launch, _results, _train
 from bench import _stats as st
 from bench._figures import Fig, Goal, rows
 from bench._stats import fmt, stat
-from ftmem.testing.harness import launch_command
+from tests._support.launcher import launch_command
 
 PART = "overhead"
 WORKER_FLAG = "--_worker"

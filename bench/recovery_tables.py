@@ -68,7 +68,7 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
     ]
     spawn = [stat([x["spawn_import_s"] for x in xs]) for xs in runs.values()]
     out = [
-        f"- model: the test workload (`ftmem/testing/workload/train.py`) at its default size ({fmt(r['params_m'])} M parameters), 2 ranks "
+        f"- model: the test workload (`tests/_support/workload/train.py`) at its default size ({fmt(r['params_m'])} M parameters), 2 ranks "
         f"(gloo) on one node, {r['steps']} steps; failure-free step time {fmt(r['ref_step_time'], '.3f')} s",
         f"- rank {FAIL_RANK} SIGKILLs itself right after step {r['fail_step']}; torchrun + DCP checkpoints every "
         f"{r['dcp_every']} steps; median (min-max) over the runs",

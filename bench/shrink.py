@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/shr
 from bench import _render
 from bench.machine_loss import EXAMPLE, REPO, TINY, Run, _load, _measure, result_rows
 from ftmem.observe.timeline import read_events
-from ftmem.testing.harness import AgentProcess, agent_env
-from ftmem.testing.hosts import Hosts, unavailable
-from ftmem.testing.machines import RDZV_PORT, Machines
+from tests._support.hosts import Hosts, unavailable
+from tests._support.launcher import AgentProcess, agent_env
+from tests._support.machines import RDZV_PORT, Machines
 
 FTMEM = "ftmem-launch, shrink from memory"
 DCP = "torchrun + DCP, reshard from disk"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The ftmem demo: train a small GPT (the test workload: examples/train_gpt.py's loop plus a
-# failure switch) on 2 ranks under ftmem-launch with a snapshot every step,
-# SIGKILL rank 1 right after step 12's snapshot, let ftmem-launch restart every rank from the
-# SMP's memory, and check the final digest against a run without failure.
-# Installs what it needs (torch 2.13 CPU build, ftmem) first.
+# The ftmem demo: train a small GPT (the checkout's test workload,
+# tests/_support/workload/train.py: examples/train_gpt.py's loop plus a failure switch) on 2
+# ranks under ftmem-launch with a snapshot every step, SIGKILL rank 1 right after step 12's
+# snapshot, let ftmem-launch restart every rank from the SMP's memory, and check the final
+# digest against a run without failure. It runs from the checkout (the workload is not part of
+# the ftmem package). Installs what it needs (torch 2.13 CPU build, ftmem) first.
 #
 #   bash examples/demo.sh
 set -euo pipefail
@@ -14,7 +15,7 @@ python -m pip install -q -e . 2>&1 | grep -v -i "warning" || true
 work=$(mktemp -d /tmp/ftmem-demo-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1
-script=(-m ftmem.testing.workload.train --steps 20 --d-model 128 --n-layers 2)
+script=(tests/_support/workload/train.py --steps 20 --d-model 128 --n-layers 2)
 
 echo "== 1. reference run: no snapshots, no failure"
 ftmem-launch --standalone --nproc-per-node 2 "${script[@]}" --no-ftmem \

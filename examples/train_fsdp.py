@@ -9,14 +9,17 @@ committed; the run ends bit for bit where an uninterrupted run ends (compare the
 ``[rank R] digest`` lines: a sha256 over the *full* parameters and optimizer state, gathered
 from the shards, the same on every rank).
 
-Commands (from the repository root, with ftmem installed: ``pip install -e .``):
+Commands (from a checkout of the repository, at its root, with ftmem installed: ``pip install
+-e .``):
 
     ftmem-launch --nproc-per-node 2 examples/train_fsdp.py --steps 20 --fail-at-step 12
     ftmem-launch --nproc-per-node 4 examples/train_fsdp.py --steps 20 --hsdp 2   # HSDP 2 x 2
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --steps 20 --no-ftmem
 
 The model, data, flags (failure injection included) and output lines are those of the test
-workload, ``ftmem/testing/workload/train.py`` (imported from there); only the wrapping (``fully_shard`` per block, then the whole model, on a 1-D CPU
+workload, ``tests/_support/workload/train.py``, imported from the checkout this file lies in
+(the tests train and check the same model); to use this example elsewhere, copy that file
+beside it. Only the wrapping (``fully_shard`` per block, then the whole model, on a 1-D CPU
 device mesh) and the digest differ.
 """
 
@@ -28,6 +31,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ftmem.testing.workload.train import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root
+from tests._support.workload.train import (
     GPT,
     SyntheticTokens,
     fail_when_committed,

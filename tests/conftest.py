@@ -2,7 +2,7 @@
 ftmem-launch agents (``launcher_env``) and SMP meshes (``cluster_factory``).
 
 Support code lives in plain modules under ``tests/_support/``; processes are started,
-watched and reaped with the package's harness (:mod:`ftmem.testing.harness`).
+watched and reaped with :mod:`tests._support.launcher`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone, shm_files
-from tests._support.launcher import Launcher, short_dir
+from tests._support.launcher import Launcher, pid_gone, shm_files, short_dir
 from tests._support.procs import Procs
 from tests._support.smp_mesh import Cluster
 

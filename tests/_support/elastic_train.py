@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import ftmem
-from ftmem.testing.workload.train import state_digest as digest
+from tests._support.workload.train import state_digest as digest
 
 SAMPLES = 48
 

@@ -1,5 +1,6 @@
-"""The test workload (:mod:`ftmem.testing.workload.train`) as a module, and a fresh model and optimizer of
-the size the export tests train, to load a checkpoint into (also from a subprocess)."""
+"""The test workload (:mod:`tests._support.workload.train`) as a module, and a fresh model
+and optimizer of the size the export tests train, to load a checkpoint into (also from a
+subprocess)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ MODEL_ARGS = dict(vocab=128, seq_len=32, d_model=64, n_layers=2, n_heads=2, drop
 
 def example() -> ModuleType:
     """The test workload's module (its model, its digest)."""
-    return importlib.import_module("ftmem.testing.workload.train")
+    return importlib.import_module("tests._support.workload.train")
 
 
 def fresh_state(

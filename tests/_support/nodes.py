@@ -12,8 +12,16 @@ from datetime import timedelta
 from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ExchangeStatus
-from ftmem.testing.harness import free_port, launch_args, remove_shm
-from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests
+from tests._support.launcher import (
+    TINY,
+    WORKLOAD,
+    Launch,
+    Launcher,
+    digests,
+    free_port,
+    launch_args,
+    remove_shm,
+)
 
 STEPS = 40
 SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.15", *TINY]

@@ -8,12 +8,12 @@ import signal
 import subprocess
 from pathlib import Path
 
-from ftmem.testing import workload
+from tests._support import workload
 
 REPO = Path(__file__).resolve().parents[2]
 """The repository checkout the tests run from."""
 WORKLOAD = Path(workload.SCRIPT)
-"""The script the tests train: the test workload, :mod:`ftmem.testing.workload.train`."""
+"""The script the tests train: the test workload, :mod:`tests._support.workload.train`."""
 
 
 class Procs:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftmem.testing.harness import free_port
+from tests._support.launcher import free_port
 from tests._support.procs import WORKLOAD, Procs
 
 SMALL = [

@@ -2,7 +2,7 @@
 
 Debian's ``slurmctld``, ``slurmd`` and ``munge``: one ``munged`` (its socket in the test's
 directory), ``slurmctld`` on host 0, one ``slurmd`` on each other host (its own address, host
-name and /dev/shm: :class:`ftmem.testing.hosts.Hosts`), all as root with a configuration of
+name and /dev/shm: :class:`tests._support.hosts.Hosts`), all as root with a configuration of
 the test's own (no cgroups, no accounting database: job completions go to a text file).
 Every daemon and namespace is gone after :meth:`SlurmCluster.close`, also after a failure.
 """
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ftmem.testing.hosts import Hosts, unavailable
+from tests._support.hosts import Hosts, unavailable
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged")
 

@@ -26,7 +26,7 @@ from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ExchangeStatus
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone, remove_shm
+from tests._support.launcher import pid_gone, remove_shm
 
 T = timedelta(seconds=60)
 """Every start and request deadline."""

@@ -1,7 +1,7 @@
 """Chaos: a 3-node run (three ftmem-launch agents on loopback, erasure coding m=1, disk tiers)
 survives a seeded schedule of faults of every kind and ends with the failure-free digest.
 
-The schedule (``python -m ftmem.testing.chaos --nodes 3 --faults 10 --seed 1`` replays it)
+The schedule (``python -m tests._support.chaos --nodes 3 --faults 10 --seed 1`` replays it)
 has one fault of each kind: rank SIGKILL, rank SIGSTOP (hang), SMP SIGKILL, whole node lost
 and replaced, and SIGKILLs inside a save, at the start of an EC round, inside EC encoding,
 inside a flush and inside a restore, plus a full disk during a flush. The runner waits for
@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from ftmem.config import ENV_FAULT_FILE
-from ftmem.testing import chaos
-from ftmem.testing.cluster import shm_files
+from tests._support import chaos
+from tests._support.chaos.cluster import shm_files
 
 SEED = 1
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 
-from ftmem.testing.harness import remove_shm
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import (
     TINY,
@@ -23,6 +22,7 @@ from tests._support.launcher import (
     Launcher,
     digests,
     reference_digests,
+    remove_shm,
 )
 
 STEPS = 30

@@ -26,7 +26,7 @@ LOAD = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 sys.path.insert(0, {examples!r})
 from train_fsdp import GPT, state_digest
-from ftmem.testing.workload.train import get_args_parser
+from tests._support.workload.train import get_args_parser
 args = get_args_parser().parse_args({tiny!r})
 world = int(os.environ["WORLD_SIZE"])
 torch.manual_seed(7)  # other weights than the run's: the load must overwrite them all

@@ -24,8 +24,15 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftmem.protocol.smp_client import SmpClient
-from ftmem.testing.harness import free_port, launch_args
-from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests
+from tests._support.launcher import (
+    TINY,
+    WORKLOAD,
+    Launch,
+    Launcher,
+    digests,
+    free_port,
+    launch_args,
+)
 from tests._support.nodes import STEPS, reference
 from tests._support.procs import REPO
 

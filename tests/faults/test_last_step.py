@@ -1,8 +1,8 @@
 """The final step of a run with ``--ftmem-flush-every`` is always its newest flushed checkpoint.
 
 Run as a new user would (``ftmem-launch --nproc-per-node 2 --ftmem-flush-dir D
---ftmem-flush-every 4 -m ftmem.testing.workload.train --steps 12``). While a flush holds a slot, a rank
-with no free slot skips its snapshot; when that happened to the last step, the final state was
+--ftmem-flush-every 4 tests/_support/workload/train.py --steps 12``). While a flush holds a
+slot, a rank with no free slot skips its snapshot; when that happened to the last step, the final state was
 never in memory and the final flush (when the SMP is stopped at the end of the job) wrote an
 older step (9 of 12 in 1 run of 4). The last step passed to ``save`` must be committed
 (``close``/exit waits, bounded, for a slot), and the final flush must write it.

@@ -13,13 +13,14 @@ import time
 
 import pytest
 
-from ftmem.testing.harness import shm_files, wait_gone
 from tests._support.launcher import (
     TINY,
     WORKLOAD,
     Launcher,
     digests,
     reference_digests,
+    shm_files,
+    wait_gone,
     wait_verified,
 )
 

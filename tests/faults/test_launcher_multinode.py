@@ -6,14 +6,17 @@ import re
 import signal
 import time
 
-from ftmem.testing.harness import free_port, launch_args, shm_files, wait_gone
 from tests._support.launcher import (
     TINY,
     WORKLOAD,
     Launch,
     Launcher,
     digests,
+    free_port,
+    launch_args,
     reference_digests,
+    shm_files,
+    wait_gone,
 )
 
 STEPS = 12

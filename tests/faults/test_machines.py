@@ -1,7 +1,7 @@
 """Machines lost, cut off and returning, on network-namespace hosts with a hot spare.
 
 Every host has its own address on a private bridge, host name, /etc/hosts and /dev/shm
-(:mod:`ftmem.testing.hosts`); host 0's agent serves the c10d rendezvous store. The job has 3
+(:mod:`tests._support.hosts`); host 0's agent serves the c10d rendezvous store. The job has 3
 nodes x 1 rank of the test workload with erasure coding (m=1) and a key file; a
 fourth machine waits as a hot spare. Nobody starts a replacement: the spare takes the lost
 machine's place, its SMP rebuilds the lost snapshot from the peers, and the run ends with the
@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from ftmem.testing.harness import launch_args, launch_command
-from ftmem.testing.hosts import impair_unavailable
-from tests._support.launcher import Launch, Launcher, reference_digests
+from tests._support.hosts import impair_unavailable
+from tests._support.launcher import Launch, Launcher, launch_args, launch_command, reference_digests
 from tests._support.machines import STEPS, events, finish, machines
 
 DECLARED = r"MACHINE LOST: {node}_\S+ (was )?declared lost by the failure detector"

@@ -19,7 +19,7 @@ import ftmem
 from ftmem.config import ClientConfig
 from ftmem.shm import board_file_name, new_nonce
 from ftmem.smp.spawn import start_smp
-from ftmem.testing.harness import shm_files
+from tests._support.launcher import shm_files
 
 
 def _cleanup(*flags: str) -> str:

@@ -30,7 +30,7 @@ import ftmem
 from ftmem.config import ClientConfig
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from ftmem.testing.harness import shm_files
+from tests._support.launcher import shm_files
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -16,7 +16,7 @@ from ftmem.config import ClientConfig
 from ftmem.events import SMP_EVENTS_NAME
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import shm_files
+from tests._support.launcher import shm_files
 
 
 def _state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, object]]:

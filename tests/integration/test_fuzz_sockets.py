@@ -45,7 +45,7 @@ from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ExchangeState
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone, shm_files
+from tests._support.launcher import pid_gone, shm_files
 from tests._support.smp_mesh import Cluster, commit_of
 from tests._support.tamper import data_message, send_raw
 

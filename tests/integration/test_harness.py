@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ftmem.launch.cli import get_args_parser
-from ftmem.testing.harness import (
+from tests._support.launcher import (
     AgentProcess,
     agent_env,
     launch_args,

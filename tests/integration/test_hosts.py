@@ -1,4 +1,4 @@
-"""The multi-host harness itself (ftmem.testing.hosts): namespace hosts with their own
+"""The multi-host harness itself (tests._support.hosts): namespace hosts with their own
 address, host name, /etc/hosts and /dev/shm; a host killed takes its processes and memory;
 a cut link is silent; an impaired link delays and drops packets; nothing is left after."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.testing.hosts import Hosts, impair_unavailable, unavailable
+from tests._support.hosts import Hosts, impair_unavailable, unavailable
 
 PROBE = """
 import socket, sys, time

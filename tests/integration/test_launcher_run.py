@@ -6,8 +6,7 @@ import re
 import signal
 from pathlib import Path
 
-from ftmem.testing.harness import shm_files, wait_gone
-from tests._support.launcher import TINY, WORKLOAD, Launcher, digests
+from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, shm_files, wait_gone
 
 ENV_SCRIPT = """
 import ctypes, json, os, socket

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from ftmem.launch.membership import MembershipWatch
-from ftmem.testing.harness import free_port, pid_gone
+from tests._support.launcher import free_port, pid_gone
 
 STORE = """
 import signal, sys

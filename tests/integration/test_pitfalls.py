@@ -24,8 +24,7 @@ from ftmem.errors import FtmemError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from ftmem.testing.harness import free_port
-from tests._support.launcher import TINY, WORKLOAD, Launcher
+from tests._support.launcher import TINY, WORKLOAD, Launcher, free_port
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ftmem.launch.config import ENV_DISABLE_SHARED_STORE
 from ftmem.launch.rank_store import ENV_USE_AGENT_STORE, RankStore
-from ftmem.testing.harness import free_port
+from tests._support.launcher import free_port
 
 RANK = """
 import os, sys, time

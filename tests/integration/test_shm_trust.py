@@ -28,7 +28,7 @@ from ftmem.shm import MappedSegment, create_segment, parse_slot_name, remove_seg
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone, remove_shm, shm_files
+from tests._support.launcher import pid_gone, remove_shm, shm_files
 
 SHM = Path("/dev/shm")
 OTHER_UID = 65534  # nobody

@@ -21,7 +21,7 @@ from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
-from ftmem.testing.harness import pid_gone, shm_files
+from tests._support.launcher import pid_gone, shm_files
 
 
 def raw_socket(run_dir: Path) -> zmq.Socket[bytes]:

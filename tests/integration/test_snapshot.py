@@ -15,7 +15,7 @@ from ftmem.config import ClientConfig
 from ftmem.errors import CorruptSnapshotError, SmpUnavailableError, SnapshotMismatchError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from ftmem.testing.harness import shm_files
+from tests._support.launcher import shm_files
 
 
 def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

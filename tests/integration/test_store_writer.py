@@ -27,8 +27,17 @@ import pytest
 from torch.distributed import TCPStore
 
 from ftmem.exchange import keys
-from ftmem.testing.harness import AgentProcess, free_port, launch_args
-from tests._support.launcher import TINY, WORKLOAD, Launch, Launcher, digests, short_dir
+from tests._support.launcher import (
+    TINY,
+    WORKLOAD,
+    AgentProcess,
+    Launch,
+    Launcher,
+    digests,
+    free_port,
+    launch_args,
+    short_dir,
+)
 
 REFUSED = "rendezvous state in the store was not written by this job"
 

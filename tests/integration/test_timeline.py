@@ -21,7 +21,7 @@ from ftmem.config import ClientConfig
 from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME, EventLog
 from ftmem.observe.timeline import marks_of, parse_line, read_events, since_filter
 from ftmem.smp.spawn import start_smp
-from ftmem.testing.harness import pid_gone, shm_files
+from tests._support.launcher import pid_gone, shm_files
 
 T0 = 1_700_000_000.0
 

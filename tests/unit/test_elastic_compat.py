@@ -86,7 +86,7 @@ def test_a_c10d_handler_re_reads_the_state_sooner() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from ftmem.testing.harness import free_port
+    from tests._support.launcher import free_port
 
     params = RendezvousParameters(
         backend="c10d",
@@ -129,7 +129,7 @@ def test_a_node_marked_expired_is_dropped_by_every_handler_at_its_next_read() ->
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from ftmem.launch.elastic_compat import expire_keep_alive, rendezvous_members
-    from ftmem.testing.harness import free_port
+    from tests._support.launcher import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
 

@@ -1,9 +1,10 @@
-"""The package's layers import one way, and the SMP never imports torch.
+"""The package's layers import one way, the SMP never imports torch, and the package never
+imports the checkout (tests, benchmarks, examples).
 
 Layers, lowest first (docs/design.md, "Layout"): ``errors, config`` (and the small helpers
 beside them) -> ``secure_fs`` -> ``format, protocol, shm, faults`` -> ``exchange, tiers`` (the libraries) ->
 ``client | smp | observe`` (what runs in a rank, in the SMP, in a reader of event logs) ->
-``launch, cli`` -> ``testing``. A module may import its own package and any lower layer;
+``launch, cli``. A module may import its own package and any lower layer;
 packages of one layer never import each other. Every import counts, also one inside a
 function (that is how the client -> tiers -> client cycle hid); only ``if TYPE_CHECKING:``
 blocks are exempt, since they never run.
@@ -40,8 +41,11 @@ LAYERS: dict[str, float] = {
     "ftmem.launch": 5,
     "ftmem.integrations": 5,  # framework integrations over the public API
     "ftmem.cli": 5,
-    "ftmem.testing": 6,
 }
+
+
+_CHECKOUT = ("tests", "bench", "examples")
+"""Top-level packages of the repository that are not the product."""
 
 
 def _module_name(path: Path) -> str:
@@ -119,6 +123,19 @@ def violations(extra: dict[str, str] | None = None) -> list[str]:
 
 def test_imports_point_down_the_layers() -> None:
     assert violations() == []
+
+
+def test_the_package_never_imports_the_checkout() -> None:
+    # The test harness (tests/_support/) and the benchmarks stay out of the wheel: nothing in
+    # the package may import them, even inside a function.
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad += [f"{path}:{node.lineno}: {n}" for n in names if n.split(".")[0] in _CHECKOUT]
+    assert bad == []
 
 
 def test_the_check_sees_imports_against_the_arrows() -> None:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ftmem import faults
-from ftmem.testing._chaos_report import LogWatch, Outcome
-from ftmem.testing._chaos_schedule import Kind, ScheduledFault
-from ftmem.testing.cluster import LoopbackCluster
+from tests._support.chaos.cluster import LoopbackCluster
+from tests._support.chaos.report import LogWatch, Outcome
+from tests._support.chaos.schedule import Kind, ScheduledFault
 
 _RANK_KINDS = (Kind.RANK_KILL, Kind.RANK_STOP, Kind.SAVE_KILL, Kind.RESTORE_KILL)
 """Kinds aimed at one rank (the fault's local rank on its node)."""

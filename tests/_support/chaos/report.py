@@ -13,21 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftmem.testing._chaos_schedule import Kind, ScheduledFault
+from tests._support.chaos.schedule import Kind, ScheduledFault
+from tests._support.workload import RESUMED_RE, STEP_RE
 
-STEP_RE = re.compile(r"\[rank (\d+)\] [\w.]+ INFO: step (\d+) loss")
-"""A training step logged by the workload (with ``--log-every 1``)."""
-RESUMED_RE = re.compile(r"\[rank (\d+)\] resumed from step (\d+)")
-"""What every rank prints after ``ftmem.load``."""
-DIGEST_RE = re.compile(r"\[rank (\d+)\] digest ([0-9a-f]+)")
-"""The final digest of a rank."""
 REBUILT_RE = re.compile(r"REBUILT step (\d+) of this node")
 """An agent whose SMP rebuilt its node's snapshot from its peers."""
-
-
-def digests(text: str) -> dict[int, str]:
-    """``{rank: digest}`` from the ``[rank R] digest HEX`` lines of a log."""
-    return {int(r): d for r, d in DIGEST_RE.findall(text)}
 
 
 @dataclass

@@ -1,17 +1,16 @@
 """The chaos runner: a multi-node run on loopback, a seeded schedule of faults of every kind,
 and at the end the digest of a failure-free run.
 
-Usage (ftmem installed; docs/chaos.md explains the report)::
+Usage (from the repository root, ftmem installed; docs/chaos.md explains the report)::
 
-    python -m ftmem.testing.chaos --nodes 3 --faults 10 --seed 7
-    python -m ftmem.testing.chaos --nodes 4 --faults 100 --seed 1 --json report.json
-    python -m ftmem.testing.chaos --schedule report.json     # replay a printed schedule
+    python -m tests._support.chaos --nodes 3 --faults 10 --seed 7
+    python -m tests._support.chaos --nodes 4 --faults 100 --seed 1 --json report.json
+    python -m tests._support.chaos --schedule report.json     # replay a printed schedule
 
-It starts ``--nodes`` ``ftmem-launch`` agents (:class:`~ftmem.testing.cluster.LoopbackCluster`,
+It starts ``--nodes`` ``ftmem-launch`` agents (:class:`~.cluster.LoopbackCluster`,
 ``--nproc-per-node`` ranks each, erasure coding with ``--parity`` (m) when there are 3+
-nodes, disk tiers in its work directory) training the package's own workload
-(:mod:`ftmem.testing.workload`: no repository checkout needed), and injects the
-schedule one fault at a time. A fault is ``(step, delay, node, rank) -> kind``: once every
+nodes, disk tiers in its work directory) training the test workload
+(:mod:`tests._support.workload`), and injects the schedule one fault at a time. A fault is ``(step, delay, node, rank) -> kind``: once every
 rank has logged step ``step``, wait ``delay`` seconds (so faults land at random points of a
 step: inside a copy, an EC round, a flush), inject, then wait until the run has recovered
 (every rank stepping again, or for disk faults the node's next good flush) before the next
@@ -29,10 +28,10 @@ stepping again, as the runner saw it in the logs, and the agents' own detect -> 
 their ``events.jsonl``), the steps lost, and at the end whether the final digest equals a
 failure-free run's of the same world size.
 
-Layout: this module is the public face and the CLI; _chaos_config.py (:class:`ChaosConfig`),
-_chaos_schedule.py (kinds, seeded schedules), _chaos_runner.py (:class:`ChaosRunner`: the
-runs, the waits, each recovery), _chaos_inject.py (how each kind is injected) and
-_chaos_report.py (what the runner observes, the report).
+Layout: this module is the public face and the CLI (``__main__.py`` runs it); config.py
+(:class:`ChaosConfig`), schedule.py (kinds, seeded schedules), runner.py (:class:`ChaosRunner`:
+the runs, the waits, each recovery), inject.py (how each kind is injected), report.py (what
+the runner observes, the report) and cluster.py (the nodes on loopback).
 """
 
 from __future__ import annotations
@@ -41,13 +40,12 @@ import argparse
 import json
 import logging
 import random
-import sys
 from pathlib import Path
 
-from ftmem.testing._chaos_config import ChaosConfig, RunFailed
-from ftmem.testing._chaos_report import ChaosReport, Outcome
-from ftmem.testing._chaos_runner import ChaosRunner
-from ftmem.testing._chaos_schedule import (
+from tests._support.chaos.config import ChaosConfig, RunFailed
+from tests._support.chaos.report import ChaosReport, Outcome
+from tests._support.chaos.runner import ChaosRunner
+from tests._support.chaos.schedule import (
     DESCRIPTIONS,
     Kind,
     ScheduledFault,
@@ -75,9 +73,9 @@ __all__ = [
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    """The ``python -m ftmem.testing.chaos`` argument parser."""
+    """The ``python -m tests._support.chaos`` argument parser."""
     p = argparse.ArgumentParser(
-        prog="python -m ftmem.testing.chaos", description=__doc__.split("\n")[0]
+        prog="python -m tests._support.chaos", description=__doc__.split("\n")[0]
     )
     p.add_argument("--nodes", type=int, default=3, help="ftmem-launch agents (nodes)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
@@ -156,7 +154,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_json(), indent=1))
     return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """The chaos runner's loop: a reference run, the faulty run, and the schedule injected into
-it one fault at a time, each recovery measured before the next (see :mod:`ftmem.testing.chaos`).
+it one fault at a time, each recovery measured before the next (see :mod:`tests._support.chaos`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from pathlib import Path
 
 from ftmem import faults
 from ftmem.protocol.status import ExchangeStatus
-from ftmem.testing._chaos_config import ChaosConfig, RunFailed
-from ftmem.testing._chaos_inject import Injector
-from ftmem.testing._chaos_report import (
+from tests._support.chaos.cluster import ClusterConfig, LoopbackCluster
+from tests._support.chaos.config import ChaosConfig, RunFailed
+from tests._support.chaos.inject import Injector
+from tests._support.chaos.report import (
     REBUILT_RE,
     ChaosReport,
     LogWatch,
     Outcome,
-    digests,
     events_since,
 )
-from ftmem.testing._chaos_schedule import DISK_ONLY, Kind, ScheduledFault
-from ftmem.testing.cluster import ClusterConfig, LoopbackCluster
+from tests._support.chaos.schedule import DISK_ONLY, Kind, ScheduledFault
+from tests._support.workload import digests
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
 """N ``ftmem-launch`` agents of one job on loopback: the nodes of a multi-node run on one host.
 
-Each node is one ``ftmem-launch`` agent (:class:`~ftmem.testing.harness.AgentProcess`: its
+Each node is one ``ftmem-launch`` agent (:class:`~tests._support.launcher.AgentProcess`: its
 own session, a log file, a bounded SIGTERM -> SIGKILL stop), with its own run directory and
 node-local flush tier; node 0 hosts the c10d rendezvous store. A
 node is *lost* for real: its agent, SMP, flush worker and ranks are SIGKILLed at once and
 its shared memory is removed (a dead machine takes its memory along); a *replacement* is a
 new agent with the lost node's name and a new run directory.
 
-Used by the chaos runner (:mod:`ftmem.testing.chaos`) and by tests. The training script is a
-config value; the default is the package's own workload (:mod:`ftmem.testing.workload`), so
-nothing here needs the repository checkout. Processes are found with psutil (a rank is a
+Used by the chaos runner (:mod:`tests._support.chaos`) and by tests. The training script is a
+config value; the default is the test workload (:mod:`tests._support.workload`), run by its
+path: the agents and ranks need an installed ftmem, not the checkout on ``sys.path``. Processes are found with psutil (a rank is a
 descendant whose environment has ``RANK``; the SMP runs ``-m ftmem.smp``); SMP status goes
 through ``SmpClient``.
 """
@@ -32,7 +32,7 @@ from ftmem.errors import FtmemError
 from ftmem.exchange import keys
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import SmpStatus
-from ftmem.testing.harness import (
+from tests._support.launcher import (
     AgentProcess,
     agent_env,
     free_port,
@@ -41,7 +41,7 @@ from ftmem.testing.harness import (
     shm_files,
     wait_gone,
 )
-from ftmem.testing.workload import SCRIPT
+from tests._support.workload import SCRIPT
 
 __all__ = ["ClusterConfig", "LoopbackCluster", "shm_files"]
 
@@ -59,8 +59,8 @@ class ClusterConfig:
     nproc: int = 1
     """Ranks per node."""
     script: list[str] = field(default_factory=lambda: [str(SCRIPT)])
-    """The training script and its arguments (default: the package's own workload,
-    :data:`ftmem.testing.workload.SCRIPT`, with its defaults)."""
+    """The training script and its arguments (default: the test workload,
+    :data:`tests._support.workload.SCRIPT`, with its defaults)."""
     parity: int = 1
     """``--ftmem-ec-parity`` (0: no erasure coding)."""
     flush_every: int = 0

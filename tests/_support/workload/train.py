@@ -3,12 +3,12 @@ plus the switches tests, the chaos runner and the benchmarks need (failure injec
 snapshots, in-process restart, timing lines). ``examples/train_gpt.py`` is the same loop
 without them, written for reading.
 
-Run it with ``ftmem-launch --nproc-per-node 2 -m ftmem.testing.workload.train --steps 20
+Run it with ``ftmem-launch --nproc-per-node 2 tests/_support/workload/train.py --steps 20
 --fail-at-step 12 --fail-rank 1``: rank 1 SIGKILLs itself once every rank committed step 12,
 the launcher restarts the ranks and they resume from step 12. ``--no-ftmem`` trains without
 snapshots (the reference). A single process trains without DDP.
 
-What it prints (what :mod:`ftmem.testing.chaos` and the tests read): ``[rank R] resumed from
+What it prints (what :mod:`tests._support.chaos` and the tests read): ``[rank R] resumed from
 step N`` after ``ftmem.load``; ``<time> [rank R] workload INFO: step N loss X`` every
 ``--log-every`` steps; at the end ``[rank R] final step N``, ``[rank R] mean step time X s``
 (and the median) and ``[rank R] digest <sha256>`` over every byte of the parameters (sorted by

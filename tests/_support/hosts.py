@@ -11,7 +11,7 @@ process in it SIGKILLed, and its shared memory wiped.
 
 Links can also be slowed and made lossy (:meth:`Hosts.impair`): this kernel has no netem, so
 iptables in the bridge's namespace hands the host's forwarded packets to an NFQUEUE served by
-:mod:`ftmem.testing.delayer` (needs iptables with ``physdev`` and the NetfilterQueue
+:mod:`tests._support.delayer` (needs iptables with ``physdev`` and the NetfilterQueue
 package; :func:`impair_unavailable` says why not).
 
 Needs root and iproute2 (``ip``) and util-linux (``unshare``); :func:`unavailable` says why
@@ -38,6 +38,8 @@ from pathlib import Path
 
 SUBNET = "10.99.0"
 """The bridge's /24 (private to the harness's own namespaces)."""
+DELAYER = Path(__file__).resolve().with_name("delayer.py")
+"""The link delayer, run by its path (it imports nothing from the checkout)."""
 
 
 def unavailable() -> str | None:
@@ -199,7 +201,7 @@ class Hosts:
         br = ("ip", "netns", "exec", self.bridge_ns)
         _run(*br, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")
         proc = subprocess.Popen(
-            [*br, sys.executable, "-m", "ftmem.testing.delayer", str(i + 1), f"{delay_ms:g}",
+            [*br, sys.executable, str(DELAYER), str(i + 1), f"{delay_ms:g}",
              f"{loss:g}", str(seed)],
             stdout=subprocess.PIPE,
         )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftmem.testing.workload import SCRIPT, TINY_ARGS
+from tests._support.workload import SCRIPT, TINY_ARGS
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,10 +29,10 @@ class ChaosConfig:
     for the flushes that show that the disk faults were recovered from)."""
     model_args: list[str] = field(default_factory=lambda: list(TINY_ARGS))
     """More arguments of the script: its model's size (default the workload's tiny model,
-    :data:`ftmem.testing.workload.TINY_ARGS`)."""
+    :data:`tests._support.workload.TINY_ARGS`)."""
     script: Path = SCRIPT
-    """The training script: by default the package's workload
-    (:data:`ftmem.testing.workload.SCRIPT`). It must take ``--steps``, ``--pg-timeout`` and
+    """The training script: by default the test workload
+    (:data:`tests._support.workload.SCRIPT`). It must take ``--steps``, ``--pg-timeout`` and
     ``--step-delay``, print ``[rank R] resumed from step N``, log ``[rank R] <logger> INFO:
     step N loss`` every step and end with ``[rank R] digest``."""
     recovery_timeout_s: float = 300.0

@@ -1,8 +1,8 @@
 """Delay and drop packets of an iptables NFQUEUE: netem for kernels built without it.
 
-    python -m ftmem.testing.delayer QUEUE DELAY_MS [LOSS] [SEED]
+    python tests/_support/delayer.py QUEUE DELAY_MS [LOSS] [SEED]
 
-Run by :meth:`ftmem.testing.hosts.Hosts.impair` in the bridge's namespace, where iptables
+Run by :meth:`tests._support.hosts.Hosts.impair` in the bridge's namespace, where iptables
 sends a host's forwarded packets (both ways) to queue ``QUEUE``. Each packet is dropped with
 probability ``LOSS`` (a seeded RNG, so a run is repeatable) or released ``DELAY_MS`` after it
 arrived, in arrival order. Prints ``READY`` once bound; stops on SIGTERM, releasing what it
