@@ -299,9 +299,7 @@ def test_a_member_claiming_another_nodes_name_is_dropped_and_a_stale_key_is_refu
         stale.send_multipart(peer_frames(pm.Abort(1).to_header(c.epoch)), flags=zmq.NOBLOCK)
         c.wait(
             "the stale key refused",
-            lambda: (
-                "a CURVE key of no member of this generation" in c.nodes[0].log().read_text()
-            ),
+            lambda: "a CURVE key of no member of this generation" in c.nodes[0].log().read_text(),
             timeout=20,
         )
         stale.close(linger=0)
