@@ -197,7 +197,9 @@ def _insert_at(text: str, after: str | None) -> int:
     return len(text)
 
 
-AFTER = {"summary": "title", "memory": "snapshot"}
+AFTER = {"memory": "snapshot"}
+"""Sections placed after another; the rest (the summary too) go after the last results block,
+below the hand-written first page."""
 
 
 def write_section(path: Path, name: str, section: str) -> None:
