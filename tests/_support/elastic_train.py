@@ -25,8 +25,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
+# Run by path, so this file's folder (tests/_support) is first on sys.path: the workload is
+# found there whether or not the checkout is importable (ranks do not get it on PYTHONPATH).
+from workload.train import state_digest as digest  # type: ignore[import-not-found]
+
 import ftmem
-from tests._support.workload.train import state_digest as digest
 
 SAMPLES = 48
 
