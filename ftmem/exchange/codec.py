@@ -24,10 +24,10 @@ padding), a parity fragment over all its bytes. :class:`EncodedStripe` carries a
 of them; parity holders keep them, and a rebuild verifies every fragment against them before
 use: a mismatch counts as a lost fragment.
 
-GIL and memory. pyeclib holds the GIL while it encodes (about 0.1 ms per MiB), so long stripes
+GIL and memory. pyeclib holds the GIL while it encodes, so long stripes
 stall every other thread of the process: keep stripes at 1-4 MiB, or encode in a worker
 process. pyeclib allocates its output per call; glibc returns such large blocks to the kernel
-and page-faults them back each time (~2 GB/s instead of 8-13 GB/s), which :func:`tune_malloc`
+and page-faults them back each time (several times slower), which :func:`tune_malloc`
 prevents. A :class:`StripeCodec` is not thread-safe (its stripe buffer is reused).
 """
 
@@ -60,7 +60,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EC_TYPE = "isa_l_rs_vand"
-"""pyeclib backend: ISA-L Reed-Solomon (Vandermonde); liberasurecode_rs_vand is < 1 GB/s."""
+"""pyeclib backend: ISA-L Reed-Solomon (Vandermonde), much faster than liberasurecode_rs_vand."""
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """Any contiguous bytes (wrap a numpy array or tensor storage in ``memoryview`` first)."""

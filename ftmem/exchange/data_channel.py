@@ -156,7 +156,7 @@ def _buffer(n: int) -> memoryview:
     """A writable buffer of ``n`` bytes from the heap, not zeroed (it is about to be
     overwritten). With large blocks kept on the heap (:func:`~ftmem.exchange.codec.tune_malloc`,
     applied at :meth:`DataChannel.start`) a freed message's memory serves the next without new
-    page faults: fresh anonymous maps cost the receiver ~1 CPU-s per GiB in faults here."""
+    page faults: fresh anonymous maps would cost the receiver a fault per page."""
     return np.empty(n, np.uint8).data
 
 

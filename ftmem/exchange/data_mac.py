@@ -10,7 +10,7 @@ reads anything else, so a message that was altered on the way, or made by anyone
 job's key, is refused; binding both public keys refuses a message replayed into another
 generation or to another node. A connection opens with a tagged hello, and each head also
 binds the receiver's nonce of the connection and the message's sequence number on it, so a
-sniffed head is refused on any other connection and in any other place. BLAKE3 hashes at several GB/s on one core and releases the GIL.
+sniffed head is refused on any other connection and in any other place. BLAKE3 is fast on one core and releases the GIL.
 
 What it does not give: secrecy (the bytes are in the clear on the wire), and a distinction
 between the job's own nodes (they share the key; CURVE, which still carries every message

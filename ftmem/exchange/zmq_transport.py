@@ -20,8 +20,8 @@ counted (``impostors``), so a member cannot speak as another.
 Each message is one header frame (wire.py, kind PEER: sizes and xxh3 checksums of the
 buffers) plus raw buffer frames sent without copies.
 
-The plain data channel (unless ``encrypt_data``): CURVE costs ~3.7 CPU-s per GiB on these
-machines, so the messages that carry buffers (snapshot columns, parity and fetched fragments,
+The plain data channel (unless ``encrypt_data``): CURVE encrypts every byte, at a CPU cost
+``bench/ec_protect.py`` measures against the tagged channel, so the messages that carry buffers (snapshot columns, parity and fetched fragments,
 manifests) go to the receiver's data channel instead (data_channel.py: a length-prefixed TCP
 stream of our own, read into buffers whose sizes are checked and authenticated before they are
 made, so nobody can grow the receiver without bound). Each message carries a keyed BLAKE3 tag

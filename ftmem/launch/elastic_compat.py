@@ -440,7 +440,7 @@ def log_tails_stop_at_once() -> Iterator[None]:
 
     elastic's tailer sleeps its whole 0.1 s interval at the end of a file, and a process
     context stops its stdout tailers, then its stderr ones: up to 0.2 s of every restart's
-    "stop" phase (measured 0.16 s) went to waiting for sleeping tailers. The replacement waits
+    "stop" phase went to waiting for sleeping tailers. The replacement waits
     on the tailer's own stop event instead, and copies the same lines with the same headers.
     """
     with replaced(elastic_tail_log, "tail_logfile", _tail_logfile):

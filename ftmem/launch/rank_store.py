@@ -3,9 +3,8 @@
 With a store per rendezvous round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ftmem-launch's
 default: :func:`ftmem.launch.config.apply_safe_env_defaults`), torch makes global rank 0
 serve the ranks' TCPStore from its own process, in ``init_process_group``. A rank that gets
-there first finds nothing listening and retries with torch's backoff: measured on these
-machines, a rank 0 that arrives 50-700 ms after its peer leaves both waiting another
-0.15-0.7 s. At a restart that is the usual order, not the exception: a rank that rejoins in
+there first finds nothing listening and retries with torch's backoff, so a rank 0 that arrives
+late leaves both waiting for the backoff's next turn. At a restart that is the usual order, not the exception: a rank that rejoins in
 process tears its old group down first, and standbys and cold ranks start at different times.
 
 So the agent that will run global rank 0 serves a fresh store for every generation, on the

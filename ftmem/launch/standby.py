@@ -1,7 +1,7 @@
 """Standby ranks: processes started ahead of a failure that take over a rank at a restart.
 
 A cold rank start pays for the interpreter, ``import torch`` and the job's other imports
-before it does any rank-specific work (2-4 s here, more on GPU clusters). The agent keeps
+before it does any rank-specific work (seconds; ``bench/recovery.py`` measures it). The agent keeps
 one :class:`Standby` per local rank that has done that start-up (``ftmem/launch/_standby.py``)
 and waits on a socketpair; at a restart elastic asks for a process for every local rank and
 :func:`spawning_from` answers with a standby where one is ready (a cold start otherwise).
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 STANDBY_PATH = Path(__file__).with_name("_standby.py")
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._inductor.config", "ftmem.client")
 """What every standby imports (``--ftmem-tune standby-import`` adds to it). ``torch._inductor.config``
-pulls in ``torch._dynamo`` (1.7 s here), which ``torch.compile`` and even
+pulls in ``torch._dynamo`` (slow to import), which ``torch.compile`` and even
 ``torch.use_deterministic_algorithms`` import at their first call."""
 STANDBY_NICE = 10
 """Nice value of a standby's warm-up thread (the rank it becomes runs at the normal one)."""
