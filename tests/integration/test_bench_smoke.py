@@ -86,7 +86,9 @@ def test_suite_writes_sections_and_summary(suite: SuiteRun) -> None:
     for name in ("summary", "snapshot", "memory"):
         assert f"<!-- bench:{name}:start -->" in text
         assert f"<!-- bench:{name}:end -->" in text
-    assert text.index("bench:summary:start") < text.index("bench:snapshot:start")
+    # the hand-written first page stays first; a new summary goes among the results
+    assert text.index("hand-written text") < text.index("bench:snapshot:start")
+    assert text.index("bench:snapshot:start") < text.index("bench:summary:start")
     summary = text[text.index("bench:summary:start") : text.index("bench:summary:end")]
     for goal in ("stall per snapshot", "overhead with a snapshot every step", "flush throughput"):
         assert goal in summary
