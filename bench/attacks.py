@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import shutil
 import statistics
 import sys
@@ -34,6 +33,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/attacks.py
 
 from bench import _render
+from bench.machine_loss import _load
 from tests._support.attackers import Attacker
 from tests._support.launcher import shm_files
 from tests._support.smp_mesh import Cluster
@@ -41,11 +41,6 @@ from tests._support.smp_mesh import Cluster
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "attacks"
 CASES = ("control", "flood", "idle")
-
-
-def _load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load {one:.1f} (1 min) / {five:.1f} (5 min), {os.cpu_count()} vCPUs"
 
 
 def run_case(case: str, steps: int, size: int, base: Path) -> dict[str, float]:
