@@ -392,7 +392,7 @@ class GroupProtector:
         if key in st.columns:
             raise ProtocolError(f"column {key} of step {b.step} again")
         if st.stripes is None:
-            self.table.keep_unplanned(st, piece.nbytes)
+            self.table.keep_unplanned(st, piece.nbytes, self.forget)
         elif self.table.column_len(st, *key) != piece.nbytes:
             raise ProtocolError(f"column {key} of step {b.step} is not one this node encodes")
         st.columns[key] = bytes(piece)
@@ -406,7 +406,7 @@ class GroupProtector:
         if key in st.parity:
             raise ProtocolError(f"parity {key} of step {b.step} again")
         if st.stripes is None:
-            self.table.keep_unplanned(st, fragment.nbytes)
+            self.table.keep_unplanned(st, fragment.nbytes, self.forget)
         elif self.table.parity_len(st, *key) != fragment.nbytes or (
             st.owed_left is not None and key not in st.owed_left
         ):

@@ -111,8 +111,24 @@ class StepTable:
             forget(min(idle))
         return self.get(step)
 
-    def keep_unplanned(self, st: StepState, nbytes: int) -> None:
-        """Account ``nbytes`` kept before the stripe map is known (ProtocolError past the bound)."""
+    def keep_unplanned(self, st: StepState, nbytes: int, forget: Callable[[int], None]) -> None:
+        """Account ``nbytes`` kept for ``st`` before its stripe map is known. Past the bound,
+        other steps this node holds no data of give way (``forget``, the fullest first), so
+        that what peers sent for steps nobody protects cannot keep a real step out.
+
+        Raises:
+            ProtocolError: still no room (the piece is dropped and counted).
+        """
+        idle = [s for s, v in self.steps.items() if v is not st and v.data is None and v.unplanned]
+        for s in sorted(idle, key=lambda s: -self.steps[s].unplanned):
+            if self.unplanned + nbytes <= self.max_unplanned_bytes:
+                break
+            log.warning(
+                "[%d] dropping peers' messages of step %d: the unplanned bound is reached",
+                self.me,
+                s,
+            )
+            forget(s)
         if self.unplanned + nbytes > self.max_unplanned_bytes:
             raise ProtocolError(
                 f"more than {self.max_unplanned_bytes} bytes of columns and parity before "

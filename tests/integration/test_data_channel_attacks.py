@@ -105,10 +105,17 @@ def test_idle_connections_held_to_the_curve_port_do_not_exhaust_the_smp(
     soft, hard = psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE)
     assert soft == min(hard, 1 << 20), (soft, hard)  # raised at the SMP's start
     sample, peak = _watch(c, 0)
-    logs0 = _log_sizes(c)
+    fds0, logs0 = peak["fds"], _log_sizes(c)
     host, port = c.endpoint(0).removeprefix("tcp://").rsplit(":", 1)
     with Attacker("idle", "--to", f"{host}:{port}", "--count", "1500") as attack:
-        _wait(c, "the connections held", lambda: peak["fds"] > 500, sample)  # (~1,000-1,400)
+        # Held: fds0 + 200 at least (~1,000-1,400 on a quiet machine; fewer where the SMP
+        # accepts slowly, since each is closed after the handshake interval).
+        _wait(
+            c,
+            f"the connections held ({fds0:.0f} fds before)",
+            lambda: peak["fds"] > fds0 + 200,
+            sample,
+        )
         c.save_all(1, 256 << 10)
         _wait(c, "step 1 protected under the held connections", lambda: c.protected(1), sample)
         time.sleep(2.5)  # past the handshake interval: the first ones are closed and remade
