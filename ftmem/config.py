@@ -35,7 +35,7 @@ ENV_TIER_KEY_FILE = "FTMEM_TIER_KEY_FILE"
 """The key that signs every checkpoint's manifest (default ``~/.config/ftmem/tier.key``)."""
 ENV_RESHARD = "FTMEM_RESHARD"
 """Set by ftmem-launch when the job's world size changed: JSON of the step to reshard from
-memory (:class:`ftmem.client.reshard.ReshardRequest`)."""
+memory (:class:`ftmem.protocol.rejoin.ReshardRequest`)."""
 ENV_SHM_DIR = "FTMEM_SHM_DIR"
 """The private directory (mode 0700) holding the slot files and their commit records
 (default ``/dev/shm/ftmem-<uid>``); ``python -m ftmem.smp --shm-dir`` overrides it."""

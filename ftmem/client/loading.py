@@ -35,6 +35,7 @@ from ftmem.errors import (
 )
 from ftmem.format.tensors import REPLICAS_KEY, decode_skeleton, read_objects
 from ftmem.protocol import messages as m
+from ftmem.protocol import rejoin
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
 
@@ -90,7 +91,7 @@ class SnapshotLoader:
             SnapshotMismatchError: the snapshot does not fit ``state``.
         """
         allow = allow_fresh_start
-        request = reshard.requested()
+        request = rejoin.requested()
         if request is not None:  # ftmem-launch: the job's size changed
             return self._reshard(state, request.world_size, request.step, request.run_dirs)
         client = self._client

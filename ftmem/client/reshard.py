@@ -27,9 +27,7 @@ Every rank of the job calls it together (it is collective, over a gloo group).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,8 +37,7 @@ import torch.distributed as dist
 
 from ftmem._logging import get_logger
 from ftmem.client.flatten import is_stateful
-from ftmem.config import ENV_RESHARD
-from ftmem.errors import ProtocolError, SmpUnavailableError, SnapshotMismatchError
+from ftmem.errors import SmpUnavailableError, SnapshotMismatchError
 from ftmem.format.tensors import GATHER_MARK, REPLICAS_KEY, TENSOR_MARK, decode_skeleton
 
 log = get_logger(__name__)
@@ -48,52 +45,6 @@ log = get_logger(__name__)
 RESHARD_METHOD = "load_resharded_state"
 """The method of a Stateful whose value differs between ranks and that can take a new world
 size: ``obj.load_resharded_state(states, rank=..., world_size=...)``."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardRequest:
-    """What ftmem-launch asks of a generation whose world size changed (``$FTMEM_RESHARD``)."""
-
-    world_size: int
-    """The world size the step was saved at."""
-    step: int | None = None
-    """The step to load (None: the newest one every old rank holds)."""
-    run_dirs: tuple[Path, ...] = ()
-    """SMP run directories on this host besides the rank's own (one that rebuilt a lost
-    machine's snapshots)."""
-
-    def to_env(self) -> str:
-        """The value of ``$FTMEM_RESHARD`` that :func:`requested` reads back."""
-        return json.dumps(
-            {
-                "world_size": self.world_size,
-                "step": self.step,
-                "run_dirs": list(map(str, self.run_dirs)),
-            }
-        )
-
-
-def requested() -> ReshardRequest | None:
-    """The launcher's request to reshard (``$FTMEM_RESHARD``), or None.
-
-    Raises:
-        ProtocolError: the variable is set but malformed.
-    """
-    raw = os.environ.get(ENV_RESHARD, "")
-    if not raw:
-        return None
-    try:
-        doc = json.loads(raw)
-        world, step, dirs = doc["world_size"], doc.get("step"), doc.get("run_dirs", [])
-        if type(world) is not int or world < 1:
-            raise ValueError("world_size is not a positive integer")
-        if step is not None and (type(step) is not int or step < 0):
-            raise ValueError("step is not a non-negative integer")
-        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
-            raise ValueError("run_dirs is not a list of paths")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ProtocolError(f"${ENV_RESHARD} is malformed ({exc}): {raw[:200]!r}") from exc
-    return ReshardRequest(world, step, tuple(Path(d) for d in dirs))
 
 
 def _inventory(run_dirs: Sequence[Path], world: int) -> dict[int, dict[int, Any]]:

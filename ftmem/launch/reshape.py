@@ -19,7 +19,7 @@ snapshots exist only as parity. So, before the ranks start, every agent:
    resharded (the lost machine's part is gone), and the new mesh must not protect them as
    if they were the new job's; then forms the new round's mesh (its slots, epoch ``2g+1``):
    nothing is protected in it until the ranks' first steps at the new size are;
-4. starts the ranks with ``$FTMEM_RESHARD`` (:class:`~ftmem.client.reshard.ReshardRequest`):
+4. starts the ranks with ``$FTMEM_RESHARD`` (:class:`~ftmem.protocol.rejoin.ReshardRequest`):
    the old world size, the step the old mesh kept, and the guests' run directories. Their
    ``ftmem.load`` reshards that step through DCP from the SMPs' memory
    (:mod:`ftmem.client.reshard`).
@@ -44,7 +44,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ftmem.client.reshard import ReshardRequest
 from ftmem.config import GUEST_DIR_PREFIX
 from ftmem.errors import FtmemError
 from ftmem.events import EventLog
@@ -52,6 +51,7 @@ from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.peers import MeshSync, PeerMesh, mesh_epoch
 from ftmem.launch.rendezvous import SlotOffer
 from ftmem.launch.smp_runner import SmpRunner
+from ftmem.protocol.rejoin import ReshardRequest
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ def rank_env(
     ``checkfree``: ``--ftmem-checkfree`` (a lost pipeline stage is rebuilt from its neighbours).
     ``flush_dirs``: the disk tiers, nearest first, ``ftmem.load`` falls back to.
     ``reshard``: the job's size changed, the step ``ftmem.load`` reshards (JSON of
-    :class:`~ftmem.client.reshard.ReshardRequest`; "" otherwise, which also clears it for a
+    :class:`~ftmem.protocol.rejoin.ReshardRequest`; "" otherwise, which also clears it for a
     rank that rejoins in process).
     """
     env = {

@@ -1,4 +1,6 @@
-"""The order that takes a rank which survived a failure into the next generation, in process.
+"""The orders ``ftmem-launch`` gives its ranks: :class:`RejoinOrder`, which takes a rank that
+survived a failure into the next generation in process, and :class:`ReshardRequest`
+(``$FTMEM_RESHARD``), which asks a generation whose world size changed to reshard a step.
 
 At a restart, ``ftmem-launch`` keeps the ranks that run under :func:`ftmem.run` alive and
 writes each of them a :class:`RejoinOrder`: the environment elastic would have given a new
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftmem.config import ENV_RESHARD
 from ftmem.errors import ProtocolError
 from ftmem.secure_fs import ensure_private_dir, open_owned
 
@@ -131,3 +134,49 @@ def read_order(run_dir: Path, rank: int) -> RejoinOrder | None:
     if order.rank != rank:
         raise ProtocolError(f"rejoin order {path} is for rank {order.rank}, not {rank}")
     return order
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardRequest:
+    """What ftmem-launch asks of a generation whose world size changed (``$FTMEM_RESHARD``)."""
+
+    world_size: int
+    """The world size the step was saved at."""
+    step: int | None = None
+    """The step to load (None: the newest one every old rank holds)."""
+    run_dirs: tuple[Path, ...] = ()
+    """SMP run directories on this host besides the rank's own (one that rebuilt a lost
+    machine's snapshots)."""
+
+    def to_env(self) -> str:
+        """The value of ``$FTMEM_RESHARD`` that :func:`requested` reads back."""
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "step": self.step,
+                "run_dirs": list(map(str, self.run_dirs)),
+            }
+        )
+
+
+def requested() -> ReshardRequest | None:
+    """The launcher's request to reshard (``$FTMEM_RESHARD``), or None.
+
+    Raises:
+        ProtocolError: the variable is set but malformed.
+    """
+    raw = os.environ.get(ENV_RESHARD, "")
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+        world, step, dirs = doc["world_size"], doc.get("step"), doc.get("run_dirs", [])
+        if type(world) is not int or world < 1:
+            raise ValueError("world_size is not a positive integer")
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError("step is not a non-negative integer")
+        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+            raise ValueError("run_dirs is not a list of paths")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"${ENV_RESHARD} is malformed ({exc}): {raw[:200]!r}") from exc
+    return ReshardRequest(world, step, tuple(Path(d) for d in dirs))

@@ -200,7 +200,7 @@ def test_ftmem_load_reshards_an_fsdp2_step_onto_more_ranks_from_memory(
     ``$FTMEM_RESHARD`` (as ftmem-launch sets it when the job's size changed): plain
     ``ftmem.load`` reshards the DTensor shards from both hosts' memory through DCP, and the
     3 ranks hold the run's parameters and optimizer state (it trains no further step)."""
-    from ftmem.client.reshard import ReshardRequest
+    from ftmem.protocol.rejoin import ReshardRequest
 
     a, b = two_hosts
     args = ["--steps", "6", *TINY]

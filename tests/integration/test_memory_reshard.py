@@ -180,7 +180,7 @@ def test_when_memory_lacks_a_rank_the_flushed_checkpoint_is_resharded(
     SMP holds none of it (more machines were lost than the erasure code covers). Without a
     disk tier the error says so; with one, the newest flushed checkpoint of the 4-rank job is
     verified and resharded by ``dcp.load``, equal to stock ``dcp.load`` of it at 3 ranks."""
-    from ftmem.client.reshard import ReshardRequest
+    from ftmem.protocol.rejoin import ReshardRequest
     from ftmem.tiers.checkpoints import checkpoint_name
     from ftmem.tiers.export import export_dcp, find_sources
 

@@ -168,3 +168,16 @@ def test_the_smp_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_agent_does_not_import_the_rank_side_client() -> None:
+    # ftmem-launch starts once per node and at every replacement: the client (DTensor, DCP,
+    # sympy through torch.distributed.tensor) would add about a second of CPU to each start.
+    code = (
+        "import sys\nimport ftmem.launch.launch\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('ftmem.client', 'torch.distributed.tensor')))\n"
+        "print(bad)\nsys.exit(1 if bad else 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

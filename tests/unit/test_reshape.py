@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from ftmem.client.reshard import ReshardRequest, requested
 from ftmem.client.sampler import ElasticSampler
 from ftmem.errors import ProtocolError
 from ftmem.launch.rendezvous import SlotOffer
 from ftmem.launch.reshape import plan_reshape
+from ftmem.protocol.rejoin import ReshardRequest, requested
 
 
 def offer(slot: int | None, nodes: int | None = 4, size: int = 2) -> SlotOffer:
