@@ -236,6 +236,9 @@ class AgentProcess:
             )
         self.pid = self.popen.pid
         self.started = time.monotonic()
+        self._log = bytearray()
+        self._text = ""
+        self._noted_at = 0.0
 
     @classmethod
     def launch(
@@ -251,8 +254,24 @@ class AgentProcess:
         return cls(launch_command(args), log_path, env, name=name, cwd=cwd)
 
     def text(self) -> str:
-        """The log so far."""
-        return self.log_path.read_text(errors="replace")
+        """The log so far (only what was appended since the last call is read; the same
+        object comes back while nothing was)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(len(self._log))
+                new = f.read()
+        except FileNotFoundError:
+            return self._text
+        if new:
+            self._log += new
+            self._text = self._log.decode(errors="replace")
+        return self._text
+
+    def _note_children(self) -> None:
+        """:meth:`children` at most every 0.5 s (it walks every process of the machine)."""
+        if time.monotonic() - self._noted_at >= 0.5:
+            self._noted_at = time.monotonic()
+            self.children()
 
     def children(self) -> list[psutil.Process]:
         """The live descendants (their pids are remembered in :attr:`seen`)."""
@@ -276,7 +295,7 @@ class AgentProcess:
         its exit code, or None if it still runs."""
         deadline = time.monotonic() + _seconds(timeout)
         while self.popen.poll() is None and time.monotonic() < deadline:
-            self.children()
+            self._note_children()
             time.sleep(0.1)
         return self.popen.poll()
 
@@ -288,9 +307,12 @@ class AgentProcess:
         """
         rx = re.compile(pattern)
         deadline = time.monotonic() + _seconds(timeout)
+        searched, found = None, []
         while True:
-            self.children()
-            found = list(rx.finditer(self.text()))
+            self._note_children()
+            text = self.text()
+            if text is not searched:  # the log grew
+                searched, found = text, list(rx.finditer(text))
             if len(found) >= count:
                 return found
             if time.monotonic() > deadline or self.popen.poll() is not None:
