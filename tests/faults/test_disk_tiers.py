@@ -59,26 +59,10 @@ def lose_everything(launch: Launch, run_id: str) -> None:
     remove_shm(run_id)
 
 
-def test_all_processes_killed_new_launcher_resumes_from_the_newest_flush(
-    launcher_env: Launcher,
-) -> None:
-    want = reference_digests(launcher_env, STEPS)
-    tier = launcher_env.tmp / "ckpt"
-    rid = launcher_env.new_run_id()
-    flags = ["--ftmem-flush-dir", str(tier), "--ftmem-flush-every", "5", "--ftmem-flush-keep", "3"]
-    first = launcher_env.single_node(rid, 2, flags, SCRIPT, name="first")
-    wait_flushed(tier, 10)
-    lose_everything(first, rid)
-    flushed = max(c.step for c in list_checkpoints(tier)[0])
-    second = launcher_env.single_node(rid, 2, flags, SCRIPT, name="second")
-    assert second.wait(180) == 0, second.text()[-4000:]
-    resumed = {int(s) for s in re.findall(r"resumed from step (\d+)", second.text())}
-    assert resumed == {flushed}, second.text()[-3000:]
-    assert "restored step" in second.text() and "from " + str(tier) in second.text()
-    assert digests(second.text()) == want
-
-
 def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(launcher_env: Launcher) -> None:
+    """Every process of the node is SIGKILLed (agent, SMP, flush worker, ranks; its memory is
+    gone) and the newest flushed checkpoint is corrupted: a new launcher takes the newest
+    one that passes its checks, the one before, and ends with the failure-free digests."""
     want = reference_digests(launcher_env, STEPS)
     tier = launcher_env.tmp / "ckpt"
     rid = launcher_env.new_run_id()
@@ -100,6 +84,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(launcher_env: Laun
     resumed = {int(s) for s in re.findall(r"resumed from step (\d+)", second.text())}
     assert resumed == {older.step}, second.text()[-3000:]
     assert "fails its checksum" in second.text()
+    assert "restored step" in second.text() and "from " + str(tier) in second.text()
     assert digests(second.text()) == want
 
 
