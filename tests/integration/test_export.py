@@ -4,28 +4,70 @@ that stock torch.distributed.checkpoint loads into 1 process and into 4 (gloo), 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from ftmem.smp.spawn import SmpProcess
+from ftmem.smp.spawn import start_smp
 from tests._support.example import LOAD_SCRIPT, example, fresh_state, load_digests, same_as_saved
+from tests._support.launcher import pid_gone, shm_files
 from tests._support.procs import REPO, Procs
 from tests._support.ranks import SMALL, run_ranks
 
 
-@pytest.fixture
-def trained(smp: SmpProcess, run_dir: Path, procs: Procs) -> tuple[Path, str]:
-    """A 2-rank run of the example whose last step stays committed in the SMP."""
-    run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
-    assert run.codes == [0, 0], run.outputs
-    (digest,) = run.digests()
-    return run_dir, digest
+@pytest.fixture(scope="module")
+def trained() -> Iterator[tuple[Path, str]]:
+    """A 2-rank run of the example whose last step stays committed in the SMP: one for the
+    module (the tests read it; the two that alter a byte of a slot put it back)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="ftm-", dir="/tmp"))
+    run_id = "t" + uuid.uuid4().hex[:10]
+    procs = Procs()
+    smp = start_smp(
+        run_dir=run_dir,
+        run_id=run_id,
+        start_timeout=timedelta(seconds=60),
+        log_path=run_dir / "smp.log",
+    )
+    try:
+        run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
+        assert run.codes == [0, 0], run.outputs
+        (digest,) = run.digests()
+        yield run_dir, digest
+    finally:
+        procs.kill_all()
+        smp.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        assert pid_gone(smp.pid)
+        assert shm_files(run_id) == [], "the SMP left shared memory behind"
+
+
+@contextlib.contextmanager
+def _flipped(path: str | Path, offset: int, mask: int) -> Iterator[None]:
+    """One byte of ``path`` at ``offset`` XORed with ``mask``, put back on leaving."""
+
+    def flip() -> None:
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ mask]))
+
+    flip()
+    try:
+        yield
+    finally:
+        flip()
 
 
 def test_export_loads_with_stock_dcp_at_other_world_sizes(
@@ -281,15 +323,11 @@ def test_a_sigkill_mid_write_or_a_changed_slot_never_leaves_a_listed_checkpoint(
     sources = find_sources([run_dir])
     src = sources[1]
     big = max(parse_layout(src.layout, src.capacity).tensors, key=lambda t: t.nbytes)
-    with open(src.path, "r+b") as f:
-        f.seek(big.offset + big.nbytes // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x40]))
     other_dir = tmp_path / "other"
     other_dir.mkdir(mode=0o700)
-    with pytest.raises(ExportError, match=f"{re.escape(big.name)}.*fail their checksum"):
-        export_dcp(sources, other_dir / "step_0000000020")
+    with _flipped(src.path, big.offset + big.nbytes // 2, 0x40):
+        with pytest.raises(ExportError, match=f"{re.escape(big.name)}.*fail their checksum"):
+            export_dcp(sources, other_dir / "step_0000000020")
     assert list(other_dir.iterdir()) == []
 
 
@@ -334,10 +372,6 @@ def test_a_step_in_memory_whose_bytes_were_altered_is_refused(
     src = sources[1]
     snap = parse_layout(src.layout, src.capacity)
     t = max(snap.tensors, key=lambda t: t.nbytes)  # a chunk of a weight: DCP reads it
-    with open(src.path, "r+b") as f:
-        f.seek(t.offset + t.nbytes // 2)
-        b = f.read(1)
-        f.seek(t.offset + t.nbytes // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(CorruptSnapshotError, match="fails its checksum"):
-        MemoryCheckpoint(sources)
+    with _flipped(src.path, t.offset + t.nbytes // 2, 0xFF):
+        with pytest.raises(CorruptSnapshotError, match="fails its checksum"):
+            MemoryCheckpoint(sources)
