@@ -29,34 +29,6 @@ def reference(launcher: Launcher, steps: int = STEPS) -> dict[int, str]:
     return reference_digests(launcher, steps, nproc=3)
 
 
-def test_silent_machine_loss_a_spare_takes_over_same_digest(launcher_env: Launcher) -> None:
-    """Host 2's link is cut, then the host dies (as a power cut looks to its peers: no FIN, no
-    RST): the failure detectors of hosts 0 and 1 stop hearing its heartbeats, agree, mark its
-    keep-alive expired in the rendezvous; the spare (host 3) takes its slot, rebuilds its
-    snapshot from the peers' data and parity and its warm standby becomes rank 2."""
-    want = reference(launcher_env)
-    with machines(launcher_env, 4, 3) as m:
-        m.start_all()
-        for i in range(4):  # the spare's standby must be warm to take over as rank 2
-            m.agents[i].wait_log(r"standby pid \d+ for local rank 0 ready", 90)
-        m.hosts.cut(2)
-        m.hosts.kill(2)
-        # Each survivor names the loss: its own detector's verdict, or (if the other's was
-        # published first) the verdict it read in the rendezvous.
-        for i in (0, 1):
-            m.agents[i].wait_log(DECLARED.format(node="h2"), 60)
-        spare = m.agents[3]
-        spare.wait_log(r"SPARE TAKES OVER", 120)
-        rebuilt = int(spare.wait_log(r"REBUILT step (\d+) of this node", 60)[0].group(1))
-        spare.wait_log(rf"\[rank 2\] resumed from step {rebuilt}", 60)
-        spare.wait_log(r"started ranks \[2\] .*from standbys: ranks \[2\]", 5)
-        for i in (0, 1):
-            m.agents[i].wait_log(r"RESUMED after .*MACHINE LOST \(h2", 120)
-        assert finish(m, [0, 1, 3]) == want
-        # Nobody waited for elastic's keep-alive bound: the loss was declared, then published.
-        assert events(m.run_dir(0), name="declared_lost") + events(m.run_dir(1), "declared_lost")
-
-
 def test_a_slow_lossy_link_then_a_2s_flap_keep_the_job_bitwise(launcher_env: Launcher) -> None:
     """No spare waits. First host 1's link gets +20 ms each way and 1% loss (an NFQUEUE
     delayer: this kernel has no netem) for 25 steps: the collectives and the erasure-coding
@@ -150,16 +122,19 @@ def test_two_machines_lost_with_one_spare_stop_clearly(launcher_env: Launcher) -
         assert re.search(r"NOT ENOUGH MACHINES|STORE LOST", m.agents[3].text())
 
 
-def test_the_machine_serving_the_rendezvous_is_lost_etcd_keeps_the_job(
+def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
     launcher_env: Launcher,
 ) -> None:
     """The rendezvous is a 3-member etcd cluster (v3 API, ``etcd-v3``) with a member on each
-    training machine. Host 0 is lost silently (its link first): with it the etcd member every
-    agent was pointed at, global rank 0 and the ranks' store its agent served. The failure
-    detectors of hosts 1 and 2 declare it lost and publish that through the other members
-    (each request to the silent one costs its bounded timeout, then fails over; the cluster
-    keeps its quorum), the spare takes slot 0 (and serves the next generation's ranks'
-    store), and the run ends with the failure-free digests."""
+    training machine. Host 0 is lost silently, as a power cut looks to its peers (its link
+    first, then every process: no FIN, no RST): with it the etcd member every agent was
+    pointed at, global rank 0 and the ranks' store its agent served. The failure detectors
+    of hosts 1 and 2 stop hearing its heartbeats, agree and publish the loss through the
+    other members (each request to the silent one costs its bounded timeout, then fails
+    over; the cluster keeps its quorum), without waiting for elastic's keep-alive bound. The
+    spare (host 3) takes slot 0, rebuilds its snapshot from the peers' data and parity, its
+    warm standby becomes rank 0 (and its agent serves the next generation's ranks' store),
+    and the run ends with the failure-free digests."""
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (Debian: etcd-server; .ci/run installs it)")
     want = reference(launcher_env)
@@ -170,13 +145,20 @@ def test_the_machine_serving_the_rendezvous_is_lost_etcd_keeps_the_job(
             m.agents[i].wait_log(r"standby pid \d+ for local rank 0 ready", 90)
         m.hosts.cut(0)
         m.hosts.kill(0)
+        # Each survivor names the loss: its own detector's verdict, or (if the other's was
+        # published first) the verdict it read in the rendezvous.
         for i in (1, 2):
             m.agents[i].wait_log(DECLARED.format(node="h0"), 60)
         spare = m.agents[3]
         spare.wait_log(r"SPARE TAKES OVER", 120)
-        spare.wait_log(r"REBUILT step (\d+) of this node", 60)
-        spare.wait_log(r"started ranks \[0\]", 60)
+        rebuilt = int(spare.wait_log(r"REBUILT step (\d+) of this node", 60)[0].group(1))
+        spare.wait_log(rf"\[rank 0\] resumed from step {rebuilt}", 60)
+        spare.wait_log(r"started ranks \[0\] .*from standbys: ranks \[0\]", 5)
+        for i in (1, 2):
+            m.agents[i].wait_log(r"RESUMED after .*MACHINE LOST \(h0", 120)
         assert finish(m, [1, 2, 3]) == want
+        # Nobody waited for elastic's keep-alive bound: the loss was declared, then published.
+        assert events(m.run_dir(1), name="declared_lost") + events(m.run_dir(2), "declared_lost")
 
 
 def test_a_host_name_that_does_not_resolve_is_refused_before_any_rank_starts(
