@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.launcher import Launcher, pid_gone, shm_files, short_dir
+from tests._support.launcher import Launcher, pid_gone, running_smp, shm_files, short_dir
 from tests._support.procs import Procs
 from tests._support.smp_mesh import Cluster
 
@@ -40,18 +40,8 @@ def run_id() -> str:
 @pytest.fixture
 def smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
     """A running SMP; stopped after the test, which then checks it left nothing behind."""
-    proc = start_smp(
-        run_dir=run_dir,
-        run_id=run_id,
-        start_timeout=timedelta(seconds=60),
-        log_path=run_dir / "smp.log",
-    )
-    try:
+    with running_smp(run_dir, run_id) as proc:
         yield proc
-    finally:
-        proc.stop()
-        assert pid_gone(proc.pid)
-        assert shm_files(run_id) == [], "the SMP left shared memory behind"
 
 
 @pytest.fixture

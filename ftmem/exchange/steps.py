@@ -119,16 +119,20 @@ class StepTable:
         Raises:
             ProtocolError: still no room (the piece is dropped and counted).
         """
-        idle = [s for s, v in self.steps.items() if v is not st and v.data is None and v.unplanned]
-        for s in sorted(idle, key=lambda s: -self.steps[s].unplanned):
-            if self.unplanned + nbytes <= self.max_unplanned_bytes:
-                break
-            log.warning(
-                "[%d] dropping peers' messages of step %d: the unplanned bound is reached",
-                self.me,
-                s,
-            )
-            forget(s)
+        if self.unplanned + nbytes > self.max_unplanned_bytes:
+            idle = [s for s, v in self.steps.items() if v is not st and v.data is None]
+            for s in sorted(idle, key=lambda s: -self.steps[s].unplanned):
+                if (
+                    self.unplanned + nbytes <= self.max_unplanned_bytes
+                    or not self.steps[s].unplanned
+                ):
+                    break
+                log.warning(
+                    "[%d] dropping peers' messages of step %d: the unplanned bound is reached",
+                    self.me,
+                    s,
+                )
+                forget(s)
         if self.unplanned + nbytes > self.max_unplanned_bytes:
             raise ProtocolError(
                 f"more than {self.max_unplanned_bytes} bytes of columns and parity before "

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn, Self
@@ -45,6 +45,7 @@ import psutil
 from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
 from ftmem.launch.peers import host_key_path
 from ftmem.shm import parse_slot_name
+from ftmem.smp.spawn import SmpProcess, start_smp
 from tests._support.procs import REPO, WORKLOAD
 from tests._support.workload import TINY_ARGS, digests
 
@@ -105,6 +106,24 @@ def shm_files(run_id: str, node: str | None = None, shm_dir: Path | None = None)
         if node is None or parsed.node == node:
             out.append(str(d / name))
     return sorted(out)
+
+
+@contextlib.contextmanager
+def running_smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
+    """A running SMP for ``run_id`` in ``run_dir``; stopped on leaving, which then checks it
+    left no process and no shared memory behind."""
+    proc = start_smp(
+        run_dir=run_dir,
+        run_id=run_id,
+        start_timeout=timedelta(seconds=60),
+        log_path=run_dir / "smp.log",
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        assert pid_gone(proc.pid)
+        assert shm_files(run_id) == [], "the SMP left shared memory behind"
 
 
 def remove_shm(run_id: str, node: str | None = None, shm_dir: Path | None = None) -> list[str]:

@@ -13,15 +13,13 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from ftmem.smp.spawn import start_smp
 from tests._support.example import LOAD_SCRIPT, example, fresh_state, load_digests, same_as_saved
-from tests._support.launcher import pid_gone, shm_files
+from tests._support.launcher import running_smp
 from tests._support.procs import REPO, Procs
 from tests._support.ranks import SMALL, run_ranks
 
@@ -31,25 +29,16 @@ def trained() -> Iterator[tuple[Path, str]]:
     """A 2-rank run of the example whose last step stays committed in the SMP: one for the
     module (the tests read it; the two that alter a byte of a slot put it back)."""
     run_dir = Path(tempfile.mkdtemp(prefix="ftm-", dir="/tmp"))
-    run_id = "t" + uuid.uuid4().hex[:10]
     procs = Procs()
-    smp = start_smp(
-        run_dir=run_dir,
-        run_id=run_id,
-        start_timeout=timedelta(seconds=60),
-        log_path=run_dir / "smp.log",
-    )
     try:
-        run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
-        assert run.codes == [0, 0], run.outputs
-        (digest,) = run.digests()
-        yield run_dir, digest
+        with running_smp(run_dir, "t" + uuid.uuid4().hex[:10]):
+            run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
+            assert run.codes == [0, 0], run.outputs
+            (digest,) = run.digests()
+            yield run_dir, digest
     finally:
         procs.kill_all()
-        smp.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-        assert pid_gone(smp.pid)
-        assert shm_files(run_id) == [], "the SMP left shared memory behind"
 
 
 @contextlib.contextmanager
