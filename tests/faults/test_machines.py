@@ -138,11 +138,14 @@ def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (Debian: etcd-server; .ci/run installs it)")
     want = reference(launcher_env)
-    with machines(launcher_env, 4, 3) as m:
+    # 0.3 s a step: the 150 steps outlast the spare's start and its standby's (about 20 s
+    # under CI's load), so host 0 is lost mid-run, never after the job ended.
+    with machines(launcher_env, 4, 3, step_delay=0.3) as m:
         m.use_etcd([0, 1, 2])
         m.start_all()
         for i in range(4):  # the spare's standby must be warm to take over as rank 0
             m.agents[i].wait_log(r"standby pid \d+ for local rank 0 ready", 90)
+        assert m.agents[1].poll() is None, "the job ended before host 0 was lost"
         m.hosts.cut(0)
         m.hosts.kill(0)
         # Each survivor names the loss: its own detector's verdict, or (if the other's was
