@@ -108,11 +108,14 @@ def test_a_30s_partition_ends_nothing_and_the_returning_machine_is_fenced(
 
 
 def test_two_machines_lost_with_one_spare_stop_clearly(launcher_env: Launcher) -> None:
-    """Hosts 1 and 2 die together; the spare takes one place, no machine is left for the
-    other: within the join timeout every agent stops, saying so."""
+    """Hosts 1 and 2 are lost together, silently (their links first, then their processes);
+    the spare takes one place, no machine is left for the other: within the join timeout
+    every agent stops, saying so."""
     with machines(launcher_env, 4, 3, rdzv_conf="join_timeout=20") as m:
         m.start_all()
         m.wait_step(2, 8)
+        m.hosts.cut(1)
+        m.hosts.cut(2)
         m.hosts.kill(1)
         m.hosts.kill(2)
         assert m.agents[0].wait(120) != 0

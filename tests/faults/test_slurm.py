@@ -107,8 +107,8 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_job_completes(
     launcher_env: Launcher, cluster: SlurmCluster
 ) -> None:
     """3 training nodes + 1 spare. Once every training node's step is protected, a training
-    node other than the batch host (it serves the c10d rendezvous) dies: its slurmd, its job
-    step and its memory. The spare takes its place, rebuilt from the peers' parity; the job
+    node other than the batch host (it serves the c10d rendezvous) is lost silently: its link,
+    then its slurmd, its job step and its memory. The spare takes its place, rebuilt from the peers' parity; the job
     ends COMPLETED with the failure-free digests."""
     ref = reference(launcher_env)
     c = cluster
@@ -121,6 +121,7 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_job_completes(
     assert m is not None
     spare = int(m.group(1)[1:])
     victim = next(k for k in (2, 3, 4) if k != spare)  # h1 runs the batch script and c10d
+    c.hosts.cut(victim)  # silently: its link first, then its processes
     c.hosts.kill(victim)
     _wait("the job's end", lambda: _done(c, job) is not None, 300, c, out)
     rec = _done(c, job)
