@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 
 class FtmemError(Exception):
     """Base class of every error ftmem raises on purpose."""
@@ -19,8 +21,27 @@ class SmpStartError(FtmemError):
     """The SMP did not become ready before its deadline, or exited while starting."""
 
 
+class ErrorKind(str, enum.Enum):
+    """Why the SMP refused a request (a refusal's ``kind`` on the wire): callers tell one
+    refusal from another by this, never by its text."""
+
+    REFUSED = "refused"
+    """Any other refusal; the text says why."""
+    BAD_REQUEST = "bad-request"
+    """Malformed, unauthenticated, out of bounds, or not allowed in the SMP's state."""
+    UNKNOWN_LAYOUT = "unknown-layout"
+    """A COMMIT named a layout the SMP does not hold (it restarted, or forgot the oldest):
+    send the commit again with its layout."""
+    UNRECOVERABLE = "unrecoverable"
+    """More nodes of the group lost the generation's step than its parity covers."""
+
+
 class SmpRequestError(FtmemError):
-    """The SMP answered a request with an error."""
+    """The SMP answered a request with an error; ``kind`` says which."""
+
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.REFUSED) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class CorruptSnapshotError(FtmemError):

@@ -31,7 +31,7 @@ import torch
 from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.client.flatten import Layout
-from ftmem.errors import FtmemError, SmpRequestError
+from ftmem.errors import ErrorKind, FtmemError, SmpRequestError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
@@ -277,7 +277,7 @@ class CopyWorker:
             try:
                 return commit(False)
             except SmpRequestError as exc:
-                if "unknown layout" not in str(exc):
+                if exc.kind is not ErrorKind.UNKNOWN_LAYOUT:
                     raise
                 self._registered.discard(lid)  # a restarted SMP, or it forgot the oldest
         reply = commit(True)

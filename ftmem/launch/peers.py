@@ -34,7 +34,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ftmem.errors import FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
+from ftmem.errors import (
+    ErrorKind,
+    FtmemError,
+    SmpRequestError,
+    UnrecoverableError,
+    UnsafePathError,
+)
 from ftmem.exchange.keys import KeyFileError
 from ftmem.protocol.status import ExchangeState, SyncReply
 
@@ -532,7 +538,7 @@ class PeerMesh:
                     smp, start, settings.rebuild_timeout, run_dir, node_name
                 )
             except SmpRequestError as exc:
-                if "more than m=" in str(exc):
+                if exc.kind is ErrorKind.UNRECOVERABLE:
                     raise UnrecoverableError(str(exc).split(": ", 1)[-1]) from exc
                 raise FtmemError(f"peer sync failed: {exc}") from exc
         seconds = round(time.monotonic() - t0, 3)

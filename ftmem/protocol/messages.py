@@ -12,10 +12,11 @@ import enum
 import math
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftmem.errors import ProtocolError
+from ftmem.errors import ErrorKind, ProtocolError
 
 PROTOCOL_VERSION = 1
 
@@ -88,7 +89,7 @@ class Commit:
     """The copy of ``step`` into ``slot`` is complete. Its tensors are placed as the rank's
     layout ``layout_id`` says; ``layout`` (the layout's ``tensors`` array, JSON, without
     checksums) registers that id with the SMP and is sent only with the first commit that
-    uses it (the SMP keeps a few per rank and says "unknown layout" otherwise). The encoded
+    uses it (the SMP keeps a few per rank and refuses with kind UNKNOWN_LAYOUT otherwise). The encoded
     skeleton sits at ``objects_offset`` (``objects_nbytes`` bytes). The SMP hashes the slot
     and the snapshot becomes *verified*.
 
@@ -312,11 +313,19 @@ class PeerBound:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """The answer to every request: ``ok`` plus fields, or ``ok=False`` and ``error``."""
+    """The answer to every request: ``ok`` plus fields, or ``ok=False``, ``error`` (what a
+    person reads) and ``kind`` (what a caller tests)."""
 
     ok: bool
     error: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    kind: ErrorKind | None = None
+    """Set when ``ok`` is false (None there reads as :attr:`ErrorKind.REFUSED`)."""
+
+
+def refusal(error: str, kind: ErrorKind = ErrorKind.REFUSED) -> Reply:
+    """The reply that refuses a request: ``error`` says why, ``kind`` which refusal it is."""
+    return Reply(ok=False, error=error, kind=kind)
 
 
 PAYLOAD_TYPES: dict[Kind, type[Any]] = {
@@ -339,80 +348,144 @@ PAYLOAD_TYPES: dict[Kind, type[Any]] = {
 }
 KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}
 
-_MAX_INT = 1 << 62
+MAX_INT = (1 << 63) - 1
+"""Largest magnitude of an integer field (what an int64 holds), in every JSON message."""
 
 
-def _check(name: str, value: Any, tp: Any) -> None:
-    origin = typing.get_origin(tp)
+@dataclass(frozen=True, slots=True)
+class Most:
+    """A field's bound, in its annotation (``Annotated[str, Most(64)]``): at most ``n``
+    characters of a string, items of a list or entries of an object."""
+
+    n: int
+
+
+Reader = Callable[[str, Any, bool], Any]
+"""Reads one field: (its name, its decoded JSON value, strict) -> its value; ProtocolError."""
+
+
+def _reader(tp: Any) -> Reader:
+    """The reader of annotation ``tp``, made once per annotation (a status document of many
+    ranks is read field by field without looking at an annotation again)."""
+    read = _READERS.get(tp)
+    if read is None:
+        read = _READERS[tp] = _make_reader(tp)
+    return read
+
+
+_READERS: dict[Any, Reader] = {}
+
+
+def _make_reader(tp: Any) -> Reader:
+    most = None
+    if typing.get_origin(tp) is typing.Annotated:
+        tp, *extras = typing.get_args(tp)
+        most = next((e.n for e in extras if isinstance(e, Most)), None)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        for alt in typing.get_args(tp):
-            try:
-                _check(name, value, alt)
-                return
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"field {name!r} has the wrong type")
+        nullable = type(None) in args
+        alts = [_reader(a) for a in args if a is not type(None)]
+
+        def read_union(name: str, value: Any, strict: bool) -> Any:
+            if value is None and nullable:
+                return None
+            for alt in alts:
+                try:
+                    return alt(name, value, strict)
+                except ProtocolError:
+                    continue
+            raise ProtocolError(f"field {name!r} has the wrong type")
+
+        return read_union
+    if tp is Any:
+        return lambda name, value, strict: value
     if tp is type(None):
-        if value is not None:
-            raise ProtocolError(f"field {name!r} must be null")
-        return
+
+        def read_null(name: str, value: Any, strict: bool) -> None:
+            if value is not None:
+                raise ProtocolError(f"field {name!r} must be null")
+
+        return read_null
     if tp is int:
-        if type(value) is not int or not -_MAX_INT <= value <= _MAX_INT:
-            raise ProtocolError(f"field {name!r} must be an integer")
-        return
+
+        def read_int(name: str, value: Any, strict: bool) -> int:
+            if type(value) is not int or not -MAX_INT <= value <= MAX_INT:
+                raise ProtocolError(f"field {name!r} must be an integer")
+            return value
+
+        return read_int
     if tp is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise ProtocolError(f"field {name!r} must be a finite number")
-        return
+
+        def read_float(name: str, value: Any, strict: bool) -> float:
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ProtocolError(f"field {name!r} must be a finite number")
+            return float(value)
+
+        return read_float
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if value not in {e.value for e in tp}:
-            raise ProtocolError(f"field {name!r} must be one of {[e.value for e in tp]}")
-        return
+        members = {e.value: e for e in tp}
+
+        def read_enum(name: str, value: Any, strict: bool) -> Any:
+            if type(value) not in (str, int) or value not in members:
+                raise ProtocolError(f"field {name!r} must be one of {list(members)}")
+            return members[value]
+
+        return read_enum
     if tp in (str, bool):
-        if type(value) is not tp:
-            raise ProtocolError(f"field {name!r} must be {tp.__name__}")
-        return
-    if origin is list or tp is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"field {name!r} must be a list")
-        (item,) = typing.get_args(tp) or (Any,)
-        if item is not Any:
-            for v in value:
-                _check(name, v, item)
-        return
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"field {name!r} must be an object")
-        return
-    raise ProtocolError(f"field {name!r}: unsupported type {tp!r}")
+        bound = f" of at most {most} characters" if most is not None else ""
+
+        def read_plain(name: str, value: Any, strict: bool) -> Any:
+            if type(value) is not tp or (most is not None and len(value) > most):
+                raise ProtocolError(f"field {name!r} must be {tp.__name__}{bound}")
+            return value
+
+        return read_plain
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        nested: type[Any] = tp
+        return lambda name, value, strict: build(
+            nested, value, what=f"field {name!r}", strict=strict
+        )
+    if origin in (list, tuple, dict, Mapping) or tp in (list, tuple, dict):
+        mapping = origin in (dict, Mapping) or tp is dict
+        kind = "an object" if mapping else "a list"
+        want: type[Any] = dict if mapping else list
+        item = (args[1] if mapping else args[0]) if args else Any
+        each = None if item is Any else _reader(item)
+        as_tuple = origin is tuple or tp is tuple
+        bound = f" of at most {most}" if most is not None else ""
+
+        def read_many(name: str, value: Any, strict: bool) -> Any:
+            if type(value) is not want or (most is not None and len(value) > most):
+                raise ProtocolError(f"field {name!r} must be {kind}{bound}")
+            if each is None:
+                return value
+            if mapping:
+                return {k: each(name, v, strict) for k, v in value.items()}
+            items = [each(name, v, strict) for v in value]
+            return tuple(items) if as_tuple else items
+
+        return read_many
+    raise TypeError(f"no JSON reader for the annotation {tp!r}")
 
 
-_HINTS: dict[type[Any], dict[str, Any]] = {}
+_FIELDS: dict[type[Any], list[tuple[str, bool, Reader]]] = {}
 
 
-def _hints(cls: type[Any]) -> dict[str, Any]:
-    """``typing.get_type_hints`` re-parses the annotations each call: cache them per class."""
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
-
-
-_NESTED: dict[type[Any], dict[str, type[Any]]] = {}
-
-
-def _nested(cls: type[Any]) -> dict[str, type[Any]]:
-    """The fields of ``cls`` annotated ``list[D]`` of a dataclass ``D``, each with ``D``
-    (cached per class, like :func:`_hints`)."""
-    nested = _NESTED.get(cls)
-    if nested is None:
-        nested = {}
-        for name, tp in _hints(cls).items():
-            args = typing.get_args(tp) if typing.get_origin(tp) is list else ()
-            if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
-                nested[name] = args[0]
-        _NESTED[cls] = nested
-    return nested
+def _fields(cls: type[Any]) -> list[tuple[str, bool, Reader]]:
+    """The fields of dataclass ``cls``: (name, has a default, reader), made once per class."""
+    out = _FIELDS.get(cls)
+    if out is None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        out = _FIELDS[cls] = [
+            (
+                f.name,
+                f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING,
+                _reader(hints[f.name]),
+            )
+            for f in dataclasses.fields(cls)
+        ]
+    return out
 
 
 def from_fields(kind: Kind, fields: Any) -> Any:
@@ -424,39 +497,38 @@ def from_fields(kind: Kind, fields: Any) -> Any:
     return build(PAYLOAD_TYPES[kind], fields, what=kind.name)
 
 
-def build(cls: type[Any], fields: Any, *, what: str = "") -> Any:
-    """Build the dataclass ``cls`` from decoded JSON, checking every field's type against
-    its annotation; a ``list[D]`` field of a dataclass ``D`` is built item by item.
+def build(cls: type[Any], fields: Any, *, what: str = "", strict: bool = True) -> Any:
+    """Build the dataclass ``cls`` from decoded JSON, reading every field as its annotation
+    says (bounds: :class:`Most`); nested dataclasses, lists and tuples of them are built item
+    by item. This is the one reader of every JSON document ftmem receives.
+
+    ``strict=False`` reads a status report: fields ``cls`` does not know are ignored (a newer
+    sender may report more), and a null field that has a default takes the default.
 
     Raises:
-        ProtocolError: not an object, unknown or missing fields, or a field of the wrong type.
+        ProtocolError: not an object, unknown (when strict) or missing fields, or a field of
+            the wrong type.
     """
     what = what or cls.__name__
-    if not isinstance(fields, dict):
+    if type(fields) is not dict:
         raise ProtocolError(f"{what} must be a JSON object")
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(fields) - set(known)
-    if unknown:
+    known = _fields(cls)
+    if strict and len(fields) > sum(1 for name, _, _ in known if name in fields):
+        unknown = set(fields).difference(name for name, _, _ in known)
         raise ProtocolError(f"unknown fields {sorted(unknown)} for {what}")
-    nested = _nested(cls)
-    if nested:
-        fields = dict(fields)
-    for name, f in known.items():
-        if name in fields:
-            item = nested.get(name)
-            if item is None:
-                _check(name, fields[name], hints[name])
-            elif isinstance(fields[name], list):
-                fields[name] = [build(item, v, what=f"an item of {name!r}") for v in fields[name]]
-            else:
-                raise ProtocolError(f"field {name!r} must be a list")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"missing field {name!r} for {what}")
-    enums = {n: tp for n, tp in hints.items() if isinstance(tp, type) and issubclass(tp, enum.Enum)}
-    if enums:
-        fields = {k: enums[k](v) if k in enums else v for k, v in fields.items()}
-    return cls(**fields)
+    out = {}
+    for name, has_default, read in known:
+        value = fields.get(name, _ABSENT)
+        if value is _ABSENT or (value is None and not strict):
+            if has_default:
+                continue
+            if value is _ABSENT:
+                raise ProtocolError(f"missing field {name!r} for {what}")
+        out[name] = read(name, value, strict)
+    return cls(**out)
+
+
+_ABSENT = object()
 
 
 def parse_reply(cls: type[Any], data: dict[str, Any]) -> Any:
@@ -477,6 +549,8 @@ def to_fields(payload: Any) -> dict[str, Any]:
 def _json_value(v: Any) -> Any:
     if isinstance(v, enum.Enum):
         return v.value
-    if isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):
+    if dataclasses.is_dataclass(v):
+        return to_fields(v)
+    if isinstance(v, list | tuple) and v and dataclasses.is_dataclass(v[0]):
         return [to_fields(x) for x in v]
     return v

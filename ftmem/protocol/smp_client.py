@@ -13,7 +13,13 @@ import zmq
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME
-from ftmem.errors import ProtocolError, SmpRequestError, SmpUnavailableError, UnsafePathError
+from ftmem.errors import (
+    ErrorKind,
+    ProtocolError,
+    SmpRequestError,
+    SmpUnavailableError,
+    UnsafePathError,
+)
 from ftmem.protocol import messages as m
 from ftmem.protocol.status import SmpStatus
 from ftmem.protocol.wire import decode, encode
@@ -97,7 +103,10 @@ class SmpClient:
                     continue
                 assert isinstance(reply, m.Reply)
                 if not reply.ok:
-                    raise SmpRequestError(f"SMP refused {type(payload).__name__}: {reply.error}")
+                    raise SmpRequestError(
+                        f"SMP refused {type(payload).__name__}: {reply.error}",
+                        reply.kind or ErrorKind.REFUSED,
+                    )
                 return reply.data
             waited += step
             if self.smp_pid is not None and not pid_alive(self.smp_pid):

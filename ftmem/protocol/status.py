@@ -12,20 +12,27 @@ of a newer version may report more).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from ftmem._logging import get_logger
 from ftmem.errors import IllegalTransition as IllegalTransition  # re-exported
 from ftmem.errors import ProtocolError
+from ftmem.protocol.messages import Most, build
 
 _log = get_logger(__name__)
 
-_MAX_INT = (1 << 63) - 1
+T = TypeVar("T")
 _MAX_LIST = 4096
+Ints = Annotated[tuple[int, ...], Most(_MAX_LIST)]
+Counts = Annotated[Mapping[str, int], Most(_MAX_LIST)]
+Strs = Annotated[tuple[str, ...], Most(_MAX_LIST)]
+Text = Annotated[str, Most(1 << 16)]
+Endpoint = Annotated[str, Most(1024)]
+Name = Annotated[str, Most(256)]
 
 
 class ExchangeState(enum.Enum):
@@ -89,53 +96,16 @@ _NEXT: dict[ExchangeState, frozenset[ExchangeState]] = {
 }
 
 
-# -- readers: each raises ProtocolError, and only that ---------------------------------------------
+# -- readers: one grammar (messages.build), not strict: a newer SMP may report more ----------
 
 
-def _opt_int(doc: Mapping[str, Any], name: str) -> int | None:
-    value = doc.get(name)
-    if value is None:
-        return None
-    if type(value) is not int or not -_MAX_INT <= value <= _MAX_INT:
-        raise ProtocolError(f"field {name!r} must be an integer or null")
-    return value
-
-
-def _int(doc: Mapping[str, Any], name: str, default: int = 0) -> int:
-    value = _opt_int(doc, name)
-    return default if value is None else value
-
-
-def _seconds(doc: Mapping[str, Any], name: str) -> float:
-    value = doc.get(name, 0.0)
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise ProtocolError(f"field {name!r} must be a finite number")
-    return float(value)
-
-
-def _str(doc: Mapping[str, Any], name: str, most: int = 1 << 16) -> str:
-    value = doc.get(name) or ""
-    if type(value) is not str or len(value) > most:
-        raise ProtocolError(f"field {name!r} must be a string of at most {most} characters")
-    return value
-
-
-def _ints(doc: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    value = doc.get(name) or []
-    if type(value) is not list or len(value) > _MAX_LIST:
-        raise ProtocolError(f"field {name!r} must be a list of at most {_MAX_LIST} integers")
-    out = []
-    for v in value:
-        if type(v) is not int or not 0 <= v <= _MAX_INT:
-            raise ProtocolError(f"field {name!r} must hold integers")
-        out.append(v)
-    return tuple(out)
-
-
-def _object(doc: Any, what: str) -> Mapping[str, Any]:
+def _read(cls: type[T], doc: Any, what: str, **known: Any) -> T:
+    """``cls`` from the status document ``doc`` (with the fields ``known`` set), read by the
+    one JSON reader. Raises ProtocolError."""
     if type(doc) is not dict:
         raise ProtocolError(f"{what} must be a JSON object, not {type(doc).__name__}")
-    return doc
+    read: T = build(cls, {**doc, **known} if known else doc, what=what, strict=False)
+    return read
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,14 +115,6 @@ class RebuildProgress:
     step: int
     fragments: int
     of: int
-
-    @classmethod
-    def from_json(cls, doc: Any) -> RebuildProgress | None:
-        """Parse ``rebuild_progress`` (None or {} when there is none). Raises ProtocolError."""
-        if doc is None or doc == {}:
-            return None
-        d = _object(doc, "rebuild_progress")
-        return cls(_int(d, "step"), _int(d, "fragments"), _int(d, "of"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,22 +126,14 @@ class RoundCounters:
     failed: int = 0
     rebuilt: int = 0
 
-    @classmethod
-    def from_json(cls, doc: Any) -> RoundCounters:
-        """Parse ``counters`` (None or {}: all zero). Raises ProtocolError."""
-        if doc is None:
-            return cls()
-        d = _object(doc, "counters")
-        return cls(_int(d, "protected"), _int(d, "aborted"), _int(d, "failed"), _int(d, "rebuilt"))
-
 
 @dataclass(frozen=True, slots=True)
 class PeerHealth:
     """A peer of the group: its endpoint and how long ago it was last heard from."""
 
     node: int
-    endpoint: str
-    last_seen_s: float | None
+    endpoint: Endpoint
+    last_seen_s: float | None = None
     """None: never heard from."""
 
     @classmethod
@@ -187,16 +141,13 @@ class PeerHealth:
         """Parse ``peers`` ({node: {endpoint, last_seen_s}}), by node. Raises ProtocolError."""
         if doc is None:
             return ()
-        d = _object(doc, "peers")
-        if len(d) > _MAX_LIST:
-            raise ProtocolError(f"field 'peers' has more than {_MAX_LIST} nodes")
+        if type(doc) is not dict or len(doc) > _MAX_LIST:
+            raise ProtocolError(f"field 'peers' must be an object of at most {_MAX_LIST} nodes")
         out = []
-        for node, p in d.items():
+        for node, p in doc.items():
             if type(node) is not str or not node.isdigit() or len(node) > 18:
                 raise ProtocolError(f"peer {node!r} is not a node index")
-            p = _object(p, f"peer {node}")
-            seen = None if p.get("last_seen_s") is None else _seconds(p, "last_seen_s")
-            out.append(cls(int(node), _str(p, "endpoint", 1024), seen))
+            out.append(_read(cls, p, f"peer {node}", node=int(node)))
         return tuple(sorted(out, key=lambda h: h.node))
 
 
@@ -209,9 +160,9 @@ class ExchangeStatus:
     """None when erasure coding is off on this SMP."""
     epoch: int | None = None
     me: int | None = None
-    group: tuple[int, ...] = ()
+    group: Ints = ()
     m: int | None = None
-    error: str = ""
+    error: Text = ""
     protected_step: int | None = None
     protecting: int | None = None
     rebuilding: int | None = None
@@ -221,7 +172,7 @@ class ExchangeStatus:
     """Data-channel messages refused for a wrong tag (also in ``dropped_messages``)."""
     last_protect_s: float = 0.0
     last_rebuild_s: float = 0.0
-    endpoint: str = ""
+    endpoint: Endpoint = ""
     """This node's peer port (once bound)."""
     own_bytes: int = 0
     """This node's snapshot bytes of the protected step."""
@@ -242,45 +193,16 @@ class ExchangeStatus:
         """Parse the ``exchange`` object (None or {}: off). Raises ProtocolError."""
         if doc is None or doc == {}:
             return cls(enabled=False, state=None)
-        d = _object(doc, "the exchange status")
-        enabled = d.get("enabled", False)
-        if type(enabled) is not bool:
-            raise ProtocolError("field 'enabled' must be true or false")
-        if not enabled:
+        if type(doc) is not dict or type(doc.get("enabled", False)) is not bool:
+            raise ProtocolError("the exchange status must be an object with a boolean 'enabled'")
+        if not doc.get("enabled"):
             return cls(enabled=False, state=None)
-        raw = d.get("state")
-        try:
-            state = ExchangeState(raw) if type(raw) is str else None
-        except ValueError:
-            state = None
-        if state is None:
+        peers = PeerHealth.parse_all(doc.get("peers"))
+        progress = doc.get("rebuild_progress") or None  # {}: none
+        status = _read(cls, doc, "the exchange status", peers=None, rebuild_progress=progress)
+        if status.state is None:
             raise ProtocolError("field 'state' is not an exchange state")
-        return cls(
-            enabled=True,
-            state=state,
-            epoch=_opt_int(d, "epoch"),
-            me=_opt_int(d, "me"),
-            group=_ints(d, "group"),
-            m=_opt_int(d, "m"),
-            error=_str(d, "error"),
-            protected_step=_opt_int(d, "protected_step"),
-            protecting=_opt_int(d, "protecting"),
-            rebuilding=_opt_int(d, "rebuilding"),
-            rebuild_progress=RebuildProgress.from_json(d.get("rebuild_progress")),
-            dropped_messages=_int(d, "dropped_messages"),
-            forged_messages=_int(d, "forged_messages"),
-            last_protect_s=_seconds(d, "last_protect_s"),
-            last_rebuild_s=_seconds(d, "last_rebuild_s"),
-            endpoint=_str(d, "endpoint", 1024),
-            own_bytes=_int(d, "own_bytes"),
-            parity_bytes=_int(d, "parity_bytes"),
-            sent_bytes=_int(d, "sent_bytes"),
-            encode_workers=_int(d, "encode_workers"),
-            worker_stripes=_int(d, "worker_stripes"),
-            worker_fallbacks=_int(d, "worker_fallbacks"),
-            counters=RoundCounters.from_json(d.get("counters")),
-            peers=PeerHealth.parse_all(d.get("peers")),
-        )
+        return dataclasses.replace(status, peers=peers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,42 +211,17 @@ class SyncReply:
     nodes that had lost it, and whether this node rebuilt it."""
 
     step: int | None
-    lost: tuple[int, ...]
-    rebuilt: bool
+    lost: Ints = ()
+    rebuilt: bool = False
 
     @classmethod
     def from_json(cls, doc: Any) -> SyncReply:
         """Parse the reply's fields. Raises ProtocolError."""
-        d = _object(doc, "the sync reply")
-        rebuilt = d.get("rebuilt", False)
-        if type(rebuilt) is not bool:
-            raise ProtocolError("field 'rebuilt' must be true or false")
-        return cls(step=_opt_int(d, "step"), lost=_ints(d, "lost"), rebuilt=rebuilt)
+        return _read(cls, doc, "the sync reply")
 
     def to_json(self) -> dict[str, Any]:
         """The reply's fields as the SMP sent them (for the agent's event log)."""
         return {"step": self.step, "lost": list(self.lost), "rebuilt": self.rebuilt}
-
-
-def _opt_seconds(doc: Mapping[str, Any], name: str) -> float | None:
-    value = doc.get(name)
-    if value is None:
-        return None
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise ProtocolError(f"field {name!r} must be a finite number or null")
-    return float(value)
-
-
-def _counts(doc: Mapping[str, Any], name: str) -> dict[str, int]:
-    d = _object(doc.get(name) or {}, f"field {name!r}")
-    if len(d) > _MAX_LIST:
-        raise ProtocolError(f"field {name!r} has more than {_MAX_LIST} entries")
-    out = {}
-    for k, v in d.items():
-        if type(v) is not int or not 0 <= v <= _MAX_INT:
-            raise ProtocolError(f"field {name!r} must map names to counts")
-        out[str(k)[:200]] = v
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,26 +229,12 @@ class SlotStatus:
     """One slot of a rank in the SMP's STATUS (see :mod:`ftmem.smp.store` for the states)."""
 
     slot: int
-    state: str
+    state: Annotated[str, Most(32)]
     gen: int = 0
     capacity: int = 0
     step: int | None = None
     pinned: int = 0
     verified: bool = False
-
-    @classmethod
-    def from_json(cls, doc: Any) -> SlotStatus:
-        """Parse one entry of a rank's ``slots``. Raises ProtocolError."""
-        d = _object(doc, "a slot's status")
-        return cls(
-            slot=_int(d, "slot"),
-            state=_str(d, "state", 32),
-            gen=_int(d, "gen"),
-            capacity=_int(d, "capacity"),
-            step=_opt_int(d, "step"),
-            pinned=_int(d, "pinned"),
-            verified=d.get("verified") is True,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,14 +257,14 @@ class RankProgress:
     """Its first progress report (save or heartbeat) after its hello."""
     in_process: bool = False
     """It runs under ``ftmem.run``: at a restart it can rejoin in process."""
-    committed_steps: list[int] = field(default_factory=list)
+    committed_steps: Annotated[list[int], Most(_MAX_LIST)] = field(default_factory=list)
     """Committed steps, newest first."""
     newest_verified: int | None = None
-    verified_steps: list[int] = field(default_factory=list)
+    verified_steps: Annotated[list[int], Most(_MAX_LIST)] = field(default_factory=list)
     """Committed steps the SMP has checksummed, newest first."""
     commits: int = 0
     skipped: int = 0
-    skips: Mapping[str, int] = field(default_factory=dict)
+    skips: Counts = field(default_factory=dict)
     """Skipped snapshots per reason."""
     last_stall_s: float = 0.0
     last_copy_s: float = 0.0
@@ -392,47 +275,18 @@ class RankProgress:
     """Bytes of its newest committed snapshot."""
     unsharded_bytes: int = 0
     """What that snapshot would hold unsharded (equal when not sharded)."""
-    slots: list[SlotStatus] = field(default_factory=list)
+    slots: Annotated[list[SlotStatus], Most(_MAX_LIST)] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, rank: int, doc: Any) -> RankProgress:
         """Parse one entry of the STATUS's ``ranks``. Raises ProtocolError."""
-        d = _object(doc, f"rank {rank}'s status")
-        slots = d.get("slots") or []
-        if type(slots) is not list or len(slots) > _MAX_LIST:
-            raise ProtocolError("field 'slots' must be a list")
-        return cls(
-            rank=rank,
-            pid=_opt_int(d, "pid"),
-            last_progress_time=_opt_seconds(d, "last_progress_time"),
-            last_progress_step=_opt_int(d, "last_progress_step"),
-            newest_committed=_opt_int(d, "newest_committed"),
-            hello_time=_opt_seconds(d, "hello_time"),
-            restored_time=_opt_seconds(d, "restored_time"),
-            restored_step=_opt_int(d, "restored_step"),
-            first_progress_time=_opt_seconds(d, "first_progress_time"),
-            in_process=d.get("in_process") is True,
-            committed_steps=list(_ints(d, "committed_steps")),
-            newest_verified=_opt_int(d, "newest_verified"),
-            verified_steps=list(_ints(d, "verified_steps")),
-            commits=_int(d, "commits"),
-            skipped=_int(d, "skipped"),
-            skips=_counts(d, "skips"),
-            last_stall_s=_seconds(d, "last_stall_s"),
-            last_copy_s=_seconds(d, "last_copy_s"),
-            last_hash_s=_seconds(d, "last_hash_s"),
-            bytes_held=_int(d, "bytes_held"),
-            snapshot_bytes=_int(d, "snapshot_bytes"),
-            unsharded_bytes=_int(d, "unsharded_bytes"),
-            slots=[SlotStatus.from_json(s) for s in slots],
+        # the progress fields may be absent in a report: absent reads as None
+        unknown = dict.fromkeys(
+            ("pid", "last_progress_time", "last_progress_step", "newest_committed")
         )
-
-
-def _strs(doc: Mapping[str, Any], name: str) -> tuple[str, ...]:
-    value = doc.get(name) or []
-    if type(value) is not list or len(value) > _MAX_LIST or any(type(v) is not str for v in value):
-        raise ProtocolError(f"field {name!r} must be a list of strings")
-    return tuple(value)
+        if type(doc) is dict:
+            doc = {**unknown, **doc}
+        return _read(cls, doc, f"rank {rank}'s status", rank=rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,26 +295,16 @@ class FlushRunning:
     tiers), and how far (``done`` of ``total`` ``unit``)."""
 
     step: int
-    stage: str = ""
+    stage: Annotated[str, Most(64)] = ""
     tier: int = 0
     done: int | None = None
     total: int | None = None
-    unit: str = ""
+    unit: Annotated[str, Most(32)] = ""
 
     @classmethod
     def from_json(cls, doc: Any) -> FlushRunning | None:
         """Parse ``running`` (None: no flush runs). Raises ProtocolError."""
-        if doc is None:
-            return None
-        d = _object(doc, "the running flush")
-        return cls(
-            step=_int(d, "step"),
-            stage=_str(d, "stage", 64),
-            tier=_int(d, "tier"),
-            done=_opt_int(d, "done"),
-            total=_opt_int(d, "total"),
-            unit=_str(d, "unit", 32),
-        )
+        return None if doc is None else _read(cls, doc, "the running flush")
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,14 +312,14 @@ class FlushStatus:
     """The ``flush`` part of an SMP's STATUS: the disk tiers' schedule and the last flush."""
 
     enabled: bool = False
-    tiers: tuple[str, ...] = ()
+    tiers: Strs = ()
     every: int = 0
     keep: int = 0
     last_step: int | None = None
-    last_paths: tuple[str, ...] = ()
+    last_paths: Strs = ()
     last_seconds: float | None = None
     last_bytes: int = 0
-    last_error: str = ""
+    last_error: Text = ""
     flushes: int = 0
     failures: int = 0
     running: FlushRunning | None = None
@@ -484,24 +328,8 @@ class FlushStatus:
     @classmethod
     def from_json(cls, doc: Any) -> FlushStatus:
         """Parse the ``flush`` object (None or not enabled: off). Raises ProtocolError."""
-        d = _object(doc or {}, "the flush status")
-        if d.get("enabled") is not True:
-            return cls()
-        return cls(
-            enabled=True,
-            tiers=_strs(d, "tiers"),
-            every=_int(d, "every"),
-            keep=_int(d, "keep"),
-            last_step=_opt_int(d, "last_step"),
-            last_paths=_strs(d, "last_paths"),
-            last_seconds=_opt_seconds(d, "last_seconds"),
-            last_bytes=_int(d, "last_bytes"),
-            last_error=_str(d, "last_error"),
-            flushes=_int(d, "flushes"),
-            failures=_int(d, "failures"),
-            running=FlushRunning.from_json(d.get("running")),
-            assembled_step=_opt_int(d, "assembled_step"),
-        )
+        status: FlushStatus = _read(cls, doc or {}, "the flush status")
+        return status if status.enabled else cls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,13 +338,13 @@ class SmpStatus:
     (by rank), its exchange, and its flush scheduler's progress document."""
 
     pid: int
-    run_id: str = ""
-    node: str = ""
-    endpoint: str = ""
+    run_id: Name = ""
+    node: Name = ""
+    endpoint: Endpoint = ""
     uptime_s: float = 0.0
     bad_messages: int = 0
     """Malformed or unauthenticated requests refused."""
-    requests: Mapping[str, int] = field(default_factory=dict)
+    requests: Counts = field(default_factory=dict)
     """Requests served per kind (``BEGIN``, ``COMMIT``, ...)."""
     ranks: Mapping[int, RankProgress] = field(default_factory=dict)
     exchange: ExchangeStatus | None = None
@@ -527,32 +355,21 @@ class SmpStatus:
     def from_json(cls, doc: Any) -> SmpStatus:
         """Parse a STATUS reply's data. Raises ProtocolError (a malformed exchange part only
         makes ``exchange`` None)."""
-        d = _object(doc, "the SMP status")
-        ranks_doc = _object(d.get("ranks") or {}, "field 'ranks'")
+        if type(doc) is not dict:
+            raise ProtocolError("the SMP status must be a JSON object")
+        ranks_doc = doc.get("ranks") or {}
+        if type(ranks_doc) is not dict or len(ranks_doc) > _MAX_LIST:
+            raise ProtocolError("field 'ranks' must be an object keyed by rank")
         ranks = {}
         for key, entry in ranks_doc.items():
-            try:
-                rank = int(key)
-            except ValueError:
-                raise ProtocolError("field 'ranks' must be keyed by rank") from None
-            ranks[rank] = RankProgress.from_json(rank, entry)
+            if type(key) is not str or not key.isdigit() or len(key) > 18:
+                raise ProtocolError("field 'ranks' must be keyed by rank")
+            ranks[int(key)] = RankProgress.from_json(int(key), entry)
         try:
-            exchange: ExchangeStatus | None = ExchangeStatus.from_json(d.get("exchange"))
+            exchange: ExchangeStatus | None = ExchangeStatus.from_json(doc.get("exchange"))
         except ProtocolError as exc:
             _log.warning("the SMP's exchange status does not parse: %s", exc)
             exchange = None
-        pid = _opt_int(d, "pid")
-        if pid is None:
-            raise ProtocolError("missing field 'pid' for the SMP status")
-        return cls(
-            pid=pid,
-            run_id=_str(d, "run_id", 256),
-            node=_str(d, "node", 256),
-            endpoint=_str(d, "endpoint", 1024),
-            uptime_s=_seconds(d, "uptime_s"),
-            bad_messages=_int(d, "bad_messages"),
-            requests=_counts(d, "requests"),
-            ranks=ranks,
-            exchange=exchange,
-            flush=FlushStatus.from_json(d.get("flush")),
-        )
+        flush = FlushStatus.from_json(doc.get("flush"))
+        status = _read(cls, doc, "the SMP status", ranks=None, exchange=None, flush=None)
+        return dataclasses.replace(status, ranks=ranks, exchange=exchange, flush=flush)

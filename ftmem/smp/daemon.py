@@ -29,7 +29,7 @@ import zmq
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
 from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
-from ftmem.errors import ProtocolError, SmpStartError, UnsafePathError
+from ftmem.errors import ErrorKind, ProtocolError, SmpStartError, UnsafePathError
 from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import decode, encode, peek_request_id
@@ -39,7 +39,7 @@ from ftmem.smp.flush_scheduler import FlushService, FlushSettings
 from ftmem.smp.handlers import Request, RequestHandlers
 from ftmem.smp.hashing import HashService
 from ftmem.smp.node_lock import NodeLock
-from ftmem.smp.slot_store import SlotStore
+from ftmem.smp.slot_store import SlotStore, UnknownLayoutError
 from ftmem.smp.store import StoreError
 
 log = get_logger(__name__)
@@ -286,7 +286,8 @@ class SmpDaemon:
             self.bad_messages += 1
             log.warning("[%s/smp] dropped a message of %d frames", self.config.node, len(frames))
             if len(frames) >= 2:
-                self._send(frames[0], 0, m.Reply(ok=False, error="expected exactly one frame"))
+                refused = m.refusal("expected exactly one frame", ErrorKind.BAD_REQUEST)
+                self._send(frames[0], 0, refused)
             return
         ident, frame = frames
         try:
@@ -297,7 +298,12 @@ class SmpDaemon:
         except (ProtocolError, StoreError, ValueError) as exc:
             self.bad_messages += 1
             log.warning("[%s/smp] bad request: %s", self.config.node, exc)
-            self._send(ident, peek_request_id(frame) or 0, m.Reply(ok=False, error=str(exc)))
+            refusal = (
+                ErrorKind.UNKNOWN_LAYOUT
+                if isinstance(exc, UnknownLayoutError)
+                else ErrorKind.BAD_REQUEST
+            )
+            self._send(ident, peek_request_id(frame) or 0, m.refusal(str(exc), refusal))
             return
         if reply is not None:
             self._send(ident, req_id, reply)

@@ -211,7 +211,7 @@ class RequestHandlers:
             if job.ident is None:
                 continue  # the rest of a PREPARE, answered when its first slot was made
             if job.error:
-                self._send(job.ident, job.req_id, m.Reply(ok=False, error=job.error))
+                self._send(job.ident, job.req_id, m.refusal(job.error))
             else:
                 made = m.Prepared([m.SlotFile(i, str(p), c) for i, p, c in job.slots])
                 self._send(job.ident, job.req_id, m.Reply(ok=True, data=m.to_fields(made)))
@@ -222,7 +222,8 @@ class RequestHandlers:
         for r in self.exchange.results():
             self._pending_exchange -= 1
             ident, req_id = r.token
-            self._send(ident, req_id, m.Reply(ok=r.ok, error=r.error, data=r.data))
+            kind = None if r.ok else r.kind
+            self._send(ident, req_id, m.Reply(ok=r.ok, error=r.error, data=r.data, kind=kind))
 
     def _finish_flushes(self) -> None:
         while True:
@@ -317,7 +318,7 @@ class RequestHandlers:
             if (p.rank, capacity) not in self._space_warned:
                 self._space_warned.add((p.rank, capacity))
                 log.error("[%s/%d] NOT ENOUGH SHARED MEMORY: %s", self.config.node, p.rank, short)
-            return m.Reply(ok=False, error=f"not enough shared memory: {short}")
+            return m.refusal(f"not enough shared memory: {short}")
         # The first slot is answered as soon as it exists: the rank's first snapshot needs one
         # slot, and making every slot first doubled the time until it was safe (first-touch
         # of fresh memory costs ~3 s/GiB on a loaded VM). The rest follow on the same thread.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ftmem.errors import ErrorKind
 from ftmem.exchange.keys import CurveKeyPair
 
 
@@ -52,3 +53,5 @@ class Result:
     ok: bool
     data: dict[str, Any]
     error: str = ""
+    kind: ErrorKind = ErrorKind.REFUSED
+    """Which refusal (when not ``ok``)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftmem._logging import get_logger
+from ftmem.errors import ErrorKind
 from ftmem.exchange.placement import GroupPlan
 from ftmem.protocol.status import ExchangeState
 from ftmem.smp.protection_commands import Result, StartCommand
@@ -140,7 +141,7 @@ class GenerationSync:
         ctx.protected = keep
         if verdict.error:
             ctx.board.move(ExchangeState.UNRECOVERABLE, error=verdict.error)
-            return Result(cmd.token, False, data, verdict.error)
+            return Result(cmd.token, False, data, verdict.error, ErrorKind.UNRECOVERABLE)
         if keep is not None and ctx.me in verdict.lost:
             try:
                 rebuild_step(ctx, keep, verdict.lost, min(verdict.holders))

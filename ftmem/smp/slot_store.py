@@ -88,7 +88,7 @@ MAX_RANK = 1 << 20
 """Ranks at or above this are refused (a malformed request must not grow the store)."""
 MAX_LAYOUTS = 4
 """Layouts kept registered per rank (the oldest is forgotten; a COMMIT naming it then gets
-"unknown layout" and the rank registers it again)."""
+a refusal of kind UNKNOWN_LAYOUT and the rank registers it again)."""
 
 
 class UnknownLayoutError(ValueError):

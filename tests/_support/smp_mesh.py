@@ -208,8 +208,8 @@ class Cluster:
                         ranks=self.ranks(node),
                     )
                 )
-            except SmpRequestError as exc:
-                results[node.index] = str(exc)
+            except SmpRequestError as exc:  # the refusal's kind, then its text
+                results[node.index] = f"{exc.kind.value}: {exc}"
 
         # Each node's client belongs to one thread at a time: one thread per node here.
         threads = [threading.Thread(target=start, args=(n,)) for n in self.nodes]

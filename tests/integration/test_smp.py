@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import pytest
 import zmq
 
 from ftmem.config import AUTH_KEY_NAME, SOCKET_NAME, default_shm_dir
-from ftmem.errors import SmpRequestError, SmpStartError, SmpUnavailableError
+from ftmem.errors import ErrorKind, SmpRequestError, SmpStartError, SmpUnavailableError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.wire import decode, encode
@@ -74,6 +75,7 @@ def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_
         assert s.poll(10_000), "no reply to a bad message"
         _rid, kind, reply = decode(s.recv(), key)
         assert kind is m.Kind.REPLY and reply.ok is False and reply.error
+        assert reply.kind is ErrorKind.BAD_REQUEST, reply
     # multi-frame message: error reply
     s.send_multipart([good, b"extra"])
     assert s.poll(10_000)
@@ -87,11 +89,24 @@ def test_hostile_messages_get_errors_and_smp_keeps_serving(smp: SmpProcess, run_
     assert smp.poll() is None
 
 
-def test_refused_request_raises(smp: SmpProcess, run_dir: Path) -> None:
-    with SmpClient(run_dir) as c, pytest.raises(SmpRequestError):
-        c.request(
-            m.Commit(rank=0, slot=0, gen=0, step=1, layout_id=1, objects_offset=0, objects_nbytes=0)
-        )
+def test_refusals_carry_their_kind(smp: SmpProcess, run_dir: Path) -> None:
+    """A COMMIT into a slot never granted is a bad request; one naming a layout the SMP does
+    not hold, into a granted slot, is refused as UNKNOWN_LAYOUT (the rank sends the layout
+    again): callers tell the two apart by the kind, never by the text."""
+    commit = m.Commit(
+        rank=0, slot=0, gen=0, step=1, layout_id=7, objects_offset=0, objects_nbytes=0
+    )
+    with SmpClient(run_dir) as c:
+        with pytest.raises(SmpRequestError) as refused:
+            c.request(dataclasses.replace(commit, layout_id=1, layout="[]"))
+        assert refused.value.kind is ErrorKind.BAD_REQUEST, refused.value
+        c.request(m.Hello(rank=0, pid=os.getpid()))
+        c.request(m.Prepare(rank=0, slot=-1, nbytes=4096), timeout=timedelta(seconds=60))
+        grant = c.call(m.Begin(rank=0, step=1, nbytes=4096), m.BeginReply)
+        assert grant.action is m.Decision.WRITE
+        with pytest.raises(SmpRequestError) as refused:
+            c.request(dataclasses.replace(commit, slot=grant.slot, gen=grant.gen))
+        assert refused.value.kind is ErrorKind.UNKNOWN_LAYOUT, refused.value
 
 
 def test_sigterm_removes_shared_memory(run_dir: Path, run_id: str) -> None:

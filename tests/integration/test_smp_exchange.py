@@ -99,7 +99,8 @@ def test_more_than_m_lost_is_a_clear_error(cluster_factory: Callable[..., Cluste
         node.lose()
         node.start()
     res = c.generation(expect_fail=True)
-    assert all(isinstance(r, str) and "more than m=1" in r for r in res), res
+    assert all(isinstance(r, str) and r.startswith("unrecoverable: ") for r in res), res
+    assert all("more than m=1" in str(r) for r in res), res
 
 
 def payload(rank: int, step: int, size: int) -> bytes:

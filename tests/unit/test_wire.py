@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftmem.errors import ProtocolError
+from ftmem.errors import ErrorKind, ProtocolError
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import _HEADER, decode, encode
 
@@ -89,3 +92,69 @@ def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
         decode(data, KEY)
     except ProtocolError:
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Inner:
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Doc:
+    """Every kind of annotation the one reader knows."""
+
+    name: Annotated[str, m.Most(4)]
+    nums: Annotated[tuple[int, ...], m.Most(3)] = ()
+    inner: _Inner | None = None
+    items: list[_Inner] = field(default_factory=list)
+    counts: Annotated[Mapping[str, int], m.Most(2)] = field(default_factory=dict)
+    kind: ErrorKind | None = None
+    seconds: float = 0.0
+
+
+def test_the_one_reader_builds_nested_fields_and_keeps_every_bound() -> None:
+    doc = {
+        "name": "abcd",
+        "nums": [1, 2],
+        "inner": {"n": 3},
+        "items": [{"n": 4}],
+        "counts": {"a": 1},
+        "kind": "unknown-layout",
+        "seconds": 1,
+    }
+    got = m.build(_Doc, doc)
+    want = _Doc("abcd", (1, 2), _Inner(3), [_Inner(4)], {"a": 1}, ErrorKind.UNKNOWN_LAYOUT, 1.0)
+    assert got == want
+    assert isinstance(got.seconds, float)
+    for bad in (
+        {"name": "abcde"},  # longer than its bound
+        {"name": "a", "nums": [1, 2, 3, 4]},
+        {"name": "a", "counts": {"a": 1, "b": 2, "c": 3}},
+        {"name": "a", "nums": [True]},
+        {"name": "a", "nums": [1 << 63]},
+        {"name": "a", "inner": {"n": 1, "extra": 2}},  # strict all the way down
+        {"name": "a", "items": [{"n": "1"}]},
+        {"name": "a", "kind": "REFUSED"},
+        {"name": "a", "kind": ["refused"]},
+        {"name": "a", "seconds": float("nan")},
+        {"name": None},
+        {},
+    ):
+        with pytest.raises(ProtocolError):
+            m.build(_Doc, bad)
+
+
+def test_a_report_ignores_unknown_fields_and_reads_null_as_the_default() -> None:
+    doc = {"name": "a", "nums": None, "newer": 1, "inner": {"n": 1, "newer": [2]}}
+    assert m.build(_Doc, doc, strict=False) == _Doc("a", (), _Inner(1))
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        m.build(_Doc, doc)
+    with pytest.raises(ProtocolError):  # a required field is still required
+        m.build(_Doc, {"name": None}, strict=False)
+
+
+def test_a_refusal_carries_its_kind_across_the_wire() -> None:
+    r = m.refusal("unknown layout 3 of rank 0", ErrorKind.UNKNOWN_LAYOUT)
+    back = decode(encode(r, 1, KEY), KEY)[2]
+    assert back == r and back.kind is ErrorKind.UNKNOWN_LAYOUT
+    assert decode(encode(m.Reply(ok=True), 2, KEY), KEY)[2].kind is None
