@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -360,6 +361,29 @@ class Most:
     n: int
 
 
+@dataclass(frozen=True, slots=True)
+class Range:
+    """An integer field's bounds, in its annotation: ``lo <= value <= hi``."""
+
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Digits:
+    """An integer that travels as a decimal string of at most ``n`` digits (an object's key;
+    a 64-bit checksum, which JSON readers that hold numbers as doubles would round)."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """A string field matches ``regex`` in full."""
+
+    regex: str
+
+
 Reader = Callable[[str, Any, bool], Any]
 """Reads one field: (its name, its decoded JSON value, strict) -> its value; ProtocolError."""
 
@@ -377,10 +401,13 @@ _READERS: dict[Any, Reader] = {}
 
 
 def _make_reader(tp: Any) -> Reader:
-    most = None
+    extras: list[Any] = []
     if typing.get_origin(tp) is typing.Annotated:
         tp, *extras = typing.get_args(tp)
-        most = next((e.n for e in extras if isinstance(e, Most)), None)
+    most = next((e.n for e in extras if isinstance(e, Most)), None)
+    lo, hi = next(((e.lo, e.hi) for e in extras if isinstance(e, Range)), (-MAX_INT, MAX_INT))
+    digits = next((e.n for e in extras if isinstance(e, Digits)), None)
+    pattern = next((re.compile(e.regex) for e in extras if isinstance(e, Pattern)), None)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         nullable = type(None) in args
@@ -406,11 +433,23 @@ def _make_reader(tp: Any) -> Reader:
                 raise ProtocolError(f"field {name!r} must be null")
 
         return read_null
+    if tp is int and digits is not None:
+
+        def read_digits(name: str, value: Any, strict: bool) -> int:
+            if type(value) is not str or not 0 < len(value) <= digits or not value.isdigit():
+                raise ProtocolError(f"field {name!r} must be a decimal string of {digits} digits")
+            if not value.isascii() or not lo <= int(value) <= hi:
+                raise ProtocolError(f"field {name!r} is out of range ({lo}..{hi})")
+            return int(value)
+
+        return read_digits
     if tp is int:
 
         def read_int(name: str, value: Any, strict: bool) -> int:
-            if type(value) is not int or not -MAX_INT <= value <= MAX_INT:
+            if type(value) is not int:
                 raise ProtocolError(f"field {name!r} must be an integer")
+            if not lo <= value <= hi:
+                raise ProtocolError(f"field {name!r} is out of range ({lo}..{hi})")
             return value
 
         return read_int
@@ -437,6 +476,8 @@ def _make_reader(tp: Any) -> Reader:
         def read_plain(name: str, value: Any, strict: bool) -> Any:
             if type(value) is not tp or (most is not None and len(value) > most):
                 raise ProtocolError(f"field {name!r} must be {tp.__name__}{bound}")
+            if pattern is not None and pattern.fullmatch(value) is None:
+                raise ProtocolError(f"field {name!r} must match {pattern.pattern}")
             return value
 
         return read_plain
@@ -451,12 +492,19 @@ def _make_reader(tp: Any) -> Reader:
         want: type[Any] = dict if mapping else list
         item = (args[1] if mapping else args[0]) if args else Any
         each = None if item is Any else _reader(item)
+        key = args[0] if mapping and args and args[0] not in (str, Any) else None
+        read_key = None if key is None else _reader(key)  # e.g. Annotated[int, Digits(7)]
         as_tuple = origin is tuple or tp is tuple
         bound = f" of at most {most}" if most is not None else ""
 
         def read_many(name: str, value: Any, strict: bool) -> Any:
             if type(value) is not want or (most is not None and len(value) > most):
                 raise ProtocolError(f"field {name!r} must be {kind}{bound}")
+            if read_key is not None:
+                return {
+                    read_key(name, k, strict): v if each is None else each(name, v, strict)
+                    for k, v in value.items()
+                }
             if each is None:
                 return value
             if mapping:
@@ -468,15 +516,16 @@ def _make_reader(tp: Any) -> Reader:
     raise TypeError(f"no JSON reader for the annotation {tp!r}")
 
 
-_FIELDS: dict[type[Any], list[tuple[str, bool, Reader]]] = {}
+_FIELDS: dict[type[Any], tuple[frozenset[str], list[tuple[str, bool, Reader]]]] = {}
 
 
-def _fields(cls: type[Any]) -> list[tuple[str, bool, Reader]]:
-    """The fields of dataclass ``cls``: (name, has a default, reader), made once per class."""
+def _fields(cls: type[Any]) -> tuple[frozenset[str], list[tuple[str, bool, Reader]]]:
+    """The field names of dataclass ``cls`` and, per field, (name, has a default, reader):
+    made once per class."""
     out = _FIELDS.get(cls)
     if out is None:
         hints = typing.get_type_hints(cls, include_extras=True)
-        out = _FIELDS[cls] = [
+        known = [
             (
                 f.name,
                 f.default is not dataclasses.MISSING
@@ -485,6 +534,7 @@ def _fields(cls: type[Any]) -> list[tuple[str, bool, Reader]]:
             )
             for f in dataclasses.fields(cls)
         ]
+        out = _FIELDS[cls] = (frozenset(name for name, _, _ in known), known)
     return out
 
 
@@ -512,10 +562,10 @@ def build(cls: type[Any], fields: Any, *, what: str = "", strict: bool = True) -
     what = what or cls.__name__
     if type(fields) is not dict:
         raise ProtocolError(f"{what} must be a JSON object")
-    known = _fields(cls)
-    if strict and len(fields) > sum(1 for name, _, _ in known if name in fields):
-        unknown = set(fields).difference(name for name, _, _ in known)
-        raise ProtocolError(f"unknown fields {sorted(unknown)} for {what}")
+    names, known = _fields(cls)
+    if strict and not names.issuperset(fields):
+        unknown = sorted(str(k)[:32] for k in set(fields).difference(names))
+        raise ProtocolError(f"unknown fields {unknown[:4]} for {what}")
     out = {}
     for name, has_default, read in known:
         value = fields.get(name, _ABSENT)

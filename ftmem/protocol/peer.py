@@ -5,13 +5,15 @@ is ``{"t": kind, "e": epoch, <fields>}``: :class:`PeerKind` names the kind, the 
 launcher's generation, and the fields are those of the kind's frozen dataclass, under the same
 names. Sending: build the dataclass, then :meth:`to_header`. Receiving: :meth:`Envelope.parse`
 checks the sender, the kind, the epoch, every field and the buffer count, and builds the
-dataclass through its one validating constructor, ``from_header``.
+dataclass with the one JSON reader (:func:`ftmem.protocol.messages.build`), from the bounds in
+its fields' annotations (:data:`Count`, :data:`NodeBytes`, :data:`Checksum`, ...).
 
 What validation promises: integers are real ints (not bools, not floats such as JSON's
 Infinity or NaN) within ``0 <= v <= MAX_INT`` (or a tighter bound), checksums are decimal
 strings of at most 20 digits below 2**64, lists and maps are bounded, no field is missing and
 none is unknown. Anything else raises :class:`~ftmem.errors.ProtocolError`, never KeyError,
-TypeError, ValueError or OverflowError; error messages name types, never echo values.
+TypeError, ValueError or OverflowError; error messages name fields and types, never echo
+values (an unknown field's name is cut short).
 
 Kinds of the group protocol (protector.py): SIZE, DATA, PARITY, HELD, ABORT, META_REQUEST,
 META, FETCH, FETCHED. Kinds of the SMP's protection service (smp/protection.py): STATE, AVAIL,
@@ -22,11 +24,11 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar
 
 from ftmem.errors import ProtocolError
+from ftmem.protocol.messages import Digits, Most, Pattern, Range, build
 
 MAX_INT = (1 << 63) - 1
 """Largest integer a field may hold (steps, epochs, stripe and fragment indices)."""
@@ -47,8 +49,6 @@ MAX_STEPS = 1024
 """Most steps in one list (held or available steps)."""
 
 _MAX_SENDER_CHARS = 9
-_DECIMAL = re.compile(r"[0-9]{1,20}")
-_CHECKSUM_LIMIT = 1 << 64
 
 
 class FragmentKind(enum.Enum):
@@ -94,12 +94,6 @@ class PeerKind(enum.Enum):
 # -- field readers: each raises ProtocolError, and only that --------------------------------------
 
 
-def _get(h: Mapping[str, Any], name: str) -> Any:
-    if name not in h:
-        raise ProtocolError(f"missing field {name!r}")
-    return h[name]
-
-
 def _check_int(value: Any, what: str, hi: int = MAX_INT) -> int:
     if type(value) is not int:
         raise ProtocolError(f"{what} must be an integer, not {type(value).__name__}")
@@ -108,68 +102,11 @@ def _check_int(value: Any, what: str, hi: int = MAX_INT) -> int:
     return value
 
 
-def _int(h: Mapping[str, Any], name: str, hi: int = MAX_INT) -> int:
-    return _check_int(_get(h, name), f"field {name!r}", hi)
-
-
-def _list(value: Any, what: str, most: int) -> list[Any]:
-    if type(value) is not list:
-        raise ProtocolError(f"{what} must be a list, not {type(value).__name__}")
-    if len(value) > most:
-        raise ProtocolError(f"{what} has {len(value)} entries, more than {most}")
-    return value
-
-
-def _steps(h: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    items = _list(_get(h, name), f"field {name!r}", MAX_STEPS)
-    return tuple(_check_int(v, f"an entry of {name!r}") for v in items)
-
-
-def _checksum(value: Any, what: str) -> int:
-    if type(value) is not str or _DECIMAL.fullmatch(value) is None:
-        raise ProtocolError(f"{what} must be a decimal string of at most 20 digits")
-    n = int(value)
-    if n >= _CHECKSUM_LIMIT:
-        raise ProtocolError(f"{what} is not a 64-bit checksum")
-    return n
-
-
-def _sums(h: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    items = _list(_get(h, name), f"field {name!r}", MAX_SUMS)
-    return tuple(_checksum(v, f"an entry of {name!r}") for v in items)
-
-
 def parse_node_index(key: Any) -> int:
     """A node index sent as a JSON object key (a short decimal string). Raises ProtocolError."""
-    return _node_key(key)
-
-
-def _node_key(key: Any) -> int:
     if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 7:
         raise ProtocolError("a node index must be a short decimal string")
     return _check_int(int(key), "a node index", MAX_NODE)
-
-
-def _sizes(h: Mapping[str, Any], name: str) -> dict[int, int]:
-    value = _get(h, name)
-    if type(value) is not dict:
-        raise ProtocolError(f"field {name!r} must be an object, not {type(value).__name__}")
-    if len(value) > MAX_NODES:
-        raise ProtocolError(f"field {name!r} has more than {MAX_NODES} entries")
-    return {
-        _node_key(k): _check_int(v, f"a size in {name!r}", MAX_NODE_BYTES) for k, v in value.items()
-    }
-
-
-_HEX = re.compile(r"[0-9a-f]*")
-
-
-def _hex(h: Mapping[str, Any], name: str, length: int) -> str:
-    """An optional field of ``length`` lowercase hex digits ("" when absent or empty)."""
-    value = h.get(name, "")
-    if type(value) is not str or len(value) not in (0, length) or not _HEX.fullmatch(value):
-        raise ProtocolError(f"field {name!r} must be {length} lowercase hex digits")
-    return value
 
 
 DIGEST_HEX = 32
@@ -178,13 +115,21 @@ DIGEST_HEX = 32
 TAG_HEX = 64
 """Hex digits of a seal's tag (HMAC-SHA256, seals.py)."""
 
-
-def _fragment_kind(h: Mapping[str, Any], name: str) -> FragmentKind:
-    value = _get(h, name)
-    for kind in FragmentKind:
-        if type(value) is str and value == kind.value:
-            return kind
-    raise ProtocolError(f"field {name!r} must be one of {[k.value for k in FragmentKind]}")
+# The fields' grammar (read by messages.build, the one JSON reader):
+Count = Annotated[int, Range(0, MAX_INT)]
+"""A step, epoch, stripe or fragment index."""
+NodeBytes = Annotated[int, Range(0, MAX_NODE_BYTES)]
+"""A size or offset within one node's snapshot."""
+NodeKey = Annotated[int, Digits(7), Range(0, MAX_NODE)]
+"""A node index as a JSON object's key."""
+Checksum = Annotated[int, Digits(20), Range(0, (1 << 64) - 1)]
+"""A 64-bit checksum, as a decimal string on the wire."""
+Sums = Annotated[tuple[Checksum, ...], Most(MAX_SUMS)]
+Steps = Annotated[tuple[Count, ...], Most(MAX_STEPS)]
+Digest = Annotated[str, Pattern(f"(?:[0-9a-f]{{{DIGEST_HEX}}})?")]
+"""A seal's digest, or "" (absent)."""
+Tag = Annotated[str, Pattern(f"(?:[0-9a-f]{{{TAG_HEX}}})?")]
+"""A seal's tag, or "" (absent)."""
 
 
 _ENDPOINT = re.compile(
@@ -284,7 +229,13 @@ class _Body:
     """Fewest and most buffers a message of this kind carries."""
 
     def _wire(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = (
+                v.value if isinstance(v, enum.Enum) else list(v) if type(v) is tuple else v
+            )
+        return out
 
     def to_header(self, epoch: int) -> dict[str, Any]:
         """The JSON header of this message in generation ``epoch``."""
@@ -295,12 +246,7 @@ class _Body:
 class _StepBody(_Body):
     """A message that carries nothing but its ``step``."""
 
-    step: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Self:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"))
+    step: Count
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,20 +257,10 @@ class Size(_Body):
 
     KIND: ClassVar[PeerKind] = PeerKind.SIZE
     BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
-    step: int
-    nbytes: int
-    digest: str = ""
-    tag: str = ""
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Size:
-        """Validate and build (raises ProtocolError); ``digest`` and ``tag`` may be absent."""
-        return cls(
-            _int(h, "step"),
-            _int(h, "nbytes", MAX_NODE_BYTES),
-            _hex(h, "digest", DIGEST_HEX),
-            _hex(h, "tag", TAG_HEX),
-        )
+    step: Count
+    nbytes: NodeBytes
+    digest: Digest = ""
+    tag: Tag = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,14 +269,9 @@ class Data(_Body):
 
     KIND: ClassVar[PeerKind] = PeerKind.DATA
     BUFFERS: ClassVar[tuple[int, int]] = (1, 1)
-    step: int
-    stripe: int
-    col: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Data:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"), _int(h, "stripe"), _int(h, "col"))
+    step: Count
+    stripe: Count
+    col: Count
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,23 +281,13 @@ class Parity(_Body):
 
     KIND: ClassVar[PeerKind] = PeerKind.PARITY
     BUFFERS: ClassVar[tuple[int, int]] = (1, 1)
-    step: int
-    stripe: int
-    frag: int
-    sums: tuple[int, ...]
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Parity:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_int(h, "step"), _int(h, "stripe"), _int(h, "frag"), _sums(h, "sums"))
+    step: Count
+    stripe: Count
+    frag: Count
+    sums: Sums
 
     def _wire(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "stripe": self.stripe,
-            "frag": self.frag,
-            "sums": [str(c) for c in self.sums],
-        }
+        return {**_Body._wire(self), "sums": [str(c) for c in self.sums]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,28 +319,13 @@ class MetaReply(_Body):
 
     KIND: ClassVar[PeerKind] = PeerKind.META
     BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
-    step: int
-    sizes: dict[int, int]
-    digest: str = ""
-    tag: str = ""
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> MetaReply:
-        """Validate and build (raises ProtocolError); ``digest`` and ``tag`` may be absent."""
-        return cls(
-            _int(h, "step"),
-            _sizes(h, "sizes"),
-            _hex(h, "digest", DIGEST_HEX),
-            _hex(h, "tag", TAG_HEX),
-        )
+    step: Count
+    sizes: Annotated[dict[NodeKey, NodeBytes], Most(MAX_NODES)]
+    digest: Digest = ""
+    tag: Tag = ""
 
     def _wire(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "sizes": {str(k): v for k, v in self.sizes.items()},
-            "digest": self.digest,
-            "tag": self.tag,
-        }
+        return {**_Body._wire(self), "sizes": {str(k): v for k, v in self.sizes.items()}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,53 +334,25 @@ class FetchRequest(_Body):
     ``[offset, offset + length)`` of the holder's snapshot, for PARITY the stored fragment."""
 
     KIND: ClassVar[PeerKind] = PeerKind.FETCH
-    step: int
-    stripe: int
-    frag: int
+    step: Count
+    stripe: Count
+    frag: Count
     kind: FragmentKind
-    offset: int
-    length: int
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> FetchRequest:
-        """Validate and build (raises ProtocolError)."""
-        return cls(
-            _int(h, "step"),
-            _int(h, "stripe"),
-            _int(h, "frag"),
-            _fragment_kind(h, "kind"),
-            _int(h, "offset", MAX_NODE_BYTES),
-            _int(h, "length", MAX_NODE_BYTES),
-        )
-
-    def _wire(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "stripe": self.stripe,
-            "frag": self.frag,
-            "kind": self.kind.value,
-            "offset": self.offset,
-            "length": self.length,
-        }
+    offset: NodeBytes
+    length: NodeBytes
 
 
 @dataclass(frozen=True, slots=True)
 class FetchReply(_Body):
     """FETCHED: the fragment asked for is the buffer (no buffer: the holder does not have it);
-    ``sums`` (parity only; empty: none) are the stripe's checksums."""
+    ``sums`` (parity only; empty: none, and absent on the wire) are the stripe's checksums."""
 
     KIND: ClassVar[PeerKind] = PeerKind.FETCHED
     BUFFERS: ClassVar[tuple[int, int]] = (0, 1)
-    step: int
-    stripe: int
-    frag: int
-    sums: tuple[int, ...] = ()
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> FetchReply:
-        """Validate and build (raises ProtocolError); ``sums`` may be absent."""
-        sums = _sums(h, "sums") if "sums" in h else ()
-        return cls(_int(h, "step"), _int(h, "stripe"), _int(h, "frag"), sums)
+    step: Count
+    stripe: Count
+    frag: Count
+    sums: Sums = ()
 
     def _wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, "stripe": self.stripe, "frag": self.frag}
@@ -488,15 +366,7 @@ class HeldSteps(_Body):
     """x:state: the steps the sender holds (own data plus owed parity), for the sync."""
 
     KIND: ClassVar[PeerKind] = PeerKind.STATE
-    held: tuple[int, ...]
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> HeldSteps:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_steps(h, "held"))
-
-    def _wire(self) -> dict[str, Any]:
-        return {"held": list(self.held)}
+    held: Steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,15 +374,7 @@ class Avail(_Body):
     """x:avail: steps every rank of the sender has committed, newer than the protected one."""
 
     KIND: ClassVar[PeerKind] = PeerKind.AVAIL
-    steps: tuple[int, ...]
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Avail:
-        """Validate and build (raises ProtocolError)."""
-        return cls(_steps(h, "steps"))
-
-    def _wire(self) -> dict[str, Any]:
-        return {"steps": list(self.steps)}
+    steps: Steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,11 +389,6 @@ class Heartbeat(_Body):
     """x:hb: the sender is alive (peer health)."""
 
     KIND: ClassVar[PeerKind] = PeerKind.HEARTBEAT
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> Heartbeat:
-        """Validate and build (raises ProtocolError)."""
-        return cls()
 
 
 PeerBody = (
@@ -569,7 +426,6 @@ BODY_TYPES: dict[PeerKind, type[PeerBody]] = {
     )
 }
 _KINDS = {k.value: k for k in PeerKind}
-_ALLOWED = {k: frozenset({"t", "e"} | {f.name for f in fields(c)}) for k, c in BODY_TYPES.items()}
 
 
 def parse_kind(header: Any) -> PeerKind:
@@ -586,10 +442,13 @@ def parse_kind(header: Any) -> PeerKind:
 def parse_header(header: Any) -> tuple[int, PeerBody]:
     """(epoch, message) of a header, every field checked. Raises ProtocolError."""
     kind = parse_kind(header)
-    epoch = _int(header, "e")
-    if not header.keys() <= _ALLOWED[kind]:
-        raise ProtocolError(f"unknown fields in a {kind.value!r} message")
-    return epoch, BODY_TYPES[kind].from_header(header)
+    if "e" not in header:
+        raise ProtocolError("missing field 'e'")
+    epoch = _check_int(header["e"], "field 'e'")
+    cls = BODY_TYPES[kind]
+    fields_ = {k: v for k, v in header.items() if k != "t" and k != "e"}
+    body: PeerBody = build(cls, fields_, what=f"a {kind.value!r} message")
+    return epoch, body
 
 
 @dataclass(frozen=True, slots=True)
