@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import xxhash
 
-from ftmem.errors import CorruptSnapshotError
+from ftmem.errors import CorruptSnapshotError, ProtocolError
+from ftmem.typed_json import Most, Range, build
 
 LAYOUT_VERSION = 2
 MAX_TENSORS = 1 << 20
@@ -226,52 +227,75 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _str(value: Any, what: str, limit: int = 4096) -> str:
-    if not isinstance(value, str) or len(value) > limit:
-        raise CorruptSnapshotError(f"{what} must be a string of at most {limit} characters")
-    return value
+# The document's grammar (read by typed_json.build, the one JSON reader; fields it does not know
+# are ignored):
+Size = Annotated[int, Range(0, 1 << 62)]
+Dims = Annotated[tuple[Size, ...], Most(64)]
+Checksums = Annotated[str, Most(1 << 30)]
+"""A digest: its length is checked against the extent's pieces (:func:`piece_hashes`)."""
 
 
-def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > 64:
-        raise CorruptSnapshotError(f"{what} must be a list of at most 64 integers")
-    return tuple(_int(v, what) for v in value)
+@dataclass(slots=True)
+class _ChunkDoc:  # read once, never kept
+    shape: Dims
+    offset: Dims
 
 
-def _parse_chunk(doc: Any, local: tuple[int, ...]) -> ChunkOf | None:
-    """A layout's chunk entry, checked against the stored (local) shape."""
-    if doc is None:
-        return None
-    if not isinstance(doc, dict):
-        raise CorruptSnapshotError("chunk must be an object")
-    shape, offset = _dims(doc.get("shape"), "chunk shape"), _dims(doc.get("offset"), "chunk offset")
-    if len(shape) != len(local) or len(offset) != len(local):
-        raise CorruptSnapshotError("chunk rank differs from the tensor's")
-    if any(o + n > g for o, n, g in zip(offset, local, shape, strict=True)):
-        raise CorruptSnapshotError("chunk lies outside its global tensor")
-    return ChunkOf(shape, offset)
+@dataclass(slots=True)
+class _TensorDoc:  # read once, never kept
+    i: Size
+    name: Annotated[str, Most(4096)]
+    dtype: Annotated[str, Most(32)]
+    shape: Dims
+    offset: Size
+    nbytes: Size
+    hash: Checksums = ""
+    chunk: _ChunkDoc | None = None
 
 
-def _parse_tensor(n: int, e: Any, capacity: int) -> StoredTensor:
-    if not isinstance(e, dict):
-        raise CorruptSnapshotError("tensor entry must be an object")
-    name = _str(e.get("name"), "tensor name")
-    dtype = _str(e.get("dtype"), "dtype", 32)
-    if dtype not in DTYPE_SIZES:
-        raise CorruptSnapshotError(f"tensor {name!r} has unknown dtype {dtype!r}")
-    shape = _dims(e.get("shape"), "shape")
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = _int(e.get("nbytes"), "nbytes")
-    off = _int(e.get("offset"), "offset")
-    if nbytes != numel * DTYPE_SIZES[dtype] or off + nbytes > capacity:
-        raise CorruptSnapshotError(f"tensor {name!r} has an inconsistent extent")
-    if e.get("i") != n:
-        raise CorruptSnapshotError("tensor indices are out of order")
-    h = _str(e.get("hash", ""), "hash", len(pieces(nbytes)) * (_HEX + 1))
+@dataclass(slots=True)
+class _ObjectsDoc:  # read once, never kept
+    offset: Size
+    nbytes: Size
+    hash: Checksums = ""
+
+
+@dataclass(slots=True)
+class _LayoutDoc:  # read once, never kept
+    version: int
+    step: Size
+    tensors: Annotated[list[_TensorDoc], Most(MAX_TENSORS)]
+    objects: _ObjectsDoc
+    unsharded_nbytes: Size = 0
+
+
+def _checked_hash(h: str, nbytes: int) -> str:
+    if len(h) > len(pieces(nbytes)) * (_HEX + 1):
+        raise CorruptSnapshotError("a checksum is longer than its extent's pieces")
     piece_hashes(h, nbytes)
-    return StoredTensor(n, name, dtype, shape, off, nbytes, h, _parse_chunk(e.get("chunk"), shape))
+    return h
+
+
+def _tensor(n: int, e: _TensorDoc, capacity: int) -> StoredTensor:
+    if e.dtype not in DTYPE_SIZES:
+        raise CorruptSnapshotError(f"tensor {e.name!r} has unknown dtype {e.dtype!r}")
+    numel = 1
+    for d in e.shape:
+        numel *= d
+    if e.nbytes != numel * DTYPE_SIZES[e.dtype] or e.offset + e.nbytes > capacity:
+        raise CorruptSnapshotError(f"tensor {e.name!r} has an inconsistent extent")
+    if e.i != n:
+        raise CorruptSnapshotError("tensor indices are out of order")
+    chunk = None
+    if e.chunk is not None:
+        shape, offset = e.chunk.shape, e.chunk.offset
+        if len(shape) != len(e.shape) or len(offset) != len(e.shape):
+            raise CorruptSnapshotError("chunk rank differs from the tensor's")
+        if any(o + k > g for o, k, g in zip(offset, e.shape, shape, strict=True)):
+            raise CorruptSnapshotError("chunk lies outside its global tensor")
+        chunk = ChunkOf(shape, offset)
+    h = _checked_hash(e.hash, e.nbytes)
+    return StoredTensor(n, e.name, e.dtype, e.shape, e.offset, e.nbytes, h, chunk)
 
 
 def parse_layout(text: str, capacity: int) -> StoredSnapshot:
@@ -282,24 +306,19 @@ def parse_layout(text: str, capacity: int) -> StoredSnapshot:
     Raises:
         CorruptSnapshotError: anything malformed, out of bounds or inconsistent.
     """
-    doc = _load(text)
-    if doc.get("version") != LAYOUT_VERSION:
-        raise CorruptSnapshotError(f"layout version {doc.get('version')!r} is not supported")
-    step = _int(doc.get("step"), "step")
-    raw = doc.get("tensors")
-    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
-        raise CorruptSnapshotError("layout must hold a list of tensors")
-    tensors = tuple(_parse_tensor(n, e, capacity) for n, e in enumerate(raw))
-    obj = doc.get("objects")
-    if not isinstance(obj, dict):
-        raise CorruptSnapshotError("layout has no objects extent")
-    ooff, on = _int(obj.get("offset"), "objects offset"), _int(obj.get("nbytes"), "objects size")
-    if ooff + on > capacity:
+    raw = _load(text)
+    if raw.get("version") != LAYOUT_VERSION:
+        raise CorruptSnapshotError(f"layout version {raw.get('version')!r} is not supported")
+    try:
+        doc: _LayoutDoc = build(_LayoutDoc, raw, what="the layout", strict=False)
+    except ProtocolError as exc:
+        raise CorruptSnapshotError(f"malformed layout: {exc}") from None
+    tensors = tuple(_tensor(n, e, capacity) for n, e in enumerate(doc.tensors))
+    obj = doc.objects
+    if obj.offset + obj.nbytes > capacity:
         raise CorruptSnapshotError("objects extent is outside the slot")
-    oh = _str(obj.get("hash", ""), "objects hash", len(pieces(on)) * (_HEX + 1))
-    piece_hashes(oh, on)
-    unsharded = _int(doc.get("unsharded_nbytes", 0), "unsharded_nbytes")
-    return StoredSnapshot(step, tensors, ooff, on, oh, unsharded)
+    oh = _checked_hash(obj.hash, obj.nbytes)
+    return StoredSnapshot(doc.step, tensors, obj.offset, obj.nbytes, oh, doc.unsharded_nbytes)
 
 
 _NO_HASH = '"hash":""'

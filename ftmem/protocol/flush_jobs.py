@@ -19,7 +19,7 @@ reply per line on its stdout::
                      "seconds": S, "assembled": [40], "error": ""}                    JobDone
 
 :func:`encode` writes any of them; :func:`parse_job` and :func:`parse_reply` read a line back,
-checking every field's type (the rank protocol's rules, :func:`ftmem.protocol.messages.build`):
+checking every field's type (the rank protocol's rules, :func:`ftmem.typed_json.build`):
 anything else raises :class:`~ftmem.errors.ProtocolError`. Nothing is unpickled.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeAlias
 
 from ftmem.errors import ProtocolError
-from ftmem.protocol.messages import build
+from ftmem.typed_json import build
 
 __all__ = [
     "AssembleJob",

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import re
-import types
-import typing
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftmem.errors import ErrorKind, ProtocolError
+from ftmem.errors import ErrorKind
+from ftmem.typed_json import build
 
 PROTOCOL_VERSION = 1
 
@@ -349,194 +345,6 @@ PAYLOAD_TYPES: dict[Kind, type[Any]] = {
 }
 KIND_OF: dict[type[Any], Kind] = {v: k for k, v in PAYLOAD_TYPES.items()}
 
-MAX_INT = (1 << 63) - 1
-"""Largest magnitude of an integer field (what an int64 holds), in every JSON message."""
-
-
-@dataclass(frozen=True, slots=True)
-class Most:
-    """A field's bound, in its annotation (``Annotated[str, Most(64)]``): at most ``n``
-    characters of a string, items of a list or entries of an object."""
-
-    n: int
-
-
-@dataclass(frozen=True, slots=True)
-class Range:
-    """An integer field's bounds, in its annotation: ``lo <= value <= hi``."""
-
-    lo: int
-    hi: int
-
-
-@dataclass(frozen=True, slots=True)
-class Digits:
-    """An integer that travels as a decimal string of at most ``n`` digits (an object's key;
-    a 64-bit checksum, which JSON readers that hold numbers as doubles would round)."""
-
-    n: int
-
-
-@dataclass(frozen=True, slots=True)
-class Pattern:
-    """A string field matches ``regex`` in full."""
-
-    regex: str
-
-
-Reader = Callable[[str, Any, bool], Any]
-"""Reads one field: (its name, its decoded JSON value, strict) -> its value; ProtocolError."""
-
-
-def _reader(tp: Any) -> Reader:
-    """The reader of annotation ``tp``, made once per annotation (a status document of many
-    ranks is read field by field without looking at an annotation again)."""
-    read = _READERS.get(tp)
-    if read is None:
-        read = _READERS[tp] = _make_reader(tp)
-    return read
-
-
-_READERS: dict[Any, Reader] = {}
-
-
-def _make_reader(tp: Any) -> Reader:
-    extras: list[Any] = []
-    if typing.get_origin(tp) is typing.Annotated:
-        tp, *extras = typing.get_args(tp)
-    most = next((e.n for e in extras if isinstance(e, Most)), None)
-    lo, hi = next(((e.lo, e.hi) for e in extras if isinstance(e, Range)), (-MAX_INT, MAX_INT))
-    digits = next((e.n for e in extras if isinstance(e, Digits)), None)
-    pattern = next((re.compile(e.regex) for e in extras if isinstance(e, Pattern)), None)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        nullable = type(None) in args
-        alts = [_reader(a) for a in args if a is not type(None)]
-
-        def read_union(name: str, value: Any, strict: bool) -> Any:
-            if value is None and nullable:
-                return None
-            for alt in alts:
-                try:
-                    return alt(name, value, strict)
-                except ProtocolError:
-                    continue
-            raise ProtocolError(f"field {name!r} has the wrong type")
-
-        return read_union
-    if tp is Any:
-        return lambda name, value, strict: value
-    if tp is type(None):
-
-        def read_null(name: str, value: Any, strict: bool) -> None:
-            if value is not None:
-                raise ProtocolError(f"field {name!r} must be null")
-
-        return read_null
-    if tp is int and digits is not None:
-
-        def read_digits(name: str, value: Any, strict: bool) -> int:
-            if type(value) is not str or not 0 < len(value) <= digits or not value.isdigit():
-                raise ProtocolError(f"field {name!r} must be a decimal string of {digits} digits")
-            if not value.isascii() or not lo <= int(value) <= hi:
-                raise ProtocolError(f"field {name!r} is out of range ({lo}..{hi})")
-            return int(value)
-
-        return read_digits
-    if tp is int:
-
-        def read_int(name: str, value: Any, strict: bool) -> int:
-            if type(value) is not int:
-                raise ProtocolError(f"field {name!r} must be an integer")
-            if not lo <= value <= hi:
-                raise ProtocolError(f"field {name!r} is out of range ({lo}..{hi})")
-            return value
-
-        return read_int
-    if tp is float:
-
-        def read_float(name: str, value: Any, strict: bool) -> float:
-            if type(value) not in (int, float) or not math.isfinite(value):
-                raise ProtocolError(f"field {name!r} must be a finite number")
-            return float(value)
-
-        return read_float
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        members = {e.value: e for e in tp}
-
-        def read_enum(name: str, value: Any, strict: bool) -> Any:
-            if type(value) not in (str, int) or value not in members:
-                raise ProtocolError(f"field {name!r} must be one of {list(members)}")
-            return members[value]
-
-        return read_enum
-    if tp in (str, bool):
-        bound = f" of at most {most} characters" if most is not None else ""
-
-        def read_plain(name: str, value: Any, strict: bool) -> Any:
-            if type(value) is not tp or (most is not None and len(value) > most):
-                raise ProtocolError(f"field {name!r} must be {tp.__name__}{bound}")
-            if pattern is not None and pattern.fullmatch(value) is None:
-                raise ProtocolError(f"field {name!r} must match {pattern.pattern}")
-            return value
-
-        return read_plain
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        nested: type[Any] = tp
-        return lambda name, value, strict: build(
-            nested, value, what=f"field {name!r}", strict=strict
-        )
-    if origin in (list, tuple, dict, Mapping) or tp in (list, tuple, dict):
-        mapping = origin in (dict, Mapping) or tp is dict
-        kind = "an object" if mapping else "a list"
-        want: type[Any] = dict if mapping else list
-        item = (args[1] if mapping else args[0]) if args else Any
-        each = None if item is Any else _reader(item)
-        key = args[0] if mapping and args and args[0] not in (str, Any) else None
-        read_key = None if key is None else _reader(key)  # e.g. Annotated[int, Digits(7)]
-        as_tuple = origin is tuple or tp is tuple
-        bound = f" of at most {most}" if most is not None else ""
-
-        def read_many(name: str, value: Any, strict: bool) -> Any:
-            if type(value) is not want or (most is not None and len(value) > most):
-                raise ProtocolError(f"field {name!r} must be {kind}{bound}")
-            if read_key is not None:
-                return {
-                    read_key(name, k, strict): v if each is None else each(name, v, strict)
-                    for k, v in value.items()
-                }
-            if each is None:
-                return value
-            if mapping:
-                return {k: each(name, v, strict) for k, v in value.items()}
-            items = [each(name, v, strict) for v in value]
-            return tuple(items) if as_tuple else items
-
-        return read_many
-    raise TypeError(f"no JSON reader for the annotation {tp!r}")
-
-
-_FIELDS: dict[type[Any], tuple[frozenset[str], list[tuple[str, bool, Reader]]]] = {}
-
-
-def _fields(cls: type[Any]) -> tuple[frozenset[str], list[tuple[str, bool, Reader]]]:
-    """The field names of dataclass ``cls`` and, per field, (name, has a default, reader):
-    made once per class."""
-    out = _FIELDS.get(cls)
-    if out is None:
-        hints = typing.get_type_hints(cls, include_extras=True)
-        known = [
-            (
-                f.name,
-                f.default is not dataclasses.MISSING
-                or f.default_factory is not dataclasses.MISSING,
-                _reader(hints[f.name]),
-            )
-            for f in dataclasses.fields(cls)
-        ]
-        out = _FIELDS[cls] = (frozenset(name for name, _, _ in known), known)
-    return out
-
 
 def from_fields(kind: Kind, fields: Any) -> Any:
     """Build the payload dataclass of ``kind`` from decoded JSON, checking every field.
@@ -545,40 +353,6 @@ def from_fields(kind: Kind, fields: Any) -> Any:
         ProtocolError: unknown or missing fields, or a field of the wrong type.
     """
     return build(PAYLOAD_TYPES[kind], fields, what=kind.name)
-
-
-def build(cls: type[Any], fields: Any, *, what: str = "", strict: bool = True) -> Any:
-    """Build the dataclass ``cls`` from decoded JSON, reading every field as its annotation
-    says (bounds: :class:`Most`); nested dataclasses, lists and tuples of them are built item
-    by item. This is the one reader of every JSON document ftmem receives.
-
-    ``strict=False`` reads a status report: fields ``cls`` does not know are ignored (a newer
-    sender may report more), and a null field that has a default takes the default.
-
-    Raises:
-        ProtocolError: not an object, unknown (when strict) or missing fields, or a field of
-            the wrong type.
-    """
-    what = what or cls.__name__
-    if type(fields) is not dict:
-        raise ProtocolError(f"{what} must be a JSON object")
-    names, known = _fields(cls)
-    if strict and not names.issuperset(fields):
-        unknown = sorted(str(k)[:32] for k in set(fields).difference(names))
-        raise ProtocolError(f"unknown fields {unknown[:4]} for {what}")
-    out = {}
-    for name, has_default, read in known:
-        value = fields.get(name, _ABSENT)
-        if value is _ABSENT or (value is None and not strict):
-            if has_default:
-                continue
-            if value is _ABSENT:
-                raise ProtocolError(f"missing field {name!r} for {what}")
-        out[name] = read(name, value, strict)
-    return cls(**out)
-
-
-_ABSENT = object()
 
 
 def parse_reply(cls: type[Any], data: dict[str, Any]) -> Any:

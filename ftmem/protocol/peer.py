@@ -5,7 +5,7 @@ is ``{"t": kind, "e": epoch, <fields>}``: :class:`PeerKind` names the kind, the 
 launcher's generation, and the fields are those of the kind's frozen dataclass, under the same
 names. Sending: build the dataclass, then :meth:`to_header`. Receiving: :meth:`Envelope.parse`
 checks the sender, the kind, the epoch, every field and the buffer count, and builds the
-dataclass with the one JSON reader (:func:`ftmem.protocol.messages.build`), from the bounds in
+dataclass with the one JSON reader (:func:`ftmem.typed_json.build`), from the bounds in
 its fields' annotations (:data:`Count`, :data:`NodeBytes`, :data:`Checksum`, ...).
 
 What validation promises: integers are real ints (not bools, not floats such as JSON's
@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Annotated, Any, ClassVar
 
 from ftmem.errors import ProtocolError
-from ftmem.protocol.messages import Digits, Most, Pattern, Range, build
+from ftmem.typed_json import Digits, Most, Pattern, Range, build
 
 MAX_INT = (1 << 63) - 1
 """Largest integer a field may hold (steps, epochs, stripe and fragment indices)."""
@@ -115,7 +115,7 @@ DIGEST_HEX = 32
 TAG_HEX = 64
 """Hex digits of a seal's tag (HMAC-SHA256, seals.py)."""
 
-# The fields' grammar (read by messages.build, the one JSON reader):
+# The fields' grammar (read by typed_json.build, the one JSON reader):
 Count = Annotated[int, Range(0, MAX_INT)]
 """A step, epoch, stripe or fragment index."""
 NodeBytes = Annotated[int, Range(0, MAX_NODE_BYTES)]

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 from ftmem._logging import get_logger
 from ftmem.errors import IllegalTransition as IllegalTransition  # re-exported
 from ftmem.errors import ProtocolError
-from ftmem.protocol.messages import Most, build
+from ftmem.typed_json import Most, build
 
 _log = get_logger(__name__)
 
@@ -96,7 +96,7 @@ _NEXT: dict[ExchangeState, frozenset[ExchangeState]] = {
 }
 
 
-# -- readers: one grammar (messages.build), not strict: a newer SMP may report more ----------
+# -- readers: one grammar (typed_json.build), not strict: a newer SMP may report more ----------
 
 
 def _read(cls: type[T], doc: Any, what: str, **known: Any) -> T:

@@ -2,7 +2,7 @@
 imports the checkout (tests, benchmarks, examples).
 
 Layers, lowest first (docs/design.md, "Layout"): ``errors, config`` (and the small helpers
-beside them) -> ``secure_fs`` -> ``format, protocol, shm, faults`` -> ``exchange, tiers`` (the libraries) ->
+beside them) -> ``typed_json`` -> ``secure_fs`` -> ``format, protocol, shm, faults`` -> ``exchange, tiers`` (the libraries) ->
 ``client | smp | observe`` (what runs in a rank, in the SMP, in a reader of event logs) ->
 ``launch, cli``. A module may import its own package and any lower layer;
 packages of one layer never import each other. Every import counts, also one inside a
@@ -28,6 +28,7 @@ LAYERS: dict[str, float] = {
     "ftmem._logging": 0,
     "ftmem._process": 0,
     "ftmem.events": 0,
+    "ftmem.typed_json": 0.25,  # the one JSON reader, over errors
     "ftmem.secure_fs": 0.5,  # path checks over errors, under everything that opens files
     "ftmem.format": 1,
     "ftmem.protocol": 1,

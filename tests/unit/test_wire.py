@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ftmem.errors import ErrorKind, ProtocolError
 from ftmem.protocol import messages as m
 from ftmem.protocol.wire import _HEADER, decode, encode
+from ftmem.typed_json import Most, build
 
 KEY = b"k" * 32
 
@@ -103,11 +104,11 @@ class _Inner:
 class _Doc:
     """Every kind of annotation the one reader knows."""
 
-    name: Annotated[str, m.Most(4)]
-    nums: Annotated[tuple[int, ...], m.Most(3)] = ()
+    name: Annotated[str, Most(4)]
+    nums: Annotated[tuple[int, ...], Most(3)] = ()
     inner: _Inner | None = None
     items: list[_Inner] = field(default_factory=list)
-    counts: Annotated[Mapping[str, int], m.Most(2)] = field(default_factory=dict)
+    counts: Annotated[Mapping[str, int], Most(2)] = field(default_factory=dict)
     kind: ErrorKind | None = None
     seconds: float = 0.0
 
@@ -122,7 +123,7 @@ def test_the_one_reader_builds_nested_fields_and_keeps_every_bound() -> None:
         "kind": "unknown-layout",
         "seconds": 1,
     }
-    got = m.build(_Doc, doc)
+    got = build(_Doc, doc)
     want = _Doc("abcd", (1, 2), _Inner(3), [_Inner(4)], {"a": 1}, ErrorKind.UNKNOWN_LAYOUT, 1.0)
     assert got == want
     assert isinstance(got.seconds, float)
@@ -141,16 +142,16 @@ def test_the_one_reader_builds_nested_fields_and_keeps_every_bound() -> None:
         {},
     ):
         with pytest.raises(ProtocolError):
-            m.build(_Doc, bad)
+            build(_Doc, bad)
 
 
 def test_a_report_ignores_unknown_fields_and_reads_null_as_the_default() -> None:
     doc = {"name": "a", "nums": None, "newer": 1, "inner": {"n": 1, "newer": [2]}}
-    assert m.build(_Doc, doc, strict=False) == _Doc("a", (), _Inner(1))
+    assert build(_Doc, doc, strict=False) == _Doc("a", (), _Inner(1))
     with pytest.raises(ProtocolError, match="unknown fields"):
-        m.build(_Doc, doc)
+        build(_Doc, doc)
     with pytest.raises(ProtocolError):  # a required field is still required
-        m.build(_Doc, {"name": None}, strict=False)
+        build(_Doc, {"name": None}, strict=False)
 
 
 def test_a_refusal_carries_its_kind_across_the_wire() -> None:
