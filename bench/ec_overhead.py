@@ -69,7 +69,7 @@ class RunResult(_launch.JobRun):
     def read_status(self, poller: _launch.StatusPoller) -> None:
         """The figures of each SMP's last STATUS, and its CPU seconds."""
         for i, status in poller.last.items():
-            ex = status.get("exchange") or {}
+            ex = status.get("protection") or {}
             if ex.get("enabled"):
                 c = ex.get("counters") or {}
                 self.status_rounds[i] = int(c.get("protected", 0))

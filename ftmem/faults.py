@@ -96,7 +96,7 @@ class Fault(enum.Enum):
     """Fail the write at the point as if the disk were full (the caller raises)."""
     CRASH = "crash"
     """Raise :class:`InjectedCrash` at the point: an unexpected error in the thread that
-    passes it (e.g. the SMP's exchange thread at ``in_protect``)."""
+    passes it (e.g. the SMP's protection thread at ``in_protect``)."""
 
 
 class InjectedCrash(RuntimeError):

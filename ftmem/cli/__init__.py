@@ -19,7 +19,7 @@ from typing import Any
 
 from ftmem.config import default_run_dir
 from ftmem.errors import ProtocolError
-from ftmem.protocol.status import ExchangeStatus, SmpStatus
+from ftmem.protocol.status import ProtectionStatus, SmpStatus
 
 
 def _fmt_age(t: float | None) -> str:
@@ -51,10 +51,10 @@ def print_status(st: SmpStatus) -> None:
         if r.skips:
             reasons = "; ".join(f"{n} x {reason}" for reason, n in sorted(r.skips.items()))
             print(f"  rank {rank} skipped: {reasons}")
-    if st.exchange is None:
+    if st.protection is None:
         print("erasure coding: unreadable status")
     else:
-        print_exchange(st.exchange)
+        print_exchange(st.protection)
     fl = st.flush
     if fl.enabled:
         running = fl.running
@@ -67,7 +67,7 @@ def print_status(st: SmpStatus) -> None:
         )
 
 
-def print_exchange(ex: ExchangeStatus) -> None:
+def print_exchange(ex: ProtectionStatus) -> None:
     """Print the erasure-coding part of a STATUS document (protection, bytes, peers)."""
     if not ex.enabled or ex.state is None:
         print("erasure coding: off (single node, or fewer than m + 2 nodes)")

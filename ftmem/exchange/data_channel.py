@@ -58,7 +58,7 @@ leaves the queue once the receiver's nonce is in, and goes back to it if its con
 before any of its bytes were sent; a message cut by a failure is lost, as on any dead link
 (the group protocol asks again).
 
-One thread ("data-channel") does all socket I/O; the exchange thread queues sends and takes
+One thread ("data-channel") does all socket I/O; the protection thread queues sends and takes
 received messages, and is woken through :attr:`DataChannel.wake_fd`.
 """
 
@@ -187,7 +187,7 @@ class _Inbound:
 
 class DataChannel(Sender):
     """Receives and sends data-channel messages (module docstring). Thread-safe between the
-    exchange thread (:meth:`set_members`, :meth:`has_room`, :meth:`wait_room`, :meth:`put`,
+    protection thread (:meth:`set_members`, :meth:`has_room`, :meth:`wait_room`, :meth:`put`,
     :meth:`take`) and its own I/O thread.
 
     Resource handling: :meth:`start` binds a listener and starts the thread; :meth:`close`
@@ -217,7 +217,7 @@ class DataChannel(Sender):
         self.refused: deque[Refused] = deque(maxlen=64)
         self.failed = ""
         """Why the I/O thread stopped on an unexpected error ("" while it runs):
-        :meth:`take` then raises, so the exchange thread fails visibly instead of waiting for
+        :meth:`take` then raises, so the protection thread fails visibly instead of waiting for
         data that can no longer come."""
         self.port = 0
         self._peer_keys: dict[str, bytes] | None = None
@@ -268,7 +268,7 @@ class DataChannel(Sender):
         self._thread.start()
         return self.endpoint
 
-    # -- the exchange thread's side ---------------------------------------------------------
+    # -- the protection thread's side ---------------------------------------------------------
     def set_members(self, peer_keys: dict[str, bytes], data: dict[str, str]) -> None:
         """The generation: each peer's public key and data endpoint. Connections to peers that
         left or moved are closed (their queues dropped); only the peers' hosts may connect."""
@@ -408,7 +408,7 @@ class DataChannel(Sender):
             log.exception("[%s] the data channel's I/O thread failed", self.node)
             self.failed = f"{type(exc).__name__}: {exc}"
             try:
-                os.write(self._ready_w, b"x")  # wake the exchange thread to see it
+                os.write(self._ready_w, b"x")  # wake the protection thread to see it
             except OSError:
                 pass
 

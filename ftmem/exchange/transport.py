@@ -9,7 +9,7 @@ Call order:
     4) (any node) ``t.recv(timeout)``: the next message from any peer, or None.
     5) (every node) ``t.close()``: idempotent, bounded.
 
-One thread owns a transport: the SMP's exchange thread. Implementations: zmq_transport.py
+One thread owns a transport: the SMP's protection thread. Implementations: zmq_transport.py
 (TCP + CURVE). Every received message has been authenticated, size-checked and its buffers
 checksummed before ``recv`` returns it, and its ``sender`` is the node whose key the
 connection authenticated (a message claiming another name is dropped); bad messages are

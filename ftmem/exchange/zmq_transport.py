@@ -78,7 +78,7 @@ class _Members:
     """ZAP credentials provider and user ids: admit exactly the generation's node keys, from
     the generation's hosts.
 
-    The exchange thread replaces :attr:`keys` and :attr:`hosts` (one assignment each, read by
+    The protection thread replaces :attr:`keys` and :attr:`hosts` (one assignment each, read by
     the authenticator's thread); until the first a handshake waits (bounded) instead of
     failing. Refusals are logged as counts (:class:`~ftmem.exchange.admission.DropLog`).
     """

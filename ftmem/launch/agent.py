@@ -427,9 +427,9 @@ class FtmemElasticAgent(ElasticAgentBase):
         smp_exit = self._smp.poll() if self._life.watching else None
         if smp_exit is not None:
             return self._failures.smp_died(ranks, smp_exit, self.generation)
-        exchange_error = self._failures.exchange_error()
-        if exchange_error is not None:
-            return self._failures.exchange_failed(ranks, exchange_error, self.generation)
+        protection_error = self._failures.protection_error()
+        if protection_error is not None:
+            return self._failures.protection_failed(ranks, protection_error, self.generation)
         record_standbys(self.events, "standbys_ready", self._standbys.poll())
         if self._watch.kill_stopped_peers() and self._life.first_seen is None:
             self._life.first_seen = time.time()
@@ -482,7 +482,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         if self._life.state is AgentState.STARTED and all_resumed(self._watch.procs, progress):
             self._resumed(progress)
         if self._reshape.guests:
-            ex = self._poller.exchange()
+            ex = self._poller.protection()
             self._reshape.protected(ex[1].protected_step if ex is not None else None)
         self._watch.check_hangs(progress, fetched)
 

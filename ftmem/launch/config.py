@@ -127,7 +127,7 @@ class FtmemLaunchConfig:
     plain data channel with keyed tags."""
     ec_encode_workers: int = 0
     """Processes per SMP that encode its stripes (``--ftmem-tune ec-encode-workers``); 0: the
-    SMP's exchange thread encodes."""
+    SMP's protection thread encodes."""
     checkfree: bool = False
     """``--ftmem-checkfree``: rebuild a pipeline stage without any snapshot from its neighbours
     (the ranks get FTMEM_CHECKFREE=1; a sync that finds more than m nodes lost goes on)."""

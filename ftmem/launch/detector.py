@@ -41,7 +41,7 @@ HMAC-SHA256 tag under a key derived from the job's key, then a JSON body of at m
 :data:`MAX_DATAGRAM` bytes (:class:`Heartbeat`). A sender's sequence number must grow (no
 replays); a datagram that fails any check is dropped and counted. UDP rather than the SMPs'
 ZeroMQ mesh: a heartbeat must not queue behind snapshot traffic or TCP's retransmissions, nor
-wait for the SMP's exchange thread (busy with erasure coding, which holds the GIL), and the
+wait for the SMP's protection thread (busy with erasure coding, which holds the GIL), and the
 agent is the process that acts on the verdict.
 """
 

@@ -2,13 +2,13 @@
 
 The agent's monitor asks :class:`NodeFailures` in this order: did the node's SMP die
 (:meth:`~NodeFailures.smp_died`), did its erasure-coding thread stop
-(:meth:`~NodeFailures.exchange_error`, :meth:`~NodeFailures.exchange_failed`), did a rank
+(:meth:`~NodeFailures.protection_error`, :meth:`~NodeFailures.protection_failed`), did a rank
 fail or hang (elastic's verdict, :meth:`~NodeFailures.rank_failed`); at a restart it did not
 see coming, another machine changed the job (:meth:`~NodeFailures.membership_changed`).
 
 Each failure is reported once, through :meth:`RecoveryLifecycle.failed
 <ftmem.launch.recovery.RecoveryLifecycle.failed>` (DETECTED, the no-progress guard, the
-``FAILED`` line), plus the event of its kind (``failed``, ``smp_died``, ``exchange_failed``,
+``FAILED`` line), plus the event of its kind (``failed``, ``smp_died``, ``protection_failed``,
 ``restart``); the status poller then polls fast until the ranks step again. Nothing here
 touches elastic's private API: its results are read through its public types, and the agent
 hands in its restart budget.
@@ -33,7 +33,7 @@ from ftmem.launch.recovery import FailureKind, RecoveryLifecycle
 from ftmem.launch.report import tail_lines
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.workers import describe_exit
-from ftmem.protocol.status import ExchangeState
+from ftmem.protocol.status import ProtectionState
 
 log = logging.getLogger(__name__)
 
@@ -160,22 +160,22 @@ class NodeFailures:
             FailureKind.SMP, what, message, committed, exitcode, ranks, generation
         )
 
-    def exchange_error(self) -> str | None:
-        """The error that stopped the SMP's exchange thread during this generation, or None.
+    def protection_error(self) -> str | None:
+        """The error that stopped the SMP's protection thread during this generation, or None.
 
         Only a status fetched after these ranks started counts: the SMP replaces a failed
         exchange at the generation's PEER_BIND, so an older answer may predate that.
         """
-        latest = self._poller.exchange() if self._life.watching else None
+        latest = self._poller.protection() if self._life.watching else None
         if latest is None:
             return None
         fetched, status = latest
-        if fetched <= self._life.started_at or status.state is not ExchangeState.FAILED:
+        if fetched <= self._life.started_at or status.state is not ProtectionState.FAILED:
             return None
         return status.error or "no error given"
 
-    def exchange_failed(self, ranks: list[int], error: str, generation: int) -> RunResult:
-        """The exchange thread stopped: snapshots are no longer protected. The result
+    def protection_failed(self, ranks: list[int], error: str, generation: int) -> RunResult:
+        """The protection thread stopped: snapshots are no longer protected. The result
         restarts the ranks (from memory) with a new generation, whose PEER_BIND gives the
         SMP a new exchange."""
         committed = self.committed(ranks)
@@ -187,9 +187,11 @@ class NodeFailures:
             what,
         )
         self._events.write(
-            "exchange_failed", error=error, generation=generation, committed=committed
+            "protection_failed", error=error, generation=generation, committed=committed
         )
-        return self._node_failure(FailureKind.EXCHANGE, what, what, committed, 1, ranks, generation)
+        return self._node_failure(
+            FailureKind.PROTECTION, what, what, committed, 1, ranks, generation
+        )
 
     def _node_failure(
         self,

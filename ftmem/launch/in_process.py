@@ -15,7 +15,7 @@ Which ranks are kept (:meth:`InProcessRestarts.keepable`): alive and not stopped
 as hung, under ``ftmem.run`` (its hello said so, from this very pid), and it has reported
 progress in the current generation. The last rule is the fallback: a rank that fails while
 the ranks rejoin (or that never rejoined) makes the next restart cold for every rank that had
-not stepped again yet. A restart caused by the node's SMP or its exchange thread is cold for
+not stepped again yet. A restart caused by the node's SMP or its protection thread is cold for
 every rank, and so is every rank whose global rank changed. A kept rank that reports no
 progress within ``--ftmem-rejoin-timeout`` of its order is SIGKILLed by the rank watch, which
 turns it into an ordinary failure.

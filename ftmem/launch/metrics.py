@@ -26,7 +26,7 @@ from ftmem.protocol.status import SmpStatus
 
 log = logging.getLogger(__name__)
 
-RESTART_CAUSES = ("rank_exit", "hang", "smp_died", "exchange_failed", "membership")
+RESTART_CAUSES = ("rank_exit", "hang", "smp_died", "protection_failed", "membership")
 """The ``cause`` label of ``ftmem_restarts_total``."""
 
 StatusSource = Callable[[], "tuple[float, SmpStatus] | None"]
@@ -56,7 +56,7 @@ class AgentMetrics:
             if event == "failed":
                 hang = str(fields.get("what", "")).startswith("HANG")
                 self._restarts["hang" if hang else "rank_exit"] += 1
-            elif event in ("smp_died", "exchange_failed"):
+            elif event in ("smp_died", "protection_failed"):
                 self._restarts[event] += 1
             elif event == "restart" and fields.get("reason") == "membership":
                 self._restarts["membership"] += 1
@@ -155,7 +155,7 @@ def _smp_metrics(node: str, status: SmpStatus, gauge: Any, counter: Any) -> Iter
         g = gauge("ftmem_smp_rss_bytes", "Resident memory of the node's SMP process")
         g.add_metric([node], rss)
         yield g
-    ex = status.exchange
+    ex = status.protection
     if ex is not None and ex.enabled:
         for value, name, what in (
             (ex.protected_step, "ftmem_protected_step", "Newest step protected by erasure coding"),

@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ftmem.events import EventLog as EventLog  # re-exported: agent.py, report.py
-from ftmem.protocol.status import ExchangeStatus, RankProgress, SmpStatus
+from ftmem.protocol.status import ProtectionStatus, RankProgress, SmpStatus
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class StatusPoller:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._latest: tuple[float, dict[int, RankProgress]] | None = None
-        self._exchange: tuple[float, ExchangeStatus] | None = None
+        self._protection: tuple[float, ProtectionStatus] | None = None
         self._status: tuple[float, SmpStatus] | None = None
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -205,11 +205,11 @@ class StatusPoller:
         with self._lock:
             return self._latest
 
-    def exchange(self) -> tuple[float, ExchangeStatus] | None:
-        """The newest exchange status as ``(time fetched, status)``, or None (not fetched yet,
+    def protection(self) -> tuple[float, ProtectionStatus] | None:
+        """The newest protection status as ``(time fetched, status)``, or None (not fetched yet,
         or the SMP's document was malformed)."""
         with self._lock:
-            return self._exchange
+            return self._protection
 
     def status(self) -> tuple[float, SmpStatus] | None:
         """The newest status, whole, with when it was fetched (metrics)."""
@@ -227,7 +227,7 @@ class StatusPoller:
         """Drop the cached answer (after the SMP was replaced)."""
         with self._lock:
             self._latest = None
-            self._exchange = None
+            self._protection = None
             self._status = None
 
     def fetch(self) -> dict[int, RankProgress] | None:
@@ -247,11 +247,11 @@ class StatusPoller:
             log.info("SMP status available again")
         self._failing = False
         progress = dict(status.ranks)
-        exchange = status.exchange
+        exchange = status.protection
         now = time.time()
         with self._lock:
             self._latest = (now, progress)
-            self._exchange = None if exchange is None else (now, exchange)
+            self._protection = None if exchange is None else (now, exchange)
             self._status = (now, status)
         return progress
 

@@ -42,7 +42,7 @@ from ftmem.errors import (
     UnsafePathError,
 )
 from ftmem.exchange.keys import KeyFileError
-from ftmem.protocol.status import ExchangeState, SyncReply
+from ftmem.protocol.status import ProtectionState, SyncReply
 
 if TYPE_CHECKING:
     from ftmem.launch.config import FtmemLaunchConfig
@@ -402,13 +402,13 @@ def _start_showing_progress(
             if not t.is_alive():
                 break
             try:  # ProtocolError (a malformed status) is an FtmemError too
-                ex = status.status().exchange
+                ex = status.status().protection
             except FtmemError:
                 continue
             if ex is None:
                 continue
             prog = ex.rebuild_progress
-            if ex.state is ExchangeState.REBUILDING and prog is not None:
+            if ex.state is ProtectionState.REBUILDING and prog is not None:
                 now = (prog.fragments, prog.of)
                 if now != shown and now[1]:
                     shown = now

@@ -67,7 +67,7 @@ class FailureKind(enum.Enum):
     """A rank made no progress for the hang timeout (killed by the agent)."""
     SMP = "smp"
     """The node's SMP died (it is restarted and rebuilds from peers)."""
-    EXCHANGE = "exchange"
+    PROTECTION = "protection"
     """The SMP's erasure-coding thread stopped (a new peer mesh is made)."""
     MACHINE_LOST = "machine_lost"
     """Another machine was dropped from the job; a spare or replacement joins."""
@@ -77,7 +77,7 @@ class FailureKind(enum.Enum):
     @property
     def node_side(self) -> bool:
         """The failure is this node's SMP side: every rank restarts cold."""
-        return self in (FailureKind.SMP, FailureKind.EXCHANGE)
+        return self in (FailureKind.SMP, FailureKind.PROTECTION)
 
 
 _S = AgentState

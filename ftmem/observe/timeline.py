@@ -30,7 +30,7 @@ from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME
 
 log = logging.getLogger(__name__)
 
-FAILURE_EVENTS = frozenset({"failed", "hang", "smp_died", "exchange_failed", "unrecoverable"})
+FAILURE_EVENTS = frozenset({"failed", "hang", "smp_died", "protection_failed", "unrecoverable"})
 """Agent events that are a failure of this node (their time is the detection)."""
 _INFO_EVENTS = frozenset(
     {
@@ -177,7 +177,7 @@ def _failure_marks(e: Event) -> list[Mark]:
         "failed": f"rank {f.get('rank')}: {f.get('what')}",
         "hang": f"rank {f.get('rank')} hung (last step {f.get('last_step')})",
         "smp_died": f"SMP pid {f.get('pid')} died",
-        "exchange_failed": f"exchange thread stopped: {f.get('error')}",
+        "protection_failed": f"protection thread stopped: {f.get('error')}",
         "unrecoverable": f"unrecoverable: {f.get('reason')}",
     }[e.event]
     idle = finite_number(f.get("idle_s")) if e.event == "hang" else None

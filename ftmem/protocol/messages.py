@@ -160,7 +160,7 @@ class Status:
 class PeerBind:
     """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON);
     ``encrypt``: every message over CURVE, no plain data channel (zmq_transport.py);
-    ``encode_workers``: processes that encode the SMP's stripes (0: its exchange thread)."""
+    ``encode_workers``: processes that encode the SMP's stripes (0: its protection thread)."""
 
     keys: str
     host: str

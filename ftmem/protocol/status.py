@@ -1,8 +1,8 @@
 """The SMP's STATUS, typed: its ranks' progress and slots, its protection service's state, and
 the reply to PEER_START.
 
-The SMP reports its exchange as a JSON object (``exchange`` in the STATUS document) whose
-``state`` is an :class:`ExchangeState` value; :meth:`ExchangeStatus.from_json` turns it into a
+The SMP reports its protection service as a JSON object (``protection`` in the STATUS
+document) whose ``state`` is a :class:`ProtectionState` value; :meth:`ProtectionStatus.from_json` turns it into a
 frozen dataclass (what the launcher, the SMP's flush scheduler and ``ftmem status`` read), and
 :meth:`SyncReply.from_json` does the same for the reply to PEER_START; :meth:`SmpStatus.from_json`
 parses the whole STATUS (each rank's entry a :class:`RankProgress`). All refuse a malformed
@@ -35,7 +35,7 @@ Endpoint = Annotated[str, Most(1024)]
 Name = Annotated[str, Most(256)]
 
 
-class ExchangeState(enum.Enum):
+class ProtectionState(enum.Enum):
     """Where the SMP's protection service is in a generation's life (smp/protection.py).
 
     Transitions (any state but FAILED may also go to FAILED: the thread stopped on an
@@ -68,22 +68,22 @@ class ExchangeState(enum.Enum):
     REBUILD_FAILED = "rebuild-failed"
     FAILED = "failed"
 
-    def can_become(self, new: ExchangeState) -> bool:
+    def can_become(self, new: ProtectionState) -> bool:
         """True if the state machine (see the class docstring) allows ``self -> new``."""
-        if new is ExchangeState.FAILED:
-            return self is not ExchangeState.FAILED
+        if new is ProtectionState.FAILED:
+            return self is not ProtectionState.FAILED
         return new in _NEXT[self]
 
-    def to(self, new: ExchangeState) -> ExchangeState:
+    def to(self, new: ProtectionState) -> ProtectionState:
         """Return ``new`` if ``self -> new`` is allowed; raise IllegalTransition otherwise."""
         if not self.can_become(new):
-            raise IllegalTransition(f"exchange state {self.value} -> {new.value} is not allowed")
+            raise IllegalTransition(f"protection state {self.value} -> {new.value} is not allowed")
         return new
 
 
-_S = ExchangeState
+_S = ProtectionState
 _RESTARTABLE = frozenset({_S.BOUND, _S.SYNCING})
-_NEXT: dict[ExchangeState, frozenset[ExchangeState]] = {
+_NEXT: dict[ProtectionState, frozenset[ProtectionState]] = {
     _S.UNBOUND: frozenset({_S.BOUND}),
     _S.BOUND: _RESTARTABLE | {_S.READY, _S.REBUILDING, _S.SYNC_FAILED, _S.UNRECOVERABLE},
     _S.SYNCING: _RESTARTABLE | {_S.READY, _S.REBUILDING, _S.SYNC_FAILED, _S.UNRECOVERABLE},
@@ -152,11 +152,11 @@ class PeerHealth:
 
 
 @dataclass(frozen=True, slots=True)
-class ExchangeStatus:
-    """The ``exchange`` part of an SMP's STATUS, typed."""
+class ProtectionStatus:
+    """The ``protection`` part of an SMP's STATUS, typed."""
 
     enabled: bool
-    state: ExchangeState | None
+    state: ProtectionState | None
     """None when erasure coding is off on this SMP."""
     epoch: int | None = None
     me: int | None = None
@@ -184,24 +184,24 @@ class ExchangeStatus:
     worker_stripes: int = 0
     """Stripes the encode workers encoded (since this group's protector started)."""
     worker_fallbacks: int = 0
-    """Stripes the exchange thread encoded after their worker died or hung."""
+    """Stripes the protection thread encoded after their worker died or hung."""
     counters: RoundCounters = RoundCounters()
     peers: tuple[PeerHealth, ...] = ()
 
     @classmethod
-    def from_json(cls, doc: Any) -> ExchangeStatus:
-        """Parse the ``exchange`` object (None or {}: off). Raises ProtocolError."""
+    def from_json(cls, doc: Any) -> ProtectionStatus:
+        """Parse the ``protection`` object (None or {}: off). Raises ProtocolError."""
         if doc is None or doc == {}:
             return cls(enabled=False, state=None)
         if type(doc) is not dict or type(doc.get("enabled", False)) is not bool:
-            raise ProtocolError("the exchange status must be an object with a boolean 'enabled'")
+            raise ProtocolError("the protection status must be an object with a boolean 'enabled'")
         if not doc.get("enabled"):
             return cls(enabled=False, state=None)
         peers = PeerHealth.parse_all(doc.get("peers"))
         progress = doc.get("rebuild_progress") or None  # {}: none
-        status = _read(cls, doc, "the exchange status", peers=None, rebuild_progress=progress)
+        status = _read(cls, doc, "the protection status", peers=None, rebuild_progress=progress)
         if status.state is None:
-            raise ProtocolError("field 'state' is not an exchange state")
+            raise ProtocolError("field 'state' is not an protection state")
         return dataclasses.replace(status, peers=peers)
 
 
@@ -347,14 +347,14 @@ class SmpStatus:
     requests: Counts = field(default_factory=dict)
     """Requests served per kind (``BEGIN``, ``COMMIT``, ...)."""
     ranks: Mapping[int, RankProgress] = field(default_factory=dict)
-    exchange: ExchangeStatus | None = None
-    """None if the SMP's exchange part did not parse (logged; the rest still serves)."""
+    protection: ProtectionStatus | None = None
+    """None if the SMP's protection part did not parse (logged; the rest still serves)."""
     flush: FlushStatus = FlushStatus()
 
     @classmethod
     def from_json(cls, doc: Any) -> SmpStatus:
-        """Parse a STATUS reply's data. Raises ProtocolError (a malformed exchange part only
-        makes ``exchange`` None)."""
+        """Parse a STATUS reply's data. Raises ProtocolError (a malformed protection part only
+        makes ``protection`` None)."""
         if type(doc) is not dict:
             raise ProtocolError("the SMP status must be a JSON object")
         ranks_doc = doc.get("ranks") or {}
@@ -366,10 +366,10 @@ class SmpStatus:
                 raise ProtocolError("field 'ranks' must be keyed by rank")
             ranks[int(key)] = RankProgress.from_json(int(key), entry)
         try:
-            exchange: ExchangeStatus | None = ExchangeStatus.from_json(doc.get("exchange"))
+            protection: ProtectionStatus | None = ProtectionStatus.from_json(doc.get("protection"))
         except ProtocolError as exc:
-            _log.warning("the SMP's exchange status does not parse: %s", exc)
-            exchange = None
+            _log.warning("the SMP's protection status does not parse: %s", exc)
+            protection = None
         flush = FlushStatus.from_json(doc.get("flush"))
-        status = _read(cls, doc, "the SMP status", ranks=None, exchange=None, flush=None)
-        return dataclasses.replace(status, ranks=ranks, exchange=exchange, flush=flush)
+        status = _read(cls, doc, "the SMP status", ranks=None, protection=None, flush=None)
+        return dataclasses.replace(status, ranks=ranks, protection=protection, flush=flush)

@@ -310,7 +310,7 @@ class SmpDaemon:
 
     def status(self) -> dict[str, Any]:
         """Return the SMP's state: identity, and each rank's slots, progress and statistics."""
-        exchange = self.handlers.exchange
+        protection = self.handlers.protection
         return {
             "pid": os.getpid(),
             "run_id": self.config.run_id,
@@ -320,6 +320,6 @@ class SmpDaemon:
             "bad_messages": self.bad_messages,
             "requests": dict(self.handlers.requests),
             "ranks": self.store.describe(),
-            "exchange": exchange.status() if exchange else {"enabled": False},
+            "protection": protection.status() if protection else {"enabled": False},
             "flush": self.flush.status() if self.flush else {"enabled": False},
         }

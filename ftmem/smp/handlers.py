@@ -103,9 +103,9 @@ class RequestHandlers:
         self._status = status
         self.flush: FlushService | None = None
         """The disk tiers' flush service, when the daemon has one."""
-        self.exchange: ProtectionService | None = None
+        self.protection: ProtectionService | None = None
         """The erasure-coding service, made at the first peer request."""
-        self._pending_exchange = 0
+        self._pending_protection = 0
         self._queries: list[tuple[Request, int]] = []
         """QUERY requests waiting for that rank's hashes."""
         self._flush_replies: queue.Queue[tuple[Any, bool, dict[str, Any], str]] = queue.Queue()
@@ -145,7 +145,10 @@ class RequestHandlers:
     def busy(self) -> bool:
         """Results are expected soon (the loop polls faster meanwhile)."""
         return bool(
-            self.allocator.pending or self._pending_exchange or self.hasher.pending or self._queries
+            self.allocator.pending
+            or self._pending_protection
+            or self.hasher.pending
+            or self._queries
         )
 
     def poll(self) -> None:
@@ -153,7 +156,7 @@ class RequestHandlers:
         replies that waited for them."""
         self._finish_allocations()
         self.finish_hashes()
-        self._finish_exchange()
+        self._finish_protection()
         self._finish_flushes()
 
     def flush_reply(self, token: Any, ok: bool, data: dict[str, Any], err: str) -> None:
@@ -162,14 +165,14 @@ class RequestHandlers:
 
     def protected_step(self) -> int | None:
         """The newest step the group protected (None: no exchange, or nothing yet)."""
-        if self.exchange is None:
+        if self.protection is None:
             return None
-        return self.exchange.exchange_status().protected_step
+        return self.protection.protection_status().protected_step
 
     def close(self) -> None:
         """Stop the protection service (bounded)."""
-        if self.exchange is not None:
-            self.exchange.close()
+        if self.protection is not None:
+            self.protection.close()
 
     def finish_hashes(self) -> None:
         """Take the hasher's results (verified slots get their checksummed layout and record;
@@ -216,11 +219,11 @@ class RequestHandlers:
                 made = m.Prepared([m.SlotFile(i, str(p), c) for i, p, c in job.slots])
                 self._send(job.ident, job.req_id, m.Reply(ok=True, data=m.to_fields(made)))
 
-    def _finish_exchange(self) -> None:
-        if self.exchange is None:
+    def _finish_protection(self) -> None:
+        if self.protection is None:
             return
-        for r in self.exchange.results():
-            self._pending_exchange -= 1
+        for r in self.protection.results():
+            self._pending_protection -= 1
             ident, req_id = r.token
             kind = None if r.ok else r.kind
             self._send(ident, req_id, m.Reply(ok=r.ok, error=r.error, data=r.data, kind=kind))
@@ -406,36 +409,36 @@ class RequestHandlers:
         self.flush.request(FlushRequest((req.ident, req.req_id), step, tiers))
         return None
 
-    def _exchange(self) -> ProtectionService:
-        """The exchange thread's service; a failed one (its thread stopped on an unexpected
+    def _service(self) -> ProtectionService:
+        """The protection thread's service; a failed one (its thread stopped on an unexpected
         error) is replaced by a fresh one, which the launcher then binds and starts again."""
-        old = self.exchange
+        old = self.protection
         if old is not None and old.failed:
-            self._finish_exchange()  # answer what the old one still owes
+            self._finish_protection()  # answer what the old one still owes
             log.warning(
-                "[%s] replacing the exchange thread that stopped (%s)",
+                "[%s] replacing the protection thread that stopped (%s)",
                 self.config.node,
                 old.failure,
             )
             old.close()
-            self.exchange = None
-            self.events.write("exchange_replaced", error=old.failure)
-        if self.exchange is None:
-            self.exchange = ProtectionService(self.config.node, self.store, events=self.events)
-            self.exchange.start()
-        return self.exchange
+            self.protection = None
+            self.events.write("protection_replaced", error=old.failure)
+        if self.protection is None:
+            self.protection = ProtectionService(self.config.node, self.store, events=self.events)
+            self.protection.start()
+        return self.protection
 
     def _peer_bind(self, req: Request, p: m.PeerBind) -> None:
         try:
             keys = CurveKeyPair.from_json(p.keys)
         except KeyFileError as exc:
             raise ValueError(str(exc)) from exc
-        self._exchange().submit(
+        self._service().submit(
             BindCommand(
                 (req.ident, req.req_id), keys, p.host, p.me, p.port, p.encrypt, p.encode_workers
             )
         )
-        self._pending_exchange += 1
+        self._pending_protection += 1
         return None
 
     def _peer_start(self, req: Request, p: m.PeerStart) -> None:
@@ -455,8 +458,8 @@ class RequestHandlers:
             list(p.ranks),
             p.protect_interval_s,
         )
-        self._exchange().submit(cmd)
-        self._pending_exchange += 1
+        self._service().submit(cmd)
+        self._pending_protection += 1
         return None
 
 

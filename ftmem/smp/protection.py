@@ -38,7 +38,7 @@ from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import Envelope, PeerMessage
-from ftmem.protocol.status import ExchangeState, ExchangeStatus
+from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.protection_commands import BindCommand, Result, StartCommand
 from ftmem.smp.protection_rebuild import report_progress
 from ftmem.smp.protection_rounds import ProtectionRounds
@@ -63,7 +63,7 @@ EARLY_MAX_BYTES = 256 << 20
 
 
 class ProtectionService:
-    """The exchange thread (see the module docstring).
+    """The protection thread (see the module docstring).
 
     Resource handling: :meth:`close` stops the thread (bounded), closes the transport and
     unmaps every pinned step. Error handling: a failed protection round is logged and given
@@ -144,14 +144,14 @@ class ProtectionService:
         return self._failure
 
     def _failed_reply(self) -> str:
-        return f"the SMP's exchange thread stopped: {self._failure}"
+        return f"the SMP's protection thread stopped: {self._failure}"
 
     def status(self) -> dict[str, Any]:
-        """A JSON-ready copy of the exchange's state for ``ftmem status``."""
+        """A JSON-ready copy of the protection service's state for ``ftmem status``."""
         return self.ctx.board.snapshot()
 
-    def exchange_status(self) -> ExchangeStatus:
-        """The exchange's state, typed (:class:`ExchangeStatus`)."""
+    def protection_status(self) -> ProtectionStatus:
+        """The protection service's state, typed (:class:`ProtectionStatus`)."""
         return self.ctx.board.typed()
 
     def close(self) -> None:
@@ -168,10 +168,10 @@ class ProtectionService:
             while not self._stop.is_set():
                 self._step()
         except Exception as exc:
-            log.exception("[%s/exchange] stopped by an unexpected error", self.node_name)
+            log.exception("[%s/protection] stopped by an unexpected error", self.node_name)
             self._failure = f"{type(exc).__name__}: {exc}"
-            ctx.board.move(ExchangeState.FAILED, error=self._failure)
-            ctx.event("exchange_failed", error=self._failure)
+            ctx.board.move(ProtectionState.FAILED, error=self._failure)
+            ctx.event("protection_failed", error=self._failure)
             pending, self.sync.pending = self.sync.pending, None
             if pending is not None:  # a start waiting for its sync: answer it now
                 self._results.put(Result(pending.token, False, {}, self._failed_reply()))
@@ -229,7 +229,7 @@ class ProtectionService:
             # A malformed message is dropped (and counted); it never stops the exchange.
             self._dropped += 1
             log.warning(
-                "[%s/exchange] dropped a message from %r: %s", self.node_name, msg.sender, exc
+                "[%s/protection] dropped a message from %r: %s", self.node_name, msg.sender, exc
             )
             return
         self._last_seen[env.sender] = time.monotonic()
@@ -259,7 +259,7 @@ class ProtectionService:
         if ctx.plan is not None and env.sender not in ctx.plan.nodes:
             self._dropped += 1
             log.warning(
-                "[%s/exchange] dropped %r from node %d: not a node of this group",
+                "[%s/protection] dropped %r from node %d: not a node of this group",
                 self.node_name,
                 env.kind.value,
                 env.sender,
@@ -278,7 +278,7 @@ class ProtectionService:
             case _:  # a protocol kind: the protector handles those itself
                 self._dropped += 1
                 log.warning(
-                    "[%s/exchange] dropped an unexpected %r", self.node_name, env.kind.value
+                    "[%s/protection] dropped an unexpected %r", self.node_name, env.kind.value
                 )
 
     # -- commands ----------------------------------------------------------------------------
@@ -299,9 +299,9 @@ class ProtectionService:
             return
         self.transport = t
         self.encode_workers = max(0, min(cmd.encode_workers, MAX_WORKERS))
-        self.ctx.board.move(ExchangeState.BOUND, endpoint=endpoint)
+        self.ctx.board.move(ProtectionState.BOUND, endpoint=endpoint)
         log.info(
-            "[%s/exchange] peer port %s (%s)",
+            "[%s/protection] peer port %s (%s)",
             self.node_name,
             endpoint,
             "CURVE for every message" if cmd.encrypt else "CURVE; snapshot bytes with keyed tags",
@@ -340,7 +340,7 @@ class ProtectionService:
         held = protector.held_steps()
         self.sync.begin(cmd, held)
         ctx.board.move(
-            ExchangeState.SYNCING, epoch=cmd.epoch, me=cmd.me, group=list(plan.nodes), m=plan.m
+            ProtectionState.SYNCING, epoch=cmd.epoch, me=cmd.me, group=list(plan.nodes), m=plan.m
         )
         for n in ctx.peers():
             ctx.send(n, pm.HeldSteps(tuple(held)))
@@ -354,7 +354,7 @@ class ProtectionService:
         ctx = self.ctx
         assert self.transport is not None
         if ctx.protector is not None and ctx.protector.plan != plan:
-            log.warning("[%s/exchange] the group changed: dropping held steps", self.node_name)
+            log.warning("[%s/protection] the group changed: dropping held steps", self.node_name)
             for step in list(ctx.pinned):
                 ctx.release(step)
             ctx.protector.close()

@@ -1,4 +1,4 @@
-"""The commands the SMP's main loop gives its exchange thread, and the results it gets back.
+"""The commands the SMP's main loop gives its protection thread, and the results it gets back.
 
 The main loop turns PEER_BIND and PEER_START into :class:`BindCommand` and
 :class:`StartCommand` (:meth:`ProtectionService.submit`); the thread answers each with a
@@ -27,7 +27,7 @@ class BindCommand:
     encrypt: bool = False
     """Every message over CURVE (no plain data channel)."""
     encode_workers: int = 0
-    """Processes that encode this node's stripes (0: the exchange thread)."""
+    """Processes that encode this node's stripes (0: the protection thread)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
-from ftmem.protocol.status import ExchangeState
+from ftmem.protocol.status import ProtectionState
 from ftmem.smp.protection_state import PinnedStep, ProtectionContext
 from ftmem.smp.store import MAX_SLOT_BYTES, StoreError
 
@@ -30,7 +30,7 @@ log = get_logger(__name__)
 
 REBUILD_ERRORS = (FtmemError, StoreError, TimeoutError, OSError, ValueError)
 """What a failed rebuild raises (the peers, the codec, the slot store); each one is reported
-as the rebuild's failure, none stops the exchange thread."""
+as the rebuild's failure, none stops the protection thread."""
 
 
 def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) -> None:
@@ -38,7 +38,7 @@ def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) ->
     pct = 100.0 * done / total if total else 100.0
     ctx.board.update(rebuild_progress={"step": step, "fragments": done, "of": total})
     log.info(
-        "[%s/exchange] rebuilding step %d: %.0f%% (%d/%d fragments)",
+        "[%s/protection] rebuilding step %d: %.0f%% (%d/%d fragments)",
         ctx.node_name,
         step,
         pct,
@@ -102,9 +102,9 @@ def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source
     protector = ctx.protector
     assert protector is not None
     t0 = time.monotonic()
-    ctx.board.move(ExchangeState.REBUILDING, rebuilding=step)
+    ctx.board.move(ProtectionState.REBUILDING, rebuilding=step)
     log.info(
-        "[%s/exchange] rebuilding step %d from node %d's group (lost %s)",
+        "[%s/protection] rebuilding step %d from node %d's group (lost %s)",
         ctx.node_name,
         step,
         source,
@@ -137,7 +137,7 @@ def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source
         parity_bytes=parity,
     )
     log.info(
-        "[%s/exchange] rebuilt step %d: %.1f MiB own data and %.1f MiB parity in %.2f s",
+        "[%s/protection] rebuilt step %d: %.1f MiB own data and %.1f MiB parity in %.2f s",
         ctx.node_name,
         step,
         data.nbytes / 2**20,
@@ -150,7 +150,7 @@ def rebuild_failed(ctx: ProtectionContext, step: int, exc: BaseException) -> str
     """Record a failed rebuild of ``step`` (log, event, REBUILD_FAILED); return the error."""
     ctx.protected = None
     msg = f"rebuild of step {step} failed: {exc}"
-    log.error("[%s/exchange] %s", ctx.node_name, msg)
+    log.error("[%s/protection] %s", ctx.node_name, msg)
     ctx.event("rebuild_failed", step=step, error=str(exc))
-    ctx.board.move(ExchangeState.REBUILD_FAILED, error=msg)
+    ctx.board.move(ProtectionState.REBUILD_FAILED, error=msg)
     return msg

@@ -28,7 +28,7 @@ HEARTBEAT_S = 2.0
 
 
 class ProtectionRounds:
-    """The rounds of one node, in sync (see the module docstring); the exchange thread calls
+    """The rounds of one node, in sync (see the module docstring); the protection thread calls
     :meth:`tick` on every turn of its loop.
 
     Error handling: a failed round is logged, counted and given up (the previous protected
@@ -121,7 +121,7 @@ class ProtectionRounds:
         pieces = ctx.local.pin_step(ctx.ranks, step)
         if pieces is None:
             log.info(
-                "[%s/exchange] step %d is no longer held here: giving it up", ctx.node_name, step
+                "[%s/protection] step %d is no longer held here: giving it up", ctx.node_name, step
             )
             ctx.protector.abort(step)
             ctx.counters["aborted"] += 1
@@ -143,14 +143,16 @@ class ProtectionRounds:
             ctx.protector.protect(step, data, pinned.manifest())
         except StepAborted as exc:
             ctx.counters["aborted"] += 1
-            log.info("[%s/exchange] %s", ctx.node_name, exc)
+            log.info("[%s/protection] %s", ctx.node_name, exc)
             ctx.event("protect_aborted", step=step, reason=str(exc))
             self._give_up(step, pinned)
             return False
         except (FtmemError, TimeoutError, OSError, ValueError) as exc:
             if not isinstance(exc, ExchangeInterrupted):
                 ctx.counters["failed"] += 1
-                log.warning("[%s/exchange] protecting step %d failed: %s", ctx.node_name, step, exc)
+                log.warning(
+                    "[%s/protection] protecting step %d failed: %s", ctx.node_name, step, exc
+                )
                 ctx.event("protect_failed", step=step, error=str(exc))
                 if not self._held_here(step):
                     ctx.protector.abort(step)
@@ -178,7 +180,7 @@ class ProtectionRounds:
             self.ctx.pinned[step] = pinned
             self.ctx.event("protect_unconfirmed", step=step)
             log.info(
-                "[%s/exchange] step %d: this node holds it but the round did not complete; "
+                "[%s/protection] step %d: this node holds it but the round did not complete; "
                 "kept for the next sync",
                 self.ctx.node_name,
                 step,
@@ -202,7 +204,7 @@ class ProtectionRounds:
         if faults.maybe_inject(faults.Point.PARITY_HELD, ctx.me, step):
             self._flip_parity(step)
         log.debug(
-            "[%s/exchange] step %d protected in %.3f s", ctx.node_name, step, ctx.last_protect_s
+            "[%s/protection] step %d protected in %.3f s", ctx.node_name, step, ctx.last_protect_s
         )
 
     def _flip_parity(self, step: int) -> None:
@@ -217,5 +219,8 @@ class ProtectionRounds:
         frag[len(frag) // 2] ^= 0xFF
         parity[key] = bytes(frag)
         log.warning(
-            "[%s/exchange] FAULT: flipped a byte of parity %s of step %d", ctx.node_name, key, step
+            "[%s/protection] FAULT: flipped a byte of parity %s of step %d",
+            ctx.node_name,
+            key,
+            step,
         )

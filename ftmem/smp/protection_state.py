@@ -1,9 +1,9 @@
-"""What the SMP's exchange thread holds and what it reports.
+"""What the SMP's protection thread holds and what it reports.
 
 :class:`ProtectionContext` is the state the thread's parts share (the service in protection.py,
 the sync in protection_sync.py, the rounds in protection_rounds.py, the rebuild in
 protection_rebuild.py): the generation's group and protector, the pinned steps, the protected
-step and the counters. Only the exchange thread touches it.
+step and the counters. Only the protection thread touches it.
 
 :class:`StatusBoard` is the one thing other threads read: the state machine's state and a
 JSON-ready status document, behind a lock (``ftmem status``, the flush scheduler).
@@ -26,7 +26,7 @@ from ftmem.exchange.placement import GroupPlan
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
 from ftmem.protocol import peer as pm
-from ftmem.protocol.status import ExchangeState, ExchangeStatus
+from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
 
@@ -71,19 +71,19 @@ class PinnedStep:
 
 
 class StatusBoard:
-    """The exchange's state (:class:`ExchangeState`) and status document, shared by threads.
+    """The protection service's state (:class:`ProtectionState`) and status document, shared by threads.
 
-    The exchange thread writes (:meth:`move`, :meth:`update`); any thread reads a copy
+    The protection thread writes (:meth:`move`, :meth:`update`); any thread reads a copy
     (:meth:`snapshot`, or typed: :meth:`typed`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.state = ExchangeState.UNBOUND
+        self.state = ProtectionState.UNBOUND
         self._doc: dict[str, Any] = {"enabled": True, "state": self.state.value}
 
-    def move(self, new: ExchangeState, **kw: Any) -> None:
-        """Move to ``new`` (IllegalTransition if ExchangeState does not allow it) and publish it
+    def move(self, new: ProtectionState, **kw: Any) -> None:
+        """Move to ``new`` (IllegalTransition if ProtectionState does not allow it) and publish it
         in the status (as its ``.value``) with ``kw``."""
         self.state = self.state.to(new)
         self.update(state=new.value, **kw)
@@ -99,14 +99,14 @@ class StatusBoard:
             copy: dict[str, Any] = json.loads(json.dumps(self._doc))
             return copy
 
-    def typed(self) -> ExchangeStatus:
-        """The status document parsed (:meth:`ExchangeStatus.from_json`)."""
-        return ExchangeStatus.from_json(self.snapshot())
+    def typed(self) -> ProtectionStatus:
+        """The status document parsed (:meth:`ProtectionStatus.from_json`)."""
+        return ProtectionStatus.from_json(self.snapshot())
 
 
 @dataclass(eq=False)
 class ProtectionContext:
-    """The exchange thread's state, shared by its parts (see the module docstring)."""
+    """The protection thread's state, shared by its parts (see the module docstring)."""
 
     node_name: str
     local: SlotStore

@@ -20,7 +20,7 @@ from typing import Any
 from ftmem._logging import get_logger
 from ftmem.errors import ErrorKind
 from ftmem.exchange.placement import GroupPlan
-from ftmem.protocol.status import ExchangeState
+from ftmem.protocol.status import ProtectionState
 from ftmem.smp.protection_commands import Result, StartCommand
 from ftmem.smp.protection_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
 from ftmem.smp.protection_state import ProtectionContext
@@ -107,7 +107,7 @@ class GenerationSync:
             missing = sorted(set(ctx.plan.nodes) - set(self._states))
             self.pending = None
             ctx.protector.serve_rebuild(None, frozenset())
-            ctx.board.move(ExchangeState.SYNC_FAILED)
+            ctx.board.move(ProtectionState.SYNC_FAILED)
             ctx.event("sync", epoch=ctx.epoch, ok=False, missing=missing)
             why = f"nodes {missing} did not answer the sync in {self.timeout_s:.0f} s"
             return Result(cmd.token, False, {}, why)
@@ -140,7 +140,7 @@ class GenerationSync:
                 ctx.release(step)
         ctx.protected = keep
         if verdict.error:
-            ctx.board.move(ExchangeState.UNRECOVERABLE, error=verdict.error)
+            ctx.board.move(ProtectionState.UNRECOVERABLE, error=verdict.error)
             return Result(cmd.token, False, data, verdict.error, ErrorKind.UNRECOVERABLE)
         if keep is not None and ctx.me in verdict.lost:
             try:
@@ -149,9 +149,9 @@ class GenerationSync:
                 return Result(cmd.token, False, data, rebuild_failed(ctx, keep, exc))
             data["rebuilt"] = True
         self.synced = True
-        ctx.board.move(ExchangeState.READY, error="")
+        ctx.board.move(ProtectionState.READY, error="")
         log.info(
-            "[%s/exchange] mesh epoch %d: protected step %s (lost nodes %s)",
+            "[%s/protection] mesh epoch %d: protected step %s (lost nodes %s)",
             ctx.node_name,
             ctx.epoch,
             keep,

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from ftmem.errors import FtmemError
 from ftmem.protocol.smp_client import SmpClient
-from ftmem.protocol.status import ExchangeStatus
+from ftmem.protocol.status import ProtectionStatus
 from tests._support.launcher import (
     TINY,
     WORKLOAD,
@@ -111,11 +111,11 @@ class Nodes:
         for i in range(self.n):
             self.agents[i].wait_for(r"generation \d+: started ranks", 120)
 
-    def exchange(self, i: int) -> ExchangeStatus | None:
+    def protection(self, i: int) -> ProtectionStatus | None:
         """The exchange part of node ``i``'s SMP status (None if it does not answer)."""
         try:
             with SmpClient(self.run_dir(i), timeout=timedelta(seconds=5)) as c:
-                return c.status().exchange
+                return c.status().protection
         except FtmemError:
             return None
 
@@ -124,7 +124,7 @@ class Nodes:
         (with each node's exchange events) when an agent exits first."""
         deadline = time.monotonic() + timeout
         while True:
-            steps = [getattr(self.exchange(i), "protected_step", None) for i in range(self.n)]
+            steps = [getattr(self.protection(i), "protected_step", None) for i in range(self.n)]
             if all(isinstance(s, int) and s >= at_least for s in steps):
                 return min(s for s in steps if isinstance(s, int))
             exited = {i: a.poll() for i, a in self.agents.items() if a.poll() is not None}

@@ -24,7 +24,7 @@ from ftmem.exchange import keys
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
-from ftmem.protocol.status import ExchangeStatus
+from ftmem.protocol.status import ProtectionStatus
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests._support.launcher import pid_gone, remove_shm
 
@@ -123,10 +123,10 @@ class Node:
                     return f.read(n)
         return None
 
-    def exchange(self) -> ExchangeStatus:
+    def protection(self) -> ProtectionStatus:
         """The exchange part of the SMP's status."""
         assert self.client is not None
-        ex = self.client.status().exchange
+        ex = self.client.status().protection
         assert ex is not None, "the SMP's exchange status does not parse"
         return ex
 
@@ -244,7 +244,7 @@ class Cluster:
 
     def protected(self, step: int) -> bool:
         """Every node reports ``step`` as its protected step."""
-        return all(n.exchange().protected_step == step for n in self.nodes)
+        return all(n.protection().protected_step == step for n in self.nodes)
 
     def close(self) -> None:
         """Stop every node."""

@@ -27,7 +27,7 @@ def test_four_nodes_lose_two_at_once_same_digest(launcher_env: Launcher) -> None
     nodes = Nodes(launcher_env, 4, ["--ftmem-ec-parity", "2", "--ftmem-ec-encode-workers", "1"])
     nodes.start_all()
     nodes.wait_protected(5)
-    status = [nodes.exchange(i) for i in range(4)]
+    status = [nodes.protection(i) for i in range(4)]
     assert all(ex is not None for ex in status), status
     got = [ex for ex in status if ex is not None]
     assert all(ex.encode_workers == 1 and ex.worker_fallbacks == 0 for ex in got), status
@@ -63,7 +63,7 @@ def test_stopped_exchange_killed_smp_and_lost_node_are_recovered_same_digest(
 ) -> None:
     """Three faults of one 3-node run (a run of its own each would take minutes on 2 cores).
 
-    1. Node 2's exchange thread raises at its first protection round (an unexpected error,
+    1. Node 2's protection thread raises at its first protection round (an unexpected error,
        as a bug would): its agent notices, restarts the ranks from memory with a new mesh,
        the SMP replaces the thread, and protection goes on.
     2. Node 1's SMP is SIGKILLed: the new SMP rebuilds the node's snapshot from its peers.
@@ -87,9 +87,9 @@ def test_stopped_exchange_killed_smp_and_lost_node_are_recovered_same_digest(
     assert nodes.finish() == want
     run_dir = Path(nodes.run_dir(2))
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    failed = [e for e in events if e["event"] == "exchange_failed"]
+    failed = [e for e in events if e["event"] == "protection_failed"]
     assert len(failed) == 1 and "InjectedCrash" in failed[0]["error"]
-    assert "replacing the exchange thread that stopped" in (run_dir / "smp.log").read_text()
+    assert "replacing the protection thread that stopped" in (run_dir / "smp.log").read_text()
 
 
 def _smp_pid(nodes: Nodes, i: int) -> int:

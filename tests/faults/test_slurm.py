@@ -95,7 +95,7 @@ def _protected(job: int, attempt: int, at_least: int) -> int:
     for rd in glob.glob(f"/tmp/ftmem-{os.getuid()}/{job}-{attempt}-*"):
         try:
             with SmpClient(Path(rd), timeout=timedelta(seconds=2)) as smp:
-                ex = smp.status().exchange
+                ex = smp.status().protection
         except FtmemError:
             continue
         if ex is not None and (ex.protected_step or 0) >= at_least:

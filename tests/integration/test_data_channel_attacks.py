@@ -5,7 +5,7 @@ descriptors, memory and log stay bounded:
 - a flood of connects in bursts to every peer port (D1: it used to close every peer's fresh
   data-channel connection, so no step was protected and no replacement rebuilt);
 - ~1,500 idle TCP connections held to the CURVE port (D2: they used to exhaust the SMP's
-  1024 descriptors and fail its exchange thread);
+  1024 descriptors and fail its protection thread);
 - a node's data-channel stream, sniffed on the way, replayed every 50 ms (D3: a replayed head
   used to be taken, and pushed the real connection out).
 
@@ -26,7 +26,7 @@ import psutil
 from ftmem.exchange import keys
 from ftmem.protocol import messages as m
 from ftmem.protocol.peer import PeerAddress
-from ftmem.protocol.status import ExchangeState
+from ftmem.protocol.status import ProtectionState
 from tests._support.attackers import Attacker
 from tests._support.smp_mesh import Cluster
 
@@ -50,7 +50,9 @@ def _watch(c: Cluster, i: int) -> tuple[Callable[[], None], dict[str, float]]:
 def _wait(c: Cluster, what: str, cond: Callable[[], bool], sample: Callable[[], None]) -> None:
     def check() -> bool:
         sample()
-        assert c.nodes[0].exchange().state is not ExchangeState.FAILED, "exchange thread failed"
+        assert c.nodes[0].protection().state is not ProtectionState.FAILED, (
+            "protection thread failed"
+        )
         return cond()
 
     c.wait(what, check, timeout=90)
@@ -71,12 +73,12 @@ def test_a_keyless_connect_flood_stops_neither_protection_nor_a_rebuild(
     rss0, logs0 = peak["rss_mib"], _log_sizes(c)
     pids = tmp_path / "pids"
     pids.write_text(",".join(str(n.proc.pid) for n in c.nodes))  # type: ignore[union-attr]
-    dropped0 = c.nodes[0].exchange().dropped_messages
+    dropped0 = c.nodes[0].protection().dropped_messages
     with Attacker("flood", "--pids", str(pids)) as attack:
         _wait(
             c,
             "the flood reaching node 0",
-            lambda: c.nodes[0].exchange().dropped_messages > dropped0 + 200,
+            lambda: c.nodes[0].protection().dropped_messages > dropped0 + 200,
             sample,
         )
         c.save_all(2, 256 << 10)
@@ -233,7 +235,7 @@ def test_a_sniffed_data_channel_stream_replayed_every_50_ms_is_refused(
         c.wait("step 1 protected through the relay", lambda: c.protected(1))
         assert len(rec.recorded) > 64 << 10, "nothing recorded"
         sample, peak = _watch(c, 0)
-        logs0, forged0 = _log_sizes(c), c.nodes[0].exchange().forged_messages
+        logs0, forged0 = _log_sizes(c), c.nodes[0].protection().forged_messages
         host, port = rec.target
         stop, stats = threading.Event(), {"replays": 0, "nonces": 0}
 
@@ -262,7 +264,7 @@ def test_a_sniffed_data_channel_stream_replayed_every_50_ms_is_refused(
         finally:
             stop.set()
             t.join(10)
-        forged = c.nodes[0].exchange().forged_messages - forged0
+        forged = c.nodes[0].protection().forged_messages - forged0
         grown = [b - a for a, b in zip(logs0, _log_sizes(c), strict=True)]
         print(f"replay: {stats}, forged +{forged}, node 0 peak {peak}, logs grew {grown} B")
         assert stats["nonces"] == 0, stats

@@ -13,7 +13,7 @@ Peer socket (TCP + CURVE): unauthenticated clients (raw TCP garbage, a ZMTP gree
 NULL mechanism, CURVE with a key pair that is not the job's) get nothing through; an
 authenticated peer's random, truncated, wrong-version, wrong-kind, oversized-header and
 buffer-mismatched messages, and well-formed messages with hostile headers, are dropped and
-counted (``dropped_messages`` in the exchange status); the mesh still protects a new step.
+counted (``dropped_messages`` in the protection status); the mesh still protects a new step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ftmem.exchange import keys
 from ftmem.protocol import messages as m
 from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.smp_client import SmpClient
-from ftmem.protocol.status import ExchangeState
+from ftmem.protocol.status import ProtectionState
 from ftmem.protocol.wire import decode, encode
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests._support.launcher import pid_gone, shm_files
@@ -451,7 +451,7 @@ def _hostile_peers(
 
 
 def _dropped(node: Any) -> int:
-    return node.exchange().dropped_messages
+    return node.protection().dropped_messages
 
 
 def test_peer_socket_drops_hostile_input_and_the_mesh_keeps_protecting(
@@ -485,12 +485,12 @@ def test_peer_socket_drops_hostile_input_and_the_mesh_keeps_protecting(
         ctx.term()
     deadline = time.monotonic() + 60
     while True:
-        ex = target.exchange()
+        ex = target.protection()
         if _dropped(target) >= dropped_before + sent:
             break
         assert time.monotonic() < deadline, (
             f"{sent} hostile messages sent, {ex.dropped_messages} - {dropped_before} "
-            f"counted; exchange status {ex}; log tail:\n{target.log().read_text()[-4000:]}"
+            f"counted; protection status {ex}; log tail:\n{target.log().read_text()[-4000:]}"
         )
         time.sleep(0.1)
     for node in c.nodes:
@@ -519,8 +519,8 @@ def test_fixed_a_stepless_peer_message_stops_the_exchange(
         ctx.term()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        state = c.nodes[0].exchange().state
-        assert state is not ExchangeState.FAILED, "the exchange thread stopped"
+        state = c.nodes[0].protection().state
+        assert state is not ProtectionState.FAILED, "the protection thread stopped"
         time.sleep(0.1)
     c.save_all(1, 64 << 10)
     c.wait("step 1 protected", lambda: c.protected(1), timeout=30)
@@ -537,7 +537,7 @@ def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
     c.save_all(1, 64 << 10)
     c.wait("step 1 protected", lambda: c.protected(1))
     target = c.nodes[0]
-    before = target.exchange()
+    before = target.protection()
     data = PeerAddress.parse(c.endpoints["0"]).data
     assert data, "the SMP's address has no data channel"
     header = encode(
@@ -554,7 +554,7 @@ def test_data_channel_refuses_untagged_and_forged_messages_and_counts_them(
     send_raw(data, data_message(b"intruder", header, [b"x" * 4096]))  # no member
     deadline = time.monotonic() + 60
     while True:
-        now = target.exchange()
+        now = target.protection()
         if now.dropped_messages >= before.dropped_messages + 3:
             break
         assert time.monotonic() < deadline, (now, target.log().read_text()[-3000:])
@@ -585,7 +585,7 @@ def test_data_channel_memory_stays_bounded_whatever_anyone_sends(
     data = PeerAddress.parse(c.endpoints["0"]).data
     host, port = data.removeprefix("tcp://").rsplit(":", 1)
     rss0 = _rss_mib(pid)
-    dropped0 = c.nodes[0].exchange().dropped_messages
+    dropped0 = c.nodes[0].protection().dropped_messages
     held: list[socket.socket] = []
     ctx = zmq.Context()
     try:
@@ -619,7 +619,7 @@ def test_data_channel_memory_stays_bounded_whatever_anyone_sends(
         # every probe's connection is dropped (none sent a hello): wait for that
         want = dropped0 + 40 + 200 + 2
         deadline = time.monotonic() + 60
-        while c.nodes[0].exchange().dropped_messages < want:
+        while c.nodes[0].protection().dropped_messages < want:
             assert time.monotonic() < deadline, "the SMP did not drop the probes' connections"
             time.sleep(0.1)
         grown = _rss_mib(pid) - rss0

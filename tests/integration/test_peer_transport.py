@@ -356,7 +356,7 @@ def test_a_data_channel_whose_io_thread_fails_makes_recv_raise(
     pair: tuple[ZmqPeerTransport, ZmqPeerTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bug in the data channel's I/O thread must not leave the exchange waiting for data
-    that never comes: recv raises, which stops the exchange thread visibly (FAILED)."""
+    that never comes: recv raises, which stops the protection thread visibly (FAILED)."""
     from ftmem.exchange import data_channel
 
     a, b = pair

@@ -23,7 +23,7 @@ from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol.peer import PeerAddress
-from ftmem.protocol.status import ExchangeState
+from ftmem.protocol.status import ProtectionState
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection_commands import Result, StartCommand
@@ -289,7 +289,7 @@ def _sync_with_survivors(
                 None, epoch=0, me=ctx.me, endpoints={}, m=1, max_group=8, ranks=[1]
             )
             sync.begin(start, held=[])
-            ctx.board.move(ExchangeState.SYNCING)
+            ctx.board.move(ProtectionState.SYNCING)
             for node, steps in held.items():
                 sync.on_held(node, steps)
             for p in survivors:  # the survivors' own syncs decided the same
@@ -340,7 +340,7 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
         for t in transports:
             t.connect(eps)
         ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
-        ctx.board.move(ExchangeState.BOUND)
+        ctx.board.move(ProtectionState.BOUND)
         allocating = store.start_resize(1, -1, size)
         sync = GenerationSync(ctx, timeout_s=30)
         survivors, held = [prots[0], prots[2]], {0: [1], 2: [1]}
@@ -349,7 +349,7 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
         assert "rebuild of step 1 failed: cannot install the rebuilt snapshot" in failed.error
         assert "no slot to take a rebuilt snapshot" in failed.error
         status = ctx.board.typed()
-        assert status.state is ExchangeState.REBUILD_FAILED and failed.error == status.error
+        assert status.state is ProtectionState.REBUILD_FAILED and failed.error == status.error
         assert ctx.protected is None and not ctx.pinned and 1 not in ctx.protector.steps
         for index, _, gen in allocating:  # the allocations finish: both slots are free
             path = store.files.path(1, index, gen)
@@ -357,7 +357,7 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
             store.finish_resize(1, index, str(path), size, ok=True)
         rebuilt = _sync_with_survivors(sync, survivors, held)
         assert rebuilt is not None and rebuilt.ok and rebuilt.data["rebuilt"] is True, rebuilt
-        assert ctx.board.typed().state is ExchangeState.READY and ctx.protected == 1
+        assert ctx.board.typed().state is ProtectionState.READY and ctx.protected == 1
         with open(ctx.pinned[1].pieces[0].path, "rb") as f:
             assert f.read(size) == blobs[1]
     finally:
@@ -594,14 +594,14 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
         for t in transports:
             t.connect(eps)
         ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
-        ctx.board.move(ExchangeState.BOUND)
+        ctx.board.move(ProtectionState.BOUND)
         sync = GenerationSync(ctx, timeout_s=30)
         failed = _sync_with_survivors(
             sync, [prots[0], prots[2]], {0: [1], 2: [1]}, expect_held=False
         )
         assert failed is not None and not failed.ok, failed
         assert f"the rebuilt slots need {claim} bytes" in failed.error, failed.error
-        assert ctx.board.typed().state is ExchangeState.REBUILD_FAILED
+        assert ctx.board.typed().state is ProtectionState.REBUILD_FAILED
         assert not list(tmp_path.iterdir()), "a slot was allocated"
     finally:
         for t in transports:

@@ -64,7 +64,7 @@ def test_three_nodes_protect_lose_one_and_rebuild(cluster_factory: Callable[...,
     docs = json.loads("[" + out.stdout.replace("}\n{", "},\n{") + "]")
     assert len(docs) == 3
     for doc in docs:
-        ex = doc["exchange"]
+        ex = doc["protection"]
         assert ex["protected_step"] == 2 and ex["own_bytes"] == 2 * (3 << 20), ex
         assert abs(ex["parity_bytes"] / ex["own_bytes"] - 0.5) <= 0.05, ex
         assert all(p["last_seen_s"] is not None for p in ex["peers"].values()), ex
@@ -225,7 +225,7 @@ def test_a_malformed_peer_endpoint_is_refused_at_once_and_the_exchange_keeps_ser
     cluster_factory: Callable[..., Cluster], bad: str
 ) -> None:
     """An endpoint from the rendezvous store that zmq cannot connect to used to kill the
-    exchange thread inside PEER_START: no reply (the agent waited its rebuild timeout), and
+    protection thread inside PEER_START: no reply (the agent waited its rebuild timeout), and
     every later PEER_BIND timed out."""
     c = cluster_factory(3, 1)
     node = c.nodes[0]

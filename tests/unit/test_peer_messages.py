@@ -1,6 +1,6 @@
 """The peer (SMP <-> SMP) messages: every kind round-trips through its header, and every
 malformed field (missing, of the wrong type, a bool, Infinity, NaN, a huge or negative int, a
-list too long) is refused with ProtocolError and nothing else. Also the exchange's state
+list too long) is refused with ProtocolError and nothing else. Also the protection service's state
 machine and the typed status replies the launcher reads."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from ftmem.errors import ProtocolError
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import FragmentKind, PeerMessage
 from ftmem.protocol.status import (
-    ExchangeState,
-    ExchangeStatus,
     IllegalTransition,
     PeerHealth,
+    ProtectionState,
+    ProtectionStatus,
     RebuildProgress,
     RoundCounters,
     SyncReply,
@@ -286,10 +286,10 @@ def test_anything_is_parsed_or_refused_with_protocol_error(
     assert pm.parse_header(env.body.to_header(env.epoch)) == (env.epoch, env.body)
 
 
-# ------------------------------------------------------------------------ exchange state
+# ------------------------------------------------------------------------ protection state
 
 
-S = ExchangeState
+S = ProtectionState
 
 
 def test_the_transitions_the_service_makes_are_allowed() -> None:
@@ -323,7 +323,7 @@ def test_the_transitions_the_service_makes_are_allowed() -> None:
         (S.BOUND, S.UNBOUND),
     ],
 )
-def test_illegal_transitions_are_refused(old: ExchangeState, new: ExchangeState) -> None:
+def test_illegal_transitions_are_refused(old: ProtectionState, new: ProtectionState) -> None:
     assert not old.can_become(new)
     with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
         old.to(new)
@@ -343,7 +343,7 @@ def test_every_state_is_reachable_from_unbound() -> None:
 
 
 def _status(**kw: Any) -> dict[str, Any]:
-    """An exchange status as the SMP reports it (smp/protection.py)."""
+    """An protection status as the SMP reports it (smp/protection.py)."""
     doc: dict[str, Any] = {
         "enabled": True,
         "state": "rebuilding",
@@ -371,8 +371,8 @@ def _status(**kw: Any) -> dict[str, Any]:
 
 
 def test_exchange_status_parses_what_the_smp_reports() -> None:
-    ex = ExchangeStatus.from_json(json.loads(json.dumps(_status())))
-    assert ex.enabled and ex.state is ExchangeState.REBUILDING
+    ex = ProtectionStatus.from_json(json.loads(json.dumps(_status())))
+    assert ex.enabled and ex.state is ProtectionState.REBUILDING
     assert ex.rebuild_progress == RebuildProgress(7, 3, 10)
     assert (ex.epoch, ex.me, ex.group, ex.m) == (2, 1, (0, 1, 2), 1)
     assert (ex.protected_step, ex.protecting, ex.rebuilding) == (6, None, 7)
@@ -381,20 +381,20 @@ def test_exchange_status_parses_what_the_smp_reports() -> None:
     assert ex.counters == RoundCounters(protected=1) and ex.endpoint == "tcp://127.0.0.1:5555"
     assert ex.peers == (PeerHealth(0, "tcp://x:1", 0.5),)
     never = _status(peers={"10": {"endpoint": "e", "last_seen_s": None}, "2": {"endpoint": "f"}})
-    assert [(p.node, p.last_seen_s) for p in ExchangeStatus.from_json(never).peers] == [
+    assert [(p.node, p.last_seen_s) for p in ProtectionStatus.from_json(never).peers] == [
         (2, None),
         (10, None),
     ]
-    for state in ExchangeState:
-        assert ExchangeStatus.from_json(_status(state=state.value)).state is state
-    minimal = ExchangeStatus.from_json({"enabled": True, "state": "unbound"})
-    assert minimal.state is ExchangeState.UNBOUND and minimal.rebuild_progress is None
-    assert ExchangeStatus.from_json(_status(rebuild_progress={})).rebuild_progress is None
+    for state in ProtectionState:
+        assert ProtectionStatus.from_json(_status(state=state.value)).state is state
+    minimal = ProtectionStatus.from_json({"enabled": True, "state": "unbound"})
+    assert minimal.state is ProtectionState.UNBOUND and minimal.rebuild_progress is None
+    assert ProtectionStatus.from_json(_status(rebuild_progress={})).rebuild_progress is None
 
 
 @pytest.mark.parametrize("doc", [None, {}, {"enabled": False}])
 def test_exchange_status_when_off(doc: Any) -> None:
-    ex = ExchangeStatus.from_json(doc)
+    ex = ProtectionStatus.from_json(doc)
     assert not ex.enabled and ex.state is None
 
 
@@ -431,7 +431,7 @@ def test_exchange_status_when_off(doc: Any) -> None:
 )
 def test_a_malformed_exchange_status_is_refused(doc: Any) -> None:
     with pytest.raises(ProtocolError):
-        ExchangeStatus.from_json(doc)
+        ProtectionStatus.from_json(doc)
 
 
 def test_sync_reply_round_trip_and_refusals() -> None:

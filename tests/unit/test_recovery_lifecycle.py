@@ -68,7 +68,7 @@ def test_transitions_outside_the_table_are_refused(
 
 
 def test_node_side_failures_restart_every_rank_cold() -> None:
-    assert FailureKind.SMP.node_side and FailureKind.EXCHANGE.node_side
+    assert FailureKind.SMP.node_side and FailureKind.PROTECTION.node_side
     assert not any(k.node_side for k in (FailureKind.RANK, FailureKind.HANG))
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ftmem import faults
-from ftmem.protocol.status import ExchangeStatus
+from ftmem.protocol.status import ProtectionStatus
 from tests._support.chaos.cluster import ClusterConfig, LoopbackCluster
 from tests._support.chaos.config import ChaosConfig, RunFailed
 from tests._support.chaos.inject import Injector
@@ -282,17 +282,17 @@ class ChaosRunner:
         cluster = self._require_cluster()
         floor = min((r.resumed_step or 0) for r in self.watch.ranks.values())
         for i in cluster.agents:
-            ex = self._exchange_status(i)
+            ex = self._protection_status(i)
             p = None if ex is None else ex.protected_step
             if p is None or p < floor:
                 return False
         return True
 
-    def _exchange_status(self, i: int) -> ExchangeStatus | None:
+    def _protection_status(self, i: int) -> ProtectionStatus | None:
         """Node ``i``'s exchange status, typed (None: its SMP did not answer, or sent a
         malformed one)."""
         st = self._require_cluster().status(i)
-        return None if st is None else st.exchange
+        return None if st is None else st.protection
 
     def _wait_recovered(self, o: Outcome, t: float) -> None:
         """Wait until every rank resumed after ``t`` and logged 2 steps since."""
