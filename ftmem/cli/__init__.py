@@ -174,9 +174,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     ls.add_argument("tiers", type=Path, nargs="+", help="tier directories")
     ls.add_argument("--verify", action="store_true", help="also check every file's hash")
     from ftmem.cli import combine
-    from ftmem.observe import plan, timeline
+    from ftmem.observe import plan, timeline_plot
 
-    timeline.add_parser(sub)
+    timeline_plot.add_parser(sub)
     plan.add_parser(sub)
     combine.add_parser(sub)
     k = sub.add_parser("keygen", help="write a CURVE key file (mode 0600) for the SMP mesh")
@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = get_args_parser().parse_args(argv)
     if args.cmd in ("timeline", "plan"):
-        from ftmem.observe import plan, timeline
+        from ftmem.observe import plan, timeline_plot
 
-        return timeline.run(args) if args.cmd == "timeline" else plan.run(args)
+        return timeline_plot.run(args) if args.cmd == "timeline" else plan.run(args)
     if args.cmd == "combine":
         from ftmem.cli import combine
 

@@ -1,8 +1,8 @@
 """Observability tools on top of the event logs and the benchmarks' figures.
 
-- :mod:`ftmem.observe.timeline`: ``ftmem timeline``, a picture (or a text summary) of a run
-  from the agents' ``events.jsonl`` and the SMPs' ``smp-events.jsonl``;
-  :mod:`ftmem.observe.timeline_plot` draws the picture;
+- :mod:`ftmem.observe.timeline`: a run's marks (or a text summary) from the agents'
+  ``events.jsonl`` and the SMPs' ``smp-events.jsonl``; :mod:`ftmem.observe.timeline_plot` is
+  the ``ftmem timeline`` command and draws the picture;
 - :mod:`ftmem.observe.plan`: ``ftmem plan``, a goodput model of ftmem against periodic disk
   checkpoints at the Young/Daly interval.
 

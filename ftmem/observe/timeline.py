@@ -15,12 +15,10 @@ counted, never fatal: a log cut short by a killed process still draws.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import statistics
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,54 +361,3 @@ def format_summary(loaded: Loaded, marks: Sequence[Mark], t0: float) -> str:
         for m in s.incidents:
             lines.append(f"  {m.time - t0:9.2f} s  {m.category.upper():<9}  {m.label}")
     return "\n".join(lines)
-
-
-def add_parser(sub: Any) -> None:
-    """Add the ``timeline`` subcommand to the ``ftmem`` parser's subparsers."""
-    t = sub.add_parser("timeline", help="draw (or summarize) a run from its event logs")
-    t.add_argument(
-        "run_dirs",
-        type=Path,
-        nargs="+",
-        metavar="RUN_DIR",
-        help="run directory of each node (holding events.jsonl / smp-events.jsonl), or a file",
-    )
-    t.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (matplotlib)")
-    t.add_argument("--text", action="store_true", help="print a text summary (no matplotlib)")
-    t.add_argument(
-        "--since",
-        type=float,
-        default=None,
-        help="only events S seconds or more after the first event (negative: the last -S s)",
-    )
-    t.add_argument("--title", default="", help="title of the picture")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Handle ``ftmem timeline``; return the exit code."""
-    loaded = read_events(args.run_dirs)
-    if not loaded.events:
-        print(
-            f"ftmem timeline: no events in {', '.join(map(str, args.run_dirs))} "
-            f"({loaded.malformed} malformed line(s))",
-            file=sys.stderr,
-        )
-        return 1
-    t0 = loaded.events[0].time
-    marks = since_filter(marks_of(loaded.events), t0, args.since)
-    if args.text or args.output is None:
-        print(format_summary(loaded, marks, t0))
-    if args.output is not None:
-        try:
-            from ftmem.observe.timeline_plot import draw
-
-            draw(marks, t0, args.output, args.title)
-        except ImportError as exc:
-            print(
-                f"ftmem timeline: drawing needs matplotlib ({exc}): "
-                "pip install 'ftmem[plot]' (or use --text)",
-                file=sys.stderr,
-            )
-            return 2
-        print(f"wrote {args.output}", file=sys.stderr)
-    return 0

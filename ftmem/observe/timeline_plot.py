@@ -1,16 +1,25 @@
-"""The picture of ``ftmem timeline``: the marks of a run (:mod:`ftmem.observe.timeline`)
-drawn with matplotlib (the ``plot`` extra), one lane per node, the step on the y axis and the
-seconds since the run's first event on the x axis. matplotlib is imported inside
-:func:`draw`, so importing this module does not need it.
+"""The ``ftmem timeline`` command (:func:`add_parser`, :func:`run`) and its picture: the marks
+of a run (:mod:`ftmem.observe.timeline`) drawn with matplotlib (the ``plot`` extra), one lane
+per node, the step on the y axis and the seconds since the run's first event on the x axis.
+matplotlib is imported inside :func:`draw`, so importing this module does not need it.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftmem.observe.timeline import Mark, finite_number
+from ftmem.observe.timeline import (
+    Mark,
+    finite_number,
+    format_summary,
+    marks_of,
+    read_events,
+    since_filter,
+)
 
 _STYLE: dict[str, tuple[str, str]] = {
     # category: (color, marker)
@@ -138,3 +147,52 @@ def _draw_recovery(ax: Any, m: Mark, detected: float, resumed: float, top: float
         fontsize=7,
         color="tab:green",
     )
+
+
+def add_parser(sub: Any) -> None:
+    """Add the ``timeline`` subcommand to the ``ftmem`` parser's subparsers."""
+    t = sub.add_parser("timeline", help="draw (or summarize) a run from its event logs")
+    t.add_argument(
+        "run_dirs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directory of each node (holding events.jsonl / smp-events.jsonl), or a file",
+    )
+    t.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (matplotlib)")
+    t.add_argument("--text", action="store_true", help="print a text summary (no matplotlib)")
+    t.add_argument(
+        "--since",
+        type=float,
+        default=None,
+        help="only events S seconds or more after the first event (negative: the last -S s)",
+    )
+    t.add_argument("--title", default="", help="title of the picture")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handle ``ftmem timeline``; return the exit code."""
+    loaded = read_events(args.run_dirs)
+    if not loaded.events:
+        print(
+            f"ftmem timeline: no events in {', '.join(map(str, args.run_dirs))} "
+            f"({loaded.malformed} malformed line(s))",
+            file=sys.stderr,
+        )
+        return 1
+    t0 = loaded.events[0].time
+    marks = since_filter(marks_of(loaded.events), t0, args.since)
+    if args.text or args.output is None:
+        print(format_summary(loaded, marks, t0))
+    if args.output is not None:
+        try:
+            draw(marks, t0, args.output, args.title)
+        except ImportError as exc:
+            print(
+                f"ftmem timeline: drawing needs matplotlib ({exc}): "
+                "pip install 'ftmem[plot]' (or use --text)",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
