@@ -150,13 +150,18 @@ class GroupProtector:
         node keep; its own snapshots are not counted)."""
         return self.table.buffered_bytes()
 
+    def queued_for(self, node: int) -> tuple[int, int]:
+        """(messages, bytes) queued for ``node`` and not sent yet."""
+        return self._outbox.pending(node)
+
     @property
     def sent_bytes(self) -> int:
         """Buffer bytes sent to peers so far."""
         return self._outbox.sent_bytes
 
     # -- helpers -----------------------------------------------------------------------------
-    def _peers(self) -> list[int]:
+    def peers(self) -> list[int]:
+        """The other nodes of the group."""
         return [n for n in self.plan.nodes if n != self.me]
 
     def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
@@ -247,7 +252,7 @@ class GroupProtector:
         if not st.held_sent and not st.owed_left:
             st.held_sent = True
             st.held.add(self.me)
-            for n in self._peers():
+            for n in self.peers():
                 self.send(n, pm.Held(step))
 
     def _encode(self, step: int, s: StripePlan) -> None:
@@ -469,7 +474,7 @@ class GroupProtector:
                 REFUSED_GRACE_S,
             )
             st.aborted = True
-            for n in self._peers():
+            for n in self.peers():
                 self.send(n, pm.Abort(step))
             self.flush()  # now: protect() raises StepAborted next, its caller may not pump
 
@@ -524,7 +529,7 @@ class GroupProtector:
             else Seal()
         )
         st.seals[self.me] = mine
-        for n in self._peers():
+        for n in self.peers():
             self.send(n, pm.Size(step, st.data.nbytes, mine.digest, mine.tag), [manifest])
         self._plan_stripes(step)
 
@@ -543,7 +548,7 @@ class GroupProtector:
 
     def abort(self, step: int) -> None:
         """Give ``step`` up here and tell every peer to give it up too."""
-        for n in self._peers():
+        for n in self.peers():
             self.send(n, pm.Abort(step))
         self.forget(step)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
@@ -49,9 +49,36 @@ from ftmem.protocol.peer import FragmentKind
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ftmem.exchange.codec import Rebuilt
-    from ftmem.exchange.protector import GroupProtector
-    from ftmem.exchange.steps import StepState
+    from ftmem.exchange.codec import Rebuilt, StripeCodec
+    from ftmem.exchange.placement import GroupPlan
+    from ftmem.exchange.steps import StepState, StepTable
+    from ftmem.exchange.transport import PeerTransport
+
+
+class RebuildHost(Protocol):
+    """What a rebuilder needs of the group protocol it serves (a
+    :class:`~ftmem.exchange.protector.GroupProtector`): this node, its group's steps and
+    codec, sending and pumping messages. The rebuilder knows its owner only by this."""
+
+    me: int
+    plan: GroupPlan
+    transport: PeerTransport
+    stripe_bytes: int
+    max_node_bytes: int
+    dropped: int
+    """Messages dropped (the rebuilder counts the requests it refuses here too)."""
+    codec: StripeCodec
+    table: StepTable
+    steps: dict[int, StepState]
+    on_progress: Callable[[int, int, int], None] | None
+
+    def peers(self) -> list[int]: ...
+    def queued_for(self, node: int) -> tuple[int, int]: ...
+    def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
+    def pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None: ...
+    def drain(self) -> None: ...
+    def forget(self, step: int) -> None: ...
+
 
 log = get_logger(__name__)
 
@@ -110,7 +137,7 @@ class Rebuilder:
     something this node does not hold is answered empty, which the asking node counts as lost.
     """
 
-    def __init__(self, protector: GroupProtector) -> None:
+    def __init__(self, protector: RebuildHost) -> None:
         self.p = protector
         self.refused = 0
         """Requests refused: from a node not being rebuilt, or outside a rebuild."""
@@ -179,7 +206,7 @@ class Rebuilder:
         if isinstance(gate, dict) and gate.get(sender) != body.step:
             self._refuse(sender, body, "it is not rebuilding that step")
             return
-        queued, nbytes = self.p._outbox.pending(sender)
+        queued, nbytes = self.p.queued_for(sender)
         if queued >= REPLY_MAX_MESSAGES or nbytes >= REPLY_MAX_BYTES:
             self._refuse(sender, body, f"{queued} replies ({nbytes} bytes) already queued")
             return
@@ -339,7 +366,7 @@ class Rebuilder:
         st.data = SegmentedBytes([out])
         st.held = set(p.plan.nodes)
         st.held_sent = True
-        for n in p._peers():  # done: the survivors stop serving this node
+        for n in p.peers():  # done: the survivors stop serving this node
             p.send(n, pm.Held(step))
         p.drain()
         return memoryview(out)
