@@ -319,7 +319,7 @@ class SmpDaemon:
             "uptime_s": time.time() - self.started_at,
             "bad_messages": self.bad_messages,
             "requests": dict(self.handlers.requests),
-            "ranks": self.store.describe(),
+            "ranks": {str(r): m.to_fields(p) for r, p in self.store.statuses().items()},
             "protection": protection.status() if protection else {"enabled": False},
             "flush": self.flush.status() if self.flush else {"enabled": False},
         }

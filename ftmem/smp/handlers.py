@@ -167,7 +167,7 @@ class RequestHandlers:
         """The newest step the group protected (None: no exchange, or nothing yet)."""
         if self.protection is None:
             return None
-        return self.protection.protection_status().protected_step
+        return self.protection.protected_step()
 
     def close(self) -> None:
         """Stop the protection service (bounded)."""

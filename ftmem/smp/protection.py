@@ -38,7 +38,7 @@ from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import Envelope, PeerMessage
-from ftmem.protocol.status import ProtectionState, ProtectionStatus
+from ftmem.protocol.status import ProtectionState
 from ftmem.smp.protection_commands import BindCommand, Result, StartCommand
 from ftmem.smp.protection_rebuild import report_progress
 from ftmem.smp.protection_rounds import ProtectionRounds
@@ -150,9 +150,10 @@ class ProtectionService:
         """A JSON-ready copy of the protection service's state for ``ftmem status``."""
         return self.ctx.board.snapshot()
 
-    def protection_status(self) -> ProtectionStatus:
-        """The protection service's state, typed (:class:`ProtectionStatus`)."""
-        return self.ctx.board.typed()
+    def protected_step(self) -> int | None:
+        """The newest step the group protected (None: nothing yet)."""
+        step = self.ctx.board.get("protected_step")
+        return step if type(step) is int else None
 
     def close(self) -> None:
         """Stop the thread and release sockets and mappings (idempotent, bounded)."""

@@ -26,7 +26,7 @@ from ftmem.exchange.placement import GroupPlan
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
 from ftmem.protocol import peer as pm
-from ftmem.protocol.status import ProtectionState, ProtectionStatus
+from ftmem.protocol.status import ProtectionState
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
 
@@ -99,9 +99,10 @@ class StatusBoard:
             copy: dict[str, Any] = json.loads(json.dumps(self._doc))
             return copy
 
-    def typed(self) -> ProtectionStatus:
-        """The status document parsed (:meth:`ProtectionStatus.from_json`)."""
-        return ProtectionStatus.from_json(self.snapshot())
+    def get(self, name: str) -> Any:
+        """One field of the status document (None: not set)."""
+        with self._lock:
+            return self._doc.get(name)
 
 
 @dataclass(eq=False)

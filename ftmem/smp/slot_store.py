@@ -70,6 +70,7 @@ from ftmem.format.layout import (
     with_hashes,
 )
 from ftmem.protocol import messages as m
+from ftmem.protocol.status import RankProgress
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashJob, HashResult
@@ -164,10 +165,10 @@ class SlotStore:
         with self._lock:
             return self._world_size
 
-    def describe(self) -> dict[str, Any]:
-        """Each rank's slots, progress and statistics, JSON-ready (STATUS)."""
+    def statuses(self) -> dict[int, RankProgress]:
+        """Each rank's slots, progress and statistics (STATUS), by rank."""
         with self._lock:
-            return {str(r): rs.describe() for r, rs in sorted(self._ranks.items())}
+            return {r: rs.status(r) for r, rs in sorted(self._ranks.items())}
 
     def describe_slots(self, rank: int) -> str:
         """One line on ``rank``'s slots (state, step, capacity, pins) for an error message."""

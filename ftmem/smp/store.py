@@ -60,10 +60,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ftmem.format.layout import RegisteredLayout, StoredSnapshot
 from ftmem.protocol.messages import Decision
+from ftmem.protocol.status import RankProgress, SlotStatus
 
 MAX_SLOT_BYTES = 1 << 40
 """The largest slot the SMP makes (a request for more is refused)."""
@@ -105,17 +105,12 @@ class Slot:
     verified: bool = False
     """COMMITTED and checksummed by the SMP (the layout carries every extent's hash)."""
 
-    def describe(self) -> dict[str, Any]:
-        """Return a JSON-ready summary (no layout)."""
-        return {
-            "slot": self.index,
-            "state": self.state.value,
-            "gen": self.gen,
-            "capacity": self.capacity,
-            "step": self.step,
-            "pinned": self.pinned,
-            "verified": self.verified,
-        }
+    def status(self) -> SlotStatus:
+        """This slot in the SMP's STATUS (no layout)."""
+        return SlotStatus(
+            self.index, self.state.value, self.gen, self.capacity, self.step, self.pinned,
+            self.verified,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -581,39 +576,35 @@ class RankSlots:
         self._seq += 1
         return self._seq
 
-    def describe(self) -> dict[str, Any]:
-        """Return a JSON-ready summary for STATUS."""
+    def status(self, rank: int) -> RankProgress:
+        """This rank's entry in the SMP's STATUS."""
         newest = self.newest()
         committed = self.committed()
-        return {
-            "pid": self.pid,
-            "newest_committed": newest.step if newest else None,
-            "committed_steps": [s.step for s in committed],
-            "newest_verified": max((s.step or 0 for s in committed if s.verified), default=None),
-            "verified_steps": [s.step for s in committed if s.verified],
-            "skips": dict(self.skips),
-            "last_hash_s": self.last_hash_s,
-            "last_progress_time": self.last_progress_time,
-            "last_progress_step": self.last_progress_step,
-            "hello_time": self.hello_time,
-            "restored_time": self.restored_time,
-            "restored_step": self.restored_step,
-            "first_progress_time": self.first_progress_time,
-            "in_process": self.in_process,
-            "skipped": self.skipped,
-            "last_stall_s": self.last_stall_s,
-            "last_copy_s": self.last_copy_s,
-            "commits": self.commits,
-            "bytes_held": sum(s.capacity for s in self.slots),
-            **_snapshot_sizes(newest.snap if newest else None),
-            "slots": [s.describe() for s in self.slots],
-        }
-
-
-def _snapshot_sizes(snap: StoredSnapshot | None) -> dict[str, int]:
-    """Bytes of a committed snapshot's tensors and objects, and what they would be without
-    sharding the replicated state (the client says; equal when not sharded)."""
-    if snap is None:
-        return {"snapshot_bytes": 0, "unsharded_bytes": 0}
-    held = sum(t.nbytes for t in snap.tensors) + snap.objects_nbytes
-    return {"snapshot_bytes": held, "unsharded_bytes": snap.unsharded_nbytes or held}
+        snap = newest.snap if newest else None
+        held = sum(t.nbytes for t in snap.tensors) + snap.objects_nbytes if snap else 0
+        return RankProgress(
+            rank=rank,
+            pid=self.pid,
+            last_progress_time=self.last_progress_time,
+            last_progress_step=self.last_progress_step,
+            newest_committed=newest.step if newest else None,
+            hello_time=self.hello_time,
+            restored_time=self.restored_time,
+            restored_step=self.restored_step,
+            first_progress_time=self.first_progress_time,
+            in_process=self.in_process,
+            committed_steps=[s.step or 0 for s in committed],
+            newest_verified=max((s.step or 0 for s in committed if s.verified), default=None),
+            verified_steps=[s.step or 0 for s in committed if s.verified],
+            commits=self.commits,
+            skipped=self.skipped,
+            skips=dict(self.skips),
+            last_stall_s=self.last_stall_s,
+            last_copy_s=self.last_copy_s,
+            last_hash_s=self.last_hash_s,
+            bytes_held=sum(s.capacity for s in self.slots),
+            snapshot_bytes=held,
+            # what the snapshot would hold without sharding the replicated state
+            unsharded_bytes=(snap.unsharded_nbytes or held) if snap else 0,
+            slots=[s.status() for s in self.slots],
+        )

@@ -23,7 +23,7 @@ from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol.peer import PeerAddress
-from ftmem.protocol.status import ProtectionState
+from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection_commands import Result, StartCommand
@@ -348,7 +348,7 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
         assert failed is not None and not failed.ok, failed
         assert "rebuild of step 1 failed: cannot install the rebuilt snapshot" in failed.error
         assert "no slot to take a rebuilt snapshot" in failed.error
-        status = ctx.board.typed()
+        status = ProtectionStatus.from_json(ctx.board.snapshot())
         assert status.state is ProtectionState.REBUILD_FAILED and failed.error == status.error
         assert ctx.protected is None and not ctx.pinned and 1 not in ctx.protector.steps
         for index, _, gen in allocating:  # the allocations finish: both slots are free
@@ -357,7 +357,10 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
             store.finish_resize(1, index, str(path), size, ok=True)
         rebuilt = _sync_with_survivors(sync, survivors, held)
         assert rebuilt is not None and rebuilt.ok and rebuilt.data["rebuilt"] is True, rebuilt
-        assert ctx.board.typed().state is ProtectionState.READY and ctx.protected == 1
+        assert (
+            ProtectionStatus.from_json(ctx.board.snapshot()).state is ProtectionState.READY
+            and ctx.protected == 1
+        )
         with open(ctx.pinned[1].pieces[0].path, "rb") as f:
             assert f.read(size) == blobs[1]
     finally:
@@ -601,7 +604,9 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
         )
         assert failed is not None and not failed.ok, failed
         assert f"the rebuilt slots need {claim} bytes" in failed.error, failed.error
-        assert ctx.board.typed().state is ProtectionState.REBUILD_FAILED
+        assert (
+            ProtectionStatus.from_json(ctx.board.snapshot()).state is ProtectionState.REBUILD_FAILED
+        )
         assert not list(tmp_path.iterdir()), "a slot was allocated"
     finally:
         for t in transports:

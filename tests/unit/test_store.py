@@ -14,7 +14,7 @@ import pytest
 from ftmem import shm
 from ftmem.client.slot_maps import SlotMappings
 from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
-from ftmem.protocol.messages import BeginReply
+from ftmem.protocol.messages import BeginReply, to_fields
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashResult, HashService
@@ -153,8 +153,7 @@ def store(tmp_path: Path, hasher: HashService) -> SlotStore:
 
 
 def slots(store: SlotStore, rank: int = 0) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = store.describe()[str(rank)]["slots"]
-    return out
+    return [to_fields(s) for s in store.statuses()[rank].slots]
 
 
 def allocate(store: SlotStore, rank: int = 0) -> None:
