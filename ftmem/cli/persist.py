@@ -77,7 +77,7 @@ def run_flush(args: argparse.Namespace) -> int:
     def ask(rd: Path, box: dict[str, Any]) -> None:
         try:
             with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
-                box["ok"] = c.call(m.Flush(step=step, tier=args.tier), m.FlushReply)
+                box["ok"] = c.call(m.Flush(step=step, tier=args.tier))
         except FtmemError as exc:
             box["error"] = exc
         finally:

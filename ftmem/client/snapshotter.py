@@ -156,7 +156,7 @@ class Checkpointer:
     def _connect(self) -> SmpClient:
         if self._client is None:
             client = SmpClient(self.config.run_dir, self.config.request_timeout)
-            info = client.call(self._hello(), m.HelloReply)
+            info = client.call(self._hello())
             self._slots.shm_dir = Path(info.shm_dir)
             self._client = client
             self._worker = CopyWorker(self.config.run_dir, self.config.request_timeout)
@@ -367,10 +367,7 @@ class Checkpointer:
         (bounded) while a flush or a protection round holds the slots."""
         final = deadline is not None
         while True:
-            decision: m.BeginReply = m.parse_reply(
-                m.BeginReply,
-                client.request(m.Begin(rank=self.rank, step=step, nbytes=total, final=final)),
-            )
+            decision = client.call(m.Begin(rank=self.rank, step=step, nbytes=total, final=final))
             if decision.action is m.Decision.WRITE:
                 return decision
             if decision.action is m.Decision.RESIZE:

@@ -196,11 +196,8 @@ class CopyWorker:
     @staticmethod
     def _prepare(job: PrepareJob, client: SmpClient) -> None:
         try:
-            made = m.parse_reply(
-                m.Prepared,
-                client.request(
-                    m.Prepare(rank=job.rank, slot=-1, nbytes=job.nbytes), timeout=job.timeout
-                ),
+            made = client.call(
+                m.Prepare(rank=job.rank, slot=-1, nbytes=job.nbytes), timeout=job.timeout
             )
             job.on_slots(made.slots)
         except (FtmemError, OSError, ValueError) as exc:
@@ -235,7 +232,7 @@ class CopyWorker:
             return
         faults.maybe_inject(faults.Point.BEFORE_COMMIT, job.rank, job.step)
         try:
-            job.grant = m.parse_reply(m.BeginReply, self._commit(job, client))
+            job.grant = self._commit(job, client)
         except FtmemError as exc:
             log.error("commit of step %d failed: %s", job.step, exc)
             job.error = _CommitError(str(exc))
@@ -249,13 +246,13 @@ class CopyWorker:
                 log.warning("cannot map the slot granted after step %d: %s", job.step, exc)
         job.premapped.set()
 
-    def _commit(self, job: CopyJob, client: SmpClient) -> dict[str, Any]:
+    def _commit(self, job: CopyJob, client: SmpClient) -> m.BeginReply:
         """COMMIT ``job``, naming its layout by id (sent along the first time, and again
         if the SMP no longer holds it); the reply grants the next save its slot."""
         lid = job.layout.id
 
-        def commit(register: bool) -> dict[str, Any]:
-            return client.request(
+        def commit(register: bool) -> m.BeginReply:
+            return client.call(
                 m.Commit(
                     rank=job.rank,
                     slot=job.slot,

@@ -389,7 +389,7 @@ def _start_showing_progress(
 
     def run() -> None:
         try:
-            box["result"] = smp.request(start, timeout=timeout)
+            box["result"] = smp.call(start, timeout=timeout)
         except BaseException as exc:  # handed to the caller below
             box["error"] = exc
 
@@ -422,7 +422,8 @@ def _start_showing_progress(
                     )
     if "error" in box:
         raise box["error"]
-    return SyncReply.from_json(box["result"])
+    reply: SyncReply = box["result"]
+    return reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,7 +509,6 @@ class PeerMesh:
                     encrypt=settings.encrypt,
                     encode_workers=settings.encode_workers,
                 ),
-                m.PeerBound,
             )
             store.set(f"{key}/{me}", peer_entry(job, generation, me, bound.endpoint))
             raw = store.multi_get([f"{key}/{i}" for i in range(nodes)])

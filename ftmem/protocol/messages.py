@@ -1,7 +1,8 @@
 """Typed messages between a rank (or a tool) and its node's SMP.
 
-Every request is one :class:`Kind` plus a frozen dataclass payload; every reply is a
-:class:`Reply` that says ok or carries an error. Payloads travel as JSON (see wire.py);
+Every request is one :class:`Kind` plus a frozen dataclass payload that names its answer's
+type (``Begin(Request[BeginReply])``); every reply is a :class:`Reply` that says ok and
+carries that answer's fields, or carries an error and its :class:`~ftmem.errors.ErrorKind`. Payloads travel as JSON (see wire.py);
 ``from_fields`` checks each field's type so nothing unexpected reaches the SMP's logic.
 """
 
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ftmem.errors import ErrorKind
+from ftmem.protocol.status import SmpStatus, SyncReply
 from ftmem.typed_json import build
 
 PROTOCOL_VERSION = 1
@@ -37,170 +40,6 @@ class Kind(enum.IntEnum):
     FLUSH = 14
     SKIPPED = 15
     PEER = 20
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    """Liveness check; the reply carries the SMP's pid."""
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """A rank (re)started: forget any slot it was writing (a torn copy is never kept)."""
-
-    rank: int
-    pid: int
-    local_rank: int = 0
-    world_size: int = 0
-    """The job's world size (0: unknown); the flush needs it to tell a node's part from the whole."""
-    in_process: bool = False
-    """The rank runs under :func:`ftmem.run`: at a restart it can rejoin in process."""
-    rejoined: bool = False
-    """The same process rejoined a new generation in process (its restart phases start now)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Begin:
-    """Ask for a slot to write ``step`` into; reply has ``slot`` or ``skip`` or ``resize``."""
-
-    rank: int
-    step: int
-    nbytes: int
-    final: bool = False
-    """The rank's last save, polling until a slot is free: a refusal is not counted as a skip."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prepare:
-    """(Re)create ``slot`` of ``rank`` with room for ``nbytes`` (pre-faulted); reply when done.
-
-    ``slot`` -1: grow every slot that is free and smaller (ahead of the first save)."""
-
-    rank: int
-    slot: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    """The copy of ``step`` into ``slot`` is complete. Its tensors are placed as the rank's
-    layout ``layout_id`` says; ``layout`` (the layout's ``tensors`` array, JSON, without
-    checksums) registers that id with the SMP and is sent only with the first commit that
-    uses it (the SMP keeps a few per rank and refuses with kind UNKNOWN_LAYOUT otherwise). The encoded
-    skeleton sits at ``objects_offset`` (``objects_nbytes`` bytes). The SMP hashes the slot
-    and the snapshot becomes *verified*.
-
-    ``next_nbytes`` > 0: grant a slot of that many bytes to the rank's next save in the
-    reply (a :class:`BeginReply`), so that the save sends no BEGIN of its own."""
-
-    rank: int
-    slot: int
-    gen: int
-    step: int
-    layout_id: int
-    objects_offset: int
-    objects_nbytes: int
-    layout: str = ""
-    unsharded_nbytes: int = 0
-    next_nbytes: int = 0
-    stall_s: float = 0.0
-    copy_s: float = 0.0
-    skipped: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Skipped:
-    """The rank skipped its snapshot of ``step`` on its own (e.g. its previous copy was still
-    running); the SMP counts it per reason. Sent from the copy thread, never waited for."""
-
-    rank: int
-    step: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Give back a slot whose copy failed."""
-
-    rank: int
-    slot: int
-    gen: int
-
-
-@dataclass(frozen=True, slots=True)
-class Query:
-    """List the verified snapshots of ``rank``, newest first, with their layouts (the reply
-    waits, bounded, for the SMP to finish hashing committed ones)."""
-
-    rank: int
-
-
-@dataclass(frozen=True, slots=True)
-class DiscardNewer:
-    """``rank`` restored ``step``: committed snapshots newer than it belong to an abandoned run."""
-
-    rank: int
-    step: int
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """Training made progress (used for hang detection)."""
-
-    rank: int
-    step: int
-
-
-@dataclass(frozen=True, slots=True)
-class Status:
-    """Ask for the SMP's state (all ranks, all slots)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PeerBind:
-    """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON);
-    ``encrypt``: every message over CURVE, no plain data channel (zmq_transport.py);
-    ``encode_workers``: processes that encode the SMP's stripes (0: its protection thread)."""
-
-    keys: str
-    host: str
-    me: int
-    port: int = 0
-    encrypt: bool = False
-    encode_workers: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PeerStart:
-    """(Launcher) join generation ``epoch``: every node's peer endpoint, parity ``m``, the
-    group-size cap and this node's global ranks; the reply comes after the group's sync (and
-    this node's rebuild, if it needs one)."""
-
-    epoch: int
-    me: int
-    endpoints: dict[str, str]
-    m: int
-    max_group: int
-    ranks: list[int]
-    protect_interval_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Flush:
-    """Flush ``step`` (-1: the newest complete or protected one) to the disk tiers now; ``tier``
-    "local" writes only the first tier, "" or "persistent" all of them. Replied when durable."""
-
-    step: int = -1
-    tier: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """An SMP-to-SMP message: a JSON header plus raw buffer frames of the given sizes/checksums."""
-
-    header: dict[str, Any]
-    sizes: list[int] = field(default_factory=list)
-    hashes: list[str] = field(default_factory=list)
 
 
 class Decision(str, enum.Enum):
@@ -308,6 +147,180 @@ class PeerBound:
     endpoint: str
 
 
+R = TypeVar("R")
+
+
+class Request(Generic[R]):
+    """A request whose answer is an ``R`` (None: the answer carries nothing):
+    :meth:`~ftmem.protocol.smp_client.SmpClient.call` returns that type."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Request[PingReply]):
+    """Liveness check; the reply carries the SMP's pid."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Request[HelloReply]):
+    """A rank (re)started: forget any slot it was writing (a torn copy is never kept)."""
+
+    rank: int
+    pid: int
+    local_rank: int = 0
+    world_size: int = 0
+    """The job's world size (0: unknown); the flush needs it to tell a node's part from the whole."""
+    in_process: bool = False
+    """The rank runs under :func:`ftmem.run`: at a restart it can rejoin in process."""
+    rejoined: bool = False
+    """The same process rejoined a new generation in process (its restart phases start now)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Begin(Request[BeginReply]):
+    """Ask for a slot to write ``step`` into; reply has ``slot`` or ``skip`` or ``resize``."""
+
+    rank: int
+    step: int
+    nbytes: int
+    final: bool = False
+    """The rank's last save, polling until a slot is free: a refusal is not counted as a skip."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare(Request[Prepared]):
+    """(Re)create ``slot`` of ``rank`` with room for ``nbytes`` (pre-faulted); reply when done.
+
+    ``slot`` -1: grow every slot that is free and smaller (ahead of the first save)."""
+
+    rank: int
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(Request[BeginReply]):
+    """The copy of ``step`` into ``slot`` is complete. Its tensors are placed as the rank's
+    layout ``layout_id`` says; ``layout`` (the layout's ``tensors`` array, JSON, without
+    checksums) registers that id with the SMP and is sent only with the first commit that
+    uses it (the SMP keeps a few per rank and refuses with kind UNKNOWN_LAYOUT otherwise). The encoded
+    skeleton sits at ``objects_offset`` (``objects_nbytes`` bytes). The SMP hashes the slot
+    and the snapshot becomes *verified*.
+
+    ``next_nbytes`` > 0: grant a slot of that many bytes to the rank's next save in the
+    reply (a :class:`BeginReply`), so that the save sends no BEGIN of its own."""
+
+    rank: int
+    slot: int
+    gen: int
+    step: int
+    layout_id: int
+    objects_offset: int
+    objects_nbytes: int
+    layout: str = ""
+    unsharded_nbytes: int = 0
+    next_nbytes: int = 0
+    stall_s: float = 0.0
+    copy_s: float = 0.0
+    skipped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped(Request[None]):
+    """The rank skipped its snapshot of ``step`` on its own (e.g. its previous copy was still
+    running); the SMP counts it per reason. Sent from the copy thread, never waited for."""
+
+    rank: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Request[None]):
+    """Give back a slot whose copy failed."""
+
+    rank: int
+    slot: int
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Query(Request[QueryReply]):
+    """List the verified snapshots of ``rank``, newest first, with their layouts (the reply
+    waits, bounded, for the SMP to finish hashing committed ones)."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiscardNewer(Request[None]):
+    """``rank`` restored ``step``: committed snapshots newer than it belong to an abandoned run."""
+
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Request[None]):
+    """Training made progress (used for hang detection)."""
+
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Request[SmpStatus]):
+    """Ask for the SMP's state (all ranks, all slots)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBind(Request[PeerBound]):
+    """(Launcher) open the SMP's peer port on ``host`` with the job's CURVE key pair (JSON);
+    ``encrypt``: every message over CURVE, no plain data channel (zmq_transport.py);
+    ``encode_workers``: processes that encode the SMP's stripes (0: its protection thread)."""
+
+    keys: str
+    host: str
+    me: int
+    port: int = 0
+    encrypt: bool = False
+    encode_workers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStart(Request[SyncReply]):
+    """(Launcher) join generation ``epoch``: every node's peer endpoint, parity ``m``, the
+    group-size cap and this node's global ranks; the reply comes after the group's sync (and
+    this node's rebuild, if it needs one)."""
+
+    epoch: int
+    me: int
+    endpoints: dict[str, str]
+    m: int
+    max_group: int
+    ranks: list[int]
+    protect_interval_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Flush(Request[FlushReply]):
+    """Flush ``step`` (-1: the newest complete or protected one) to the disk tiers now; ``tier``
+    "local" writes only the first tier, "" or "persistent" all of them. Replied when durable."""
+
+    step: int = -1
+    tier: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """An SMP-to-SMP message: a JSON header plus raw buffer frames of the given sizes/checksums."""
+
+    header: dict[str, Any]
+    sizes: list[int] = field(default_factory=list)
+    hashes: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to every request: ``ok`` plus fields, or ``ok=False``, ``error`` (what a
@@ -355,12 +368,26 @@ def from_fields(kind: Kind, fields: Any) -> Any:
     return build(PAYLOAD_TYPES[kind], fields, what=kind.name)
 
 
+def _reply_of(cls: type[Any]) -> type[Any] | None:
+    (answer,) = typing.get_args(cls.__orig_bases__[0])  # Request[R]
+    return None if answer is type(None) else answer
+
+
+REPLY_OF: dict[type[Any], type[Any] | None] = {
+    cls: _reply_of(cls) for cls in PAYLOAD_TYPES.values() if issubclass(cls, Request)
+}
+"""Each request's reply type (None: its reply carries nothing), from its ``Request[R]``."""
+
+
 def parse_reply(cls: type[Any], data: dict[str, Any]) -> Any:
-    """The typed reply ``cls`` (e.g. :class:`BeginReply`) from a Reply's ``data``.
+    """The typed reply ``cls`` (e.g. :class:`BeginReply`) from a Reply's ``data`` (a status
+    report, :class:`SmpStatus` or :class:`SyncReply`, by its own ``from_json``).
 
     Raises:
         ProtocolError: the data does not fit ``cls``.
     """
+    if cls is SmpStatus or cls is SyncReply:
+        return cls.from_json(data)
     return build(cls, data, what=f"reply {cls.__name__}")
 
 

@@ -6,7 +6,7 @@ import itertools
 import json
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 
@@ -27,7 +27,7 @@ from ftmem.secure_fs import check_dir, read_private_file
 
 log = get_logger(__name__)
 
-T = TypeVar("T")
+R = TypeVar("R")
 
 _SLICE_MS = 200  # how often a waiting request checks that the SMP process still exists
 
@@ -128,22 +128,24 @@ class SmpClient:
                 f"the SMP (pid {self.smp_pid}) serving {self.run_dir} is gone"
             )
 
-    def call(self, payload: Any, reply: type[T], timeout: timedelta | None = None) -> T:
-        """Send one request and return its typed reply ``reply`` (e.g. ``m.HelloReply``).
+    def call(self, payload: m.Request[R], timeout: timedelta | None = None) -> R:
+        """Send one request and return its answer, of the type the request names
+        (``m.Begin`` -> ``m.BeginReply``; None for a request whose answer carries nothing).
 
         Raises:
-            ProtocolError: the reply does not fit ``reply``; otherwise as :meth:`request`.
+            ProtocolError: the answer does not fit its type; otherwise as :meth:`request`.
         """
-        typed: T = m.parse_reply(reply, self.request(payload, timeout))
-        return typed
+        data = self.request(payload, timeout)
+        reply = m.REPLY_OF[type(payload)]
+        return cast(R, None if reply is None else m.parse_reply(reply, data))
 
     def query(self, rank: int) -> list[m.SnapshotInfo]:
         """``rank``'s verified snapshots the SMP holds, newest step first."""
-        return self.call(m.Query(rank=rank), m.QueryReply).snapshots
+        return self.call(m.Query(rank=rank)).snapshots
 
     def status(self) -> SmpStatus:
         """The SMP's STATUS, typed (:class:`~ftmem.protocol.status.SmpStatus`)."""
-        return SmpStatus.from_json(self.request(m.Status()))
+        return self.call(m.Status())
 
     def status_document(self) -> dict[str, Any]:
         """The SMP's STATUS as the JSON document it sent (``ftmem status`` prints it)."""

@@ -97,10 +97,10 @@ class Node:
         """Play rank ``rank`` saving ``payload`` as ``step``; False if the SMP said skip."""
         assert self.client is not None
         begin = m.Begin(rank=rank, step=step, nbytes=len(payload))
-        r = self.client.call(begin, m.BeginReply)
+        r = self.client.call(begin)
         if r.action is m.Decision.RESIZE:
             self.req(m.Prepare(rank=rank, slot=r.slot, nbytes=len(payload)))
-            r = self.client.call(begin, m.BeginReply)
+            r = self.client.call(begin)
         if r.action is m.Decision.SKIP:
             return False
         assert r.action is m.Decision.WRITE, r

@@ -205,10 +205,10 @@ def _exchange(sock: zmq.Socket[bytes], data: bytes | list[bytes], key: bytes) ->
 def _save(client: SmpClient, rank: int, step: int, payload: bytes) -> list[bytes]:
     """Play a rank saving ``payload`` as ``step``; return the frames a replayer would see."""
     begin = m.Begin(rank=rank, step=step, nbytes=len(payload))
-    r = client.call(begin, m.BeginReply)
+    r = client.call(begin)
     if r.action is m.Decision.RESIZE:
         client.request(m.Prepare(rank=rank, slot=r.slot, nbytes=len(payload)))
-        r = client.call(begin, m.BeginReply)
+        r = client.call(begin)
     assert r.action is m.Decision.WRITE, r
     fd = os.open(r.path, os.O_WRONLY)
     try:
@@ -286,7 +286,7 @@ def test_rank_socket_refuses_hostile_input_and_keeps_serving(
         legit.request(m.Hello(rank=0, pid=os.getpid() + 1))  # as a restarted rank would
         _save(legit, 0, 2, payload[::-1])
         assert _read(legit, 0, 2) == payload[::-1]
-        assert legit.call(m.Ping(), m.PingReply).pid == small_smp.pid
+        assert legit.call(m.Ping()).pid == small_smp.pid
 
 
 # ------------------------------------------------------------------------------ peer socket

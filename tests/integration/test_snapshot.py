@@ -287,7 +287,7 @@ def test_save_is_skipped_not_blocked_when_no_slot_is_free(
     # generation and forgets it, so the next save asks with a BEGIN again.
     assert ckpt.load({"model": model}) == 1
     with SmpClient(run_dir) as other:  # another writer holds the only reusable slot
-        held = other.call(m.Begin(rank=0, step=2, nbytes=64), m.BeginReply)
+        held = other.call(m.Begin(rank=0, step=2, nbytes=64))
         assert held.action is m.Decision.WRITE
         h = ckpt.save({"model": model}, step=3)
         assert h.skipped and not h.wait(1) and ckpt.stats()["skipped"] == before + 1
