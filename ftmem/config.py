@@ -92,15 +92,26 @@ def default_shm_dir() -> Path:
     return Path("/dev/shm") / f"ftmem-{os.geteuid()}"
 
 
-def default_run_dir(run_id: str | None = None) -> Path:
-    """Return FTMEM_RUN_DIR if set, else ``$XDG_RUNTIME_DIR/ftmem/<run_id>`` when the runtime
-    directory is private, else ``/tmp/ftmem-<uid>/<run_id>``. The SMP creates the directory
-    and its parent with mode 0700 and refuses them if another user owns them
+MAX_SOCKET_PATH = 100
+"""Longest path of a Unix socket (``sun_path`` holds 108 bytes; some systems 104)."""
+
+
+def default_run_dir(run_id: str | None = None, node: str | None = None) -> Path:
+    """The one rule for a run directory: under :func:`user_base_dir` (``$XDG_RUNTIME_DIR/ftmem``
+    when the runtime directory is private, else ``/tmp/ftmem-<uid>``), ``<run_id>`` or, for
+    one node of a launched job, ``<run_id>-<node>``, shortened from the left so that its
+    socket's path fits :data:`MAX_SOCKET_PATH`. Without a node, FTMEM_RUN_DIR (what
+    ``ftmem-launch`` gives its ranks) comes first. The SMP creates the directory and its
+    parent with mode 0700 and refuses them if another user owns them
     (:func:`ftmem.secure_fs.prepare_private_dir`)."""
     env = os.environ.get(ENV_RUN_DIR)
-    if env:
+    if env and node is None:
         return Path(env)
-    return user_base_dir() / (run_id or default_run_id())
+    base = user_base_dir()
+    rid = run_id or default_run_id()
+    name = rid if node is None else f"{rid[:24]}-{node}"
+    room = MAX_SOCKET_PATH - len(str(base)) - len(SOCKET_NAME) - 2
+    return base / name[-max(room, 8) :]
 
 
 def check_name(kind: str, value: str) -> str:

@@ -301,32 +301,29 @@ def _main(argv: list[str] | None) -> int:
 
 def running_smps() -> dict[Path, SmpStatus]:
     """The run directories of this user on this host whose SMP answers, with its status
-    (looked for under ``/tmp/ftmem-<uid>`` and :func:`~ftmem.config.user_base_dir`)."""
+    (looked for under :func:`~ftmem.config.user_base_dir`)."""
     import socket
-    import tempfile
 
     from ftmem.config import SOCKET_NAME, user_base_dir
     from ftmem.errors import FtmemError
     from ftmem.protocol.smp_client import SmpClient
 
-    bases = {Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}", user_base_dir()}
     found: dict[Path, SmpStatus] = {}
-    for base in sorted(bases):
-        try:
-            dirs = sorted(d for d in base.iterdir() if (d / SOCKET_NAME).is_socket())
-        except OSError:  # no such base
-            continue
-        for d in dirs:
-            with socket.socket(socket.AF_UNIX) as probe:  # a stale socket refuses at once
-                try:
-                    probe.connect(str(d / SOCKET_NAME))
-                except OSError:
-                    continue
+    try:
+        dirs = sorted(d for d in user_base_dir().iterdir() if (d / SOCKET_NAME).is_socket())
+    except OSError:  # no such base
+        dirs = []
+    for d in dirs:
+        with socket.socket(socket.AF_UNIX) as probe:  # a stale socket refuses at once
             try:
-                with SmpClient(d, timeout=timedelta(seconds=2)) as c:
-                    found[d] = c.status()
-            except FtmemError:
+                probe.connect(str(d / SOCKET_NAME))
+            except OSError:
                 continue
+        try:
+            with SmpClient(d, timeout=timedelta(seconds=2)) as c:
+                found[d] = c.status()
+        except FtmemError:
+            continue
     return found
 
 

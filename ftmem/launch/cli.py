@@ -62,7 +62,8 @@ def get_args_parser() -> ArgumentParser:
         type=str,
         default=None,
         help="This node's SMP run directory (socket, smp.log, events). Default: a new "
-        "directory under /tmp/ftmem-<uid>/, removed after a successful run.",
+        "directory under $XDG_RUNTIME_DIR/ftmem/ (when private) or /tmp/ftmem-<uid>/, "
+        "removed after a successful run.",
     )
     group.add_argument(
         "--ftmem-node",

@@ -11,23 +11,19 @@ import ipaddress
 import os
 import re
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from ftmem.config import ENV_AGENT_PID as ENV_AGENT_PID
+from ftmem.config import MAX_SOCKET_PATH, SOCKET_NAME, default_run_dir
 
 # The FTMEM_* variables the launcher sets for each rank are named in ftmem/config.py (among them
 # ENV_AGENT_PID, imported above: the exec shim kills the rank if its parent is not that pid).
 
 # torch's switch for the shared rendezvous TCPStore; "1" gives each generation its own store.
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-MAX_SOCKET_PATH = 100
-"""Longest run-dir + ``/smp.sock`` path we accept (the kernel limit for ipc sockets is 107)."""
-SOCKET_NAME = "smp.sock"
 
 SAFE_RDZV_DEFAULTS: dict[str, Any] = {
     # torch waits 600 s for a replacement node; ftmem bounds it (override with --rdzv-conf).
@@ -55,14 +51,6 @@ def default_node_name() -> str:
     """Return a node name unique on this host: ``<hostname>-<agent pid>``."""
     host = socket.gethostname().split(".")[0]
     return safe_name(f"{safe_name(host, 40)}-{os.getpid()}")
-
-
-def default_run_dir(run_id: str, node: str) -> Path:
-    """Return ``<tmp>/ftmem-<uid>/<run_id>-<node>``, shortened to fit the socket limit."""
-    base = Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}"
-    name = f"{run_id[:24]}-{node}"
-    room = MAX_SOCKET_PATH - len(str(base)) - len(SOCKET_NAME) - 2
-    return base / name[-max(room, 8) :]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,11 +15,11 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ftmem.config import user_base_dir
 from tests._support.hosts import Hosts, unavailable
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged")
@@ -258,7 +258,7 @@ class SlurmCluster:
         self.hosts.close()
         # ftmem-launch keeps an agent's run directory after a signal or a failure (for
         # inspection): the jobs' are this cluster's, named <job id>-<attempt>-<node>.
-        base = Path(tempfile.gettempdir()) / f"ftmem-{os.getuid()}"
+        base = user_base_dir()
         for job in self.jobs:
             for rd in base.glob(f"{job}-*-*"):
                 shutil.rmtree(rd, ignore_errors=True)
