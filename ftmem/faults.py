@@ -309,9 +309,21 @@ class _ArmedFile:
             return None
 
 
-_SPEC = _parse(os.environ.get(ENV_FAULT, ""))
+_SPEC: ArmedFault | None = None
 _fired = False
-_ARMED = _ArmedFile(Path(os.environ[ENV_FAULT_FILE])) if os.environ.get(ENV_FAULT_FILE) else None
+_ARMED: _ArmedFile | None = None
+_loaded = False
+
+
+def _load() -> None:
+    """Read FTMEM_FAULT and FTMEM_FAULT_FILE: at the first fault point, not at import (a
+    process that sets them after importing ftmem, such as a standby that becomes a rank,
+    still sees them)."""
+    global _SPEC, _ARMED, _loaded
+    _SPEC = _parse(os.environ.get(ENV_FAULT, ""))
+    path = os.environ.get(ENV_FAULT_FILE)
+    _ARMED = _ArmedFile(Path(path)) if path else None
+    _loaded = True
 
 
 def process_rank() -> int:
@@ -339,6 +351,8 @@ def maybe_inject(point: Point, rank: int, step: int) -> bool:
     its write there. Raises :class:`InjectedCrash` when the fault is CRASH.
     """
     global _fired
+    if not _loaded:
+        _load()
     if _SPEC is not None and not _fired and _SPEC.matches(point, None, rank, step):
         _fired = True
         return _fire(_SPEC.fault)
