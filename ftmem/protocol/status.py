@@ -145,7 +145,7 @@ class PeerHealth:
             raise ProtocolError(f"field 'peers' must be an object of at most {_MAX_LIST} nodes")
         out = []
         for node, p in doc.items():
-            if type(node) is not str or not node.isdigit() or len(node) > 18:
+            if type(node) is not str or not node.isascii() or not node.isdigit() or len(node) > 18:
                 raise ProtocolError(f"peer {node!r} is not a node index")
             out.append(_read(cls, p, f"peer {node}", node=int(node)))
         return tuple(sorted(out, key=lambda h: h.node))
@@ -362,7 +362,7 @@ class SmpStatus:
             raise ProtocolError("field 'ranks' must be an object keyed by rank")
         ranks = {}
         for key, entry in ranks_doc.items():
-            if type(key) is not str or not key.isdigit() or len(key) > 18:
+            if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 18:
                 raise ProtocolError("field 'ranks' must be keyed by rank")
             ranks[int(key)] = RankProgress.from_json(int(key), entry)
         try:

@@ -424,6 +424,7 @@ def test_exchange_status_when_off(doc: Any) -> None:
         _status(counters={"protected": "1"}),
         _status(peers=[]),
         _status(peers={"x": {"endpoint": "e"}}),
+        _status(peers={"\u00b2": {"endpoint": "e"}}),  # a digit to str.isdigit, not to int()
         _status(peers={"0": {"endpoint": 5}}),
         _status(peers={"0": {"endpoint": "e", "last_seen_s": "1"}}),
         _status(own_bytes=1.5),
