@@ -36,7 +36,7 @@ from ftmem.shm import ALIGN
 __all__ = [
     "ChunkOf",
     "Flat",
-    "Layout",
+    "Placement",
     "StoredSnapshot",
     "StoredTensor",
     "TensorExtent",
@@ -176,7 +176,7 @@ _layout_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """Tensor placement in a slot (reused while names, dtypes and shapes stay the same)."""
 
     extents: tuple[TensorExtent, ...]
@@ -205,7 +205,7 @@ def signature_of(
     )
 
 
-def plan_layout(flat: Flat) -> Layout:
+def plan_layout(flat: Flat) -> Placement:
     """Place every tensor of ``flat`` in a slot, largest first, each aligned to ALIGN bytes."""
     order = sorted(range(len(flat.tensors)), key=lambda i: -flat.tensors[i].nbytes)
     chunks = flat.chunks or [None] * len(flat.tensors)
@@ -219,7 +219,7 @@ def plan_layout(flat: Flat) -> Layout:
             )
         )
         offset = _align(offset + t.nbytes)
-    return Layout(tuple(sorted(extents, key=lambda e: e.index)), offset)
+    return Placement(tuple(sorted(extents, key=lambda e: e.index)), offset)
 
 
 def walk_values(obj: Any) -> list[Any]:

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from ftmem.client.flatten import Flat, Layout, plan_layout, signature_of, storage_ptr
+from ftmem.client.flatten import Flat, Placement, plan_layout, signature_of, storage_ptr
 
 
 @dataclass(frozen=True, eq=False)
-class SavePlan:
+class CopyPlan:
     """What a save of a state of one signature does (cached while the signature and the
     tensors' storages stay the same)."""
 
     key: tuple[Any, ...]
-    layout: Layout
+    layout: Placement
     eager: list[int]
     """CPU tensors copied inside ``save`` (buffers, RNG, anything the forward may change)."""
     lazy: list[int]
@@ -44,8 +44,8 @@ class SavePlan:
 
 
 def plan_save(
-    flat: Flat, previous: SavePlan | None, optimizers: list[torch.optim.Optimizer]
-) -> SavePlan:
+    flat: Flat, previous: CopyPlan | None, optimizers: list[torch.optim.Optimizer]
+) -> CopyPlan:
     """The plan of a save of ``flat`` (``previous`` if it still fits).
 
     Reused while the state's signature is the same and the tensors it copies lazily are
@@ -74,7 +74,7 @@ def plan_save(
             eager.append(i)
     lazy.sort(key=lambda i: -tensors[i].nbytes)
     key = (sig, tuple(tensors[i].data_ptr() for i in lazy + cuda_lazy))
-    return SavePlan(key, layout, eager, lazy, cuda, cuda_lazy)
+    return CopyPlan(key, layout, eager, lazy, cuda, cuda_lazy)
 
 
 def optimizer_storage_ptrs(optimizers: list[torch.optim.Optimizer]) -> set[int]:

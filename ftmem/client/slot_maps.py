@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ftmem._logging import get_logger
-from ftmem.client.flatten import Flat, Layout
-from ftmem.client.save_plan import SavePlan
+from ftmem.client.flatten import Flat, Placement
+from ftmem.client.save_plan import CopyPlan
 from ftmem.client.staging import (
     CopyJob,
     copy_into,
@@ -48,7 +48,7 @@ class SlotMappings:
         that the file lies directly in it and that it is this user's directory with mode
         0700 (:func:`ftmem.shm.check_slot_path`)."""
         self._segments: dict[str, MappedSegment] = {}
-        self._views: dict[int, tuple[Layout, list[torch.Tensor]]] = {}
+        self._views: dict[int, tuple[Placement, list[torch.Tensor]]] = {}
         """id of a slot mapping -> (the layout, that slot's views of every tensor); dropped
         when the mapping is closed (holding the layout keeps its identity unique)."""
         self._board: tuple[str, mmap.mmap] | None = None
@@ -108,7 +108,7 @@ class SlotMappings:
             if cuda:
                 register_pinned(seg)
 
-    def views(self, seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
+    def views(self, seg: MappedSegment, layout: Placement) -> list[torch.Tensor]:
         """The views of every tensor of ``layout`` in the mapping ``seg`` (cached)."""
         cached = self._views.get(id(seg))
         if cached is None or cached[0] is not layout:
@@ -129,7 +129,7 @@ class SlotMappings:
 
 def stage(
     flat: Flat,
-    plan: SavePlan,
+    plan: CopyPlan,
     objects: bytes,
     seg: MappedSegment,
     views: list[torch.Tensor],

@@ -38,7 +38,7 @@ from ftmem._logging import get_logger
 from ftmem.client import agreement, pitfalls
 from ftmem.client.flatten import Flat, flatten_state, state_dicts, walk_values
 from ftmem.client.loading import SnapshotLoader
-from ftmem.client.save_plan import SavePlan, plan_save
+from ftmem.client.save_plan import CopyPlan, plan_save
 from ftmem.client.sharding import ReplicaSharder, gather_group
 from ftmem.client.slot_maps import SlotMappings, stage
 from ftmem.client.staging import CopyJob, CopyWorker, PrepareJob, SkipNotice
@@ -122,7 +122,7 @@ class Checkpointer:
         self._worker: CopyWorker | None = None
         self._rank: int | None = None
         self._slots = SlotMappings()
-        self._plan: SavePlan | None = None
+        self._plan: CopyPlan | None = None
         self._steady: SteadyState | None = None
         """What the last full read of the state found (the next saves re-read only that)."""
         self._unsharded = 0

@@ -30,7 +30,7 @@ import torch
 
 from ftmem import faults
 from ftmem._logging import get_logger
-from ftmem.client.flatten import Layout
+from ftmem.client.flatten import Placement
 from ftmem.errors import ErrorKind, FtmemError, SmpRequestError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
@@ -42,7 +42,7 @@ BATCH_BYTES = 64 << 20
 """Bytes moved per ``_foreach_copy_`` call (fault points and cancellation are checked between)."""
 
 
-def slot_views(seg: MappedSegment, layout: Layout) -> list[torch.Tensor]:
+def slot_views(seg: MappedSegment, layout: Placement) -> list[torch.Tensor]:
     """Views of ``seg`` shaped like each tensor of ``layout`` (made once per slot and layout)."""
     from ftmem.format.tensors import torch_dtype
 
@@ -82,7 +82,7 @@ class CopyJob:
     slot: int
     gen: int
     seg: MappedSegment
-    layout: Layout
+    layout: Placement
     dsts: list[torch.Tensor]
     """The slot's views of the lazily copied CPU tensors."""
     srcs: list[torch.Tensor]
