@@ -84,12 +84,19 @@ def _reader(tp: Any) -> Reader:
 _READERS: dict[Any, Reader] = {}
 
 
-def _make_reader(tp: Any) -> Reader:
-    extras: list[Any] = []
+def _unwrap(tp: Any) -> tuple[Any, tuple[Any, ...], tuple[int, int]]:
+    """An annotation's type, its ``Annotated`` extras and its integer :class:`Range`."""
+    extras: tuple[Any, ...] = ()
     if typing.get_origin(tp) is typing.Annotated:
-        tp, *extras = typing.get_args(tp)
+        tp, *rest = typing.get_args(tp)
+        extras = tuple(rest)
+    bounds = next(((e.lo, e.hi) for e in extras if isinstance(e, Range)), (-MAX_INT, MAX_INT))
+    return tp, extras, bounds
+
+
+def _make_reader(tp: Any) -> Reader:
+    tp, extras, (lo, hi) = _unwrap(tp)
     most = next((e.n for e in extras if isinstance(e, Most)), None)
-    lo, hi = next(((e.lo, e.hi) for e in extras if isinstance(e, Range)), (-MAX_INT, MAX_INT))
     digits = next((e.n for e in extras if isinstance(e, Digits)), None)
     pattern = next((re.compile(e.regex) for e in extras if isinstance(e, Pattern)), None)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -185,9 +192,9 @@ def _make_reader(tp: Any) -> Reader:
         read_key = None if key is None else _reader(key)  # e.g. Annotated[int, Digits(7)]
         as_tuple = origin is tuple or tp is tuple
         bound = f" of at most {most}" if most is not None else ""
-        ints = _int_bounds(item) if not mapping else None
-        if ints is not None:  # a list of plain integers (shapes, steps): checked in one pass
-            low, high = ints
+        item_tp, item_extras, (low, high) = _unwrap(item)
+        plain_ints = item_tp is int and not any(isinstance(e, Digits) for e in item_extras)
+        if plain_ints and not mapping:  # a list of integers (shapes, steps): checked in one pass
 
             def read_ints(name: str, value: Any, strict: bool) -> Any:
                 if type(value) is not list or (most is not None and len(value) > most):
@@ -216,17 +223,6 @@ def _make_reader(tp: Any) -> Reader:
 
         return read_many
     raise TypeError(f"no JSON reader for the annotation {tp!r}")
-
-
-def _int_bounds(tp: Any) -> tuple[int, int] | None:
-    """(lo, hi) when ``tp`` is a plain integer (``int``, or Annotated with a :class:`Range`)."""
-    extras: tuple[Any, ...] = ()
-    if typing.get_origin(tp) is typing.Annotated:
-        tp, *rest = typing.get_args(tp)
-        extras = tuple(rest)
-    if tp is not int or any(isinstance(e, Digits) for e in extras):
-        return None
-    return next(((e.lo, e.hi) for e in extras if isinstance(e, Range)), (-MAX_INT, MAX_INT))
 
 
 _FIELDS: dict[type[Any], tuple[frozenset[str], list[tuple[str, bool, Reader]]]] = {}

@@ -231,8 +231,6 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
 # are ignored):
 Size = Annotated[int, Range(0, 1 << 62)]
 Dims = Annotated[tuple[Size, ...], Most(64)]
-Checksums = Annotated[str, Most(1 << 30)]
-"""A digest: its length is checked against the extent's pieces (:func:`piece_hashes`)."""
 
 
 @dataclass(slots=True)
@@ -249,7 +247,7 @@ class _TensorDoc:  # read once, never kept
     shape: Dims
     offset: Size
     nbytes: Size
-    hash: Checksums = ""
+    hash: str = ""  # its length is checked against the extent's pieces (_checked_hash)
     chunk: _ChunkDoc | None = None
 
 
@@ -257,7 +255,7 @@ class _TensorDoc:  # read once, never kept
 class _ObjectsDoc:  # read once, never kept
     offset: Size
     nbytes: Size
-    hash: Checksums = ""
+    hash: str = ""  # its length is checked against the extent's pieces (_checked_hash)
 
 
 @dataclass(slots=True)

@@ -108,6 +108,14 @@ def _read(cls: type[T], doc: Any, what: str, **known: Any) -> T:
     return read
 
 
+def _index(key: Any, what: str) -> int:
+    """A rank or node index sent as a JSON object's key (ASCII digits: ``str.isdigit`` also
+    takes '²', which ``int`` refuses). Raises ProtocolError."""
+    if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 18:
+        raise ProtocolError(f"{what} is not an index")
+    return int(key)
+
+
 @dataclass(frozen=True, slots=True)
 class RebuildProgress:
     """How far a rebuild of ``step`` is: ``fragments`` of ``of`` fetched."""
@@ -144,10 +152,9 @@ class PeerHealth:
         if type(doc) is not dict or len(doc) > _MAX_LIST:
             raise ProtocolError(f"field 'peers' must be an object of at most {_MAX_LIST} nodes")
         out = []
-        for node, p in doc.items():
-            if type(node) is not str or not node.isascii() or not node.isdigit() or len(node) > 18:
-                raise ProtocolError(f"peer {node!r} is not a node index")
-            out.append(_read(cls, p, f"peer {node}", node=int(node)))
+        for key, p in doc.items():
+            node = _index(key, "a key of field 'peers'")
+            out.append(_read(cls, p, f"peer {node}", node=node))
         return tuple(sorted(out, key=lambda h: h.node))
 
 
@@ -243,10 +250,10 @@ class RankProgress:
     and recovery timing read), its snapshots and its slots."""
 
     rank: int
-    pid: int | None
-    last_progress_time: float | None
-    last_progress_step: int | None
-    newest_committed: int | None
+    pid: int | None = None
+    last_progress_time: float | None = None
+    last_progress_step: int | None = None
+    newest_committed: int | None = None
     hello_time: float | None = None
     """When this incarnation of the rank first spoke to the SMP (``ftmem.load``/``save``)."""
     restored_time: float | None = None
@@ -280,12 +287,6 @@ class RankProgress:
     @classmethod
     def from_json(cls, rank: int, doc: Any) -> RankProgress:
         """Parse one entry of the STATUS's ``ranks``. Raises ProtocolError."""
-        # the progress fields may be absent in a report: absent reads as None
-        unknown = dict.fromkeys(
-            ("pid", "last_progress_time", "last_progress_step", "newest_committed")
-        )
-        if type(doc) is dict:
-            doc = {**unknown, **doc}
         return _read(cls, doc, f"rank {rank}'s status", rank=rank)
 
 
@@ -362,9 +363,8 @@ class SmpStatus:
             raise ProtocolError("field 'ranks' must be an object keyed by rank")
         ranks = {}
         for key, entry in ranks_doc.items():
-            if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 18:
-                raise ProtocolError("field 'ranks' must be keyed by rank")
-            ranks[int(key)] = RankProgress.from_json(int(key), entry)
+            rank = _index(key, "a key of field 'ranks'")
+            ranks[rank] = RankProgress.from_json(rank, entry)
         try:
             protection: ProtectionStatus | None = ProtectionStatus.from_json(doc.get("protection"))
         except ProtocolError as exc:

@@ -109,14 +109,17 @@ def shm_files(run_id: str, node: str | None = None, shm_dir: Path | None = None)
 
 
 @contextlib.contextmanager
-def running_smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
-    """A running SMP for ``run_id`` in ``run_dir``; stopped on leaving, which then checks it
-    left no process and no shared memory behind."""
+def running_smp(
+    run_dir: Path, run_id: str, extra_args: list[str] | None = None
+) -> Iterator[SmpProcess]:
+    """A running SMP for ``run_id`` in ``run_dir`` (with the SMP flags ``extra_args``);
+    stopped on leaving, which then checks it left no process and no shared memory behind."""
     proc = start_smp(
         run_dir=run_dir,
         run_id=run_id,
         start_timeout=timedelta(seconds=60),
         log_path=run_dir / "smp.log",
+        extra_args=extra_args,
     )
     try:
         yield proc

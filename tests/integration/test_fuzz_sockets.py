@@ -44,8 +44,8 @@ from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ProtectionState
 from ftmem.protocol.wire import decode, encode
-from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.launcher import pid_gone, shm_files
+from ftmem.smp.spawn import SmpProcess
+from tests._support.launcher import running_smp
 from tests._support.smp_mesh import Cluster, commit_of
 from tests._support.tamper import data_message, send_raw
 
@@ -58,20 +58,9 @@ _HEADER = struct.Struct("<4sHHQIQ")
 @pytest.fixture
 def small_smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
     """An SMP whose largest accepted request is 64 KiB (so oversized input is cheap)."""
-    proc = start_smp(
-        run_dir=run_dir,
-        run_id=run_id,
-        start_timeout=timedelta(seconds=60),
-        log_path=run_dir / "smp.log",
-        extra_args=["--max-message-bytes", str(MAX_MESSAGE)],
-    )
-    try:
+    with running_smp(run_dir, run_id, ["--max-message-bytes", str(MAX_MESSAGE)]) as proc:
         yield proc
-    finally:
-        proc.stop()
-        assert pid_gone(proc.pid)
-        assert shm_files(run_id) == [], "the SMP left shared memory behind"
-        assert not (run_dir / SOCKET_NAME).exists(), "the SMP left its socket behind"
+    assert not (run_dir / SOCKET_NAME).exists(), "the SMP left its socket behind"
 
 
 def frame(
