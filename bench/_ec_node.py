@@ -199,7 +199,7 @@ def _serve(
     def rebuild(step: int, lost: list[int], source: int, t_go: float) -> dict[str, Any]:
         c.update(COUNTERS)
         sleep_until(t_go)
-        out, res = _timed(lambda: prot.rebuild(step, set(lost), source))
+        out, res = _timed(lambda: prot.rebuilder.rebuild(step, set(lost), source))
         res |= {"nbytes": out.nbytes, "digest": xxhash.xxh3_64_intdigest(out)}
         res |= {"parity_digest": _parity_digest(prot, step), "parity": prot.parity_bytes(step)}
         return res | {"recv": c["recv_bytes"]}

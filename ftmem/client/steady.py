@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,6 +112,7 @@ def _optimizer_counts(optimizers: list[torch.optim.Optimizer]) -> tuple[int, ...
     return tuple(out)
 
 
+@dataclass(eq=False)
 class SteadyState:
     """What the last full save found, to re-read the next saves cheaply (module docstring).
 
@@ -118,24 +120,14 @@ class SteadyState:
     and encoded skeleton, or None when a full save is needed.
     """
 
-    def __init__(
-        self,
-        top: tuple[tuple[str, Any], ...],
-        nodes: Any,
-        flat: Flat,
-        fresh: list[tuple[int, int]],
-        template: list[bytes],
-        optimizers: tuple[int, ...],
-        given: Any,
-    ) -> None:
-        self._top = top
-        self._nodes = nodes
-        self._flat = flat
-        self._fresh = fresh
-        self._template = template
-        self._optimizers = optimizers
-        self._given = given
-        self.saves = 0
+    top: tuple[tuple[str, Any], ...]
+    nodes: Any
+    flat: Flat
+    fresh: list[tuple[int, int]]
+    template: list[bytes]
+    optimizers: tuple[int, ...]
+    given: Any
+    saves: int = 0
 
     @classmethod
     def build(
@@ -211,29 +203,29 @@ class SteadyState:
         replica's tensors (as a full save would have them) and the encoded skeleton; None
         when the structure differs (the save walks the state in full)."""
         self.saves += 1
-        if self.saves >= FULL_EVERY or given is not self._given:
+        if self.saves >= FULL_EVERY or given is not self.given:
             return None
-        top = self._top
+        top = self.top
         if len(state) != len(top):
             return None
         for (k, v), (k0, v0) in zip(state.items(), top, strict=True):
             if k != k0 or v is not v0:
                 return None
-        if _optimizer_counts(optimizers) != self._optimizers:
+        if _optimizer_counts(optimizers) != self.optimizers:
             return None
         found: list[torch.Tensor] = []
         plains: list[bytes] = []
-        for (_, sd), n in zip(sds, self._nodes, strict=True):
+        for (_, sd), n in zip(sds, self.nodes, strict=True):
             if not _check(sd, n, found, plains):
                 return None
-        tensors = list(self._flat.tensors)
-        for (_, j), t in zip(self._fresh, found, strict=True):
+        tensors = list(self.flat.tensors)
+        for (_, j), t in zip(self.fresh, found, strict=True):
             tensors[j] = t
-        out = [self._template[0]]
-        for p, rest in zip(plains, self._template[1:], strict=True):
+        out = [self.template[0]]
+        for p, rest in zip(plains, self.template[1:], strict=True):
             out.append(p)
             out.append(rest)
-        f = self._flat
+        f = self.flat
         return Flat(tensors, f.names, f.skeleton, f.chunks, f.replica_groups), b"".join(out)
 
 

@@ -55,7 +55,7 @@ from ftmem.exchange.codec import EncodedStripe, StripeCodec
 from ftmem.exchange.encode_pool import EncodePool
 from ftmem.exchange.outbox import Outbox
 from ftmem.exchange.placement import GroupPlan, StripePlan, chunk_bytes_for, stripe_map
-from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder, RebuildMeta
+from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder
 from ftmem.exchange.seals import Seal, digest_of, seal
 from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.steps import (
@@ -131,19 +131,13 @@ class GroupProtector:
         machine's memory, beyond which it could not hold the node's parity nor a rebuild."""
         self.dropped = 0
         self._outbox = Outbox(me)
-        self._rebuilder = Rebuilder(self)
+        self.rebuilder = Rebuilder(self)
+        """The rebuild side: a lost node rebuilds its snapshot from the survivors
+        (``rebuild``); a survivor serves it (``hold``, ``serve_only``, ``serving``,
+        ``refused``)."""
         self._encoder = StripeEncoder(
             self.codec, encode_workers, chunk_bytes_for(plan.k, stripe_bytes)
         )
-
-    @property
-    def max_unplanned_bytes(self) -> int:
-        """Bound of the columns and parity kept before their stripe maps are known."""
-        return self.table.max_unplanned_bytes
-
-    @max_unplanned_bytes.setter
-    def max_unplanned_bytes(self, value: int) -> None:
-        self.table.max_unplanned_bytes = value
 
     def buffered_bytes(self) -> int:
         """Bytes of columns and parity held for all steps (what peers' messages made this
@@ -205,7 +199,7 @@ class GroupProtector:
         self._encoder.drop_queued()  # their steps are given up below; late results are dropped
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
             self.forget(step)
-        self._rebuilder.clear()
+        self.rebuilder.clear()
 
     def _plan_stripes(self, step: int) -> None:
         st = self.steps[step]
@@ -362,16 +356,16 @@ class GroupProtector:
                 self._progressed(b.step)
             case pm.Held() as b:
                 self.table.for_peer(b.step, self.forget).held.add(sender)
-                self._rebuilder.rebuilt(sender, b.step)
+                self.rebuilder.rebuilt(sender, b.step)
             case pm.Abort() as b:
                 if b.step in self.steps and not self.steps[b.step].held >= set(self.plan.nodes):
                     self.steps[b.step].aborted = True
             case pm.MetaRequest() | pm.FetchRequest() as b:
-                self._rebuilder.request(sender, b)
+                self.rebuilder.request(sender, b)
             case pm.MetaReply() as b:
-                self._rebuilder.on_meta(b, bufs)
+                self.rebuilder.on_meta(b, bufs)
             case pm.FetchReply() as b:
-                self._rebuilder.on_fetched(b, bufs)
+                self.rebuilder.on_fetched(b, bufs)
             case _:  # the service's own kinds
                 if self.on_other is None:
                     raise ProtocolError(f"unexpected kind {env.kind.value!r}")
@@ -493,7 +487,7 @@ class GroupProtector:
         if epoch != self.epoch:
             return
         if isinstance(body, pm.FetchReply):
-            self._rebuilder.on_refused(sender, body)
+            self.rebuilder.on_refused(sender, body)
         elif isinstance(body, pm.Size | pm.Data | pm.Parity):
             st = self.steps.get(body.step)
             if st is None or st.held_sent or st.aborted or st.refused_at is not None:
@@ -588,57 +582,6 @@ class GroupProtector:
         self.table.release(st)
         if st.data is not None:
             st.data.release()
-
-    def hold_requests(self) -> None:
-        """Keep peers' META and FETCH requests unanswered (bounded) until the generation's
-        sync says who is rebuilding (:meth:`serve_rebuild`); the SMP calls this as each
-        generation starts. Until first called, any node of the group is served."""
-        self._rebuilder.hold()
-
-    def serve_rebuild(self, step: int | None, nodes: frozenset[int] | set[int]) -> None:
-        """From now on answer META and FETCH of ``step`` from ``nodes`` only, each until it
-        says it holds the step again (HELD); refuse every other (dropped, counted, logged
-        once). Requests kept by :meth:`hold_requests` are answered or refused now."""
-        self._rebuilder.serve_only(step, nodes)
-
-    def rebuild_served(self) -> dict[int, int]:
-        """The nodes this node serves a rebuild to now, each with the step it rebuilds; a
-        node leaves once its HELD arrives (empty while requests are held, or before the
-        first :meth:`hold_requests`, when any node of the group is served)."""
-        return self._rebuilder.serving()
-
-    @property
-    def refused(self) -> int:
-        """META and FETCH requests refused (not from the node being rebuilt, or outside a
-        rebuild); they are counted in ``dropped`` too."""
-        return self._rebuilder.refused
-
-    def rebuild(
-        self,
-        step: int,
-        lost: set[int] | frozenset[int],
-        source: int,
-        accept: Callable[[RebuildMeta], None] | None = None,
-    ) -> memoryview:
-        """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
-
-        ``source`` is a survivor asked for the step's sizes (and this node's manifest, then
-        available from :meth:`manifest`). Before anything is allocated the sizes are bounded,
-        the lost node's seal of the step is checked (with a key file: seals.py) and
-        ``accept`` (if given) may refuse what the survivor sent by raising. Returns the
-        snapshot bytes, which matched the sealed digest; the rebuilt parity is held as if
-        this node had protected the step itself (and its peers are told: HELD). A fetched
-        fragment that fails its checksum counts as lost: the stripe is retried with every
-        other surviving fragment.
-
-        Raises:
-            UnrecoverableError: more than m nodes of the group are lost, the source does not
-                hold the step, its sizes are out of range, the seal or the digest does not
-                match, or too few fragments of a stripe are intact.
-            TimeoutError: a survivor did not answer in time.
-            Whatever ``accept`` raises.
-        """
-        return self._rebuilder.rebuild(step, lost, source, accept)
 
 
 def _waits_for_peers(st: StepState) -> bool:

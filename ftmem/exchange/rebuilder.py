@@ -10,7 +10,7 @@ Who is served: snapshot bytes and manifests go only to a node that this generati
 decided is rebuilding, for the step being rebuilt, until it says it holds the step (HELD):
 the owner calls :meth:`Rebuilder.hold` as a generation starts (requests then wait, bounded)
 and :meth:`Rebuilder.serve_only` once the sync has decided. Every other request is refused:
-dropped, counted in the protector's ``dropped`` and ``refused``, logged once per node; no
+dropped, counted in the protector's ``dropped`` and in ``refused``, logged once per node; no
 reply. (A rebuilder whose owner never calls either serves every node of the group.)
 
 What a rebuilt node checks before it allocates or keeps anything: the sizes are those of the
@@ -331,7 +331,24 @@ class Rebuilder:
         source: int,
         accept: Callable[[RebuildMeta], None] | None = None,
     ) -> memoryview:
-        """See :meth:`GroupProtector.rebuild`."""
+        """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
+
+        ``source`` is a survivor asked for the step's sizes (and this node's manifest, then
+        available from :meth:`GroupProtector.manifest`). Before anything is allocated the
+        sizes are bounded, the lost node's seal of the step is checked (with a key file:
+        seals.py) and ``accept`` (if given) may refuse what the survivor sent by raising. Returns the
+        snapshot bytes, which matched the sealed digest; the rebuilt parity is held as if
+        this node had protected the step itself (and its peers are told: HELD). A fetched
+        fragment that fails its checksum counts as lost: the stripe is retried with every
+        other surviving fragment.
+
+        Raises:
+            UnrecoverableError: more than m nodes of the group are lost, the source does not
+                hold the step, its sizes are out of range, the seal or the digest does not
+                match, or too few fragments of a stripe are intact.
+            TimeoutError: a survivor did not answer in time.
+            Whatever ``accept`` raises.
+        """
         p = self.p
         meta = self._sizes(step, source)
         if accept is not None:

@@ -117,17 +117,10 @@ class TensorExtent:
 
 
 @dataclass(frozen=True, slots=True)
-class StoredTensor:
+class StoredTensor(TensorExtent):
     """A tensor as described by a committed layout (``hash`` empty until verified)."""
 
-    index: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    hash: str
-    chunk: ChunkOf | None = None
+    hash: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +286,7 @@ def _tensor(n: int, e: _TensorDoc, capacity: int) -> StoredTensor:
             raise CorruptSnapshotError("chunk lies outside its global tensor")
         chunk = ChunkOf(shape, offset)
     h = _checked_hash(e.hash, e.nbytes)
-    return StoredTensor(n, e.name, e.dtype, e.shape, e.offset, e.nbytes, h, chunk)
+    return StoredTensor(n, e.name, e.dtype, e.shape, e.offset, e.nbytes, chunk, h)
 
 
 def parse_layout(text: str, capacity: int) -> StoredSnapshot:

@@ -18,6 +18,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -181,6 +182,7 @@ def _smp_metrics(node: str, status: SmpStatus, gauge: Any, counter: Any) -> Iter
             yield c
 
 
+@dataclass(eq=False)
 class MetricsServer:
     """``GET /metrics`` for one :class:`AgentMetrics` on ``addr:port``, from one daemon thread.
 
@@ -195,23 +197,16 @@ class MetricsServer:
     (idempotent).
     """
 
-    def __init__(
-        self,
-        metrics: AgentMetrics,
-        port: int,
-        addr: str = "127.0.0.1",
-        timeout: float = 5.0,
-        max_connections: int = 64,
-    ) -> None:
-        self.metrics = metrics
-        self.port = port
-        self.addr = addr
-        self.timeout = timeout
-        self.max_connections = max_connections
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: Any = None
-        self._conns: dict[asyncio.StreamWriter, None] = {}  # oldest first
+    metrics: AgentMetrics
+    port: int
+    addr: str = "127.0.0.1"
+    timeout: float = 5.0
+    max_connections: int = 64
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _server: Any = field(default=None, init=False)
+    _conns: dict[asyncio.StreamWriter, None] = field(default_factory=dict, init=False)
+    """The open connections, oldest first."""
 
     def start(self) -> None:
         """Bind and serve from a daemon thread."""

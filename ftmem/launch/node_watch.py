@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,7 @@ from ftmem.launch.peers import PeerMesh
 log = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True, eq=False)
 class NodeWatch:
     """The failure detector of one agent, told each round's ring neighbours.
 
@@ -48,31 +50,22 @@ class NodeWatch:
         declare: called (on the detector's thread) with a node declared lost and why.
     """
 
-    def __init__(
-        self,
-        *,
-        node: str,
-        run_id: str,
-        mesh: PeerMesh,
-        suspect: timedelta,
-        insecure: bool,
-        publish: Callable[[str], bool],
-        events: EventLog,
-        declare: Callable[[str, str], None] | None,
-    ) -> None:
-        self._node = node
-        self._run_id = run_id
-        self._mesh = mesh
-        self._suspect = suspect
-        self._insecure = insecure
-        self._publish = publish
-        self._events = events
-        self._declare = declare
-        self._generation = -1
-        self._off = suspect.total_seconds() <= 0
-        self._key = b""
-        self.detector: FailureDetector | None = None
-        """The failure detector, started at the first round of several nodes."""
+    node: str
+    run_id: str
+    mesh: PeerMesh
+    suspect: timedelta
+    insecure: bool
+    publish: Callable[[str], bool]
+    events: EventLog
+    declare: Callable[[str, str], None] | None
+    _generation: int = field(default=-1, init=False)
+    _key: bytes = field(default=b"", init=False)
+    detector: FailureDetector | None = field(default=None, init=False)
+    """The failure detector, started at the first round of several nodes."""
+    _off: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self._off = self.suspect.total_seconds() <= 0
 
     def watch_round(
         self,
@@ -111,7 +104,7 @@ class NodeWatch:
             log.warning(
                 "[%s] the failure detector does not watch generation %d (%s): a lost machine "
                 "is found by the rendezvous keep-alive alone",
-                self._node,
+                self.node,
                 generation,
                 exc,
             )
@@ -125,25 +118,25 @@ class NodeWatch:
         """Start the failure detector with a key derived from the job's (None: no key)."""
         from ftmem.exchange import keys
 
-        ps = self._mesh.settings
-        if ps.key_file is None and not self._insecure and not is_loopback(ps.host):
+        ps = self.mesh.settings
+        if ps.key_file is None and not self.insecure and not is_loopback(ps.host):
             log.warning(
                 "[%s] no --ftmem-key-file: the failure detector's heartbeats cannot be "
                 "authenticated across hosts, so it is off; a lost machine is found by the "
                 "rendezvous keep-alive alone",
-                self._node,
+                self.node,
             )
             self._off = True
             return None
-        job = keys.CurveKeyPair.from_json(self._mesh.job_keys(store, group_rank))
+        job = keys.CurveKeyPair.from_json(self.mesh.job_keys(store, group_rank))
         self._key = job.derived_key("heartbeat")
         detector = FailureDetector(
-            node=self._node,
-            run_id=self._run_id,
+            node=self.node,
+            run_id=self.run_id,
             key=self._key,
             host=ps.host,
-            suspect=self._suspect,
-            publish=self._publish,
+            suspect=self.suspect,
+            publish=self.publish,
             on_lost=self._declared_lost,
         )
         detector.start()
@@ -152,9 +145,9 @@ class NodeWatch:
 
     def _declared_lost(self, node: str, why: str) -> None:
         """The detector published ``node`` lost (its thread): restart at once."""
-        self._events.write("declared_lost", peer=node, why=why, generation=self._generation)
-        if self._declare is not None:
-            self._declare(node, why)
+        self.events.write("declared_lost", peer=node, why=why, generation=self._generation)
+        if self.declare is not None:
+            self.declare(node, why)
 
     def pause(self) -> None:
         """The ranks are stopped: declare nothing until the next round is watched."""

@@ -8,6 +8,7 @@ act on the SIGTERM elastic sends the survivors, so a restart would stall) or one
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, find_hangs
@@ -18,26 +19,19 @@ from ftmem.protocol.status import RankProgress
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class RankWatch:
     """The node's current ranks, and the hung ranks it killed in this generation."""
 
-    def __init__(
-        self,
-        node: str,
-        events: EventLog,
-        hang_timeout: timedelta,
-        first_progress_timeout: timedelta,
-        rejoin_timeout: timedelta = timedelta(0),
-    ) -> None:
-        self._node = node
-        self._events = events
-        self._hang_timeout = hang_timeout
-        self._first_progress_timeout = first_progress_timeout
-        self._rejoin_timeout = rejoin_timeout
-        self.procs: list[RankProcess] = []
-        """The ranks of the current generation."""
-        self.hang_killed: dict[int, HangVerdict] = {}
-        """pid -> why it was killed as hung (in this generation)."""
+    node: str
+    events: EventLog
+    hang_timeout: timedelta
+    first_progress_timeout: timedelta
+    rejoin_timeout: timedelta = timedelta(0)
+    procs: list[RankProcess] = field(default_factory=list, init=False)
+    """The ranks of the current generation."""
+    hang_killed: dict[int, HangVerdict] = field(default_factory=dict, init=False)
+    """pid -> why it was killed as hung (in this generation)."""
 
     def started(self, procs: list[RankProcess]) -> None:
         """A new generation's ranks started: watch them (no hang killed yet)."""
@@ -62,7 +56,7 @@ class RankWatch:
             if proc_state(proc.pid) == "T":
                 log.warning(
                     "[%s/%d] pid %d is stopped (SIGSTOP?) %s; SIGKILL",
-                    self._node,
+                    self.node,
                     proc.rank,
                     proc.pid,
                     why,
@@ -82,9 +76,9 @@ class RankWatch:
             running,
             progress,
             fetched,
-            self._hang_timeout,
-            self._first_progress_timeout,
-            self._rejoin_timeout,
+            self.hang_timeout,
+            self.first_progress_timeout,
+            self.rejoin_timeout,
         )
         if hangs:
             self._kill_hung(hangs)
@@ -109,7 +103,7 @@ class RankWatch:
         state = states[verdict.pid]
         log.error(
             "[%s/%d] HANG: %s (last step %s%s); SIGKILL pid %d%s",
-            self._node,
+            self.node,
             verdict.rank,
             verdict.reason,
             verdict.last_step,
@@ -119,7 +113,7 @@ class RankWatch:
         )
         for h in hangs:
             kill_rank(h.pid)
-        self._events.write(
+        self.events.write(
             "hang",
             rank=verdict.rank,
             pid=verdict.pid,

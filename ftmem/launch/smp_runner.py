@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ class _SmpHandle(Protocol):
     def kill(self) -> Any: ...
 
 
+@dataclass(kw_only=True, eq=False)
 class SmpRunner:
     """Owns the node's SMP process: start, liveness, restart, stop.
 
@@ -40,33 +42,20 @@ class SmpRunner:
     ``ftmem.errors.SmpStartError`` if the SMP is not ready before ``start_timeout``.
     """
 
-    def __init__(
-        self,
-        *,
-        run_dir: Path,
-        run_id: str,
-        node: str,
-        slots: int,
-        start_timeout: timedelta,
-        stop_timeout: timedelta,
-        log_level: str = "INFO",
-        extra_env: dict[str, str] | None = None,
-        extra_args: list[str] | None = None,
-    ) -> None:
-        self.run_dir = run_dir
-        self.run_id = run_id
-        self.node = node
-        self.slots = slots
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.log_level = log_level
-        self.extra_env = dict(extra_env or {})
-        self.extra_args = list(extra_args or [])
-        self._proc: _SmpHandle | None = None
-        self.starts = 0
-        """How many times an SMP was started (1 + restarts)."""
-        self.last_exit: int | None = None
-        """Exit code of the previous SMP if it died (negative: killed by that signal)."""
+    run_dir: Path
+    run_id: str
+    node: str
+    slots: int
+    start_timeout: timedelta
+    stop_timeout: timedelta
+    log_level: str = "INFO"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    _proc: _SmpHandle | None = field(default=None, init=False)
+    starts: int = field(default=0, init=False)
+    """How many times an SMP was started (1 + restarts)."""
+    last_exit: int | None = field(default=None, init=False)
+    """Exit code of the previous SMP if it died (negative: killed by that signal)."""
 
     @property
     def pid(self) -> int | None:

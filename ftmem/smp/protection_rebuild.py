@@ -110,7 +110,7 @@ def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source
         source,
         sorted(lost),
     )
-    data = protector.rebuild(step, lost, source, lambda meta: check_manifest(ctx, meta))
+    data = protector.rebuilder.rebuild(step, lost, source, lambda meta: check_manifest(ctx, meta))
     try:
         manifest = json.loads(protector.manifest(step, ctx.me) or b"null")
         if not isinstance(manifest, dict) or manifest.get("step") != step:

@@ -8,7 +8,7 @@ that step. No such step while some node holds data: more than m nodes were lost.
 
 Until the sync has decided, a node keeps its peers' META and FETCH requests unanswered; then
 it serves the kept step to the nodes that rebuild it, each until it has rebuilt (HELD), and
-refuses everyone else (the protector's ``hold_requests`` and ``serve_rebuild``).
+refuses everyone else (the rebuilder's ``hold`` and ``serve_only``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class GenerationSync:
         self._states = {self.ctx.me: held}
         self._deadline = time.monotonic() + self.timeout_s
         if self.ctx.protector is not None:
-            self.ctx.protector.hold_requests()
+            self.ctx.protector.rebuilder.hold()
 
     def on_held(self, sender: int, held: list[int]) -> None:
         """Node ``sender``'s held steps."""
@@ -106,7 +106,7 @@ class GenerationSync:
                 return None
             missing = sorted(set(ctx.plan.nodes) - set(self._states))
             self.pending = None
-            ctx.protector.serve_rebuild(None, frozenset())
+            ctx.protector.rebuilder.serve_only(None, frozenset())
             ctx.board.move(ProtectionState.SYNC_FAILED)
             ctx.event("sync", epoch=ctx.epoch, ok=False, missing=missing)
             why = f"nodes {missing} did not answer the sync in {self.timeout_s:.0f} s"
@@ -118,7 +118,7 @@ class GenerationSync:
         ctx = self.ctx
         assert ctx.protector is not None
         # Snapshot bytes go to the nodes that rebuild the kept step, and to no one else.
-        ctx.protector.serve_rebuild(None if verdict.error else verdict.step, verdict.lost)
+        ctx.protector.rebuilder.serve_only(None if verdict.error else verdict.step, verdict.lost)
         ctx.event(
             "sync",
             epoch=ctx.epoch,

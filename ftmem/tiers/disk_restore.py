@@ -87,7 +87,7 @@ def load_rank(
     except (KeyError, ValueError, RuntimeError, OSError) as exc:
         raise CorruptSnapshotError(f"{path} has no snapshot of rank {rank}: {exc!r}") from exc
     tensors = tuple(
-        StoredTensor(i, name, dtype_name(dtype), shape, off, n, "")
+        StoredTensor(i, name, dtype_name(dtype), shape, off, n)
         for i, (name, dtype, shape, off, n) in enumerate(specs)
     )
     snap = StoredSnapshot(ckpt.step, tensors, 0, len(skeleton), "")

@@ -138,11 +138,11 @@ def scenario(
                 seen[str(j)] = str(PeerAddress(a.endpoint, a.key, proxies[-1].endpoint))
             prots[i].transport.connect(seen)
         for i in survivors:
-            prots[i].serve_rebuild(1, lost)
+            prots[i].rebuilder.serve_only(1, lost)
         rebuilt: dict[int, bytes] = {}
 
         def rebuild(i: int) -> None:
-            rebuilt[i] = prots[i].rebuild(1, lost, source=survivors[0])
+            rebuilt[i] = prots[i].rebuilder.rebuild(1, lost, source=survivors[0])
 
         def serve(i: int) -> None:
             prots[i].serve(done.is_set, poll_s=0.05)
@@ -293,7 +293,7 @@ def _sync_with_survivors(
             for node, steps in held.items():
                 sync.on_held(node, steps)
             for p in survivors:  # the survivors' own syncs decided the same
-                p.serve_rebuild(1, {ctx.me})
+                p.rebuilder.serve_only(1, {ctx.me})
             out.append(sync.poll())
         finally:
             done_at.append(time.monotonic())
@@ -303,7 +303,7 @@ def _sync_with_survivors(
         def stop() -> bool:
             if not done.is_set():
                 return False
-            served = expect_held and ctx.me in p.rebuild_served()
+            served = expect_held and ctx.me in p.rebuilder.serving()
             return not served or time.monotonic() > done_at[0] + 30
 
         return stop
@@ -411,11 +411,11 @@ def _rebuild_against(
     out: list[memoryview | BaseException] = []
     done = threading.Event()
     for p in survivors:
-        p.serve_rebuild(1, {lost.me})
+        p.rebuilder.serve_only(1, {lost.me})
 
     def rebuild() -> None:
         try:
-            out.append(lost.rebuild(1, {lost.me}, source=0))
+            out.append(lost.rebuilder.rebuild(1, {lost.me}, source=0))
         except Exception as exc:
             out.append(exc)
         finally:
@@ -496,16 +496,18 @@ def test_a_fetch_or_meta_from_a_node_not_being_rebuilt_gets_no_bytes() -> None:
     key = keys.generate()
     _, transports, prots, _ = _protected_trio(key)
     try:
-        prots[0].hold_requests()
-        prots[0].serve_rebuild(1, {2})  # the sync decided: node 2 rebuilds step 1
+        prots[0].rebuilder.hold()
+        prots[0].rebuilder.serve_only(1, {2})  # the sync decided: node 2 rebuilds step 1
         fetch = pm.FetchRequest(1, 0, 0, FragmentKind.DATA, 0, 1000)
         for body in (fetch, pm.MetaRequest(1)):
             transports[1].send("0", body.to_header(0), [])
         until = time.monotonic() + 10
-        prots[0].serve(lambda: prots[0].refused >= 2 or time.monotonic() > until, poll_s=0.05)
-        assert prots[0].refused == 2
+        prots[0].serve(
+            lambda: prots[0].rebuilder.refused >= 2 or time.monotonic() > until, poll_s=0.05
+        )
+        assert prots[0].rebuilder.refused == 2
         assert transports[1].recv(1.0) is None, "node 0 answered a refused request"
-        prots[0].serve_rebuild(1, {1})
+        prots[0].rebuilder.serve_only(1, {1})
         transports[1].send("0", fetch.to_header(0), [])
         sent = prots[0].sent_bytes
         until = time.monotonic() + 10
@@ -530,7 +532,7 @@ def test_a_flood_of_fragments_for_many_steps_stays_within_the_byte_bound() -> No
     transports = [ZmqPeerTransport(str(i), key) for i in range(3)]
     try:
         _, prots = mesh(plan, transports)
-        prots[0].max_unplanned_bytes = 4 << 20
+        prots[0].table.max_unplanned_bytes = 4 << 20
         piece = os.urandom(256 << 10)
         flood = [
             body
