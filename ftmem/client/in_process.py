@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ftmem import faults
+from ftmem.client.flatten import dtensor_type
 from ftmem.config import (
     ENV_AGENT_PID,
     ENV_GENERATION,
@@ -232,11 +233,12 @@ def _reopen_output(order: RejoinOrder) -> None:
 def _refuse_dtensors(state: MutableMapping[str, Any]) -> None:
     """DTensor parameters (FSDP2, tensor parallel) hold their device mesh and with it the
     process groups: they cannot move to a new group in process."""
-    from torch.distributed.tensor import DTensor
-
+    dtensor = dtensor_type()
     for value in state.values():
-        if isinstance(value, torch.nn.Module) and any(
-            isinstance(p, DTensor) for p in value.parameters()
+        if (
+            dtensor is not None
+            and isinstance(value, torch.nn.Module)
+            and any(isinstance(p, dtensor) for p in value.parameters())
         ):
             raise InProcessUnavailable(
                 "ftmem.run: the model's parameters are DTensors (FSDP2 / tensor parallel), "

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ftmem.client.flatten import Flat, storage_ptr
+from ftmem.client.flatten import Flat, dtensor_type, storage_ptr
 from ftmem.client.save_plan import optimizer_storage_ptrs
 from ftmem.format.tensors import TENSOR_MARK, encode_skeleton
 
@@ -51,17 +51,6 @@ _SENTINEL = f"@@ftmem-plain-{secrets.token_hex(8)}-"
 _DICT, _LIST, _TUPLE, _PLAIN, _STRICT, _FRESH = range(6)
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
-
-
 _TENSOR = torch.Tensor
 
 
@@ -72,10 +61,10 @@ def _strict_key(t: torch.Tensor) -> tuple[Any, ...]:
     space)."""
     if type(t) is _TENSOR:
         return (t.data_ptr(), t.stride(), t.shape, t.dtype, t.is_cuda)
-    if _DTENSOR is not None and type(t) is _DTENSOR:
+    if type(t) is dtensor_type():
         local = t._local_tensor  # type: ignore[attr-defined]
         return (
-            _DTENSOR,
+            type(t),
             local.data_ptr(),
             local.stride(),
             local.shape,
@@ -92,14 +81,14 @@ def _fresh_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What must stay equal for a tensor taken anew each save (copied eagerly)."""
     if type(t) is _TENSOR:
         return (t.shape, t.dtype, t.is_cuda, t.layout)
-    if _DTENSOR is not None and type(t) is _DTENSOR:
+    if type(t) is dtensor_type():
         local = t._local_tensor  # type: ignore[attr-defined]
-        return (_DTENSOR, t.shape, t.placements, id(t.device_mesh), local.shape, local.dtype)  # type: ignore[attr-defined]
+        return (type(t), t.shape, t.placements, id(t.device_mesh), local.shape, local.dtype)  # type: ignore[attr-defined]
     return (type(t),)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    if _DTENSOR is not None and type(t) is _DTENSOR:
+    if type(t) is dtensor_type():
         return t._local_tensor.detach()  # type: ignore[attr-defined,no-any-return]
     return t.detach()
 
