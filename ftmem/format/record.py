@@ -1,54 +1,73 @@
-"""Commit records: what a committed slot holds, as the SMP writes it next to the slot file.
+"""What a node's slots hold, as JSON: the commit record the SMP writes next to each committed
+slot file, and the manifest of a node's protected step that a rebuilt node receives.
 
-The record is JSON with its own checksum (xxh64 of the body), so a torn or edited record is
+The record carries its own checksum (xxh64 of the body), so a torn or edited record is
 refused. Its layout may lack checksums (committed, not yet verified when the SMP died): a
-restarted SMP that adopts it hashes the slot before serving it.
+restarted SMP that adopts it hashes the slot before serving it. The manifest travels sealed
+with the step's data (exchange/seals.py); it lists the node's ranks in the order their bytes
+follow each other. Both are read by :func:`ftmem.typed_json.build` from these annotations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Annotated
 
 import xxhash
 
+from ftmem.errors import ProtocolError
+from ftmem.typed_json import Most, Range, build
+
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 << 20
+MAX_SLOT_BYTES = 1 << 40
+"""The largest slot (1 TiB): a record or manifest naming a larger one is refused."""
+_Count = Annotated[int, Range(0, (1 << 62) - 1)]
+_Bytes = Annotated[int, Range(0, MAX_SLOT_BYTES)]
+_Layout = Annotated[str, Most(MAX_RECORD_BYTES)]
 
 
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
     """What a committed slot holds."""
 
-    rank: int
-    slot: int
-    gen: int
-    capacity: int
-    step: int
-    seq: int
-    layout: str
+    rank: _Count
+    slot: _Count
+    gen: _Count
+    capacity: _Count
+    step: _Count
+    seq: _Count
+    layout: _Layout
+
+
+@dataclass(frozen=True, slots=True)
+class _RecordBody(CommitRecord):
+    version: Annotated[int, Range(RECORD_VERSION, RECORD_VERSION)] = RECORD_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class _RecordFile:
+    record: _Layout
+    xxh64: Annotated[str, Most(16)]
 
 
 def encode_record(rec: CommitRecord) -> str:
     """The record's file text (body plus its checksum)."""
-    body = json.dumps(
-        {
-            "version": RECORD_VERSION,
-            "rank": rec.rank,
-            "slot": rec.slot,
-            "gen": rec.gen,
-            "capacity": rec.capacity,
-            "step": rec.step,
-            "seq": rec.seq,
-            "layout": rec.layout,
-        },
-        separators=(",", ":"),
-    )
+    body = json.dumps({"version": RECORD_VERSION, **dataclasses.asdict(rec)}, separators=(",", ":"))
     return json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})
 
 
+def _json(text: str | bytes, what: str) -> object:
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from exc
+
+
 def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not allowed in a commit record")
+    raise ValueError(f"{name} is not allowed")
 
 
 def decode_record(text: str) -> CommitRecord:
@@ -60,23 +79,49 @@ def decode_record(text: str) -> CommitRecord:
     if len(text) > MAX_RECORD_BYTES:
         raise ValueError("record too large")
     try:
-        outer = json.loads(text, parse_constant=_no_constant)
-        if not isinstance(outer, dict):
-            raise ValueError("record is not an object")
-        body = outer["record"]
-        if not isinstance(body, str) or xxhash.xxh64_hexdigest(body.encode()) != outer["xxh64"]:
+        outer = build(_RecordFile, _json(text, "a commit record"), what="commit record")
+        if xxhash.xxh64_hexdigest(outer.record.encode()) != outer.xxh64:
             raise ValueError("record checksum mismatch")
-        d = json.loads(body, parse_constant=_no_constant)
-        if not isinstance(d, dict):
-            raise ValueError("record body is not an object")
-        if d.get("version") != RECORD_VERSION:
-            raise ValueError(f"record version {d.get('version')!r} not supported")
-        fields = {k: d[k] for k in ("rank", "slot", "gen", "capacity", "step", "seq")}
-        layout = d["layout"]
-    except (KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ValueError(f"malformed record: {exc!r}") from exc
-    if not all(type(v) is int and 0 <= v < 1 << 62 for v in fields.values()):
-        raise ValueError("record fields have the wrong types")
-    if not isinstance(layout, str):
-        raise ValueError("record layout is not a string")
-    return CommitRecord(layout=layout, **fields)
+        d = build(_RecordBody, _json(outer.record, "a commit record"), what="commit record")
+    except (ProtocolError, UnicodeEncodeError) as exc:
+        raise ValueError(f"malformed record: {exc}") from exc
+    return CommitRecord(d.rank, d.slot, d.gen, d.capacity, d.step, d.seq, d.layout)
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    """One rank's part of a node's bytes."""
+
+    rank: Annotated[int, Range(0, 1 << 31)]
+    nbytes: _Bytes
+    capacity: _Bytes
+    """The rank's slot size (a rebuilt slot is made this large)."""
+    layout: _Layout
+
+
+@dataclass(frozen=True, slots=True)
+class NodeManifest:
+    """What a node's bytes of a protected step are: its ranks' parts, in order."""
+
+    step: _Count
+    ranks: Annotated[list[ManifestEntry], Most(1 << 16)]
+
+
+def encode_manifest(manifest: NodeManifest) -> bytes:
+    """The manifest as sent with the step (JSON)."""
+    return json.dumps(dataclasses.asdict(manifest)).encode()
+
+
+def decode_manifest(raw: bytes, step: int) -> NodeManifest:
+    """Read a manifest of ``step``.
+
+    Raises:
+        ValueError: not a manifest, or one of another step.
+    """
+    try:
+        got: NodeManifest = build(NodeManifest, _json(raw or b"null", "the manifest"))
+    except ProtocolError as exc:
+        raise ValueError(f"the manifest of step {step} is malformed: {exc}") from exc
+    if got.step != step:
+        raise ValueError(f"the manifest is of step {got.step}, not {step}")
+    return got

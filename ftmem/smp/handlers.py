@@ -26,6 +26,7 @@ from ftmem.config import SmpConfig
 from ftmem.errors import ProtocolError
 from ftmem.events import EventLog
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
+from ftmem.format.record import MAX_SLOT_BYTES
 from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
 from ftmem.smp.allocation import Allocator, AllocJob
@@ -33,7 +34,6 @@ from ftmem.smp.flush_scheduler import FlushRequest, FlushService
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection import BindCommand, ProtectionService, StartCommand
 from ftmem.smp.slot_store import SlotStore
-from ftmem.smp.store import MAX_SLOT_BYTES
 
 log = get_logger(__name__)
 

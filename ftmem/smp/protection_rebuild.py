@@ -14,17 +14,16 @@ memory. A refusal is the rebuild's failure (REBUILD_FAILED), like any other.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from typing import Any
 
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
+from ftmem.format.record import decode_manifest
 from ftmem.protocol.status import ProtectionState
 from ftmem.smp.protection_state import PinnedStep, ProtectionContext
-from ftmem.smp.store import MAX_SLOT_BYTES, StoreError
+from ftmem.smp.store import StoreError
 
 log = get_logger(__name__)
 
@@ -47,13 +46,6 @@ def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) ->
     )
 
 
-def _int_field(entry: dict[str, Any], name: str, hi: int) -> int:
-    value = entry.get(name)
-    if type(value) is not int or not 0 <= value <= hi:
-        raise UnrecoverableError(f"a manifest entry's {name!r} is not an integer in 0..{hi}")
-    return value
-
-
 def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> None:
     """Refuse a rebuild whose manifest does not fit this node (see the module docstring).
 
@@ -61,25 +53,18 @@ def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> None:
         UnrecoverableError: saying what does not fit.
     """
     try:
-        doc = json.loads(meta.manifest or b"null")
-    except (ValueError, RecursionError) as exc:
-        raise UnrecoverableError(f"the manifest of step {meta.step} is not JSON") from exc
-    if not isinstance(doc, dict) or doc.get("step") != meta.step:
-        raise UnrecoverableError("the rebuilt node's manifest is missing or for another step")
-    entries = doc.get("ranks")
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise UnrecoverableError("the manifest has no list of ranks")
-    ranks = [_int_field(e, "rank", 1 << 31) for e in entries]
-    if sorted(ranks) != sorted(ctx.ranks):
+        entries = decode_manifest(meta.manifest, meta.step).ranks
+    except ValueError as exc:
+        raise UnrecoverableError(str(exc)) from exc
+    ranks = sorted(e.rank for e in entries)
+    if ranks != sorted(ctx.ranks):
         raise UnrecoverableError(
-            f"the manifest lists ranks {sorted(ranks)[:16]}, this node runs {sorted(ctx.ranks)}"
+            f"the manifest lists ranks {ranks[:16]}, this node runs {sorted(ctx.ranks)}"
         )
-    used = capacity = 0
     for e in entries:
-        n, cap = _int_field(e, "nbytes", MAX_SLOT_BYTES), _int_field(e, "capacity", MAX_SLOT_BYTES)
-        if n > cap:
-            raise UnrecoverableError(f"rank {e['rank']}: {n} bytes in a slot of {cap}")
-        used, capacity = used + n, capacity + cap
+        if e.nbytes > e.capacity:
+            raise UnrecoverableError(f"rank {e.rank}: {e.nbytes} bytes in a slot of {e.capacity}")
+    used, capacity = sum(e.nbytes for e in entries), sum(e.capacity for e in entries)
     if used != meta.sizes.get(ctx.me):
         raise UnrecoverableError(
             f"the manifest's ranks hold {used} bytes, the node's size is {meta.sizes.get(ctx.me)}"
@@ -112,9 +97,7 @@ def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source
     )
     data = protector.rebuilder.rebuild(step, lost, source, lambda meta: check_manifest(ctx, meta))
     try:
-        manifest = json.loads(protector.manifest(step, ctx.me) or b"null")
-        if not isinstance(manifest, dict) or manifest.get("step") != step:
-            raise ValueError("the rebuilt node's manifest is missing or for another step")
+        manifest = decode_manifest(protector.manifest(step, ctx.me), step)
         try:
             pieces = ctx.local.install_rebuilt(step, manifest, data)
         except StoreError as exc:

@@ -25,6 +25,7 @@ from ftmem.events import EventLog
 from ftmem.exchange.placement import GroupPlan
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
+from ftmem.format.record import ManifestEntry, NodeManifest, encode_manifest
 from ftmem.protocol import peer as pm
 from ftmem.protocol.status import ProtectionState
 from ftmem.smp.slot_store import SlotStore
@@ -43,15 +44,12 @@ class PinnedStep:
 
     def manifest(self) -> bytes:
         """What the node's bytes are, for a rebuilt node (JSON: ranks in order)."""
-        return json.dumps(
-            {
-                "step": self.step,
-                "ranks": [
-                    {"rank": p.rank, "nbytes": p.used, "capacity": p.capacity, "layout": p.layout}
-                    for p in self.pieces
-                ],
-            }
-        ).encode()
+        return encode_manifest(
+            NodeManifest(
+                self.step,
+                [ManifestEntry(p.rank, p.used, p.capacity, p.layout) for p in self.pieces],
+            )
+        )
 
     def open(self) -> SegmentedBytes:
         """Map every piece read-only and return the node's bytes."""

@@ -57,7 +57,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from ftmem import shm
 from ftmem._logging import get_logger
@@ -69,13 +68,13 @@ from ftmem.format.layout import (
     register_layout,
     with_hashes,
 )
+from ftmem.format.record import MAX_SLOT_BYTES, NodeManifest
 from ftmem.protocol import messages as m
 from ftmem.protocol.status import RankProgress
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashJob, HashResult
 from ftmem.smp.store import (
-    MAX_SLOT_BYTES,
     BeginDecision,
     RankPiece,
     RankSlots,
@@ -507,7 +506,7 @@ class SlotStore:
 
     # -- rebuild and adoption ----------------------------------------------------------------
     def install_rebuilt(
-        self, step: int, manifest: dict[str, Any], data: memoryview
+        self, step: int, manifest: NodeManifest, data: memoryview
     ) -> list[RankPiece]:
         """Write each rebuilt rank's bytes into a new slot file, commit it and pin it once
         (for the exchange); return the pieces. A slot whose layout has no checksums is hashed
@@ -618,31 +617,23 @@ class SlotStore:
             )
 
 
-def _spans(manifest: dict[str, Any], nbytes: int) -> list[_Span]:
+def _spans(manifest: NodeManifest, nbytes: int) -> list[_Span]:
     """Each rank's part of a rebuilt node's ``nbytes`` of data, as its manifest says.
 
     Raises:
-        ValueError: the manifest is malformed or does not cover exactly ``nbytes``.
+        ValueError: the manifest does not cover exactly ``nbytes``, or an entry's layout
+            does not fit its slot.
     """
-    entries = manifest.get("ranks")
-    if not isinstance(entries, list):
-        raise ValueError("manifest without ranks")
     spans, off = [], 0
-    for e in entries:
-        rank, n, cap, layout = (
-            int(e["rank"]),
-            int(e["nbytes"]),
-            int(e["capacity"]),
-            str(e["layout"]),
-        )
+    for e in manifest.ranks:
         try:
-            snap = parse_layout(layout, cap)
+            snap = parse_layout(e.layout, e.capacity)
         except CorruptSnapshotError as exc:
-            raise ValueError(f"manifest entry of rank {rank}: {exc}") from exc
-        if not (0 <= n <= cap <= MAX_SLOT_BYTES and snap.used_bytes == n):
-            raise ValueError(f"manifest entry of rank {rank} does not fit its slot")
-        spans.append(_Span(rank, off, n, cap, layout, snap))
-        off += n
+            raise ValueError(f"manifest entry of rank {e.rank}: {exc}") from exc
+        if not (e.nbytes <= e.capacity and snap.used_bytes == e.nbytes):
+            raise ValueError(f"manifest entry of rank {e.rank} does not fit its slot")
+        spans.append(_Span(e.rank, off, e.nbytes, e.capacity, e.layout, snap))
+        off += e.nbytes
     if off != nbytes:
         raise ValueError(f"manifest covers {off} bytes, the rebuilt data has {nbytes}")
     return spans

@@ -65,9 +65,6 @@ from ftmem.format.layout import RegisteredLayout, StoredSnapshot
 from ftmem.protocol.messages import Decision
 from ftmem.protocol.status import RankProgress, SlotStatus
 
-MAX_SLOT_BYTES = 1 << 40
-"""The largest slot the SMP makes (a request for more is refused)."""
-
 
 class SlotState(enum.Enum):
     """Life-cycle state of one slot."""

@@ -22,6 +22,7 @@ from ftmem.exchange.placement import GroupPlan, plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
+from ftmem.format.record import MAX_SLOT_BYTES
 from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.allocation import SlotFiles
@@ -30,7 +31,6 @@ from ftmem.smp.protection_commands import Result, StartCommand
 from ftmem.smp.protection_state import ProtectionContext
 from ftmem.smp.protection_sync import GenerationSync
 from ftmem.smp.slot_store import SlotStore
-from ftmem.smp.store import MAX_SLOT_BYTES
 from tests._support.smp_mesh import layout_for
 from tests._support.tamper import TamperingProxy, data_message, send_raw
 

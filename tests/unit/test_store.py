@@ -14,6 +14,7 @@ import pytest
 from ftmem import shm
 from ftmem.client.slot_maps import SlotMappings
 from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
+from ftmem.format.record import ManifestEntry, NodeManifest, decode_manifest, encode_manifest
 from ftmem.protocol.messages import BeginReply, to_fields
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
@@ -440,7 +441,7 @@ def test_store_install_rebuilt_replaces_even_the_newest(
     pieces = store.pin_step([0], 1)
     assert pieces is not None  # slot a pinned: only the newest (b) may take the rebuild
     text = layout(9)
-    manifest = {"ranks": [{"rank": 0, "nbytes": USED, "capacity": CAP, "layout": text}]}
+    manifest = NodeManifest(9, [ManifestEntry(0, USED, CAP, text)])
     data = memoryview(bytes(range(USED)))
     (piece,) = store.install_rebuilt(9, manifest, data)  # COMMITTED -> ALLOCATING -> COMMITTED
     assert (piece.slot, piece.gen, piece.used) == (b.slot, b.gen + 1, USED)
@@ -456,12 +457,15 @@ def test_store_install_rebuilt_replaces_even_the_newest(
 
 def test_store_install_rebuilt_checks_the_manifest_first(store: SlotStore) -> None:
     allocate(store)
-    good = {"rank": 0, "nbytes": USED, "capacity": CAP, "layout": layout(9)}
+    good = ManifestEntry(0, USED, CAP, layout(9))
+    for raw in (b"{}", b'{"step": 9}', b'{"step": 8, "ranks": []}', b"[]", b"\xff"):
+        with pytest.raises(ValueError):
+            decode_manifest(raw, 9)
+    assert decode_manifest(encode_manifest(NodeManifest(9, [good])), 9).ranks == [good]
     for manifest, n in (
-        ({}, USED),
-        ({"ranks": [good]}, USED + 1),
-        ({"ranks": [{**good, "nbytes": USED - 1}]}, USED - 1),
-        ({"ranks": [{**good, "layout": "{"}]}, USED),
+        (NodeManifest(9, [good]), USED + 1),
+        (NodeManifest(9, [dataclasses.replace(good, nbytes=USED - 1)]), USED - 1),
+        (NodeManifest(9, [dataclasses.replace(good, layout="{")]), USED),
     ):
         with pytest.raises(ValueError):
             store.install_rebuilt(9, manifest, memoryview(bytes(n)))
@@ -476,7 +480,7 @@ def test_store_install_rebuilt_with_every_slot_held_raises(
     save(store, 2)
     settle(store, hasher)
     pins = [store.pin_step([0], 1), store.pin_step([0], 2)]
-    manifest = {"ranks": [{"rank": 0, "nbytes": USED, "capacity": CAP, "layout": layout(9)}]}
+    manifest = NodeManifest(9, [ManifestEntry(0, USED, CAP, layout(9))])
     with pytest.raises(StoreError):
         store.install_rebuilt(9, manifest, memoryview(bytes(USED)))
     for p in pins:
