@@ -312,7 +312,7 @@ class RequestHandlers:
         short = shm.space_shortfall(
             self.config.shm_dir,
             capacity * len(targets),
-            node_total=capacity * self.config.slots * max(1, self.store.rank_count()),
+            node_total=capacity * self.config.slots * max(1, len(self.store.all_ranks())),
             what=f"rank {p.rank}'s {len(targets)} new snapshot slot(s) of {capacity} bytes",
         )
         if short is not None:
@@ -342,18 +342,7 @@ class RequestHandlers:
         _check_step(p.step)
         if p.layout:
             self.store.register(p.rank, p.layout_id, p.layout)
-        snap = self.store.commit(
-            p.rank,
-            p.slot,
-            p.gen,
-            p.step,
-            p.layout_id,
-            (p.objects_offset, p.objects_nbytes),
-            unsharded_nbytes=p.unsharded_nbytes,
-            stall_s=p.stall_s,
-            copy_s=p.copy_s,
-            skipped=p.skipped,
-        )
+        snap = self.store.commit(p)
         log.debug("[%s/%d %d] committed slot %d", self.config.node, p.rank, p.step, p.slot)
         self.events.write(
             "committed",

@@ -68,7 +68,7 @@ from ftmem.format.layout import (
     register_layout,
     with_hashes,
 )
-from ftmem.format.record import MAX_SLOT_BYTES, NodeManifest
+from ftmem.format.record import MAX_SLOT_BYTES, ManifestEntry, NodeManifest
 from ftmem.protocol import messages as m
 from ftmem.protocol.status import RankProgress
 from ftmem.smp import records
@@ -104,13 +104,10 @@ class Verified:
 
 @dataclass(frozen=True, slots=True)
 class _Span:
-    """One rank's bytes in a rebuilt node's data (checked against the manifest)."""
+    """One rank's bytes in a rebuilt node's data, at ``offset`` (checked: ``snap``)."""
 
-    rank: int
     offset: int
-    nbytes: int
-    capacity: int
-    layout: str
+    entry: ManifestEntry
     snap: StoredSnapshot
 
 
@@ -203,11 +200,6 @@ class SlotStore:
                 steps = {s.step for s in rs.keepable() if s.step is not None} if rs else set()
                 common = steps if common is None else common & steps
             return sorted(common or (), reverse=True)
-
-    def rank_count(self) -> int:
-        """How many ranks this store has slots for (those that spoke to the SMP)."""
-        with self._lock:
-            return len(self._ranks)
 
     # -- the ranks' requests -----------------------------------------------------------------
     def hello(
@@ -337,45 +329,33 @@ class SlotStore:
                 del held[next(iter(held))]
         return reg
 
-    def commit(
-        self,
-        rank: int,
-        index: int,
-        gen: int,
-        step: int,
-        layout_id: int,
-        objects: tuple[int, int],
-        *,
-        unsharded_nbytes: int = 0,
-        stall_s: float = 0.0,
-        copy_s: float = 0.0,
-        skipped: int = 0,
-    ) -> StoredSnapshot:
-        """Commit ``step`` into slot ``index`` (generation ``gen``) of ``rank``, placed as its
-        registered layout ``layout_id`` says with the skeleton at ``objects`` (offset,
-        nbytes), and queue its checksums (the record is written once they are in). Return
-        the snapshot's layout as checked against the slot.
+    def commit(self, c: m.Commit) -> StoredSnapshot:
+        """Commit ``c.step`` into slot ``c.slot`` (generation ``c.gen``) of ``c.rank``, placed
+        as its registered layout ``c.layout_id`` says with the skeleton at
+        ``c.objects_offset``, and queue its checksums (the record is written once they are
+        in). Return the snapshot's layout as checked against the slot.
 
         Raises:
-            UnknownLayoutError: ``layout_id`` is not registered for ``rank``.
+            UnknownLayoutError: ``c.layout_id`` is not registered for ``c.rank``.
             ValueError: the layout does not fit the slot.
             StoreError: the slot is not being written with ``step`` and ``gen`` (or granted).
         """
         with self._lock:
-            rs = self._rank(rank)
-            reg = self._layouts.get(rank, {}).get(layout_id)
+            rs = self._rank(c.rank)
+            reg = self._layouts.get(c.rank, {}).get(c.layout_id)
             if reg is None:
-                raise UnknownLayoutError(f"unknown layout {layout_id} of rank {rank}")
-            s = rs.slot(index)
+                raise UnknownLayoutError(f"unknown layout {c.layout_id} of rank {c.rank}")
+            s = rs.slot(c.slot)
+            objects = (c.objects_offset, c.objects_nbytes)
             try:
-                snap = reg.snapshot(step, objects, unsharded_nbytes, s.capacity)
+                snap = reg.snapshot(c.step, objects, c.unsharded_nbytes, s.capacity)
             except CorruptSnapshotError as exc:
                 raise ValueError(str(exc)) from exc
-            rs.commit(index, gen, step, snap, reg)
+            rs.commit(c.slot, c.gen, c.step, snap, reg)
             self._write_record(rs, s)
             self._hash(rs, s, snap)
-            rs.progress(step)
-            rs.commit_stats(stall_s, copy_s, skipped)
+            rs.progress(c.step)
+            rs.commit_stats(c.stall_s, c.copy_s, c.skipped)
             self._settle()
             return snap
 
@@ -466,10 +446,7 @@ class SlotStore:
             if not keep:
                 return Verified()
             rs.pin(sl.index)
-            used = job.snap.used_bytes  # checksums do not move extents
-            return Verified(
-                RankPiece(job.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
-            )
+            return Verified(sl.piece(job.rank, job.snap.used_bytes))  # same extents
 
     # -- pins: the exchange and the flush ----------------------------------------------------
     def pin_step(self, ranks: Iterable[int], step: int) -> list[RankPiece] | None:
@@ -491,9 +468,7 @@ class SlotStore:
                     self._board.set(self._cells[rs.rank], shm.GRANT_REVOKED)
                 rs.pin(sl.index)
                 used = (sl.snap or parse_layout(sl.layout, sl.capacity)).used_bytes
-                pieces.append(
-                    RankPiece(rs.rank, sl.index, sl.gen, sl.path, sl.capacity, used, sl.layout)
-                )
+                pieces.append(sl.piece(rs.rank, used))
             return pieces
 
     def unpin(self, pieces: Iterable[RankPiece]) -> None:
@@ -520,17 +495,18 @@ class SlotStore:
         return [self._install(step, span, data) for span in _spans(manifest, data.nbytes)]
 
     def _install(self, step: int, sp: _Span, data: memoryview) -> RankPiece:
+        e = sp.entry
         with self._lock:
-            rs = self._rank(sp.rank)
+            rs = self._rank(e.rank)
             sl = rs.start_rebuild(step)
             index, old, gen = sl.index, sl.path, sl.gen + 1
-        path = self.files.path(sp.rank, index, gen)
+        path = self.files.path(e.rank, index, gen)
         if old:
             self.files.discard(old)
         ok = False
         try:
-            shm.create_segment(path, sp.capacity)
-            shm.write_segment(path, data[sp.offset : sp.offset + sp.nbytes])
+            shm.create_segment(path, e.capacity)
+            shm.write_segment(path, data[sp.offset : sp.offset + e.nbytes])
             ok = True
         finally:
             if not ok:
@@ -539,21 +515,12 @@ class SlotStore:
                 shm.remove_segment(path)
         with self._lock:
             # Its checksums came with the manifest; the ranks verify them again at load.
-            sl = rs.finish_rebuild(
-                index, str(path), sp.capacity, step, sp.layout, sp.snap.verified, sp.snap
-            )
+            sl = rs.finish_rebuild(index, str(path), e.capacity, step, e.layout, sp.snap)
             self._write_record(rs, sl)
             if not sp.snap.verified:
                 self._hash(rs, sl, sp.snap)
-            piece = RankPiece(sp.rank, index, sl.gen, str(path), sp.capacity, sp.nbytes, sp.layout)
-        log.info(
-            "[%s/%d %d] rebuilt slot %d (%.1f MiB)",
-            self.node,
-            sp.rank,
-            step,
-            index,
-            sp.nbytes / 2**20,
-        )
+            piece = sl.piece(e.rank, e.nbytes)
+        log.info("[%s/%d %d] rebuilt slot %d (%d bytes)", self.node, e.rank, step, index, e.nbytes)
         return piece
 
     def adopt_left(self) -> list[records.Adoptable]:
@@ -571,17 +538,8 @@ class SlotStore:
                 try:
                     snap = parse_layout(r.layout, r.capacity)
                     rs = self._rank(r.rank)
-                    rs.adopt(
-                        r.slot,
-                        r.gen,
-                        str(a.path),
-                        r.capacity,
-                        r.step,
-                        r.seq,
-                        r.layout,
-                        snap.verified,
-                        snap,
-                    )
+                    path = str(a.path)
+                    rs.adopt(r.slot, r.gen, path, r.capacity, r.step, r.seq, r.layout, snap)
                     if not snap.verified:  # committed, not yet hashed when the previous SMP died
                         self._hash(rs, rs.slot(r.slot), snap)
                 # e.g. a rank out of range, or a layout that does not parse: drop it, start anyway
@@ -599,18 +557,10 @@ class SlotStore:
         if not layout and sl.template is not None and sl.snap is not None:
             layout = sl.template.render(sl.snap, [""] * (len(sl.snap.tensors) + 1))
         try:
-            records.write_record(
-                sl.path,
-                records.CommitRecord(
-                    rank=rs.rank,
-                    slot=sl.index,
-                    gen=sl.gen,
-                    capacity=sl.capacity,
-                    step=sl.step,
-                    seq=sl.seq,
-                    layout=layout,
-                ),
+            rec = records.CommitRecord(
+                rs.rank, sl.index, sl.gen, sl.capacity, sl.step, sl.seq, layout
             )
+            records.write_record(sl.path, rec)
         except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost
             log.warning(
                 "[%s/%d %d] cannot write commit record: %s", self.node, rs.rank, sl.step, exc
@@ -632,7 +582,7 @@ def _spans(manifest: NodeManifest, nbytes: int) -> list[_Span]:
             raise ValueError(f"manifest entry of rank {e.rank}: {exc}") from exc
         if not (e.nbytes <= e.capacity and snap.used_bytes == e.nbytes):
             raise ValueError(f"manifest entry of rank {e.rank} does not fit its slot")
-        spans.append(_Span(e.rank, off, e.nbytes, e.capacity, e.layout, snap))
+        spans.append(_Span(off, e, snap))
         off += e.nbytes
     if off != nbytes:
         raise ValueError(f"manifest covers {off} bytes, the rebuilt data has {nbytes}")

@@ -109,6 +109,10 @@ class Slot:
             self.verified,
         )  # fmt: skip
 
+    def piece(self, rank: int, used: int) -> RankPiece:
+        """This slot as ``rank``'s piece of its step, of which the snapshot uses ``used``."""
+        return RankPiece(rank, self.index, self.gen, self.path, self.capacity, used, self.layout)
+
 
 @dataclass(frozen=True, slots=True)
 class BeginDecision:
@@ -483,14 +487,7 @@ class RankSlots:
         return chosen
 
     def finish_rebuild(
-        self,
-        index: int,
-        path: str,
-        capacity: int,
-        step: int,
-        layout: str,
-        verified: bool,
-        snap: StoredSnapshot | None = None,
+        self, index: int, path: str, capacity: int, step: int, layout: str, snap: StoredSnapshot
     ) -> Slot:
         """The rebuilt snapshot of ``step`` is in slot ``index``'s new file: commit it as the
         newest commit and pin it once (for the exchange that rebuilt it).
@@ -501,7 +498,7 @@ class RankSlots:
         s = self._allocating(index)
         s.gen += 1
         s.path, s.capacity = path, capacity
-        self._install(s, step, self.next_seq(), layout, verified, snap)
+        self._install(s, step, self.next_seq(), layout, snap)
         return self.pin(index)
 
     def adopt(
@@ -513,11 +510,9 @@ class RankSlots:
         step: int,
         seq: int,
         layout: str,
-        verified: bool = True,
-        snap: StoredSnapshot | None = None,
+        snap: StoredSnapshot,
     ) -> None:
-        """Take over a committed slot left by a previous SMP of this node (see records.py);
-        ``verified``: its layout carries every checksum.
+        """Take over a committed slot left by a previous SMP of this node (see records.py).
 
         Raises:
             StoreError: the slot is neither EMPTY nor FREE.
@@ -526,19 +521,12 @@ class RankSlots:
         if s.state not in (SlotState.EMPTY, SlotState.FREE):
             raise StoreError(f"slot {index} of rank {self.rank} is {s.state.value}: not adopted")
         s.gen, s.path, s.capacity = gen, path, capacity
-        self._install(s, step, seq, layout, verified, snap)
+        self._install(s, step, seq, layout, snap)
 
-    def _install(
-        self,
-        s: Slot,
-        step: int,
-        seq: int,
-        layout: str,
-        verified: bool,
-        snap: StoredSnapshot | None,
-    ) -> None:
+    def _install(self, s: Slot, step: int, seq: int, layout: str, snap: StoredSnapshot) -> None:
+        """Commit ``s`` as holding ``snap`` (verified when its layout carries every checksum)."""
         s.state, s.template = SlotState.COMMITTED, None
-        s.step, s.seq, s.layout, s.verified, s.snap = step, seq, layout, verified, snap
+        s.step, s.seq, s.layout, s.verified, s.snap = step, seq, layout, snap.verified, snap
         self._seq = max(self._seq, seq)
 
     def _allocating(self, index: int) -> Slot:

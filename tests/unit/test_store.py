@@ -15,7 +15,7 @@ from ftmem import shm
 from ftmem.client.slot_maps import SlotMappings
 from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
 from ftmem.format.record import ManifestEntry, NodeManifest, decode_manifest, encode_manifest
-from ftmem.protocol.messages import BeginReply, to_fields
+from ftmem.protocol.messages import BeginReply, Commit, to_fields
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashResult, HashService
@@ -120,10 +120,11 @@ def test_rank_slots_refuse_transitions_outside_the_diagram() -> None:
     with pytest.raises(StoreError):
         rs.finish_resize(0, "/dev/shm/y", 100, ok=True)  # not ALLOCATING
     with pytest.raises(StoreError):
-        rs.finish_rebuild(0, "/dev/shm/y", 100, 1, "{}", verified=True)
+        rs.finish_rebuild(0, "/dev/shm/y", CAP, 1, layout(1), parse_layout(layout(1), CAP))
     newest = rs.slots[write(rs, 1)]
     with pytest.raises(StoreError):
-        rs.adopt(newest.index, 9, "/dev/shm/z", 100, 2, 5, "{}")  # COMMITTED: not adopted
+        snap = parse_layout(layout(2), CAP)
+        rs.adopt(newest.index, 9, "/dev/shm/z", CAP, 2, 5, layout(2), snap)  # COMMITTED: no
     assert rs.unpin(0, rs.slots[0].gen) is False  # nothing to give back
 
 
@@ -173,7 +174,7 @@ def save(store: SlotStore, step: int, rank: int = 0) -> BeginReply:
     g = store.begin(rank, step, USED)
     assert g.action == "write", g
     store.register(rank, 1, TENSORS)
-    store.commit(rank, g.slot, g.gen, step, 1, (64, USED - 64))
+    store.commit(Commit(rank, g.slot, g.gen, step, 1, 64, USED - 64))
     return g
 
 
@@ -226,18 +227,18 @@ def test_store_commit_refuses_what_does_not_match(store: SlotStore) -> None:
     allocate(store)
     g = store.begin(0, 5, USED)
     with pytest.raises(UnknownLayoutError):
-        store.commit(0, g.slot, g.gen, 5, 1, (64, 16))  # never registered
+        store.commit(Commit(0, g.slot, g.gen, 5, 1, 64, 16))  # never registered
     with pytest.raises(ValueError):
         store.register(0, 1, "not json")
     with pytest.raises(ValueError):
         store.register(0, 1, layout(5))  # a whole document, not a tensors array
     store.register(0, 1, TENSORS)
     with pytest.raises(ValueError):
-        store.commit(0, g.slot, g.gen, 5, 1, (CAP - 8, 16))  # objects outside the slot
+        store.commit(Commit(0, g.slot, g.gen, 5, 1, CAP - 8, 16))  # objects outside the slot
     with pytest.raises(StoreError):
-        store.commit(0, g.slot, g.gen + 1, 5, 1, (64, 16))  # stale gen
+        store.commit(Commit(0, g.slot, g.gen + 1, 5, 1, 64, 16))  # stale gen
     with pytest.raises(StoreError):
-        store.commit(0, 1 - g.slot, g.gen, 5, 1, (64, 16))  # FREE, not WRITING
+        store.commit(Commit(0, 1 - g.slot, g.gen, 5, 1, 64, 16))  # FREE, not WRITING
     assert slots(store)[g.slot]["state"] == "writing"
 
 
@@ -259,7 +260,7 @@ def test_store_begin_reuses_oldest_committed_and_removes_its_record(
 def commit_granted(store: SlotStore, g: BeginReply, step: int) -> None:
     """The rank writes its next save into the slot it was granted and commits it."""
     assert g.action == "write", g
-    store.commit(0, g.slot, g.gen, step, 1, (64, USED - 64))
+    store.commit(Commit(0, g.slot, g.gen, step, 1, 64, USED - 64))
 
 
 def test_store_grant_serves_the_next_save_and_keeps_the_old_step_readable(
