@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 # Run by path, so this file's folder (tests/_support) is first on sys.path: the workload is
 # found there whether or not the checkout is importable (ranks do not get it on PYTHONPATH).
+from workload.train import deterministic_kernels  # type: ignore[import-not-found]
 from workload.train import state_digest as digest  # type: ignore[import-not-found]
 
 import ftmem
@@ -79,7 +80,7 @@ def main() -> None:
     args, _ = ap.parse_known_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic_kernels()
     dist.init_process_group(
         "gloo",
         init_method=args.init_method,

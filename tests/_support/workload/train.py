@@ -339,12 +339,26 @@ def fail_when_committed(
         _inject_failure(mode, rank, step)
 
 
+def deterministic_kernels() -> None:
+    """What ``torch.use_deterministic_algorithms(True)`` sets for the kernels, without its
+    other half: it also imports ``torch._inductor.config`` (and with it ``torch._dynamo``)
+    to set a flag for ``torch.compile``, 1.5 s of CPU at every rank start on these machines,
+    where the suite's ranks never compile. The suite starts a few hundred ranks."""
+    torch._C._set_deterministic_algorithms(True, warn_only=False)
+
+
 def train(args: argparse.Namespace) -> int:
     """Run the training loop described by ``args``; return the process exit code."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    if args.in_process:
+        # Known issue: without torch._dynamo imported, a survivor of a SIGKILLed peer can
+        # stay in DDP's finalize_backward while the others rejoin in process (the agent's
+        # rejoin timeout then restarts it cold); use_deterministic_algorithms imports it.
+        torch.use_deterministic_algorithms(True)
+    else:
+        deterministic_kernels()
     if world > 1:
         t_pg = time.perf_counter()
         # Bounded, so that a peer that never comes (or died) fails the rank instead of hanging.
