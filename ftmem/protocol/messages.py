@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
-from ftmem.errors import ErrorKind
+from ftmem.errors import ErrorKind, ProtocolError
 from ftmem.protocol.status import SmpStatus, SyncReply
-from ftmem.typed_json import build
+from ftmem.typed_json import Most, Range, build
 
 PROTOCOL_VERSION = 1
 
@@ -40,6 +41,35 @@ class Kind(enum.IntEnum):
     FLUSH = 14
     SKIPPED = 15
     PEER = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SmpReady:
+    """What a ready SMP says of itself: on its readiness pipe (``READY {json}``) and in its
+    run directory's ready file, which its clients and a second SMP of the run read."""
+
+    pid: Annotated[int, Range(1, (1 << 31) - 1)]
+    endpoint: Annotated[str, Most(4096)]
+    node: Annotated[str, Most(256)]
+    run_id: Annotated[str, Most(256)]
+
+    def to_json(self) -> str:
+        """The document (one line of JSON)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> SmpReady:
+        """Read the document.
+
+        Raises:
+            ProtocolError: not JSON, or not a ready SMP's document.
+        """
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(f"an SMP's ready document is not JSON: {exc}") from exc
+        ready: SmpReady = build(cls, doc, what="SMP ready document")
+        return ready
 
 
 class Decision(str, enum.Enum):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -62,13 +61,13 @@ class SmpClient:
         try:
             check_dir(self.run_dir, "SMP run directory", private=True)
             self._key: bytes | None = read_private_file(self.run_dir / AUTH_KEY_NAME, "SMP key")
-            ready = json.loads((self.run_dir / READY_NAME).read_text())
-            self.smp_pid: int | None = int(ready["pid"])
+            ready = m.SmpReady.from_json((self.run_dir / READY_NAME).read_text())
+            self.smp_pid: int | None = ready.pid
         except UnsafePathError as exc:
             if not isinstance(exc.__cause__, FileNotFoundError):
                 raise  # planted or opened up by someone else: say so, never use it
             raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, ProtocolError) as exc:
             raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context()

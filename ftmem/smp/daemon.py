@@ -14,7 +14,6 @@ deferred replies are sent by the loop thread.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -110,8 +109,8 @@ class SmpDaemon:
         ready = cfg.run_dir / READY_NAME
         if ready.exists():
             try:
-                other = int(json.loads(ready.read_text())["pid"])
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                other = m.SmpReady.from_json(ready.read_text()).pid
+            except (OSError, ProtocolError):
                 other = -1
             if other > 0 and other != os.getpid() and pid_alive(other):
                 raise SmpStartError(f"another SMP (pid {other}) serves {cfg.run_dir}")
@@ -162,14 +161,8 @@ class SmpDaemon:
             )
             self.handlers.flush = self.flush
             self.flush.start()
-        info = {
-            "pid": os.getpid(),
-            "endpoint": cfg.endpoint,
-            "node": cfg.node,
-            "run_id": cfg.run_id,
-        }
         tmp = ready.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
+        tmp.write_text(self.ready_info().to_json())
         os.replace(tmp, ready)
         log.info(
             "[%s/smp] serving %s (pid %d); slot files in %s, nonce %s",
@@ -182,10 +175,14 @@ class SmpDaemon:
         adopted = self.store.committed_steps()
         self.events.write("smp_start", pid=os.getpid(), slots=cfg.slots, adopted=adopted)
 
+    def ready_info(self) -> m.SmpReady:
+        """What this SMP says of itself once ready (the pipe's line, the ready file)."""
+        cfg = self.config
+        return m.SmpReady(os.getpid(), cfg.endpoint, cfg.node, cfg.run_id)
+
     def ready_line(self) -> str:
         """The line written to the readiness pipe: ``READY {json}``."""
-        info = {"pid": os.getpid(), "endpoint": self.config.endpoint, "node": self.config.node}
-        return "READY " + json.dumps(info) + "\n"
+        return "READY " + self.ready_info().to_json() + "\n"
 
     def request_stop(self, signum: int | None = None, frame: FrameType | None = None) -> None:
         """Ask the loop to end (safe from a signal handler)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -11,10 +10,11 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from ftmem._logging import get_logger
-from ftmem.errors import SmpStartError
+from ftmem.errors import ProtocolError, SmpStartError
+from ftmem.protocol.messages import SmpReady
 
 log = get_logger(__name__)
 
@@ -27,12 +27,13 @@ class SmpProcess:
     """
 
     def __init__(
-        self, popen: subprocess.Popen[bytes], info: dict[str, Any], log_file: IO[bytes] | None
+        self, popen: subprocess.Popen[bytes], info: SmpReady, log_file: IO[bytes] | None
     ) -> None:
         self.popen = popen
         self.pid = popen.pid
         self.info = info
-        self.endpoint: str = str(info.get("endpoint", ""))
+        """What the SMP said of itself once ready."""
+        self.endpoint = info.endpoint
         self._log_file = log_file
 
     def poll(self) -> int | None:
@@ -147,7 +148,10 @@ def start_smp(
         line = buf.split(b"\n", 1)[0].decode()
         if not line.startswith("READY "):
             raise SmpStartError(f"unexpected readiness line {line!r}")
-        info = json.loads(line[6:])
+        try:
+            info = SmpReady.from_json(line[6:])
+        except ProtocolError as exc:
+            raise SmpStartError(f"unexpected readiness line {line[:200]!r}: {exc}") from exc
     except BaseException:
         if popen.poll() is None:
             popen.kill()
@@ -157,5 +161,5 @@ def start_smp(
         raise
     finally:
         os.close(rfd)
-    log.info("SMP %d ready at %s", popen.pid, info.get("endpoint"))
+    log.info("SMP %d ready at %s", popen.pid, info.endpoint)
     return SmpProcess(popen, info, log_file)

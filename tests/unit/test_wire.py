@@ -159,3 +159,20 @@ def test_a_refusal_carries_its_kind_across_the_wire() -> None:
     back = decode(encode(r, 1, KEY), KEY)[2]
     assert back == r and back.kind is ErrorKind.UNKNOWN_LAYOUT
     assert decode(encode(m.Reply(ok=True), 2, KEY), KEY)[2].kind is None
+
+
+def test_smp_ready_document_round_trips_and_refuses_the_rest() -> None:
+    ready = m.SmpReady(1234, "ipc:///tmp/x/smp.sock", "node0", "run1")
+    assert m.SmpReady.from_json(ready.to_json()) == ready
+    for bad in (
+        "",
+        "{",
+        "[]",
+        '{"pid": 1234}',
+        '{"pid": 0, "endpoint": "e", "node": "n", "run_id": "r"}',
+        '{"pid": true, "endpoint": "e", "node": "n", "run_id": "r"}',
+        '{"pid": 1, "endpoint": "e", "node": "n", "run_id": "r", "extra": 1}',
+        '{"pid": 1, "endpoint": "' + "e" * 5000 + '", "node": "n", "run_id": "r"}',
+    ):
+        with pytest.raises(ProtocolError):
+            m.SmpReady.from_json(bad)
