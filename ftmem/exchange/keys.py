@@ -15,14 +15,34 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import zmq
 
-from ftmem.errors import FtmemError
+from ftmem.errors import FtmemError, ProtocolError
+from ftmem.typed_json import Most, build
 
 
 class KeyFileError(FtmemError):
     """A key file is missing, malformed, or readable by others."""
+
+
+_Key = Annotated[str, Most(64)]
+"""A CURVE key as Z85 text (40 characters)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeDoc:
+    public: _Key
+    secret: _Key
+
+
+@dataclass(frozen=True, slots=True)
+class _PairDoc:
+    public: _Key
+    secret: _Key
+    from_file: bool = False
+    node: _NodeDoc | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +81,16 @@ class CurveKeyPair:
     def from_json(cls, text: str | bytes) -> CurveKeyPair:
         """Parse :meth:`to_json`'s output. Raises KeyFileError."""
         try:
-            doc = json.loads(text)
-            node = doc.get("node")
-            return cls(
-                public=str(doc["public"]).encode(),
-                secret=str(doc["secret"]).encode(),
-                from_file=doc.get("from_file", False) is True,
-                node=None
-                if node is None
-                else cls(public=str(node["public"]).encode(), secret=str(node["secret"]).encode()),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            doc: _PairDoc = build(_PairDoc, json.loads(text), what="key pair", strict=False)
+        except (ValueError, RecursionError, ProtocolError) as exc:
             raise KeyFileError(f"malformed key pair: {exc}") from exc
+        node = doc.node
+        return cls(
+            doc.public.encode(),
+            doc.secret.encode(),
+            doc.from_file,
+            None if node is None else cls(node.public.encode(), node.secret.encode()),
+        )
 
     def derived_key(self, purpose: str) -> bytes:
         """A 32-byte key for ``purpose`` derived from this pair's secret key (HMAC-SHA256), so

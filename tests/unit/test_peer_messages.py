@@ -529,3 +529,13 @@ def test_key_pairs_carry_the_node_pair_and_whether_they_come_from_a_file() -> No
     assert back == job and back.node == node and not back.from_file
     with pytest.raises(keys.KeyFileError):
         keys.CurveKeyPair.from_json('{"public": "x", "secret": "y", "node": 5}')
+    for bad in (
+        '{"public": 5, "secret": "y"}',
+        '{"public": "x", "secret": "' + "y" * 65 + '"}',
+        '{"public": "x"}',
+        '{"public": "x", "secret": "y", "from_file": "yes"}',
+        "[1]",
+        "{",
+    ):
+        with pytest.raises(keys.KeyFileError):
+            keys.CurveKeyPair.from_json(bad)
