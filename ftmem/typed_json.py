@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import re
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ftmem.errors import ProtocolError
+
+T = TypeVar("T")
 
 MAX_INT = (1 << 63) - 1
 """Largest magnitude of an integer field (what an int64 holds), in every JSON message."""
@@ -279,3 +282,17 @@ def build(cls: type[Any], fields: Any, *, what: str = "", strict: bool = True) -
 
 
 _ABSENT = object()
+
+
+def parse(cls: type[T], text: str | bytes, *, what: str = "", strict: bool = True) -> T:
+    """:func:`build` ``cls`` from JSON text.
+
+    Raises:
+        ProtocolError: not JSON (NaN and Infinity are no numbers here either), or not ``cls``.
+    """
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{what or cls.__name__} is not JSON: {str(exc)[:200]}") from exc
+    got: T = build(cls, doc, what=what, strict=strict)
+    return got

@@ -20,7 +20,7 @@ from typing import Annotated
 import zmq
 
 from ftmem.errors import FtmemError, ProtocolError
-from ftmem.typed_json import Most, build
+from ftmem.typed_json import Most, parse
 
 
 class KeyFileError(FtmemError):
@@ -81,8 +81,8 @@ class CurveKeyPair:
     def from_json(cls, text: str | bytes) -> CurveKeyPair:
         """Parse :meth:`to_json`'s output. Raises KeyFileError."""
         try:
-            doc: _PairDoc = build(_PairDoc, json.loads(text), what="key pair", strict=False)
-        except (ValueError, RecursionError, ProtocolError) as exc:
+            doc = parse(_PairDoc, text, what="key pair", strict=False)
+        except ProtocolError as exc:
             raise KeyFileError(f"malformed key pair: {exc}") from exc
         node = doc.node
         return cls(

@@ -18,7 +18,7 @@ from typing import Annotated
 import xxhash
 
 from ftmem.errors import ProtocolError
-from ftmem.typed_json import Most, Range, build
+from ftmem.typed_json import Most, Range, parse
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 << 20
@@ -59,17 +59,6 @@ def encode_record(rec: CommitRecord) -> str:
     return json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})
 
 
-def _json(text: str | bytes, what: str) -> object:
-    try:
-        return json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{what} is not JSON: {exc}") from exc
-
-
-def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not allowed")
-
-
 def decode_record(text: str) -> CommitRecord:
     """Parse and check a record's file text.
 
@@ -79,10 +68,10 @@ def decode_record(text: str) -> CommitRecord:
     if len(text) > MAX_RECORD_BYTES:
         raise ValueError("record too large")
     try:
-        outer = build(_RecordFile, _json(text, "a commit record"), what="commit record")
+        outer = parse(_RecordFile, text, what="commit record")
         if xxhash.xxh64_hexdigest(outer.record.encode()) != outer.xxh64:
             raise ValueError("record checksum mismatch")
-        d = build(_RecordBody, _json(outer.record, "a commit record"), what="commit record")
+        d = parse(_RecordBody, outer.record, what="commit record")
     except (ProtocolError, UnicodeEncodeError) as exc:
         raise ValueError(f"malformed record: {exc}") from exc
     return CommitRecord(d.rank, d.slot, d.gen, d.capacity, d.step, d.seq, d.layout)
@@ -119,7 +108,7 @@ def decode_manifest(raw: bytes, step: int) -> NodeManifest:
         ValueError: not a manifest, or one of another step.
     """
     try:
-        got: NodeManifest = build(NodeManifest, _json(raw or b"null", "the manifest"))
+        got = parse(NodeManifest, raw or b"null", what="manifest")
     except ProtocolError as exc:
         raise ValueError(f"the manifest of step {step} is malformed: {exc}") from exc
     if got.step != step:

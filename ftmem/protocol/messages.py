@@ -15,9 +15,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, TypeVar
 
-from ftmem.errors import ErrorKind, ProtocolError
+from ftmem.errors import ErrorKind
 from ftmem.protocol.status import SmpStatus, SyncReply
-from ftmem.typed_json import Most, Range, build
+from ftmem.typed_json import Most, Range, build, parse
 
 PROTOCOL_VERSION = 1
 
@@ -64,12 +64,7 @@ class SmpReady:
         Raises:
             ProtocolError: not JSON, or not a ready SMP's document.
         """
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ProtocolError(f"an SMP's ready document is not JSON: {exc}") from exc
-        ready: SmpReady = build(cls, doc, what="SMP ready document")
-        return ready
+        return parse(cls, text, what="SMP ready document")
 
 
 class Decision(str, enum.Enum):

@@ -20,7 +20,7 @@ import time
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
-from ftmem.format.record import decode_manifest
+from ftmem.format.record import NodeManifest, decode_manifest
 from ftmem.protocol.status import ProtectionState
 from ftmem.smp.protection_state import PinnedStep, ProtectionContext
 from ftmem.smp.store import StoreError
@@ -46,16 +46,18 @@ def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) ->
     )
 
 
-def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> None:
-    """Refuse a rebuild whose manifest does not fit this node (see the module docstring).
+def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> NodeManifest:
+    """Refuse a rebuild whose manifest does not fit this node (see the module docstring);
+    the manifest that fits.
 
     Raises:
         UnrecoverableError: saying what does not fit.
     """
     try:
-        entries = decode_manifest(meta.manifest, meta.step).ranks
+        manifest = decode_manifest(meta.manifest, meta.step)
     except ValueError as exc:
         raise UnrecoverableError(str(exc)) from exc
+    entries = manifest.ranks
     ranks = sorted(e.rank for e in entries)
     if ranks != sorted(ctx.ranks):
         raise UnrecoverableError(
@@ -75,6 +77,7 @@ def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> None:
         raise UnrecoverableError(
             f"the rebuilt slots need {capacity} bytes, {ctx.local.files.shm_dir} has {free} free"
         )
+    return manifest
 
 
 def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source: int) -> None:
@@ -95,13 +98,15 @@ def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source
         source,
         sorted(lost),
     )
-    data = protector.rebuilder.rebuild(step, lost, source, lambda meta: check_manifest(ctx, meta))
-    try:
-        manifest = decode_manifest(protector.manifest(step, ctx.me), step)
-        try:
-            pieces = ctx.local.install_rebuilt(step, manifest, data)
-        except StoreError as exc:
-            raise StoreError(f"cannot install the rebuilt snapshot in the slots: {exc}") from exc
+    checked: list[NodeManifest] = []
+    data = protector.rebuilder.rebuild(
+        step, lost, source, lambda meta: checked.append(check_manifest(ctx, meta))
+    )
+    try:  # the rebuild checked its manifest (``accept``) before it allocated anything
+        pieces = ctx.local.install_rebuilt(step, checked[-1], data)
+    except StoreError as exc:
+        protector.forget(step)
+        raise StoreError(f"cannot install the rebuilt snapshot in the slots: {exc}") from exc
     except BaseException:
         protector.forget(step)
         raise
