@@ -18,7 +18,7 @@ import pytest
 
 from tests._support.hosts import impair_unavailable
 from tests._support.launcher import Launch, Launcher, launch_args, launch_command, reference_digests
-from tests._support.machines import STEPS, events, finish, machines
+from tests._support.machines import STEPS, events, finish, machines, script
 
 DECLARED = r"MACHINE LOST: {node}_\S+ (was )?declared lost by the failure detector"
 """How a survivor names a machine the failure detectors declared lost."""
@@ -141,9 +141,11 @@ def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (Debian: etcd-server; .ci/run installs it)")
     want = reference(launcher_env)
-    # 0.3 s a step: the 150 steps outlast the spare's start and its standby's (about 20 s
-    # under CI's load), so host 0 is lost mid-run, never after the job ended.
-    with machines(launcher_env, 4, 3, step_delay=0.3) as m:
+    # The ranks hold after step 100 until the gate file exists: host 0 is lost mid-run
+    # however long the spare and the standbys took to start (45 s under CI's load once).
+    gate = launcher_env.tmp / "lose-h0"
+    hold = ["--hold-after-step", "100", "--hold-file", str(gate)]
+    with machines(launcher_env, 4, 3, command=script(0.3) + hold) as m:
         m.use_etcd([0, 1, 2])
         m.start_all()
         for i in range(4):  # the spare's standby must be warm to take over as rank 0
@@ -151,6 +153,7 @@ def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
         assert m.agents[1].poll() is None, "the job ended before host 0 was lost"
         m.hosts.cut(0)
         m.hosts.kill(0)
+        gate.touch()
         # Each survivor names the loss: its own detector's verdict, or (if the other's was
         # published first) the verdict it read in the rendezvous.
         for i in (1, 2):

@@ -298,6 +298,14 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds to sleep after each step (tests: time to lose a node mid-run)",
     )
+    p.add_argument(
+        "--hold-after-step",
+        type=int,
+        default=0,
+        help="after step N, wait until --hold-file exists (tests: the job is still running "
+        "when a machine is lost, however long the machines took to start)",
+    )
+    p.add_argument("--hold-file", default="", help="the file --hold-after-step waits for")
     return p
 
 
@@ -309,6 +317,16 @@ def _lr_lambda(warmup: int, total: int) -> Any:
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
     return fn
+
+
+def _hold(path: str, rank: int, timeout: float = 600.0) -> None:
+    """Wait until ``path`` exists (at most ``timeout`` s: a test that died never releases)."""
+    deadline = time.monotonic() + timeout
+    print(f"[rank {rank}] holding until {path} exists", flush=True)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"[rank {rank}] {path} did not appear within {timeout:g} s")
+        time.sleep(0.05)
 
 
 def _inject_failure(mode: str, rank: int, step: int) -> None:
@@ -447,6 +465,8 @@ def train(args: argparse.Namespace) -> int:
                 )
             if args.step_delay:
                 time.sleep(args.step_delay)
+            if step + 1 == args.hold_after_step:
+                _hold(args.hold_file, rank)
         return max(start, int(args.steps))
 
     if args.no_ftmem:
