@@ -1,7 +1,8 @@
 """The ftmem client: runs inside each training rank.
 
-snapshotter.py (Checkpointer), save_plan.py (which tensors a save copies when),
-sharding.py (this replica's share of replicated tensors), slot_maps.py (mapped slot files,
+snapshotter.py (Checkpointer: grants, staging, commit), planner.py (the one door a save
+plans through: this replica's share of replicated tensors, their places in a slot, which
+are copied when, and the caches of the walk and of steady.py), slot_maps.py (mapped slot files,
 staging a save into one), flatten.py (state <-> tensors + skeleton), staging.py (lazy copy
 and fence), loading.py (load), restore.py (verify, plan, apply), agreement.py (which step
 all ranks load), rng.py (RNGState), sampler.py (ElasticSampler: a data position that survives a new world size), reshard.py (load a step saved at another world size, resharded from memory), checkfree.py (CheckFreeStage: a lost pipeline stage

@@ -11,8 +11,6 @@ its extension types. The layout schema and its validator live in :mod:`ftmem.for
 
 from __future__ import annotations
 
-import functools
-import itertools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,32 +18,18 @@ from typing import Any
 
 import torch
 
-from ftmem.format.layout import (
-    ChunkOf,
-    StoredSnapshot,
-    StoredTensor,
-    TensorExtent,
-    parse_layout,
-    tensors_json,
-)
-from ftmem.format.tensors import (
-    TENSOR_MARK,
-    dtype_name,
-)
-from ftmem.shm import ALIGN
+from ftmem.format.layout import ChunkOf, StoredSnapshot, StoredTensor, TensorExtent, parse_layout
+from ftmem.format.tensors import TENSOR_MARK
 
 __all__ = [
     "ChunkOf",
     "Flat",
-    "Placement",
     "StoredSnapshot",
     "StoredTensor",
     "TensorExtent",
     "flatten_state",
     "is_stateful",
     "parse_layout",
-    "plan_layout",
-    "signature_of",
     "state_dicts",
 ]
 
@@ -168,76 +152,21 @@ def flatten_state(state: Mapping[str, Any], sds: list[tuple[str, Any]] | None = 
     return Flat(tensors, names, skeleton, chunks, groups)
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-_layout_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Tensor placement in a slot (reused while names, dtypes and shapes stay the same)."""
-
-    extents: tuple[TensorExtent, ...]
-    tensors_end: int
-    id: int = field(default_factory=lambda: next(_layout_ids), compare=False)
-    """Unique in this process: a COMMIT names the layout by it once the SMP holds it."""
-
-    @functools.cached_property
-    def tensors_json(self) -> str:
-        """The layout's ``tensors`` array (no checksums), made once per layout."""
-        return tensors_json(self.extents)
-
-    def signature(self) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
-        """What must stay equal for the layout to be reused."""
-        return tuple((e.name, e.dtype, e.shape, e.chunk) for e in self.extents)
-
-
-def signature_of(
-    flat: Flat,
-) -> tuple[tuple[str, torch.dtype, tuple[int, ...], ChunkOf | None], ...]:
-    """The layout signature of a flattened state (names, dtypes, shapes, chunks): equal
-    signatures give equal layouts."""
-    chunks = flat.chunks or [None] * len(flat.tensors)
-    return tuple(
-        (n, t.dtype, t.shape, c) for n, t, c in zip(flat.names, flat.tensors, chunks, strict=True)
-    )
-
-
-def plan_layout(flat: Flat) -> Placement:
-    """Place every tensor of ``flat`` in a slot, largest first, each aligned to ALIGN bytes."""
-    order = sorted(range(len(flat.tensors)), key=lambda i: -flat.tensors[i].nbytes)
-    chunks = flat.chunks or [None] * len(flat.tensors)
-    offset = 0
-    extents = []
-    for i in order:
-        t = flat.tensors[i]
-        extents.append(
-            TensorExtent(
-                i, flat.names[i], dtype_name(t.dtype), tuple(t.shape), offset, t.nbytes, chunks[i]
-            )
-        )
-        offset = _align(offset + t.nbytes)
-    return Placement(tuple(sorted(extents, key=lambda e: e.index)), offset)
-
-
-def walk_values(obj: Any) -> list[Any]:
-    """The leaves of nested mappings, lists and tuples (a state's modules, optimizers...)."""
-    out = []
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Mapping):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        else:
-            out.append(v)
-    return out
-
-
 def storage_ptr(t: torch.Tensor) -> int:
     """The data pointer of a tensor's storage (a DTensor's: its local shard's)."""
     local = getattr(t, "_local_tensor", None)
     return int((local if isinstance(local, torch.Tensor) else t).untyped_storage().data_ptr())
+
+
+def optimizer_storage_ptrs(optimizers: list[torch.optim.Optimizer]) -> set[int]:
+    """Storages that only the optimizers mutate: their parameters and their state tensors."""
+    ptrs: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.add(storage_ptr(p))
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    ptrs.add(storage_ptr(v))
+    return ptrs

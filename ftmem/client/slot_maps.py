@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ftmem._logging import get_logger
-from ftmem.client.flatten import Flat, Placement
-from ftmem.client.save_plan import CopyPlan
+from ftmem.client.flatten import Flat
+from ftmem.client.planner import CopyPlan, Placement
 from ftmem.client.staging import (
     CopyJob,
     copy_into,

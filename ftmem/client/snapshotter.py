@@ -36,16 +36,12 @@ import torch
 
 from ftmem._logging import get_logger
 from ftmem.client import agreement, pitfalls
-from ftmem.client.flatten import Flat, flatten_state, state_dicts, walk_values
 from ftmem.client.loading import SnapshotLoader
-from ftmem.client.save_plan import CopyPlan, plan_save
-from ftmem.client.sharding import ReplicaSharder, gather_group
+from ftmem.client.planner import CopyPlanner, gather_group, optimizers_in
 from ftmem.client.slot_maps import SlotMappings, stage
 from ftmem.client.staging import CopyJob, CopyWorker, PrepareJob, SkipNotice
-from ftmem.client.steady import SteadyState
 from ftmem.config import ClientConfig
 from ftmem.errors import FtmemError
-from ftmem.format.tensors import encode_skeleton
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 
@@ -122,11 +118,7 @@ class Checkpointer:
         self._worker: CopyWorker | None = None
         self._rank: int | None = None
         self._slots = SlotMappings()
-        self._plan: CopyPlan | None = None
-        self._steady: SteadyState | None = None
-        """What the last full read of the state found (the next saves re-read only that)."""
-        self._unsharded = 0
-        self._sharder = ReplicaSharder()
+        self._planner = CopyPlanner(shard=self.config.shard_replicated)
         self._preparing: PrepareJob | None = None
         self._pending: _Pending | None = None
         self._changed = False
@@ -141,8 +133,6 @@ class Checkpointer:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._group: Any = None
         self._in_process = False
-        self._checked = False
-        """The pitfalls (ftmem.client.pitfalls) were looked for at the first save."""
         atexit.register(self.close)
 
     # -- connection ------------------------------------------------------------------------
@@ -189,8 +179,7 @@ class Checkpointer:
         self._drop_grant()
         self._pending = None
         self._changed = False
-        self._sharder = ReplicaSharder()
-        self._steady = None
+        self._planner.forget_group()
         self._group = None
         self._rank = None
 
@@ -245,17 +234,11 @@ class Checkpointer:
         # The fence first, also when this save is skipped: an optimizer step after a skipped
         # save must mark the state changed (a final save of that step would be stale).
         self._hook_optimizers(state)
-        if not self._checked:  # once: the DDP check walks the garbage collector's referrers
-            self._checked = True
-            pitfalls.check_optimizer(bool(self._optimizers))
-            pitfalls.check_ddp(state, agreement.current_world_size())
-            pitfalls.check_loaders(state)
         busy = self._wait_busy(deadline)
         if busy is not None:
             return self._skip(step, busy, t0, tell=True)
-        flat, objects, unsharded = self._read(state, replicated_over)
-        assert self._plan is not None
-        plan = self._plan
+        read = self._planner.read_state(state, self._optimizers, replicated_over)
+        flat, plan, objects, unsharded = read.flat, read.plan, read.objects, read.unsharded
         total = max(1, plan.layout.tensors_end + len(objects))
         decision = self._take_grant(total, deadline is not None)
         if isinstance(decision, m.BeginReply):
@@ -286,26 +269,6 @@ class Checkpointer:
         assert self._worker is not None
         self._worker.submit(job)
         return SnapshotHandle(step=step, skipped=False, _job=job)
-
-    def _read(self, state: Mapping[str, Any], replicated_over: Any) -> tuple[Flat, bytes, int]:
-        """This save's tensors (this replica's share), its encoded skeleton, and the bytes of
-        the whole state's tensors when sharded (0: not sharded); sets ``self._plan``.
-
-        While the state keeps the structure of the last full read, only what may change is
-        read again (:class:`~ftmem.client.steady.SteadyState`); otherwise the state is
-        walked, sharded, planned and encoded in full."""
-        sds = state_dicts(state)
-        steady = self._steady
-        if steady is not None and self._plan is not None:
-            got = steady.refresh(state, sds, self._optimizers, replicated_over)
-            if got is not None:
-                return got[0], got[1], self._unsharded
-        whole = flatten_state(state, sds)
-        flat = self._shard(state, whole, replicated_over)
-        self._plan = plan_save(flat, self._plan, self._optimizers)
-        self._unsharded = sum(t.nbytes for t in whole.tensors) if flat is not whole else 0
-        self._steady = SteadyState.build(state, sds, whole, flat, self._optimizers, replicated_over)
-        return flat, encode_skeleton(flat.skeleton), self._unsharded
 
     def _wait_busy(self, deadline: float | None) -> str | None:
         """Why a save must skip because this rank is busy (None: it may go on).
@@ -408,12 +371,6 @@ class Checkpointer:
         self._worker.submit(job)
         return job
 
-    def _shard(self, state: Mapping[str, Any], flat: Flat, given: Any) -> Flat:
-        """Keep only this replica's share of the replicated tensors (see :meth:`save`)."""
-        if not self.config.shard_replicated or not agreement.distributed():
-            return flat
-        return self._sharder.shard(state, flat, given)
-
     def _skip(self, step: int, reason: str, t0: float, tell: bool = False) -> SnapshotHandle:
         """Count a skipped snapshot; ``tell``: the SMP did not refuse it itself, so the copy
         thread reports it (the SMP counts skips per rank and reason)."""
@@ -426,7 +383,7 @@ class Checkpointer:
 
     # -- the fence -------------------------------------------------------------------------
     def _hook_optimizers(self, state: Mapping[str, Any]) -> None:
-        found = [v for v in walk_values(state) if isinstance(v, torch.optim.Optimizer)]
+        found = optimizers_in(state)
         self._optimizers = found
         for opt in found:
             if opt not in self._hooked:

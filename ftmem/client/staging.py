@@ -30,7 +30,7 @@ import torch
 
 from ftmem import faults
 from ftmem._logging import get_logger
-from ftmem.client.flatten import Placement
+from ftmem.client.planner import Placement
 from ftmem.errors import ErrorKind, FtmemError, SmpRequestError
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient

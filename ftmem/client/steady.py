@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from ftmem.client.flatten import Flat, dtensor_type, storage_ptr
-from ftmem.client.save_plan import optimizer_storage_ptrs
+from ftmem.client.flatten import Flat, dtensor_type, optimizer_storage_ptrs, storage_ptr
 from ftmem.format.tensors import TENSOR_MARK, encode_skeleton
 
 FULL_EVERY = 1000

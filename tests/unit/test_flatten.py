@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from ftmem.client.flatten import flatten_state, parse_layout, plan_layout
+from ftmem.client.flatten import flatten_state, parse_layout
+from ftmem.client.planner import plan_layout
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import layout_json, with_hashes
 from ftmem.format.tensors import decode_skeleton, encode_skeleton

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ftmem import shm
-from ftmem.client.flatten import flatten_state, plan_layout
+from ftmem.client.flatten import flatten_state
+from ftmem.client.planner import plan_layout
 from ftmem.client.restore import copy_verified, plan_restore
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import HASH_PIECE, StoredSnapshot, digest, layout_json, parse_layout

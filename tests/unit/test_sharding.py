@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from ftmem.client.flatten import flatten_state, parse_layout, plan_layout
-from ftmem.client.sharding import shard_replicated, split_rows
+from ftmem.client.flatten import flatten_state, parse_layout
+from ftmem.client.planner import plan_layout, shard_replicated, split_rows
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import layout_json, with_hashes
 from ftmem.format.tensors import GATHER_MARK, REPLICAS_KEY
