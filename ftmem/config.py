@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 # Environment variables ftmem reads (the launcher sets the first four for its ranks).
 ENV_RUN_DIR = "FTMEM_RUN_DIR"  # the SMP's run directory; holds smp.sock
@@ -182,6 +184,17 @@ class SmpConfig:
     def endpoint(self) -> str:
         """The ZeroMQ endpoint ranks connect to."""
         return f"ipc://{self.run_dir / SOCKET_NAME}"
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of dataclass ``cls`` (its factory's value): the one place
+    a setting's default is written; the command lines that set it read it from there."""
+    f = {x.name: x for x in dataclasses.fields(cls)}[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise KeyError(f"{cls.__name__}.{name} has no default")
 
 
 def env_seconds(name: str, default: float) -> timedelta:

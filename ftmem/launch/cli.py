@@ -38,6 +38,8 @@ from ftmem.launch.config import (
     check_host_address,
     check_mesh_key,
     check_rdzv_backend,
+    cli_default,
+    cli_knob,
     default_peer_host,
     resolve_names,
 )
@@ -76,7 +78,7 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-hang-timeout",
         action=env,
         type=float,
-        default=120.0,
+        default=cli_default("hang_timeout"),
         help="Seconds without progress (ftmem.save / ftmem.heartbeat) after a rank's first "
         "report before it is SIGKILLed and all ranks restart; 0 disables. Default: 120.",
     )
@@ -84,7 +86,7 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-first-progress-timeout",
         action=env,
         type=float,
-        default=0.0,
+        default=cli_default("first_progress_timeout"),
         help="Seconds from a rank's start to its first report (start-up + load + first "
         "step) before it counts as hung; 0 (default) disables.",
     )
@@ -92,14 +94,14 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-metrics-port",
         action=env,
         type=int,
-        default=0,
+        default=cli_default("metrics_port"),
         help="Serve Prometheus metrics of this node at http://ADDR:PORT/metrics (0, the "
         "default: off); needs prometheus_client (pip install 'ftmem[metrics]').",
     )
     group.add_argument(
         "--ftmem-metrics-addr",
         action=env,
-        default="127.0.0.1",
+        default=cli_default("metrics_addr"),
         help="The address the metrics server binds (default 127.0.0.1: this host only; the "
         "metrics are unauthenticated, so bind another interface only where every host that "
         "can reach it may read them, e.g. 0.0.0.0 behind a firewall for Prometheus).",
@@ -108,7 +110,7 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-rejoin-timeout",
         action=env,
         type=float,
-        default=120.0,
+        default=cli_default("rejoin_timeout"),
         help="Seconds a rank kept alive at a restart (it runs under ftmem.run) has to report "
         "progress in the new generation before it is SIGKILLed and cold-started; the rank "
         "itself waits that long plus the rendezvous join timeout for its new generation "
@@ -118,7 +120,7 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-standby",
         action=env,
         type=int,
-        default=1,
+        default=cli_default("standby"),
         help="Standby ranks per local rank, started once the ranks are stepping: processes "
         "that have imported torch (and --ftmem-tune standby-import) and take over a rank at the "
         "next restart instead of a cold start. 0: off. Default: 1.",
@@ -196,7 +198,7 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-flush-every",
         action=env,
         type=int,
-        default=0,
+        default=cli_default("flush_every"),
         help="Flush every N steps in the background; 0 (default): only on `ftmem flush` and "
         "on SIGTERM.",
     )
@@ -204,7 +206,7 @@ def get_args_parser() -> ArgumentParser:
         "--ftmem-flush-keep",
         action=env,
         type=int,
-        default=2,
+        default=cli_default("flush_keep"),
         help="Complete checkpoints kept per tier. Default: 2.",
     )
     group.add_argument(
@@ -212,7 +214,7 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=str,
         choices=("stable", "elastic"),
-        default="stable",
+        default=cli_default("rank_assignment"),
         help="stable (default): every node keeps its global ranks across restarts and a "
         "replacement node takes the lost node's, so each rank finds its own snapshot; "
         "elastic: torchrun's numbering (by node order in each round).",
@@ -234,23 +236,29 @@ def get_args_parser() -> ArgumentParser:
 
 
 TUNING: dict[str, tuple[type, object, tuple[str, ...] | None]] = {
-    "slots": (int, None, None),
-    "hash-threads": (int, 1, None),
-    "ec-group-size": (int, 8, None),
-    "ec-interval": (float, 0.0, None),
-    "ec-encode-workers": (int, 0, None),
-    "flush-writers": (int, 2, None),
-    "flush-direct": (str, "on", ("on", "off")),
-    "rebuild-timeout": (float, 600.0, None),
-    "smp-start-timeout": (float, 60.0, None),
-    "no-progress-restarts": (int, 3, None),
-    "status-interval": (float, 1.0, None),
-    "detect-timeout": (float, 1.0, None),
-    "smp-log-level": (str, "INFO", None),
-    "standby-import": (str, "", None),
+    "slots": (int, None, None),  # None: as many as the job's tiers and erasure coding need
+    **{
+        key: cli_knob(key.replace("-", "_"))
+        for key in (
+            "hash-threads",
+            "ec-group-size",
+            "ec-interval",
+            "ec-encode-workers",
+            "flush-writers",
+            "flush-direct",
+            "rebuild-timeout",
+            "smp-start-timeout",
+            "no-progress-restarts",
+            "status-interval",
+            "detect-timeout",
+            "smp-log-level",
+        )
+    },
+    "standby-import": cli_knob("standby_imports"),
 }
-"""The knobs ``--ftmem-tune KEY=VALUE`` sets (type, default, choices): settings with defaults
-a user should not need to see to run a job. Each is also a hidden ``--ftmem-KEY`` flag (and
+"""The knobs ``--ftmem-tune KEY=VALUE`` sets (type, default, choices; the defaults are
+:class:`FtmemLaunchConfig`'s): settings with defaults a user should not need to see to run a
+job. Each is also a hidden ``--ftmem-KEY`` flag (and
 ``PET_FTMEM_KEY``), as before; docs/launcher.md, Tuning, says what each means."""
 
 

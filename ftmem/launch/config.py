@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.config import ENV_AGENT_PID as ENV_AGENT_PID
-from ftmem.config import MAX_SOCKET_PATH, SOCKET_NAME, default_run_dir
+from ftmem.config import MAX_SOCKET_PATH, SOCKET_NAME, SmpConfig, default_run_dir, field_default
 
 # The FTMEM_* variables the launcher sets for each rank are named in ftmem/config.py (among them
 # ENV_AGENT_PID, imported above: the exec shim kills the rank if its parent is not that pid).
@@ -61,7 +61,7 @@ class FtmemLaunchConfig:
     """The node's SMP run directory (ipc socket, logs); None: a fresh one under /tmp."""
     node: str | None = None
     """This node's name (FTMEM_NODE, shared-memory names); None: ``<hostname>-<pid>``."""
-    slots: int = 2
+    slots: int = field_default(SmpConfig, "slots")
     """Snapshot slots per rank that the SMP keeps (>= 2)."""
     smp_start_timeout: timedelta = timedelta(seconds=60)
     """Deadline for the SMP's readiness handshake."""
@@ -129,15 +129,15 @@ class FtmemLaunchConfig:
     """Persistent (shared) disk tier, written after the local one."""
     flush_every: int = 0
     """Flush every this many steps in the background (0: only on ``ftmem flush``/SIGTERM)."""
-    flush_keep: int = 2
+    flush_keep: int = field_default(SmpConfig, "flush_keep")
     """Complete checkpoints kept per tier."""
-    flush_writers: int = 2
+    flush_writers: int = field_default(SmpConfig, "flush_writers")
     """Data files a flush writes in parallel."""
-    flush_direct: bool = True
+    flush_direct: bool = field_default(SmpConfig, "flush_direct")
     """A flush writes with O_DIRECT where the file system allows it."""
-    flush_on_stop: timedelta = timedelta(seconds=60)
+    flush_on_stop: timedelta = field_default(SmpConfig, "flush_on_stop")  # noqa: RUF009 (immutable)
     """On SIGTERM, time the SMP has for a final flush of the newest step."""
-    hash_threads: int = 1
+    hash_threads: int = field_default(SmpConfig, "hash_threads")
     """Threads of the SMP that checksum committed snapshots."""
     standby: int = 1
     """Standby ranks kept per local rank for the next restart (0: cold starts only)."""
@@ -226,6 +226,27 @@ class FtmemLaunchConfig:
                     f"--ftmem-run-dir {self.run_dir} is too long for an ipc socket path "
                     f"({sock} > {MAX_SOCKET_PATH} characters); choose a shorter one"
                 )
+
+
+def cli_default(name: str) -> Any:
+    """The command-line form of :class:`FtmemLaunchConfig`'s default for ``name``: seconds
+    for a duration, ``on``/``off`` for a switch, comma-separated for a list."""
+    value = field_default(FtmemLaunchConfig, name)
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return value
+
+
+def cli_knob(name: str) -> tuple[type, object, tuple[str, ...] | None]:
+    """A tuning knob's (type, default, choices) on the command line, from the field."""
+    value = cli_default(name)
+    if isinstance(field_default(FtmemLaunchConfig, name), bool):
+        return str, value, ("on", "off")
+    return type(value), value, None
 
 
 def apply_safe_rdzv_defaults(rdzv_configs: dict[str, Any]) -> dict[str, Any]:

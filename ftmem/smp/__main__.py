@@ -36,11 +36,25 @@ from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from ftmem._logging import configure, get_logger  # noqa: E402
-from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id, default_shm_dir  # noqa: E402
+from ftmem.config import (  # noqa: E402
+    ENV_NODE,
+    SmpConfig,
+    default_run_dir,
+    default_run_id,
+    default_shm_dir,
+    field_default,
+)
 from ftmem.errors import SmpStartError  # noqa: E402
 from ftmem.smp.daemon import SmpDaemon  # noqa: E402
 
 log = get_logger("ftmem.smp")
+
+
+def _default(name: str) -> object:
+    """SmpConfig's default for ``name`` as this command line spells it (seconds for a
+    duration): the defaults are written once, on the fields."""
+    value = field_default(SmpConfig, name)
+    return value.total_seconds() if isinstance(value, timedelta) else value
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -58,11 +72,13 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')",
     )
     p.add_argument("--node", default=None, help="node name (default $FTMEM_NODE or node0)")
-    p.add_argument("--slots", type=int, default=2, help="snapshot slots per rank (>= 2)")
+    p.add_argument(
+        "--slots", type=int, default=_default("slots"), help="snapshot slots per rank (>= 2)"
+    )
     p.add_argument(
         "--hash-threads",
         type=int,
-        default=1,
+        default=_default("hash_threads"),
         help="threads that checksum committed snapshots (default 1)",
     )
     p.add_argument(
@@ -73,7 +89,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this pid is gone")
     p.add_argument(
-        "--max-message-bytes", type=int, default=16 << 20, help="largest request accepted"
+        "--max-message-bytes",
+        type=int,
+        default=_default("max_message_bytes"),
+        help="largest request accepted",
     )
     p.add_argument(
         "--shm-dir",
@@ -83,7 +102,10 @@ def get_args_parser() -> argparse.ArgumentParser:
         "default $FTMEM_SHM_DIR or /dev/shm/ftmem-<uid>",
     )
     p.add_argument(
-        "--poll-interval", type=float, default=0.1, help="seconds between housekeeping checks"
+        "--poll-interval",
+        type=float,
+        default=_default("poll_interval"),
+        help="seconds between housekeeping checks",
     )
     p.add_argument(
         "--no-adopt",
@@ -108,12 +130,20 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flush-every",
         type=int,
-        default=0,
+        default=_default("flush_every"),
         help="flush every N steps in the background (0: only when `ftmem flush` asks)",
     )
-    p.add_argument("--flush-keep", type=int, default=2, help="complete checkpoints kept per tier")
     p.add_argument(
-        "--flush-writers", type=int, default=2, help="data files written in parallel per flush"
+        "--flush-keep",
+        type=int,
+        default=_default("flush_keep"),
+        help="complete checkpoints kept per tier",
+    )
+    p.add_argument(
+        "--flush-writers",
+        type=int,
+        default=_default("flush_writers"),
+        help="data files written in parallel per flush",
     )
     p.add_argument(
         "--flush-buffered",
@@ -123,7 +153,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flush-on-stop",
         type=float,
-        default=60.0,
+        default=_default("flush_on_stop"),
         help="seconds allowed for a final flush on SIGTERM (when --flush-dir is set)",
     )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
