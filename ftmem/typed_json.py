@@ -14,6 +14,8 @@ OverflowError). The annotations:
 - ``list[T]``, ``tuple[T, ...]``, ``dict[K, V]``, ``Mapping[K, V]``: each item read as ``T``
   (or ``V``, keys as ``K``), at most :class:`Most` of them.
 - an enum: one of its values. A dataclass: built the same way. ``X | None``: null or ``X``.
+- ``Path``: a non-empty string without NUL of at most 4096 characters; ``timedelta``: a
+  finite number of seconds >= 0 (settings files).
 
 A reader is made once per annotation and a field table once per class, so reading costs a
 call per field, not a look at the annotations.
@@ -30,6 +32,8 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ftmem.errors import ProtocolError
@@ -155,6 +159,22 @@ def _make_reader(tp: Any) -> Reader:
             return float(value)
 
         return read_float
+    if tp is Path:
+
+        def read_path(name: str, value: Any, strict: bool) -> Path:
+            if type(value) is not str or not 0 < len(value) <= 4096 or "\0" in value:
+                raise ProtocolError(f"field {name!r} must be a path")
+            return Path(value)
+
+        return read_path
+    if tp is timedelta:
+
+        def read_seconds(name: str, value: Any, strict: bool) -> timedelta:
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                raise ProtocolError(f"field {name!r} must be a number of seconds >= 0")
+            return timedelta(seconds=value)
+
+        return read_seconds
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         members = {e.value: e for e in tp}
 

@@ -150,28 +150,21 @@ class FtmemLaunchConfig:
         """The disk tiers, nearest first."""
         return [Path(p).absolute() for p in (self.flush_dir, self.flush_persistent_dir) if p]
 
-    def smp_args(self) -> list[str]:
-        """Extra ``python -m ftmem.smp`` arguments for the disk tiers."""
-        args: list[str] = []
-        if self.hash_threads != 1:
-            args += ["--hash-threads", str(self.hash_threads)]
-        if self.flush_dir is not None:
-            args += ["--flush-dir", str(Path(self.flush_dir).absolute())]
-        if self.flush_persistent_dir is not None:
-            args += ["--flush-shared-dir", str(Path(self.flush_persistent_dir).absolute())]
-        if args:
-            args += [
-                "--flush-every",
-                str(self.flush_every),
-                "--flush-keep",
-                str(self.flush_keep),
-                "--flush-writers",
-                str(self.flush_writers),
-                *([] if self.flush_direct else ["--flush-buffered"]),
-                "--flush-on-stop",
-                str(self.flush_on_stop.total_seconds()),
-            ]
-        return args
+    def smp_settings(self) -> dict[str, Any]:
+        """The SMP's settings this config sets (SmpConfig's fields, JSON-ready) beyond the
+        run directory, run id, node and slots, which its runner adds."""
+        out: dict[str, Any] = {"hash_threads": self.hash_threads}
+        if self.flush_tiers():
+            out |= {
+                "flush_tiers": [str(t) for t in self.flush_tiers()],
+                "flush_shared": self.flush_persistent_dir is not None,
+                "flush_every": self.flush_every,
+                "flush_keep": self.flush_keep,
+                "flush_writers": self.flush_writers,
+                "flush_direct": self.flush_direct,
+                "flush_on_stop": self.flush_on_stop.total_seconds(),
+            }
+        return out
 
     def __post_init__(self) -> None:
         if self.slots < 2:

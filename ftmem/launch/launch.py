@@ -161,7 +161,7 @@ def launch_agent(
         ),
         log_level=ftmem.smp_log_level,
         extra_env=ftmem.extra_env,
-        extra_args=ftmem.smp_args(),
+        settings=ftmem.smp_settings(),
     )
     agent = FtmemElasticAgent(
         spec=spec,

@@ -50,7 +50,9 @@ class SmpRunner:
     stop_timeout: timedelta
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
-    extra_args: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """More of the SMP's settings (SmpConfig's fields, JSON-ready), handed over in its
+    settings file with the run directory, run id, node, slots and this agent's pid."""
     _proc: _SmpHandle | None = field(default=None, init=False)
     starts: int = field(default=0, init=False)
     """How many times an SMP was started (1 + restarts)."""
@@ -85,7 +87,7 @@ class SmpRunner:
             parent_pid=os.getpid(),
             env=env,
             log_path=self.log_path,
-            extra_args=self.extra_args,
+            settings=self.settings,
         )
         self.starts += 1
         log.info(

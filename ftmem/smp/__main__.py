@@ -29,37 +29,33 @@ if __name__ == "__main__":  # (not when imported for its parser)
     signal.signal(signal.SIGINT, _early)
 
 import argparse  # noqa: E402 (after the handlers, on purpose)
+import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
+from ftmem import typed_json  # noqa: E402
 from ftmem._logging import configure, get_logger  # noqa: E402
-from ftmem.config import (  # noqa: E402
-    ENV_NODE,
-    SmpConfig,
-    default_run_dir,
-    default_run_id,
-    default_shm_dir,
-    field_default,
-)
-from ftmem.errors import SmpStartError  # noqa: E402
+from ftmem.config import ENV_NODE, SmpConfig, default_run_dir, default_run_id  # noqa: E402
+from ftmem.errors import FtmemError, ProtocolError, SmpStartError  # noqa: E402
+from ftmem.secure_fs import read_private_file  # noqa: E402
 from ftmem.smp.daemon import SmpDaemon  # noqa: E402
 
 log = get_logger("ftmem.smp")
 
 
-def _default(name: str) -> object:
-    """SmpConfig's default for ``name`` as this command line spells it (seconds for a
-    duration): the defaults are written once, on the fields."""
-    value = field_default(SmpConfig, name)
-    return value.total_seconds() if isinstance(value, timedelta) else value
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     """Return the SMP's argument parser."""
     p = argparse.ArgumentParser(prog="python -m ftmem.smp", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--settings",
+        type=Path,
+        default=None,
+        help="a JSON file of this user's (mode 0600) holding the settings below by their "
+        "SmpConfig names (what ftmem-launch writes); a flag given beside it wins",
+    )
     p.add_argument(
         "--run-dir",
         type=Path,
@@ -72,13 +68,11 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')",
     )
     p.add_argument("--node", default=None, help="node name (default $FTMEM_NODE or node0)")
-    p.add_argument(
-        "--slots", type=int, default=_default("slots"), help="snapshot slots per rank (>= 2)"
-    )
+    p.add_argument("--slots", type=int, default=None, help="snapshot slots per rank (>= 2)")
     p.add_argument(
         "--hash-threads",
         type=int,
-        default=_default("hash_threads"),
+        default=None,
         help="threads that checksum committed snapshots (default 1)",
     )
     p.add_argument(
@@ -91,7 +85,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-message-bytes",
         type=int,
-        default=_default("max_message_bytes"),
+        default=None,
         help="largest request accepted",
     )
     p.add_argument(
@@ -104,7 +98,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--poll-interval",
         type=float,
-        default=_default("poll_interval"),
+        default=None,
         help="seconds between housekeeping checks",
     )
     p.add_argument(
@@ -130,19 +124,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flush-every",
         type=int,
-        default=_default("flush_every"),
+        default=None,
         help="flush every N steps in the background (0: only when `ftmem flush` asks)",
     )
     p.add_argument(
         "--flush-keep",
         type=int,
-        default=_default("flush_keep"),
+        default=None,
         help="complete checkpoints kept per tier",
     )
     p.add_argument(
         "--flush-writers",
         type=int,
-        default=_default("flush_writers"),
+        default=None,
         help="data files written in parallel per flush",
     )
     p.add_argument(
@@ -153,7 +147,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flush-on-stop",
         type=float,
-        default=_default("flush_on_stop"),
+        default=None,
         help="seconds allowed for a final flush on SIGTERM (when --flush-dir is set)",
     )
     p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
@@ -161,29 +155,51 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SmpConfig:
-    """Build an SmpConfig from parsed arguments (environment fallbacks applied)."""
-    run_id = args.run_id or default_run_id()
-    return SmpConfig(
-        run_dir=(args.run_dir or default_run_dir(run_id)).absolute(),
-        run_id=run_id,
-        node=args.node or os.environ.get(ENV_NODE) or "node0",
-        slots=args.slots,
-        hash_threads=args.hash_threads,
-        max_message_bytes=args.max_message_bytes,
-        shm_dir=(args.shm_dir or default_shm_dir()).absolute(),
-        parent_pid=args.parent_pid,
-        poll_interval=timedelta(seconds=args.poll_interval),
-        adopt=not args.no_adopt,
-        flush_tiers=[
-            d.absolute() for d in [*args.flush_dir, *filter(None, [args.flush_shared_dir])]
-        ],
-        flush_shared=args.flush_shared_dir is not None,
-        flush_every=args.flush_every,
-        flush_keep=args.flush_keep,
-        flush_writers=args.flush_writers,
-        flush_direct=not args.flush_buffered,
-        flush_on_stop=timedelta(seconds=args.flush_on_stop),
-    )
+    """Build an SmpConfig from ``--settings`` (if given) and the flags given beside it (a
+    flag wins); what neither sets takes the environment's run id, node and run directory,
+    then SmpConfig's defaults.
+
+    Raises:
+        ValueError: a setting SmpConfig refuses.
+        ProtocolError: a settings file that is not JSON or not SmpConfig's fields.
+        UnsafePathError: a settings file that is not this user's alone.
+    """
+    doc: dict[str, Any] = {}
+    if args.settings is not None:
+        text = read_private_file(args.settings.absolute(), "SMP settings file")
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(f"SMP settings file {args.settings}: not JSON") from exc
+        if type(doc) is not dict:
+            raise ProtocolError(f"SMP settings file {args.settings}: not a JSON object")
+    tiers = [*args.flush_dir, *filter(None, [args.flush_shared_dir])]
+    flags = {
+        "run_dir": args.run_dir and str(args.run_dir.absolute()),
+        "run_id": args.run_id,
+        "node": args.node,
+        "slots": args.slots,
+        "hash_threads": args.hash_threads,
+        "max_message_bytes": args.max_message_bytes,
+        "shm_dir": args.shm_dir and str(args.shm_dir.absolute()),
+        "parent_pid": args.parent_pid,
+        "poll_interval": args.poll_interval,
+        "adopt": False if args.no_adopt else None,
+        "flush_tiers": [str(d.absolute()) for d in tiers] or None,
+        "flush_shared": True if args.flush_shared_dir is not None else None,
+        "flush_every": args.flush_every,
+        "flush_keep": args.flush_keep,
+        "flush_writers": args.flush_writers,
+        "flush_direct": False if args.flush_buffered else None,
+        "flush_on_stop": args.flush_on_stop,
+    }
+    doc.update((k, v) for k, v in flags.items() if v is not None)
+    doc.setdefault("run_id", default_run_id())
+    doc.setdefault("node", os.environ.get(ENV_NODE) or "node0")
+    if "run_dir" not in doc and isinstance(doc["run_id"], str):
+        doc["run_dir"] = str(default_run_dir(doc["run_id"]).absolute())
+    config: SmpConfig = typed_json.build(SmpConfig, doc, what="SMP settings")
+    return config
 
 
 def raise_nofile() -> int:
@@ -208,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     raise_nofile()
     try:
         config = config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, FtmemError) as exc:
         print(f"ftmem.smp: {exc}", file=sys.stderr)
         return 2
     daemon = SmpDaemon(config)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, SmpStartError
@@ -74,6 +76,23 @@ class SmpProcess:
         self.stop()
 
 
+SETTINGS_NAME = "smp-settings.json"
+"""The SMP's settings file in its run directory (what ``python -m ftmem.smp --settings`` reads)."""
+
+
+def write_settings(run_dir: Path, doc: Mapping[str, Any]) -> Path:
+    """Write the SMP settings ``doc`` to ``run_dir/smp-settings.json`` (mode 0600, replaced
+    atomically: a restarted SMP gets its own); the file's path."""
+    path = run_dir / SETTINGS_NAME
+    tmp = run_dir / f".{SETTINGS_NAME}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(doc), f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
 def start_smp(
     *,
     run_dir: Path | str,
@@ -85,8 +104,13 @@ def start_smp(
     env: dict[str, str] | None = None,
     log_path: Path | str | None = None,
     extra_args: list[str] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> SmpProcess:
     """Spawn ``python -m ftmem.smp`` and return once it serves.
+
+    ``settings``: more of SmpConfig's fields, JSON-ready (paths as strings, durations in
+    seconds); then every setting goes to the SMP in one file (:func:`write_settings`) instead
+    of flags.
 
     The child writes ``READY {json}`` to a pipe; this waits for that line until
     ``start_timeout``. Its stderr goes to ``log_path`` (or is inherited).
@@ -94,23 +118,17 @@ def start_smp(
     Error handling: raises SmpStartError (and kills the child) if it exits or misses the
     deadline.
     """
+    if settings is not None:
+        doc: dict[str, Any] = {"run_dir": str(Path(run_dir).absolute()), "run_id": run_id}
+        doc |= {"node": node, "slots": slots, "parent_pid": parent_pid, **settings}
+        path = write_settings(Path(run_dir), doc)
+        extra_args = ["--settings", str(path), *(extra_args or [])]
     rfd, wfd = os.pipe()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ftmem.smp",
-        "--run-dir",
-        str(run_dir),
-        "--run-id",
-        run_id,
-        "--node",
-        node,
-        "--slots",
-        str(slots),
-        "--ready-fd",
-        str(wfd),
-    ]
-    if parent_pid is not None:
+    cmd = [sys.executable, "-m", "ftmem.smp", "--ready-fd", str(wfd)]
+    if settings is None:
+        cmd += ["--run-dir", str(run_dir), "--run-id", run_id, "--node", node]
+        cmd += ["--slots", str(slots)]
+    if parent_pid is not None and settings is None:
         cmd += ["--parent-pid", str(parent_pid)]
     cmd += extra_args or []
     log_file = open(log_path, "ab") if log_path is not None else None
