@@ -58,6 +58,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Annotated
+
+from ftmem import typed_json
+from ftmem.errors import ProtocolError
+from ftmem.typed_json import Most, Pattern, Range
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,10 @@ MAX_NAMES = 2 * RADIUS + 2
 MAX_DRAIN = 256
 """Most datagrams read between two rounds of heartbeats (a flood cannot starve the sending)."""
 TAG = 32
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+
+PeerName = Annotated[str, Most(512), Pattern(r"[^\x00-\x1f]+")]
+"""A node's rendezvous name in a heartbeat (host, pid, index: up to a long host name's length)."""
 
 
 def neighbours(order: list[str], me: str, radius: int = RADIUS) -> list[str]:
@@ -95,35 +103,25 @@ def neighbours(order: list[str], me: str, radius: int = RADIUS) -> list[str]:
 class Heartbeat:
     """One heartbeat: who sends it, its sequence number, the peers it suspects and declared."""
 
-    run: str
-    sender: str
-    seq: int
+    run: PeerName
+    sender: PeerName
+    seq: Annotated[int, Range(0, 2**62 - 1)]
     generation: int
-    suspects: tuple[str, ...] = ()
-    lost: tuple[str, ...] = ()
+    suspects: Annotated[tuple[PeerName, ...], Most(MAX_NAMES)] = ()
+    lost: Annotated[tuple[PeerName, ...], Most(MAX_NAMES)] = ()
     leaving: bool = False
     """The sender's agent exits: stop watching it."""
 
     def encode(self, key: bytes) -> bytes:
-        """The datagram: tag, then the JSON body."""
-        body = json.dumps(
-            {
-                "v": WIRE_VERSION,
-                "run": self.run,
-                "from": self.sender,
-                "seq": self.seq,
-                "gen": self.generation,
-                "suspects": list(self.suspects),
-                "lost": list(self.lost),
-                "leaving": self.leaving,
-            },
-            separators=(",", ":"),
-        ).encode()
+        """The datagram: tag, then the JSON body (this dataclass's fields and ``v``)."""
+        doc = {"v": WIRE_VERSION, **{f: getattr(self, f) for f in self.__slots__}}
+        body = json.dumps(doc, separators=(",", ":")).encode()
         return hmac.new(key, body, hashlib.sha256).digest() + body
 
     @classmethod
     def decode(cls, key: bytes, data: bytes) -> Heartbeat:
-        """The heartbeat in datagram ``data`` once its size, tag and fields are checked.
+        """The heartbeat in datagram ``data`` once its size, tag and fields are checked (by
+        the one JSON reader, against this dataclass's annotations).
 
         Raises:
             ValueError: the datagram is too large, fails its tag, or is malformed.
@@ -135,30 +133,12 @@ class Heartbeat:
             raise ValueError("its tag is wrong (not sent with this job's key)")
         try:
             doc = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise ValueError("its body is not JSON") from exc
-        if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION:
-            raise ValueError("not a heartbeat of this version")
-        names = {k: doc.get(k) for k in ("suspects", "lost")}
-        for k, v in names.items():
-            if not isinstance(v, list) or len(v) > MAX_NAMES or not all(_name(x) for x in v):
-                raise ValueError(f"a malformed {k!r} list")
-        seq, gen = doc.get("seq"), doc.get("gen")
-        if type(seq) is not int or type(gen) is not int or not 0 <= seq < 2**62:
-            raise ValueError("a malformed sequence number or generation")
-        if not (_name(doc.get("run")) and _name(doc.get("from"))):
-            raise ValueError("a malformed run or sender")
-        if type(doc.get("leaving")) is not bool:
-            raise ValueError("a malformed 'leaving'")
-        return cls(
-            run=doc["run"],
-            sender=doc["from"],
-            seq=seq,
-            generation=gen,
-            suspects=tuple(names["suspects"] or ()),
-            lost=tuple(names["lost"] or ()),
-            leaving=doc["leaving"],
-        )
+            if type(doc) is not dict or doc.pop("v", None) != WIRE_VERSION:
+                raise ProtocolError("not a heartbeat of this version")
+            beat: Heartbeat = typed_json.build(cls, doc, what="heartbeat")
+        except (ValueError, RecursionError, ProtocolError) as exc:
+            raise ValueError(f"a malformed heartbeat: {exc}") from exc
+        return beat
 
 
 @dataclass(frozen=True, slots=True)

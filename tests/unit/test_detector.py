@@ -56,16 +56,28 @@ def test_a_heartbeat_round_trips_and_anything_else_is_refused() -> None:
         body = json.dumps(doc).encode()
         return hmac.new(KEY, body, hashlib.sha256).digest() + body
 
-    good = {"v": 1, "run": "r", "from": "a", "seq": 1, "gen": 0, "suspects": [], "lost": []}
+    good = {
+        "v": 2,
+        "run": "r",
+        "sender": "a",
+        "seq": 1,
+        "generation": 0,
+        "suspects": [],
+        "lost": [],
+    }
     assert Heartbeat.decode(KEY, signed({**good, "leaving": True})).leaving
     for bad in (
         [1, 2],
-        {**good, "v": 2, "leaving": False},
+        {**good, "v": 1, "leaving": False},
+        {k: v for k, v in good.items() if k != "v"},
+        {**good, "from": "a", "leaving": False},
+        {**good, "sender": "a\nb", "leaving": False},
+        {**good, "generation": 1.5, "leaving": False},
         {**good, "seq": -1, "leaving": False},
         {**good, "seq": True, "leaving": False},
         {**good, "suspects": ["x"] * 50, "leaving": False},
         {**good, "lost": [7], "leaving": False},
-        {**good, "from": "", "leaving": False},
+        {**good, "sender": "", "leaving": False},
         {**good, "leaving": "yes"},
     ):
         with pytest.raises(ValueError):
