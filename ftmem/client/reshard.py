@@ -248,8 +248,8 @@ def _load_flushed(
     if ck.dcp_json is None:
         raise SnapshotMismatchError(f"{why}; {ck.path} has no DCP metadata in its manifest")
     meta = metadata_from_json(ck.dcp_json)  # not .metadata: nothing unpickled
-    listed = read_manifest(ck.path).get("chunked")
-    chunked = frozenset(map(str, listed)) if isinstance(listed, list) else _chunked(meta)
+    listed = read_manifest(ck.path).chunked
+    chunked = frozenset(listed) if listed is not None else _chunked(meta)
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:

@@ -83,15 +83,14 @@ def read_part(ckpt: Checkpoint) -> Part:
     Raises:
         CorruptSnapshotError: its manifest lacks the part fields or they are malformed.
     """
-    doc = read_manifest(ckpt.path)
+    m = read_manifest(ckpt.path)
     try:
-        dcp = dict(doc["dcp"])
+        dcp = dict(m.dcp)
         hashes = {
-            int(r): {str(k): str(v) for k, v in dict(h).items()}
-            for r, h in dict(doc["hashes"]).items()
+            int(r): {str(k): str(v) for k, v in dict(h).items()} for r, h in dict(m.hashes).items()
         }
-        chunked = frozenset(str(n) for n in doc.get("chunked", []))
-    except (KeyError, TypeError, ValueError) as exc:
+        chunked = frozenset(m.chunked or ())
+    except (TypeError, ValueError) as exc:
         raise CorruptSnapshotError(f"{ckpt.path}: not a part ({exc!r})") from exc
     if sorted(hashes) != list(ckpt.ranks):
         raise CorruptSnapshotError(f"{ckpt.path}: hashes for ranks {sorted(hashes)}")

@@ -31,14 +31,16 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import xxhash
 
+from ftmem import typed_json
 from ftmem._logging import get_logger
-from ftmem.errors import CorruptSnapshotError, UnsafePathError
+from ftmem.errors import CorruptSnapshotError, ProtocolError, UnsafePathError
 from ftmem.secure_fs import check_dir, open_owned
 from ftmem.tiers import signing
+from ftmem.typed_json import MAX_INT, Most, Range
 
 log = get_logger(__name__)
 
@@ -119,13 +121,38 @@ def write_manifest(
         os.fsync(f.fileno())
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``path`` as parsed JSON (size-bounded), after
-    checking that the file is ours, not writable by others, and signed with the tier key.
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """A file a manifest lists: its size and its xxh3-64 (hex)."""
+
+    bytes: Annotated[int, Range(0, MAX_INT)]
+    xxh3: Annotated[str, Most(64)]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A checkpoint's manifest, read (by the one JSON reader) once its signature checked."""
+
+    step: Annotated[int, Range(0, 2**62 - 1)]
+    world_size: Annotated[int, Range(1, _MAX_WORLD)]
+    files: Annotated[dict[str, FileEntry], Most(1 << 20)]
+    ranks: Annotated[list[Annotated[int, Range(0, _MAX_WORLD - 1)]], Most(_MAX_WORLD)] | None = None
+    """The ranks it holds (None: all of ``world_size``)."""
+    dcp: Any = None
+    """Its DCP metadata as JSON (None: written by an older ftmem)."""
+    chunked: Annotated[list[Annotated[str, Most(4096)]], Most(1 << 22)] | None = None
+    """The tensors saved in row chunks (None: not recorded; derive them from ``dcp``)."""
+    hashes: Any = None
+    """A node's part: its ranks' tensor hashes (checked by the assembler)."""
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest of checkpoint directory ``path`` (size-bounded), after checking that the
+    file is ours, not writable by others, and signed with the tier key.
 
     Raises:
-        CorruptSnapshotError: it is missing, too large, not a JSON object, or its signature
-            does not check.
+        CorruptSnapshotError: it is missing, too large, not a JSON object, its signature does
+            not check, or its fields are not a manifest's.
         UnsafePathError: it is not ours, a symlink, or writable by others; or there is no
             tier key to check it with.
         OSError: it could not be read (EIO, ESTALE...): nothing can be said about it.
@@ -148,7 +175,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CorruptSnapshotError(f"{path}: the manifest is not a JSON object")
     signing.verify(doc, path)
-    return doc
+    try:
+        manifest: Manifest = typed_json.build(Manifest, doc, what="manifest", strict=False)
+    except ProtocolError as exc:
+        raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
+    return manifest
 
 
 def _good_file_name(name: str) -> bool:
@@ -188,17 +219,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
         OSError: the manifest could not be read.
     """
     check_dir(path, "checkpoint")
-    doc = read_manifest(path)
-    try:
-        files = {
-            str(name): (int(v["bytes"]), str(v["xxh3"])) for name, v in dict(doc["files"]).items()
-        }
-        step, world = int(doc["step"]), int(doc["world_size"])
-        if not 0 <= step < 2**62 or not 0 < world <= _MAX_WORLD:
-            raise ValueError(f"step {step} or world size {world} out of range")
-        ranks = tuple(sorted({int(r) for r in doc.get("ranks", range(world))}))
-    except (ValueError, KeyError, TypeError, OverflowError) as exc:
-        raise CorruptSnapshotError(f"{path}: no valid manifest ({exc})") from exc
+    m = read_manifest(path)
+    files = {name: (e.bytes, e.xxh3) for name, e in m.files.items()}
+    step, world = m.step, m.world_size
+    ranks = tuple(sorted(set(range(world) if m.ranks is None else m.ranks)))
     if not ranks or ranks[0] < 0 or ranks[-1] >= world:
         raise CorruptSnapshotError(f"{path}: the manifest names ranks outside 0..{world - 1}")
     for name, (size, _) in files.items():
@@ -214,7 +238,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if actual != size:
             raise CorruptSnapshotError(f"{path}: {name} has {actual} bytes, expected {size}")
     total = sum(s for s, _ in files.values())
-    return Checkpoint(path, step, world, total, files, ranks, doc.get("dcp"))
+    return Checkpoint(path, step, world, total, files, ranks, m.dcp)
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> None:

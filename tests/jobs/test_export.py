@@ -193,11 +193,11 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
     same_as_saved(part1, [sources[1]])  # a node restores its ranks from its own part
 
     export_dcp([sources[0]], tier / part_name(20, 0), world_size=2)
-    parts = [read_manifest(tier / part_name(20, r)).get("chunked", []) for r in (0, 1)]
+    parts = [read_manifest(tier / part_name(20, r)).chunked or [] for r in (0, 1)]
     ck = assemble(tier, 20, 2, timeout_s=10)
     assert not ck.is_part and ck.path.name == "step_0000000020"
     # The tensors the parts hold as chunks, for a reshard of the assembled checkpoint.
-    assert read_manifest(ck.path)["chunked"] == sorted({*parts[0], *parts[1]})
+    assert read_manifest(ck.path).chunked == sorted({*parts[0], *parts[1]})
     assert [c.path for c in list_checkpoints(tier)[0]] == [ck.path]
     assert sorted(p.name for p in ck.path.iterdir() if p.is_dir()) == [
         "part-r000000",
