@@ -35,12 +35,30 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from ftmem import typed_json
+from ftmem.errors import ProtocolError
 from ftmem.launch.elastic_compat import subprocess_handler_replaced
 from ftmem.launch.workers import SHIM_PATH
+from ftmem.typed_json import Most
+
+Text = Annotated[str, Most(4096)]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpReport:
+    """What a standby says once warm (``_standby.py``'s ready message)."""
+
+    ready: bool
+    seconds: float = 0.0
+    imported: Annotated[list[Text], Most(256)] = field(default_factory=list)
+    failed: Annotated[dict[str, Text], Most(256)] = field(default_factory=dict)
+    """What could not be warmed (a module's import, the CUDA context), and why."""
+    cuda: bool = False
+
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +147,7 @@ class Standby:
     spawned: float
     """``time.time()`` at the spawn."""
     ready_at: float | None = None
-    report: dict[str, Any] = field(default_factory=dict)
+    report: WarmUpReport | None = None
 
     @property
     def pid(self) -> int:
@@ -146,10 +164,11 @@ class Standby:
             if not data:
                 return False
             try:
-                report = json.loads(data)
-            except (ValueError, RecursionError):
-                report = None
-            if isinstance(report, dict) and report.get("ready") is True:
+                report = typed_json.parse(WarmUpReport, data, what="standby report")
+            except ProtocolError as exc:
+                log.warning("standby pid %d: %s; ignored", self.pid, exc)
+                return False
+            if report.ready:
                 self.ready_at = time.time()
                 self.report = report
         return self.ready_at is not None
@@ -353,8 +372,8 @@ class StandbyPool:
                         standby.pid,
                         local_rank,
                         standby.ready_at - standby.spawned if standby.ready_at else 0.0,
-                        f"; failed: {standby.report['failed']}"
-                        if standby.report.get("failed")
+                        f"; failed: {standby.report.failed}"
+                        if standby.report is not None and standby.report.failed
                         else "",
                     )
                 code = standby.popen.poll()
