@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+from ftmem import typed_json
 from ftmem.errors import (
     ErrorKind,
     FtmemError,
@@ -338,6 +339,16 @@ def peer_entry(job: Any, generation: int, node: int, address: str) -> str:
     return json.dumps({**fields, "mac": _entry_mac(job, fields)})
 
 
+@dataclass(frozen=True, slots=True)
+class _PeerEntry:
+    """A node's entry in the rendezvous store, as :func:`peer_entry` writes it."""
+
+    generation: int
+    node: Annotated[int, typed_json.Range(0, 1 << 20)]
+    address: Annotated[str, typed_json.Most(1024)]
+    mac: Annotated[str, typed_json.Most(64)]
+
+
 def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
     """The address in node ``node``'s entry for ``generation``, once its MAC, generation,
     node and address are checked.
@@ -349,13 +360,11 @@ def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
     from ftmem.protocol.peer import parse_endpoint
 
     try:
-        doc = json.loads(raw)
-        fields = {k: doc[k] for k in ("generation", "node", "address")}
-        mac = doc["mac"]
-        ok = type(mac) is str and hmac.compare_digest(mac, _entry_mac(job, fields))
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise FtmemError(f"the store's peer entry of node {node} is malformed") from exc
-    if not ok:
+        entry = typed_json.parse(_PeerEntry, raw, what="peer entry")
+    except ProtocolError as exc:
+        raise FtmemError(f"the store's peer entry of node {node} is malformed: {exc}") from exc
+    fields = {"generation": entry.generation, "node": entry.node, "address": entry.address}
+    if not hmac.compare_digest(entry.mac, _entry_mac(job, fields)):
         raise FtmemError(
             f"the store's peer entry of node {node} fails its authentication (not written "
             "with this job's key): refusing it"
