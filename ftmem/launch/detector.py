@@ -164,6 +164,22 @@ def watch_entry(key: bytes, generation: int, slot: int, node: str, addr: tuple[s
     return json.dumps({"entry": body.decode(), "mac": mac})
 
 
+@dataclass(frozen=True, slots=True)
+class _Signed:
+    """A store entry: its body (JSON text) and the body's MAC."""
+
+    entry: Annotated[str, Most(4096)]
+    mac: Annotated[str, Most(64)]
+
+
+@dataclass(frozen=True, slots=True)
+class _WatchFields:
+    generation: int
+    slot: Annotated[int, Range(0, 1 << 20)]
+    node: PeerName
+    addr: Annotated[list[Annotated[str, Most(256)] | Annotated[int, Range(0, 65535)]], Most(2)]
+
+
 def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> WatchEntry:
     """The entry of node ``slot`` for round ``generation`` read back from the store, once its
     MAC, round and slot are checked.
@@ -171,41 +187,33 @@ def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> Watc
     Raises:
         ValueError: the entry is malformed, fails its MAC, or is of another round or slot.
     """
+    malformed = f"the store's detector entry of node {slot} is malformed"
     try:
-        doc = json.loads(raw)
-        body = str(doc["entry"]).encode()
-        mac = doc["mac"]
-        ok = type(mac) is str and hmac.compare_digest(
-            mac, hmac.new(key, b"watch-entry" + body, hashlib.sha256).hexdigest()
-        )
-        fields = json.loads(body) if ok else {}
-        entry = (
-            WatchEntry(
-                int(fields["generation"]),
-                int(fields["slot"]),
-                str(fields["node"]),
-                (str(fields["addr"][0]), int(fields["addr"][1])),
-            )
-            if ok
-            else None
-        )
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-        raise ValueError(f"the store's detector entry of node {slot} is malformed") from exc
-    if entry is None:
+        signed = typed_json.parse(_Signed, raw, what="detector entry")
+    except ProtocolError as exc:
+        raise ValueError(f"{malformed}: {exc}") from exc
+    body = signed.entry.encode()
+    if not hmac.compare_digest(
+        signed.mac, hmac.new(key, b"watch-entry" + body, hashlib.sha256).hexdigest()
+    ):
         raise ValueError(
             f"the store's detector entry of node {slot} fails its authentication (not written "
             "with this job's key)"
         )
-    if entry.generation != generation or entry.slot != slot or not _name(entry.node):
+    try:
+        f = typed_json.parse(_WatchFields, body, what="detector entry")
+    except ProtocolError as exc:
+        raise ValueError(f"{malformed}: {exc}") from exc
+    host, port = [*f.addr, "", ""][:2]
+    if len(f.addr) != 2 or type(host) is not str or type(port) is not int:
+        raise ValueError(f"{malformed}: its address is not [host, port]")
+    entry = WatchEntry(f.generation, f.slot, f.node, (host, port))
+    if entry.generation != generation or entry.slot != slot:
         raise ValueError(
             f"the store's detector entry of node {slot} is of generation {entry.generation}, "
             f"node {entry.slot}, not generation {generation}: refusing it"
         )
     return entry
-
-
-def _name(value: object) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= 512
 
 
 @dataclass(slots=True)
