@@ -106,8 +106,8 @@ def test_defaults_and_config(tmp_path: Path) -> None:
             *("--ftmem-flush-writers", "3", "--ftmem-flush-direct", "off", "t.py"),
         ]
     )
-    smp_args = " ".join(config_from_args(flush)[1].smp_args())
-    assert "--flush-writers 3 --flush-buffered" in smp_args
+    settings = config_from_args(flush)[1].smp_settings()
+    assert settings["flush_writers"] == 3 and settings["flush_direct"] is False
 
 
 def test_tuning_knobs_are_set_with_ftmem_tune(
@@ -163,7 +163,7 @@ def test_erasure_coding_defaults_follow_the_node_count(tmp_path: Path) -> None:
     # One more slot for flushing and one for erasure coding: ranks keep saving every step.
     assert ft_for("--ftmem-flush-dir", "d").slots == 3  # type: ignore[attr-defined]
     assert ft_for("--nnodes", "3", "--ftmem-flush-dir", "d").slots == 5  # type: ignore[attr-defined]
-    assert ft_for("--ftmem-hash-threads", "2").smp_args()[:2] == ["--hash-threads", "2"]  # type: ignore[attr-defined]
+    assert ft_for("--ftmem-hash-threads", "2").smp_settings()["hash_threads"] == 2  # type: ignore[attr-defined]
     assert ft_for("--ftmem-ec-parity", "2").ec_parity == 2  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="ec-parity"):
         ft_for("--ftmem-ec-parity", "two")
