@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, find_hangs
+from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, current_progress, find_hangs
 from ftmem.launch.workers import kill_rank, proc_state
 from ftmem.protocol.status import RankProgress
 
@@ -81,7 +81,34 @@ class RankWatch:
             self.rejoin_timeout,
         )
         if hangs:
-            self._kill_hung(hangs)
+            self._kill_hung(hangs + self._stopped_besides(running, hangs, progress, fetched))
+
+    def _stopped_besides(
+        self,
+        running: list[RankProcess],
+        hangs: list[HangVerdict],
+        progress: dict[int, RankProgress],
+        fetched: float,
+    ) -> list[HangVerdict]:
+        """The stopped (``T``/``D``) ranks not yet judged hung: the likely cause of the hang.
+
+        A peer blocked in a collective may cross the timeout a moment before the rank that
+        stopped mid-step (it reported its last step earlier), so the stopped one is named here
+        too, with its own idle time.
+        """
+        judged = {h.pid for h in hangs}
+        extra: list[HangVerdict] = []
+        for proc in running:
+            if proc.pid in judged or proc_state(proc.pid) not in ("T", "D"):
+                continue
+            entry = progress.get(proc.rank)
+            last = current_progress(proc, entry)
+            idle = fetched - (last if last is not None else proc.start_time)
+            step = entry.last_progress_step if entry is not None else None
+            extra.append(
+                HangVerdict(proc.rank, proc.pid, idle, step, f"no progress for {idle:.1f} s")
+            )
+        return extra
 
     def _kill_hung(self, hangs: list[HangVerdict]) -> None:
         """SIGKILL the hung ranks (a stopped one ignores the SIGTERM elastic would send).

@@ -1,7 +1,14 @@
-"""ftmem-launch's command line, configuration and pure monitor logic (no processes)."""
+"""ftmem-launch's command line, configuration and monitor logic (no ranks; the hang test
+stops a real ``sleep``)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
 from argparse import Namespace
 from datetime import timedelta
 from pathlib import Path
@@ -10,6 +17,7 @@ from typing import Any
 import pytest
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 
+from ftmem.events import EventLog
 from ftmem.launch.cli import config_from_args, get_args_parser
 from ftmem.launch.config import (
     FtmemLaunchConfig,
@@ -24,6 +32,8 @@ from ftmem.launch.monitor import (
     find_hangs,
     min_committed,
 )
+from ftmem.launch.rank_watch import RankWatch
+from ftmem.launch.workers import proc_state
 from ftmem.protocol.status import RankProgress
 
 FTMEM_FLAGS = {
@@ -263,6 +273,40 @@ def test_find_hangs_counts_only_this_incarnation_and_stalest_first() -> None:
     assert [(v.rank, v.last_step) for v in verdicts] == [(1, 7)]
     assert find_hangs(procs, live, 1030.0, hang)[0].rank == 1
     assert find_hangs(procs, live, 1e9, timedelta(0)) == []  # disabled
+
+
+def test_a_stopped_rank_is_named_the_hang_even_when_a_blocked_peer_crossed_the_timeout_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Rank 1 stopped mid-step; rank 0, blocked in the next collective, reported its last step
+    # earlier and so crosses the timeout first. The stopped rank is still the one named.
+    sleepers = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        os.kill(sleepers[1].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while proc_state(sleepers[1].pid) != "T":
+            assert time.monotonic() < deadline, "sleep never showed as stopped"
+            time.sleep(0.01)
+        watch = RankWatch(
+            "n0", EventLog(tmp_path / "events.jsonl", "n0"), timedelta(seconds=3), timedelta(0)
+        )
+        watch.started([RankProcess(r, p.pid, 1000.0) for r, p in enumerate(sleepers)])
+        progress = {
+            0: _prog(0, sleepers[0].pid, 1010.0, step=6),
+            1: _prog(1, sleepers[1].pid, 1011.0, step=6),
+        }
+        with caplog.at_level(logging.ERROR, logger="ftmem.launch.rank_watch"):
+            watch.check_hangs(progress, 1013.5)  # rank 0 idle 3.5 s, rank 1 only 2.5 s
+        assert re.search(
+            r"\[n0/1\] HANG: no progress for 2.5 s \(last step 6, process state T\)", caplog.text
+        ), caplog.text
+        assert set(watch.hang_killed) == {sleepers[1].pid}  # only the stopped one is killed
+        assert sleepers[1].wait(10) == -signal.SIGKILL
+        assert sleepers[0].poll() is None
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait(10)
 
 
 def test_all_resumed_and_min_committed() -> None:
