@@ -119,12 +119,27 @@ def require_launcher() -> int:
             "python?). Run the same command with `ftmem-launch` in place of `torchrun`, or "
             "call `train(ftmem.load(state))` yourself for process restarts only."
         )
-    if int(agent) != os.getppid():
+    if not started_by(int(agent)):
         raise InProcessUnavailable(
-            f"ftmem.run: this rank's parent (pid {os.getppid()}) is not the ftmem-launch "
-            f"agent (pid {agent}); the rank must be started by the agent itself"
+            f"ftmem.run: this rank's parent (pid {os.getppid()}) is neither the ftmem-launch "
+            f"agent (pid {agent}) nor its fork server; the rank must be started by the agent"
         )
     return int(agent)
+
+
+def started_by(agent: int) -> bool:
+    """True while ``agent`` is this process's parent, or the parent of its parent (the
+    agent's fork server forks the ranks); False once either is gone (we were re-parented)."""
+    parent = os.getppid()
+    if parent == agent:
+        return True
+    try:
+        with open(f"/proc/{parent}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return len(fields) > 1 and fields[1] == str(agent).encode()
 
 
 def default_backend() -> str:
@@ -199,7 +214,7 @@ def wait_for_order(
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        if os.getppid() != agent_pid:
+        if not started_by(agent_pid):
             raise RejoinError(f"the agent (pid {agent_pid}) is gone")
         try:
             order = read_order(Path(run_dir), rank)

@@ -25,12 +25,15 @@ connection). Standard library only until the warm-up thread runs.
 from __future__ import annotations
 
 import argparse
+import atexit
 import builtins
+import gc
 import importlib
 import io
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -57,6 +60,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--nice", type=int, default=10)
     p.add_argument("--idle", type=int, default=1, help="1: warm up under SCHED_IDLE")
+    p.add_argument("--fork-server", action="store_true", help="fork a rank per handoff")
     return p.parse_args(argv)
 
 
@@ -232,8 +236,105 @@ def _run_guarded(run: Any, skip: tuple[str, ...]) -> None:
         raise SystemExit(1) from None
 
 
+def _exit_code(code: object) -> int:
+    """The exit status ``raise SystemExit(code)`` gives an interpreter (printing a message)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except (OSError, ValueError):
+        pass
+    return 1
+
+
+def _run_forked(msg: dict[str, Any], fds: list[int], dispositions: dict[int, Any]) -> int:
+    """In a forked child: become the rank, then shut down as the interpreter would (the
+    non-daemon threads joined, ``atexit`` run, the streams flushed); the exit status."""
+    try:
+        _become_rank(msg, fds, dispositions)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    return code
+
+
+def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
+    """The fork server's loop: fork a rank per handoff, report each rank's exit; never returns.
+
+    Replies on ``ctl``: ``{"forked": pid}`` after each fork, ``{"exited": pid, "code": c}``
+    once it is reaped (``c`` as ``Popen.returncode``: negative for a signal). No thread runs
+    here (the warm-up thread has ended), so a fork copies one consistent thread.
+    """
+    gc.freeze()  # what the warm-up allocated is never collected: its pages stay shared
+    server = os.getpid()
+    children: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        watched: list[Any] = [ctl, *children]
+        readable, _, _ = select.select(watched, [], [])
+        for fd in readable:
+            if isinstance(fd, int):
+                pid = children.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                _send(ctl, {"exited": pid, "code": code})
+                continue
+            msg, fds = _receive(ctl)
+            pid = os.fork()
+            if pid == 0:
+                code = 70
+                try:
+                    ctl.close()
+                    for pidfd in children:
+                        os.close(pidfd)
+                    os.setsid()  # the rank leads its own session, as elastic starts it
+                    set_pdeathsig()
+                    if os.getppid() != server:
+                        os._exit(128 + signal.SIGKILL)
+                    _fresh_entropy()
+                    code = _run_forked(msg, fds, dispositions)
+                finally:
+                    os._exit(code)
+            for passed in fds:
+                os.close(passed)
+            children[os.pidfd_open(pid)] = pid
+            _send(ctl, {"forked": pid})
+
+
+def _fresh_entropy() -> None:
+    """Reseed what a fresh interpreter seeds from the OS (Python's ``random`` reseeds itself
+    at a fork): numpy's global generator, so forked ranks do not share one stream."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+        except Exception:  # a broken numpy must not stop the rank
+            pass
+
+
+def _send(ctl: socket.socket, reply: dict[str, int]) -> None:
+    try:
+        ctl.send(json.dumps(reply).encode())
+    except OSError:
+        os._exit(0)  # the agent is gone: our ranks follow by their death signal
+
+
 def main() -> None:
-    """Set the death signal, warm up, wait for a rank, become it."""
+    """Set the death signal, warm up, wait for a rank, become it (or, as the fork server,
+    fork one per handoff)."""
     args = _parse(sys.argv[1:])
     set_pdeathsig()
     # The agent may have died between fork and prctl: then nobody would kill us later.
@@ -251,6 +352,9 @@ def main() -> None:
     ctl = socket.socket(fileno=args.ctl_fd)
     warm = threading.Thread(target=_warm_up, args=(args, ctl), name="ftmem-standby-warm-up")
     warm.start()
+    if args.fork_server:
+        warm.join()  # no thread may run at a fork
+        _serve_forks(ctl, dispositions)
     msg, fds = _receive(ctl)
     warm.join()
     ctl.close()

@@ -155,6 +155,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             cuda=ftmem.standby_cuda,
             run_dir=smp.run_dir,
             node=smp.node,
+            fork=ftmem.standby_fork and not ftmem.standby_cuda,
         )
         spec = self.get_worker_group().spec
         self._standbys.configure(spec.entrypoint, spec.args, spec.local_world_size)

@@ -121,14 +121,17 @@ def get_args_parser() -> ArgumentParser:
         action=env,
         type=int,
         default=cli_default("standby"),
-        help="Standby ranks per local rank, started once the ranks are stepping: processes "
-        "that have imported torch (and --ftmem-tune standby-import) and take over a rank at the "
-        "next restart instead of a cold start. 0: off. Default: 1.",
+        help="Start ranks warm: the node's fork server, a process that has imported torch "
+        "(and --ftmem-tune standby-import) before the first rank starts, forks each rank at the "
+        "start and at every restart instead of a cold start (with --ftmem-tune standby-fork=off "
+        "or --ftmem-standby-cuda: this many standby ranks per local rank, started once the ranks "
+        "are stepping). 0: off. Default: 1.",
     )
     group.add_argument(
         "--ftmem-standby-cuda",
         action=check_env,
-        help="A standby also creates the CUDA context of its local rank's device.",
+        help="Standby ranks per local rank instead of the fork server, each of which also "
+        "creates the CUDA context of its local rank's device (a context cannot cross a fork).",
     )
     group.add_argument(
         "--ftmem-ec-parity",
@@ -252,6 +255,7 @@ TUNING: dict[str, tuple[type, object, tuple[str, ...] | None]] = {
             "status-interval",
             "detect-timeout",
             "smp-log-level",
+            "standby-fork",
         )
     },
     "standby-import": cli_knob("standby_imports"),
@@ -409,6 +413,7 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         standby=int(args.ftmem_standby),
         standby_imports=tuple(n.strip() for n in args.ftmem_standby_import.split(",") if n.strip()),
         standby_cuda=bool(args.ftmem_standby_cuda),
+        standby_fork=str(args.ftmem_standby_fork) == "on",
         smp_start_timeout=_seconds(args.ftmem_smp_start_timeout),
         hang_timeout=_seconds(args.ftmem_hang_timeout),
         first_progress_timeout=_seconds(args.ftmem_first_progress_timeout),

@@ -140,7 +140,13 @@ class FtmemLaunchConfig:
     hash_threads: int = field_default(SmpConfig, "hash_threads")
     """Threads of the SMP that checksum committed snapshots."""
     standby: int = 1
-    """Standby ranks kept per local rank for the next restart (0: cold starts only)."""
+    """Warm processes ranks start from (0: cold starts only). With ``standby_fork``, the
+    node's one fork server (any value above 0); else standby ranks per local rank."""
+    standby_fork: bool = True
+    """Ranks start from the node's fork server (one warm process forks each rank, at the
+    first start and every restart). Off: standby ranks per local rank, each a process that
+    takes over one rank (for a script whose imports start threads, which a fork cannot
+    copy; implied by ``standby_cuda``, since a CUDA context cannot cross a fork)."""
     standby_imports: tuple[str, ...] = ()
     """Modules a standby imports besides torch and ftmem's client."""
     standby_cuda: bool = False

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -185,6 +186,35 @@ class Standby:
             self.popen.wait(5)
 
 
+def _handoff(
+    cmd: PythonCommand, env: dict[str, str], stdout: str | None, stderr: str | None
+) -> tuple[bytes, list[Any], list[int]]:
+    """The handoff message of a rank, its log files opened as elastic opens them, and the
+    descriptors to pass (the files, else the agent's own stdout and stderr)."""
+    files = [open(path, "w") if path else None for path in (stdout, stderr)]
+    fds = [
+        f.fileno() if f else std.fileno()
+        for f, std in zip(files, (sys.stdout, sys.stderr), strict=True)
+    ]
+    env_vars = os.environ.copy()
+    env_vars.update(env)
+    message = {
+        "kind": cmd.kind,
+        "target": cmd.target,
+        "argv": cmd.argv(),
+        "orig_argv": cmd.command_line(),
+        "env": env_vars,
+        "cwd": os.getcwd(),
+    }
+    return json.dumps(message).encode(), files, fds
+
+
+def _close_all(files: list[Any]) -> None:
+    for f in files:
+        if f is not None:
+            f.close()
+
+
 class StandbyHandler(SubprocessHandler):
     """elastic's handle of a rank that a standby became (``proc`` is the standby's Popen).
 
@@ -203,31 +233,167 @@ class StandbyHandler(SubprocessHandler):
         local_rank_id: int,
     ) -> None:
         self.local_rank_id = local_rank_id
-        self._stdout = open(stdout, "w") if stdout else None
-        self._stderr = open(stderr, "w") if stderr else None
-        out = self._stdout.fileno() if self._stdout else sys.stdout.fileno()
-        err = self._stderr.fileno() if self._stderr else sys.stderr.fileno()
-        env_vars = os.environ.copy()
-        env_vars.update(env)
-        cwd = os.getcwd()
-        message = {
-            "kind": cmd.kind,
-            "target": cmd.target,
-            "argv": cmd.argv(),
-            "orig_argv": cmd.command_line(),
-            "env": env_vars,
-            "cwd": cwd,
-        }
+        message, files, fds = _handoff(cmd, env, stdout, stderr)
+        self._stdout, self._stderr = files
         try:
-            socket.send_fds(standby.ctl, [json.dumps(message).encode()], [out, err])
+            socket.send_fds(standby.ctl, [message], fds)
         except OSError:
-            for f in (self._stdout, self._stderr):
-                if f is not None:
-                    f.close()
+            _close_all(files)
             raise
         with contextlib.suppress(OSError):
             standby.ctl.close()
         self.proc = standby.popen
+
+
+@dataclass(frozen=True, slots=True)
+class ForkReply:
+    """What the fork server says after the warm-up: a rank forked, or a rank reaped."""
+
+    forked: int | None = None
+    exited: int | None = None
+    code: int | None = None
+    """The reaped rank's status as ``Popen.returncode`` (negative: killed by that signal)."""
+
+
+class ForkServer:
+    """The agent's side of the node's fork server (``_standby.py --fork-server``): one warm
+    process that forks a rank per handoff and reports each one's exit, which it reaps.
+
+    Its replies come on the standby's control socket after the warm-up report; every rank's
+    :class:`ForkedProcess` reads them through :meth:`drain` (the agent's main thread only).
+    """
+
+    def __init__(self, standby: Standby) -> None:
+        self.standby = standby
+        self.exited: dict[int, int] = {}
+        """pid -> exit status of the ranks it reaped."""
+        self.gone = False
+        """Its control socket closed: it died (and its ranks with it, by their death signal)."""
+
+    def drain(self, block_s: float = 0.0) -> ForkReply | None:
+        """Read the replies waiting (waiting up to ``block_s`` for the first); note the exits
+        and return the newest ``forked`` reply, if any."""
+        forked = None
+        timeout = block_s
+        while not self.gone:
+            ready, _, _ = select.select([self.standby.ctl], [], [], timeout)
+            if not ready:
+                break
+            timeout = 0.0
+            try:
+                data = self.standby.ctl.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                self.gone = True
+                break
+            try:
+                reply = typed_json.parse(ForkReply, data, what="fork server reply")
+            except ProtocolError as exc:
+                log.warning("fork server pid %d: %s; ignored", self.standby.pid, exc)
+                continue
+            if reply.exited is not None and reply.code is not None:
+                self.exited[reply.exited] = reply.code
+            if reply.forked is not None:
+                forked = reply
+                break
+        return forked
+
+    def fork(self, message: bytes, fds: list[int], args: list[str]) -> ForkedProcess:
+        """Hand over one rank and wait (bounded) for its pid; OSError if that fails."""
+        socket.send_fds(self.standby.ctl, [message], fds)
+        deadline = time.monotonic() + FORK_REPLY_S
+        while (left := deadline - time.monotonic()) > 0 and not self.gone:
+            reply = self.drain(left)
+            if reply is not None and reply.forked is not None:
+                return ForkedProcess(self, reply.forked, args)
+        raise OSError(f"fork server pid {self.standby.pid} did not fork the rank")
+
+
+FORK_REPLY_S = 30.0
+FORK_SERVER_WAIT_S = 120.0
+"""How long a (re)start waits for the fork server's warm-up before it starts ranks cold
+(about as long as a cold start would take on a loaded host: it imports the same modules)."""
+"""How long a handoff waits for the fork server's pid reply."""
+
+
+class ForkedProcess:
+    """A rank forked by the fork server, with the part of ``Popen``'s interface elastic and
+    the agent use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``)."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+        self.server = server
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit status once the fork server reaped the rank (or once both are gone)."""
+        if self.returncode is None:
+            self.server.drain()
+            code = self.server.exited.pop(self.pid, None)
+            if code is None and self.server.gone and not _alive(self.pid):
+                code = -signal.SIGKILL  # its death signal followed the fork server's end
+            self.returncode = code
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the rank exits; ``subprocess.TimeoutExpired`` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.server.drain(left)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the rank unless it is known to be gone."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM the rank."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the rank."""
+        self.send_signal(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is no zombie (read from ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+class ForkedHandler(SubprocessHandler):
+    """elastic's handle of a rank the fork server forked (``proc`` is a
+    :class:`ForkedProcess`; ``close()`` is inherited: ``killpg`` of the rank's session)."""
+
+    def __init__(
+        self,
+        server: ForkServer,
+        cmd: PythonCommand,
+        env: dict[str, str],
+        stdout: str | None,
+        stderr: str | None,
+        local_rank_id: int,
+    ) -> None:
+        self.local_rank_id = local_rank_id
+        message, files, fds = _handoff(cmd, env, stdout, stderr)
+        self._stdout, self._stderr = files
+        try:
+            proc = server.fork(message, fds, cmd.command_line())
+        except OSError:
+            _close_all(files)
+            raise
+        self.proc = proc  # type: ignore[assignment]  # Popen's interface as elastic uses it
 
 
 class StandbyPool:
@@ -246,8 +412,13 @@ class StandbyPool:
         run_dir: Path,
         node: str,
         nice: int = STANDBY_NICE,
+        fork: bool = True,
     ) -> None:
         self.count = count
+        self.fork = fork
+        """One fork server per node instead of a standby per local rank."""
+        self.server: ForkServer | None = None
+        """The fork server (``fork`` only), from :meth:`configure` until :meth:`stop`."""
         self.imports = tuple(dict.fromkeys([*DEFAULT_IMPORTS, *imports]))
         self.cuda = cuda
         self.run_dir = run_dir
@@ -289,6 +460,11 @@ class StandbyPool:
             )
             return
         self.command = cmd
+        if self.fork:
+            self.cuda = False  # a CUDA context cannot cross a fork: each rank makes its own
+            self._start_server()
+            log.info("[%s] ranks start from a fork server (pid %d)", self.node, self._pid())
+            return
         self.idle, why = idle_cores(local_world_size, self.count)
         log.info(
             "[%s] standby ranks start %s (%s)",
@@ -298,13 +474,51 @@ class StandbyPool:
         )
 
     def standbys(self) -> list[Standby]:
-        """Every standby not handed out yet."""
+        """Every standby not handed out yet (the fork server, while it lives)."""
+        if self.fork:
+            return [self.server.standby] if self.server is not None else []
         return [s for group in self._standbys.values() for s in group]
 
+    def _pid(self) -> int:
+        return self.server.standby.pid if self.server is not None else -1
+
+    def _start_server(self) -> Standby:
+        """Start the fork server; its warm-up runs at the normal priority: the first ranks
+        wait for it (:meth:`ready_server`), so it competes with none of this node's steps."""
+        standby = self._spawn(0, fork_server=True)
+        self._spawned += 1
+        self.server = ForkServer(standby)
+        return standby
+
+    def ready_server(self, wait_s: float) -> ForkServer | None:
+        """The fork server once warm (waiting up to ``wait_s``), else None (logged)."""
+        deadline = time.monotonic() + wait_s
+        while (server := self.server) is not None and not server.gone:
+            self._poll_server()
+            if server.standby.ready_at is not None:
+                return server
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "[%s] fork server pid %d is not warm yet: cold start",
+                    self.node,
+                    server.standby.pid,
+                )
+                return None
+            select.select([server.standby.ctl], [], [], min(left, 0.5))
+        return None
+
     def spawn_missing(self) -> list[Standby]:
-        """Start standbys until every local rank has ``count`` (call from the main thread)."""
+        """Start standbys until every local rank has ``count`` (call from the main thread);
+        with ``fork``, start a new fork server if the last one died."""
         if not self.enabled:
             return []
+        if self.fork:
+            if self.server is not None and not self.server.gone:
+                return []
+            if self.server is not None:
+                self.server.standby.kill()
+            return [self._start_server()]
         started = []
         for local_rank in range(self.local_world_size):
             group = self._standbys.setdefault(local_rank, [])
@@ -321,7 +535,7 @@ class StandbyPool:
             )
         return started
 
-    def _spawn(self, local_rank: int) -> Standby:
+    def _spawn(self, local_rank: int, fork_server: bool = False) -> Standby:
         assert self.command is not None
         cmd = self.command
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -344,7 +558,11 @@ class StandbyPool:
             argv += ["--import", ",".join(self.imports)]
         if self.cuda:
             argv.append("--cuda")
-        log_path = self.run_dir / f"standby-{local_rank}.log"
+        if fork_server:
+            argv += ["--fork-server", "--idle", "0"]
+        log_path = self.run_dir / (
+            "fork-server.log" if fork_server else f"standby-{local_rank}.log"
+        )
         try:
             with open(log_path, "ab") as out:
                 popen = subprocess.Popen(
@@ -361,6 +579,8 @@ class StandbyPool:
     def poll(self) -> list[Standby]:
         """Read ready reports (return the standbys that became ready now, logged); drop (and
         log) standbys that died before they were needed."""
+        if self.fork:
+            return self._poll_server()
         ready = []
         for local_rank, group in self._standbys.items():
             for standby in list(group):
@@ -391,6 +611,43 @@ class StandbyPool:
                     )
         return ready
 
+    def _poll_server(self) -> list[Standby]:
+        server = self.server
+        if server is None:
+            return []
+        standby = server.standby
+        if standby.ready_at is None:
+            if not standby.poll_ready():
+                if standby.popen.poll() is not None:
+                    server.gone = True
+                    log.warning(
+                        "[%s] fork server pid %d died warming up (exit %s); see %s",
+                        self.node,
+                        standby.pid,
+                        standby.popen.returncode,
+                        self.run_dir / "fork-server.log",
+                    )
+                return []
+            log.info(
+                "[%s] fork server pid %d ready (warm-up %.1f s%s)",
+                self.node,
+                standby.pid,
+                standby.ready_at - standby.spawned if standby.ready_at else 0.0,
+                f"; failed: {standby.report.failed}"
+                if standby.report is not None and standby.report.failed
+                else "",
+            )
+            return [standby]
+        server.drain()
+        if server.gone and standby.popen.poll() is not None:
+            log.warning(
+                "[%s] fork server pid %d died (exit %s)",
+                self.node,
+                standby.pid,
+                standby.popen.returncode,
+            )
+        return []
+
     def take(self, local_rank: int) -> Standby | None:
         """A ready, live standby for ``local_rank`` (removed from the pool), or None (logged)."""
         self.poll()
@@ -416,7 +673,10 @@ class StandbyPool:
         return None
 
     def stop(self) -> None:
-        """SIGKILL and reap every standby not handed out (idempotent)."""
+        """SIGKILL and reap every standby not handed out and the fork server (idempotent)."""
+        if self.server is not None:
+            self.server.standby.kill()
+            self.server.gone = True
         for group in self._standbys.values():
             for standby in group:
                 standby.kill()
@@ -474,7 +734,24 @@ def spawning_from(
         if kept is not None:
             return kept
         cmd = parse_python_command(unwrap_shim(entrypoint, args)) if pool.enabled else None
-        standby = pool.take(local_rank_id) if cmd is not None and numa_options is None else None
+        server = None
+        if pool.fork and cmd is not None and numa_options is None:
+            server = pool.ready_server(FORK_SERVER_WAIT_S)
+        if server is not None and cmd is not None:
+            try:
+                forked = ForkedHandler(server, cmd, env, stdout, stderr, local_rank_id)
+            except OSError as exc:
+                log.warning(
+                    "[%s] forking local rank %d failed (%s): cold start",
+                    pool.node,
+                    local_rank_id,
+                    exc,
+                )
+            else:
+                pool.handed[local_rank_id] = server.standby
+                return forked
+        take = cmd is not None and numa_options is None and not pool.fork
+        standby = pool.take(local_rank_id) if take else None
         if standby is not None and cmd is not None:
             try:
                 handler = StandbyHandler(standby, cmd, env, stdout, stderr, local_rank_id)

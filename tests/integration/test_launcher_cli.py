@@ -67,6 +67,7 @@ FTMEM_FLAGS = {
     "--ftmem-hash-threads",
     "--ftmem-standby",
     "--ftmem-standby-import",
+    "--ftmem-standby-fork",
     "--ftmem-standby-cuda",
     "--ftmem-rejoin-timeout",
     "--ftmem-metrics-port",

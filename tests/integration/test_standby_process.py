@@ -1,4 +1,5 @@
-"""One standby process, driven directly (no launcher): ``-m module`` commands and bad handoffs.
+"""One standby process and one fork server, driven directly (no launcher): ``-m module``
+commands, exit statuses, bad handoffs.
 
 The launcher-level behaviour (takeover at a restart, the same view as a cold start for a
 script, exit codes, no orphans) is in tests/faults/test_standby.py.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.launch.standby import Standby, StandbyHandler, StandbyPool, parse_python_command
+from ftmem.launch.standby import (
+    ForkedHandler,
+    Standby,
+    StandbyHandler,
+    StandbyPool,
+    parse_python_command,
+)
 
 MODULE = """
 import json, os, sys
@@ -28,10 +36,11 @@ print("MOD " + json.dumps({
 """
 
 
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[StandbyPool]:
-    """A pool whose standbys import only json (torch is always imported)."""
+@pytest.fixture(params=[False, True], ids=["standby", "fork-server"])
+def pool(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StandbyPool]:
+    """A pool of standby ranks, or a fork server, that import only json (and torch)."""
     p = StandbyPool(count=1, imports=(), cuda=False, run_dir=tmp_path, node="t")
+    p.fork = request.param
     p.imports = ("json",)
     try:
         yield p
@@ -45,7 +54,7 @@ def _ready(pool: StandbyPool, cmd: list[str]) -> Standby:
     (standby,) = pool.standbys()
     deadline = time.monotonic() + 120
     while not standby.poll_ready():
-        assert standby.popen.poll() is None, (pool.run_dir / "standby-0.log").read_text()
+        assert standby.popen.poll() is None, _log(pool).read_text()
         assert time.monotonic() < deadline, "the standby was not ready in 120 s"
         time.sleep(0.05)
     return standby
@@ -64,8 +73,14 @@ def test_a_module_command_runs_as_python_dash_m_would(
     parsed = parse_python_command(cmd)
     assert parsed is not None
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    handler = StandbyHandler(standby, parsed, {}, str(out), str(err), 0)
-    assert handler.proc.pid == standby.pid
+    if pool.server is not None:
+        handler: StandbyHandler | ForkedHandler = ForkedHandler(
+            pool.server, parsed, {}, str(out), str(err), 0
+        )
+        assert handler.proc.pid != standby.pid  # a child of the fork server
+    else:
+        handler = StandbyHandler(standby, parsed, {}, str(out), str(err), 0)
+        assert handler.proc.pid == standby.pid
     assert handler.proc.wait(60) == 0, err.read_text()
     for f in (handler._stdout, handler._stderr):  # elastic closes them only via close()
         if f is not None:
@@ -82,7 +97,69 @@ def test_a_malformed_handoff_is_refused_with_a_clear_line(pool: StandbyPool) -> 
         os.close(r)
         os.close(w)
     assert standby.popen.wait(60) == 70
-    assert "malformed handoff" in (pool.run_dir / "standby-0.log").read_text()
+    assert "malformed handoff" in _log(pool).read_text()
+
+
+def _log(pool: StandbyPool) -> Path:
+    return pool.run_dir / ("fork-server.log" if pool.fork else "standby-0.log")
+
+
+EXITS = """
+import os, signal, sys
+how = sys.argv[1]
+if how == "code":
+    sys.exit(3)
+if how == "raise":
+    raise ValueError("boom")
+if how == "signal":
+    os.kill(os.getpid(), signal.SIGKILL)
+print("done", flush=True)
+"""
+
+
+def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) -> None:
+    """Forked ranks end with the status a cold ``python script.py`` gives (code, uncaught
+    exception, signal, success); a hung one is killed through its handle; the server lives on
+    between them and ranks run side by side."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS)
+    p = StandbyPool(count=1, imports=(), cuda=False, run_dir=tmp_path, node="t")
+    p.imports = ("json",)
+    try:
+        cmd = [sys.executable, "-u", str(script)]
+        _ready(p, cmd)
+        assert p.server is not None
+        parsed = parse_python_command(cmd)
+        assert parsed is not None
+        want = {"code": 3, "raise": 1, "signal": -9, "ok": 0}
+        handlers = {}
+        for how in want:
+            args = parse_python_command([*cmd, how])
+            assert args is not None
+            out, err = tmp_path / f"{how}.out", tmp_path / f"{how}.err"
+            handlers[how] = ForkedHandler(p.server, args, {}, str(out), str(err), 0)
+        for how, code in want.items():
+            assert handlers[how].proc.wait(60) == code, (tmp_path / f"{how}.err").read_text()
+            for f in (handlers[how]._stdout, handlers[how]._stderr):
+                if f is not None:
+                    f.close()
+        assert "ValueError: boom" in (tmp_path / "raise.err").read_text()
+        assert "_standby.py" not in (tmp_path / "raise.err").read_text()
+        assert (tmp_path / "ok.out").read_text() == "done\n"
+        hung = parse_python_command([sys.executable, "-u", "-c", "x"])  # refused: -c
+        assert hung is None
+        (tmp_path / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+        sleeper = parse_python_command([sys.executable, "-u", str(tmp_path / "sleep.py")])
+        assert sleeper is not None
+        handler = ForkedHandler(p.server, sleeper, {}, None, None, 0)
+        assert handler.proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            handler.proc.wait(0.2)
+        handler.close(signal.SIGKILL)  # elastic's close: killpg of the rank's session
+        assert handler.proc.wait(30) == -signal.SIGKILL
+        assert p.server.standby.popen.poll() is None  # the server lives on
+    finally:
+        p.stop()
 
 
 def test_a_retired_standby_exits_quietly(pool: StandbyPool) -> None:

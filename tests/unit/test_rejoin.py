@@ -140,10 +140,15 @@ def test_run_outside_ftmem_launch_says_what_to_do(monkeypatch: pytest.MonkeyPatc
         require_launcher()
     monkeypatch.setenv("FTMEM_AGENT_PID", str(os.getpid()))  # not the parent
     monkeypatch.setenv("FTMEM_RUN_DIR", "/tmp")
-    with pytest.raises(InProcessUnavailable, match="is not the ftmem-launch agent"):
+    with pytest.raises(InProcessUnavailable, match="is neither the ftmem-launch agent"):
         require_launcher()
     monkeypatch.setenv("FTMEM_AGENT_PID", str(os.getppid()))
     assert require_launcher() == os.getppid()
+    # the parent of our parent: the agent, where its fork server forked this rank
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
+    monkeypatch.setenv("FTMEM_AGENT_PID", str(grandparent))
+    assert require_launcher() == grandparent
 
 
 def test_a_kept_rank_that_does_not_rejoin_in_time_is_hung() -> None:

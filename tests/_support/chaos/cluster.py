@@ -149,7 +149,6 @@ class LoopbackCluster:
         return agent_env(
             {
                 # warm-ups would slow multi-node runs; the caller's setting wins
-                "PET_FTMEM_STANDBY": os.environ.get("PET_FTMEM_STANDBY", "0"),
                 ENV_NODE: self.node_name(i),  # the SMP and flush worker match armed faults
                 ENV_FAULT_FILE: str(self.fault_file),
                 **self.config.env,
