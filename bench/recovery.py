@@ -39,11 +39,18 @@ PART = "recovery"
 EXAMPLE = _launch.EXAMPLE
 FAIL_RANK = 1
 FT_INPROC = "ftmem-launch in process"  # the example under ftmem.run (--in-process)
-FT_STANDBY = "ftmem-launch + standbys"
+FT_FORK = "ftmem-launch + fork server"  # the shipped default
+FT_STANDBY = "ftmem-launch + standbys"  # --ftmem-tune standby-fork=off
 FT_COLD = "ftmem-launch (cold)"
 DCP = "torchrun + DCP"
-SYSTEMS = (FT_INPROC, FT_STANDBY, FT_COLD, DCP)
-TAGS = {FT_INPROC: "ip", FT_STANDBY: "sb", FT_COLD: "ft", DCP: "dcp"}  # of logs and commands
+SYSTEMS = (FT_INPROC, FT_FORK, FT_STANDBY, FT_COLD, DCP)
+TAGS = {
+    FT_INPROC: "ip",
+    FT_FORK: "fs",
+    FT_STANDBY: "sb",
+    FT_COLD: "ft",
+    DCP: "dcp",
+}  # of logs and commands
 PHASES = ("detect", "stop", "rendezvous", "start", "script", "load", "first_step")
 """The split of rank death -> all ranks stepping (docs/benchmarks.md)."""
 WORKER_FLAG = "--_dcp-worker"
@@ -123,16 +130,18 @@ class StandbyCost:
     idle_cpu_s: float  # CPU it spent in the 2 s after it was ready (waiting on its socket).
 
 
-def measure_standby_cost(workdir: Path) -> StandbyCost | None:
-    """Start one standby as the agent would (default imports), time it and weigh it."""
+def measure_standby_cost(workdir: Path, fork: bool) -> StandbyCost | None:
+    """Start one standby (or the fork server) as the agent would (default imports), time it
+    and weigh it."""
     import psutil
 
     from ftmem.launch.standby import StandbyPool
 
-    pool = StandbyPool(count=1, imports=(), cuda=False, run_dir=workdir, node="bench")
+    pool = StandbyPool(count=1, imports=(), cuda=False, run_dir=workdir, node="bench", fork=fork)
     pool.configure(sys.executable, ["-u", str(EXAMPLE)], 1)
     try:
-        (standby,) = pool.spawn_missing()
+        pool.spawn_missing()
+        (standby,) = pool.standbys()
         deadline = time.monotonic() + 120
         while not standby.poll_ready():
             if time.monotonic() > deadline or standby.popen.poll() is not None:
@@ -199,6 +208,7 @@ class RecoveryResult(_results.PartResult):
     phase_names: list[str] = field(default_factory=lambda: list(PHASES))
     runs: list[Run] = field(default_factory=list)
     standby: StandbyCost | None = None
+    fork_server: StandbyCost | None = None
 
 
 # --------------------------------------------------------------------------- analysis
@@ -395,6 +405,7 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
         example += ["--in-process"] if system == FT_INPROC else []
         cmd = _launcher("ftmem-launch", "ftmem.launch")
         cmd += ["--ftmem-standby", "0" if system == FT_COLD else "1"]
+        cmd += ["--ftmem-tune", "standby-fork=off"] if system == FT_STANDBY else []
         cmd += ["--ftmem-run-dir", str(rdir), str(EXAMPLE), *example]
         prefix, placeholder = "", "$RUN_DIR"
     shown = _launch.shown(cmd, workdir).replace(f"$TMP/{tag}{repeat}", placeholder)
@@ -410,7 +421,8 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
         analyse_ftmem(run, events, text, res.fail_step)
         started = [e.fields for e in events if e.event == "ranks_started"]
         second = started[1] if len(started) > 1 else {}
-        want = {FT_STANDBY: ([0, 1], []), FT_INPROC: ([FAIL_RANK], [0])}.get(system)
+        warm: tuple[list[int], list[int]] = ([0, 1], [])
+        want = {FT_FORK: warm, FT_STANDBY: warm, FT_INPROC: ([FAIL_RANK], [0])}.get(system)
         got = tuple(sorted(second.get(k, [])) for k in ("from_standby", "in_process"))
         if want is not None and got != want:
             why = f"restart from standbys / in process: ranks {got[0]} / {got[1]}, not {want}"
@@ -448,7 +460,8 @@ def run(argv: list[str]) -> RecoveryResult:
     res = RecoveryResult(argv=argv, machine=_results.machine(), **cfg)
     workdir = Path(tempfile.mkdtemp(prefix="ftrcv-", dir="/tmp"))
     try:
-        res.standby = measure_standby_cost(workdir)
+        res.standby = measure_standby_cost(workdir, fork=False)
+        res.fork_server = measure_standby_cost(workdir, fork=True)
         if not args.no_reference:
             run_reference(res, workdir, args.timeout)
         for i in range(repeats):

@@ -11,7 +11,7 @@ from typing import Any
 
 from bench._figures import Fig, Goal, figs, groups, kv, le, rows, table
 from bench._stats import fmt, median, ratio, stat
-from bench.recovery import DCP, FAIL_RANK, FT_INPROC, FT_STANDBY, PART, Run
+from bench.recovery import DCP, FAIL_RANK, FT_FORK, FT_INPROC, FT_STANDBY, PART, Run
 
 
 def _detect_on(x: dict[str, Any]) -> float | None:
@@ -36,20 +36,21 @@ RUNS_TABLE = [
 
 def _costs(r: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
     dc = runs.get(DCP, [])
-    sb = [*runs.get(FT_STANDBY, []), *runs.get(FT_INPROC, [])]
+    sb = [*runs.get(FT_STANDBY, [])]
     save, load = ([c for x in dc for c in x[k]] for k in ("checkpoint_s", "load_s"))
     warmups = stat([x["warmup_extra_s"] for x in sb], ".2f", " s")
     out = [
         ["torchrun + DCP: `dcp.save` blocking per checkpoint and rank", stat(save, ".3f", " s")],
         ["torchrun + DCP: `dcp.load` + `set_state_dict` per rank", stat(load, ".3f", " s")],
-        ["standbys' warm-ups: training time lost per run", warmups],
+        ["standbys' warm-ups (standby-fork=off): training time lost per run", warmups],
     ]
-    if c := r.get("standby"):
-        out += [
-            ["one standby: warm-up wall / CPU", f"{c['warm_up_s']:.1f} s / {c['cpu_s']:.1f} CPU-s"],
-            ["one standby: RSS / USS", f"{c['rss_mib']:.0f} MiB / {c['uss_mib']:.0f} MiB"],
-            ["one standby: CPU in 2 s of waiting", f"{c['idle_cpu_s']:.3f} CPU-s"],
-        ]
+    for key, what in (("fork_server", "the fork server"), ("standby", "one standby")):
+        if c := r.get(key):
+            out += [
+                [f"{what}: warm-up wall / CPU", f"{c['warm_up_s']:.1f} s / {c['cpu_s']:.1f} CPU-s"],
+                [f"{what}: RSS / USS", f"{c['rss_mib']:.0f} MiB / {c['uss_mib']:.0f} MiB"],
+                [f"{what}: CPU in 2 s of waiting", f"{c['idle_cpu_s']:.3f} CPU-s"],
+            ]
     return out
 
 
@@ -92,17 +93,18 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
 GOALS = (
     ("time lost per failure, ftmem-launch in process / torchrun + DCP", "<= 0.25"),
     ("rank death -> all ranks stepping, in process", "<= 1.0 s"),
-    ("time lost per failure, ftmem-launch + standbys / torchrun + DCP", "<= 0.33"),
-    ("rank death -> all ranks stepping, standbys", "<= 1.5 s"),
+    ("time lost per failure, ftmem-launch + fork server / torchrun + DCP", "<= 0.33"),
+    ("rank death -> all ranks stepping, fork server", "<= 1.5 s"),
     ("detection (rank death -> detected)", "<= 0.1 s (DLRover)"),
     ("detection -> new ranks started (stop + rendezvous + start)", "<= 0.02 s (DLRover)"),
 )
 
 
 def goals(r: dict[str, Any] | None) -> list[Goal]:
-    """Time lost against torchrun + DCP, restart time (in process, standbys), detection, start."""
+    """Time lost against torchrun + DCP, restart time (in process, fork server), detection,
+    start."""
     runs = by_system(r) if r else {}
-    ip, sb, dc = runs.get(FT_INPROC), runs.get(FT_STANDBY), runs.get(DCP)
+    ip, sb, dc = runs.get(FT_INPROC), runs.get(FT_FORK), runs.get(DCP)
     if not ip or not sb or not dc:
         return [Goal(PART, g, t) for g, t in GOALS]
     values = []

@@ -77,6 +77,19 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """Global rank -> pid of an agent's live ranks, as its newest ``ranks_started`` event
+    says (a rank's ``/proc`` command line and environment are its fork server's)."""
+    from ftmem.observe.timeline import read_events
+
+    started = [e for e in read_events([run_dir]).events if e.event == "ranks_started"]
+    if not started:
+        return {}
+    fields = started[-1].fields
+    pairs = zip(fields.get("ranks", []), fields.get("pids", []), strict=True)
+    return {int(r): int(p) for r, p in pairs if not pid_gone(int(p))}
+
+
 def wait_gone(pids: Iterable[int], timeout: Timeout) -> set[int]:
     """Wait (polling) until every pid is gone; return those still alive at the deadline."""
     deadline = time.monotonic() + _seconds(timeout)

@@ -4,12 +4,13 @@ runs the same loop (tests/faults/)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import psutil
 import pytest
 
-from tests._support.launcher import Launcher, wait_verified
+from tests._support.launcher import Launcher, rank_pids, wait_verified
 from tests._support.procs import REPO
 
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -24,14 +25,9 @@ def test_the_example_resumes_from_memory_after_a_rank_is_killed(launcher_env: La
     )
     agent.wait_for(r"\[rank 1\] step 20 loss", 120)
     wait_verified(launcher_env.tmp / "agent-rd", {0, 1}, 60, min_step=10)
-    ranks = [
-        p
-        for p in agent.children()
-        if any(part.endswith("train_gpt.py") for part in p.cmdline())
-        and p.environ().get("RANK") == "1"
-    ]
-    assert len(ranks) == 1, [p.cmdline() for p in agent.children()]
-    ranks[0].send_signal(signal.SIGKILL)
+    pids = rank_pids(launcher_env.tmp / "agent-rd")
+    assert set(pids) == {0, 1}, pids
+    os.kill(pids[1], signal.SIGKILL)
     resumed = agent.wait_for(r"\[rank (\d)\] resumed from step ([1-9]\d*)", 120, count=2)
     assert {int(m.group(1)) for m in resumed} == {0, 1}
     steps = {int(m.group(2)) for m in resumed}

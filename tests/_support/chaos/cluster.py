@@ -17,7 +17,6 @@ through ``SmpClient``.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 import uuid
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from ftmem.config import ENV_FAULT_FILE, ENV_NODE, ENV_RUN_DIR
+from ftmem.config import ENV_FAULT_FILE, ENV_NODE
 from ftmem.errors import FtmemError
 from ftmem.exchange import keys
 from ftmem.protocol.smp_client import SmpClient
@@ -37,6 +36,7 @@ from tests._support.launcher import (
     agent_env,
     free_port,
     launch_args,
+    rank_pids,
     remove_shm,
     shm_files,
     wait_gone,
@@ -199,15 +199,7 @@ class LoopbackCluster:
 
     def rank_pids(self, i: int) -> dict[int, int]:
         """Global rank -> pid of node ``i``'s live ranks."""
-        out: dict[int, int] = {}
-        for p in self.agents[i].children():
-            try:
-                env = p.environ()
-                if "RANK" in env and ENV_RUN_DIR in env and p.status() != psutil.STATUS_ZOMBIE:
-                    out[int(env["RANK"])] = int(p.pid)
-            except (psutil.Error, ValueError):
-                continue
-        return out
+        return rank_pids(self.run_dir(i))
 
     def status(self, i: int, timeout: timedelta = timedelta(seconds=3)) -> SmpStatus | None:
         """Node ``i``'s SMP status, or None if it does not answer."""
