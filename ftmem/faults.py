@@ -81,8 +81,9 @@ class Point(enum.Enum):
     """(Rank) Inside ``ftmem.load``: a snapshot passed its checksums and is about to be
     matched to the state and copied into it (other ranks wait in the agreement)."""
     IN_REJOIN = "in_rejoin"
-    """(Rank, ``ftmem.run``) A peer failed and this survivor tore down its process group; it
-    is about to wait for its new generation (``step``: the step it had restored last)."""
+    """(Rank, ``ftmem.run``) A peer failed, this survivor tore down its process group and
+    the agent handed it its new generation; it is about to join it (``step``: the step it
+    had restored last)."""
 
 
 class Fault(enum.Enum):

@@ -327,10 +327,11 @@ def _rejoin(
     # torch's own references: each is on the path of the restart (part of the 'script' phase
     # that bench/recovery.py measures in process).
     gc.collect()
-    faults.maybe_inject(faults.Point.IN_REJOIN, rank, step)
     generation = int(os.environ.get(ENV_GENERATION, "-1") or -1)
     timeout = env_seconds(ENV_REJOIN_TIMEOUT, 120.0).total_seconds()
     order = wait_for_order(os.environ[ENV_RUN_DIR], rank, generation, agent_pid, timeout)
+    # (after the order: the agent has handed this process its new generation)
+    faults.maybe_inject(faults.Point.IN_REJOIN, rank, step)
     if order.env.get("RANK", str(rank)) != str(rank):
         raise RejoinError(f"the new generation gives this process rank {order.env['RANK']}")
     os.environ.update(order.env)

@@ -476,7 +476,8 @@ class StandbyPool:
     def standbys(self) -> list[Standby]:
         """Every standby not handed out yet (the fork server, while it lives)."""
         if self.fork:
-            return [self.server.standby] if self.server is not None else []
+            server = self.server
+            return [server.standby] if server is not None and not server.gone else []
         return [s for group in self._standbys.values() for s in group]
 
     def _pid(self) -> int:

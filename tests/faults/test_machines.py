@@ -136,7 +136,7 @@ def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
     other members (each request to the silent one costs its bounded timeout, then fails
     over; the cluster keeps its quorum), without waiting for elastic's keep-alive bound. The
     spare (host 3) takes slot 0, rebuilds its snapshot from the peers' data and parity, its
-    warm standby becomes rank 0 (and its agent serves the next generation's ranks' store),
+    fork server forks rank 0 (and its agent serves the next generation's ranks' store),
     and the run ends with the failure-free digests."""
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (Debian: etcd-server; .ci/run installs it)")
@@ -148,8 +148,8 @@ def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
     with machines(launcher_env, 4, 3, command=script(0.3) + hold) as m:
         m.use_etcd([0, 1, 2])
         m.start_all()
-        for i in range(4):  # the spare's standby must be warm to take over as rank 0
-            m.agents[i].wait_log(r"standby pid \d+ for local rank 0 ready", 90)
+        for i in range(4):  # the spare's fork server must be warm to start rank 0
+            m.agents[i].wait_log(r"fork server pid \d+ ready", 90)
         assert m.agents[1].poll() is None, "the job ended before host 0 was lost"
         m.hosts.cut(0)
         m.hosts.kill(0)

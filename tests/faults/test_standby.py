@@ -1,13 +1,13 @@
-"""Standby ranks under real failures: ftmem-launch hands restarted ranks to warm processes.
-
-Every test turns standbys on explicitly (the harness turns them off for the other launcher
-tests, to spare these 2 cores the warm-ups). That no standby outlives its agent (SIGKILL,
-SIGTERM) is tested with the agent's other children in test_launcher_faults.py.
+"""Warm starts under real failures: the fork server (the default, which every other launcher
+test uses too) and standby ranks (``--ftmem-tune standby-fork=off``) hand ranks to warm
+processes. That none outlives its agent (SIGKILL, SIGTERM) is tested with the agent's other
+children in test_launcher_faults.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import textwrap
@@ -19,6 +19,8 @@ import psutil
 from tests._support.launcher import TINY, WORKLOAD, Launcher, digests, reference_digests
 
 READY = r"\[n0\] standby pid (\d+) for local rank (\d+) ready"
+SERVER = r"\[n0\] ranks start from a fork server \(pid (\d+)\)"
+PER_RANK = ["--ftmem-standby", "1", "--ftmem-tune", "standby-fork=off"]
 STARTED = r"generation (\d+): started ranks \[([0-9, ]+)\] \(pids \[([0-9, ]+)\]"
 
 
@@ -35,7 +37,7 @@ def test_sigkilled_rank_is_replaced_by_standbys_and_a_dead_standby_by_a_cold_sta
     agent = launcher_env.single_node(
         rid,
         2,
-        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2"],
+        [*PER_RANK, "--ftmem-status-interval", "0.2"],
         [str(WORKLOAD), "--steps", str(steps), *TINY, "--step-delay", "0.25"],
     )
     ready = {int(m.group(2)): int(m.group(1)) for m in agent.wait_for(READY, 90, count=2)}
@@ -75,6 +77,40 @@ def test_sigkilled_rank_is_replaced_by_standbys_and_a_dead_standby_by_a_cold_sta
         assert phases[name] is not None and phases[name] >= 0, phases
 
 
+def test_a_killed_fork_server_takes_its_ranks_along_and_a_new_one_serves_the_next_restart(
+    launcher_env: Launcher,
+) -> None:
+    """The fork server forks the ranks; SIGKILLed, it takes them along (their parent-death
+    signal): the node restarts them cold from memory, starts a new fork server once they
+    step, and the next restart forks from it. The digests are the failure-free run's."""
+    steps = 60
+    ref = reference_digests(launcher_env, steps)
+    rid = launcher_env.new_run_id()
+    agent = launcher_env.single_node(
+        rid,
+        2,
+        ["--ftmem-status-interval", "0.2"],
+        [str(WORKLOAD), "--steps", str(steps), *TINY, "--step-delay", "0.4"],
+    )
+    server = int(agent.wait_for(SERVER, 60)[0].group(1))
+    first = agent.wait_for(STARTED, 120)[0]
+    assert [psutil.Process(p).ppid() for p in _pids(first)] == [server, server]
+    assert re.search(r"from standbys: ranks \[0, 1\]", agent.text())
+    agent.wait_for(r"\[rank 1\] \S+ INFO: step 5 loss", 60)
+    os.kill(server, signal.SIGKILL)
+    agent.wait_for(r"RESUMED after", 90)
+    second = agent.wait_for(r"generation 1: started ranks .*", 5)[0].group(0)
+    assert "from standbys" not in second  # cold: the server was gone
+    fresh = agent.wait_for(r"\[n0\] fork server pid (\d+) ready", 90, count=2)
+    new_server = int(fresh[-1].group(1))
+    assert new_server != server
+    os.kill(_pids(agent.wait_for(STARTED, 5, count=2)[1])[1], signal.SIGKILL)
+    third = agent.wait_for(r"generation 2: started ranks .*", 90)[0].group(0)
+    assert "from standbys: ranks [0, 1]" in third
+    assert agent.wait(120) == 0, agent.text()[-3000:]
+    assert digests(agent.text()) == ref
+
+
 IDENTITY_SCRIPT = textwrap.dedent(
     """
     import ctypes, json, os, signal, sys, time
@@ -107,7 +143,7 @@ IDENTITY_SCRIPT = textwrap.dedent(
     }
     print("IDENTITY " + json.dumps(info), flush=True)
     generation = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    if generation == 0:
+    if generation == 0 and os.environ.get("WAIT_FOR_STANDBY"):
         import ftmem  # progress makes the agent start the standby; wait until it is ready
         events = os.path.join(os.environ["FTMEM_RUN_DIR"], "events.jsonl")
         deadline = time.monotonic() + 120
@@ -117,6 +153,7 @@ IDENTITY_SCRIPT = textwrap.dedent(
                 if "standbys_ready" in f.read():
                     break
             time.sleep(0.2)
+    if generation == 0:
         sys.exit(3)
     if generation == 1:
         raise ValueError("boom from generation 1")
@@ -137,27 +174,56 @@ def _identities(text: str) -> list[dict[str, Any]]:
     return [json.loads(m) for m in re.findall(r"IDENTITY (\{.*\})", text)]
 
 
+def _identity_job(launcher: Launcher, tmp_path: Path, flags: list[str], **env: str) -> str:
+    script_dir = tmp_path / "job"
+    script_dir.mkdir(exist_ok=True)
+    script = script_dir / "identity.py"
+    script.write_text(IDENTITY_SCRIPT)
+    agent = launcher.single_node(
+        launcher.new_run_id(),
+        1,
+        [*flags, "--ftmem-status-interval", "0.2", "--max-restarts", "3"],
+        [str(script), "--an", "arg", "x y"],
+        **env,
+    )
+    assert agent.wait(180) == 0, agent.text()[-3000:]
+    return agent.text()
+
+
+def test_a_forked_rank_runs_the_script_as_a_cold_start_would(
+    launcher_env: Launcher, tmp_path: Path
+) -> None:
+    """Every generation of a job is forked by its fork server; each sees what the same
+    generation of a cold job (``--ftmem-standby 0``) sees, but for the run's own names."""
+    text = _identity_job(launcher_env, tmp_path, [])
+    assert re.search(r"generation 2: started ranks \[0\] .*from standbys: ranks \[0\]", text)
+    assert re.search(r"FAILED: exit code 3 \(generation 0\)", text)
+    assert re.search(r"FAILED: exit code 1 \(generation 1\)", text)
+    assert "_standby.py" not in text[text.index("Traceback") : text.index("ValueError: boom")]
+    cold_text = _identity_job(launcher_env, tmp_path, ["--ftmem-standby", "0"])
+    assert "from standbys" not in cold_text
+    for forked, cold in zip(_identities(text), _identities(cold_text), strict=True):
+        for key in cold:
+            if key != "env":
+                assert forked[key] == cold[key], (key, forked[key], cold[key])
+        assert set(forked["env"]) == set(cold["env"])
+        differ = {k for k, v in cold["env"].items() if forked["env"][k] != v}
+        assert differ <= RUN_OWN | PER_GENERATION, differ
+
+
+# Variables whose values are the run's own (two jobs differ in them).
+RUN_OWN = {"TORCHELASTIC_RUN_ID", "FTMEM_RUN_ID", "FTMEM_AGENT_PID", "MASTER_PORT"}
+
+
 def test_a_standby_runs_the_script_as_a_cold_start_would(
     launcher_env: Launcher, tmp_path: Path
 ) -> None:
-    script_dir = tmp_path / "job"
-    script_dir.mkdir()
-    script = script_dir / "identity.py"
-    script.write_text(IDENTITY_SCRIPT)
-    rid = launcher_env.new_run_id()
-    agent = launcher_env.single_node(
-        rid,
-        1,
-        ["--ftmem-standby", "1", "--ftmem-status-interval", "0.2", "--max-restarts", "3"],
-        [str(script), "--an", "arg", "x y"],
-    )
-    assert agent.wait(180) == 0, agent.text()[-3000:]
-    text = agent.text()
+    text = _identity_job(launcher_env, tmp_path, PER_RANK, WAIT_FOR_STANDBY="1")
     cold, standby, cold_again = _identities(text)
     assert re.search(r"generation 1: started ranks \[0\] .*from standbys: ranks \[0\]", text)
     assert "from standbys" not in re.findall(r"generation 2: started ranks.*", text)[0]
     assert cold["name"] == "__main__" and cold["main_is_us"] is True
-    assert cold["argv"] == [str(script), "--an", "arg", "x y"]
+    assert cold["argv"] == [str(tmp_path / "job" / "identity.py"), "--an", "arg", "x y"]
     for key in cold:
         if key == "env":
             continue
