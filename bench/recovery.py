@@ -135,7 +135,7 @@ def measure_standby_cost(workdir: Path, fork: bool) -> StandbyCost | None:
     and weigh it."""
     import psutil
 
-    from ftmem.launch.standby import StandbyPool
+    from ftmem.launch.warm_start import StandbyPool
 
     pool = StandbyPool(count=1, imports=(), cuda=False, run_dir=workdir, node="bench", fork=fork)
     pool.configure(sys.executable, ["-u", str(EXAMPLE)], 1)

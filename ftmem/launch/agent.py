@@ -74,7 +74,7 @@ from ftmem.launch.rendezvous import (
 from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
-from ftmem.launch.standby import StandbyPool, spawning_from
+from ftmem.launch.warm_start import StandbyPool, spawning_from
 from ftmem.launch.workers import rank_env
 from ftmem.protocol.status import RankProgress
 
@@ -461,7 +461,7 @@ class FtmemElasticAgent(ElasticAgentBase):
 
     def _maybe_start_standbys(self) -> None:
         """Start the standbys for the next failure: at once where the host has idle cores
-        for their warm-up (:func:`~ftmem.launch.standby.idle_cores`), else once every rank is
+        for their warm-up (:func:`~ftmem.launch.warm_start.idle_cores`), else once every rank is
         stepping, so that their imports do not slow this start (ranks that never report
         progress get them after :data:`STANDBY_FALLBACK_S`)."""
         idle = self._standbys.idle

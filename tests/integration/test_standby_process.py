@@ -19,13 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.launch.standby import (
-    ForkedHandler,
-    Standby,
-    StandbyHandler,
-    StandbyPool,
-    parse_python_command,
-)
+from ftmem.launch.standby import ForkedHandler, Standby, StandbyHandler, parse_python_command
+from ftmem.launch.warm_start import StandbyPool
 
 MODULE = """
 import json, os, sys

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ftmem.launch.standby import idle_cores
+from ftmem.launch.warm_start import idle_cores
 
 
 @pytest.mark.parametrize(
