@@ -23,6 +23,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -384,37 +385,33 @@ def spawning_from(
         kept = adopt(local_rank_id, env, stdout, stderr) if adopt is not None else None
         if kept is not None:
             return kept
-        cmd = parse_python_command(unwrap_shim(entrypoint, args)) if pool.enabled else None
-        server = None
-        if pool.fork and cmd is not None and numa_options is None:
+        warm = numa_options is None and pool.enabled
+        cmd = parse_python_command(unwrap_shim(entrypoint, args)) if warm else None
+        handover: Callable[[], SubprocessHandler] | None = None
+        standby = None
+        if cmd is not None and pool.fork:
             server = pool.ready_server(FORK_SERVER_WAIT_S)
-        if server is not None and cmd is not None:
+            if server is not None:
+                standby = server.standby
+                handover = partial(ForkedHandler, server, cmd, env, stdout, stderr, local_rank_id)
+        elif cmd is not None:
+            standby = pool.take(local_rank_id)
+            if standby is not None:
+                handover = partial(StandbyHandler, standby, cmd, env, stdout, stderr, local_rank_id)
+        if standby is not None and handover is not None:
             try:
-                forked = ForkedHandler(server, cmd, env, stdout, stderr, local_rank_id)
+                handler = handover()
             except OSError as exc:
                 log.warning(
-                    "[%s] forking local rank %d failed (%s): cold start",
+                    "[%s] handing local rank %d to %s pid %d failed (%s): cold start",
                     pool.node,
                     local_rank_id,
-                    exc,
-                )
-            else:
-                pool.handed[local_rank_id] = server.standby
-                return forked
-        take = cmd is not None and numa_options is None and not pool.fork
-        standby = pool.take(local_rank_id) if take else None
-        if standby is not None and cmd is not None:
-            try:
-                handler = StandbyHandler(standby, cmd, env, stdout, stderr, local_rank_id)
-            except OSError as exc:
-                log.warning(
-                    "[%s] handing local rank %d to standby pid %d failed (%s): cold start",
-                    pool.node,
-                    local_rank_id,
+                    "the fork server" if pool.fork else "standby",
                     standby.pid,
                     exc,
                 )
-                standby.kill()
+                if not pool.fork:
+                    standby.kill()
             else:
                 pool.handed[local_rank_id] = standby
                 return handler
