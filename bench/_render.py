@@ -108,7 +108,7 @@ TITLES = {
     "snapshot": "Snapshot: ftmem vs torch.save vs DCP",
     "memory": "Memory per node",
     "overhead": "End-to-end training overhead: snapshot every step, every K steps, none",
-    "recovery": "Recovery: failure to resumed, ftmem-launch (in process, standby ranks, cold) vs torchrun + DCP",
+    "recovery": "Recovery: failure to resumed, ftmem-launch (in process, fork server, standby ranks, cold) vs torchrun + DCP",
     "ec-protect": "Erasure-coded peer exchange: protect and rebuild between node processes",
     "ec-overhead": "Erasure-coded protection: training-loop overhead, on vs off",
     "flush": "Flush to disk: ftmem vs dcp.save, and step time while flushing",

@@ -99,7 +99,7 @@ class NodeSlot:
         (fenced)."""
         log.warning(
             "[%s] SPARE: the job has all its nodes; waiting as a hot spare (an SMP and "
-            "warm standby ranks) to take the place of a lost node",
+            "a warm start) to take the place of a lost node",
             self._node,
         )
         if self.slot is not None:
