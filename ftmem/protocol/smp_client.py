@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -11,7 +12,7 @@ import zmq
 
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
-from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME
+from ftmem.config import AUTH_KEY_NAME, ENV_AGENT_PID, READY_NAME, SOCKET_NAME
 from ftmem.errors import (
     ErrorKind,
     ProtocolError,
@@ -55,8 +56,7 @@ class SmpClient:
         sock_path = self.run_dir / SOCKET_NAME
         if not sock_path.exists():
             raise SmpUnavailableError(
-                f"no SMP serves {self.run_dir} (missing {SOCKET_NAME}): is the job running "
-                "here? `ftmem status` with no arguments lists your SMPs on this host"
+                f"no SMP serves {self.run_dir} (missing {SOCKET_NAME}): " + _not_served_hint()
             )
         try:
             check_dir(self.run_dir, "SMP run directory", private=True)
@@ -163,3 +163,15 @@ class SmpClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _not_served_hint() -> str:
+    """What to do when no SMP serves the run directory: a rank that torchrun (or another
+    launcher) started gets no SMP, ftmem-launch starts one on every node."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and not os.environ.get(ENV_AGENT_PID):
+        return (
+            "this rank was started by torchrun, not by ftmem-launch, which starts the SMP on "
+            "every node: run the same command with `ftmem-launch` in place of `torchrun` (it "
+            "takes the same flags)"
+        )
+    return "is the job running here? `ftmem status` with no arguments lists your SMPs on this host"

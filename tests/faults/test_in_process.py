@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftmem.protocol.smp_client import SmpClient
@@ -212,7 +213,18 @@ def test_survivor_failing_during_its_rejoin_falls_back_to_a_cold_restart(
     assert digests(text) == ref
 
 
-def test_ftmem_run_under_plain_torchrun_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--in-process"], "ftmem.run restarts ranks in process and needs ftmem-launch"),
+        ([], "this rank was started by torchrun, not by ftmem-launch"),
+    ],
+    ids=["ftmem.run", "ftmem.load"],
+)
+def test_ftmem_under_plain_torchrun_is_a_clear_error(
+    tmp_path: Path, extra: list[str], says: str
+) -> None:
+    """The likeliest first mistake: the script started with torchrun, not ftmem-launch."""
     cmd = [
         sys.executable,
         "-m",
@@ -224,7 +236,7 @@ def test_ftmem_run_under_plain_torchrun_is_a_clear_error(tmp_path: Path) -> None
         "--steps",
         "2",
         *TINY,
-        "--in-process",
+        *extra,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FTMEM_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = str(REPO)
@@ -233,5 +245,5 @@ def test_ftmem_run_under_plain_torchrun_is_a_clear_error(tmp_path: Path) -> None
         cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode != 0
-    assert "ftmem.run restarts ranks in process and needs ftmem-launch" in out.stderr + out.stdout
-    assert "Run the same command with `ftmem-launch`" in out.stderr + out.stdout
+    assert says in out.stderr + out.stdout
+    assert "the same command with `ftmem-launch`" in out.stderr + out.stdout
