@@ -19,7 +19,7 @@ from typing import Any
 
 from ftmem.config import default_run_dir
 from ftmem.errors import ProtocolError
-from ftmem.protocol.status import ProtectionStatus, SmpStatus
+from ftmem.protocol.status import FlushStatus, ProtectionStatus, SmpStatus
 
 
 def _fmt_age(t: float | None) -> str:
@@ -55,16 +55,25 @@ def print_status(st: SmpStatus) -> None:
         print("erasure coding: unreadable status")
     else:
         print_exchange(st.protection)
-    fl = st.flush
-    if fl.enabled:
-        running = fl.running
-        print(
-            f"disk tiers: {', '.join(fl.tiers)}  every {fl.every} steps, "
-            f"keep {fl.keep}; last flushed step {fl.last_step} "
-            f"({fl.last_seconds} s); flushes {fl.flushes}, failures {fl.failures}"
-            + (f"; now step {running.step}: {running.stage}" if running else "")
-            + (f"; last error: {fl.last_error}" if fl.last_error else "")
-        )
+    if st.flush.enabled:
+        print(flush_line(st.flush))
+
+
+def flush_line(fl: FlushStatus) -> str:
+    """The disk tiers' line of ``ftmem status`` (pure)."""
+    when = f"every {fl.every} steps" if fl.every > 0 else "on `ftmem flush` and SIGTERM only"
+    last = (
+        f"last flushed step {fl.last_step} ({fl.last_seconds} s)"
+        if fl.last_step is not None
+        else "nothing flushed yet"
+    )
+    running = fl.running
+    return (
+        f"disk tiers: {', '.join(fl.tiers)}  {when}, keep {fl.keep}; {last}; "
+        f"flushes {fl.flushes}, failures {fl.failures}"
+        + (f"; now step {running.step}: {running.stage}" if running else "")
+        + (f"; last error: {fl.last_error}" if fl.last_error else "")
+    )
 
 
 def print_exchange(ex: ProtectionStatus) -> None:

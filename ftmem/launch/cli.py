@@ -447,12 +447,15 @@ def config_from_args(
     return config, ftmem, cmd, cmd_args
 
 
-def _apply_standalone(args: Namespace) -> None:
-    """torchrun's ``--standalone`` and single-node defaults (as in ``torch.distributed.run.run``)."""
+def apply_standalone(args: Namespace) -> None:
+    """torchrun's ``--standalone`` and single-node defaults (as in ``torch.distributed.run.run``),
+    except that an ``--rdzv-id`` given with ``--standalone`` is kept (torchrun replaces it by
+    a random one): it names the run, and ``ftmem status --run-id`` finds the job by it."""
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
+        if args.rdzv_id in (None, "", "none"):
+            args.rdzv_id = str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
         if max_nodes == 1:
@@ -497,7 +500,7 @@ def run(args: Namespace) -> dict[int, Any]:
     """Run the agent described by parsed ``args`` on this node."""
     from ftmem.launch.launch import launch_agent
 
-    _apply_standalone(args)
+    apply_standalone(args)
     install_signal_handlers(args.signals_to_handle)
     try:
         config, ftmem, cmd, cmd_args = config_from_args(args)

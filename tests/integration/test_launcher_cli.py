@@ -18,7 +18,7 @@ import pytest
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 
 from ftmem.events import EventLog
-from ftmem.launch.cli import config_from_args, get_args_parser
+from ftmem.launch.cli import apply_standalone, config_from_args, get_args_parser
 from ftmem.launch.config import (
     FtmemLaunchConfig,
     apply_safe_env_defaults,
@@ -366,3 +366,19 @@ def test_preflight_refuses_the_static_backend_and_an_unreachable_host_name() -> 
         == {}
     )
     assert check_host_address(max_nodes=1, rdzv_host="10.0.0.1", local_addr=None, environ={}) == {}
+
+
+def test_standalone_keeps_a_given_rdzv_id_as_the_run_id() -> None:
+    """torchrun replaces ``--rdzv-id`` under ``--standalone`` by a random id without a word,
+    so ``ftmem status --run-id X`` would find nothing; ftmem-launch keeps it."""
+    parser = get_args_parser()
+    given = parser.parse_args(["--standalone", "--rdzv-id", "myjob", "train.py"])
+    apply_standalone(given)
+    assert (given.rdzv_backend, given.rdzv_endpoint, given.rdzv_id) == (
+        "c10d",
+        "localhost:0",
+        "myjob",
+    )
+    random_id = parser.parse_args(["--standalone", "train.py"])
+    apply_standalone(random_id)
+    assert random_id.rdzv_id not in ("none", "") and len(random_id.rdzv_id) == 36

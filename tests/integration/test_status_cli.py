@@ -143,3 +143,17 @@ def test_a_flush_without_a_common_step_names_each_ranks_steps(run_dir: Path, run
     finally:
         smp.stop()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_disk_tiers_line_says_when_nothing_is_scheduled_or_flushed_yet() -> None:
+    from ftmem.cli import flush_line
+    from ftmem.protocol.status import FlushStatus
+
+    idle = FlushStatus(enabled=True, tiers=("/ckpt",), every=0, keep=2)
+    line = flush_line(idle)
+    assert "on `ftmem flush` and SIGTERM only" in line and "nothing flushed yet" in line
+    assert "every 0 steps" not in line and "None" not in line
+    done = FlushStatus(
+        enabled=True, tiers=("/ckpt",), every=10, keep=2, last_step=20, last_seconds=1.5, flushes=2
+    )
+    assert "every 10 steps, keep 2; last flushed step 20 (1.5 s); flushes 2" in flush_line(done)
