@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from ftmem import typed_json
 from ftmem.errors import ProtocolError
-from ftmem.launch.workers import SHIM_PATH
+from ftmem.launch.workers import SHIM_PATH, proc_state
 from ftmem.typed_json import Most
 
 Text = Annotated[str, Most(4096)]
@@ -327,7 +327,7 @@ class ForkedProcess:
         if self.returncode is None:
             self.server.drain()
             code = self.server.exited.pop(self.pid, None)
-            if code is None and self.server.gone and not _alive(self.pid):
+            if code is None and self.server.gone and proc_state(self.pid) in (None, "Z", "X"):
                 code = -signal.SIGKILL  # its death signal followed the fork server's end
             self.returncode = code
         return self.returncode
@@ -355,16 +355,6 @@ class ForkedProcess:
     def kill(self) -> None:
         """SIGKILL the rank."""
         self.send_signal(signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is no zombie (read from ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 class ForkedHandler(SubprocessHandler):
