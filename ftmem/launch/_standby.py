@@ -274,23 +274,28 @@ def _run_forked(msg: dict[str, Any], fds: list[int], dispositions: dict[int, Any
 def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
     """The fork server's loop: fork a rank per handoff, report each rank's exit; never returns.
 
-    Replies on ``ctl``: ``{"forked": pid}`` after each fork, ``{"exited": pid, "code": c}``
-    once it is reaped (``c`` as ``Popen.returncode``: negative for a signal). No thread runs
+    Replies on ``ctl``: ``{"forked": pid}`` after each fork, ``{"exited": pid, "code": c,
+    "at": t}`` once it is reaped (``c`` as ``Popen.returncode``: negative for a signal; ``t``
+    the wall clock then), in the order the ranks died. No thread runs
     here (the warm-up thread has ended), so a fork copies one consistent thread.
     """
     gc.freeze()  # what the warm-up allocated is never collected: its pages stay shared
     server = os.getpid()
     children: dict[int, int] = {}  # pidfd -> pid
+    # epoll returns ready descriptors in the order they became ready (select would return
+    # them in descriptor order): ranks that died while we waited for a CPU are reported in
+    # the order they died, so the agent names the first one as the failure.
+    poller = select.epoll()
+    poller.register(ctl.fileno(), select.EPOLLIN)
     while True:
-        watched: list[Any] = [ctl, *children]
-        readable, _, _ = select.select(watched, [], [])
-        for fd in readable:
-            if isinstance(fd, int):
+        for fd, _events in poller.poll():
+            if fd in children:
                 pid = children.pop(fd)
+                poller.unregister(fd)
                 os.close(fd)
                 _, status = os.waitpid(pid, 0)
                 code = os.waitstatus_to_exitcode(status)
-                _send(ctl, {"exited": pid, "code": code})
+                _send(ctl, {"exited": pid, "code": code, "at": time.time()})
                 continue
             msg, fds = _receive(ctl)
             pid = os.fork()
@@ -298,6 +303,7 @@ def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
                 code = 70
                 try:
                     ctl.close()
+                    poller.close()
                     for pidfd in children:
                         os.close(pidfd)
                     os.setsid()  # the rank leads its own session, as elastic starts it
@@ -310,7 +316,9 @@ def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
                     os._exit(code)
             for passed in fds:
                 os.close(passed)
-            children[os.pidfd_open(pid)] = pid
+            pidfd = os.pidfd_open(pid)
+            children[pidfd] = pid
+            poller.register(pidfd, select.EPOLLIN)
             _send(ctl, {"forked": pid})
 
 
@@ -325,7 +333,7 @@ def _fresh_entropy() -> None:
             pass
 
 
-def _send(ctl: socket.socket, reply: dict[str, int]) -> None:
+def _send(ctl: socket.socket, reply: dict[str, float]) -> None:
     try:
         ctl.send(json.dumps(reply).encode())
     except OSError:

@@ -446,7 +446,9 @@ class FtmemElasticAgent(ElasticAgentBase):
             result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             paths = self.rank_stderr_paths()
-            self._failures.rank_failed(ranks, result, paths, self.generation)
+            server = self._standbys.server
+            died_at = server.reaped_at if server is not None else {}
+            self._failures.rank_failed(ranks, result, paths, self.generation, died_at)
         elif result.state == WorkerState.HEALTHY:
             self._life.first_seen = None  # a rank that exited 0 is no failure
             self._check_progress()

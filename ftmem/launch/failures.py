@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -107,12 +107,21 @@ class NodeFailures:
         result: RunResult,
         stderr_paths: dict[int, str],
         generation: int,
+        died_at: Mapping[int, float] | None = None,
     ) -> None:
         """A rank failed or was killed as hung (elastic's verdict ``result``; elastic has
-        stopped the survivors by now); ``stderr_paths``: local rank -> its stderr file."""
+        stopped the survivors by now); ``stderr_paths``: local rank -> its stderr file.
+
+        The failure named is the rank that died first: by ``died_at`` (pid -> when the fork
+        server reaped it) when it knows every failed rank, else by elastic's timestamps
+        (whole seconds; a tie goes to the lower local rank)."""
         now = time.time()
         committed = self.committed(ranks)
-        failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
+        failures = list(result.failures.items())
+        if died_at and all(f.pid in died_at for _, f in failures):
+            failures.sort(key=lambda kv: died_at[kv[1].pid])
+        else:
+            failures.sort(key=lambda kv: kv[1].timestamp)
         root_rank, root = failures[0] if failures else (None, None)
         cause = next(iter(self._watch.hang_killed.values()), None)
         kind = FailureKind.RANK

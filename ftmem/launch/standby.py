@@ -248,6 +248,8 @@ class ForkReply:
     exited: int | None = None
     code: int | None = None
     """The reaped rank's status as ``Popen.returncode`` (negative: killed by that signal)."""
+    at: float | None = None
+    """When the server reaped it (wall clock); ranks are reaped in the order they died."""
 
 
 class ForkServer:
@@ -261,7 +263,10 @@ class ForkServer:
     def __init__(self, standby: Standby) -> None:
         self.standby = standby
         self.exited: dict[int, int] = {}
-        """pid -> exit status of the ranks it reaped."""
+        """pid -> exit status of the ranks it reaped (until their :meth:`ForkedProcess.poll`)."""
+        self.reaped_at: dict[int, float] = {}
+        """pid -> when it reaped the rank (the newest :data:`REAPED_KEPT`): which one died
+        first, finer than elastic's whole-second failure timestamps."""
         self.gone = False
         """Its control socket closed: it died (and its ranks with it, by their death signal)."""
 
@@ -289,6 +294,10 @@ class ForkServer:
                 continue
             if reply.exited is not None and reply.code is not None:
                 self.exited[reply.exited] = reply.code
+                if reply.at is not None:
+                    self.reaped_at[reply.exited] = reply.at
+                    while len(self.reaped_at) > REAPED_KEPT:
+                        del self.reaped_at[next(iter(self.reaped_at))]
             if reply.forked is not None:
                 forked = reply
                 break
@@ -306,10 +315,12 @@ class ForkServer:
 
 
 FORK_REPLY_S = 30.0
+"""How long a handoff waits for the fork server's pid reply."""
 FORK_SERVER_WAIT_S = 120.0
 """How long a (re)start waits for the fork server's warm-up before it starts ranks cold
 (about as long as a cold start would take on a loaded host: it imports the same modules)."""
-"""How long a handoff waits for the fork server's pid reply."""
+REAPED_KEPT = 1024
+"""How many reap times :class:`ForkServer` keeps (a few generations of ranks)."""
 
 
 class ForkedProcess:

@@ -46,7 +46,7 @@ from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
 from ftmem.launch.peers import host_key_path
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.procs import REPO, WORKLOAD
+from tests._support.procs import REPO, WORKLOAD, python_stacks
 from tests._support.workload import TINY_ARGS, digests
 
 log = logging.getLogger(__name__)
@@ -350,9 +350,13 @@ class AgentProcess:
             if time.monotonic() > deadline or self.popen.poll() is not None:
                 if len(found := list(rx.finditer(self.text()))) >= count:
                     return found
+                stacks = ""
+                if self.popen.poll() is None:  # still running: where are its processes?
+                    stacks = python_stacks([k.pid for k in self.children()])
                 raise RuntimeError(
                     f"{pattern!r} x{count} not in {self.name}'s log within {_seconds(timeout):g}"
                     f" s (exit {self.popen.poll()}); log tail:\n{self.text()[-3000:]}"
+                    + (f"\nstacks of its processes:\n{stacks}" if stacks else "")
                 )
             time.sleep(0.1)
 

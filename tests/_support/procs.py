@@ -51,3 +51,32 @@ class Procs:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def python_stacks(pids: list[int], limit: int = 8, timeout: float = 20.0) -> str:
+    """The Python stacks of up to ``limit`` of ``pids`` as ``py-spy dump`` prints them, for a
+    test's failure message when a wait runs out ("" without py-spy; a failed dump says why).
+    Each dump briefly stops the process it reads."""
+    import shutil
+
+    spy = shutil.which("py-spy")
+    if spy is None or not pids:
+        return ""
+    out = []
+    for pid in pids[:limit]:
+        try:
+            done = subprocess.run(
+                [spy, "dump", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+            text = (done.stdout or done.stderr).strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text = f"no dump: {exc}"
+        lines = text.splitlines()
+        if len(lines) > 60:
+            lines = [*lines[:60], f"... {len(lines) - 60} more lines"]
+        out.append(f"--- pid {pid}:\n" + "\n".join(lines))
+    return "\n".join(out)

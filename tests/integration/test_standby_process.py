@@ -21,6 +21,7 @@ import pytest
 
 from ftmem.launch.standby import ForkedHandler, Standby, StandbyHandler, parse_python_command
 from ftmem.launch.warm_start import StandbyPool
+from ftmem.launch.workers import proc_state
 
 MODULE = """
 import json, os, sys
@@ -153,6 +154,36 @@ def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) 
         handler.close(signal.SIGKILL)  # elastic's close: killpg of the rank's session
         assert handler.proc.wait(30) == -signal.SIGKILL
         assert p.server.standby.popen.poll() is None  # the server lives on
+    finally:
+        p.stop()
+
+
+def test_the_fork_server_reports_ranks_in_the_order_they_died(tmp_path: Path) -> None:
+    """Ranks that die while the fork server waits for a CPU (here: stopped) are reported in
+    the order they died, not in the order they were forked: the agent names the first."""
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+    p = StandbyPool(count=1, imports=(), cuda=False, run_dir=tmp_path, node="t")
+    p.imports = ("json",)
+    try:
+        cmd = [sys.executable, "-u", str(tmp_path / "sleep.py")]
+        server_proc = _ready(p, cmd)
+        assert p.server is not None
+        args = parse_python_command(cmd)
+        assert args is not None
+        first, second = (ForkedHandler(p.server, args, {}, None, None, i) for i in range(2))
+        os.kill(server_proc.pid, signal.SIGSTOP)
+        try:
+            for handler in (second, first):  # the one forked second dies first
+                os.kill(handler.proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while proc_state(handler.proc.pid) != "Z":  # dead, not reaped: the server sleeps
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+        finally:
+            os.kill(server_proc.pid, signal.SIGCONT)
+        assert first.proc.wait(30) == second.proc.wait(30) == -signal.SIGKILL
+        died = p.server.reaped_at
+        assert died[second.proc.pid] < died[first.proc.pid], died
     finally:
         p.stop()
 
