@@ -53,17 +53,7 @@ class SmpProcess:
 
     def stop(self, timeout: timedelta = timedelta(seconds=10)) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL and wait; return the exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout.total_seconds())
-            except subprocess.TimeoutExpired:
-                log.warning("SMP %d ignored SIGTERM for %s; killing", self.pid, timeout)
-                self.popen.kill()
-                try:
-                    self.popen.wait(timeout=timeout.total_seconds())
-                except subprocess.TimeoutExpired:
-                    log.error("SMP %d still alive after SIGKILL (D state?)", self.pid)
+        _terminate(self.popen, timeout.total_seconds())
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -74,6 +64,31 @@ class SmpProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+ABANDON_GRACE_S = 30.0
+"""How long an SMP that :func:`start_smp` gives up on (stopped while it starts, or not ready
+in time) may take to stop cleanly before it is SIGKILLed: it finishes starting first."""
+
+
+def _terminate(popen: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the SMP, wait up to ``grace_s``, then SIGKILL it and wait (bounded). A second
+    signal to us while we wait kills it at once and propagates."""
+    if popen.poll() is not None:
+        return
+    popen.send_signal(signal.SIGTERM)
+    try:
+        popen.wait(timeout=grace_s)
+        return
+    except subprocess.TimeoutExpired:
+        log.warning("SMP %d ignored SIGTERM for %g s; killing", popen.pid, grace_s)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+    try:
+        popen.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        log.error("SMP %d still alive after SIGKILL (D state?)", popen.pid)
 
 
 SETTINGS_NAME = "smp-settings.json"
@@ -171,9 +186,9 @@ def start_smp(
         except ProtocolError as exc:
             raise SmpStartError(f"unexpected readiness line {line[:200]!r}: {exc}") from exc
     except BaseException:
-        if popen.poll() is None:
-            popen.kill()
-        popen.wait(timeout=30)
+        # Stopped, not killed: a half-started SMP may already hold its predecessor's slot
+        # files (it adopts them before it serves); on SIGTERM it removes them and exits.
+        _terminate(popen, ABANDON_GRACE_S)
         if log_file:
             log_file.close()
         raise

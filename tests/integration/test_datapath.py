@@ -4,11 +4,16 @@ in the status and the event log."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 import ftmem
@@ -16,7 +21,8 @@ from ftmem.config import ClientConfig
 from ftmem.events import SMP_EVENTS_NAME
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.launcher import shm_files
+from tests._support.launcher import pid_gone, remove_shm, shm_files
+from tests._support.procs import REPO
 
 
 def _state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, object]]:
@@ -154,3 +160,74 @@ def test_query_waits_for_the_hash_of_the_newest_step(smp: SmpProcess, run_dir: P
     finally:
         other.close()
     assert torch.equal(target.weight, expect)
+
+
+HALF_STARTED = """
+import signal, sys
+from ftmem.smp.spawn import start_smp
+
+class Stopped(Exception):
+    pass
+
+def stop(signum, frame):  # as elastic's agent turns SIGTERM into an exception
+    raise Stopped
+
+signal.signal(signal.SIGTERM, stop)
+try:
+    smp = start_smp(run_dir=sys.argv[1], run_id=sys.argv[2], log_path=sys.argv[1] + "/smp2.log")
+except Stopped:
+    sys.exit(3)
+smp.stop()
+"""
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+def test_a_stop_while_a_new_smp_starts_leaves_no_slot_files(
+    run_dir: Path, run_id: str, tmp_path: Path
+) -> None:
+    """The job is stopped (SIGTERM) while a restart waits for its new SMP, which adopts the
+    slot files its SIGKILLed predecessor left: the new SMP is stopped, not SIGKILLed, and
+    removes them."""
+    first = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
+    model, opt, state = _state()
+    ckpt = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+    try:
+        _step(model, opt)
+        ckpt.save(state, step=1)
+        assert ckpt.wait(60)
+    finally:
+        ckpt.close()
+        first.kill()  # lost: its slot files stay for a successor to adopt
+    assert shm_files(run_id)
+    script = tmp_path / "half_started.py"
+    script.write_text(HALF_STARTED)
+    helper = subprocess.Popen(
+        [sys.executable, str(script), str(run_dir), run_id], start_new_session=True, cwd=REPO
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the new SMP runs and takes SIGTERM as a stop request (it is not ready)
+            kids = psutil.Process(helper.pid).children()
+            if kids and _catches(kids[0].pid, signal.SIGTERM):
+                break
+            assert helper.poll() is None, "the helper ended before its SMP started"
+            assert time.monotonic() < deadline, "no SMP started within 60 s"
+            time.sleep(0.01)
+        helper.send_signal(signal.SIGTERM)
+        assert helper.wait(90) in (0, 3)  # 0: the SMP was ready first and stopped after
+        assert pid_gone(kids[0].pid)
+        assert shm_files(run_id) == [], (run_dir / "smp2.log").read_text()[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(helper.pid, signal.SIGKILL)
+        helper.wait(30)
+        remove_shm(run_id)
