@@ -379,6 +379,9 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._keep_survivors(worker_group)
         self.stop_ranks(signal.SIGTERM, min(RESTART_STOP_GRACE_S, self.shutdown_timeout_s))
         if self._life.state is AgentState.RESTARTING:
+            rec = self._life.recovery
+            if rec is not None and rec.stopped is None:  # a node-side failure: stopped only now
+                rec.stopped = time.time()
             self._life.to(AgentState.STOPPED)
 
     def _keep_survivors(self, worker_group: WorkerGroup) -> list[int]:

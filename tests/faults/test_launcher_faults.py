@@ -121,6 +121,8 @@ def test_smp_sigkill_restarts_smp_and_ranks(launcher_env: Launcher) -> None:
     later = re.findall(r"resumed from step (\d+)", agent.text())[2:]
     assert len(later) == 2 and all(int(x) >= 3 for x in later), later
     assert re.search(rf"RESUMED after .*restored step {later[0]} and are stepping", agent.text())
+    # every phase accounted for, the stop and the rendezvous included
+    assert re.search(r"RESUMED after .*phases: stop [0-9.]+ s, rendezvous [0-9.]+ s", agent.text())
     kids = agent.descendants()
     agent.signal(signal.SIGTERM)
     assert agent.wait(40) == 1
