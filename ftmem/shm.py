@@ -2,8 +2,8 @@
 
 The SMP creates each slot file (mode 0600, its pages allocated with ``posix_fallocate``) and
 removes it; ranks map the files it names, populating their page tables when they map them
-(``MAP_POPULATE``, on the copy thread), so no rank pays first-touch page faults on the
-training path.
+(on the copy thread, without holding the GIL: :func:`populate_write`), so no rank pays
+first-touch page faults on the training path.
 
 Where and under which name: every slot file and commit record lives in this user's private
 directory (mode 0700, default ``/dev/shm/ftmem-<uid>``, :func:`ftmem.config.default_shm_dir`),
@@ -18,6 +18,7 @@ the same run and node adopts slot files of any nonce (:func:`parse_slot_name`).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -108,12 +109,41 @@ def round_capacity(nbytes: int) -> int:
     return max(SLOT_ROUND, -(-nbytes // SLOT_ROUND) * SLOT_ROUND)
 
 
-def _prefault(mm: mmap.mmap, nbytes: int) -> None:
+_LIBC: ctypes.CDLL | None = None
+POPULATE_CHUNK = 32 << 20
+"""Bytes :func:`populate_write` faults in per system call."""
+
+
+def populate_write(mm: mmap.mmap, nbytes: int) -> bool:
+    """Fault in the first ``nbytes`` of the writable mapping ``mm`` for writing (its pages and
+    page tables: ``MADV_POPULATE_WRITE``, Linux >= 5.14) without holding the GIL, so the
+    process's other threads (the training loop) run meanwhile; False where the kernel refuses.
+
+    Neither ``MAP_POPULATE`` nor ``mmap.madvise`` would do: CPython holds the GIL through
+    both, and for a 2 GiB slot that stopped the training thread for seconds."""
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        _LIBC = libc
+    anchor = ctypes.c_char.from_buffer(mm)  # the mapping's address (pins it meanwhile)
     try:
-        mm.madvise(_MADV_POPULATE_WRITE, 0, nbytes)
+        base = ctypes.addressof(anchor)
+        # In pieces: the kernel holds the process's mmap lock through each call, and the
+        # training thread's own faults and allocations wait for it meanwhile.
+        for off in range(0, nbytes, POPULATE_CHUNK):
+            n = min(POPULATE_CHUNK, nbytes - off)
+            if _LIBC.madvise(base + off, n, _MADV_POPULATE_WRITE) != 0:
+                return False
+        return True
+    finally:
+        del anchor
+
+
+def _prefault(mm: mmap.mmap, nbytes: int) -> None:
+    if populate_write(mm, nbytes):
         return
-    except (OSError, ValueError):
-        pass
     # Older kernels: write one byte per page, which allocates it in the tmpfs.
     import torch
 
@@ -222,9 +252,12 @@ class MappedSegment:
             st = os.fstat(fd)
             if st.st_size != expect_bytes:
                 raise ValueError(f"segment {path} has size {st.st_size}, expected {expect_bytes}")
-            self._mm = mmap.mmap(fd, expect_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self._mm = mmap.mmap(fd, expect_bytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        # The page tables, filled now and without the GIL (else the first copy into the
+        # slot takes the faults; they cost no training time either way).
+        populate_write(self._mm, expect_bytes)
         import torch
 
         self.path = resolved
