@@ -66,7 +66,7 @@ def python_stacks(pids: list[int], limit: int = 8, timeout: float = 20.0) -> str
     for pid in pids[:limit]:
         try:
             done = subprocess.run(
-                [spy, "dump", "--pid", str(pid)],
+                [spy, "dump", "--native", "--pid", str(pid)],
                 capture_output=True,
                 text=True,
                 timeout=timeout,
