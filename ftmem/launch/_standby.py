@@ -276,8 +276,8 @@ def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
 
     Replies on ``ctl``: ``{"forked": pid}`` after each fork, ``{"exited": pid, "code": c,
     "at": t}`` once it is reaped (``c`` as ``Popen.returncode``: negative for a signal; ``t``
-    the wall clock then), in the order the ranks died. No thread runs
-    here (the warm-up thread has ended), so a fork copies one consistent thread.
+    the wall clock then), in the order the ranks died. The warm-up thread is gone by now, from
+    the kernel's list too (:func:`_thread_gone`), so a fork copies no half-finished thread.
     """
     gc.freeze()  # what the warm-up allocated is never collected: its pages stay shared
     server = os.getpid()
@@ -322,6 +322,26 @@ def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
             _send(ctl, {"forked": pid})
 
 
+THREAD_GONE_WAIT_S = 30.0
+"""How long the fork server waits for its warm-up thread to be gone from the kernel."""
+
+
+def _thread_gone(tid: int, wait_s: float) -> bool:
+    """Wait (bounded) until the thread ``tid`` of this process is gone from the kernel's list.
+
+    ``Thread.join`` returns before the thread has run its native exit path (the thread-local
+    destructors of torch, OpenMP and MKL; still listed after about a third of joins here). A
+    fork meanwhile copies whatever lock that path holds: 5-25% of children forked right after
+    a thread that had run a ``linear`` hung in their own first one, and so did a forked rank.
+    Threads that libraries keep (numpy's OpenBLAS pool) stop themselves at a fork."""
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(f"/proc/self/task/{tid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def _fresh_entropy() -> None:
     """Reseed what a fresh interpreter seeds from the OS (Python's ``random`` reseeds itself
     at a fork): numpy's global generator, so forked ranks do not share one stream."""
@@ -361,7 +381,10 @@ def main() -> None:
     warm = threading.Thread(target=_warm_up, args=(args, ctl), name="ftmem-standby-warm-up")
     warm.start()
     if args.fork_server:
-        warm.join()  # no thread may run at a fork
+        warm.join()
+        if warm.native_id is None or not _thread_gone(warm.native_id, THREAD_GONE_WAIT_S):
+            sys.stderr.write("ftmem standby: the warm-up thread did not end; exiting\n")
+            os._exit(70)  # the agent starts its ranks cold
         _serve_forks(ctl, dispositions)
     msg, fds = _receive(ctl)
     warm.join()

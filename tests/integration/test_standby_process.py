@@ -7,12 +7,14 @@ script, exit codes, no orphans) is in tests/faults/test_standby.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,3 +194,27 @@ def test_a_retired_standby_exits_quietly(pool: StandbyPool) -> None:
     standby = _ready(pool, [sys.executable, "-u", "train.py"])
     standby.ctl.close()  # end of file: the agent no longer needs it
     assert standby.popen.wait(60) == 0
+
+
+def test_the_fork_server_forks_only_once_its_warm_up_thread_is_gone_from_the_kernel() -> None:
+    """``Thread.join`` returns before the thread's native exit path has run (a fork then can
+    copy a lock it holds: a forked rank hung in its first ``linear``); the fork server waits
+    until the kernel no longer lists the warm-up thread."""
+    shim_dir = str(Path(__file__).resolve().parents[2] / "ftmem" / "launch")
+    sys.path.insert(0, shim_dir)  # _standby.py imports its sibling _exec_shim
+    try:
+        spec = importlib.util.spec_from_file_location("ftmem_standby", f"{shim_dir}/_standby.py")
+        assert spec is not None and spec.loader is not None
+        standby = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(standby)
+    finally:
+        sys.path.remove(shim_dir)
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(30,))
+    thread.start()
+    assert thread.native_id is not None
+    assert not standby._thread_gone(thread.native_id, 0.05)  # alive: the wait runs out
+    release.set()
+    thread.join()
+    assert standby._thread_gone(thread.native_id, 30)
+    assert not os.path.exists(f"/proc/self/task/{thread.native_id}")
