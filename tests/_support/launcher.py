@@ -474,7 +474,11 @@ class Launch(AgentProcess):
         """Wait for the agent to exit (collecting descendants meanwhile); return its code."""
         code = super().wait(timeout)
         if code is None:
-            _fail(f"agent still running after {timeout} s; log tail:\n{self.text()[-3000:]}")
+            stacks = python_stacks([self.pid, *(k.pid for k in self.children())])
+            _fail(
+                f"{self.name} still running after {timeout} s; log tail:\n{self.text()[-3000:]}"
+                + (f"\nstacks of its processes:\n{stacks}" if stacks else "")
+            )
         return code
 
     def kill_all(self) -> None:

@@ -38,6 +38,7 @@ from tests._support.launcher import (
     launch_args,
     short_dir,
 )
+from tests._support.procs import python_stacks
 
 REFUSED = "rendezvous state in the store was not written by this job"
 
@@ -113,7 +114,15 @@ def test_a_c10d_store_writer_runs_nothing_and_fences_no_node(launcher_env: Launc
     # node 0 sees the failure first (RESTART) or its rank fails in a collective (FAILED)
     a.wait_for(r"\] (RESTART|FAILED): ", 90)
     writer.set(state_key, base64.b64encode(evil[0]))  # while the nodes re-join
-    assert a.wait(120) == 0 and b.wait(60) == 0, a.text()[-3000:] + b.text()[-3000:]
+    if AgentProcess.wait(a, 120) is None:  # both nodes' logs and stacks: either may hold it up
+        pytest.fail(
+            "".join(
+                f"\n--- {n.name} (exit {n.poll()}), log tail:\n{n.text()[-3000:]}\nstacks:\n"
+                + python_stacks([n.pid, *(k.pid for k in n.children())])
+                for n in (a, b)
+            )
+        )
+    assert a.wait(1) == 0 and b.wait(60) == 0, a.text()[-3000:] + b.text()[-3000:]
     logs = a.text() + b.text()
     assert _markers(tmp) == []
     assert REFUSED in logs
