@@ -424,11 +424,14 @@ def _tail_logfile(
             return
     with open(file, errors="replace") as fp:
         while True:
+            # Read before the line is read: whatever was written before ``finished`` was set
+            # is copied (checked after an empty read, a line written meanwhile was lost).
+            done = finished.is_set()
             line = fp.readline()
             if line:
                 if log_line_filter is None or log_line_filter(line):
                     dst.write(f"{header}{line}")
-            elif finished.is_set():
+            elif done:
                 return
             else:
                 finished.wait(interval_sec)
