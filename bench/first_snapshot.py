@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,33 @@ def _step(state: baselines.BenchState, fwd_bwd_s: float) -> None:
     state.optimizer.step()
 
 
+def _loop(
+    state: baselines.BenchState,
+    steps: int,
+    fwd_bwd_s: float,
+    save: Callable[[int], None],
+    is_safe: Callable[[], bool],
+    wait_safe: Callable[[], bool],
+) -> dict[str, Any]:
+    """``steps`` timed steps, each followed by ``save(step)``; the first snapshot is safe when
+    ``is_safe()`` (asked after each save) first says so, else when ``wait_safe()`` returns
+    True after the last step (False: no snapshot was taken)."""
+    walls, saves, first_safe = [], [], None
+    t_first = time.perf_counter()
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        _step(state, fwd_bwd_s)
+        t1 = time.perf_counter()
+        save(step)
+        saves.append(time.perf_counter() - t1)
+        walls.append(time.perf_counter() - t0)
+        if first_safe is None and is_safe():
+            first_safe = time.perf_counter() - t_first
+    if first_safe is None and wait_safe():
+        first_safe = time.perf_counter() - t_first
+    return {"walls": walls, "saves": saves, "first_safe": first_safe}
+
+
 def run_ftmem(state: baselines.BenchState, steps: int, fwd_bwd_s: float) -> dict[str, Any]:
     """Steps with ``ftmem.save`` every step against a fresh SMP (stopped after)."""
     import ftmem
@@ -53,32 +81,32 @@ def run_ftmem(state: baselines.BenchState, steps: int, fwd_bwd_s: float) -> dict
     run_dir = Path(tempfile.mkdtemp(prefix="ftmem-first-"))
     run_id = "bf" + uuid.uuid4().hex[:10]
     sd = {"model": state.model, "optim": state.optimizer}
-    walls, saves, first_safe, skipped = [], [], None, 0
-    smp = start_smp(run_dir=run_dir, run_id=run_id, log_path=run_dir / "smp.log")
-    ckpt = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
-    pending: list[Any] = []
+    first: list[Any] = []  # the first save that was not skipped
+
+    def save(step: int) -> None:
+        handle = ckpt.save(sd, step=step)
+        if not handle.skipped and not first:
+            first.append(handle)
+
+    smp = start_smp(
+        run_dir=run_dir, run_id=run_id, parent_pid=os.getpid(), log_path=run_dir / "smp.log"
+    )
+    ckpt = None
     try:
-        t_first = time.perf_counter()
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            _step(state, fwd_bwd_s)
-            t1 = time.perf_counter()
-            handle = ckpt.save(sd, step=step)
-            saves.append(time.perf_counter() - t1)
-            walls.append(time.perf_counter() - t0)
-            skipped += handle.skipped
-            if not handle.skipped and first_safe is None:
-                pending.append(handle)
-            if first_safe is None and any(h.done() for h in pending):
-                first_safe = time.perf_counter() - t_first
-        if first_safe is None and pending:
-            pending[0].wait(120)
-            first_safe = time.perf_counter() - t_first
+        ckpt = ftmem.Checkpointer(ClientConfig(run_dir=run_dir))
+        return _loop(
+            state,
+            steps,
+            fwd_bwd_s,
+            save,
+            lambda: bool(first) and first[0].done(),
+            lambda: bool(first) and first[0].wait(120),
+        )
     finally:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         smp.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"walls": walls, "saves": saves, "first_safe": first_safe, "skipped": skipped}
 
 
 def run_dcp(
@@ -90,28 +118,25 @@ def run_dcp(
 
     path = os.path.join(disk_dir, f"dcp-first-{uuid.uuid4().hex[:8]}")
     stager = baselines.cpu_stager(async_staging=True)
-    walls, saves, first_safe, resp = [], [], None, None
+    written: list[Any] = []  # the future of the checkpoint written to disk
+
+    def save(step: int) -> None:
+        if step == 1:
+            sd = {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}
+            resp = dcp_async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
+            written.append(resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp)
+
+    def wait_safe() -> bool:
+        written[0].result()
+        return True
+
     try:
-        t_first = time.perf_counter()
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            _step(state, fwd_bwd_s)
-            t1 = time.perf_counter()
-            if step == 1:
-                sd = {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}
-                resp = dcp_async_save(sd, checkpoint_id=path, async_stager=stager, no_dist=True)
-            saves.append(time.perf_counter() - t1)
-            walls.append(time.perf_counter() - t0)
-            done = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp
-            if first_safe is None and done is not None and done.done():
-                first_safe = time.perf_counter() - t_first
-        if first_safe is None and resp is not None:
-            (resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp).result()
-            first_safe = time.perf_counter() - t_first
+        return _loop(
+            state, steps, fwd_bwd_s, save, lambda: bool(written) and written[0].done(), wait_safe
+        )
     finally:
         stager.close()
         shutil.rmtree(path, ignore_errors=True)
-    return {"walls": walls, "saves": saves, "first_safe": first_safe}
 
 
 def summarize(run: dict[str, Any]) -> dict[str, float]:

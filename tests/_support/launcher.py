@@ -318,6 +318,10 @@ class AgentProcess:
         """The pids of the live descendants (also remembered in :attr:`seen`)."""
         return {k.pid for k in self.children()}
 
+    def stacks(self) -> str:
+        """The stacks of the process and its live descendants (:func:`python_stacks`)."""
+        return python_stacks([self.pid, *(k.pid for k in self.children())])
+
     def poll(self) -> int | None:
         """The exit code, or None while the process runs."""
         return self.popen.poll()
@@ -350,9 +354,7 @@ class AgentProcess:
             if time.monotonic() > deadline or self.popen.poll() is not None:
                 if len(found := list(rx.finditer(self.text()))) >= count:
                     return found
-                stacks = ""
-                if self.popen.poll() is None:  # still running: where are its processes?
-                    stacks = python_stacks([k.pid for k in self.children()])
+                stacks = self.stacks() if self.popen.poll() is None else ""  # where is it?
                 raise RuntimeError(
                     f"{pattern!r} x{count} not in {self.name}'s log within {_seconds(timeout):g}"
                     f" s (exit {self.popen.poll()}); log tail:\n{self.text()[-3000:]}"
@@ -474,7 +476,7 @@ class Launch(AgentProcess):
         """Wait for the agent to exit (collecting descendants meanwhile); return its code."""
         code = super().wait(timeout)
         if code is None:
-            stacks = python_stacks([self.pid, *(k.pid for k in self.children())])
+            stacks = self.stacks()
             _fail(
                 f"{self.name} still running after {timeout} s; log tail:\n{self.text()[-3000:]}"
                 + (f"\nstacks of its processes:\n{stacks}" if stacks else "")

@@ -38,7 +38,6 @@ from tests._support.launcher import (
     launch_args,
     short_dir,
 )
-from tests._support.procs import python_stacks
 
 REFUSED = "rendezvous state in the store was not written by this job"
 
@@ -118,7 +117,7 @@ def test_a_c10d_store_writer_runs_nothing_and_fences_no_node(launcher_env: Launc
         pytest.fail(
             "".join(
                 f"\n--- {n.name} (exit {n.poll()}), log tail:\n{n.text()[-3000:]}\nstacks:\n"
-                + python_stacks([n.pid, *(k.pid for k in n.children())])
+                + n.stacks()
                 for n in (a, b)
             )
         )
