@@ -41,6 +41,7 @@ from ftmem.launch.elastic_compat import (
     ElasticAgentBase,
     expire_keep_alive,
     failed_after_detach,
+    leaving_round,
     log_tails_stop_at_once,
     rendezvous_members,
     rendezvous_poll_s,
@@ -189,12 +190,15 @@ class FtmemElasticAgent(ElasticAgentBase):
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
         lost = self._life.kind is FailureKind.MACHINE_LOST
-        with restart_rendezvous_quickly(
-            restart=self.generation >= 0,
-            poll_s=poll_s,
-            between_polls=self._while_joining,
-            handler=self.rdzv_handler,
-            last_call=self._ft.restart_last_call if lost else None,
+        with (
+            restart_rendezvous_quickly(
+                restart=self.generation >= 0,
+                poll_s=poll_s,
+                between_polls=self._while_joining,
+                handler=self.rdzv_handler,
+                last_call=self._ft.restart_last_call if lost else None,
+            ),
+            leaving_round(self.rdzv_handler),
         ):
             join()
         # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the

@@ -22,7 +22,8 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    ``_backend`` is wrapped in a :class:`~ftmem.launch.state_guard.GuardedBackend`
    (:func:`guard_rendezvous_state`): elastic unpickles the state it reads, so only the globals
    of ``_RendezvousState`` are admitted (:func:`load_rendezvous_state`, which also knows its
-   fields).
+   fields), and while the node leaves its round a refused state reads as the next round
+   (:func:`leaving_round`).
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
@@ -44,6 +45,7 @@ launcher tests were run on 2.11 before the range was declared (docs/launcher.md)
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -340,6 +342,41 @@ def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
         empty = pickle.dumps(dynamic_rendezvous._RendezvousState())
         holder._backend = GuardedBackend(backend, _clean_state, empty, key, run_id)
     return True
+
+
+def _round_after(node: Any, bits: bytes) -> bytes:
+    """The state in ``bits`` (a state that passed the guard) as ``node`` must see it while it
+    leaves its round: a complete round ``node`` took part in has ended for it, so the next
+    round, open, with nobody in it (its join adds itself; the others re-add themselves at
+    their next read); any other state as it is.
+
+    A store writer's value erased the real state. Answered as it was, a round that ended
+    could come back: its leave would rewrite it without ``node`` and the nodes still in it
+    would finish it again, short of a node, against that round's old assignment."""
+    state = load_rendezvous_state(bits)
+    if not (state.complete and node in state.participants):
+        return bits
+    after = dynamic_rendezvous._RendezvousState()
+    after.round, after.closed = state.round + 1, state.closed
+    return pickle.dumps(after)
+
+
+@contextlib.contextmanager
+def leaving_round(handler: Any) -> Iterator[None]:
+    """While this node leaves its round to join the next (elastic's ``next_rendezvous``), a
+    store writer's value in place of the state reads as the next round, not the one it left
+    (:attr:`~ftmem.launch.state_guard.GuardedBackend.while_leaving`, :func:`_round_after`).
+    Nothing where the handler's backend is not guarded."""
+    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
+    me = getattr(handler, "_this_node", None)
+    if not isinstance(backend, GuardedBackend) or me is None:
+        yield
+        return
+    backend.while_leaving = functools.partial(_round_after, me)
+    try:
+        yield
+    finally:
+        backend.while_leaving = None
 
 
 def keep_alive_bound_s(handler: Any) -> float:

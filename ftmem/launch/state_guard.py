@@ -18,6 +18,10 @@ it there):
    the handler's next compare-and-set (a keep-alive, a join) overwrites the planted value
    (no last state: a fresh, empty one). Each incident is logged once (then a count at most
    every :data:`LOG_EVERY_S`), and once more when a state passes again.
+4. while the node leaves its round to join the next (:attr:`GuardedBackend.while_leaving`),
+   the last state that passed may be a round that already ended: a refused read answers
+   that state as the leaving node must see it (elastic_compat: the next round, open, with
+   nobody in it), so that no node acts on a round the others have left.
 
 What a store writer can still do: delete or replace the state (a denial of service, which
 the handlers repair at their next write), replay a state this job wrote earlier (with a key
@@ -147,6 +151,9 @@ class GuardedBackend(RendezvousBackend):
         self._last: bytes | None = None
         self._refused = 0
         self._logged_at: float | None = None
+        self.while_leaving: Callable[[bytes], bytes] | None = None
+        """While set (the node leaves its round to join the next), a refused read answers
+        ``while_leaving(last state that passed)`` instead of that state."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)  # the backend's own methods (close, ...)
@@ -187,7 +194,9 @@ class GuardedBackend(RendezvousBackend):
             clean = self._clean(body)
         except Exception as exc:  # whatever a malformed pickle raises: refused
             self._refuse(exc)
-            return self._last if self._last is not None else self._empty
+            if self._last is None:
+                return self._empty
+            return self._last if self.while_leaving is None else self.while_leaving(self._last)
         if self._refused:
             log.info(
                 "the rendezvous state in the store passes its checks again (%d refused reads)",

@@ -5,19 +5,35 @@ the last state that passed, with the refused value's token."""
 
 from __future__ import annotations
 
+import base64
 import builtins
 import logging
 import os
 import pickle
 import subprocess
+import threading
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+    _NodeDesc,
+    _RendezvousState,
+)
 
-from ftmem.launch.elastic_compat import _clean_state, load_rendezvous_state
+from ftmem.launch.elastic_compat import (
+    _clean_state,
+    guard_rendezvous_state,
+    leaving_round,
+    load_rendezvous_state,
+    trust_rendezvous_state_for,
+)
 from ftmem.launch.state_guard import (
     MAGIC,
     GuardedBackend,
@@ -26,6 +42,7 @@ from ftmem.launch.state_guard import (
     seal,
     unseal,
 )
+from tests._support.launcher import free_port
 
 
 def _state() -> _RendezvousState:
@@ -168,3 +185,76 @@ def test_a_planted_state_answers_the_last_one_that_passed_with_its_token(
     refused = [r for r in caplog.records if "not written by this job" in r.message]
     assert len(refused) == 2  # once per incident (3 planted reads in the second)
     assert sum("passes its checks again" in r.message for r in caplog.records) == 2
+
+
+def _join(handler: Any, results: dict[str, Any], name: str) -> threading.Thread:
+    """``handler.next_rendezvous()`` on a thread, leaving its round as the agent does."""
+
+    def run() -> None:
+        try:
+            with leaving_round(handler):
+                results[name] = handler.next_rendezvous()
+        except Exception as exc:  # reported by the test
+            results[name] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_store_writer_during_a_restart_brings_back_no_round_that_ended() -> None:
+    """Two real elastic handlers over a real TCPStore finish round 0; node 1 leaves it and
+    waits for round 1; a store writer then erases the state, and node 0 leaves its round.
+    Node 0's last state that passed is round 0 with both nodes: answered as it was, node 0
+    would rewrite round 0 without itself and node 1 would finish round 0 again alone. Both
+    nodes must meet in round 1, two of them."""
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    rid, key = "restart", b"k" * 32
+
+    def handler() -> Any:
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        h = DynamicRendezvousHandler.from_backend(
+            rid,
+            client,
+            C10dRendezvousBackend(client, rid),
+            min_nodes=2,
+            max_nodes=2,
+            timeout=RendezvousTimeout(join=timedelta(seconds=20)),
+            keep_alive_interval=60,  # no keep-alive read during the test
+        )
+        assert guard_rendezvous_state(h, key)
+        trust_rendezvous_state_for(h, 0.1)
+        return h
+
+    a, b = handler(), handler()
+    watcher = GuardedBackend(C10dRendezvousBackend(server, rid), _clean_state, b"", key, rid)
+    results: dict[str, Any] = {}
+    try:
+        for t in [_join(a, results, "a0"), _join(b, results, "b0")]:
+            t.join(30)
+        assert [results[n].world_size for n in ("a0", "b0")] == [2, 2], results
+        tb = _join(b, results, "b1")  # node 1 leaves round 0: it waits for the next
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = watcher.get_state()
+            if got is not None and b._this_node in load_rendezvous_state(got[0]).wait_list:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("node 1 never waited for the next round")
+        server.set(f"torch.rendezvous.{rid}", base64.b64encode(b"planted"))
+        ta = _join(a, results, "a1")  # node 0 leaves round 0 from its last good state
+        ta.join(40)
+        tb.join(40)
+        got = [results.get(n) for n in ("a1", "b1")]
+        assert all(not isinstance(r, Exception) and r is not None for r in got), got
+        assert sorted(r.rank for r in got) == [0, 1] and {r.world_size for r in got} == {2}
+        final = watcher.get_state()
+        assert final is not None
+        state = load_rendezvous_state(final[0])
+        assert state.round == 1 and state.complete and len(state.participants) == 2
+    finally:
+        for h in (a, b):
+            h._stop_heartbeats()
+        server = None
