@@ -32,7 +32,8 @@ The snapshot holds what torchtitan's checkpoints hold, nothing more: no RNG stat
 torchtitan's own resume). ``OptimizersContainer`` is the ``torch.optim.Optimizer`` ftmem
 fences on; the parameters are copied in the background until the next optimizer step, the
 optimizer's moments (held by the inner optimizers) before ``save`` returns. Tested with
-torchtitan 0.3.0 on CPU at the manager level (tests/integration/test_torchtitan.py).
+torchtitan 0.3.0 on CPU at the manager level (tests/integration/test_torchtitan.py); not end
+to end (torchtitan's trainer needs CUDA). docs/integrations.md, "torchtitan".
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ class FtmemCheckpointManager(CheckpointManager):  # type: ignore[misc]  # torcht
         found = importlib.metadata.version("torchtitan")
         version = tuple(int(x) for x in found.split(".")[:2] if x.isdigit())
         if version < (0, 3):
-            raise FtmemError(f"FtmemCheckpointManager needs torchtitan >= 0.3 (found {found})")
+            raise FtmemError(
+                f"FtmemCheckpointManager needs torchtitan >= 0.3 (found {found}); "
+                "pip install 'ftmem[torchtitan]'"
+            )
         super().__init__(
             config,
             dataloader=dataloader,
