@@ -4,14 +4,15 @@ and ``LRSchedulersContainer`` (built by their configs), its ``ParallelAwareDatal
 stateful dataset and a ``train_state``, a real SMP and a 1-rank gloo group.
 
 - a snapshot every step, restored into fresh objects by a fresh manager: every key torchtitan
-  checkpoints comes back bitwise at the last step, and the memory step wins over an older DCP
-  checkpoint in the folder;
+  checkpoints comes back bitwise at the last snapshotted step (a step taken after it waited at
+  the fence), and the memory step wins over an older DCP checkpoint in the folder;
 - nothing in memory: the parent's DCP load (and a fresh start, nothing loaded, at step 0);
   torchtitan's folder newer than memory: the DCP load;
 - ``enable=False``: memory snapshots still happen, no DCP checkpoint is written.
 
-torchtitan cannot train on CPU end to end (its trainer needs CUDA); that runs on a GPU machine.
-CI installs torchtitan (.ci/run): this test does not skip there.
+torchtitan cannot train on CPU end to end (its trainer needs CUDA): an end-to-end run needs a
+GPU machine and is not part of this suite. CI installs torchtitan (.ci/run): these tests do
+not skip there.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class Job:
             base_folder=str(folder),
         )
         self._batches: Iterator[torch.Tensor] | None = None
+        self.last_batch: torch.Tensor | None = None
 
     def load(self) -> bool:
         """torchtitan's start: load, then iterate the data loader."""
@@ -124,7 +126,7 @@ class Job:
         """torchtitan's loop: step, then ``checkpointer.save(step)``."""
         for _ in range(steps):
             self.train_state.step += 1
-            batch = self.next_batch()
+            batch = self.last_batch = self.next_batch()
             self.model(batch).square().mean().backward()
             self.optimizers.step()
             self.lr_schedulers.step()
@@ -189,7 +191,7 @@ def restart() -> None:
     ftmem.close()
 
 
-def test_the_config_selects_the_manager(tmp_path: Path) -> None:
+def test_the_config_selects_the_manager() -> None:
     config = ftmem_config(interval=3)
     # Trainer.Config's checkpoint field is a BaseCheckpointManager.Config; build() makes the
     # class the Config is declared in.
@@ -203,11 +205,14 @@ def test_every_step_in_memory_restored_bitwise(env: None, tmp_path: Path) -> Non
     job = Job(0, ftmem_config(interval=3), tmp_path)
     assert isinstance(job.checkpointer, FtmemCheckpointManager)
     assert job.load() is False  # nothing anywhere: a fresh start
-    job.train(5)
+    job.train(4)
+    assert ftmem.wait(60)  # the slots exist: the next save copies in the background
+    job.train(1)
+    expect = job.state()
+    job.train(1, save=False)  # its optimizer step waits at the fence for step 5's copy
+    after = job.last_batch
     assert (tmp_path / "checkpoint" / "step-3" / ".metadata").is_file()  # DCP at its interval
     assert not (tmp_path / "checkpoint" / "step-5").exists()
-    expect = job.state()
-    after = job.next_batch()
     restart()
 
     other = Job(1, ftmem_config(interval=3), tmp_path)
@@ -225,8 +230,9 @@ def test_every_step_in_memory_restored_bitwise(env: None, tmp_path: Path) -> Non
 
 def test_nothing_in_memory_falls_back_to_dcp(env: None, tmp_path: Path) -> None:
     fresh = Job(0, ftmem_config(interval=2), tmp_path)
+    before = fresh.state()
     assert fresh.load() is False  # step 0: nothing loaded, nothing changed
-    assert fresh.train_state.step == 0
+    assert_equal(fresh.state(), before)
 
     # A DCP checkpoint written by torchtitan's own manager (memory lost: another SMP).
     job = Job(0, CheckpointManager.Config(enable=True, keep_latest_k=0, interval=2), tmp_path)
