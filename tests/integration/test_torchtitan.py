@@ -173,6 +173,7 @@ def env(
     monkeypatch.delenv("FTMEM_FLUSH_DIRS", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    ftmem.close()  # a default checkpointer left by another test would talk to its SMP
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         yield
