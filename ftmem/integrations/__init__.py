@@ -1,2 +1,4 @@
 """Integrations with training frameworks: ``ftmem.integrations.transformers`` (the Hugging Face
-Trainer, ``pip install 'ftmem[hf]'``) and ``ftmem.integrations.lightning`` (Lightning). Each imports its framework only when imported itself."""
+Trainer, ``pip install 'ftmem[hf]'``), ``ftmem.integrations.lightning`` (Lightning) and
+``ftmem.integrations.torchtitan`` (torchtitan's checkpoint manager, ``pip install
+'ftmem[torchtitan]'``). Each imports its framework only when imported itself."""

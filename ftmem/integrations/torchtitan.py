@@ -1,0 +1,156 @@
+"""torchtitan's checkpoint manager with a snapshot every step and a resume from memory.
+
+Select it in the job's config (torchtitan builds the manager from the config's class, so no
+torchtitan line changes) and launch with ``ftmem-launch`` (same flags as ``torchrun``)::
+
+    from ftmem.integrations.torchtitan import FtmemCheckpointManager
+
+    def llama3_8b_ftmem() -> Trainer.Config:
+        config = llama3_8b()
+        config.checkpoint = FtmemCheckpointManager.Config(enable=True, interval=500)
+        return config
+
+What it does:
+
+- **every step** (``save``, called by the trainer after the optimizer and LR schedulers
+  stepped), ``ftmem.save`` of the state torchtitan checkpoints: ``model`` (its
+  ``ModelWrapper``), ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state`` (the
+  trainer: step, tokens seen). Then torchtitan's own DCP save at its interval, unchanged. At
+  the last step it waits for the snapshot's commit.
+- **at** ``load`` (the trainer's start), ``ftmem.load`` of the newest step every rank holds,
+  in place (from memory, or from ftmem's flushed disk tiers when memory has nothing). The
+  trainer's ``train_state`` restores its step, so training goes on after it. The DCP load is
+  skipped, unless torchtitan's checkpoint folder holds a newer step than ftmem returned (a
+  whole-job restart whose flushed tier is older): then, and when ftmem has nothing, the
+  parent's DCP load runs as configured. ``checkpoint.load_step`` given explicitly loads that
+  DCP step, and memory is not read.
+- ``enable`` governs torchtitan's DCP checkpoints only: with ``enable=False`` the manager still
+  snapshots every step into memory (the parent builds no state then; this manager builds the
+  same dictionary). ``load_only=True`` turns the memory snapshots off too.
+
+The snapshot holds what torchtitan's checkpoints hold, nothing more: no RNG states (as with
+torchtitan's own resume). ``OptimizersContainer`` is the ``torch.optim.Optimizer`` ftmem
+fences on; the parameters are copied in the background until the next optimizer step, the
+optimizer's moments (held by the inner optimizers) before ``save`` returns. Tested with
+torchtitan 0.3.0 on CPU at the manager level (tests/integration/test_torchtitan.py); not end
+to end (torchtitan's trainer needs CUDA). docs/integrations.md, "torchtitan".
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtitan.components.checkpointer import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    CheckpointManager,
+    ModelWrapper,
+)
+
+import ftmem
+from ftmem.errors import FtmemError
+
+log = logging.getLogger(__name__)
+
+
+class FtmemCheckpointManager(CheckpointManager):  # type: ignore[misc]  # torchtitan is untyped
+    """torchtitan's DCP ``CheckpointManager`` that also snapshots every step into the node's
+    SMP and resumes from memory first (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):  # type: ignore[misc]
+        """``CheckpointManager.Config`` unchanged; declared so that ``build()`` makes an
+        :class:`FtmemCheckpointManager` (torchtitan builds the class the Config is nested in).
+        ``enable`` and ``interval`` govern the DCP checkpoints, not the memory snapshots."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader: Any,
+        model_parts: list[torch.nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        sd_adapter: Any,
+        base_folder: str = "",
+    ) -> None:
+        found = importlib.metadata.version("torchtitan")
+        version = tuple(int(x) for x in found.split(".")[:2] if x.isdigit())
+        if version < (0, 3):
+            raise FtmemError(
+                f"FtmemCheckpointManager needs torchtitan >= 0.3 (found {found}); "
+                "pip install 'ftmem[torchtitan]'"
+            )
+        super().__init__(
+            config,
+            dataloader=dataloader,
+            model_parts=model_parts,
+            optimizers=optimizers,
+            lr_schedulers=lr_schedulers,
+            states=states,
+            sd_adapter=sd_adapter,
+            base_folder=base_folder,
+        )
+        if not self.enable:  # the parent returned before building its states: the same ones
+            self.states = states
+            self.states.update(
+                {
+                    MODEL: ModelWrapper(model_parts),
+                    OPTIMIZER: optimizers,
+                    DATALOADER: dataloader,
+                    LR_SCHEDULER: lr_schedulers,
+                }
+            )
+        self._ftmem_saves = not config.load_only
+        self.ftmem_restored_step = 0
+        """The step ``load()`` restored from ftmem (0: none)."""
+
+    def ftmem_state(self) -> dict[str, Any]:
+        """What is snapshotted: torchtitan's checkpoint states (``model``, ``optimizer``,
+        ``lr_scheduler``, ``dataloader``, ``train_state`` and any other the trainer passed),
+        without the ones that are ``None`` (a job without a data loader)."""
+        states: dict[str, Any] = self.states
+        return {k: v for k, v in states.items() if v is not None}
+
+    def load(self, step: int = -1) -> bool:
+        """Restore the newest step ftmem holds; else (or when torchtitan's checkpoint folder
+        holds a newer step, or ``step`` names one) the parent's DCP load. Returns whether
+        anything was loaded."""
+        if step != -1:
+            log.info("checkpoint.load_step=%d given: loading it from DCP, not from memory", step)
+            return bool(super().load(step))
+        restored = ftmem.load(self.ftmem_state())
+        self.ftmem_restored_step = restored
+        if restored == 0:
+            log.info("nothing in ftmem to resume from: torchtitan's checkpoints are read")
+            return bool(super().load(step))
+        on_disk = self._find_load_step() if self.enable else -1
+        if on_disk > restored:
+            log.warning(
+                "ftmem restored step %d but %s holds step %d: loading that one",
+                restored,
+                self.folder,
+                on_disk,
+            )
+            self.ftmem_restored_step = 0
+            return bool(super().load(step))
+        log.info("resumed from ftmem at step %d", restored)
+        return True
+
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Snapshot ``curr_step`` into ftmem (returns at once), then the parent's DCP save at
+        its interval. At the last step, waits for the snapshot's commit (at most 120 s).
+        Returns whether a DCP checkpoint was written."""
+        if self._ftmem_saves and curr_step > 0:
+            ftmem.save(self.ftmem_state(), step=curr_step)
+        saved = bool(super().save(curr_step, last_step))
+        if self._ftmem_saves and last_step and curr_step > 0:
+            ftmem.wait(timeout=120.0)
+        return saved
