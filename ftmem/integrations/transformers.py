@@ -86,12 +86,14 @@ class _TrainerStateBox:
 
     def state_dict(self) -> dict[str, Any]:
         state = self.trainer.state
-        history = state.log_history
-        state.log_history = []
-        try:
-            head = json.dumps(dataclasses.asdict(state), sort_keys=True)
-        finally:
-            state.log_history = history
+        fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+        history = fields.pop("log_history")
+        try:  # json copies what it encodes: no deep copy first (dataclasses.asdict's)
+            head = json.dumps(fields, sort_keys=True)
+        except TypeError:  # a dataclass inside (none of TrainerState's own fields holds one)
+            fields = dataclasses.asdict(state)
+            del fields["log_history"]
+            head = json.dumps(fields, sort_keys=True)
         return {"json": f'{head[:-1]}, "log_history": {self._history_json(history)}}}'}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

@@ -22,8 +22,8 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    ``_backend`` is wrapped in a :class:`~ftmem.launch.state_guard.GuardedBackend`
    (:func:`guard_rendezvous_state`): elastic unpickles the state it reads, so only the globals
    of ``_RendezvousState`` are admitted (:func:`load_rendezvous_state`, which also knows its
-   fields), and while the node leaves its round a refused state reads as the next round
-   (:func:`leaving_round`).
+   fields), and read by :class:`RoundRules` (a round that ended never comes back after a
+   store writer erased the state; :func:`leaving_round`).
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
@@ -45,7 +45,6 @@ launcher tests were run on 2.11 before the range was declared (docs/launcher.md)
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import os
@@ -340,43 +339,70 @@ def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
     if not isinstance(backend, GuardedBackend):
         run_id = str(getattr(getattr(handler, "settings", None), "run_id", ""))
         empty = pickle.dumps(dynamic_rendezvous._RendezvousState())
-        holder._backend = GuardedBackend(backend, _clean_state, empty, key, run_id)
+        rules = RoundRules(getattr(handler, "_this_node", None))
+        guarded = GuardedBackend(backend, _clean_state, empty, key, run_id, rules.review)
+        guarded.rules = rules
+        holder._backend = guarded
     return True
 
 
-def _round_after(node: Any, bits: bytes) -> bytes:
-    """The state in ``bits`` (a state that passed the guard) as ``node`` must see it while it
-    leaves its round: a complete round ``node`` took part in has ended for it, so the next
-    round, open, with nobody in it (its join adds itself; the others re-add themselves at
-    their next read); any other state as it is.
+class RoundRules:
+    """How this node reads the rendezvous state on top of elastic's rules, so that a round
+    that ended never comes back (every answer of the node's
+    :class:`~ftmem.launch.state_guard.GuardedBackend` passes through :meth:`review`).
 
-    A store writer's value erased the real state. Answered as it was, a round that ended
-    could come back: its leave would rewrite it without ``node`` and the nodes still in it
-    would finish it again, short of a node, against that round's old assignment."""
-    state = load_rendezvous_state(bits)
-    if not (state.complete and node in state.participants):
-        return bits
-    after = dynamic_rendezvous._RendezvousState()
-    after.round, after.closed = state.round + 1, state.closed
-    return pickle.dumps(after)
+    Round numbers only grow in elastic: a round that completed stays complete until its last
+    participant leaves, and the state then moves to the next number. A store writer's value
+    erases the real state, and what is written after it is rebuilt from some node's last
+    view, which can be a round that already ended. The per-round keys (the master address, the
+    slot claims) of a round that completes a second time under the same number are the first
+    completion's: nodes read stale addresses and assignments. So:
+
+    - while this node leaves its round to join the next (:func:`leaving_round`), a refused
+      read whose last good state is a complete round this node took part in reads as the next
+      round, open, with nobody in it: its join adds itself, the others re-add themselves;
+    - a state whose round is older than the newest complete round this node saw, or is that
+      round but open again, reads as the next number, open (its nodes kept: they complete it
+      again under a number of its own). elastic never writes such a state itself.
+    """
+
+    def __init__(self, me: Any) -> None:
+        self.me = me
+        self.leaving = False
+        self.newest_complete = -1
+
+    def review(self, bits: bytes, refused: bool) -> bytes:
+        """The state in ``bits`` (one that passed the guard, or the last that did in place of
+        a refused one) as this node must read it (the class docstring)."""
+        state = load_rendezvous_state(bits)
+        changed = False
+        if refused and self.leaving and state.complete and self.me in state.participants:
+            after = dynamic_rendezvous._RendezvousState()
+            after.round, after.closed = state.round + 1, state.closed
+            state, changed = after, True
+        high = self.newest_complete
+        if state.round < high or (state.round == high and not state.complete):
+            state.round, state.complete, changed = high + 1, False, True
+        if state.complete:
+            self.newest_complete = max(high, state.round)
+        return pickle.dumps(state) if changed else bits
 
 
 @contextlib.contextmanager
 def leaving_round(handler: Any) -> Iterator[None]:
     """While this node leaves its round to join the next (elastic's ``next_rendezvous``), a
     store writer's value in place of the state reads as the next round, not the one it left
-    (:attr:`~ftmem.launch.state_guard.GuardedBackend.while_leaving`, :func:`_round_after`).
-    Nothing where the handler's backend is not guarded."""
+    (:class:`RoundRules`). Nothing where the handler's backend is not guarded."""
     backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
-    me = getattr(handler, "_this_node", None)
-    if not isinstance(backend, GuardedBackend) or me is None:
+    rules = getattr(backend, "rules", None)
+    if not isinstance(rules, RoundRules):
         yield
         return
-    backend.while_leaving = functools.partial(_round_after, me)
+    rules.leaving = True
     try:
         yield
     finally:
-        backend.while_leaving = None
+        rules.leaving = False
 
 
 def keep_alive_bound_s(handler: Any) -> float:

@@ -18,10 +18,8 @@ it there):
    the handler's next compare-and-set (a keep-alive, a join) overwrites the planted value
    (no last state: a fresh, empty one). Each incident is logged once (then a count at most
    every :data:`LOG_EVERY_S`), and once more when a state passes again.
-4. while the node leaves its round to join the next (:attr:`GuardedBackend.while_leaving`),
-   the last state that passed may be a round that already ended: a refused read answers
-   that state as the leaving node must see it (elastic_compat: the next round, open, with
-   nobody in it), so that no node acts on a round the others have left.
+4. every answer, read or refused, passes through ``review`` (elastic_compat: the rules that
+   keep a round that ended from coming back, once a store writer erased the real state).
 
 What a store writer can still do: delete or replace the state (a denial of service, which
 the handlers repair at their next write), replay a state this job wrote earlier (with a key
@@ -133,6 +131,9 @@ class GuardedBackend(RendezvousBackend):
         empty: the bytes of a fresh state (answered when no state ever passed).
         key: the MAC key (:func:`state_key`); None: states are not MACed.
         context: bound into the MAC (the run id).
+        review: ``review(bits, refused)`` -> the bytes answered for a state that passed
+            (``refused`` False) or for the last one that did, answered in place of a refused
+            one (True); None: answered as they are.
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class GuardedBackend(RendezvousBackend):
         empty: bytes,
         key: bytes | None = None,
         context: str = "",
+        review: Callable[[bytes, bool], bytes] | None = None,
     ) -> None:
         self._inner = inner
         self._clean = clean
@@ -151,9 +153,10 @@ class GuardedBackend(RendezvousBackend):
         self._last: bytes | None = None
         self._refused = 0
         self._logged_at: float | None = None
-        self.while_leaving: Callable[[bytes], bytes] | None = None
-        """While set (the node leaves its round to join the next), a refused read answers
-        ``while_leaving(last state that passed)`` instead of that state."""
+        self._review = review
+        self.rules: Any = None
+        """Whatever ``review`` belongs to, for its owner to find again (elastic_compat's
+        :class:`~ftmem.launch.elastic_compat.RoundRules`)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)  # the backend's own methods (close, ...)
@@ -194,9 +197,8 @@ class GuardedBackend(RendezvousBackend):
             clean = self._clean(body)
         except Exception as exc:  # whatever a malformed pickle raises: refused
             self._refuse(exc)
-            if self._last is None:
-                return self._empty
-            return self._last if self.while_leaving is None else self.while_leaving(self._last)
+            last = self._last if self._last is not None else self._empty
+            return last if self._review is None else self._review(last, True)
         if self._refused:
             log.info(
                 "the rendezvous state in the store passes its checks again (%d refused reads)",
@@ -204,7 +206,7 @@ class GuardedBackend(RendezvousBackend):
             )
             self._refused, self._logged_at = 0, None
         self._last = clean
-        return clean
+        return clean if self._review is None else self._review(clean, False)
 
     def _refuse(self, exc: Exception) -> None:
         self._refused += 1
