@@ -39,9 +39,7 @@ from ftmem.launch.config import FtmemLaunchConfig
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
     ElasticAgentBase,
-    expire_keep_alive,
     failed_after_detach,
-    leaving_round,
     log_tails_stop_at_once,
     rendezvous_members,
     rendezvous_poll_s,
@@ -75,6 +73,10 @@ from ftmem.launch.rendezvous import (
 from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
+from ftmem.launch.state_guard import (
+    expire_keep_alive,
+    leaving_round,
+)
 from ftmem.launch.warm_start import StandbyPool, spawning_from
 from ftmem.launch.workers import rank_env
 from ftmem.protocol.status import RankProgress

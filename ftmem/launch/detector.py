@@ -26,7 +26,7 @@ rendezvous store decides (below). A heartbeat also carries the peers its sender 
 a node that hears it acts at once too.
 
 **Declaring is publishing.** The declarer marks the peer's keep-alive in the rendezvous state as
-expired (``publish``: a compare-and-set, :func:`ftmem.launch.elastic_compat.expire_keep_alive`),
+expired (``publish``: a compare-and-set, :func:`ftmem.launch.state_guard.expire_keep_alive`),
 which is elastic's own verdict on a node whose keep-alive stopped: every agent's next read of the
 state drops it, and a waiting spare takes its place. Only once that write succeeded is the loss
 acted on (``on_lost``: the agent restarts its ranks); a declarer that cannot reach the store

@@ -19,11 +19,10 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    :mod:`ftmem.launch.membership`); through its backend a lost node's keep-alive is marked
    expired (:func:`expire_keep_alive`, for :mod:`ftmem.launch.detector`), and its timeout's
    ``_last_call`` is shortened while restarting (:func:`restart_rendezvous_quickly`). Its
-   ``_backend`` is wrapped in a :class:`~ftmem.launch.state_guard.GuardedBackend`
-   (:func:`guard_rendezvous_state`): elastic unpickles the state it reads, so only the globals
-   of ``_RendezvousState`` are admitted (:func:`load_rendezvous_state`, which also knows its
-   fields), and read by :class:`RoundRules` (a round that ended never comes back after a
-   store writer erased the state; :func:`leaving_round`).
+   ``_backend`` is wrapped, and elastic's private state classes (``_RendezvousState``,
+   ``_NodeDesc``) are read and written, in :mod:`ftmem.launch.state_guard` (the one other
+   file that knows them): elastic unpickles the state it reads, so only those classes are
+   admitted, and a round that ended never comes back after a store writer erased the state.
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
@@ -48,7 +47,6 @@ import contextlib
 import inspect
 import logging
 import os
-import pickle
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -70,7 +68,6 @@ from torch.distributed.elastic.multiprocessing import tail_log as elastic_tail_l
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from ftmem.errors import FtmemError
-from ftmem.launch.state_guard import GuardedBackend, restricted_loads
 
 log = logging.getLogger(__name__)
 
@@ -214,195 +211,6 @@ def rendezvous_members(handler: Any) -> RendezvousMembers | None:
         + (len(wait_list) if isinstance(wait_list, set) else 0),
         dead=frozenset(repr(n) for n in getattr(holder, "_dead_nodes", None) or ()),
     )
-
-
-EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)
-"""The keep-alive time :func:`expire_keep_alive` writes: older than any bound."""
-
-
-def expire_keep_alive(handler: Any, node: str, attempts: int = 5) -> bool:
-    """Publish that ``node`` (a descriptor's ``repr``) is lost: mark its keep-alive in the
-    rendezvous state as expired, by compare-and-set through the handler's backend.
-
-    That is elastic's own verdict on a node whose keep-alive stopped: the next read of every
-    handler drops it from the round (and its wait and redundancy lists). The state is read
-    through the same guard as elastic's reads (:func:`guard_rendezvous_state`; a refused state
-    is the last one that passed). Returns True once written, or if ``node`` is no participant
-    any more; False where this handler has no such backend or every attempt lost the race.
-
-    Raises:
-        Exception: what the backend raises when the store cannot be reached.
-    """
-    if not guard_rendezvous_state(handler):  # guarded now, without a key, if it was not
-        return False
-    backend = handler._state_holder._backend
-    for _ in range(attempts):
-        got = backend.get_state()
-        if got is None:
-            return True
-        bits, token = got
-        state = load_rendezvous_state(bits)
-        key = next((n for n in state.participants if repr(n) == node), None)
-        if key is None:
-            return True
-        state.last_heartbeats[key] = EXPIRED
-        answer = backend.set_state(pickle.dumps(state), token)
-        if answer is not None and answer[2]:
-            return True
-    return False
-
-
-_STATE_GLOBALS = frozenset(
-    {
-        (dynamic_rendezvous.__name__, "_RendezvousState"),
-        (dynamic_rendezvous.__name__, "_NodeDesc"),
-        ("datetime", "datetime"),
-        ("datetime", "timezone"),
-        ("datetime", "timedelta"),
-    }
-)
-"""The only globals a pickled ``_RendezvousState`` names (pickle protocols 4 and 5: elastic
-pickles with the default protocol, 4 up to Python 3.13 and 5 from 3.14)."""
-_STATE_FIELDS = {"round", "complete", "deadline", "closed", "participants", "wait_list"}
-_STATE_FIELDS |= {"redundancy_list", "last_heartbeats"}
-
-
-def load_rendezvous_state(data: bytes) -> Any:
-    """elastic's ``_RendezvousState`` in ``data``, unpickled with only :data:`_STATE_GLOBALS`
-    (:func:`~ftmem.launch.state_guard.restricted_loads`) and rebuilt field by field: a fresh
-    object whose fields have exactly the types elastic's have (nodes as ``_NodeDesc``,
-    times as aware ``datetime`` in UTC). No code of the pickle's choosing runs.
-
-    Raises:
-        Exception: ``data`` is not such a state (``UnpicklingError``, ``ValueError``, ...).
-    """
-    got = restricted_loads(data, _STATE_GLOBALS)
-    cls, node_cls = dynamic_rendezvous._RendezvousState, dynamic_rendezvous._NodeDesc
-    fields = vars(got) if type(got) is cls else {}
-    if set(fields) != _STATE_FIELDS:
-        raise ValueError(f"not a rendezvous state: {type(got).__name__} {sorted(fields)}")
-
-    def node(n: Any) -> Any:
-        f = vars(n) if type(n) is node_cls else {}
-        types = {k: type(v) for k, v in f.items()}
-        if types != {"addr": str, "pid": int, "local_id": int}:
-            raise ValueError("a node is not a _NodeDesc")
-        return node_cls(f["addr"], f["pid"], f["local_id"])
-
-    def when(t: Any) -> datetime:
-        if type(t) is not datetime or t.tzinfo is None:
-            raise ValueError("a time is not an aware datetime")
-        return t.astimezone(timezone.utc)
-
-    def nodes(s: Any) -> set[Any]:
-        if type(s) is not set:
-            raise ValueError("a node list is not a set")
-        return {node(n) for n in s}
-
-    if type(fields["round"]) is not int or fields["round"] < 0:
-        raise ValueError("the round is not a number")
-    if type(fields["complete"]) is not bool or type(fields["closed"]) is not bool:
-        raise ValueError("complete/closed are not booleans")
-    parts, beats = fields["participants"], fields["last_heartbeats"]
-    if type(parts) is not dict or type(beats) is not dict:
-        raise ValueError("participants/last_heartbeats are not dicts")
-    if any(type(r) is not int for r in parts.values()):
-        raise ValueError("a participant's rank is not a number")
-    state = cls()
-    state.round, state.complete, state.closed = (
-        fields["round"],
-        fields["complete"],
-        fields["closed"],
-    )
-    state.deadline = None if fields["deadline"] is None else when(fields["deadline"])
-    state.participants = {node(n): r for n, r in parts.items()}
-    state.wait_list = nodes(fields["wait_list"])
-    state.redundancy_list = nodes(fields["redundancy_list"])
-    state.last_heartbeats = {node(n): when(t) for n, t in beats.items()}
-    return state
-
-
-def _clean_state(data: bytes) -> bytes:
-    return pickle.dumps(load_rendezvous_state(data))
-
-
-def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
-    """Wrap the handler's rendezvous backend in a
-    :class:`~ftmem.launch.state_guard.GuardedBackend`: every state elastic reads is checked
-    (:func:`load_rendezvous_state`) and re-pickled before elastic unpickles it, and with
-    ``key`` (:func:`~ftmem.launch.state_guard.state_key`) MACed. Call it right after the
-    handler is made, before any read. False where the handler has no backend (another kind)."""
-    holder: Any = getattr(handler, "_state_holder", None)
-    backend = getattr(holder, "_backend", None)
-    if backend is None:
-        return False
-    if not isinstance(backend, GuardedBackend):
-        run_id = str(getattr(getattr(handler, "settings", None), "run_id", ""))
-        empty = pickle.dumps(dynamic_rendezvous._RendezvousState())
-        rules = RoundRules(getattr(handler, "_this_node", None))
-        guarded = GuardedBackend(backend, _clean_state, empty, key, run_id, rules.review)
-        guarded.rules = rules
-        holder._backend = guarded
-    return True
-
-
-class RoundRules:
-    """How this node reads the rendezvous state on top of elastic's rules, so that a round
-    that ended never comes back (every answer of the node's
-    :class:`~ftmem.launch.state_guard.GuardedBackend` passes through :meth:`review`).
-
-    Round numbers only grow in elastic: a round that completed stays complete until its last
-    participant leaves, and the state then moves to the next number. A store writer's value
-    erases the real state, and what is written after it is rebuilt from some node's last
-    view, which can be a round that already ended. The per-round keys (the master address, the
-    slot claims) of a round that completes a second time under the same number are the first
-    completion's: nodes read stale addresses and assignments. So:
-
-    - while this node leaves its round to join the next (:func:`leaving_round`), a refused
-      read whose last good state is a complete round this node took part in reads as the next
-      round, open, with nobody in it: its join adds itself, the others re-add themselves;
-    - a state whose round is older than the newest complete round this node saw, or is that
-      round but open again, reads as the next number, open (its nodes kept: they complete it
-      again under a number of its own). elastic never writes such a state itself.
-    """
-
-    def __init__(self, me: Any) -> None:
-        self.me = me
-        self.leaving = False
-        self.newest_complete = -1
-
-    def review(self, bits: bytes, refused: bool) -> bytes:
-        """The state in ``bits`` (one that passed the guard, or the last that did in place of
-        a refused one) as this node must read it (the class docstring)."""
-        state = load_rendezvous_state(bits)
-        changed = False
-        if refused and self.leaving and state.complete and self.me in state.participants:
-            after = dynamic_rendezvous._RendezvousState()
-            after.round, after.closed = state.round + 1, state.closed
-            state, changed = after, True
-        high = self.newest_complete
-        if state.round < high or (state.round == high and not state.complete):
-            state.round, state.complete, changed = high + 1, False, True
-        if state.complete:
-            self.newest_complete = max(high, state.round)
-        return pickle.dumps(state) if changed else bits
-
-
-@contextlib.contextmanager
-def leaving_round(handler: Any) -> Iterator[None]:
-    """While this node leaves its round to join the next (elastic's ``next_rendezvous``), a
-    store writer's value in place of the state reads as the next round, not the one it left
-    (:class:`RoundRules`). Nothing where the handler's backend is not guarded."""
-    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
-    rules = getattr(backend, "rules", None)
-    if not isinstance(rules, RoundRules):
-        yield
-        return
-    rules.leaving = True
-    try:
-        yield
-    finally:
-        rules.leaving = False
 
 
 def keep_alive_bound_s(handler: Any) -> float:

@@ -44,13 +44,15 @@ from ftmem.launch.config import (
 )
 from ftmem.launch.elastic_compat import (
     check_torch_version,
-    guard_rendezvous_state,
     launch_shutdown_timeout,
 )
 from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.peers import host_key_path, release_host_key
 from ftmem.launch.smp_runner import SmpRunner
-from ftmem.launch.state_guard import state_key
+from ftmem.launch.state_guard import (
+    guard_rendezvous_state,
+    state_key,
+)
 from ftmem.launch.workers import wrap_entrypoint
 
 log = logging.getLogger(__name__)

@@ -3,12 +3,13 @@
 elastic's dynamic rendezvous keeps its state in the store as a pickle and ``pickle.loads``
 whatever it reads back, on every backend (c10d, etcd-v2, etcd-v3), about once a second: whoever
 could write the store ran code in every agent. :class:`GuardedBackend` sits between elastic's
-state holder and its backend (:func:`ftmem.launch.elastic_compat.guard_rendezvous_state` puts
-it there):
+state holder and its backend (:func:`guard_rendezvous_state` puts it there). With
+:mod:`ftmem.launch.elastic_compat` this is the one file that knows elastic's private state
+classes (``_RendezvousState``, ``_NodeDesc``: :func:`load_rendezvous_state`):
 
 1. every state read is unpickled by a restricted unpickler that admits only the globals of
    elastic's state (``_RendezvousState``, ``_NodeDesc``, ``datetime``), bounded in size, and
-   rebuilt field by field (``load``); elastic's own ``pickle.loads`` only ever sees the bytes
+   rebuilt field by field (:func:`load_rendezvous_state`); elastic's own ``pickle.loads`` only ever sees the bytes
    of that rebuilt object, pickled here;
 2. with the job's key file (``--ftmem-key-file``) every state written is framed with an
    HMAC-SHA256 under a key derived from the job's (:func:`state_key`) and the run id, and a
@@ -18,8 +19,8 @@ it there):
    the handler's next compare-and-set (a keep-alive, a join) overwrites the planted value
    (no last state: a fresh, empty one). Each incident is logged once (then a count at most
    every :data:`LOG_EVERY_S`), and once more when a state passes again.
-4. every answer, read or refused, passes through ``review`` (elastic_compat: the rules that
-   keep a round that ended from coming back, once a store writer erased the real state).
+4. every answer, read or refused, is read by :class:`RoundRules`: a round that ended never
+   comes back once a store writer erased the real state (:func:`leaving_round`).
 
 What a store writer can still do: delete or replace the state (a denial of service, which
 the handlers repair at their next write), replay a state this job wrote earlier (with a key
@@ -29,16 +30,19 @@ never run code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
 import logging
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 log = logging.getLogger(__name__)
@@ -156,7 +160,7 @@ class GuardedBackend(RendezvousBackend):
         self._review = review
         self.rules: Any = None
         """Whatever ``review`` belongs to, for its owner to find again (elastic_compat's
-        :class:`~ftmem.launch.elastic_compat.RoundRules`)."""
+        :class:`RoundRules`)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)  # the backend's own methods (close, ...)
@@ -223,3 +227,192 @@ class GuardedBackend(RendezvousBackend):
             self._refused,
             " (an agent without this job's --ftmem-key-file writes no MAC)" if self._key else "",
         )
+
+
+EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)
+"""The keep-alive time :func:`expire_keep_alive` writes: older than any bound."""
+
+
+def expire_keep_alive(handler: Any, node: str, attempts: int = 5) -> bool:
+    """Publish that ``node`` (a descriptor's ``repr``) is lost: mark its keep-alive in the
+    rendezvous state as expired, by compare-and-set through the handler's backend.
+
+    That is elastic's own verdict on a node whose keep-alive stopped: the next read of every
+    handler drops it from the round (and its wait and redundancy lists). The state is read
+    through the same guard as elastic's reads (:func:`guard_rendezvous_state`; a refused state
+    is the last one that passed). Returns True once written, or if ``node`` is no participant
+    any more; False where this handler has no such backend or every attempt lost the race.
+
+    Raises:
+        Exception: what the backend raises when the store cannot be reached.
+    """
+    if not guard_rendezvous_state(handler):  # guarded now, without a key, if it was not
+        return False
+    backend = handler._state_holder._backend
+    for _ in range(attempts):
+        got = backend.get_state()
+        if got is None:
+            return True
+        bits, token = got
+        state = load_rendezvous_state(bits)
+        key = next((n for n in state.participants if repr(n) == node), None)
+        if key is None:
+            return True
+        state.last_heartbeats[key] = EXPIRED
+        answer = backend.set_state(pickle.dumps(state), token)
+        if answer is not None and answer[2]:
+            return True
+    return False
+
+
+_STATE_GLOBALS = frozenset(
+    {
+        (dynamic_rendezvous.__name__, "_RendezvousState"),
+        (dynamic_rendezvous.__name__, "_NodeDesc"),
+        ("datetime", "datetime"),
+        ("datetime", "timezone"),
+        ("datetime", "timedelta"),
+    }
+)
+"""The only globals a pickled ``_RendezvousState`` names (pickle protocols 4 and 5: elastic
+pickles with the default protocol, 4 up to Python 3.13 and 5 from 3.14)."""
+_STATE_FIELDS = {"round", "complete", "deadline", "closed", "participants", "wait_list"}
+_STATE_FIELDS |= {"redundancy_list", "last_heartbeats"}
+
+
+def load_rendezvous_state(data: bytes) -> Any:
+    """elastic's ``_RendezvousState`` in ``data``, unpickled with only :data:`_STATE_GLOBALS`
+    (:func:`~ftmem.launch.state_guard.restricted_loads`) and rebuilt field by field: a fresh
+    object whose fields have exactly the types elastic's have (nodes as ``_NodeDesc``,
+    times as aware ``datetime`` in UTC). No code of the pickle's choosing runs.
+
+    Raises:
+        Exception: ``data`` is not such a state (``UnpicklingError``, ``ValueError``, ...).
+    """
+    got = restricted_loads(data, _STATE_GLOBALS)
+    cls, node_cls = dynamic_rendezvous._RendezvousState, dynamic_rendezvous._NodeDesc
+    fields = vars(got) if type(got) is cls else {}
+    if set(fields) != _STATE_FIELDS:
+        raise ValueError(f"not a rendezvous state: {type(got).__name__} {sorted(fields)}")
+
+    def node(n: Any) -> Any:
+        f = vars(n) if type(n) is node_cls else {}
+        types = {k: type(v) for k, v in f.items()}
+        if types != {"addr": str, "pid": int, "local_id": int}:
+            raise ValueError("a node is not a _NodeDesc")
+        return node_cls(f["addr"], f["pid"], f["local_id"])
+
+    def when(t: Any) -> datetime:
+        if type(t) is not datetime or t.tzinfo is None:
+            raise ValueError("a time is not an aware datetime")
+        return t.astimezone(timezone.utc)
+
+    def nodes(s: Any) -> set[Any]:
+        if type(s) is not set:
+            raise ValueError("a node list is not a set")
+        return {node(n) for n in s}
+
+    if type(fields["round"]) is not int or fields["round"] < 0:
+        raise ValueError("the round is not a number")
+    if type(fields["complete"]) is not bool or type(fields["closed"]) is not bool:
+        raise ValueError("complete/closed are not booleans")
+    parts, beats = fields["participants"], fields["last_heartbeats"]
+    if type(parts) is not dict or type(beats) is not dict:
+        raise ValueError("participants/last_heartbeats are not dicts")
+    if any(type(r) is not int for r in parts.values()):
+        raise ValueError("a participant's rank is not a number")
+    state = cls()
+    state.round, state.complete, state.closed = (
+        fields["round"],
+        fields["complete"],
+        fields["closed"],
+    )
+    state.deadline = None if fields["deadline"] is None else when(fields["deadline"])
+    state.participants = {node(n): r for n, r in parts.items()}
+    state.wait_list = nodes(fields["wait_list"])
+    state.redundancy_list = nodes(fields["redundancy_list"])
+    state.last_heartbeats = {node(n): when(t) for n, t in beats.items()}
+    return state
+
+
+def _clean_state(data: bytes) -> bytes:
+    return pickle.dumps(load_rendezvous_state(data))
+
+
+def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
+    """Wrap the handler's rendezvous backend in a
+    :class:`~ftmem.launch.state_guard.GuardedBackend`: every state elastic reads is checked
+    (:func:`load_rendezvous_state`) and re-pickled before elastic unpickles it, and with
+    ``key`` (:func:`~ftmem.launch.state_guard.state_key`) MACed. Call it right after the
+    handler is made, before any read. False where the handler has no backend (another kind)."""
+    holder: Any = getattr(handler, "_state_holder", None)
+    backend = getattr(holder, "_backend", None)
+    if backend is None:
+        return False
+    if not isinstance(backend, GuardedBackend):
+        run_id = str(getattr(getattr(handler, "settings", None), "run_id", ""))
+        empty = pickle.dumps(dynamic_rendezvous._RendezvousState())
+        rules = RoundRules(getattr(handler, "_this_node", None))
+        guarded = GuardedBackend(backend, _clean_state, empty, key, run_id, rules.review)
+        guarded.rules = rules
+        holder._backend = guarded
+    return True
+
+
+class RoundRules:
+    """How this node reads the rendezvous state on top of elastic's rules, so that a round
+    that ended never comes back (every answer of the node's
+    :class:`~ftmem.launch.state_guard.GuardedBackend` passes through :meth:`review`).
+
+    Round numbers only grow in elastic: a round that completed stays complete until its last
+    participant leaves, and the state then moves to the next number. A store writer's value
+    erases the real state, and what is written after it is rebuilt from some node's last
+    view, which can be a round that already ended. The per-round keys (the master address, the
+    slot claims) of a round that completes a second time under the same number are the first
+    completion's: nodes read stale addresses and assignments. So:
+
+    - while this node leaves its round to join the next (:func:`leaving_round`), a refused
+      read whose last good state is a complete round this node took part in reads as the next
+      round, open, with nobody in it: its join adds itself, the others re-add themselves;
+    - a state whose round is older than the newest complete round this node saw, or is that
+      round but open again, reads as the next number, open (its nodes kept: they complete it
+      again under a number of its own). elastic never writes such a state itself.
+    """
+
+    def __init__(self, me: Any) -> None:
+        self.me = me
+        self.leaving = False
+        self.newest_complete = -1
+
+    def review(self, bits: bytes, refused: bool) -> bytes:
+        """The state in ``bits`` (one that passed the guard, or the last that did in place of
+        a refused one) as this node must read it (the class docstring)."""
+        state = load_rendezvous_state(bits)
+        changed = False
+        if refused and self.leaving and state.complete and self.me in state.participants:
+            after = dynamic_rendezvous._RendezvousState()
+            after.round, after.closed = state.round + 1, state.closed
+            state, changed = after, True
+        high = self.newest_complete
+        if state.round < high or (state.round == high and not state.complete):
+            state.round, state.complete, changed = high + 1, False, True
+        if state.complete:
+            self.newest_complete = max(high, state.round)
+        return pickle.dumps(state) if changed else bits
+
+
+@contextlib.contextmanager
+def leaving_round(handler: Any) -> Iterator[None]:
+    """While this node leaves its round to join the next (elastic's ``next_rendezvous``), a
+    store writer's value in place of the state reads as the next round, not the one it left
+    (:class:`RoundRules`). Nothing where the handler's backend is not guarded."""
+    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
+    rules = getattr(backend, "rules", None)
+    if not isinstance(rules, RoundRules):
+        yield
+        return
+    rules.leaving = True
+    try:
+        yield
+    finally:
+        rules.leaving = False

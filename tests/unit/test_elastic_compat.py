@@ -128,7 +128,8 @@ def test_a_node_marked_expired_is_dropped_by_every_handler_at_its_next_read() ->
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from ftmem.launch.elastic_compat import expire_keep_alive, rendezvous_members
+    from ftmem.launch.elastic_compat import rendezvous_members
+    from ftmem.launch.state_guard import expire_keep_alive
     from tests._support.launcher import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"

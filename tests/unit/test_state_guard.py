@@ -1,4 +1,4 @@
-"""The rendezvous state guard (ftmem.launch.state_guard, elastic_compat.load_rendezvous_state):
+"""The rendezvous state guard (ftmem.launch.state_guard, its rules of rounds):
 a real elastic state round-trips; a pickle that names anything else runs nothing and is
 refused; a MACed state verifies only with the job's key and run id; a refused read answers
 the last state that passed, with the refused value's token."""
@@ -28,17 +28,17 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ftmem.launch.elastic_compat import (
-    RoundRules,
-    _clean_state,
-    guard_rendezvous_state,
-    leaving_round,
-    load_rendezvous_state,
     trust_rendezvous_state_for,
 )
 from ftmem.launch.state_guard import (
     MAGIC,
     GuardedBackend,
+    RoundRules,
     StateRefused,
+    _clean_state,
+    guard_rendezvous_state,
+    leaving_round,
+    load_rendezvous_state,
     restricted_loads,
     seal,
     unseal,
