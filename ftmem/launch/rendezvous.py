@@ -80,7 +80,6 @@ class _OfferDoc:
     generation: int
     nodes: Nodes | None
     mac: Any
-    """See :func:`_verified`."""
 
 
 @dataclass(frozen=True, slots=True)
