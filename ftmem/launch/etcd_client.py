@@ -233,7 +233,7 @@ def int_field(doc: dict[str, Any], key: str) -> int:
         raise EtcdV3Error(f"etcd sent a bad {key}: {doc.get(key)!r}") from exc
 
 
-Int64 = Annotated[int, Digits(19)] | Annotated[int, Range(0, MAX_INT)]
+_Int64 = Annotated[int, Digits(19)] | Annotated[int, Range(0, MAX_INT)]
 """An int64 of a gateway answer: a decimal string, as the gateway writes them, or a number."""
 
 
@@ -243,7 +243,7 @@ class _KeyValue:
 
     key: str
     value: str = ""
-    mod_revision: Int64 = 0
+    mod_revision: _Int64 = 0
 
 
 @dataclass(frozen=True, slots=True)

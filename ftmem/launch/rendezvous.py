@@ -53,9 +53,6 @@ def stable_ranks_apply(rank_assignment: str, spec: WorkerSpec) -> bool:
     )
 
 
-Nodes = Annotated[int, Range(1, MAX_INT)]
-
-
 @dataclass(frozen=True, slots=True)
 class SlotOffer:
     """What an agent published of its previous round: the slot it held there (None: a new
@@ -65,7 +62,10 @@ class SlotOffer:
     slot: int | None
     size: int
     generation: int
-    nodes: Nodes | None = None
+    nodes: int | None = None
+
+
+_Nodes = Annotated[int, Range(1, MAX_INT)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ class _OfferDoc:
     slot: int | None
     size: int
     generation: int
-    nodes: Nodes | None
+    nodes: _Nodes | None
     mac: Any
 
 
@@ -90,7 +90,7 @@ class _AssignmentDoc:
     kind: str
     round: int | None
     slots: list[int] | None
-    offers: list[tuple[int | None, int, int, Nodes | None]]
+    offers: list[tuple[int | None, int, int, _Nodes | None]]
     mac: Any
 
 

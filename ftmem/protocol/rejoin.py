@@ -31,10 +31,10 @@ from ftmem.typed_json import MAX_INT, Pattern, Range, parse
 
 REJOIN_DIR = "rejoin"
 MAX_ORDER_BYTES = 1 << 20
-Count = Annotated[int, Range(0, MAX_INT)]
-EnvName = Annotated[str, Pattern(r"[A-Za-z_][A-Za-z0-9_]*")]
-NoNul = Annotated[str, Pattern(r"[^\0]*")]
-AbsoluteOrEmpty = Annotated[str, Pattern(r"(?:/[^\0]*)?")]
+_Count = Annotated[int, Range(0, MAX_INT)]
+_EnvName = Annotated[str, Pattern(r"[A-Za-z_][A-Za-z0-9_]*")]
+_NoNul = Annotated[str, Pattern(r"[^\0]*")]
+_AbsoluteOrEmpty = Annotated[str, Pattern(r"(?:/[^\0]*)?")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +42,15 @@ class RejoinOrder:
     """Join generation ``generation`` as global rank ``rank`` with ``env`` applied. Its file
     holds exactly these fields."""
 
-    generation: Count
-    rank: Count
-    env: dict[EnvName, NoNul]
+    generation: _Count
+    rank: _Count
+    env: dict[_EnvName, _NoNul]
     """Environment variables to set in the rank (elastic's per-rank ones and ftmem's)."""
-    agent_pid: Count
+    agent_pid: _Count
     """The agent that wrote the order (the rank's parent)."""
-    stdout: AbsoluteOrEmpty
+    stdout: _AbsoluteOrEmpty
     """The new generation's log file for the rank's stdout ("" : keep the current one)."""
-    stderr: AbsoluteOrEmpty
+    stderr: _AbsoluteOrEmpty
     """The same for stderr."""
 
     def to_json(self) -> bytes:
@@ -126,7 +126,7 @@ class ReshardRequest:
 
     world_size: Annotated[int, Range(1, MAX_INT)]
     """The world size the step was saved at."""
-    step: Count | None = None
+    step: _Count | None = None
     """The step to load (None: the newest one every old rank holds)."""
     run_dirs: tuple[Path, ...] = ()
     """SMP run directories on this host besides the rank's own (one that rebuilt a lost
