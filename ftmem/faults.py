@@ -42,16 +42,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from ftmem.config import ENV_FAULT, ENV_FAULT_FILE, ENV_NODE
+from ftmem.errors import ProtocolError
+from ftmem.typed_json import Pattern, parse
 
 log = logging.getLogger(__name__)
 
 RECHECK_S = 0.05
 """A process looks at the armed-faults file again at most this often (one ``stat``)."""
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class Point(enum.Enum):
@@ -108,7 +110,7 @@ class InjectedCrash(RuntimeError):
 class ArmedFault:
     """One armed fault: fires once per run, in the first process whose point matches."""
 
-    id: str
+    id: Annotated[str, Pattern(_ID_RE.pattern)]
     """Unique in the file; names the marker ``fired-<id>.json``."""
     point: Point
     fault: Fault = Fault.KILL
@@ -122,7 +124,7 @@ class ArmedFault:
     """Matches any step at or above; None: any."""
 
     def __post_init__(self) -> None:
-        if not _ID_RE.match(self.id):
+        if not _ID_RE.fullmatch(self.id):
             raise ValueError(f"armed fault id {self.id!r} must match {_ID_RE.pattern}")
 
     def matches(self, point: Point, node: str | None, rank: int, step: int) -> bool:
@@ -146,27 +148,10 @@ class ArmedFault:
     @classmethod
     def from_json(cls, line: str) -> ArmedFault:
         """Parse one line; raises ValueError (also for unknown points, faults or fields)."""
-        doc = json.loads(line)
-        if not isinstance(doc, dict):
-            raise ValueError("an armed fault must be a JSON object")
-        unknown = set(doc) - {"id", "point", "fault", "node", "rank", "step", "min_step"}
-        if unknown:
-            raise ValueError(f"unknown fields {sorted(unknown)}")
-        ints = {k: doc.get(k) for k in ("rank", "step", "min_step")}
-        if any(v is not None and type(v) is not int for v in ints.values()):
-            raise ValueError("rank, step and min_step must be integers")
-        node = doc.get("node")
-        if node is not None and not isinstance(node, str):
-            raise ValueError("node must be a string")
-        return cls(
-            id=str(doc["id"]),
-            point=Point(doc["point"]),
-            fault=Fault(doc.get("fault", "kill")),
-            node=node,
-            rank=ints["rank"],
-            step=ints["step"],
-            min_step=ints["min_step"],
-        )
+        try:
+            return parse(cls, line, what="armed fault")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
 
 
 def _parse(spec: str) -> ArmedFault | None:
@@ -218,7 +203,7 @@ def read_armed(path: Path) -> list[ArmedFault]:
             continue
         try:
             out.append(ArmedFault.from_json(line))
-        except (ValueError, KeyError, TypeError) as exc:
+        except ValueError as exc:
             log.warning("%s line %d: ignoring a malformed armed fault: %s", path, n, exc)
     return out
 

@@ -12,7 +12,8 @@ OverflowError). The annotations:
 - ``float``: finite. ``str``, ``bool``: exactly that type; :class:`Most` bounds a string's
   length, :class:`Pattern` its form.
 - ``list[T]``, ``tuple[T, ...]``, ``dict[K, V]``, ``Mapping[K, V]``: each item read as ``T``
-  (or ``V``, keys as ``K``), at most :class:`Most` of them.
+  (or ``V``, keys as ``K``), at most :class:`Most` of them. ``tuple[A, B]``: a list of
+  exactly those items, each read as its own type.
 - an enum: one of its values. A dataclass: built the same way. ``X | None``: null or ``X``.
 - ``Path``: a non-empty string without NUL of at most 4096 characters; ``timedelta``: a
   finite number of seconds >= 0 (settings files).
@@ -205,6 +206,15 @@ def _make_reader(tp: Any) -> Reader:
                 raise ProtocolError(f"field {name!r}: {exc}") from None
 
         return read_nested
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        each_of = [_reader(a) for a in args]
+
+        def read_fixed(name: str, value: Any, strict: bool) -> tuple[Any, ...]:
+            if type(value) is not list or len(value) != len(each_of):
+                raise ProtocolError(f"field {name!r} must be a list of {len(each_of)} items")
+            return tuple(read(name, v, strict) for read, v in zip(each_of, value, strict=True))
+
+        return read_fixed
     if origin in (list, tuple, dict, Mapping) or tp in (list, tuple, dict):
         mapping = origin in (dict, Mapping) or tp is dict
         kind = "an object" if mapping else "a list"

@@ -30,13 +30,15 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from ftmem.errors import UnsafePathError
+from ftmem.errors import ProtocolError, UnsafePathError
+from ftmem.typed_json import MAX_INT, Digits, Range, build
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +218,7 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _unb64(field: Any) -> bytes:
-    if not isinstance(field, str):
-        raise EtcdV3Error(f"etcd sent {type(field).__name__} where base64 was expected")
+def _unb64(field: str) -> bytes:
     try:
         return base64.b64decode(field, validate=True)
     except binascii.Error as exc:
@@ -233,15 +233,34 @@ def int_field(doc: dict[str, Any], key: str) -> int:
         raise EtcdV3Error(f"etcd sent a bad {key}: {doc.get(key)!r}") from exc
 
 
+_Int64 = Annotated[int, Digits(19)] | Annotated[int, Range(0, MAX_INT)]
+"""An int64 of a gateway answer: a decimal string, as the gateway writes them, or a number."""
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyValue:
+    """One ``kvs`` entry of a range answer (an empty value and a zero are left out)."""
+
+    key: str
+    value: str = ""
+    mod_revision: _Int64 = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _RangeAnswer:
+    """A range answer, as far as ftmem reads it."""
+
+    kvs: list[_KeyValue] = field(default_factory=list)
+
+
 def decode_kvs(doc: dict[str, Any]) -> dict[bytes, tuple[bytes, int]]:
-    """``{key: (value, mod_revision)}`` of a range answer."""
-    kvs = doc.get("kvs", [])
-    if not isinstance(kvs, list) or not all(isinstance(kv, dict) for kv in kvs):
-        raise EtcdV3Error("etcd sent a malformed kvs list")
-    return {
-        _unb64(kv.get("key")): (_unb64(kv.get("value", "")), int_field(kv, "mod_revision"))
-        for kv in kvs
-    }
+    """``{key: (value, mod_revision)}`` of a range answer (fields ftmem does not read, such
+    as ``header`` and ``count``, are ignored)."""
+    try:
+        kvs = build(_RangeAnswer, doc, what="range answer", strict=False).kvs
+    except ProtocolError as exc:
+        raise EtcdV3Error(f"etcd sent a malformed kvs list: {exc}") from None
+    return {_unb64(kv.key): (_unb64(kv.value), kv.mod_revision) for kv in kvs}
 
 
 def _put(key: bytes, value: bytes) -> dict[str, Any]:

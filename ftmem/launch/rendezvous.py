@@ -22,7 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.utils.distributed import get_free_port
@@ -31,6 +31,7 @@ from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange import keys
 from ftmem.launch.peers import PeerSettings, _entry_mac, job_keys
 from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
+from ftmem.typed_json import MAX_INT, Range, build
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +65,35 @@ class SlotOffer:
     nodes: int | None = None
 
 
+_Nodes = Annotated[int, Range(1, MAX_INT)]
+
+
+@dataclass(frozen=True, slots=True)
+class _OfferDoc:
+    """A slot offer as :func:`agree_slots` writes it to the store (every field required)."""
+
+    kind: str
+    round: int | None
+    rank: int
+    slot: int | None
+    size: int
+    generation: int
+    nodes: _Nodes | None
+    mac: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _AssignmentDoc:
+    """The slots group rank 0 assigned, as :func:`agree_slots` writes them (every field
+    required): the offers it honoured as ``[slot, size, generation, nodes]`` rows."""
+
+    kind: str
+    round: int | None
+    slots: list[int] | None
+    offers: list[tuple[int | None, int, int, _Nodes | None]]
+    mac: Any
+
+
 VERIFY_WAIT_S = 10.0
 """How long a slot offer that fails its checks is read again (a store writer may have put it
 there before its agent wrote the real one); the assignment is waited for up to twice as long
@@ -75,16 +105,19 @@ def _signed(job: Any, fields: dict[str, Any]) -> str:
     return json.dumps({**fields, "mac": _entry_mac(job, fields) if job is not None else None})
 
 
-def _verified(job: Any, raw: bytes, keys: set[str], fields: dict[str, Any]) -> dict[str, Any]:
-    """The JSON object in ``raw`` if it has exactly ``keys`` (and ``mac``), agrees with
-    ``fields`` and its MAC verifies (any MAC without a job key: it would prove nothing).
+def _verified(job: Any, raw: bytes, cls: type[T], fields: dict[str, Any]) -> T:
+    """The ``cls`` in ``raw`` (exactly its fields, ``mac`` the MAC of the others) if it
+    agrees with ``fields`` and its MAC verifies (any MAC without a job key: it would prove
+    nothing).
 
     Raises:
         ProtocolError: it does not.
     """
     doc = _value("", raw)
-    if not isinstance(doc, dict) or set(doc) != keys | {"mac"}:
-        raise ProtocolError("malformed")
+    try:
+        got: T = build(cls, doc)
+    except ProtocolError as exc:
+        raise ProtocolError(f"malformed: {exc}") from None
     body = {k: v for k, v in doc.items() if k != "mac"}
     if any(body[k] != v for k, v in fields.items()):
         raise ProtocolError(f"of another round or node: {body!r:.200}")
@@ -93,25 +126,14 @@ def _verified(job: Any, raw: bytes, keys: set[str], fields: dict[str, Any]) -> d
         type(mac) is str and hmac.compare_digest(mac, _entry_mac(job, body))
     ):
         raise ProtocolError("not written with this job's key")
-    return body
+    return got
 
 
-def _offer(doc: dict[str, Any], round_: int | None) -> SlotOffer:
-    """The checked offer in ``doc``: a generation beyond the round is refused."""
-    slot, size, gen, nodes = doc["slot"], doc["size"], doc["generation"], doc["nodes"]
-    if (
-        not (slot is None or type(slot) is int)
-        or type(size) is not int
-        or type(gen) is not int
-        or not (nodes is None or (type(nodes) is int and nodes > 0))
-    ):
-        raise ProtocolError(f"not a slot offer: {doc!r:.200}")
-    if round_ is not None and round_ >= 0 and gen >= round_:
-        raise ProtocolError(f"generation {gen} is not before this round ({round_})")
-    return SlotOffer(slot, size, gen, nodes)
-
-
-_OFFER_KEYS = {"kind", "round", "rank", "slot", "size", "generation", "nodes"}
+def _before(offer: SlotOffer, round_: int | None) -> SlotOffer:
+    """``offer``, whose generation must be before round ``round_``."""
+    if round_ is not None and round_ >= 0 and offer.generation >= round_:
+        raise ProtocolError(f"generation {offer.generation} is not before this round ({round_})")
+    return offer
 
 
 def _read_until_verified(store: Any, key: str, check: Callable[[bytes], T], wait_s: float) -> T:
@@ -158,7 +180,8 @@ def slot_offers(
         fields = {"kind": "slot-offer", "round": round_, "rank": i}
 
         def check(raw: bytes, fields: dict[str, Any] = fields) -> SlotOffer:
-            return _offer(_verified(job, raw, _OFFER_KEYS, fields), round_)
+            doc = _verified(job, raw, _OfferDoc, fields)
+            return _before(SlotOffer(doc.slot, doc.size, doc.generation, doc.nodes), round_)
 
         if i in known:
             out.append(known[i])
@@ -182,18 +205,12 @@ class SlotAgreement:
 
 
 def _assignment(raw: bytes, job: Any, round_: int | None, n: int) -> SlotAgreement:
-    doc = _verified(
-        job, raw, {"kind", "round", "slots", "offers"}, {"kind": "slots", "round": round_}
-    )
-    slots, rows = doc["slots"], doc["offers"]
-    if slots is not None and not (_int_list(slots, n) and sorted(slots) == list(range(n))):
-        raise ProtocolError(f"not a permutation of 0..{n - 1}: {slots!r:.200}")
-    if not isinstance(rows, list) or len(rows) != n:
+    doc = _verified(job, raw, _AssignmentDoc, {"kind": "slots", "round": round_})
+    if doc.slots is not None and sorted(doc.slots) != list(range(n)):
+        raise ProtocolError(f"not a permutation of 0..{n - 1}: {doc.slots!r:.200}")
+    if len(doc.offers) != n:
         raise ProtocolError(f"not {n} offers")
-    names = ("slot", "size", "generation", "nodes")
-    if not all(isinstance(r, list) and len(r) == len(names) for r in rows):
-        raise ProtocolError("malformed offers")
-    return SlotAgreement(slots, [_offer(dict(zip(names, r, strict=True)), round_) for r in rows])
+    return SlotAgreement(doc.slots, [_before(SlotOffer(*row), round_) for row in doc.offers])
 
 
 def agree_slots(
@@ -262,10 +279,6 @@ def _value(key: str, raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, TypeError, RecursionError) as exc:
         raise ProtocolError(f"rendezvous store: {key!r} is not JSON: {exc}") from exc
-
-
-def _int_list(value: Any, n: int) -> bool:
-    return isinstance(value, list) and len(value) == n and all(type(v) is int for v in value)
 
 
 class SlotClaims:

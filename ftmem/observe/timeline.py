@@ -22,9 +22,11 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from ftmem.errors import ProtocolError
 from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME
+from ftmem.typed_json import Pattern, build
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,15 @@ class Mark:
     """The event's fields (commits: ``stall_s``, ``copy_s``, ``bytes``...)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """What every event line holds (its other fields are the event's own)."""
+
+    time: float
+    event: Annotated[str, Pattern(r"(?s).+")]
+    node: Any = None
+
+
 def parse_line(line: str, source: str, default_node: str) -> Event | None:
     """Parse one line of an event log; None if it is not a valid event (pure)."""
     line = line.strip()
@@ -100,17 +111,13 @@ def parse_line(line: str, source: str, default_node: str) -> Event | None:
         return None
     try:
         doc = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
+        head = build(_Head, doc, strict=False)
+    except (ValueError, RecursionError, ProtocolError):
         return None
-    if not isinstance(doc, dict):
-        return None
-    t, kind = doc.pop("time", None), doc.pop("event", None)
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
-        return None
-    if not isinstance(kind, str) or not kind:
-        return None
-    node = doc.pop("node", None)
-    return Event(float(t), str(node) if node else default_node, kind, source, doc)
+    fields = {k: v for k, v in doc.items() if k not in ("time", "event", "node")}
+    return Event(
+        head.time, str(head.node) if head.node else default_node, head.event, source, fields
+    )
 
 
 def _source_of(path: Path) -> str:

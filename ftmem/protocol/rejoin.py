@@ -20,51 +20,38 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
 from ftmem.config import ENV_RESHARD
 from ftmem.errors import ProtocolError
 from ftmem.secure_fs import ensure_private_dir, open_owned
+from ftmem.typed_json import MAX_INT, Pattern, Range, parse
 
 REJOIN_DIR = "rejoin"
 MAX_ORDER_BYTES = 1 << 20
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_Count = Annotated[int, Range(0, MAX_INT)]
+_EnvName = Annotated[str, Pattern(r"[A-Za-z_][A-Za-z0-9_]*")]
+_NoNul = Annotated[str, Pattern(r"[^\0]*")]
+_AbsoluteOrEmpty = Annotated[str, Pattern(r"(?:/[^\0]*)?")]
 
 
 @dataclass(frozen=True, slots=True)
 class RejoinOrder:
-    """Join generation ``generation`` as global rank ``rank`` with ``env`` applied."""
+    """Join generation ``generation`` as global rank ``rank`` with ``env`` applied. Its file
+    holds exactly these fields."""
 
-    generation: int
-    rank: int
-    env: dict[str, str]
+    generation: _Count
+    rank: _Count
+    env: dict[_EnvName, _NoNul]
     """Environment variables to set in the rank (elastic's per-rank ones and ftmem's)."""
-    agent_pid: int
+    agent_pid: _Count
     """The agent that wrote the order (the rank's parent)."""
-    stdout: str = ""
+    stdout: _AbsoluteOrEmpty
     """The new generation's log file for the rank's stdout ("" : keep the current one)."""
-    stderr: str = ""
+    stderr: _AbsoluteOrEmpty
     """The same for stderr."""
-
-    def __post_init__(self) -> None:
-        for name in ("generation", "rank", "agent_pid"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ProtocolError(f"rejoin order: {name} must be an int >= 0, not {value!r}")
-        if not isinstance(self.env, dict):
-            raise ProtocolError("rejoin order: env must be an object")
-        for key, value in self.env.items():
-            if not isinstance(key, str) or not _ENV_NAME.match(key):
-                raise ProtocolError(f"rejoin order: bad variable name {key!r}")
-            if not isinstance(value, str) or "\0" in value:
-                raise ProtocolError(f"rejoin order: variable {key} must be a string")
-        for name in ("stdout", "stderr"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or "\0" in value or (value and value[0] != "/"):
-                raise ProtocolError(f"rejoin order: {name} must be an absolute path or empty")
 
     def to_json(self) -> bytes:
         """The order as the bytes of its file."""
@@ -81,16 +68,7 @@ class RejoinOrder:
     @staticmethod
     def from_json(data: bytes) -> RejoinOrder:
         """Parse and validate an order; raise :class:`ProtocolError` on anything unexpected."""
-        try:
-            doc: Any = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise ProtocolError(f"rejoin order is not JSON: {exc}") from None
-        if not isinstance(doc, dict) or set(doc) != set(_FIELDS):
-            raise ProtocolError(f"rejoin order: expected exactly the fields {', '.join(_FIELDS)}")
-        return RejoinOrder(**{name: doc[name] for name in _FIELDS})
-
-
-_FIELDS = ("generation", "rank", "env", "agent_pid", "stdout", "stderr")
+        return parse(RejoinOrder, data, what="rejoin order")
 
 
 def order_path(run_dir: Path, rank: int) -> Path:
@@ -99,15 +77,21 @@ def order_path(run_dir: Path, rank: int) -> Path:
 
 
 def write_order(run_dir: Path, order: RejoinOrder) -> Path:
-    """Write ``order`` for its rank, replacing an older one atomically; return the path."""
+    """Write ``order`` for its rank, replacing an older one atomically; return the path.
+
+    Raises:
+        ProtocolError: ``order`` is not one :meth:`RejoinOrder.from_json` reads back.
+    """
     directory = run_dir / REJOIN_DIR
     ensure_private_dir(directory, "rejoin directory")
+    data = order.to_json()
+    RejoinOrder.from_json(data)  # an order its reader would refuse is not written
     path = order_path(run_dir, order.rank)
     tmp = directory / f".{path.name}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(order.to_json())
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -140,9 +124,9 @@ def read_order(run_dir: Path, rank: int) -> RejoinOrder | None:
 class ReshardRequest:
     """What ftmem-launch asks of a generation whose world size changed (``$FTMEM_RESHARD``)."""
 
-    world_size: int
+    world_size: Annotated[int, Range(1, MAX_INT)]
     """The world size the step was saved at."""
-    step: int | None = None
+    step: _Count | None = None
     """The step to load (None: the newest one every old rank holds)."""
     run_dirs: tuple[Path, ...] = ()
     """SMP run directories on this host besides the rank's own (one that rebuilt a lost
@@ -169,14 +153,6 @@ def requested() -> ReshardRequest | None:
     if not raw:
         return None
     try:
-        doc = json.loads(raw)
-        world, step, dirs = doc["world_size"], doc.get("step"), doc.get("run_dirs", [])
-        if type(world) is not int or world < 1:
-            raise ValueError("world_size is not a positive integer")
-        if step is not None and (type(step) is not int or step < 0):
-            raise ValueError("step is not a non-negative integer")
-        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
-            raise ValueError("run_dirs is not a list of paths")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return parse(ReshardRequest, raw, strict=False)  # a newer launcher may say more
+    except ProtocolError as exc:
         raise ProtocolError(f"${ENV_RESHARD} is malformed ({exc}): {raw[:200]!r}") from exc
-    return ReshardRequest(world, step, tuple(Path(d) for d in dirs))

@@ -154,6 +154,18 @@ def test_a_report_ignores_unknown_fields_and_reads_null_as_the_default() -> None
         build(_Doc, {"name": None}, strict=False)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    rows: list[tuple[int | None, str]]
+
+
+def test_a_fixed_tuple_is_a_list_of_exactly_its_items_each_of_its_own_type() -> None:
+    assert build(_Rows, {"rows": [[1, "a"], [None, "b"]]}) == _Rows([(1, "a"), (None, "b")])
+    for bad in ([[1]], [[1, "a", 2]], [["a", 1]], [{"0": 1, "1": "a"}], [[True, "a"]]):
+        with pytest.raises(ProtocolError):
+            build(_Rows, {"rows": bad})
+
+
 def test_a_refusal_carries_its_kind_across_the_wire() -> None:
     r = m.refusal("unknown layout 3 of rank 0", ErrorKind.UNKNOWN_LAYOUT)
     back = decode(encode(r, 1, KEY), KEY)[2]
