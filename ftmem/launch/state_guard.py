@@ -376,25 +376,30 @@ class RoundRules:
       round, open, with nobody in it: its join adds itself, the others re-add themselves;
     - a state whose round is older than the newest complete round this node saw, or is that
       round but open again, reads as the next number, open (its nodes kept: they complete it
-      again under a number of its own). elastic never writes such a state itself.
+      again under a number of its own). elastic never writes such a state itself; still,
+      this rule acts only once this node has refused a state (:attr:`erased`): a job no
+      store writer touched reads every state as it is.
     """
 
     def __init__(self, me: Any) -> None:
         self.me = me
         self.leaving = False
         self.newest_complete = -1
+        self.erased = False
+        """This node refused a state in the store: the real one was erased once."""
 
     def review(self, bits: bytes, refused: bool) -> bytes:
         """The state in ``bits`` (one that passed the guard, or the last that did in place of
         a refused one) as this node must read it (the class docstring)."""
         state = load_rendezvous_state(bits)
         changed = False
+        self.erased = self.erased or refused
         if refused and self.leaving and state.complete and self.me in state.participants:
             after = dynamic_rendezvous._RendezvousState()
             after.round, after.closed = state.round + 1, state.closed
             state, changed = after, True
         high = self.newest_complete
-        if state.round < high or (state.round == high and not state.complete):
+        if self.erased and (state.round < high or (state.round == high and not state.complete)):
             state.round, state.complete, changed = high + 1, False, True
         if state.complete:
             self.newest_complete = max(high, state.round)

@@ -219,6 +219,11 @@ def test_a_round_this_node_saw_complete_never_forms_again_under_its_number() -> 
     assert rules.newest_complete == 1
     fewer = read(state(1, True, b))  # a node left the complete round: still round 1
     assert (fewer.round, fewer.complete) == (1, True)
+    untouched = read(state(1, False, b))  # no state refused yet: every state as it is
+    assert (untouched.round, untouched.complete) == (1, False)
+    read(state(1, True, b))
+    inner.value = b"planted"  # a store writer erased the state: the rule acts from now on
+    assert guard.get_state() is not None and rules.erased
     reopened = read(state(1, False, b))  # b's stale view written back: never round 1 again
     assert (reopened.round, reopened.complete, set(reopened.participants)) == (2, False, {b})
     replayed = read(state(0, True, a, b))  # an older round: open, as the next number
