@@ -22,7 +22,8 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    ``_backend`` is wrapped, and elastic's private state classes (``_RendezvousState``,
    ``_NodeDesc``) are read and written, in :mod:`ftmem.launch.state_guard` (the one other
    file that knows them): elastic unpickles the state it reads, so only those classes are
-   admitted, and a round that ended never comes back after a store writer erased the state.
+   admitted, and a node leaving its round does not bring back a round that ended after a
+   store writer erased the state.
 3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and

@@ -19,8 +19,8 @@ classes (``_RendezvousState``, ``_NodeDesc``: :func:`load_rendezvous_state`):
    the handler's next compare-and-set (a keep-alive, a join) overwrites the planted value
    (no last state: a fresh, empty one). Each incident is logged once (then a count at most
    every :data:`LOG_EVERY_S`), and once more when a state passes again.
-4. every answer, read or refused, is read by :class:`RoundRules`: a round that ended never
-   comes back once a store writer erased the real state (:func:`leaving_round`).
+4. every answer, read or refused, is read by :class:`RoundRules`: while the node leaves its
+   round, a refused read does not bring back a round that ended (:func:`leaving_round`).
 
 What a store writer can still do: delete or replace the state (a denial of service, which
 the handlers repair at their next write), replay a state this job wrote earlier (with a key
@@ -360,50 +360,37 @@ def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
 
 
 class RoundRules:
-    """How this node reads the rendezvous state on top of elastic's rules, so that a round
-    that ended never comes back (every answer of the node's
-    :class:`~ftmem.launch.state_guard.GuardedBackend` passes through :meth:`review`).
+    """How this node reads the rendezvous state on top of elastic's rules (every answer of
+    the node's :class:`GuardedBackend` passes through :meth:`review`), so that a round that
+    ended does not come back through this node after a store writer erased the state.
 
-    Round numbers only grow in elastic: a round that completed stays complete until its last
-    participant leaves, and the state then moves to the next number. A store writer's value
-    erases the real state, and what is written after it is rebuilt from some node's last
-    view, which can be a round that already ended. The per-round keys (the master address, the
-    slot claims) of a round that completes a second time under the same number are the first
-    completion's: nodes read stale addresses and assignments. So:
+    A refused read answers the last state that passed. While this node leaves its round to
+    join the next (:func:`leaving_round`), that state may be a complete round the others have
+    already left: its leave would rewrite that round without this node, and a node still in
+    it would finish it again, short of a node, against that round's old assignment. So
+    then, if this node took part in that complete round, the refused read reads as the next
+    round, open, with nobody in it: its join adds itself, the others re-add themselves.
 
-    - while this node leaves its round to join the next (:func:`leaving_round`), a refused
-      read whose last good state is a complete round this node took part in reads as the next
-      round, open, with nobody in it: its join adds itself, the others re-add themselves;
-    - a state whose round is older than the newest complete round this node saw, or is that
-      round but open again, reads as the next number, open (its nodes kept: they complete it
-      again under a number of its own). elastic never writes such a state itself; still,
-      this rule acts only once this node has refused a state (:attr:`erased`): a job no
-      store writer touched reads every state as it is.
+    A store writer can still bring back a round in other ways (a node writing back its
+    stale view of an open round that the others completed meanwhile); renumbering such
+    states locally would make the nodes disagree on the round, so it is not done.
     """
 
     def __init__(self, me: Any) -> None:
         self.me = me
         self.leaving = False
-        self.newest_complete = -1
-        self.erased = False
-        """This node refused a state in the store: the real one was erased once."""
 
     def review(self, bits: bytes, refused: bool) -> bytes:
         """The state in ``bits`` (one that passed the guard, or the last that did in place of
         a refused one) as this node must read it (the class docstring)."""
+        if not (refused and self.leaving):
+            return bits
         state = load_rendezvous_state(bits)
-        changed = False
-        self.erased = self.erased or refused
-        if refused and self.leaving and state.complete and self.me in state.participants:
-            after = dynamic_rendezvous._RendezvousState()
-            after.round, after.closed = state.round + 1, state.closed
-            state, changed = after, True
-        high = self.newest_complete
-        if self.erased and (state.round < high or (state.round == high and not state.complete)):
-            state.round, state.complete, changed = high + 1, False, True
-        if state.complete:
-            self.newest_complete = max(high, state.round)
-        return pickle.dumps(state) if changed else bits
+        if not (state.complete and self.me in state.participants):
+            return bits
+        after = dynamic_rendezvous._RendezvousState()
+        after.round, after.closed = state.round + 1, state.closed
+        return pickle.dumps(after)
 
 
 @contextlib.contextmanager

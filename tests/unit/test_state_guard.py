@@ -188,11 +188,10 @@ def test_a_planted_state_answers_the_last_one_that_passed_with_its_token(
     assert sum("passes its checks again" in r.message for r in caplog.records) == 2
 
 
-def test_a_round_this_node_saw_complete_never_forms_again_under_its_number() -> None:
-    """After a store writer erased the state, what a node writes back may be its stale view:
-    the round it knew as open although the others completed it, or an older round (a replayed
-    state). Read through the rules, such a state is the next round, open, its nodes kept: it
-    completes again under a number of its own, never re-using the first completion's keys."""
+def test_a_refused_read_while_leaving_a_complete_round_reads_as_the_next_round() -> None:
+    """Leaving a complete round it took part in, a node whose read is refused reads the next
+    round, open and empty; not leaving, or not a participant, it reads its last good state
+    as it was; and every state that passes is read as it is."""
     a, b = _NodeDesc("host-a", 11, 0), _NodeDesc("host-b", 12, 1)
     rules = RoundRules(a)
     inner = DictBackend()
@@ -206,40 +205,24 @@ def test_a_round_this_node_saw_complete_never_forms_again_under_its_number() -> 
         s.last_heartbeats = {n: datetime.now(timezone.utc) for n in nodes}
         return pickle.dumps(s)
 
-    def read(bits: bytes) -> Any:
-        inner.value, inner.token = bits, inner.token + 1
+    def read(bits: bytes | None = None) -> Any:
+        if bits is not None:
+            inner.value, inner.token = bits, inner.token + 1
         got = guard.get_state()
         assert got is not None and got[1] == inner.token
         return load_rendezvous_state(got[0])
 
-    open1 = read(state(1, False, b))  # elastic's own states pass as they are
-    assert (open1.round, open1.complete) == (1, False)
-    done = read(state(1, True, a, b))
-    assert (done.round, done.complete, set(done.participants)) == (1, True, {a, b})
-    assert rules.newest_complete == 1
-    fewer = read(state(1, True, b))  # a node left the complete round: still round 1
-    assert (fewer.round, fewer.complete) == (1, True)
-    untouched = read(state(1, False, b))  # no state refused yet: every state as it is
-    assert (untouched.round, untouched.complete) == (1, False)
-    read(state(1, True, b))
-    inner.value = b"planted"  # a store writer erased the state: the rule acts from now on
-    assert guard.get_state() is not None and rules.erased
-    reopened = read(state(1, False, b))  # b's stale view written back: never round 1 again
-    assert (reopened.round, reopened.complete, set(reopened.participants)) == (2, False, {b})
-    replayed = read(state(0, True, a, b))  # an older round: open, as the next number
-    assert (replayed.round, replayed.complete, set(replayed.participants)) == (2, False, {a, b})
-    assert read(state(2, False, b)).round == 2  # the next round itself passes as it is
-    # leaving its round, a refused read of a complete round it took part in: next, empty
     rules.leaving = True
-    read(state(3, True, a, b))
+    assert (read(state(1, False, b)).round, read(state(1, True, a, b)).round) == (1, 1)
     inner.value = b"planted"
-    got = guard.get_state()
-    assert got is not None
-    after = load_rendezvous_state(got[0])
-    assert (after.round, after.complete, after.participants) == (4, False, {})
+    after = read()
+    assert (after.round, after.complete, after.participants) == (2, False, {})
     rules.leaving = False  # not leaving: the last good state, as it was
-    got = guard.get_state()
-    assert got is not None and load_rendezvous_state(got[0]).round == 3
+    assert (read().round, read().complete) == (1, True)
+    rules.leaving = True
+    read(state(3, True, b))  # a complete round without this node: its wait list is right
+    inner.value = b"planted"
+    assert (read().round, set(read().participants)) == (3, {b})
 
 
 def _join(handler: Any, results: dict[str, Any], name: str) -> threading.Thread:
