@@ -37,7 +37,6 @@ over gloo). Hooks into Lightning's private ``fit_loop._data_fetcher`` for the sk
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import warnings
 from typing import Any
@@ -49,7 +48,7 @@ from lightning.fabric.utilities.types import _Stateful
 
 import ftmem
 from ftmem.client.rng import DeferredRNGState
-from ftmem.errors import FtmemError
+from ftmem.integrations import require_version
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +92,7 @@ class FtmemCallback(pl.Callback):
     resumes from the newest one at ``fit()`` (see the module docstring)."""
 
     def __init__(self) -> None:
-        found = importlib.metadata.version("lightning")
-        version = tuple(int(x) for x in found.split(".")[:2] if x.isdigit())
-        if version < (2, 6):
-            raise FtmemError(
-                f"FtmemCallback needs lightning >= 2.6 (found {found}); "
-                "pip install 'ftmem[lightning]'"
-            )
+        require_version("lightning", (2, 6), "FtmemCallback", "lightning")
         self.trainer: pl.Trainer | None = None
         self.restored_step = 0
         """The step ``fit()`` resumed from (0: none)."""

@@ -38,7 +38,6 @@ to end (torchtitan's trainer needs CUDA). docs/integrations.md, "torchtitan".
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +53,7 @@ from torchtitan.components.checkpointer import (
 )
 
 import ftmem
-from ftmem.errors import FtmemError
+from ftmem.integrations import require_version
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +80,7 @@ class FtmemCheckpointManager(CheckpointManager):  # type: ignore[misc]  # torcht
         sd_adapter: Any,
         base_folder: str = "",
     ) -> None:
-        found = importlib.metadata.version("torchtitan")
-        version = tuple(int(x) for x in found.split(".")[:2] if x.isdigit())
-        if version < (0, 3):
-            raise FtmemError(
-                f"FtmemCheckpointManager needs torchtitan >= 0.3 (found {found}); "
-                "pip install 'ftmem[torchtitan]'"
-            )
+        require_version("torchtitan", (0, 3), "FtmemCheckpointManager", "torchtitan")
         super().__init__(
             config,
             dataloader=dataloader,

@@ -135,9 +135,7 @@ class GuardedBackend(RendezvousBackend):
         empty: the bytes of a fresh state (answered when no state ever passed).
         key: the MAC key (:func:`state_key`); None: states are not MACed.
         context: bound into the MAC (the run id).
-        review: ``review(bits, refused)`` -> the bytes answered for a state that passed
-            (``refused`` False) or for the last one that did, answered in place of a refused
-            one (True); None: answered as they are.
+        rules: reads every answer (:class:`RoundRules`); None: answered as they are.
     """
 
     def __init__(
@@ -147,7 +145,7 @@ class GuardedBackend(RendezvousBackend):
         empty: bytes,
         key: bytes | None = None,
         context: str = "",
-        review: Callable[[bytes, bool], bytes] | None = None,
+        rules: RoundRules | None = None,
     ) -> None:
         self._inner = inner
         self._clean = clean
@@ -157,10 +155,7 @@ class GuardedBackend(RendezvousBackend):
         self._last: bytes | None = None
         self._refused = 0
         self._logged_at: float | None = None
-        self._review = review
-        self.rules: Any = None
-        """Whatever ``review`` belongs to, for its owner to find again (elastic_compat's
-        :class:`RoundRules`)."""
+        self.rules = rules
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)  # the backend's own methods (close, ...)
@@ -202,7 +197,7 @@ class GuardedBackend(RendezvousBackend):
         except Exception as exc:  # whatever a malformed pickle raises: refused
             self._refuse(exc)
             last = self._last if self._last is not None else self._empty
-            return last if self._review is None else self._review(last, True)
+            return last if self.rules is None else self.rules.review(last, True)
         if self._refused:
             log.info(
                 "the rendezvous state in the store passes its checks again (%d refused reads)",
@@ -210,7 +205,7 @@ class GuardedBackend(RendezvousBackend):
             )
             self._refused, self._logged_at = 0, None
         self._last = clean
-        return clean if self._review is None else self._review(clean, False)
+        return clean if self.rules is None else self.rules.review(clean, False)
 
     def _refuse(self, exc: Exception) -> None:
         self._refused += 1
@@ -353,9 +348,7 @@ def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
         run_id = str(getattr(getattr(handler, "settings", None), "run_id", ""))
         empty = pickle.dumps(dynamic_rendezvous._RendezvousState())
         rules = RoundRules(getattr(handler, "_this_node", None))
-        guarded = GuardedBackend(backend, _clean_state, empty, key, run_id, rules.review)
-        guarded.rules = rules
-        holder._backend = guarded
+        holder._backend = GuardedBackend(backend, _clean_state, empty, key, run_id, rules)
     return True
 
 
@@ -399,8 +392,8 @@ def leaving_round(handler: Any) -> Iterator[None]:
     store writer's value in place of the state reads as the next round, not the one it left
     (:class:`RoundRules`). Nothing where the handler's backend is not guarded."""
     backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
-    rules = getattr(backend, "rules", None)
-    if not isinstance(rules, RoundRules):
+    rules = backend.rules if isinstance(backend, GuardedBackend) else None
+    if rules is None:
         yield
         return
     rules.leaving = True

@@ -195,8 +195,7 @@ def test_a_refused_read_while_leaving_a_complete_round_reads_as_the_next_round()
     a, b = _NodeDesc("host-a", 11, 0), _NodeDesc("host-b", 12, 1)
     rules = RoundRules(a)
     inner = DictBackend()
-    guard = GuardedBackend(inner, _clean_state, pickle.dumps(_RendezvousState()), None, "r")
-    guard._review = rules.review
+    guard = GuardedBackend(inner, _clean_state, pickle.dumps(_RendezvousState()), None, "r", rules)
 
     def state(round_: int, complete: bool, *nodes: _NodeDesc) -> bytes:
         s = _RendezvousState()
