@@ -390,3 +390,12 @@ class ForkedHandler(SubprocessHandler):
             _close_all(files)
             raise
         self.proc = proc  # type: ignore[assignment]  # Popen's interface as elastic uses it
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        """elastic's close (``killpg`` of the rank's session, then its log files). A rank the
+        fork server already reaped, whose exit this agent has not read yet, is gone, not an
+        error: elastic would otherwise raise ``ProcessLookupError`` out of its monitor."""
+        try:
+            super().close(death_sig)
+        except ProcessLookupError:
+            _close_all([self._stdout, self._stderr])

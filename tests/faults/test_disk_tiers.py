@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from ftmem.faults import ArmedFault, Fault, Point, arm
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import (
     TINY,
@@ -92,21 +93,28 @@ def test_full_disk_and_killed_worker_leave_only_complete_checkpoints(
     launcher_env: Launcher,
 ) -> None:
     """The first flush hits ENOSPC before its rename (another run: its worker is SIGKILLed
-    there): that step is never listed, later flushes complete, training is not disturbed."""
+    there): that step is never listed, later flushes complete, training is not disturbed.
+
+    The fault is armed once per run (the restarted flush worker does not fire it again) at
+    the first flush from step 5 on: which step the scheduler flushes first depends on how
+    soon its worker was ready."""
     want = reference_digests(launcher_env, STEPS)
     flags = ["--ftmem-flush-every", "5", "--ftmem-flush-keep", "5"]
     for name, fault, says in (
-        (
-            "full",
-            "in_flush:step=5:fault=enospc",
-            r"flush of step (\d+) failed: OSError: .*No space left",
-        ),
-        ("killed", "in_flush:step=5", r"flush of step (\d+) failed: the flush worker died"),
+        ("full", Fault.ENOSPC, r"flush of step (\d+) failed: OSError: .*No space left"),
+        ("killed", Fault.KILL, r"flush of step (\d+) failed: the flush worker died"),
     ):
         tier = launcher_env.tmp / f"ckpt-{name}"
+        armed = launcher_env.tmp / f"armed-{name}.jsonl"
+        arm(armed, ArmedFault(id=name, point=Point.IN_FLUSH, fault=fault, min_step=5))
         rid = launcher_env.new_run_id()
         run = launcher_env.single_node(
-            rid, 2, ["--ftmem-flush-dir", str(tier), *flags], SCRIPT, name=name, FTMEM_FAULT=fault
+            rid,
+            2,
+            ["--ftmem-flush-dir", str(tier), *flags],
+            SCRIPT,
+            name=name,
+            FTMEM_FAULT_FILE=str(armed),
         )
         assert run.wait(180) == 0, run.text()[-4000:]
         assert digests(run.text()) == want

@@ -155,6 +155,15 @@ def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) 
             handler.proc.wait(0.2)
         handler.close(signal.SIGKILL)  # elastic's close: killpg of the rank's session
         assert handler.proc.wait(30) == -signal.SIGKILL
+        ok = parse_python_command([*cmd, "ok"])
+        assert ok is not None
+        quick = ForkedHandler(p.server, ok, {}, None, None, 0)
+        deadline = time.monotonic() + 30
+        while proc_state(quick.proc.pid) is not None:  # reaped by the server, unread here
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        quick.close(signal.SIGTERM)  # as elastic closes a rank its last poll saw running
+        assert quick.proc.wait(30) == 0
         assert p.server.standby.popen.poll() is None  # the server lives on
     finally:
         p.stop()
