@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +14,8 @@ from pathlib import Path
 
 from tests._support.launcher import free_port
 from tests._support.procs import WORKLOAD, Procs
+
+FORKRANKS = Path(__file__).resolve().with_name("forkranks.py")
 
 SMALL = [
     "--d-model",
@@ -65,40 +69,56 @@ def run_ranks(
     tag: str = "run",
     script: Path = WORKLOAD,
     rank_env: list[dict[str, str]] | None = None,
+    code: str | None = None,
 ) -> RankRun:
-    """Start ``world`` ranks of ``script`` (default: the workload), wait (bounded) for all to exit, return codes + output.
+    """Start ``world`` ranks of ``script`` (default: the workload), wait (bounded) for all
+    to exit, return codes + output.
 
-    When one rank dies, the others fail in their next collective and exit; any rank still
-    running after ``timeout`` is killed (its code is then -9).
+    The ranks are forked from one process that imported torch once (tests/_support/
+    forkranks.py): each runs the script as ``python script.py`` would, in its own
+    environment. ``code``, instead of ``script``: Python source each rank runs as
+    ``python -c`` would. When one rank dies, the others fail in their next collective and
+    exit; if any rank still runs after ``timeout``, every rank is killed (codes then -9).
     """
     # A file store: a TCP port picked in advance can be taken by another process before
     # rank 0 binds it, and rank 1 then waits on a stranger's socket.
-    store = workdir / f"{tag}-{time.monotonic_ns()}.store"
+    stamp = time.monotonic_ns()
+    store = workdir / f"{tag}-{stamp}.store"
     args = [*args, "--init-method", f"file://{store}"]
-    port = free_port()
-    ps = []
-    logs = []
-    for r in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            **(env_extra or {}),
-            **(rank_env[r] if rank_env else {}),
-        )
-        log = workdir / f"{tag}-rank{r}.log"
-        logs.append(log)
-        ps.append(procs.spawn([sys.executable, str(script), *args], env, log))
-    deadline = time.monotonic() + timeout
-    for p in ps:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=30)
-    return RankRun([p.returncode for p in ps], [log.read_text() for log in logs])
+    common = dict(
+        os.environ,
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        **(env_extra or {}),
+    )
+    logs = [workdir / f"{tag}-rank{r}.log" for r in range(world)]
+    ranks = [
+        {
+            "env": dict(
+                common, RANK=str(r), LOCAL_RANK=str(r), **(rank_env[r] if rank_env else {})
+            ),
+            "log": str(logs[r]),
+        }
+        for r in range(world)
+    ]
+    spec = workdir / f"{tag}-{stamp}.spec.json"
+    result = workdir / f"{tag}-{stamp}.codes.json"
+    run = {"code": code} if code is not None else {"script": str(script)}
+    spec.write_text(json.dumps({**run, "args": args, "ranks": ranks, "result": str(result)}))
+    zygote_log = workdir / f"{tag}-{stamp}.zygote.log"
+    zygote = procs.spawn([sys.executable, str(FORKRANKS), str(spec)], common, zygote_log)
+    try:
+        zygote.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(zygote.pid, signal.SIGKILL)
+        zygote.wait(timeout=30)
+    outputs = [log.read_text() if log.exists() else "" for log in logs]
+    if zygote.returncode == 0 and result.exists():
+        codes: list[int | None] = json.loads(result.read_text())["codes"]
+    else:
+        codes = [-signal.SIGKILL] * world
+        outputs[0] += zygote_log.read_text()
+    return RankRun(codes, outputs)

@@ -6,9 +6,7 @@ with plain tensors, and 3 processes with FSDP2 resharding), with the same digest
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -93,14 +91,9 @@ def test_fsdp2_kill_restart_same_digest_and_flush_reshards(
         load=f"dcp.load(sd, checkpoint_id={str(ckpts[0].path)!r}, no_dist=world == 1)",
     )
     for world in (1, 3):
-        loaders = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-            log = tmp_path / f"load{world}-{r}.log"
-            loaders.append((procs.spawn([sys.executable, "-c", script], env, log), log))
-        for p, log in loaders:
-            assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
-        got = {m for _, log in loaders for m in re.findall(r"DIGEST (\w+)", log.read_text())}
+        loaders = run_ranks(procs, tmp_path, [], world=world, code=script, tag=f"load{world}")
+        assert loaders.codes == [0] * world, [t[-3000:] for t in loaders.outputs]
+        got = {m for t in loaders.outputs for m in re.findall(r"DIGEST (\w+)", t)}
         assert got == want, (world, got)
 
 
@@ -180,15 +173,12 @@ def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
         script = "from pathlib import Path\n" + LOAD.format(
             examples=str(REPO / "examples"), tiny=TINY, store=str(store), load=load
         )
-        loaders = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-            env["LOADER_HOSTS"] = hosts[world][r]
-            log = tmp_path / f"mem{world}-{r}.log"
-            loaders.append((procs.spawn([sys.executable, "-c", script], env, log), log))
-        for p, log in loaders:
-            assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
-        got = {m for _, log in loaders for m in re.findall(r"DIGEST (\w+)", log.read_text())}
+        rank_env = [{"LOADER_HOSTS": h} for h in hosts[world]]
+        loaders = run_ranks(
+            procs, tmp_path, [], world=world, code=script, tag=f"mem{world}", rank_env=rank_env
+        )
+        assert loaders.codes == [0] * world, [t[-3000:] for t in loaders.outputs]
+        got = {m for t in loaders.outputs for m in re.findall(r"DIGEST (\w+)", t)}
         assert got == {want}, (world, got)
 
 

@@ -99,16 +99,10 @@ def test_export_loads_with_stock_dcp_at_other_world_sizes(
     # Four processes with a gloo group.
     store = tmp_path / "pg.store"
     script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(out))
-    logs = []
-    ps = []
-    for r in range(4):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", OMP_NUM_THREADS="1")
-        logs.append(tmp_path / f"load{r}.log")
-        ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
-    for p in ps:
-        assert p.wait(timeout=120) == 0
-    got = [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
-    assert got == [[digest]] * 4, [log.read_text()[-2000:] for log in logs]
+    load = run_ranks(procs, tmp_path, [], world=4, code=script, tag="load")
+    assert load.codes == [0] * 4, [t[-2000:] for t in load.outputs]
+    got = [re.findall(r"DIGEST (\w+)", t) for t in load.outputs]
+    assert got == [[digest]] * 4, [t[-2000:] for t in load.outputs]
 
     # dcp_to_torch_save's single file: read back with weights_only=True.
     whole = torch.load(flat, weights_only=True)

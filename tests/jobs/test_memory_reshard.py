@@ -8,9 +8,7 @@ slots of its host's SMP, so every byte it did not map crossed the process group.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +60,10 @@ def test_a_step_in_two_hosts_memory_reshards_across_them(
     hosts = [str(a), str(b), ""]  # loader 2 is on a host that holds nothing
     store = tmp_path / "pg.store"
     script = LOAD.format(repo=str(REPO), store=str(store), saved=2)
-    logs, ps = [], []
-    for r, host in enumerate(hosts):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="3", OMP_NUM_THREADS="1", LOADER_HOST=host)
-        logs.append(tmp_path / f"load{r}.log")
-        ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
-    for p in ps:
-        assert p.wait(timeout=120) == 0, [log.read_text()[-2000:] for log in logs]
-    texts = [log.read_text() for log in logs]
+    rank_env = [{"LOADER_HOST": host} for host in hosts]
+    load = run_ranks(procs, tmp_path, [], world=3, code=script, tag="load", rank_env=rank_env)
+    assert load.codes == [0] * 3, [t[-2000:] for t in load.outputs]
+    texts = load.outputs
     assert [re.findall(r"DIGEST (\w+)", t) for t in texts] == [[digest]] * 3, texts
     mapped = [int(re.findall(r"MAPPED (\d+)", t)[0]) for t in texts]
     assert mapped[0] > 0 and mapped[1] > 0 and mapped[2] == 0, mapped
