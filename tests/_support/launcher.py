@@ -46,7 +46,7 @@ from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
 from ftmem.launch.peers import host_key_path
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.procs import REPO, WORKLOAD, python_stacks
+from tests._support.procs import REPO, WORKLOAD, python_stacks  # noqa: F401 (WORKLOAD: re-exported)
 from tests._support.workload import TINY_ARGS, digests
 
 log = logging.getLogger(__name__)
@@ -565,14 +565,32 @@ def failure_free_digests(launcher: Launcher, script: list[str], timeout: float) 
 
 
 def reference_digests(launcher: Launcher, steps: int, nproc: int = 2) -> dict[int, str]:
-    """Digests of a failure-free single-node run of the example with ``nproc`` ranks (the
-    world size of the job it is compared with; cached per session)."""
+    """Digests of a failure-free run of the example with ``nproc`` ranks (the world size of
+    the job it is compared with; cached per session). Its ranks save every step into an SMP
+    as under ftmem-launch, but are forked from one process that imported torch once
+    (:func:`tests._support.ranks.run_ranks`): no agent, no fork server to start."""
+    from tests._support.procs import Procs
+    from tests._support.ranks import run_ranks  # (it imports this module)
+
     key = (str(steps), str(nproc))
     if key not in _REFERENCE:
         rid = launcher.new_run_id()
-        script = [str(WORKLOAD), "--steps", str(steps), *TINY]
-        ref = launcher.single_node(rid, nproc, [], script, name=f"reference{nproc}")
-        assert ref.wait(240) == 0, ref.text()[-3000:]
-        _REFERENCE[key] = digests(ref.text())
+        run_dir = Path(tempfile.mkdtemp(prefix=f"reference{nproc}-", dir=launcher.tmp))
+        procs = Procs()
+        try:
+            with running_smp(run_dir, rid):
+                ref = run_ranks(
+                    procs,
+                    run_dir,
+                    ["--steps", str(steps), *TINY],
+                    world=nproc,
+                    env_extra={ENV_RUN_DIR: str(run_dir), ENV_RUN_ID: rid},
+                    timeout=240,
+                    tag="reference",
+                )
+        finally:
+            procs.kill_all()
+        assert ref.codes == [0] * nproc, [t[-3000:] for t in ref.outputs]
+        _REFERENCE[key] = digests("".join(ref.outputs))
         assert len(_REFERENCE[key]) == nproc
     return dict(_REFERENCE[key])
