@@ -19,11 +19,13 @@ classes (``_RendezvousState``, ``_NodeDesc``: :func:`load_rendezvous_state`):
    the handler's next compare-and-set (a keep-alive, a join) overwrites the planted value
    (no last state: a fresh, empty one). Each incident is logged once (then a count at most
    every :data:`LOG_EVERY_S`), and once more when a state passes again.
-4. every answer, read or refused, is read by :class:`RoundRules`: while the node leaves its
-   round, a refused read does not bring back a round that ended (:func:`leaving_round`).
+4. :class:`RoundRules` reads every state: rounds only move forward (an older round, or a
+   round read complete and then open again, is refused like a planted state), and while the
+   node leaves its round a refused read does not bring back a round that ended
+   (:func:`leaving_round`).
 
 What a store writer can still do: delete or replace the state (a denial of service, which
-the handlers repair at their next write), replay a state this job wrote earlier (with a key
+the handlers repair at their next write), replay a state of the current round (with a key
 file) or write a well-formed state of its own (without one): it can disturb the rendezvous,
 never run code.
 """
@@ -194,6 +196,8 @@ class GuardedBackend(RendezvousBackend):
         try:
             body = bits if self._key is None else unseal(self._key, self._context, bits)
             clean = self._clean(body)
+            if self.rules is not None:
+                self.rules.admit(clean)
         except Exception as exc:  # whatever a malformed pickle raises: refused
             self._refuse(exc)
             last = self._last if self._last is not None else self._empty
@@ -357,6 +361,13 @@ class RoundRules:
     the node's :class:`GuardedBackend` passes through :meth:`review`), so that a round that
     ended does not come back through this node after a store writer erased the state.
 
+    Rounds only move forward: elastic's own writes never lower a state's round, nor reopen a
+    complete round (a round whose last participant left becomes the next, open one). A
+    state that does (a node writing back its stale view of a round the others completed
+    after a store writer erased the state, or a replay of a state this job wrote earlier) is
+    refused like a planted one (:meth:`admit`): this node goes on with the newer state it
+    read and its next write puts that back.
+
     A refused read answers the last state that passed. While this node leaves its round to
     join the next (:func:`leaving_round`), that state may be a complete round the others have
     already left: its leave would rewrite that round without this node, and a node still in
@@ -364,14 +375,26 @@ class RoundRules:
     then, if this node took part in that complete round, the refused read reads as the next
     round, open, with nobody in it: its join adds itself, the others re-add themselves.
 
-    A store writer can still bring back a round in other ways (a node writing back its
-    stale view of an open round that the others completed meanwhile); renumbering such
-    states locally would make the nodes disagree on the round, so it is not done.
     """
 
     def __init__(self, me: Any) -> None:
         self.me = me
         self.leaving = False
+        self.newest: tuple[int, bool] | None = None
+        """(round, complete) of the newest state that passed here."""
+
+    def admit(self, bits: bytes) -> None:
+        """Raise :class:`StateRefused` if the state in ``bits`` (checked bytes) is older than
+        one this node read before: a lower round, or a round it read complete, open again."""
+        state = load_rendezvous_state(bits)
+        order = (int(state.round), bool(state.complete))
+        if self.newest is not None and order < self.newest:
+            raise StateRefused(
+                f"round {order[0]} ({'complete' if order[1] else 'open'}) is older than the "
+                f"round {self.newest[0]} ({'complete' if self.newest[1] else 'open'}) this node "
+                "read: a replayed state, or a node's stale view written back"
+            )
+        self.newest = order
 
     def review(self, bits: bytes, refused: bool) -> bytes:
         """The state in ``bits`` (one that passed the guard, or the last that did in place of

@@ -224,6 +224,40 @@ def test_a_refused_read_while_leaving_a_complete_round_reads_as_the_next_round()
     assert (read().round, set(read().participants)) == (3, {b})
 
 
+def test_a_round_read_complete_does_not_come_back_open_nor_an_older_round() -> None:
+    """Node a read round 1 complete; a node's stale view of round 1, open, written back with
+    this job's MAC (as after a store writer erased the state), and a replay of round 0 are
+    refused like planted states: a reads its last good state, with the stale write's token,
+    so its next write puts round 1 back. A newer round passes."""
+    a, b = _NodeDesc("host-a", 11, 0), _NodeDesc("host-b", 12, 1)
+    key = b"k" * 32
+    inner = DictBackend()
+    guard = GuardedBackend(
+        inner, _clean_state, pickle.dumps(_RendezvousState()), key, "r", RoundRules(a)
+    )
+
+    def state(round_: int, complete: bool, *nodes: _NodeDesc) -> bytes:
+        s = _RendezvousState()
+        s.round, s.complete = round_, complete
+        s.participants = {n: i for i, n in enumerate(nodes)}
+        return seal(key, b"r", pickle.dumps(s))
+
+    def read(bits: bytes) -> tuple[int, bool, set[Any], int]:
+        inner.value, inner.token = bits, inner.token + 1
+        got = guard.get_state()
+        assert got is not None
+        s = load_rendezvous_state(got[0])
+        return s.round, s.complete, set(s.participants), got[1]
+
+    assert read(state(0, True, a, b))[:2] == (0, True)
+    assert read(state(1, False, b))[:2] == (1, False)
+    assert read(state(1, True, a, b))[:3] == (1, True, {a, b})
+    stale = read(state(1, False, b))
+    assert stale == (1, True, {a, b}, inner.token)  # refused: its token, to be overwritten
+    assert read(state(0, True, a, b))[:2] == (1, True)  # a replay of an older round
+    assert read(state(2, False, b))[:3] == (2, False, {b})  # the next round passes
+
+
 def _join(handler: Any, results: dict[str, Any], name: str) -> threading.Thread:
     """``handler.next_rendezvous()`` on a thread, leaving its round as the agent does."""
 
