@@ -104,6 +104,10 @@ class StateRefused(Exception):
     """A state read from the store that is not one this job wrote."""
 
 
+class StaleState(StateRefused):
+    """A state this job wrote that is older than one this node read (:class:`RoundRules`)."""
+
+
 def _mac(key: bytes, context: bytes, body: bytes) -> bytes:
     return hmac.new(key, MAGIC + context + b"\0" + body, hashlib.sha256).digest()
 
@@ -156,6 +160,7 @@ class GuardedBackend(RendezvousBackend):
         self._context = context.encode()
         self._last: bytes | None = None
         self._refused = 0
+        self._stale = False
         self._logged_at: float | None = None
         self.rules = rules
 
@@ -178,10 +183,19 @@ class GuardedBackend(RendezvousBackend):
         if got is None:
             return None
         bits, token = got
-        return self.checked(bits), token
+        answer = self.checked(bits)
+        repaired = self._write_back_if_stale(token)
+        return (repaired[0], repaired[1]) if repaired is not None else (answer, token)
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         """Write ``state`` (MACed with a key) by compare-and-set; the answer's state checked."""
+        answer = self._write(state, token)
+        if answer is None:
+            return None
+        repaired = self._write_back_if_stale(answer[1])
+        return (repaired[0], repaired[1], False) if repaired is not None else answer
+
+    def _write(self, state: bytes, token: Any) -> tuple[bytes, Any, bool] | None:
         if self._key is not None:
             state = seal(self._key, self._context, state)
         answer = self._inner.set_state(state, token)
@@ -189,6 +203,22 @@ class GuardedBackend(RendezvousBackend):
             return None
         bits, new_token, done = answer
         return self.checked(bits), new_token, done
+
+    def _write_back_if_stale(self, token: Any) -> tuple[bytes, Any, bool] | None:
+        """If the state just read was refused as stale (:class:`StaleState`), write the newest
+        state this node read back over it (compare-and-set on ``token``) and answer that
+        write; None otherwise. Not while this node leaves its round (its join writes). The
+        node whose stale view it is may be waiting on the store meanwhile, for a round this
+        node is in, while this node itself reads the store next only at its next keep-alive
+        or restart."""
+        stale, self._stale = self._stale, False
+        rules = self.rules
+        if not stale or self._last is None or (rules and rules.leaves(rules.newest)):
+            return None
+        log.info("writing back the newest rendezvous state this node read over a stale one")
+        written = self._write(self._last, token)
+        self._stale = False
+        return written
 
     def checked(self, bits: bytes) -> bytes:
         """The state in ``bits`` as bytes safe for ``pickle.loads``: rebuilt from a state that
@@ -199,6 +229,7 @@ class GuardedBackend(RendezvousBackend):
             if self.rules is not None:
                 self.rules.admit(clean)
         except Exception as exc:  # whatever a malformed pickle raises: refused
+            self._stale = isinstance(exc, StaleState)
             self._refuse(exc)
             last = self._last if self._last is not None else self._empty
             return last if self.rules is None else self.rules.review(last, True)
@@ -365,8 +396,8 @@ class RoundRules:
     complete round (a round whose last participant left becomes the next, open one). A
     state that does (a node writing back its stale view of a round the others completed
     after a store writer erased the state, or a replay of a state this job wrote earlier) is
-    refused like a planted one (:meth:`admit`): this node goes on with the newer state it
-    read and its next write puts that back.
+    refused like a planted one (:meth:`admit`), and the node writes the newer state it read
+    back at once (by compare-and-set over the stale one; not while it leaves its round).
 
     A refused read answers the last state that passed. While this node leaves its round to
     join the next (:func:`leaving_round`), that state may be a complete round the others have
@@ -374,22 +405,33 @@ class RoundRules:
     it would finish it again, short of a node, against that round's old assignment. So
     then, if this node took part in that complete round, the refused read reads as the next
     round, open, with nobody in it: its join adds itself, the others re-add themselves.
-
+    Leaving ends with the first state of a later round this node reads (it joined that
+    round), although the agent's join goes on (the slot agreement): a refused read then is
+    the round it joined, not one more.
     """
 
     def __init__(self, me: Any) -> None:
         self.me = me
         self.leaving = False
+        self.left: int | None = None
+        """While leaving: the round this node leaves (None: it had read none)."""
         self.newest: tuple[int, bool] | None = None
         """(round, complete) of the newest state that passed here."""
 
+    def leaves(self, order: tuple[int, bool] | None) -> bool:
+        """True while this node leaves the round of ``order`` (a state's round, complete):
+        a later round is one it joined, whatever its join still does after."""
+        if not self.leaving or order is None:
+            return self.leaving
+        return self.left is None or order[0] <= self.left
+
     def admit(self, bits: bytes) -> None:
-        """Raise :class:`StateRefused` if the state in ``bits`` (checked bytes) is older than
+        """Raise :class:`StaleState` if the state in ``bits`` (checked bytes) is older than
         one this node read before: a lower round, or a round it read complete, open again."""
         state = load_rendezvous_state(bits)
         order = (int(state.round), bool(state.complete))
         if self.newest is not None and order < self.newest:
-            raise StateRefused(
+            raise StaleState(
                 f"round {order[0]} ({'complete' if order[1] else 'open'}) is older than the "
                 f"round {self.newest[0]} ({'complete' if self.newest[1] else 'open'}) this node "
                 "read: a replayed state, or a node's stale view written back"
@@ -403,6 +445,8 @@ class RoundRules:
             return bits
         state = load_rendezvous_state(bits)
         if not (state.complete and self.me in state.participants):
+            return bits
+        if not self.leaves((state.round, state.complete)):
             return bits
         after = dynamic_rendezvous._RendezvousState()
         after.round, after.closed = state.round + 1, state.closed
@@ -419,8 +463,8 @@ def leaving_round(handler: Any) -> Iterator[None]:
     if rules is None:
         yield
         return
-    rules.leaving = True
+    rules.leaving, rules.left = True, rules.newest[0] if rules.newest else None
     try:
         yield
     finally:
-        rules.leaving = False
+        rules.leaving, rules.left = False, None

@@ -15,6 +15,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -227,8 +228,8 @@ def test_a_refused_read_while_leaving_a_complete_round_reads_as_the_next_round()
 def test_a_round_read_complete_does_not_come_back_open_nor_an_older_round() -> None:
     """Node a read round 1 complete; a node's stale view of round 1, open, written back with
     this job's MAC (as after a store writer erased the state), and a replay of round 0 are
-    refused like planted states: a reads its last good state, with the stale write's token,
-    so its next write puts round 1 back. A newer round passes."""
+    refused like planted states, and a writes round 1 back over them at once (its answer:
+    that state and its token). A newer round passes."""
     a, b = _NodeDesc("host-a", 11, 0), _NodeDesc("host-b", 12, 1)
     key = b"k" * 32
     inner = DictBackend()
@@ -252,10 +253,31 @@ def test_a_round_read_complete_does_not_come_back_open_nor_an_older_round() -> N
     assert read(state(0, True, a, b))[:2] == (0, True)
     assert read(state(1, False, b))[:2] == (1, False)
     assert read(state(1, True, a, b))[:3] == (1, True, {a, b})
-    stale = read(state(1, False, b))
-    assert stale == (1, True, {a, b}, inner.token)  # refused: its token, to be overwritten
+    stale = read(state(1, False, b))  # refused, and round 1 complete written back over it
+    assert stale == (1, True, {a, b}, inner.token)
+    assert inner.value is not None
+    back = load_rendezvous_state(unseal(key, b"r", inner.value))
+    assert (back.round, back.complete, set(back.participants)) == (1, True, {a, b})
     assert read(state(0, True, a, b))[:2] == (1, True)  # a replay of an older round
-    assert read(state(2, False, b))[:3] == (2, False, {b})  # the next round passes
+    # a's own write meets a stale state (its compare-and-set fails on it): written back too
+    inner.value, inner.token = state(1, False, b), inner.token + 1
+    mine = _RendezvousState()
+    mine.round, mine.complete, mine.participants = 1, True, {a: 0, b: 1}
+    answer = guard.set_state(pickle.dumps(mine), inner.token - 1)
+    assert answer is not None and not answer[2] and answer[1] == inner.token
+    back = load_rendezvous_state(unseal(key, b"r", inner.value))
+    assert (back.round, back.complete, set(back.participants)) == (1, True, {a, b})
+    # Leaving round 1 (as the agent's join does), a refused read is round 2, open, empty;
+    # once this node read round 2 complete (it joined), a stale state of round 2 is written
+    # back, and a planted one reads as round 2 still: leaving round 1 is over.
+    with leaving_round(SimpleNamespace(_state_holder=SimpleNamespace(_backend=guard))):
+        assert read(b"planted")[:3] == (2, False, set())
+        assert read(state(2, False, b))[:3] == (2, False, {b})
+        assert read(state(2, True, a, b))[:3] == (2, True, {a, b})
+        assert read(state(2, False, b))[:3] == (2, True, {a, b})
+        back = load_rendezvous_state(unseal(key, b"r", inner.value))
+        assert (back.round, back.complete) == (2, True)
+        assert read(b"planted")[:3] == (2, True, {a, b})
 
 
 def _join(handler: Any, results: dict[str, Any], name: str) -> threading.Thread:
