@@ -20,7 +20,8 @@ classes (``_RendezvousState``, ``_NodeDesc``: :func:`load_rendezvous_state`):
    (no last state: a fresh, empty one). Each incident is logged once (then a count at most
    every :data:`LOG_EVERY_S`), and once more when a state passes again.
 4. :class:`RoundRules` reads every state: rounds only move forward (an older round, or a
-   round read complete and then open again, is refused like a planted state), and while the
+   round read complete and then open again, is refused like a planted state, and the node
+   writes the newest state it read back over it at once), and while the
    node leaves its round a refused read does not bring back a round that ended
    (:func:`leaving_round`).
 
@@ -178,7 +179,8 @@ class GuardedBackend(RendezvousBackend):
         return str(self._inner.name)
 
     def get_state(self) -> tuple[bytes, Any] | None:
-        """The checked state and its token (None: no state). See the module docstring."""
+        """The checked state and its token (None: no state); a stale state is written over
+        first, and that write answered. See the module docstring."""
         got = self._inner.get_state()
         if got is None:
             return None
@@ -429,7 +431,7 @@ class RoundRules:
         """Raise :class:`StaleState` if the state in ``bits`` (checked bytes) is older than
         one this node read before: a lower round, or a round it read complete, open again."""
         state = load_rendezvous_state(bits)
-        order = (int(state.round), bool(state.complete))
+        order = (state.round, state.complete)
         if self.newest is not None and order < self.newest:
             raise StaleState(
                 f"round {order[0]} ({'complete' if order[1] else 'open'}) is older than the "
@@ -444,9 +446,9 @@ class RoundRules:
         if not (refused and self.leaving):
             return bits
         state = load_rendezvous_state(bits)
-        if not (state.complete and self.me in state.participants):
-            return bits
-        if not self.leaves((state.round, state.complete)):
+        if not (
+            state.complete and self.me in state.participants and self.leaves((state.round, True))
+        ):
             return bits
         after = dynamic_rendezvous._RendezvousState()
         after.round, after.closed = state.round + 1, state.closed

@@ -46,7 +46,7 @@ from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
 from ftmem.launch.peers import host_key_path
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.procs import REPO, WORKLOAD, python_stacks  # noqa: F401 (WORKLOAD: re-exported)
+from tests._support.procs import REPO, WORKLOAD, Procs, python_stacks  # noqa: F401 (WORKLOAD: re-exported)
 from tests._support.workload import TINY_ARGS, digests
 
 log = logging.getLogger(__name__)
@@ -569,7 +569,6 @@ def reference_digests(launcher: Launcher, steps: int, nproc: int = 2) -> dict[in
     the job it is compared with; cached per session). Its ranks save every step into an SMP
     as under ftmem-launch, but are forked from one process that imported torch once
     (:func:`tests._support.ranks.run_ranks`): no agent, no fork server to start."""
-    from tests._support.procs import Procs
     from tests._support.ranks import run_ranks  # (it imports this module)
 
     key = (str(steps), str(nproc))
