@@ -17,6 +17,7 @@ import argparse
 import gc
 import hashlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         max_position_embeddings=32,
     )
     model = LlamaForCausalLM(config)
-    out = tempfile.mkdtemp(prefix="ftmem-hf-out-")
+    # save_strategy="no": the Trainer writes nothing here. Under ftmem-launch it goes with the
+    # run directory, so a rank killed mid-run leaves nothing in /tmp.
+    out = tempfile.mkdtemp(prefix="ftmem-hf-out-", dir=os.environ.get("FTMEM_RUN_DIR"))
     targs = TrainingArguments(
         output_dir=out,
         max_steps=args.steps,
@@ -129,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = FtmemTrainer(model=model, args=targs, train_dataset=data)
         if args.fail_at_step:
             trainer.add_callback(FailOnce(args.fail_at_step, args.fail_rank, trainer))
-    metrics = trainer.train().metrics
+    try:
+        metrics = trainer.train().metrics
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     resumed = getattr(trainer, "ftmem_restored_step", 0)
     print(f"[rank {rank}] train_runtime {metrics['train_runtime']:.3f} s", flush=True)
     print(f"[rank {rank}] resumed from step {resumed}", flush=True)

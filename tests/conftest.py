@@ -22,6 +22,20 @@ from tests._support.launcher import Launcher, pid_gone, running_smp, shm_files, 
 from tests._support.procs import Procs
 from tests._support.smp_mesh import Cluster
 
+FAULTS = Path(__file__).resolve().parent / "faults"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """How pytest-xdist shares the suite (``-n 2 --dist loadgroup``, the default options): the
+    fault tests (whole jobs with real failures, most of the suite's time) run one after
+    another on one worker, never beside each other, while the other worker runs the rest a
+    file at a time (a module's fixtures are made once). Without xdist this does nothing."""
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        group = "faults" if FAULTS in path.parents else path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture
 def run_dir() -> Iterator[Path]:

@@ -44,6 +44,7 @@ from transformers.trainer_callback import TrainerState
 
 import ftmem
 from ftmem.client.rng import DeferredRNGState
+from ftmem.config import ENV_RUN_DIR
 from ftmem.errors import FtmemError
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,9 @@ class FtmemTrainer(Trainer):
         kwargs: dict[str, Any] = {"trial": trial, "ignore_keys_for_eval": ignore_keys_for_eval}
         if resume_from_checkpoint is not None:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        self._ftmem_dir = tempfile.mkdtemp(prefix="ftmem-hf-")
+        # In the launcher's run directory (removed with it) when there is one: a rank killed
+        # mid-run skips the ``finally`` below and would leave the directory in /tmp.
+        self._ftmem_dir = tempfile.mkdtemp(prefix="ftmem-hf-", dir=os.environ.get(ENV_RUN_DIR))
         try:
             fresh = TrainerState()  # what the Trainer checks against its arguments
             fresh.train_batch_size = self._train_batch_size

@@ -64,6 +64,8 @@ def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
         json.dumps({"slot": "0", "size": 2}),
         json.dumps([0, 2]),
     ],
+    # (ids, not the values: the MACs differ in each pytest-xdist worker's collection)
+    ids=["generation", "key", "round", "rank", "no-mac", "not-json", "fields", "list"],
 )  # fmt: skip
 def test_a_rogue_offer_claims_nothing(store: TCPStore, planted: Any) -> None:
     # group rank 1's key holds what a store writer planted: slot 0 is not taken from this
@@ -98,6 +100,7 @@ def assignment(slots: Any, round_: int = 9, job: Any = JOB) -> str:
         "[0, 0]",
         "nope",
     ],
+    ids=["two-in-one-slot", "key", "round", "list", "not-json"],
 )
 def test_a_planted_assignment_is_refused(store: TCPStore, planted: str) -> None:
     store.set("ftmem/slots", planted)
