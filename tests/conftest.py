@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     another on one worker, never beside each other, while the other worker runs the rest a
     file at a time (a module's fixtures are made once). Without xdist this does nothing."""
     for item in items:
-        path = Path(str(item.path)).resolve()
+        path = item.path.resolve()
         group = "faults" if FAULTS in path.parents else path.name
         item.add_marker(pytest.mark.xdist_group(group))
 

@@ -30,7 +30,7 @@ STEPS = 30
 SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.1", *TINY]
 
 
-def wait_flushed(tier: Path, step: int, timeout: float = 120.0, count: int = 1) -> list[int]:
+def wait_flushed(tier: Path, step: int, count: int, timeout: float = 120.0) -> list[int]:
     """Wait until ``tier`` holds a complete checkpoint of ``step`` or newer and ``count``
     complete checkpoints in all; return their steps."""
     deadline = time.monotonic() + timeout
