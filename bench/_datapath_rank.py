@@ -58,7 +58,13 @@ def smp_args(hash_threads: int) -> tuple[list[str], str]:
     if "--hash-threads" not in help_text:
         return [], "`--hash-threads` not offered by this SMP (it does not hash: the rank does)"
     if hash_threads <= 0:
-        return [], "`--hash-threads` offered by this SMP, left at its default"
+        try:
+            from ftmem.config import hash_threads_for
+
+            here = f" ({hash_threads_for(0)} threads here)"
+        except ImportError:  # a checkout from before the automatic default
+            here = ""
+        return [], f"`--hash-threads` offered by this SMP, left at its default{here}"
     return ["--hash-threads", str(hash_threads)], f"`--hash-threads {hash_threads}`"
 
 

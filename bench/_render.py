@@ -63,7 +63,8 @@ def _command(doc: Doc) -> str:
             skip = True
         elif a != "--no-write" and not a.startswith(("--json=", "--out=")):
             args.append(shlex.quote(a))
-    return " ".join([f"python bench/{doc['part'].replace('-', '_')}.py", *args])
+    script = "datapath" if doc["part"] == "gpu" else doc["part"].replace("-", "_")  # --gpu
+    return " ".join([f"python bench/{script}.py", *args])
 
 
 def head(name: str, title: str, doc: Doc) -> list[str]:

@@ -359,7 +359,7 @@ def run_gpu(args: argparse.Namespace, sizes: list[float]) -> GpuResult:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         res.device = f"{torch.cuda.get_device_name()} ({props.total_memory / GiB:.0f} GiB)"
-        smp_extra, res.smp_note = smp_args(args.hash_threads)
+        smp_extra, res.smp_note = smp_args(args.hash_threads or 0)
         for size in sizes:
             try:
                 res.sizes.append(measure_gpu_size(size, args, smp_extra))
@@ -389,8 +389,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms", type=float, default=None, help="compute between saves (ms)")
     p.add_argument("--dcp-saves", type=int, default=None, help="dcp.async_save saves (K)")
     p.add_argument("--slots", type=int, default=2, help="SMP slots per rank")
-    hash_threads = "the SMP's --hash-threads, if it has that flag (default 1; 0: leave its default)"
-    p.add_argument("--hash-threads", type=int, default=1, help=hash_threads)
+    hash_threads = (
+        "the SMP's --hash-threads, if it has that flag (default 1, the CPU-only node's; with "
+        "--gpu the SMP's own default, which uses a GPU host's idle cores; 0: its default)"
+    )
+    p.add_argument("--hash-threads", type=int, default=None, help=hash_threads)
     p.add_argument("--hash-mib", type=int, default=None, help="buffer of the hash table (MiB)")
     p.add_argument("--idle-s", type=float, default=None, help="SMP idle CPU measured this long")
     loose = "fraction of the state in loose tensors (no optimizer: copied inside save())"
@@ -427,7 +430,7 @@ def run(argv: list[str]) -> DatapathResult | GpuResult:
         logger.info("hash table on %d MiB", args.hash_mib)
         hashes = bench_hashes(args.hash_mib, args.repeats)
         gc.collect()
-    smp_extra, smp_note = smp_args(args.hash_threads)
+    smp_extra, smp_note = smp_args(1 if args.hash_threads is None else args.hash_threads)
     keys = "profile saves repeats compute_ms dcp_saves slots loose_frac".split()
     same = {k: getattr(args, k) for k in keys}
     res = DatapathResult(argv=argv, machine=machine, smp_note=smp_note, hashes=hashes, **same)

@@ -15,14 +15,16 @@
 #   1. install offline: pip install --no-deps --no-index --find-links WHEEL_DIR (what is already
 #      installed at a version that fits is kept), then pip install --no-deps -e . (PYTHONPATH
 #      holds the checkout as well).
-#   2. every CUDA test: the test files that skip without CUDA (found by grep), JUnit XML.
+#   2. bench/gpu_phases.py: the same state's save and restore taken apart phase by phase, with
+#      the link's and page-locking's own figures (phases.json).
 #   3. bench/datapath.py --gpu --quick: a >= 4 GiB CUDA state, stall, pinned D2H GB/s, D2H to
 #      commit, restore (section `gpu`, written by the bench's own writer).
+#   3b. every CUDA test: the test files that skip without CUDA (found by grep), JUnit XML.
 #   4. dcp.async_save with pinned staging (DefaultStager) on the same CUDA state: blocking,
 #      until staged, until written, D2H GB/s. datapath.py --gpu has no DCP baseline (its
 #      baseline is the bare pinned copy), so this step runs bench/_baselines.dcp_async_saves.
 # Outputs, in $OUT if set, else ./device-out (at most 8 files come back from the device):
-#   device-check.log (everything), summary.txt (one line a step), cuda-tests.xml, gpu.json,
+#   device-check.log (everything), summary.txt (one line a step), phases.json, cuda-tests.xml, gpu.json,
 #   dcp-pinned.json, benchmarks.md (docs/benchmarks.md with the `gpu` section updated).
 # Exit status: 0 every step passed; 1 a step failed or ran out of time; 2 no CUDA; 3 usage, or
 # no wheels where the device install expects them.
@@ -226,6 +228,10 @@ sys.exit(0 if tests > skipped else 1)
 EOF
 }
 
+phases() {
+    "$PYTHON" bench/gpu_phases.py --gib "$DCP_GIB" --json "$OUT_DIR/phases.json"
+}
+
 gpu_bench() {
     # The bench's own writer updates docs/benchmarks.md; a copy of it goes to $OUT.
     # shellcheck disable=SC2086 # GPU_ARGS holds several flags
@@ -269,6 +275,12 @@ options = StagingOptions(
     use_non_blocking_copy=True,
 )
 stager = DefaultStager(options)
+# torch 2.11's DefaultStager closes its StateDictStager after every stage, so a reused one fails
+# its second save with KeyError: <class 'type'> (pytorch/pytorch#183413, fixed by #183424 for
+# later releases): keep its staging buffers across saves, as those releases do.
+inner = getattr(stager, "_state_dict_stager", None)
+if inner is not None:
+    inner.close = lambda: None
 disk = tempfile.mkdtemp(prefix="ftmem-dcp-pinned-")
 try:
     r = baselines.dcp_async_saves(sd, disk, saves, stager)
@@ -325,8 +337,9 @@ device() {
         printf '%s' "$SUMMARY" >"$OUT_DIR/summary.txt"
         exit 3
     fi
-    run_step "CUDA tests" 180 cuda_tests
+    run_step "bench/gpu_phases.py (where a save's and a restore's time goes)" 150 phases
     run_step "bench/datapath.py --gpu $GPU_ARGS" 240 gpu_bench
+    run_step "CUDA tests" 180 cuda_tests
     run_step "dcp.async_save, pinned staging, ${DCP_GIB} GiB" 120 dcp_pinned
     echo
     echo "summary (${SECONDS}s of the ${BUDGET_S}s budget):"
@@ -339,7 +352,7 @@ case "${1:-}" in
     --dry-run) device 1 ;;
     --_step)
         case "${2:-}" in
-            install | cuda_tests | gpu_bench | dcp_pinned) "$2" ;;
+            install | phases | cuda_tests | gpu_bench | dcp_pinned) "$2" ;;
             *) exit 3 ;;
         esac
         ;;

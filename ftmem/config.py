@@ -165,9 +165,12 @@ class SmpConfig:
     """The flush writes with O_DIRECT where the file system allows it (else buffered)."""
     flush_on_stop: timedelta = timedelta(seconds=60)
     """On SIGTERM (preemption), time allowed for a final flush of the newest step."""
-    hash_threads: int = 1
-    """Threads that checksum committed slots (xxh3 releases the GIL). On a GPU node these are
-    the host's idle cores; on a CPU-only node they share the cores with training."""
+    hash_threads: int = 0
+    """Threads that checksum committed slots (xxh3 releases the GIL); 0: half the cores this
+    process may run on, at most 8 (:func:`hash_threads_for`). On a GPU node these are the
+    host's idle cores: one thread checks ~7 GB/s, so a 4.5 GiB snapshot takes 0.7 s on one and
+    0.1 s on 8, and the slot it replaces stays held until then. On a 2-core CPU-only node it
+    is 1, sharing the cores with training."""
 
     def __post_init__(self) -> None:
         check_name("run_id", self.run_id)
@@ -177,13 +180,21 @@ class SmpConfig:
             raise ValueError(f"slots must be >= 2, got {self.slots}")
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be >= 4096")
-        if not 1 <= self.hash_threads <= 64:
-            raise ValueError(f"hash_threads must be in [1, 64], got {self.hash_threads}")
+        if not 0 <= self.hash_threads <= 64:
+            raise ValueError(f"hash_threads must be in [0, 64], got {self.hash_threads}")
 
     @property
     def endpoint(self) -> str:
         """The ZeroMQ endpoint ranks connect to."""
         return f"ipc://{self.run_dir / SOCKET_NAME}"
+
+
+def hash_threads_for(setting: int) -> int:
+    """The SMP's hashing threads for ``SmpConfig.hash_threads`` (0: half the cores this
+    process may run on, at least 1, at most 8)."""
+    if setting > 0:
+        return setting
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def field_default(cls: type, name: str) -> Any:

@@ -48,8 +48,11 @@ from ftmem.protocol.smp_client import SmpClient
 log = get_logger(__name__)
 
 PREMAP_WAIT_S = 0.05
-"""How long a save waits for the copy thread to map a newly granted slot before it skips
-(see ``Checkpointer._take_grant``)."""
+"""How long a save waits for the copy thread to map a newly granted slot of at most
+``PREMAP_WAIT_MAX_BYTES`` before it skips (see ``Checkpointer._take_grant``)."""
+PREMAP_WAIT_MAX_BYTES = 1 << 30
+"""A larger slot is not waited for: mapping and page-locking it takes longer than any wait a
+save could afford (0.2 s/GiB to page-lock a resident slot on an H200 host)."""
 
 
 @dataclass
@@ -299,7 +302,7 @@ class Checkpointer:
 
         A new slot file is mapped (and on CUDA page-locked) by the copy thread right after
         the COMMIT; a save that comes sooner waits for that at most ``PREMAP_WAIT_S`` (a small
-        slot is mapped by then) and is otherwise skipped, keeping the grant: mapping a slot of
+        slot is mapped by then; a slot of GiBs is not waited for) and is otherwise skipped, keeping the grant: mapping a slot of
         GiBs takes seconds, which the training thread never waits for (``final``: the last
         save waits)."""
         job = self._job
@@ -310,7 +313,10 @@ class Checkpointer:
             return None
         if not self._slots.grant_ready(grant):
             return None  # conditional and not (yet) settled: the BEGIN gives it back
-        wait = self.config.request_timeout.total_seconds() if final else PREMAP_WAIT_S
+        if final:
+            wait = self.config.request_timeout.total_seconds()
+        else:
+            wait = PREMAP_WAIT_S if grant.capacity <= PREMAP_WAIT_MAX_BYTES else 0.0
         if not job.premapped.wait(wait):
             job.grant = grant
             return _Refusal("a new slot is being mapped", tell=True)

@@ -175,9 +175,9 @@ class FtmemLaunchConfig:
     def __post_init__(self) -> None:
         if self.slots < 2:
             raise ValueError(f"--ftmem-tune slots must be >= 2, got {self.slots}")
-        if not 1 <= self.hash_threads <= 64:
+        if not 0 <= self.hash_threads <= 64:
             raise ValueError(
-                f"--ftmem-tune hash-threads must be in [1, 64], got {self.hash_threads}"
+                f"--ftmem-tune hash-threads must be in [0, 64], got {self.hash_threads}"
             )
         if not 0 <= self.standby <= 4:
             raise ValueError(f"--ftmem-standby must be in [0, 4], got {self.standby}")

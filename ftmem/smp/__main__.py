@@ -73,7 +73,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--hash-threads",
         type=int,
         default=None,
-        help="threads that checksum committed snapshots (default 1)",
+        help="threads that checksum committed snapshots (default 0: half the cores, at most 8)",
     )
     p.add_argument(
         "--ready-fd",

@@ -27,7 +27,7 @@ import zmq
 
 from ftmem._logging import get_logger
 from ftmem._process import pid_alive
-from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig
+from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig, hash_threads_for
 from ftmem.errors import ErrorKind, ProtocolError, SmpStartError, UnsafePathError
 from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.protocol import messages as m
@@ -80,7 +80,7 @@ class SmpDaemon:
         self.bad_messages = 0
         self.started_at = time.time()
         self._stopped_by_signal = False
-        self.hasher = HashService(config.node, config.hash_threads)
+        self.hasher = HashService(config.node, hash_threads_for(config.hash_threads))
         self.files = SlotFiles(config.shm_dir, config.run_id, config.node)
         self.node_lock = NodeLock(config.run_id, config.node)
         """Held while this SMP lives: no other SMP of this user serves this run and node."""

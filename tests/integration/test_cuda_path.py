@@ -277,3 +277,48 @@ def test_snapshot_corrupted_in_shared_memory_after_commit_is_not_restored(
     model2, opt2 = make(seed=1)
     assert restore(run_dir, {"model": model2, "optim": opt2}) == 1
     assert_same(tensors_of(model2, opt2), at1)
+
+
+def odd_state(seed: int) -> dict[str, torch.Tensor]:
+    """CUDA tensors that cross the restore's staging buffers unevenly: 21 MiB + 12 bytes of
+    float32 (three 8 MiB runs, the last short), bf16, a transposed (strided) one, an empty one
+    and many small ones, beside one CPU tensor."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    out = {
+        "big": torch.randn((21 << 20) // 4 + 3, device=DEVICE, generator=g),
+        "half": torch.randn(3 << 20, device=DEVICE, generator=g).to(torch.bfloat16),
+        "strided": torch.randn(512, 768, device=DEVICE, generator=g).t(),
+        "empty": torch.empty(0, device=DEVICE),
+        "cpu": torch.arange(1000, dtype=torch.int64) * (seed + 1),
+    }
+    out |= {f"small{i}": torch.randn(100 + i, device=DEVICE, generator=g) for i in range(50)}
+    return out
+
+
+def test_restore_through_staging_buffers_is_bitwise_and_a_corrupt_run_falls_back(
+    ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str
+) -> None:
+    """Restoring into CUDA tensors goes through page-locked staging buffers, 8 MiB at a time,
+    each run checked before it is copied. Tensors of uneven sizes come back bitwise; with a
+    byte of step 2's big tensor flipped in its third run, load falls back to step 1 and every
+    tensor, those step 2 had already copied included, holds step 1's bytes."""
+    state = odd_state(1)
+    commit(ckpt, state, 1)
+    at1 = {k: v.clone() for k, v in state.items()}
+    for k, v in odd_state(2).items():
+        state[k].copy_(v)
+    torch.cuda.synchronize()
+    commit(ckpt, state, 2)
+    at2 = {k: v.clone() for k, v in state.items()}
+    wait_verified(run_dir, 2)
+
+    target = odd_state(3)
+    assert restore(run_dir, target) == 2
+    assert_same(target, at2)
+
+    big = state["big"]
+    path, at = slot_holding(run_id, raw(big[:1024]))
+    flip_byte(path, at + big.nbytes - 100)  # the third 8 MiB run of the tensor
+    target = odd_state(3)
+    assert restore(run_dir, target) == 1
+    assert_same(target, at1)
