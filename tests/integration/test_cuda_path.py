@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import ftmem
+from ftmem.client.restore import STAGING_BYTES
 from ftmem.config import ClientConfig
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
@@ -280,12 +281,12 @@ def test_snapshot_corrupted_in_shared_memory_after_commit_is_not_restored(
 
 
 def odd_state(seed: int) -> dict[str, torch.Tensor]:
-    """CUDA tensors that cross the restore's staging buffers unevenly: 21 MiB + 12 bytes of
-    float32 (three 8 MiB runs, the last short), bf16, a transposed (strided) one, an empty one
+    """CUDA tensors that cross the restore's staging buffers unevenly: 2.5 buffers + 12 bytes
+    of float32 (three runs, the last short), bf16, a transposed (strided) one, an empty one
     and many small ones, beside one CPU tensor."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     out = {
-        "big": torch.randn((21 << 20) // 4 + 3, device=DEVICE, generator=g),
+        "big": torch.randn(STAGING_BYTES * 5 // 8 + 3, device=DEVICE, generator=g),
         "half": torch.randn(3 << 20, device=DEVICE, generator=g).to(torch.bfloat16),
         "strided": torch.randn(512, 768, device=DEVICE, generator=g).t(),
         "empty": torch.empty(0, device=DEVICE),
@@ -298,8 +299,8 @@ def odd_state(seed: int) -> dict[str, torch.Tensor]:
 def test_restore_through_staging_buffers_is_bitwise_and_a_corrupt_run_falls_back(
     ckpt: ftmem.Checkpointer, run_dir: Path, run_id: str
 ) -> None:
-    """Restoring into CUDA tensors goes through page-locked staging buffers, 8 MiB at a time,
-    each run checked before it is copied. Tensors of uneven sizes come back bitwise; with a
+    """Restoring into CUDA tensors goes through page-locked staging buffers, a run of pieces
+    at a time, each run checked before it is copied. Tensors of uneven sizes come back bitwise; with a
     byte of step 2's big tensor flipped in its third run, load falls back to step 1 and every
     tensor, those step 2 had already copied included, holds step 1's bytes."""
     state = odd_state(1)
@@ -318,7 +319,7 @@ def test_restore_through_staging_buffers_is_bitwise_and_a_corrupt_run_falls_back
 
     big = state["big"]
     path, at = slot_holding(run_id, raw(big[:1024]))
-    flip_byte(path, at + big.nbytes - 100)  # the third 8 MiB run of the tensor
+    flip_byte(path, at + big.nbytes - 100)  # the tensor's third run
     target = odd_state(3)
     assert restore(run_dir, target) == 1
     assert_same(target, at1)
