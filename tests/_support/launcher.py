@@ -564,14 +564,16 @@ def failure_free_digests(launcher: Launcher, script: list[str], timeout: float) 
     return want
 
 
-def reference_digests(launcher: Launcher, steps: int, nproc: int = 2) -> dict[int, str]:
+def reference_digests(
+    launcher: Launcher, steps: int, nproc: int = 2, extra: Sequence[str] = ()
+) -> dict[int, str]:
     """Digests of a failure-free run of the example with ``nproc`` ranks (the world size of
-    the job it is compared with; cached per session). Its ranks save every step into an SMP
+    the job it is compared with) and the workload's ``extra`` arguments (cached per session). Its ranks save every step into an SMP
     as under ftmem-launch, but are forked from one process that imported torch once
     (:func:`tests._support.ranks.run_ranks`): no agent, no fork server to start."""
     from tests._support.ranks import run_ranks  # (it imports this module)
 
-    key = (str(steps), str(nproc))
+    key = (str(steps), str(nproc), *extra)
     if key not in _REFERENCE:
         rid = launcher.new_run_id()
         run_dir = Path(tempfile.mkdtemp(prefix=f"reference{nproc}-", dir=launcher.tmp))
@@ -581,7 +583,7 @@ def reference_digests(launcher: Launcher, steps: int, nproc: int = 2) -> dict[in
                 ref = run_ranks(
                     procs,
                     run_dir,
-                    ["--steps", str(steps), *TINY],
+                    ["--steps", str(steps), *TINY, *extra],
                     world=nproc,
                     env_extra={ENV_RUN_DIR: str(run_dir), ENV_RUN_ID: rid},
                     timeout=240,

@@ -254,6 +254,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="length of the cosine schedule (default: --steps)",
     )
     p.add_argument("--batchnorm", action="store_true", help="add a BatchNorm1d (buffers)")
+    p.add_argument("--cuda", action="store_true", help="train on GPU LOCAL_RANK (gloo)")
     p.add_argument("--no-ftmem", action="store_true", help="train without snapshots")
     p.add_argument(
         "--in-process",
@@ -370,6 +371,13 @@ def train(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if args.cuda:
+        # Deterministic cuBLAS needs its workspace set before its first call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if args.in_process:
         # Known issue: without torch._dynamo imported, a survivor of a SIGKILLed peer can
         # stay in DDP's finalize_backward while the others rejoin in process (the agent's
@@ -399,6 +407,7 @@ def train(args: argparse.Namespace) -> int:
         dropout=args.dropout,
         batchnorm=args.batchnorm,
     )
+    model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %.2f M parameters", n_params / 1e6)
     torch.manual_seed(args.seed + 1000 * rank + 1)  # per-rank dropout masks
@@ -443,6 +452,7 @@ def train(args: argparse.Namespace) -> int:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             inputs, targets = loader.next_batch()
+            inputs, targets = inputs.to(device), targets.to(device)
             logits = train_model(inputs)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
             optimizer.zero_grad(set_to_none=True)
