@@ -98,6 +98,12 @@ MAX_MANIFEST_BYTES = 4 << 20
 MAX_HELD_REQUESTS = 1024
 """Most requests kept while the generation's sync has not decided who rebuilds."""
 
+ASK_AGAIN_S = 15.0
+"""A fetch or sizes request unanswered this long is sent to the same node again (a reply can
+be lost with a data-channel connection that broke, e.g. while a new machine joins under
+load); a reply that then comes twice is ignored. The rebuild as a whole stays bounded by the
+protector's timeout."""
+
 _HOLD = "hold"
 
 
@@ -146,9 +152,14 @@ class Rebuilder:
         self._asked: dict[tuple[int, int, int], tuple[int, pm.FetchRequest]] = {}
         """Fragment -> the node asked for it and the request (asked again once if refused)."""
         self._asked_again: set[tuple[int, int, int]] = set()
+        self._asked_at: dict[tuple[int, int, int], float] = {}
+        """Fragment -> when it was last asked for (unanswered for ASK_AGAIN_S: asked again)."""
+        self._answered: set[tuple[int, int, int]] = set()
+        """Fragments whose reply came (a second reply to a repeated request is ignored)."""
         self._refused_lost: set[tuple[int, int, int]] = set()
         self._meta: dict[int, tuple[pm.MetaReply, bytes]] = {}
         self._meta_wanted: int | None = None
+        self._meta_answered: set[int] = set()
         self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
         self._gate: dict[int, int] | str | None = None
         """None: serve the group; _HOLD: keep requests; else node -> the step it rebuilds."""
@@ -162,9 +173,12 @@ class Rebuilder:
         self._wanted.clear()
         self._asked.clear()
         self._asked_again.clear()
+        self._asked_at.clear()
+        self._answered.clear()
         self._refused_lost.clear()
         self._meta.clear()
         self._meta_wanted = None
+        self._meta_answered.clear()
         self._sums.clear()
         self._held.clear()
         self._refused_from.clear()
@@ -271,7 +285,10 @@ class Rebuilder:
     def on_meta(self, b: pm.MetaReply, bufs: tuple[memoryview, ...]) -> None:
         """A survivor's sizes of a step, this node's manifest and seal (only if asked for)."""
         if b.step != self._meta_wanted:
+            if b.step in self._meta_answered:  # the reply to a request asked again
+                return
             raise ProtocolError(f"sizes of step {b.step} nobody asked for")
+        self._meta_answered.add(b.step)
         if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
             raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
         self._meta_wanted = None
@@ -281,9 +298,14 @@ class Rebuilder:
         """A fetched fragment (empty: the holder no longer has it); only one asked for."""
         key = (b.step, b.stripe, b.frag)
         if key not in self._wanted:
+            if key in self._answered:  # the reply to a request asked again
+                log.debug("[%d] fragment %s came twice: ignored", self.p.me, key)
+                return
             raise ProtocolError(f"fragment {key} nobody asked for")
         self._wanted.discard(key)
+        self._answered.add(key)
         self._asked.pop(key, None)
+        self._asked_at.pop(key, None)
         self._asked_again.discard(key)
         if not bufs:  # the holder no longer has it
             self._fetched[key] = b""
@@ -311,6 +333,7 @@ class Rebuilder:
                 key,
                 sender,
             )
+            self._asked_at[key] = time.monotonic()
             self.p.send(sender, asked[1])
             return
         log.warning(
@@ -393,8 +416,22 @@ class Rebuilder:
         ``source`` and checked (module docstring) before anything is allocated."""
         p = self.p
         self._meta_wanted = step
+        self._meta_answered.discard(step)
         p.send(source, pm.MetaRequest(step))
-        p.pump(lambda: step in self._meta, lambda: f"no sizes of step {step} from node {source}")
+        asked = [time.monotonic()]
+
+        def done() -> bool:
+            if step in self._meta:
+                return True
+            if time.monotonic() - asked[0] >= ASK_AGAIN_S:
+                log.warning(
+                    "[%d] no sizes of step %d from node %d: asking again", p.me, step, source
+                )
+                asked[0] = time.monotonic()
+                p.send(source, pm.MetaRequest(step))
+            return False
+
+        p.pump(done, lambda: f"no sizes of step {step} from node {source}")
         reply, manifest = self._meta.pop(step)
         sizes = reply.sizes
         if set(sizes) != set(p.plan.nodes):
@@ -493,8 +530,27 @@ class Rebuilder:
             self._wanted.add(key)
             body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
             self._asked[key] = (f.node, body)
+            self._asked_at[key] = time.monotonic()
             self._asked_again.discard(key)
+            self._answered.discard(key)
             self.p.send(f.node, body)
+
+    def _ask_again(self) -> None:
+        """Send again each fetch unanswered for ``ASK_AGAIN_S`` (to the node asked before)."""
+        now = time.monotonic()
+        for key, at in list(self._asked_at.items()):
+            if now - at < ASK_AGAIN_S or key not in self._wanted:
+                continue
+            node, body = self._asked[key]
+            log.warning(
+                "[%d] fragment %s from node %d unanswered for %.0f s: asking again",
+                self.p.me,
+                key,
+                node,
+                now - at,
+            )
+            self._asked_at[key] = now
+            self.p.send(node, body)
 
     def _wait_fetched(
         self, step: int, wanted: set[tuple[int, int, int]], base: int = 0, overall: int = 0
@@ -507,6 +563,7 @@ class Rebuilder:
         on_progress = self.p.on_progress
 
         def done() -> bool:
+            self._ask_again()
             n = len(self._fetched)
             now = time.monotonic()
             if on_progress is not None and now - last[0] >= 1.0:

@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ftmem import shm
 from ftmem.errors import UnrecoverableError
-from ftmem.exchange import keys
+from ftmem.exchange import keys, rebuilder
 from ftmem.exchange.placement import GroupPlan, plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
@@ -83,11 +84,15 @@ def scenario(
     tamper: int | None = None,
     every: bool = True,
     encode_workers: int = 0,
+    serve_fetch: Callable[[Callable[..., None]], Callable[..., None]] | None = None,
+    dropped: dict[int, int] | None = None,
 ) -> dict[int, int]:
     """Protect, lose ``lost``, rebuild them bitwise; with ``tamper``, that survivor's data
     channel to each lost node goes through a proxy that flips a byte of every fragment (or,
     not ``every``, of the first). With ``encode_workers``, every node encodes in that many
-    worker processes. Returns each rebuilt node's count of refused messages."""
+    worker processes. ``serve_fetch`` wraps the first survivor's answer to fetches (to lose or
+    repeat replies); ``dropped`` gets each rebuilt node's count of messages it ignored as not
+    fitting its state. Returns each rebuilt node's count of refused messages."""
     plan = plan_group(list(range(n)), m)
     k = keys.generate()
     key = keys.CurveKeyPair(k.public, k.secret, from_file=key_file)  # seals checked if so
@@ -139,6 +144,9 @@ def scenario(
             prots[i].transport.connect(seen)
         for i in survivors:
             prots[i].rebuilder.serve_only(1, lost)
+        if serve_fetch is not None:
+            r = prots[survivors[0]].rebuilder
+            r.serve_fetch = serve_fetch(r.serve_fetch)  # type: ignore[method-assign]
         rebuilt: dict[int, bytes] = {}
 
         def rebuild(i: int) -> None:
@@ -157,6 +165,8 @@ def scenario(
         for i in lost:
             assert rebuilt[i] == data[i], f"node {i}'s snapshot was not rebuilt bitwise"
             assert prots[i].steps[1].parity == parity_before[i], f"node {i}'s parity differs"
+        if dropped is not None:
+            dropped.update({i: prots[i].dropped for i in lost})
         return {i: prots[i].transport.forged for i in lost}  # type: ignore[attr-defined]
     finally:
         done.set()
@@ -203,6 +213,42 @@ def test_with_m1_altered_fragments_are_refused_with_a_clear_error() -> None:
 def test_a_fragment_altered_once_is_asked_for_again_and_the_rebuild_succeeds() -> None:
     forged = scenario(3, 1, [1_000_000, 1_000_000, 1_000_000], {1}, tamper=0, every=False)
     assert forged[1] == 1, forged
+
+
+def test_a_fetch_whose_reply_is_lost_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first survivor swallows the first fetch it gets (as a reply lost with a broken
+    data-channel connection would be): unanswered, it is asked again and the rebuild ends
+    bitwise."""
+    monkeypatch.setattr(rebuilder, "ASK_AGAIN_S", 0.5)
+    seen: list[tuple[int, int, int]] = []
+
+    def lose_first(serve: Callable[..., None]) -> Callable[..., None]:
+        def serve_fetch(sender: int, b: Any) -> None:
+            seen.append((b.step, b.stripe, b.frag))
+            if len(seen) > 1:
+                serve(sender, b)
+
+        return serve_fetch
+
+    scenario(3, 1, [3_300_000, 1_000_000, 2_500_000], {2}, serve_fetch=lose_first)
+    assert seen.count(seen[0]) == 2, seen
+
+
+def test_a_reply_that_comes_twice_is_ignored() -> None:
+    """The first survivor answers every fetch twice (a request asked again whose first reply
+    was only late): the second reply is ignored as such, not counted as a message that does
+    not fit, and the rebuild ends bitwise."""
+
+    def twice(serve: Callable[..., None]) -> Callable[..., None]:
+        def serve_fetch(sender: int, b: Any) -> None:
+            serve(sender, b)
+            serve(sender, b)
+
+        return serve_fetch
+
+    dropped: dict[int, int] = {}
+    scenario(3, 1, [3_300_000, 1_000_000, 2_500_000], {2}, serve_fetch=twice, dropped=dropped)
+    assert dropped == {2: 0}
 
 
 def test_a_column_altered_on_the_data_channel_gives_the_round_up_at_once() -> None:
