@@ -23,17 +23,33 @@ from tests._support.procs import Procs
 from tests._support.smp_mesh import Cluster
 
 FAULTS = Path(__file__).resolve().parent / "faults"
+ONE_HOST_FAULTS = {
+    "test_agreement.py",
+    "test_cuda_launcher.py",
+    "test_fsdp.py",
+    "test_hf_trainer.py",
+    "test_in_process.py",
+    "test_last_step.py",
+    "test_launcher_faults.py",
+    "test_lightning.py",
+    "test_rank_kill.py",
+    "test_sharded.py",
+}
+"""Fault tests whose jobs run on this host alone (no namespace hosts, no etcd, no Slurm, no
+erasure-coded group): they may run beside the other fault tests, as unit tests do."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """How pytest-xdist shares the suite (``-n 2 --dist loadgroup``, the default options): the
-    fault tests (whole jobs with real failures, most of the suite's time) run one after
-    another on one worker, never beside each other, while the other worker runs the rest a
-    file at a time (a module's fixtures are made once). Without xdist this does nothing."""
+    fault tests of several hosts or services (whole jobs with real failures, most of the
+    suite's time) run one after another on one worker, never beside each other, while the
+    other worker runs the rest a file at a time (a module's fixtures are made once), the
+    one-host fault tests (``ONE_HOST_FAULTS``) included. Without xdist this does nothing."""
     for item in items:
         path = item.path.resolve()
-        group = "faults" if FAULTS in path.parents else path.name
+        alone = FAULTS in path.parents and path.name not in ONE_HOST_FAULTS
+        group = "faults" if alone else path.name
         item.add_marker(pytest.mark.xdist_group(group))
 
 
