@@ -241,7 +241,9 @@ def instrument() -> None:
     staging.CopyWorker._commit = _commit
 
 
-def saves_and_restore(st: dict[str, Any], n: int, smp_extra: list[str]) -> None:
+def saves_and_restore(
+    st: dict[str, Any], n: int, smp_extra: list[str], variants: bool = False
+) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ftmem-phases-"))
     (run_dir := tmp / "run").mkdir(mode=0o700)
     rows = []
@@ -276,7 +278,37 @@ def saves_and_restore(st: dict[str, Any], n: int, smp_extra: list[str]) -> None:
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
             print(text.getvalue())
             RESULT["restore_profile"] = text.getvalue()
-            restore_variants(ckpt, st)
+            if variants:
+                restore_variants(ckpt, st)
+
+
+def training_loop(st: dict[str, Any], steps: int, step_s: float) -> None:
+    """A fresh SMP and a loop as training runs it: a save every step, ``step_s`` of other
+    work between (a sleep: the GPU copies meanwhile), never a wait: every save()'s stall
+    from the very first, the skips and why, the first step committed and when."""
+    tmp = Path(tempfile.mkdtemp(prefix="ftmem-phases-loop-"))
+    (run_dir := tmp / "run").mkdir(mode=0o700)
+    stalls, skipped = [], []
+    with node_smp(run_dir, slots=2, extra_args=[], log_path=tmp / "smp.log") as _:
+        with connect(run_dir) as (ckpt, _client):
+            t0 = time.perf_counter()
+            for s in range(1, steps + 1):
+                time.sleep(step_s)
+                t1 = time.perf_counter()
+                h = ckpt.save(st, step=s)
+                stalls.append(time.perf_counter() - t1)
+                if h.skipped:
+                    skipped.append((s, h.reason))
+            ckpt.wait(timeout=300)
+            wall = time.perf_counter() - t0
+    put(
+        "loop_max_stall_s",
+        max(stalls),
+        f"{max(stalls):.4f} s (step {stalls.index(max(stalls)) + 1})",
+    )
+    put("loop_stalls_s", stalls, " ".join(f"{x * 1000:.1f}" for x in stalls) + " ms")
+    put("loop_skipped", skipped, f"{len(skipped)} of {steps}: {skipped}")
+    put("loop_wall_s", wall, f"{wall:.2f} s for {steps} steps of {step_s} s")
 
 
 def restore_variants(ckpt: Any, st: dict[str, Any]) -> None:
@@ -308,6 +340,8 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=4.0)
     p.add_argument("--saves", type=int, default=10)
     p.add_argument("--json", type=Path)
+    p.add_argument("--variants", action="store_true", help="restore with other threads/buffers")
+    p.add_argument("--no-link", action="store_true", help="skip the link's own figures")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("skipped: no CUDA")
@@ -323,9 +357,11 @@ def main() -> int:
         [layers, nbytes, len(tensors)],
         f"{layers}, {nbytes / GiB:.2f} GiB, {len(tensors)} tensors",
     )
-    section("link", lambda: link(tensors, nbytes))
+    if not args.no_link:
+        section("link", lambda: link(tensors, nbytes))
     instrument()
-    section("saves and restore", lambda: saves_and_restore(st, args.saves, []))
+    section("saves and restore", lambda: saves_and_restore(st, args.saves, [], args.variants))
+    section("a training loop: a save every step", lambda: training_loop(st, 30, 0.1))
     if args.json:
         args.json.write_text(json.dumps(RESULT, indent=1, default=str))
     return 1 if RESULT.get("errors") else 0

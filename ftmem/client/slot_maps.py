@@ -39,7 +39,10 @@ class SlotMappings:
 
     Resource handling: a mapping is closed when the SMP replaced its file (seen at the
     next :meth:`segment`) and by :meth:`close`. :meth:`segment` is called from the
-    training thread and the copy thread: a lock guards the mappings.
+    training thread and the copy thread: a lock guards the table of mappings but is never
+    held while a file is mapped (seconds for a new slot of GiBs, which the copy thread maps
+    after a COMMIT): a caller that needs the file another thread is mapping waits for that
+    one, any other goes on. The grant board has a lock of its own.
     """
 
     def __init__(self) -> None:
@@ -53,6 +56,9 @@ class SlotMappings:
         when the mapping is closed (holding the layout keeps its identity unique)."""
         self._board: tuple[str, mmap.mmap] | None = None
         self._lock = threading.Lock()
+        self._mapping: dict[str, threading.Event] = {}
+        """Files being mapped now (outside the lock) -> set when that is over."""
+        self._board_lock = threading.Lock()
 
     def grant_ready(self, grant: m.BeginReply) -> bool:
         """Whether the slot of ``grant`` may be written now: always for an unconditional
@@ -63,7 +69,7 @@ class SlotMappings:
         asks with a BEGIN, as without a grant."""
         if not grant.board:
             return True
-        with self._lock:
+        with self._board_lock:
             if self._board is None or self._board[0] != grant.board:
                 if self._board is not None:
                     self._board[1].close()
@@ -84,29 +90,49 @@ class SlotMappings:
                 private one (nothing is mapped).
             ValueError: ``path`` is not a slot file in :attr:`shm_dir`, or has another size.
         """
+        while True:
+            with self._lock:
+                seg = self._segments.get(path)
+                if seg is not None and seg.nbytes == capacity:
+                    return seg
+                busy = self._mapping.get(path)
+                if busy is None:
+                    done = self._mapping[path] = threading.Event()
+                    break
+            busy.wait()  # another thread maps this file: use its mapping (or map it anew)
+        try:
+            seg = MappedSegment(Path(path), capacity, self.shm_dir)
+        finally:
+            with self._lock:
+                del self._mapping[path]
+            done.set()
+        gone: list[MappedSegment] = []
         with self._lock:
-            seg = self._segments.get(path)
-            if seg is None or seg.nbytes != capacity:
-                seg = MappedSegment(Path(path), capacity, self.shm_dir)
-                self._segments[path] = seg
-                # Forget mappings of files the SMP replaced (one live file per slot).
-                for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
-                    gone = self._segments.pop(old)
-                    self._views.pop(id(gone), None)
-                    unregister_pinned(gone)
-                    gone.close()
-            return seg
+            self._segments[path] = seg
+            # Forget mappings of files the SMP replaced (one live file per slot).
+            for old in [p for p in self._segments if p != path and not os.path.exists(p)]:
+                if old not in self._mapping:
+                    gone.append(self._segments.pop(old))
+                    self._views.pop(id(gone[-1]), None)
+        for g in gone:
+            unregister_pinned(g)
+            g.close()
+        return seg
+
+    def prepare(self, path: str, capacity: int) -> MappedSegment:
+        """:meth:`segment`, and when this process uses CUDA, page-lock the mapping too
+        (cudaHostRegister: 0.2-0.3 s per GiB of a resident slot on an H200 host, which the
+        first save into the slot otherwise paid on the training thread). The copy thread
+        prepares each slot the SMP makes or grants before a save needs it."""
+        seg = self.segment(path, capacity)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            register_pinned(seg)
+        return seg
 
     def map_new(self, slots: list[m.SlotFile]) -> None:
-        """Map (and populate the page tables of) slots the SMP just made (copy thread); when
-        this process uses CUDA, page-lock them too (cudaHostRegister: ~50 ms per GiB on an
-        H100 host, which the first save into each slot otherwise paid on the training
-        thread)."""
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        """:meth:`prepare` each slot the SMP just made (copy thread)."""
         for slot in slots:
-            seg = self.segment(slot.path, slot.capacity)
-            if cuda:
-                register_pinned(seg)
+            self.prepare(slot.path, slot.capacity)
 
     def views(self, seg: MappedSegment, layout: Placement) -> list[torch.Tensor]:
         """The views of every tensor of ``layout`` in the mapping ``seg`` (cached)."""

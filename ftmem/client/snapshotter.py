@@ -263,7 +263,7 @@ class Checkpointer:
             gen=decision.gen,
         )
         job.next_nbytes = total
-        job.premap = self._slots.segment
+        job.premap = self._slots.prepare
         job.stall_s = self._last_save_s = time.perf_counter() - t0
         job.skipped = self._skipped
         if unsharded:

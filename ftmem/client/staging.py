@@ -335,19 +335,27 @@ def start_cuda_copies(
 
 _pinned: dict[int, int] = {}
 """id of a page-locked MappedSegment -> the registered address."""
+_pin_lock = threading.Lock()
+"""Held while a mapping is page-locked (the copy thread and the training thread may both ask
+for the same one; the second waits, then finds it done)."""
 
 
 def register_pinned(seg: MappedSegment) -> None:
     """Page-lock a slot mapping once (cudaHostRegister) so D2H copies into it are async."""
     if not torch.cuda.is_available() or id(seg) in _pinned:
         return
-    ptr = seg.tensor.data_ptr()
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    err = cudart.cudaHostRegister(ptr, seg.nbytes, 0)
-    if int(err) != 0:
-        log.warning("cudaHostRegister of %s failed (%s); copies will be synchronous", seg.path, err)
-        return
-    _pinned[id(seg)] = ptr
+    with _pin_lock:
+        if id(seg) in _pinned:
+            return
+        ptr = seg.tensor.data_ptr()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(ptr, seg.nbytes, 0)
+        if int(err) != 0:
+            log.warning(
+                "cudaHostRegister of %s failed (%s); copies will be synchronous", seg.path, err
+            )
+            return
+        _pinned[id(seg)] = ptr
 
 
 def is_pinned(seg: MappedSegment) -> bool:
@@ -357,7 +365,8 @@ def is_pinned(seg: MappedSegment) -> bool:
 
 def unregister_pinned(seg: MappedSegment) -> None:
     """Undo :func:`register_pinned` (before the mapping goes away); no-op if not pinned."""
-    ptr = _pinned.pop(id(seg), None)
+    with _pin_lock:
+        ptr = _pinned.pop(id(seg), None)
     if ptr is None:
         return
     torch.cuda.synchronize()  # no copy into it may still be in flight
