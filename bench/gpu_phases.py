@@ -314,7 +314,7 @@ def training_loop(st: dict[str, Any], steps: int, step_s: float) -> None:
 def restore_variants(ckpt: Any, st: dict[str, Any]) -> None:
     """The restore with other thread counts and staging buffer sizes than the shipped ones
     (set on the module for this process only): the best of 3 loads each."""
-    from ftmem.client import restore
+    from ftmem.client import device_restore as restore
 
     shipped = (restore.device_threads, restore.STAGING_BYTES)
     rows = []

@@ -168,8 +168,8 @@ class SmpConfig:
     hash_threads: int = 0
     """Threads that checksum committed slots (xxh3 releases the GIL); 0: half the cores this
     process may run on, at most 8 (:func:`hash_threads_for`). On a GPU node these are the
-    host's idle cores: one thread checks ~7 GB/s, so a 4.5 GiB snapshot takes 0.7 s on one and
-    0.1 s on 8, and the slot it replaces stays held until then. On a 2-core CPU-only node it
+    host's idle cores, and the slot a new snapshot replaces stays held until the snapshot is
+    checked, so more threads let saves follow each other sooner. On a 2-core CPU-only node it
     is 1, sharing the cores with training."""
 
     def __post_init__(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import threading
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from ftmem import faults
+from ftmem.client.device_restore import device_threads, to_device
 from ftmem.client.flatten import StoredSnapshot, StoredTensor, is_stateful
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
 from ftmem.format.layout import HASH_PIECE, digest, hash_bytes, piece_hashes, pieces
@@ -324,104 +324,6 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return pool
 
 
-STAGING_BYTES = 16 << 20
-"""Bytes of one page-locked staging buffer of :func:`_to_device` (a multiple of HASH_PIECE)."""
-
-
-def device_threads() -> int:
-    """Threads that check and stage a restore into CUDA tensors: up to 12 (the training loop
-    is not running). 4.5 GiB on an H200 host of 16 cores (`bench/gpu_phases.py`): 4 threads
-    0.33 s, 8 0.21 s, 12 0.18 s, 16 0.16-0.21 s; 8, 16 or 32 MiB buffers within 10%."""
-    return max(1, min(12, len(os.sched_getaffinity(0))))
-
-
-class _Staging:
-    """Page-locked host buffers for host-to-device copies, each with the event of its last
-    copy; made once per process and device (``threads + 2`` buffers of ``STAGING_BYTES``)."""
-
-    def __init__(self, device: torch.device, count: int) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self.free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
-        self.count = count
-        for _ in range(count):
-            buf = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-            self.free.put((buf, None))
-
-
-_staging: dict[torch.device, _Staging] = {}
-os.register_at_fork(after_in_child=_staging.clear)  # a forked child's CUDA state is not ours
-
-
-def _staging_for(device: torch.device, count: int) -> _Staging:
-    with _pools_lock:
-        st = _staging.get(device)
-        if st is None or st.count < count:
-            st = _staging[device] = _Staging(device, count)
-        return st
-
-
-def _to_device(
-    items: list[tuple[StoredTensor, torch.Tensor, list[str]]], seg: MappedSegment, threads: int
-) -> set[str]:
-    """Check and copy contiguous CUDA targets (``(stored, target's bytes, piece hashes)``) out
-    of the slot ``seg``; return the names whose pieces failed.
-
-    The slot's pages are not page-locked (locking a mapping costs ~0.2 s/GiB, as long as a
-    pageable copy), and a pageable host-to-device copy runs at a seventh of the link. So each
-    thread hashes a run of pieces (at most ``STAGING_BYTES``), copies it into a free
-    page-locked staging buffer, and queues the buffer's copy to the device on a side stream:
-    the checks and host copies of ``threads`` threads overlap the transfers. A run whose
-    pieces do not all match is not copied. Returns when every copy has reached the device.
-    """
-    dev = items[0][1].device
-    view, src = seg.view, seg.tensor.numpy()
-    staging = _staging_for(dev, threads + 2)
-    staging.stream.wait_stream(torch.cuda.current_stream(dev))
-    runs: list[tuple[StoredTensor, torch.Tensor, int, int, list[str]]] = []
-    per = STAGING_BYTES // HASH_PIECE
-    for st, dst, expect in items:
-        bounds = pieces(st.nbytes)
-        for i in range(0, len(bounds), per):
-            a, b = bounds[i][0], bounds[min(len(bounds), i + per) - 1][1]
-            runs.append((st, dst, i, b - a, expect[i : i + per]))
-    failed: set[str] = set()
-    lock = threading.Lock()
-
-    def run(job: tuple[StoredTensor, torch.Tensor, int, int, list[str]]) -> None:
-        st, dst, first, n, hashes = job
-        a = first * HASH_PIECE
-        at = st.offset + a
-        for k, h in enumerate(hashes):
-            lo = at + k * HASH_PIECE
-            if hash_bytes(view[lo : min(at + n, lo + HASH_PIECE)]) != h:
-                with lock:
-                    failed.add(repr(st.name))
-                return
-        buf, event = staging.free.get()
-        try:
-            if event is not None:
-                event.synchronize()  # its previous copy to the device is done
-            np.copyto(buf[:n].numpy(), src[at : at + n])
-            with torch.cuda.stream(staging.stream):
-                dst[a : a + n].copy_(buf[:n], non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(staging.stream)
-        finally:
-            staging.free.put((buf, event))
-
-    try:
-        if threads > 1 and len(runs) > 1:
-            for _ in _pool(threads).map(run, runs):
-                pass
-        else:
-            for job in runs:
-                run(job)
-    finally:
-        staging.stream.synchronize()
-    return failed
-
-
 def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> None:
     """Copy every planned tensor out of the slot, checking each piece's checksum before any of
     its bytes are copied (one read of the slot, the piece still in cache). The pieces go out
@@ -435,7 +337,7 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
     thread).
     Stored tensors without a target (this replica's rows of replicated tensors, read later
     by :func:`gather_replicated`) are only checked; a contiguous CUDA target goes through
-    :func:`_to_device`; a strided one is checked whole, then copied.
+    :func:`ftmem.client.device_restore.to_device`; a strided one is checked whole, then copied.
 
     Raises:
         CorruptSnapshotError: naming the tensors with a piece that does not match.
@@ -500,7 +402,7 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
         for task in tasks:
             run(task)
     if device:
-        failed |= _to_device(device, seg, max(threads, device_threads()))
+        failed |= to_device(device, seg, max(threads, device_threads()))
     for st, dst in whole:
         if repr(st.name) not in failed and st.nbytes:
             raw = seg.tensor[st.offset : st.offset + st.nbytes]

@@ -121,9 +121,9 @@ class SlotMappings:
 
     def prepare(self, path: str, capacity: int) -> MappedSegment:
         """:meth:`segment`, and when this process uses CUDA, page-lock the mapping too
-        (cudaHostRegister: 0.2-0.3 s per GiB of a resident slot on an H200 host, which the
-        first save into the slot otherwise paid on the training thread). The copy thread
-        prepares each slot the SMP makes or grants before a save needs it."""
+        (cudaHostRegister takes about as long as copying the slot, which the first save into
+        the slot otherwise paid on the training thread). The copy thread prepares each slot
+        the SMP makes or grants before a save needs it."""
         seg = self.segment(path, capacity)
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             register_pinned(seg)

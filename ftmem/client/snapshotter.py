@@ -51,8 +51,8 @@ PREMAP_WAIT_S = 0.05
 """How long a save waits for the copy thread to map a newly granted slot of at most
 ``PREMAP_WAIT_MAX_BYTES`` before it skips (see ``Checkpointer._take_grant``)."""
 PREMAP_WAIT_MAX_BYTES = 1 << 30
-"""A larger slot is not waited for: mapping and page-locking it takes longer than any wait a
-save could afford (0.2 s/GiB to page-lock a resident slot on an H200 host)."""
+"""A larger slot is not waited for: mapping (and on CUDA page-locking) GiBs takes longer than
+any wait a save could afford."""
 
 
 @dataclass

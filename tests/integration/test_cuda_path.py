@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import ftmem
-from ftmem.client.restore import STAGING_BYTES
+from ftmem.client.device_restore import STAGING_BYTES
 from ftmem.config import ClientConfig
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
