@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ftmem import faults
-from ftmem.client.device_restore import device_threads, to_device
+from ftmem.client.device_restore import device_threads, restore_pool, to_device
 from ftmem.client.flatten import StoredSnapshot, StoredTensor, is_stateful
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
 from ftmem.format.layout import HASH_PIECE, digest, hash_bytes, piece_hashes, pieces
@@ -308,22 +308,6 @@ _Piece = tuple[StoredTensor, "np.ndarray[Any, Any] | None", int, int, str]
 start, end (within the tensor), expected xxh3-64)."""
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the threads
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """The process's restore pool of ``threads`` threads, made once: starting threads cost
-    ~1 ms each, a fifth of a small state's whole restore. Its threads idle between restores
-    and stop at interpreter exit."""
-    with _pools_lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore")
-        return pool
-
-
 def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> None:
     """Copy every planned tensor out of the slot, checking each piece's checksum before any of
     its bytes are copied (one read of the slot, the piece still in cache). The pieces go out
@@ -396,7 +380,7 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
                 np.copyto(out[a:b], src[st.offset + a : st.offset + b])
 
     if threads > 1 and len(tasks) > 1:
-        for _ in _pool(threads).map(run, tasks):
+        for _ in restore_pool(threads).map(run, tasks):
             pass
     else:
         for task in tasks:
