@@ -72,6 +72,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+def _matching(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...], target: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The tensor ``target`` restores into (:func:`_local`; None without a target).
+
+    Raises:
+        SnapshotMismatchError: it has another dtype or shape than the stored tensor ``name``.
+    """
+    local = _local(target) if target is not None else None
+    if local is not None and (local.dtype != dtype or tuple(local.shape) != tuple(shape)):
+        held = str(dtype).removeprefix("torch.")
+        raise SnapshotMismatchError(
+            f"{name}: snapshot holds {held} {list(shape)}, the state "
+            f"{str(local.dtype).removeprefix('torch.')} {list(local.shape)}"
+        )
+    return local
+
+
 def _replica_table(doc: Any) -> dict[str, Any]:
     """Check the skeleton's replica table (it came from a file another process wrote)."""
     try:
@@ -141,12 +159,7 @@ def plan_restore(
                 raise CorruptSnapshotError(f"skeleton refers to replicated tensor {pos}")
             name, dtype, shape = plan.replicas["tensors"][pos]
             target = live.get(path)
-            local = _local(target) if target is not None else None
-            if local is not None and (local.dtype != dtype or tuple(local.shape) != shape):
-                raise SnapshotMismatchError(
-                    f"{name}: snapshot holds {dtype} {list(shape)}, the state "
-                    f"{local.dtype} {list(local.shape)}"
-                )
+            local = _matching(name, dtype, shape, target)
             seen.add(path)
             if target is not None and local is not None:
                 counts[0] += 1
@@ -169,14 +182,7 @@ def plan_restore(
                 raise CorruptSnapshotError(f"skeleton refers to tensor {idx} of {len(stored)}")
             st = stored[idx]
             target = live.get(path)
-            local = _local(target) if target is not None else None
-            if local is not None and (
-                local.dtype != torch_dtype(st.dtype) or tuple(local.shape) != st.shape
-            ):
-                raise SnapshotMismatchError(
-                    f"{st.name}: snapshot holds {st.dtype} {list(st.shape)}, the state "
-                    f"{local.dtype} {list(local.shape)}"
-                )
+            local = _matching(st.name, torch_dtype(st.dtype), st.shape, target)
             seen.add(path)
             if target is not None and local is not None:
                 counts[0] += 1
