@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +37,16 @@ def restore_pool(threads: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore")
         return pool
+
+
+def run_all(fn: Callable[[Any], None], jobs: Sequence[Any], threads: int) -> None:
+    """``fn`` on every job: on :func:`restore_pool` with ``threads > 1``, else in order here."""
+    if threads > 1 and len(jobs) > 1:
+        for _ in restore_pool(threads).map(fn, jobs):
+            pass
+    else:
+        for job in jobs:
+            fn(job)
 
 
 STAGING_BYTES = 16 << 20
@@ -119,12 +130,7 @@ def to_device(
             staging.free.put((buf, event))
 
     try:
-        if threads > 1 and len(runs) > 1:
-            for _ in restore_pool(threads).map(run, runs):
-                pass
-        else:
-            for job in runs:
-                run(job)
+        run_all(run, runs, threads)
     finally:
         staging.stream.synchronize()
     return failed

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ftmem import faults
-from ftmem.client.device_restore import device_threads, restore_pool, to_device
+from ftmem.client.device_restore import device_threads, run_all, to_device
 from ftmem.client.flatten import StoredSnapshot, StoredTensor, is_stateful
 from ftmem.errors import CorruptSnapshotError, SnapshotMismatchError
 from ftmem.format.layout import HASH_PIECE, digest, hash_bytes, piece_hashes, pieces
@@ -385,12 +385,7 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
             if out is not None and b > a:
                 np.copyto(out[a:b], src[st.offset + a : st.offset + b])
 
-    if threads > 1 and len(tasks) > 1:
-        for _ in restore_pool(threads).map(run, tasks):
-            pass
-    else:
-        for task in tasks:
-            run(task)
+    run_all(run, tasks, threads)
     if device:
         failed |= to_device(device, seg, max(threads, device_threads()))
     for st, dst in whole:
