@@ -14,8 +14,9 @@ into the codec's buffer), a worker encodes it there, and :meth:`EncodePool.poll`
 Failures never lose a stripe: the data stays in the pool's memory until its parity is back,
 so a stripe whose worker died (SIGKILL), stopped answering for ``stall_s`` (SIGSTOP: it is then
 killed), or refused the request is encoded in the caller's thread instead, and the worker is
-not used again (a warning says so). A pool with no live worker refuses every submit: the
-caller encodes inline. One thread owns a pool.
+not used again (a warning says so). A worker's start-up is not a stall: ``stall_s`` counts
+from its READY, and the start-up itself has ``START_S``. A pool with no live worker refuses
+every submit: the caller encodes inline. One thread owns a pool.
 """
 
 from __future__ import annotations
@@ -31,15 +32,23 @@ from dataclasses import dataclass, field
 
 from ftmem._logging import get_logger
 from ftmem.exchange.codec import EncodedStripe, StripeCodec
-from ftmem.exchange.encode_worker import MAX_WORKERS, reply_struct, request_struct
+from ftmem.exchange.encode_worker import (
+    MAX_WORKERS,
+    READY,
+    READY_SLOT,
+    reply_struct,
+    request_struct,
+)
 
 __all__ = ["MAX_WORKERS", "EncodePool"]
 
 log = get_logger(__name__)
 
 STALL_S = 10.0
-"""A stripe not encoded this long after its submit counts its worker as hung (1 MiB takes
-about a millisecond)."""
+"""A stripe not encoded this long after its submit (or its worker's READY, if later) counts
+its worker as hung (1 MiB takes about a millisecond)."""
+START_S = 60.0
+"""A worker given stripes that has not said READY this long after it was started is hung."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,10 @@ class _Worker:
     busy: dict[int, _Out] = field(default_factory=dict)
     """Slot -> the stripe in it, for the stripes it has been given."""
     alive: bool = True
+    started: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None
+    """When it said READY: its start-up (imports: over a second on a loaded 2-core host) is
+    bounded by ``START_S``, and only the time since counts toward ``stall_s``."""
 
 
 class EncodePool:
@@ -144,6 +157,11 @@ class EncodePool:
         return [w.proc.pid for w in self._workers if w.alive]
 
     @property
+    def ready(self) -> list[int]:
+        """Process ids of the live workers that said READY (seen by :meth:`poll`)."""
+        return [w.proc.pid for w in self._workers if w.alive and w.ready_at is not None]
+
+    @property
     def busy(self) -> bool:
         """True while a submitted stripe has not come back from :meth:`poll`."""
         return bool(self._inline) or any(w.busy for w in self._workers)
@@ -198,6 +216,9 @@ class EncodePool:
             while len(w.pending) >= self._rep.size:
                 raw, w.pending = w.pending[: self._rep.size], w.pending[self._rep.size :]
                 slot, ok, header, *sums = self._rep.unpack(raw)
+                if slot == READY_SLOT and ok == READY and w.ready_at is None:
+                    w.ready_at = now
+                    continue
                 if slot not in w.busy:
                     self._lost(w, f"answered for slot {slot}, not one it was given")
                     break
@@ -214,7 +235,12 @@ class EncodePool:
                 )
                 self.encoded += 1
                 out.append((got.tag, EncodedStripe(chunk_bytes, lengths, parity, tuple(sums))))
-            if w.alive and w.busy and now - min(o.since for o in w.busy.values()) > self.stall_s:
+            if not w.alive or not w.busy:
+                continue
+            if w.ready_at is None:
+                if now - w.started > START_S:
+                    self._lost(w, f"did not start within {START_S:g} s", kill=True)
+            elif now - max(w.ready_at, min(o.since for o in w.busy.values())) > self.stall_s:
                 self._lost(w, f"did not answer for {self.stall_s:g} s", kill=True)
         out += self._inline
         self._inline = []

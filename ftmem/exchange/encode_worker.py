@@ -10,7 +10,8 @@ Wire (fixed-size little-endian structs on the worker's stdin and stdout, nothing
 
 * request (:data:`request_struct`): slot, chunk_bytes, then the ``k`` real column lengths;
 * reply (:data:`reply_struct`): slot, status (1 = encoded; 0 = refused: the request was out of
-  range), the fragments' header bytes, then the ``k + m`` xxh3-64 checksums. The ``m`` parity
+  range), the fragments' header bytes, then the ``k + m`` xxh3-64 checksums. The first reply,
+  sent once the worker is set up, is READY: slot :data:`READY_SLOT`, status :data:`READY`. The ``m`` parity
   fragments (header included, ``chunk_bytes + header`` each) follow the data in the slot.
 
 A worker exits on end of input (its parent closed the pipe or died) and, on Linux, is killed
@@ -29,12 +30,17 @@ import signal
 import struct
 import sys
 
-__all__ = ["MAX_WORKERS", "reply_struct", "request_struct"]
+__all__ = ["MAX_WORKERS", "READY", "READY_SLOT", "reply_struct", "request_struct"]
 
 MAX_WORKERS = 64
 """Most encode workers per SMP (``--ftmem-tune ec-encode-workers``; the SMP clamps a PEER_BIND's
 count to it). Here, not in encode_pool.py, because this module imports nothing heavy: the
 launcher's command line checks the flag against it."""
+
+
+READY_SLOT = 0xFFFFFFFF
+READY = 2
+"""The status of the READY reply (its slot: READY_SLOT)."""
 
 
 def request_struct(k: int) -> struct.Struct:
@@ -77,6 +83,7 @@ def serve(k: int, m: int, fd: int, slot_bytes: int, slots: int) -> None:
     view = memoryview(mem)
     req, rep = request_struct(k), reply_struct(k, m)
     zeros = (0,) * (k + m)
+    os.write(1, rep.pack(READY_SLOT, READY, 0, *zeros))
     while (raw := _read_exact(0, req.size)) is not None:
         slot, chunk, *lengths = req.unpack(raw)
         header = codec.header_bytes(chunk) if chunk and chunk % 64 == 0 else 0

@@ -94,6 +94,12 @@ def test_a_worker_killed_or_stopped_mid_run_loses_no_stripe(sig: signal.Signals)
     pool = EncodePool(codec, 2, CHUNK, stall_s=1.0)
     victim = pool.pids[0]
     try:
+        # Both started (a worker stopped before its READY has START_S, not stall_s).
+        deadline = time.monotonic() + 60
+        while len(pool.ready) < 2:
+            assert time.monotonic() < deadline, "the workers did not start"
+            assert pool.poll() == []
+            time.sleep(0.01)
         got = encode_all(pool, work, during=10, act=lambda: os.kill(victim, sig))
         assert pool.pids and victim not in pool.pids
         assert pool.fell_back >= 1 and pool.encoded + pool.fell_back == len(work)
@@ -161,3 +167,20 @@ def test_stripe_encoder_drops_unwanted_stripes_and_encodes_oversized_ones_itself
             assert got[key] == codec.encode_stripe(data[s.chunk_bytes], s.lengths)
     finally:
         enc.close()
+
+
+def test_a_workers_start_up_is_not_a_stall() -> None:
+    """Stripes given to workers that are still starting (their imports take far longer than
+    this pool's ``stall_s``, as a loaded host made them take longer than the 1 s above) wait
+    for them: every stripe is encoded by a worker, none counted hung."""
+    codec = StripeCodec(2, 1)
+    work = stripes(2, 8, seed=2)
+    pool = EncodePool(codec, 2, CHUNK, stall_s=0.05)
+    try:
+        got = encode_all(pool, work)
+        assert pool.encoded == len(work) and pool.fell_back == 0
+        assert len(pool.pids) == 2
+    finally:
+        pool.close()
+    for i, (data, lengths) in enumerate(work):
+        assert got[i] == codec.encode_stripe(data, lengths), i
