@@ -64,7 +64,6 @@ class _Staging:
     copy; made once per process and device (``threads + 2`` buffers of ``STAGING_BYTES``)."""
 
     def __init__(self, device: torch.device, count: int) -> None:
-        self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
         self.count = count

@@ -352,7 +352,7 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
             failed.add(repr(st.name))
             continue
         direct = dst is not None and dst.is_contiguous() and dst.device.type == "cpu"
-        if dst is not None and dst.is_cuda and dst.is_contiguous() and dst.nbytes == st.nbytes:
+        if dst is not None and dst.is_cuda and dst.is_contiguous():  # shape and dtype matched
             device.append((st, dst.reshape(-1).view(torch.uint8), expect))
             continue
         out = dst.reshape(-1).view(torch.uint8).numpy() if dst is not None and direct else None
@@ -387,7 +387,7 @@ def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> No
 
     run_all(run, tasks, threads)
     if device:
-        failed |= to_device(device, seg, max(threads, device_threads()))
+        failed |= to_device(device, seg, device_threads())
     for st, dst in whole:
         if repr(st.name) not in failed and st.nbytes:
             raw = seg.tensor[st.offset : st.offset + st.nbytes]

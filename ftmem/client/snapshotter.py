@@ -302,9 +302,9 @@ class Checkpointer:
 
         A new slot file is mapped (and on CUDA page-locked) by the copy thread right after
         the COMMIT; a save that comes sooner waits for that at most ``PREMAP_WAIT_S`` (a small
-        slot is mapped by then; a slot of GiBs is not waited for) and is otherwise skipped, keeping the grant: mapping a slot of
-        GiBs takes seconds, which the training thread never waits for (``final``: the last
-        save waits)."""
+        slot is mapped by then; a slot over ``PREMAP_WAIT_MAX_BYTES`` is not waited for) and
+        is otherwise skipped, keeping the grant: mapping a slot of GiBs takes seconds, which
+        the training thread never waits for (``final``: the last save waits)."""
         job = self._job
         if job is None or not job.finished.is_set() or job.grant is None:
             return None

@@ -10,9 +10,10 @@ Wire (fixed-size little-endian structs on the worker's stdin and stdout, nothing
 
 * request (:data:`request_struct`): slot, chunk_bytes, then the ``k`` real column lengths;
 * reply (:data:`reply_struct`): slot, status (1 = encoded; 0 = refused: the request was out of
-  range), the fragments' header bytes, then the ``k + m`` xxh3-64 checksums. The first reply,
-  sent once the worker is set up, is READY: slot :data:`READY_SLOT`, status :data:`READY`. The ``m`` parity
+  range), the fragments' header bytes, then the ``k + m`` xxh3-64 checksums. The ``m`` parity
   fragments (header included, ``chunk_bytes + header`` each) follow the data in the slot.
+  The first reply, sent once the worker is set up, is READY: slot :data:`READY_SLOT`, status
+  :data:`READY`.
 
 A worker exits on end of input (its parent closed the pipe or died) and, on Linux, is killed
 when the thread that started it ends (``PR_SET_PDEATHSIG`` follows the creating thread: the

@@ -149,11 +149,10 @@ class Rebuilder:
         """Requests refused: from a node not being rebuilt, or outside a rebuild."""
         self._fetched: dict[tuple[int, int, int], bytes] = {}
         self._wanted: set[tuple[int, int, int]] = set()
-        self._asked: dict[tuple[int, int, int], tuple[int, pm.FetchRequest]] = {}
-        """Fragment -> the node asked for it and the request (asked again once if refused)."""
+        self._asked: dict[tuple[int, int, int], tuple[int, pm.FetchRequest, float]] = {}
+        """Fragment -> the node asked for it, the request and when it was last sent (asked
+        again once if refused, and whenever unanswered for ``ASK_AGAIN_S``)."""
         self._asked_again: set[tuple[int, int, int]] = set()
-        self._asked_at: dict[tuple[int, int, int], float] = {}
-        """Fragment -> when it was last asked for (unanswered for ASK_AGAIN_S: asked again)."""
         self._answered: set[tuple[int, int, int]] = set()
         """Fragments whose reply came (a second reply to a repeated request is ignored)."""
         self._refused_lost: set[tuple[int, int, int]] = set()
@@ -173,7 +172,6 @@ class Rebuilder:
         self._wanted.clear()
         self._asked.clear()
         self._asked_again.clear()
-        self._asked_at.clear()
         self._answered.clear()
         self._refused_lost.clear()
         self._meta.clear()
@@ -305,7 +303,6 @@ class Rebuilder:
         self._wanted.discard(key)
         self._answered.add(key)
         self._asked.pop(key, None)
-        self._asked_at.pop(key, None)
         self._asked_again.discard(key)
         if not bufs:  # the holder no longer has it
             self._fetched[key] = b""
@@ -333,7 +330,7 @@ class Rebuilder:
                 key,
                 sender,
             )
-            self._asked_at[key] = time.monotonic()
+            self._asked[key] = (sender, asked[1], time.monotonic())
             self.p.send(sender, asked[1])
             return
         log.warning(
@@ -418,16 +415,17 @@ class Rebuilder:
         self._meta_wanted = step
         self._meta_answered.discard(step)
         p.send(source, pm.MetaRequest(step))
-        asked = [time.monotonic()]
+        asked = time.monotonic()
 
         def done() -> bool:
+            nonlocal asked
             if step in self._meta:
                 return True
-            if time.monotonic() - asked[0] >= ASK_AGAIN_S:
+            if time.monotonic() - asked >= ASK_AGAIN_S:
                 log.warning(
                     "[%d] no sizes of step %d from node %d: asking again", p.me, step, source
                 )
-                asked[0] = time.monotonic()
+                asked = time.monotonic()
                 p.send(source, pm.MetaRequest(step))
             return False
 
@@ -529,8 +527,7 @@ class Rebuilder:
             key = (step, stripe.index, f.fragment)
             self._wanted.add(key)
             body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
-            self._asked[key] = (f.node, body)
-            self._asked_at[key] = time.monotonic()
+            self._asked[key] = (f.node, body, time.monotonic())
             self._asked_again.discard(key)
             self._answered.discard(key)
             self.p.send(f.node, body)
@@ -538,10 +535,9 @@ class Rebuilder:
     def _ask_again(self) -> None:
         """Send again each fetch unanswered for ``ASK_AGAIN_S`` (to the node asked before)."""
         now = time.monotonic()
-        for key, at in list(self._asked_at.items()):
+        for key, (node, body, at) in list(self._asked.items()):
             if now - at < ASK_AGAIN_S or key not in self._wanted:
                 continue
-            node, body = self._asked[key]
             log.warning(
                 "[%d] fragment %s from node %d unanswered for %.0f s: asking again",
                 self.p.me,
@@ -549,7 +545,7 @@ class Rebuilder:
                 node,
                 now - at,
             )
-            self._asked_at[key] = now
+            self._asked[key] = (node, body, now)
             self.p.send(node, body)
 
     def _wait_fetched(
