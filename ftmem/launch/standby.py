@@ -269,6 +269,8 @@ class ForkServer:
         first, finer than elastic's whole-second failure timestamps."""
         self.gone = False
         """Its control socket closed: it died (and its ranks with it, by their death signal)."""
+        self.forked: set[int] = set()
+        """pids of the ranks it forked and that may still run (pruned by :meth:`ranks_alive`)."""
 
     def drain(self, block_s: float = 0.0) -> ForkReply | None:
         """Read the replies waiting (waiting up to ``block_s`` for the first); note the exits
@@ -303,6 +305,12 @@ class ForkServer:
                 break
         return forked
 
+    def ranks_alive(self) -> bool:
+        """Whether a rank it forked still runs: after the server's death, until its death
+        signal ends the rank (its socket closes before the kernel sends that signal)."""
+        self.forked = {pid for pid in self.forked if proc_state(pid) not in (None, "Z", "X")}
+        return bool(self.forked)
+
     def fork(self, message: bytes, fds: list[int], args: list[str]) -> ForkedProcess:
         """Hand over one rank and wait (bounded) for its pid; OSError if that fails."""
         socket.send_fds(self.standby.ctl, [message], fds)
@@ -310,6 +318,7 @@ class ForkServer:
         while (left := deadline - time.monotonic()) > 0 and not self.gone:
             reply = self.drain(left)
             if reply is not None and reply.forked is not None:
+                self.forked.add(reply.forked)
                 return ForkedProcess(self, reply.forked, args)
         raise OSError(f"fork server pid {self.standby.pid} did not fork the rank")
 

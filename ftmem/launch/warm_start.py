@@ -162,13 +162,15 @@ class StandbyPool:
 
     def spawn_missing(self) -> list[Standby]:
         """Start standbys until every local rank has ``count`` (call from the main thread);
-        with ``fork``, start a new fork server if the last one died."""
+        with ``fork``, start a new fork server if the last one died and its ranks are gone."""
         if not self.enabled:
             return []
         if self.fork:
             if self.server is not None and not self.server.gone:
                 return []
             if self.server is not None:
+                if self.server.ranks_alive():
+                    return []  # they die with it: the restart comes first, and starts cold
                 self.server.standby.kill()
             return [self._start_server()]
         started = []

@@ -199,6 +199,53 @@ def test_the_fork_server_reports_ranks_in_the_order_they_died(tmp_path: Path) ->
         p.stop()
 
 
+def test_a_new_fork_server_waits_until_the_dead_ones_ranks_are_gone(tmp_path: Path) -> None:
+    """A fork server's socket closes before its death signal ends its ranks: while one of
+    them still runs, no new server starts (the restart comes first, cold); once it is gone,
+    one does. The rank here clears its death signal, to hold that moment open."""
+    script = tmp_path / "linger.py"
+    script.write_text(
+        "import ctypes, sys, time\n"
+        "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = StandbyPool(count=1, imports=(), cuda=False, run_dir=tmp_path, node="t")
+    p.imports = ("json",)
+    try:
+        cmd = [sys.executable, "-u", str(script)]
+        server_proc = _ready(p, cmd)
+        server = p.server
+        assert server is not None
+        args = parse_python_command(cmd)
+        assert args is not None
+        out = tmp_path / "rank.out"
+        handler = ForkedHandler(server, args, {}, str(out), None, 0)
+        rank = handler.proc.pid
+        try:
+            deadline = time.monotonic() + 60
+            while "ready" not in (out.read_text() if out.exists() else ""):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            os.kill(server_proc.pid, signal.SIGKILL)
+            server_proc.popen.wait(30)
+            server.drain(5)
+            assert server.gone
+            assert p.spawn_missing() == [] and p.server is server
+        finally:
+            os.kill(rank, signal.SIGKILL)
+            if handler._stdout is not None:
+                handler._stdout.close()
+        deadline = time.monotonic() + 30
+        while proc_state(rank) not in (None, "Z"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = p.spawn_missing()
+        assert len(started) == 1 and p.server is not server
+    finally:
+        p.stop()
+
+
 def test_a_retired_standby_exits_quietly(pool: StandbyPool) -> None:
     standby = _ready(pool, [sys.executable, "-u", "train.py"])
     standby.ctl.close()  # end of file: the agent no longer needs it
