@@ -41,6 +41,7 @@ from ftmem.launch.elastic_compat import (
     ElasticAgentBase,
     failed_after_detach,
     log_tails_stop_at_once,
+    rendezvous_join_timeout_s,
     rendezvous_members,
     rendezvous_poll_s,
     restart_rendezvous_quickly,
@@ -50,13 +51,7 @@ from ftmem.launch.failures import NodeFailures, a_rank_failed
 from ftmem.launch.in_process import InProcessRestarts
 from ftmem.launch.membership import MembershipWatch
 from ftmem.launch.metrics import AgentMetrics, MetricsServer
-from ftmem.launch.monitor import (
-    EventLog,
-    NoProgressGuard,
-    RankProcess,
-    StatusPoller,
-    all_resumed,
-)
+from ftmem.launch.monitor import EventLog, NoProgressGuard, RankProcess, StatusPoller, all_resumed
 from ftmem.launch.node_slot import NodeSlot
 from ftmem.launch.node_watch import NodeWatch
 from ftmem.launch.peers import PeerMesh, PeerSettings, mesh_epoch
@@ -73,10 +68,7 @@ from ftmem.launch.rendezvous import (
 from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
-from ftmem.launch.state_guard import (
-    expire_keep_alive,
-    leaving_round,
-)
+from ftmem.launch.state_guard import expire_keep_alive, leaving_round
 from ftmem.launch.warm_start import StandbyPool, spawning_from
 from ftmem.launch.workers import rank_env
 from ftmem.protocol.status import RankProgress
@@ -273,7 +265,10 @@ class FtmemElasticAgent(ElasticAgentBase):
             node=self._node,
             generation=self.generation,
             expected_step=expected,
-            rejoin_timeout_s=self._rank_rejoin_wait(),
+            # A rank under ftmem.run waits for its next generation up to the rendezvous's wait
+            # for a replacement node, plus --ftmem-rejoin-timeout for the order itself.
+            rejoin_timeout_s=self._ft.rejoin_timeout.total_seconds()
+            + rendezvous_join_timeout_s(self.rdzv_handler),
             checkfree=self._ft.checkfree,
             flush_dirs=self._ft.flush_tiers(),
             reshard=self._reshape.request.to_env() if self._reshape.request else "",
@@ -316,15 +311,6 @@ class FtmemElasticAgent(ElasticAgentBase):
             smp_starts=self._smp.starts,
         )
         return pids
-
-    def _rank_rejoin_wait(self) -> float:
-        """How long a rank under ``ftmem.run`` waits for its next generation after a peer
-        failure: the rendezvous may wait for a replacement node up to its join timeout
-        before the order is written, and the order comes with ``--ftmem-rejoin-timeout``."""
-        settings = getattr(self.rdzv_handler, "settings", None)
-        join = getattr(getattr(settings, "timeout", None), "join", None)
-        extra = join.total_seconds() if isinstance(join, timedelta) else 0.0
-        return self._ft.rejoin_timeout.total_seconds() + extra
 
     def _watch_nodes(self, worker_group: WorkerGroup) -> None:
         """Have the failure detector watch this round's ring neighbours."""

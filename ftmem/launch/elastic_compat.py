@@ -148,6 +148,13 @@ def rendezvous_poll_s(max_nodes: int) -> float:
     return min(ELASTIC_POLL_S, max(0.05, max_nodes / STORE_READS_PER_S))
 
 
+def rendezvous_join_timeout_s(handler: Any) -> float:
+    """The handler's join timeout in seconds (the c10d/etcd-v2 handlers' ``settings``), 0
+    for a handler without one: how long a round may wait for a replacement node."""
+    join = getattr(getattr(getattr(handler, "settings", None), "timeout", None), "join", None)
+    return join.total_seconds() if isinstance(join, timedelta) else 0.0
+
+
 def trust_rendezvous_state_for(handler: Any, seconds: float) -> bool:
     """Make the c10d handler re-read the rendezvous state once it is ``seconds`` old.
 

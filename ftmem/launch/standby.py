@@ -9,9 +9,9 @@ them and hands elastic's rank starts to them.
 
 How they stay inside elastic's process management: elastic makes each rank's process through
 ``get_subprocess_handler`` (in ``torch.distributed.elastic.multiprocessing.api``); while the
-agent starts its ranks, that function returns a :class:`ForkedHandler` (``proc`` is a
-:class:`ForkedProcess`, a ``Popen``-like handle whose exit status the fork server reports)
-or a :class:`StandbyHandler` (``proc`` is the standby's ``Popen``). Elastic then polls, tails
+agent starts its ranks, that function returns a :class:`StandbyHandler` whose ``proc`` is a
+:class:`ForkedProcess` (a ``Popen``-like handle whose exit status the fork server reports)
+or the standby's ``Popen``. Elastic then polls, tails
 and kills that pid like any rank's: the rank leads its own session (``killpg`` reaches its
 children), writes into the per-rank log files elastic opened (their descriptors are handed
 over), and its exit code or signal is elastic's ``ProcessFailure``.
@@ -210,36 +210,6 @@ def _close_all(files: list[Any]) -> None:
             f.close()
 
 
-class StandbyHandler(SubprocessHandler):
-    """elastic's handle of a rank that a standby became (``proc`` is the standby's Popen).
-
-    Built instead of ``SubprocessHandler.__init__``'s spawn: it opens the per-rank log files
-    as elastic does, hands the rank to the standby and keeps the files to close them in
-    ``close()`` (inherited: ``killpg`` of ``proc.pid`` and closing the files).
-    """
-
-    def __init__(
-        self,
-        standby: Standby,
-        cmd: PythonCommand,
-        env: dict[str, str],
-        stdout: str | None,
-        stderr: str | None,
-        local_rank_id: int,
-    ) -> None:
-        self.local_rank_id = local_rank_id
-        message, files, fds = _handoff(cmd, env, stdout, stderr)
-        self._stdout, self._stderr = files
-        try:
-            socket.send_fds(standby.ctl, [message], fds)
-        except OSError:
-            _close_all(files)
-            raise
-        with contextlib.suppress(OSError):
-            standby.ctl.close()
-        self.proc = standby.popen
-
-
 @dataclass(frozen=True, slots=True)
 class ForkReply:
     """What the fork server says after the warm-up: a rank forked, or a rank reaped."""
@@ -377,13 +347,18 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class ForkedHandler(SubprocessHandler):
-    """elastic's handle of a rank the fork server forked (``proc`` is a
-    :class:`ForkedProcess`; ``close()`` is inherited: ``killpg`` of the rank's session)."""
+class StandbyHandler(SubprocessHandler):
+    """elastic's handle of a rank that a standby became (``proc`` is the standby's Popen) or
+    that the fork server forked (``proc`` is a :class:`ForkedProcess`).
+
+    Built instead of ``SubprocessHandler.__init__``'s spawn: it opens the per-rank log files
+    as elastic does, hands the rank over and keeps the files to close them in ``close()``
+    (elastic's: ``killpg`` of the rank's session, then the files).
+    """
 
     def __init__(
         self,
-        server: ForkServer,
+        via: Standby | ForkServer,
         cmd: PythonCommand,
         env: dict[str, str],
         stdout: str | None,
@@ -394,11 +369,17 @@ class ForkedHandler(SubprocessHandler):
         message, files, fds = _handoff(cmd, env, stdout, stderr)
         self._stdout, self._stderr = files
         try:
-            proc = server.fork(message, fds, cmd.command_line())
+            if isinstance(via, ForkServer):
+                proc: Any = via.fork(message, fds, cmd.command_line())
+            else:
+                socket.send_fds(via.ctl, [message], fds)
+                with contextlib.suppress(OSError):
+                    via.ctl.close()
+                proc = via.popen
         except OSError:
             _close_all(files)
             raise
-        self.proc = proc  # type: ignore[assignment]  # Popen's interface as elastic uses it
+        self.proc = proc  # a ForkedProcess has Popen's interface as elastic uses it
 
     def close(self, death_sig: signal.Signals | None = None) -> None:
         """elastic's close (``killpg`` of the rank's session, then its log files). A rank the

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ from ftmem.launch.standby import (
     FORK_SERVER_WAIT_S,
     STANDBY_NICE,
     STANDBY_PATH,
-    ForkedHandler,
     ForkServer,
     PythonCommand,
     Standby,
@@ -389,20 +387,13 @@ def spawning_from(
             return kept
         warm = numa_options is None and pool.enabled
         cmd = parse_python_command(unwrap_shim(entrypoint, args)) if warm else None
-        handover: Callable[[], SubprocessHandler] | None = None
-        standby = None
-        if cmd is not None and pool.fork:
-            server = pool.ready_server(FORK_SERVER_WAIT_S)
-            if server is not None:
-                standby = server.standby
-                handover = partial(ForkedHandler, server, cmd, env, stdout, stderr, local_rank_id)
-        elif cmd is not None:
-            standby = pool.take(local_rank_id)
-            if standby is not None:
-                handover = partial(StandbyHandler, standby, cmd, env, stdout, stderr, local_rank_id)
-        if standby is not None and handover is not None:
+        via: Standby | ForkServer | None = None
+        if cmd is not None:
+            via = pool.ready_server(FORK_SERVER_WAIT_S) if pool.fork else pool.take(local_rank_id)
+        if cmd is not None and via is not None:
+            standby = via.standby if isinstance(via, ForkServer) else via
             try:
-                handler = handover()
+                handler = StandbyHandler(via, cmd, env, stdout, stderr, local_rank_id)
             except OSError as exc:
                 log.warning(
                     "[%s] handing local rank %d to %s pid %d failed (%s): cold start",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ftmem.launch.standby import ForkedHandler, Standby, StandbyHandler, parse_python_command
+from ftmem.launch.standby import Standby, StandbyHandler, parse_python_command
 from ftmem.launch.warm_start import StandbyPool
 from ftmem.launch.workers import proc_state
 
@@ -72,9 +72,7 @@ def test_a_module_command_runs_as_python_dash_m_would(
     assert parsed is not None
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     if pool.server is not None:
-        handler: StandbyHandler | ForkedHandler = ForkedHandler(
-            pool.server, parsed, {}, str(out), str(err), 0
-        )
+        handler = StandbyHandler(pool.server, parsed, {}, str(out), str(err), 0)
         assert handler.proc.pid != standby.pid  # a child of the fork server
     else:
         handler = StandbyHandler(standby, parsed, {}, str(out), str(err), 0)
@@ -135,7 +133,7 @@ def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) 
             args = parse_python_command([*cmd, how])
             assert args is not None
             out, err = tmp_path / f"{how}.out", tmp_path / f"{how}.err"
-            handlers[how] = ForkedHandler(p.server, args, {}, str(out), str(err), 0)
+            handlers[how] = StandbyHandler(p.server, args, {}, str(out), str(err), 0)
         for how, code in want.items():
             assert handlers[how].proc.wait(60) == code, (tmp_path / f"{how}.err").read_text()
             for f in (handlers[how]._stdout, handlers[how]._stderr):
@@ -149,7 +147,7 @@ def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) 
         (tmp_path / "sleep.py").write_text("import time\ntime.sleep(60)\n")
         sleeper = parse_python_command([sys.executable, "-u", str(tmp_path / "sleep.py")])
         assert sleeper is not None
-        handler = ForkedHandler(p.server, sleeper, {}, None, None, 0)
+        handler = StandbyHandler(p.server, sleeper, {}, None, None, 0)
         assert handler.proc.poll() is None
         with pytest.raises(subprocess.TimeoutExpired):
             handler.proc.wait(0.2)
@@ -157,7 +155,7 @@ def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) 
         assert handler.proc.wait(30) == -signal.SIGKILL
         ok = parse_python_command([*cmd, "ok"])
         assert ok is not None
-        quick = ForkedHandler(p.server, ok, {}, None, None, 0)
+        quick = StandbyHandler(p.server, ok, {}, None, None, 0)
         deadline = time.monotonic() + 30
         while proc_state(quick.proc.pid) is not None:  # reaped by the server, unread here
             assert time.monotonic() < deadline
@@ -181,7 +179,7 @@ def test_the_fork_server_reports_ranks_in_the_order_they_died(tmp_path: Path) ->
         assert p.server is not None
         args = parse_python_command(cmd)
         assert args is not None
-        first, second = (ForkedHandler(p.server, args, {}, None, None, i) for i in range(2))
+        first, second = (StandbyHandler(p.server, args, {}, None, None, i) for i in range(2))
         os.kill(server_proc.pid, signal.SIGSTOP)
         try:
             for handler in (second, first):  # the one forked second dies first
@@ -220,7 +218,7 @@ def test_a_new_fork_server_waits_until_the_dead_ones_ranks_are_gone(tmp_path: Pa
         args = parse_python_command(cmd)
         assert args is not None
         out = tmp_path / "rank.out"
-        handler = ForkedHandler(server, args, {}, str(out), None, 0)
+        handler = StandbyHandler(server, args, {}, str(out), None, 0)
         rank = handler.proc.pid
         try:
             deadline = time.monotonic() + 60
