@@ -101,15 +101,19 @@ def launcher_env() -> Iterator[Launcher]:
 
 @pytest.fixture
 def cluster_factory(run_id: str) -> Iterator[Callable[..., Cluster]]:
-    """Makes SMP meshes (``make(n, m, ranks_per_node=1, env=None)``); every SMP is stopped
+    """Makes SMP meshes (``make(n, m, ranks_per_node=1, env=None, max_group=8)``); every SMP is stopped
     afterwards and none may leave shared memory behind."""
     made: list[Cluster] = []
     base = Path(tempfile.mkdtemp(prefix="ftx-", dir="/tmp"))
 
     def make(
-        n: int, m: int, ranks_per_node: int = 1, env: dict[int, dict[str, str]] | None = None
+        n: int,
+        m: int,
+        ranks_per_node: int = 1,
+        env: dict[int, dict[str, str]] | None = None,
+        max_group: int = 8,
     ) -> Cluster:
-        c = Cluster(base, run_id, n, m, ranks_per_node, env)
+        c = Cluster(base, run_id, n, m, ranks_per_node, env, max_group)
         made.append(c)
         return c
 

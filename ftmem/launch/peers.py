@@ -43,6 +43,7 @@ from ftmem.errors import (
     UnsafePathError,
 )
 from ftmem.exchange.keys import KeyFileError
+from ftmem.exchange.placement import group_of, plan_groups
 from ftmem.protocol.status import ProtectionState, SyncReply
 
 if TYPE_CHECKING:
@@ -115,6 +116,16 @@ def resolve_parity(parity: int, nodes: int) -> int:
         )
         return 0
     return parity
+
+
+def group_nodes(nodes: int, parity: int, max_group: int, me: int) -> list[int]:
+    """The nodes of ``me``'s erasure-coding group, by the SMP's own placement: the only peer
+    endpoints its SMP needs, so each agent reads a bounded number of store keys, not one per
+    node of the job. Every node where the placement refuses (the SMP then refuses clearly)."""
+    try:
+        return list(group_of(plan_groups(nodes, parity, max_group), me).nodes)
+    except ValueError:
+        return list(range(nodes))
 
 
 HOST_KEY_WAIT_S = 60.0
@@ -520,9 +531,11 @@ class PeerMesh:
                 ),
             )
             store.set(f"{key}/{me}", peer_entry(job, generation, me, bound.endpoint))
-            raw = store.multi_get([f"{key}/{i}" for i in range(nodes)])
+            group = group_nodes(nodes, parity, settings.max_group, me)
+            raw = store.multi_get([f"{key}/{i}" for i in group])
             endpoints = {
-                str(i): read_peer_entry(job, bytes(v), generation, i) for i, v in enumerate(raw)
+                str(i): read_peer_entry(job, bytes(v), generation, i)
+                for i, v in zip(group, raw, strict=True)
             }
             log.info(
                 "[%s] peer mesh of generation %d: %d nodes, m=%d, this node %d at %s",
@@ -541,6 +554,7 @@ class PeerMesh:
                 max_group=settings.max_group,
                 ranks=ranks,
                 protect_interval_s=settings.interval_s,
+                nodes=nodes,
             )
             try:
                 reply = _start_showing_progress(

@@ -315,9 +315,10 @@ class PeerBind(Request[PeerBound]):
 
 @dataclass(frozen=True, slots=True)
 class PeerStart(Request[SyncReply]):
-    """(Launcher) join generation ``epoch``: every node's peer endpoint, parity ``m``, the
-    group-size cap and this node's global ranks; the reply comes after the group's sync (and
-    this node's rebuild, if it needs one)."""
+    """(Launcher) join generation ``epoch`` of a job of ``nodes`` nodes: the peer endpoints
+    of (at least) this node's group, parity ``m``, the group-size cap and this node's global
+    ranks; the reply comes after the group's sync (and this node's rebuild, if it needs one).
+    ``nodes`` 0: ``endpoints`` names every node of the job."""
 
     epoch: int
     me: int
@@ -326,6 +327,7 @@ class PeerStart(Request[SyncReply]):
     max_group: int
     ranks: list[int]
     protect_interval_s: float = 0.0
+    nodes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -446,6 +446,7 @@ class RequestHandlers:
             p.max_group,
             list(p.ranks),
             p.protect_interval_s,
+            p.nodes,
         )
         self._service().submit(cmd)
         self._pending_protection += 1

@@ -316,11 +316,15 @@ class ProtectionService:
         if self.transport.node != str(cmd.me):
             self._results.put(Result(cmd.token, False, {}, "start as another node than bound"))
             return
-        nodes = sorted(cmd.endpoints)
+        named = sorted(cmd.endpoints)
         try:
-            if nodes != list(range(len(nodes))):
-                raise ValueError(f"node indices must be 0..N-1, got {nodes}")
-            plan = group_of(plan_groups(len(nodes), cmd.m, cmd.max_group), cmd.me)
+            count = cmd.nodes or len(named)
+            if not cmd.nodes and named != list(range(count)):
+                raise ValueError(f"node indices must be 0..N-1, got {named}")
+            plan = group_of(plan_groups(count, cmd.m, cmd.max_group), cmd.me)
+            missing = [n for n in plan.nodes if n not in cmd.endpoints]
+            if missing:
+                raise ValueError(f"no endpoint for the group's nodes {missing}")
         except (ValueError, KeyError, UnrecoverableError) as exc:
             self._results.put(Result(cmd.token, False, {}, f"no erasure-coding group: {exc}"))
             return

@@ -43,6 +43,8 @@ class StartCommand:
     max_group: int
     ranks: list[int]
     protect_interval_s: float = 0.0
+    nodes: int = 0
+    """The job's node count (0: ``endpoints`` names every node; else at least the group's)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import xxhash
 from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
+from ftmem.launch.peers import group_nodes
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ProtectionStatus
@@ -164,9 +165,11 @@ class Cluster:
         m: int,
         ranks_per_node: int = 1,
         env: dict[int, dict[str, str]] | None = None,
+        max_group: int = 8,
     ) -> None:
         self.key = keys.generate()
         self.m = m
+        self.max_group = max_group
         self.rpn = ranks_per_node
         self.nodes = [Node(i, base / f"n{i}", run_id) for i in range(n)]
         self.epoch = 0
@@ -174,6 +177,9 @@ class Cluster:
         """Every node's address (endpoint and public key) of the current generation."""
         self.node_keys: dict[int, keys.CurveKeyPair] = {}
         """Every node's own key pair of the current generation (as its agent makes it)."""
+        self.timing: dict[str, float] = {}
+        """The newest :meth:`generation`'s binds (one after the other, from here) and its
+        starts (all at once, until the last reply: every group synced), in seconds."""
         for node in self.nodes:
             node.start(env=(env or {}).get(node.index))
 
@@ -183,29 +189,33 @@ class Cluster:
 
     def generation(self, expect_fail: bool = False) -> list[dict[str, object] | str]:
         """What the launcher does each round: bind every SMP (with a fresh key pair of its
-        own), then start them all at once."""
+        own), then start them all at once, each told its group's endpoints and the job's size."""
         self.epoch += 1
         eps = {}
+        t0 = time.monotonic()
         for node in self.nodes:
             self.node_keys[node.index] = keys.generate()
             pair = self.key.with_node(self.node_keys[node.index]).to_json()
             r = node.req(m.PeerBind(keys=pair, host="127.0.0.1", me=node.index))
             eps[str(node.index)] = str(r["endpoint"])
         self.endpoints = eps
+        t1 = time.monotonic()
         # Start requests are answered after the sync: send all first, then collect.
         out: list[dict[str, object] | str] = []
         results: dict[int, dict[str, object] | str] = {}
 
         def start(node: Node) -> None:
             try:
+                group = group_nodes(len(self.nodes), self.m, self.max_group, node.index)
                 results[node.index] = node.req(
                     m.PeerStart(
                         epoch=self.epoch,
                         me=node.index,
-                        endpoints=eps,
+                        endpoints={str(i): eps[str(i)] for i in group},
                         m=self.m,
-                        max_group=8,
+                        max_group=self.max_group,
                         ranks=self.ranks(node),
+                        nodes=len(self.nodes),
                     )
                 )
             except SmpRequestError as exc:  # the refusal's kind, then its text
@@ -218,6 +228,7 @@ class Cluster:
         for t in threads:
             t.join(90)
         assert not any(t.is_alive() for t in threads), "a start request hung"
+        self.timing = {"bind_s": t1 - t0, "start_s": time.monotonic() - t1}
         out = [results[n.index] for n in self.nodes]
         if not expect_fail:
             for r in out:

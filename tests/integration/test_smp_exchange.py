@@ -90,6 +90,32 @@ def test_three_nodes_protect_lose_one_and_rebuild(cluster_factory: Callable[...,
     c.wait("step 4 protected", lambda: c.protected(4))
 
 
+def test_each_node_told_only_its_groups_endpoints_protects_and_rebuilds(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Two groups of three (6 nodes, groups of at most 3): each SMP is told the job's size
+    and only its group's endpoints (what an agent reads from the store), protects, and a lost
+    node of the second group is rebuilt; a start that lacks a group member's endpoint is
+    refused with a clear error, not a sync that waits for a peer it cannot reach."""
+    c = cluster_factory(6, 1, max_group=3)
+    c.generation()
+    assert [n.protection().group for n in c.nodes] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
+    c.save_all(1, 1 << 20)
+    c.wait("step 1 protected", lambda: c.protected(1))
+    lost = c.nodes[4]
+    lost.lose()
+    lost.start()
+    res = c.generation()
+    assert res[4]["rebuilt"] is True and res[4]["step"] == 1, res  # type: ignore[index]
+    assert lost.read(4, 1) == xxhash.xxh3_128_digest(b"4-1") * ((1 << 20) // 16)
+    node = c.nodes[0]
+    node.req(m.PeerBind(keys=c.key.to_json(), host="127.0.0.1", me=0))
+    short = {str(i): c.endpoints[str(i)] for i in (0, 1)}
+    start = m.PeerStart(epoch=99, me=0, endpoints=short, m=1, max_group=3, ranks=[0], nodes=6)
+    with pytest.raises(SmpRequestError, match=r"no endpoint for the group's nodes \[2\]"):
+        node.req(start, timeout=timedelta(seconds=30))
+
+
 def test_more_than_m_lost_is_a_clear_error(cluster_factory: Callable[..., Cluster]) -> None:
     c = cluster_factory(3, 1)
     c.generation()
