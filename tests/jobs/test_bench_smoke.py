@@ -181,3 +181,24 @@ def test_reshard_smoke_loads_bitwise_and_writes_its_section(tmp_path: Path) -> N
     text = out.read_text()
     assert "hand-written text that must stay" in text and "<!-- bench:reshard:end -->" in text
     assert _shm_names() == shm_before
+
+
+def test_scale_smoke_meshes_protects_and_rebuilds_a_few_smps(tmp_path: Path) -> None:
+    """``bench/scale.py`` at its smallest (4 SMPs, no namespace hosts): the mesh forms, a
+    round is protected and the lost node's rebuilt bytes are the committed ones (the harness
+    asserts each SMP gone at its end); no figure is checked."""
+    res = tmp_path / "scale.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "bench/scale.py", "--smps", "4", "--hosts", "", "--rounds", "1"]
+    proc = subprocess.run(
+        [*cmd, "--idle-s", "0.2", "--no-write", "--json", str(res)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (row,) = json.loads(res.read_text())["smps"]
+    assert row["n"] == 4 and row["rebuilt_ok"] is True and len(row["lag_s"]) == 1, row
