@@ -436,7 +436,9 @@ class Checkpointer:
             log.error("snapshot of step %d failed; training goes on: %s", job.step, job.error)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the pending snapshot's copy and commit; True if one was committed.
+        """Wait for the pending snapshot's copy and commit; True if one was committed. It
+        also waits (within ``timeout``) for the copy thread to map the slot the commit granted,
+        so that the next :meth:`save` finds it ready instead of skipping.
 
         If the newest step passed to :meth:`save` was skipped and the optimizer has not
         changed the state since, save it now, waiting (at most
@@ -446,7 +448,11 @@ class Checkpointer:
         job = self._job
         if job is None:
             return False
-        return SnapshotHandle(job.step, False, _job=job).wait(timeout)
+        start = time.monotonic()
+        committed = SnapshotHandle(job.step, False, _job=job).wait(timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        job.premapped.wait(left)
+        return committed
 
     def _save_skipped_newest(self) -> None:
         """Commit the newest step passed to save if it was skipped (see :meth:`wait`)."""

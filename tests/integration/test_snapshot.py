@@ -196,6 +196,30 @@ def test_shape_mismatch_is_refused(ckpt: ftmem.Checkpointer, run_dir: Path) -> N
         other.close()
 
 
+def test_wait_returns_once_the_next_slot_is_mapped_so_the_next_save_runs(
+    ckpt: ftmem.Checkpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy thread maps the slot a commit grants; a save that comes before that waits a
+    little, then skips. ``wait()`` waits for the mapping too: here the mapping is held up
+    (as on a loaded host, where it made a CI run's save right after ``wait()`` skip), and
+    the save after ``wait()`` still commits."""
+    from ftmem.client.slot_maps import SlotMappings
+
+    mapping = SlotMappings.prepare
+
+    def slow(self: SlotMappings, path: str, capacity: int) -> object:
+        time.sleep(0.5)
+        return mapping(self, path, capacity)
+
+    monkeypatch.setattr(SlotMappings, "prepare", slow)
+    state = {"w": torch.ones(1 << 20)}
+    commit(ckpt, state, 0)
+    state["w"].add_(1)
+    handle = ckpt.save(state, step=1)
+    assert not handle.skipped
+    assert handle.wait(30)
+
+
 def test_lazy_copy_is_fenced_by_optimizer_step(ckpt: ftmem.Checkpointer, run_dir: Path) -> None:
     torch.manual_seed(0)
     big = torch.nn.Linear(2048, 2048)
