@@ -240,7 +240,8 @@ class ForkServer:
         self.gone = False
         """Its control socket closed: it died (and its ranks with it, by their death signal)."""
         self.forked: set[int] = set()
-        """pids of the ranks it forked and that may still run (pruned by :meth:`ranks_alive`)."""
+        """pids of the ranks it forked and has not reported reaped (those that died with it
+        stay until :meth:`ranks_alive` finds them gone): never a pid a later process reuses."""
 
     def drain(self, block_s: float = 0.0) -> ForkReply | None:
         """Read the replies waiting (waiting up to ``block_s`` for the first); note the exits
@@ -266,6 +267,7 @@ class ForkServer:
                 continue
             if reply.exited is not None and reply.code is not None:
                 self.exited[reply.exited] = reply.code
+                self.forked.discard(reply.exited)
                 if reply.at is not None:
                     self.reaped_at[reply.exited] = reply.at
                     while len(self.reaped_at) > REAPED_KEPT:

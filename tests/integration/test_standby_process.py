@@ -163,6 +163,7 @@ def test_the_fork_server_reports_each_ranks_exit_as_popen_would(tmp_path: Path) 
         quick.close(signal.SIGTERM)  # as elastic closes a rank its last poll saw running
         assert quick.proc.wait(30) == 0
         assert p.server.standby.popen.poll() is None  # the server lives on
+        assert not p.server.forked  # every rank reported reaped: no pid kept to be reused
     finally:
         p.stop()
 
