@@ -1,9 +1,9 @@
-"""The control plane at scale: per-node costs of N SMPs (erasure coding on) as N grows.
+"""The control plane at scale: per-node costs of N SMPs and of N full-stack hosts as N grows.
 
-    python bench/scale.py                       # N = 16, 32, 64 SMPs
-    python bench/scale.py --smps 8,16 --rounds 3 --no-write
+    sudo python bench/scale.py --json scale.json   # 16, 32, 64 SMPs; 4, 8, 16 hosts (~10 min)
+    python bench/scale.py --smps 8,16 --hosts "" --rounds 3 --no-write
 
-Each node is one real SMP process (torch-free) on this machine, meshed over CURVE/TCP on
+**N SMPs.** Each node is one real SMP process (torch-free) on this machine, meshed over CURVE/TCP on
 loopback; the launcher's part (bind every SMP with its key pair, then start them all) and the
 ranks' part (begin, write the slot file, commit) are played by this process through the SMP's
 own protocol (``tests/_support/smp_mesh.py``), one rank per node, ``--payload-kib`` each,
@@ -29,7 +29,17 @@ Measured for each N, in this order:
   place and the next generation's start returns once it rebuilt node 1's snapshot from its
   group; the rebuilt bytes are checked against what was committed.
 
-Per-node figures are medians over the N SMPs (max in brackets). Written to
+**Full stack.** N network-namespace hosts (``tests/_support/hosts.py``, root), each an
+``ftmem-launch`` agent (c10d rendezvous on host 0, erasure coding m=1, ``--ftmem-standby 0``),
+its SMP and one rank of the test workload (0.3 s step delay). Measured: launch -> every rank
+stepping and -> every node protected; from the agents' event logs the rendezvous (first
+``joining`` -> last ``syncing``), the round itself (last ``joining`` -> last ``syncing``) and
+the mesh (last ``syncing`` -> last ``started``); over ``--window-s`` of training, the packets
+into host 0's store port (an ``iptables`` counter in its namespace) and each agent's and SMP's
+CPU, then each agent's threads, socket descriptors and RSS; last, host N-1 is lost silently
+(its link down, then its processes killed) and the time to the first ``declared_lost``.
+
+Per-node figures are medians over the N nodes (max in brackets). Written to
 docs/benchmarks.md (section ``bench:scale``) with the machine's load; docs/scale.md reads
 it and models larger jobs from it (``bench/scale_model.py``).
 """
