@@ -305,10 +305,8 @@ def measure_stack(n: int, window_s: float, workdir: Path) -> StackRow:
             row.round_s = max(syncing.values()) - max(joining.values())
         if syncing and started:
             row.mesh_s = max(started.values()) - max(syncing.values())
-        procs = {i: [p for p in map(psutil.Process, hosts.pids(i))] for i in range(n)}
-        roles = {
-            r: [p for ps in procs.values() for p in ps if _role(p) == r] for r in ("agent", "smp")
-        }
+        procs = [psutil.Process(pid) for i in range(n) for pid in hosts.pids(i)]
+        roles = {r: [p for p in procs if _role(p) == r] for r in ("agent", "smp")}
         cpu0 = {r: [_cpu_s(p.pid) for p in ps] for r, ps in roles.items()}
         pk0, w0 = _store_packets(hosts), time.monotonic()
         time.sleep(window_s)

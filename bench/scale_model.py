@@ -70,18 +70,20 @@ def rendezvous(n: int, quick: bool) -> tuple[float, int, int]:
     )
 
     poll_s = rendezvous_poll_s(n)
-    calls = [0]
+    calls = 0
     lock = threading.Lock()
 
     class Counted(C10dRendezvousBackend):
         def get_state(self) -> Any:
+            nonlocal calls
             with lock:
-                calls[0] += 1
+                calls += 1
             return super().get_state()
 
         def set_state(self, state: bytes, token: Any = None) -> Any:
+            nonlocal calls
             with lock:
-                calls[0] += 1
+                calls += 1
             return super().set_state(state, token)
 
     port = _free_port()
@@ -117,7 +119,7 @@ def rendezvous(n: int, quick: bool) -> tuple[float, int, int]:
     if errors or len(done) != n:
         raise RuntimeError(f"rendezvous of {n}: {len(done)} joined; {errors[:1]}")
     state = server.get(f"torch.rendezvous.{run_id}")
-    ops = calls[0]
+    ops = calls
     for h in handlers:
         h.shutdown()
     return max(done) - t0, len(state), ops
@@ -180,12 +182,13 @@ def model(scale: dict[str, Any], rdzv: dict[int, tuple[float, int, int]], ops: f
     state_fit = _fit([float(n) for n in ns], [float(rdzv[n][1]) for n in ns], 1)
     state_bw = ops * _at(state_fit, 1000)  # bytes/s the store serves at that value size
     hosts = scale.get("hosts", [])
-    smps = scale.get("smps", [])
     detect = max((h["detect_s"] for h in hosts if h.get("detect_s") is not None), default=None)
     per_node_req = max((h["store_packets_per_s"] / h["n"] for h in hosts), default=0.0)
-    mesh = max((h["mesh_s"] for h in hosts if h.get("mesh_s") is not None), default=None)
-    big = max(smps, key=lambda r: r["n"]) if smps else None
     entry = entry_bytes()
+
+    def round_s(n: int) -> float:  # a restart's round: N(N+1)/2 compare-and-sets of the state
+        return n * (n + 1) / 2 * _at(state_fit, n) / state_bw
+
     rows = []
     for n in NODES:
         state = _at(state_fit, n)
@@ -199,25 +202,19 @@ def model(scale: dict[str, Any], rdzv: dict[int, tuple[float, int, int]], ops: f
                 "steady_mib_per_s": n * state / 2**20,
                 "store_busy": req / ops if ops else None,
                 "rdzv_cas": n * (n + 1) / 2,
-                "rdzv_s": n * (n + 1) / 2 * state / state_bw,
+                "rdzv_s": round_s(n),
                 "mesh_all_mib": n * n * entry / 2**20,
                 "mesh_group_mib": n * min(n, 8) * entry / 2**20,
                 "detect_s": detect,
-                "mesh_s": mesh,
             }
         )
-    first = next(
-        (n for n in range(2, 100_000) if n * (n + 1) / 2 * _at(state_fit, n) / state_bw > 10.0),
-        None,
-    )
+    first = next((n for n in range(2, 100_000) if round_s(n) > 10.0), None)
     return {
         "first_over_10s": first,
         "state_fit": state_fit,
         "state_bw": state_bw,
         "per_node_req": per_node_req,
         "entry_bytes": entry,
-        "protect_sent_per_payload": big["sent_kib_per_round"]["median"] / 256 if big else None,
-        "smp_idle_cpu_pct": big["idle_cpu_pct"]["median"] if big else None,
         "rows": rows,
     }
 

@@ -157,6 +157,16 @@ def group_of(groups: Iterable[GroupPlan], node: int) -> GroupPlan:
     raise ValueError(f"node {node} is in no group")
 
 
+def group_nodes(nodes: int, parity: int, max_group: int, me: int) -> list[int]:
+    """The nodes of ``me``'s group among ``nodes`` (:func:`plan_groups`): the only peer
+    endpoints its SMP needs, so each launcher reads a bounded number of store keys, not one
+    per node of the job. Every node where the placement refuses (the SMP then says why)."""
+    try:
+        return list(group_of(plan_groups(nodes, parity, max_group), me).nodes)
+    except ValueError:
+        return list(range(nodes))
+
+
 def chunk_bytes_for(k: int, stripe_bytes: int) -> int:
     """Chunk size for stripes of about ``stripe_bytes`` data bytes: ``stripe_bytes / k``, aligned.
 

@@ -12,12 +12,13 @@ Every rendezvous round, before its ranks start, each agent:
    store, where the address is the endpoint plus the node's public key, with an HMAC-SHA256
    under a key derived from the job's secret key (the store is plain TCP: every entry read
    back is checked, and one that fails, or is of another generation or node, is refused);
-4. sends every node's address to its SMP (PEER_START), whose peers then admit exactly those
-   keys, each as its node, and waits for the group's sync: a
-   node that lost its memory (a replacement, a restarted SMP) rebuilds it from its peers
-   before its ranks are started, so their ``load`` finds it. More than ``m`` nodes lost
-   raises :class:`~ftmem.errors.UnrecoverableError` on every node (the same verdict
-   everywhere), which ends the run with that message.
+4. reads back the addresses of its erasure-coding group only (``placement.group_nodes``)
+   and sends them with the job's size to its SMP (PEER_START), which admits exactly those
+   keys, each as its node, and waits for the group's sync: a node that lost its memory (a
+   replacement, a restarted SMP) rebuilds it from its peers before its ranks are started, so
+   their ``load`` finds it. More than ``m`` nodes lost raises
+   :class:`~ftmem.errors.UnrecoverableError` on every node (the same verdict everywhere),
+   which ends the run with that message.
 """
 
 from __future__ import annotations
@@ -35,15 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from ftmem import typed_json
-from ftmem.errors import (
-    ErrorKind,
-    FtmemError,
-    SmpRequestError,
-    UnrecoverableError,
-    UnsafePathError,
-)
+from ftmem.errors import ErrorKind, FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
 from ftmem.exchange.keys import KeyFileError
-from ftmem.exchange.placement import group_of, plan_groups
+from ftmem.exchange.placement import group_nodes
 from ftmem.protocol.status import ProtectionState, SyncReply
 
 if TYPE_CHECKING:
@@ -116,16 +111,6 @@ def resolve_parity(parity: int, nodes: int) -> int:
         )
         return 0
     return parity
-
-
-def group_nodes(nodes: int, parity: int, max_group: int, me: int) -> list[int]:
-    """The nodes of ``me``'s erasure-coding group, by the SMP's own placement: the only peer
-    endpoints its SMP needs, so each agent reads a bounded number of store keys, not one per
-    node of the job. Every node where the placement refuses (the SMP then refuses clearly)."""
-    try:
-        return list(group_of(plan_groups(nodes, parity, max_group), me).nodes)
-    except ValueError:
-        return list(range(nodes))
 
 
 HOST_KEY_WAIT_S = 60.0

@@ -21,8 +21,8 @@ import xxhash
 
 from ftmem.errors import SmpRequestError
 from ftmem.exchange import keys
+from ftmem.exchange.placement import group_nodes
 from ftmem.format.layout import TensorExtent, layout_json, tensors_json
-from ftmem.launch.peers import group_nodes
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.protocol.status import ProtectionStatus

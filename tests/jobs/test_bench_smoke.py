@@ -44,14 +44,20 @@ def _shm_names() -> set[str]:
     return {n for n in names if (p := parse_slot_name(n)) is not None and p.run_id.startswith("bs")}
 
 
+def _bench_env() -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH (``bench`` imports)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteRun]:
     """Run ``python -m bench --smoke`` once, in its own session, killed if it overruns."""
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "benchmarks.md"
     out.write_text("# Benchmarks\n\nhand-written text that must stay\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = _bench_env()
     shm_before = _shm_names()
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
@@ -113,8 +119,7 @@ def test_save_cost_smoke_writes_its_figures_and_section(tmp_path: Path) -> None:
     written beside the hand-written text, and nothing is left behind."""
     out, res = tmp_path / "benchmarks.md", tmp_path / "save-cost.json"
     out.write_text("# Benchmarks\n\nhand-written text that must stay\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = _bench_env()
     shm_before = _shm_names()
     cmd = [sys.executable, "-m", "bench.save_cost", "--smoke", "--json", str(res)]
     proc = subprocess.Popen(
@@ -162,8 +167,7 @@ def test_reshard_smoke_loads_bitwise_and_writes_its_section(tmp_path: Path) -> N
     part records an error otherwise) and its section is written; no timing is checked."""
     out, res = tmp_path / "benchmarks.md", tmp_path / "reshard.json"
     out.write_text("# Benchmarks\n\nhand-written text that must stay\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = _bench_env()
     shm_before = _shm_names()
     cmd = [sys.executable, "bench/reshard.py", "--size-gib", "0.01", "--repeats", "2"]
     proc = subprocess.run(
@@ -188,8 +192,7 @@ def test_scale_smoke_meshes_protects_and_rebuilds_a_few_smps(tmp_path: Path) -> 
     round is protected and the lost node's rebuilt bytes are the committed ones (the harness
     asserts each SMP gone at its end); no figure is checked."""
     res = tmp_path / "scale.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = _bench_env()
     cmd = [sys.executable, "bench/scale.py", "--smps", "4", "--hosts", "", "--rounds", "1"]
     proc = subprocess.run(
         [*cmd, "--idle-s", "0.2", "--no-write", "--json", str(res)],
