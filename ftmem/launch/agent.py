@@ -170,6 +170,8 @@ class FtmemElasticAgent(ElasticAgentBase):
             declare=self._membership.declare if self._membership is not None else None,
         )
         """The failure detector, told each round's ring neighbours."""
+        if self._membership is not None:
+            self._membership.why_gone = self._nodes.why_gone
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
         if ftmem.metrics_port:

@@ -371,6 +371,23 @@ class FailureDetector:
         with self._lock:
             return set(self._round.suspected) if self._round is not None else set()
 
+    def why_gone(self, peer: str) -> str | None:
+        """Why this detector holds ``peer`` lost, or about to be: a neighbour it hears declared
+        it, or ``peer`` has been silent for ``suspect_s`` (then it is suspected); None while
+        ``peer`` is heard. A node that leaves the rendezvous to re-join keeps sending
+        heartbeats, so None tells a restart from a loss that another node published first."""
+        with self._lock:
+            rnd = self._round
+            if rnd is None:
+                return None
+            by = sorted(k for k, (_, declared) in self._reports.items() if peer in declared)
+            if by:
+                return f"declared lost by {', '.join(by)}"
+            if peer in rnd.suspected:
+                silent = time.monotonic() - max(self._heard.get(peer, rnd.since), rnd.since)
+                return f"no heartbeat for {silent:.1f} s"
+        return None
+
     def close(self, timeout: timedelta = timedelta(seconds=2), leaving: bool = True) -> None:
         """Tell the neighbours this agent leaves (unless not ``leaving``), stop the thread and
         close the socket. Idempotent."""

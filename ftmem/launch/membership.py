@@ -15,7 +15,8 @@ for every node. :class:`MembershipWatch` wraps the handler so that:
 - a failed join (``next_rendezvous``) is retried with the same backoff until the join timeout;
 - after each read it compares the rendezvous members with those of the round the ranks run in:
   a node whose keep-alive is late is logged (``STALL``), one that elastic dropped for good
-  (its keep-alive expired, or ftmem's failure detector marked it expired) is logged as
+  (its keep-alive expired, or ftmem's failure detector marked it expired, even if another
+  node's read dropped it first: this node's detector no longer hears it) is logged as
   ``MACHINE LOST``; each is written to the event log;
 - a loss that this node's failure detector declared (:mod:`ftmem.launch.detector`, through
   :meth:`MembershipWatch.declare`) is a ``MACHINE LOST`` at once, and the next check answers
@@ -81,6 +82,9 @@ class MembershipWatch(RendezvousHandler):
         self._patience = patience.total_seconds()
         self.on_event: Callable[..., None] = on_event or (lambda name, **fields: None)
         """Called with an event name and its fields (the agent sets its event log's write)."""
+        self.why_gone: Callable[[str], str | None] = lambda node: None
+        """Why this node's failure detector holds a node lost, None while it hears it (the
+        agent sets :meth:`ftmem.launch.node_watch.NodeWatch.why_gone`)."""
         self._reader: threading.Thread | None = None
         self._answer: list[int | BaseException] = []
         self._not_before = 0.0
@@ -292,13 +296,17 @@ class MembershipWatch(RendezvousHandler):
             return
         bound = keep_alive_bound_s(self._inner)
         for node in sorted(self._round_members - members.participants - set(self.lost)):
-            # A node that leaves to re-join (a restart) had a fresh keep-alive; one elastic
-            # dropped was seen stalled first (the stall share of the bound is below it), or
-            # was found dead by this read (a failure detector marked its keep-alive expired).
-            if node not in self._stalled and node not in members.dead and node != members.me:
+            # A node that leaves to re-join (a restart) had a fresh keep-alive and still sends
+            # heartbeats; one elastic dropped was seen stalled first (the stall share of the
+            # bound is below it), or was found dead by this read (a failure detector marked
+            # its keep-alive expired), or another node's read dropped it first: then this
+            # node's detector no longer hears it either.
+            gone = None if node == members.me else self.why_gone(node)
+            known = node in self._stalled or node in members.dead or gone is not None
+            if not known and node != members.me:
                 continue
             self.lost.append(node)
-            declared = node in members.dead and node not in self._stalled
+            declared = node not in self._stalled and (node in members.dead or gone is not None)
             if node == members.me:
                 log.error(
                     "[%s] DROPPED: this node was dropped from the job (the other nodes' "
@@ -310,14 +318,17 @@ class MembershipWatch(RendezvousHandler):
                 self.on_event("dropped", peer=node, bound_s=bound, declared=declared)
                 continue
             log.error(
-                "[%s] MACHINE LOST: %s %s and was dropped from the job",
+                "[%s] MACHINE LOST: %s %s and was dropped from the job%s",
                 self._node,
                 node,
                 "was declared lost by the failure detectors"
                 if declared
                 else f"sent no rendezvous keep-alive for {bound:.0f} s",
+                f" (here: {gone})" if gone else "",
             )
-            self.on_event("machine_lost", peer=node, bound_s=bound, declared=declared)
+            self.on_event(
+                "machine_lost", peer=node, bound_s=bound, declared=declared, why=gone or ""
+            )
         for node in sorted(self._round_members & members.participants - {members.me}):
             age = members.heartbeat_age_s.get(node)
             late = age is not None and age > STALL_SHARE * bound

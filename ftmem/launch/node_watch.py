@@ -149,6 +149,11 @@ class NodeWatch:
         if self.declare is not None:
             self.declare(node, why)
 
+    def why_gone(self, node: str) -> str | None:
+        """Why the detector holds ``node`` lost (:meth:`FailureDetector.why_gone`); None while
+        it hears ``node``, or when no detector runs."""
+        return self.detector.why_gone(node) if self.detector is not None else None
+
     def pause(self) -> None:
         """The ranks are stopped: declare nothing until the next round is watched."""
         if self.detector is not None:

@@ -78,6 +78,8 @@ def test_a_silent_peer_is_declared_by_both_others_and_nothing_else_is() -> None:
         assert sorted((who, node) for who, node, _ in lost) == [("a", "c"), ("b", "c")]
         assert {node for _, node in v.published} == {"c"}
         assert took < 5.0, took  # about the bound plus a heartbeat (0.6-0.8 s here)
+        # Asked why a node left the rendezvous: the silent one is gone, the heard one is not.
+        assert ds["a"].why_gone("c") is not None and ds["a"].why_gone("b") is None
 
 
 def test_a_peer_that_says_goodbye_is_not_declared() -> None:
