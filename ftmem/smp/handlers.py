@@ -422,11 +422,7 @@ class RequestHandlers:
             keys = CurveKeyPair.from_json(p.keys)
         except KeyFileError as exc:
             raise ValueError(str(exc)) from exc
-        self._service().submit(
-            BindCommand(
-                (req.ident, req.req_id), keys, p.host, p.me, p.port, p.encrypt, p.encode_workers
-            )
-        )
+        self._service().submit(BindCommand((req.ident, req.req_id), p, keys))
         self._pending_protection += 1
         return None
 
@@ -437,18 +433,7 @@ class RequestHandlers:
             }
         except ProtocolError as exc:
             raise ValueError(f"bad peer endpoints: {exc}") from exc
-        cmd = StartCommand(
-            (req.ident, req.req_id),
-            p.epoch,
-            p.me,
-            endpoints,
-            p.m,
-            p.max_group,
-            list(p.ranks),
-            p.protect_interval_s,
-            p.nodes,
-        )
-        self._service().submit(cmd)
+        self._service().submit(StartCommand((req.ident, req.req_id), p, endpoints))
         self._pending_protection += 1
         return None
 

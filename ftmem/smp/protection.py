@@ -290,22 +290,23 @@ class ProtectionService:
         self.sync.synced = False
         self._early.clear()
         self._early_bytes = 0
+        r = cmd.request
         try:
             t = ZmqPeerTransport(
-                str(cmd.me), cmd.keys, host=cmd.host, port=cmd.port, encrypt_data=cmd.encrypt
+                str(r.me), cmd.keys, host=r.host, port=r.port, encrypt_data=r.encrypt
             )
             endpoint = t.start()
         except Exception as exc:  # zmq.ZMQError, OSError: a bad host or a port in use
             self._results.put(Result(cmd.token, False, {}, f"cannot bind the peer port: {exc}"))
             return
         self.transport = t
-        self.encode_workers = max(0, min(cmd.encode_workers, MAX_WORKERS))
+        self.encode_workers = max(0, min(r.encode_workers, MAX_WORKERS))
         self.ctx.board.move(ProtectionState.BOUND, endpoint=endpoint)
         log.info(
             "[%s/protection] peer port %s (%s)",
             self.node_name,
             endpoint,
-            "CURVE for every message" if cmd.encrypt else "CURVE; snapshot bytes with keyed tags",
+            "CURVE for every message" if r.encrypt else "CURVE; snapshot bytes with keyed tags",
         )
         self._results.put(Result(cmd.token, True, m.to_fields(m.PeerBound(endpoint))))
 
@@ -313,15 +314,16 @@ class ProtectionService:
         if self.transport is None:
             self._results.put(Result(cmd.token, False, {}, "start before bind"))
             return
-        if self.transport.node != str(cmd.me):
+        r = cmd.request
+        if self.transport.node != str(r.me):
             self._results.put(Result(cmd.token, False, {}, "start as another node than bound"))
             return
         named = sorted(cmd.endpoints)
         try:
-            count = cmd.nodes or len(named)
-            if not cmd.nodes and named != list(range(count)):
+            count = r.nodes or len(named)
+            if not r.nodes and named != list(range(count)):
                 raise ValueError(f"node indices must be 0..N-1, got {named}")
-            plan = group_of(plan_groups(count, cmd.m, cmd.max_group), cmd.me)
+            plan = group_of(plan_groups(count, r.m, r.max_group), r.me)
             missing = [n for n in plan.nodes if n not in cmd.endpoints]
             if missing:
                 raise ValueError(f"no endpoint for the group's nodes {missing}")
@@ -329,8 +331,8 @@ class ProtectionService:
             self._results.put(Result(cmd.token, False, {}, f"no erasure-coding group: {exc}"))
             return
         ctx = self.ctx
-        ctx.me, ctx.epoch, ctx.ranks = cmd.me, cmd.epoch, list(cmd.ranks)
-        protector = self._protector_for(plan, cmd.epoch)
+        ctx.me, ctx.epoch, ctx.ranks = r.me, r.epoch, list(r.ranks)
+        protector = self._protector_for(plan, r.epoch)
         for step in list(ctx.pinned):
             if step not in protector.steps:
                 ctx.release(step)
@@ -341,11 +343,11 @@ class ProtectionService:
         except Exception as exc:  # zmq.ZMQError: an endpoint zmq cannot connect to
             self._results.put(Result(cmd.token, False, {}, f"cannot connect to a peer: {exc}"))
             return
-        self.rounds.reset(cmd.protect_interval_s)
+        self.rounds.reset(r.protect_interval_s)
         held = protector.held_steps()
         self.sync.begin(cmd, held)
         ctx.board.move(
-            ProtectionState.SYNCING, epoch=cmd.epoch, me=cmd.me, group=list(plan.nodes), m=plan.m
+            ProtectionState.SYNCING, epoch=r.epoch, me=r.me, group=list(plan.nodes), m=plan.m
         )
         for n in ctx.peers():
             ctx.send(n, pm.HeldSteps(tuple(held)))

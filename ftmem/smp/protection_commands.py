@@ -12,39 +12,28 @@ from typing import Any
 
 from ftmem.errors import ErrorKind
 from ftmem.exchange.keys import CurveKeyPair
+from ftmem.protocol.messages import PeerBind, PeerStart
 
 
 @dataclass(frozen=True, slots=True)
 class BindCommand:
-    """Start a new transport with ``keys`` on ``host`` (replaces the previous one)."""
+    """Start a new transport as ``request`` says (replaces the previous one), with the job's
+    key pair ``keys`` read from it."""
 
     token: Any
+    request: PeerBind
     keys: CurveKeyPair
-    host: str
-    me: int
-    """This node's index in the job (peers know it by this name)."""
-    port: int = 0
-    encrypt: bool = False
-    """Every message over CURVE (no plain data channel)."""
-    encode_workers: int = 0
-    """Processes that encode this node's stripes (0: the protection thread)."""
 
 
 @dataclass(frozen=True, slots=True)
 class StartCommand:
-    """Join the mesh of ``epoch`` (two per generation: ftmem.launch.peers.mesh_epoch): peers,
-    erasure code, this node's ranks; then sync."""
+    """Join the mesh of ``request.epoch`` (two per generation: ftmem.launch.peers.mesh_epoch)
+    as ``request`` says, with its peer ``endpoints`` checked and keyed by node index; then
+    sync."""
 
     token: Any
-    epoch: int
-    me: int
+    request: PeerStart
     endpoints: dict[int, str]
-    m: int
-    max_group: int
-    ranks: list[int]
-    protect_interval_s: float = 0.0
-    nodes: int = 0
-    """The job's node count (0: ``endpoints`` names every node; else at least the group's)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.format.record import MAX_SLOT_BYTES
+from ftmem.protocol.messages import PeerStart
 from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.allocation import SlotFiles
@@ -331,9 +332,8 @@ def _sync_with_survivors(
 
     def sync_once() -> None:
         try:
-            start = StartCommand(
-                None, epoch=0, me=ctx.me, endpoints={}, m=1, max_group=8, ranks=[1]
-            )
+            request = PeerStart(epoch=0, me=ctx.me, endpoints={}, m=1, max_group=8, ranks=[1])
+            start = StartCommand(None, request, endpoints={})
             sync.begin(start, held=[])
             ctx.board.move(ProtectionState.SYNCING)
             for node, steps in held.items():
