@@ -37,7 +37,9 @@ stepping and -> every node protected; from the agents' event logs the rendezvous
 the mesh (last ``syncing`` -> last ``started``); over ``--window-s`` of training, the packets
 into host 0's store port (an ``iptables`` counter in its namespace) and each agent's and SMP's
 CPU, then each agent's threads, socket descriptors and RSS; last, host N-1 is lost silently
-(its link down, then its processes killed) and the time to the first ``declared_lost``.
+(its link down, then its processes killed) and the time to the first ``declared_lost``;
+``--losses`` times, a replacement machine (a fresh agent on the lost host, its link back up)
+taking the lost one's place before the next loss (each loss a different host, never host 0).
 
 Per-node figures are medians over the N nodes (max in brackets). Written to
 docs/benchmarks.md (section ``bench:scale``) with the machine's load; docs/scale.md reads
@@ -50,6 +52,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -228,6 +231,9 @@ class StackRow:
     agent_sockets: PerNode | None = None
     agent_rss_mib: PerNode | None = None
     detect_s: float | None = None
+    """The median of ``detect_each_s``."""
+    detect_each_s: list[float] = field(default_factory=list)
+    """Silent loss -> first ``declared_lost`` or ``machine_lost``, one per loss."""
 
 
 def _role(p: psutil.Process) -> str | None:
@@ -263,7 +269,7 @@ def _first(events: list, name: str, **fields: object) -> dict[str, float]:
     return out
 
 
-def measure_stack(n: int, window_s: float, workdir: Path) -> StackRow:
+def measure_stack(n: int, window_s: float, losses: int, workdir: Path) -> StackRow:
     """One job of ``n`` namespace hosts (module docstring, "Full stack")."""
     row = StackRow(n)
     script = [str(WORKLOAD), "--steps", "100000", "--step-delay", "0.3", *TINY]
@@ -323,19 +329,53 @@ def measure_stack(n: int, window_s: float, workdir: Path) -> StackRow:
         row.agent_threads = PerNode.of([float(p.num_threads()) for p in agents])
         row.agent_sockets = PerNode.of([float(_sockets(p.pid)) for p in agents])
         row.agent_rss_mib = PerNode.of([p.memory_info().rss / 2**20 for p in agents])
-        lost = time.time()
-        hosts.cut(n - 1)
-        hosts.kill(n - 1)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and row.detect_s is None:
-            found = [
-                e.time for e in read_events([m.run_dir(i) for i in range(n - 1)]).events
-                if e.event in ("declared_lost", "machine_lost") and e.time > lost
-            ]  # fmt: skip
-            if found:
-                row.detect_s = min(found) - lost
-            time.sleep(0.2)
+        for j in range(losses):
+            victim = n - 1 - j % (n - 1)  # never host 0: it serves the rendezvous store
+            watched = {
+                i: len(re.findall(WATCHING, m.agents[i].text())) for i in range(n) if i != victim
+            }
+            row.detect_each_s.append(_lose(m, victim, n))
+            if j + 1 < losses:
+                _replace(m, victim, watched)
+        if row.detect_each_s:
+            row.detect_s = statistics.median(row.detect_each_s)
     return row
+
+
+def _lose(m: Machines, victim: int, n: int) -> float:
+    """Lose host ``victim`` silently (its link down, then its processes killed); the time
+    until a survivor's event log names the loss."""
+    lost = time.time()
+    m.hosts.cut(victim)
+    m.hosts.kill(victim)
+    survivors = [m.run_dir(i) for i in range(n) if i != victim]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        found = [
+            e.time for e in read_events(survivors).events
+            if e.event in ("declared_lost", "machine_lost") and e.time > lost
+        ]  # fmt: skip
+        if found:
+            return min(found) - lost
+        time.sleep(0.2)
+    raise RuntimeError(f"the loss of h{victim} was not declared within 180 s")
+
+
+def _replace(m: Machines, victim: int, watched: dict[int, int]) -> None:
+    """A replacement machine in the lost one's place: its link up, a fresh run directory, a
+    new agent; returns once its rank steps and every agent's failure detector watches the new
+    round (each survivor had logged ``watched[i]`` rounds), so that the next loss is measured
+    like the first."""
+    m.hosts.heal(victim)
+    shutil.rmtree(m.run_dir(victim), ignore_errors=True)
+    m.start(victim).wait_log(r"step \d+ loss", 900)
+    m.agents[victim].wait_log(WATCHING, 300)
+    for i, seen in watched.items():
+        m.agents[i].wait_log(WATCHING, 300, count=seen + 1)
+
+
+WATCHING = r"failure detector: generation \d+, watching"
+"""The agent's log line when its failure detector starts watching a round."""
 
 
 def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> list[str]:
@@ -343,7 +383,8 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = [
         "",
-        f"`python bench/scale.py --hosts {args.hosts} --window-s {args.window_s:g}` ({when}; "
+        f"`python bench/scale.py --hosts {args.hosts} --window-s {args.window_s:g} --losses "
+        f"{args.losses}` ({when}; "
         f"{load}): N network-namespace hosts, each an `ftmem-launch` agent (c10d rendezvous "
         "on host 0, erasure coding m=1, `--ftmem-standby 0`), its SMP and one rank of the test "
         "workload (0.3 s step delay); the agents' and SMPs' CPU over the window while training.",
@@ -352,7 +393,8 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
         "(first joining -> last syncing, s) | the round (last joining -> last syncing, s) | "
         "mesh (last syncing -> last started, s) | store "
         "packets in per s | agent CPU (%) | SMP CPU (%) | agent threads | agent socket fds | "
-        "agent RSS (MiB) | silent loss -> declared (s) |",
+        "agent RSS (MiB) | silent loss -> declared (s; median (min-max) of the losses, each "
+        "machine replaced before the next) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -365,9 +407,18 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
             f"{f(r.rendezvous_s)} | {f(r.round_s)} | {f(r.mesh_s)} | {r.store_packets_per_s:.1f} | "
             f"{_cell(r.agent_cpu_pct, '{:.1f}')} | {_cell(r.smp_cpu_pct, '{:.1f}')} | "
             f"{_cell(r.agent_threads)} | {_cell(r.agent_sockets)} | {_cell(r.agent_rss_mib)} | "
-            f"{f(r.detect_s)} |"
+            f"{_spread(r.detect_each_s)} |"
         )
     return lines
+
+
+def _spread(values: list[float]) -> str:
+    """``median (min-max)`` of several measurements, or the one, or "-"."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _cell(v: PerNode | None, fmt: str = "{:.0f}") -> str:
@@ -424,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parity", type=int, default=2)
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--window-s", type=float, default=10.0, help="full stack: the steady window")
+    p.add_argument(
+        "--losses", type=int, default=3, help="full stack: silent losses per N (each replaced)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
@@ -443,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         smp_load = f"1-minute load {load_start} at the start, {os.getloadavg()[0]:.1f} at the end"
         load_start = f"{os.getloadavg()[0]:.1f}"
         for n in (int(x) for x in args.hosts.split(",") if x):
-            srow = measure_stack(n, args.window_s, base)
+            srow = measure_stack(n, args.window_s, args.losses, base)
             print(json.dumps(asdict(srow)), flush=True)
             stack.append(srow)
     finally:

@@ -225,8 +225,10 @@ def render(
     store_ops: float,
     m: dict[str, Any],
     load: str,
+    reused: str = "",
 ) -> str:
-    """The section of docs/benchmarks.md."""
+    """The section of docs/benchmarks.md (``reused``: when the handlers and the store were
+    measured, if this run modelled from an earlier run's figures)."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     start, end = _render.markers(SECTION)
     c0, c1 = m["state_fit"]
@@ -234,7 +236,10 @@ def render(
         start,
         "## Scale model: 1,000 nodes from the figures measured here",
         "",
-        f"`python bench/scale_model.py` ({when}; {load}).",
+        f"`python bench/scale_model.py --scale-json <bench/scale.py's> --measured <an earlier "
+        f"run's>` (modelled {when}; the handlers and the store measured {reused})."
+        if reused
+        else f"`python bench/scale_model.py` ({when}; {load}).",
         "",
         "Measured: N of torch elastic's c10d rendezvous handlers (threads of one process, "
         "each its own TCPStore client) joining one round on one TCPStore, as ftmem-launch "
@@ -327,10 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"store: {ops:,.0f} get/s", flush=True)
     m = model(scale, rdzv, ops)
     load = f"1-minute load {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    text = render(rdzv, stock, ops, m, load)
+    measured_at = f"{datetime.datetime.now():%Y-%m-%d %H:%M}; {load}"
+    if args.measured is not None:
+        measured_at = doc.get("measured_at", "in an earlier run")
+    text = render(rdzv, stock, ops, m, load, measured_at if args.measured else "")
     print(text)
     if args.json:
         doc = {"rendezvous": rdzv, "stock": stock, "store_ops": ops, **m}
+        doc["measured_at"] = measured_at
         args.json.write_text(json.dumps(doc, indent=1))
     if not args.no_write:
         _render.write_section(DOC, SECTION, text)
