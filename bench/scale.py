@@ -1,6 +1,6 @@
 """The control plane at scale: per-node costs of N SMPs and of N full-stack hosts as N grows.
 
-    sudo python bench/scale.py --json scale.json   # 16, 32, 64 SMPs; 4, 8, 16 hosts (~10 min)
+    sudo python bench/scale.py --json scale.json   # 16, 32, 64 SMPs; 4, 8, 16 hosts (~15 min)
     python bench/scale.py --smps 8,16 --hosts "" --rounds 3 --no-write
 
 **N SMPs.** Each node is one real SMP process (torch-free) on this machine, meshed over CURVE/TCP on
@@ -476,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--window-s", type=float, default=10.0, help="full stack: the steady window")
     p.add_argument(
-        "--losses", type=int, default=3, help="full stack: silent losses per N (each replaced)"
+        "--losses",
+        type=int,
+        default=5,
+        help="full stack: silent losses per N (each replaced)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--no-write", action="store_true")
