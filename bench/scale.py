@@ -32,7 +32,7 @@ Measured for each N, in this order:
 **Full stack.** N network-namespace hosts (``tests/_support/hosts.py``, root), each an
 ``ftmem-launch`` agent (c10d rendezvous on host 0, erasure coding m=1, ``--ftmem-standby 0``),
 its SMP and one rank of the test workload (0.3 s step delay). Measured: launch -> every rank
-stepping and -> every node protected; from the agents' event logs the rendezvous (first
+stepping and -> every node protected, and the CPU each host's processes used until then; from the agents' event logs the rendezvous (first
 ``joining`` -> last ``syncing``), the round itself (last ``joining`` -> last ``syncing``) and
 the mesh (last ``syncing`` -> last ``started``); over ``--window-s`` of training, the packets
 into host 0's store port (an ``iptables`` counter in its namespace) and each agent's and SMP's
@@ -142,6 +142,19 @@ def _cpu_s(pid: int) -> float:
     return total
 
 
+def _host_cpu_s(hosts: Hosts, i: int) -> float:
+    """CPU-seconds (user + system) of every process on host ``i`` so far, the children they
+    reaped included."""
+    total = 0.0
+    for pid in hosts.pids(i):
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def _cpu_ms(pids: list[int], before: list[float], per: int = 1) -> PerNode:
     """Each SMP's CPU since ``before`` (its :func:`_cpu_s`), in ms, divided by ``per``."""
     return PerNode.of([1000 * (_cpu_s(p) - b) / per for p, b in zip(pids, before, strict=True)])
@@ -230,6 +243,8 @@ class StackRow:
     agent_threads: PerNode | None = None
     agent_sockets: PerNode | None = None
     agent_rss_mib: PerNode | None = None
+    form_cpu_s: PerNode | None = None
+    """CPU-seconds each host's processes used from launch until every node was protected."""
     detect_s: float | None = None
     """The median of ``detect_each_s``."""
     detect_each_s: list[float] = field(default_factory=list)
@@ -302,6 +317,7 @@ def measure_stack(n: int, window_s: float, losses: int, workdir: Path) -> StackR
         finally:
             for c in clients:
                 c.close()
+        row.form_cpu_s = PerNode.of([_host_cpu_s(hosts, i) for i in range(n)])
         events = read_events([m.run_dir(i) for i in range(n)]).events
         joining = _first(events, "state", state="joining")
         syncing = _first(events, "state", state="syncing")
@@ -393,9 +409,9 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
         "(first joining -> last syncing, s) | the round (last joining -> last syncing, s) | "
         "mesh (last syncing -> last started, s) | store "
         "packets in per s | agent CPU (%) | SMP CPU (%) | agent threads | agent socket fds | "
-        "agent RSS (MiB) | silent loss -> declared (s; median (min-max) of the losses, each "
+        "agent RSS (MiB) | CPU per host to form the job (s) | silent loss -> declared (s; median (min-max) of the losses, each "
         "machine replaced before the next) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -407,7 +423,7 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
             f"{f(r.rendezvous_s)} | {f(r.round_s)} | {f(r.mesh_s)} | {r.store_packets_per_s:.1f} | "
             f"{_cell(r.agent_cpu_pct, '{:.1f}')} | {_cell(r.smp_cpu_pct, '{:.1f}')} | "
             f"{_cell(r.agent_threads)} | {_cell(r.agent_sockets)} | {_cell(r.agent_rss_mib)} | "
-            f"{_spread(r.detect_each_s)} |"
+            f"{_cell(r.form_cpu_s, '{:.1f}')} | {_spread(r.detect_each_s)} |"
         )
     return lines
 
@@ -503,8 +519,10 @@ def main(argv: list[str] | None = None) -> int:
             srow = measure_stack(n, args.window_s, args.losses, base)
             print(json.dumps(asdict(srow)), flush=True)
             stack.append(srow)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    except BaseException:
+        print(f"scale: failed; the hosts' logs and run directories are kept in {base}")
+        raise
+    shutil.rmtree(base, ignore_errors=True)
     stack_load = f"1-minute load {load_start} at the start, {os.getloadavg()[0]:.1f} at the end"
     text = render(rows, args, smp_load)
     if stack:
