@@ -35,7 +35,8 @@ its SMP and one rank of the test workload (0.3 s step delay). Measured: launch -
 stepping and -> every node protected, and the CPU each host's processes used until then; from the agents' event logs the rendezvous (first
 ``joining`` -> last ``syncing``), the round itself (last ``joining`` -> last ``syncing``) and
 the mesh (last ``syncing`` -> last ``started``); over ``--window-s`` of training, the packets
-into host 0's store port (an ``iptables`` counter in its namespace) and each agent's and SMP's
+into host 0's store port and the failure detector's datagrams into each host (``iptables``
+counters in their namespaces), and each agent's and SMP's
 CPU, then each agent's threads, socket descriptors and RSS; last, host N-1 is lost silently
 (its link down, then its processes killed) and the time to the first ``declared_lost``;
 ``--losses`` times, a replacement machine (a fresh agent on the lost host, its link back up)
@@ -243,6 +244,9 @@ class StackRow:
     agent_threads: PerNode | None = None
     agent_sockets: PerNode | None = None
     agent_rss_mib: PerNode | None = None
+    heartbeats_per_s: PerNode | None = None
+    """Failure-detector datagrams into each host per second while training."""
+    heartbeat_bytes_per_s: PerNode | None = None
     form_cpu_s: PerNode | None = None
     """CPU-seconds each host's processes used from launch until every node was protected."""
     detect_s: float | None = None
@@ -263,16 +267,36 @@ def _role(p: psutil.Process) -> str | None:
     return None
 
 
-def _store_packets(hosts: Hosts) -> int:
-    """Packets into host 0's rendezvous store port (an iptables counter in its namespace)."""
+_PROTO_NUMBERS = {"tcp": "6", "udp": "17"}
+"""How ``iptables -n`` may print a rule's protocol."""
+
+
+def _counted(hosts: Hosts, i: int, proto: str, port: int | None = None) -> tuple[int, int]:
+    """Packets and bytes into host ``i`` that its ``proto`` (to ``port``) counter rule saw (an
+    iptables rule in its namespace, inserted by :func:`_count`)."""
     out = subprocess.run(
-        ["ip", "netns", "exec", hosts.netns(0), "iptables", "-nvxL", "INPUT"],
+        ["ip", "netns", "exec", hosts.netns(i), "iptables", "-nvxL", "INPUT"],
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     for line in out.splitlines():
-        if f"dpt:{RDZV_PORT}" in line:
-            return int(line.split()[0])
-    return 0
+        f = line.split()
+        if (
+            len(f) > 3
+            and f[3] in (proto, _PROTO_NUMBERS[proto])
+            and (port is None) == (f"dpt:{port}" not in line)
+        ):
+            return int(f[0]), int(f[1])
+    return 0, 0
+
+
+def _count(hosts: Hosts, i: int, proto: str, port: int | None = None) -> None:
+    """Insert the counter rule :func:`_counted` reads."""
+    dport = ["--dport", str(port)] if port is not None else []
+    subprocess.run(
+        ["ip", "netns", "exec", hosts.netns(i), "iptables", "-I", "INPUT", "-p", proto,
+         *dport, "-j", "ACCEPT"],
+        check=True, timeout=30,
+    )  # fmt: skip
 
 
 def _first(events: list, name: str, **fields: object) -> dict[str, float]:
@@ -291,11 +315,9 @@ def measure_stack(n: int, window_s: float, losses: int, workdir: Path) -> StackR
     env = agent_env({}, pythonpath=[REPO])
     (workdir / f"h{n}").mkdir()
     with Hosts(n, shm_size="256m") as hosts:
-        subprocess.run(
-            ["ip", "netns", "exec", hosts.netns(0), "iptables", "-I", "INPUT", "-p", "tcp",
-             "--dport", str(RDZV_PORT), "-j", "ACCEPT"],
-            check=True, timeout=30,
-        )  # fmt: skip
+        _count(hosts, 0, "tcp", RDZV_PORT)
+        for i in range(n):
+            _count(hosts, i, "udp")  # the failure detector's heartbeats (nothing else is UDP)
         m = Machines(
             hosts, workdir / f"h{n}", f"st{uuid.uuid4().hex[:8]}", n, script, env,
             extra=["--ftmem-standby", "0"], cwd=REPO,
@@ -330,10 +352,16 @@ def measure_stack(n: int, window_s: float, losses: int, workdir: Path) -> StackR
         procs = [psutil.Process(pid) for i in range(n) for pid in hosts.pids(i)]
         roles = {r: [p for p in procs if _role(p) == r] for r in ("agent", "smp")}
         cpu0 = {r: [_cpu_s(p.pid) for p in ps] for r, ps in roles.items()}
-        pk0, w0 = _store_packets(hosts), time.monotonic()
+        pk0 = _counted(hosts, 0, "tcp", RDZV_PORT)[0]
+        udp0 = [_counted(hosts, i, "udp") for i in range(n)]
+        w0 = time.monotonic()
         time.sleep(window_s)
         wall = time.monotonic() - w0
-        row.store_packets_per_s = (_store_packets(hosts) - pk0) / wall
+        row.store_packets_per_s = (_counted(hosts, 0, "tcp", RDZV_PORT)[0] - pk0) / wall
+        udp = [_counted(hosts, i, "udp") for i in range(n)]
+        got = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(udp0, udp, strict=True)]
+        row.heartbeats_per_s = PerNode.of([k / wall for k, _ in got])
+        row.heartbeat_bytes_per_s = PerNode.of([nbytes / wall for _, nbytes in got])
         cpu = {
             r: PerNode.of(
                 [100 * (_cpu_s(p.pid) - c) / wall for p, c in zip(ps, cpu0[r], strict=True)]
@@ -409,9 +437,9 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
         "(first joining -> last syncing, s) | the round (last joining -> last syncing, s) | "
         "mesh (last syncing -> last started, s) | store "
         "packets in per s | agent CPU (%) | SMP CPU (%) | agent threads | agent socket fds | "
-        "agent RSS (MiB) | CPU per host to form the job (s) | silent loss -> declared (s; median (min-max) of the losses, each "
+        "agent RSS (MiB) | heartbeats in per host per s (bytes/s) | CPU per host to form the job (s) | silent loss -> declared (s; median (min-max) of the losses, each "
         "machine replaced before the next) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -423,6 +451,7 @@ def render_stack(rows: list[StackRow], args: argparse.Namespace, load: str) -> l
             f"{f(r.rendezvous_s)} | {f(r.round_s)} | {f(r.mesh_s)} | {r.store_packets_per_s:.1f} | "
             f"{_cell(r.agent_cpu_pct, '{:.1f}')} | {_cell(r.smp_cpu_pct, '{:.1f}')} | "
             f"{_cell(r.agent_threads)} | {_cell(r.agent_sockets)} | {_cell(r.agent_rss_mib)} | "
+            f"{_cell(r.heartbeats_per_s, '{:.1f}')}; {_cell(r.heartbeat_bytes_per_s)} | "
             f"{_cell(r.form_cpu_s, '{:.1f}')} | {_spread(r.detect_each_s)} |"
         )
     return lines
