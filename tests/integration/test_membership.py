@@ -149,6 +149,12 @@ def test_a_node_another_reader_dropped_first_is_named_lost_when_the_detector_agr
         watch.why_gone = lambda node: "no heartbeat for 1.0 s" if node == n2 else None
         assert expire_keep_alive(handlers[1], n2)
         rejoin.start()
+
+        def node_1_left() -> bool:  # its exit from the round, written: node 0 reads only now
+            seen = rendezvous_members(handlers[1])
+            return seen is not None and {n1, n2}.isdisjoint(seen.participants)
+
+        _until(node_1_left, 30)
         _until(lambda: watch.num_nodes_waiting() >= 1, 30)
         after = rendezvous_members(handlers[0])
         assert after is not None and {n1, n2}.isdisjoint(after.participants)
