@@ -280,11 +280,9 @@ def _counted(hosts: Hosts, i: int, proto: str, port: int | None = None) -> tuple
     ).stdout  # fmt: skip
     for line in out.splitlines():
         f = line.split()
-        if (
-            len(f) > 3
-            and f[3] in (proto, _PROTO_NUMBERS[proto])
-            and (port is None) == (f"dpt:{port}" not in line)
-        ):
+        ported = "dpt:" in line  # the store port's rule, not the catch-all UDP one
+        wanted = f"dpt:{port}" in line if port is not None else not ported
+        if len(f) > 3 and f[3] in (proto, _PROTO_NUMBERS[proto]) and wanted:
             return int(f[0]), int(f[1])
     return 0, 0
 

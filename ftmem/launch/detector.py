@@ -233,6 +233,11 @@ class WatchedRound:
     paused: bool = False
 
 
+def silent_since(rnd: WatchedRound, heard: dict[str, float], peer: str) -> float:
+    """When ``peer`` was last heard in round ``rnd`` (a peer not heard yet: since it began)."""
+    return max(heard.get(peer, rnd.since), rnd.since)
+
+
 def verdicts(
     rnd: WatchedRound,
     now: float,
@@ -250,14 +255,12 @@ def verdicts(
     """
     mine = neighbours(rnd.order, rnd.me)
     suspected = {
-        p
-        for p in mine
-        if p not in departed and now - max(heard.get(p, rnd.since), rnd.since) >= suspect_s
+        p for p in mine if p not in departed and now - silent_since(rnd, heard, p) >= suspect_s
     }
     fresh = {p for p in mine if p not in suspected and p in heard and now - heard[p] < suspect_s}
     declare: dict[str, str] = {}
     for peer in sorted(suspected - rnd.declared):
-        silent = now - max(heard.get(peer, rnd.since), rnd.since)
+        silent = now - silent_since(rnd, heard, peer)
         others = [k for k in neighbours(rnd.order, peer) if k not in (rnd.me, peer)]
         agree = sorted(k for k in others if k in fresh and peer in reports.get(k, ((), ()))[0])
         if not others:
@@ -384,7 +387,7 @@ class FailureDetector:
             if by:
                 return f"declared lost by {', '.join(by)}"
             if peer in rnd.suspected:
-                silent = time.monotonic() - max(self._heard.get(peer, rnd.since), rnd.since)
+                silent = time.monotonic() - silent_since(rnd, self._heard, peer)
                 return f"no heartbeat for {silent:.1f} s"
         return None
 
@@ -436,7 +439,7 @@ class FailureDetector:
             if rnd is None:
                 return float("inf")
             marks = [
-                max(self._heard.get(p, rnd.since), rnd.since) + self._suspect_s
+                silent_since(rnd, self._heard, p) + self._suspect_s
                 for p in neighbours(rnd.order, rnd.me)
                 if p not in rnd.suspected and p not in self._departed
             ]
@@ -534,7 +537,7 @@ class FailureDetector:
                     "[%s] SUSPECT: no heartbeat from %s for %.1f s",
                     self._node,
                     peer,
-                    now - max(self._heard.get(peer, rnd.since), rnd.since),
+                    now - silent_since(rnd, self._heard, peer),
                 )
             rnd.suspected = suspected
             if rnd.paused:
