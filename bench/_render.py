@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import shlex
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +225,38 @@ def write_section(path: Path, name: str, section: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(new)
     os.replace(tmp, path)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # so that the finally blocks stop every job
+
+
+def script_main(part: str, run: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
+    """A benchmark script's ``main``: measure, write the JSON, render and write the section.
+
+    Returns 1 when the results carry errors.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    argv = sys.argv[1:] if argv is None else argv
+    ns, _ = _output_parser().parse_known_args(argv)
+    result = run(argv)
+    doc = _results.document(part, result)
+    if ns.json is not None:
+        _results.write_json(ns.json, doc)
+        print(f"# wrote {ns.json}", file=sys.stderr)
+    for name, text in sections(doc).items():
+        print(text)
+        if not ns.no_write:
+            write_section(ns.out, name, text)
+            print(f"# wrote {ns.out} ({name})", file=sys.stderr)
+    return 1 if doc["result"].get("errors") else 0
+
+
+def _output_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    _results.add_output_args(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

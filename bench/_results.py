@@ -13,13 +13,9 @@ import argparse
 import dataclasses
 import datetime
 import json
-import logging
 import os
 import platform
-import signal
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -166,39 +162,5 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's command line: described by its docstring's first line, with the output
     flags (:func:`add_output_args`)."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n", 1)[0])
-    add_output_args(p)
-    return p
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # so that the finally blocks stop every job
-
-
-def script_main(part: str, run: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
-    """A benchmark script's ``main``: measure, write the JSON, render and write the section.
-
-    Returns 1 when the results carry errors.
-    """
-    from bench import _render
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    argv = sys.argv[1:] if argv is None else argv
-    ns, _ = _output_parser().parse_known_args(argv)
-    result = run(argv)
-    doc = document(part, result)
-    if ns.json is not None:
-        write_json(ns.json, doc)
-        print(f"# wrote {ns.json}", file=sys.stderr)
-    for name, text in _render.sections(doc).items():
-        print(text)
-        if not ns.no_write:
-            _render.write_section(ns.out, name, text)
-            print(f"# wrote {ns.out} ({name})", file=sys.stderr)
-    return 1 if doc["result"].get("errors") else 0
-
-
-def _output_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
     add_output_args(p)
     return p

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/datapath.py
 
 from bench import _baselines as baselines
-from bench import _launch, _results
+from bench import _launch, _render, _results
 from bench._datapath_rank import (
     connect,
     cpu_wall,
@@ -450,4 +450,4 @@ if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     if "--_rank" in sys.argv:
         sys.exit(rank_main(get_args_parser().parse_args(sys.argv[1:])))
-    sys.exit(_results.script_main("gpu" if "--gpu" in sys.argv else PART, run))
+    sys.exit(_render.script_main("gpu" if "--gpu" in sys.argv else PART, run))

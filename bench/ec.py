@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec.py
 
-from bench import _results
+from bench import _render, _results
 from bench._figures import Fig, rows
 from bench._stats import MiB
 from ftmem.exchange.codec import EC_TYPE, EncodedStripe, StripeCodec, tune_malloc
@@ -214,4 +214,4 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(get_args_parser().parse_args())
         sys.exit(0)
-    sys.exit(_results.script_main("ec", run))
+    sys.exit(_render.script_main("ec", run))

@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_overhead.py
 
 from bench import _figures as fg
-from bench import _launch, _results
+from bench import _launch, _render, _results
 from bench._stats import finite, fmt, median, stat
 from ftmem.observe.timeline import read_events
 from tests._support.launcher import launch_args
@@ -298,4 +298,4 @@ def goals(r: Doc | None) -> list[fg.Goal]:
 
 
 if __name__ == "__main__":
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

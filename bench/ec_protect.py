@@ -36,7 +36,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/ec_protect.py
 
-from bench import _results
+from bench import _render, _results
 from bench._ec_node import (
     CHANNELS,
     MODES,
@@ -386,4 +386,4 @@ def run(argv: list[str]) -> EcProtectResult:
 
 
 if __name__ == "__main__":
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/flush.py
 
 from bench import _baselines as baselines
-from bench import _launch, _results
+from bench import _launch, _render, _results
 from bench._proc import proc_memory
 from ftmem.observe.timeline import read_events
 
@@ -469,4 +469,4 @@ def run(argv: list[str]) -> FlushResult:
 
 
 if __name__ == "__main__":
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

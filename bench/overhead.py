@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/overhead.py
 
-from bench import _launch, _results, _train
+from bench import _launch, _render, _results, _train
 from bench import _stats as st
 from bench._figures import Fig, Goal, rows
 from bench._stats import fmt, stat
@@ -323,4 +323,4 @@ def goals(r: dict[str, Any] | None) -> list[Goal]:
 if __name__ == "__main__":
     if sys.argv[1:2] == [WORKER_FLAG]:
         sys.exit(worker(sys.argv[2:]))
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/recovery.py
 
-from bench import _launch, _results, _train
+from bench import _launch, _render, _results, _train
 from bench._figures import fig
 from bench._stats import median
 from ftmem.observe.timeline import Event, read_events
@@ -488,4 +488,4 @@ def run(argv: list[str]) -> RecoveryResult:
 if __name__ == "__main__":
     if sys.argv[1:2] == [WORKER_FLAG]:
         sys.exit(dcp_worker(sys.argv[2:]))
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/reshard.py
 
-from bench import _results
+from bench import _render, _results
 from bench._figures import Goal, table
 from bench._stats import stat
 
@@ -197,4 +197,4 @@ if __name__ == "__main__":
     if "--_worker" in sys.argv:
         worker(get_args_parser().parse_args())
         sys.exit(0)
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

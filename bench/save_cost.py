@@ -1002,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import _render
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _results._on_sigterm)
+    signal.signal(signal.SIGTERM, _render._on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     result = run(argv)
     ns = get_args_parser().parse_args(argv)

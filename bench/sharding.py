@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/sharding.py
 
-from bench import _results
+from bench import _render, _results
 from bench import _stats as st
 from bench._figures import Goal, goal_rows, le, mib, table
 from bench._stats import fmt, stat
@@ -214,4 +214,4 @@ if __name__ == "__main__":
     if "--_worker" in sys.argv:
         worker(get_args_parser().parse_args())
         sys.exit(0)
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/sna
 import torch
 
 from bench import _baselines as baselines
-from bench import _launch, _results
+from bench import _launch, _render, _results
 from bench import _stats as st
 from bench._figures import Fig, Goal, fig, figs, ge, kv, le, rows, table
 from bench._proc import proc_memory
@@ -416,4 +416,4 @@ def headline(r: dict[str, Any] | None) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(_results.script_main(PART, run))
+    sys.exit(_render.script_main(PART, run))
