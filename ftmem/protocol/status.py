@@ -211,6 +211,22 @@ class ProtectionStatus:
             raise ProtocolError("field 'state' is not an protection state")
         return dataclasses.replace(status, peers=peers)
 
+    def to_json(self) -> dict[str, Any]:
+        """The ``protection`` object as the SMP reports it (what :meth:`from_json` reads)."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        progress = self.rebuild_progress
+        doc.update(
+            state=self.state.value if self.state is not None else None,
+            group=list(self.group),
+            counters=dataclasses.asdict(self.counters),
+            rebuild_progress=dataclasses.asdict(progress) if progress is not None else None,
+            peers={
+                str(h.node): {"endpoint": h.endpoint, "last_seen_s": h.last_seen_s}
+                for h in self.peers
+            },
+        )
+        return doc
+
 
 @dataclass(frozen=True, slots=True)
 class SyncReply:

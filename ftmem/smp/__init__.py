@@ -7,8 +7,8 @@ allocation.py (slot files and their creation off the loop), records.py (commit r
 hashing.py (the checksum pool), node_lock.py (one SMP per run and node), spawn.py (start one
 with a readiness handshake), __main__.py (its CLI). The protection service (erasure coding
 across nodes, one thread): protection.py (the service), protection_commands.py (what the
-loop asks of it), protection_state.py (what its parts share), protection_sync.py (the
-generation's sync), protection_rounds.py (the rounds), protection_rebuild.py (a lost node's
-rebuild). The disk tiers: flush_scheduler.py (when and what to flush), flush_process.py (the
+loop asks of it), protection_state.py (what the service owns and hands its parts: the
+generation, the pinned steps, the status board), protection_sync.py (the generation's sync),
+protection_rounds.py (the rounds), protection_rebuild.py (a lost node's rebuild). The disk tiers: flush_scheduler.py (when and what to flush), flush_process.py (the
 flush worker process).
 """

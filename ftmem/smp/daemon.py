@@ -318,5 +318,5 @@ class SmpDaemon:
             "requests": dict(self.handlers.requests),
             "ranks": {str(r): m.to_fields(p) for r, p in self.store.statuses().items()},
             "protection": protection.status() if protection else {"enabled": False},
-            "flush": self.flush.status() if self.flush else {"enabled": False},
+            "flush": m.to_fields(self.flush.status()) if self.flush else {"enabled": False},
         }

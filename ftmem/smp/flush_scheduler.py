@@ -16,6 +16,7 @@ and unpins; :meth:`final_flush` (on SIGTERM) writes the newest step not yet flus
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import shutil
 import threading
@@ -37,6 +38,7 @@ from ftmem.protocol.flush_jobs import (
     TierWritten,
     WorkerReady,
 )
+from ftmem.protocol.status import FlushRunning, FlushStatus
 from ftmem.smp.flush_process import FlushProcess
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
@@ -116,21 +118,12 @@ class FlushService:
         self._waiting: list[FlushRequest] = []
         self._ids = 0
         self._lock = threading.Lock()
-        self._status: dict[str, Any] = {
-            "enabled": True,
-            "tiers": [str(t) for t in settings.tiers],
-            "every": settings.every,
-            "keep": settings.keep,
-            "last_step": None,
-            "last_paths": [],
-            "last_seconds": None,
-            "last_bytes": 0,
-            "last_error": "",
-            "flushes": 0,
-            "failures": 0,
-            "running": None,
-            "assembled_step": None,
-        }
+        self._status = FlushStatus(
+            enabled=True,
+            tiers=tuple(str(t) for t in settings.tiers),
+            every=settings.every,
+            keep=settings.keep,
+        )
         self._discard_above: int | None = None
         self._last_assemble = 0.0
         self.last_step: int | None = None
@@ -217,10 +210,10 @@ class FlushService:
             self.slots.unpin(old)
         return step, pieces
 
-    def status(self) -> dict[str, Any]:
-        """A JSON-ready copy of the flush state."""
+    def status(self) -> FlushStatus:
+        """The flush state now (frozen: safe to keep)."""
         with self._lock:
-            return dict(self._status)
+            return self._status
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread and the worker (bounded); release reserved slots."""
@@ -238,7 +231,7 @@ class FlushService:
     # -- thread ------------------------------------------------------------------------------
     def _set(self, **kw: Any) -> None:
         with self._lock:
-            self._status.update(kw)
+            self._status = dataclasses.replace(self._status, **kw)
 
     def _run(self) -> None:
         try:
@@ -380,7 +373,7 @@ class FlushService:
             # Asked for (ftmem flush): wait for the other nodes' parts; scheduled: one look.
             assemble_timeout=self.settings.assemble_timeout_s if waiters else 0.0,
         )
-        self._set(running={"step": step, "stage": "starting", "tier": 0})
+        self._set(running=FlushRunning(step, "starting", 0))
         self._send(job)
 
     def _send(self, job: FlushJob | AssembleJob) -> None:
@@ -409,14 +402,9 @@ class FlushService:
                     return
                 case Progress() if not run.assemble_only:
                     self._set(
-                        running={
-                            "step": run.step,
-                            "stage": reply.stage,
-                            "tier": reply.tier,
-                            "done": reply.done,
-                            "total": reply.total,
-                            "unit": reply.unit,
-                        }
+                        running=FlushRunning(
+                            run.step, reply.stage, reply.tier, reply.done, reply.total, reply.unit
+                        )
                     )
                 case TierWritten():
                     log.info("[%s/flush] step %d durable in %s", self.node, run.step, reply.path)
@@ -437,17 +425,21 @@ class FlushService:
         self.slots.unpin(run.pieces)
         seconds = time.monotonic() - run.started
         with self._lock:
-            self._status["running"] = None
+            s = self._status
             if done.ok:
-                self._status.update(
+                self._status = dataclasses.replace(
+                    s,
+                    running=None,
                     last_step=run.step,
-                    last_paths=list(done.paths),
+                    last_paths=tuple(done.paths),
                     last_seconds=round(seconds, 3),
                     last_bytes=done.bytes,
-                    flushes=self._status["flushes"] + 1,
+                    flushes=s.flushes + 1,
                 )
             else:
-                self._status.update(last_error=done.error, failures=self._status["failures"] + 1)
+                self._status = dataclasses.replace(
+                    s, running=None, last_error=done.error, failures=s.failures + 1
+                )
         if self.events is not None:
             self.events.write(
                 "flushed" if done.ok else "flush_failed",

@@ -15,8 +15,9 @@ Life of a generation (the launcher drives it, once per rendezvous round):
 3. **rounds** (protection_rounds.py): the group's coordinator orders the newest step every
    node has committed; each node pins it and protects it with the group.
 
-This module holds the thread, its commands and the routing of peer messages; the state the
-parts share and the status other threads read are in protection_state.py. Commands come from the
+This module holds the thread, its commands, the routing of peer messages and what the thread
+owns: the generation, the steps pinned here and the status board (protection_state.py), which
+it hands to the parts that change them. Commands come from the
 main loop through :meth:`ProtectionService.submit`; results go back through
 :meth:`ProtectionService.results` (the main loop sends the deferred replies).
 """
@@ -38,11 +39,11 @@ from ftmem.exchange.zmq_transport import ZmqPeerTransport
 from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import Envelope, PeerMessage
-from ftmem.protocol.status import ProtectionState
+from ftmem.protocol.status import PeerHealth, ProtectionState
 from ftmem.smp.protection_commands import BindCommand, Result, StartCommand
 from ftmem.smp.protection_rebuild import report_progress
 from ftmem.smp.protection_rounds import ProtectionRounds
-from ftmem.smp.protection_state import ProtectionContext
+from ftmem.smp.protection_state import Generation, PinnedSteps, StatusBoard
 from ftmem.smp.protection_sync import GenerationSync, SyncVerdict, decide
 from ftmem.smp.slot_store import SlotStore
 
@@ -83,14 +84,17 @@ class ProtectionService:
         self.node_name = node_name
         self.stripe_bytes = stripe_bytes
         self.timeout_s = timeout_s
-        self.ctx = ProtectionContext(node_name, local, events)
-        """What the thread holds (only the thread touches it; other threads read status())."""
-        self.sync = GenerationSync(self.ctx, sync_timeout_s)
-        self.rounds = ProtectionRounds(self.ctx)
+        # Owned by the thread (other threads read only the board, through status()):
+        self.board = StatusBoard(node_name, events)
+        self.pins = PinnedSteps(local)
+        self.gen: Generation | None = None
+        """The generation started last (None: none yet)."""
+        self.protector: GroupProtector | None = None
+        self.sync = GenerationSync(self.pins, self.board, sync_timeout_s)
+        self.rounds = ProtectionRounds(self.pins, self.board)
         self._cmds: queue.Queue[BindCommand | StartCommand | None] = queue.Queue()
         self._results: queue.Queue[Result] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ftmem-smp-protection", daemon=True)
-        # Owned by the thread:
         self.transport: ZmqPeerTransport | None = None
         self.encode_workers = 0
         """Encode processes of the next protector (the last PEER_BIND's)."""
@@ -148,12 +152,11 @@ class ProtectionService:
 
     def status(self) -> dict[str, Any]:
         """A JSON-ready copy of the protection service's state for ``ftmem status``."""
-        return self.ctx.board.snapshot()
+        return self.board.read().to_json()
 
     def protected_step(self) -> int | None:
         """The newest step the group protected (None: nothing yet)."""
-        step = self.ctx.board.get("protected_step")
-        return step if type(step) is int else None
+        return self.board.read().protected_step
 
     def close(self) -> None:
         """Stop the thread and release sockets and mappings (idempotent, bounded)."""
@@ -164,25 +167,21 @@ class ProtectionService:
 
     # -- thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        ctx = self.ctx
         try:
             while not self._stop.is_set():
                 self._step()
         except Exception as exc:
             log.exception("[%s/protection] stopped by an unexpected error", self.node_name)
             self._failure = f"{type(exc).__name__}: {exc}"
-            ctx.board.move(ProtectionState.FAILED, error=self._failure)
-            ctx.event("protection_failed", error=self._failure)
+            self.board.move(ProtectionState.FAILED, error=self._failure)
+            self.board.event("protection_failed", error=self._failure)
             pending, self.sync.pending = self.sync.pending, None
             if pending is not None:  # a start waiting for its sync: answer it now
                 self._results.put(Result(pending.token, False, {}, self._failed_reply()))
         finally:
-            for step in list(ctx.pinned):
-                if ctx.protector is not None:
-                    ctx.protector.forget(step)  # drop its views before unmapping
-                ctx.release(step)
-            if ctx.protector is not None:
-                ctx.protector.close()  # its encode workers
+            self.pins.keep_only(None, self.protector)
+            if self.protector is not None:
+                self.protector.close()  # its encode workers
             if self.transport is not None:
                 self.transport.close()
 
@@ -203,7 +202,7 @@ class ProtectionService:
         if self.transport is None:
             return
         idle = True
-        protector = self.ctx.protector
+        protector = self.protector
         if protector is not None and protector.transport is self.transport:
             idle = protector.flush()
         msg = self.transport.recv(0.05 if idle else 0.002)
@@ -215,8 +214,42 @@ class ProtectionService:
                 self._results.put(result)
         elif self.sync.synced:
             self.rounds.tick()
-        self.ctx.publish(
-            self._last_seen, self.transport.dropped + self._dropped, self.transport.forged
+        self._publish()
+
+    def _publish(self) -> None:
+        """Refresh the status: bytes held, peer health, messages dropped (by the service and
+        its transport; ``forged``: those refused for a wrong tag on the data channel)."""
+        assert self.transport is not None
+        now, p, protected = time.monotonic(), self.protector, self.pins.protected
+        pool = p.encode_pool if p is not None else None
+        own = parity = 0
+        if p is not None and protected is not None:
+            st = p.steps.get(protected)
+            own = st.data.nbytes if st is not None and st.data is not None else 0
+            parity = p.parity_bytes(protected)
+        gen, seen = self.gen, self._last_seen
+        peers = (
+            tuple(
+                PeerHealth(n, ep, round(now - seen[n], 1) if n in seen else None)
+                for n, ep in sorted(gen.endpoints.items())
+                if n != gen.me
+            )
+            if gen is not None
+            else ()
+        )
+        self.board.update(
+            protected_step=protected,
+            own_bytes=own,
+            parity_bytes=parity,
+            peers=peers,
+            dropped_messages=(p.dropped if p is not None else 0)
+            + self.transport.dropped
+            + self._dropped,
+            forged_messages=self.transport.forged,
+            sent_bytes=p.sent_bytes if p is not None else 0,
+            encode_workers=len(pool.pids) if pool is not None else 0,
+            worker_stripes=pool.encoded if pool is not None else 0,
+            worker_fallbacks=pool.fell_back if pool is not None else 0,
         )
 
     def _interrupted(self) -> bool:
@@ -234,7 +267,7 @@ class ProtectionService:
             )
             return
         self._last_seen[env.sender] = time.monotonic()
-        protector = self.ctx.protector
+        protector = self.protector
         if protector is None or env.epoch > protector.epoch:
             self._keep_early(env)
             return
@@ -253,11 +286,11 @@ class ProtectionService:
 
     def _on_service(self, env: Envelope) -> None:
         """The service's own messages (the protector hands them over, validated)."""
-        ctx = self.ctx
-        if env.epoch > ctx.epoch:
+        gen = self.gen
+        if gen is None or env.epoch > gen.epoch:
             self._keep_early(env)
             return
-        if ctx.plan is not None and env.sender not in ctx.plan.nodes:
+        if env.sender not in gen.plan.nodes:
             self._dropped += 1
             log.warning(
                 "[%s/protection] dropped %r from node %d: not a node of this group",
@@ -301,7 +334,7 @@ class ProtectionService:
             return
         self.transport = t
         self.encode_workers = max(0, min(r.encode_workers, MAX_WORKERS))
-        self.ctx.board.move(ProtectionState.BOUND, endpoint=endpoint)
+        self.board.move(ProtectionState.BOUND, endpoint=endpoint)
         log.info(
             "[%s/protection] peer port %s (%s)",
             self.node_name,
@@ -330,46 +363,44 @@ class ProtectionService:
         except (ValueError, KeyError, UnrecoverableError) as exc:
             self._results.put(Result(cmd.token, False, {}, f"no erasure-coding group: {exc}"))
             return
-        ctx = self.ctx
-        ctx.me, ctx.epoch, ctx.ranks = r.me, r.epoch, list(r.ranks)
-        protector = self._protector_for(plan, r.epoch)
-        for step in list(ctx.pinned):
+        protector = self._protector_for(plan, r.epoch, r.me)
+        for step in self.pins.steps():
             if step not in protector.steps:
-                ctx.release(step)
-        ctx.plan = plan
-        ctx.endpoints = {n: cmd.endpoints[n] for n in plan.nodes}
+                self.pins.release(step)
+        endpoints = {n: cmd.endpoints[n] for n in plan.nodes}
+        gen = Generation(r.me, r.epoch, tuple(r.ranks), plan, endpoints, protector)
+        self.gen = gen
         try:
-            self.transport.connect({str(n): ep for n, ep in ctx.endpoints.items()})
+            self.transport.connect({str(n): ep for n, ep in endpoints.items()})
         except Exception as exc:  # zmq.ZMQError: an endpoint zmq cannot connect to
             self._results.put(Result(cmd.token, False, {}, f"cannot connect to a peer: {exc}"))
             return
-        self.rounds.reset(r.protect_interval_s)
+        self.rounds.reset(gen, r.protect_interval_s)
         held = protector.held_steps()
-        self.sync.begin(cmd, held)
-        ctx.board.move(
-            ProtectionState.SYNCING, epoch=r.epoch, me=r.me, group=list(plan.nodes), m=plan.m
+        self.sync.begin(cmd, gen, held)
+        self.board.move(
+            ProtectionState.SYNCING, epoch=r.epoch, me=r.me, group=tuple(plan.nodes), m=plan.m
         )
-        for n in ctx.peers():
-            ctx.send(n, pm.HeldSteps(tuple(held)))
+        for n in gen.peers():
+            gen.send(n, pm.HeldSteps(tuple(held)))
         early, self._early, self._early_bytes = self._early, [], 0
         for env in early:
             protector.handle(env)
 
-    def _protector_for(self, plan: GroupPlan, epoch: int) -> GroupProtector:
+    def _protector_for(self, plan: GroupPlan, epoch: int, me: int) -> GroupProtector:
         """The protector of the generation: the last one on the new transport and epoch, or a
         new one if the group changed (its held steps are dropped)."""
-        ctx = self.ctx
         assert self.transport is not None
-        if ctx.protector is not None and ctx.protector.plan != plan:
+        if self.protector is not None and self.protector.plan != plan:
             log.warning("[%s/protection] the group changed: dropping held steps", self.node_name)
-            for step in list(ctx.pinned):
-                ctx.release(step)
-            ctx.protector.close()
-            ctx.protector = None
-            ctx.protected = None
-        if ctx.protector is None:
-            ctx.protector = GroupProtector(
-                ctx.me,
+            self.pins.keep_only(None, None)
+            self.protector.close()
+            self.protector = None
+            self.pins.protected = None
+        if self.protector is None:
+            board = self.board
+            self.protector = GroupProtector(
+                me,
                 plan,
                 self.transport,
                 self.stripe_bytes,
@@ -377,9 +408,9 @@ class ProtectionService:
                 epoch=epoch,
                 on_other=self._on_service,
                 interrupted=self._interrupted,
-                on_progress=lambda step, done, total: report_progress(ctx, step, done, total),
+                on_progress=lambda step, done, total: report_progress(board, step, done, total),
                 encode_workers=self.encode_workers,
             )
         else:
-            ctx.protector.reconfigure(self.transport, epoch)
-        return ctx.protector
+            self.protector.reconfigure(self.transport, epoch)
+        return self.protector

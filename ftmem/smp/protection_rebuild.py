@@ -21,8 +21,9 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, UnrecoverableError
 from ftmem.exchange.rebuilder import RebuildMeta
 from ftmem.format.record import NodeManifest, decode_manifest
-from ftmem.protocol.status import ProtectionState
-from ftmem.smp.protection_state import PinnedStep, ProtectionContext
+from ftmem.protocol.status import ProtectionState, RebuildProgress
+from ftmem.smp.protection_state import Generation, PinnedStep, PinnedSteps, StatusBoard
+from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import StoreError
 
 log = get_logger(__name__)
@@ -32,13 +33,13 @@ REBUILD_ERRORS = (FtmemError, StoreError, TimeoutError, OSError, ValueError)
 as the rebuild's failure, none stops the protection thread."""
 
 
-def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) -> None:
+def report_progress(board: StatusBoard, step: int, done: int, total: int) -> None:
     """(The protector's ``on_progress``) publish and log how far the rebuild of ``step`` is."""
     pct = 100.0 * done / total if total else 100.0
-    ctx.board.update(rebuild_progress={"step": step, "fragments": done, "of": total})
+    board.update(rebuild_progress=RebuildProgress(step, done, total))
     log.info(
         "[%s/protection] rebuilding step %d: %.0f%% (%d/%d fragments)",
-        ctx.node_name,
+        board.node_name,
         step,
         pct,
         done,
@@ -46,7 +47,7 @@ def report_progress(ctx: ProtectionContext, step: int, done: int, total: int) ->
     )
 
 
-def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> NodeManifest:
+def check_manifest(gen: Generation, local: SlotStore, meta: RebuildMeta) -> NodeManifest:
     """Refuse a rebuild whose manifest does not fit this node (see the module docstring);
     the manifest that fits.
 
@@ -59,51 +60,58 @@ def check_manifest(ctx: ProtectionContext, meta: RebuildMeta) -> NodeManifest:
         raise UnrecoverableError(str(exc)) from exc
     entries = manifest.ranks
     ranks = sorted(e.rank for e in entries)
-    if ranks != sorted(ctx.ranks):
+    if ranks != sorted(gen.ranks):
         raise UnrecoverableError(
-            f"the manifest lists ranks {ranks[:16]}, this node runs {sorted(ctx.ranks)}"
+            f"the manifest lists ranks {ranks[:16]}, this node runs {sorted(gen.ranks)}"
         )
     for e in entries:
         if e.nbytes > e.capacity:
             raise UnrecoverableError(f"rank {e.rank}: {e.nbytes} bytes in a slot of {e.capacity}")
     used, capacity = sum(e.nbytes for e in entries), sum(e.capacity for e in entries)
-    if used != meta.sizes.get(ctx.me):
+    if used != meta.sizes.get(gen.me):
         raise UnrecoverableError(
-            f"the manifest's ranks hold {used} bytes, the node's size is {meta.sizes.get(ctx.me)}"
+            f"the manifest's ranks hold {used} bytes, the node's size is {meta.sizes.get(gen.me)}"
         )
-    vfs = os.statvfs(ctx.local.files.shm_dir)
+    vfs = os.statvfs(local.files.shm_dir)
     free = vfs.f_bavail * vfs.f_frsize
     if capacity > free:
         raise UnrecoverableError(
-            f"the rebuilt slots need {capacity} bytes, {ctx.local.files.shm_dir} has {free} free"
+            f"the rebuilt slots need {capacity} bytes, {local.files.shm_dir} has {free} free"
         )
     return manifest
 
 
-def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source: int) -> None:
-    """Rebuild ``step`` from the group (``source``: a node that holds it) and install it.
+def rebuild_step(
+    gen: Generation,
+    pins: PinnedSteps,
+    board: StatusBoard,
+    step: int,
+    lost: frozenset[int],
+    source: int,
+) -> None:
+    """Rebuild ``step`` from the group (``source``: a node that holds it), install it in the
+    slots and pin it.
 
     Raises:
         One of REBUILD_ERRORS (a StoreError: a rank had no slot to take its rebuilt bytes);
         the protector has then forgotten the step.
     """
-    protector = ctx.protector
-    assert protector is not None
+    protector = gen.protector
     t0 = time.monotonic()
-    ctx.board.move(ProtectionState.REBUILDING, rebuilding=step)
+    board.move(ProtectionState.REBUILDING, rebuilding=step)
     log.info(
         "[%s/protection] rebuilding step %d from node %d's group (lost %s)",
-        ctx.node_name,
+        board.node_name,
         step,
         source,
         sorted(lost),
     )
     checked: list[NodeManifest] = []
     data = protector.rebuilder.rebuild(
-        step, lost, source, lambda meta: checked.append(check_manifest(ctx, meta))
+        step, lost, source, lambda meta: checked.append(check_manifest(gen, pins.local, meta))
     )
     try:  # the rebuild checked its manifest (``accept``) before it allocated anything
-        pieces = ctx.local.install_rebuilt(step, checked[-1], data)
+        pieces = pins.local.install_rebuilt(step, checked[-1], data)
     except StoreError as exc:
         protector.forget(step)
         raise StoreError(f"cannot install the rebuilt snapshot in the slots: {exc}") from exc
@@ -113,32 +121,29 @@ def rebuild_step(ctx: ProtectionContext, step: int, lost: frozenset[int], source
     # Serve the rebuilt data from the slot files from now on, not from the heap copy.
     pinned = PinnedStep(step, pieces)
     protector.steps[step].data = pinned.open()
-    ctx.pinned[step] = pinned
-    ctx.counters["rebuilt"] += 1
-    ctx.last_rebuild_s = time.monotonic() - t0
+    pins.keep(pinned)
+    seconds = time.monotonic() - t0
+    board.count("rebuilt")
+    board.update(last_rebuild_s=round(seconds, 3))
     parity = protector.parity_bytes(step)
-    ctx.event(
-        "rebuilt",
-        step=step,
-        seconds=round(ctx.last_rebuild_s, 3),
-        bytes=data.nbytes,
-        parity_bytes=parity,
+    board.event(
+        "rebuilt", step=step, seconds=round(seconds, 3), bytes=data.nbytes, parity_bytes=parity
     )
     log.info(
         "[%s/protection] rebuilt step %d: %.1f MiB own data and %.1f MiB parity in %.2f s",
-        ctx.node_name,
+        board.node_name,
         step,
         data.nbytes / 2**20,
         parity / 2**20,
-        ctx.last_rebuild_s,
+        seconds,
     )
 
 
-def rebuild_failed(ctx: ProtectionContext, step: int, exc: BaseException) -> str:
+def rebuild_failed(pins: PinnedSteps, board: StatusBoard, step: int, exc: BaseException) -> str:
     """Record a failed rebuild of ``step`` (log, event, REBUILD_FAILED); return the error."""
-    ctx.protected = None
+    pins.protected = None
     msg = f"rebuild of step {step} failed: {exc}"
-    log.error("[%s/protection] %s", ctx.node_name, msg)
-    ctx.event("rebuild_failed", step=step, error=str(exc))
-    ctx.board.move(ProtectionState.REBUILD_FAILED, error=msg)
+    log.error("[%s/protection] %s", board.node_name, msg)
+    board.event("rebuild_failed", step=step, error=str(exc))
+    board.move(ProtectionState.REBUILD_FAILED, error=msg)
     return msg

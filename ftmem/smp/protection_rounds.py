@@ -19,7 +19,7 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError
 from ftmem.exchange.protector import ExchangeInterrupted, StepAborted
 from ftmem.protocol import peer as pm
-from ftmem.smp.protection_state import PinnedStep, ProtectionContext
+from ftmem.smp.protection_state import Generation, PinnedStep, PinnedSteps, StatusBoard
 
 log = get_logger(__name__)
 
@@ -29,14 +29,17 @@ HEARTBEAT_S = 2.0
 
 class ProtectionRounds:
     """The rounds of one node, in sync (see the module docstring); the protection thread calls
-    :meth:`tick` on every turn of its loop.
+    :meth:`tick` on every turn of its loop. They change only the steps pinned here (``pins``)
+    and report on ``board``.
 
     Error handling: a failed round is logged, counted and given up (the previous protected
     step stays); nothing raises.
     """
 
-    def __init__(self, ctx: ProtectionContext) -> None:
-        self.ctx = ctx
+    def __init__(self, pins: PinnedSteps, board: StatusBoard) -> None:
+        self.pins = pins
+        self.board = board
+        self.gen: Generation | None = None
         self.interval_s = 0.0
         """Least seconds between two rounds (the coordinator waits)."""
         self._avail: dict[int, list[int]] = {}
@@ -45,8 +48,9 @@ class ProtectionRounds:
         self._last_hb = 0.0
         self._order: int | None = None
 
-    def reset(self, interval_s: float) -> None:
+    def reset(self, gen: Generation, interval_s: float) -> None:
         """A new generation: forget offers and orders of the last one."""
+        self.gen = gen
         self.interval_s = interval_s
         self._avail.clear()
         self._sent_avail = None
@@ -62,156 +66,145 @@ class ProtectionRounds:
 
     def tick(self) -> None:
         """Greet peers, offer new steps, coordinate, and run an ordered round."""
-        self._heartbeat()
-        self._offer()
-        self._coordinate()
+        gen = self.gen
+        assert gen is not None
+        self._heartbeat(gen)
+        self._offer(gen)
+        self._coordinate(gen)
         if self._order is not None:
             step, self._order = self._order, None
-            self.protect(step)
+            self.protect(gen, step)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, gen: Generation) -> None:
         now = time.monotonic()
         if now - self._last_hb >= HEARTBEAT_S:
             self._last_hb = now
-            for n in self.ctx.peers():
-                self.ctx.send(n, pm.Heartbeat())
+            for n in gen.peers():
+                gen.send(n, pm.Heartbeat())
 
-    def _offer(self) -> None:
-        ctx = self.ctx
-        assert ctx.plan is not None
+    def _offer(self, gen: Generation) -> None:
+        protected = self.pins.protected
         newer = [
             s
-            for s in ctx.local.complete_steps(ctx.ranks)
-            if ctx.protected is None or s > ctx.protected
+            for s in self.pins.local.complete_steps(list(gen.ranks))
+            if protected is None or s > protected
         ][:8]
         if newer == self._sent_avail or not newer:
             return
         self._sent_avail = newer
-        coordinator = ctx.plan.nodes[0]
-        if coordinator == ctx.me:
-            self._avail[ctx.me] = newer
+        coordinator = gen.plan.nodes[0]
+        if coordinator == gen.me:
+            self._avail[gen.me] = newer
         else:
-            ctx.send(coordinator, pm.Avail(tuple(newer)))
+            gen.send(coordinator, pm.Avail(tuple(newer)))
 
-    def _coordinate(self) -> None:
-        ctx = self.ctx
-        assert ctx.plan is not None
-        if ctx.plan.nodes[0] != ctx.me or set(self._avail) < set(ctx.plan.nodes):
+    def _coordinate(self, gen: Generation) -> None:
+        if gen.plan.nodes[0] != gen.me or set(self._avail) < set(gen.plan.nodes):
             return
         if time.monotonic() - self._last_round < self.interval_s:
             return
+        protected = self.pins.protected
         common = set.intersection(*(set(v) for v in self._avail.values()))
-        common = {s for s in common if ctx.protected is None or s > ctx.protected}
+        common = {s for s in common if protected is None or s > protected}
         if not common:
             return
         step = max(common)
         self._avail.clear()
         self._last_round = time.monotonic()
-        for n in ctx.peers():
-            ctx.send(n, pm.ProtectOrder(step))
+        for n in gen.peers():
+            gen.send(n, pm.ProtectOrder(step))
         self._order = step
 
-    def protect(self, step: int) -> None:
+    def protect(self, gen: Generation, step: int) -> None:
         """Run a round of ``step``: pin its slots, protect them with the group, keep it."""
-        ctx = self.ctx
-        assert ctx.protector is not None
         self._sent_avail = None  # offer again after this round, whatever happens
-        if ctx.protected is not None and step <= ctx.protected:
+        if self.pins.protected is not None and step <= self.pins.protected:
             return
-        pieces = ctx.local.pin_step(ctx.ranks, step)
-        if pieces is None:
+        pinned = self.pins.pin(gen.ranks, step)
+        if pinned is None:
             log.info(
-                "[%s/protection] step %d is no longer held here: giving it up", ctx.node_name, step
+                "[%s/protection] step %d is no longer held here: giving it up",
+                self.board.node_name,
+                step,
             )
-            ctx.protector.abort(step)
-            ctx.counters["aborted"] += 1
-            ctx.event("protect_aborted", step=step, reason="no longer held here")
+            gen.protector.abort(step)
+            self.board.count("aborted")
+            self.board.event("protect_aborted", step=step, reason="no longer held here")
             return
-        pinned = PinnedStep(step, pieces)
         t0 = time.monotonic()
-        if self._exchange(step, pinned):
-            self._keep(step, pinned, t0)
+        if self._exchange(gen, pinned):
+            self._keep(gen, pinned, t0)
 
-    def _exchange(self, step: int, pinned: PinnedStep) -> bool:
+    def _exchange(self, gen: Generation, pinned: PinnedStep) -> bool:
         """Protect the pinned step with the group; False (and the step dropped) if not."""
-        ctx = self.ctx
-        assert ctx.protector is not None
-        ctx.board.update(protecting=step)
+        step, board, protector = pinned.step, self.board, gen.protector
+        board.update(protecting=step)
         try:
-            faults.maybe_inject(faults.Point.IN_PROTECT, ctx.me, step)
+            faults.maybe_inject(faults.Point.IN_PROTECT, gen.me, step)
             data = pinned.open()
-            ctx.protector.protect(step, data, pinned.manifest())
+            protector.protect(step, data, pinned.manifest())
         except StepAborted as exc:
-            ctx.counters["aborted"] += 1
-            log.info("[%s/protection] %s", ctx.node_name, exc)
-            ctx.event("protect_aborted", step=step, reason=str(exc))
-            self._give_up(step, pinned)
+            board.count("aborted")
+            log.info("[%s/protection] %s", board.node_name, exc)
+            board.event("protect_aborted", step=step, reason=str(exc))
+            self._give_up(gen, pinned)
             return False
         except (FtmemError, TimeoutError, OSError, ValueError) as exc:
             if not isinstance(exc, ExchangeInterrupted):
-                ctx.counters["failed"] += 1
+                board.count("failed")
                 log.warning(
-                    "[%s/protection] protecting step %d failed: %s", ctx.node_name, step, exc
+                    "[%s/protection] protecting step %d failed: %s", board.node_name, step, exc
                 )
-                ctx.event("protect_failed", step=step, error=str(exc))
-                if not self._held_here(step):
-                    ctx.protector.abort(step)
-            self._give_up(step, pinned)
+                board.event("protect_failed", step=step, error=str(exc))
+                if step not in protector.held_steps():
+                    protector.abort(step)
+            self._give_up(gen, pinned)
             return False
         except BaseException:  # an unexpected error stops the thread: leave no pin behind
-            ctx.drop(step, pinned)
+            self.pins.drop(pinned, protector)
             raise
         finally:
-            ctx.board.update(protecting=None)
+            board.update(protecting=None)
         return True
 
-    def _held_here(self, step: int) -> bool:
-        """This node told the group HELD for ``step``: it holds its data and owed parity."""
-        assert self.ctx.protector is not None
-        return step in self.ctx.protector.held_steps()
-
-    def _give_up(self, step: int, pinned: PinnedStep) -> None:
-        """A round that did not complete here. A step this node told the group HELD stays
-        pinned as a candidate: another node may have completed the round and released its
-        older step, and the next generation's sync keeps the newest step that enough nodes
-        hold (it releases the others; so does the next protected step). Any other is
-        dropped."""
-        if self._held_here(step):
-            self.ctx.pinned[step] = pinned
-            self.ctx.event("protect_unconfirmed", step=step)
+    def _give_up(self, gen: Generation, pinned: PinnedStep) -> None:
+        """A round that did not complete here. A step this node told the group HELD (it holds
+        its data and owed parity) stays pinned as a candidate: another node may have completed
+        the round and released its older step, and the next generation's sync keeps the newest
+        step that enough nodes hold (it releases the others; so does the next protected step).
+        Any other is dropped."""
+        if pinned.step in gen.protector.held_steps():
+            self.pins.keep(pinned)
+            self.board.event("protect_unconfirmed", step=pinned.step)
             log.info(
                 "[%s/protection] step %d: this node holds it but the round did not complete; "
                 "kept for the next sync",
-                self.ctx.node_name,
-                step,
+                self.board.node_name,
+                pinned.step,
             )
         else:
-            self.ctx.drop(step, pinned)
+            self.pins.drop(pinned, gen.protector)
 
-    def _keep(self, step: int, pinned: PinnedStep, t0: float) -> None:
-        """``step`` is protected: it replaces the previous protected step (and any step kept
+    def _keep(self, gen: Generation, pinned: PinnedStep, t0: float) -> None:
+        """The step is protected: it replaces the previous protected step (and any step kept
         from a round that did not complete)."""
-        ctx = self.ctx
-        assert ctx.protector is not None
-        ctx.pinned[step] = pinned
-        ctx.protected = step
-        for old in [s for s in ctx.pinned if s != step]:
-            ctx.protector.forget(old)
-            ctx.release(old)
-        ctx.counters["protected"] += 1
-        ctx.last_protect_s = time.monotonic() - t0
-        ctx.event("protected", step=step, seconds=round(ctx.last_protect_s, 3))
-        if faults.maybe_inject(faults.Point.PARITY_HELD, ctx.me, step):
-            self._flip_parity(step)
+        step = pinned.step
+        self.pins.keep(pinned)
+        self.pins.protected = step
+        self.pins.keep_only(step, gen.protector)
+        seconds = time.monotonic() - t0
+        self.board.count("protected")
+        self.board.update(last_protect_s=round(seconds, 3))
+        self.board.event("protected", step=step, seconds=round(seconds, 3))
+        if faults.maybe_inject(faults.Point.PARITY_HELD, gen.me, step):
+            self._flip_parity(gen, step)
         log.debug(
-            "[%s/protection] step %d protected in %.3f s", ctx.node_name, step, ctx.last_protect_s
+            "[%s/protection] step %d protected in %.3f s", self.board.node_name, step, seconds
         )
 
-    def _flip_parity(self, step: int) -> None:
+    def _flip_parity(self, gen: Generation, step: int) -> None:
         """(Fault injection) flip one byte of the first parity fragment held for ``step``."""
-        ctx = self.ctx
-        assert ctx.protector is not None
-        parity = ctx.protector.steps[step].parity
+        parity = gen.protector.steps[step].parity
         if not parity:
             return
         key = min(parity)
@@ -220,7 +213,7 @@ class ProtectionRounds:
         parity[key] = bytes(frag)
         log.warning(
             "[%s/protection] FAULT: flipped a byte of parity %s of step %d",
-            ctx.node_name,
+            self.board.node_name,
             key,
             step,
         )

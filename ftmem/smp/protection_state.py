@@ -1,20 +1,23 @@
 """What the SMP's protection thread holds and what it reports.
 
-:class:`ProtectionContext` is the state the thread's parts share (the service in protection.py,
-the sync in protection_sync.py, the rounds in protection_rounds.py, the rebuild in
-protection_rebuild.py): the generation's group and protector, the pinned steps, the protected
-step and the counters. Only the protection thread touches it.
+The service (protection.py) owns one of each and hands them to its parts (the sync in
+protection_sync.py, the rounds in protection_rounds.py, the rebuild in protection_rebuild.py),
+which change nothing else; only the protection thread changes them:
 
-:class:`StatusBoard` is the one thing other threads read: the state machine's state and a
-JSON-ready status document, behind a lock (``ftmem status``, the flush scheduler).
+- :class:`Generation`: the generation this node is in (its index, epoch, ranks, group and the
+  group's protector), fixed from one start to the next;
+- :class:`PinnedSteps`: the steps whose slots this node keeps pinned and mapped read-only (the
+  protected step, and steps kept for the next sync);
+- :class:`StatusBoard`: what the service reports: its state and :class:`ProtectionStatus`
+  (read by any thread, behind a lock), its event log, and the node name its log lines carry.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import mmap
 import threading
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
 from ftmem.format.record import ManifestEntry, NodeManifest, encode_manifest
 from ftmem.protocol import peer as pm
-from ftmem.protocol.status import ProtectionState
+from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
 
@@ -68,126 +71,128 @@ class PinnedStep:
         self.maps = []
 
 
-class StatusBoard:
-    """The protection service's state (:class:`ProtectionState`) and status document, shared by threads.
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """The generation a node's protection is in, from its start command to the next one."""
 
-    The protection thread writes (:meth:`move`, :meth:`update`); any thread reads a copy
-    (:meth:`snapshot`, or typed: :meth:`typed`).
+    me: int
+    epoch: int
+    ranks: tuple[int, ...]
+    plan: GroupPlan
+    endpoints: Mapping[int, str]
+    """The group's peer endpoints, by node index."""
+    protector: GroupProtector
+    """The group's protocol (kept across generations while the group stays the same)."""
+
+    def peers(self) -> list[int]:
+        """The other nodes of the group."""
+        return [n for n in self.plan.nodes if n != self.me]
+
+    def send(self, node: int, body: pm.PeerBody) -> None:
+        """Queue one of the service's own messages (ordered with the protocol's)."""
+        self.protector.send(node, body)
+
+
+class PinnedSteps:
+    """The steps whose slots this node keeps pinned (so ranks cannot overwrite them), each
+    mapped read-only while the protector may read it, and which of them is protected.
+
+    A step leaves only through :meth:`release` (the protector has forgotten it) or
+    :meth:`drop` (this forgets it), which unmap it first and then unpin its slots.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, local: SlotStore) -> None:
+        self.local = local
+        self.protected: int | None = None
+        """The newest step the group protected (None: none, or given up)."""
+        self._held: dict[int, PinnedStep] = {}
+
+    def steps(self) -> list[int]:
+        """The steps held pinned."""
+        return list(self._held)
+
+    def get(self, step: int) -> PinnedStep | None:
+        """The pinned ``step`` (None: not held)."""
+        return self._held.get(step)
+
+    def pin(self, ranks: tuple[int, ...], step: int) -> PinnedStep | None:
+        """Pin every slot of ``ranks`` that holds ``step`` (None: some rank no longer holds
+        it, nothing pinned). The caller keeps or drops the result."""
+        pieces = self.local.pin_step(list(ranks), step)
+        return None if pieces is None else PinnedStep(step, pieces)
+
+    def keep(self, pinned: PinnedStep) -> None:
+        """Hold ``pinned`` until it is released."""
+        self._held[pinned.step] = pinned
+
+    def release(self, step: int) -> None:
+        """Unmap and unpin a held step (the protector must have forgotten it)."""
+        pinned = self._held.pop(step, None)
+        if pinned is not None:
+            pinned.close()
+            self.local.unpin(pinned.pieces)
+
+    def drop(self, pinned: PinnedStep, protector: GroupProtector) -> None:
+        """Give up a step (held or not): the protector forgets it; unmap and unpin it."""
+        protector.forget(pinned.step)
+        self._held.pop(pinned.step, None)
+        pinned.close()
+        self.local.unpin(pinned.pieces)
+
+    def keep_only(self, step: int | None, protector: GroupProtector | None) -> None:
+        """Forget (in ``protector``, if any) and release every held step but ``step``."""
+        for old in [s for s in self._held if s != step]:
+            if protector is not None:
+                protector.forget(old)  # drop its views before unmapping
+            self.release(old)
+
+
+class StatusBoard:
+    """What the protection service reports: its state (:class:`ProtectionState`) and status
+    (:class:`ProtectionStatus`), which any thread may read, its event log, and the node name
+    of its log lines.
+
+    The protection thread writes (:meth:`move`, :meth:`update`, :meth:`count`, :meth:`event`);
+    any thread reads (:meth:`read`).
+    """
+
+    def __init__(self, node_name: str, events: EventLog | None = None) -> None:
+        self.node_name = node_name
+        self.events = events
+        """The SMP's event log for ``sync``, ``protected``, ``rebuilt``... (None: no events)."""
         self._lock = threading.Lock()
-        self.state = ProtectionState.UNBOUND
-        self._doc: dict[str, Any] = {"enabled": True, "state": self.state.value}
+        self._status = ProtectionStatus(enabled=True, state=ProtectionState.UNBOUND)
+
+    @property
+    def state(self) -> ProtectionState:
+        """The state machine's state."""
+        state = self._status.state
+        assert state is not None
+        return state
 
     def move(self, new: ProtectionState, **kw: Any) -> None:
-        """Move to ``new`` (IllegalTransition if ProtectionState does not allow it) and publish it
-        in the status (as its ``.value``) with ``kw``."""
-        self.state = self.state.to(new)
-        self.update(state=new.value, **kw)
+        """Move to ``new`` (IllegalTransition if ProtectionState does not allow it), setting the
+        status fields ``kw``."""
+        self.update(state=self.state.to(new), **kw)
 
     def update(self, **kw: Any) -> None:
-        """Set fields of the status document."""
+        """Set fields of the status (names and types of :class:`ProtectionStatus`)."""
         with self._lock:
-            self._doc.update(kw)
+            self._status = dataclasses.replace(self._status, **kw)
 
-    def snapshot(self) -> dict[str, Any]:
-        """A JSON-ready deep copy of the status document."""
+    def count(self, counter: str) -> None:
+        """Add one to ``counter`` (a field of :class:`~ftmem.protocol.status.RoundCounters`)."""
         with self._lock:
-            copy: dict[str, Any] = json.loads(json.dumps(self._doc))
-            return copy
+            c = self._status.counters
+            c = dataclasses.replace(c, **{counter: getattr(c, counter) + 1})
+            self._status = dataclasses.replace(self._status, counters=c)
 
-    def get(self, name: str) -> Any:
-        """One field of the status document (None: not set)."""
+    def read(self) -> ProtectionStatus:
+        """The status now (frozen: safe to keep)."""
         with self._lock:
-            return self._doc.get(name)
-
-
-@dataclass(eq=False)
-class ProtectionContext:
-    """The protection thread's state, shared by its parts (see the module docstring)."""
-
-    node_name: str
-    local: SlotStore
-    events: EventLog | None
-    """The SMP's event log for ``sync``, ``protected``, ``rebuilt``... (None: no events)."""
-    board: StatusBoard = field(default_factory=StatusBoard)
-    protector: GroupProtector | None = None
-    plan: GroupPlan | None = None
-    me: int = -1
-    epoch: int = -1
-    ranks: list[int] = field(default_factory=list)
-    endpoints: dict[int, str] = field(default_factory=dict)
-    pinned: dict[int, PinnedStep] = field(default_factory=dict)
-    protected: int | None = None
-    counters: dict[str, int] = field(
-        default_factory=lambda: {"protected": 0, "aborted": 0, "failed": 0, "rebuilt": 0}
-    )
-    last_protect_s: float = 0.0
-    last_rebuild_s: float = 0.0
+            return self._status
 
     def event(self, event: str, **fields: Any) -> None:
         """Write ``event`` to the SMP's event log (if any)."""
         if self.events is not None:
             self.events.write(event, **fields)
-
-    def peers(self) -> list[int]:
-        """The other nodes of the group."""
-        assert self.plan is not None
-        return [n for n in self.plan.nodes if n != self.me]
-
-    def send(self, node: int, body: pm.PeerBody) -> None:
-        """Queue one of the service's own messages (ordered with the protocol's)."""
-        assert self.protector is not None
-        self.protector.send(node, body)
-
-    def release(self, step: int) -> None:
-        """Unmap and unpin a held step (the protector must have forgotten it)."""
-        pinned = self.pinned.pop(step, None)
-        if pinned is not None:
-            pinned.close()
-            self.local.unpin(pinned.pieces)
-
-    def drop(self, step: int, pinned: PinnedStep) -> None:
-        """Give up a step that was being protected: forget it, unmap and unpin it."""
-        assert self.protector is not None
-        self.protector.forget(step)
-        pinned.close()
-        self.local.unpin(pinned.pieces)
-
-    def publish(self, last_seen: dict[int, float], dropped: int, forged: int = 0) -> None:
-        """Refresh the status document: bytes held, peer health, counters (``dropped``: the
-        messages the service and its transport dropped; ``forged``: those of them refused
-        for a wrong tag on the data channel)."""
-        now = time.monotonic()
-        p = self.protector
-        pool = p.encode_pool if p is not None else None
-        own = 0
-        if p is not None and self.protected is not None and self.protected in p.steps:
-            st = p.steps[self.protected]
-            own = st.data.nbytes if st.data is not None else 0
-        peers = {
-            str(n): {
-                "endpoint": ep,
-                "last_seen_s": round(now - last_seen[n], 1) if n in last_seen else None,
-            }
-            for n, ep in self.endpoints.items()
-            if n != self.me
-        }
-        self.board.update(
-            protected_step=self.protected,
-            own_bytes=own,
-            parity_bytes=p.parity_bytes(self.protected)
-            if p is not None and self.protected is not None
-            else 0,
-            peers=peers,
-            counters=dict(self.counters),
-            last_protect_s=round(self.last_protect_s, 3),
-            last_rebuild_s=round(self.last_rebuild_s, 3),
-            dropped_messages=(p.dropped if p is not None else 0) + dropped,
-            forged_messages=forged,
-            sent_bytes=p.sent_bytes if p is not None else 0,
-            encode_workers=len(pool.pids) if pool is not None else 0,
-            worker_stripes=pool.encoded if pool is not None else 0,
-            worker_fallbacks=pool.fell_back if pool is not None else 0,
-        )

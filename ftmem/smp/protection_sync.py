@@ -23,7 +23,7 @@ from ftmem.exchange.placement import GroupPlan
 from ftmem.protocol.status import ProtectionState
 from ftmem.smp.protection_commands import Result, StartCommand
 from ftmem.smp.protection_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
-from ftmem.smp.protection_state import ProtectionContext
+from ftmem.smp.protection_state import Generation, PinnedSteps, StatusBoard
 
 log = get_logger(__name__)
 
@@ -67,31 +67,34 @@ def decide(plan: GroupPlan, held: dict[int, list[int]]) -> SyncVerdict:
 
 
 class GenerationSync:
-    """One generation's sync, from :meth:`begin` until :meth:`poll` returns its result.
+    """One generation's sync, from :meth:`begin` until :meth:`poll` returns its result. It
+    changes only the steps pinned here (``pins``) and reports on ``board``.
 
     Error handling: a node that does not answer within ``timeout_s`` fails the sync
     (SYNC_FAILED); more than m lost nodes fail it as UNRECOVERABLE; a failed rebuild fails it
     as REBUILD_FAILED. Each is the start command's failed :class:`Result`; none raises.
     """
 
-    def __init__(self, ctx: ProtectionContext, timeout_s: float) -> None:
-        self.ctx = ctx
+    def __init__(self, pins: PinnedSteps, board: StatusBoard, timeout_s: float) -> None:
+        self.pins = pins
+        self.board = board
         self.timeout_s = timeout_s
         self.pending: StartCommand | None = None
         """The start command whose sync is under way (None: none)."""
+        self.gen: Generation | None = None
+        """The generation being synced (or last synced)."""
         self.synced = False
         """The generation is in sync: protection rounds may run."""
         self._states: dict[int, list[int]] = {}
         self._deadline = 0.0
 
-    def begin(self, cmd: StartCommand, held: list[int]) -> None:
-        """Start the sync of ``cmd``'s generation; this node holds ``held``."""
-        self.pending = cmd
+    def begin(self, cmd: StartCommand, gen: Generation, held: list[int]) -> None:
+        """Start the sync of ``cmd``'s generation ``gen``; this node holds ``held``."""
+        self.pending, self.gen = cmd, gen
         self.synced = False
-        self._states = {self.ctx.me: held}
+        self._states = {gen.me: held}
         self._deadline = time.monotonic() + self.timeout_s
-        if self.ctx.protector is not None:
-            self.ctx.protector.rebuilder.hold()
+        gen.protector.rebuilder.hold()
 
     def on_held(self, sender: int, held: list[int]) -> None:
         """Node ``sender``'s held steps."""
@@ -99,29 +102,28 @@ class GenerationSync:
 
     def poll(self) -> Result | None:
         """The start command's result once every node answered (or the deadline passed)."""
-        cmd, ctx = self.pending, self.ctx
-        assert cmd is not None and ctx.plan is not None and ctx.protector is not None
-        if set(self._states) < set(ctx.plan.nodes):
+        cmd, gen = self.pending, self.gen
+        assert cmd is not None and gen is not None
+        if set(self._states) < set(gen.plan.nodes):
             if time.monotonic() <= self._deadline:
                 return None
-            missing = sorted(set(ctx.plan.nodes) - set(self._states))
+            missing = sorted(set(gen.plan.nodes) - set(self._states))
             self.pending = None
-            ctx.protector.rebuilder.serve_only(None, frozenset())
-            ctx.board.move(ProtectionState.SYNC_FAILED)
-            ctx.event("sync", epoch=ctx.epoch, ok=False, missing=missing)
+            gen.protector.rebuilder.serve_only(None, frozenset())
+            self.board.move(ProtectionState.SYNC_FAILED)
+            self.board.event("sync", epoch=gen.epoch, ok=False, missing=missing)
             why = f"nodes {missing} did not answer the sync in {self.timeout_s:.0f} s"
             return Result(cmd.token, False, {}, why)
         self.pending = None
-        return self._finish(cmd, decide(ctx.plan, self._states))
+        return self._finish(cmd, gen, decide(gen.plan, self._states))
 
-    def _finish(self, cmd: StartCommand, verdict: SyncVerdict) -> Result:
-        ctx = self.ctx
-        assert ctx.protector is not None
+    def _finish(self, cmd: StartCommand, gen: Generation, verdict: SyncVerdict) -> Result:
+        protector, board = gen.protector, self.board
         # Snapshot bytes go to the nodes that rebuild the kept step, and to no one else.
-        ctx.protector.rebuilder.serve_only(None if verdict.error else verdict.step, verdict.lost)
-        ctx.event(
+        protector.rebuilder.serve_only(None if verdict.error else verdict.step, verdict.lost)
+        board.event(
             "sync",
-            epoch=ctx.epoch,
+            epoch=gen.epoch,
             ok=not verdict.error,
             step=verdict.step,
             holders=sorted(verdict.holders),
@@ -134,26 +136,26 @@ class GenerationSync:
             "rebuilt": False,
         }
         keep = verdict.step
-        for step in ctx.protector.held_steps():
+        for step in protector.held_steps():
             if step != keep:
-                ctx.protector.forget(step)
-                ctx.release(step)
-        ctx.protected = keep
+                protector.forget(step)
+                self.pins.release(step)
+        self.pins.protected = keep
         if verdict.error:
-            ctx.board.move(ProtectionState.UNRECOVERABLE, error=verdict.error)
+            board.move(ProtectionState.UNRECOVERABLE, error=verdict.error)
             return Result(cmd.token, False, data, verdict.error, ErrorKind.UNRECOVERABLE)
-        if keep is not None and ctx.me in verdict.lost:
+        if keep is not None and gen.me in verdict.lost:
             try:
-                rebuild_step(ctx, keep, verdict.lost, min(verdict.holders))
+                rebuild_step(gen, self.pins, board, keep, verdict.lost, min(verdict.holders))
             except REBUILD_ERRORS as exc:
-                return Result(cmd.token, False, data, rebuild_failed(ctx, keep, exc))
+                return Result(cmd.token, False, data, rebuild_failed(self.pins, board, keep, exc))
             data["rebuilt"] = True
         self.synced = True
-        ctx.board.move(ProtectionState.READY, error="")
+        board.move(ProtectionState.READY, error="")
         log.info(
             "[%s/protection] mesh epoch %d: protected step %s (lost nodes %s)",
-            ctx.node_name,
-            ctx.epoch,
+            board.node_name,
+            gen.epoch,
             keep,
             sorted(verdict.lost),
         )

@@ -30,7 +30,7 @@ from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashService
 from ftmem.smp.protection_commands import Result, StartCommand
-from ftmem.smp.protection_state import ProtectionContext
+from ftmem.smp.protection_state import Generation, PinnedSteps, StatusBoard
 from ftmem.smp.protection_sync import GenerationSync
 from ftmem.smp.slot_store import SlotStore
 from tests._support.smp_mesh import layout_for
@@ -317,29 +317,30 @@ def test_parity_is_about_m_over_n_minus_m() -> None:
 
 def _sync_with_survivors(
     sync: GenerationSync,
+    gen: Generation,
     survivors: list[GroupProtector],
     held: dict[int, list[int]],
     expect_held: bool = True,
 ) -> Result | None:
-    """One generation's sync of the replacement node (its protector is ``sync.ctx``'s) while
-    the survivors serve; the start command's result.
+    """One generation's sync of the replacement node (``gen``: its generation, with its
+    protector) while the survivors serve; the start command's result.
 
     With ``expect_held`` the survivors serve until the replacement's HELD (sent once the
     bytes are rebuilt, even if installing them fails) has reached them (bounded: 30 s): one
     left in a socket would end the next round's serving as soon as it is read."""
-    ctx, done, out = sync.ctx, threading.Event(), []
+    done, out = threading.Event(), []
     done_at: list[float] = []
 
     def sync_once() -> None:
         try:
-            request = PeerStart(epoch=0, me=ctx.me, endpoints={}, m=1, max_group=8, ranks=[1])
+            request = PeerStart(epoch=0, me=gen.me, endpoints={}, m=1, max_group=8, ranks=[1])
             start = StartCommand(None, request, endpoints={})
-            sync.begin(start, held=[])
-            ctx.board.move(ProtectionState.SYNCING)
+            sync.begin(start, gen, held=[])
+            sync.board.move(ProtectionState.SYNCING)
             for node, steps in held.items():
                 sync.on_held(node, steps)
             for p in survivors:  # the survivors' own syncs decided the same
-                p.rebuilder.serve_only(1, {ctx.me})
+                p.rebuilder.serve_only(1, {gen.me})
             out.append(sync.poll())
         finally:
             done_at.append(time.monotonic())
@@ -349,7 +350,7 @@ def _sync_with_survivors(
         def stop() -> bool:
             if not done.is_set():
                 return False
-            served = expect_held and ctx.me in p.rebuilder.serving()
+            served = expect_held and gen.me in p.rebuilder.serving()
             return not served or time.monotonic() > done_at[0] + 30
 
         return stop
@@ -370,7 +371,7 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
     hasher = HashService("n1", 1)
     hasher.start()
     store = SlotStore("n1", 2, SlotFiles(tmp_path, "run", "n1"), hasher.submit)
-    ctx = ProtectionContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
+    pins, board = PinnedSteps(store), StatusBoard("n1")
     try:
         eps, prots = mesh(plan, transports)
         blobs = [os.urandom(size) for _ in range(n)]
@@ -385,35 +386,36 @@ def test_a_rebuild_the_slot_store_refuses_fails_the_sync_and_the_next_one_rebuil
         eps["1"] = transports[1].start()
         for t in transports:
             t.connect(eps)
-        ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
-        ctx.board.move(ProtectionState.BOUND)
+        protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
+        gen = Generation(1, 0, (1,), plan, {}, protector)
+        board.move(ProtectionState.BOUND)
         allocating = store.start_resize(1, -1, size)
-        sync = GenerationSync(ctx, timeout_s=30)
+        sync = GenerationSync(pins, board, timeout_s=30)
         survivors, held = [prots[0], prots[2]], {0: [1], 2: [1]}
-        failed = _sync_with_survivors(sync, survivors, held)
+        failed = _sync_with_survivors(sync, gen, survivors, held)
         assert failed is not None and not failed.ok, failed
         assert "rebuild of step 1 failed: cannot install the rebuilt snapshot" in failed.error
         assert "no slot to take a rebuilt snapshot" in failed.error
-        status = ProtectionStatus.from_json(ctx.board.snapshot())
+        status = ProtectionStatus.from_json(board.read().to_json())
         assert status.state is ProtectionState.REBUILD_FAILED and failed.error == status.error
-        assert ctx.protected is None and not ctx.pinned and 1 not in ctx.protector.steps
-        for index, _, gen in allocating:  # the allocations finish: both slots are free
-            path = store.files.path(1, index, gen)
+        assert pins.protected is None and not pins.steps() and 1 not in protector.steps
+        for index, _, slot_gen in allocating:  # the allocations finish: both slots are free
+            path = store.files.path(1, index, slot_gen)
             shm.create_segment(path, size)
             store.finish_resize(1, index, str(path), size, ok=True)
-        rebuilt = _sync_with_survivors(sync, survivors, held)
+        rebuilt = _sync_with_survivors(sync, gen, survivors, held)
         assert rebuilt is not None and rebuilt.ok and rebuilt.data["rebuilt"] is True, rebuilt
         assert (
-            ProtectionStatus.from_json(ctx.board.snapshot()).state is ProtectionState.READY
-            and ctx.protected == 1
+            ProtectionStatus.from_json(board.read().to_json()).state is ProtectionState.READY
+            and pins.protected == 1
         )
-        with open(ctx.pinned[1].pieces[0].path, "rb") as f:
+        pinned = pins.get(1)
+        assert pinned is not None
+        with open(pinned.pieces[0].path, "rb") as f:
             assert f.read(size) == blobs[1]
     finally:
-        for step in list(ctx.pinned):
-            assert ctx.protector is not None
-            ctx.protector.forget(step)
-            ctx.release(step)
+        if pins.steps():  # only once the protector was made
+            pins.keep_only(None, protector)
         for t in transports:
             t.close()
         hasher.close()
@@ -630,7 +632,7 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
     hasher = HashService("n1", 1)
     hasher.start()
     store = SlotStore("n1", 2, SlotFiles(tmp_path, "run", "n1"), hasher.submit)
-    ctx = ProtectionContext("n1", store, None, me=1, epoch=0, plan=plan, ranks=[1])
+    pins, board = PinnedSteps(store), StatusBoard("n1")
     try:
         eps, prots = mesh(plan, transports)
         blobs = [os.urandom(size) for _ in range(n)]
@@ -644,16 +646,18 @@ def test_a_rebuild_manifest_asking_for_more_than_free_shared_memory_is_refused(
         eps["1"] = transports[1].start()
         for t in transports:
             t.connect(eps)
-        ctx.protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
-        ctx.board.move(ProtectionState.BOUND)
-        sync = GenerationSync(ctx, timeout_s=30)
+        protector = GroupProtector(1, plan, transports[1], STRIPE, timeout_s=30)
+        gen = Generation(1, 0, (1,), plan, {}, protector)
+        board.move(ProtectionState.BOUND)
+        sync = GenerationSync(pins, board, timeout_s=30)
         failed = _sync_with_survivors(
-            sync, [prots[0], prots[2]], {0: [1], 2: [1]}, expect_held=False
+            sync, gen, [prots[0], prots[2]], {0: [1], 2: [1]}, expect_held=False
         )
         assert failed is not None and not failed.ok, failed
         assert f"the rebuilt slots need {claim} bytes" in failed.error, failed.error
         assert (
-            ProtectionStatus.from_json(ctx.board.snapshot()).state is ProtectionState.REBUILD_FAILED
+            ProtectionStatus.from_json(board.read().to_json()).state
+            is ProtectionState.REBUILD_FAILED
         )
         assert not list(tmp_path.iterdir()), "a slot was allocated"
     finally:
