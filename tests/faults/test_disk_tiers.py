@@ -83,7 +83,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(launcher_env: Laun
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 3] ^= 0x40
     data.write_bytes(bytes(raw))
-    second = launcher_env.single_node(rid, 2, flags, SCRIPT, name="second")
+    fast = [*SCRIPT, "--fast-after-resume"]  # resumed from disk: only the end is awaited
+    second = launcher_env.single_node(rid, 2, flags, fast, name="second")
     assert second.wait(180) == 0, second.text()[-4000:]
     resumed = {int(s) for s in re.findall(r"resumed from step (\d+)", second.text())}
     assert resumed == {older.step}, second.text()[-3000:]

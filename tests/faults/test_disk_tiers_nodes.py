@@ -20,7 +20,7 @@ from tests._support.launcher import TINY, WORKLOAD, Launcher
 from tests._support.nodes import Nodes, reference
 
 STEPS = 40
-SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.3", *TINY]
+SCRIPT = [str(WORKLOAD), "--steps", str(STEPS), "--step-delay", "0.3", "--fast-after-resume", *TINY]
 
 
 def wait_global(tier: Path, step: int, timeout: float = 180.0) -> int:

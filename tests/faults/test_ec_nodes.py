@@ -17,14 +17,15 @@ from pathlib import Path
 
 from ftmem.protocol.smp_client import SmpClient
 from tests._support.launcher import Launcher
-from tests._support.nodes import Nodes, reference
+from tests._support.nodes import SCRIPT, Nodes, reference
 
 
 def test_four_nodes_lose_two_at_once_same_digest(launcher_env: Launcher) -> None:
     """Every SMP encodes in a worker process (``--ftmem-ec-encode-workers 1``); the two
     replacement nodes rebuild from that parity."""
     want = reference(launcher_env, 4)
-    nodes = Nodes(launcher_env, 4, ["--ftmem-ec-parity", "2", "--ftmem-ec-encode-workers", "1"])
+    flags = ["--ftmem-ec-parity", "2", "--ftmem-ec-encode-workers", "1"]
+    nodes = Nodes(launcher_env, 4, flags, script=[*SCRIPT, "--fast-after-resume"])
     nodes.start_all()
     nodes.wait_protected(5)
     status = [nodes.protection(i) for i in range(4)]

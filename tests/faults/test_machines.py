@@ -40,7 +40,7 @@ def test_a_slow_lossy_link_then_a_2s_flap_keep_the_job_bitwise(launcher_env: Lau
     digests at the end. (Without NetfilterQueue only the flap is run.)"""
     want = reference(launcher_env)
     impaired = not impair_unavailable()
-    with machines(launcher_env, 3, 3) as m:
+    with machines(launcher_env, 3, 3, command=[*script(0.1), "--fast-after-resume"]) as m:
         m.start_all()
         if impaired:
             m.hosts.impair(1, delay_ms=20, loss=0.01, seed=1)
@@ -145,7 +145,8 @@ def test_silent_loss_of_the_machine_serving_the_rendezvous_a_spare_takes_over(
     # however long the spare and the standbys took to start (45 s under CI's load once).
     gate = launcher_env.tmp / "lose-h0"
     hold = ["--hold-after-step", "100", "--hold-file", str(gate)]
-    with machines(launcher_env, 4, 3, command=script(0.3) + hold) as m:
+    fast = ["--fast-after-resume"]  # after the resume only the end is awaited
+    with machines(launcher_env, 4, 3, command=script(0.3) + hold + fast) as m:
         m.use_etcd([0, 1, 2])
         m.start_all()
         for i in range(4):  # the spare's fork server must be warm to start rank 0

@@ -61,7 +61,10 @@ def _job_env(launcher: Launcher, shared: Path, **extra: str) -> dict[str, str]:
         TRAIN_NODES="3",
         NPROC_PER_NODE="1",
         TRAIN_SCRIPT=str(WORKLOAD),
-        TRAIN_ARGS=" ".join(["--steps", str(STEPS), "--step-delay", "0.15", *TINY]),
+        # The delay leaves time to fail a node mid-run; after the resume only the end is awaited.
+        TRAIN_ARGS=" ".join(
+            ["--steps", str(STEPS), "--step-delay", "0.15", "--fast-after-resume", *TINY]
+        ),
         SHARED_DIR=str(shared),
         LOCAL_DIR="/dev/shm/ftmem-local",  # each host's own /dev/shm: node-local for real
         LAUNCH_ARGS="--ftmem-ec-parity 1 --ftmem-standby 0",

@@ -38,7 +38,15 @@ def test_sigkilled_rank_is_replaced_by_standbys_and_a_dead_standby_by_a_cold_sta
         rid,
         2,
         [*PER_RANK, "--ftmem-status-interval", "0.2"],
-        [str(WORKLOAD), "--steps", str(steps), *TINY, "--step-delay", "0.25"],
+        [
+            str(WORKLOAD),
+            "--steps",
+            str(steps),
+            *TINY,
+            "--step-delay",
+            "0.25",
+            "--fast-after-resume",
+        ],
     )
     ready = {int(m.group(2)): int(m.group(1)) for m in agent.wait_for(READY, 90, count=2)}
     assert sorted(ready) == [0, 1]

@@ -121,6 +121,7 @@ def test_the_slurm_script_runs_one_agent_per_node_without_killing_the_job(
     # Only this job's runs are cleaned: its earlier attempts' before, this one's after.
     assert sruns[0][-3:] == ["ftmem", "77-0", "77-1"] and "--run-id" in sruns[0][-4]
     assert sruns[2][-4:] == ["cleanup", "--remove", "--run-id", "77-1"]
+    assert "--overlap" in sruns[2]  # not held up by the agents' step on a lost node
     launch = sruns[1]
     assert "--no-kill" in launch and "--kill-on-bad-exit=0" in launch
     flags = dict(itertools.pairwise(launch))

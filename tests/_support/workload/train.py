@@ -300,6 +300,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="seconds to sleep after each step (tests: time to lose a node mid-run)",
     )
     p.add_argument(
+        "--fast-after-resume",
+        action="store_true",
+        help="no --step-delay once the rank resumed from a snapshot (a test that injects one "
+        "failure then only waits for the end)",
+    )
+    p.add_argument(
         "--hold-after-step",
         type=int,
         default=0,
@@ -449,6 +455,7 @@ def train(args: argparse.Namespace) -> int:
         # Under DDP every rank holds the same parameters and optimizer state: each saves
         # 1/world of them, and load gathers them back (--no-shard: every rank saves everything).
         replicas = dist.group.WORLD if world > 1 and not args.no_shard else None
+        delay = 0.0 if start and args.fast_after_resume else args.step_delay
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             inputs, targets = loader.next_batch()
@@ -473,8 +480,8 @@ def train(args: argparse.Namespace) -> int:
                 fail_when_committed(
                     ftmem, handle is not None, rank, args.fail_rank, step + 1, args.fail_mode
                 )
-            if args.step_delay:
-                time.sleep(args.step_delay)
+            if delay:
+                time.sleep(delay)
             if step + 1 == args.hold_after_step:
                 _hold(args.hold_file, rank)
         return max(start, int(args.steps))
