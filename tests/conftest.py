@@ -39,6 +39,17 @@ ONE_HOST_FAULTS = {
 erasure-coded group): they may run beside the other fault tests, as unit tests do."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Install what the suite needs beyond the test extra where it is missing
+    (:mod:`tests._support.system`), once, in the main process (pytest-xdist's workers start
+    after it); ``FTMEM_TEST_INSTALL=0`` skips this."""
+    if hasattr(config, "workerinput") or os.environ.get("FTMEM_TEST_INSTALL", "1") == "0":
+        return
+    from tests._support import system
+
+    system.ensure(lambda line: print(f"tests: {line}", flush=True))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """How pytest-xdist shares the suite (``-n 2 --dist loadgroup``, the default options): the
