@@ -121,6 +121,7 @@ def ensure(say: Callable[[str], object] = print) -> list[str]:
             failed.append(f"{name}: {exc}")
     for why in failed:
         report(f"not installed (the tests that need it skip): {why}")
+    importlib.invalidate_caches()  # so that this process finds what pip just installed
     return failed
 
 
