@@ -62,6 +62,10 @@ EARLY_MAX_MESSAGES = 10000
 EARLY_MAX_BYTES = 256 << 20
 """Bounds of the messages of a future generation kept for replay (count, buffer bytes)."""
 
+PUBLISH_S = 0.1
+"""The status' byte counts and peer health are refreshed this often (a new protected step at
+once): the thread's loop turns up to hundreds of times a second while a round runs."""
+
 
 class ProtectionService:
     """The protection thread (see the module docstring).
@@ -104,6 +108,7 @@ class ProtectionService:
         self._dropped = 0
         self._stop = threading.Event()
         self._failure: str | None = None
+        self._next_publish = 0.0
 
     # -- main-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -221,6 +226,9 @@ class ProtectionService:
         its transport; ``forged``: those refused for a wrong tag on the data channel)."""
         assert self.transport is not None
         now, p, protected = time.monotonic(), self.protector, self.pins.protected
+        if now < self._next_publish and protected == self.board.read().protected_step:
+            return
+        self._next_publish = now + PUBLISH_S
         pool = p.encode_pool if p is not None else None
         own = parity = 0
         if p is not None and protected is not None:
