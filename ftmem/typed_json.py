@@ -326,3 +326,19 @@ def parse(cls: type[T], text: str | bytes, *, what: str = "", strict: bool = Tru
         raise ProtocolError(f"{what or cls.__name__} is not JSON: {str(exc)[:200]}") from exc
     got: T = build(cls, doc, what=what, strict=strict)
     return got
+
+
+def to_fields(payload: Any) -> dict[str, Any]:
+    """Return the JSON-ready fields of a payload or reply dataclass (nested dataclasses and
+    enums as JSON values)."""
+    return {f.name: _json_value(getattr(payload, f.name)) for f in dataclasses.fields(payload)}
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if dataclasses.is_dataclass(v):
+        return to_fields(v)
+    if isinstance(v, list | tuple) and v and dataclasses.is_dataclass(v[0]):
+        return [to_fields(x) for x in v]
+    return v

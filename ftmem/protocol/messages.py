@@ -18,6 +18,7 @@ from typing import Annotated, Any, Generic, TypeVar
 from ftmem.errors import ErrorKind
 from ftmem.protocol.status import SmpStatus, SyncReply
 from ftmem.typed_json import Most, Range, build, parse
+from ftmem.typed_json import to_fields as to_fields  # the writer beside from_fields
 
 PROTOCOL_VERSION = 1
 
@@ -416,19 +417,3 @@ def parse_reply(cls: type[Any], data: dict[str, Any]) -> Any:
     if cls is SmpStatus or cls is SyncReply:
         return cls.from_json(data)
     return build(cls, data, what=f"reply {cls.__name__}")
-
-
-def to_fields(payload: Any) -> dict[str, Any]:
-    """Return the JSON-ready fields of a payload or reply dataclass (nested dataclasses and
-    enums as JSON values)."""
-    return {f.name: _json_value(getattr(payload, f.name)) for f in dataclasses.fields(payload)}
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, enum.Enum):
-        return v.value
-    if dataclasses.is_dataclass(v):
-        return to_fields(v)
-    if isinstance(v, list | tuple) and v and dataclasses.is_dataclass(v[0]):
-        return [to_fields(x) for x in v]
-    return v

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 from ftmem._logging import get_logger
 from ftmem.errors import IllegalTransition as IllegalTransition  # re-exported
 from ftmem.errors import ProtocolError
-from ftmem.typed_json import Most, build
+from ftmem.typed_json import Most, build, to_fields
 
 _log = get_logger(__name__)
 
@@ -213,18 +213,11 @@ class ProtectionStatus:
 
     def to_json(self) -> dict[str, Any]:
         """The ``protection`` object as the SMP reports it (what :meth:`from_json` reads)."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        progress = self.rebuild_progress
-        doc.update(
-            state=self.state.value if self.state is not None else None,
-            group=list(self.group),
-            counters=dataclasses.asdict(self.counters),
-            rebuild_progress=dataclasses.asdict(progress) if progress is not None else None,
-            peers={
-                str(h.node): {"endpoint": h.endpoint, "last_seen_s": h.last_seen_s}
-                for h in self.peers
-            },
-        )
+        doc = to_fields(self)
+        doc["group"] = list(self.group)  # as JSON reads back (the reader takes no tuple)
+        doc["peers"] = {  # keyed by node, as PeerHealth.parse_all reads them
+            str(h.node): {"endpoint": h.endpoint, "last_seen_s": h.last_seen_s} for h in self.peers
+        }
         return doc
 
 
