@@ -68,13 +68,12 @@ def ensure(say: Callable[[str], object] = print) -> list[str]:
     Quick when nothing is missing (a few path lookups). Never raises: a failure is returned
     (and said through ``say``) so that the tests that need it skip with their reason.
     """
-    report = say
     failed: list[str] = []
     for need, debian in missing_debian().items():
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             failed.append(f"{need} ({' '.join(debian)}): needs root and apt-get")
             continue
-        report(f"installing Debian packages for {need}: {' '.join(debian)}")
+        say(f"installing Debian packages for {need}: {' '.join(debian)}")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         try:
             for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *debian]):
@@ -113,14 +112,14 @@ def ensure(say: Callable[[str], object] = print) -> list[str]:
     for name, needed, installs in steps:
         if not needed:
             continue
-        report(f"installing {name}")
+        say(f"installing {name}")
         try:
             for args in installs:
                 _pip(*args)
         except (OSError, subprocess.SubprocessError) as exc:
             failed.append(f"{name}: {exc}")
     for why in failed:
-        report(f"not installed (the tests that need it skip): {why}")
+        say(f"not installed (the tests that need it skip): {why}")
     importlib.invalidate_caches()  # so that this process finds what pip just installed
     return failed
 
