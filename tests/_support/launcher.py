@@ -100,6 +100,19 @@ def wait_gone(pids: Iterable[int], timeout: Timeout) -> set[int]:
     return alive
 
 
+def wait_slots_made(run_dir: Path, rank: int, timeout: float = 60.0) -> None:
+    """Wait until the SMP of ``run_dir`` has made every slot of ``rank`` (after the first
+    one, which the rank's first save waits for, the SMP makes the others in the background,
+    and a save that finds no free slot meanwhile is skipped)."""
+    from ftmem.protocol.smp_client import SmpClient
+
+    deadline = time.monotonic() + timeout
+    with SmpClient(run_dir) as c:
+        while any(s.state == "allocating" for s in c.status().ranks[rank].slots):
+            assert time.monotonic() < deadline, f"rank {rank}'s slots not made in {timeout} s"
+            time.sleep(0.02)
+
+
 def shm_files(run_id: str, node: str | None = None, shm_dir: Path | None = None) -> list[str]:
     """Slot files and commit records of ``run_id`` (of one node if given, any SMP's nonce)
     in the user's private shared-memory directory (``shm_dir``, default

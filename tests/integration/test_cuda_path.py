@@ -31,7 +31,7 @@ from ftmem.client.device_restore import STAGING_BYTES
 from ftmem.config import ClientConfig
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from tests._support.launcher import shm_files
+from tests._support.launcher import shm_files, wait_slots_made
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -136,9 +136,11 @@ def ckpt(smp: SmpProcess, run_dir: Path) -> Iterator[ftmem.Checkpointer]:
 
 def commit(ckpt: ftmem.Checkpointer, state: dict[str, object], step: int) -> None:
     """Save ``step`` and make sure it is committed (the first save of a process is skipped
-    while the SMP allocates the slots; ``wait()`` then saves the newest step again)."""
+    while the SMP allocates the slots; ``wait()`` then saves the newest step again), and that
+    the next save finds a slot made."""
     ckpt.save(state, step=step)
     assert ckpt.wait(120) is True
+    wait_slots_made(ckpt.config.run_dir, ckpt.rank, 120)
 
 
 def wait_verified(run_dir: Path, step: int, timeout: float = 60.0) -> None:

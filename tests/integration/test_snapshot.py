@@ -15,7 +15,7 @@ from ftmem.config import ClientConfig
 from ftmem.errors import CorruptSnapshotError, SmpUnavailableError, SnapshotMismatchError
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from tests._support.launcher import shm_files
+from tests._support.launcher import shm_files, wait_slots_made
 
 
 def make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -53,9 +53,12 @@ def ckpt(smp: SmpProcess, run_dir: Path):  # type: ignore[no-untyped-def]
 
 def commit(ckpt: ftmem.Checkpointer, state: dict[str, object], step: int) -> None:
     """Save ``step`` and make sure it is committed: the first save of a process is skipped
-    while the SMP allocates the slots, and ``wait()`` then commits the newest step."""
+    while the SMP allocates the slots, and ``wait()`` then commits the newest step. Then wait
+    until the SMP has made the rank's other slots too (they follow the first one in the
+    background, and a save meanwhile is skipped), so that the next save is not skipped."""
     ckpt.save(state, step=step)
     assert ckpt.wait(60)
+    wait_slots_made(ckpt.config.run_dir, ckpt.rank)
 
 
 def wait_verified(run_dir: Path, step: int) -> None:
