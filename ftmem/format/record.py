@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import xxhash
 
 from ftmem.errors import ProtocolError
 from ftmem.typed_json import Most, Range, parse
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 MAX_RECORD_BYTES = 64 << 20
 MAX_SLOT_BYTES = 1 << 40
 """The largest slot (1 TiB): a record or manifest naming a larger one is refused."""
@@ -47,16 +49,22 @@ class _RecordBody(CommitRecord):
     version: Annotated[int, Range(RECORD_VERSION, RECORD_VERSION)] = RECORD_VERSION
 
 
-@dataclass(frozen=True, slots=True)
-class _RecordFile:
-    record: _Layout
-    xxh64: Annotated[str, Most(16)]
+_CHECKSUM = re.compile(r',"xxh64":"([0-9a-f]{16})"}\Z')
+"""The end of a record's text: the xxh64 of everything before it, closed with ``}``."""
+
+
+def record_text(fields: Mapping[str, Any]) -> str:
+    """``fields`` as a record's file text: one JSON object whose last member, ``xxh64``, is
+    the checksum of the object written without it (the layout is escaped once; the SMP writes
+    a record at every commit and verification)."""
+    body = json.dumps(fields, separators=(",", ":"))
+    return f'{body[:-1]},"xxh64":"{xxhash.xxh64_hexdigest(body.encode())}"}}'
 
 
 def encode_record(rec: CommitRecord) -> str:
-    """The record's file text (body plus its checksum)."""
-    body = json.dumps({"version": RECORD_VERSION, **dataclasses.asdict(rec)}, separators=(",", ":"))
-    return json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})
+    """The record's file text (:func:`record_text` of its fields and the version)."""
+    fields = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+    return record_text({"version": RECORD_VERSION, **fields})
 
 
 def decode_record(text: str) -> CommitRecord:
@@ -67,11 +75,14 @@ def decode_record(text: str) -> CommitRecord:
     """
     if len(text) > MAX_RECORD_BYTES:
         raise ValueError("record too large")
+    end = _CHECKSUM.search(text)
+    if end is None:
+        raise ValueError("malformed record: no checksum at its end")
+    body = text[: end.start()] + "}"
     try:
-        outer = parse(_RecordFile, text, what="commit record")
-        if xxhash.xxh64_hexdigest(outer.record.encode()) != outer.xxh64:
+        if xxhash.xxh64_hexdigest(body.encode()) != end.group(1):
             raise ValueError("record checksum mismatch")
-        d = parse(_RecordBody, outer.record, what="commit record")
+        d = parse(_RecordBody, body, what="commit record")
     except (ProtocolError, UnicodeEncodeError) as exc:
         raise ValueError(f"malformed record: {exc}") from exc
     return CommitRecord(d.rank, d.slot, d.gen, d.capacity, d.step, d.seq, d.layout)

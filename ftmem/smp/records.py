@@ -44,14 +44,21 @@ def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
     """Write the record of ``slot_path`` atomically (tmp + rename). The temporary file is
     created new (``O_EXCL|O_NOFOLLOW``): a file or symlink planted under its name is removed
     first if it is ours, else the write fails, and nothing is written through a symlink."""
-    text = encode_record(rec)
-    final = record_path(slot_path)
-    tmp = final.with_name(final.name + ".tmp")
-    tmp.unlink(missing_ok=True)
+    data = encode_record(rec).encode()
+    final = f"{slot_path}{SUFFIX}"
+    tmp = f"{final}.tmp"
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:  # left by a write that died, or planted: remove it, once
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
     os.replace(tmp, final)
 
 

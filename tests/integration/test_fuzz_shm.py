@@ -8,7 +8,6 @@ and serve. Two bugs found here earlier are pinned by ``test_fixed_*`` (see docs/
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -16,9 +15,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import xxhash
 
 from ftmem.format.layout import layout_json, tensors_json
+from ftmem.format.record import RECORD_VERSION, record_text
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp import records
@@ -59,14 +58,19 @@ def _start(run_dir: Path, shm: Path) -> SmpProcess:
 
 
 def _record(path: Path, **fields: object) -> None:
-    rec = {"version": 1, "rank": 0, "slot": 0, "gen": 1, "capacity": 4096, "step": 5, "seq": 1}
+    rec = {
+        "version": RECORD_VERSION,
+        "rank": 0,
+        "slot": 0,
+        "gen": 1,
+        "capacity": 4096,
+        "step": 5,
+        "seq": 1,
+    }
     step = fields.get("step", rec["step"])
     valid = layout_json(tensors_json([]), step if isinstance(step, int) else 0, (0, 0))
     rec.update({"layout": valid, **fields})
-    body = json.dumps(rec)
-    records.record_path(path).write_text(
-        json.dumps({"record": body, "xxh64": xxhash.xxh64_hexdigest(body.encode())})
-    )
+    records.record_path(path).write_text(record_text(rec))
 
 
 def test_hostile_leftovers_are_removed_and_the_smp_serves(run_dir: Path, shm_dir: Path) -> None:
