@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -45,20 +44,29 @@ class CommitRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class _RecordBody(CommitRecord):
-    version: Annotated[int, Range(RECORD_VERSION, RECORD_VERSION)] = RECORD_VERSION
+class _RecordHead:
+    """A record's first line: every field but the layout, and the format's version."""
 
-
-_CHECKSUM = re.compile(r',"xxh64":"([0-9a-f]{16})"}\Z')
-"""The end of a record's text: the xxh64 of everything before it, closed with ``}``."""
+    version: Annotated[int, Range(RECORD_VERSION, RECORD_VERSION)]
+    rank: _Count
+    slot: _Count
+    gen: _Count
+    capacity: _Count
+    step: _Count
+    seq: _Count
 
 
 def record_text(fields: Mapping[str, Any]) -> str:
-    """``fields`` as a record's file text: one JSON object whose last member, ``xxh64``, is
-    the checksum of the object written without it (the layout is escaped once; the SMP writes
-    a record at every commit and verification)."""
-    body = json.dumps(fields, separators=(",", ":"))
-    return f'{body[:-1]},"xxh64":"{xxhash.xxh64_hexdigest(body.encode())}"}}'
+    """``fields`` as a record's file text, three parts: the fields but ``layout`` as one line
+    of JSON, the layout as it is (JSON text itself: never escaped, since the SMP writes a
+    record at every commit and verification and a layout of thousands of tensors is large),
+    and the xxh64 of the two, each part after a newline."""
+    head = {k: v for k, v in fields.items() if k != "layout"}
+    layout = fields.get("layout", "")
+    body = json.dumps(head, separators=(",", ":")) + "\n" + (
+        layout if isinstance(layout, str) else json.dumps(layout)
+    )
+    return f"{body}\n{xxhash.xxh64_hexdigest(body.encode())}"
 
 
 def encode_record(rec: CommitRecord) -> str:
@@ -75,17 +83,16 @@ def decode_record(text: str) -> CommitRecord:
     """
     if len(text) > MAX_RECORD_BYTES:
         raise ValueError("record too large")
-    end = _CHECKSUM.search(text)
-    if end is None:
-        raise ValueError("malformed record: no checksum at its end")
-    body = text[: end.start()] + "}"
+    first, last = text.find("\n"), text.rfind("\n")
+    if first < 0 or last == first:
+        raise ValueError("malformed record: not its fields, a layout and a checksum")
     try:
-        if xxhash.xxh64_hexdigest(body.encode()) != end.group(1):
+        if xxhash.xxh64_hexdigest(text[:last].encode()) != text[last + 1 :]:
             raise ValueError("record checksum mismatch")
-        d = parse(_RecordBody, body, what="commit record")
+        h = parse(_RecordHead, text[:first], what="commit record")
     except (ProtocolError, UnicodeEncodeError) as exc:
         raise ValueError(f"malformed record: {exc}") from exc
-    return CommitRecord(d.rank, d.slot, d.gen, d.capacity, d.step, d.seq, d.layout)
+    return CommitRecord(h.rank, h.slot, h.gen, h.capacity, h.step, h.seq, text[first + 1 : last])
 
 
 @dataclass(frozen=True, slots=True)

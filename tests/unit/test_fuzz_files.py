@@ -252,7 +252,7 @@ def test_part_metadata_json_is_rebuilt_or_refused(doc: Any) -> None:
 
 def _record_text(fields: dict[str, Any], checksum_ok: bool) -> str:
     text = record_text(fields)
-    return text if checksum_ok else text[:-18] + "0" * 16 + '"}'
+    return text if checksum_ok else text[:-16] + "0" * 16
 
 
 @FUZZ
