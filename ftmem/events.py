@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -29,6 +30,15 @@ AGENT_EVENTS_NAME = "events.jsonl"
 """The agent's event log in the run directory."""
 SMP_EVENTS_NAME = "smp-events.jsonl"
 """The SMP's event log in the run directory."""
+MAX_EVENT_LOG_BYTES = 64 << 20
+"""A log that reaches this size is renamed to its :func:`previous` (replacing the one there)
+and begun again: the SMP writes lines at every commit and verification of every rank, so a
+long job's log would otherwise grow without end; it keeps the newest 64-128 MiB."""
+
+
+def previous(path: Path) -> Path:
+    """Where the log at ``path`` goes when it is full: ``<name>.1``."""
+    return path.with_name(path.name + ".1")
 
 
 def _close_quietly(f: IO[str]) -> None:
@@ -47,13 +57,14 @@ class EventLog:
     whole, so lines of different threads never interleave.
 
     Resource handling: the file is opened (append, line-buffered) at the first
-    :meth:`write` and kept open; :meth:`close` (idempotent, also on context exit, at garbage
+    :meth:`write` and kept open; at ``max_bytes`` it is renamed to :func:`previous` and a new
+    one is begun; :meth:`close` (idempotent, also on context exit, at garbage
     collection and at interpreter exit) closes it. A write after :meth:`close` opens it again.
     Error handling: a failed open or write is logged (once until a write succeeds again),
     never raised, so an unwritable log never stops training or the SMP.
     """
 
-    def __init__(self, path: Path, node: str) -> None:
+    def __init__(self, path: Path, node: str, max_bytes: int = MAX_EVENT_LOG_BYTES) -> None:
         self.path = path
         """The file appended to."""
         self.node = node
@@ -62,6 +73,8 @@ class EventLog:
         self._file: IO[str] | None = None
         self._finalizer: weakref.finalize[[IO[str]], EventLog] | None = None
         self._failing = False
+        self._max_bytes = max_bytes
+        self._size = 0
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         """Called with each event and its fields after it was written (e.g. metrics); an
         error in one is logged, never raised."""
@@ -79,6 +92,10 @@ class EventLog:
                 f = self._open()
                 f.write(line)
                 f.flush()
+                self._size += len(line)  # ASCII: json.dumps escapes the rest
+                if self._size >= self._max_bytes:
+                    self._drop()
+                    os.replace(self.path, previous(self.path))
             except (OSError, ValueError) as exc:  # ValueError: the file was closed under us
                 if not self._failing:
                     log.warning("cannot write the event log %s: %s", self.path, exc)
@@ -109,6 +126,7 @@ class EventLog:
         if self._file is None:
             f = open(self.path, "a", buffering=1, encoding="utf-8")
             self._file = f
+            self._size = os.fstat(f.fileno()).st_size
             # Closes the file if the owner forgets to (no ResourceWarning at exit).
             self._finalizer = weakref.finalize(self, _close_quietly, f)
         return self._file

@@ -63,8 +63,10 @@ def record_text(fields: Mapping[str, Any]) -> str:
     and the xxh64 of the two, each part after a newline."""
     head = {k: v for k, v in fields.items() if k != "layout"}
     layout = fields.get("layout", "")
-    body = json.dumps(head, separators=(",", ":")) + "\n" + (
-        layout if isinstance(layout, str) else json.dumps(layout)
+    body = (
+        json.dumps(head, separators=(",", ":"))
+        + "\n"
+        + (layout if isinstance(layout, str) else json.dumps(layout))
     )
     return f"{body}\n{xxhash.xxh64_hexdigest(body.encode())}"
 

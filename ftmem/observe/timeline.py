@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from ftmem.errors import ProtocolError
-from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME
+from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME, previous
 from ftmem.typed_json import Pattern, build
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,15 @@ def _source_of(path: Path) -> str:
 def read_events(paths: Iterable[Path]) -> Loaded:
     """Read the event logs of run directories (or event-log files), oldest event first.
 
-    A directory contributes its ``events.jsonl`` and ``smp-events.jsonl``; a file is read as
-    is. Unreadable files are logged and counted as missing; bad lines are counted.
+    A directory contributes its ``events.jsonl`` and ``smp-events.jsonl``, each after its
+    older part (``.1``, :func:`ftmem.events.previous`) if the log was begun again; a file is
+    read as is. Unreadable files are logged and counted as missing; bad lines are counted.
     """
     out = Loaded()
     for path in paths:
+        logs = (path / AGENT_EVENTS_NAME, path / SMP_EVENTS_NAME)
         files = (
-            [f for f in (path / AGENT_EVENTS_NAME, path / SMP_EVENTS_NAME) if f.is_file()]
+            [f for current in logs for f in (previous(current), current) if f.is_file()]
             if path.is_dir()
             else [path]
         )

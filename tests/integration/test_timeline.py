@@ -18,7 +18,7 @@ import torch
 import ftmem
 from ftmem.cli import main
 from ftmem.config import ClientConfig
-from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME, EventLog
+from ftmem.events import AGENT_EVENTS_NAME, SMP_EVENTS_NAME, EventLog, previous
 from ftmem.observe.timeline import marks_of, parse_line, read_events, since_filter
 from ftmem.smp.spawn import start_smp
 from tests._support.launcher import pid_gone, shm_files
@@ -70,6 +70,27 @@ def test_event_log_appends_reopens_and_never_raises(
         bad.write("b")
     assert sum("cannot write the event log" in r.message for r in caplog.records) == 1
     bad.close()
+
+
+def test_a_full_event_log_is_begun_again_and_read_with_its_older_part(tmp_path: Path) -> None:
+    # A job's SMP writes lines at every commit: its log keeps the newest 1-2x max_bytes.
+    path = tmp_path / SMP_EVENTS_NAME
+    path.write_text('{"time": 1.0, "node": "n0", "event": "old"}\n' * 50)  # a former SMP's
+    with EventLog(path, "n0", max_bytes=4096) as log:
+        for k in range(100):
+            log.write("committed", rank=0, step=k)
+    older = previous(path)
+    assert older.is_file() and path.is_file()
+    assert os.path.getsize(older) >= 4096 > os.path.getsize(path)
+    steps = [
+        json.loads(line)["step"]
+        for f in (older, path)
+        for line in f.read_text().splitlines()
+        if "step" in line
+    ]
+    assert steps == list(range(steps[0], 100))  # the newest lines, whole, in order
+    got = read_events([tmp_path]).events
+    assert [e.fields["step"] for e in got if e.event == "committed"] == steps
 
 
 def test_event_log_write_is_cheap(tmp_path: Path) -> None:
