@@ -185,10 +185,9 @@ def create_segment(path: Path, nbytes: int) -> None:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
-            # On a tmpfs this allocates (and zeroes) every page, with the GIL released; the
-            # SMP never writes a slot, so populating its own page tables as well would only
-            # cost time in proportion to the slot's size with the GIL held (mmap.madvise
-            # keeps it).
+            # On a tmpfs this allocates every page, with the GIL released. The kernel zeroes
+            # each page at its first touch: the pre-fault of the rank's copy thread when it
+            # maps the slot (the SMP never writes a slot, and never maps it writable).
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):

@@ -1,7 +1,8 @@
 """Restoring a verified snapshot into CUDA tensors through page-locked staging buffers.
 
-The slot's pages are not page-locked in a restarted process (locking a mapping costs ~0.2 s/GiB,
-as long as a pageable copy), and a pageable host-to-device copy runs at a seventh of the link.
+The slot's pages are not page-locked in a restarted process (locking a mapping takes about as
+long as a pageable copy), and a pageable host-to-device copy runs at a fraction of the link's
+speed (``bench/device_check.sh`` measures both).
 :func:`to_device` checks a run of pieces on a thread, copies it into a free page-locked staging
 buffer and queues that buffer's copy on a side stream, so the checks and host copies of
 several threads overlap the transfers (docs/design.md, "Restore").
@@ -29,8 +30,8 @@ os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of t
 
 
 def restore_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's restore pool of ``threads`` threads, made once: starting threads cost
-    ~1 ms each, a fifth of a small state's whole restore. Its threads idle between restores
+    """The process's restore pool of ``threads`` threads, made once: starting threads costs
+    a noticeable part of a small state's whole restore. Its threads idle between restores
     and stop at interpreter exit."""
     with _lock:
         pool = _pools.get(threads)

@@ -3,9 +3,9 @@
 :class:`SlotFiles` knows where this run's and node's slot files live (the user's private
 directory, names carrying the run id, node, this SMP's nonce, rank, slot and generation:
 :mod:`ftmem.shm`) and removes them with their commit records (:mod:`ftmem.smp.records`).
-:class:`Allocator` creates new slot files on a named worker thread: allocating costs ~0.5
-s/GiB, so the loop thread keeps answering other ranks while a PREPARE is served, and sends the
-deferred reply when the job comes back.
+:class:`Allocator` creates new slot files on a named worker thread: allocating takes time in
+proportion to the slot's size, so the loop thread keeps answering other ranks while a PREPARE
+is served, and sends the deferred reply when the job comes back.
 """
 
 from __future__ import annotations

@@ -323,8 +323,8 @@ class RequestHandlers:
                 log.error("[%s/%d] NOT ENOUGH SHARED MEMORY: %s", self.config.node, p.rank, short)
             return m.refusal(f"not enough shared memory: {short}")
         # The first slot is answered as soon as it exists: the rank's first snapshot needs one
-        # slot, and making every slot first doubled the time until it was safe (first-touch
-        # of fresh memory costs ~3 s/GiB on a loaded VM). The rest follow on the same thread.
+        # slot, and making every slot first doubled the time until it was safe (first touch
+        # of fresh memory is slow on a loaded VM). The rest follow on the same thread.
         first, rest = job.slots[:1], job.slots[1:]
         self.allocator.submit(AllocJob(req.ident, req.req_id, p.rank, first))
         if rest:

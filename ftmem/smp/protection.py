@@ -1,8 +1,8 @@
 """ProtectionService: the SMP's erasure-coding thread (peer mesh, protection rounds, rebuild).
 
 The SMP's main loop serves ranks; this thread owns the peer transport (ZeroMQ TCP + CURVE) and
-the :class:`~ftmem.exchange.protector.GroupProtector`. pyeclib holds the GIL for about 0.1 ms
-per MiB, so with 1 MiB stripes the main loop is never held up for long.
+the :class:`~ftmem.exchange.protector.GroupProtector`. pyeclib holds the GIL while it encodes a
+stripe, so stripes are kept small (1 MiB) and the main loop is never held up for long.
 
 Life of a generation (the launcher drives it, once per rendezvous round):
 
