@@ -186,8 +186,8 @@ def create_segment(path: Path, nbytes: int) -> None:
     try:
         try:
             # On a tmpfs this allocates every page, with the GIL released. The kernel zeroes
-            # each page at its first touch: the pre-fault of the rank's copy thread when it
-            # maps the slot (the SMP never writes a slot, and never maps it writable).
+            # each page at its first touch: for a rank's slot, the pre-fault of the rank's
+            # copy thread when it maps the slot.
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
