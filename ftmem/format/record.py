@@ -31,8 +31,8 @@ _Layout = Annotated[str, Most(MAX_RECORD_BYTES)]
 
 
 @dataclass(frozen=True, slots=True)
-class CommitRecord:
-    """What a committed slot holds."""
+class _SlotIdentity:
+    """Which slot a record is of, and what it holds (every field of a record but the layout)."""
 
     rank: _Count
     slot: _Count
@@ -40,20 +40,20 @@ class CommitRecord:
     capacity: _Count
     step: _Count
     seq: _Count
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord(_SlotIdentity):
+    """What a committed slot holds."""
+
     layout: _Layout
 
 
 @dataclass(frozen=True, slots=True)
-class _RecordHead:
-    """A record's first line: every field but the layout, and the format's version."""
+class _RecordHead(_SlotIdentity):
+    """A record's first line: its identity and the format's version."""
 
     version: Annotated[int, Range(RECORD_VERSION, RECORD_VERSION)]
-    rank: _Count
-    slot: _Count
-    gen: _Count
-    capacity: _Count
-    step: _Count
-    seq: _Count
 
 
 def record_text(fields: Mapping[str, Any]) -> str:
@@ -62,12 +62,8 @@ def record_text(fields: Mapping[str, Any]) -> str:
     record at every commit and verification and a layout of thousands of tensors is large),
     and the xxh64 of the two, each part after a newline."""
     head = {k: v for k, v in fields.items() if k != "layout"}
-    layout = fields.get("layout", "")
-    body = (
-        json.dumps(head, separators=(",", ":"))
-        + "\n"
-        + (layout if isinstance(layout, str) else json.dumps(layout))
-    )
+    layout = str(fields.get("layout", ""))
+    body = f"{json.dumps(head, separators=(',', ':'))}\n{layout}"
     return f"{body}\n{xxhash.xxh64_hexdigest(body.encode())}"
 
 

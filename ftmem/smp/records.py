@@ -45,7 +45,7 @@ def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
     created new (``O_EXCL|O_NOFOLLOW``): a file or symlink planted under its name is removed
     first if it is ours, else the write fails, and nothing is written through a symlink."""
     data = encode_record(rec).encode()
-    final = f"{slot_path}{SUFFIX}"
+    final = os.fspath(record_path(slot_path))
     tmp = f"{final}.tmp"
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
