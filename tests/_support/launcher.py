@@ -44,6 +44,7 @@ import psutil
 
 from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
 from ftmem.launch.peers import host_key_path
+from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
 from tests._support.procs import REPO, WORKLOAD, Procs, python_stacks  # noqa: F401 (WORKLOAD: re-exported)
@@ -104,8 +105,6 @@ def wait_slots_made(run_dir: Path, rank: int, timeout: float = 60.0) -> None:
     """Wait until the SMP of ``run_dir`` has made every slot of ``rank`` (after the first
     one, which the rank's first save waits for, the SMP makes the others in the background,
     and a save that finds no free slot meanwhile is skipped)."""
-    from ftmem.protocol.smp_client import SmpClient
-
     deadline = time.monotonic() + timeout
     with SmpClient(run_dir) as c:
         while any(s.state == "allocating" for s in c.status().ranks[rank].slots):
