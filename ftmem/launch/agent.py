@@ -39,6 +39,7 @@ from ftmem.launch.config import FtmemLaunchConfig
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
     ElasticAgentBase,
+    awaiting_group_rank_0,
     failed_after_detach,
     log_tails_stop_at_once,
     rendezvous_join_timeout_s,
@@ -68,7 +69,7 @@ from ftmem.launch.rendezvous import (
 from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
-from ftmem.launch.state_guard import expire_keep_alive, leaving_round
+from ftmem.launch.state_guard import expire_keep_alive, leaving_round, reread_state
 from ftmem.launch.warm_start import StandbyPool, spawning_from
 from ftmem.launch.workers import rank_env
 from ftmem.protocol.status import RankProgress
@@ -195,6 +196,7 @@ class FtmemElasticAgent(ElasticAgentBase):
                 last_call=self._ft.restart_last_call if lost else None,
             ),
             leaving_round(self.rdzv_handler),
+            awaiting_group_rank_0(lambda: reread_state(self.rdzv_handler), poll_s),
         ):
             join()
         # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the

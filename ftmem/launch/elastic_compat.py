@@ -24,8 +24,9 @@ reaches into elastic's internals is here, so moving to a new torch means reviewi
    file that knows them): elastic unpickles the state it reads, so only those classes are
    admitted, and a node leaving its round does not bring back a round that ended after a
    store writer erased the state.
-3. Three module functions swapped while elastic runs: ``dynamic_rendezvous._delay``
-   (:func:`restart_rendezvous_quickly`), ``multiprocessing.api.get_subprocess_handler``
+3. Four functions swapped while elastic runs: ``dynamic_rendezvous._delay``
+   (:func:`restart_rendezvous_quickly`), ``RendezvousStoreInfo.build``
+   (:func:`awaiting_group_rank_0`), ``multiprocessing.api.get_subprocess_handler``
    (:func:`subprocess_handler_replaced`, for standby ranks) and
    ``multiprocessing.tail_log.tail_logfile`` (:func:`log_tails_stop_at_once`).
 4. Ranks kept alive across a restart (``ftmem.run``): their handlers are taken out of the
@@ -50,6 +51,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -67,6 +69,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import api as elastic_mp_api
 from torch.distributed.elastic.multiprocessing import tail_log as elastic_tail_log
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ftmem.errors import FtmemError
 
@@ -286,6 +289,43 @@ def restart_rendezvous_quickly(
     finally:
         if swap:
             timeout._last_call = before
+
+
+@contextlib.contextmanager
+def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> Iterator[None]:
+    """While inside, a node other than group rank 0 that completed a round waits for group
+    rank 0's MASTER_ADDR/PORT (elastic's ``RendezvousStoreInfo.build``, with a store per
+    round) by polling the round's store, running ``between_polls`` every ``poll_s``, and
+    raises ``DistStoreError`` after the store's timeout, as elastic's blocking read would.
+
+    elastic's read blocks with the handler's heartbeat lock held: the node reads no
+    rendezvous state meanwhile. If a store writer erased the complete state and a node that
+    never saw it complete wrote its own view back, group rank 0 waits for a round this node
+    believes complete, and this node for group rank 0: ``between_polls`` re-reads the state,
+    so this node writes the complete round back (:func:`~ftmem.launch.state_guard.reread_state`).
+    """
+    original = RendezvousStoreInfo.build
+    keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+
+    def build(rank: int, store: Any, local_addr: str | None, server_port: int | None = None) -> Any:
+        if rank != 0:
+            timeout = store.timeout.total_seconds()
+            deadline = time.monotonic() + timeout
+            while not store.check(keys):
+                if time.monotonic() >= deadline:
+                    raise torch.distributed.DistStoreError(
+                        f"wait timeout after {timeout:.0f} s for group rank 0's {keys}"
+                    )
+                between_polls()
+                time.sleep(poll_s)
+        return original(rank, store, local_addr, server_port)
+
+    saved = RendezvousStoreInfo.__dict__["build"]  # the staticmethod itself, restored as is
+    RendezvousStoreInfo.build = staticmethod(build)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RendezvousStoreInfo.build = saved  # type: ignore[method-assign]
 
 
 def _tail_logfile(

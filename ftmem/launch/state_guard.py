@@ -408,8 +408,9 @@ class RoundRules:
     then, if this node took part in that complete round, the refused read reads as the next
     round, open, with nobody in it: its join adds itself, the others re-add themselves.
     Leaving ends with the first state of a later round this node reads (it joined that
-    round), although the agent's join goes on (the slot agreement): a refused read then is
-    the round it joined, not one more.
+    round; at a first join, the first complete round it reads itself in), although the
+    agent's join goes on (MASTER_ADDR, the slot agreement): a refused read then is the round
+    it joined, not one more, and a stale state is written over with it.
     """
 
     def __init__(self, me: Any) -> None:
@@ -417,6 +418,9 @@ class RoundRules:
         self.leaving = False
         self.left: int | None = None
         """While leaving: the round this node leaves (None: it had read none)."""
+        self.joined: int | None = None
+        """While leaving a round it had read none of (a first join): the round it joined,
+        once it read that round complete with itself in it."""
         self.newest: tuple[int, bool] | None = None
         """(round, complete) of the newest state that passed here."""
 
@@ -425,7 +429,9 @@ class RoundRules:
         a later round is one it joined, whatever its join still does after."""
         if not self.leaving or order is None:
             return self.leaving
-        return self.left is None or order[0] <= self.left
+        if self.left is None:
+            return self.joined is None or order[0] < self.joined
+        return order[0] <= self.left
 
     def admit(self, bits: bytes) -> None:
         """Raise :class:`StaleState` if the state in ``bits`` (checked bytes) is older than
@@ -439,6 +445,8 @@ class RoundRules:
                 "read: a replayed state, or a node's stale view written back"
             )
         self.newest = order
+        if self.leaving and self.left is None and state.complete and self.me in state.participants:
+            self.joined = state.round
 
     def review(self, bits: bytes, refused: bool) -> bytes:
         """The state in ``bits`` (one that passed the guard, or the last that did in place of
@@ -455,6 +463,15 @@ class RoundRules:
         return pickle.dumps(after)
 
 
+def reread_state(handler: Any) -> None:
+    """Read the rendezvous state through the handler's guarded backend, past the state
+    holder's cache: a state older than this node's newest is written over with it
+    (:class:`GuardedBackend`). Nothing where the backend is not guarded."""
+    backend = getattr(getattr(handler, "_state_holder", None), "_backend", None)
+    if isinstance(backend, GuardedBackend):
+        backend.get_state()
+
+
 @contextlib.contextmanager
 def leaving_round(handler: Any) -> Iterator[None]:
     """While this node leaves its round to join the next (elastic's ``next_rendezvous``), a
@@ -469,4 +486,4 @@ def leaving_round(handler: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        rules.leaving, rules.left = False, None
+        rules.leaving, rules.left, rules.joined = False, None, None

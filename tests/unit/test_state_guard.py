@@ -212,8 +212,8 @@ def test_a_refused_read_while_leaving_a_complete_round_reads_as_the_next_round()
         assert got is not None and got[1] == inner.token
         return load_rendezvous_state(got[0])
 
-    rules.leaving = True
     assert (read(state(1, False, b)).round, read(state(1, True, a, b)).round) == (1, 1)
+    rules.leaving, rules.left = True, 1  # as leaving_round sets it: this node leaves round 1
     inner.value = b"planted"
     after = read()
     assert (after.round, after.complete, after.participants) == (2, False, {})
@@ -223,6 +223,12 @@ def test_a_refused_read_while_leaving_a_complete_round_reads_as_the_next_round()
     read(state(3, True, b))  # a complete round without this node: its wait list is right
     inner.value = b"planted"
     assert (read().round, set(read().participants)) == (3, {b})
+    # A first join (no round read before it): once it read a complete round with itself
+    # in it, it joined that round; a refused read is that round, not the next.
+    rules.leaving, rules.left, rules.newest = True, None, None
+    assert read(state(4, True, a, b)).round == 4 and rules.joined == 4
+    inner.value = b"planted"
+    assert (read().round, read().complete) == (4, True)
 
 
 def test_a_round_read_complete_does_not_come_back_open_nor_an_older_round() -> None:
@@ -295,6 +301,24 @@ def _join(handler: Any, results: dict[str, Any], name: str) -> threading.Thread:
     return thread
 
 
+def _guarded_handler(port: int, rid: str, key: bytes, trust_s: float) -> Any:
+    """A real c10d handler of a 2-node round over the TCPStore at ``port``, its state
+    guarded with ``key``, trusted ``trust_s``, without keep-alive reads during a test."""
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    h = DynamicRendezvousHandler.from_backend(
+        rid,
+        client,
+        C10dRendezvousBackend(client, rid),
+        min_nodes=2,
+        max_nodes=2,
+        timeout=RendezvousTimeout(join=timedelta(seconds=20)),
+        keep_alive_interval=60,
+    )
+    assert guard_rendezvous_state(h, key)
+    trust_rendezvous_state_for(h, trust_s)
+    return h
+
+
 def test_a_store_writer_during_a_restart_brings_back_no_round_that_ended() -> None:
     """Two real elastic handlers over a real TCPStore finish round 0; node 1 leaves it and
     waits for round 1; a store writer then erases the state, and node 0 leaves its round.
@@ -305,22 +329,7 @@ def test_a_store_writer_during_a_restart_brings_back_no_round_that_ended() -> No
     server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     rid, key = "restart", b"k" * 32
 
-    def handler() -> Any:
-        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-        h = DynamicRendezvousHandler.from_backend(
-            rid,
-            client,
-            C10dRendezvousBackend(client, rid),
-            min_nodes=2,
-            max_nodes=2,
-            timeout=RendezvousTimeout(join=timedelta(seconds=20)),
-            keep_alive_interval=60,  # no keep-alive read during the test
-        )
-        assert guard_rendezvous_state(h, key)
-        trust_rendezvous_state_for(h, 0.1)
-        return h
-
-    a, b = handler(), handler()
+    a, b = _guarded_handler(port, rid, key, 0.1), _guarded_handler(port, rid, key, 0.1)
     watcher = GuardedBackend(C10dRendezvousBackend(server, rid), _clean_state, b"", key, rid)
     results: dict[str, Any] = {}
     try:
@@ -351,3 +360,75 @@ def test_a_store_writer_during_a_restart_brings_back_no_round_that_ended() -> No
         for h in (a, b):
             h._stop_heartbeats()
         server = None
+
+
+def test_a_node_waiting_for_group_rank_0_writes_back_the_round_a_stale_view_reopened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real elastic handler (node b) completes round 0 with node x (played by the test)
+    and waits for x, group rank 0, to publish MASTER_ADDR. Meanwhile the state is replaced by
+    x's stale view, round 0 open with x alone (what x writes back after a store writer erased
+    the complete state it never read). elastic's blocking read would hold b, which alone
+    knows the round completed, until its store timeout while x waits for b forever; b must
+    write the complete round back while it waits, and go on once x publishes."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    from ftmem.launch.elastic_compat import awaiting_group_rank_0
+    from ftmem.launch.state_guard import reread_state
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    rid, key = "reopened", b"k" * 32
+    b = _guarded_handler(port, rid, key, 0.05)
+    watcher = GuardedBackend(C10dRendezvousBackend(server, rid), _clean_state, b"", key, rid)
+
+    def x_alone() -> bytes:
+        s = _RendezvousState()
+        x = _NodeDesc("", 1, 0)  # sorts before b: group rank 0
+        s.participants, s.last_heartbeats = {x: 0}, {x: datetime.now(timezone.utc)}
+        return pickle.dumps(s)
+
+    def state_now() -> Any:
+        got = watcher.get_state()
+        return None if got is None else (load_rendezvous_state(got[0]), got[1])
+
+    def wait_for(what: Any, why: str) -> Any:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = state_now()
+            if got is not None and what(got[0]):
+                return got
+            time.sleep(0.02)
+        pytest.fail(why)
+
+    def complete(s: Any) -> bool:
+        return bool(s.complete) and b._this_node in s.participants
+
+    assert watcher.set_state(x_alone()) is not None
+    results: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            with leaving_round(b), awaiting_group_rank_0(lambda: reread_state(b), 0.05):
+                results["b"] = b.next_rendezvous()
+        except Exception as exc:  # reported by the test
+            results["b"] = exc
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    try:
+        _, token = wait_for(complete, "b never completed round 0 with x")
+        assert watcher.set_state(x_alone(), token) is not None  # x's stale view, written back
+        wait_for(complete, "b never wrote the complete round back while it waited")
+        prefixed = f"torch.rendezvous.{rid}.0/"
+        server.set(prefixed + RendezvousStoreInfo.MASTER_ADDR_KEY, "x-host")
+        server.set(prefixed + RendezvousStoreInfo.MASTER_PORT_KEY, "1234")
+        thread.join(20)
+        info = results.get("b")
+        assert not isinstance(info, Exception) and info is not None, info
+        assert (info.rank, info.world_size) == (1, 2)
+        assert info.bootstrap_store_info.master_addr == "x-host"
+    finally:
+        b._stop_heartbeats()
+        thread.join(5)
