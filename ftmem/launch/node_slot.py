@@ -16,7 +16,7 @@ from typing import Any
 
 from ftmem.events import EventLog
 from ftmem.launch.monitor import StatusPoller
-from ftmem.launch.rendezvous import SlotClaims, SlotOffer
+from ftmem.launch.rendezvous import SlotAgreement, SlotClaims, SlotOffer
 from ftmem.launch.smp_runner import SmpRunner
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,11 @@ class NodeSlot:
     def unassigned(self) -> None:
         """elastic assigns this round's ranks (stable ranks do not apply)."""
         self.slot = None
+        self._claims.agreed = None
+
+    def agreement(self) -> SlotAgreement | None:
+        """This round's slot agreement (None: stable ranks do not apply)."""
+        return self._claims.agreed
 
     def index(self, group_rank: int | None) -> int | None:
         """This node's index in the round's ring and mesh: its slot, else its group rank."""

@@ -63,7 +63,9 @@ def slot_ranks(slot: int, local_world_size: int, nodes: int) -> list[RankPlace]:
 
 def next_generation(rendezvous_round: int | None, previous: int) -> int:
     """The generation of a new round: the rendezvous round when known (the same number on
-    every node, also for a node that joins late), else one more than ``previous``."""
+    every node, also for a node that joins late), else one more than ``previous``; never
+    ``previous`` or before (a round whose number came back after a store writer erased the
+    rendezvous state)."""
     if rendezvous_round is not None and rendezvous_round >= 0:
-        return rendezvous_round
+        return max(rendezvous_round, previous + 1)
     return previous + 1

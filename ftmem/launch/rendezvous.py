@@ -1,15 +1,21 @@
 """What the agents agree on through each rendezvous round's store: the nodes' rank slots,
-where MASTER_ADDR/PORT point, and the generation.
+the generation, and where MASTER_ADDR/PORT point.
 
 :mod:`ftmem.launch.ranks` decides (pure); this module moves its inputs and outputs through
-the round's store. Every key lives under the round's own prefix, so it is never stale.
+the round's store. Every key lives under the round's own prefix, and the agreement is fresh
+even where a round's number comes back (a store writer erased the state and a node's stale
+view was written back): each offer carries a nonce, the assignment lists the nonces of the
+offers it read, a node takes only an assignment with its own offer's nonce and then blanks
+its offer, and the master address lives under the agreement's nonce. The generation is the
+assignment's, above every generation before it.
+
 Every value read back is checked (:class:`~ftmem.errors.ProtocolError` names the key): the
 store is reachable by whoever reaches its port, and a malformed value must stop the agent
 with a clear message, not a ``KeyError`` in the middle of a restart. The slot offers and the
 assignment, on which a node is fenced, are more: MACed with the job's key, bound to the
-round and the writer's group rank, an offer's generation before the round and the assignment
-a permutation (:class:`SlotClaims`); one that fails is read again for a while (a store
-writer may have planted it before its agent wrote), then an offer claims nothing and a
+round and the writer's group rank, an offer's generation before the agreed one and the
+assignment a permutation (:class:`SlotClaims`); one that fails is read again for a while (a
+store writer may have planted it before its agent wrote), then an offer claims nothing and a
 missing assignment stops the agent.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -79,18 +86,22 @@ class _OfferDoc:
     size: int
     generation: int
     nodes: _Nodes | None
+    nonce: str
     mac: Any
 
 
 @dataclass(frozen=True, slots=True)
 class _AssignmentDoc:
     """The slots group rank 0 assigned, as :func:`agree_slots` writes them (every field
-    required): the offers it honoured as ``[slot, size, generation, nodes]`` rows."""
+    required): the offers it honoured as ``[slot, size, generation, nodes]`` rows, the
+    nonces of the offers it read (None: refused unread), and the round's generation."""
 
     kind: str
     round: int | None
     slots: list[int] | None
     offers: list[tuple[int | None, int, int, _Nodes | None]]
+    nonces: list[str | None]
+    generation: int
     mac: Any
 
 
@@ -129,23 +140,29 @@ def _verified(job: Any, raw: bytes, cls: type[T], fields: dict[str, Any]) -> T:
     return got
 
 
-def _before(offer: SlotOffer, round_: int | None) -> SlotOffer:
-    """``offer``, whose generation must be before round ``round_``."""
-    if round_ is not None and round_ >= 0 and offer.generation >= round_:
-        raise ProtocolError(f"generation {offer.generation} is not before this round ({round_})")
+def _before(offer: SlotOffer, generation: int | None) -> SlotOffer:
+    """``offer``, whose generation must be before ``generation`` (None: any)."""
+    if generation is not None and offer.generation >= generation:
+        raise ProtocolError(
+            f"generation {offer.generation} is not before this round's ({generation})"
+        )
     return offer
 
 
 def _read_until_verified(store: Any, key: str, check: Callable[[bytes], T], wait_s: float) -> T:
     """``check`` of the value of ``key``, read again until it passes or ``wait_s`` is over
-    (a value that fails is logged once); the last ProtocolError after that."""
+    (a value that fails is logged once; a blank one, taken in an earlier agreement, is not
+    logged); the last ProtocolError after that."""
     deadline = time.monotonic() + wait_s
     failed: ProtocolError | None = None
     while True:
+        raw = store.get(key)
         try:
-            return check(store.get(key))
+            if not raw:
+                raise ProtocolError("blank: not written yet in this agreement")
+            return check(raw)
         except ProtocolError as exc:
-            if failed is None:
+            if failed is None and raw:
                 log.warning(
                     "rendezvous store: %r was not written by this job's agent of this round "
                     "(%s): ignored; reading it again",
@@ -158,59 +175,75 @@ def _read_until_verified(store: Any, key: str, check: Callable[[bytes], T], wait
         time.sleep(0.05)
 
 
-def slot_offers(
-    store: Any,
-    group_world_size: int,
-    round_: int | None = None,
-    job: Any = None,
-    wait_s: float = VERIFY_WAIT_S,
-    known: dict[int, SlotOffer] | None = None,
-) -> list[SlotOffer | None]:
-    """Every agent's offer of round ``round_`` (by group rank; waits until all are in),
-    each checked: written by that agent with the job's key (``job``, a
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """An offer as group rank 0 read it: honoured (None: refused) and its nonce (None: it
+    did not verify, so its nonce proves nothing)."""
+
+    offer: SlotOffer | None
+    nonce: str | None
+
+
+def _read_offers(
+    store: Any, n: int, round_: int | None, job: Any, wait_s: float, bound: int | None
+) -> list[_Read]:
+    """Every other agent's offer of round ``round_`` (group ranks 1..n-1; waits until all
+    are in), each checked: written by that agent with the job's key (``job``, a
     :class:`~ftmem.exchange.keys.CurveKeyPair`; None: not authenticated), of this round and
-    rank, a generation before the round. One that still fails after ``wait_s`` (for all of
-    them) is None. ``known``: offers not read (this node's own)."""
-    known = known or {}
-    keys = [f"{_SLOT_KEY}/{i}" for i in range(group_world_size)]
+    rank, a generation before ``bound``. One that still fails after ``wait_s`` (for all of
+    them) is refused."""
+    keys = [f"{_SLOT_KEY}/{i}" for i in range(1, n)]
     store.multi_get(keys)  # every agent published one
     deadline = time.monotonic() + wait_s
-    out: list[SlotOffer | None] = []
-    for i, key in enumerate(keys):
+    out: list[_Read] = []
+    for i, key in enumerate(keys, start=1):
         fields = {"kind": "slot-offer", "round": round_, "rank": i}
 
-        def check(raw: bytes, fields: dict[str, Any] = fields) -> SlotOffer:
-            doc = _verified(job, raw, _OfferDoc, fields)
-            return _before(SlotOffer(doc.slot, doc.size, doc.generation, doc.nodes), round_)
+        def check(raw: bytes, fields: dict[str, Any] = fields) -> _OfferDoc:
+            return _verified(job, raw, _OfferDoc, fields)
 
-        if i in known:
-            out.append(known[i])
-            continue
         try:
-            left = max(0.0, deadline - time.monotonic())
-            out.append(_read_until_verified(store, key, check, left))
+            doc = _read_until_verified(store, key, check, max(0.0, deadline - time.monotonic()))
         except ProtocolError as exc:
             log.warning("%s: treated as a node that claims no slot", exc)
-            out.append(None)
+            out.append(_Read(None, None))
+            continue
+        try:
+            offer = _before(SlotOffer(doc.slot, doc.size, doc.generation, doc.nodes), bound)
+        except ProtocolError as exc:
+            log.warning("rendezvous store: %r: %s: treated as a node that claims no slot", key, exc)
+            offer = None
+        out.append(_Read(offer, doc.nonce))
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class SlotAgreement:
     """What group rank 0 assigned in a round: each node's slot (None: the nodes differ in
-    size) and the offers it honoured, by group rank (a refused one claims no slot)."""
+    size), the offers it honoured, by group rank (a refused one claims no slot), the
+    round's generation, and the agreement's nonce (which names its later keys)."""
 
     slots: list[int] | None
     offers: list[SlotOffer]
+    generation: int
+    nonce: str
 
 
-def _assignment(raw: bytes, job: Any, round_: int | None, n: int) -> SlotAgreement:
+def _assignment(
+    raw: bytes, job: Any, round_: int | None, n: int, group_rank: int, mine: dict[str, Any]
+) -> SlotAgreement:
     doc = _verified(job, raw, _AssignmentDoc, {"kind": "slots", "round": round_})
     if doc.slots is not None and sorted(doc.slots) != list(range(n)):
         raise ProtocolError(f"not a permutation of 0..{n - 1}: {doc.slots!r:.200}")
-    if len(doc.offers) != n:
+    if len(doc.offers) != n or len(doc.nonces) != n or doc.nonces[0] is None:
         raise ProtocolError(f"not {n} offers")
-    return SlotAgreement(doc.slots, [_before(SlotOffer(*row), round_) for row in doc.offers])
+    if doc.nonces[group_rank] != mine["nonce"]:
+        raise ProtocolError("made before this node's offer (an earlier agreement's)")
+    if doc.generation <= mine["generation"] or (round_ is not None and doc.generation < round_):
+        raise ProtocolError(f"generation {doc.generation} is not after this node's")
+    bound = doc.generation if round_ is not None else None
+    offers = [_before(SlotOffer(*row), bound) for row in doc.offers]
+    return SlotAgreement(doc.slots, offers, doc.generation, doc.nonces[0])
 
 
 def agree_slots(
@@ -222,35 +255,51 @@ def agree_slots(
     job: Any = None,
     wait_s: float = VERIFY_WAIT_S,
 ) -> SlotAgreement:
-    """Agree the slots of round ``round_``: publish this node's ``offer``; group rank 0
-    reads every offer (:func:`slot_offers`), assigns slots with
-    :func:`~ftmem.launch.ranks.assign_slots` (the most recent holder of a slot keeps it; a
-    refused offer claims nothing) and publishes them with the offers it honoured; the
-    others read that back, checked: with the job's key (``job``; None in
-    ``--ftmem-insecure-mesh``, where the key itself travels through the store and a MAC
-    would prove nothing), of this round, a permutation of ``0..n-1``.
+    """Agree the slots and the generation of round ``round_``: publish this node's
+    ``offer`` with a fresh nonce; group rank 0 reads every offer (:func:`_read_offers`),
+    assigns slots with :func:`~ftmem.launch.ranks.assign_slots` (the most recent holder of a
+    slot keeps it; a refused offer claims nothing), takes the generation from
+    :func:`~ftmem.launch.ranks.next_generation` (honoured offers are all before it; without
+    a round number, the one after the newest offered) and publishes them with the offers it
+    honoured and the nonces it read; the others read that back, checked: with the job's key
+    (``job``; None in ``--ftmem-insecure-mesh``, where the key itself travels through the
+    store and a MAC would prove nothing), of this round, a permutation of ``0..n-1``, with
+    this node's nonce and a generation after this node's. Then (agreed or not) they blank
+    their offer, so that an agreement of a round of the same number waits for a fresh one.
 
     Raises:
         ProtocolError: no assignment that passes its checks appeared in time.
     """
-    n = group_world_size
-    mine = {"slot": offer.slot, "size": offer.size, "generation": offer.generation}
+    n, nonce = group_world_size, secrets.token_hex(16)
+    mine: dict[str, Any] = {"slot": offer.slot, "size": offer.size}
+    mine |= {"generation": offer.generation, "nonce": nonce}
     fields = {"kind": "slot-offer", "round": round_, "rank": group_rank, **mine}
-    store.set(f"{_SLOT_KEY}/{group_rank}", _signed(job, {**fields, "nodes": offer.nodes}))
+    key = f"{_SLOT_KEY}/{group_rank}"
+    store.set(key, _signed(job, {**fields, "nodes": offer.nodes}))
     if group_rank != 0:
-        return _read_until_verified(
-            store, _ASSIGNED_KEY, lambda raw: _assignment(raw, job, round_, n), 3 * wait_s
-        )
-    read = slot_offers(store, n, round_, job, wait_s, known={0: offer})
+        try:
+            return _read_until_verified(
+                store,
+                _ASSIGNED_KEY,
+                lambda raw: _assignment(raw, job, round_, n, group_rank, mine),
+                3 * wait_s,
+            )
+        finally:
+            store.set(key, b"")
+    generation = next_generation(round_, offer.generation)
+    bound = generation if round_ is not None else None
+    read = [_Read(offer, nonce), *_read_offers(store, n, round_, job, wait_s, bound)]
     # A refused offer claims nothing (as a new node's), of this node's size.
-    offers = [o if o is not None else SlotOffer(None, offer.size, -1) for o in read]
+    offers = [r.offer if r.offer is not None else SlotOffer(None, offer.size, -1) for r in read]
+    generation = max([generation] + [o.generation + 1 for o in offers])
     slots = None
     if len({o.size for o in offers}) == 1:
         slots = assign_slots([o.slot for o in offers], [o.generation for o in offers])
     rows = [[o.slot, o.size, o.generation, o.nodes] for o in offers]
-    doc = {"kind": "slots", "round": round_, "slots": slots, "offers": rows}
+    doc: dict[str, Any] = {"kind": "slots", "round": round_, "slots": slots, "offers": rows}
+    doc |= {"nonces": [r.nonce for r in read], "generation": generation}
     store.set(_ASSIGNED_KEY, _signed(job, doc))
-    return SlotAgreement(slots, offers)
+    return SlotAgreement(slots, offers, generation, nonce)
 
 
 def agree_slot(
@@ -363,8 +412,9 @@ def slot_workers(slot: int, local_world_size: int, group_world_size: int) -> lis
     ]
 
 
-def share_master(worker_group: WorkerGroup, slot: int | None) -> None:
-    """Point MASTER_ADDR/PORT at the node that holds global rank 0 (``slot`` 0).
+def share_master(worker_group: WorkerGroup, slot: int | None, agreement: str) -> None:
+    """Point MASTER_ADDR/PORT at the node that holds global rank 0 (``slot`` 0), through a
+    key named by the slot agreement's nonce (``agreement``).
 
     The ranks' rank 0 serves their TCPStore, so it must run where MASTER_ADDR points;
     elastic points it at group rank 0, which may now hold another slot.
@@ -372,6 +422,7 @@ def share_master(worker_group: WorkerGroup, slot: int | None) -> None:
     store = worker_group.store
     if slot is None or store is None:
         return
+    key = f"{_MASTER_KEY}/{agreement}"
     if worker_group.spec.rdzv_handler.use_agent_store:
         return  # the ranks use group rank 0's agent store, wherever rank 0 runs
     if slot == 0:
@@ -380,8 +431,8 @@ def share_master(worker_group: WorkerGroup, slot: int | None) -> None:
         else:
             spec = worker_group.spec
             addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
-        store.set(_MASTER_KEY, json.dumps([addr, port]))
-    master = _value(_MASTER_KEY, store.get(_MASTER_KEY))
+        store.set(key, json.dumps([addr, port]))
+    master = _value(key, store.get(key))
     if (
         not isinstance(master, list)
         or len(master) != 2
@@ -389,17 +440,16 @@ def share_master(worker_group: WorkerGroup, slot: int | None) -> None:
         or type(master[1]) is not int
         or not 0 < master[1] < 65536
     ):
-        raise ProtocolError(
-            f"rendezvous store: {_MASTER_KEY!r} is not [host, port]: {master!r:.200}"
-        )
+        raise ProtocolError(f"rendezvous store: {key!r} is not [host, port]: {master!r:.200}")
     worker_group.master_addr, worker_group.master_port = master[0], master[1]
 
 
 def exchange_generation(
     worker_group: WorkerGroup, rendezvous_round: Callable[[], int | None], previous: int
 ) -> int:
-    """Agree on the generation: group rank 0 publishes the rendezvous round (read through
-    ``rendezvous_round``), else one more than ``previous``."""
+    """Agree on the generation where no slot agreement carries it (stable ranks do not
+    apply): group rank 0 publishes :func:`~ftmem.launch.ranks.next_generation` of the
+    rendezvous round (read through ``rendezvous_round``) and ``previous``."""
     store = worker_group.store
     if store is None:
         return previous + 1

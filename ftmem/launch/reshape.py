@@ -6,7 +6,7 @@ machine was lost and no spare or replacement joined within the rendezvous' ``las
 their own snapshots then (rank ``r`` of 3 is not rank ``r`` of 4), and the lost machine's
 snapshots exist only as parity. So, before the ranks start, every agent:
 
-1. reads every agent's offer of the round (:func:`~ftmem.launch.rendezvous.slot_offers`):
+1. reads every agent's offer of the round (:class:`~ftmem.launch.rendezvous.SlotAgreement`):
    the slots the survivors held and the node count of the last round; :func:`plan_reshape`
    (pure) says which old slots were lost and which survivor hosts each one;
 2. (shrink, erasure coding on, at most ``m`` slots lost) starts a *guest SMP* for each lost

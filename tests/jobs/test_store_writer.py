@@ -71,9 +71,11 @@ def _rogue_claims(store: TCPStore, rid: str, rounds: int = 4) -> None:
         prefix = f"torch.rendezvous.{rid}.{r}/ftmem"
         for rank in (0, 1):
             rogue = {"kind": "slot-offer", "round": r, "rank": rank, "slot": 0, "size": 1}
-            rogue |= {"generation": 2**62, "nodes": 2, "mac": "0" * 64}
+            rogue |= {"generation": 2**62, "nodes": 2, "nonce": "0" * 32, "mac": "0" * 64}
             store.set(f"{prefix}/slot/{rank}", json.dumps(rogue))
-        store.set(f"{prefix}/slots", json.dumps([0, 0]))
+        plan = {"kind": "slots", "round": r, "slots": [0, 0], "offers": [[0, 1, 0, 2]] * 2}
+        plan |= {"nonces": ["0" * 32] * 2, "generation": 2**62, "mac": "0" * 64}
+        store.set(f"{prefix}/slots", json.dumps(plan))
 
 
 def test_a_c10d_store_writer_runs_nothing_and_fences_no_node(launcher_env: Launcher) -> None:

@@ -52,3 +52,4 @@ def test_generation_follows_the_rendezvous_round_else_counts() -> None:
     assert next_generation(4, previous=1) == 4  # a late joiner takes the round's number
     assert next_generation(None, previous=-1) == 0
     assert next_generation(None, previous=3) == 4
+    assert next_generation(0, previous=0) == 1  # a round number that came back

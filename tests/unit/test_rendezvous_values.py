@@ -1,13 +1,15 @@
 """Values the agents read from the rendezvous round's store (a real TCPStore): offers and the
-assignment MACed with the job's key and bound to the round agree the slots; what a store
-writer plants (no MAC, another round or rank, a generation beyond the round, an assignment
-that is no permutation) is refused: an offer then claims nothing, a missing assignment is a
-ProtocolError naming the key, never a KeyError or TypeError."""
+assignment MACed with the job's key and bound to the round agree the slots and the
+generation; what a store writer plants (no MAC, another round or rank, a generation beyond
+the round, an assignment that is no permutation, an earlier agreement's) is refused: an offer
+then claims nothing, a missing assignment is a ProtocolError naming the key, never a KeyError
+or TypeError. A round whose number comes back agrees afresh, on a later generation."""
 
 from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -30,16 +32,45 @@ def store() -> TCPStore:
 
 def offer(rank: int, slot: int | None, gen: int, round_: int = 9, job: Any = JOB, **kw: Any) -> str:
     fields = {"kind": "slot-offer", "round": round_, "rank": rank, "slot": slot, "size": 1}
-    fields |= {"generation": gen, "nodes": 2 if slot is not None else None, **kw}
+    fields |= {"generation": gen, "nodes": 2 if slot is not None else None, "nonce": "n1", **kw}
     return json.dumps({**fields, "mac": _entry_mac(job, fields)})
 
 
+def both(store: TCPStore, offers: list[SlotOffer], round_: int, wait_s: float = 10) -> list[Any]:
+    """Group ranks 0 and 1 agree, each on its own thread with its own client (as two
+    agents: a client's blocking read holds it)."""
+    clients = [TCPStore("127.0.0.1", store.port, is_master=False) for _ in offers]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(agree_slots, clients[rank], rank, 2, o, round_, JOB, wait_s)
+            for rank, o in enumerate(offers)
+        ]
+        return [f.result(timeout=30) for f in futures]
+
+
 def test_two_nodes_keep_their_slots(store: TCPStore) -> None:
+    a, b = both(store, [SlotOffer(1, 1, 4, 2), SlotOffer(0, 1, 4, 2)], 9)
+    assert a == b  # slots, offers, generation and nonce: the same on both nodes
+    assert a.slots == [1, 0] and a.offers[1] == SlotOffer(0, 1, 4, 2) and a.generation == 9
+    assert store.get("ftmem/slot/1") == b""  # taken: blanked
     store.set("ftmem/slot/1", offer(1, 0, 4))
     assert agree_slot(store, 0, 2, 1, 1, generation=4, round_=9, job=JOB, wait_s=WAIT) == 1
-    # the other node reads the assignment back, checked
-    got = agree_slots(store, 1, 2, SlotOffer(0, 1, 4, 2), 9, JOB, WAIT)
-    assert got.slots == [1, 0] and got.offers[1] == SlotOffer(0, 1, 4, 2)
+
+
+def test_a_round_whose_number_comes_back_agrees_afresh_on_a_later_generation(
+    store: TCPStore,
+) -> None:
+    # Round 9 agreed; a store writer erased the rendezvous state, and round 9 formed again.
+    first = both(store, [SlotOffer(0, 1, 4, 2), SlotOffer(1, 1, 4, 2)], 9)[0]
+    # Group rank 0 alone does not take group rank 1's first offer (blanked)...
+    alone = agree_slots(store, 0, 2, SlotOffer(0, 1, 9, 2), 9, JOB, WAIT)
+    assert alone.offers[1] == SlotOffer(None, 1, -1)
+    # ... and group rank 1 alone takes no assignment made before its offer.
+    with pytest.raises(ProtocolError, match="before this node's offer"):
+        agree_slots(store, 1, 2, SlotOffer(1, 1, 9, 2), 9, JOB, WAIT)
+    # Together: the same slots, a generation after the one both held (9), a new nonce.
+    a, b = both(store, [SlotOffer(0, 1, 9, 2), SlotOffer(1, 1, 9, 2)], 9)
+    assert a == b and a.slots == [0, 1] and a.generation == 10 and a.nonce != first.nonce
 
 
 def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
@@ -86,8 +117,14 @@ def test_the_real_offer_written_after_a_planted_one_is_honoured(store: TCPStore)
     assert got.slots == [0, 1] and got.offers[1] == SlotOffer(1, 1, 5, 2)
 
 
-def assignment(slots: Any, round_: int = 9, job: Any = JOB) -> str:
+NONCE = "ab" * 16  # group rank 1's nonce where a test fixes it
+
+
+def assignment(
+    slots: Any, round_: int = 9, job: Any = JOB, nonce: str = NONCE, gen: int = 9
+) -> str:
     fields = {"kind": "slots", "round": round_, "slots": slots, "offers": [[0, 1, 5, 2]] * 2}
+    fields |= {"nonces": ["cd" * 16, nonce], "generation": gen}
     return json.dumps({**fields, "mac": _entry_mac(job, fields) if job else None})
 
 
@@ -97,21 +134,31 @@ def assignment(slots: Any, round_: int = 9, job: Any = JOB) -> str:
         assignment([0, 0]),  # two nodes in slot 0, even with the job's MAC
         assignment([0, 1], job=keys.generate()),
         assignment([1, 0], round_=8),
+        assignment([1, 0], nonce="ef" * 16),  # an earlier agreement's
+        assignment([1, 0], gen=5),  # a generation not after this node's
         "[0, 0]",
         "nope",
     ],
-    ids=["two-in-one-slot", "key", "round", "list", "not-json"],
+    ids=["two-in-one-slot", "key", "round", "nonce", "generation", "list", "not-json"],
 )
-def test_a_planted_assignment_is_refused(store: TCPStore, planted: str) -> None:
+def test_a_planted_assignment_is_refused(
+    store: TCPStore, planted: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ftmem.launch.rendezvous.secrets.token_hex", lambda n: NONCE)
     store.set("ftmem/slots", planted)
     with pytest.raises(ProtocolError, match="'ftmem/slots'"):
         agree_slots(store, 1, 2, SlotOffer(1, 1, 5, 2), 9, JOB, WAIT)
+    store.set("ftmem/slots", assignment([1, 0]))  # the one group rank 0 would write
+    assert agree_slots(store, 1, 2, SlotOffer(1, 1, 5, 2), 9, JOB, WAIT).slots == [1, 0]
 
 
-def test_without_a_key_the_round_bound_and_the_permutation_still_hold(store: TCPStore) -> None:
+def test_without_a_key_the_round_bound_and_the_permutation_still_hold(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store.set("ftmem/slot/1", offer(1, 0, 2**62, job=JOB))
     got = agree_slots(store, 0, 2, SlotOffer(0, 1, 5, 2), 9, None, WAIT)
     assert got.slots == [0, 1]
     store.set("ftmem/slots", assignment([0, 0], job=None))
+    monkeypatch.setattr("ftmem.launch.rendezvous.secrets.token_hex", lambda n: NONCE)
     with pytest.raises(ProtocolError, match="not a permutation"):
         agree_slots(store, 1, 2, SlotOffer(1, 1, 5, 2), 9, None, WAIT)
