@@ -26,7 +26,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
     Worker,
@@ -117,8 +116,6 @@ class FtmemElasticAgent(ElasticAgentBase):
         self.generation = -1
         """The generation of the current ranks (same on every node; the rendezvous round
         where no round number came back)."""
-        self._round_store: Any = None
-        """The current round's store for ftmem's own keys (see :meth:`join_rendezvous`)."""
         self._watch = RankWatch(
             smp.node,
             self.events,
@@ -209,19 +206,14 @@ class FtmemElasticAgent(ElasticAgentBase):
         if self._life.state is AgentState.SPARE:
             log.warning("[%s] SPARE TAKES OVER: a node left the job; joining it", self._node)
             self._life.to(AgentState.JOINING, spare=True)
-        agreed, store = self._seat.agreement(), worker_group.store
+        agreed = self._seat.agreement()
         if agreed is not None:
             share_master(worker_group, self._seat.slot, agreed.nonce)
             self.generation = agreed.generation
-            # This round's later keys (failure detector, peer mesh, reshape) under the
-            # agreement's nonce: never an earlier agreement's where a round number came back.
-            if store is not None:
-                store = PrefixStore(f"ftmem/{agreed.nonce}", store)
         else:
             self.generation = exchange_generation(
                 worker_group, self.rendezvous_round, self.generation
             )
-        self._round_store = store
         self._serve_rank_store(worker_group)
         ranks = [w.global_rank for w in worker_group.workers]
         self._seat.joined(ranks)
@@ -335,7 +327,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Have the failure detector watch this round's ring neighbours."""
         members = rendezvous_members(self.rdzv_handler)
         self._nodes.watch_round(
-            self._round_store,
+            worker_group.store,
             nodes=worker_group.group_world_size,
             slot=self._seat.index(worker_group.group_rank),
             group_rank=worker_group.group_rank,
@@ -347,7 +339,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Sync this generation's peer mesh; a node that lost its memory rebuilds it first.
         When the job's size changed, the lost machines' step is rebuilt first
         (:mod:`ftmem.launch.reshape`) and the ranks are told to reshard it."""
-        store = self._round_store
+        store = worker_group.store
         self._reshape.request = None
         if store is None:
             return
