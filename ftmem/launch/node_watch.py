@@ -30,7 +30,7 @@ from ftmem.events import EventLog
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import is_loopback
 from ftmem.launch.detector import FailureDetector, neighbours, read_watch_entry, watch_entry
-from ftmem.launch.peers import PeerMesh
+from ftmem.launch.peers import PeerMesh, read_entries
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,11 @@ class NodeWatch:
                 f"ftmem/watch/{slot}",
                 watch_entry(self._key, generation, slot, me, detector.address),
             )
-            raw = store.multi_get([f"ftmem/watch/{i}" for i in near])
-            entries = [
-                read_watch_entry(self._key, bytes(v), generation, i)
-                for i, v in zip(near, raw, strict=True)
-            ]
+            entries = read_entries(
+                store,
+                [f"ftmem/watch/{i}" for i in near],
+                lambda j, raw: read_watch_entry(self._key, raw, generation, near[j]),
+            )
         except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
             log.warning(
                 "[%s] the failure detector does not watch generation %d (%s): a lost machine "

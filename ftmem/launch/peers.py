@@ -30,10 +30,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from ftmem import typed_json
 from ftmem.errors import ErrorKind, FtmemError, SmpRequestError, UnrecoverableError, UnsafePathError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from ftmem.launch.config import FtmemLaunchConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _KEY_KEY = "ftmem/curve"
 _PEER_KEY = "ftmem/peer"
@@ -345,6 +347,34 @@ class _PeerEntry:
     mac: Annotated[str, typed_json.Most(64)]
 
 
+ENTRY_WAIT_S = 10.0
+"""How long a node's entry that fails its checks is read again: a store writer may have
+planted it, or a round whose number came back still holds its first formation's entry, before
+the node writes this generation's."""
+
+
+def read_entries(
+    store: Any, keys: list[str], read: Callable[[int, bytes], T], wait_s: float = ENTRY_WAIT_S
+) -> list[T]:
+    """``read(i, value)`` of each of ``keys`` (waits until all are in). A value ``read``
+    refuses (FtmemError, ValueError) is read again every 50 ms for up to ``wait_s`` (for all
+    of them together); then its error is raised."""
+    values = store.multi_get(keys)
+    deadline = time.monotonic() + wait_s
+    out: list[T] = []
+    for i, (key, raw) in enumerate(zip(keys, values, strict=True)):
+        while True:
+            try:
+                out.append(read(i, bytes(raw)))
+                break
+            except (FtmemError, ValueError):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+                raw = store.get(key)
+    return out
+
+
 def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
     """The address in node ``node``'s entry for ``generation``, once its MAC, generation,
     node and address are checked.
@@ -517,11 +547,12 @@ class PeerMesh:
             )
             store.set(f"{key}/{me}", peer_entry(job, generation, me, bound.endpoint))
             group = group_nodes(nodes, parity, settings.max_group, me)
-            raw = store.multi_get([f"{key}/{i}" for i in group])
-            endpoints = {
-                str(i): read_peer_entry(job, bytes(v), generation, i)
-                for i, v in zip(group, raw, strict=True)
-            }
+            read = read_entries(
+                store,
+                [f"{key}/{i}" for i in group],
+                lambda j, raw: read_peer_entry(job, raw, generation, group[j]),
+            )
+            endpoints = {str(i): e for i, e in zip(group, read, strict=True)}
             log.info(
                 "[%s] peer mesh of generation %d: %d nodes, m=%d, this node %d at %s",
                 node_name,

@@ -521,6 +521,41 @@ def test_store_entries_are_authenticated_and_bound_to_generation_and_node() -> N
             read_peer_entry(job, raw.encode(), generation, node)
 
 
+def test_an_entry_of_an_earlier_generation_is_read_again_until_this_ones_is_written() -> None:
+    """Where a round's number came back, node 1's key still holds its entry of the round's
+    first formation (generation 3) until node 1 writes this generation's (4): that one is
+    read; an entry that stays refused raises its error after the wait."""
+    import threading
+    from datetime import timedelta
+
+    import zmq
+    from torch.distributed import TCPStore
+
+    from ftmem.errors import FtmemError
+    from ftmem.exchange import keys
+    from ftmem.launch.peers import peer_entry, read_entries, read_peer_entry
+
+    job = keys.generate()
+    public, _ = zmq.curve_keypair()
+    addr = f"tcp://10.0.0.1:4000 key={public.decode()}"
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    store.set("peer/0", peer_entry(job, 4, 0, addr))
+    store.set("peer/1", peer_entry(job, 3, 1, addr))
+
+    def read(i: int, raw: bytes) -> str:
+        return read_peer_entry(job, raw, 4, i)
+
+    late = threading.Timer(0.2, lambda: store.set("peer/1", peer_entry(job, 4, 1, addr)))
+    late.start()
+    try:
+        assert read_entries(store, ["peer/0", "peer/1"], read, wait_s=10) == [addr, addr]
+    finally:
+        late.join()
+    store.set("peer/1", peer_entry(keys.generate(), 4, 1, addr))  # a plant that stays
+    with pytest.raises(FtmemError, match="authentication"):
+        read_entries(store, ["peer/0", "peer/1"], read, wait_s=0.2)
+
+
 def test_key_pairs_carry_the_node_pair_and_whether_they_come_from_a_file() -> None:
     from ftmem.exchange import keys
 
