@@ -294,9 +294,10 @@ def restart_rendezvous_quickly(
 @contextlib.contextmanager
 def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> Iterator[None]:
     """While inside, a node other than group rank 0 that completed a round waits for group
-    rank 0's MASTER_ADDR/PORT (elastic's ``RendezvousStoreInfo.build``, with a store per
-    round) by polling the round's store, running ``between_polls`` every ``poll_s``, and
-    raises ``DistStoreError`` after the store's timeout, as elastic's blocking read would.
+    rank 0's MASTER_ADDR/PORT (elastic's ``RendezvousStoreInfo.build``) in waits of
+    ``poll_s`` on the round's store, running ``between_polls`` after each that ends without
+    them, and raises ``DistStoreError`` after the store's timeout, as elastic's blocking read
+    would.
 
     elastic's read blocks with the handler's heartbeat lock held: the node reads no
     rendezvous state meanwhile. If a store writer erased the complete state and a node that
@@ -311,13 +312,14 @@ def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> I
         if rank != 0:
             timeout = store.timeout.total_seconds()
             deadline = time.monotonic() + timeout
-            while not store.check(keys):
-                if time.monotonic() >= deadline:
-                    raise torch.distributed.DistStoreError(
-                        f"wait timeout after {timeout:.0f} s for group rank 0's {keys}"
-                    )
+            while True:
+                try:  # the store's own wait: back as soon as the keys are set
+                    store.wait(keys, timedelta(seconds=poll_s))
+                    break
+                except torch.distributed.DistStoreError:
+                    if time.monotonic() >= deadline:
+                        raise
                 between_polls()
-                time.sleep(poll_s)
         return original(rank, store, local_addr, server_port)
 
     saved = RendezvousStoreInfo.__dict__["build"]  # the staticmethod itself, restored as is
