@@ -10,8 +10,8 @@ node runs), membership.py (machines in the job, a store that does not answer), d
 (heartbeats, a lost machine declared on corroboration) and node_watch.py (the detector told
 each round's ring neighbours), failures.py (what failed, each failure reported once),
 rank_store.py (the store the ranks meet at), rank_watch.py (stopped and hung ranks),
-smp_runner.py (the node's SMP), peers.py (the peer mesh's keys and each generation's sync,
-:class:`~ftmem.launch.peers.PeerMesh`), reshape.py (a round of another size: the lost slots
+smp_runner.py (the node's SMP), job_key.py (how the agents get the job's key), peers.py (the
+peer mesh's endpoints and each generation's sync, :class:`~ftmem.launch.peers.PeerMesh`), reshape.py (a round of another size: the lost slots
 rebuilt in guest SMPs, the ranks told to reshard), monitor.py (SMP status, hang detection,
 no-progress guard), report.py (log lines and the final report), metrics.py (Prometheus),
 standby.py and _standby.py (standby ranks), in_process.py (ranks kept across a restart),

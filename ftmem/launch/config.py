@@ -311,7 +311,7 @@ def check_mesh_key(
     """Refuse erasure coding across hosts without a key file.
 
     Without ``--ftmem-key-file`` the agents share the mesh's CURVE key pair through a private
-    file of this host (``ftmem.launch.peers.host_key_path``), which works only when the mesh
+    file of this host (``ftmem.launch.job_key.host_key_path``), which works only when the mesh
     stays on this host (the peer host and the rendezvous endpoint are loopback). Across hosts
     the only other way is the rendezvous store, plain TCP on every interface: anyone who can
     reach it could join the mesh, so that needs ``--ftmem-insecure-mesh``.

@@ -46,8 +46,8 @@ from ftmem.launch.elastic_compat import (
     check_torch_version,
     launch_shutdown_timeout,
 )
+from ftmem.launch.job_key import host_key_path, release_host_key
 from ftmem.launch.membership import MembershipWatch
-from ftmem.launch.peers import host_key_path, release_host_key
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.state_guard import (
     guard_rendezvous_state,

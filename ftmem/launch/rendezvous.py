@@ -36,7 +36,8 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange import keys
-from ftmem.launch.peers import PeerSettings, _entry_mac, job_keys
+from ftmem.launch.job_key import job_keys
+from ftmem.launch.peers import PeerSettings, _entry_mac
 from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
 from ftmem.typed_json import MAX_INT, Range, build
 
@@ -352,7 +353,9 @@ class SlotClaims:
         ps, job = self._settings, None
         if ps.key_file is not None or (ps.host_key is not None and is_loopback(ps.host)):
             try:
-                job = keys.CurveKeyPair.from_json(job_keys(ps, store, group_rank, warn=False))
+                job = keys.CurveKeyPair.from_json(
+                    job_keys(ps.key_file, ps.host_key, store, group_rank, warn=False)
+                )
             except FtmemError as exc:
                 log.warning("[%s] no job key for the slot claims: %s", self._node, exc)
         if job is None and not self._warned:

@@ -43,7 +43,7 @@ from typing import NoReturn, Self
 import psutil
 
 from ftmem.config import ENV_FAULT, ENV_RUN_DIR, ENV_RUN_ID, default_shm_dir
-from ftmem.launch.peers import host_key_path
+from ftmem.launch.job_key import host_key_path
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp

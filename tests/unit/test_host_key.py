@@ -20,13 +20,8 @@ import torch.distributed as dist
 from ftmem.config import ENV_SHM_DIR
 from ftmem.errors import FtmemError
 from ftmem.exchange.keys import CurveKeyPair
-from ftmem.launch.peers import (
-    PeerMesh,
-    PeerSettings,
-    host_key_path,
-    job_keys,
-    release_host_key,
-)
+from ftmem.launch.job_key import host_key_path, job_keys, release_host_key
+from ftmem.launch.peers import PeerMesh, PeerSettings
 from tests._support.launcher import free_port
 
 
@@ -75,7 +70,7 @@ def test_every_agent_gets_the_same_key_and_none_goes_through_the_store(
     got: dict[int, str] = {}
 
     def agent(rank: int) -> None:
-        got[rank] = job_keys(settings, spies[rank], rank)
+        got[rank] = job_keys(None, settings.host_key, spies[rank], rank)
 
     others = [threading.Thread(target=agent, args=(r,)) for r in (1, 2)]
     for t in others:
@@ -91,7 +86,7 @@ def test_every_agent_gets_the_same_key_and_none_goes_through_the_store(
     assert oct(shm_dir.stat().st_mode & 0o777) == "0o700"
     assert [p.name for p in shm_dir.iterdir()] == [path.name]  # no temporary file left
     # A later round (another group rank 0 of this job) reads the same key.
-    assert job_keys(settings, Spy(store[1], 1), 0) == got[0]
+    assert job_keys(None, settings.host_key, Spy(store[1], 1), 0) == got[0]
 
 
 def test_a_key_file_others_can_read_is_refused(
@@ -99,21 +94,21 @@ def test_a_key_file_others_can_read_is_refused(
 ) -> None:
     settings = PeerSettings(host_key=host_key_path("job-2"))
     spy = Spy(store[1], 0)
-    job_keys(settings, spy, 0)
+    job_keys(None, settings.host_key, spy, 0)
     os.chmod(host_key_path("job-2"), 0o644)
     with pytest.raises(FtmemError, match=r"job's host key file.*open to others"):
-        job_keys(settings, spy, 1)
+        job_keys(None, settings.host_key, spy, 1)
 
 
 _AGENT = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-from ftmem.launch.peers import PeerSettings, host_key_path, job_keys
+from ftmem.launch.job_key import host_key_path, job_keys
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
                       timeout=timedelta(seconds=20))
 round_store = dist.PrefixStore("torch.rendezvous.r.0", store)
-print(job_keys(PeerSettings(host_key=host_key_path("job-3")), round_store, 0),
+print(job_keys(None, host_key_path("job-3"), round_store, 0),
       flush=True)
 sys.stdin.read()  # hold the key (an agent of the job) until told to stop, or killed
 """
@@ -140,7 +135,7 @@ def test_a_killed_jobs_key_file_is_replaced_and_the_last_agent_removes_it(
             assert agent.stdout is not None
             first = agent.stdout.readline().strip()  # bounded: the agent's store times out
             CurveKeyPair.from_json(first)
-            assert job_keys(settings, Spy(store[1], 1), 0) == first  # a live job's
+            assert job_keys(None, settings.host_key, Spy(store[1], 1), 0) == first  # a live job's
             release_host_key(path, job_over=False)
             assert path.exists()  # the other agent still holds it
         finally:
@@ -151,11 +146,11 @@ def test_a_killed_jobs_key_file_is_replaced_and_the_last_agent_removes_it(
     port = free_port()  # a new job of the same run id: a new store, round 0 again
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     new_job = Spy(port, 0)
-    again = job_keys(settings, new_job, 0)
+    again = job_keys(None, settings.host_key, new_job, 0)
     assert again != first and CurveKeyPair.from_json(again).public != (
         CurveKeyPair.from_json(first).public
     )  # ...and is not reused
-    assert job_keys(settings, new_job, 1) == again
+    assert job_keys(None, settings.host_key, new_job, 1) == again
     release_host_key(path, job_over=False)  # the last agent of the job on this host
     assert not path.exists() and list(shm_dir.iterdir()) == []
     del server
