@@ -182,6 +182,17 @@ def _identities(text: str) -> list[dict[str, Any]]:
     return [json.loads(m) for m in re.findall(r"IDENTITY (\{.*\})", text)]
 
 
+def _own_traceback(text: str) -> str:
+    """Generation 1's traceback, without the IDENTITY lines that interleave with it.
+
+    stdout and stderr reach the agent's log through separate pipes, so a rank's IDENTITY line
+    (whose environment names this test file, test_standby.py) can land inside the traceback.
+    """
+    end = text.index("ValueError: boom from generation 1")
+    tb = text[text.rindex("Traceback", 0, end) : end]
+    return "\n".join(line for line in tb.splitlines() if "IDENTITY" not in line)
+
+
 def _identity_job(launcher: Launcher, tmp_path: Path, flags: list[str], **env: str) -> str:
     script_dir = tmp_path / "job"
     script_dir.mkdir(exist_ok=True)
@@ -207,7 +218,8 @@ def test_a_forked_rank_runs_the_script_as_a_cold_start_would(
     assert re.search(r"generation 2: started ranks \[0\] .*from standbys: ranks \[0\]", text)
     assert re.search(r"FAILED: exit code 3 \(generation 0\)", text)
     assert re.search(r"FAILED: exit code 1 \(generation 1\)", text)
-    assert "_standby.py" not in text[text.index("Traceback") : text.index("ValueError: boom")]
+    tb = _own_traceback(text)
+    assert "_standby.py" not in tb and "identity.py" in tb
     cold_text = _identity_job(launcher_env, tmp_path, ["--ftmem-standby", "0"])
     assert "from standbys" not in cold_text
     for forked, cold in zip(_identities(text), _identities(cold_text), strict=True):
@@ -244,11 +256,7 @@ def test_a_standby_runs_the_script_as_a_cold_start_would(
     # exit codes reach elastic as for any rank; the traceback is the script's own
     assert re.search(r"FAILED: exit code 3 \(generation 0\)", text)
     assert re.search(r"FAILED: exit code 1 \(generation 1\)", text)
-    end = text.index("ValueError: boom from generation 1")
-    tb = text[text.rindex("Traceback", 0, end) : end]  # its own traceback, nothing before
-    # (stdout and stderr interleave: the script's IDENTITY line, whose environment names this
-    # test file, test_standby.py, can land inside the traceback's lines)
-    tb = "\n".join(line for line in tb.splitlines() if "IDENTITY" not in line)
+    tb = _own_traceback(text)
     assert "_standby.py" not in tb and "identity.py" in tb
     # the standby wrote into elastic's per-rank log file of its attempt
     logs = list((launcher_env.tmp / "agent-rd" / "logs").glob("*/attempt_1/0/stdout.log"))
