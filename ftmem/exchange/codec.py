@@ -24,11 +24,11 @@ padding), a parity fragment over all its bytes. :class:`EncodedStripe` carries a
 of them; parity holders keep them, and a rebuild verifies every fragment against them before
 use: a mismatch counts as a lost fragment.
 
-GIL and memory. pyeclib holds the GIL while it encodes, so long stripes
-stall every other thread of the process: keep stripes at 1-4 MiB, or encode in a worker
-process. pyeclib allocates its output per call; glibc returns such large blocks to the kernel
-and page-faults them back each time (several times slower), which :func:`tune_malloc`
-prevents. A :class:`StripeCodec` is not thread-safe (its stripe buffer is reused).
+GIL and memory. pyeclib holds the GIL while it encodes, so long stripes stall every other
+thread of the process: keep stripes at a few MiB, or encode in a worker process. pyeclib
+allocates its output per call; glibc returns such large blocks to the kernel and page-faults
+them back each time, which :func:`tune_malloc` prevents. A :class:`StripeCodec` is not
+thread-safe (its stripe buffer is reused).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, cast
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -47,6 +47,7 @@ from pyeclib.ec_iface import ECDriver
 
 from ftmem.errors import UnrecoverableError
 from ftmem.exchange.placement import ALIGN
+from ftmem.exchange.segments import Buffer
 
 __all__ = [
     "EC_TYPE",
@@ -60,10 +61,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EC_TYPE = "isa_l_rs_vand"
-"""pyeclib backend: ISA-L Reed-Solomon (Vandermonde), much faster than liberasurecode_rs_vand."""
+"""pyeclib backend: ISA-L Reed-Solomon (Vandermonde)."""
 
-Buffer: TypeAlias = bytes | bytearray | memoryview
-"""Any contiguous bytes (wrap a numpy array or tensor storage in ``memoryview`` first)."""
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -87,35 +86,26 @@ def tune_malloc() -> bool:
     """
     global _malloc_tuned
     with _malloc_lock:
-        if _malloc_tuned is None:
-            _malloc_tuned = _apply_mallopt()
+        if _malloc_tuned is not None:
+            return _malloc_tuned
+        _malloc_tuned = False
+        try:
+            mallopt = ctypes.CDLL(ctypes.util.find_library("c") or None).mallopt
+        except (OSError, AttributeError):
+            log.info("no mallopt in this C library: large-buffer reuse not tuned")
+            return False
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        ok = int(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) == 1
+        _malloc_tuned = int(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)) == 1 and ok
+        if not _malloc_tuned:
+            log.warning("mallopt refused the thresholds: erasure coding runs slower")
         return _malloc_tuned
-
-
-def _apply_mallopt() -> bool:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        log.info("no mallopt in this C library: large-buffer reuse not tuned")
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = int(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) == 1
-    ok = int(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)) == 1 and ok
-    if not ok:
-        log.warning("mallopt refused the thresholds: erasure coding may run at ~2 GB/s")
-    return ok
 
 
 def checksum(data: Buffer | np.ndarray[tuple[int], np.dtype[np.uint8]]) -> int:
     """xxh3-64 of ``data`` (the checksum every fragment carries)."""
     return xxhash.xxh3_64_intdigest(cast(bytes, data))
-
-
-def _as_array(data: Buffer) -> np.ndarray[tuple[int], np.dtype[np.uint8]]:
-    """A flat uint8 view of ``data`` without copying (pyeclib accepts numpy, not memoryview)."""
-    return np.frombuffer(data, dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,23 +136,14 @@ class StripeCodec:
 
     Resource handling: holds one pyeclib driver and one reused stripe buffer
     (``k * chunk_bytes``, reallocated only when the chunk size changes); not thread-safe.
-    The constructor calls :func:`tune_malloc` unless ``tune=False``.
 
     Error handling: bad shapes raise ``ValueError``; too few valid fragments raise
-    :class:`~ftmem.exchange.placement.UnrecoverableError`.
+    :class:`~ftmem.errors.UnrecoverableError`.
     """
 
     def __init__(self, k: int, m: int, *, tune: bool = True) -> None:
-        """Create the codec.
-
-        Args:
-            k: Data chunks per stripe (>= 2: the ISA-L backend rejects 1).
-            m: Parity fragments per stripe (>= 1).
-            tune: Apply :func:`tune_malloc` (off only to measure the difference).
-
-        Raises:
-            ValueError: ``k < 2`` or ``m < 1``.
-        """
+        """``k`` data chunks (>= 2: the ISA-L backend rejects 1) and ``m`` parity fragments
+        (>= 1) per stripe, else ValueError; ``tune=False`` skips :func:`tune_malloc`."""
         if k < 2 or m < 1:
             raise ValueError(f"need k >= 2 and m >= 1, got k={k}, m={m}")
         if tune:
@@ -195,14 +176,9 @@ class StripeCodec:
         return memoryview(cast(bytes, self._buf)).cast("B")
 
     def encode(self, chunks: Sequence[Buffer], chunk_bytes: int | None = None) -> EncodedStripe:
-        """Encode ``k`` data chunks (each at most ``chunk_bytes``; shorter ones zero-padded).
-
-        Args:
-            chunks: The data columns in order; ``b""`` for a pure-padding column.
-            chunk_bytes: Chunk size (multiple of 64); default: the longest chunk, aligned up.
-
-        Returns:
-            The ``m`` parity fragments and all ``k + m`` checksums.
+        """Encode ``k`` data chunks in order (``b""`` for a pure-padding column), each at most
+        ``chunk_bytes`` (a multiple of 64; default: the longest chunk, aligned up) and
+        zero-padded to it.
 
         Raises:
             ValueError: Not ``k`` chunks, or one longer than ``chunk_bytes``.
@@ -224,19 +200,13 @@ class StripeCodec:
         return self._encode(self._buf, chunk_bytes, lengths)
 
     def encode_stripe(self, stripe: Buffer, lengths: Sequence[int]) -> EncodedStripe:
-        """Encode a contiguous stripe in place (no copy of the data).
-
-        Args:
-            stripe: ``k * chunk_bytes`` bytes; column padding must already be zero.
-            lengths: Real bytes of each column (for the checksums).
-
-        Returns:
-            The ``m`` parity fragments and all ``k + m`` checksums.
+        """Encode a contiguous ``stripe`` of ``k * chunk_bytes`` bytes, its column padding
+        already zero, in place (no copy); ``lengths``: real bytes of each column.
 
         Raises:
             ValueError: Size not ``k`` aligned chunks, or a length out of range.
         """
-        arr = _as_array(stripe)
+        arr = np.frombuffer(stripe, dtype=np.uint8)  # pyeclib takes numpy, not memoryview
         chunk_bytes, rest = divmod(arr.nbytes, self.k)
         self._check_chunk(chunk_bytes)
         if rest or len(lengths) != self.k or not all(0 <= n <= chunk_bytes for n in lengths):
@@ -281,20 +251,11 @@ class StripeCodec:
         lengths: Sequence[int],
         checksums: Sequence[int] | None = None,
     ) -> Rebuilt:
-        """Rebuild fragments ``missing`` from the supplied ones.
-
-        Args:
-            fragments: Index -> fragment: data columns with their real bytes only (as the
-                owning node sends them), parity as stored. Pure-padding columns
-                (``lengths[i] == 0``) need not be supplied.
-            missing: Indices to rebuild (data columns and/or parity).
-            chunk_bytes: The stripe's chunk size.
-            lengths: Real bytes of each of the ``k`` data columns.
-            checksums: The ``k + m`` checksums from :class:`EncodedStripe`; each supplied
-                fragment is verified first and dropped on mismatch. None: trust them.
-
-        Returns:
-            The rebuilt fragments (data trimmed to its length) and the corrupt indices.
+        """Rebuild fragments ``missing`` (data columns and/or parity) from ``fragments``:
+        index -> data column with its real bytes only (``lengths``; pure-padding columns need
+        not be supplied), or parity as stored. With ``checksums`` (the ``k + m`` of
+        :class:`EncodedStripe`) each supplied fragment is verified first and dropped on
+        mismatch; None trusts them.
 
         Raises:
             ValueError: Bad indices or lengths.

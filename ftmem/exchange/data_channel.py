@@ -32,23 +32,21 @@ A receiver reads a connection through these stages::
 What it holds, whatever anyone sends:
 - A connection whose hello is not yet right (anyone's) holds at most :data:`HELLO` bytes and
   lives at most :data:`HEAD_S` (``admit_wait_s`` while its hello is parked). Who may hold one
-  (admission.py): at most ``PER_SOURCE`` per address, each peer host of the generation with
-  room of its own, no other address once those are known. One over its quota is closed at
-  once, before the receiver's first byte (the sender sends it again: nothing is lost); no open
-  connection is closed to make room. One whose right hello is already in as it is accepted is
-  taken anyway (a key holder: a flood from a shared address does not shut the peers out). A
-  hello whose nonce was seen before in the generation (a replay) closes the connection.
-- A key holder's connection (its hello was right) must send a head whose tag is right within
-  :data:`HEAD_S` of the nonce; buffers are made only once the head tag, which binds their
-  sizes, is right: it holds at most one message of ``max_message_bytes``, and within a message
-  it may stay silent at most :data:`BODY_S` (the body deadline). A node keeps at most
-  :data:`PER_NODE` connections that carried a message (the older is closed): a head is good on
-  one connection only (the nonce), so only the node itself can make a newer one.
+  is admission.py's: one over its quota is closed at once, before the receiver's first byte
+  (the sender sends it again); no open connection is closed to make room. One whose right
+  hello is already in as it is accepted is taken anyway (a flood from a shared address does
+  not shut the peers out). A replayed hello (its nonce seen in the generation) is closed.
+- A key holder's connection must send a head whose tag is right within :data:`HEAD_S` of the
+  nonce; buffers are made only once the head tag, which binds their sizes, is right: it holds
+  at most one message of ``max_message_bytes``, and within a message it may stay silent at
+  most :data:`BODY_S`. A node keeps at most :data:`PER_NODE` connections that carried a
+  message (the older is closed): a head is good on one connection only (the nonce), so only
+  the node itself can make a newer one.
 - At most :data:`RECV_QUEUE` whole messages wait for :meth:`DataChannel.take`; reading key
   holders' connections stops while they do.
-- A sender binds its outgoing socket to the address it advertises, so its connections come
-  from there. Refused and closed connections without a right hello are logged as counts
-  (admission.DropLog); accept failing for want of descriptors pauses accepting briefly.
+- A sender binds its outgoing socket to the address it advertises. Refused and closed
+  connections without a right hello are logged as counts (admission.DropLog); accept failing
+  for want of descriptors pauses accepting briefly.
 
 The full tag is checked by the consumer (zmq_transport.py) before anything else is read; a
 message whose buffers do not match it leaves the stream in frame (the sizes were
@@ -59,8 +57,7 @@ before any of its bytes were sent; a message cut by a failure is lost, as on any
 (the group protocol asks again).
 
 One thread ("data-channel") does all socket I/O; the protection thread queues sends and takes
-received messages, and is woken through :attr:`DataChannel.wake_fd`. The receiving half (and
-the limits named above) is data_recv.py, the sending half data_send.py.
+received messages, and is woken through :attr:`DataChannel.wake_fd`.
 """
 
 from __future__ import annotations
@@ -74,17 +71,15 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from ftmem.errors import FtmemError
 from ftmem.exchange import admission, data_mac
 from ftmem.exchange.codec import tune_malloc
 from ftmem.exchange.data_recv import RECV_QUEUE, Inbound, Received, Receiver, Refused
-from ftmem.exchange.data_send import (
-    Outbound,
-    Outgoing,
-    Sender,
-    frame,
-)
+from ftmem.exchange.data_send import Outbound, Outgoing, Sender, frame
+
+__all__ = ["DataChannel", "Outgoing", "Received", "Refused", "frame", "split_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +94,23 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _ips(host: str) -> set[str]:
-    return {
-        str(ipaddress.ip_address(str(ai[4][0]).split("%")[0]))
-        for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    }
+def peer_hosts(endpoints: Iterable[str], what: str) -> frozenset[str] | None:
+    """The addresses of ``endpoints``' hosts; None (any address) if one does not resolve,
+    which is logged for ``what`` (the port that then takes any address)."""
+    try:
+        return frozenset(
+            str(ipaddress.ip_address(str(ai[4][0]).split("%")[0]))
+            for ep in endpoints
+            for ai in socket.getaddrinfo(split_endpoint(ep)[0], None, proto=socket.IPPROTO_TCP)
+        )
+    except (OSError, ValueError) as exc:
+        log.warning("%s: a peer host does not resolve (%s); taking any address", what, exc)
+        return None
 
 
 class DataChannel(Sender, Receiver):
     """Receives and sends data-channel messages (module docstring). Thread-safe between the
-    protection thread (:meth:`set_members`, :meth:`has_room`, :meth:`wait_room`, :meth:`put`,
+    protection thread (:meth:`set_members`, :meth:`wait_room`, :meth:`put`,
     :meth:`take`) and its own I/O thread.
 
     Resource handling: :meth:`start` binds a listener and starts the thread; :meth:`close`
@@ -137,9 +139,8 @@ class DataChannel(Sender, Receiver):
         key; a connection whose first bytes are no hello counts as one)."""
         self.refused: deque[Refused] = deque(maxlen=64)
         self.failed = ""
-        """Why the I/O thread stopped on an unexpected error ("" while it runs):
-        :meth:`take` then raises, so the protection thread fails visibly instead of waiting for
-        data that can no longer come."""
+        """Why the I/O thread stopped on an unexpected error ("" while it runs): :meth:`take`
+        then raises rather than let the protection thread wait for data that cannot come."""
         self.port = 0
         self._peer_keys: dict[str, bytes] | None = None
         self._by_public: dict[bytes, str] = {}
@@ -193,18 +194,7 @@ class DataChannel(Sender, Receiver):
     def set_members(self, peer_keys: dict[str, bytes], data: dict[str, str]) -> None:
         """The generation: each peer's public key and data endpoint. Connections to peers that
         left or moved are closed (their queues dropped); only the peers' hosts may connect."""
-        try:
-            allowed: frozenset[str] | None = frozenset(
-                ip for ep in data.values() for ip in _ips(split_endpoint(ep)[0])
-            )
-        except (OSError, ValueError) as exc:
-            log.warning(
-                "[%s] data channel: a peer host does not resolve (%s); "
-                "taking connections from any address",
-                self.node,
-                exc,
-            )
-            allowed = None
+        allowed = peer_hosts(data.values(), f"[{self.node}] data channel")
         with self._lock:
             if peer_keys != self._peer_keys:
                 self._seen = {}
@@ -231,18 +221,14 @@ class DataChannel(Sender, Receiver):
         """True if ``node`` is a peer of the generation."""
         return node in self._out
 
-    def has_room(self, node: str) -> bool:
-        """True if ``node``'s queue takes a message now."""
-        o = self._out.get(node)
-        return o is not None and len(o.queue) < self.send_hwm
-
     def wait_room(self, node: str, timeout_s: float) -> bool:
-        """Wait (bounded) until ``node``'s queue takes a message; False on timeout."""
+        """Wait (bounded) until ``node``'s queue takes a message; False on timeout or if
+        ``node`` is no peer."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while not self.has_room(node):
+            while (o := self._out.get(node)) is None or len(o.queue) >= self.send_hwm:
                 left = deadline - time.monotonic()
-                if left <= 0 or node not in self._out:
+                if left <= 0 or o is None:
                     return False
                 self._lock.wait(left)
         return True
@@ -360,15 +346,8 @@ class DataChannel(Sender, Receiver):
                 self._connect(o)
             elif o.got == data_mac.NONCE_BYTES and (o.queue or o.current):
                 self._watch(o, selectors.EVENT_READ | selectors.EVENT_WRITE)
-        if paused != self._paused:
-            self._paused = paused
-            for c in self._in:
-                if c.node and c.stage != "parked":
-                    self._reading(c, not paused)
+        self._pause(paused)
         if self._accept_at and now >= self._accept_at and self._listener is not None:
             self._accept_at = 0.0
             self._sel.register(self._listener, selectors.EVENT_READ, "accept")
         self._drops.flush(now)
-
-
-__all__ = ["DataChannel", "Outgoing", "Received", "Refused", "frame", "split_endpoint"]

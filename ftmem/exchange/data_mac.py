@@ -1,16 +1,14 @@
 """Keyed BLAKE3 tags of the peer messages that travel on the plain data channel.
 
 With the data channel (zmq_transport.py; the default unless ``--ftmem-ec-encrypt``), the
-messages that carry buffers (snapshot columns, parity and fetched fragments, manifests) go
-over plain TCP instead of CURVE. Each carries a 32-byte tag: BLAKE3 in keyed mode, under a key
-derived from the job's secret key (:meth:`~ftmem.exchange.keys.CurveKeyPair.derived_key`),
-over the sender's and the receiver's public keys of the generation, the sender's name, the
-header frame and every buffer, each length-prefixed. A receiver recomputes the tag before it
-reads anything else, so a message that was altered on the way, or made by anyone without the
-job's key, is refused; binding both public keys refuses a message replayed into another
-generation or to another node. A connection opens with a tagged hello, and each head also
-binds the receiver's nonce of the connection and the message's sequence number on it, so a
-sniffed head is refused on any other connection and in any other place. BLAKE3 is fast on one core and releases the GIL.
+messages that carry buffers go over plain TCP instead of CURVE. Each carries a 32-byte tag:
+BLAKE3 in keyed mode, under a key derived from the job's secret key, over the sender's and the
+receiver's public keys of the generation, the sender's name, the header frame and every
+buffer, each length-prefixed. A message altered on the way, or made without the job's key, is
+refused; binding both public keys refuses one replayed into another generation or to another
+node. A connection opens with a tagged hello, and each head also binds the receiver's nonce
+of the connection and the message's sequence number on it, so a sniffed head is refused on
+any other connection and in any other place. BLAKE3 is fast and releases the GIL.
 
 What it does not give: secrecy (the bytes are in the clear on the wire), and a distinction
 between the job's own nodes (they share the key; CURVE, which still carries every message
@@ -41,17 +39,11 @@ def _framed(h: blake3.blake3, part: bytes | memoryview) -> None:
     h.update(part)
 
 
-def _started(
-    domain: bytes,
-    key: bytes,
-    sender_public: bytes,
-    receiver_public: bytes,
-    sender: str,
-    header: bytes | memoryview,
-) -> blake3.blake3:
+def _started(domain: bytes, key: bytes, *parts: bytes | memoryview) -> blake3.blake3:
+    """A keyed hash of ``domain`` and ``parts``, each length-prefixed."""
     h = blake3.blake3(key=key)
     h.update(domain)
-    for part in (sender_public, receiver_public, sender.encode(), header):
+    for part in parts:
         _framed(h, part)
     return h
 
@@ -65,7 +57,7 @@ def tag(
     buffers: Sequence[bytes | memoryview],
 ) -> bytes:
     """The tag of one message (see the module docstring); ``key`` is :func:`data_key`'s."""
-    h = _started(_DOMAIN, key, sender_public, receiver_public, sender, header)
+    h = _started(_DOMAIN, key, sender_public, receiver_public, sender.encode(), header)
     h.update(len(buffers).to_bytes(8, "little"))
     for b in buffers:
         _framed(h, b)
@@ -93,7 +85,7 @@ def head_tag(
     buffers' sizes, the receiver's ``nonce`` of the connection and the message's ``seq`` on it
     (0, 1, ...), so a head is good once, on one connection; a domain of its own, so it is never
     mistaken for a message's :func:`tag`."""
-    h = _started(_HEAD_DOMAIN, key, sender_public, receiver_public, sender, header)
+    h = _started(_HEAD_DOMAIN, key, sender_public, receiver_public, sender.encode(), header)
     h.update(len(sizes).to_bytes(8, "little"))
     for n in sizes:
         h.update(int(n).to_bytes(8, "little"))
@@ -106,8 +98,4 @@ def hello_tag(key: bytes, sender_public: bytes, receiver_public: bytes, nonce: b
     """The tag of a connection's hello (data_channel.py): the sender, whose public key of the
     generation it names, holds the job's key; ``nonce`` is the sender's, fresh per connection
     (the receiver refuses one it has seen in the generation)."""
-    h = blake3.blake3(key=key)
-    h.update(_HELLO_DOMAIN)
-    for part in (sender_public, receiver_public, nonce):
-        _framed(h, part)
-    return h.digest()
+    return _started(_HELLO_DOMAIN, key, sender_public, receiver_public, nonce).digest()

@@ -1,6 +1,5 @@
-"""The receiving side of the data channel (data_channel.py has the wire format and what a
-connection may hold): accept, the hello, the receiver's nonce, then each message's prelude,
-head, body and tag, read into buffers whose sizes were checked and authenticated first."""
+"""The receiving half of the data channel (wire format and limits: data_channel.py): accept,
+admit, read each connection through its stages into buffers checked before they are made."""
 
 from __future__ import annotations
 
@@ -28,8 +27,6 @@ log = logging.getLogger("ftmem.exchange.data_channel")
 MAX_NAME = 64
 MAX_BUFFERS = 8
 MAX_HEADER = 1 << 20
-MAX_HEAD = MAX_BUFFERS * 8 + MAX_NAME + MAX_HEADER + data_mac.TAG_BYTES
-"""The most a key holder's connection holds before its head's tag is checked."""
 HEAD_S = 1.5
 """A connection's hello, and a key holder's first head after the nonce, within this."""
 BODY_S = 10.0
@@ -89,26 +86,24 @@ class Inbound:
     got: int = 0
     layout: tuple[int, int, int] = (0, 0, 0)
     """The head's buffer count, name and header bytes (from the prelude)."""
-    name: str = ""
     header: bytes = b""
     sizes: tuple[int, ...] = ()
     buffers: list[memoryview] = field(default_factory=list)
-    head: bytes = b""
     reading: bool = True
 
 
 class Receiver:
-    """The receiving half of :class:`~ftmem.exchange.data_channel.DataChannel` (its I/O
-    thread calls these)."""
+    """The receiving half of :class:`~ftmem.exchange.data_channel.DataChannel` (its I/O thread
+    calls these)."""
 
     node: str
+    _key: bytes
+    _public: bytes
     max_message_bytes: int
     admit_wait_s: float
     dropped: int
     forged: int
     refused: deque[Refused]
-    _key: bytes
-    _public: bytes
     _peer_keys: dict[str, bytes] | None
     _by_public: dict[bytes, str]
     _seen: dict[bytes, None]
@@ -238,9 +233,8 @@ class Receiver:
             c.sizes = struct.unpack_from(f"<{nbuf}Q", raw)
             name = raw[nbuf * 8 : nbuf * 8 + name_n]
             c.header = raw[nbuf * 8 + name_n : nbuf * 8 + name_n + header_n]
-            c.head = raw[-data_mac.TAG_BYTES :]
-            c.name = name.decode("ascii", "replace") if name.isascii() else "?"
-            self._after_head(c)
+            text = name.decode("ascii", "replace") if name.isascii() else "?"
+            self._after_head(c, text, raw[-data_mac.TAG_BYTES :])
         elif c.stage == "body":
             c.buffers.append(c.target)
             if len(c.buffers) < len(c.sizes):
@@ -286,23 +280,21 @@ class Receiver:
         self._reading(c, not self._paused)
         self._expect(c, "prelude", bytearray(PRELUDE.size))
 
-    def _after_head(self, c: Inbound) -> None:
-        keys = self._peer_keys or {}
-        public = keys.get(c.name)
-        want = (
-            data_mac.head_tag(
-                self._key, public, self._public, c.name, c.header, c.sizes, c.nonce, c.seq
+    def _after_head(self, c: Inbound, name: str, head: bytes) -> None:
+        """Check a head (its sender's ``name`` and ``head`` tag), then read the body."""
+        public = (self._peer_keys or {}).get(name)
+        want = b""
+        if public is not None and name == c.node:
+            want = data_mac.head_tag(
+                self._key, public, self._public, name, c.header, c.sizes, c.nonce, c.seq
             )
-            if public is not None and c.name == c.node
-            else b""
-        )
-        if not want or not hmac.compare_digest(want, c.head):
+        if not want or not hmac.compare_digest(want, head):
             self.forged += 1
             if want:  # a member's, over that node's own connection (anyone can name one)
-                self.refused.append(Refused(c.name, c.header))
+                self.refused.append(Refused(name, c.header))
             self._drop(
                 c,
-                f"a head naming node {c.name[:16]!r} without its tag "
+                f"a head naming node {name[:16]!r} without its tag "
                 "(altered on the way, replayed, or sent without the job's key)",
             )
             return
@@ -327,8 +319,13 @@ class Receiver:
             self._inbox.append(got)
             full = len(self._inbox) >= RECV_QUEUE
         os.write(self._ready_w, b"m")
-        if full and not self._paused:
-            self._paused = True
-            for x in self._in:
-                if x.node and x.stage != "parked":
-                    self._reading(x, False)
+        if full:
+            self._pause(True)
+
+    def _pause(self, paused: bool) -> None:
+        """Stop (or resume) reading key holders' connections while the inbox is full."""
+        if paused != self._paused:
+            self._paused = paused
+            for c in self._in:
+                if c.node and c.stage != "parked":
+                    self._reading(c, not paused)

@@ -1,4 +1,4 @@
-"""The sending side of the data channel (data_channel.py has the wire format): per peer one
+"""The sending half of the data channel (wire format: data_channel.py): per peer one
 connection, made on demand (a hello, then the receiver's nonce), and a queue of messages whose
 head tags are written for the connection they go on."""
 
@@ -61,6 +61,34 @@ class Outbound:
     sent_any: bool = False
     retry_at: float = 0.0
     backoff: float = BACKOFF_S[0]
+
+
+def frame(
+    key: bytes,
+    sender_public: bytes,
+    receiver_public: bytes,
+    sender: str,
+    header: bytes,
+    buffers: list[memoryview],
+) -> Outgoing:
+    """One message (module docstring), its head tag still to be written; buffers are not
+    copied. The tag over the buffers is made here (the caller's thread)."""
+    name = sender.encode()
+    sizes = tuple(b.nbytes for b in buffers)
+    tag = data_mac.tag(key, sender_public, receiver_public, sender, header, buffers)
+    prefix = bytearray(
+        b"".join(
+            (
+                PRELUDE.pack(MAGIC, len(name), len(buffers), len(header)),
+                struct.pack(f"<{len(sizes)}Q", *sizes),
+                name,
+                header,
+                bytes(data_mac.TAG_BYTES),
+            )
+        )
+    )
+    wire = (memoryview(prefix), *(b.cast("B") for b in buffers), memoryview(tag))
+    return Outgoing(wire, prefix, bytes(header), sizes, receiver_public)
 
 
 class Sender:
@@ -141,32 +169,21 @@ class Sender:
             o.connected = True
             self._watch(o, selectors.EVENT_READ)
             return
-        if events & selectors.EVENT_READ:  # the nonce; after it, only a close or junk
-            if o.got < data_mac.NONCE_BYTES:
-                try:
-                    n = o.sock.recv_into(memoryview(o.nonce)[o.got :])
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError:
-                    n = 0
-                if not n:
-                    self._close_out(o)
-                    return
+        if events & selectors.EVENT_READ:
+            in_nonce = o.got < data_mac.NONCE_BYTES
+            try:
+                n = o.sock.recv_into(memoryview(o.nonce)[o.got :] if in_nonce else bytearray(4096))
+            except (BlockingIOError, InterruptedError):
+                n = -1  # nothing to read after all
+            except OSError:
+                n = 0
+            if n == 0 or (n > 0 and not in_nonce):  # after the nonce, only a close or junk
+                self._close_out(o)
+                return
+            if n > 0:
                 o.got += n
-                if o.got < data_mac.NONCE_BYTES:
-                    return
-                o.backoff = BACKOFF_S[0]
-            else:
-                try:
-                    o.sock.recv(4096)
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError:
-                    self._close_out(o)
-                    return
-                else:
-                    self._close_out(o)
-                    return
+                if o.got == data_mac.NONCE_BYTES:
+                    o.backoff = BACKOFF_S[0]
         if o.got < data_mac.NONCE_BYTES:
             return
         while True:
@@ -210,31 +227,3 @@ class Sender:
         )
         o.seq += 1
         msg.left, o.sent_any = list(msg.wire), False
-
-
-def frame(
-    key: bytes,
-    sender_public: bytes,
-    receiver_public: bytes,
-    sender: str,
-    header: bytes,
-    buffers: list[memoryview],
-) -> Outgoing:
-    """One message (module docstring), its head tag still to be written; buffers are not
-    copied. The tag over the buffers is made here (the caller's thread)."""
-    name = sender.encode()
-    sizes = tuple(b.nbytes for b in buffers)
-    tag = data_mac.tag(key, sender_public, receiver_public, sender, header, buffers)
-    prefix = bytearray(
-        b"".join(
-            (
-                PRELUDE.pack(MAGIC, len(name), len(buffers), len(header)),
-                struct.pack(f"<{len(sizes)}Q", *sizes),
-                name,
-                header,
-                bytes(data_mac.TAG_BYTES),
-            )
-        )
-    )
-    wire = (memoryview(prefix), *(b.cast("B") for b in buffers), memoryview(tag))
-    return Outgoing(wire, prefix, bytes(header), sizes, receiver_public)

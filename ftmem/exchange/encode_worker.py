@@ -102,13 +102,6 @@ def serve(k: int, m: int, fd: int, slot_bytes: int, slots: int) -> None:
         os.write(1, rep.pack(slot, 1, header, *enc.checksums))
 
 
-def main(argv: list[str]) -> int:
-    """Entry point: ``K M FD SLOT_BYTES SLOTS``."""
+if __name__ == "__main__":  # ``K M FD SLOT_BYTES SLOTS``
     _die_with_parent()
-    k, m, fd, slot_bytes, slots = (int(a) for a in argv)
-    serve(k, m, fd, slot_bytes, slots)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    serve(*(int(a) for a in sys.argv[1:]))

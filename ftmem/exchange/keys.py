@@ -38,9 +38,7 @@ class _NodeDoc:
 
 
 @dataclass(frozen=True, slots=True)
-class _PairDoc:
-    public: _Key
-    secret: _Key
+class _PairDoc(_NodeDoc):
     from_file: bool = False
     node: _NodeDoc | None = None
 

@@ -97,33 +97,16 @@ class GroupPlan:
 
 
 def plan_group(nodes: Sequence[int], m: int) -> GroupPlan:
-    """Make the plan of one group.
-
-    Args:
-        nodes: Node ranks of the group, in group order.
-        m: Parity fragments per stripe (nodes that may be lost at once).
-
-    Returns:
-        The group plan.
-
-    Raises:
-        ValueError: ``m < 1``, repeated nodes, or fewer than ``m + 2`` nodes.
-    """
+    """The plan of one group of ``nodes`` (in group order); raises ValueError as GroupPlan."""
     return GroupPlan(nodes=tuple(nodes), m=m)
 
 
 def plan_groups(
     num_nodes: int, m: int, max_group_size: int = DEFAULT_MAX_GROUP_SIZE
 ) -> tuple[GroupPlan, ...]:
-    """Split nodes ``0..num_nodes-1`` into groups (rule in the module docstring).
-
-    Args:
-        num_nodes: Number of nodes in the job.
-        m: Parity fragments per stripe.
-        max_group_size: Soft cap on the group size (exceeded only to keep ``m + 2`` per group).
-
-    Returns:
-        The groups, each of consecutive node ranks, sizes differing by at most one.
+    """Split nodes ``0..num_nodes-1`` into groups of consecutive ranks, sizes differing by
+    at most one (rule in the module docstring; ``max_group_size`` is exceeded only to keep
+    ``m + 2`` nodes per group).
 
     Raises:
         ValueError: ``m < 1``, ``max_group_size < m + 2`` or ``num_nodes < m + 2``.
@@ -216,20 +199,10 @@ class StripePlan:
         """Real byte count of each data column (what the codec needs for padding/checksums)."""
         return tuple(c.length for c in self.columns)
 
-    def fragment_node(self, fragment: int) -> int:
-        """Node that owns fragment ``fragment`` (column node or parity holder)."""
-        if fragment < self.k:
-            return self.columns[fragment].node
-        return self.holders[fragment - self.k]
-
 
 def stripe_map(plan: GroupPlan, sizes: Mapping[int, int], stripe_bytes: int) -> list[StripePlan]:
-    """Place every byte of every node's snapshot in stripes (layout in the module docstring).
-
-    Args:
-        plan: The group.
-        sizes: Snapshot bytes of each node of the group (missing nodes count as 0).
-        stripe_bytes: Data bytes per stripe (``k`` chunks); see :func:`chunk_bytes_for`.
+    """Place every byte of every node's snapshot (``sizes``; a missing node counts as 0) in
+    stripes of about ``stripe_bytes`` data bytes (layout in the module docstring).
 
     Returns:
         The stripes in rotation order, all-padding stripes left out.
@@ -263,16 +236,8 @@ def stripe_map(plan: GroupPlan, sizes: Mapping[int, int], stripe_bytes: int) -> 
 def parity_bytes_per_node(
     plan: GroupPlan, stripes: Iterable[StripePlan], header_bytes: int = 0
 ) -> dict[int, int]:
-    """Bytes of parity each node of the group holds for the others.
-
-    Args:
-        plan: The group.
-        stripes: Its stripe map.
-        header_bytes: Per-fragment overhead to add (pyeclib's fragment header, for example).
-
-    Returns:
-        ``{node: parity bytes}`` for every node of the group (0 if it holds none).
-    """
+    """``{node: parity bytes}`` each node of the group holds for the others (0 if none),
+    counting ``header_bytes`` (e.g. pyeclib's fragment header) per fragment."""
     held = dict.fromkeys(plan.nodes, 0)
     for s in stripes:
         for node in s.holders:
@@ -313,30 +278,11 @@ class NodeRebuild:
     node: int
     stripes: tuple[StripeRebuild, ...]
 
-    @property
-    def data_bytes(self) -> int:
-        """Own snapshot bytes this node gets back (for progress reports)."""
-        return sum(
-            sr.stripe.columns[f].length
-            for sr in self.stripes
-            for f in sr.rebuild
-            if f < sr.stripe.k
-        )
-
-    @property
-    def parity_bytes(self) -> int:
-        """Parity payload bytes this node gets back."""
-        return sum(
-            sr.stripe.chunk_bytes for sr in self.stripes for f in sr.rebuild if f >= sr.stripe.k
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class RebuildPlan:
     """The rebuild of the lost nodes of one group."""
 
-    group: GroupPlan
-    lost: frozenset[int]
     nodes: tuple[NodeRebuild, ...]
     """One entry per lost node, in ascending node order."""
 
@@ -352,6 +298,22 @@ class RebuildPlan:
         raise KeyError(node)
 
 
+def survivors(stripe: StripePlan, lost: Iterable[int]) -> list[Fetch]:
+    """Every fragment of ``stripe`` a survivor holds: real data columns, then parity."""
+    k, lost = stripe.k, set(lost)
+    out = [
+        Fetch(f, c.node, FragmentKind.DATA, c.offset, c.length)
+        for f, c in enumerate(stripe.columns)
+        if c.length and c.node not in lost
+    ]
+    out += [
+        Fetch(k + t, h, FragmentKind.PARITY, 0, stripe.chunk_bytes)
+        for t, h in enumerate(stripe.holders)
+        if h not in lost
+    ]
+    return out
+
+
 def _stripe_rebuild(stripe: StripePlan, node: int, lost: frozenset[int]) -> StripeRebuild | None:
     k = stripe.k
     mine = [f for f, c in enumerate(stripe.columns) if c.node == node and c.length]
@@ -359,16 +321,7 @@ def _stripe_rebuild(stripe: StripePlan, node: int, lost: frozenset[int]) -> Stri
     if not mine:
         return None
     zeros = [f for f, c in enumerate(stripe.columns) if c.length == 0]
-    fetch = [
-        Fetch(f, c.node, FragmentKind.DATA, c.offset, c.length)
-        for f, c in enumerate(stripe.columns)
-        if c.length and c.node not in lost
-    ]
-    fetch += [
-        Fetch(k + t, h, FragmentKind.PARITY, 0, stripe.chunk_bytes)
-        for t, h in enumerate(stripe.holders)
-        if h not in lost
-    ]
+    fetch = survivors(stripe, lost)
     need = k - len(zeros)
     if len(fetch) < need:
         raise AssertionError(f"stripe {stripe.index}: {len(fetch)} survivors < {need}")
@@ -378,16 +331,9 @@ def _stripe_rebuild(stripe: StripePlan, node: int, lost: frozenset[int]) -> Stri
 def rebuild_plan(
     plan: GroupPlan, stripes: Sequence[StripePlan], lost: Iterable[int]
 ) -> RebuildPlan:
-    """Plan how the lost nodes of a group get back their data and their parity.
-
-    Args:
-        plan: The group.
-        stripes: Its stripe map (from :func:`stripe_map`, with the sizes of the lost step).
-        lost: Nodes of the group that lost their memory (dead, replaced, or corrupt).
-
-    Returns:
-        For each lost node, the stripes it takes part in, which fragments it must rebuild and
-        which ``k`` fragments to use (fetched from whom, or known zeros).
+    """Plan how the ``lost`` nodes of a group get back their data and their parity, given
+    the stripe map of the lost step: for each, the stripes it takes part in, which fragments
+    it must rebuild and which ``k`` fragments to use (fetched from whom, or known zeros).
 
     Raises:
         ValueError: A lost node is not in the group.
@@ -407,4 +353,4 @@ def rebuild_plan(
     for node in sorted(lost_set):
         parts = (_stripe_rebuild(s, node, lost_set) for s in stripes)
         rebuilds.append(NodeRebuild(node, tuple(p for p in parts if p is not None)))
-    return RebuildPlan(plan, lost_set, tuple(rebuilds))
+    return RebuildPlan(tuple(rebuilds))

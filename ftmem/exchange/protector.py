@@ -2,44 +2,34 @@
 
 Protect (every node of the group calls :meth:`GroupProtector.protect` for the same step):
 
-1. SIZE: each node tells every peer how many bytes its snapshot of the step has; with all
-   sizes known every node derives the same stripe map (placement.stripe_map).
+1. SIZE: each node tells every peer its snapshot's size, its *manifest* (what the bytes are:
+   ranks and layouts, opaque here; every peer keeps it for a rebuild) and its seal
+   (seals.py); with all sizes known every node derives the same stripe map.
 2. DATA: for each stripe where it is a data column with real bytes, a node sends that byte
    range to the stripe's encoder (its first parity holder).
-3. PARITY: an encoder with all real columns of a stripe encodes it (pyeclib, ISA-L), keeps its
-   own parity fragment and sends the others, with the stripe's k+m checksums, to their holders.
-   With ``encode_workers`` the stripe is encoded by worker processes (encode_pool.py) while
-   this thread goes on moving columns and parity; without, in this thread.
+3. PARITY: an encoder with all real columns of a stripe encodes it (in this thread, or in
+   worker processes with ``encode_workers``: encode_pool.py), keeps its own parity fragment
+   and sends the others, with the stripe's k+m checksums, to their holders.
 4. HELD: a node that holds every parity fragment it owes for the step tells every peer; the
    step is *protected* on a node once it has seen HELD from the whole group.
 
-Rebuild (a node that lost its memory calls :meth:`rebuild`; survivors keep calling
-:meth:`serve`): it asks a survivor for the step's sizes (META), derives the same stripe map and
-the rebuild plan, FETCHes k fragments per stripe it took part in (data ranges from the column
-nodes, parity with its checksums from holders), and reconstructs its own data and its parity.
-Both ends of the rebuild are in rebuilder.py; the per-peer send queues in outbox.py.
+Rebuild (rebuilder.py): a node that lost its memory calls ``rebuilder.rebuild``; survivors
+keep calling :meth:`serve`, which answers its requests.
 
-Every header carries the protector's *epoch* (the launcher's generation): after the group is
-reconfigured (:meth:`reconfigure`), late messages of an earlier epoch are dropped. A node that
-cannot take part in a step's protection sends ABORT; every node then gives the step up
-(:class:`StepAborted`). A node also sends its *manifest* (what its snapshot bytes are: ranks and
-layouts, opaque here) with its size; every peer keeps it, so a rebuilt node gets its own back.
+Every header carries the protector's *epoch* (the launcher's generation): after
+:meth:`reconfigure`, late messages of an earlier epoch are dropped. A node that cannot take
+part in a step's protection sends ABORT; every node then gives the step up
+(:class:`StepAborted`).
 
 One thread owns a protector and its transport. The snapshot bytes are the caller's: the
-protector reads them (``memoryview`` or :class:`SegmentedBytes`) until :meth:`forget` of that
-step. Messages of kinds the protector does not know go to ``on_other`` (the SMP's exchange
-service uses this for its own agreement messages).
+protector reads them until :meth:`forget` of that step. Messages are the typed dataclasses of
+:mod:`ftmem.protocol.peer`; kinds the protector does not know go to ``on_other`` (the SMP's
+own agreement messages).
 
-Messages are the typed dataclasses of :mod:`ftmem.protocol.peer`: :meth:`GroupProtector.handle` validates
-each one (:meth:`Envelope.parse`) and dispatches on its type; a malformed message, one of an
-earlier epoch or one from outside the group is logged, counted in ``dropped`` and ignored.
-
-Bounds: what peers send is kept only within bounds, so no peer can grow this node's memory
-without limit: a peer's size is at most ``max_node_bytes``, its manifest at most
-:data:`MAX_MANIFEST_BYTES`, replies to a peer's requests wait in its queue up to
-:data:`REPLY_MAX_BYTES`, and the steps, columns and parity kept are bounded by the step table
-(steps.py). Anything beyond is dropped and counted. Each protected step carries its origin's
-seal (seals.py), kept with the parity and checked by a rebuilt node.
+Bounds: no peer can grow this node's memory without limit: a peer's size is at most
+``max_node_bytes``, its manifest at most ``MAX_MANIFEST_BYTES``, replies queued for a peer at
+most ``REPLY_MAX_BYTES`` (rebuilder.py), and the steps, columns and parity kept are bounded by
+the step table (steps.py). Anything beyond is dropped and counted.
 """
 
 from __future__ import annotations
@@ -52,10 +42,10 @@ from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange.codec import EncodedStripe, StripeCodec
-from ftmem.exchange.encode_pool import EncodePool
+from ftmem.exchange.encode_pool import EncodePool, StripeEncoder
 from ftmem.exchange.outbox import Outbox
 from ftmem.exchange.placement import GroupPlan, StripePlan, chunk_bytes_for, stripe_map
-from ftmem.exchange.rebuilder import MAX_MANIFEST_BYTES, Rebuilder
+from ftmem.exchange.rebuilder import Rebuilder, manifest_of
 from ftmem.exchange.seals import Seal, digest_of, seal
 from ftmem.exchange.segments import Buffer, SegmentedBytes
 from ftmem.exchange.steps import (
@@ -64,7 +54,6 @@ from ftmem.exchange.steps import (
     StepTable,
     physical_memory,
 )
-from ftmem.exchange.stripe_encoder import StripeEncoder
 from ftmem.exchange.transport import PeerTransport
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import Envelope, PeerMessage
@@ -85,7 +74,7 @@ class ExchangeInterrupted(FtmemError):
 
 
 class GroupProtector:
-    """Protects this node's snapshots with its group and rebuilds them (see module docstring).
+    """Protects this node's snapshots with its group (see the module docstring).
 
     Error handling: waits are bounded by ``timeout_s`` and raise TimeoutError saying what is
     missing; malformed peer messages are logged and ignored.
@@ -132,17 +121,10 @@ class GroupProtector:
         self.dropped = 0
         self._outbox = Outbox(me)
         self.rebuilder = Rebuilder(self)
-        """The rebuild side: a lost node rebuilds its snapshot from the survivors
-        (``rebuild``); a survivor serves it (``hold``, ``serve_only``, ``serving``,
-        ``refused``)."""
+        """Both ends of a lost node's rebuild (rebuilder.py)."""
         self._encoder = StripeEncoder(
             self.codec, encode_workers, chunk_bytes_for(plan.k, stripe_bytes)
         )
-
-    def buffered_bytes(self) -> int:
-        """Bytes of columns and parity held for all steps (what peers' messages made this
-        node keep; its own snapshots are not counted)."""
-        return self.table.buffered_bytes()
 
     def queued_for(self, node: int) -> tuple[int, int]:
         """(messages, bytes) queued for ``node`` and not sent yet."""
@@ -153,10 +135,11 @@ class GroupProtector:
         """Buffer bytes sent to peers so far."""
         return self._outbox.sent_bytes
 
-    # -- helpers -----------------------------------------------------------------------------
-    def peers(self) -> list[int]:
-        """The other nodes of the group."""
-        return [n for n in self.plan.nodes if n != self.me]
+    def tell_peers(self, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
+        """:meth:`send` ``body`` to every other node of the group."""
+        for n in self.plan.nodes:
+            if n != self.me:
+                self.send(n, body, bufs)
 
     def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
         """Queue a message (the protocol's, or a small one of the owner's own, ordered with
@@ -172,11 +155,6 @@ class GroupProtector:
         """Wait (bounded by ``timeout_s``, serving peers meanwhile) until every queued message
         is sent: a node that returns from :meth:`protect` may owe its peers their HELD."""
         self.pump(self.flush, lambda: f"{self._outbox.queued()} messages unsent")
-
-    def _wait_s(self, longest: float) -> float:
-        if self._encoder.busy:
-            return min(longest, 0.0005)
-        return min(longest, 0.002) if self._outbox else longest
 
     @property
     def encode_pool(self) -> EncodePool | None:
@@ -208,7 +186,12 @@ class GroupProtector:
             assert st.data is not None
             self.table.keep_planned(st)
             # Bookkeeping per stripe, so each message costs O(1), not O(stripes).
-            st.owed_left = {key for key in self._owed(step) if key not in st.parity}
+            st.owed_left = {
+                (s.index, s.k + t)
+                for s in st.stripes.values()
+                for t, h in enumerate(s.holders)
+                if h == self.me and (s.index, s.k + t) not in st.parity
+            }
             for s in st.stripes.values():
                 if s.encoder == self.me:
                     st.missing[s.index] = sum(
@@ -224,16 +207,6 @@ class GroupProtector:
                 self._progress(step, index)
             self._progress(step, None)
 
-    def _owed(self, step: int) -> list[tuple[int, int]]:
-        st = self.steps[step]
-        assert st.stripes is not None
-        return [
-            (s.index, s.k + t)
-            for s in st.stripes.values()
-            for t, h in enumerate(s.holders)
-            if h == self.me
-        ]
-
     def _progress(self, step: int, stripe: int | None) -> None:
         """Encode ``stripe`` if all its columns are in; send HELD once all owed parity is held."""
         st = self.steps[step]
@@ -246,8 +219,7 @@ class GroupProtector:
         if not st.held_sent and not st.owed_left:
             st.held_sent = True
             st.held.add(self.me)
-            for n in self.peers():
-                self.send(n, pm.Held(step))
+            self.tell_peers(pm.Held(step))
 
     def _encode(self, step: int, s: StripePlan) -> None:
         """Encode stripe ``s`` now, or hand it to the encode workers (its parity is then kept
@@ -297,7 +269,6 @@ class GroupProtector:
             self._encoded(step, st.stripes[index], enc)
             self._progress(step, None)
 
-    # -- message handling ----------------------------------------------------------------------
     def handle(self, msg: PeerMessage | Envelope) -> None:
         """Act on one peer message (the caller's loop received it).
 
@@ -347,13 +318,10 @@ class GroupProtector:
         match env.body:
             case pm.Size() as b:
                 self._on_size(sender, b, bufs)
-                self._progressed(b.step)
             case pm.Data() as b:
                 self._on_data(b, bufs[0])
-                self._progressed(b.step)
             case pm.Parity() as b:
                 self._on_parity(b, bufs[0])
-                self._progressed(b.step)
             case pm.Held() as b:
                 self.table.for_peer(b.step, self.forget).held.add(sender)
                 self.rebuilder.rebuilt(sender, b.step)
@@ -374,14 +342,14 @@ class GroupProtector:
     def _on_size(self, sender: int, b: pm.Size, bufs: tuple[memoryview, ...]) -> None:
         if b.nbytes > self.max_node_bytes:
             raise ProtocolError(f"a size of {b.nbytes} bytes, over {self.max_node_bytes}")
-        if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
-            raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
+        manifest = manifest_of(bufs)
         st = self.table.for_peer(b.step, self.forget)
         if st.stripes is not None and st.sizes.get(sender) != b.nbytes:
             raise ProtocolError(f"a new size of step {b.step} after its stripe map was made")
         st.sizes[sender] = b.nbytes
-        st.manifests[sender] = bytes(bufs[0]) if bufs else b""
+        st.manifests[sender] = manifest
         st.seals[sender] = Seal(b.digest, b.tag)
+        st.progress_at = time.monotonic()
         if st.data is not None:
             self._plan_stripes(b.step)
 
@@ -395,6 +363,7 @@ class GroupProtector:
         elif self.table.column_len(st, *key) != piece.nbytes:
             raise ProtocolError(f"column {key} of step {b.step} is not one this node encodes")
         st.columns[key] = bytes(piece)
+        st.progress_at = time.monotonic()
         if b.stripe in st.missing:
             st.missing[b.stripe] -= 1
             self._progress(b.step, b.stripe)
@@ -411,6 +380,7 @@ class GroupProtector:
         ):
             raise ProtocolError(f"parity {key} of step {b.step} is not one this node holds")
         st.parity[key] = bytes(fragment)
+        st.progress_at = time.monotonic()
         st.checksums[b.stripe] = b.sums
         if st.owed_left is not None:
             st.owed_left.discard(key)
@@ -431,26 +401,16 @@ class GroupProtector:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"node {self.me}: {what()} after {self.timeout_s} s")
-            self.flush()
-            msg = self.transport.recv(self._wait_s(min(left, 0.5)))
-            if msg is not None:
-                self.handle(msg)
-            self._collect_encoded()
+            self._turn(min(left, 0.5))
             for notice in self.transport.take_refused():
                 self._on_refused(notice)
             self._give_up_refused()
 
-    def _progressed(self, step: int) -> None:
-        st = self.steps.get(step)
-        if st is not None:
-            st.progress_at = time.monotonic()
-
     def _give_up_refused(self) -> None:
         """Give up (here and, with ABORT, at every peer) each step being protected that had a
         message refused and has received nothing valid for ``REFUSED_GRACE_S`` since: the
-        refused message was then most likely the real one, altered on the way, and the round
-        ends long before its timeout. A forged message (anyone can reach the data channel)
-        aborts nothing while the real ones keep coming."""
+        refused one was then most likely the real one, altered on the way. A forged message
+        (anyone can reach the data channel) aborts nothing while the real ones keep coming."""
         now = time.monotonic()
         for step, st in list(self.steps.items()):
             if st.refused_at is None or st.held_sent or st.aborted:
@@ -468,17 +428,14 @@ class GroupProtector:
                 REFUSED_GRACE_S,
             )
             st.aborted = True
-            for n in self.peers():
-                self.send(n, pm.Abort(step))
+            self.tell_peers(pm.Abort(step))
             self.flush()  # now: protect() raises StepAborted next, its caller may not pump
 
     def _on_refused(self, notice: PeerMessage) -> None:
         """A message the transport refused (wrong tag): a fetched fragment is asked for
         again, then counted lost (Rebuilder.on_refused); a size, column or parity fragment of
-        a step this node is protecting starts the step's grace (``_give_up_refused``): it is
-        given up only if nothing valid comes for a while, since the refused message may have
-        been forged by anyone who can reach the data channel. Anything else was only counted
-        by the transport."""
+        a step being protected starts the step's grace (``_give_up_refused``). Anything else
+        was only counted by the transport."""
         try:  # the header only: a refused message's buffers were not kept
             sender = pm.parse_sender(notice.sender)
             epoch, body = pm.parse_header(notice.header)
@@ -503,7 +460,6 @@ class GroupProtector:
                 REFUSED_GRACE_S,
             )
 
-    # -- public API ------------------------------------------------------------------------------
     def protect(self, step: int, data: SegmentedBytes | Buffer, manifest: bytes = b"") -> None:
         """Protect this node's snapshot ``data`` of ``step`` with the group; return when protected.
 
@@ -523,8 +479,7 @@ class GroupProtector:
             else Seal()
         )
         st.seals[self.me] = mine
-        for n in self.peers():
-            self.send(n, pm.Size(step, st.data.nbytes, mine.digest, mine.tag), [manifest])
+        self.tell_peers(pm.Size(step, st.data.nbytes, mine.digest, mine.tag), [manifest])
         self._plan_stripes(step)
 
         def done() -> bool:
@@ -542,18 +497,12 @@ class GroupProtector:
 
     def abort(self, step: int) -> None:
         """Give ``step`` up here and tell every peer to give it up too."""
-        for n in self.peers():
-            self.send(n, pm.Abort(step))
+        self.tell_peers(pm.Abort(step))
         self.forget(step)
 
     def held_steps(self) -> list[int]:
         """Steps whose own data and owed parity this node holds (it told the group HELD)."""
         return sorted(s for s, st in self.steps.items() if st.held_sent and st.data is not None)
-
-    def manifest(self, step: int, node: int) -> bytes:
-        """The manifest ``node`` sent with its size for ``step`` (b"" if unknown)."""
-        st = self.steps.get(step)
-        return st.manifests.get(node, b"") if st is not None else b""
 
     def is_protected(self, step: int) -> bool:
         """True once every node of the group holds its parity of ``step``."""
@@ -563,11 +512,21 @@ class GroupProtector:
     def serve(self, until: Callable[[], bool], poll_s: float = 0.2) -> None:
         """Answer peers (fetches, late protocol messages) until ``until()`` is true."""
         while not until():
-            self.flush()
-            msg = self.transport.recv(self._wait_s(poll_s))
-            if msg is not None:
-                self.handle(msg)
-            self._collect_encoded()
+            self._turn(poll_s)
+
+    def _turn(self, longest: float) -> None:
+        """Send what peers take, handle one message (waiting at most ``longest``) and keep
+        the stripes the encode workers finished."""
+        self.flush()
+        wait = longest
+        if self._encoder.busy:
+            wait = min(longest, 0.0005)
+        elif self._outbox:
+            wait = min(longest, 0.002)
+        msg = self.transport.recv(wait)
+        if msg is not None:
+            self.handle(msg)
+        self._collect_encoded()
 
     def parity_bytes(self, step: int) -> int:
         """Parity bytes this node holds for ``step``."""

@@ -3,8 +3,8 @@
 A lost node (:meth:`Rebuilder.rebuild`) asks a survivor for the step's sizes (META), derives
 the same stripe map and the rebuild plan, FETCHes k fragments per stripe it took part in (data
 ranges from the column nodes, parity with its checksums from holders), and reconstructs its
-own data and its parity, a window of stripes at a time. Survivors answer with
-:meth:`Rebuilder.serve_meta` and :meth:`Rebuilder.serve_fetch` from the steps they hold.
+own data and its parity, a window of stripes at a time. Survivors answer from the steps they
+hold.
 
 Who is served: snapshot bytes and manifests go only to a node that this generation's sync
 decided is rebuilding, for the step being rebuilt, until it says it holds the step (HELD):
@@ -15,14 +15,14 @@ reply. (A rebuilder whose owner never calls either serves every node of the grou
 
 What a rebuilt node checks before it allocates or keeps anything: the sizes are those of the
 group's nodes, each at most the protector's ``max_node_bytes``; the manifest is bounded; the
-seal the lost node made when it protected the step (seals.py) matches its size and manifest
-(with a key file); and the owner's ``accept`` hook (the SMP checks the manifest against its
-ranks and free shared memory). After the rebuild, the bytes must match the sealed digest.
-Replies nobody asked for are dropped.
+lost node's seal (seals.py) matches its size and manifest (with a key file); and the owner's
+``accept`` hook. After the rebuild, the bytes must match the sealed digest. Replies nobody
+asked for are dropped.
 
-The rebuilder belongs to its :class:`~ftmem.exchange.protector.GroupProtector` (same thread):
-it sends and waits through the protector and keeps only what is in flight (sizes asked for,
-fragments fetched, their checksums).
+The rebuilder belongs to its :class:`~ftmem.exchange.protector.GroupProtector` (same thread),
+which it knows only as a :class:`RebuildHost` (so neither module imports the other's): it sends
+and waits through the protector and keeps only what is in flight (sizes asked for, fragments
+fetched, their checksums).
 """
 
 from __future__ import annotations
@@ -41,24 +41,23 @@ from ftmem.exchange.placement import (
     StripeRebuild,
     rebuild_plan,
     stripe_map,
+    survivors,
 )
 from ftmem.exchange.segments import SegmentedBytes
+from ftmem.exchange.steps import StepState, StepTable
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import FragmentKind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ftmem.exchange.codec import Rebuilt, StripeCodec
+    from ftmem.exchange.codec import StripeCodec
     from ftmem.exchange.placement import GroupPlan
-    from ftmem.exchange.steps import StepState, StepTable
     from ftmem.exchange.transport import PeerTransport
 
 
 class RebuildHost(Protocol):
-    """What a rebuilder needs of the group protocol it serves (a
-    :class:`~ftmem.exchange.protector.GroupProtector`): this node, its group's steps and
-    codec, sending and pumping messages. The rebuilder knows its owner only by this."""
+    """What a rebuilder needs of its :class:`~ftmem.exchange.protector.GroupProtector`."""
 
     me: int
     plan: GroupPlan
@@ -69,10 +68,9 @@ class RebuildHost(Protocol):
     """Messages dropped (the rebuilder counts the requests it refuses here too)."""
     codec: StripeCodec
     table: StepTable
-    steps: dict[int, StepState]
     on_progress: Callable[[int, int, int], None] | None
 
-    def peers(self) -> list[int]: ...
+    def tell_peers(self, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
     def queued_for(self, node: int) -> tuple[int, int]: ...
     def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
     def pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None: ...
@@ -83,8 +81,7 @@ class RebuildHost(Protocol):
 log = get_logger(__name__)
 
 WINDOW_BYTES = 64 << 20
-"""Fragments held at once during a rebuild, besides the output (fetching every stripe first
-needed n times the node's snapshot)."""
+"""Fragments held at once during a rebuild, besides the output."""
 
 REPLY_MAX_BYTES = 256 << 20
 """Most buffer bytes of replies queued for one peer (a rebuild asks for WINDOW_BYTES)."""
@@ -99,30 +96,18 @@ MAX_HELD_REQUESTS = 1024
 """Most requests kept while the generation's sync has not decided who rebuilds."""
 
 ASK_AGAIN_S = 15.0
-"""A fetch or sizes request unanswered this long is sent to the same node again (a reply can
-be lost with a data-channel connection that broke, e.g. while a new machine joins under
-load); a reply that then comes twice is ignored. The rebuild as a whole stays bounded by the
-protector's timeout."""
+"""A fetch or sizes request unanswered this long is sent to the same node again (a reply is
+lost with a data-channel connection that broke); a reply that then comes twice is ignored.
+The rebuild as a whole stays bounded by the protector's timeout."""
 
 _HOLD = "hold"
 
 
-def spare_fetches(
-    stripe: StripePlan, lost: set[int] | frozenset[int], used: set[int]
-) -> list[Fetch]:
-    """Every surviving fragment of ``stripe`` not in ``used`` (for a retry after corruption)."""
-    k = stripe.k
-    out = [
-        Fetch(f, c.node, FragmentKind.DATA, c.offset, c.length)
-        for f, c in enumerate(stripe.columns)
-        if c.length and c.node not in lost and f not in used
-    ]
-    out += [
-        Fetch(k + t, h, FragmentKind.PARITY, 0, stripe.chunk_bytes)
-        for t, h in enumerate(stripe.holders)
-        if h not in lost and k + t not in used
-    ]
-    return out
+def manifest_of(bufs: tuple[memoryview, ...]) -> bytes:
+    """The manifest a SIZE or META reply carries (b""; ProtocolError over MAX_MANIFEST_BYTES)."""
+    if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
+        raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
+    return bytes(bufs[0]) if bufs else b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +132,15 @@ class Rebuilder:
         self.p = protector
         self.refused = 0
         """Requests refused: from a node not being rebuilt, or outside a rebuild."""
+        self._gate: dict[int, int] | str | None = None
+        """None: serve the group; _HOLD: keep requests; else node -> the step it rebuilds."""
+        self._reset()
+
+    def _reset(self) -> None:
         self._fetched: dict[tuple[int, int, int], bytes] = {}
-        self._wanted: set[tuple[int, int, int]] = set()
         self._asked: dict[tuple[int, int, int], tuple[int, pm.FetchRequest, float]] = {}
-        """Fragment -> the node asked for it, the request and when it was last sent (asked
-        again once if refused, and whenever unanswered for ``ASK_AGAIN_S``)."""
+        """Fragment awaited -> the node asked for it, the request and when it was last sent
+        (asked again once if refused, and whenever unanswered for ``ASK_AGAIN_S``)."""
         self._asked_again: set[tuple[int, int, int]] = set()
         self._answered: set[tuple[int, int, int]] = set()
         """Fragments whose reply came (a second reply to a repeated request is ignored)."""
@@ -160,26 +149,13 @@ class Rebuilder:
         self._meta_wanted: int | None = None
         self._meta_answered: set[int] = set()
         self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._gate: dict[int, int] | str | None = None
-        """None: serve the group; _HOLD: keep requests; else node -> the step it rebuilds."""
         self._held: list[tuple[int, pm.MetaRequest | pm.FetchRequest]] = []
         self._refused_from: set[int] = set()
 
     def clear(self) -> None:
         """Forget pending fetches and sizes (the group was reconfigured); a restricted
         rebuilder holds requests again until the new generation's sync decides."""
-        self._fetched.clear()
-        self._wanted.clear()
-        self._asked.clear()
-        self._asked_again.clear()
-        self._answered.clear()
-        self._refused_lost.clear()
-        self._meta.clear()
-        self._meta_wanted = None
-        self._meta_answered.clear()
-        self._sums.clear()
-        self._held.clear()
-        self._refused_from.clear()
+        self._reset()
         if self._gate is not None:
             self._gate = _HOLD
 
@@ -241,43 +217,40 @@ class Rebuilder:
                 why,
             )
 
-    # -- survivor side -------------------------------------------------------------------------
     def serve_meta(self, sender: int, step: int) -> None:
         """Answer META: the step's sizes (if protected here), the asker's own manifest and
         the seal it made of the step."""
-        st = self.p.steps.get(step)
-        sizes = st.sizes if st is not None and st.held_sent else {}
-        manifest = st.manifests.get(sender, b"") if st is not None else b""
-        mark = st.seals.get(sender, seals.Seal()) if st is not None else seals.Seal()
-        self.p.send(sender, pm.MetaReply(step, dict(sizes), mark.digest, mark.tag), [manifest])
+        st = self.p.table.steps.get(step) or StepState()
+        sizes = dict(st.sizes) if st.held_sent else {}
+        mark = st.seals.get(sender, seals.Seal())
+        reply = pm.MetaReply(step, sizes, mark.digest, mark.tag)
+        self.p.send(sender, reply, [st.manifests.get(sender, b"")])
 
     def serve_fetch(self, sender: int, b: pm.FetchRequest) -> None:
         """Answer FETCH with the data range or parity fragment (empty if not held here)."""
-        p = self.p
-        st = p.steps.get(b.step)
+        st = self.p.table.steps.get(b.step)
         reply = pm.FetchReply(b.step, b.stripe, b.frag)
-        if b.kind is FragmentKind.DATA:
-            if st is None or st.data is None:
-                log.warning(
-                    "[%d] fetch of data of step %d I do not hold, from %d", p.me, b.step, sender
-                )
-                p.send(sender, reply)
-                return
+        payload: Any = None
+        if st is not None and b.kind is FragmentKind.DATA and st.data is not None:
             try:
-                piece = st.data.read(b.offset, b.length)
+                payload = st.data.read(b.offset, b.length)
             except ValueError as exc:
                 raise ProtocolError(f"fetch of step {b.step}: {exc}") from exc
-            p.send(sender, reply, [piece])
-            return
-        payload = st.parity.get((b.stripe, b.frag)) if st is not None else None
-        if st is None or payload is None:
+        elif st is not None and b.kind is not FragmentKind.DATA:
+            payload = st.parity.get((b.stripe, b.frag))
+            sums = st.checksums.get(b.stripe) or ()
+            reply = pm.FetchReply(b.step, b.stripe, b.frag, tuple(sums))
+        if payload is None:
             log.warning(
-                "[%d] fetch of parity of step %d I do not hold, from %d", p.me, b.step, sender
+                "[%d] fetch of %s of step %d I do not hold, from %d",
+                self.p.me,
+                "data" if b.kind is FragmentKind.DATA else "parity",
+                b.step,
+                sender,
             )
-            p.send(sender, reply)
+            self.p.send(sender, pm.FetchReply(b.step, b.stripe, b.frag))
             return
-        sums = st.checksums.get(b.stripe) or ()
-        p.send(sender, pm.FetchReply(b.step, b.stripe, b.frag, tuple(sums)), [payload])
+        self.p.send(sender, reply, [payload])
 
     # -- lost node side: replies ---------------------------------------------------------------
     def on_meta(self, b: pm.MetaReply, bufs: tuple[memoryview, ...]) -> None:
@@ -287,22 +260,20 @@ class Rebuilder:
                 return
             raise ProtocolError(f"sizes of step {b.step} nobody asked for")
         self._meta_answered.add(b.step)
-        if bufs and bufs[0].nbytes > MAX_MANIFEST_BYTES:
-            raise ProtocolError(f"a manifest of {bufs[0].nbytes} bytes")
+        manifest = manifest_of(bufs)
         self._meta_wanted = None
-        self._meta[b.step] = (b, bytes(bufs[0]) if bufs else b"")
+        self._meta[b.step] = (b, manifest)
 
     def on_fetched(self, b: pm.FetchReply, bufs: tuple[memoryview, ...]) -> None:
         """A fetched fragment (empty: the holder no longer has it); only one asked for."""
         key = (b.step, b.stripe, b.frag)
-        if key not in self._wanted:
+        if key not in self._asked:
             if key in self._answered:  # the reply to a request asked again
                 log.debug("[%d] fragment %s came twice: ignored", self.p.me, key)
                 return
             raise ProtocolError(f"fragment {key} nobody asked for")
-        self._wanted.discard(key)
         self._answered.add(key)
-        self._asked.pop(key, None)
+        del self._asked[key]
         self._asked_again.discard(key)
         if not bufs:  # the holder no longer has it
             self._fetched[key] = b""
@@ -320,7 +291,7 @@ class Rebuilder:
         bytes."""
         key = (b.step, b.stripe, b.frag)
         asked = self._asked.get(key)
-        if key not in self._wanted or asked is None or asked[0] != sender:
+        if asked is None or asked[0] != sender:
             return
         if key not in self._asked_again:
             self._asked_again.add(key)
@@ -339,7 +310,7 @@ class Rebuilder:
             key,
             sender,
         )
-        self._wanted.discard(key)
+        del self._asked[key]
         self._fetched[key] = b""
         self._refused_lost.add(key)
 
@@ -353,14 +324,13 @@ class Rebuilder:
     ) -> memoryview:
         """Rebuild this (lost) node's snapshot of ``step`` and its parity, from the survivors.
 
-        ``source`` is a survivor asked for the step's sizes (and this node's manifest, then
-        available from :meth:`GroupProtector.manifest`). Before anything is allocated the
-        sizes are bounded, the lost node's seal of the step is checked (with a key file:
-        seals.py) and ``accept`` (if given) may refuse what the survivor sent by raising. Returns the
-        snapshot bytes, which matched the sealed digest; the rebuilt parity is held as if
-        this node had protected the step itself (and its peers are told: HELD). A fetched
-        fragment that fails its checksum counts as lost: the stripe is retried with every
-        other surviving fragment.
+        ``source`` is a survivor asked for the step's sizes and this node's manifest. Before
+        anything is allocated the sizes are bounded, the lost node's seal of the step is
+        checked (with a key file: seals.py) and ``accept`` (if given) may refuse what the
+        survivor sent by raising. Returns the snapshot bytes, which matched the sealed digest;
+        the rebuilt parity is held as if this node had protected the step itself (and its
+        peers are told: HELD). A fetched fragment that fails its checksum counts as lost: the
+        stripe is retried with every other surviving fragment.
 
         Raises:
             UnrecoverableError: more than m nodes of the group are lost, the source does not
@@ -403,8 +373,7 @@ class Rebuilder:
         st.data = SegmentedBytes([out])
         st.held = set(p.plan.nodes)
         st.held_sent = True
-        for n in p.peers():  # done: the survivors stop serving this node
-            p.send(n, pm.Held(step))
+        p.tell_peers(pm.Held(step))  # done: the survivors stop serving this node
         p.drain()
         return memoryview(out)
 
@@ -440,27 +409,21 @@ class Rebuilder:
                 f"node {source} says step {step} has sizes {big} over the bound of "
                 f"{p.max_node_bytes} bytes per node: refusing to rebuild from it"
             )
-        meta = RebuildMeta(step, sizes, manifest, seals.Seal(reply.digest, reply.tag))
-        self._check_seal(meta, source)
-        return meta
-
-    def _check_seal(self, meta: RebuildMeta, source: int) -> None:
-        """With a key file, the seal must be this node's own of the step (seals.py)."""
-        p = self.p
+        seal = seals.Seal(reply.digest, reply.tag)
         job = p.transport.job_keys
-        if job is None or not job.from_file:
+        if job is None or not job.from_file:  # with a key file, the seal must be its own
             log.warning(
                 "[%d] step %d: no key file, so the seal this node made of it cannot be "
                 "checked; the rebuilt bytes are checked against the digest its peers kept",
                 p.me,
-                meta.step,
+                step,
             )
-            return
-        if not seals.check(job, p.me, meta.step, meta.sizes[p.me], meta.manifest, meta.seal):
+        elif not seals.check(job, p.me, step, sizes[p.me], manifest, seal):
             raise UnrecoverableError(
-                f"the manifest, size or digest of step {meta.step} that node {source} kept for "
+                f"the manifest, size or digest of step {step} that node {source} kept for "
                 f"node {p.me} do not carry node {p.me}'s seal: refusing to rebuild from them"
             )
+        return RebuildMeta(step, sizes, manifest, seal)
 
     def _rebuild_stripe(
         self,
@@ -475,10 +438,17 @@ class Rebuilder:
         frags = {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in sr.fetch}
         # The stripe's k+m checksums travel with any fetched parity fragment.
         sums = self._sums.pop((step, s.index), None)
+
+        def reconstruct() -> dict[int, bytes]:
+            return self.p.codec.reconstruct(
+                frags, sr.rebuild, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
+            ).fragments
+
         try:
-            got = self._reconstruct(s, frags, sr.rebuild, sums)
+            got = reconstruct()
         except UnrecoverableError as exc:
-            spares = spare_fetches(s, lost, set(frags) | set(sr.rebuild))
+            used = set(frags) | set(sr.rebuild)
+            spares = [f for f in survivors(s, lost) if f.fragment not in used]
             log.warning(
                 "[%d] step %d stripe %d: %s; retrying with %d more fragments",
                 self.p.me,
@@ -501,8 +471,8 @@ class Rebuilder:
                 {f.fragment: self._fetched.pop((step, s.index, f.fragment)) for f in spares}
             )
             sums = self._sums.pop((step, s.index), sums)
-            got = self._reconstruct(s, frags, sr.rebuild, sums)
-        for frag, payload in got.fragments.items():
+            got = reconstruct()
+        for frag, payload in got.items():
             if frag < s.k:
                 c = s.columns[frag]
                 out[c.offset : c.offset + c.length] = payload[: c.length]
@@ -511,21 +481,9 @@ class Rebuilder:
         if sums is not None:
             st.checksums[s.index] = sums
 
-    def _reconstruct(
-        self,
-        s: StripePlan,
-        frags: dict[int, bytes],
-        wanted: Sequence[int],
-        sums: tuple[int, ...] | None,
-    ) -> Rebuilt:
-        return self.p.codec.reconstruct(
-            frags, wanted, chunk_bytes=s.chunk_bytes, lengths=s.lengths, checksums=sums
-        )
-
     def _fetch(self, step: int, stripe: StripePlan, fetches: Sequence[Fetch]) -> None:
         for f in fetches:
             key = (step, stripe.index, f.fragment)
-            self._wanted.add(key)
             body = pm.FetchRequest(step, stripe.index, f.fragment, f.kind, f.offset, f.length)
             self._asked[key] = (f.node, body, time.monotonic())
             self._asked_again.discard(key)
@@ -536,7 +494,7 @@ class Rebuilder:
         """Send again each fetch unanswered for ``ASK_AGAIN_S`` (to the node asked before)."""
         now = time.monotonic()
         for key, (node, body, at) in list(self._asked.items()):
-            if now - at < ASK_AGAIN_S or key not in self._wanted:
+            if now - at < ASK_AGAIN_S:
                 continue
             log.warning(
                 "[%d] fragment %s from node %d unanswered for %.0f s: asking again",

@@ -1,25 +1,20 @@
 """Seals: what a node commits about each step it protects, so that its replacement can check a
 rebuilt snapshot against the lost node's own word rather than its peers'.
 
-When a node protects a step it sends its peers, with its size and manifest (SIZE), a *seal*:
+With its size and manifest (SIZE) a node sends its peers a *seal* of the step: ``digest``,
+xxh3-128 of its snapshot bytes, and ``tag``, HMAC-SHA256 under a key derived from the job's
+secret key and the node's index over (step, node, size, digest, manifest). Every peer keeps it
+with the parity and hands it back (META) to the node that rebuilds the step, which recomputes
+the tag with the job key of the key file (``--ftmem-key-file``) and refuses the rebuild if the
+tag or the rebuilt bytes' digest do not match (rebuilder.py).
 
-- ``digest``: xxh3-128 of the node's snapshot bytes of the step, and
-- ``tag``: HMAC-SHA256, under a key derived from the job's secret key and the node's index
-  (:func:`seal_key`), over (step, node, size, digest, manifest).
-
-Every peer keeps the seal with the parity and hands it back with the manifest (META) to the
-node that rebuilds the step. The rebuilt node recomputes the tag with the same job key (from
-the key file, ``--ftmem-key-file``) and refuses the rebuild if the tag or the rebuilt bytes'
-digest do not match (rebuilder.py).
-
-What this does and does not promise: a peer that changed the manifest, the size, the digest
-or the data it serves, without the job's secret key, is caught. The key is symmetric, so a
-holder of the job's secret key can make a seal for any node; the seal is no defence against a
-key holder. Without a key file the job's pair is remade every rendezvous round, so the
-replacement (a later round) cannot recompute the lost node's tag: only the digest is checked
-then, which catches corruption, not a peer that changes data and digest together. The digest
-is xxh3, not a cryptographic hash, for the same reason: whoever could forge data to match it
-could forge the tag too, and the digest is computed on every protected step beside training.
+What this promises: a peer that changed the manifest, size, digest or data it serves, without
+the job's secret key, is caught. The key is symmetric: a seal is no defence against a key
+holder. Without a key file the job's pair is remade every round, so the replacement cannot
+recompute the lost node's tag: only the digest is checked, which catches corruption, not a
+peer that changes data and digest together. The digest is xxh3, not a cryptographic hash,
+for the same reason (whoever could forge data to match it could forge the tag too), and it is
+computed on every protected step beside training.
 """
 
 from __future__ import annotations
@@ -52,22 +47,14 @@ def digest_of(data: SegmentedBytes) -> str:
     return h.hexdigest()
 
 
-def seal_key(job: CurveKeyPair, node: int) -> bytes:
-    """The key node ``node`` seals its steps with (derived from the job's secret key)."""
-    return job.derived_key(f"seal/{node}")
-
-
-def _message(step: int, node: int, nbytes: int, digest: str, manifest: bytes) -> bytes:
-    head = f"ftmem-seal-v1\0{step}\0{node}\0{nbytes}\0{digest}\0".encode()
-    return head + hashlib.sha256(manifest).digest()
-
-
 def seal(
     job: CurveKeyPair, node: int, step: int, nbytes: int, digest: str, manifest: bytes
 ) -> Seal:
     """Node ``node``'s seal of ``step`` (``nbytes`` bytes of digest ``digest``, ``manifest``)."""
-    msg = _message(step, node, nbytes, digest, manifest)
-    return Seal(digest, hmac.new(seal_key(job, node), msg, hashlib.sha256).hexdigest())
+    msg = f"ftmem-seal-v1\0{step}\0{node}\0{nbytes}\0{digest}\0".encode()
+    msg += hashlib.sha256(manifest).digest()
+    key = job.derived_key(f"seal/{node}")
+    return Seal(digest, hmac.new(key, msg, hashlib.sha256).hexdigest())
 
 
 def check(job: CurveKeyPair, node: int, step: int, nbytes: int, manifest: bytes, got: Seal) -> bool:

@@ -12,6 +12,7 @@ import bisect
 from collections.abc import Sequence
 
 Buffer = memoryview | bytes | bytearray
+"""Any contiguous bytes (wrap a numpy array or tensor storage in ``memoryview`` first)."""
 
 
 class SegmentedBytes:
@@ -51,10 +52,6 @@ class SegmentedBytes:
             left -= take
             i, start = i + 1, 0
         return b"".join(parts)
-
-    def tobytes(self) -> bytes:
-        """All bytes joined (a copy)."""
-        return b"".join(self._views)
 
     def release(self) -> None:
         """Release the views (the underlying buffers can then be closed)."""

@@ -65,8 +65,7 @@ class StepState:
     unplanned: int = 0
     """Bytes of columns and parity kept before the stripe map was known."""
     refused_at: float | None = None
-    """When (monotonic) a message of this step naming a member was first refused for a wrong
-    tag (altered on the way, or forged by someone without the job's key)."""
+    """When (monotonic) a message of this step naming a member was first refused (wrong tag)."""
     progress_at: float = 0.0
     """When (monotonic) a valid size, column or parity of this step last came in."""
 
@@ -168,11 +167,3 @@ class StepTable:
         if s is None or not s.k <= frag < s.k + len(s.holders) or s.holders[frag - s.k] != self.me:
             return None
         return s.chunk_bytes + self._header_bytes(s.chunk_bytes)
-
-    def buffered_bytes(self) -> int:
-        """Bytes of columns and parity held for all steps (what peers' messages made this
-        node keep; its own snapshots are not counted)."""
-        return sum(
-            sum(map(len, st.columns.values())) + sum(map(len, st.parity.values()))
-            for st in self.steps.values()
-        )

@@ -1,20 +1,14 @@
 """PeerTransport: how SMPs of a group move fragments to each other (interface only).
 
-Call order:
-    1) (every node) ``endpoint = t.start()``: bind, return the address peers connect to.
-    2) (every node, each generation) ``t.connect({node: endpoint, ...})``: the group's peers.
-    3) (any node) ``t.send(node, header, buffers)``: queue one message; never blocks longer
-       than the send timeout (a slow or dead peer makes it raise, not hang).
-       ``t.try_send(...)`` never blocks: it says whether the message was queued.
-    4) (any node) ``t.recv(timeout)``: the next message from any peer, or None.
-    5) (every node) ``t.close()``: idempotent, bounded.
+Call order: ``start()`` once, ``connect(peers)`` each generation, then ``send`` (bounded by
+the send timeout: a slow or dead peer makes it raise, not hang), ``try_send`` (never blocks)
+and ``recv`` as needed, and ``close()`` (idempotent, bounded).
 
-One thread owns a transport: the SMP's protection thread. Implementations: zmq_transport.py
-(TCP + CURVE). Every received message has been authenticated, size-checked and its buffers
-checksummed before ``recv`` returns it, and its ``sender`` is the node whose key the
-connection authenticated (a message claiming another name is dropped); bad messages are
-dropped and counted. A transport does not read headers beyond that: what they mean, and
-their validation, is :mod:`ftmem.protocol.peer`'s.
+One thread owns a transport: the SMP's protection thread. Implementation: zmq_transport.py.
+Every received message has been authenticated, size-checked and its buffers checksummed
+before ``recv`` returns it, and its ``sender`` is the node whose key the connection
+authenticated; bad messages are dropped and counted. What headers mean, and their
+validation, is :mod:`ftmem.protocol.peer`'s.
 """
 
 from __future__ import annotations

@@ -2,35 +2,28 @@
 
 Every node serves and connects with its own key pair of the generation (keys.py; fresh each
 round), and its address is its endpoint plus that public key (:class:`PeerAddress`). At
-:meth:`~ZmqPeerTransport.connect` the transport learns the generation's members: each
-node's address. Its ZAP handler then admits exactly those nodes' keys and names each
-connection after the node its key belongs to (the ZAP user id, which ZeroMQ attaches to every
-message as ``User-Id``); a client presenting any other key (no member, a member of an earlier
-generation, the job's own pair), or connecting from an address that is no member's host, fails
-the handshake. Nodes connect from the host they advertise. A connection that has not finished
-its handshake within :data:`HANDSHAKE_MS` is closed, so idle connections do not pile up. A connection that arrives before the
-members are known waits in its handshake (up to ``admit_wait_s``) instead of being refused,
-because ZeroMQ does not retry a client that a ZAP handler refused.
+:meth:`~ZmqPeerTransport.connect` the transport learns the generation's members. Its ZAP
+handler then admits exactly those nodes' keys, from those nodes' hosts, and names each
+connection after the node its key belongs to (the ZAP user id, attached to every message as
+``User-Id``); any other key (no member, an earlier generation's, the job's own pair) fails the
+handshake. A connection that has not finished its handshake within :data:`HANDSHAKE_MS` is
+closed. One that arrives before the members are known waits in its handshake (up to
+``admit_wait_s``) instead of being refused, because ZeroMQ does not retry a client that a ZAP
+handler refused.
 
-A message's sender is the node its connection's key belongs to; nodes do not name
-themselves (their DEALERs set no routing id, so the ROUTER gives each connection a unique
-one, and no connection can take another's over: no ``ROUTER_HANDOVER``). A message that
-claims a name anyway (a routing id a client chose) that is not its key's node is dropped and
-counted (``impostors``), so a member cannot speak as another.
-Each message is one header frame (wire.py, kind PEER: sizes and xxh3 checksums of the
-buffers) plus raw buffer frames sent without copies.
+A message's sender is the node its connection's key belongs to: DEALERs set no routing id and
+there is no ``ROUTER_HANDOVER``, so no connection can take another's over; a message claiming
+a routing id that is not its key's node is dropped and counted (``impostors``). Each message
+is one header frame (wire.py, kind PEER: sizes and xxh3 checksums of the buffers) plus raw
+buffer frames sent without copies.
 
-The plain data channel (unless ``encrypt_data``): CURVE encrypts every byte, at a CPU cost
-``bench/ec_protect.py`` measures against the tagged channel, so the messages that carry buffers (snapshot columns, parity and fetched fragments,
-manifests) go to the receiver's data channel instead (data_channel.py: a length-prefixed TCP
-stream of our own, read into buffers whose sizes are checked and authenticated before they are
-made, so nobody can grow the receiver without bound). Each message carries a keyed BLAKE3 tag
-of its head and one of the whole message (data_mac.py) over the sender's and the receiver's
-public keys, the sender's name, the header and the buffers; a message whose tag is wrong (one
-altered on the way, or sent by anyone without the job's key) is dropped and counted
-(``forged``). Messages without buffers stay on CURVE. The two channels do not keep order
-between each other; the group protocol does not need them to (a column or a fragment arriving
-before its SIZE is kept until the stripes are planned, and replies follow their requests).
+The plain data channel (unless ``encrypt_data``): CURVE encrypts every byte, at a CPU cost, so
+the messages that carry buffers (columns, parity, fetched fragments, manifests) go to the
+receiver's data channel instead (data_channel.py), each with keyed tags (data_mac.py); a
+message whose tag is wrong is dropped and counted (``forged``). Messages without buffers stay
+on CURVE. The two channels do not keep order between each other; the group protocol does not
+need them to (a column or fragment arriving before its SIZE is kept until the stripes are
+planned, and replies follow their requests).
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ from ftmem.protocol.wire import decode, encode
 log = logging.getLogger(__name__)
 
 MAX_FRAMES = 8
-"""Most frames in one CURVE message: an identity, a header and (today) at most one buffer."""
+"""Most frames in one CURVE message: an identity, a header and a few buffers."""
 _HEADER_ROOM = 2 << 20  # an identity and a header (at most 1 MiB) beside the largest buffer
 
 ZAP_DOMAIN = "ftmem"
@@ -134,17 +127,6 @@ def _ip(address: bytes) -> str:
         return ""
 
 
-def _hosts(endpoints: list[str]) -> frozenset[str] | None:
-    """The addresses of ``endpoints``' hosts; None (any address) if one does not resolve."""
-    try:
-        return frozenset(
-            ip for ep in endpoints for ip in data_channel._ips(data_channel.split_endpoint(ep)[0])
-        )
-    except (OSError, ValueError) as exc:
-        log.warning("a peer host does not resolve (%s); its CURVE port takes any address", exc)
-        return None
-
-
 def _bindable(host: str) -> bool:
     """Whether ``host`` is a local address that outgoing connections can come from."""
     try:
@@ -160,12 +142,9 @@ class ZmqPeerTransport(PeerTransport):
     """PeerTransport over TCP + CURVE (see the module docstring).
 
     Resource handling: owns a context, the ZAP authenticator thread, a ROUTER (incoming) and
-    one DEALER per peer (outgoing), and the data channel (its listener, connections and I/O
-    thread) unless ``encrypt_data``; :meth:`close` releases all with linger 0.
-
-    ``keys`` is the job's pair; the node's own pair is ``keys.node``, or a fresh one.
-    ``encrypt_data``: every message goes over CURVE (``--ftmem-ec-encrypt``); else those with
-    buffers go over the plain data channel with a keyed tag (module docstring).
+    one DEALER per peer (outgoing), and the data channel unless ``encrypt_data``
+    (``--ftmem-ec-encrypt``); :meth:`close` releases all with linger 0. ``keys`` is the job's
+    pair; the node's own pair is ``keys.node``, or a fresh one.
 
     Error handling: :meth:`send` raises PeerUnavailableError when the peer's queue stays full
     for ``send_timeout_s``; :meth:`recv` drops (and counts) malformed messages and messages
@@ -284,23 +263,23 @@ class ZmqPeerTransport(PeerTransport):
             ProtocolError: an address is malformed (nothing is changed then).
         """
         parsed = {node: PeerAddress.parse(addr) for node, addr in peers.items()}
-        members = {a.key: node for node, a in parsed.items() if node != self.node}
-        if len(members) != len([n for n in parsed if n != self.node]):
+        others = {n: a for n, a in parsed.items() if n != self.node}
+        keys = {n: a.key for n, a in others.items()}
+        if len(set(keys.values())) != len(keys):
             raise ProtocolError("two nodes of the generation have the same key")
-        self._members.keys = members
-        self._members.hosts = _hosts([a.endpoint for n, a in parsed.items() if n != self.node])
-        self._peer_keys = {node: a.key for node, a in parsed.items() if node != self.node}
+        self._peer_keys = keys
+        self._members.keys = {key: n for n, key in keys.items()}
+        self._members.hosts = data_channel.peer_hosts(
+            [a.endpoint for a in others.values()], f"[{self.node}] CURVE port"
+        )
         if self._data is not None:
-            self._data.set_members(
-                self._peer_keys,
-                {n: a.data for n, a in parsed.items() if n != self.node and a.data},
-            )
+            self._data.set_members(keys, {n: a.data for n, a in others.items() if a.data})
         for node in list(self._peers):
             if peers.get(node) != self._endpoints.get(node):
                 self._peers.pop(node).close(linger=0)
                 self._endpoints.pop(node, None)
-        for node, addr in parsed.items():
-            if node == self.node or node in self._peers:
+        for node, addr in others.items():
+            if node in self._peers:
                 continue
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
@@ -309,9 +288,8 @@ class ZmqPeerTransport(PeerTransport):
             d.curve_publickey = self.node_keys.public
             d.curve_secretkey = self.node_keys.secret
             d.connect(self._source + addr.endpoint.removeprefix("tcp://"))
-            ep = peers[node]
             self._peers[node] = d
-            self._endpoints[node] = ep
+            self._endpoints[node] = peers[node]
 
     def _frames(self, header: dict[str, Any], buffers: list[memoryview | bytes]) -> list[Any]:
         views = [memoryview(b) for b in buffers]
@@ -323,59 +301,43 @@ class ZmqPeerTransport(PeerTransport):
         self._ids += 1
         return [encode(env, self._ids, None), *views]
 
-    def _on_data(self, node: str, buffers: list[memoryview | bytes]) -> bool:
-        """Whether a message to ``node`` goes on the data channel (module docstring)."""
-        if node not in self._peers:
-            raise PeerUnavailableError(f"no connection to node {node!r}")
-        return bool(buffers) and self._data is not None and self._data.has_peer(node)
-
-    def _put_data(
-        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
-    ) -> None:
-        """Frame and tag a message once the data channel takes it (a full queue costs no
-        hashing), and queue it."""
-        assert self._data is not None
-        head, *views = self._frames(header, buffers)
-        parts = data_channel.frame(
-            self._data_key,
-            self.node_keys.public,
-            self._peer_keys[node],
-            self.node,
-            head,
-            views,
-        )
-        self._data.put(node, parts)
-        self.data_sent += 1
-
     def send(self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]) -> None:
         """Queue ``header`` + ``buffers`` to ``node`` (buffers are sent without copying)."""
-        if self._on_data(node, buffers):
-            assert self._data is not None
-            if not self._data.wait_room(node, self.send_timeout_s):
-                raise PeerUnavailableError(
-                    f"node {node!r} did not take a message within {self.send_timeout_s} s"
-                )
-            self._put_data(node, header, buffers)
-            return
-        sock = self._peers[node]
-        if not sock.poll(int(self.send_timeout_s * 1000), zmq.POLLOUT):
+        if not self._put(node, header, buffers, self.send_timeout_s):
             raise PeerUnavailableError(
                 f"node {node!r} did not take a message within {self.send_timeout_s} s"
             )
-        sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
 
     def try_send(
         self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes]
     ) -> bool:
         """Queue the message if ``node``'s queue has room now; never blocks."""
-        if self._on_data(node, buffers):
-            assert self._data is not None
-            if not self._data.has_room(node):
+        return self._put(node, header, buffers, 0.0)
+
+    def _put(
+        self, node: str, header: dict[str, Any], buffers: list[memoryview | bytes], wait_s: float
+    ) -> bool:
+        """Queue a message once ``node``'s queue has room (waiting at most ``wait_s``): on the
+        data channel if it has buffers and the peer one (framed and tagged only then, so a
+        full queue costs no hashing), else over CURVE."""
+        if node not in self._peers:
+            raise PeerUnavailableError(f"no connection to node {node!r}")
+        d = self._data
+        if buffers and d is not None and d.has_peer(node):
+            if not d.wait_room(node, wait_s):
                 return False
-            self._put_data(node, header, buffers)
+            head, *views = self._frames(header, buffers)
+            pub = self.node_keys.public
+            d.put(
+                node,
+                data_channel.frame(
+                    self._data_key, pub, self._peer_keys[node], self.node, head, views
+                ),
+            )
+            self.data_sent += 1
             return True
         sock = self._peers[node]
-        if not sock.poll(0, zmq.POLLOUT):
+        if not sock.poll(int(wait_s * 1000), zmq.POLLOUT):
             return False
         try:
             sock.send_multipart(self._frames(header, buffers), copy=False, flags=zmq.NOBLOCK)
@@ -391,17 +353,14 @@ class ZmqPeerTransport(PeerTransport):
             if self._router in ready:  # CURVE first: control messages are not held up by bulk
                 frames = self._router.recv_multipart(copy=False)
                 self._check_total(frames)
-                if len(frames) < 2:
-                    raise ProtocolError("peer message without a header")
-                msg = self._parse(bytes(frames[1].buffer), [f.buffer for f in frames[2:]])
-                return PeerMessage(self._check_sender(frames), msg.header, msg.buffers)
+                sender = self._check_sender(frames)
+                return self._parse(sender, bytes(frames[1].buffer), [f.buffer for f in frames[2:]])
             if self._data is not None and self._data.wake_fd in ready:
                 got = self._data.take()
                 if got is None:
                     return None
                 self._check_tag(got)
-                msg = self._parse(got.header, got.buffers)
-                return PeerMessage(got.sender, msg.header, msg.buffers)
+                return self._parse(got.sender, got.header, got.buffers)
         except ProtocolError as exc:
             self._dropped += 1
             log.warning("[%s] dropped a peer message: %s", self.node, exc)
@@ -410,21 +369,17 @@ class ZmqPeerTransport(PeerTransport):
     def _check_tag(self, got: data_channel.Received) -> None:
         """Check a data-channel message's tag (its head's was checked as it arrived)."""
         public = self._peer_keys.get(got.sender)
-        want = (
-            data_mac.tag(
-                self._data_key, public, self.node_keys.public, got.sender, got.header, got.buffers
-            )
-            if public is not None
-            else b""
+        if public is not None:
+            mine = self.node_keys.public
+            want = data_mac.tag(self._data_key, public, mine, got.sender, got.header, got.buffers)
+            if hmac.compare_digest(got.tag, want):
+                return
+            self._note_refused(got.sender, got.header)
+        self._forged += 1
+        raise ProtocolError(
+            f"a data-channel message from node {got.sender[:16]!r} does not carry its tag "
+            "(altered on the way, or sent without the job's key)"
         )
-        if not want or not hmac.compare_digest(got.tag, want):
-            self._forged += 1
-            if public is not None:
-                self._note_refused(got.sender, got.header)
-            raise ProtocolError(
-                f"a data-channel message from node {got.sender[:16]!r} does not carry its tag "
-                "(altered on the way, or sent without the job's key)"
-            )
 
     def _check_sender(self, frames: list[zmq.Frame]) -> str:
         """The node a message comes from: its connection's key's. A routing id the client
@@ -473,9 +428,8 @@ class ZmqPeerTransport(PeerTransport):
                 f"a message of {total} bytes, larger than {self.max_message_bytes} in all"
             )
 
-    def _parse(self, header: bytes, bufs: list[memoryview]) -> PeerMessage:
-        """The header and buffers of a message, checked against each other."""
-        sender = ""  # filled in by the caller
+    def _parse(self, sender: str, header: bytes, bufs: list[memoryview]) -> PeerMessage:
+        """The message ``sender`` sent, its header and buffers checked against each other."""
         try:
             _, kind, env = decode(header, None, 1 << 20)
         except (ValueError, RecursionError) as exc:  # json.loads: ValueError for 4300+ digits

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ftmem.exchange.codec import EncodedStripe, StripeCodec
-from ftmem.exchange.encode_pool import EncodePool
+from ftmem.exchange.encode_pool import EncodePool, StripeEncoder
 
 CHUNK = 64 << 10
 
@@ -136,7 +136,6 @@ def test_stripe_encoder_drops_unwanted_stripes_and_encodes_oversized_ones_itself
     """Queued stripes whose step is gone are skipped; a stripe larger than the pool's slots
     is encoded in the caller's thread and returned by ``ready`` like the others."""
     from ftmem.exchange.placement import StripePlan, plan_group, stripe_map
-    from ftmem.exchange.stripe_encoder import StripeEncoder
 
     codec = StripeCodec(2, 1)
     plan = plan_group([0, 1, 2], 1)
