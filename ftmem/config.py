@@ -76,35 +76,35 @@ def _private_runtime_dir() -> Path | None:
 
 
 def user_base_dir() -> Path:
-    """This user's private directory for ftmem's run directories and locks:
-    ``$XDG_RUNTIME_DIR/ftmem`` when the runtime directory is private, else
-    ``/tmp/ftmem-<uid>`` (created 0700 and checked by whoever uses it)."""
+    """This user's private directory for run directories and locks: ``$XDG_RUNTIME_DIR/ftmem``
+    when the runtime directory is private, else ``/tmp/ftmem-<uid>`` (created 0700 and
+    checked by whoever uses it)."""
     runtime = _private_runtime_dir()
     return runtime / "ftmem" if runtime else Path("/tmp") / f"ftmem-{os.getuid()}"
 
 
 def default_shm_dir() -> Path:
     """Return FTMEM_SHM_DIR (made absolute) if set, else ``/dev/shm/ftmem-<uid>``: this user's
-    private directory (mode 0700) for slot files. The SMP creates it and refuses it if it is
-    another user's, a symlink, or writable by others; ranks refuse to map a slot file unless
-    the directory is this user's with mode 0700 (:mod:`ftmem.shm`)."""
+    private directory (mode 0700) for slot files (checked by the SMP and the ranks,
+    :mod:`ftmem.shm`)."""
     env = os.environ.get(ENV_SHM_DIR)
     if env:
         return Path(env).absolute()
     return Path("/dev/shm") / f"ftmem-{os.geteuid()}"
 
 
+MAX_SLOT_BYTES = 1 << 40
+"""The largest slot (1 TiB): a request, record or manifest naming a larger one is refused."""
+
 MAX_SOCKET_PATH = 100
 """Longest path of a Unix socket (``sun_path`` holds 108 bytes; some systems 104)."""
 
 
 def default_run_dir(run_id: str | None = None, node: str | None = None) -> Path:
-    """The one rule for a run directory: under :func:`user_base_dir` (``$XDG_RUNTIME_DIR/ftmem``
-    when the runtime directory is private, else ``/tmp/ftmem-<uid>``), ``<run_id>`` or, for
-    one node of a launched job, ``<run_id>-<node>``, shortened from the left so that its
-    socket's path fits :data:`MAX_SOCKET_PATH`. Without a node, FTMEM_RUN_DIR (what
-    ``ftmem-launch`` gives its ranks) comes first. The SMP creates the directory and its
-    parent with mode 0700 and refuses them if another user owns them
+    """The one rule for a run directory: under :func:`user_base_dir`, ``<run_id>`` or, for one
+    node of a launched job, ``<run_id>-<node>``, shortened from the left so that its socket's
+    path fits :data:`MAX_SOCKET_PATH`. Without a node, FTMEM_RUN_DIR (what ``ftmem-launch``
+    gives its ranks) comes first. The SMP creates it private
     (:func:`ftmem.secure_fs.prepare_private_dir`)."""
     env = os.environ.get(ENV_RUN_DIR)
     if env and node is None:
@@ -141,9 +141,8 @@ class SmpConfig:
     max_message_bytes: int = 16 << 20
     """Largest message accepted on the rank socket; larger ones are dropped by ZeroMQ."""
     shm_dir: Path = field(default_factory=default_shm_dir)
-    """This user's private directory (mode 0700, on a tmpfs) holding the slot files and their
-    commit records (FTMEM_SHM_DIR, default ``/dev/shm/ftmem-<uid>``). The SMP creates it and
-    refuses to start if it is another user's, a symlink, or open to others."""
+    """This user's private directory (on a tmpfs) of the slot files and commit records
+    (:func:`default_shm_dir`); the SMP refuses to start if it is not private."""
     parent_pid: int | None = None
     """If set, the SMP exits (cleaning up) when this process is gone."""
     adopt: bool = True
@@ -167,10 +166,8 @@ class SmpConfig:
     """On SIGTERM (preemption), time allowed for a final flush of the newest step."""
     hash_threads: int = 0
     """Threads that checksum committed slots (xxh3 releases the GIL); 0: half the cores this
-    process may run on, at most 8 (:func:`hash_threads_for`). On a GPU node these are the
-    host's idle cores, and the slot a new snapshot replaces stays held until the snapshot is
-    checked, so more threads let saves follow each other sooner. On a 2-core CPU-only node it
-    is 1, sharing the cores with training."""
+    process may run on, at most 8 (:func:`hash_threads_for`). A slot stays held until its
+    snapshot is checked, so more threads let saves follow each other sooner."""
 
     def __post_init__(self) -> None:
         check_name("run_id", self.run_id)
@@ -198,8 +195,8 @@ def hash_threads_for(setting: int) -> int:
 
 
 def field_default(cls: type, name: str) -> Any:
-    """The default of field ``name`` of dataclass ``cls`` (its factory's value): the one place
-    a setting's default is written; the command lines that set it read it from there."""
+    """The default of field ``name`` of dataclass ``cls`` (its factory's value), for the
+    command lines that set it."""
     f = {x.name: x for x in dataclasses.fields(cls)}[name]
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -248,8 +245,8 @@ class ClientConfig:
     )
     """If ranks disagree (some have a snapshot, some none), start fresh instead of raising."""
     shard_replicated: bool = field(default_factory=lambda: os.environ.get(ENV_SHARD, "1") != "0")
-    """Under data parallelism (``replicated_over=``, or a DDP module in the state), each replica
-    saves only its share of the replicated parameters and optimizer state (FTMEM_SHARD=0: off)."""
+    """Under data parallelism each replica saves only its share of the replicated state
+    (FTMEM_SHARD=0: off)."""
     arena_headroom: float = 0.10
     """Extra fraction allocated over the first snapshot's size, so small growth needs no resize."""
     flush_dirs: list[Path] = field(

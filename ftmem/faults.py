@@ -9,23 +9,12 @@ In an SMP, ``rank`` matches the node index of the peer mesh:
 protected a step; ``in_protect:rank=1:step=5`` SIGKILLs node 1's SMP as it starts protecting
 step 5.
 
-**Armed faults (once per run, not once per process).** ``FTMEM_FAULT_FILE=/dir/armed.jsonl``
-names a file of *armed faults* that every process of a run (ranks, SMPs, flush workers: they
-inherit the variable from ``ftmem-launch``) reads, and reads again whenever it changes (one
-``stat`` at most every :data:`RECHECK_S` seconds, only when a fault point is passed). Each
-line is one JSON object (:class:`ArmedFault`)::
-
-    {"id": "f3", "point": "in_restore", "node": "n1", "rank": 1, "fault": "kill"}
-
-``node`` matches the process's ``FTMEM_NODE`` (the chaos runner sets it for every agent, and
-the SMP and flush worker inherit it), ``rank`` the point's rank, ``step`` its step exactly,
-``min_step`` any step at or above; a missing field matches anything. The first process whose
-point matches *claims* the fault by creating ``fired-<id>.json`` next to the file with
-``O_CREAT | O_EXCL`` (atomic: exactly one process wins, across every process and every
-restart of the run) and writes who fired it and when; only the winner fires. A test or the
-chaos runner arms a fault with :func:`arm`, learns that it fired with :func:`fired` and takes
-it back with :func:`disarm` (which claims it without firing). Arming a fault in a file that
-processes already watch reaches them within :data:`RECHECK_S`.
+**Armed faults (once per run).** ``FTMEM_FAULT_FILE`` names a file of JSON lines
+(:class:`ArmedFault`) that every process of a run watches (one ``stat`` at most every
+:data:`RECHECK_S`, only when a fault point is passed); a missing field matches anything. The
+first process whose point matches claims the fault by creating ``fired-<id>.json`` beside the
+file with ``O_EXCL`` (exactly one process wins, across restarts) and fires it. Tests and the
+chaos runner use :func:`arm`, :func:`fired` and :func:`disarm` (docs/chaos.md).
 
 Unset (neither variable), each check costs two comparisons.
 """
@@ -46,7 +35,7 @@ from typing import Annotated, Any
 
 from ftmem.config import ENV_FAULT, ENV_FAULT_FILE, ENV_NODE
 from ftmem.errors import ProtocolError
-from ftmem.typed_json import Pattern, parse
+from ftmem.typed_json import Pattern, loads, parse, to_fields
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +128,7 @@ class ArmedFault:
 
     def to_json(self) -> str:
         """One line of the armed-faults file."""
-        doc: dict[str, Any] = {"id": self.id, "point": self.point.value, "fault": self.fault.value}
-        for k in ("node", "rank", "step", "min_step"):
-            if getattr(self, k) is not None:
-                doc[k] = getattr(self, k)
+        doc = {k: v for k, v in to_fields(self).items() if v is not None}
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
@@ -216,8 +202,8 @@ def fired(path: Path, fault_id: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError):
+        doc = loads(text, "a fired fault's record")
+    except ProtocolError:
         doc = None  # claimed, its writer died before finishing the record
     return doc if isinstance(doc, dict) else {"id": fault_id, "incomplete": True}
 

@@ -179,3 +179,24 @@ def create_private_file(path: Path, data: bytes) -> bool:
         return True
     finally:
         os.unlink(tmp)
+
+
+def replace_private_file(path: Path, data: bytes, tmp: Path | None = None) -> None:
+    """Write ``data`` to ``path`` (mode 0600) atomically: to a new temporary file (``tmp``,
+    default ``.<name>.tmp-<pid>`` beside it), renamed over ``path``. The temporary file is
+    created ``O_EXCL|O_NOFOLLOW``: one left by a write that died, or planted, is removed
+    first, and nothing is written through a symlink. Raises OSError (no file is left)."""
+    tmp = tmp or path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileExistsError:
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,19 +1,17 @@
 """Named shared-memory segments (slot files on a tmpfs) that hold snapshot slots.
 
 The SMP creates each slot file (mode 0600, its pages allocated with ``posix_fallocate``) and
-removes it; ranks map the files it names, populating their page tables when they map them
-(on the copy thread, without holding the GIL: :func:`populate_write`), so no rank pays
-first-touch page faults on the training path.
+removes it; ranks map the files it names, populating their page tables on the copy thread
+without the GIL (:func:`populate_write`), so no rank pays first-touch faults on the training
+path.
 
-Where and under which name: every slot file and commit record lives in this user's private
-directory (mode 0700, default ``/dev/shm/ftmem-<uid>``, :func:`ftmem.config.default_shm_dir`),
-never directly in the world-writable ``/dev/shm``, so no other user can plant a file under a
-slot's name or make an allocation fail. A slot file is named
-``<run>@<node>@<nonce>@r<rank>-s<slot>-g<gen>`` (:func:`slot_file_name`): run ids and node
-names cannot contain ``@`` (:func:`ftmem.config.check_name`), so a name belongs to exactly one
-run and node (run ``a-b`` node ``c`` and run ``a`` node ``b-c`` differ), and ``<nonce>`` is
-random per SMP (:func:`new_nonce`), so names are not predictable either. A restarted SMP of
-the same run and node adopts slot files of any nonce (:func:`parse_slot_name`).
+Every slot file and commit record lives in this user's private directory (mode 0700, default
+``/dev/shm/ftmem-<uid>``: :func:`ftmem.config.default_shm_dir`), never directly in the
+world-writable ``/dev/shm``, so no other user can plant a file under a slot's name. A slot
+file is named ``<run>@<node>@<nonce>@r<rank>-s<slot>-g<gen>`` (:func:`slot_file_name`): run
+ids and node names cannot contain ``@`` (:func:`ftmem.config.check_name`), so a name belongs
+to exactly one run and node, and ``<nonce>`` is random per SMP (:func:`new_nonce`). A
+restarted SMP of the same run and node adopts slot files of any nonce.
 """
 
 from __future__ import annotations
@@ -44,8 +42,6 @@ SLOT_ROUND = 2 << 20  # slot capacities are multiples of 2 MiB
 
 NAME_SEP = "@"
 """Separates run id, node name, nonce and slot in a slot file's name (never in a name)."""
-RECORD_SUFFIXES = (".commit", ".commit.tmp")
-"""A commit record's suffix and its temporary file's (see :mod:`ftmem.smp.records`)."""
 _NONCE_HEX = 16
 BOARD_SUFFIX = "grants"
 """The "suffix" :func:`parse_slot_name` gives an SMP's grant board (:class:`GrantBoard`)."""
@@ -68,7 +64,7 @@ class SlotName:
     gen: int
     suffix: str
     """``""`` for a slot file, :data:`BOARD_SUFFIX` for a grant board (rank, slot and gen
-    -1), else one of :data:`RECORD_SUFFIXES`."""
+    -1), ``.commit`` or ``.commit.tmp`` for a commit record (:mod:`ftmem.smp.records`)."""
 
 
 def new_nonce() -> str:
@@ -117,10 +113,8 @@ POPULATE_CHUNK = 32 << 20
 def populate_write(mm: mmap.mmap, nbytes: int) -> bool:
     """Fault in the first ``nbytes`` of the writable mapping ``mm`` for writing (its pages and
     page tables: ``MADV_POPULATE_WRITE``, Linux >= 5.14) without holding the GIL, so the
-    process's other threads (the training loop) run meanwhile; False where the kernel refuses.
-
-    Neither ``MAP_POPULATE`` nor ``mmap.madvise`` would do: CPython holds the GIL through
-    both, and for a 2 GiB slot that stopped the training thread for seconds."""
+    training thread runs meanwhile (CPython holds the GIL through ``MAP_POPULATE`` and
+    ``mmap.madvise``); False where the kernel refuses."""
     global _LIBC
     if _LIBC is None:
         libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
@@ -177,17 +171,14 @@ def space_shortfall(directory: Path, needed: int, *, node_total: int, what: str)
 
 
 def create_segment(path: Path, nbytes: int) -> None:
-    """Create the file ``path`` of ``nbytes`` (mode 0600, must not exist) and pre-fault it.
-
-    Error handling: on any failure (e.g. /dev/shm full) the partial file is removed and
-    the OSError propagates.
-    """
+    """Create the file ``path`` of ``nbytes`` (mode 0600, must not exist) and allocate its
+    pages. On any failure (e.g. /dev/shm full) the partial file is removed and the OSError
+    propagates."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
-            # On a tmpfs this allocates every page, with the GIL released. The kernel zeroes
-            # each page at its first touch: for a rank's slot, the pre-fault of the rank's
-            # copy thread when it maps the slot.
+            # On a tmpfs this allocates every page, with the GIL released (the kernel zeroes
+            # each at its first touch: the rank's pre-fault when it maps the slot).
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
@@ -210,22 +201,22 @@ def remove_segment(path: Path) -> None:
         pass
 
 
-def check_slot_path(path: Path, shm_dir: Path | None = None) -> Path:
-    """Return ``path`` resolved, after checking that it names a slot file directly in
-    ``shm_dir`` (default: the directory it names, i.e. any directory that passes the next
-    check) and that ``shm_dir`` is a real directory of this user with mode 0700, so nobody
-    else can have planted or swapped an entry (its parent, ``/dev/shm``, is sticky: only the
-    directory's owner can rename it).
+def check_slot_path(path: Path, shm_dir: Path | None = None, suffix: str = "") -> Path:
+    """Return ``path`` resolved, after checking that it names a slot file (``suffix``
+    :data:`BOARD_SUFFIX`: a grant board) directly in ``shm_dir`` (default: the directory it
+    names) and that ``shm_dir`` is a real directory of this user with mode 0700, so nobody
+    else can have planted or swapped an entry (its parent, ``/dev/shm``, is sticky).
 
     Raises:
-        ValueError: ``path`` is not a slot file's name, or lies elsewhere.
+        ValueError: ``path`` is not such a name, or lies elsewhere.
         UnsafePathError: ``shm_dir`` is a symlink, another user's, or open to others.
     """
     shm_dir = Path(path).parent if shm_dir is None else shm_dir
     resolved = Path(os.path.realpath(path))
     name = parse_slot_name(resolved.name)
-    if resolved.parent != Path(os.path.realpath(shm_dir)) or name is None or name.suffix:
-        raise ValueError(f"refusing to map {path}: not a slot file in {shm_dir}")
+    if resolved.parent != Path(os.path.realpath(shm_dir)) or name is None or name.suffix != suffix:
+        what = "a grant board" if suffix else "a slot file"
+        raise ValueError(f"refusing to map {path}: not {what} in {shm_dir}")
     check_dir(shm_dir, "shared-memory directory", private=True)
     return resolved
 
@@ -233,12 +224,10 @@ def check_slot_path(path: Path, shm_dir: Path | None = None) -> Path:
 class MappedSegment:
     """A rank's read/write mapping of one slot file, exposed as a uint8 tensor.
 
-    The file must be a slot file (by its name) directly in ``shm_dir`` (the SMP's HELLO
-    reply names it; default: the directory ``path`` names), that directory a real directory
-    of this user with mode 0700 (:func:`check_slot_path`), and the file a regular file
-    (opened without following a symlink) of this user that nobody else can read or write;
-    otherwise UnsafePathError (or ValueError for a wrong place, name or size) is raised and
-    nothing is mapped.
+    The path is checked by :func:`check_slot_path` (``shm_dir``: the one the SMP's HELLO
+    reply names) and the file must be a regular file of this user that nobody else can read
+    or write; otherwise UnsafePathError (or ValueError for a wrong place, name or size) is
+    raised and nothing is mapped.
 
     Resource handling: the mapping lives until :meth:`close` (idempotent); tensors taken
     from :attr:`tensor` must be dropped first.
@@ -254,8 +243,7 @@ class MappedSegment:
             self._mm = mmap.mmap(fd, expect_bytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        # The page tables, filled now and without the GIL (else the first copy into the
-        # slot takes the faults; they cost no training time either way).
+        # The page tables, filled now and without the GIL (else the first copy takes the faults).
         populate_write(self._mm, expect_bytes)
         import torch
 
@@ -277,19 +265,21 @@ class MappedSegment:
         self._mm = None  # type: ignore[assignment]
 
 
-def map_readonly(path: Path, nbytes: int) -> mmap.mmap:
-    """Map the first ``nbytes`` of an existing slot file read-only (the SMP reads, ranks write).
+def map_readonly(path: Path | str, nbytes: int = 0) -> tuple[mmap.mmap, os.stat_result]:
+    """Map the first ``nbytes`` (0: all) of an existing slot file read-only (the SMP reads,
+    ranks write), without following a symlink; the mapping and the file's ``fstat``.
 
     Raises:
-        OSError: the file is missing.
-        ValueError: the file is shorter than ``nbytes``.
+        OSError: the file is missing (or a symlink).
+        ValueError: the file is empty or shorter than ``nbytes``.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise ValueError(f"segment {path} has {size} bytes, fewer than {nbytes}")
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        st = os.fstat(fd)
+        if st.st_size < max(nbytes, 1):
+            raise ValueError(f"segment {path} has {st.st_size} bytes, fewer than {nbytes or 1}")
+        mm = mmap.mmap(fd, nbytes or st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return mm, st
     finally:
         os.close(fd)
 
@@ -315,21 +305,16 @@ BOARD_CELLS = 4096
 def board_file_name(run_id: str, node: str, nonce: str) -> str:
     """The file name of an SMP's grant board, ``<run>@<node>@<nonce>@grants``."""
     name = f"{run_id}{NAME_SEP}{node}{NAME_SEP}{nonce}{NAME_SEP}{BOARD_SUFFIX}"
-    parsed = parse_slot_name(name)
-    if parsed is None or parsed.suffix != BOARD_SUFFIX:
+    if parse_slot_name(name) != SlotName(run_id, node, nonce, -1, -1, -1, BOARD_SUFFIX):
         raise ValueError(f"not a valid grant board name: {name!r}")
     return name
 
 
 class GrantBoard:
     """An SMP's grant board: one byte per rank saying whether the slot granted to its next
-    save is ready to be written (:data:`GRANT_READY`), which the rank reads from its
-    read-only mapping (:func:`read_board`) without a message. Only the SMP writes it, a
-    cell at a time (a byte: never torn).
-
-    Resource handling: the file (mode 0600, ``BOARD_CELLS`` bytes) is made at construction
-    and removed by :meth:`close` (and with the run's other files by a restarted SMP or
-    ``ftmem cleanup``).
+    save may be written (:data:`GRANT_READY`), which the rank reads from its read-only mapping
+    (:func:`map_board`) without a message. Only the SMP writes it, a byte at a time (never
+    torn). The file (mode 0600) is made at construction and removed by :meth:`close`.
     """
 
     def __init__(self, path: Path) -> None:
@@ -355,23 +340,15 @@ class GrantBoard:
 
 
 def map_board(path: Path, shm_dir: Path) -> mmap.mmap:
-    """A rank's read-only mapping of the grant board ``path``, which must be a grant board's
-    name directly in ``shm_dir`` (this user's directory, mode 0700) and a regular file of this
-    user, readable by nobody else, of ``BOARD_CELLS`` bytes.
+    """A rank's read-only mapping of the grant board ``path``, checked as
+    :func:`check_slot_path` does and opened as a regular file of this user, readable by
+    nobody else, of ``BOARD_CELLS`` bytes.
 
     Raises:
         UnsafePathError: the directory or the file is not this user's private one.
         ValueError: a wrong name, place or size.
     """
-    resolved = Path(os.path.realpath(path))
-    name = parse_slot_name(resolved.name)
-    if (
-        resolved.parent != Path(os.path.realpath(shm_dir))
-        or name is None
-        or (name.suffix != BOARD_SUFFIX)
-    ):
-        raise ValueError(f"refusing to map {path}: not a grant board in {shm_dir}")
-    check_dir(shm_dir, "shared-memory directory", private=True)
+    resolved = check_slot_path(path, shm_dir, BOARD_SUFFIX)
     fd = open_owned(resolved, "grant board", os.O_RDONLY, private=True)
     try:
         if os.fstat(fd).st_size != BOARD_CELLS:

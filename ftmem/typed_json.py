@@ -18,8 +18,7 @@ OverflowError). The annotations:
 - ``Path``: a non-empty string without NUL of at most 4096 characters; ``timedelta``: a
   finite number of seconds >= 0 (settings files).
 
-A reader is made once per annotation and a field table once per class, so reading costs a
-call per field, not a look at the annotations.
+Readers are made once per annotation and field tables once per class.
 """
 
 from __future__ import annotations
@@ -81,8 +80,7 @@ Reader = Callable[[str, Any, bool], Any]
 
 
 def _reader(tp: Any) -> Reader:
-    """The reader of annotation ``tp``, made once per annotation (a status document of many
-    ranks is read field by field without looking at an annotation again)."""
+    """The reader of annotation ``tp`` (cached)."""
     read = _READERS.get(tp)
     if read is None:
         read = _READERS[tp] = _make_reader(tp)
@@ -125,13 +123,6 @@ def _make_reader(tp: Any) -> Reader:
         return read_union
     if tp is Any:
         return lambda name, value, strict: value
-    if tp is type(None):
-
-        def read_null(name: str, value: Any, strict: bool) -> None:
-            if value is not None:
-                raise ProtocolError(f"field {name!r} must be null")
-
-        return read_null
     if tp is int and digits is not None:
 
         def read_digits(name: str, value: Any, strict: bool) -> int:
@@ -262,8 +253,8 @@ _FIELDS: dict[type[Any], tuple[frozenset[str], list[tuple[str, bool, Reader]]]] 
 
 
 def _fields(cls: type[Any]) -> tuple[frozenset[str], list[tuple[str, bool, Reader]]]:
-    """The field names of dataclass ``cls`` and, per field, (name, has a default, reader):
-    made once per class."""
+    """The field names of dataclass ``cls`` and, per field, (name, has a default, reader)
+    (cached)."""
     out = _FIELDS.get(cls)
     if out is None:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -281,9 +272,7 @@ def _fields(cls: type[Any]) -> tuple[frozenset[str], list[tuple[str, bool, Reade
 
 
 def build(cls: type[Any], fields: Any, *, what: str = "", strict: bool = True) -> Any:
-    """Build the dataclass ``cls`` from decoded JSON, reading every field as its annotation
-    says (bounds: :class:`Most`); nested dataclasses, lists and tuples of them are built item
-    by item. This is the one reader of every JSON document ftmem receives.
+    """Build the dataclass ``cls`` from decoded JSON, every field read as its annotation says.
 
     ``strict=False`` reads a status report: fields ``cls`` does not know are ignored (a newer
     sender may report more), and a null field that has a default takes the default.
@@ -314,23 +303,40 @@ def build(cls: type[Any], fields: Any, *, what: str = "", strict: bool = True) -
 _ABSENT = object()
 
 
+def loads(text: str | bytes, what: str, max_bytes: int | None = None) -> Any:
+    """Decode JSON text of at most ``max_bytes`` (the one decoder of every received document).
+
+    Raises:
+        ProtocolError: too long, or not JSON (also an integer past Python's int-to-str limit,
+            which ``json.loads`` refuses with a ValueError, and nesting too deep).
+    """
+    if max_bytes is not None and len(text) > max_bytes:
+        raise ProtocolError(f"{what}: a line of {len(text)} bytes, more than {max_bytes}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{what} is not JSON: {str(exc)[:200]}") from exc
+
+
 def parse(cls: type[T], text: str | bytes, *, what: str = "", strict: bool = True) -> T:
     """:func:`build` ``cls`` from JSON text.
 
     Raises:
         ProtocolError: not JSON (NaN and Infinity are no numbers here either), or not ``cls``.
     """
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError(f"{what or cls.__name__} is not JSON: {str(exc)[:200]}") from exc
-    got: T = build(cls, doc, what=what, strict=strict)
+    got: T = build(cls, loads(text, what or cls.__name__), what=what, strict=strict)
     return got
 
 
+def read(tp: Any, value: Any, what: str) -> Any:
+    """One decoded JSON value read as annotation ``tp`` (e.g. a node index sent as an
+    object's key). Raises ProtocolError."""
+    return _reader(tp)(what, value, True)
+
+
 def to_fields(payload: Any) -> dict[str, Any]:
-    """Return the JSON-ready fields of a payload or reply dataclass (nested dataclasses and
-    enums as JSON values)."""
+    """Return the JSON-ready fields of a dataclass: nested dataclasses as objects, enums as
+    their values, tuples as lists, paths as strings (what :func:`build` reads back)."""
     return {f.name: _json_value(getattr(payload, f.name)) for f in dataclasses.fields(payload)}
 
 
@@ -339,6 +345,8 @@ def _json_value(v: Any) -> Any:
         return v.value
     if dataclasses.is_dataclass(v):
         return to_fields(v)
-    if isinstance(v, list | tuple) and v and dataclasses.is_dataclass(v[0]):
-        return [to_fields(x) for x in v]
+    if isinstance(v, list | tuple):
+        return [_json_value(x) for x in v]
+    if isinstance(v, Path):
+        return str(v)
     return v

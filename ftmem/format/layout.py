@@ -1,8 +1,7 @@
 """Slot layouts: where each tensor of a snapshot lives, its checksum, and the objects extent.
 
-A layout is JSON text. The client writes it (without checksums) in its COMMIT; the SMP
-hashes the slot and fills the checksums in (:func:`with_hashes`): the snapshot is then
-*verified*. Every reader (the rank at load, the SMP, the exchange, the flush) parses it with
+A layout is JSON text. The client commits it without checksums; the SMP hashes the slot and
+fills them in: the snapshot is then *verified*. Every reader parses it with
 :func:`parse_layout`, the one validator, against the capacity of the slot it describes.
 
 Document (version 2)::
@@ -14,12 +13,10 @@ Document (version 2)::
      "objects": {"offset": 128, "nbytes": 300, "hash": "..."},
      "unsharded_nbytes": 0}
 
-Checksums are xxh3-64 (python-xxhash: cheaper than a memcpy of the same bytes and several
-times cheaper than crc32, and it releases the GIL; ``bench/datapath.py`` measures the hash
-functions). An extent's checksum is its *digest* (:func:`digest`): the xxh3-64
+An extent's checksum is its *digest* (:func:`digest`): the xxh3-64 (which releases the GIL)
 of each piece of ``HASH_PIECE`` bytes, in hex, joined by ``.``. Pieces let the SMP hash one
-large tensor on several threads, and let a restore check each piece just before it copies
-it, so no corrupt byte is ever written into a live tensor.
+large tensor on several threads, and let a restore check each piece just before it copies it,
+so no corrupt byte is ever written into a live tensor.
 """
 
 from __future__ import annotations
@@ -172,14 +169,19 @@ def tensors_json(extents: tuple[TensorExtent, ...] | list[TensorExtent]) -> str:
 
 
 def layout_json(
-    tensors: str, step: int, objects: tuple[int, int], unsharded_nbytes: int = 0
+    tensors: str,
+    step: int,
+    objects: tuple[int, int],
+    unsharded_nbytes: int = 0,
+    objects_hash: str = "",
 ) -> str:
-    """The layout of one snapshot as the client commits it: ``tensors`` from
-    :func:`tensors_json`, ``objects`` the (offset, nbytes) of the encoded skeleton."""
+    """The layout of one snapshot: ``tensors`` from :func:`tensors_json` (or with checksums),
+    ``objects`` the (offset, nbytes) of the encoded skeleton and ``objects_hash`` its digest
+    ("" as the client commits it)."""
     head = (
         f'{{"version":{LAYOUT_VERSION},"step":{int(step)},'
-        f'"objects":{{"offset":{int(objects[0])},"nbytes":{int(objects[1])},"hash":""}},'
-        f'"unsharded_nbytes":{int(unsharded_nbytes)},"tensors":'
+        f'"objects":{{"offset":{int(objects[0])},"nbytes":{int(objects[1])},'
+        f'"hash":"{objects_hash}"}},"unsharded_nbytes":{int(unsharded_nbytes)},"tensors":'
     )
     return head + tensors + "}"
 
@@ -214,14 +216,7 @@ def _load(text: str) -> dict[str, Any]:
     return doc
 
 
-def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise CorruptSnapshotError(f"{what} must be an integer in [{lo}, {hi}], not {value!r}")
-    return value
-
-
-# The document's grammar (read by typed_json.build, the one JSON reader; fields it does not know
-# are ignored):
+# The document's grammar (typed_json.build; unknown fields are ignored):
 Size = Annotated[int, Range(0, 1 << 62)]
 Dims = Annotated[tuple[Size, ...], Most(64)]
 
@@ -317,15 +312,14 @@ _NO_HASH = '"hash":""'
 
 @dataclass(frozen=True, slots=True)
 class RegisteredLayout:
-    """A layout's ``tensors`` array, validated once when a rank registers it with the SMP;
-    each COMMIT then names it by id and gives only the step and the objects extent."""
+    """A layout's ``tensors`` array, validated once when a rank registers it with the SMP
+    (each COMMIT then names it by id)."""
 
     tensors: tuple[StoredTensor, ...]
     end: int
     """The end of the last tensor extent: a slot must be at least this big."""
     parts: tuple[str, ...]
-    """The registered ``tensors`` array split at each tensor's empty checksum (one more part
-    than tensors): the array itself is ``"".join(parts)`` with the checksums left empty."""
+    """The registered ``tensors`` array split at each tensor's empty checksum."""
 
     def snapshot(
         self, step: int, objects: tuple[int, int], unsharded_nbytes: int, capacity: int
@@ -335,18 +329,13 @@ class RegisteredLayout:
         Raises:
             CorruptSnapshotError: the tensors or the objects extent do not fit the slot.
         """
-        ooff = _int(objects[0], "objects offset")
-        on = _int(objects[1], "objects size")
-        if self.end > capacity or ooff + on > capacity:
+        if self.end > capacity or objects[0] + objects[1] > capacity:
             raise CorruptSnapshotError("the layout does not fit its slot")
-        _int(step, "step")
-        _int(unsharded_nbytes, "unsharded_nbytes")
-        return StoredSnapshot(step, self.tensors, ooff, on, "", unsharded_nbytes)
+        return StoredSnapshot(step, self.tensors, *objects, "", unsharded_nbytes)
 
     def render(self, snap: StoredSnapshot, digests: list[str]) -> str:
-        """The layout document of ``snap`` with every checksum filled in: ``digests`` holds
-        the objects' first, then each tensor's (as :meth:`StoredSnapshot.extents` orders
-        them). Built by joining strings: nothing is parsed again.
+        """The layout document of ``snap`` with every checksum filled in (``digests`` ordered as
+        :meth:`StoredSnapshot.extents`), built by joining strings: nothing is parsed again.
 
         Raises:
             CorruptSnapshotError: the number of digests does not match.
@@ -357,12 +346,8 @@ class RegisteredLayout:
         for part, h in zip(self.parts[1:], digests[1:], strict=True):
             filled.append(f'"hash":"{h}"')
             filled.append(part)
-        head = (
-            f'{{"version":{LAYOUT_VERSION},"step":{int(snap.step)},'
-            f'"objects":{{"offset":{snap.objects_offset},"nbytes":{snap.objects_nbytes},'
-            f'"hash":"{digests[0]}"}},"unsharded_nbytes":{int(snap.unsharded_nbytes)},"tensors":'
-        )
-        return head + "".join(filled) + "}"
+        objects = (snap.objects_offset, snap.objects_nbytes)
+        return layout_json("".join(filled), snap.step, objects, snap.unsharded_nbytes, digests[0])
 
 
 def register_layout(text: str, max_bytes: int) -> RegisteredLayout:

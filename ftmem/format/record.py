@@ -18,13 +18,12 @@ from typing import Annotated, Any
 
 import xxhash
 
+from ftmem.config import MAX_SLOT_BYTES
 from ftmem.errors import ProtocolError
 from ftmem.typed_json import Most, Range, parse
 
 RECORD_VERSION = 2
 MAX_RECORD_BYTES = 64 << 20
-MAX_SLOT_BYTES = 1 << 40
-"""The largest slot (1 TiB): a record or manifest naming a larger one is refused."""
 _Count = Annotated[int, Range(0, (1 << 62) - 1)]
 _Bytes = Annotated[int, Range(0, MAX_SLOT_BYTES)]
 _Layout = Annotated[str, Most(MAX_RECORD_BYTES)]
@@ -57,9 +56,8 @@ class _RecordHead(_SlotIdentity):
 
 
 def record_text(fields: Mapping[str, Any]) -> str:
-    """``fields`` as a record's file text, three parts: the fields but ``layout`` as one line
-    of JSON, the layout as it is (JSON text itself: never escaped, since the SMP writes a
-    record at every commit and verification and a layout of thousands of tensors is large),
+    """``fields`` as a record's file text: the fields but ``layout`` as one line of JSON, the
+    layout as it is (JSON itself: never escaped, a large layout is written at every commit),
     and the xxh64 of the two, each part after a newline."""
     head = {k: v for k, v in fields.items() if k != "layout"}
     layout = str(fields.get("layout", ""))

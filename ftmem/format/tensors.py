@@ -13,19 +13,7 @@ import torch
 
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format import skeleton as codec
-from ftmem.format.layout import StoredSnapshot, digest
-
-__all__ = [
-    "DTYPES",
-    "GATHER_MARK",
-    "REPLICAS_KEY",
-    "TENSOR_MARK",
-    "decode_skeleton",
-    "dtype_name",
-    "encode_skeleton",
-    "read_objects",
-    "torch_dtype",
-]
+from ftmem.format.layout import DTYPE_SIZES, StoredSnapshot, digest
 
 TENSOR_MARK = "__ftmem_tensor__"
 GATHER_MARK = "__ftmem_gather__"
@@ -33,28 +21,8 @@ GATHER_MARK = "__ftmem_gather__"
 REPLICAS_KEY = "__ftmem_replicas__"
 """Skeleton key of the table that says which replica holds which rows (see shard_replicated)."""
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
+"""Every dtype a snapshot may hold, by its layout name."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -5,8 +5,3 @@ the PEER_START reply), peer.py (between SMPs), flush_jobs.py (the SMP and its fl
 rejoin.py (the agent's order to a rank that rejoins in process), wire.py (the authenticated
 frame), smp_client.py (the client of an SMP).
 """
-
-from ftmem.protocol.messages import PROTOCOL_VERSION, Kind, Reply
-from ftmem.protocol.wire import decode, encode
-
-__all__ = ["PROTOCOL_VERSION", "Kind", "Reply", "decode", "encode"]

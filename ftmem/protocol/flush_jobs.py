@@ -1,26 +1,15 @@
 """Typed JSON lines between the SMP's flush service and its worker process.
 
-The SMP (``smp/flush_scheduler.py``, through ``smp/flush_process.py``) writes one job per line
-to the worker's stdin; the worker (``python -m ftmem.tiers.flush_worker``) answers with one
-reply per line on its stdout::
-
-    SMP -> worker   {"op": "flush", "id": 3, "step": 40, "sources": [{rank, step, path,
-                     capacity, layout}...], "tiers": ["/local/ckpt", "/shared/ckpt"], "keep": 2,
-                     "writers": 2, "direct": true, "world_size": 8, "shared": true,
-                     "assemble_timeout": 300.0}                                      FlushJob
-                    {"op": "assemble", "id": 4, "tier": "/shared/ckpt", "world_size": 8,
-                     "keep": 2}                                                   AssembleJob
-    worker -> SMP   {"event": "ready", "pid": 123}                                WorkerReady
-                    {"event": "progress", "id": 3, "stage": "writing", "tier": 0, "done": B,
-                     "total": T, "unit": "bytes"}                                    Progress
-                    {"event": "tier", "id": 3, "tier": 0, "path": "...", "bytes": N}
-                                                                                 TierWritten
-                    {"event": "done", "id": 3, "ok": true, "paths": [...], "bytes": N,
-                     "seconds": S, "assembled": [40], "error": ""}                    JobDone
+The SMP (smp/flush_process.py) writes one job per line to the worker's stdin
+(``python -m ftmem.tiers.flush_worker``), tagged by ``op``: ``flush`` (:class:`FlushJob`) or
+``assemble`` (:class:`AssembleJob`). The worker answers one reply per line on its stdout,
+tagged by ``event``: ``ready`` (:class:`WorkerReady`), ``progress`` (:class:`Progress`),
+``tier`` (:class:`TierWritten`) and ``done`` (:class:`JobDone`); the other fields are the
+dataclass's, e.g. ``{"event": "ready", "pid": 123}``.
 
 :func:`encode` writes any of them; :func:`parse_job` and :func:`parse_reply` read a line back,
-checking every field's type (the rank protocol's rules, :func:`ftmem.typed_json.build`):
-anything else raises :class:`~ftmem.errors.ProtocolError`. Nothing is unpickled.
+every field checked (:func:`ftmem.typed_json.build`): anything else raises
+:class:`~ftmem.errors.ProtocolError`. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -30,22 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeAlias
 
 from ftmem.errors import ProtocolError
-from ftmem.typed_json import build
-
-__all__ = [
-    "AssembleJob",
-    "FlushJob",
-    "Job",
-    "JobDone",
-    "Progress",
-    "Reply",
-    "SlotSource",
-    "TierWritten",
-    "WorkerReady",
-    "encode",
-    "parse_job",
-    "parse_reply",
-]
+from ftmem.typed_json import build, loads
 
 MAX_LINE = 16 << 20
 """Longest line either side reads (a job lists one source per local rank)."""
@@ -155,39 +129,30 @@ def encode(msg: Job | Reply) -> str:
     return json.dumps({key: name, **asdict(msg)}) + "\n"
 
 
-def _read(
-    line: str | bytes, key: str, table: dict[str, type[Any]]
-) -> tuple[type[Any], dict[str, Any]]:
-    if len(line) > MAX_LINE:
-        raise ProtocolError(f"a line of {len(line)} bytes")
-    try:
-        doc = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError(f"not JSON: {exc}") from exc
+def _read(line: str | bytes, key: str, table: dict[str, type[Any]]) -> Any:
+    """The message of ``table`` that the line's ``key`` names, every field checked.
+
+    Raises:
+        ProtocolError: not a JSON object naming one, or a field missing, unknown or of the
+            wrong type.
+    """
+    doc = loads(line, "a flush line", MAX_LINE)
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON object")
     name = doc.pop(key, None)
     cls = table.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ProtocolError(f"no {key!r} of {sorted(table)}")
-    return cls, doc
+    return build(cls, doc)
 
 
 def parse_job(line: str | bytes) -> Job:
-    """A job line read back, every field checked.
-
-    Raises:
-        ProtocolError: not a job, or a field missing, unknown or of the wrong type.
-    """
-    cls, doc = _read(line, "op", _OPS)
-    return build(cls, doc)  # type: ignore[no-any-return]
+    """A job line read back (:func:`_read`). Raises ProtocolError."""
+    job: Job = _read(line, "op", _OPS)
+    return job
 
 
 def parse_reply(line: str | bytes) -> Reply:
-    """A reply line read back, every field checked.
-
-    Raises:
-        ProtocolError: not a reply, or a field missing, unknown or of the wrong type.
-    """
-    cls, doc = _read(line, "event", _EVENTS)
-    return build(cls, doc)  # type: ignore[no-any-return]
+    """A reply line read back (:func:`_read`). Raises ProtocolError."""
+    reply: Reply = _read(line, "event", _EVENTS)
+    return reply

@@ -1,9 +1,9 @@
 """Typed messages between a rank (or a tool) and its node's SMP.
 
 Every request is one :class:`Kind` plus a frozen dataclass payload that names its answer's
-type (``Begin(Request[BeginReply])``); every reply is a :class:`Reply` that says ok and
-carries that answer's fields, or carries an error and its :class:`~ftmem.errors.ErrorKind`. Payloads travel as JSON (see wire.py);
-``from_fields`` checks each field's type so nothing unexpected reaches the SMP's logic.
+type (``Begin(Request[BeginReply])``); every reply is a :class:`Reply` that carries that
+answer's fields, or an error and its :class:`~ftmem.errors.ErrorKind`. Payloads travel as
+JSON (wire.py); :func:`from_fields` checks every field against its annotation.
 """
 
 from __future__ import annotations
@@ -15,12 +15,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, TypeVar
 
+from ftmem.config import MAX_SLOT_BYTES
 from ftmem.errors import ErrorKind
 from ftmem.protocol.status import SmpStatus, SyncReply
-from ftmem.typed_json import Most, Range, build, parse
+from ftmem.typed_json import MAX_INT, Most, Range, build, parse
 from ftmem.typed_json import to_fields as to_fields  # the writer beside from_fields
 
 PROTOCOL_VERSION = 1
+Step = Annotated[int, Range(0, (1 << 62) - 1)]
+"""A training step in a request (the SMP refuses any other)."""
+SlotBytes = Annotated[int, Range(1, MAX_SLOT_BYTES)]
+"""The size of a snapshot or slot in a request."""
+Size = Annotated[int, Range(0, 1 << 62)]
+"""An offset or size within a slot."""
 
 
 class Kind(enum.IntEnum):
@@ -95,8 +102,7 @@ class BeginReply:
     reason: str = ""
     board: str = ""
     """Set for a conditional grant (COMMIT only): the SMP's grant board, whose byte ``cell``
-    says when the slot may be written (:class:`ftmem.shm.GrantBoard`); until then the save
-    asks with a BEGIN."""
+    says when the slot may be written (:class:`ftmem.shm.GrantBoard`)."""
     cell: int = -1
 
 
@@ -208,45 +214,40 @@ class Begin(Request[BeginReply]):
     """Ask for a slot to write ``step`` into; reply has ``slot`` or ``skip`` or ``resize``."""
 
     rank: int
-    step: int
-    nbytes: int
+    step: Step
+    nbytes: SlotBytes
     final: bool = False
     """The rank's last save, polling until a slot is free: a refusal is not counted as a skip."""
 
 
 @dataclass(frozen=True, slots=True)
 class Prepare(Request[Prepared]):
-    """(Re)create ``slot`` of ``rank`` with room for ``nbytes`` (pre-faulted); reply when done.
-
-    ``slot`` -1: grow every slot that is free and smaller (ahead of the first save)."""
+    """(Re)create ``slot`` of ``rank`` with room for ``nbytes``; reply when done. ``slot`` -1:
+    grow every slot that is free and smaller (ahead of the first save)."""
 
     rank: int
     slot: int
-    nbytes: int
+    nbytes: SlotBytes
 
 
 @dataclass(frozen=True, slots=True)
 class Commit(Request[BeginReply]):
-    """The copy of ``step`` into ``slot`` is complete. Its tensors are placed as the rank's
-    layout ``layout_id`` says; ``layout`` (the layout's ``tensors`` array, JSON, without
-    checksums) registers that id with the SMP and is sent only with the first commit that
-    uses it (the SMP keeps a few per rank and refuses with kind UNKNOWN_LAYOUT otherwise). The encoded
-    skeleton sits at ``objects_offset`` (``objects_nbytes`` bytes). The SMP hashes the slot
-    and the snapshot becomes *verified*.
-
-    ``next_nbytes`` > 0: grant a slot of that many bytes to the rank's next save in the
-    reply (a :class:`BeginReply`), so that the save sends no BEGIN of its own."""
+    """The copy of ``step`` into ``slot`` is complete, its tensors placed as the rank's layout
+    ``layout_id`` says and its encoded skeleton at ``objects_offset``. ``layout`` (the
+    ``tensors`` array, JSON, without checksums) registers that id and comes only with its
+    first commit (otherwise a refusal of kind UNKNOWN_LAYOUT). ``next_nbytes`` > 0: the reply
+    grants a slot of that many bytes to the rank's next save, which then sends no BEGIN."""
 
     rank: int
     slot: int
     gen: int
-    step: int
+    step: Step
     layout_id: int
-    objects_offset: int
-    objects_nbytes: int
+    objects_offset: Size
+    objects_nbytes: Size
     layout: str = ""
-    unsharded_nbytes: int = 0
-    next_nbytes: int = 0
+    unsharded_nbytes: Size = 0
+    next_nbytes: Annotated[int, Range(-MAX_INT, MAX_SLOT_BYTES)] = 0
     stall_s: float = 0.0
     copy_s: float = 0.0
     skipped: int = 0
@@ -258,7 +259,7 @@ class Skipped(Request[None]):
     running); the SMP counts it per reason. Sent from the copy thread, never waited for."""
 
     rank: int
-    step: int
+    step: Step
     reason: str
 
 
@@ -284,7 +285,7 @@ class DiscardNewer(Request[None]):
     """``rank`` restored ``step``: committed snapshots newer than it belong to an abandoned run."""
 
     rank: int
-    step: int
+    step: Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +293,7 @@ class Heartbeat(Request[None]):
     """Training made progress (used for hang detection)."""
 
     rank: int
-    step: int
+    step: Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,8 +409,7 @@ REPLY_OF: dict[type[Any], type[Any] | None] = {
 
 
 def parse_reply(cls: type[Any], data: dict[str, Any]) -> Any:
-    """The typed reply ``cls`` (e.g. :class:`BeginReply`) from a Reply's ``data`` (a status
-    report, :class:`SmpStatus` or :class:`SyncReply`, by its own ``from_json``).
+    """The typed reply ``cls`` from a Reply's ``data`` (a status report by its ``from_json``).
 
     Raises:
         ProtocolError: the data does not fit ``cls``.

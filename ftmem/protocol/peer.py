@@ -2,36 +2,27 @@
 
 A peer message is a small JSON header plus raw buffers (transport.py moves both). The header
 is ``{"t": kind, "e": epoch, <fields>}``: :class:`PeerKind` names the kind, the epoch is the
-launcher's generation, and the fields are those of the kind's frozen dataclass, under the same
-names. Sending: build the dataclass, then :meth:`to_header`. Receiving: :meth:`Envelope.parse`
-checks the sender, the kind, the epoch, every field and the buffer count, and builds the
-dataclass with the one JSON reader (:func:`ftmem.typed_json.build`), from the bounds in
-its fields' annotations (:data:`Count`, :data:`NodeBytes`, :data:`Checksum`, ...).
-
-What validation promises: integers are real ints (not bools, not floats such as JSON's
-Infinity or NaN) within ``0 <= v <= MAX_INT`` (or a tighter bound), checksums are decimal
-strings of at most 20 digits below 2**64, lists and maps are bounded, no field is missing and
-none is unknown. Anything else raises :class:`~ftmem.errors.ProtocolError`, never KeyError,
-TypeError, ValueError or OverflowError; error messages name fields and types, never echo
-values (an unknown field's name is cut short).
+launcher's generation, and the fields are those of the kind's frozen dataclass. Sending: build
+the dataclass, then :meth:`to_header`. Receiving: :meth:`Envelope.parse` checks the sender,
+the kind, the epoch, every field (:func:`ftmem.typed_json.build`, from the bounds in the
+fields' annotations) and the buffer count; anything else raises
+:class:`~ftmem.errors.ProtocolError`, whose message names fields, never values.
 
 Kinds of the group protocol (protector.py): SIZE, DATA, PARITY, HELD, ABORT, META_REQUEST,
-META, FETCH, FETCHED. Kinds of the SMP's protection service (smp/protection.py): STATE, AVAIL,
-PROTECT, HEARTBEAT (their wire names start with ``x:``).
+META, FETCH, FETCHED. Kinds of the protection service (smp/protection.py; wire names start
+with ``x:``): STATE, AVAIL, PROTECT, HEARTBEAT.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from ftmem.errors import ProtocolError
-from ftmem.typed_json import Digits, Most, Pattern, Range, build
-
-MAX_INT = (1 << 63) - 1
-"""Largest integer a field may hold (steps, epochs, stripe and fragment indices)."""
+from ftmem.typed_json import MAX_INT, Digits, Most, Pattern, Range, build, read, to_fields
 
 MAX_NODE_BYTES = 1 << 44
 """Largest snapshot of one node (bytes) that the protocol accepts."""
@@ -47,8 +38,6 @@ MAX_SUMS = 1024
 
 MAX_STEPS = 1024
 """Most steps in one list (held or available steps)."""
-
-_MAX_SENDER_CHARS = 9
 
 
 class FragmentKind(enum.Enum):
@@ -91,24 +80,6 @@ class PeerKind(enum.Enum):
         return self.value.startswith("x:")
 
 
-# -- field readers: each raises ProtocolError, and only that --------------------------------------
-
-
-def _check_int(value: Any, what: str, hi: int = MAX_INT) -> int:
-    if type(value) is not int:
-        raise ProtocolError(f"{what} must be an integer, not {type(value).__name__}")
-    if not 0 <= value <= hi:
-        raise ProtocolError(f"{what} is out of range (0..{hi})")
-    return value
-
-
-def parse_node_index(key: Any) -> int:
-    """A node index sent as a JSON object key (a short decimal string). Raises ProtocolError."""
-    if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 7:
-        raise ProtocolError("a node index must be a short decimal string")
-    return _check_int(int(key), "a node index", MAX_NODE)
-
-
 DIGEST_HEX = 32
 """Hex digits of a snapshot's digest (xxh3-128, seals.py)."""
 
@@ -122,6 +93,8 @@ NodeBytes = Annotated[int, Range(0, MAX_NODE_BYTES)]
 """A size or offset within one node's snapshot."""
 NodeKey = Annotated[int, Digits(7), Range(0, MAX_NODE)]
 """A node index as a JSON object's key."""
+Sender = Annotated[int, Digits(9), Range(0, MAX_NODE)]
+"""A node index as a transport's sender name."""
 Checksum = Annotated[int, Digits(20), Range(0, (1 << 64) - 1)]
 """A 64-bit checksum, as a decimal string on the wire."""
 Sums = Annotated[tuple[Checksum, ...], Most(MAX_SUMS)]
@@ -153,21 +126,17 @@ def _is_curve_key(text: str) -> bool:
 
 
 _ADDRESS_KEY = " key="
-
-
 _ADDRESS_DATA = " data="
 
 
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
     """Where a node listens, the CURVE public key it serves with (this generation's own) and,
-    with the plain data channel, where it takes the messages that carry buffers.
-
-    On the wire (the rendezvous store, PEER_START) it is one string,
-    ``tcp://<host>:<port> key=<40 Z85 characters>[ data=tcp://<host>:<port>]``: a connection
-    to the endpoint is authenticated against exactly that key, and the node's peers admit
-    exactly that key as the node's (zmq_transport.py); messages to the data endpoint carry a
-    keyed tag instead (data_mac.py).
+    with the plain data channel, where it takes the messages that carry buffers. On the wire
+    (the rendezvous store, PEER_START) it is one string,
+    ``tcp://<host>:<port> key=<40 Z85 characters>[ data=tcp://<host>:<port>]``: connections
+    to the endpoint are authenticated against exactly that key (zmq_transport.py); messages to
+    the data endpoint carry a keyed tag instead (data_mac.py).
     """
 
     endpoint: str
@@ -182,9 +151,8 @@ class PeerAddress:
     @classmethod
     def parse(cls, value: Any) -> PeerAddress:
         """Validate ``tcp://<host or IP>:<port> key=<Z85 key>`` with an optional
-        `` data=tcp://<host or IP>:<port>`` (an IPv6 address in brackets, ports 1..65535).
-        Raises ProtocolError for anything else, so that a malformed value is refused where it
-        arrives instead of failing a ``connect``."""
+        `` data=tcp://<host or IP>:<port>`` (IPv6 in brackets, ports 1..65535). Raises
+        ProtocolError for anything else, where it arrives rather than at a ``connect``."""
         if type(value) is not str or len(value) > 400:
             raise ProtocolError("a peer address must be a short string")
         endpoint, sep, rest = value.partition(_ADDRESS_KEY)
@@ -204,16 +172,16 @@ def parse_endpoint(value: Any) -> str:
     return str(PeerAddress.parse(value))
 
 
+def parse_node_index(key: Any) -> int:
+    """A node index sent as a JSON object key (a short decimal string). Raises ProtocolError."""
+    index: int = read(NodeKey, key, "a node index")
+    return index
+
+
 def parse_sender(sender: Any) -> int:
     """The node index a transport's sender name stands for. Raises ProtocolError."""
-    if (
-        type(sender) is not str
-        or not 0 < len(sender) <= _MAX_SENDER_CHARS
-        or not sender.isascii()
-        or not sender.isdigit()
-    ):
-        raise ProtocolError("the sender is not a node index")
-    return _check_int(int(sender), "the sender", MAX_NODE)
+    index: int = read(Sender, sender, "the sender")
+    return index
 
 
 # -- messages ---------------------------------------------------------------------------------------
@@ -229,13 +197,7 @@ class _Body:
     """Fewest and most buffers a message of this kind carries."""
 
     def _wire(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = (
-                v.value if isinstance(v, enum.Enum) else list(v) if type(v) is tuple else v
-            )
-        return out
+        return to_fields(self)
 
     def to_header(self, epoch: int) -> dict[str, Any]:
         """The JSON header of this message in generation ``epoch``."""
@@ -407,24 +369,7 @@ PeerBody = (
     | Heartbeat
 )
 
-BODY_TYPES: dict[PeerKind, type[PeerBody]] = {
-    cls.KIND: cls
-    for cls in (
-        Size,
-        Data,
-        Parity,
-        Held,
-        Abort,
-        MetaRequest,
-        MetaReply,
-        FetchRequest,
-        FetchReply,
-        HeldSteps,
-        Avail,
-        ProtectOrder,
-        Heartbeat,
-    )
-}
+BODY_TYPES: dict[PeerKind, type[PeerBody]] = {cls.KIND: cls for cls in typing.get_args(PeerBody)}
 _KINDS = {k.value: k for k in PeerKind}
 
 
@@ -444,7 +389,7 @@ def parse_header(header: Any) -> tuple[int, PeerBody]:
     kind = parse_kind(header)
     if "e" not in header:
         raise ProtocolError("missing field 'e'")
-    epoch = _check_int(header["e"], "field 'e'")
+    epoch: int = read(Count, header["e"], "e")
     cls = BODY_TYPES[kind]
     fields_ = {k: v for k, v in header.items() if k != "t" and k != "e"}
     body: PeerBody = build(cls, fields_, what=f"a {kind.value!r} message")

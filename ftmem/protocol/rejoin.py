@@ -3,17 +3,12 @@ survived a failure into the next generation in process, and :class:`ReshardReque
 (``$FTMEM_RESHARD``), which asks a generation whose world size changed to reshard a step.
 
 At a restart, ``ftmem-launch`` keeps the ranks that run under :func:`ftmem.run` alive and
-writes each of them a :class:`RejoinOrder`: the environment elastic would have given a new
-process for that rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``,
-``TORCHELASTIC_*``, ``FTMEM_GENERATION``, ...). The rank, which tore down its process group
-when a collective failed, waits for an order of a newer generation than its own, applies it
-to ``os.environ`` and joins the new process group.
-
-The order is a JSON file in the run directory (``<run_dir>/rejoin/rank-<R>.json``, mode
-0600 in a 0700 directory, written to a temporary name and renamed, so a reader sees it whole
-or not at all). A reader opens it without following symbolic links, checks that it is this
-user's and private, bounds its size and validates every field: nothing else in the file is
-trusted, and nothing is unpickled.
+writes each a :class:`RejoinOrder`: the environment elastic would give a new process for that
+rank. The rank waits for an order of a newer generation, applies it to ``os.environ`` and
+joins the new process group. The order is a JSON file (``<run_dir>/rejoin/rank-<R>.json``,
+mode 0600 in a 0700 directory, written to a temporary name and renamed); a reader opens it
+without following symlinks, checks that it is this user's and private, bounds its size and
+validates every field.
 """
 
 from __future__ import annotations
@@ -26,8 +21,8 @@ from typing import Annotated
 
 from ftmem.config import ENV_RESHARD
 from ftmem.errors import ProtocolError
-from ftmem.secure_fs import ensure_private_dir, open_owned
-from ftmem.typed_json import MAX_INT, Pattern, Range, parse
+from ftmem.secure_fs import ensure_private_dir, open_owned, replace_private_file
+from ftmem.typed_json import MAX_INT, Pattern, Range, parse, to_fields
 
 REJOIN_DIR = "rejoin"
 MAX_ORDER_BYTES = 1 << 20
@@ -55,15 +50,7 @@ class RejoinOrder:
 
     def to_json(self) -> bytes:
         """The order as the bytes of its file."""
-        doc = {
-            "generation": self.generation,
-            "rank": self.rank,
-            "env": self.env,
-            "agent_pid": self.agent_pid,
-            "stdout": self.stdout,
-            "stderr": self.stderr,
-        }
-        return json.dumps(doc, sort_keys=True).encode()
+        return json.dumps(to_fields(self), sort_keys=True).encode()
 
     @staticmethod
     def from_json(data: bytes) -> RejoinOrder:
@@ -87,15 +74,7 @@ def write_order(run_dir: Path, order: RejoinOrder) -> Path:
     data = order.to_json()
     RejoinOrder.from_json(data)  # an order its reader would refuse is not written
     path = order_path(run_dir, order.rank)
-    tmp = directory / f".{path.name}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_private_file(path, data)
     return path
 
 
@@ -134,13 +113,7 @@ class ReshardRequest:
 
     def to_env(self) -> str:
         """The value of ``$FTMEM_RESHARD`` that :func:`requested` reads back."""
-        return json.dumps(
-            {
-                "world_size": self.world_size,
-                "step": self.step,
-                "run_dirs": list(map(str, self.run_dirs)),
-            }
-        )
+        return json.dumps(to_fields(self))
 
 
 def requested() -> ReshardRequest | None:

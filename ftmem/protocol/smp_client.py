@@ -33,24 +33,16 @@ _SLICE_MS = 200  # how often a waiting request checks that the SMP process still
 
 
 class SmpClient:
-    """Request/reply to the SMP serving ``run_dir``.
-
-    Not thread-safe: each thread that talks to the SMP owns its own SmpClient (ZeroMQ
-    sockets belong to one thread).
-
-    Resource handling: :meth:`close` (idempotent; context manager) closes the socket.
+    """Request/reply to the SMP serving ``run_dir``. Not thread-safe: each thread owns its
+    own SmpClient (ZeroMQ sockets belong to one thread). :meth:`close` (idempotent; context
+    manager) closes the socket.
 
     Error handling: every request waits at most ``timeout`` and raises SmpUnavailableError
-    if the SMP does not answer, SmpUnavailableError sooner if the SMP's process is gone,
-    and SmpRequestError if it answers with an error.
+    if the SMP does not answer (sooner if its process is gone), and SmpRequestError if it
+    answers with an error.
     """
 
-    def __init__(
-        self,
-        run_dir: Path | str,
-        timeout: timedelta = timedelta(seconds=30),
-        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-    ) -> None:
+    def __init__(self, run_dir: Path | str, timeout: timedelta = timedelta(seconds=30)) -> None:
         self.run_dir = Path(run_dir)
         self.timeout = timeout
         sock_path = self.run_dir / SOCKET_NAME
@@ -69,8 +61,7 @@ class SmpClient:
             raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
         except (OSError, ValueError, ProtocolError) as exc:
             raise SmpUnavailableError(f"SMP in {self.run_dir} is not ready: {exc}") from exc
-        self._own_ctx = ctx is None
-        self._ctx = ctx if ctx is not None else zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{sock_path}")
@@ -108,10 +99,7 @@ class SmpClient:
                     )
                 return reply.data
             waited += step
-            if self.smp_pid is not None and not pid_alive(self.smp_pid):
-                raise SmpUnavailableError(
-                    f"the SMP (pid {self.smp_pid}) serving {self.run_dir} is gone"
-                )
+            self.check_alive()
         raise SmpUnavailableError(
             f"the SMP serving {self.run_dir} did not answer {type(payload).__name__} "
             f"within {limit / 1000:.1f} s"
@@ -151,12 +139,11 @@ class SmpClient:
         return self.request(m.Status())
 
     def close(self) -> None:
-        """Close the socket (and the context if this client made it)."""
+        """Close the socket and its context."""
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-            if self._own_ctx:
-                self._ctx.term()
+            self._ctx.term()
 
     def __enter__(self) -> SmpClient:
         return self

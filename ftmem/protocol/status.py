@@ -1,13 +1,9 @@
-"""The SMP's STATUS, typed: its ranks' progress and slots, its protection service's state, and
-the reply to PEER_START.
+"""The SMP's STATUS, typed: its ranks' progress and slots, its protection service's state, its
+flush, and the reply to PEER_START.
 
-The SMP reports its protection service as a JSON object (``protection`` in the STATUS
-document) whose ``state`` is a :class:`ProtectionState` value; :meth:`ProtectionStatus.from_json` turns it into a
-frozen dataclass (what the launcher, the SMP's flush scheduler and ``ftmem status`` read), and
-:meth:`SyncReply.from_json` does the same for the reply to PEER_START; :meth:`SmpStatus.from_json`
-parses the whole STATUS (each rank's entry a :class:`RankProgress`). All refuse a malformed
-document with :class:`~ftmem.errors.ProtocolError`; fields they do not know are ignored (an SMP
-of a newer version may report more).
+Each part's ``from_json`` reads it with :func:`ftmem.typed_json.build` (not strict: fields a
+newer SMP reports are ignored) and refuses a malformed document with
+:class:`~ftmem.errors.ProtocolError`; :meth:`SmpStatus.from_json` reads the whole STATUS.
 """
 
 from __future__ import annotations
@@ -19,9 +15,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from ftmem._logging import get_logger
-from ftmem.errors import IllegalTransition as IllegalTransition  # re-exported
-from ftmem.errors import ProtocolError
-from ftmem.typed_json import Most, build, to_fields
+from ftmem.errors import IllegalTransition, ProtocolError
+from ftmem.typed_json import Digits, Most, build, read, to_fields
 
 _log = get_logger(__name__)
 
@@ -33,6 +28,8 @@ Strs = Annotated[tuple[str, ...], Most(_MAX_LIST)]
 Text = Annotated[str, Most(1 << 16)]
 Endpoint = Annotated[str, Most(1024)]
 Name = Annotated[str, Most(256)]
+_Index = Annotated[int, Digits(18)]
+"""A rank or node index as a JSON object's key."""
 
 
 class ProtectionState(enum.Enum):
@@ -104,16 +101,23 @@ def _read(cls: type[T], doc: Any, what: str, **known: Any) -> T:
     one JSON reader. Raises ProtocolError."""
     if type(doc) is not dict:
         raise ProtocolError(f"{what} must be a JSON object, not {type(doc).__name__}")
-    read: T = build(cls, {**doc, **known} if known else doc, what=what, strict=False)
-    return read
+    got: T = build(cls, {**doc, **known} if known else doc, what=what, strict=False)
+    return got
 
 
-def _index(key: Any, what: str) -> int:
-    """A rank or node index sent as a JSON object's key (ASCII digits: ``str.isdigit`` also
-    takes '²', which ``int`` refuses). Raises ProtocolError."""
-    if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 18:
-        raise ProtocolError(f"{what} is not an index")
-    return int(key)
+def _keyed(cls: type[T], doc: Any, name: str, key: str) -> dict[int, T]:
+    """Field ``name`` of a status document (None: empty): an object of at most ``_MAX_LIST``
+    entries keyed by a rank or node index (a decimal string), each read as ``cls`` with that
+    index as its field ``key``. Raises ProtocolError."""
+    if doc is None:
+        return {}
+    if type(doc) is not dict or len(doc) > _MAX_LIST:
+        raise ProtocolError(f"field {name!r} must be an object of at most {_MAX_LIST} entries")
+    out = {}
+    for k, entry in doc.items():
+        index: int = read(_Index, k, f"a key of {name!r}")
+        out[index] = _read(cls, entry, f"{key} {index}", **{key: index})
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,19 +147,6 @@ class PeerHealth:
     endpoint: Endpoint
     last_seen_s: float | None = None
     """None: never heard from."""
-
-    @classmethod
-    def parse_all(cls, doc: Any) -> tuple[PeerHealth, ...]:
-        """Parse ``peers`` ({node: {endpoint, last_seen_s}}), by node. Raises ProtocolError."""
-        if doc is None:
-            return ()
-        if type(doc) is not dict or len(doc) > _MAX_LIST:
-            raise ProtocolError(f"field 'peers' must be an object of at most {_MAX_LIST} nodes")
-        out = []
-        for key, p in doc.items():
-            node = _index(key, "a key of field 'peers'")
-            out.append(_read(cls, p, f"peer {node}", node=node))
-        return tuple(sorted(out, key=lambda h: h.node))
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,18 +195,17 @@ class ProtectionStatus:
             raise ProtocolError("the protection status must be an object with a boolean 'enabled'")
         if not doc.get("enabled"):
             return cls(enabled=False, state=None)
-        peers = PeerHealth.parse_all(doc.get("peers"))
+        peers = _keyed(PeerHealth, doc.get("peers"), "peers", "node")
         progress = doc.get("rebuild_progress") or None  # {}: none
         status = _read(cls, doc, "the protection status", peers=None, rebuild_progress=progress)
         if status.state is None:
             raise ProtocolError("field 'state' is not an protection state")
-        return dataclasses.replace(status, peers=peers)
+        return dataclasses.replace(status, peers=tuple(v for _, v in sorted(peers.items())))
 
     def to_json(self) -> dict[str, Any]:
         """The ``protection`` object as the SMP reports it (what :meth:`from_json` reads)."""
         doc = to_fields(self)
-        doc["group"] = list(self.group)  # as JSON reads back (the reader takes no tuple)
-        doc["peers"] = {  # keyed by node, as PeerHealth.parse_all reads them
+        doc["peers"] = {  # keyed by node, as from_json reads them
             str(h.node): {"endpoint": h.endpoint, "last_seen_s": h.last_seen_s} for h in self.peers
         }
         return doc
@@ -237,7 +227,7 @@ class SyncReply:
 
     def to_json(self) -> dict[str, Any]:
         """The reply's fields as the SMP sent them (for the agent's event log)."""
-        return {"step": self.step, "lost": list(self.lost), "rebuilt": self.rebuilt}
+        return to_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,11 +283,6 @@ class RankProgress:
     """What that snapshot would hold unsharded (equal when not sharded)."""
     slots: Annotated[list[SlotStatus], Most(_MAX_LIST)] = field(default_factory=list)
 
-    @classmethod
-    def from_json(cls, rank: int, doc: Any) -> RankProgress:
-        """Parse one entry of the STATUS's ``ranks``. Raises ProtocolError."""
-        return _read(cls, doc, f"rank {rank}'s status", rank=rank)
-
 
 @dataclass(frozen=True, slots=True)
 class FlushRunning:
@@ -310,11 +295,6 @@ class FlushRunning:
     done: int | None = None
     total: int | None = None
     unit: Annotated[str, Most(32)] = ""
-
-    @classmethod
-    def from_json(cls, doc: Any) -> FlushRunning | None:
-        """Parse ``running`` (None: no flush runs). Raises ProtocolError."""
-        return None if doc is None else _read(cls, doc, "the running flush")
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,13 +347,7 @@ class SmpStatus:
         makes ``protection`` None)."""
         if type(doc) is not dict:
             raise ProtocolError("the SMP status must be a JSON object")
-        ranks_doc = doc.get("ranks") or {}
-        if type(ranks_doc) is not dict or len(ranks_doc) > _MAX_LIST:
-            raise ProtocolError("field 'ranks' must be an object keyed by rank")
-        ranks = {}
-        for key, entry in ranks_doc.items():
-            rank = _index(key, "a key of field 'ranks'")
-            ranks[rank] = RankProgress.from_json(rank, entry)
+        ranks = _keyed(RankProgress, doc.get("ranks") or {}, "ranks", "rank")
         try:
             protection: ProtectionStatus | None = ProtectionStatus.from_json(doc.get("protection"))
         except ProtocolError as exc:
@@ -382,3 +356,13 @@ class SmpStatus:
         flush = FlushStatus.from_json(doc.get("flush"))
         status = _read(cls, doc, "the SMP status", ranks=None, protection=None, flush=None)
         return dataclasses.replace(status, ranks=ranks, protection=protection, flush=flush)
+
+    def to_json(self) -> dict[str, Any]:
+        """The STATUS document as the SMP sends it (what :meth:`from_json` reads)."""
+        doc = to_fields(self)
+        doc["ranks"] = {str(r): to_fields(p) for r, p in self.ranks.items()}
+        p, off = self.protection, {"enabled": False}
+        doc["protection"] = p.to_json() if p is not None and p.enabled else off
+        if not self.flush.enabled:
+            doc["flush"] = off
+        return doc

@@ -7,8 +7,8 @@ Layout of the frame::
     payload  UTF-8 JSON object (the message's fields)
     mac      32 bytes HMAC-SHA256 over header + payload, when a key is configured
 
-Every size is bounded, the checksum and (if keyed) the MAC are verified before the
-JSON is parsed, and the parsed fields are type-checked (messages.from_fields).
+Sizes are bounded and the checksum and MAC verified before the JSON is parsed; then every
+field is checked (messages.from_fields).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import xxhash
 
 from ftmem.errors import ProtocolError
 from ftmem.protocol.messages import KIND_OF, PROTOCOL_VERSION, Kind, from_fields, to_fields
+from ftmem.typed_json import loads
 
 MAGIC = b"FTMQ"
 _HEADER = struct.Struct("<4sHHQIQ")
@@ -86,10 +87,4 @@ def decode(
     body = frame[_HEADER.size : body_end]
     if xxhash.xxh64_intdigest(body) != digest:
         raise ProtocolError("message checksum mismatch")
-    try:
-        fields = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError, UnicodeDecodeError and an integer longer than
-        # Python's int-to-str limit (4300 digits), which json.loads refuses with a ValueError.
-        raise ProtocolError(f"message payload is not JSON: {str(exc)[:200]}") from exc
-    return int(req_id), kind, from_fields(kind, fields)
+    return int(req_id), kind, from_fields(kind, loads(body, "message payload"))

@@ -15,9 +15,9 @@ import signal
 from types import FrameType
 
 _EARLY_STOP: list[int] = []
-"""SIGTERM/SIGINT received before the daemon's own handlers (imports take ~1 s): killed by
-the default action then, an SMP that a restart had just started left its predecessor's slot
-files behind (it had not adopted them yet). Recorded here, honoured once it serves."""
+"""SIGTERM/SIGINT received before the daemon's own handlers, honoured once it serves (killed
+by the default action, an SMP a restart had just started would leave its predecessor's slot
+files behind)."""
 
 
 def _early(signum: int, frame: FrameType | None) -> None:
@@ -29,7 +29,6 @@ if __name__ == "__main__":  # (not when imported for its parser)
     signal.signal(signal.SIGINT, _early)
 
 import argparse  # noqa: E402 (after the handlers, on purpose)
-import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
@@ -46,118 +45,92 @@ from ftmem.smp.daemon import SmpDaemon  # noqa: E402
 log = get_logger("ftmem.smp")
 
 
+_FLAGS: list[tuple[str, Any, str]] = [
+    (
+        "--settings",
+        Path,
+        "a JSON file of this user's (mode 0600) holding the settings below by their "
+        "SmpConfig names (what ftmem-launch writes); a flag given beside it wins",
+    ),
+    (
+        "--run-dir",
+        Path,
+        "run directory (0700) holding smp.sock; default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run-id>",
+    ),
+    ("--run-id", None, "run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')"),
+    ("--node", None, "node name (default $FTMEM_NODE or node0)"),
+    ("--slots", int, "snapshot slots per rank (>= 2)"),
+    (
+        "--hash-threads",
+        int,
+        "threads that checksum committed snapshots (default 0: half the cores, at most 8)",
+    ),
+    ("--ready-fd", int, "write 'READY {json}' to this inherited fd when serving (else to stdout)"),
+    ("--parent-pid", int, "exit when this pid is gone"),
+    ("--max-message-bytes", int, "largest request accepted"),
+    (
+        "--shm-dir",
+        Path,
+        "this user's private directory (made 0700, on a tmpfs) for the slot files; "
+        "default $FTMEM_SHM_DIR or /dev/shm/ftmem-<uid>",
+    ),
+    ("--poll-interval", float, "seconds between housekeeping checks"),
+    (
+        "--no-adopt",
+        "store_true",
+        "discard (instead of serving again) committed slots a killed SMP left behind",
+    ),
+    (
+        "--flush-dir",
+        "append",
+        "disk tier to flush checkpoints to (DCP format); give it twice for node-local "
+        "then persistent storage",
+    ),
+    (
+        "--flush-shared-dir",
+        Path,
+        "persistent disk tier every node sees, written last; in a multi-node run the "
+        "node of rank 0 assembles the nodes' parts there into one DCP checkpoint",
+    ),
+    (
+        "--flush-every",
+        int,
+        "flush every N steps in the background (0: only when `ftmem flush` asks)",
+    ),
+    ("--flush-keep", int, "complete checkpoints kept per tier"),
+    ("--flush-writers", int, "data files written in parallel per flush"),
+    (
+        "--flush-buffered",
+        "store_true",
+        "write through the page cache (default: O_DIRECT where the file system allows it)",
+    ),
+    (
+        "--flush-on-stop",
+        float,
+        "seconds allowed for a final flush on SIGTERM (when --flush-dir is set)",
+    ),
+    ("--log-level", None, "DEBUG, INFO (default), WARNING"),
+]
+"""The SMP's flags in --help order: (flag, its type or action, help); a typed flag's default
+is None (unset: the settings file or SmpConfig decides), ``append`` collects paths."""
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     """Return the SMP's argument parser."""
     p = argparse.ArgumentParser(prog="python -m ftmem.smp", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--settings",
-        type=Path,
-        default=None,
-        help="a JSON file of this user's (mode 0600) holding the settings below by their "
-        "SmpConfig names (what ftmem-launch writes); a flag given beside it wins",
-    )
-    p.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="run directory (0700) holding smp.sock; default $FTMEM_RUN_DIR or /tmp/ftmem-<uid>/<run-id>",
-    )
-    p.add_argument(
-        "--run-id",
-        default=None,
-        help="run id (default $FTMEM_RUN_ID, $TORCHELASTIC_RUN_ID or 'default')",
-    )
-    p.add_argument("--node", default=None, help="node name (default $FTMEM_NODE or node0)")
-    p.add_argument("--slots", type=int, default=None, help="snapshot slots per rank (>= 2)")
-    p.add_argument(
-        "--hash-threads",
-        type=int,
-        default=None,
-        help="threads that checksum committed snapshots (default 0: half the cores, at most 8)",
-    )
-    p.add_argument(
-        "--ready-fd",
-        type=int,
-        default=None,
-        help="write 'READY {json}' to this inherited fd when serving (else to stdout)",
-    )
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this pid is gone")
-    p.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=None,
-        help="largest request accepted",
-    )
-    p.add_argument(
-        "--shm-dir",
-        type=Path,
-        default=None,
-        help="this user's private directory (made 0700, on a tmpfs) for the slot files; "
-        "default $FTMEM_SHM_DIR or /dev/shm/ftmem-<uid>",
-    )
-    p.add_argument(
-        "--poll-interval",
-        type=float,
-        default=None,
-        help="seconds between housekeeping checks",
-    )
-    p.add_argument(
-        "--no-adopt",
-        action="store_true",
-        help="discard (instead of serving again) committed slots a killed SMP left behind",
-    )
-    p.add_argument(
-        "--flush-dir",
-        type=Path,
-        action="append",
-        default=[],
-        help="disk tier to flush checkpoints to (DCP format); give it twice for node-local "
-        "then persistent storage",
-    )
-    p.add_argument(
-        "--flush-shared-dir",
-        type=Path,
-        default=None,
-        help="persistent disk tier every node sees, written last; in a multi-node run the "
-        "node of rank 0 assembles the nodes' parts there into one DCP checkpoint",
-    )
-    p.add_argument(
-        "--flush-every",
-        type=int,
-        default=None,
-        help="flush every N steps in the background (0: only when `ftmem flush` asks)",
-    )
-    p.add_argument(
-        "--flush-keep",
-        type=int,
-        default=None,
-        help="complete checkpoints kept per tier",
-    )
-    p.add_argument(
-        "--flush-writers",
-        type=int,
-        default=None,
-        help="data files written in parallel per flush",
-    )
-    p.add_argument(
-        "--flush-buffered",
-        action="store_true",
-        help="write through the page cache (default: O_DIRECT where the file system allows it)",
-    )
-    p.add_argument(
-        "--flush-on-stop",
-        type=float,
-        default=None,
-        help="seconds allowed for a final flush on SIGTERM (when --flush-dir is set)",
-    )
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    for flag, kind, text in _FLAGS:
+        if kind == "store_true":
+            p.add_argument(flag, action=kind, help=text)
+        elif kind == "append":
+            p.add_argument(flag, type=Path, action=kind, default=[], help=text)
+        else:
+            p.add_argument(flag, type=kind, default=None, help=text)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> SmpConfig:
-    """Build an SmpConfig from ``--settings`` (if given) and the flags given beside it (a
-    flag wins); what neither sets takes the environment's run id, node and run directory,
-    then SmpConfig's defaults.
+    """Build an SmpConfig from ``--settings`` (if given) and the flags (a flag wins); what
+    neither sets takes the environment's run id, node and run directory, then the defaults.
 
     Raises:
         ValueError: a setting SmpConfig refuses.
@@ -167,10 +140,7 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
     doc: dict[str, Any] = {}
     if args.settings is not None:
         text = read_private_file(args.settings.absolute(), "SMP settings file")
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise ProtocolError(f"SMP settings file {args.settings}: not JSON") from exc
+        doc = typed_json.loads(text, f"SMP settings file {args.settings}")
         if type(doc) is not dict:
             raise ProtocolError(f"SMP settings file {args.settings}: not a JSON object")
     tiers = [*args.flush_dir, *filter(None, [args.flush_shared_dir])]
@@ -204,8 +174,7 @@ def config_from_args(args: argparse.Namespace) -> SmpConfig:
 
 def raise_nofile() -> int:
     """Raise this process's soft limit of open files to its hard limit (at most 2**20), so
-    connections held open by anyone who reaches the peer ports do not exhaust the SMP's
-    descriptors at the usual 1024; the limit now in force."""
+    connections held open to the peer ports do not exhaust it; the limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
     if want > soft:

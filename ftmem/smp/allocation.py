@@ -1,11 +1,9 @@
 """Slot files of the SMP: their names, their removal, and their creation off the loop thread.
 
-:class:`SlotFiles` knows where this run's and node's slot files live (the user's private
-directory, names carrying the run id, node, this SMP's nonce, rank, slot and generation:
-:mod:`ftmem.shm`) and removes them with their commit records (:mod:`ftmem.smp.records`).
-:class:`Allocator` creates new slot files on a named worker thread: allocating takes time in
-proportion to the slot's size, so the loop thread keeps answering other ranks while a PREPARE
-is served, and sends the deferred reply when the job comes back.
+:class:`SlotFiles` knows where this run's and node's slot files live (:mod:`ftmem.shm`) and
+removes them with their commit records. :class:`Allocator` creates new slot files on a worker
+thread (it takes time in proportion to the size), so the loop keeps answering other ranks and
+sends a PREPARE's reply when the job comes back.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from ftmem._logging import get_logger
 from ftmem.config import ENV_SHM_DIR, check_name
 from ftmem.errors import UnsafePathError
 from ftmem.secure_fs import prepare_private_dir
-from ftmem.smp import records
+from ftmem.smp import drain, records
 
 log = get_logger(__name__)
 
@@ -30,11 +28,9 @@ log = get_logger(__name__)
 class SlotFiles:
     """The slot files of one run on one node (no state: every answer comes from the disk).
 
-    ``shm_dir`` is the user's private directory (:meth:`prepare` makes and checks it); new
-    files are named with this SMP's random ``nonce`` (:func:`ftmem.shm.slot_file_name`),
-    while :meth:`ours` and :meth:`adoptable` match the run and node exactly with any nonce,
-    so a restarted SMP finds its predecessor's files. Raises ValueError at construction if
-    ``run_id`` or ``node`` is not a valid name (:func:`ftmem.config.check_name`).
+    New files carry this SMP's random ``nonce``; :meth:`ours` and :meth:`adoptable` match the
+    run and node with any nonce, so a restarted SMP finds its predecessor's files. Raises
+    ValueError at construction if ``run_id`` or ``node`` is not a valid name.
     """
 
     shm_dir: Path
@@ -48,15 +44,13 @@ class SlotFiles:
         shm.slot_file_name(self.run_id, self.node, self.nonce, 0, 0, 0)  # a valid nonce
 
     def prepare(self) -> None:
-        """Create the private directory (mode 0700) if missing, or accept an existing one
-        that is this user's real directory and not writable by others (an existing one that
-        others can only read is tightened to 0700).
+        """Make ``shm_dir`` this user's private directory
+        (:func:`ftmem.secure_fs.prepare_private_dir`).
 
         Raises:
-            UnsafePathError: the directory (or its parent) is another user's, a symlink, not
-                a directory, or writable by others; the message names the path, its owner
-                and mode, and how to choose another directory. Another user can thereby
-                deny service (the SMP does not start), never plant or read a slot.
+            UnsafePathError: it (or its parent) is another user's, a symlink, not a directory,
+                or writable by others; the message says how to choose another directory.
+                Another user can thereby deny service, never plant or read a slot.
         """
         try:
             prepare_private_dir(self.shm_dir, "shared-memory directory")
@@ -67,11 +61,8 @@ class SlotFiles:
             ) from exc
 
     def ours(self) -> list[Path]:
-        """Every file of exactly this run and node, any nonce (slot files, their records and
-        records' temporary files), that belongs to this user; another node whose name
-        extends this one's (``gpu`` and ``gpu-r1``) or another split of the same text (run
-        ``a-b`` node ``c``, run ``a`` node ``b-c``) never matches, and another user's file
-        is skipped with a warning."""
+        """Every file of exactly this run and node, any nonce (:func:`records.run_files`),
+        that belongs to this user; another user's file is skipped with a warning."""
         found = []
         for p, _ in records.run_files(self.shm_dir, self.run_id, self.node):
             try:
@@ -140,9 +131,8 @@ class AllocJob:
 
 
 class Allocator:
-    """Creates slot files on the ``ftmem-smp-alloc`` thread (see the module docstring).
-
-    :meth:`submit` and :meth:`finished` belong to the loop thread.
+    """Creates slot files on the ``ftmem-smp-alloc`` thread; :meth:`submit` and
+    :meth:`finished` belong to the loop thread.
 
     Resource handling: :meth:`close` stops the thread with a sentinel (bounded join); a job
     in progress finishes first. Error handling: a file that cannot be made (e.g. /dev/shm is
@@ -169,13 +159,9 @@ class Allocator:
 
     def finished(self) -> list[AllocJob]:
         """The jobs done since the last call (non-blocking)."""
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                self.pending -= len(out)
-                return out
+        out = drain(self._done)
+        self.pending -= len(out)
+        return out
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the thread after the job in progress (idempotent, bounded)."""

@@ -1,15 +1,10 @@
 """SmpDaemon: owns the SMP's ZeroMQ context, its rank socket, its services and the poll loop.
 
 One thread (the caller of :meth:`SmpDaemon.serve_forever`) owns the ROUTER socket: it decodes
-each request and hands it to its handler through the table of
-:class:`~ftmem.smp.handlers.RequestHandlers` (request kind -> handler), then sends the reply.
-The slots live in the :class:`~ftmem.smp.slot_store.SlotStore`, which every thread changes
-through its methods. Slot file creation (up to seconds per GiB) runs on the
-:class:`~ftmem.smp.allocation.Allocator`'s thread so the loop keeps answering other ranks.
-Checksums of committed slots are computed by the :class:`~ftmem.smp.hashing.HashService`
-(``--hash-threads``); a slot is served to loads, protected and flushed only once verified,
-and a QUERY waits (bounded by the rank's own timeout) for the hashes still running. The
-deferred replies are sent by the loop thread.
+each request, hands it to its handler (:class:`~ftmem.smp.handlers.RequestHandlers`) and sends
+the reply. Slot files are made on the :class:`~ftmem.smp.allocation.Allocator`'s thread and
+committed slots checksummed by the :class:`~ftmem.smp.hashing.HashService`, so the loop keeps
+answering other ranks; their deferred replies are sent by the loop thread.
 """
 
 from __future__ import annotations
@@ -19,9 +14,7 @@ import secrets
 import signal
 import threading
 import time
-from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import zmq
 
@@ -31,10 +24,11 @@ from ftmem.config import AUTH_KEY_NAME, READY_NAME, SOCKET_NAME, SmpConfig, hash
 from ftmem.errors import ErrorKind, ProtocolError, SmpStartError, UnsafePathError
 from ftmem.events import SMP_EVENTS_NAME, EventLog
 from ftmem.protocol import messages as m
+from ftmem.protocol.status import FlushStatus, SmpStatus
 from ftmem.protocol.wire import decode, encode, peek_request_id
-from ftmem.secure_fs import prepare_private_dir
+from ftmem.secure_fs import prepare_private_dir, replace_private_file
 from ftmem.smp.allocation import Allocator, SlotFiles
-from ftmem.smp.flush_scheduler import FlushService, FlushSettings
+from ftmem.smp.flush_scheduler import FlushService
 from ftmem.smp.handlers import Request, RequestHandlers
 from ftmem.smp.hashing import HashService
 from ftmem.smp.node_lock import NodeLock
@@ -44,26 +38,12 @@ from ftmem.smp.store import StoreError
 log = get_logger(__name__)
 
 
-def prepare_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` (and missing parents) with mode 0700, or accept an existing one that
-    is ours and no symlink; its parent must be ours or root's and not writable by others
-    (sticky /tmp aside), so nobody else can swap it.
-
-    Raises:
-        SmpStartError: the directory or its parent is unsafe (the message says why).
-    """
-    try:
-        prepare_private_dir(run_dir, "run directory")
-    except UnsafePathError as exc:
-        raise SmpStartError(str(exc)) from exc
-
-
 class SmpDaemon:
     """The snapshot management process's server.
 
     Resource handling: :meth:`start` creates the run directory files (key, socket, ready
-    file); :meth:`close` (idempotent, also on context exit) closes the socket, removes every
-    arena file of this run and node, and the files it created.
+    file); :meth:`close` (idempotent) closes the socket, removes every arena file of this run
+    and node, and the files it created.
 
     Error handling: a malformed, oversized, unauthenticated or out-of-place request gets an
     error reply (or is dropped when it cannot be answered) and the loop keeps serving.
@@ -105,7 +85,10 @@ class SmpDaemon:
                 node.
         """
         cfg = self.config
-        prepare_run_dir(cfg.run_dir)
+        try:  # ours and private, in a parent nobody else can swap it in
+            prepare_private_dir(cfg.run_dir, "run directory")
+        except UnsafePathError as exc:
+            raise SmpStartError(str(exc)) from exc
         ready = cfg.run_dir / READY_NAME
         if ready.exists():
             try:
@@ -126,12 +109,8 @@ class SmpDaemon:
             self._adopt_left_slots()
         else:
             self.files.remove_all()
-        key_path = cfg.run_dir / AUTH_KEY_NAME
-        key_path.unlink(missing_ok=True)
         self._key = secrets.token_bytes(32)
-        fd = os.open(key_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self._key)
+        replace_private_file(cfg.run_dir / AUTH_KEY_NAME, self._key)
         (cfg.run_dir / SOCKET_NAME).unlink(missing_ok=True)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -145,15 +124,7 @@ class SmpDaemon:
         self.allocator.start()
         if cfg.flush_tiers:
             self.flush = FlushService(
-                cfg.node,
-                FlushSettings(
-                    list(cfg.flush_tiers),
-                    cfg.flush_every,
-                    cfg.flush_keep,
-                    cfg.flush_shared,
-                    writers=cfg.flush_writers,
-                    direct=cfg.flush_direct,
-                ),
+                cfg,
                 self.store,
                 self.handlers.protected_step,
                 self.handlers.flush_reply,
@@ -161,9 +132,7 @@ class SmpDaemon:
             )
             self.handlers.flush = self.flush
             self.flush.start()
-        tmp = ready.with_suffix(".tmp")
-        tmp.write_text(self.ready_info().to_json())
-        os.replace(tmp, ready)
+        replace_private_file(ready, self.ready_info().to_json().encode())
         log.info(
             "[%s/smp] serving %s (pid %d); slot files in %s, nonce %s",
             cfg.node,
@@ -228,13 +197,6 @@ class SmpDaemon:
             uptime_s=round(time.time() - self.started_at, 3),
         )
         self.events.close()
-
-    def __enter__(self) -> SmpDaemon:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _adopt_left_slots(self) -> None:
         found = self.store.adopt_left()
@@ -305,18 +267,19 @@ class SmpDaemon:
         if reply is not None:
             self._send(ident, req_id, reply)
 
-    def status(self) -> dict[str, Any]:
-        """Return the SMP's state: identity, and each rank's slots, progress and statistics."""
+    def status(self) -> SmpStatus:
+        """The SMP's state: identity, request counts, each rank's slots and progress, the
+        protection service's and the flush's."""
         protection = self.handlers.protection
-        return {
-            "pid": os.getpid(),
-            "run_id": self.config.run_id,
-            "node": self.config.node,
-            "endpoint": self.config.endpoint,
-            "uptime_s": time.time() - self.started_at,
-            "bad_messages": self.bad_messages,
-            "requests": dict(self.handlers.requests),
-            "ranks": {str(r): m.to_fields(p) for r, p in self.store.statuses().items()},
-            "protection": protection.status() if protection else {"enabled": False},
-            "flush": m.to_fields(self.flush.status()) if self.flush else {"enabled": False},
-        }
+        return SmpStatus(
+            pid=os.getpid(),
+            run_id=self.config.run_id,
+            node=self.config.node,
+            endpoint=self.config.endpoint,
+            uptime_s=time.time() - self.started_at,
+            bad_messages=self.bad_messages,
+            requests=dict(self.handlers.requests),
+            ranks=self.store.statuses(),
+            protection=protection.board.read() if protection else None,
+            flush=self.flush.status() if self.flush else FlushStatus(),
+        )

@@ -1,10 +1,9 @@
 """FlushProcess: the SMP's end of its flush worker process (``python -m ftmem.tiers.flush_worker``).
 
-The worker imports torch; the SMP does not. It is started on demand (:meth:`FlushProcess.ensure`),
-given jobs (:meth:`FlushProcess.send`) and read back as typed replies
-(:meth:`FlushProcess.replies`, protocol/flush_jobs.py) by a reader thread, so the flush thread
-never blocks on the pipe. A line that is not a valid reply is logged and skipped; the end of
-the worker's output (it exited or was killed) is reported as None, once.
+The worker imports torch; the SMP does not. It is started on demand, given jobs and read back
+as typed replies (protocol/flush_jobs.py) by a reader thread, so the flush thread never blocks
+on the pipe. A line that is not a valid reply is logged and skipped; the end of the worker's
+output (it exited or was killed) is reported as None, once.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import IO
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError
 from ftmem.protocol.flush_jobs import Job, Reply, WorkerReady, encode, parse_reply
+from ftmem.smp import drain
 
 log = get_logger(__name__)
 
@@ -93,17 +93,13 @@ class FlushProcess:
     def replies(self) -> list[Reply | None]:
         """The replies read since the last call (non-blocking); None: the worker's output
         ended (it exited), after which :attr:`ready` is clear."""
-        out: list[Reply | None] = []
-        while True:
-            try:
-                reply = self._lines.get_nowait()
-            except queue.Empty:
-                return out
+        out = drain(self._lines)
+        for reply in out:
             if reply is None:
                 self.ready.clear()
             elif isinstance(reply, WorkerReady):
                 self.ready.set()
-            out.append(reply)
+        return out
 
     def end(self) -> None:
         """Stop the worker: end of input, a bounded wait, then SIGKILL. Idempotent."""

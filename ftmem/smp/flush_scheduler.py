@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ftmem._logging import get_logger
+from ftmem.config import SmpConfig
 from ftmem.events import EventLog
 from ftmem.protocol import messages as m
 from ftmem.protocol.flush_jobs import (
@@ -46,26 +46,10 @@ from ftmem.smp.store import RankPiece
 log = get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class FlushSettings:
-    """Where and how often to flush."""
-
-    tiers: list[Path]
-    """Node-local directory first, then the persistent one (either may be the only one)."""
-    every: int = 0
-    """Flush every this many steps (0: only when asked)."""
-    keep: int = 2
-    """Complete checkpoints kept per tier."""
-    shared: bool = False
-    """The last tier is seen by every node (multi-node: the parts are assembled there)."""
-    assemble_timeout_s: float = 300.0
-    """``ftmem flush`` on the node of rank 0 waits this long for the other nodes' parts."""
-    assemble_every_s: float = 2.0
-    """How often the node of rank 0 looks for parts to assemble when idle (multi-node)."""
-    writers: int = 2
-    """Data files a flush writes in parallel."""
-    direct: bool = True
-    """Write with O_DIRECT where the file system allows it."""
+ASSEMBLE_TIMEOUT_S = 300.0
+"""``ftmem flush`` on the node of rank 0 waits this long for the other nodes' parts."""
+ASSEMBLE_EVERY_S = 2.0
+"""How often the node of rank 0 looks for parts to assemble when idle (multi-node)."""
 
 
 @dataclass
@@ -94,16 +78,15 @@ class FlushService:
 
     def __init__(
         self,
-        node: str,
-        settings: FlushSettings,
+        config: SmpConfig,
         slots: SlotStore,
         protected_step: Callable[[], int | None],
         on_reply: Callable[[Any, bool, dict[str, Any], str], None],
         events: EventLog | None = None,
     ) -> None:
-        self.node = node
+        self.node = node = config.node
         self.events = events
-        self.settings = settings
+        self.config = config
         self.slots = slots
         self.protected_step = protected_step
         self.on_reply = on_reply
@@ -120,9 +103,9 @@ class FlushService:
         self._lock = threading.Lock()
         self._status = FlushStatus(
             enabled=True,
-            tiers=tuple(str(t) for t in settings.tiers),
-            every=settings.every,
-            keep=settings.keep,
+            tiers=tuple(str(t) for t in config.flush_tiers),
+            every=config.flush_every,
+            keep=config.flush_keep,
         )
         self._discard_above: int | None = None
         self._last_assemble = 0.0
@@ -148,7 +131,7 @@ class FlushService:
 
     def wants(self, step: int) -> bool:
         """Should the slot of ``step`` a rank just committed be kept for a scheduled flush?"""
-        every = self.settings.every
+        every = self.config.flush_every
         last = self.last_step
         # Not while a flush runs: a reservation then would leave ranks no slot to save into
         # (newest + flushing + reserved); the next flush takes the newest complete step.
@@ -259,13 +242,13 @@ class FlushService:
         if not self._waiting:
             got = self._take_reserved()
             if got is not None:
-                self._begin(got[0], len(self.settings.tiers), got[1])
+                self._begin(got[0], len(self.config.flush_tiers), got[1])
                 return
         step, tiers = self._next()
         if step is not None and (self._waiting or self.worker.ready.is_set()):
             self._begin(step, tiers)
         elif self._coordinates() and self._running is None:
-            if time.monotonic() - self._last_assemble > self.settings.assemble_every_s:
+            if time.monotonic() - self._last_assemble > ASSEMBLE_EVERY_S:
                 self._start_assemble()
 
     def _multi(self) -> bool:
@@ -274,7 +257,7 @@ class FlushService:
 
     def _coordinates(self) -> bool:
         """Multi-node with a shared last tier, and this node holds rank 0: it assembles."""
-        return self.settings.shared and self._multi() and 0 in self._ranks()
+        return self.config.flush_shared and self._multi() and 0 in self._ranks()
 
     def _discard(self) -> None:
         """Ranks restored an older step: remove this node's parts of newer steps (they belong to
@@ -285,7 +268,7 @@ class FlushService:
         ranks = self._ranks()
         if above is None or not ranks or not self._multi():
             return
-        for tier in self.settings.tiers:
+        for tier in self.config.flush_tiers:
             for ck in list_checkpoints(tier, parts=True)[0]:
                 if ck.is_part and ck.step > above and ck.ranks[0] == ranks[0]:
                     log.info("[%s/flush] removing %s (an abandoned run's part)", self.node, ck.path)
@@ -299,17 +282,19 @@ class FlushService:
             return
         self._ids += 1
         self._running = _Running(self._ids, -1, [], 0, time.monotonic(), assemble_only=True)
-        tier = str(self.settings.tiers[-1])
+        tier = str(self.config.flush_tiers[-1])
         world = self.slots.world_size()
-        self._send(AssembleJob(self._ids, tier, world, self.settings.keep))
+        self._send(AssembleJob(self._ids, tier, world, self.config.flush_keep))
 
     def _ranks(self) -> list[int]:
         return self.slots.all_ranks()
 
-    def _candidate(self) -> int | None:
-        protected = self.protected_step()
-        if protected is not None:
-            return protected
+    def _candidate(self, protected: bool = True) -> int | None:
+        """The protected step (unless not ``protected``), else the newest step every rank of
+        this node has verified (None: none)."""
+        step = self.protected_step() if protected else None
+        if step is not None:
+            return step
         steps = self.slots.complete_steps(self._ranks()) if self._ranks() else []
         return steps[0] if steps else None
 
@@ -328,13 +313,13 @@ class FlushService:
                 self._waiting.clear()
                 return None, 0
             return step, tiers
-        every = self.settings.every
+        every = self.config.flush_every
         if every <= 0 or cand is None:
             return None, 0
         # Multiples of ``every`` only: every node of a multi-node run picks the same steps.
         target = cand // every * every
         if target > (self.last_step or 0):
-            return target, len(self.settings.tiers)
+            return target, len(self.config.flush_tiers)
         return None, 0
 
     def _begin(self, step: int, tiers: int, pinned: list[RankPiece] | None = None) -> None:
@@ -364,14 +349,14 @@ class FlushService:
             id=self._ids,
             step=step,
             sources=[SlotSource(p.rank, step, p.path, p.capacity, p.layout) for p in pieces],
-            tiers=[str(t) for t in self.settings.tiers[: max(1, tiers)]],
-            keep=self.settings.keep,
-            writers=self.settings.writers,
-            direct=self.settings.direct,
+            tiers=[str(t) for t in self.config.flush_tiers[: max(1, tiers)]],
+            keep=self.config.flush_keep,
+            writers=self.config.flush_writers,
+            direct=self.config.flush_direct,
             world_size=self.slots.world_size(),
-            shared=self.settings.shared and tiers >= len(self.settings.tiers),
+            shared=self.config.flush_shared and tiers >= len(self.config.flush_tiers),
             # Asked for (ftmem flush): wait for the other nodes' parts; scheduled: one look.
-            assemble_timeout=self.settings.assemble_timeout_s if waiters else 0.0,
+            assemble_timeout=ASSEMBLE_TIMEOUT_S if waiters else 0.0,
         )
         self._set(running=FlushRunning(step, "starting", 0))
         self._send(job)
@@ -412,34 +397,28 @@ class FlushService:
     def _finish(self, done: JobDone) -> None:
         run, self._running = self._running, None
         assert run is not None
+        if done.assembled:
+            self._set(assembled_step=max(done.assembled))
         if run.assemble_only:
-            if done.assembled:
-                self._set(assembled_step=max(done.assembled))
-                if self.events is not None:
-                    self.events.write("assembled", step=max(done.assembled))
+            if done.assembled and self.events is not None:
+                self.events.write("assembled", step=max(done.assembled))
             if not done.ok:
                 log.error("[%s/flush] assembling failed: %s", self.node, done.error)
             return
-        if done.assembled:
-            self._set(assembled_step=max(done.assembled))
         self.slots.unpin(run.pieces)
         seconds = time.monotonic() - run.started
-        with self._lock:
-            s = self._status
-            if done.ok:
-                self._status = dataclasses.replace(
-                    s,
-                    running=None,
-                    last_step=run.step,
-                    last_paths=tuple(done.paths),
-                    last_seconds=round(seconds, 3),
-                    last_bytes=done.bytes,
-                    flushes=s.flushes + 1,
-                )
-            else:
-                self._status = dataclasses.replace(
-                    s, running=None, last_error=done.error, failures=s.failures + 1
-                )
+        s = self._status  # only this thread changes it
+        if done.ok:
+            self._set(
+                running=None,
+                last_step=run.step,
+                last_paths=tuple(done.paths),
+                last_seconds=round(seconds, 3),
+                last_bytes=done.bytes,
+                flushes=s.flushes + 1,
+            )
+        else:
+            self._set(running=None, last_error=done.error, failures=s.failures + 1)
         if self.events is not None:
             self.events.write(
                 "flushed" if done.ok else "flush_failed",
@@ -471,12 +450,10 @@ class FlushService:
         """(SIGTERM) Flush the newest step every rank of this node has verified (not the
         protected one: the job is ending, its final step is what must be kept), waiting at
         most ``timeout_s``."""
-        ranks = self._ranks()
-        steps = self.slots.complete_steps(ranks) if ranks else []
-        cand = steps[0] if steps else None
+        cand = self._candidate(protected=False)
         if cand is None or (self.last_step is not None and cand <= self.last_step):
             return
-        self.request(FlushRequest(None, cand, len(self.settings.tiers)))
+        self.request(FlushRequest(None, cand, len(self.config.flush_tiers)))
         deadline = time.monotonic() + timeout_s
         log.info("[%s/flush] final flush of step %d (at most %.0f s)", self.node, cand, timeout_s)
         while time.monotonic() < deadline:

@@ -1,15 +1,11 @@
 """RequestHandlers: what the SMP does with each request, and the replies it defers.
 
-:attr:`RequestHandlers.table` maps each request kind to its handler. A handler takes the
-request's identity (:class:`Request`) and its decoded payload and returns the reply, or None
-when the reply comes later: a PREPARE once its slot files exist (the allocation worker), a
-QUERY once the rank's commits are verified (the hasher), a FLUSH once the checkpoint is
-durable (the flush thread), a PEER_BIND / PEER_START once the protection thread has done it.
-:meth:`RequestHandlers.poll`, called by the loop thread after each burst of requests, takes
-those results in and sends the deferred replies.
-
-Everything here runs on the loop thread; slots change only through the
-:class:`~ftmem.smp.slot_store.SlotStore`.
+:attr:`RequestHandlers.table` maps each request kind to its handler, which returns the reply,
+or None when the reply comes later: a PREPARE once its slot files exist, a QUERY once the
+rank's commits are verified, a FLUSH once the checkpoint is durable, a PEER_BIND / PEER_START
+once the protection thread has done it. :meth:`RequestHandlers.poll` (the loop thread, after
+each burst of requests) takes those results in and sends the deferred replies. Everything
+here runs on the loop thread; slots change only through the SlotStore.
 """
 
 from __future__ import annotations
@@ -26,18 +22,18 @@ from ftmem.config import SmpConfig
 from ftmem.errors import ProtocolError
 from ftmem.events import EventLog
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
-from ftmem.format.record import MAX_SLOT_BYTES
 from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
+from ftmem.protocol.status import SmpStatus
+from ftmem.smp import drain
 from ftmem.smp.allocation import Allocator, AllocJob
 from ftmem.smp.flush_scheduler import FlushRequest, FlushService
 from ftmem.smp.hashing import HashService
-from ftmem.smp.protection import BindCommand, ProtectionService, StartCommand
+from ftmem.smp.protection import ProtectionService
+from ftmem.smp.protection_state import BindCommand, StartCommand
 from ftmem.smp.slot_store import SlotStore
 
 log = get_logger(__name__)
-
-_MAX_STEP = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,27 +50,9 @@ Handler = Callable[[Request, Any], m.Reply | None]
 """A request's handler: its reply, or None when the reply is sent later."""
 
 
-def _check_step(step: int) -> None:
-    if not 0 <= step < _MAX_STEP:
-        raise ValueError(f"step {step} out of range")
-
-
-def _check_nbytes(nbytes: int) -> None:
-    if not 0 < nbytes <= MAX_SLOT_BYTES:
-        raise ValueError(f"nbytes {nbytes} out of range")
-
-
 class RequestHandlers:
-    """The SMP's request handlers and deferred replies (see the module docstring).
-
-    Args:
-        config: the SMP's settings.
-        store: every rank's slots.
-        hasher: checksums commits (its results come in through :meth:`poll`).
-        allocator: makes slot files (its jobs come back through :meth:`poll`).
-        events: the SMP's event log.
-        send: sends a reply on the loop thread's socket.
-        status: the SMP's STATUS document.
+    """The SMP's request handlers and deferred replies (see the module docstring); ``send``
+    sends a reply on the loop thread's socket, ``status`` makes the SMP's STATUS.
 
     Resource handling: the protection service is made at the first PEER_BIND or PEER_START;
     :meth:`close` stops it. The flush service belongs to the daemon (``flush``, set when it
@@ -90,7 +68,7 @@ class RequestHandlers:
         allocator: Allocator,
         events: EventLog,
         send: Send,
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[], SmpStatus],
     ) -> None:
         self.config = config
         self.store = store
@@ -202,7 +180,7 @@ class RequestHandlers:
                 if snaps is None:
                     self._queries.append((req, rank))
                 else:
-                    self._send(req.ident, req.req_id, _snapshots_reply(snaps))
+                    self._send(req.ident, req.req_id, _reply(m.QueryReply(snaps)))
 
     def _finish_allocations(self) -> None:
         for job in self.allocator.finished():
@@ -229,15 +207,10 @@ class RequestHandlers:
             self._send(ident, req_id, m.Reply(ok=r.ok, error=r.error, data=r.data, kind=kind))
 
     def _finish_flushes(self) -> None:
-        while True:
-            try:
-                token, ok, data, err = self._flush_replies.get_nowait()
-            except queue.Empty:
-                return
-            if token is None:
-                continue  # the final flush on SIGTERM: nobody waits on the socket
-            ident, req_id = token
-            self._send(ident, req_id, m.Reply(ok=ok, error=err, data=data))
+        for token, ok, data, err in drain(self._flush_replies):
+            if token is not None:  # None: the final flush on SIGTERM, nobody waits for it
+                ident, req_id = token
+                self._send(ident, req_id, m.Reply(ok=ok, error=err, data=data))
 
     # -- a rank's life -----------------------------------------------------------------------
     def _ping(self, req: Request, p: m.Ping) -> m.Reply:
@@ -258,12 +231,10 @@ class RequestHandlers:
         return _reply(m.HelloReply(os.getpid(), cfg.node, cfg.run_id, cfg.slots, str(cfg.shm_dir)))
 
     def _heartbeat(self, req: Request, p: m.Heartbeat) -> m.Reply:
-        _check_step(p.step)
         self.store.progress(p.rank, p.step)
         return m.Reply(ok=True)
 
     def _skipped(self, req: Request, p: m.Skipped) -> m.Reply:
-        _check_step(p.step)
         self._count_skip(p.rank, p.step, p.reason[:200])
         return m.Reply(ok=True)
 
@@ -272,12 +243,10 @@ class RequestHandlers:
         self.events.write("skipped", rank=rank, step=step, reason=reason)
 
     def _status_request(self, req: Request, p: m.Status) -> m.Reply:
-        return m.Reply(ok=True, data=self._status())
+        return m.Reply(ok=True, data=self._status().to_json())
 
     # -- saving ------------------------------------------------------------------------------
     def _begin(self, req: Request, p: m.Begin) -> m.Reply:
-        _check_step(p.step)
-        _check_nbytes(p.nbytes)
         self.store.progress(p.rank, p.step)
         g = self.store.begin(p.rank, p.step, p.nbytes)
         if g.action is m.Decision.SKIP and self.flush is not None:
@@ -289,10 +258,9 @@ class RequestHandlers:
                 g = self.store.begin(p.rank, p.step, p.nbytes)
         if g.action is m.Decision.SKIP and not p.final:  # a final save polling is not a skip (yet)
             self._count_skip(p.rank, p.step, g.reason)
-        return _grant_reply(g)
+        return _reply(g)
 
     def _prepare(self, req: Request, p: m.Prepare) -> m.Reply | None:
-        _check_nbytes(p.nbytes)
         capacity = shm.round_capacity(p.nbytes)
         targets = self.store.start_resize(p.rank, p.slot, capacity)
         if not targets:
@@ -322,9 +290,8 @@ class RequestHandlers:
                 self._space_warned.add((p.rank, capacity))
                 log.error("[%s/%d] NOT ENOUGH SHARED MEMORY: %s", self.config.node, p.rank, short)
             return m.refusal(f"not enough shared memory: {short}")
-        # The first slot is answered as soon as it exists: the rank's first snapshot needs one
-        # slot, and making every slot first doubled the time until it was safe (first touch
-        # of fresh memory is slow on a loaded VM). The rest follow on the same thread.
+        # Answered as soon as the first slot exists (the rank's first snapshot needs only one);
+        # the rest follow on the same thread.
         first, rest = job.slots[:1], job.slots[1:]
         self.allocator.submit(AllocJob(req.ident, req.req_id, p.rank, first))
         if rest:
@@ -339,7 +306,6 @@ class RequestHandlers:
         return None  # the reply is sent when the allocation finishes
 
     def _commit(self, req: Request, p: m.Commit) -> m.Reply:
-        _check_step(p.step)
         if p.layout:
             self.store.register(p.rank, p.layout_id, p.layout)
         snap = self.store.commit(p)
@@ -356,8 +322,7 @@ class RequestHandlers:
         )
         if p.next_nbytes <= 0:
             return _reply(m.BeginReply(m.Decision.NONE))
-        _check_nbytes(p.next_nbytes)
-        return _grant_reply(self.store.grant(p.rank, p.next_nbytes))
+        return _reply(self.store.grant(p.rank, p.next_nbytes))
 
     def _abort(self, req: Request, p: m.Abort) -> m.Reply:
         self.store.abort(p.rank, p.slot, p.gen)
@@ -369,10 +334,9 @@ class RequestHandlers:
         if snaps is None:
             self._queries.append((req, p.rank))
             return None  # answered by finish_hashes once the rank's slots are verified
-        return _snapshots_reply(snaps)
+        return _reply(m.QueryReply(snaps))
 
     def _discard_newer(self, req: Request, p: m.DiscardNewer) -> m.Reply:
-        _check_step(p.step)
         if self.flush is not None:
             self.store.unpin(self.flush.cancel_newer(p.step))
         dropped = self.store.discard_newer(p.rank, p.step)
@@ -440,12 +404,3 @@ class RequestHandlers:
 
 def _reply(typed: Any) -> m.Reply:
     return m.Reply(ok=True, data=m.to_fields(typed))
-
-
-def _grant_reply(g: m.BeginReply) -> m.Reply:
-    """A BEGIN's (or a COMMIT's, for the next save) typed reply."""
-    return _reply(g)
-
-
-def _snapshots_reply(snaps: list[m.SnapshotInfo]) -> m.Reply:
-    return _reply(m.QueryReply(snaps))

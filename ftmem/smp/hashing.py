@@ -1,24 +1,19 @@
 """HashService: the SMP checksums committed slots, so the training process only moves bytes.
 
-A rank commits a snapshot as soon as its copy is done, with a layout that has no checksums.
-The SMP then maps the slot read-only and hashes every extent (xxh3-64) on this service's
-threads: one coordinator thread takes slots in commit order and hashes their extents on a
-pool of ``threads`` threads, piece by piece (``HASH_PIECE``; python-xxhash releases the GIL,
-so the loop thread that serves the ranks keeps answering). The result goes back to the loop thread through a queue; the
-loop fills the checksums into the layout (the digests are data: nothing is parsed again)
-and the snapshot becomes *verified*.
+A rank commits as soon as its copy is done, with a layout without checksums. A coordinator
+thread takes the committed slots in order and hashes every extent (xxh3-64, piece by piece:
+``HASH_PIECE``) on a pool of ``threads`` threads; python-xxhash releases the GIL, so the loop
+thread keeps answering the ranks. The loop takes the results (:meth:`HashService.results`)
+and fills the checksums into the layout: the snapshot is then *verified*.
 
-Resource handling: the coordinator keeps each slot file mapped (read-only, the whole file)
-for as long as that file exists, and reuses the mapping for every later job of the slot
-(mapping the slot per job set its page tables up each time, which cost more than the hashing
-itself). Before each job it unmaps every cached file
-that is gone or was replaced (one ``stat`` each), so a removed slot's shared memory is held
-by us until the next job at most (or :meth:`close`). Only the coordinator thread touches
-these mappings, so they need no lock. :meth:`close` stops the coordinator with a sentinel,
-shuts the pool down (bounded; a job in progress finishes first), then unmaps everything.
+Resource handling: the coordinator keeps each slot file mapped read-only for as long as that
+file exists and reuses the mapping for later jobs of the slot (setting up a mapping's page
+tables costs more than the hashing). Before each job it unmaps every cached file that is
+gone or was replaced (one ``stat`` each). Only the coordinator touches the mappings, so they
+need no lock. :meth:`close` stops it, shuts the pool down (bounded) and unmaps everything.
 
-Error handling: a slot that cannot be read (removed, truncated) yields a result with
-``error`` set; the loop drops that snapshot. Nothing raises out of the threads.
+Error handling: a slot that cannot be read yields a result with ``error`` set (the loop drops
+that snapshot); nothing raises out of the threads.
 """
 
 from __future__ import annotations
@@ -28,21 +23,19 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ftmem import faults
+from ftmem import faults, shm
 from ftmem._logging import get_logger
 from ftmem.format.layout import StoredSnapshot, hash_bytes, pieces
+from ftmem.smp import drain
 
 log = get_logger(__name__)
 
 HASH_NICE = 10
-"""Niceness of the hashing threads: where the ranks keep every core busy (a CPU-only node
-like ours, where a rank's ``save()`` was seen taking 2-3x longer while the SMP hashed), the
-training should win; the hash then finishes later, which loads wait for. (The effect was
-within this machine's noise in a quick A/B; the choice stands on the reasoning.)"""
+"""Niceness of the hashing threads: where the ranks keep every core busy, training wins and
+the hash (which loads wait for) finishes later."""
 
 
 def _lower_priority() -> None:
@@ -68,10 +61,8 @@ class HashJob:
 
 @dataclass(frozen=True, slots=True)
 class HashResult:
-    """The checksums of a job's extents (``digests``: the objects' first, then each
-    tensor's, as :meth:`StoredSnapshot.extents` orders them; empty and ``error`` set if it
-    failed);
-    ``nbytes`` the bytes hashed."""
+    """The checksums of a job's extents (``digests``, ordered as
+    :meth:`StoredSnapshot.extents`; empty and ``error`` set if it failed), of ``nbytes``."""
 
     job: HashJob
     digests: list[str]
@@ -80,50 +71,14 @@ class HashResult:
     error: str = ""
 
 
-@dataclass(slots=True)
-class _SlotMap:
-    """A read-only mapping of a whole slot file, and which file (and size) it maps."""
-
-    mm: mmap.mmap
-    dev: int
-    ino: int
-    size: int
-
-    def same_file(self, st: os.stat_result) -> bool:
-        """Whether ``st`` (of the path now) is the file this maps, still of the mapped size."""
-        return (st.st_dev, st.st_ino, st.st_size) == (self.dev, self.ino, self.size)
-
-
-def _map_whole(path: str) -> _SlotMap:
-    """Map all of the slot file ``path`` read-only, as :func:`ftmem.shm.map_readonly` does
-    (no symlink followed), and note the file's identity from the same open.
-
-    Raises:
-        OSError: the file is missing (or a symlink).
-        ValueError: the file is empty.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if st.st_size == 0:
-            raise ValueError(f"segment {path} is empty")
-        mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return _SlotMap(mm, st.st_dev, st.st_ino, st.st_size)
-
-
 class HashService:
     """Checksums committed slots off the SMP's loop thread (see the module docstring)."""
 
-    def __init__(
-        self, node: str, threads: int = 1, on_result: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, node: str, threads: int = 1) -> None:
         if threads < 1:
             raise ValueError(f"hash threads must be >= 1, got {threads}")
         self.node = node
         self.threads = threads
-        self._on_result = on_result
         self._jobs: queue.Queue[HashJob | None] = queue.Queue()
         self._results: queue.Queue[HashResult] = queue.Queue()
         self._pool = (
@@ -137,7 +92,7 @@ class HashService:
         self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ftmem-smp-hasher", daemon=True)
         self._closed = False
-        self._maps: dict[str, _SlotMap] = {}
+        self._maps: dict[str, tuple[mmap.mmap, os.stat_result]] = {}
         """Slot file path -> its read-only mapping, kept while that file exists. Only the
         coordinator thread touches it (and :meth:`close` once the coordinator has stopped),
         so it has no lock."""
@@ -157,12 +112,7 @@ class HashService:
 
     def results(self) -> list[HashResult]:
         """The results finished since the last call (loop thread)."""
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._results)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every submitted job has a result; False on timeout."""
@@ -210,18 +160,20 @@ class HashService:
         self._prune()
         held = self._maps.get(path)
         if held is None:
-            held = self._maps[path] = _map_whole(path)
+            held = self._maps[path] = shm.map_readonly(path)
             self.maps_made += 1
-        if held.size < need:
-            raise ValueError(f"segment {path} has {held.size} bytes, fewer than {need}")
-        return held.mm
+        mm, st = held
+        if st.st_size < need:
+            raise ValueError(f"segment {path} has {st.st_size} bytes, fewer than {need}")
+        return mm
 
     def _prune(self) -> None:
         """Unmap every cached slot file that no longer exists, or that another file (or
         size) replaced at its path: one ``stat`` each."""
-        for path, held in list(self._maps.items()):
+        for path, (_, st) in list(self._maps.items()):
             try:
-                same = held.same_file(os.stat(path, follow_symlinks=False))
+                now = os.stat(path, follow_symlinks=False)
+                same = (now.st_dev, now.st_ino, now.st_size) == (st.st_dev, st.st_ino, st.st_size)
             except OSError:
                 same = False
             if not same:
@@ -233,7 +185,7 @@ class HashService:
         if held is None:
             return
         try:
-            held.mm.close()
+            held[0].close()
         except BufferError:  # a view outlived a failed job: unmapped when the last one goes
             log.debug("[%s/smp] %s still referenced; unmapped later", self.node, path)
 
@@ -259,8 +211,6 @@ class HashService:
                 self._queued -= 1
                 if self._queued == 0:
                     self._idle.set()
-            if self._on_result is not None:
-                self._on_result()
 
     def _hash(self, job: HashJob) -> HashResult:
         t0 = time.perf_counter()

@@ -1,12 +1,10 @@
 """One SMP per run and node: an exclusive lock held for the SMP's whole life.
 
-Two SMPs of the same user with the same run id and node name would adopt each other's slot
-files (a restarted SMP takes over every file of its run and node, whatever its nonce), and the
-first to stop cleanly would delete the other's live snapshots. :class:`NodeLock` takes ``flock`` on
-``<private base>/locks/<run id>@<node>.lock`` (``@`` cannot occur in either name) before the
-SMP touches any slot file; the kernel drops the lock when the process dies, so an SMP killed
-with SIGKILL never blocks its successor. The lock directory is private to the user
-(:func:`ftmem.secure_fs.prepare_private_dir`), so no one else can plant or hold the lock.
+Two SMPs of the same user, run and node would adopt each other's slot files, and the first to
+stop cleanly would delete the other's live snapshots. :class:`NodeLock` takes ``flock`` on
+``<private base>/locks/<run id>@<node>.lock`` before the SMP touches any slot file; the kernel
+drops it when the process dies (even by SIGKILL). The lock directory is private to the user,
+so no one else can plant or hold the lock.
 """
 
 from __future__ import annotations

@@ -1,25 +1,19 @@
 """ProtectionService: the SMP's erasure-coding thread (peer mesh, protection rounds, rebuild).
 
 The SMP's main loop serves ranks; this thread owns the peer transport (ZeroMQ TCP + CURVE) and
-the :class:`~ftmem.exchange.protector.GroupProtector`. pyeclib holds the GIL while it encodes a
-stripe, so stripes are kept small (1 MiB) and the main loop is never held up for long.
+the :class:`~ftmem.exchange.protector.GroupProtector` (pyeclib holds the GIL while it encodes a
+stripe, so stripes are kept small). Once per rendezvous round the launcher drives a generation:
 
-Life of a generation (the launcher drives it, once per rendezvous round):
+1. **bind** (keys, host): a new transport with the round's key pair; its endpoint goes back to
+   the launcher, which publishes it.
+2. **start** (epoch, this node, the endpoints, m, group cap, ranks): connect to the group and
+   *sync* (protection_sync.py): all keep the newest step enough nodes hold, and nodes that
+   lost it rebuild it (protection_rebuild.py) before the launcher starts their ranks.
+3. **rounds** (protection_rounds.py): the coordinator orders the newest step every node has
+   committed; each node pins it and protects it with the group.
 
-1. **bind** (keys, host): a new transport with the round's key pair; the endpoint goes back to
-   the launcher, which publishes it in the rendezvous store.
-2. **start** (epoch, this node, every node's endpoint, m, group cap, this node's ranks):
-   connect to the group and *sync* (protection_sync.py): every node tells the group which steps
-   it holds; all keep the newest step enough nodes hold, and nodes that lost it rebuild it
-   (protection_rebuild.py) before the launcher starts their ranks.
-3. **rounds** (protection_rounds.py): the group's coordinator orders the newest step every
-   node has committed; each node pins it and protects it with the group.
-
-This module holds the thread, its commands, the routing of peer messages and what the thread
-owns: the generation, the steps pinned here and the status board (protection_state.py), which
-it hands to the parts that change them. Commands come from the
-main loop through :meth:`ProtectionService.submit`; results go back through
-:meth:`ProtectionService.results` (the main loop sends the deferred replies).
+Commands come from the main loop through :meth:`ProtectionService.submit`; results go back
+through :meth:`ProtectionService.results`.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
@@ -40,21 +33,19 @@ from ftmem.protocol import messages as m
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import Envelope, PeerMessage
 from ftmem.protocol.status import PeerHealth, ProtectionState
-from ftmem.smp.protection_commands import BindCommand, Result, StartCommand
+from ftmem.smp import drain
 from ftmem.smp.protection_rebuild import report_progress
 from ftmem.smp.protection_rounds import ProtectionRounds
-from ftmem.smp.protection_state import Generation, PinnedSteps, StatusBoard
-from ftmem.smp.protection_sync import GenerationSync, SyncVerdict, decide
+from ftmem.smp.protection_state import (
+    BindCommand,
+    Generation,
+    PinnedSteps,
+    Result,
+    StartCommand,
+    StatusBoard,
+)
+from ftmem.smp.protection_sync import GenerationSync
 from ftmem.smp.slot_store import SlotStore
-
-__all__ = [
-    "BindCommand",
-    "ProtectionService",
-    "Result",
-    "StartCommand",
-    "SyncVerdict",
-    "decide",
-]
 
 log = get_logger(__name__)
 
@@ -125,20 +116,10 @@ class ProtectionService:
         Once the thread has stopped (FAILED), every command still queued is answered here with
         an error naming the failure, so no request waits for a thread that is gone.
         """
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                break
+        out = drain(self._results)
         if self.failed:
-            while True:
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd is not None:
-                    out.append(Result(cmd.token, False, {}, self._failed_reply()))
+            why = self._failed_reply()
+            out += [Result(cmd.token, False, {}, why) for cmd in drain(self._cmds) if cmd]
         return out
 
     @property
@@ -154,10 +135,6 @@ class ProtectionService:
 
     def _failed_reply(self) -> str:
         return f"the SMP's protection thread stopped: {self._failure}"
-
-    def status(self) -> dict[str, Any]:
-        """A JSON-ready copy of the protection service's state for ``ftmem status``."""
-        return self.board.read().to_json()
 
     def protected_step(self) -> int | None:
         """The newest step the group protected (None: nothing yet)."""
@@ -390,7 +367,7 @@ class ProtectionService:
             ProtectionState.SYNCING, epoch=r.epoch, me=r.me, group=tuple(plan.nodes), m=plan.m
         )
         for n in gen.peers():
-            gen.send(n, pm.HeldSteps(tuple(held)))
+            gen.protector.send(n, pm.HeldSteps(tuple(held)))
         early, self._early, self._early_bytes = self._early, [], 0
         for env in early:
             protector.handle(env)

@@ -1,15 +1,12 @@
 """Rebuild this node's snapshot of the group's protected step and install it in the slots.
 
-A node that lost the step the group keeps (a replacement, a restarted SMP) fetches its data
-and parity from the survivors (:meth:`GroupProtector.rebuild`), writes each rank's bytes into
-a new slot (:meth:`SlotStore.install_rebuilt`) and from then on serves the step from those
-slot files, as if it had protected the step itself.
-
-Before anything is allocated, what the survivors sent is checked (:func:`check_manifest`,
-the protector's ``accept`` hook, after the protector's own bounds and seal check): the
-manifest is for the step and lists exactly this node's ranks, each rank's bytes fit its slot
-capacity, they add up to the node's size, and all the slots together fit in the free shared
-memory. A refusal is the rebuild's failure (REBUILD_FAILED), like any other.
+A node that lost the step the group keeps fetches its data and parity from the survivors
+(:meth:`GroupProtector.rebuild`), writes each rank's bytes into a new slot
+(:meth:`SlotStore.install_rebuilt`) and from then on serves the step from those slot files.
+Before anything is allocated, :func:`check_manifest` checks what the survivors sent: the
+manifest is for the step and lists exactly this node's ranks, each rank's bytes fit its slot,
+they add up to the node's size, and the slots fit in the free shared memory. A refusal fails
+the rebuild (REBUILD_FAILED), like any other error.
 """
 
 from __future__ import annotations

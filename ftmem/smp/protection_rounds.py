@@ -1,13 +1,11 @@
 """Protection rounds: the group agrees on a step, and every node protects it with the others.
 
-Each node tells the group's coordinator (its first node) which steps all its ranks have
-committed (``avail``); once the coordinator has every node's list, it orders the newest common
-step newer than the protected one (``protect``). Each node pins that step's slots (so ranks
-cannot overwrite them) and runs the protector. When the step is protected, the previous
-protected step is forgotten and its slots unpinned. A node whose slots of the step are already
-gone sends ABORT and everyone gives that step up; ranks never wait for any of this (a rank
-whose slots are all held skips its snapshot). Idle nodes greet their peers every
-:data:`HEARTBEAT_S` (peer health in ``ftmem status``).
+Each node tells the coordinator (the group's first node) which steps all its ranks have
+committed (``avail``); the coordinator orders the newest common step newer than the protected
+one (``protect``). Each node pins that step's slots and runs the protector; once protected,
+the previous protected step is released. A node whose slots of the step are gone sends ABORT
+and everyone gives the step up. Ranks never wait for any of this. Idle nodes greet their
+peers every :data:`HEARTBEAT_S` (peer health in ``ftmem status``).
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ class ProtectionRounds:
         if now - self._last_hb >= HEARTBEAT_S:
             self._last_hb = now
             for n in gen.peers():
-                gen.send(n, pm.Heartbeat())
+                gen.protector.send(n, pm.Heartbeat())
 
     def _offer(self, gen: Generation) -> None:
         protected = self.pins.protected
@@ -96,7 +94,7 @@ class ProtectionRounds:
         if coordinator == gen.me:
             self._avail[gen.me] = newer
         else:
-            gen.send(coordinator, pm.Avail(tuple(newer)))
+            gen.protector.send(coordinator, pm.Avail(tuple(newer)))
 
     def _coordinate(self, gen: Generation) -> None:
         if gen.plan.nodes[0] != gen.me or set(self._avail) < set(gen.plan.nodes):
@@ -112,7 +110,7 @@ class ProtectionRounds:
         self._avail.clear()
         self._last_round = time.monotonic()
         for n in gen.peers():
-            gen.send(n, pm.ProtectOrder(step))
+            gen.protector.send(n, pm.ProtectOrder(step))
         self._order = step
 
     def protect(self, gen: Generation, step: int) -> None:
@@ -168,11 +166,10 @@ class ProtectionRounds:
         return True
 
     def _give_up(self, gen: Generation, pinned: PinnedStep) -> None:
-        """A round that did not complete here. A step this node told the group HELD (it holds
-        its data and owed parity) stays pinned as a candidate: another node may have completed
-        the round and released its older step, and the next generation's sync keeps the newest
-        step that enough nodes hold (it releases the others; so does the next protected step).
-        Any other is dropped."""
+        """A round that did not complete here. A step this node told the group HELD stays
+        pinned as a candidate (another node may have completed the round and released its
+        older step; the next sync keeps the newest step enough nodes hold); any other is
+        dropped."""
         if pinned.step in gen.protector.held_steps():
             self.pins.keep(pinned)
             self.board.event("protect_unconfirmed", step=pinned.step)

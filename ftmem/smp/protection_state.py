@@ -10,6 +10,10 @@ which change nothing else; only the protection thread changes them:
   protected step, and steps kept for the next sync);
 - :class:`StatusBoard`: what the service reports: its state and :class:`ProtectionStatus`
   (read by any thread, behind a lock), its event log, and the node name its log lines carry.
+
+It also holds the commands the main loop gives the thread (:class:`BindCommand` for PEER_BIND,
+:class:`StartCommand` for PEER_START) and the :class:`Result` each gets back, carrying the
+command's ``token`` (the main loop sends the deferred reply).
 """
 
 from __future__ import annotations
@@ -19,22 +23,55 @@ import mmap
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ftmem import shm
 from ftmem._logging import get_logger
+from ftmem.errors import ErrorKind
 from ftmem.events import EventLog
+from ftmem.exchange.keys import CurveKeyPair
 from ftmem.exchange.placement import GroupPlan
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.segments import SegmentedBytes
 from ftmem.format.record import ManifestEntry, NodeManifest, encode_manifest
-from ftmem.protocol import peer as pm
+from ftmem.protocol.messages import PeerBind, PeerStart
 from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.slot_store import SlotStore
 from ftmem.smp.store import RankPiece
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BindCommand:
+    """Start a new transport as ``request`` says (replacing the previous one), with the job's
+    key pair ``keys`` read from it."""
+
+    token: Any
+    request: PeerBind
+    keys: CurveKeyPair
+
+
+@dataclass(frozen=True, slots=True)
+class StartCommand:
+    """Join the mesh of ``request.epoch`` (two per generation: ftmem.launch.peers.mesh_epoch)
+    with its peer ``endpoints`` checked and keyed by node index; then sync."""
+
+    token: Any
+    request: PeerStart
+    endpoints: dict[int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The outcome of a command, for the main loop to reply with (``kind``: which refusal,
+    when not ``ok``)."""
+
+    token: Any
+    ok: bool
+    data: dict[str, Any]
+    error: str = ""
+    kind: ErrorKind = ErrorKind.REFUSED
 
 
 @dataclass(slots=True)
@@ -56,7 +93,7 @@ class PinnedStep:
 
     def open(self) -> SegmentedBytes:
         """Map every piece read-only and return the node's bytes."""
-        self.maps = [shm.map_readonly(Path(p.path), max(p.used, 1)) for p in self.pieces]
+        self.maps = [shm.map_readonly(p.path, max(p.used, 1))[0] for p in self.pieces]
         return SegmentedBytes(
             [memoryview(mm)[: p.used] for mm, p in zip(self.maps, self.pieces, strict=True)]
         )
@@ -87,10 +124,6 @@ class Generation:
     def peers(self) -> list[int]:
         """The other nodes of the group."""
         return [n for n in self.plan.nodes if n != self.me]
-
-    def send(self, node: int, body: pm.PeerBody) -> None:
-        """Queue one of the service's own messages (ordered with the protocol's)."""
-        self.protector.send(node, body)
 
 
 class PinnedSteps:
@@ -148,13 +181,9 @@ class PinnedSteps:
 
 
 class StatusBoard:
-    """What the protection service reports: its state (:class:`ProtectionState`) and status
-    (:class:`ProtectionStatus`), which any thread may read, its event log, and the node name
-    of its log lines.
-
-    The protection thread writes (:meth:`move`, :meth:`update`, :meth:`count`, :meth:`event`);
-    any thread reads (:meth:`read`).
-    """
+    """What the protection service reports: its :class:`ProtectionStatus`, written by the
+    protection thread and read by any thread (:meth:`read`), its event log, and the node
+    name of its log lines."""
 
     def __init__(self, node_name: str, events: EventLog | None = None) -> None:
         self.node_name = node_name

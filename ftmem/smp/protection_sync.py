@@ -1,29 +1,23 @@
 """The sync that starts each generation: which step the group keeps, and who rebuilds it.
 
-Every node tells the group which steps it holds (own data plus owed parity). Once every node's
-list is in, each node runs :func:`decide` on the same inputs, so all agree: the newest step
-held by at least ``n - m`` nodes is the group's protected step; nodes that do not hold it
-rebuild it (protection_rebuild.py) before the launcher starts their ranks; every node keeps only
-that step. No such step while some node holds data: more than m nodes were lost.
-
-Until the sync has decided, a node keeps its peers' META and FETCH requests unanswered; then
-it serves the kept step to the nodes that rebuild it, each until it has rebuilt (HELD), and
-refuses everyone else (the rebuilder's ``hold`` and ``serve_only``).
+Every node tells the group which steps it holds (own data plus owed parity); once every list
+is in, each node runs :func:`decide` on the same inputs, so all agree: the newest step held by
+at least ``n - m`` nodes is kept, the nodes that lack it rebuild it, every node keeps only
+that step. Until then a node holds its peers' META and FETCH requests; then it serves the kept
+step to the nodes that rebuild it and refuses everyone else.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from ftmem._logging import get_logger
 from ftmem.errors import ErrorKind
 from ftmem.exchange.placement import GroupPlan
-from ftmem.protocol.status import ProtectionState
-from ftmem.smp.protection_commands import Result, StartCommand
+from ftmem.protocol.status import ProtectionState, SyncReply
 from ftmem.smp.protection_rebuild import REBUILD_ERRORS, rebuild_failed, rebuild_step
-from ftmem.smp.protection_state import Generation, PinnedSteps, StatusBoard
+from ftmem.smp.protection_state import Generation, PinnedSteps, Result, StartCommand, StatusBoard
 
 log = get_logger(__name__)
 
@@ -130,11 +124,7 @@ class GenerationSync:
             lost=sorted(verdict.lost),
             error=verdict.error,
         )
-        data: dict[str, Any] = {
-            "step": verdict.step,
-            "lost": sorted(verdict.lost),
-            "rebuilt": False,
-        }
+        reply = SyncReply(verdict.step, tuple(sorted(verdict.lost)))
         keep = verdict.step
         for step in protector.held_steps():
             if step != keep:
@@ -143,13 +133,14 @@ class GenerationSync:
         self.pins.protected = keep
         if verdict.error:
             board.move(ProtectionState.UNRECOVERABLE, error=verdict.error)
-            return Result(cmd.token, False, data, verdict.error, ErrorKind.UNRECOVERABLE)
+            return Result(cmd.token, False, reply.to_json(), verdict.error, ErrorKind.UNRECOVERABLE)
         if keep is not None and gen.me in verdict.lost:
             try:
                 rebuild_step(gen, self.pins, board, keep, verdict.lost, min(verdict.holders))
             except REBUILD_ERRORS as exc:
-                return Result(cmd.token, False, data, rebuild_failed(self.pins, board, keep, exc))
-            data["rebuilt"] = True
+                why = rebuild_failed(self.pins, board, keep, exc)
+                return Result(cmd.token, False, reply.to_json(), why)
+            reply = SyncReply(keep, reply.lost, rebuilt=True)
         self.synced = True
         board.move(ProtectionState.READY, error="")
         log.info(
@@ -159,4 +150,4 @@ class GenerationSync:
             keep,
             sorted(verdict.lost),
         )
-        return Result(cmd.token, True, data)
+        return Result(cmd.token, True, reply.to_json())

@@ -1,13 +1,11 @@
-"""Commit records: a small sidecar file per committed slot, so a restarted SMP can adopt them.
+"""Commit records: a small sidecar file per committed slot, so a restarted SMP can adopt it.
 
-The slot files live in the user's private shared-memory directory (:mod:`ftmem.shm`) and
-survive the SMP's death (only a clean shutdown removes them). When a slot is committed, the
-SMP writes ``<slot file>.commit`` (tmp + rename, so it is complete or absent) holding the layout and identity of what the slot holds (rewritten
-with the checksums once the SMP has verified the slot); when the slot is handed out for
-writing again, or dropped, the record is removed first. A record present therefore names
-committed data; a restarted SMP hashes an adopted slot whose layout has no checksums yet, and
-the data's checksums are still verified at every load. The record's format is
-:mod:`ftmem.format.record`.
+Slot files survive the SMP's death (only a clean shutdown removes them). At a commit the SMP
+writes ``<slot file>.commit`` (tmp + rename: complete or absent) with the layout and identity
+of what the slot holds, rewritten with the checksums once verified, and removed before the
+slot is written again or dropped: a record present names committed data. A restarted SMP
+hashes an adopted slot whose layout has no checksums yet; loads verify every checksum anyway.
+The format is :mod:`ftmem.format.record`.
 """
 
 from __future__ import annotations
@@ -19,20 +17,11 @@ from pathlib import Path
 from ftmem import shm
 from ftmem._logging import get_logger
 from ftmem.format.record import MAX_RECORD_BYTES, CommitRecord, decode_record, encode_record
+from ftmem.secure_fs import replace_private_file
 
 log = get_logger(__name__)
 
 SUFFIX = ".commit"
-__all__ = [
-    "CommitRecord",
-    "owned",
-    "read_record",
-    "record_path",
-    "remove_record",
-    "run_files",
-    "scan",
-    "write_record",
-]
 
 
 def record_path(slot_path: Path | str) -> Path:
@@ -41,25 +30,10 @@ def record_path(slot_path: Path | str) -> Path:
 
 
 def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
-    """Write the record of ``slot_path`` atomically (tmp + rename). The temporary file is
-    created new (``O_EXCL|O_NOFOLLOW``): a file or symlink planted under its name is removed
-    first if it is ours, else the write fails, and nothing is written through a symlink."""
-    data = encode_record(rec).encode()
-    final = os.fspath(record_path(slot_path))
-    tmp = f"{final}.tmp"
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o600)
-    except FileExistsError:  # left by a write that died, or planted: remove it, once
-        os.unlink(tmp)
-        fd = os.open(tmp, flags, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+    """Write the record of ``slot_path`` atomically, through ``<record>.tmp``
+    (:func:`ftmem.secure_fs.replace_private_file`)."""
+    final = record_path(slot_path)
+    replace_private_file(final, encode_record(rec).encode(), Path(f"{final}.tmp"))
 
 
 def remove_record(slot_path: Path | str) -> None:
@@ -81,10 +55,9 @@ def read_record(path: Path) -> CommitRecord:
 
 def run_files(shm_dir: Path, run_id: str, node: str) -> list[tuple[Path, shm.SlotName]]:
     """Every entry of ``shm_dir`` named as a slot file, commit record or record's temporary
-    file of exactly ``run_id`` and ``node`` (any nonce: a previous SMP's too), sorted by name,
-    with its parsed name. Names are parsed, not prefix-matched, so run ``a-b`` node ``c``
-    never matches run ``a`` node ``b-c``, nor node ``gpu`` node ``gpu-r1``. Nothing is
-    checked about the files themselves (see :func:`owned`)."""
+    file of exactly ``run_id`` and ``node`` (any nonce), sorted by name, with its parsed name.
+    Names are parsed, not prefix-matched (run ``a-b`` node ``c`` is not run ``a`` node
+    ``b-c``); the files themselves are not checked (see :func:`owned`)."""
     try:
         names = sorted(os.listdir(shm_dir))
     except FileNotFoundError:

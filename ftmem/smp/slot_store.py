@@ -1,53 +1,28 @@
 """SlotStore: every rank's slots of one SMP behind one lock, and their commit records.
 
-Four threads change slots: the loop thread (the ranks' requests, allocations coming back,
-hash results), the protection thread (pins a step for a round, unpins it, installs a rebuilt
-step), the flush thread (pins a step for a flush, unpins it) and the allocation worker (only
-through the loop thread). Each does it through one method of this class, which takes the
-store's lock for the whole transition, so a slot is never seen half changed and every pin is
-counted in one place (:meth:`RankSlots.pin` / :meth:`RankSlots.unpin`). The transitions and
-their conditions are the state diagram in :mod:`ftmem.smp.store`; this class maps them onto
-the SMP's requests:
-
-========================  ===================================================================
-method                    transitions (of :mod:`ftmem.smp.store`'s diagram)
-========================  ===================================================================
-``hello``                 WRITING -> FREE (the rank restarted: torn copies)
-``begin``                 FREE / COMMITTED -> WRITING (its old commit record is removed)
-``grant``                 FREE / COMMITTED -> GRANTED (at a COMMIT, for the rank's next
-                          save; a verified slot keeps its checksummed record; conditional,
-                          with a grant board cell, while its step may be needed)
-``commit``                also settles other ranks' conditional grants (board: ready)
-``commit``                WRITING / GRANTED -> COMMITTED, pinned for the hasher
-``abort``                 WRITING -> FREE
-``start_resize``          EMPTY / FREE / COMMITTED -> ALLOCATING
-``finish_resize``         ALLOCATING -> FREE (or EMPTY when the file could not be made)
-``verify``                unpin (hasher); COMMITTED -> verified (record rewritten), or -> FREE
-``discard_newer``         COMMITTED -> FREE (newer steps of an abandoned run)
-``pin_step`` / ``unpin``  pins of COMMITTED slots (the exchange and the flush); a
-                          conditionally GRANTED one is revoked first (board: revoked)
-``install_rebuilt``       any unpinned -> ALLOCATING -> COMMITTED (pinned), file written
-``adopt_left``            EMPTY -> COMMITTED (a previous SMP's records)
-========================  ===================================================================
+Four threads change slots: the loop thread (requests, finished allocations, hash results),
+the protection thread (pins for a round, a rebuilt step), the flush thread (pins for a flush)
+and, through the loop thread, the allocation worker. Each does it through one method of this
+class, which holds the lock for the whole transition, so a slot is never seen half changed
+and every pin is counted in one place. The methods carry the names of the transitions of
+:mod:`ftmem.smp.store`'s diagram.
 
 Commit records (:mod:`ftmem.smp.records`) follow the transitions under the same lock: written
-at the commit (without checksums: a restarted SMP hashes an adopted slot that has none, so a
-commit the rank was told about survives the SMP's death even before it was verified),
-rewritten with the checksums at verification, removed before a slot's data is overwritten or
-dropped. A GRANTED slot keeps its record, which carries its checksums: a restarted SMP adopts
-the older step it holds, and a load finds it corrupt if the rank had begun to overwrite it.
+at the commit without checksums (a commit the rank was told about survives the SMP's death
+even before it is verified; a restarted SMP hashes it), rewritten with the checksums at
+verification, removed before a slot's data is overwritten or dropped. A GRANTED slot keeps its
+checksummed record: a restarted SMP adopts the older step it holds, and a load finds it
+corrupt if the rank had begun to overwrite it.
 
-Layouts are registered once per rank (:class:`~ftmem.format.layout.RegisteredLayout`, at
-most ``MAX_LAYOUTS`` each, validated when registered); a COMMIT names one by id and the
-verified layout document is rendered from it and the checksums, never parsed again.
-The grant board (:class:`ftmem.shm.GrantBoard`, one byte per rank, made at the first
-conditional grant) is written under the lock too: pending when a conditional grant is made,
-ready when a commit settles it, revoked when a pin takes its slot back. The rank reads its
-byte before writing a conditionally granted slot, so the steady state of several ranks per
-node saving in lockstep still needs one message per save.
+Layouts are registered once per rank (:class:`~ftmem.format.layout.RegisteredLayout`, at most
+``MAX_LAYOUTS``, validated then); a COMMIT names one by id and the verified layout document is
+rendered from it and the checksums, never parsed again. The grant board
+(:class:`ftmem.shm.GrantBoard`) is written under the lock too: pending when a conditional grant
+is made, ready when a commit settles it, revoked when a pin takes the slot back; so ranks of a
+node saving in lockstep still need one message per save.
 
-The only I/O done outside the lock is writing a rebuilt snapshot into its new slot file (the
-slot is ALLOCATING meanwhile, which nothing else touches).
+The only I/O outside the lock writes a rebuilt snapshot into its new slot file (the slot is
+ALLOCATING meanwhile, which nothing else touches).
 """
 
 from __future__ import annotations
@@ -60,6 +35,7 @@ from dataclasses import dataclass
 
 from ftmem import shm
 from ftmem._logging import get_logger
+from ftmem.config import MAX_SLOT_BYTES
 from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import (
     RegisteredLayout,
@@ -68,7 +44,7 @@ from ftmem.format.layout import (
     register_layout,
     with_hashes,
 )
-from ftmem.format.record import MAX_SLOT_BYTES, ManifestEntry, NodeManifest
+from ftmem.format.record import CommitRecord, ManifestEntry, NodeManifest
 from ftmem.protocol import messages as m
 from ftmem.protocol.status import RankProgress
 from ftmem.smp import records
@@ -102,24 +78,9 @@ class Verified:
     kept: RankPiece | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Span:
-    """One rank's bytes in a rebuilt node's data, at ``offset`` (checked: ``snap``)."""
-
-    offset: int
-    entry: ManifestEntry
-    snap: StoredSnapshot
-
-
 class SlotStore:
-    """Every rank's slots, thread-safe (see the module docstring).
-
-    Args:
-        node: this node's name (log lines).
-        nslots: slots per rank.
-        files: where the slot files live (a rebuild makes new ones; adoption scans them).
-        submit_hash: queues a committed slot's checksums (the hasher's ``submit``); the slot
-            is pinned until :meth:`verify` gets the result.
+    """Every rank's slots, thread-safe (see the module docstring). ``submit_hash`` queues a
+    committed slot's checksums (the slot stays pinned until :meth:`verify` gets the result).
 
     Error handling: a request that does not fit a slot's state raises :class:`StoreError`,
     one out of range raises ``ValueError``; nothing is changed then. A commit record that
@@ -212,9 +173,8 @@ class SlotStore:
         rejoined: bool = False,
     ) -> list[int]:
         """Rank ``rank`` (process ``pid``) said hello: free the slots it was writing (torn);
-        return their indices. ``world_size`` > 0 replaces the job's world size;
-        ``in_process``: it can rejoin a restart in process; ``rejoined``: it just did (its
-        restart phases start now although its pid is the same)."""
+        return their indices. ``world_size`` > 0 replaces the job's world size; see
+        :class:`~ftmem.protocol.messages.Hello` for the flags."""
         with self._lock:
             rs = self._rank(rank)
             if world_size > 0:
@@ -233,9 +193,8 @@ class SlotStore:
             self._rank(rank).count_skip(reason)
 
     def begin(self, rank: int, step: int, nbytes: int) -> m.BeginReply:
-        """Choose the slot ``rank`` writes ``step`` (``nbytes``) into; never the newest
-        committed or a pinned one. A slot handed out for writing loses its commit record;
-        a slot granted to this save and not used gets its record back."""
+        """Choose the slot ``rank`` writes ``step`` (``nbytes``) into (:meth:`RankSlots.begin`);
+        a slot handed out for writing loses its commit record."""
         with self._lock:
             rs = self._rank(rank)
             held = rs.granted()
@@ -245,10 +204,9 @@ class SlotStore:
             return self._grant_of(rs, d)
 
     def grant(self, rank: int, nbytes: int) -> m.BeginReply:
-        """Promise a slot of ``nbytes`` to ``rank``'s next save (see :mod:`ftmem.smp.store`):
-        one holding a step that is, or may be, the newest every rank of this node has
-        committed is granted conditionally, with the rank's cell on the grant board (pending
-        until a commit settles it); without a board (it cannot be made) it is not granted."""
+        """Promise a slot of ``nbytes`` to ``rank``'s next save (:meth:`RankSlots.grant`); a
+        conditional grant comes with the rank's cell on the grant board (pending until a
+        commit settles it), and without a board (it cannot be made) nothing is granted."""
         with self._lock:
             rs = self._rank(rank)
             held = rs.granted()
@@ -268,8 +226,8 @@ class SlotStore:
             return dataclasses.replace(reply, board=str(board.path), cell=cell)
 
     def _needed(self) -> int | None:
-        """The oldest of the ranks' newest committed steps (ranks with none not counted;
-        None: no rank has one): the newest step every rank of this node may have in common."""
+        """The oldest of the ranks' newest committed steps (None: no rank has one): the newest
+        step every rank of this node may have in common."""
         newest = [rs.newest() for rs in self._ranks.values()]
         steps = [n.step for n in newest if n is not None and n.step is not None]
         return min(steps) if steps else None
@@ -330,10 +288,9 @@ class SlotStore:
         return reg
 
     def commit(self, c: m.Commit) -> StoredSnapshot:
-        """Commit ``c.step`` into slot ``c.slot`` (generation ``c.gen``) of ``c.rank``, placed
-        as its registered layout ``c.layout_id`` says with the skeleton at
-        ``c.objects_offset``, and queue its checksums (the record is written once they are
-        in). Return the snapshot's layout as checked against the slot.
+        """Commit ``c.step`` into slot ``c.slot`` of ``c.rank`` as its registered layout
+        ``c.layout_id`` says, write its record and queue its checksums. Return the snapshot's
+        layout as checked against the slot.
 
         Raises:
             UnknownLayoutError: ``c.layout_id`` is not registered for ``c.rank``.
@@ -382,9 +339,9 @@ class SlotStore:
     # -- allocation --------------------------------------------------------------------------
     def start_resize(self, rank: int, index: int, capacity: int) -> list[tuple[int, str, int]]:
         """Mark slot ``index`` (none if negative) of ``rank`` ALLOCATING for a file of
-        ``capacity`` bytes, and every other FREE or EMPTY slot smaller than that (so the next
-        saves need no resize). Return (index, old path, new gen) of each; the caller removes
-        the old files and makes the new ones, then calls :meth:`finish_resize`.
+        ``capacity`` bytes, and every other slot :meth:`RankSlots.growable` names. Return
+        (index, old path, new gen) of each; the caller replaces the files, then calls
+        :meth:`finish_resize`.
 
         Raises:
             StoreError: slot ``index`` is the newest committed, pinned, or busy (nothing
@@ -409,10 +366,9 @@ class SlotStore:
         self._submit_hash(HashJob(rs.rank, sl.index, sl.gen, sl.step, sl.path, snap))
 
     def verify(self, result: HashResult, keep: bool = False) -> Verified | None:
-        """Take a hash result: the hasher's pin goes; the slot gets its checksummed layout
-        and record, or is dropped (treated as lost) if it could not be hashed. ``keep``: pin
-        a verified slot once more for a scheduled flush (its piece comes back in ``kept``).
-        Return None if nothing was verified (failed, or the slot was replaced meanwhile)."""
+        """Take a hash result: the hasher's pin goes; the slot gets its checksummed layout and
+        record, or is dropped if it could not be hashed. ``keep``: pin a verified slot once
+        more for a scheduled flush (its piece in ``kept``). None if nothing was verified."""
         job = result.job
         with self._lock:
             rs = self._ranks.get(job.rank)
@@ -450,10 +406,9 @@ class SlotStore:
 
     # -- pins: the exchange and the flush ----------------------------------------------------
     def pin_step(self, ranks: Iterable[int], step: int) -> list[RankPiece] | None:
-        """Pin every rank's verified slot of ``step``; None (nothing pinned) if a rank has
-        none. A conditionally granted slot of ``step`` is taken back first (its board cell
-        says revoked, so the rank's next save asks with a BEGIN). Each piece is one pin,
-        given back with :meth:`unpin`."""
+        """Pin every rank's verified slot of ``step`` (a conditionally granted one is revoked
+        first); None (nothing pinned) if a rank has none. Each piece is one pin, given back
+        with :meth:`unpin`."""
         with self._lock:
             chosen: list[tuple[RankSlots, Slot]] = []
             for r in ranks:
@@ -484,18 +439,20 @@ class SlotStore:
         self, step: int, manifest: NodeManifest, data: memoryview
     ) -> list[RankPiece]:
         """Write each rebuilt rank's bytes into a new slot file, commit it and pin it once
-        (for the exchange); return the pieces. A slot whose layout has no checksums is hashed
-        like a commit (the ranks verify the data again at load anyway).
+        (for the exchange); return the pieces. A layout without checksums is hashed like a
+        commit.
 
         Raises:
             ValueError: the manifest does not describe ``data`` (nothing is installed).
             OSError: a slot file cannot be made (e.g. /dev/shm is full).
             StoreError: a rank has no slot that may take the rebuilt snapshot.
         """
-        return [self._install(step, span, data) for span in _spans(manifest, data.nbytes)]
+        spans = _spans(manifest, data.nbytes)
+        return [self._install(step, e, snap, data[off : off + e.nbytes]) for off, e, snap in spans]
 
-    def _install(self, step: int, sp: _Span, data: memoryview) -> RankPiece:
-        e = sp.entry
+    def _install(
+        self, step: int, e: ManifestEntry, snap: StoredSnapshot, data: memoryview
+    ) -> RankPiece:
         with self._lock:
             rs = self._rank(e.rank)
             sl = rs.start_rebuild(step)
@@ -503,30 +460,27 @@ class SlotStore:
         path = self.files.path(e.rank, index, gen)
         if old:
             self.files.discard(old)
-        ok = False
         try:
             shm.create_segment(path, e.capacity)
-            shm.write_segment(path, data[sp.offset : sp.offset + e.nbytes])
-            ok = True
-        finally:
-            if not ok:
-                with self._lock:
-                    rs.finish_resize(index, "", 0, ok=False)
-                shm.remove_segment(path)
+            shm.write_segment(path, data)
+        except BaseException:
+            with self._lock:
+                rs.finish_resize(index, "", 0, ok=False)
+            shm.remove_segment(path)
+            raise
         with self._lock:
             # Its checksums came with the manifest; the ranks verify them again at load.
-            sl = rs.finish_rebuild(index, str(path), e.capacity, step, e.layout, sp.snap)
+            sl = rs.finish_rebuild(index, str(path), e.capacity, step, e.layout, snap)
             self._write_record(rs, sl)
-            if not sp.snap.verified:
-                self._hash(rs, sl, sp.snap)
+            if not snap.verified:
+                self._hash(rs, sl, snap)
             piece = sl.piece(e.rank, e.nbytes)
         log.info("[%s/%d %d] rebuilt slot %d (%d bytes)", self.node, e.rank, step, index, e.nbytes)
         return piece
 
     def adopt_left(self) -> list[records.Adoptable]:
-        """Take over the committed slots a previous SMP of this node left (their records),
-        hashing those it had not verified yet; remove every other file of this run and node
-        and every slot that cannot be adopted. Return the adopted ones.
+        """Take over the committed slots a previous SMP of this node left (hashing those not
+        verified yet); remove every other file of this run and node. Return the adopted ones.
 
         Raises:
             StoreError: a slot to adopt is not EMPTY or FREE (adopting twice).
@@ -538,8 +492,7 @@ class SlotStore:
                 try:
                     snap = parse_layout(r.layout, r.capacity)
                     rs = self._rank(r.rank)
-                    path = str(a.path)
-                    rs.adopt(r.slot, r.gen, path, r.capacity, r.step, r.seq, r.layout, snap)
+                    rs.adopt(r.slot, r.gen, str(a.path), r.capacity, r.step, r.seq, r.layout, snap)
                     if not snap.verified:  # committed, not yet hashed when the previous SMP died
                         self._hash(rs, rs.slot(r.slot), snap)
                 # e.g. a rank out of range, or a layout that does not parse: drop it, start anyway
@@ -557,9 +510,7 @@ class SlotStore:
         if not layout and sl.template is not None and sl.snap is not None:
             layout = sl.template.render(sl.snap, [""] * (len(sl.snap.tensors) + 1))
         try:
-            rec = records.CommitRecord(
-                rs.rank, sl.index, sl.gen, sl.capacity, sl.step, sl.seq, layout
-            )
+            rec = CommitRecord(rs.rank, sl.index, sl.gen, sl.capacity, sl.step, sl.seq, layout)
             records.write_record(sl.path, rec)
         except OSError as exc:  # the commit stands; only adoption after an SMP crash is lost
             log.warning(
@@ -567,8 +518,9 @@ class SlotStore:
             )
 
 
-def _spans(manifest: NodeManifest, nbytes: int) -> list[_Span]:
-    """Each rank's part of a rebuilt node's ``nbytes`` of data, as its manifest says.
+def _spans(manifest: NodeManifest, nbytes: int) -> list[tuple[int, ManifestEntry, StoredSnapshot]]:
+    """Each rank's part of a rebuilt node's ``nbytes`` of data, as its manifest says: its
+    offset, its entry and its checked layout.
 
     Raises:
         ValueError: the manifest does not cover exactly ``nbytes``, or an entry's layout
@@ -582,7 +534,7 @@ def _spans(manifest: NodeManifest, nbytes: int) -> list[_Span]:
             raise ValueError(f"manifest entry of rank {e.rank}: {exc}") from exc
         if not (e.nbytes <= e.capacity and snap.used_bytes == e.nbytes):
             raise ValueError(f"manifest entry of rank {e.rank} does not fit its slot")
-        spans.append(_Span(off, e, snap))
+        spans.append((off, e, snap))
         off += e.nbytes
     if off != nbytes:
         raise ValueError(f"manifest covers {off} bytes, the rebuilt data has {nbytes}")

@@ -17,6 +17,7 @@ from typing import IO, Any
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, SmpStartError
 from ftmem.protocol.messages import SmpReady
+from ftmem.secure_fs import replace_private_file
 
 log = get_logger(__name__)
 
@@ -47,17 +48,18 @@ class SmpProcess:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(timeout=30)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        self._close_log()
 
     def stop(self, timeout: timedelta = timedelta(seconds=10)) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL and wait; return the exit code."""
         _terminate(self.popen, timeout.total_seconds())
+        self._close_log()
+        return self.popen.returncode
+
+    def _close_log(self) -> None:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        return self.popen.returncode
 
     def __enter__(self) -> SmpProcess:
         return self
@@ -99,12 +101,7 @@ def write_settings(run_dir: Path, doc: Mapping[str, Any]) -> Path:
     """Write the SMP settings ``doc`` to ``run_dir/smp-settings.json`` (mode 0600, replaced
     atomically: a restarted SMP gets its own); the file's path."""
     path = run_dir / SETTINGS_NAME
-    tmp = run_dir / f".{SETTINGS_NAME}.tmp-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(dict(doc), f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    replace_private_file(path, json.dumps(dict(doc), indent=1, sort_keys=True).encode())
     return path
 
 
@@ -121,17 +118,14 @@ def start_smp(
     extra_args: list[str] | None = None,
     settings: Mapping[str, Any] | None = None,
 ) -> SmpProcess:
-    """Spawn ``python -m ftmem.smp`` and return once it serves.
+    """Spawn ``python -m ftmem.smp`` and return once it wrote ``READY {json}`` to its pipe.
 
     ``settings``: more of SmpConfig's fields, JSON-ready (paths as strings, durations in
     seconds); then every setting goes to the SMP in one file (:func:`write_settings`) instead
-    of flags.
+    of flags. Its output goes to ``log_path`` (or is inherited).
 
-    The child writes ``READY {json}`` to a pipe; this waits for that line until
-    ``start_timeout``. Its stderr goes to ``log_path`` (or is inherited).
-
-    Error handling: raises SmpStartError (and kills the child) if it exits or misses the
-    deadline.
+    Raises:
+        SmpStartError: it exited or missed ``start_timeout`` (it is stopped then).
     """
     if settings is not None:
         doc: dict[str, Any] = {"run_dir": str(Path(run_dir).absolute()), "run_id": run_id}
@@ -143,8 +137,8 @@ def start_smp(
     if settings is None:
         cmd += ["--run-dir", str(run_dir), "--run-id", run_id, "--node", node]
         cmd += ["--slots", str(slots)]
-    if parent_pid is not None and settings is None:
-        cmd += ["--parent-pid", str(parent_pid)]
+        if parent_pid is not None:
+            cmd += ["--parent-pid", str(parent_pid)]
     cmd += extra_args or []
     log_file = open(log_path, "ab") if log_path is not None else None
     try:

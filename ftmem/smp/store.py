@@ -31,34 +31,30 @@ a slot, with the method that makes it (the same name on both classes)::
     COMMITTED --pin / unpin--> COMMITTED           (pins counted; only COMMITTED slots are pinned)
 
 Any other request raises :class:`StoreError` (a stale gen or step, a wrong state, a bad
-index), except the late ones that are expected and ignored: an abort, drop, verify or unpin of
-a slot replaced since (its gen moved on).
+index), except the expected late ones, which are ignored: an abort, drop, verify or unpin of a
+slot replaced since (its gen moved on).
 
-A GRANTED slot is promised to the rank's next save, which writes into it without asking
-again (the SMP's reply to the COMMIT of step N grants the slot for N+1: one message per
-save). Until that save commits, the slot may still hold the older step it held (``step``
-set): loads may read it (they check every checksum, so a copy begun meanwhile is seen as
-corrupt, never restored), but it is never pinned, protected or flushed.
+A GRANTED slot is promised to the rank's next save, which writes it without asking again (the
+reply to the COMMIT of step N grants the slot for N+1: one message per save). Until that save
+commits, the slot may still hold its older ``step``: loads may read it (they check every
+checksum, so a copy begun meanwhile is seen as corrupt), but it is never pinned, protected or
+flushed. A grant is *conditional* (``grant_after``) while that older step may still be the
+newest every rank of the node has committed: the rank writes the slot only once the grant
+board says ready (``settle``: every rank committed a newer step); until then a pin of that
+step takes the slot back (``revoke``). Ready is final.
 
-A grant is *conditional* (``grant_after`` set) while the step its slot holds may still be the
-newest step every rank of the node has committed: the rank writes the slot only once the SMP
-has marked the grant ready on its grant board (:class:`~ftmem.smp.slot_store.SlotStore`), which
-it does as soon as every rank of the node committed a newer step (``settle``). Until then a pin
-of that step takes the slot back (``revoke``: the board says so, and the rank's save asks with
-a BEGIN instead). Ready is final: a slot the rank may be writing is never taken back.
-
-A COMMITTED slot is *verified* once the SMP has checksummed it (``verified``; the hasher
-pins the slot meanwhile). Only verified snapshots are served to loads, protected and
-flushed. The newest committed slot of a rank is never handed out for writing, so a crash
-at any moment leaves the newest committed snapshot intact ("never block, never tear": when
-no other slot is available the save is skipped, not waited for; each skip is counted per
-reason). Pinned slots (hasher, peer exchange, flush) are never written, resized or dropped.
+A COMMITTED slot is *verified* once the SMP has checksummed it (the hasher pins it meanwhile);
+only verified snapshots are served to loads, protected and flushed. The newest committed slot
+of a rank is never handed out for writing, so a crash at any moment leaves it intact: with no
+other slot available the save is skipped (counted per reason), never waited for. Pinned slots
+(hasher, peer exchange, flush) are never written, resized or dropped.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ftmem.format.layout import RegisteredLayout, StoredSnapshot
@@ -97,10 +93,14 @@ class Slot:
     seq: int = 0
     """Commit sequence number: larger means committed later."""
     pinned: int = 0
-    """Holders (hasher, peer exchange, flush) that need the data kept; pinned slots are not
-    reused."""
+    """Holders (hasher, peer exchange, flush) that need the data kept."""
     verified: bool = False
     """COMMITTED and checksummed by the SMP (the layout carries every extent's hash)."""
+
+    def clear(self, state: SlotState, step: int | None = None) -> None:
+        """Move to ``state``, holding ``step`` (None: nothing), without layout or checksums."""
+        self.state, self.step, self.layout, self.snap = state, step, "", None
+        self.verified, self.template = False, None
 
     def status(self) -> SlotStatus:
         """This slot in the SMP's STATUS (no layout)."""
@@ -112,6 +112,11 @@ class Slot:
     def piece(self, rank: int, used: int) -> RankPiece:
         """This slot as ``rank``'s piece of its step, of which the snapshot uses ``used``."""
         return RankPiece(rank, self.index, self.gen, self.path, self.capacity, used, self.layout)
+
+
+def _newest_first(slots: Iterable[Slot]) -> list[Slot]:
+    """``slots`` by step, newest first (ties: the later commit first)."""
+    return sorted(slots, key=lambda s: (s.step or 0, s.seq), reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +134,8 @@ class StoreError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RankPiece:
-    """One rank's committed slot of a step: where it is and how much of it the snapshot uses.
-
-    A piece handed out by the store stands for one pin of that slot; give it back with
-    :meth:`~ftmem.smp.slot_store.SlotStore.unpin`.
-    """
+    """One rank's committed slot of a step and how much of it the snapshot uses; one pin of
+    that slot, given back with :meth:`~ftmem.smp.slot_store.SlotStore.unpin`."""
 
     rank: int
     slot: int
@@ -146,7 +148,8 @@ class RankPiece:
 
 @dataclass(slots=True)
 class RankSlots:
-    """All slots of one rank plus its progress and statistics."""
+    """All slots of one rank plus its progress and statistics (fields named as in its STATUS
+    entry, :class:`~ftmem.protocol.status.RankProgress`, mean the same)."""
 
     rank: int
     nslots: int
@@ -159,24 +162,16 @@ class RankSlots:
     last_copy_s: float = 0.0
     commits: int = 0
     skips: dict[str, int] = field(default_factory=dict)
-    """Skipped snapshots per reason (the SMP's own refusals and those the rank reported)."""
     last_hash_s: float = 0.0
     hello_time: float | None = None
-    """When the rank's current process first spoke to the SMP."""
     restored_time: float | None = None
-    """When the rank's current process finished its restore (``DiscardNewer``)."""
     restored_step: int | None = None
-    """The step the rank's current process restored (None: none yet)."""
     first_progress_time: float | None = None
-    """The current process's first progress report."""
     in_process: bool = False
-    """The current process runs under ``ftmem.run`` (it can rejoin a restart in process)."""
     granted_to: int | None = None
     """The pid of the process the GRANTED slot was promised to."""
     grant_after: int | None = None
-    """Set while the grant is conditional: the step its slot holds, which every rank of the
-    node must have committed past before the rank may write the slot (see the module
-    docstring)."""
+    """Set while the grant is conditional: the step its slot holds (see the module docstring)."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -186,22 +181,17 @@ class RankSlots:
     # -- queries ---------------------------------------------------------------------------
     def committed(self) -> list[Slot]:
         """Committed slots, newest step first (ties: later commit first)."""
-        done = [s for s in self.slots if s.state is SlotState.COMMITTED]
-        return sorted(done, key=lambda s: (s.step or 0, s.seq), reverse=True)
-
-    def verified(self) -> list[Slot]:
-        """Committed and verified slots, newest step first."""
-        return [s for s in self.committed() if s.verified]
+        return _newest_first(s for s in self.slots if s.state is SlotState.COMMITTED)
 
     def keepable(self) -> list[Slot]:
         """The verified slots a pin may take, newest step first: the committed ones and a
         conditionally granted one (a pin revokes its grant, :meth:`revoke`)."""
-        held = self.verified()
-        s = self.granted()
-        if s is not None and self.grant_after is not None and s.verified and s.step is not None:
-            held.append(s)
-            held.sort(key=lambda x: (x.step or 0, x.seq), reverse=True)
-        return held
+        g = self.granted() if self.grant_after is not None else None
+        return _newest_first(
+            s
+            for s in self.slots
+            if s.verified and (s.state is SlotState.COMMITTED or (s is g and s.step is not None))
+        )
 
     def unverified(self) -> list[Slot]:
         """Committed slots the SMP has not checksummed yet."""
@@ -232,14 +222,10 @@ class RankSlots:
     def readable(self) -> list[Slot]:
         """Verified slots a load may read, newest step first: the committed ones and those
         granted to the next save that still hold their older step."""
-        held = [
-            s
-            for s in self.slots
-            if s.verified
-            and s.step is not None
-            and s.state in (SlotState.COMMITTED, SlotState.GRANTED)
-        ]
-        return sorted(held, key=lambda s: (s.step or 0, s.seq), reverse=True)
+        held = (SlotState.COMMITTED, SlotState.GRANTED)
+        return _newest_first(
+            s for s in self.slots if s.verified and s.step is not None and s.state in held
+        )
 
     def growable(self, capacity: int, but: int = -1) -> list[Slot]:
         """Slots (other than ``but``) smaller than ``capacity`` that a PREPARE may grow, so
@@ -281,14 +267,13 @@ class RankSlots:
         torn = []
         for s in self.slots:
             if s.state is SlotState.WRITING:
-                s.state, s.step, s.layout = SlotState.FREE, None, ""
+                s.clear(SlotState.FREE)
                 torn.append(s.index)
         return torn
 
     def begin(self, step: int, nbytes: int) -> BeginDecision:
-        """Choose the slot to write ``step`` (``nbytes``) into, without ever touching the
-        newest. A slot granted to this save (the rank asks again instead of using it) is
-        given back first."""
+        """Choose the slot to write ``step`` (``nbytes``) into, never the newest; a slot
+        granted to this save is given back first."""
         if any(s.state is SlotState.WRITING for s in self.slots):
             return BeginDecision(Decision.SKIP, reason="a copy is still being written")
         self.release_grant()
@@ -296,23 +281,20 @@ class RankSlots:
         if target.action is not Decision.WRITE:
             return target
         s = self.slots[target.slot]
-        s.state, s.step, s.layout, s.snap, s.verified = SlotState.WRITING, step, "", None, False
+        s.clear(SlotState.WRITING, step)
         return target
 
     def grant(self, nbytes: int, needed: int | None = None) -> BeginDecision:
-        """Promise a slot of at least ``nbytes`` to the rank's next save (-> GRANTED); the
-        slot keeps the older step it holds until that save commits (see the module
-        docstring). A ``resize`` or ``skip`` grants nothing. ``needed``: the newest step
-        every rank of the node has committed; a slot holding that step or a newer one is
-        granted conditionally (``grant_after``), since another rank of the node may still
-        need it as their newest common step: the rank writes it only once :meth:`settle`
-        says every rank has committed past it."""
+        """Promise a slot of at least ``nbytes`` to the rank's next save (-> GRANTED, keeping
+        its older step until that save commits); a ``resize`` or ``skip`` grants nothing.
+        ``needed``: the newest step every rank of the node has committed; a slot holding it
+        or a newer one is granted conditionally (``grant_after``, see the module docstring)."""
         self.release_grant()
         d = self._choose(nbytes)
         if d.action is Decision.WRITE:
             s = self.slots[d.slot]
             if s.state is SlotState.FREE:
-                s.step, s.layout, s.snap, s.verified = None, "", None, False
+                s.clear(SlotState.GRANTED)
             s.state = SlotState.GRANTED
             self.granted_to = self.pid
             if s.step is not None and needed is not None and s.step >= needed:
@@ -341,17 +323,16 @@ class RankSlots:
         return next((s for s in self.slots if s.state is SlotState.GRANTED), None)
 
     def release_grant(self) -> Slot | None:
-        """Give back the slot granted to the next save; return it, or None if there was none.
-        Asked by the process it was promised to, which did not write it: COMMITTED again if
-        it still holds a step. Asked by another process (the rank restarted): FREE, since the
-        process that died may have begun to write it."""
+        """Give back the slot granted to the next save (None: none): COMMITTED again if it
+        holds a step and the process it was promised to asks (it did not write it), else FREE
+        (a process that died may have begun to write it)."""
         s = self.granted()
         self.grant_after = None
         if s is not None:
-            intact = s.step is not None and self.granted_to == self.pid
-            s.state = SlotState.COMMITTED if intact else SlotState.FREE
-            if not intact:
-                s.step, s.layout, s.snap, s.verified, s.template = None, "", None, False, None
+            if s.step is not None and self.granted_to == self.pid:
+                s.state = SlotState.COMMITTED
+            else:
+                s.clear(SlotState.FREE)
         return s
 
     def _choose(self, nbytes: int) -> BeginDecision:
@@ -417,7 +398,7 @@ class RankSlots:
         """Forget a committed slot that cannot be verified (its data is treated as lost)."""
         s = self.slot(index)
         if s.state is SlotState.COMMITTED and s.gen == gen:
-            s.state, s.step, s.layout, s.verified = SlotState.FREE, None, "", False
+            s.clear(SlotState.FREE)
 
     def abort(self, index: int, gen: int) -> None:
         """Give back a slot whose copy failed (written, or granted: maybe torn either way)."""
@@ -425,7 +406,7 @@ class RankSlots:
         if s.state in (SlotState.WRITING, SlotState.GRANTED) and s.gen == gen:
             if s.state is SlotState.GRANTED:
                 self.grant_after = None
-            s.state, s.step, s.layout, s.snap, s.verified = SlotState.FREE, None, "", None, False
+            s.clear(SlotState.FREE)
 
     def discard_newer(self, step: int) -> list[int]:
         """Free committed slots with a step newer than ``step``; return the steps dropped."""
@@ -433,7 +414,7 @@ class RankSlots:
         for s in self.newer_unpinned(step):
             assert s.step is not None
             dropped.append(s.step)
-            s.state, s.step, s.layout, s.snap, s.verified = SlotState.FREE, None, "", None, False
+            s.clear(SlotState.FREE)
         return dropped
 
     def start_resize(self, index: int) -> Slot:
@@ -443,7 +424,7 @@ class RankSlots:
             raise StoreError(f"slot {index} of rank {self.rank} cannot be resized now")
         if s.state is SlotState.GRANTED:
             self.grant_after = None
-        s.state, s.step, s.layout, s.snap, s.verified = SlotState.ALLOCATING, None, "", None, False
+        s.clear(SlotState.ALLOCATING)
         return s
 
     def finish_resize(self, index: int, path: str, capacity: int, ok: bool) -> None:
@@ -460,10 +441,9 @@ class RankSlots:
             s.state, s.path, s.capacity = SlotState.EMPTY, "", 0
 
     def start_rebuild(self, step: int) -> Slot:
-        """Mark ALLOCATING the slot a rebuilt snapshot of ``step`` goes into: one already
-        holding ``step`` (its data may be stale or corrupt), else a free one, else the oldest
-        committed one, never a pinned, written or allocating one (the newest only if nothing
-        else is left: the rebuilt step replaces what the group could not keep).
+        """Mark ALLOCATING the slot a rebuilt snapshot of ``step`` goes into: one holding
+        ``step`` (maybe stale), else a free one, else the oldest committed one (the newest only
+        if nothing else is left), never a pinned, written, granted or allocating one.
 
         Raises:
             StoreError: every slot is pinned, written or allocating.
@@ -482,15 +462,14 @@ class RankSlots:
         if not ranked:
             raise StoreError(f"rank {self.rank} has no slot to take a rebuilt snapshot")
         chosen = ranked[0]
-        chosen.state, chosen.step, chosen.layout, chosen.snap = SlotState.ALLOCATING, None, "", None
-        chosen.verified = False
+        chosen.clear(SlotState.ALLOCATING)
         return chosen
 
     def finish_rebuild(
         self, index: int, path: str, capacity: int, step: int, layout: str, snap: StoredSnapshot
     ) -> Slot:
         """The rebuilt snapshot of ``step`` is in slot ``index``'s new file: commit it as the
-        newest commit and pin it once (for the exchange that rebuilt it).
+        newest commit and pin it once (for the exchange).
 
         Raises:
             StoreError: the slot is not ALLOCATING.

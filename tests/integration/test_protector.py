@@ -17,20 +17,19 @@ from typing import Any
 import pytest
 
 from ftmem import shm
+from ftmem.config import MAX_SLOT_BYTES
 from ftmem.errors import UnrecoverableError
 from ftmem.exchange import keys, rebuilder
 from ftmem.exchange.placement import GroupPlan, plan_group
 from ftmem.exchange.protector import GroupProtector
 from ftmem.exchange.seals import Seal
 from ftmem.exchange.zmq_transport import ZmqPeerTransport
-from ftmem.format.record import MAX_SLOT_BYTES
 from ftmem.protocol.messages import PeerStart
 from ftmem.protocol.peer import PeerAddress
 from ftmem.protocol.status import ProtectionState, ProtectionStatus
 from ftmem.smp.allocation import SlotFiles
 from ftmem.smp.hashing import HashService
-from ftmem.smp.protection_commands import Result, StartCommand
-from ftmem.smp.protection_state import Generation, PinnedSteps, StatusBoard
+from ftmem.smp.protection_state import Generation, PinnedSteps, Result, StartCommand, StatusBoard
 from ftmem.smp.protection_sync import GenerationSync
 from ftmem.smp.slot_store import SlotStore
 from tests._support.smp_mesh import layout_for

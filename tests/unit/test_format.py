@@ -9,17 +9,9 @@ import math
 import pytest
 
 from ftmem.errors import CorruptSnapshotError
-from ftmem.format import (
-    CommitRecord,
-    decode_record,
-    decode_skeleton,
-    encode_record,
-    encode_skeleton,
-    layout_json,
-    parse_layout,
-    with_hashes,
-)
-from ftmem.format.layout import TensorExtent, tensors_json
+from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json, with_hashes
+from ftmem.format.record import CommitRecord, decode_record, encode_record
+from ftmem.format.skeleton import decode_skeleton, encode_skeleton
 
 
 def test_skeleton_round_trips_every_plain_value() -> None:

@@ -21,7 +21,7 @@ from ftmem.exchange.transport import PeerTransport
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import FragmentKind, PeerMessage
 from ftmem.smp import records
-from ftmem.smp.protection import decide
+from ftmem.smp.protection_sync import decide
 from ftmem.tiers import signing
 from ftmem.tiers.checkpoints import MANIFEST, read_checkpoint
 from tests._support.strategies import json_values

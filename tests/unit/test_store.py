@@ -14,7 +14,13 @@ import pytest
 from ftmem import shm
 from ftmem.client.slot_maps import SlotMappings
 from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json
-from ftmem.format.record import ManifestEntry, NodeManifest, decode_manifest, encode_manifest
+from ftmem.format.record import (
+    CommitRecord,
+    ManifestEntry,
+    NodeManifest,
+    decode_manifest,
+    encode_manifest,
+)
 from ftmem.protocol.messages import BeginReply, Commit, to_fields
 from ftmem.smp import records
 from ftmem.smp.allocation import SlotFiles
@@ -503,7 +509,7 @@ def test_store_adopts_what_a_previous_smp_left(
     junk.write_bytes(b"junk")
     other = SlotFiles(tmp_path, "run", f"{NODE}-x").path(0, 0, 1)
     shm.create_segment(other, CAP)
-    records.write_record(other, records.CommitRecord(0, 0, 1, CAP, 7, 1, layout(7)))
+    records.write_record(other, CommitRecord(0, 0, 1, CAP, 7, 1, layout(7)))
     assert hasher.wait_idle(30)
     hasher.results()  # the old SMP never saw this result
     again = SlotStore(NODE, 2, SlotFiles(tmp_path, "run", NODE), hasher.submit)
