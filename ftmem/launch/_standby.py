@@ -1,25 +1,20 @@
-"""A standby rank: a Python process that did a rank's rank-independent start-up and waits.
+"""A standby rank or the fork server: a process that did a rank's rank-independent start-up.
 
-The agent (:mod:`ftmem.launch.standby`) starts it as::
+:mod:`ftmem.launch.warm_start` starts it as ``PYTHON [the rank command's interpreter flags]
+_standby.py --ctl-fd N --agent-pid P --local-rank L --path0 DIR [--import mod,...] [--cuda]
+[--nice 10] [--fork-server]``.
 
-    PYTHON [the rank command's interpreter flags] _standby.py --ctl-fd N --agent-pid P
-        --local-rank L --path0 DIR [--import mod,...] [--cuda] [--nice 10]
+It sets its parent-death signal (as the exec shim does for a cold rank); a low-priority
+warm-up thread imports torch and the named modules (with ``--cuda``, creates device ``L``'s
+CUDA context) and reports ``ready`` on the control socket (a ``SOCK_SEQPACKET`` socketpair).
+The main thread blocks until the agent hands it a rank: command line, environment and cwd,
+with the rank's stdout and stderr as descriptors (``SCM_RIGHTS``). It then becomes the rank
+in this process (``__main__``, ``sys.argv``, ``sys.path[0]``, cwd, environment, signals and
+streams as ``python script.py args`` sets them), so the pid the agent watches is the rank's;
+the fork server forks a child that does that per handoff. End of file on the socket exits 0.
 
-It sets its parent-death signal (SIGKILL, as the exec shim does for a cold rank), then a
-warm-up thread at a low priority (``nice``, that thread only) imports torch and the named
-modules and, with ``--cuda``, creates the CUDA context of device ``L``; it then reports
-``ready`` on the control socket (a ``SOCK_SEQPACKET`` socketpair with the agent). The main
-thread blocks on that socket (no CPU) until the agent hands it a rank: one message with the
-command line, the environment and the working directory, carrying the rank's stdout and
-stderr as file descriptors (``SCM_RIGHTS``). It then becomes the rank: the same ``__main__``,
-``sys.argv``, ``__file__``, ``sys.path[0]``, cwd, environment, signal dispositions and
-standard streams as ``python script.py args`` would have, and runs the script in this
-process, so the pid the agent monitors and kills is the rank's. End of file on the control
-socket (the agent retired it) exits with 0.
-
-A standby never touches the SMP, a snapshot or a process group before it is handed a rank:
-nothing here imports ftmem's client beyond what ``--import`` names (importing opens no
-connection). Standard library only until the warm-up thread runs.
+Nothing touches the SMP, a snapshot or a process group before a handoff (``--import`` opens
+no connection). Standard library only until the warm-up thread runs.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import builtins
+import contextlib
 import gc
 import importlib
 import io
@@ -69,15 +65,11 @@ def _warm_up(args: argparse.Namespace, ctl: socket.socket) -> None:
     # This thread only (Linux keeps the policy and nice value per thread): the main thread,
     # which becomes the rank, keeps its priority. SCHED_IDLE runs it only on a CPU nothing
     # else wants; the nice value is the fallback where SCHED_IDLE is refused.
-    try:
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
-    except OSError:
-        pass
     if args.idle:
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-        except (OSError, AttributeError):
-            pass
     t0 = time.monotonic()
     imported: list[str] = []
     failed: dict[str, str] = {}
@@ -113,10 +105,8 @@ def _warm_up(args: argparse.Namespace, ctl: socket.socket) -> None:
         "failed": failed,
         "cuda": cuda,
     }
-    try:
+    with contextlib.suppress(OSError):  # the agent is gone or retired us: see _receive
         ctl.send(json.dumps(report).encode())
-    except OSError:
-        pass  # the agent is gone or retired us: the main thread sees end of file
 
 
 def _receive(ctl: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -168,11 +158,7 @@ def _become_rank(msg: dict[str, Any], fds: list[int], dispositions: dict[int, An
     os.chdir(msg["cwd"])
     os.environ.clear()
     os.environ.update(msg["env"])
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    _flush_std()
     for target, fd in zip((1, 2), fds, strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -192,7 +178,8 @@ def _become_rank(msg: dict[str, Any], fds: list[int], dispositions: dict[int, An
     sys.modules["__main__"] = main
     if msg["kind"] == "module":
         sys.path[0] = os.getcwd()
-        _run_guarded(lambda: _run_module(msg["target"]), skip=(__file__, runpy.__file__))
+        run_as_main = runpy._run_module_as_main  # type: ignore[attr-defined]  # what -m runs
+        _run_guarded(lambda: run_as_main(msg["target"], True), skip=(__file__, runpy.__file__))
         return
     path = msg["target"]
     file = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
@@ -211,14 +198,6 @@ def _become_rank(msg: dict[str, Any], fds: list[int], dispositions: dict[int, An
         source = f.read()
     code = compile(source, file, "exec", dont_inherit=True)
     _run_guarded(lambda: exec(code, main.__dict__), skip=(__file__,))
-
-
-def _run_module(name: str) -> None:
-    run_as_main = getattr(runpy, "_run_module_as_main", None)  # what ``python -m`` calls
-    if run_as_main is not None:
-        run_as_main(name, True)
-    else:
-        runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
 def _run_guarded(run: Any, skip: tuple[str, ...]) -> None:
@@ -242,10 +221,8 @@ def _exit_code(code: object) -> int:
         return 0
     if isinstance(code, int):
         return code & 0xFF
-    try:
+    with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(f"{code}\n")
-    except (OSError, ValueError):
-        pass
     return 1
 
 
@@ -263,12 +240,14 @@ def _run_forked(msg: dict[str, Any], fds: list[int], dispositions: dict[int, Any
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    _flush_std()
     return code
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
 
 
 def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
@@ -330,10 +309,9 @@ def _thread_gone(tid: int, wait_s: float) -> bool:
     """Wait (bounded) until the thread ``tid`` of this process is gone from the kernel's list.
 
     ``Thread.join`` returns before the thread has run its native exit path (the thread-local
-    destructors of torch, OpenMP and MKL; still listed after about a third of joins here). A
-    fork meanwhile copies whatever lock that path holds: 5-25% of children forked right after
-    a thread that had run a ``linear`` hung in their own first one, and so did a forked rank.
-    Threads that libraries keep (numpy's OpenBLAS pool) stop themselves at a fork."""
+    destructors of torch, OpenMP and MKL): a fork meanwhile copies whatever lock that path
+    holds, and the forked rank can hang in its first op. Threads that libraries keep
+    (numpy's OpenBLAS pool) stop themselves at a fork."""
     deadline = time.monotonic() + wait_s
     while os.path.exists(f"/proc/self/task/{tid}"):
         if time.monotonic() > deadline:
@@ -347,10 +325,8 @@ def _fresh_entropy() -> None:
     at a fork): numpy's global generator, so forked ranks do not share one stream."""
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        try:
+        with contextlib.suppress(Exception):  # a broken numpy must not stop the rank
             numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
-        except Exception:  # a broken numpy must not stop the rank
-            pass
 
 
 def _send(ctl: socket.socket, reply: dict[str, float]) -> None:

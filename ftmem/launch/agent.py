@@ -1,19 +1,15 @@
 """The ftmem-launch agent: torch.distributed.elastic's LocalElasticAgent plus the node's SMP.
 
 :class:`FtmemElasticAgent` keeps elastic's restart loop (rendezvous, worker groups, restart
-accounting, node-loss detection through the rendezvous keep-alive); from elastic's hooks it
-calls, in order, the rooms that add ftmem's recovery: the SMP (:mod:`~ftmem.launch.smp_runner`),
-the round's generation and this node's slot (:mod:`~ftmem.launch.rendezvous`,
-:mod:`~ftmem.launch.node_slot`: stable global ranks, hot spares, fencing), the failure
-detector (:mod:`~ftmem.launch.node_watch`), the peer mesh (:mod:`~ftmem.launch.peers`) and a
-round of another size (:mod:`~ftmem.launch.reshape`), the ranks' start (standbys, ranks kept
-in process), hung ranks (:mod:`~ftmem.launch.rank_watch`), what failed
-(:mod:`~ftmem.launch.failures`, each failure reported once) and the recovery's report.
+accounting, node loss through the rendezvous keep-alive); from elastic's hooks it calls the
+modules that add ftmem's recovery: the SMP, the round's generation and this node's slot
+(stable global ranks, hot spares, fencing), the failure detector, the peer mesh, a round of
+another size, the ranks' warm or in-process start, hung ranks, what failed, and the report.
 
 Its state is :class:`~ftmem.launch.recovery.RecoveryLifecycle`, changed only through its
 methods. It overrides elastic's four abstract hooks (``_start_workers``, ``_stop_workers``,
-``_monitor_workers``, ``_shutdown``); everything else it needs from elastic's private API is
-in :mod:`ftmem.launch.elastic_compat`.
+``_monitor_workers``, ``_shutdown``); all else it needs of elastic's private API is in
+:mod:`ftmem.launch.elastic_compat`.
 """
 
 from __future__ import annotations
@@ -66,7 +62,13 @@ from ftmem.launch.rendezvous import (
     slot_workers,
     stable_ranks_apply,
 )
-from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
+from ftmem.launch.report import (
+    log_joining,
+    log_last_failure,
+    record_standbys,
+    report_resumed,
+    report_started,
+)
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.state_guard import expire_keep_alive, leaving_round, reread_state
@@ -77,10 +79,9 @@ from ftmem.protocol.status import RankProgress
 log = logging.getLogger(__name__)
 
 RESTART_STOP_GRACE_S = 3
-"""Seconds the ranks get after SIGTERM before SIGKILL when they are stopped for a restart
-(elastic's ``shutdown_timeout``, 30 s, still applies when the job ends). Their state is in the
-SMP, so they have nothing to save; a SIGTERM handler that talks to dead peers (Lightning's
-calls ``dist.broadcast``) would otherwise hold the restart for the whole 30 s."""
+"""Seconds between SIGTERM and SIGKILL when the ranks stop for a restart (elastic's
+``shutdown_timeout`` applies when the job ends): their state is in the SMP, and a SIGTERM
+handler that talks to dead peers (Lightning's ``dist.broadcast``) would hold the restart."""
 
 STANDBY_FALLBACK_S = 30.0
 """Standbys start this long after the ranks even if the ranks never report progress."""
@@ -123,7 +124,6 @@ class FtmemElasticAgent(ElasticAgentBase):
             ftmem.first_progress_timeout,
             ftmem.rejoin_timeout,
         )
-        """The node's ranks: stopped and hung ones get SIGKILL."""
         self._failures = NodeFailures(
             life=self._life,
             smp=smp,
@@ -133,19 +133,13 @@ class FtmemElasticAgent(ElasticAgentBase):
             restarts=lambda: (self.restarts_left, self.get_worker_group().spec.max_restarts),
             stop_restarting=self.stop_restarting,
         )
-        """What failed, reported once."""
         self._in_process = InProcessRestarts(smp.node, smp.run_dir)
-        """Ranks kept alive across the restart in progress (``ftmem.run``)."""
         self._rank_store = RankStore(smp.node)
-        """The ranks' TCPStore, served here when this node runs global rank 0."""
         self._mesh = PeerMesh(PeerSettings.from_launch(ftmem, smp.run_id))
-        """Each generation's peer mesh and the job's key."""
         self._reshape = Reshaper(smp, self._mesh, self.events)
-        """A round of another size: guest SMPs, the old mesh, the step the ranks reshard."""
         self._seat = NodeSlot(
             SlotClaims(self._mesh.settings, smp.node), smp, self._poller, self.events
         )
-        """This node's slot across rounds, and its fencing."""
         self._standbys = StandbyPool(
             count=ftmem.standby,
             imports=ftmem.standby_imports,
@@ -159,8 +153,6 @@ class FtmemElasticAgent(ElasticAgentBase):
         handler = spec.rdzv_handler
         self._membership = handler if isinstance(handler, MembershipWatch) else None
         """The rendezvous handler's watch (launch_agent always wraps it), None otherwise."""
-        if self._membership is not None:
-            self._membership.on_event = self.events.write
         self._nodes = NodeWatch(
             node=smp.node,
             run_id=smp.run_id,
@@ -171,8 +163,8 @@ class FtmemElasticAgent(ElasticAgentBase):
             events=self.events,
             declare=self._membership.declare if self._membership is not None else None,
         )
-        """The failure detector, told each round's ring neighbours."""
         if self._membership is not None:
+            self._membership.on_event = self.events.write
             self._membership.why_gone = self._nodes.why_gone
         self.metrics: MetricsServer | None = None
         """The Prometheus metrics server (``--ftmem-metrics-port``), started by the launcher."""
@@ -390,9 +382,8 @@ class FtmemElasticAgent(ElasticAgentBase):
     def _keep_survivors(self, worker_group: WorkerGroup) -> list[int]:
         """Take the ranks that can rejoin in process out of elastic's hands before it stops
         the others (see :mod:`ftmem.launch.in_process`); return their local ranks."""
-        # The poller's newest answer (at most --ftmem-tune status-interval old, 0.1 s during a
-        # recovery): progress only grows, so an older answer can only make a rank look as if
-        # it had not stepped yet in this generation, and it is then restarted cold.
+        # The poller's answer may be a poll old: progress only grows, so it can only make a
+        # rank look as if it had not stepped in this generation yet (it then restarts cold).
         latest = self._poller.latest()
         progress = latest[1] if latest is not None else None
         if progress is None and self._smp.is_alive():
@@ -505,4 +496,4 @@ class FtmemElasticAgent(ElasticAgentBase):
 
     def report_last_failure(self) -> None:
         """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
-        self._life.report_last_failure()
+        log_last_failure(self._node, self._life.stop_reason, self._life.last_failure)

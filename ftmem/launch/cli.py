@@ -30,7 +30,6 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from ftmem.config import ENV_LOG_LEVEL
 from ftmem.errors import UnrecoverableError
-from ftmem.exchange.encode_worker import MAX_WORKERS
 from ftmem.launch.config import (
     DEFAULT_MAX_RESTARTS,
     FtmemLaunchConfig,
@@ -58,174 +57,150 @@ def get_args_parser() -> ArgumentParser:
     if "PET_MAX_RESTARTS" not in os.environ:
         parser.set_defaults(max_restarts=DEFAULT_MAX_RESTARTS)
     group = parser.add_argument_group("ftmem")
-    group.add_argument(
-        "--ftmem-run-dir",
-        action=env,
-        type=str,
-        default=None,
-        help="This node's SMP run directory (socket, smp.log, events). Default: a new "
+
+    def option(name: str, help: str, kind: Any = str, default: Any = None, **more: Any) -> None:
+        """``--ftmem-NAME``, also read from ``PET_FTMEM_NAME``."""
+        group.add_argument(
+            f"--ftmem-{name}", action=env, type=kind, default=default, help=help, **more
+        )
+
+    def switch(name: str, help: str) -> None:
+        """An on/off ``--ftmem-NAME``, also read from ``PET_FTMEM_NAME``."""
+        group.add_argument(f"--ftmem-{name}", action=check_env, help=help)
+
+    option(
+        "run-dir",
+        "This node's SMP run directory (socket, smp.log, events). Default: a new "
         "directory under $XDG_RUNTIME_DIR/ftmem/ (when private) or /tmp/ftmem-<uid>/, "
         "removed after a successful run.",
     )
-    group.add_argument(
-        "--ftmem-node",
-        action=env,
-        type=str,
-        default=None,
-        help="This node's name (FTMEM_NODE, shared-memory names). Default: <hostname>-<pid>.",
+    option(
+        "node",
+        "This node's name (FTMEM_NODE, shared-memory names). Default: <hostname>-<pid>.",
     )
-    group.add_argument(
-        "--ftmem-hang-timeout",
-        action=env,
-        type=float,
-        default=cli_default("hang_timeout"),
-        help="Seconds without progress (ftmem.save / ftmem.heartbeat) after a rank's first "
+    option(
+        "hang-timeout",
+        "Seconds without progress (ftmem.save / ftmem.heartbeat) after a rank's first "
         "report before it is SIGKILLed and all ranks restart; 0 disables. Default: 120.",
+        float,
+        cli_default("hang_timeout"),
     )
-    group.add_argument(
-        "--ftmem-first-progress-timeout",
-        action=env,
-        type=float,
-        default=cli_default("first_progress_timeout"),
-        help="Seconds from a rank's start to its first report (start-up + load + first "
+    option(
+        "first-progress-timeout",
+        "Seconds from a rank's start to its first report (start-up + load + first "
         "step) before it counts as hung; 0 (default) disables.",
+        float,
+        cli_default("first_progress_timeout"),
     )
-    group.add_argument(
-        "--ftmem-metrics-port",
-        action=env,
-        type=int,
-        default=cli_default("metrics_port"),
-        help="Serve Prometheus metrics of this node at http://ADDR:PORT/metrics (0, the "
+    option(
+        "metrics-port",
+        "Serve Prometheus metrics of this node at http://ADDR:PORT/metrics (0, the "
         "default: off); needs prometheus_client (pip install 'ftmem[metrics]').",
+        int,
+        cli_default("metrics_port"),
     )
-    group.add_argument(
-        "--ftmem-metrics-addr",
-        action=env,
-        default=cli_default("metrics_addr"),
-        help="The address the metrics server binds (default 127.0.0.1: this host only; the "
+    option(
+        "metrics-addr",
+        "The address the metrics server binds (default 127.0.0.1: this host only; the "
         "metrics are unauthenticated, so bind another interface only where every host that "
         "can reach it may read them, e.g. 0.0.0.0 behind a firewall for Prometheus).",
+        str,
+        cli_default("metrics_addr"),
     )
-    group.add_argument(
-        "--ftmem-rejoin-timeout",
-        action=env,
-        type=float,
-        default=cli_default("rejoin_timeout"),
-        help="Seconds a rank kept alive at a restart (it runs under ftmem.run) has to report "
+    option(
+        "rejoin-timeout",
+        "Seconds a rank kept alive at a restart (it runs under ftmem.run) has to report "
         "progress in the new generation before it is SIGKILLed and cold-started; the rank "
         "itself waits that long plus the rendezvous join timeout for its new generation "
         "(default 120).",
+        float,
+        cli_default("rejoin_timeout"),
     )
-    group.add_argument(
-        "--ftmem-standby",
-        action=env,
-        type=int,
-        default=cli_default("standby"),
-        help="Start ranks warm: the node's fork server, a process that has imported torch "
+    option(
+        "standby",
+        "Start ranks warm: the node's fork server, a process that has imported torch "
         "(and --ftmem-tune standby-import) before the first rank starts, forks each rank at the "
         "start and at every restart instead of a cold start (with --ftmem-tune standby-fork=off "
         "or --ftmem-standby-cuda: this many standby ranks per local rank, started once the ranks "
         "are stepping). 0: off. Default: 1.",
+        int,
+        cli_default("standby"),
     )
-    group.add_argument(
-        "--ftmem-standby-cuda",
-        action=check_env,
-        help="Standby ranks per local rank instead of the fork server, each of which also "
+    switch(
+        "standby-cuda",
+        "Standby ranks per local rank instead of the fork server, each of which also "
         "creates the CUDA context of its local rank's device (a context cannot cross a fork).",
     )
-    group.add_argument(
-        "--ftmem-ec-parity",
-        action=env,
-        type=str,
-        default="auto",
-        help="Erasure-coding parity m: any m nodes of a group may be lost at once. 'auto' "
+    option(
+        "ec-parity",
+        "Erasure-coding parity m: any m nodes of a group may be lost at once. 'auto' "
         "(default): 1 with at least 3 nodes, else off; 0: off.",
+        str,
+        "auto",
     )
-    group.add_argument(
-        "--ftmem-key-file",
-        action=env,
-        type=str,
-        default=None,
-        help="The job's CURVE key pair for the SMP peer mesh (`ftmem keygen`, mode 0600, "
+    option(
+        "key-file",
+        "The job's CURVE key pair for the SMP peer mesh (`ftmem keygen`, mode 0600, "
         "the same file on every node). Default: one made per job and handed out through "
         "the rendezvous store (a warning is logged).",
     )
-    group.add_argument(
-        "--ftmem-ec-encrypt",
-        action=check_env,
-        help="Encrypt the snapshot bytes between SMPs too (CURVE for every message). Default: "
+    switch(
+        "ec-encrypt",
+        "Encrypt the snapshot bytes between SMPs too (CURVE for every message). Default: "
         "messages that carry snapshot bytes go over a plain data channel, each with a keyed "
         "BLAKE3 tag that only the job's nodes can make (altered or forged ones are refused), "
         "at a fraction of CURVE's CPU; see docs/security.md.",
     )
-    group.add_argument(
-        "--ftmem-checkfree",
-        action=check_env,
-        help="Last resort for pipeline-parallel jobs (ftmem.CheckFreeStage in the state): when "
+    switch(
+        "checkfree",
+        "Last resort for pipeline-parallel jobs (ftmem.CheckFreeStage in the state): when "
         "a stage's snapshot is gone from memory and the disk tiers, rebuild it from its two "
         "neighbouring stages (CheckFree) instead of stopping; its optimizer state is reset "
         "(docs/api.md, CheckFree).",
     )
-    group.add_argument(
-        "--ftmem-insecure-mesh",
-        action=check_env,
-        help="Allow erasure coding across hosts without --ftmem-key-file: the mesh's key "
+    switch(
+        "insecure-mesh",
+        "Allow erasure coding across hosts without --ftmem-key-file: the mesh's key "
         "pair then travels through the unauthenticated rendezvous store, so whoever can read "
         "that store can join the mesh. Default: refused unless the mesh stays on this host.",
     )
-    group.add_argument(
-        "--ftmem-peer-host",
-        action=env,
-        type=str,
-        default=None,
-        help="Address the SMP's peer port binds and advertises. Default: --local-addr, "
+    option(
+        "peer-host",
+        "Address the SMP's peer port binds and advertises. Default: --local-addr, "
         "else the address of this host's name.",
     )
-    group.add_argument(
-        "--ftmem-flush-dir",
-        action=env,
-        type=str,
-        default=None,
-        help="Node-local directory for checkpoints flushed from memory in the background "
+    option(
+        "flush-dir",
+        "Node-local directory for checkpoints flushed from memory in the background "
         "(stock torch.distributed.checkpoint format). Default: no flushing.",
     )
-    group.add_argument(
-        "--ftmem-flush-persistent-dir",
-        action=env,
-        type=str,
-        default=None,
-        help="Persistent (shared) directory each flushed checkpoint is copied to after the "
-        "local one.",
+    option(
+        "flush-persistent-dir",
+        "Persistent (shared) directory each flushed checkpoint is copied to after the local one.",
     )
-    group.add_argument(
-        "--ftmem-flush-every",
-        action=env,
-        type=int,
-        default=cli_default("flush_every"),
-        help="Flush every N steps in the background; 0 (default): only on `ftmem flush` and "
-        "on SIGTERM.",
+    option(
+        "flush-every",
+        "Flush every N steps in the background; 0 (default): only on `ftmem flush` and on SIGTERM.",
+        int,
+        cli_default("flush_every"),
     )
-    group.add_argument(
-        "--ftmem-flush-keep",
-        action=env,
-        type=int,
-        default=cli_default("flush_keep"),
-        help="Complete checkpoints kept per tier. Default: 2.",
+    option(
+        "flush-keep",
+        "Complete checkpoints kept per tier. Default: 2.",
+        int,
+        cli_default("flush_keep"),
     )
-    group.add_argument(
-        "--ftmem-rank-assignment",
-        action=env,
-        type=str,
-        choices=("stable", "elastic"),
-        default=cli_default("rank_assignment"),
-        help="stable (default): every node keeps its global ranks across restarts and a "
+    option(
+        "rank-assignment",
+        "stable (default): every node keeps its global ranks across restarts and a "
         "replacement node takes the lost node's, so each rank finds its own snapshot; "
         "elastic: torchrun's numbering (by node order in each round).",
+        str,
+        cli_default("rank_assignment"),
+        choices=("stable", "elastic"),
     )
     for key, (kind, default, choices) in TUNING.items():
-        group.add_argument(
-            f"--ftmem-{key}", action=env, type=kind, default=default, choices=choices, help=SUPPRESS
-        )
+        option(key, SUPPRESS, kind, default, choices=choices)
     group.add_argument(
         "--ftmem-tune",
         action="append",
@@ -261,9 +236,8 @@ TUNING: dict[str, tuple[type, object, tuple[str, ...] | None]] = {
     "standby-import": cli_knob("standby_imports"),
 }
 """The knobs ``--ftmem-tune KEY=VALUE`` sets (type, default, choices; the defaults are
-:class:`FtmemLaunchConfig`'s): settings with defaults a user should not need to see to run a
-job. Each is also a hidden ``--ftmem-KEY`` flag (and
-``PET_FTMEM_KEY``), as before; docs/launcher.md, Tuning, says what each means."""
+:class:`FtmemLaunchConfig`'s): settings a user should not need to see to run a job. Each is
+also a hidden ``--ftmem-KEY`` flag (and ``PET_FTMEM_KEY``); docs/launcher.md, Tuning."""
 
 
 def apply_tuning(args: Namespace) -> None:
@@ -295,19 +269,8 @@ def apply_tuning(args: Namespace) -> None:
         setattr(args, action.dest, parsed)
 
 
-def parse_args(args: list[str] | None) -> Namespace:
-    """Parse ``args`` (default: ``sys.argv[1:]``)."""
-    return get_args_parser().parse_args(args)
-
-
 def _seconds(value: float) -> timedelta:
     return timedelta(seconds=float(value))
-
-
-def _encode_workers(value: int) -> int:
-    if not 0 <= int(value) <= MAX_WORKERS:
-        raise ValueError(f"--ftmem-tune ec-encode-workers must be 0..{MAX_WORKERS}, got {value}")
-    return int(value)
 
 
 def _parity(value: str) -> int:
@@ -331,14 +294,11 @@ def _ec_possible(args: Namespace) -> bool:
 def _slots(args: Namespace) -> int:
     if args.ftmem_slots is not None:
         return int(args.ftmem_slots)
-    ec_possible = _ec_possible(args)
-    # The newest committed step and the one being written take two slots. A step being
-    # flushed (and one reserved for the next flush) stays pinned: one more slot. With erasure
-    # coding the protected step stays pinned (peers hold its parity; a rebuild needs its
-    # bytes) and so does the step a round is protecting: two more, so that rounds run back
-    # to back never make a rank skip a snapshot (docs/design.md, "Slots").
+    # The newest committed step and the one being written; +1 pinned while a step flushes;
+    # +2 with erasure coding (the protected step and the one a round protects), so that
+    # back-to-back rounds never make a rank skip a snapshot (docs/design.md, "Slots").
     flushing = bool(args.ftmem_flush_dir or args.ftmem_flush_persistent_dir)
-    return 2 + int(flushing) + 2 * int(ec_possible)
+    return 2 + int(flushing) + 2 * int(_ec_possible(args))
 
 
 def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
@@ -349,55 +309,17 @@ def ftmem_config_from_args(args: Namespace) -> FtmemLaunchConfig:
             key file (:func:`~ftmem.launch.config.check_mesh_key`).
     """
     apply_tuning(args)
-    config = _ftmem_config(args)
-    check_mesh_key(
-        ec_possible=_ec_possible(args),
-        key_file=config.key_file,
-        insecure=config.insecure_mesh,
-        peer_host=config.peer_host,
-        rdzv_host=_rdzv_host(args),
-    )
-    return config
-
-
-def preflight(args: Namespace) -> None:
-    """Checks of the machine and the rendezvous before anything starts: the backend can
-    restart ranks (:func:`~ftmem.launch.config.check_rdzv_backend`) and, with several
-    nodes, the host name gives gloo a reachable address
-    (:func:`~ftmem.launch.config.check_host_address`).
-
-    Raises:
-        ValueError: a check failed (the message names the fix).
-    """
-    check_rdzv_backend(str(args.rdzv_backend))
-    _, max_nodes = parse_min_max_nnodes(str(args.nnodes))
-    set_env = check_host_address(
-        max_nodes=max_nodes, rdzv_host=_rdzv_host(args), local_addr=args.local_addr
-    )
-    if set_env:
-        log.info("ranks' gloo groups bind to --local-addr's interface: %s", set_env)
-
-
-def _rdzv_host(args: Namespace) -> str:
-    """The rendezvous store's host: ``--rdzv-endpoint``'s, else ``--master-addr`` (static)."""
-    endpoint = str(args.rdzv_endpoint or "").split(",")[0].strip()  # etcd-v3: first member
-    if not endpoint:
-        return str(args.master_addr or "127.0.0.1")
-    return endpoint.rsplit(":", 1)[0] if ":" in endpoint.strip("[]") else endpoint
-
-
-def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
-    return FtmemLaunchConfig(
+    config = FtmemLaunchConfig(
         run_dir=Path(args.ftmem_run_dir) if args.ftmem_run_dir else None,
         node=args.ftmem_node or None,
         slots=_slots(args),
         ec_parity=_parity(args.ftmem_ec_parity),
         ec_group_size=int(args.ftmem_ec_group_size),
-        ec_interval=timedelta(seconds=float(args.ftmem_ec_interval)),
+        ec_interval=_seconds(args.ftmem_ec_interval),
         key_file=Path(args.ftmem_key_file) if args.ftmem_key_file else None,
         insecure_mesh=bool(args.ftmem_insecure_mesh),
         ec_encrypt=bool(args.ftmem_ec_encrypt),
-        ec_encode_workers=_encode_workers(args.ftmem_ec_encode_workers),
+        ec_encode_workers=int(args.ftmem_ec_encode_workers),
         checkfree=bool(args.ftmem_checkfree),
         peer_host=args.ftmem_peer_host or default_peer_host(args.local_addr),
         rebuild_timeout=_seconds(args.ftmem_rebuild_timeout),
@@ -426,6 +348,39 @@ def _ftmem_config(args: Namespace) -> FtmemLaunchConfig:
         smp_log_level=str(args.ftmem_smp_log_level),
         rank_assignment=str(args.ftmem_rank_assignment),
     )
+    check_mesh_key(
+        ec_possible=_ec_possible(args),
+        key_file=config.key_file,
+        insecure=config.insecure_mesh,
+        peer_host=config.peer_host,
+        rdzv_host=_rdzv_host(args),
+    )
+    return config
+
+
+def preflight(args: Namespace) -> None:
+    """Checks before anything starts: the backend can restart ranks and, with several nodes,
+    gloo gets a reachable address (:func:`~ftmem.launch.config.check_rdzv_backend`,
+    :func:`~ftmem.launch.config.check_host_address`).
+
+    Raises:
+        ValueError: a check failed (the message names the fix).
+    """
+    check_rdzv_backend(str(args.rdzv_backend))
+    _, max_nodes = parse_min_max_nnodes(str(args.nnodes))
+    set_env = check_host_address(
+        max_nodes=max_nodes, rdzv_host=_rdzv_host(args), local_addr=args.local_addr
+    )
+    if set_env:
+        log.info("ranks' gloo groups bind to --local-addr's interface: %s", set_env)
+
+
+def _rdzv_host(args: Namespace) -> str:
+    """The rendezvous store's host: ``--rdzv-endpoint``'s, else ``--master-addr`` (static)."""
+    endpoint = str(args.rdzv_endpoint or "").split(",")[0].strip()  # etcd-v3: first member
+    if not endpoint:
+        return str(args.master_addr or "127.0.0.1")
+    return endpoint.rsplit(":", 1)[0] if ":" in endpoint.strip("[]") else endpoint
 
 
 def config_from_args(
@@ -487,13 +442,11 @@ def configure_logging() -> None:
     """Log the launcher's events to stderr (level from FTMEM_LOG_LEVEL, default INFO)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    level = os.environ.get(ENV_LOG_LEVEL, "INFO").upper()
-    for name in ("ftmem",):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            logger.addHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = False
+    logger = logging.getLogger("ftmem")
+    if not logger.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(os.environ.get(ENV_LOG_LEVEL, "INFO").upper())
+    logger.propagate = False
 
 
 def run(args: Namespace) -> dict[int, Any]:
@@ -520,7 +473,7 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``ftmem-launch`` console script."""
     configure_logging()
     try:
-        run(parse_args(args))
+        run(get_args_parser().parse_args(args))
     except UnrecoverableError as exc:
         log.error("ftmem-launch: UNRECOVERABLE: %s", exc)
         sys.exit(3)
@@ -528,8 +481,7 @@ def main(args: list[str] | None = None) -> None:
         log.error("ftmem-launch: %s", exc)
         sys.exit(2)
     finally:
-        # What is left is torch's and elastic's heap: the interpreter's last garbage
-        # collection of it would add ~0.5 s of CPU to every exit, for nothing.
+        # What is left is torch's and elastic's heap: collecting it at exit is wasted CPU.
         gc.freeze()
 
 

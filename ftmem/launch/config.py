@@ -16,11 +16,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ftmem.config import ENV_AGENT_PID as ENV_AGENT_PID
+from ftmem.config import ENV_AGENT_PID as ENV_AGENT_PID  # re-exported: workers.py
 from ftmem.config import MAX_SOCKET_PATH, SOCKET_NAME, SmpConfig, default_run_dir, field_default
-
-# The FTMEM_* variables the launcher sets for each rank are named in ftmem/config.py (among them
-# ENV_AGENT_PID, imported above: the exec shim kills the rank if its parent is not that pid).
+from ftmem.exchange.encode_worker import MAX_WORKERS
 
 # torch's switch for the shared rendezvous TCPStore; "1" gives each generation its own store.
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -76,26 +74,23 @@ class FtmemLaunchConfig:
     metrics_addr: str = "127.0.0.1"
     """The address the metrics server binds."""
     rejoin_timeout: timedelta = timedelta(seconds=120)
-    """A rank kept alive at a restart (``ftmem.run``) that reports no progress in the new
-    generation this long after it was handed it is SIGKILLed (and so cold-started)."""
+    """A rank kept alive at a restart (``ftmem.run``) without progress in the new generation
+    this long after it was handed it is SIGKILLed (and so cold-started)."""
     status_interval: timedelta = timedelta(seconds=1)
     """How often the monitor asks the SMP for each rank's progress."""
     detect_timeout: timedelta = timedelta(seconds=1)
-    """ftmem's failure detector suspects a node after this long without its heartbeat and
-    declares it lost once another neighbour agrees (``--ftmem-tune detect-timeout``; 0: off,
-    elastic's rendezvous keep-alive alone): shorter finds a lost machine sooner, and takes a
-    longer stall of a live one (its process starved, its link flapping) for a loss."""
+    """The failure detector suspects a node after this long without its heartbeat (declared
+    lost once another neighbour agrees); 0: off, elastic's rendezvous keep-alive alone."""
     restart_last_call: timedelta | None = timedelta(seconds=1)
-    """The rendezvous' last call when the agents re-join after a machine loss, so that a job
-    below its maximum size (``--nnodes MIN:MAX``) goes on with the survivors that soon; None
-    (``last_call_timeout`` given in ``--rdzv-conf``): the user's value throughout."""
+    """The rendezvous' last call at a re-join after a machine loss (a job below its maximum
+    size goes on with the survivors that soon); None: ``--rdzv-conf last_call_timeout``'s."""
     no_progress_restarts: int = 3
     """Stop after this many restarts in a row without a newer committed step; 0 disables."""
     smp_log_level: str = "INFO"
     """Log level passed to the SMP (its log goes to ``<run_dir>/smp.log``)."""
     rank_assignment: str = "stable"
-    """``stable``: every node keeps its global ranks across rounds (a replacement node takes
-    the lost node's); ``elastic``: elastic's order of the node descriptors."""
+    """``stable``: every node keeps its global ranks across rounds (a replacement takes the
+    lost node's); ``elastic``: elastic's numbering."""
     auto_run_dir: bool = False
     """The run directory was made up by ftmem-launch: removed after a successful run."""
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -111,14 +106,12 @@ class FtmemLaunchConfig:
     insecure_mesh: bool = False
     """Allow erasure coding across hosts without a key file (``--ftmem-insecure-mesh``)."""
     ec_encrypt: bool = False
-    """Snapshot bytes between SMPs over CURVE too (``--ftmem-ec-encrypt``); else over the
-    plain data channel with keyed tags."""
+    """Snapshot bytes between SMPs over CURVE too; else the plain data channel, keyed tags."""
     ec_encode_workers: int = 0
-    """Processes per SMP that encode its stripes (``--ftmem-tune ec-encode-workers``); 0: the
-    SMP's protection thread encodes."""
+    """Processes per SMP that encode its stripes; 0: the SMP's protection thread encodes."""
     checkfree: bool = False
-    """``--ftmem-checkfree``: rebuild a pipeline stage without any snapshot from its neighbours
-    (the ranks get FTMEM_CHECKFREE=1; a sync that finds more than m nodes lost goes on)."""
+    """Rebuild a pipeline stage without any snapshot from its neighbours (the ranks get
+    FTMEM_CHECKFREE=1; a sync that finds more than m nodes lost goes on)."""
     peer_host: str = ""
     """Address the SMP's peer port binds and advertises; "": --local-addr or this host's."""
     rebuild_timeout: timedelta = timedelta(seconds=600)
@@ -140,13 +133,12 @@ class FtmemLaunchConfig:
     hash_threads: int = field_default(SmpConfig, "hash_threads")
     """Threads of the SMP that checksum committed snapshots."""
     standby: int = 1
-    """Warm processes ranks start from (0: cold starts only). With ``standby_fork``, the
-    node's one fork server (any value above 0); else standby ranks per local rank."""
+    """Warm starts (0: cold only): with ``standby_fork`` the node's one fork server, else
+    this many standby ranks per local rank."""
     standby_fork: bool = True
-    """Ranks start from the node's fork server (one warm process forks each rank, at the
-    first start and every restart). Off: standby ranks per local rank, each a process that
-    takes over one rank (for a script whose imports start threads, which a fork cannot
-    copy; implied by ``standby_cuda``, since a CUDA context cannot cross a fork)."""
+    """Ranks are forked by the node's fork server at every start. Off (and implied off by
+    ``standby_cuda``: a CUDA context cannot cross a fork): standby ranks, each a process that
+    takes over one rank (for a script whose imports start threads, which a fork cannot copy)."""
     standby_imports: tuple[str, ...] = ()
     """Modules a standby imports besides torch and ftmem's client."""
     standby_cuda: bool = False
@@ -209,6 +201,11 @@ class FtmemLaunchConfig:
             raise ValueError("--ftmem-ec-parity must be auto, 0 (off) or >= 1")
         if self.ec_group_size < 3:
             raise ValueError("--ftmem-tune ec-group-size must be >= 3")
+        if not 0 <= self.ec_encode_workers <= MAX_WORKERS:
+            raise ValueError(
+                f"--ftmem-tune ec-encode-workers must be 0..{MAX_WORKERS}, "
+                f"got {self.ec_encode_workers}"
+            )
         if self.flush_every < 0 or self.flush_keep < 1 or self.flush_writers < 1:
             raise ValueError(
                 "--ftmem-flush-every must be >= 0, --ftmem-flush-keep and "
@@ -253,11 +250,8 @@ def apply_safe_rdzv_defaults(rdzv_configs: dict[str, Any]) -> dict[str, Any]:
 
     Returns the keys that were filled in (for the start-up log).
     """
-    filled: dict[str, Any] = {}
-    for key, value in SAFE_RDZV_DEFAULTS.items():
-        if key not in rdzv_configs:
-            rdzv_configs[key] = value
-            filled[key] = value
+    filled = {k: v for k, v in SAFE_RDZV_DEFAULTS.items() if k not in rdzv_configs}
+    rdzv_configs.update(filled)
     attempts = int(rdzv_configs.get("keep_alive_max_attempt", 3))
     if attempts < 3:
         raise ValueError(
@@ -267,12 +261,9 @@ def apply_safe_rdzv_defaults(rdzv_configs: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_safe_env_defaults(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Give each rendezvous round its own TCPStore unless the user chose otherwise.
-
-    The shared store (torch's default since ~2.5) hands stale keys of the previous
-    generation to restarted ranks (cascaded restarts, hangs in init_process_group).
-    Returns the variables that were set.
-    """
+    """Give each rendezvous round its own TCPStore unless the user chose otherwise (torch's
+    shared store hands the previous generation's keys to restarted ranks: cascaded restarts,
+    hangs in init_process_group). Returns the variables that were set."""
     env = os.environ if environ is None else environ
     if ENV_DISABLE_SHARED_STORE not in env:
         env[ENV_DISABLE_SHARED_STORE] = "1"
@@ -310,11 +301,10 @@ def check_mesh_key(
 ) -> None:
     """Refuse erasure coding across hosts without a key file.
 
-    Without ``--ftmem-key-file`` the agents share the mesh's CURVE key pair through a private
-    file of this host (``ftmem.launch.job_key.host_key_path``), which works only when the mesh
-    stays on this host (the peer host and the rendezvous endpoint are loopback). Across hosts
-    the only other way is the rendezvous store, plain TCP on every interface: anyone who can
-    reach it could join the mesh, so that needs ``--ftmem-insecure-mesh``.
+    Without ``--ftmem-key-file`` the agents share the mesh's key pair through a private file
+    of this host (``ftmem.launch.job_key.host_key_path``): the mesh must stay on this host.
+    Across hosts the only other way is the unauthenticated rendezvous store, which needs
+    ``--ftmem-insecure-mesh``.
 
     Raises:
         ValueError: erasure coding may span hosts, with neither a key file nor the flag.
@@ -333,11 +323,10 @@ def check_mesh_key(
 
 
 def check_flush_tiers(tiers: list[Path]) -> None:
-    """Refuse, before any rank starts, a disk tier directory that ftmem could not trust when
-    it reads it back (``ftmem.tiers.checkpoints.check_tier``): writable by others without the
-    sticky bit, another user's, or a symbolic link; and a node-local (first) tier whose parents
-    someone else could rename (``check_tier_parents``). One that does not exist yet is made
-    private when first written.
+    """Refuse, before any rank starts, a disk tier that ftmem could not trust when it reads
+    it back (``ftmem.tiers.checkpoints.check_tier``), and a node-local (first) tier whose
+    parents someone else could rename (``check_tier_parents``). A missing one is made private
+    when first written.
 
     Raises:
         ValueError: naming the directory and the fix.
@@ -365,11 +354,7 @@ def resolve_names(config: FtmemLaunchConfig, run_id: str) -> None:
 
 
 def check_rdzv_backend(backend: str) -> None:
-    """Refuse ``--rdzv-backend static``.
-
-    With the static backend the agent serves the ranks' store on ``--master-port`` and rank
-    0 binds the same port (the first start fails), and its one shared store hands stale keys
-    to the ranks of the next generation (a restart breaks); nor can it admit a spare.
+    """Refuse ``--rdzv-backend static`` (it cannot restart ranks nor admit a spare).
 
     Raises:
         ValueError: the backend is ``static``.
@@ -380,16 +365,6 @@ def check_rdzv_backend(backend: str) -> None:
             "bind --master-port, and one store serves every generation): use --rdzv-backend "
             "c10d --rdzv-endpoint HOST:PORT, or etcd-v3 against an etcd cluster"
         )
-
-
-def gloo_interface_for(local_addr: str) -> str | None:
-    """The network interface that holds ``local_addr`` (an IP address), None if none does."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == local_addr for a in addrs):
-            return str(name)
-    return None
 
 
 def check_host_address(
@@ -403,12 +378,11 @@ def check_host_address(
     """Make sure the ranks' gloo groups can reach this host from the others, before any
     rank starts.
 
-    gloo binds each rank to the address of the host's name; a name that does not resolve
-    (or resolves to loopback only) makes it fall back to 127.0.0.1, and then the ranks of
-    several hosts never connect (``connectFullMesh failed``) and the job restarts until the
-    no-progress guard stops it. Nothing is checked for one node, for a rendezvous on
-    loopback (every node on this host) or when ``GLOO_SOCKET_IFNAME`` is set; with
-    ``--local-addr`` it is set to the interface holding that address.
+    gloo binds each rank to the address of the host's name; one that resolves to loopback
+    only (or not at all) leaves the hosts' ranks unconnected (``connectFullMesh failed``),
+    restarting until the no-progress guard stops the job. Nothing is checked for one node, a
+    rendezvous on loopback or a set ``GLOO_SOCKET_IFNAME``; with ``--local-addr`` that is set
+    to the interface holding the address.
 
     Returns the environment variables it set (for the start-up log).
 
@@ -419,10 +393,12 @@ def check_host_address(
     if max_nodes <= 1 or is_loopback(rdzv_host) or env.get("GLOO_SOCKET_IFNAME"):
         return {}
     if local_addr:
-        iface = gloo_interface_for(local_addr)
-        if iface is not None:
-            env["GLOO_SOCKET_IFNAME"] = iface
-            return {"GLOO_SOCKET_IFNAME": iface}
+        import psutil
+
+        for iface, addrs in psutil.net_if_addrs().items():  # the one holding that address
+            if any(a.address == local_addr for a in addrs):
+                env["GLOO_SOCKET_IFNAME"] = iface
+                return {"GLOO_SOCKET_IFNAME": iface}
     name = hostname if hostname is not None else socket.gethostname()
     try:
         addrs = sorted({str(ai[4][0]) for ai in socket.getaddrinfo(name, None)})

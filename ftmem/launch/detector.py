@@ -1,15 +1,14 @@
 """ftmem's failure detector: heartbeats between the agents, a lost machine declared on corroboration.
 
-elastic notices a lost machine only when its rendezvous keep-alive expires (interval x attempts,
-5 s with ftmem's defaults), and only restarts the survivors when a node waits to join; a machine
-lost *silently* (power, kernel panic, a dead link: no FIN, no RST) leaves its peers' ranks
-blocked in a collective. This detector notices such a loss in about ``suspect_s`` (1 s by
-default, ``--ftmem-tune detect-timeout``) and makes every agent restart at once.
+elastic notices a lost machine only when its rendezvous keep-alive expires, and restarts the
+survivors only when a node waits to join; a machine lost *silently* (no FIN, no RST) leaves its
+peers' ranks blocked in a collective. This detector notices such a loss in about ``suspect_s``
+(``--ftmem-tune detect-timeout``) and makes every agent restart at once (docs/launcher.md,
+"Failure detection").
 
 **Who watches whom.** The nodes of a round, in slot order, form a ring; each node exchanges
-heartbeats with the nodes up to :data:`RADIUS` places away on either side (:func:`neighbours`):
-at most ``2 * RADIUS`` peers, all of them in a job of up to ``2 * RADIUS + 1`` nodes. What a node
-sends and receives per second is bounded by that, whatever the job's size.
+heartbeats with the nodes up to :data:`RADIUS` places away on either side (:func:`neighbours`),
+so what a node sends and receives is bounded whatever the job's size.
 
 **A watched peer's states** (per round; :meth:`FailureDetector.watch` starts a round)::
 
@@ -18,31 +17,24 @@ sends and receives per second is bounded by that, whatever the job's size.
       '--------------------- the store cannot be reached ----------------'
     any state --a "leaving" heartbeat (its agent exits)--> DEPARTED (never suspected again)
 
-**Corroboration.** A node declares a peer only if another neighbour of that peer, one it still
-hears, suspects it too (each heartbeat carries the peers its sender suspects): a node that is
-itself cut off hears nobody and declares nobody, and one late heartbeat is not a verdict. In a
-job of two nodes there is no second observer: the one observer's silence is enough, and the
-rendezvous store decides (below). A heartbeat also carries the peers its sender declared, so
-a node that hears it acts at once too.
+**Corroboration** (:func:`verdicts`). A node declares a peer only if another neighbour of that
+peer, one it still hears, suspects it too (each heartbeat carries the peers its sender
+suspects and declared): a node that is itself cut off declares nobody. A peer with no other
+observer (a job of two nodes) is declared on one silence, and the store decides.
 
 **Declaring is publishing.** The declarer marks the peer's keep-alive in the rendezvous state as
-expired (``publish``: a compare-and-set, :func:`ftmem.launch.state_guard.expire_keep_alive`),
-which is elastic's own verdict on a node whose keep-alive stopped: every agent's next read of the
-state drops it, and a waiting spare takes its place. Only once that write succeeded is the loss
-acted on (``on_lost``: the agent restarts its ranks); a declarer that cannot reach the store
-declares nothing, and tries again at the next heartbeat.
+expired (``publish``, :func:`ftmem.launch.state_guard.expire_keep_alive`), elastic's own
+verdict: every agent's next read drops it. Only once that write succeeded is the loss acted on
+(``on_lost``); a declarer that cannot reach the store tries again at the next heartbeat.
 
 **Observer stalls.** If the detector's own thread wakes up later than half the bound (its process
-starved), the silence it measured meanwhile is forgiven: it cannot tell a silent peer from its
-own sleep.
+starved), the silence it measured meanwhile is forgiven.
 
-**Wire.** One UDP datagram per heartbeat, on the address of the node's peer mesh: a 32-byte
-HMAC-SHA256 tag under a key derived from the job's key, then a JSON body of at most
-:data:`MAX_DATAGRAM` bytes (:class:`Heartbeat`). A sender's sequence number must grow (no
-replays); a datagram that fails any check is dropped and counted. UDP rather than the SMPs'
-ZeroMQ mesh: a heartbeat must not queue behind snapshot traffic or TCP's retransmissions, nor
-wait for the SMP's protection thread (busy with erasure coding, which holds the GIL), and the
-agent is the process that acts on the verdict.
+**Wire.** One UDP datagram per heartbeat (:class:`Heartbeat`): a 32-byte HMAC-SHA256 tag under a
+key derived from the job's key, then a JSON body; a sender's sequence number must grow. UDP
+rather than the SMPs' ZeroMQ mesh: a heartbeat must not queue behind snapshot traffic or TCP's
+retransmissions, nor wait for the SMP's GIL-bound erasure coding, and the agent is the process
+that acts on the verdict.
 """
 
 from __future__ import annotations
@@ -152,14 +144,10 @@ class WatchEntry:
     addr: tuple[str, int]
 
 
-def _entry_fields(e: WatchEntry) -> bytes:
-    doc = {"generation": e.generation, "slot": e.slot, "node": e.node, "addr": list(e.addr)}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-
 def watch_entry(key: bytes, generation: int, slot: int, node: str, addr: tuple[str, int]) -> str:
     """Node ``slot``'s entry (JSON) for round ``generation``, authenticated with ``key``."""
-    body = _entry_fields(WatchEntry(generation, slot, node, addr))
+    doc = {"generation": generation, "slot": slot, "node": node, "addr": list(addr)}
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     mac = hmac.new(key, b"watch-entry" + body, hashlib.sha256).hexdigest()
     return json.dumps({"entry": body.decode(), "mac": mac})
 
@@ -177,7 +165,7 @@ class _WatchFields:
     generation: int
     slot: Annotated[int, Range(0, 1 << 20)]
     node: PeerName
-    addr: Annotated[list[Annotated[str, Most(256)] | Annotated[int, Range(0, 65535)]], Most(2)]
+    addr: tuple[Annotated[str, Most(256)], Annotated[int, Range(0, 65535)]]
 
 
 def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> WatchEntry:
@@ -204,10 +192,7 @@ def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> Watc
         f = typed_json.parse(_WatchFields, body, what="detector entry")
     except ProtocolError as exc:
         raise ValueError(f"{malformed}: {exc}") from exc
-    host, port = [*f.addr, "", ""][:2]
-    if len(f.addr) != 2 or type(host) is not str or type(port) is not int:
-        raise ValueError(f"{malformed}: its address is not [host, port]")
-    entry = WatchEntry(f.generation, f.slot, f.node, (host, port))
+    entry = WatchEntry(f.generation, f.slot, f.node, f.addr)
     if entry.generation != generation or entry.slot != slot:
         raise ValueError(
             f"the store's detector entry of node {slot} is of generation {entry.generation}, "

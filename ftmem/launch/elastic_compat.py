@@ -1,51 +1,34 @@
 """Every dependency of ftmem-launch on torch.distributed.elastic's private API, in one file.
 
-ftmem-launch is elastic's ``LocalElasticAgent`` with ftmem's hooks. Its four abstract
-methods (``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown``) are
-elastic's extension points and :mod:`ftmem.launch.agent` overrides them. Everything else that
-reaches into elastic's internals is here, so moving to a new torch means reviewing this file
-(and running the launcher tests):
+ftmem-launch is elastic's ``LocalElasticAgent`` with ftmem's hooks: :mod:`ftmem.launch.agent`
+overrides its four abstract methods (``_start_workers``, ``_stop_workers``,
+``_monitor_workers``, ``_shutdown``). Everything else that reaches into elastic's internals is
+here, so moving to a new torch means reviewing this file (and running the launcher tests):
 
-1. Three private, non-abstract methods of ``SimpleElasticAgent``, forwarded by
-   :class:`ElasticAgentBase` to hooks with names of their own (and its ``_rdzv_handler``,
-   ``_pcontext`` and ``_remaining_restarts``, read and set through its accessors):
-   ``_rendezvous`` -> :meth:`~ElasticAgentBase.join_rendezvous`,
-   ``_assign_worker_ranks`` -> :meth:`~ElasticAgentBase.assign_worker_ranks`,
-   ``_restart_workers`` -> :meth:`~ElasticAgentBase.before_restart`.
-2. The c10d handler's ``_state_holder``: the rendezvous round is read from it
-   (:meth:`~ElasticAgentBase.rendezvous_round`), its cache shortened
-   (:func:`trust_rendezvous_state_for`), and its participants, heartbeats, redundancy list
-   and the nodes its last read found dead read (:func:`rendezvous_members`, for
-   :mod:`ftmem.launch.membership`); through its backend a lost node's keep-alive is marked
-   expired (:func:`expire_keep_alive`, for :mod:`ftmem.launch.detector`), and its timeout's
-   ``_last_call`` is shortened while restarting (:func:`restart_rendezvous_quickly`). Its
-   ``_backend`` is wrapped, and elastic's private state classes (``_RendezvousState``,
-   ``_NodeDesc``) are read and written, in :mod:`ftmem.launch.state_guard` (the one other
-   file that knows them): elastic unpickles the state it reads, so only those classes are
-   admitted, and a node leaving its round does not bring back a round that ended after a
-   store writer erased the state.
+1. ``SimpleElasticAgent``'s ``_rendezvous``, ``_assign_worker_ranks`` and ``_restart_workers``
+   (forwarded to hooks of :class:`ElasticAgentBase`), ``_rdzv_handler``, ``_pcontext`` and
+   ``_remaining_restarts`` (read and set through its accessors).
+2. The c10d handler's ``_state_holder``: its round, cache duration and last read
+   (:func:`trust_rendezvous_state_for`, :func:`rendezvous_members`) and its timeout's
+   ``_last_call``. Its ``_backend`` and the state classes (``_RendezvousState``,
+   ``_NodeDesc``) are known only to :mod:`ftmem.launch.state_guard`.
 3. Four functions swapped while elastic runs: ``dynamic_rendezvous._delay``
    (:func:`restart_rendezvous_quickly`), ``RendezvousStoreInfo.build``
    (:func:`awaiting_group_rank_0`), ``multiprocessing.api.get_subprocess_handler``
-   (:func:`subprocess_handler_replaced`, for standby ranks) and
-   ``multiprocessing.tail_log.tail_logfile`` (:func:`log_tails_stop_at_once`).
-4. Ranks kept alive across a restart (``ftmem.run``): their handlers are taken out of the
-   ``SubprocessContext`` (``subprocess_handlers`` and ``_running_local_ranks``) before elastic
-   closes it (:func:`detach_handlers`), and given back to the next one through (3). elastic's
-   ``_monitor_workers`` refuses a context whose pids differ from the worker group's, so a
-   failure found right after a detach is read from the context directly
-   (:func:`failed_after_detach`).
-5. What changed between the supported versions: torch 2.13 added ``shutdown_timeout`` to the
-   agent's constructor, to ``LaunchConfig`` and to ``_shutdown``; 2.11 and 2.12 have none of
-   them (:meth:`~ElasticAgentBase.stop_ranks` and :func:`launch_shutdown_timeout`).
+   (:func:`subprocess_handler_replaced`) and ``tail_log.tail_logfile``
+   (:func:`log_tails_stop_at_once`).
+4. ``SubprocessContext``'s ``subprocess_handlers`` and ``_running_local_ranks``, for ranks
+   kept alive across a restart (:func:`detach_handlers`, :func:`failed_after_detach`).
+5. torch 2.13 added ``shutdown_timeout`` to the agent, ``LaunchConfig`` and ``_shutdown``
+   (:meth:`~ElasticAgentBase.stop_ranks`, :func:`launch_shutdown_timeout`).
 
-Supported: torch 2.11 up to (not including) 2.15. CI tests the pinned 2.13 CPU build; the
-launcher tests were run on 2.11 before the range was declared (docs/launcher.md).
+Supported: torch 2.11 up to (not including) 2.15 (docs/launcher.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -84,21 +67,15 @@ _HAS_SHUTDOWN_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdo
 """torch >= 2.13: ``_shutdown(death_sig, timeout)`` and a ``shutdown_timeout`` argument."""
 
 
-def torch_minor(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of ``version`` (default: the running torch's)."""
-    text = version if version is not None else torch.__version__
-    major, minor = text.split("+")[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def check_torch_version(version: str | None = None) -> None:
     """Refuse a torch older than :data:`OLDEST`; warn about one newer than :data:`NEWEST`.
 
     Raises:
-        FtmemError: the running torch is too old for ftmem-launch.
+        FtmemError: ``version`` (default: the running torch's) is too old for ftmem-launch.
     """
-    have = torch_minor(version)
     text = version if version is not None else torch.__version__
+    major, minor = text.split("+")[0].split(".")[:2]
+    have = int(major), int("".join(c for c in minor if c.isdigit()) or 0)
     if have < OLDEST:
         raise FtmemError(
             f"ftmem-launch needs torch >= {OLDEST[0]}.{OLDEST[1]} (it extends elastic's "
@@ -121,11 +98,9 @@ def launch_shutdown_timeout(config: Any) -> int:
 
 @contextlib.contextmanager
 def replaced(module: Any, name: str, replacement: Callable[..., Any]) -> Iterator[Any]:
-    """Swap ``module.name`` for ``replacement`` while inside; yields the original.
-
-    Only the agent's main thread starts ranks and joins rendezvous, so nothing else sees the
-    swap. A missing attribute (another torch) leaves the module alone and yields None.
-    """
+    """Swap ``module.name`` for ``replacement`` while inside (only the agent's main thread
+    starts ranks and joins rendezvous); yields the original, or None where the attribute is
+    missing (another torch: the module is left alone)."""
     original = getattr(module, name, None)
     if original is None:
         yield None
@@ -161,11 +136,9 @@ def rendezvous_join_timeout_s(handler: Any) -> float:
 def trust_rendezvous_state_for(handler: Any, seconds: float) -> bool:
     """Make the c10d handler re-read the rendezvous state once it is ``seconds`` old.
 
-    elastic's handler serves a state it read less than 1 s ago from its cache, to every
-    poll of a join and to the agent's check for nodes waiting to join (each monitor
-    interval): a node that re-joined after a failure was seen up to 1 s late, and each step of
-    a restart's rendezvous (leave the round, join the wait list, join the next round, see it
-    complete) could wait that long again. Returns False where this handler has no such cache
+    elastic's handler serves a state younger than 1 s from its cache, to every poll of a join
+    and to the agent's check for waiting nodes, so each step of a restart's rendezvous could
+    see the others up to 1 s late. Returns False where this handler has no such cache
     (another backend, another torch).
     """
     holder = getattr(handler, "_state_holder", None)
@@ -182,7 +155,6 @@ class RendezvousMembers:
     Nodes are named by elastic's descriptors (``host_pid_id``)."""
 
     round: int
-    complete: bool
     participants: frozenset[str]
     heartbeat_age_s: dict[str, float]
     """Seconds since each node's last keep-alive, as of the read."""
@@ -208,14 +180,11 @@ def rendezvous_members(handler: Any) -> RendezvousMembers | None:
     if state is None or me is None or not isinstance(participants, dict):
         return None
     now = datetime.now(timezone.utc)
-    ages = {}
-    if isinstance(beats, dict):
-        ages = {repr(n): (now - t).total_seconds() for n, t in beats.items()}
+    beats = beats if isinstance(beats, dict) else {}
     return RendezvousMembers(
         round=int(getattr(state, "round", -1)),
-        complete=bool(getattr(state, "complete", False)),
         participants=frozenset(repr(n) for n in participants),
-        heartbeat_age_s=ages,
+        heartbeat_age_s={repr(n): (now - t).total_seconds() for n, t in beats.items()},
         me=repr(me),
         spare=isinstance(redundant, set) and me in redundant,
         waiting=(len(redundant) if isinstance(redundant, set) else 0)
@@ -244,23 +213,16 @@ def restart_rendezvous_quickly(
 ) -> Iterator[None]:
     """At a restart, join the rendezvous without elastic's start delay and with quick polls.
 
-    - ``DynamicRendezvousHandler.next_rendezvous`` sleeps a random 0-0.3 s "if this is our
-      first run" (to spread the nodes' first joins), but tests ``round == 0``, which still
-      holds at the first restart: that random (tuple) delay is skipped.
-    - While it waits for the other nodes it re-reads the rendezvous state every 1 s; at a
-      restart the nodes re-join within a fraction of a second of each other, so it re-reads
-      every ``poll_s`` (:func:`rendezvous_poll_s`; with :func:`trust_rendezvous_state_for`
-      the read is a real one).
-    - ``last_call`` (at a restart): the handler's last call for this join (its timeout's
-      ``_last_call``), so that a round with fewer nodes than its maximum (a shrink) completes
-      that long after the minimum joined, not after ``last_call_timeout``.
+    - ``next_rendezvous`` sleeps a random 0-0.3 s "if this is our first run", tested as
+      ``round == 0``, which still holds at the first restart: that (tuple) delay is skipped.
+    - Its 1 s wait between two reads of the state becomes ``poll_s``
+      (:func:`rendezvous_poll_s`): at a restart the nodes re-join almost together.
+    - ``last_call`` replaces the timeout's ``_last_call`` for this join, so that a round below
+      its maximum size (a shrink) completes that long after the minimum joined.
 
-    ``between_polls`` (any join, first or not) runs on this thread before each wait between
-    two reads; when it returns True (the agent waits as a hot spare) the wait is ``poll_s``
-    too, so that a spare sees a lost node's place free at once.
-
-    Elastic's helpers are swapped for the join (``dynamic_rendezvous._delay``, the timeout's
-    ``_last_call``); any other delay is elastic's own.
+    ``between_polls`` (any join) runs before each wait between two reads; when it returns
+    True (a hot spare) that wait is ``poll_s`` too, so that a spare sees a free place at once.
+    Swapped for the join: ``dynamic_rendezvous._delay`` and the timeout's ``_last_call``.
     """
     if not restart and between_polls is None:
         yield
@@ -272,9 +234,7 @@ def restart_rendezvous_quickly(
             if not restart and original is not None:
                 original(seconds)  # the first join's spread is elastic's
             return
-        quick = restart
-        if between_polls is not None:
-            quick = between_polls() or quick
+        quick = (between_polls is not None and between_polls()) or restart
         if original is not None:
             original(poll_s if quick and seconds == ELASTIC_POLL_S else seconds)
 
@@ -293,25 +253,22 @@ def restart_rendezvous_quickly(
 
 @contextlib.contextmanager
 def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> Iterator[None]:
-    """While inside, a node other than group rank 0 that completed a round waits for group
-    rank 0's MASTER_ADDR/PORT (elastic's ``RendezvousStoreInfo.build``) in waits of
-    ``poll_s`` on the round's store, running ``between_polls`` after each that ends without
-    them, and raises ``DistStoreError`` after the store's timeout, as elastic's blocking read
-    would.
+    """While inside, a node other than group rank 0 waits for group rank 0's
+    MASTER_ADDR/PORT (elastic's ``RendezvousStoreInfo.build``) in waits of ``poll_s``,
+    running ``between_polls`` after each that ends without them; ``DistStoreError`` after the
+    store's timeout, as elastic's blocking read.
 
-    elastic's read blocks with the handler's heartbeat lock held: the node reads no
-    rendezvous state meanwhile. If a store writer erased the complete state and a node that
-    never saw it complete wrote its own view back, group rank 0 waits for a round this node
-    believes complete, and this node for group rank 0: ``between_polls`` re-reads the state,
-    so this node writes the complete round back (:func:`~ftmem.launch.state_guard.reread_state`).
+    Why: elastic's read blocks with the heartbeat lock held. If a store writer erased the
+    complete state and another node wrote its older view back, group rank 0 waits for a round
+    this node believes complete; ``between_polls`` re-reads the state, so this node writes the
+    complete round back (:func:`~ftmem.launch.state_guard.reread_state`).
     """
     original = RendezvousStoreInfo.build
     keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
 
     def build(rank: int, store: Any, local_addr: str | None, server_port: int | None = None) -> Any:
         if rank != 0:
-            timeout = store.timeout.total_seconds()
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + store.timeout.total_seconds()
             while True:
                 try:  # the store's own wait: back as soon as the keys are set
                     store.wait(keys, timedelta(seconds=poll_s))
@@ -362,29 +319,27 @@ def _tail_logfile(
 def log_tails_stop_at_once() -> Iterator[None]:
     """While inside, the log tailers elastic starts (``--tee``) stop as soon as they are told.
 
-    elastic's tailer sleeps its whole 0.1 s interval at the end of a file, and a process
-    context stops its stdout tailers, then its stderr ones: up to 0.2 s of every restart's
-    "stop" phase went to waiting for sleeping tailers. The replacement waits
-    on the tailer's own stop event instead, and copies the same lines with the same headers.
+    elastic's tailer sleeps its whole 0.1 s interval at the end of a file, and the stdout
+    tailers stop before the stderr ones, which delays every restart; the replacement waits on
+    the tailer's own stop event, and copies the same lines with the same headers.
     """
     with replaced(elastic_tail_log, "tail_logfile", _tail_logfile):
         yield
 
 
 @contextlib.contextmanager
-def subprocess_handler_replaced(
-    make: Callable[..., Any],
-) -> Iterator[Callable[..., Any]]:
+def subprocess_handler_replaced(make: Callable[..., Any]) -> Iterator[None]:
     """While inside, elastic builds each rank's ``SubprocessHandler`` with ``make``.
 
-    ``make`` takes elastic's keyword arguments (``entrypoint, args, env, stdout, stderr,
-    local_rank_id``, and ``numa_options`` on torch >= 2.6); the context yields elastic's own
-    function, which ``make`` calls for a cold start.
+    ``make`` takes elastic's own function (for a cold start), then elastic's keyword arguments
+    (``entrypoint, args, env, stdout, stderr, local_rank_id``, and ``numa_options`` on torch
+    >= 2.6).
     """
-    with replaced(elastic_mp_api, "get_subprocess_handler", make) as original:
-        if original is None:
-            raise FtmemError("this torch has no multiprocessing.api.get_subprocess_handler")
-        yield original
+    original = getattr(elastic_mp_api, "get_subprocess_handler", None)
+    if original is None:
+        raise FtmemError("this torch has no multiprocessing.api.get_subprocess_handler")
+    with replaced(elastic_mp_api, "get_subprocess_handler", functools.partial(make, original)):
+        yield
 
 
 def live_handlers(pcontext: Any) -> dict[int, Any]:
@@ -495,21 +450,21 @@ class ElasticAgentBase(LocalElasticAgent):
             LocalElasticAgent._shutdown(self, death_sig)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        def join() -> None:
-            LocalElasticAgent._rendezvous(self, worker_group)
-
-        self.join_rendezvous(worker_group, join)
+        self.join_rendezvous(
+            worker_group, lambda: LocalElasticAgent._rendezvous(self, worker_group)
+        )
 
     def _assign_worker_ranks(
         self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
     ) -> list[Worker]:
-        def elastic_default() -> list[Worker]:
-            workers: list[Worker] = LocalElasticAgent._assign_worker_ranks(
-                self, store, group_rank, group_world_size, spec
-            )
-            return workers
-
-        return self.assign_worker_ranks(store, group_rank, group_world_size, spec, elastic_default)
+        elastic = LocalElasticAgent._assign_worker_ranks
+        return self.assign_worker_ranks(
+            store,
+            group_rank,
+            group_world_size,
+            spec,
+            lambda: elastic(self, store, group_rank, group_world_size, spec),
+        )
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.before_restart(worker_group)

@@ -1,21 +1,17 @@
 """A client of etcd's v3 API through its gRPC-JSON gateway, for ``--rdzv-backend etcd-v3``.
 
-Written on the standard library's :mod:`http.client` rather than on etcd3gw or python-etcd:
-neither bounds a request per member nor fails over to the next member, so one *silent*
-member (SIGSTOPped, or its host's link down: no RST ever comes) stalls every call for its
-whole socket timeout. Here every request opens its own connection, which a member must
-accept within :data:`CONNECT_TIMEOUT_S` (a live host's kernel accepts at once, however busy
-etcd is: only a silent host takes the whole of it) and then answer within
-:data:`MEMBER_TIMEOUT_S` (the TLS handshake included), else the request goes to the next
-member; the member that answered last is tried first, so a silent member costs a fraction
-of a second, once (a stopped etcd process on a live host: one read timeout). The members
-are learned from ``/v3/cluster/member/list``; a client's clones share what any of them
-learned.
+Written on :mod:`http.client` rather than on etcd3gw or python-etcd: neither bounds a request
+per member nor fails over, so one *silent* member (SIGSTOPped, or its link down: no RST ever
+comes) stalls every call for its whole socket timeout. Here every request opens its own
+connection, which a member must accept within :data:`CONNECT_TIMEOUT_S` (a live host's kernel
+accepts at once, however busy etcd is) and then answer within :data:`MEMBER_TIMEOUT_S`, else
+the request goes to the next member; the member that answered last is tried first. The
+members are learned from ``/v3/cluster/member/list``; a client's clones share what any of
+them learned.
 
 With TLS (:func:`tls_context`) every connection verifies the member's certificate and host
-name against the CA and presents the client's certificate, for an etcd started with
-``--client-cert-auth``. A TLS refusal (a certificate either side does not trust) is not
-retried once every member gave one: it raises :class:`EtcdV3Error` saying which side.
+name and presents the client's certificate. A TLS refusal by every member is not retried: it
+raises :class:`EtcdV3Error` saying which side refused.
 """
 
 from __future__ import annotations
@@ -120,9 +116,7 @@ def parse_endpoints(endpoint: str, scheme: str = "http") -> list[Member]:
 def tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
     """A TLS client context that verifies etcd's certificate and host name against the CA
     file ``cacert`` (None: the system's CAs) and presents the certificate ``cert`` with its
-    private key ``key`` (both or neither). The key file must be a regular file of this
-    user that group and others cannot read (opened without following a symlink, checked
-    on the opened file).
+    private key ``key`` (both or neither), which must be this user's private regular file.
 
     Raises:
         ValueError: ``cert`` without ``key`` (or the reverse), a key file too open or not
@@ -280,11 +274,9 @@ def _unchanged(key: bytes, mod_revision: int) -> dict[str, Any]:
 
 class _MemberView:
     """What a client and its clones know of the cluster (thread-safe): the members, in the
-    order they were named or learned, and the one that answered last (tried first).
-
-    Shared by the clones so that a client that has not sent anything yet (the store's, on a
-    spare, until a round completes) knows the members another one learned: it must not
-    depend on the members it was given being alive."""
+    order they were named or learned, and the one that answered last (tried first). Shared
+    so that a client that has sent nothing yet (the store's, on a spare) knows the members
+    another one learned."""
 
     def __init__(self, members: Sequence[Member]) -> None:
         self._lock = threading.Lock()
@@ -351,16 +343,14 @@ class EtcdV3Client:
         return self._view.ordered()
 
     def clone(self) -> EtcdV3Client:
-        """A new client of the same members and TLS settings (no connection shared). The
-        clones share what they know of the cluster: the members one learns, and the one that
-        answered last."""
+        """A new client of the same members and TLS settings, sharing what they know of the
+        cluster."""
         twin = EtcdV3Client(self.members, self.member_timeout, self.budget, self.tls)
         twin._view = self._view
         return twin
 
     def close(self) -> None:
-        """Nothing to release: no connection outlives its request (kept for the callers that
-        close what they made)."""
+        """Nothing to release: no connection outlives its request."""
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``path`` (``/v3/kv/range``...) on the first member that answers.
@@ -411,7 +401,7 @@ class EtcdV3Client:
     def _post(self, member: Member, path: str, payload: bytes) -> dict[str, Any]:
         # A connection per request: a kept-alive one to a member gone silent would cost a
         # whole read timeout before failing over; a fresh connect fails within
-        # CONNECT_TIMEOUT_S. Requests are few (rendezvous polls, keep-alives, store calls).
+        # CONNECT_TIMEOUT_S.
         conn = http.client.HTTPConnection(
             *member, timeout=min(CONNECT_TIMEOUT_S, self.member_timeout)
         )

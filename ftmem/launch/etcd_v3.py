@@ -1,10 +1,8 @@
 """``--rdzv-backend etcd-v3``: elastic's dynamic rendezvous on etcd's v3 API.
 
-torch's ``etcd-v2`` backend speaks the v2 API, which etcd deprecated in 3.5 and removed in
-3.6. This backend speaks v3 through etcd's gRPC-JSON gateway (``POST /v3/kv/...`` on the
-client port, keys and values base64), served by etcd 3.4 and later, with the client of
-:mod:`ftmem.launch.etcd_client` (a bounded time per member, failover across the members,
-which it learns from the one named; http, or https with a client certificate).
+torch's ``etcd-v2`` backend speaks the v2 API, which etcd removed in 3.6. This backend speaks
+v3 through etcd's gRPC-JSON gateway (etcd 3.4 and later) with the client of
+:mod:`ftmem.launch.etcd_client`.
 
 What a caller should know: reads are linearizable (a member cut off from the quorum does not
 answer them); nothing is ever unpickled here (the rendezvous state is opaque bytes); keys are
@@ -109,10 +107,8 @@ class EtcdV3Store(Store):
     """A ``torch.distributed.Store`` on etcd keys under ``STORE_PREFIX<run_id>/``.
 
     ``get``/``wait`` poll until the keys exist, for the store's timeout, then raise torch's
-    ``DistStoreError``; ``add`` and ``compare_set`` are atomic (compare-and-set loops);
-    ``multi_get``/``multi_set``/``check`` take several keys in one transaction. A request no
-    member answers raises :class:`EtcdUnavailableError`, except in ``get``/``wait``, which go
-    on polling until their deadline.
+    ``DistStoreError`` (a request no member answers is polled again until then; elsewhere it
+    raises :class:`EtcdUnavailableError`); ``add`` and ``compare_set`` are atomic.
 
     Resource handling: :meth:`clone` keeps its clones alive (torch's C++ side holds them
     without their Python object), so clone a bounded number of times.
@@ -158,9 +154,8 @@ class EtcdV3Store(Store):
         self.client.put_many([(self._key(key), _bytes(value))])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        """Write every key (atomically per :data:`~ftmem.launch.etcd_client.MAX_TXN_OPS`)."""
-        if len(keys) != len(values):
-            raise ValueError("multi_set: as many values as keys, please")
+        """Write every key, atomically per :data:`~ftmem.launch.etcd_client.MAX_TXN_OPS`
+        (ValueError: not as many values as keys)."""
         self.client.put_many([(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
 
     def get(self, key: str) -> bytes:

@@ -1,17 +1,11 @@
 """What failed on this node, each failure told once.
 
-The agent's monitor asks :class:`NodeFailures` in this order: did the node's SMP die
-(:meth:`~NodeFailures.smp_died`), did its erasure-coding thread stop
-(:meth:`~NodeFailures.protection_error`, :meth:`~NodeFailures.protection_failed`), did a rank
-fail or hang (elastic's verdict, :meth:`~NodeFailures.rank_failed`); at a restart it did not
-see coming, another machine changed the job (:meth:`~NodeFailures.membership_changed`).
-
-Each failure is reported once, through :meth:`RecoveryLifecycle.failed
-<ftmem.launch.recovery.RecoveryLifecycle.failed>` (DETECTED, the no-progress guard, the
-``FAILED`` line), plus the event of its kind (``failed``, ``smp_died``, ``protection_failed``,
-``restart``); the status poller then polls fast until the ranks step again. Nothing here
-touches elastic's private API: its results are read through its public types, and the agent
-hands in its restart budget.
+The agent's monitor asks :class:`NodeFailures`, in this order, whether the SMP died, its
+erasure-coding thread stopped, or a rank failed or hung (elastic's verdict); a restart it did
+not see coming is another machine's change of the job (:meth:`~NodeFailures.membership_changed`).
+Each is reported once through :meth:`RecoveryLifecycle.failed
+<ftmem.launch.recovery.RecoveryLifecycle.failed>`, plus the event of its kind; the status
+poller then polls fast until the ranks step again. Only elastic's public types are read here.
 """
 
 from __future__ import annotations
@@ -46,14 +40,8 @@ def a_rank_failed(pcontext: Any) -> bool:
 class NodeFailures:
     """Turns what the agent sees into failure reports (see the module docstring).
 
-    Args:
-        life: the agent's recovery lifecycle.
-        smp: the node's SMP.
-        poller: the SMP's status poller.
-        watch: the node's ranks (those killed as hung).
-        events: the agent's event log.
-        restarts: (restarts left, max restarts), elastic's budget now.
-        stop_restarting: ends elastic's restarts (the no-progress guard's verdict).
+    ``restarts`` returns elastic's budget now, (left, max); ``stop_restarting`` ends elastic's
+    restarts (the no-progress guard's verdict); ``watch`` knows the ranks killed as hung.
     """
 
     def __init__(
@@ -89,15 +77,8 @@ class NodeFailures:
     ) -> None:
         """Report a failure once; stop restarting when the no-progress guard says so."""
         dead = not self._smp.is_alive()
-        restarts = self._restarts()
         if self._life.failed(
-            kind,
-            what,
-            committed,
-            generation=generation,
-            restarts=restarts,
-            smp_died=dead,
-            **how,
+            kind, what, committed, generation, self._restarts(), smp_died=dead, **how
         ):
             self._stop_restarting()
 
@@ -109,12 +90,10 @@ class NodeFailures:
         generation: int,
         died_at: Mapping[int, float] | None = None,
     ) -> None:
-        """A rank failed or was killed as hung (elastic's verdict ``result``; elastic has
-        stopped the survivors by now); ``stderr_paths``: local rank -> its stderr file.
-
-        The failure named is the rank that died first: by ``died_at`` (pid -> when the fork
-        server reaped it) when it knows every failed rank, else by elastic's timestamps
-        (whole seconds; a tie goes to the lower local rank)."""
+        """A rank failed or was killed as hung (elastic's verdict ``result``; the survivors are
+        stopped by now). The failure named is the rank that died first: by ``died_at`` (pid ->
+        when the fork server reaped it) when it knows every failed rank, else by elastic's
+        whole-second timestamps (a tie goes to the lower local rank)."""
         now = time.time()
         committed = self.committed(ranks)
         failures = list(result.failures.items())
@@ -170,11 +149,9 @@ class NodeFailures:
         )
 
     def protection_error(self) -> str | None:
-        """The error that stopped the SMP's protection thread during this generation, or None.
-
-        Only a status fetched after these ranks started counts: the SMP replaces a failed
-        exchange at the generation's PEER_BIND, so an older answer may predate that.
-        """
+        """The error that stopped the SMP's protection thread during this generation, or None
+        (only a status fetched after these ranks started counts: the SMP replaces a failed
+        exchange at the generation's PEER_BIND)."""
         latest = self._poller.protection() if self._life.watching else None
         if latest is None:
             return None

@@ -1,24 +1,20 @@
 """Ranks that survive a restart: the agent's side of ``ftmem.run`` (in-process restart).
 
-A rank that runs its training under :func:`ftmem.run` says so at its hello to the SMP. When
-another rank fails, such a rank is not killed: the agent takes its process out of elastic's
-``SubprocessContext`` before elastic stops the others (:meth:`InProcessRestarts.detach`),
-goes through elastic's restart as usual (rendezvous, new generation, new ``MASTER_PORT``),
-and when elastic asks for that local rank's process again it gets the same process back
-(:meth:`InProcessRestarts.adopt`, through the same swap of elastic's handler factory that
-standby ranks use), after the rank was handed a
-:class:`~ftmem.protocol.rejoin.RejoinOrder` with the environment a new process would have
-had. The rank meanwhile tore down its process group when its collective failed and waits for
-that order; it then joins the new group, restores from its SMP and trains on.
+A rank under :func:`ftmem.run` says so at its hello to the SMP. When another rank fails, the
+agent takes such a rank's process out of elastic's ``SubprocessContext`` before elastic stops
+the others (:meth:`InProcessRestarts.detach`), goes through elastic's restart as usual, and
+when elastic asks for that local rank's process again gives the same one back
+(:meth:`InProcessRestarts.adopt`, through the handler-factory swap standby ranks use) after
+writing it a :class:`~ftmem.protocol.rejoin.RejoinOrder` with the environment a new process
+would have had. The rank tore its process group down when its collective failed; it joins
+the new group, restores from its SMP and trains on.
 
-Which ranks are kept (:meth:`InProcessRestarts.keepable`): alive and not stopped, not killed
-as hung, under ``ftmem.run`` (its hello said so, from this very pid), and it has reported
-progress in the current generation. The last rule is the fallback: a rank that fails while
-the ranks rejoin (or that never rejoined) makes the next restart cold for every rank that had
-not stepped again yet. A restart caused by the node's SMP or its protection thread is cold for
-every rank, and so is every rank whose global rank changed. A kept rank that reports no
-progress within ``--ftmem-rejoin-timeout`` of its order is SIGKILLed by the rank watch, which
-turns it into an ordinary failure.
+Kept (:meth:`InProcessRestarts.keepable`): alive, not stopped, not killed as hung, under
+``ftmem.run`` (this very pid's hello said so), and stepped in the current generation: a rank
+that fails while the others rejoin makes the next restart cold for every rank that had not
+stepped again. A restart caused by the node's SMP side is cold for every rank, and so is a
+rank whose global rank changed. A kept rank without progress within
+``--ftmem-rejoin-timeout`` is SIGKILLed by the rank watch: an ordinary failure.
 
 Every call comes from the agent's main thread.
 """
@@ -59,11 +55,6 @@ class InProcessRestarts:
         self.adopted: dict[int, int] = {}
         """Global rank -> pid of the ranks kept in the newest start."""
 
-    @property
-    def detached(self) -> dict[int, int]:
-        """Local rank -> pid of the ranks currently held out of elastic's hands."""
-        return {lr: int(h.proc.pid) for lr, (_, h) in self._detached.items()}
-
     def keepable(
         self,
         pcontext: Any,
@@ -72,14 +63,9 @@ class InProcessRestarts:
         progress: dict[int, RankProgress],
         hang_killed: set[int],
     ) -> list[int]:
-        """The local ranks of ``pcontext`` that may rejoin the next generation in process.
-
-        Args:
-            global_ranks: local rank -> global rank in the current generation.
-            procs: the current generation's ranks as started.
-            progress: the SMP's newest view, by global rank.
-            hang_killed: pids the rank watch killed as hung.
-        """
+        """The local ranks of ``pcontext`` that may rejoin the next generation in process
+        (module docstring); ``global_ranks`` maps local to global ranks, ``progress`` is the
+        SMP's newest view and ``hang_killed`` the pids killed as hung."""
         by_rank = {p.rank: p for p in procs}
         keep = []
         for local_rank, handler in live_handlers(pcontext).items():
@@ -101,14 +87,15 @@ class InProcessRestarts:
 
     def detach(self, pcontext: Any, local_ranks: list[int], global_ranks: dict[int, int]) -> None:
         """Take ``local_ranks`` out of elastic's hands (see the module docstring)."""
-        for local_rank, handler in detach_handlers(pcontext, local_ranks).items():
+        taken = detach_handlers(pcontext, local_ranks)
+        for local_rank, handler in taken.items():
             self._detached[local_rank] = (global_ranks[local_rank], handler)
-        if local_ranks:
+        if taken:
             log.info(
                 "[%s] keeping ranks %s (pids %s) alive: they rejoin in process",
                 self._node,
-                [self._detached[lr][0] for lr in local_ranks if lr in self._detached],
-                [self.detached[lr] for lr in local_ranks if lr in self._detached],
+                [global_ranks[lr] for lr in taken],
+                [int(h.proc.pid) for h in taken.values()],
             )
 
     def begin_generation(self, generation: int, ftmem_env: dict[str, str]) -> None:

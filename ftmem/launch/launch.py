@@ -15,7 +15,6 @@ import shutil
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed.elastic.rendezvous.registry as rdzv_registry
@@ -122,16 +121,17 @@ def launch_agent(
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     wrapped, wrapped_args = wrap_entrypoint(entrypoint, args)
     # Options newer torch versions added to WorkerSpec are passed only where they exist.
+    spec_fields = {f.name for f in dataclasses.fields(WorkerSpec)}
     optional = {
-        name: getattr(config, name, None)
+        name: getattr(config, name)
         for name in (
             "numa_options",
             "duplicate_stdout_filters",
             "duplicate_stderr_filters",
             "virtual_local_rank",
         )
+        if name in spec_fields and getattr(config, name, None) is not None
     }
-    spec_fields = {f.name for f in dataclasses.fields(WorkerSpec)}
     # elastic unpickles the rendezvous state it reads: checked first (and MACed with a key).
     rdzv_handler = rdzv_registry.get_rendezvous_handler(rdzv_parameters)
     guard_rendezvous_state(rdzv_handler, state_key(ftmem.key_file))
@@ -147,7 +147,7 @@ def launch_agent(
         master_port=master_port,
         local_addr=config.local_addr,
         event_log_handler=config.event_log_handler,
-        **{k: v for k, v in optional.items() if k in spec_fields and v is not None},
+        **optional,
     )
     smp = SmpRunner(
         run_dir=run_dir,
@@ -174,10 +174,9 @@ def launch_agent(
         ftmem=ftmem,
         smp=smp,
     )
-    # Only a job that is over closes the rendezvous for every node: it finished, its ranks
-    # failed past --max-restarts or the no-progress guard, or its snapshots are lost beyond
-    # repair. An agent that fails for its own reasons (a store it cannot reach, a partition,
-    # a signal) leaves the rendezvous open: the other nodes go on, with a spare in its place.
+    # Only a job that is over (finished, failed past its restarts or the no-progress guard, or
+    # beyond repair) closes the rendezvous for every node; an agent that fails for its own
+    # reasons (store unreachable, partition, signal) leaves it open for the others.
     shutdown_rdzv = False
     succeeded = False
     try:
@@ -221,14 +220,7 @@ def launch_agent(
         # The key the job's agents share on this host goes when the job is over or with its
         # last agent here (a late agent of the same job makes a new one).
         release_host_key(host_key_path(smp.run_id), job_over=shutdown_rdzv)
-        _cleanup_run_dir(run_dir, auto=ftmem.auto_run_dir, keep=not succeeded)
-
-
-def _cleanup_run_dir(run_dir: Path, *, auto: bool, keep: bool) -> None:
-    """Remove an auto-created run dir after success; say where it is otherwise."""
-    if not auto:
-        return
-    if keep:
-        log.info("run dir kept for inspection: %s", run_dir)
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
+        if ftmem.auto_run_dir and succeeded:  # a run dir of the user's is never removed
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif ftmem.auto_run_dir:
+            log.info("run dir kept for inspection: %s", run_dir)

@@ -3,14 +3,13 @@
 elastic's agent asks its rendezvous handler, at every monitor interval while the ranks are
 healthy, whether nodes wait to join (``num_nodes_waiting``: a read of the store). When the
 store's host is unreachable (a partition, a flapping link) that read blocks until the store's
-timeout (60 s) and then raises, and elastic's agent exits on the error: the partitioned node
-stopped its ranks and its SMP and, before ftmem changed its exit path, closed the rendezvous
-for every node. :class:`MembershipWatch` wraps the handler so that:
+timeout (60 s) and then raises, and elastic's agent exits on the error, stopping its ranks and
+its SMP. :class:`MembershipWatch` wraps the handler so that:
 
 - the read runs on a thread of its own and the agent waits for it at most ``patience``: the
   agent's loop (rank exits, hang detection, the SMP) keeps running during an outage, which is
   logged once when it starts and once when it ends;
-- a failed read is retried with a doubling backoff (0.5 s up to 8 s) and counts as "nobody
+- a failed read is retried with a doubling backoff (:data:`BACKOFF_S`) and counts as "nobody
   waits", so a store error never ends the agent;
 - a failed join (``next_rendezvous``) is retried with the same backoff until the join timeout;
 - after each read it compares the rendezvous members with those of the round the ranks run in:
@@ -42,7 +41,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from ftmem.launch.elastic_compat import keep_alive_bound_s, rendezvous_members
+from ftmem.launch.elastic_compat import (
+    keep_alive_bound_s,
+    rendezvous_join_timeout_s,
+    rendezvous_members,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,10 @@ STALL_SHARE = 0.7
 sent about every interval and the state read may be one interval old: up to ~2 intervals
 is normal)."""
 BACKOFF_S = (0.5, 8.0)
+"""First and longest wait before a failed store read or join is tried again."""
 SPARES_LINGER_S = 3.0
 """How long an agent that closed the rendezvous keeps running while spares wait (they read
 the state about once a second)."""
-"""First and longest wait before a failed store read or join is tried again."""
 
 
 class MembershipWatch(RendezvousHandler):
@@ -103,11 +106,6 @@ class MembershipWatch(RendezvousHandler):
         return getattr(self._inner, name)
 
     @property
-    def inner(self) -> Any:
-        """The wrapped handler."""
-        return self._inner
-
-    @property
     def use_agent_store(self) -> bool:
         """The wrapped handler's."""
         return bool(self._inner.use_agent_store)
@@ -149,9 +147,7 @@ class MembershipWatch(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """elastic's join, retried with backoff while the store cannot be reached (until the
         join timeout); then the members of the new round are remembered."""
-        settings = getattr(self._inner, "settings", None)
-        join = getattr(getattr(settings, "timeout", None), "join", None)
-        budget = join.total_seconds() if isinstance(join, timedelta) else 600.0
+        budget = rendezvous_join_timeout_s(self._inner) or 600.0
         t0 = time.monotonic()
         deadline = t0 + budget
         delay = BACKOFF_S[0]
@@ -160,7 +156,7 @@ class MembershipWatch(RendezvousHandler):
                 info: RendezvousInfo = self._inner.next_rendezvous()
                 break
             except RendezvousTimeoutError:
-                self._not_enough(settings, budget)
+                self._not_enough(budget)
                 raise
             except RendezvousConnectionError as exc:
                 if time.monotonic() + delay > deadline:
@@ -219,9 +215,9 @@ class MembershipWatch(RendezvousHandler):
             self.on_event("machine_lost", peer=node, detector=True, why=why)
         return bool(self.lost)
 
-    def _not_enough(self, settings: Any, waited_s: float) -> None:
+    def _not_enough(self, waited_s: float) -> None:
         """Say why the join timed out: too few machines (lost ones, no spare left)."""
-        need = getattr(settings, "min_nodes", "?")
+        need = getattr(getattr(self._inner, "settings", None), "min_nodes", "?")
         members = rendezvous_members(self._inner)
         have = len(members.participants) if members is not None else "?"
         log.error(

@@ -1,13 +1,10 @@
 """Prometheus metrics of one node (``--ftmem-metrics-port``), served by the ftmem-launch agent.
 
-Nothing is sampled in the background for them: every scrape builds the metrics from the
-newest SMP status the agent's status poller already fetched (every ``--ftmem-tune status-interval``)
-and from counters the agent keeps as it writes its event log (:meth:`AgentMetrics.observe` is
-an :class:`~ftmem.events.EventLog` listener). The metrics are ``prometheus_client``'s (an
-optional dependency: ``pip install ftmem[metrics]``), the HTTP server is ours: one daemon thread
-of the agent answers ``GET /metrics``, with a deadline per connection and a bound on the
-connections (:class:`MetricsServer`). Every metric carries a ``node`` label; per-rank ones a ``rank``
-label (the global rank). docs/launcher.md, "Metrics", lists them.
+Nothing is sampled for them: a scrape builds them from the newest SMP status the agent's
+poller fetched and from counters of the agent's events (:meth:`AgentMetrics.observe` is an
+:class:`~ftmem.events.EventLog` listener). The metrics are ``prometheus_client``'s (optional:
+``pip install ftmem[metrics]``); the HTTP server is ours (:class:`MetricsServer`). Every
+metric has a ``node`` label, per-rank ones a ``rank`` label (docs/launcher.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -186,11 +183,10 @@ def _smp_metrics(node: str, status: SmpStatus, gauge: Any, counter: Any) -> Iter
 class MetricsServer:
     """``GET /metrics`` for one :class:`AgentMetrics` on ``addr:port``, from one daemon thread.
 
-    An event loop (not a thread per connection, as ``prometheus_client``'s server has) holds
-    the connections: an idle or slow one costs a socket, never a thread. Each connection has
-    ``timeout`` seconds to send its request (at most 16 KiB of head) and take the answer,
-    then it is closed; at most ``max_connections`` are open, a new one closes the oldest, so
-    a scraper's connection, whose request follows at once, is answered while others idle.
+    An event loop (not ``prometheus_client``'s thread per connection) holds the connections:
+    an idle one costs a socket, never a thread. Each has ``timeout`` seconds to send its
+    request (at most 16 KiB of head) and take the answer; at most ``max_connections`` are
+    open and a new one closes the oldest, so a scraper is answered while others idle.
 
     Resource handling: :meth:`start` binds (raises OSError if the port is taken; port 0 picks
     one, then in ``port``), :meth:`stop` closes the socket, the connections and the loop

@@ -1,16 +1,14 @@
 """Hang detection and progress bookkeeping from the SMP's status.
 
-:class:`StatusPoller` (one named thread) asks the node's SMP for its status every
-``interval``; the agent's main thread reads the newest answer and asks the pure functions
-here for verdicts: :func:`find_hangs` (which rank stopped making progress),
-:func:`all_resumed` (have the restarted ranks stepped again) and :class:`NoProgressGuard`
-(a restart loop that never commits a newer step).
+:class:`StatusPoller` (one thread) asks the node's SMP for its status every ``interval``; the
+agent's main thread reads the newest answer and asks the pure functions here for verdicts:
+:func:`find_hangs`, :func:`all_resumed` and :class:`NoProgressGuard` (a restart loop that
+never commits a newer step).
 
-A rank's progress counts only if it was reported by *this* incarnation of the rank (the
-SMP's pid for the rank matches, and the report is newer than the spawn), so the previous
-generation's timestamps never make a freshly started rank look hung, and start-up and
-``ftmem.load`` never count as a hang: the hang clock starts at a rank's first save or
-heartbeat (``--ftmem-first-progress-timeout`` optionally bounds the time before it).
+A rank's progress counts only if *this* incarnation of the rank reported it (the SMP's pid
+for the rank matches, and the report is newer than the spawn): the previous generation's
+times never make a fresh rank look hung, and the hang clock starts at a rank's first save or
+heartbeat (``--ftmem-first-progress-timeout`` bounds the time before it).
 """
 
 from __future__ import annotations
@@ -78,40 +76,25 @@ def find_hangs(
 ) -> list[HangVerdict]:
     """Return the ranks that made no progress for too long, stalest first (pure).
 
-    Args:
-        procs: the node's running ranks.
-        progress: the SMP's view, by global rank.
-        now: ``time.time()`` when ``progress`` was fetched.
-        hang_timeout: idle time after the first report that counts as a hang (0: off).
-        first_progress_timeout: time from spawn to the first report (0: off).
-        rejoin_timeout: time from the hand-over of a new generation to a kept rank's first
-            report in it (0: off; else it overrides ``first_progress_timeout`` for them).
+    ``progress`` is the SMP's view by global rank, fetched at ``now``. A rank that reported is
+    judged by ``hang_timeout`` (idle since its last report); a kept rank that has not, by
+    ``rejoin_timeout`` when set (since its hand-over); any other by ``first_progress_timeout``
+    (since its spawn). 0 turns each off.
     """
     hung: list[HangVerdict] = []
     for proc in procs:
         entry = progress.get(proc.rank)
         last = current_progress(proc, entry)
-        step = entry.last_progress_step if entry is not None else None
         if last is not None:
-            idle = now - last
-            if hang_timeout > timedelta(0) and idle > hang_timeout.total_seconds():
-                hung.append(
-                    HangVerdict(proc.rank, proc.pid, idle, step, f"no progress for {idle:.1f} s")
-                )
+            limit, since, why = hang_timeout, last, "no progress for"
         elif proc.kept and rejoin_timeout > timedelta(0):
-            idle = now - proc.start_time
-            if idle > rejoin_timeout.total_seconds():
-                hung.append(
-                    HangVerdict(proc.rank, proc.pid, idle, None, f"did not rejoin in {idle:.1f} s")
-                )
-        elif first_progress_timeout > timedelta(0):
-            idle = now - proc.start_time
-            if idle > first_progress_timeout.total_seconds():
-                hung.append(
-                    HangVerdict(
-                        proc.rank, proc.pid, idle, None, f"no first progress in {idle:.1f} s"
-                    )
-                )
+            limit, since, why = rejoin_timeout, proc.start_time, "did not rejoin in"
+        else:
+            limit, since, why = first_progress_timeout, proc.start_time, "no first progress in"
+        idle = now - since
+        if limit > timedelta(0) and idle > limit.total_seconds():
+            step = entry.last_progress_step if entry is not None and last is not None else None
+            hung.append(HangVerdict(proc.rank, proc.pid, idle, step, f"{why} {idle:.1f} s"))
     hung.sort(key=lambda v: -v.idle_s)
     return hung
 
@@ -137,16 +120,14 @@ class NoProgressGuard:
         """Stop after this many such restarts (0: never)."""
         self.streak = 0
         self._best: int | None = None
-        self._seen = False
+        """The newest committed step at a failure (-1: none), None before the first."""
 
     def on_failure(self, committed: int | None) -> bool:
         """Record a failure with the newest committed step; True means stop restarting."""
         step = -1 if committed is None else committed
-        if not self._seen:
-            self._seen = True
+        if self._best is None:
             self._best = step
             return False
-        assert self._best is not None
         if step > self._best:
             self._best = step
             self.streak = 0
@@ -174,10 +155,9 @@ class StatusPoller:
         self._interval = interval
         self._timeout = request_timeout
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._latest: tuple[float, dict[int, RankProgress]] | None = None
-        self._protection: tuple[float, ProtectionStatus] | None = None
-        self._status: tuple[float, SmpStatus] | None = None
+        self._newest: tuple[float, SmpStatus, dict[int, RankProgress]] | None = None
+        """(time fetched, status, its progress by rank) of the newest answer: one tuple,
+        replaced whole, so readers on other threads need no lock."""
         self._thread: threading.Thread | None = None
         self._failing = False
         self._fast = threading.Event()
@@ -202,19 +182,21 @@ class StatusPoller:
 
     def latest(self) -> tuple[float, dict[int, RankProgress]] | None:
         """The newest answer as ``(time fetched, progress by rank)``, or None."""
-        with self._lock:
-            return self._latest
+        newest = self._newest
+        return None if newest is None else (newest[0], newest[2])
 
     def protection(self) -> tuple[float, ProtectionStatus] | None:
         """The newest protection status as ``(time fetched, status)``, or None (not fetched yet,
         or the SMP's document was malformed)."""
-        with self._lock:
-            return self._protection
+        newest = self._newest
+        if newest is None or newest[1].protection is None:
+            return None
+        return newest[0], newest[1].protection
 
     def status(self) -> tuple[float, SmpStatus] | None:
         """The newest status, whole, with when it was fetched (metrics)."""
-        with self._lock:
-            return self._status
+        newest = self._newest
+        return None if newest is None else (newest[0], newest[1])
 
     def set_fast(self, fast: bool) -> None:
         """Poll every 0.1 s (while a recovery is timed) instead of every ``interval``."""
@@ -225,10 +207,7 @@ class StatusPoller:
 
     def forget(self) -> None:
         """Drop the cached answer (after the SMP was replaced)."""
-        with self._lock:
-            self._latest = None
-            self._protection = None
-            self._status = None
+        self._newest = None
 
     def fetch(self) -> dict[int, RankProgress] | None:
         """Ask the SMP now (from the calling thread); None if it does not answer."""
@@ -247,12 +226,7 @@ class StatusPoller:
             log.info("SMP status available again")
         self._failing = False
         progress = dict(status.ranks)
-        exchange = status.protection
-        now = time.time()
-        with self._lock:
-            self._latest = (now, progress)
-            self._protection = None if exchange is None else (now, exchange)
-            self._status = (now, status)
+        self._newest = (time.time(), status, progress)
         return progress
 
     def _run(self) -> None:

@@ -23,14 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class NodeSlot:
-    """This node's slot across rounds (see the module docstring).
-
-    Args:
-        claims: the rounds' slot agreement.
-        smp: the node's SMP (restarted empty when the node is fenced).
-        poller: its status poller.
-        events: the agent's event log.
-    """
+    """This node's slot across rounds (see the module docstring); ``smp`` is restarted empty
+    when the node is fenced."""
 
     def __init__(
         self, claims: SlotClaims, smp: SmpRunner, poller: StatusPoller, events: EventLog

@@ -2,19 +2,16 @@
 
 At each round of several nodes, before the ranks start, :meth:`NodeWatch.watch_round`:
 
-1. starts the detector at the first such round, with a key derived from the job's
-   (:class:`~ftmem.launch.peers.PeerMesh`); without a key file, across hosts, it stays off
-   (its heartbeats could not be authenticated) and a lost machine is found by the
-   rendezvous keep-alive alone;
-2. publishes this node's heartbeat address in the rendezvous store (``ftmem/watch/<slot>``,
-   authenticated, :func:`~ftmem.launch.detector.watch_entry`) and reads its ring neighbours'
-   (at most ``2 * RADIUS`` reads, whatever the job's size);
+1. starts the detector at the first such round, with a key derived from the job's; without
+   a key file, across hosts, it stays off (its heartbeats could not be authenticated) and a
+   lost machine is found by the rendezvous keep-alive alone;
+2. publishes this node's heartbeat address in the store (``ftmem/watch/<slot>``,
+   authenticated) and reads its ring neighbours' (at most ``2 * RADIUS`` reads);
 3. has the detector watch them for this generation.
 
-A machine the detector declares lost is recorded (``declared_lost``) and handed to
-``declare`` (:meth:`MembershipWatch.declare <ftmem.launch.membership.MembershipWatch.declare>`:
-every agent restarts at once). Nothing here touches elastic: the agent hands in how to
-publish a verdict.
+A machine declared lost is recorded (``declared_lost``) and handed to ``declare``
+(:meth:`MembershipWatch.declare <ftmem.launch.membership.MembershipWatch.declare>`: every
+agent restarts at once). Nothing here touches elastic.
 """
 
 from __future__ import annotations
@@ -39,15 +36,9 @@ log = logging.getLogger(__name__)
 class NodeWatch:
     """The failure detector of one agent, told each round's ring neighbours.
 
-    Args:
-        node: this node's name, for the logs.
-        run_id: the job's run id.
-        mesh: the peer mesh, whose settings and job key the detector shares.
-        suspect: ``--ftmem-tune detect-timeout`` (0: the detector is off).
-        insecure: ``--ftmem-insecure-mesh`` (a key through the store is accepted).
-        publish: marks a node lost in the rendezvous (elastic's keep-alive expired).
-        events: the agent's event log.
-        declare: called (on the detector's thread) with a node declared lost and why.
+    ``mesh`` lends the detector its settings and job key; ``suspect`` is
+    ``--ftmem-tune detect-timeout`` (0: off); ``publish`` marks a node lost in the rendezvous;
+    ``declare`` is called (on the detector's thread) with a node declared lost and why.
     """
 
     node: str
@@ -86,7 +77,7 @@ class NodeWatch:
         if slot is None or group_rank is None or not 0 <= slot < nodes:
             return
         slots = [f"slot {i}" for i in range(nodes)]  # the ring, by slot; names filled in below
-        near = [int(x.split()[1]) for x in neighbours(slots, slots[slot])]
+        near = [slots.index(x) for x in neighbours(slots, slots[slot])]
         try:
             detector = self.detector or self._start(store, group_rank)
             if detector is None:

@@ -5,18 +5,15 @@ Every rendezvous round, before its ranks start, each agent:
 1. resolves the parity ``m`` (``--ftmem-ec-parity``; ``auto`` = 1 with at least 3 nodes,
    else off: Reed-Solomon with ISA-L needs ``k = n - m >= 2`` data columns);
 2. gets the job's CURVE key pair (:mod:`ftmem.launch.job_key`);
-3. makes this node's key pair of the generation (fresh, random), asks its SMP to open its
-   peer port with it (PEER_BIND) and publishes ``(generation, node index, address)`` in the
-   store, where the address is the endpoint plus the node's public key, with an HMAC-SHA256
-   under a key derived from the job's secret key (the store is plain TCP: every entry read
-   back is checked, and one that fails, or is of another generation or node, is refused);
-4. reads back the addresses of its erasure-coding group only (``placement.group_nodes``)
-   and sends them with the job's size to its SMP (PEER_START), which admits exactly those
-   keys, each as its node, and waits for the group's sync: a node that lost its memory (a
-   replacement, a restarted SMP) rebuilds it from its peers before its ranks are started, so
-   their ``load`` finds it. More than ``m`` nodes lost raises
-   :class:`~ftmem.errors.UnrecoverableError` on every node (the same verdict everywhere),
-   which ends the run with that message.
+3. makes this node's key pair of the generation, asks its SMP to open its peer port with it
+   (PEER_BIND) and publishes ``(generation, node index, address)`` in the store with an
+   HMAC-SHA256 under a key derived from the job's (the store is plain TCP: an entry that
+   fails its checks, or is of another generation or node, is refused);
+4. reads back the addresses of its erasure-coding group only (``placement.group_nodes``) and
+   sends them to its SMP (PEER_START), which admits exactly those keys and waits for the
+   group's sync: a node that lost its memory rebuilds it from its peers before its ranks are
+   started. More than ``m`` nodes lost raises :class:`~ftmem.errors.UnrecoverableError` on
+   every node (the same verdict everywhere).
 """
 
 from __future__ import annotations
@@ -220,29 +217,24 @@ def _start_showing_progress(
     t.start()
     shown: tuple[int, int] | None = None
     with SmpClient(run_dir, timeout=timedelta(seconds=5)) as status:
+        t.join(1.0)
         while t.is_alive():
-            t.join(1.0)
-            if not t.is_alive():
-                break
             try:  # ProtocolError (a malformed status) is an FtmemError too
                 ex = status.status().protection
             except FtmemError:
-                continue
-            if ex is None:
-                continue
-            prog = ex.rebuild_progress
-            if ex.state is ProtectionState.REBUILDING and prog is not None:
-                now = (prog.fragments, prog.of)
-                if now != shown and now[1]:
-                    shown = now
-                    log.info(
-                        "[%s] rebuilding step %s from peers: %.0f%% (%d/%d fragments)",
-                        node_name,
-                        prog.step,
-                        100.0 * now[0] / now[1],
-                        now[0],
-                        now[1],
-                    )
+                ex = None
+            prog = ex.rebuild_progress if ex and ex.state is ProtectionState.REBUILDING else None
+            if prog is not None and prog.of and (prog.fragments, prog.of) != shown:
+                shown = (prog.fragments, prog.of)
+                log.info(
+                    "[%s] rebuilding step %s from peers: %.0f%% (%d/%d fragments)",
+                    node_name,
+                    prog.step,
+                    100.0 * prog.fragments / prog.of,
+                    prog.fragments,
+                    prog.of,
+                )
+            t.join(1.0)
     if "error" in box:
         raise box["error"]
     reply: SyncReply = box["result"]

@@ -1,21 +1,14 @@
 """The TCPStore a generation's ranks meet at, served by the agent instead of global rank 0.
 
 With a store per rendezvous round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ftmem-launch's
-default: :func:`ftmem.launch.config.apply_safe_env_defaults`), torch makes global rank 0
-serve the ranks' TCPStore from its own process, in ``init_process_group``. A rank that gets
-there first finds nothing listening and retries with torch's backoff, so a rank 0 that arrives
-late leaves both waiting for the backoff's next turn. At a restart that is the usual order, not the exception: a rank that rejoins in
-process tears its old group down first, and standbys and cold ranks start at different times.
-
-So the agent that will run global rank 0 serves a fresh store for every generation, on the
-generation's ``MASTER_ADDR:MASTER_PORT``, before it starts a rank, and every rank of every
-node gets ``TORCHELASTIC_USE_AGENT_STORE=True``: torch's own switch, with which every rank is
-a client of a store that is already up. A fresh store per generation means no rank reads a
-key of an earlier one (why ftmem-launch turns elastic's shared store off). If the store
-cannot be served (the port was taken meanwhile), this node's ranks get ``False`` and rank 0
-serves it as torch does; ranks other than 0 are clients either way, so nodes need not agree.
-
-With elastic's shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0``) nothing changes here.
+default), torch makes global rank 0 serve the ranks' store in ``init_process_group``; a rank
+that gets there first retries with torch's backoff, and at a restart rank 0 is often late
+(a rank rejoining in process tears its old group down first). So the agent that runs global
+rank 0 serves a fresh store per generation on its ``MASTER_ADDR:MASTER_PORT`` before any rank
+starts, and every rank gets ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch's switch: all
+clients). If the port cannot be served, this node's ranks get ``False`` and rank 0 serves
+it as torch does; other ranks are clients either way, so nodes need not agree. With
+elastic's shared store nothing changes (docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -34,12 +27,6 @@ ENV_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 """torch's switch: ``"True"`` makes every rank a client of a store the agent serves."""
 
 
-def per_round_store(environ: dict[str, str] | None = None) -> bool:
-    """Whether elastic gives each rendezvous round its own store (then the agent serves it)."""
-    env = os.environ if environ is None else environ
-    return env.get(ENV_DISABLE_SHARED_STORE) == "1"
-
-
 class RankStore:
     """Serves the ranks' TCPStore of the current generation (one at a time) on this node.
 
@@ -51,7 +38,7 @@ class RankStore:
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self.enabled = per_round_store()
+        self.enabled = os.environ.get(ENV_DISABLE_SHARED_STORE) == "1"
         """Whether the agent serves the ranks' store (elastic's per-round stores)."""
         self.port: int | None = None
         """The port served now, None when this node serves none."""

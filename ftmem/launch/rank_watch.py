@@ -15,7 +15,6 @@ from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, current_pro
 from ftmem.launch.workers import kill_rank, proc_state
 from ftmem.protocol.status import RankProgress
 
-# The agent's logger: these lines are the agent's (as in report.py and standby.py).
 log = logging.getLogger(__name__)
 
 
@@ -39,13 +38,9 @@ class RankWatch:
         self.hang_killed.clear()
 
     def kill_stopped_peers(self) -> bool:
-        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks; True if one exited.
-
-        elastic SIGTERMs the survivors of a failure and waits up to 30 s for them; a
-        stopped process cannot act on SIGTERM, so without this the restart would stall.
-        """
-        states = {p.pid: proc_state(p.pid) for p in self.procs}
-        if any(s in (None, "Z", "X") for s in states.values()):
+        """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks (elastic is about
+        to SIGTERM them and wait); True if one exited."""
+        if any(proc_state(p.pid) in (None, "Z", "X") for p in self.procs):
             self.kill_stopped("while a peer exited")
             return True
         return False
@@ -90,12 +85,9 @@ class RankWatch:
         progress: dict[int, RankProgress],
         fetched: float,
     ) -> list[HangVerdict]:
-        """The stopped (``T``/``D``) ranks not yet judged hung: the likely cause of the hang.
-
-        A peer blocked in a collective may cross the timeout a moment before the rank that
-        stopped mid-step (it reported its last step earlier), so the stopped one is named here
-        too, with its own idle time.
-        """
+        """The stopped (``T``/``D``) ranks not yet judged hung, the likely cause of the hang:
+        a peer blocked in a collective may cross the timeout before the rank that stopped
+        mid-step does."""
         judged = {h.pid for h in hangs}
         extra: list[HangVerdict] = []
         for proc in running:
@@ -113,10 +105,9 @@ class RankWatch:
     def _kill_hung(self, hangs: list[HangVerdict]) -> None:
         """SIGKILL the hung ranks (a stopped one ignores the SIGTERM elastic would send).
 
-        When one rank hangs, its peers block in collectives and stop reporting too, so the
-        whole node usually shows up here. If the kernel reports some of them stopped (``T``)
-        or in uninterruptible sleep (``D``), only those (the likely cause) are killed: the
-        others' collectives then fail, and elastic stops them or, if they run under
+        A hung rank's peers block in collectives and stop reporting too. If some ranks are
+        stopped (``T``) or in uninterruptible sleep (``D``), only those (the likely cause) are
+        killed: the others' collectives then fail, and elastic stops them or, under
         ``ftmem.run``, they rejoin in process. Otherwise every idle rank is killed.
         """
         states = {h.pid: proc_state(h.pid) for h in hangs}

@@ -17,13 +17,11 @@ from dataclasses import dataclass
 def assign_slots(previous: list[int | None], generations: list[int] | None = None) -> list[int]:
     """Give each node (by group rank) a slot: its block of global ranks.
 
-    ``previous[i]`` is the slot the node with group rank ``i`` held in the previous round
-    (None for a new node or a spare) and ``generations[i]`` the generation it held it in
-    (default: all equal). A slot that several nodes claim goes to the one that held it most
-    recently, then to the lowest group rank: a node that was cut off while a spare took its
-    slot over must not take it back with its older snapshots (it is *fenced*). A claim that
-    loses, or a slot beyond the node count, leaves the node to take a free slot in order. So
-    survivors keep their global ranks and a replacement takes the lost node's ranks.
+    ``previous[i]``: the slot group rank ``i`` held in the previous round (None: a new node or
+    a spare); ``generations[i]``: the generation it held it in (default: all equal). A slot
+    claimed by several goes to its most recent holder, then the lowest group rank: a node cut
+    off while a spare took its slot must not take it back (it is *fenced*). A losing claim, or
+    a slot beyond the node count, takes a free slot in order.
     """
     n = len(previous)
     gens = generations if generations is not None else [0] * n

@@ -5,17 +5,13 @@ States and transitions (checked at run time: any other raises
 
     INIT ---------------> JOINING     the first rendezvous
     JOINING ------------> SPARE       the round has all its nodes: wait as a hot spare (a node
-                                      that was dropped from the job is FENCED on its way here:
-                                      its slot and snapshots are dropped)
+                                      dropped from the job is FENCED on its way here)
     SPARE --------------> JOINING     a node was lost: take its place
-    JOINING ------------> SYNCING     the round is complete and the slots agreed: the peer mesh
+    JOINING ------------> SYNCING     the round is complete, the slots agreed: the peer mesh
                                       syncs; a node that lost its memory REBUILDS it from peers
-    SYNCING ------------> STARTED     the generation's ranks started (standbys, kept in
-                                      process, or cold)
+    SYNCING ------------> STARTED     the generation's ranks started (warm, kept, or cold)
     STARTED ------------> RUNNING     every rank stepped (after a failure: RESUMED)
-    STARTED, RUNNING ---> DETECTED    a failure of a kind in :class:`FailureKind` (a hung rank
-                                      is fenced: killed; a lost machine was dropped by the
-                                      rendezvous)
+    STARTED, RUNNING ---> DETECTED    a failure of a kind in :class:`FailureKind`
     STARTED, RUNNING,
       DETECTED ---------> RESTARTING  elastic restarts the ranks (a membership change or a lost
                                       machine is DETECTED on the way)
@@ -38,7 +34,7 @@ import time
 from ftmem.errors import IllegalTransition
 from ftmem.events import EventLog
 from ftmem.launch.monitor import NoProgressGuard
-from ftmem.launch.report import Recovery, log_failure, log_last_failure
+from ftmem.launch.report import Recovery, log_failure
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +94,6 @@ _NEXT: dict[AgentState, frozenset[AgentState]] = {
 class RecoveryLifecycle:
     """The agent's state (see the module docstring), its current recovery and its account of
     failures: the no-progress guard, the last failure and why the agent gave up.
-
-    Args:
-        node: this node's name, for the logs.
-        events: the agent's event log.
-        guard: the no-progress guard (``--ftmem-tune no-progress-restarts``).
     """
 
     def __init__(self, node: str, events: EventLog, guard: NoProgressGuard) -> None:
@@ -198,9 +189,9 @@ class RecoveryLifecycle:
         kind: FailureKind,
         what: str,
         committed: int | None,
-        *,
         generation: int,
         restarts: tuple[int, int],
+        *,
         rank: int | None = None,
         stopped_ranks: list[int] | None = None,
         smp_died: bool = False,
@@ -223,7 +214,3 @@ class RecoveryLifecycle:
             self.node, rank, what, generation, committed, outcome, stopped_ranks or [], smp_died
         )
         return stop
-
-    def report_last_failure(self) -> None:
-        """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
-        log_last_failure(self.node, self.stop_reason, self.last_failure)

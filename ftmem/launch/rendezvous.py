@@ -1,22 +1,18 @@
 """What the agents agree on through each rendezvous round's store: the nodes' rank slots,
-the generation, and where MASTER_ADDR/PORT point.
+the generation, and where MASTER_ADDR/PORT point (:mod:`ftmem.launch.ranks` decides, pure).
 
-:mod:`ftmem.launch.ranks` decides (pure); this module moves its inputs and outputs through
-the round's store. Every key lives under the round's own prefix, and the agreement is fresh
-even where a round's number comes back (a store writer erased the state and a node's stale
-view was written back): each offer carries a nonce, the assignment lists the nonces of the
-offers it read, a node takes only an assignment with its own offer's nonce and then blanks
-its offer, and the master address lives under the agreement's nonce. The generation is the
-assignment's, above every generation before it.
+The agreement is fresh even where a round's number comes back (a store writer erased the
+state and a node's stale view was written back): each offer carries a nonce, the assignment
+lists the nonces of the offers it read, a node takes only an assignment with its own offer's
+nonce and then blanks its offer, and the master address lives under the agreement's nonce.
 
-Every value read back is checked (:class:`~ftmem.errors.ProtocolError` names the key): the
-store is reachable by whoever reaches its port, and a malformed value must stop the agent
-with a clear message, not a ``KeyError`` in the middle of a restart. The slot offers and the
-assignment, on which a node is fenced, are more: MACed with the job's key, bound to the
-round and the writer's group rank, an offer's generation before the agreed one and the
-assignment a permutation (:class:`SlotClaims`); one that fails is read again for a while (a
-store writer may have planted it before its agent wrote), then an offer claims nothing and a
-missing assignment stops the agent.
+Every value read back is checked (:class:`~ftmem.errors.ProtocolError` names the key): whoever
+reaches the store's port can write it, and a malformed value must stop the agent with a clear
+message, not a ``KeyError`` mid-restart. The slot offers and the assignment, on which a node
+is fenced, are also MACed with the job's key and bound to the round and the writer's group
+rank (:class:`SlotClaims`); one that fails is read again for a while (a store writer may have
+planted it before its agent wrote), then an offer claims nothing and a missing assignment
+stops the agent.
 """
 
 from __future__ import annotations
@@ -39,12 +35,12 @@ from ftmem.exchange import keys
 from ftmem.launch.job_key import job_keys
 from ftmem.launch.peers import PeerSettings, _entry_mac
 from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
-from ftmem.typed_json import MAX_INT, Range, build
+from ftmem.typed_json import MAX_INT, Range, build, read
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Keys in the rendezvous round's store (a fresh prefix every round, so never stale).
+# Keys in the rendezvous round's store (under the round's own prefix).
 _GENERATION_KEY = "ftmem/generation"
 _SLOT_KEY = "ftmem/slot"
 _ASSIGNED_KEY = "ftmem/slots"
@@ -74,6 +70,7 @@ class SlotOffer:
 
 
 _Nodes = Annotated[int, Range(1, MAX_INT)]
+_HostPort = tuple[str, Annotated[int, Range(1, 65535)]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +105,7 @@ class _AssignmentDoc:
 
 VERIFY_WAIT_S = 10.0
 """How long a slot offer that fails its checks is read again (a store writer may have put it
-there before its agent wrote the real one); the assignment is waited for up to twice as long
-and more."""
+there before its agent wrote the real one); the assignment is waited for three times as long."""
 
 
 def _signed(job: Any, fields: dict[str, Any]) -> str:
@@ -119,8 +115,7 @@ def _signed(job: Any, fields: dict[str, Any]) -> str:
 
 def _verified(job: Any, raw: bytes, cls: type[T], fields: dict[str, Any]) -> T:
     """The ``cls`` in ``raw`` (exactly its fields, ``mac`` the MAC of the others) if it
-    agrees with ``fields`` and its MAC verifies (any MAC without a job key: it would prove
-    nothing).
+    agrees with ``fields`` and its MAC verifies (any MAC passes without a job key).
 
     Raises:
         ProtocolError: it does not.
@@ -189,10 +184,9 @@ def _read_offers(
     store: Any, n: int, round_: int | None, job: Any, wait_s: float, bound: int | None
 ) -> list[_Read]:
     """Every other agent's offer of round ``round_`` (group ranks 1..n-1; waits until all
-    are in), each checked: written by that agent with the job's key (``job``, a
-    :class:`~ftmem.exchange.keys.CurveKeyPair`; None: not authenticated), of this round and
-    rank, a generation before ``bound``. One that still fails after ``wait_s`` (for all of
-    them) is refused."""
+    are in), each checked: MACed with ``job``'s key (None: not authenticated), of this round
+    and rank, a generation before ``bound``. One that still fails after ``wait_s`` (for all
+    of them) is refused."""
     keys = [f"{_SLOT_KEY}/{i}" for i in range(1, n)]
     store.multi_get(keys)  # every agent published one
     deadline = time.monotonic() + wait_s
@@ -258,15 +252,12 @@ def agree_slots(
 ) -> SlotAgreement:
     """Agree the slots and the generation of round ``round_``: publish this node's
     ``offer`` with a fresh nonce; group rank 0 reads every offer (:func:`_read_offers`),
-    assigns slots with :func:`~ftmem.launch.ranks.assign_slots` (the most recent holder of a
-    slot keeps it; a refused offer claims nothing), takes the generation from
-    :func:`~ftmem.launch.ranks.next_generation` (honoured offers are all before it; without
-    a round number, the one after the newest offered) and publishes them with the offers it
-    honoured and the nonces it read; the others read that back, checked: with the job's key
-    (``job``; None in ``--ftmem-insecure-mesh``, where the key itself travels through the
-    store and a MAC would prove nothing), of this round, a permutation of ``0..n-1``, with
-    this node's nonce and a generation after this node's. Then (agreed or not) they blank
-    their offer, so that an agreement of a round of the same number waits for a fresh one.
+    assigns slots with :func:`~ftmem.launch.ranks.assign_slots`, takes the generation from
+    :func:`~ftmem.launch.ranks.next_generation` (after every honoured offer's) and publishes
+    them with the offers it honoured and the nonces it read; the others read that back,
+    checked (MACed with ``job``'s key unless None, of this round, a permutation of
+    ``0..n-1``, with this node's nonce, a generation after this node's), then blank their
+    offer, agreed or not, so that a round of the same number waits for a fresh one.
 
     Raises:
         ProtocolError: no assignment that passes its checks appeared in time.
@@ -303,26 +294,6 @@ def agree_slots(
     return SlotAgreement(slots, offers, generation, nonce)
 
 
-def agree_slot(
-    store: Any,
-    group_rank: int,
-    group_world_size: int,
-    slot: int | None,
-    local_world_size: int,
-    generation: int = -1,
-    nodes: int | None = None,
-    round_: int | None = None,
-    job: Any = None,
-    wait_s: float = VERIFY_WAIT_S,
-) -> int | None:
-    """This node's slot in the new round (None: the nodes differ in size): :func:`agree_slots`
-    with the slot this node held in the previous round (``slot``; None for a new node), the
-    ``generation`` it held it in and that round's node count (``nodes``)."""
-    offer = SlotOffer(slot, local_world_size, generation, nodes)
-    agreed = agree_slots(store, group_rank, group_world_size, offer, round_, job, wait_s)
-    return None if agreed.slots is None else agreed.slots[group_rank]
-
-
 def _value(key: str, raw: bytes) -> Any:
     """A JSON value of the store, or ProtocolError naming ``key``."""
     try:
@@ -332,12 +303,11 @@ def _value(key: str, raw: bytes) -> Any:
 
 
 class SlotClaims:
-    """One agent's side of the slot agreement of every round (:func:`agree_slots`), with a
-    key derived from the job's (the peers' store entries' MAC,
-    :func:`~ftmem.launch.peers.read_peer_entry`): the key file's, or the host's private key
-    of a mesh on this host. Without either (``--ftmem-insecure-mesh``, or a job across
-    hosts without a key file) the claims are not authenticated (logged once): the round, the
-    generation bound and the permutation are still checked."""
+    """One agent's side of the slot agreement of every round (:func:`agree_slots`), MACed
+    with the job's key from the key file or the host's private key file. Without either
+    (``--ftmem-insecure-mesh``, or across hosts without a key file) the claims are not
+    authenticated (logged once): the round, the generation bound and the permutation are
+    still checked."""
 
     def __init__(self, settings: PeerSettings, node: str) -> None:
         self._settings = settings
@@ -436,15 +406,12 @@ def share_master(worker_group: WorkerGroup, slot: int | None, agreement: str) ->
             addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
         store.set(key, json.dumps([addr, port]))
     master = _value(key, store.get(key))
-    if (
-        not isinstance(master, list)
-        or len(master) != 2
-        or type(master[0]) is not str
-        or type(master[1]) is not int
-        or not 0 < master[1] < 65536
-    ):
-        raise ProtocolError(f"rendezvous store: {key!r} is not [host, port]: {master!r:.200}")
-    worker_group.master_addr, worker_group.master_port = master[0], master[1]
+    try:
+        worker_group.master_addr, worker_group.master_port = read(_HostPort, master, key)
+    except ProtocolError:
+        raise ProtocolError(
+            f"rendezvous store: {key!r} is not [host, port]: {master!r:.200}"
+        ) from None
 
 
 def exchange_generation(

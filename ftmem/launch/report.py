@@ -64,7 +64,7 @@ def restart_phases(
     prev: float | None = rec.detected
     for name, end in marks:
         out[name] = None if end is None or prev is None else round(end - prev, 4)
-        prev = end if end is not None else None
+        prev = end
     return out
 
 
@@ -111,17 +111,16 @@ def log_last_failure(
     """Before torchrun's summary: why the agent stopped and the failing rank's last lines."""
     if stop_reason:
         log.error("[%s] stopped: %s", node, stop_reason)
-    if last is None or not last[2]:
-        return
-    rank, what, tail = last
-    log.error(
-        "[%s/%s] last failure: %s; the rank's last %d lines of stderr:\n%s",
-        node,
-        "-" if rank is None else rank,
-        what,
-        len(tail),
-        "\n".join(f"    {line}" for line in tail),
-    )
+    if last is not None and last[2]:
+        rank, what, tail = last
+        log.error(
+            "[%s/%s] last failure: %s; the rank's last %d lines of stderr:\n%s",
+            node,
+            "-" if rank is None else rank,
+            what,
+            len(tail),
+            "\n".join(f"    {line}" for line in tail),
+        )
 
 
 def report_resumed(
@@ -141,12 +140,16 @@ def report_resumed(
     """
     times = [current_progress(p, progress.get(p.rank)) for p in procs]
     resumed = max(t for t in times if t is not None)
-    ranks = [progress.get(p.rank) for p in procs]
+    reported = [progress.get(p.rank) for p in procs]
+    mine = [
+        r if r is not None and r.pid == p.pid else None
+        for p, r in zip(procs, reported, strict=True)
+    ]
     phase_times = [
         (r.hello_time, r.restored_time, r.first_progress_time)
-        if r is not None and r.pid == p.pid
+        if r is not None
         else (None, None, None)
-        for p, r in zip(procs, ranks, strict=True)
+        for r in mine
     ]
     phases = restart_phases(rec, phase_times)
     firsts = [t[2] for t in phase_times]
@@ -156,11 +159,7 @@ def report_resumed(
     steps = [progress[p.rank].last_progress_step for p in procs if p.rank in progress]
     first = min((s for s in steps if s is not None), default=None)
     restored_steps = sorted(
-        {
-            r.restored_step
-            for p, r in zip(procs, ranks, strict=True)
-            if r is not None and r.pid == p.pid and r.restored_step is not None
-        }
+        {r.restored_step for r in mine if r is not None and r.restored_step is not None}
     )
     restored: int | str | None = (
         restored_steps[0]
@@ -252,7 +251,7 @@ def record_standbys(events: EventLog, event: str, standbys: list[Any], **fields:
     if not standbys:
         return
     if event == "standbys_ready":
-        fields["warm_up_s"] = [round((s.ready_at or s.spawned) - s.spawned, 3) for s in standbys]
+        fields["warm_up_s"] = [round(s.warm_up_s, 3) for s in standbys]
     events.write(
         event,
         **fields,

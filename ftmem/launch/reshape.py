@@ -1,44 +1,31 @@
 """When a rendezvous round has fewer or more nodes than the last: the job shrinks or grows.
 
-torchrun's ``--nnodes MIN:MAX`` lets the rendezvous form with fewer nodes than before: a
-machine was lost and no spare or replacement joined within the rendezvous' ``last_call_timeout``
-(``--rdzv-conf last_call_timeout=S``, 30 s by default). The survivors' ranks cannot restore
-their own snapshots then (rank ``r`` of 3 is not rank ``r`` of 4), and the lost machine's
-snapshots exist only as parity. So, before the ranks start, every agent:
+With ``--nnodes MIN:MAX`` a round may form without a lost machine's replacement; its ranks
+cannot restore their own snapshots (rank ``r`` of 3 is not rank ``r`` of 4) and its
+snapshots exist only as parity (docs/launcher.md, "No spare"). Before the ranks start,
+every agent:
 
-1. reads every agent's offer of the round (:class:`~ftmem.launch.rendezvous.SlotAgreement`):
-   the slots the survivors held and the node count of the last round; :func:`plan_reshape`
-   (pure) says which old slots were lost and which survivor hosts each one;
-2. (shrink, erasure coding on, at most ``m`` slots lost) starts a *guest SMP* for each lost
-   slot it hosts, and all of them form the old round's peer mesh once more (its node
-   indices, the guests in the lost slots' places, epoch ``2g``): the generation sync finds
-   the guests without the group's protected step and they rebuild it from the survivors'
-   data and parity, exactly as a replacement machine would;
-3. drops from its own SMP the steps of its old ranks newer than the kept one
-   (:func:`drop_newer`): committed at the old size but never protected, they cannot be
-   resharded (the lost machine's part is gone), and the new mesh must not protect them as
-   if they were the new job's; then forms the new round's mesh (its slots, epoch ``2g+1``):
-   nothing is protected in it until the ranks' first steps at the new size are;
-4. starts the ranks with ``$FTMEM_RESHARD`` (:class:`~ftmem.protocol.rejoin.ReshardRequest`):
-   the old world size, the step the old mesh kept, and the guests' run directories. Their
-   ``ftmem.load`` reshards that step through DCP from the SMPs' memory
-   (:mod:`ftmem.client.reshard`).
+1. plans the change from the round's offers (:func:`plan_reshape`, pure): the lost old
+   slots, and which survivor hosts each one;
+2. (a shrink with at most ``m`` slots lost) starts a *guest SMP* per lost slot it hosts, and
+   all of them join the old round's mesh once more (epoch ``2g``), where the guests rebuild
+   the protected step from the survivors' data and parity;
+3. drops its old ranks' steps newer than the kept one (:func:`drop_newer`: never protected,
+   they cannot be resharded), then forms the new round's mesh (epoch ``2g+1``);
+4. starts the ranks with ``$FTMEM_RESHARD`` (:class:`~ftmem.protocol.rejoin.ReshardRequest`),
+   whose ``ftmem.load`` reshards that step from the SMPs' memory (:mod:`ftmem.client.reshard`).
 
-A guest is stopped once the new mesh protected a newer step (the resharded step is not
-needed any more), or with the agent. More slots lost than ``m`` (or erasure coding off):
-no guest; the ranks' load falls back to the newest flushed checkpoint of the old size
-(``--ftmem-flush-dir``), resharded by ``dcp.load``, or stops with a clear error.
-
-A round with more nodes (a machine came back, or was added) needs no rebuild: the new nodes
-take free slots, and every rank loads the newest step of the old size resharded.
+A guest stops once the new mesh protects a newer step, or with the agent. More slots lost
+than ``m``: no guest; the ranks reshard the newest flushed checkpoint of the old size, or
+stop. A growing round needs no rebuild: the new nodes take free slots.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -113,29 +100,12 @@ def plan_reshape(offers: list[SlotOffer]) -> Reshape | None:
     return Reshape(old_nodes, new_nodes, sizes.pop(), old_slots, lost, guests)
 
 
-def run_all(jobs: dict[str, Any]) -> dict[str, Any]:
+def run_all(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Run each callable of ``jobs`` on a thread of its own (the meshes' joins wait for each
-    other) and return each one's result; the first exception is raised after all ended."""
-    results: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def run(name: str, job: Any) -> None:
-        try:
-            results[name] = job()
-        except BaseException as exc:  # handed to the caller below
-            errors.append(exc)
-
-    threads = [
-        threading.Thread(target=run, args=(n, j), name=f"ftmem-mesh-{n}", daemon=True)
-        for n, j in jobs.items()
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    other) and return each one's result; an exception of one is raised after all ended."""
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="ftmem-mesh") as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def survivors_barrier(store: Any, rs: Reshape, group_rank: int, generation: int) -> None:
@@ -164,20 +134,10 @@ def drop_newer(run_dir: Path, ranks: list[int], step: int) -> None:
             smp.request(m.DiscardNewer(rank=rank, step=step))
 
 
-def guest_run_dir(run_dir: Path, slot: int) -> Path:
-    """The run directory of the guest SMP of lost slot ``slot`` on this node."""
-    return run_dir / f"{GUEST_DIR_PREFIX}{slot}"
-
-
 class Reshaper:
     """This node's part in a round of another size (steps 2-4 of the module docstring): the
     guest SMPs it hosts, the old mesh joined once more, the survivors' barrier and the step
     the ranks reshard.
-
-    Args:
-        smp: this node's SMP.
-        mesh: the peer mesh (its settings and job key).
-        events: the agent's event log.
 
     Resource handling: the guests run until the new mesh protected a newer step
     (:meth:`protected`) or :meth:`stop`, which the agent calls at shutdown.
@@ -210,20 +170,11 @@ class Reshaper:
         rs = plan_reshape(offers)
         if rs is None:
             return False
-        self._rebuild_lost(store, rs, group_rank, claimed, generation)
-        return True
-
-    def _rebuild_lost(
-        self, store: Any, rs: Reshape, group_rank: int, claimed: int | None, generation: int
-    ) -> None:
-        """The job changed size: rebuild the lost slots' protected step in guest SMPs (this
-        node hosts some), and set the step the ranks reshard."""
-        grew = rs.new_nodes > rs.old_nodes
         log.warning(
             "[%s] RESHAPE: the job %s from %d to %d nodes%s; the ranks reshard its step from "
             "memory",
             self._node,
-            "grows" if grew else "shrinks",
+            "grows" if rs.new_nodes > rs.old_nodes else "shrinks",
             rs.old_nodes,
             rs.new_nodes,
             f" (lost slots {list(rs.lost)})" if rs.lost else "",
@@ -238,49 +189,12 @@ class Reshaper:
         step: int | None = None
         dirs: list[Path] = []
         parity = self._mesh.parity(rs.old_nodes)
-        rebuild = claimed is not None and 0 < len(rs.lost) <= parity
-        if rebuild and claimed is not None:
-            t0 = time.monotonic()
-            hosted = [s for s, g in rs.guests.items() if g == group_rank]
-            try:
-                join = self._old_mesh_join
-                jobs = {"self": join(store, rs, generation, claimed, self._smp, group_rank)}
-                for slot in hosted:
-                    guest = self._start_guest(slot)
-                    dirs.append(guest.run_dir)
-                    jobs[f"guest{slot}"] = join(store.clone(), rs, generation, slot, guest, -1)
-                results = run_all(jobs)
-            except (FtmemError, KeyFileError, OSError) as exc:
-                log.error(
-                    "[%s] rebuilding the lost slots %s failed: %s; the ranks reshard from "
-                    "what memory holds, else from the newest flushed checkpoint",
-                    self._node,
-                    list(rs.lost),
-                    exc,
-                )
-                self._events.write("reshape_failed", generation=generation, reason=str(exc))
-                self.stop()
-                dirs = []
-            else:
-                mine: MeshSync | None = results.get("self")
-                step = mine.reply.step if mine is not None else None
-                if step is not None:
-                    self._drop_unprotected(rs.old_ranks(claimed), step)
-                self._events.write(
-                    "rebuilt_lost",
-                    generation=generation,
-                    step=step,
-                    slots=hosted,
-                    seconds=round(time.monotonic() - t0, 3),
-                )
-                log.info(
-                    "[%s] the old mesh kept step %s; lost slots %s rebuilt here: %s (%.2f s)",
-                    self._node,
-                    step,
-                    list(rs.lost),
-                    hosted,
-                    time.monotonic() - t0,
-                )
+        if claimed is not None and 0 < len(rs.lost) <= parity:
+            step, dirs = self._rebuild_lost(store, rs, group_rank, claimed, generation)
+            try:  # every survivor, whatever its own join did
+                survivors_barrier(store, rs, group_rank, generation)
+            except RuntimeError as exc:  # torch's DistStoreError: a survivor never arrived
+                log.error("[%s] the survivors did not all finish the rebuild: %s", self._node, exc)
         elif rs.lost:
             log.error(
                 "[%s] %d slots lost, erasure coding covers %d: the ranks reshard from the "
@@ -290,23 +204,67 @@ class Reshaper:
                 parity,
                 rs.old_nodes,
             )
-        if rebuild:  # every survivor, whatever its own join did
-            try:
-                survivors_barrier(store, rs, group_rank, generation)
-            except RuntimeError as exc:  # torch's DistStoreError: a survivor never arrived
-                log.error("[%s] the survivors did not all finish the rebuild: %s", self._node, exc)
         self.request = ReshardRequest(rs.old_world, step, tuple(dirs))
         self._step = step
+        return True
 
-    def _drop_unprotected(self, ranks: list[int], step: int) -> None:
-        """Drop this node's snapshots of the old job newer than the kept ``step`` before the
-        new mesh forms (:func:`drop_newer`)."""
+    def _rebuild_lost(
+        self, store: Any, rs: Reshape, group_rank: int, claimed: int, generation: int
+    ) -> tuple[int | None, list[Path]]:
+        """Rebuild the lost slots' protected step in guest SMPs (those this node hosts) and
+        drop this node's newer steps of the old job; return the step the old mesh kept and
+        the guests' run directories (None and none if the rebuild failed, logged)."""
+        t0 = time.monotonic()
+        hosted = [s for s, g in rs.guests.items() if g == group_rank]
+        dirs: list[Path] = []
         try:
-            drop_newer(self._smp.run_dir, ranks, step)
-        except FtmemError as exc:  # the ranks' load drops them as well, later
-            log.warning(
-                "[%s] could not drop the old job's steps newer than %d: %s", self._node, step, exc
+            join = self._old_mesh_join
+            jobs = {"self": join(store, rs, generation, claimed, self._smp, group_rank)}
+            for slot in hosted:
+                guest = self._start_guest(slot)
+                dirs.append(guest.run_dir)
+                jobs[f"guest{slot}"] = join(store.clone(), rs, generation, slot, guest, -1)
+            results = run_all(jobs)
+        except (FtmemError, KeyFileError, OSError) as exc:
+            log.error(
+                "[%s] rebuilding the lost slots %s failed: %s; the ranks reshard from "
+                "what memory holds, else from the newest flushed checkpoint",
+                self._node,
+                list(rs.lost),
+                exc,
             )
+            self._events.write("reshape_failed", generation=generation, reason=str(exc))
+            self.stop()
+            return None, []
+        mine: MeshSync | None = results.get("self")
+        step = mine.reply.step if mine is not None else None
+        if step is not None:
+            try:
+                drop_newer(self._smp.run_dir, rs.old_ranks(claimed), step)
+            except FtmemError as exc:  # the ranks' load drops them as well, later
+                log.warning(
+                    "[%s] could not drop the old job's steps newer than %d: %s",
+                    self._node,
+                    step,
+                    exc,
+                )
+        seconds = time.monotonic() - t0
+        self._events.write(
+            "rebuilt_lost",
+            generation=generation,
+            step=step,
+            slots=hosted,
+            seconds=round(seconds, 3),
+        )
+        log.info(
+            "[%s] the old mesh kept step %s; lost slots %s rebuilt here: %s (%.2f s)",
+            self._node,
+            step,
+            list(rs.lost),
+            hosted,
+            seconds,
+        )
+        return step, dirs
 
     def _old_mesh_join(
         self, store: Any, rs: Reshape, generation: int, slot: int, smp: SmpRunner, group_rank: int
@@ -331,7 +289,7 @@ class Reshaper:
         """Start (and keep) the guest SMP of lost slot ``slot`` on this node."""
         main = self._smp
         guest = SmpRunner(
-            run_dir=guest_run_dir(main.run_dir, slot),
+            run_dir=main.run_dir / f"{GUEST_DIR_PREFIX}{slot}",
             run_id=main.run_id,
             node=f"{self._node}-guest{slot}",
             slots=main.slots,

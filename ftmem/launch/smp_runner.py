@@ -14,32 +14,22 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ftmem.config import ENV_LOG_LEVEL
 
+if TYPE_CHECKING:
+    from ftmem.smp.spawn import SmpProcess
+
 log = logging.getLogger(__name__)
-
-
-class _SmpHandle(Protocol):
-    """The part of ``ftmem.smp.spawn.SmpProcess`` the runner uses."""
-
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-    def stop(self, timeout: timedelta = ...) -> Any: ...
-
-    def kill(self) -> Any: ...
 
 
 @dataclass(kw_only=True, eq=False)
 class SmpRunner:
     """Owns the node's SMP process: start, liveness, restart, stop.
 
-    Resource handling: :meth:`stop` is idempotent and bounded by ``stop_timeout``; it is
-    also what ``close``/``__exit__`` do. Error handling: :meth:`start` raises
-    ``ftmem.errors.SmpStartError`` if the SMP is not ready before ``start_timeout``.
+    Resource handling: :meth:`stop` is idempotent and bounded by ``stop_timeout``. Error
+    handling: :meth:`start` raises ``SmpStartError`` if the SMP is not ready in time.
     """
 
     run_dir: Path
@@ -53,7 +43,7 @@ class SmpRunner:
     settings: dict[str, Any] = field(default_factory=dict)
     """More of the SMP's settings (SmpConfig's fields, JSON-ready), handed over in its
     settings file with the run directory, run id, node, slots and this agent's pid."""
-    _proc: _SmpHandle | None = field(default=None, init=False)
+    _proc: SmpProcess | None = field(default=None, init=False)
     starts: int = field(default=0, init=False)
     """How many times an SMP was started (1 + restarts)."""
     last_exit: int | None = field(default=None, init=False)
@@ -144,11 +134,3 @@ class SmpRunner:
             log.error("[%s] SMP pid %s is still alive after stop", self.node, proc.pid)
         else:
             log.info("[%s] SMP pid %s exited with %s", self.node, proc.pid, code)
-
-    close = stop
-
-    def __enter__(self) -> SmpRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -1,20 +1,17 @@
 """The warm processes ranks start from, and elastic's handles of them.
 
 A cold rank start pays for the interpreter, ``import torch`` and the job's other imports
-before it does any rank-specific work (seconds; ``bench/recovery.py`` measures it).
-``ftmem/launch/_standby.py`` does that start-up and waits on a socketpair with the agent; it
-runs either as the node's fork server (:class:`ForkServer`: it forks every rank) or as a
-standby rank (:class:`Standby`: it becomes one rank). :mod:`ftmem.launch.warm_start` keeps
-them and hands elastic's rank starts to them.
+before any rank-specific work. ``_standby.py`` does that start-up and waits on a socketpair
+with the agent, either as the node's fork server (:class:`ForkServer`: it forks every rank)
+or as a standby rank (:class:`Standby`: it becomes one rank); :mod:`ftmem.launch.warm_start`
+keeps them and hands elastic's rank starts to them.
 
-How they stay inside elastic's process management: elastic makes each rank's process through
-``get_subprocess_handler`` (in ``torch.distributed.elastic.multiprocessing.api``); while the
-agent starts its ranks, that function returns a :class:`StandbyHandler` whose ``proc`` is a
-:class:`ForkedProcess` (a ``Popen``-like handle whose exit status the fork server reports)
-or the standby's ``Popen``. Elastic then polls, tails
-and kills that pid like any rank's: the rank leads its own session (``killpg`` reaches its
-children), writes into the per-rank log files elastic opened (their descriptors are handed
-over), and its exit code or signal is elastic's ``ProcessFailure``.
+Inside elastic's process management: while the agent starts its ranks, elastic's
+``get_subprocess_handler`` returns a :class:`StandbyHandler` whose ``proc`` is a
+:class:`ForkedProcess` (a ``Popen``-like handle whose exit status the fork server reports) or
+the standby's ``Popen``. Elastic polls, tails and kills that pid like any rank's: the rank
+leads its own session, writes into the per-rank log files elastic opened (their descriptors
+are handed over), and its exit code or signal is elastic's ``ProcessFailure``.
 """
 
 from __future__ import annotations
@@ -169,39 +166,24 @@ class Standby:
                 self.report = report
         return self.ready_at is not None
 
+    @property
+    def warm_up_s(self) -> float:
+        """Seconds from the spawn to the ready report (0 until it came)."""
+        return (self.ready_at or self.spawned) - self.spawned
+
+    def warm_up_note(self) -> str:
+        """``warm-up N s`` and what failed to warm, for the ready line of the log."""
+        failed = self.report.failed if self.report is not None else None
+        return f"warm-up {self.warm_up_s:.1f} s" + (f"; failed: {failed}" if failed else "")
+
     def kill(self) -> None:
         """SIGKILL the standby's process group and reap it (bounded)."""
         with contextlib.suppress(OSError):
             self.ctl.close()
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
-
-
-def _handoff(
-    cmd: PythonCommand, env: dict[str, str], stdout: str | None, stderr: str | None
-) -> tuple[bytes, list[Any], list[int]]:
-    """The handoff message of a rank, its log files opened as elastic opens them, and the
-    descriptors to pass (the files, else the agent's own stdout and stderr)."""
-    files = [open(path, "w") if path else None for path in (stdout, stderr)]
-    fds = [
-        f.fileno() if f else std.fileno()
-        for f, std in zip(files, (sys.stdout, sys.stderr), strict=True)
-    ]
-    env_vars = os.environ.copy()
-    env_vars.update(env)
-    message = {
-        "kind": cmd.kind,
-        "target": cmd.target,
-        "argv": cmd.argv(),
-        "orig_argv": cmd.command_line(),
-        "env": env_vars,
-        "cwd": os.getcwd(),
-    }
-    return json.dumps(message).encode(), files, fds
 
 
 def _close_all(files: list[Any]) -> None:
@@ -243,10 +225,9 @@ class ForkServer:
         """pids of the ranks it forked and has not reported reaped (those that died with it
         stay until :meth:`ranks_alive` finds them gone): never a pid a later process reuses."""
 
-    def drain(self, block_s: float = 0.0) -> ForkReply | None:
+    def drain(self, block_s: float = 0.0) -> int | None:
         """Read the replies waiting (waiting up to ``block_s`` for the first); note the exits
-        and return the newest ``forked`` reply, if any."""
-        forked = None
+        and return the pid of a rank forked meanwhile, if any."""
         timeout = block_s
         while not self.gone:
             ready, _, _ = select.select([self.standby.ctl], [], [], timeout)
@@ -273,9 +254,8 @@ class ForkServer:
                     while len(self.reaped_at) > REAPED_KEPT:
                         del self.reaped_at[next(iter(self.reaped_at))]
             if reply.forked is not None:
-                forked = reply
-                break
-        return forked
+                return reply.forked
+        return None
 
     def ranks_alive(self) -> bool:
         """Whether a rank it forked still runs: after the server's death, until its death
@@ -288,10 +268,10 @@ class ForkServer:
         socket.send_fds(self.standby.ctl, [message], fds)
         deadline = time.monotonic() + FORK_REPLY_S
         while (left := deadline - time.monotonic()) > 0 and not self.gone:
-            reply = self.drain(left)
-            if reply is not None and reply.forked is not None:
-                self.forked.add(reply.forked)
-                return ForkedProcess(self, reply.forked, args)
+            pid = self.drain(left)
+            if pid is not None:
+                self.forked.add(pid)
+                return ForkedProcess(self, pid, args)
         raise OSError(f"fork server pid {self.standby.pid} did not fork the rank")
 
 
@@ -340,10 +320,6 @@ class ForkedProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        """SIGTERM the rank."""
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         """SIGKILL the rank."""
         self.send_signal(signal.SIGKILL)
@@ -354,8 +330,8 @@ class StandbyHandler(SubprocessHandler):
     that the fork server forked (``proc`` is a :class:`ForkedProcess`).
 
     Built instead of ``SubprocessHandler.__init__``'s spawn: it opens the per-rank log files
-    as elastic does, hands the rank over and keeps the files to close them in ``close()``
-    (elastic's: ``killpg`` of the rank's session, then the files).
+    as elastic does and hands the rank (``_standby.py``'s handoff message) and them over;
+    ``close()`` is elastic's (``killpg`` of the rank's session, then the files).
     """
 
     def __init__(
@@ -368,8 +344,19 @@ class StandbyHandler(SubprocessHandler):
         local_rank_id: int,
     ) -> None:
         self.local_rank_id = local_rank_id
-        message, files, fds = _handoff(cmd, env, stdout, stderr)
+        files = [open(path, "w") if path else None for path in (stdout, stderr)]
         self._stdout, self._stderr = files
+        std = (sys.stdout, sys.stderr)  # where elastic leaves a rank's output without a file
+        fds = [f.fileno() if f else out.fileno() for f, out in zip(files, std, strict=True)]
+        handoff = {
+            "kind": cmd.kind,
+            "target": cmd.target,
+            "argv": cmd.argv(),
+            "orig_argv": cmd.command_line(),
+            "env": {**os.environ, **env},
+            "cwd": os.getcwd(),
+        }
+        message = json.dumps(handoff).encode()
         try:
             if isinstance(via, ForkServer):
                 proc: Any = via.fork(message, fds, cmd.command_line())

@@ -1,34 +1,28 @@
 """The rendezvous state elastic reads from the store, checked before elastic unpickles it.
 
 elastic's dynamic rendezvous keeps its state in the store as a pickle and ``pickle.loads``
-whatever it reads back, on every backend (c10d, etcd-v2, etcd-v3), about once a second: whoever
-could write the store ran code in every agent. :class:`GuardedBackend` sits between elastic's
-state holder and its backend (:func:`guard_rendezvous_state` puts it there). With
+whatever it reads back, on every backend, about once a second: whoever could write the store
+would run code in every agent. :class:`GuardedBackend` sits between elastic's state holder
+and its backend (:func:`guard_rendezvous_state` puts it there); with
 :mod:`ftmem.launch.elastic_compat` this is the one file that knows elastic's private state
-classes (``_RendezvousState``, ``_NodeDesc``: :func:`load_rendezvous_state`):
+classes:
 
-1. every state read is unpickled by a restricted unpickler that admits only the globals of
-   elastic's state (``_RendezvousState``, ``_NodeDesc``, ``datetime``), bounded in size, and
-   rebuilt field by field (:func:`load_rendezvous_state`); elastic's own ``pickle.loads`` only ever sees the bytes
-   of that rebuilt object, pickled here;
-2. with the job's key file (``--ftmem-key-file``) every state written is framed with an
-   HMAC-SHA256 under a key derived from the job's (:func:`state_key`) and the run id, and a
-   state read whose MAC does not verify is refused before it is unpickled at all;
-3. a refused state (planted by a store writer, or malformed) runs nothing and never reaches
-   elastic: the read answers the last state that passed, with the refused value's token, so
-   the handler's next compare-and-set (a keep-alive, a join) overwrites the planted value
-   (no last state: a fresh, empty one). Each incident is logged once (then a count at most
-   every :data:`LOG_EVERY_S`), and once more when a state passes again.
-4. :class:`RoundRules` reads every state: rounds only move forward (an older round, or a
-   round read complete and then open again, is refused like a planted state, and the node
-   writes the newest state it read back over it at once), and while the
-   node leaves its round a refused read does not bring back a round that ended
-   (:func:`leaving_round`).
+1. every state read is unpickled admitting only the globals of elastic's state, bounded in
+   size, and rebuilt field by field (:func:`load_rendezvous_state`); elastic's own
+   ``pickle.loads`` only ever sees the bytes of that rebuilt object;
+2. with ``--ftmem-key-file`` every state written is framed with an HMAC-SHA256 under a key
+   derived from the job's (:func:`state_key`) and the run id, and a state read whose MAC does
+   not verify is refused before it is unpickled;
+3. a refused state never reaches elastic: the read answers the last state that passed (or a
+   fresh one) with the refused value's token, so the handler's next compare-and-set
+   overwrites the planted value. Each incident is logged once (then a count at most every
+   :data:`LOG_EVERY_S`), and once more when a state passes again;
+4. :class:`RoundRules`: rounds only move forward, and while the node leaves its round a
+   refused read does not bring back a round that ended (:func:`leaving_round`).
 
-What a store writer can still do: delete or replace the state (a denial of service, which
-the handlers repair at their next write), replay a state of the current round (with a key
-file) or write a well-formed state of its own (without one): it can disturb the rendezvous,
-never run code.
+A store writer can still delete or replace the state (repaired at the handlers' next write),
+replay a state of the current round (with a key file) or write a well-formed state of its own
+(without one): it can disturb the rendezvous, never run code.
 """
 
 from __future__ import annotations
@@ -169,11 +163,6 @@ class GuardedBackend(RendezvousBackend):
         return getattr(self._inner, name)  # the backend's own methods (close, ...)
 
     @property
-    def inner(self) -> Any:
-        """The wrapped backend."""
-        return self._inner
-
-    @property
     def name(self) -> str:
         """The wrapped backend's name."""
         return str(self._inner.name)
@@ -208,11 +197,9 @@ class GuardedBackend(RendezvousBackend):
 
     def _write_back_if_stale(self, token: Any) -> tuple[bytes, Any, bool] | None:
         """If the state just read was refused as stale (:class:`StaleState`), write the newest
-        state this node read back over it (compare-and-set on ``token``) and answer that
-        write; None otherwise. Not while this node leaves its round (its join writes). The
-        node whose stale view it is may be waiting on the store meanwhile, for a round this
-        node is in, while this node itself reads the store next only at its next keep-alive
-        or restart."""
+        state this node read back over it at once (compare-and-set on ``token``: the node
+        whose stale view it is may be waiting on the store meanwhile) and answer that write;
+        None otherwise. Not while this node leaves its round (its join writes)."""
         stale, self._stale = self._stale, False
         rules = self.rules
         if not stale or self._last is None or (rules and rules.leaves(rules.newest)):
@@ -267,13 +254,10 @@ EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 def expire_keep_alive(handler: Any, node: str, attempts: int = 5) -> bool:
     """Publish that ``node`` (a descriptor's ``repr``) is lost: mark its keep-alive in the
-    rendezvous state as expired, by compare-and-set through the handler's backend.
-
-    That is elastic's own verdict on a node whose keep-alive stopped: the next read of every
-    handler drops it from the round (and its wait and redundancy lists). The state is read
-    through the same guard as elastic's reads (:func:`guard_rendezvous_state`; a refused state
-    is the last one that passed). Returns True once written, or if ``node`` is no participant
-    any more; False where this handler has no such backend or every attempt lost the race.
+    rendezvous state as expired, by compare-and-set through the handler's guarded backend
+    (elastic's own verdict on a node whose keep-alive stopped: every handler's next read
+    drops it). Returns True once written, or if ``node`` is no participant any more; False
+    where this handler has no such backend or every attempt lost the race.
 
     Raises:
         Exception: what the backend raises when the store cannot be reached.
@@ -314,7 +298,7 @@ _STATE_FIELDS |= {"redundancy_list", "last_heartbeats"}
 
 def load_rendezvous_state(data: bytes) -> Any:
     """elastic's ``_RendezvousState`` in ``data``, unpickled with only :data:`_STATE_GLOBALS`
-    (:func:`~ftmem.launch.state_guard.restricted_loads`) and rebuilt field by field: a fresh
+    (:func:`restricted_loads`) and rebuilt field by field: a fresh
     object whose fields have exactly the types elastic's have (nodes as ``_NodeDesc``,
     times as aware ``datetime`` in UTC). No code of the pickle's choosing runs.
 
@@ -354,11 +338,8 @@ def load_rendezvous_state(data: bytes) -> Any:
     if any(type(r) is not int for r in parts.values()):
         raise ValueError("a participant's rank is not a number")
     state = cls()
-    state.round, state.complete, state.closed = (
-        fields["round"],
-        fields["complete"],
-        fields["closed"],
-    )
+    state.round, state.complete = fields["round"], fields["complete"]
+    state.closed = fields["closed"]
     state.deadline = None if fields["deadline"] is None else when(fields["deadline"])
     state.participants = {node(n): r for n, r in parts.items()}
     state.wait_list = nodes(fields["wait_list"])
@@ -372,11 +353,9 @@ def _clean_state(data: bytes) -> bytes:
 
 
 def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
-    """Wrap the handler's rendezvous backend in a
-    :class:`~ftmem.launch.state_guard.GuardedBackend`: every state elastic reads is checked
-    (:func:`load_rendezvous_state`) and re-pickled before elastic unpickles it, and with
-    ``key`` (:func:`~ftmem.launch.state_guard.state_key`) MACed. Call it right after the
-    handler is made, before any read. False where the handler has no backend (another kind)."""
+    """Wrap the handler's rendezvous backend in a :class:`GuardedBackend` (with ``key``,
+    :func:`state_key`: MACed states). Call it right after the handler is made, before any
+    read. False where the handler has no backend (another kind)."""
     holder: Any = getattr(handler, "_state_holder", None)
     backend = getattr(holder, "_backend", None)
     if backend is None:
@@ -391,26 +370,22 @@ def guard_rendezvous_state(handler: Any, key: bytes | None = None) -> bool:
 
 class RoundRules:
     """How this node reads the rendezvous state on top of elastic's rules (every answer of
-    the node's :class:`GuardedBackend` passes through :meth:`review`), so that a round that
-    ended does not come back through this node after a store writer erased the state.
+    its :class:`GuardedBackend` passes through :meth:`review`), so that a round that ended
+    does not come back through this node after a store writer erased the state.
 
-    Rounds only move forward: elastic's own writes never lower a state's round, nor reopen a
-    complete round (a round whose last participant left becomes the next, open one). A
-    state that does (a node writing back its stale view of a round the others completed
-    after a store writer erased the state, or a replay of a state this job wrote earlier) is
-    refused like a planted one (:meth:`admit`), and the node writes the newer state it read
-    back at once (by compare-and-set over the stale one; not while it leaves its round).
+    Rounds only move forward: elastic's own writes never lower a state's round nor reopen a
+    complete round. A state that does (a node writing back its stale view after the state
+    was erased, or a replay) is refused like a planted one (:meth:`admit`), and the node
+    writes the newer state it read back over it.
 
-    A refused read answers the last state that passed. While this node leaves its round to
-    join the next (:func:`leaving_round`), that state may be a complete round the others have
-    already left: its leave would rewrite that round without this node, and a node still in
-    it would finish it again, short of a node, against that round's old assignment. So
-    then, if this node took part in that complete round, the refused read reads as the next
-    round, open, with nobody in it: its join adds itself, the others re-add themselves.
-    Leaving ends with the first state of a later round this node reads (it joined that
-    round; at a first join, the first complete round it reads itself in), although the
-    agent's join goes on (MASTER_ADDR, the slot agreement): a refused read then is the round
-    it joined, not one more, and a stale state is written over with it.
+    A refused read answers the last state that passed. While this node leaves its round
+    (:func:`leaving_round`) that may be a complete round the others already left: its leave
+    would rewrite that round without it, and a node still in it would finish it again, short
+    of a node. So then, if this node took part in it, the refused read reads as the next
+    round, open and empty: its join adds itself, the others re-add themselves. Leaving ends
+    with the first state of a later round this node reads (at a first join: the first
+    complete round it reads itself in), although the agent's join goes on (MASTER_ADDR, the
+    slot agreement).
     """
 
     def __init__(self, me: Any) -> None:

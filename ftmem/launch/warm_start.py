@@ -1,16 +1,12 @@
 """The node's warm starts: the fork server or the standby ranks, and the hook that hands
 elastic's rank starts to them.
 
-:class:`StandbyPool` owns the warm processes of :mod:`ftmem.launch.standby` (the fork server,
-the default, or ``count`` standby ranks per local rank); :func:`spawning_from` is the window in
-which elastic's ``get_subprocess_handler`` answers with them.
-
-Call order (the agent's main thread only: a warm process's parent-death signal fires when the
-thread that started it ends): :meth:`StandbyPool.configure` at the agent's start (it starts
-the fork server), :meth:`StandbyPool.spawn_missing` after the ranks are stepping (standby
-ranks, or a fork server that died), :meth:`StandbyPool.poll` on every monitor pass,
-``with spawning_from(pool): start ranks`` at a (re)start, :meth:`StandbyPool.stop` at shutdown
-(SIGKILL of every warm process's group).
+:class:`StandbyPool` owns the warm processes of :mod:`ftmem.launch.standby`;
+:func:`spawning_from` is the window in which elastic's ``get_subprocess_handler`` answers
+with them. Every call comes from the agent's main thread (a warm process's parent-death
+signal fires when the thread that started it ends): ``configure`` at the agent's start,
+``spawn_missing`` once the ranks step, ``poll`` at every monitor pass, ``spawning_from`` at
+each (re)start, ``stop`` at shutdown.
 """
 
 from __future__ import annotations
@@ -46,11 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class StandbyPool:
-    """The node's standby ranks: ``count`` per local rank, started and handed out here.
-
-    Resource handling: every standby is the agent's child in its own session, with a
-    parent-death signal; :meth:`stop` SIGKILLs and reaps those not handed out.
-    """
+    """The node's warm processes: its fork server (``fork``), or ``count`` standby ranks per
+    local rank. Each is the agent's child in its own session, with a parent-death signal;
+    :meth:`stop` SIGKILLs and reaps those not handed out."""
 
     def __init__(
         self,
@@ -60,7 +54,6 @@ class StandbyPool:
         cuda: bool,
         run_dir: Path,
         node: str,
-        nice: int = STANDBY_NICE,
         fork: bool = True,
     ) -> None:
         self.count = count
@@ -72,7 +65,6 @@ class StandbyPool:
         self.cuda = cuda
         self.run_dir = run_dir
         self.node = node
-        self.nice = nice
         self.command: PythonCommand | None = None
         """The ranks' command; None until :meth:`configure` (or when standbys cannot run it)."""
         self.local_world_size = 0
@@ -99,20 +91,21 @@ class StandbyPool:
         if not isinstance(entrypoint, str):
             log.warning("[%s] standby ranks are off: the entrypoint is a function", self.node)
             return
-        cmd = parse_python_command(unwrap_shim(entrypoint, args))
+        line = unwrap_shim(entrypoint, args)
+        cmd = parse_python_command(line)
         if cmd is None:
             log.warning(
                 "[%s] standby ranks are off: the rank command is not `python [-u] script.py "
                 "...` or `python -m module ...`: %s",
                 self.node,
-                unwrap_shim(entrypoint, args),
+                line,
             )
             return
         self.command = cmd
         if self.fork:
             self.cuda = False  # a CUDA context cannot cross a fork: each rank makes its own
-            self._start_server()
-            log.info("[%s] ranks start from a fork server (pid %d)", self.node, self._pid())
+            pid = self._start_server().pid
+            log.info("[%s] ranks start from a fork server (pid %d)", self.node, pid)
             return
         self.idle, why = idle_cores(local_world_size, self.count)
         log.info(
@@ -129,14 +122,10 @@ class StandbyPool:
             return [server.standby] if server is not None and not server.gone else []
         return [s for group in self._standbys.values() for s in group]
 
-    def _pid(self) -> int:
-        return self.server.standby.pid if self.server is not None else -1
-
     def _start_server(self) -> Standby:
         """Start the fork server; its warm-up runs at the normal priority: the first ranks
         wait for it (:meth:`ready_server`), so it competes with none of this node's steps."""
         standby = self._spawn(0, fork_server=True)
-        self._spawned += 1
         self.server = ForkServer(standby)
         return standby
 
@@ -176,7 +165,6 @@ class StandbyPool:
             group = self._standbys.setdefault(local_rank, [])
             while len(group) < self.count:
                 standby = self._spawn(local_rank)
-                self._spawned += 1
                 group.append(standby)
                 started.append(standby)
         if started:
@@ -204,7 +192,7 @@ class StandbyPool:
             "--path0",
             cmd.path0(os.getcwd()),
             "--nice",
-            str(self.nice),
+            str(STANDBY_NICE),
         ]
         if self.imports:
             argv += ["--import", ",".join(self.imports)]
@@ -226,6 +214,7 @@ class StandbyPool:
                 )
         finally:
             theirs.close()
+        self._spawned += 1
         return Standby(local_rank=local_rank, popen=popen, ctl=ours, spawned=time.time())
 
     def poll(self) -> list[Standby]:
@@ -239,14 +228,11 @@ class StandbyPool:
                 if standby.ready_at is None and standby.poll_ready():
                     ready.append(standby)
                     log.info(
-                        "[%s] standby pid %d for local rank %d ready (warm-up %.1f s%s)",
+                        "[%s] standby pid %d for local rank %d ready (%s)",
                         self.node,
                         standby.pid,
                         local_rank,
-                        standby.ready_at - standby.spawned if standby.ready_at else 0.0,
-                        f"; failed: {standby.report.failed}"
-                        if standby.report is not None and standby.report.failed
-                        else "",
+                        standby.warm_up_note(),
                     )
                 code = standby.popen.poll()
                 if code is not None:
@@ -281,13 +267,7 @@ class StandbyPool:
                     )
                 return []
             log.info(
-                "[%s] fork server pid %d ready (warm-up %.1f s%s)",
-                self.node,
-                standby.pid,
-                standby.ready_at - standby.spawned if standby.ready_at else 0.0,
-                f"; failed: {standby.report.failed}"
-                if standby.report is not None and standby.report.failed
-                else "",
+                "[%s] fork server pid %d ready (%s)", self.node, standby.pid, standby.warm_up_note()
             )
             return [standby]
         server.drain()
@@ -339,10 +319,7 @@ def idle_cores(local_ranks: int, count: int) -> tuple[bool, str]:
     """Whether this host has a core for each of ``count`` standbys per local rank beside the
     ranks (``OMP_NUM_THREADS`` threads each, 1 if unset, as torchrun sets it) and the SMP;
     with the reason, for the log."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     try:
         threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
     except ValueError:
@@ -360,19 +337,16 @@ Adopt = Callable[[int, dict[str, str], Any, Any], SubprocessHandler | None]
 def spawning_from(
     pool: StandbyPool, adopt: Adopt | None = None, env_update: Mapping[str, str] | None = None
 ) -> Iterator[None]:
-    """While inside, elastic gets for each rank the process ``adopt`` returns (a rank kept
-    alive across the restart, :mod:`ftmem.launch.in_process`), else a ready standby where
-    there is one. Every rank, however started, gets ``env_update`` on top of elastic's
+    """While inside, elastic's ``get_subprocess_handler`` gives each rank the process
+    ``adopt`` returns (kept alive across the restart, :mod:`ftmem.launch.in_process`), else a
+    ready standby or the fork server's fork, else (also when the handoff fails) elastic's own
+    cold start. Every rank, however started, gets ``env_update`` on top of elastic's
     environment.
-
-    Replaces ``get_subprocess_handler`` in elastic's ``multiprocessing.api`` module for the
-    duration (the agent starts ranks from its main thread only); a rank without a ready
-    standby, or whose standby fails the handoff, is started cold by elastic's own function.
     """
     pool.handed = {}
-    elastic_own: list[Callable[..., SubprocessHandler]] = []  # set on entering the swap
 
     def get_handler(
+        elastic_own: Callable[..., SubprocessHandler],
         entrypoint: str,
         args: tuple[Any, ...],
         env: dict[str, str],
@@ -408,7 +382,7 @@ def spawning_from(
             else:
                 pool.handed[local_rank_id] = standby
                 return handler
-        cold: SubprocessHandler = elastic_own[0](
+        cold: SubprocessHandler = elastic_own(
             entrypoint=entrypoint,
             args=args,
             env=env,
@@ -419,6 +393,5 @@ def spawning_from(
         )
         return cold
 
-    with subprocess_handler_replaced(get_handler) as original:
-        elastic_own.append(original)
+    with subprocess_handler_replaced(get_handler):
         yield

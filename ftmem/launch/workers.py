@@ -58,15 +58,12 @@ def rank_env(
 ) -> dict[str, str]:
     """The ``FTMEM_*`` variables every rank of this node gets, on top of elastic's.
 
-    ``expected_step`` is the newest step all of this node's ranks had committed before the
-    failure that caused this restart ("" on the first start or if none): a restore that
-    finds nothing although a step was expected means snapshots were lost (e.g. the SMP).
+    ``expected_step``: the newest step all of this node's ranks had committed before this
+    restart's failure (a restore that then finds nothing means snapshots were lost).
     ``rejoin_timeout_s``: how long a rank under ``ftmem.run`` waits for its next generation.
-    ``checkfree``: ``--ftmem-checkfree`` (a lost pipeline stage is rebuilt from its neighbours).
-    ``flush_dirs``: the disk tiers, nearest first, ``ftmem.load`` falls back to.
-    ``reshard``: the job's size changed, the step ``ftmem.load`` reshards (JSON of
-    :class:`~ftmem.protocol.rejoin.ReshardRequest`; "" otherwise, which also clears it for a
-    rank that rejoins in process).
+    ``flush_dirs``: the disk tiers, nearest first. ``reshard``: the JSON
+    :class:`~ftmem.protocol.rejoin.ReshardRequest` when the job's size changed, else "" (which
+    also clears it for a rank that rejoins in process).
     """
     env = {
         ENV_REJOIN_TIMEOUT: f"{rejoin_timeout_s:g}",

@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 from ftmem.errors import ProtocolError
 from ftmem.exchange import keys
 from ftmem.launch.peers import _entry_mac
-from ftmem.launch.rendezvous import SlotOffer, agree_slot, agree_slots
+from ftmem.launch.rendezvous import SlotOffer, agree_slots
 
 JOB = keys.generate()
 WAIT = 0.3  # how long a refused value is read again (VERIFY_WAIT_S in an agent)
@@ -54,7 +54,7 @@ def test_two_nodes_keep_their_slots(store: TCPStore) -> None:
     assert a.slots == [1, 0] and a.offers[1] == SlotOffer(0, 1, 4, 2) and a.generation == 9
     assert store.get("ftmem/slot/1") == b""  # taken: blanked
     store.set("ftmem/slot/1", offer(1, 0, 4))
-    assert agree_slot(store, 0, 2, 1, 1, generation=4, round_=9, job=JOB, wait_s=WAIT) == 1
+    assert agree_slots(store, 0, 2, SlotOffer(1, 1, 4), 9, JOB, WAIT).slots == [1, 0]
 
 
 def test_a_round_whose_number_comes_back_agrees_afresh_on_a_later_generation(
@@ -79,7 +79,7 @@ def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
     # group rank 1 held slot 0 until generation 7 (it took it over); this node (group rank
     # 0) held slot 0 until generation 2, then was cut off: it is fenced to the free slot.
     store.set("ftmem/slot/1", offer(1, 0, 7))
-    assert agree_slot(store, 0, 2, 0, 1, generation=2, round_=9, job=JOB, wait_s=WAIT) == 1
+    assert agree_slots(store, 0, 2, SlotOffer(0, 1, 2), 9, JOB, WAIT).slots == [1, 0]
 
 
 @pytest.mark.parametrize(
