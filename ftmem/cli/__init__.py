@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        # ``ftmem export`` loads torch: skip the interpreter's last garbage
-        # collection of its heap at exit (~0.5 s of CPU).
+        # ``ftmem export`` loads torch: skip the interpreter's last garbage collection of
+        # its heap at exit.
         gc.freeze()
 
 
@@ -283,12 +283,10 @@ def _main(argv: list[str] | None) -> int:
             + (f"; safetensors file {args.safetensors}" if args.safetensors else "")
         )
         return 0
-    if args.cmd == "flush":
-        return _flush(args)
-    if args.cmd == "assemble":
-        from ftmem.cli.persist import run_assemble
+    if args.cmd in ("flush", "assemble"):
+        from ftmem.cli.persist import run_assemble, run_flush
 
-        return run_assemble(args)
+        return run_flush(args) if args.cmd == "flush" else run_assemble(args)
     if args.cmd == "ls":
         return _ls(args)
     if args.cmd == "cleanup":
@@ -355,13 +353,6 @@ def chosen_run_dirs(run_id: str | None) -> list[Path]:
         f"no SMP {what}runs on this host"
         + (f"; running here: {listed} (give --run-id or --run-dir)" if listed else "")
     )
-
-
-def _flush(args: argparse.Namespace) -> int:
-    """``ftmem flush``: see :mod:`ftmem.cli.persist`."""
-    from ftmem.cli.persist import run_flush
-
-    return run_flush(args)
 
 
 def _export_checkpoint(args: argparse.Namespace) -> int:

@@ -1,18 +1,15 @@
 """``ftmem cleanup``: find (and with ``--remove``, delete) this user's orphaned slot files.
 
-An SMP killed with SIGKILL (the OOM killer, a scheduler whose kill wait was shorter than the
-final flush) cannot remove its slot files: they stay in the user's private shared-memory
-directory (``$FTMEM_SHM_DIR``, default ``/dev/shm/ftmem-<uid>``), holding memory, until an SMP
-of the same run and node adopts them (``ftmem-launch`` with the same ``--rdzv-id`` and
-``--ftmem-node``) or this command removes them. A file is *orphaned* when it has a slot file's
-name (or is a slot's commit record), belongs to this user, and no live SMP holds the lock of
-its run and node (:mod:`ftmem.smp.node_lock`) and no process of this user has it mapped or
-open (``/proc/<pid>/maps`` and ``fd``: a rank maps its slots for its whole life, so a live
-job is recognised even if its lock lives elsewhere, e.g. under another ``XDG_RUNTIME_DIR``).
-Files of other users are never listed. Names are parsed (:func:`ftmem.shm.parse_slot_name`),
-so a live run ``a`` node ``b-c`` never protects (nor hides) run ``a-b`` node ``c``'s files.
-A run's host key file (``<run id>.mesh-key``, written when no ``--ftmem-key-file`` was given)
-is orphaned when no live SMP of that run is left. ``--run-id`` limits all this to one run.
+An SMP killed with SIGKILL cannot remove its slot files: they stay in the user's private
+shared-memory directory, holding memory, until an SMP of the same run and node adopts them
+or this command removes them. A file is *orphaned* when it has a slot file's name (or is a
+slot's commit record), belongs to this user, no live SMP holds the lock of its run and node
+(:mod:`ftmem.smp.node_lock`) and no process of this user maps it or holds it open (a rank
+maps its slots for its whole life, so a live job is recognised even if its lock lives
+elsewhere, e.g. under another ``XDG_RUNTIME_DIR``). Names are parsed
+(:func:`ftmem.shm.parse_slot_name`), so a live run ``a`` node ``b-c`` never protects (nor
+hides) run ``a-b`` node ``c``'s files. A run's host key file (``<run id>.mesh-key``) is
+orphaned when no live SMP of that run is left.
 """
 
 from __future__ import annotations
@@ -28,9 +25,6 @@ from ftmem.config import default_shm_dir, user_base_dir
 from ftmem.errors import UnsafePathError
 from ftmem.secure_fs import check_dir
 from ftmem.shm import parse_slot_name
-
-_TMPFS_ROOT = "/dev/shm"
-"""``--shm-dir /dev/shm`` (the CLI's default) stands for this user's private directory in it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +50,9 @@ def _held(lock: Path) -> bool:
     return False
 
 
-def live_runs(base: Path | None = None) -> set[tuple[str, str]]:
+def live_runs() -> set[tuple[str, str]]:
     """(run id, node) of every run and node a live SMP of this user serves (its lock held)."""
-    locks = (base or user_base_dir()) / "locks"
+    locks = user_base_dir() / "locks"
     out = set()
     for lock in sorted(locks.glob("*@*.lock")) if locks.is_dir() else []:
         run, _, node = lock.name.removesuffix(".lock").partition("@")
@@ -103,9 +97,7 @@ def _run_and_node(name: str, live: set[tuple[str, str]]) -> tuple[str, bool] | N
     return parsed.run_id, (parsed.run_id, parsed.node) in live
 
 
-def find_orphans(
-    shm_dir: Path | None = None, base: Path | None = None, run_id: str | None = None
-) -> list[Orphan]:
+def find_orphans(shm_dir: Path | None = None, run_id: str | None = None) -> list[Orphan]:
     """This user's slot files, records and host key files in ``shm_dir`` (default
     :func:`ftmem.config.default_shm_dir`) that no live SMP serves and no process uses; only
     run ``run_id``'s when given.
@@ -118,7 +110,7 @@ def find_orphans(
     if not os.path.lexists(shm_dir):
         return []
     check_dir(shm_dir, "shared-memory directory")
-    live = live_runs(base)
+    live = live_runs()
     used = in_use(shm_dir)
     found = []
     for name in sorted(os.listdir(shm_dir)):
@@ -139,10 +131,9 @@ def find_orphans(
 
 def run_cleanup(args: argparse.Namespace) -> int:
     """List the orphans (and remove them with ``--remove``); exit 0, or 1 if the directory
-    is unsafe. No ``--shm-dir`` (or ``/dev/shm``, the default of older versions) means this
-    user's private directory (``$FTMEM_SHM_DIR`` or ``/dev/shm/ftmem-<uid>``)."""
+    is unsafe. No ``--shm-dir``, or ``/dev/shm``, means this user's private directory."""
     arg = getattr(args, "shm_dir", None)
-    shm_dir = default_shm_dir() if arg in (None, _TMPFS_ROOT) else Path(arg)
+    shm_dir = default_shm_dir() if arg in (None, "/dev/shm") else Path(arg)
     try:
         orphans = find_orphans(shm_dir, run_id=getattr(args, "run_id", None))
     except UnsafePathError as exc:

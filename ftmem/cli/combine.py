@@ -101,10 +101,11 @@ def run(args: argparse.Namespace) -> int:
                 accumulate=acc,
             )
             how = Linear(found.best.coeffs)
+            coeffs = ",".join(f"{c:.6g}" for c in found.best.coeffs)
             print(
-                f"search: best score {found.best.score:g} with coefficients "
-                f"{_fmt(found.best.coeffs)} (the newest checkpoint alone: "
-                f"{found.baseline.score:g}; {len(found.trials)} evaluations)"
+                f"search: best score {found.best.score:g} with coefficients {coeffs} (the "
+                f"newest checkpoint alone: {found.baseline.score:g}; {len(found.trials)} "
+                "evaluations)"
             )
         result = write_combined(inputs, how, args.out, acc)
     except (FtmemError, OSError, ValueError) as exc:
@@ -115,7 +116,3 @@ def run(args: argparse.Namespace) -> int:
         f"{result.nbytes / 2**20:.1f} MiB"
     )
     return 0
-
-
-def _fmt(coeffs: tuple[float, ...]) -> str:
-    return ",".join(f"{c:.6g}" for c in coeffs)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from ftmem.config import default_run_dir
 from ftmem.protocol import messages as m
 from ftmem.protocol.status import FlushRunning
 
@@ -57,7 +55,7 @@ def run_flush(args: argparse.Namespace) -> int:
     from ftmem.errors import FtmemError
     from ftmem.protocol.smp_client import SmpClient
 
-    run_dirs: list[Path] = list(args.run_dir or [default_run_dir()])
+    run_dirs: list[Path] = list(args.run_dir)
     step = args.step
     if step < 0 and len(run_dirs) > 1:
         try:
@@ -69,56 +67,39 @@ def run_flush(args: argparse.Namespace) -> int:
             print("ftmem flush: no step is committed by every rank", file=sys.stderr)
             return 1
         step = found
-    boxes: list[dict[str, Any]] = [{} for _ in run_dirs]
-    left = [len(run_dirs)]
-    lock = threading.Lock()
-    finished = threading.Event()
 
-    def ask(rd: Path, box: dict[str, Any]) -> None:
-        try:
-            with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
-                box["ok"] = c.call(m.Flush(step=step, tier=args.tier))
-        except FtmemError as exc:
-            box["error"] = exc
-        finally:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    finished.set()
+    def ask(rd: Path) -> m.FlushReply:
+        with SmpClient(rd, timeout=timedelta(seconds=args.timeout)) as c:
+            return c.call(m.Flush(step=step, tier=args.tier))
 
-    threads = [
-        threading.Thread(target=ask, args=(rd, box), daemon=True)
-        for rd, box in zip(run_dirs, boxes, strict=True)
-    ]
-    for t in threads:
-        t.start()
     t0 = time.monotonic()
     shown: dict[Path, str] = {}
     tty = sys.stderr.isatty()
-    while not finished.wait(0.5):
-        for rd in run_dirs:
-            try:
-                with SmpClient(rd, timeout=timedelta(seconds=2)) as c:
-                    fl = c.status().flush
-            except FtmemError:
-                continue
-            running = fl.running
-            if running is None:
-                continue
-            line = f"[{time.monotonic() - t0:6.1f}s] {rd.name} step {running.step}: "
-            line += _bar(running, list(fl.tiers))
-            if line.split("] ", 1)[1] != shown.get(rd):
-                shown[rd] = line.split("] ", 1)[1]
-                print(("\r" if tty and len(run_dirs) == 1 else "") + line, file=sys.stderr)
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(len(run_dirs)) as pool:
+        asked = [pool.submit(ask, rd) for rd in run_dirs]
+        while wait(asked, 0.5).not_done:
+            for rd in run_dirs:
+                try:
+                    with SmpClient(rd, timeout=timedelta(seconds=2)) as c:
+                        fl = c.status().flush
+                except FtmemError:
+                    continue
+                running = fl.running
+                if running is None:
+                    continue
+                now = f"{rd.name} step {running.step}: {_bar(running, list(fl.tiers))}"
+                if now != shown.get(rd):
+                    shown[rd] = now
+                    cr = "\r" if tty and len(run_dirs) == 1 else ""
+                    print(f"{cr}[{time.monotonic() - t0:6.1f}s] {now}", file=sys.stderr)
     code = 0
-    for rd, box in zip(run_dirs, boxes, strict=True):
-        if "error" in box:
-            print(f"ftmem flush: {rd}: {box['error']}", file=sys.stderr)
+    for rd, fut in zip(run_dirs, asked, strict=True):
+        try:
+            res = fut.result()
+        except FtmemError as exc:
+            print(f"ftmem flush: {rd}: {exc}", file=sys.stderr)
             code = 1
             continue
-        res: m.FlushReply = box["ok"]
         for path in res.paths:
             print(path)
         print(

@@ -1,45 +1,17 @@
-"""``ftmem plan``: a goodput model of ftmem against periodic disk checkpoints.
+"""``ftmem plan``: a first-order goodput model of ftmem against periodic disk checkpoints.
 
-This is a model, stated as one, fed by figures of the kind this repository's benches measure
-(docs/benchmarks.md); it is not a measurement of any cluster.
+A model, stated as one (Young 1974, Daly 2006; docs/benchmarks.md, "Goodput model", states
+it and what it leaves out), not a measurement of any cluster. The job's MTBF is
+``M = node MTBF / nodes``; ``goodput = 1 - waste``, clipped to [0, 1]:
 
-**The model** (first order, as in Young 1974 and Daly 2006: valid while the checkpoint
-interval and the recovery are small against the job's MTBF). Failures arrive at random with
-the job's mean time between failures ``M = node MTBF / nodes`` (any node's failure stops the
-synchronous job). *Goodput* is the fraction of wall time spent on training that is kept:
-``goodput = 1 - waste``, clipped to [0, 1], where ``waste`` is the checkpointing overhead
-plus the time each failure costs, per unit of time.
+- **ftmem** snapshots every step: waste ``F + (R + s / 2) / M`` (``F`` the snapshots' share
+  of a step, ``R`` the recovery, ``s`` the step time);
+- **disk** checkpoints every ``T`` s, each blocking training for ``C`` s: waste
+  ``C / T + (restart + L + T / 2) / M``, smallest at ``T = sqrt(2 C M)``, where it is
+  ``sqrt(2 C / M) + (restart + L) / M``.
 
-- **ftmem** snapshots every step. Waste = ``F + (R + s / 2) / M``: ``F`` the fraction of each
-  step the snapshots cost (measured end to end), ``R`` the recovery (failure to all ranks
-  stepping again, restore from memory included) and ``s / 2`` the half step in progress that
-  is lost on average.
-- **Disk** checkpoints every ``T`` seconds of training, each blocking training for ``C``
-  seconds. Waste = ``C / T + (restart + L + T / 2) / M``, with ``L`` the reload and ``T / 2``
-  the work redone on average; it is smallest at the Young/Daly interval ``T = sqrt(2 C M)``,
-  where it equals ``sqrt(2 C / M) + (restart + L) / M``.
-
-Not modelled: failures that lose a whole node's memory (ftmem then needs erasure coding
-across nodes, whose protected step may lag the newest one, or a disk tier), checkpoints
-written in the background (``dcp.async_save``: a small ``C`` but a copy that competes with
-training, like ftmem's), several failures during one recovery, and restarts that grow with the
-cluster (both systems pay them; only the difference matters).
-
-**Defaults**: inputs of the kind the benches measure, for a ~0.5 GiB state (model + AdamW,
-fp32) on a 2-core CPU machine (:data:`SOURCES` says where each came from); give your own:
-
-- ``F = 0.045``: the snapshots' share of a step, end to end (``bench/overhead.py``).
-- ``s = 1.54 s``: the step time without snapshots of the same job.
-- ``R = 6.65 s``: ftmem-launch rank death -> all ranks stepping again (``bench/recovery.py``)
-  plus ``ftmem.load`` in place of the state (``bench/snapshot.py``).
-- ``restart = 5.77 s``: torchrun + DCP rank death -> all ranks stepping again
-  (``bench/recovery.py``), minus its own ``dcp.load``.
-- ``C = 0.45 s``: ``dcp.save`` to the local disk with fsync (``bench/snapshot.py``).
-- ``L = 0.27 s``: ``dcp.load`` in place from /dev/shm (``bench/snapshot.py``; optimistic for a
-  reload from storage).
-
-The node MTBF has no default: docs/benchmarks.md's example assumes ~6300 h per 8-GPU node, from
-Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs (Dubey et al., 2024).
+The defaults are figures of the kind this repository's benches measure (:data:`SOURCES`);
+the node MTBF has none.
 """
 
 from __future__ import annotations
@@ -71,7 +43,7 @@ SOURCES = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanInputs:
-    """The model's inputs (seconds unless stated); defaults: see the module's docstring."""
+    """The model's inputs (seconds unless stated); the defaults' sources: :data:`SOURCES`."""
 
     node_mtbf_s: float
     """Mean time between failures of one node."""

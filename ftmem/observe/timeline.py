@@ -1,13 +1,10 @@
-"""``ftmem timeline``: a picture of a run from its event logs, one lane per node.
+"""``ftmem timeline``'s reading of a run's event logs.
 
 Reads, from every run directory given (one per node), the agent's ``events.jsonl`` and the
 SMP's ``smp-events.jsonl`` (format in docs/api.md), and turns them into *marks*
-(:func:`marks_of`, pure): each commit, protection and flush of a step; each failure (a rank
-died, hung, the SMP died, another node failed or was lost), its detection, the restart of the
-ranks, the restore of a step and the resume of training. :func:`format_summary` prints them as
-text (no matplotlib needed); :func:`ftmem.observe.timeline_plot.draw` plots them, one lane
-per node, with the step on the y axis and the seconds since the run's first event on the x
-axis.
+(:func:`marks_of`, pure): each commit, protection and flush of a step; each failure, its
+detection, the restart of the ranks, the restore of a step and the resume of training.
+:func:`format_summary` prints them as text; :mod:`ftmem.observe.timeline_plot` draws them.
 
 Lines that are not JSON objects with a numeric ``time`` and a string ``event`` are skipped and
 counted, never fatal: a log cut short by a killed process still draws.

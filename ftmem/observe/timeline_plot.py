@@ -31,12 +31,19 @@ _STYLE: dict[str, tuple[str, str]] = {
 
 
 _LEGEND = {"commit": "committed (per rank)", "restore": "restored / rebuilt"}
+_VLINE: dict[str, dict[str, Any]] = {
+    "detection": {"color": "tab:orange", "linestyle": "--", "linewidth": 1},
+    "start": {"color": "tab:gray", "linestyle": ":", "linewidth": 1.2},
+    "resume": {"color": "tab:green", "linewidth": 1.2},
+    "stop": {"color": "black", "linewidth": 1.2},
+}
+"""The vertical line of each category drawn as one (``restart`` as ``start``)."""
 _LINES: list[tuple[set[str], str, dict[str, Any]]] = [
     ({"failure"}, "failure", {"color": "tab:red", "marker": "X", "linestyle": ""}),
-    ({"detection"}, "detected", {"color": "tab:orange", "linestyle": "--"}),
-    ({"start", "restart"}, "ranks (re)started", {"color": "tab:gray", "linestyle": ":"}),
-    ({"resume"}, "resumed (shaded: detection to resume)", {"color": "tab:green"}),
-    ({"stop"}, "stopped (no progress)", {"color": "black"}),
+    ({"detection"}, "detected", _VLINE["detection"]),
+    ({"start", "restart"}, "ranks (re)started", _VLINE["start"]),
+    ({"resume"}, "resumed (shaded: detection to resume)", _VLINE["resume"]),
+    ({"stop"}, "stopped (no progress)", _VLINE["stop"]),
 ]
 
 
@@ -80,6 +87,9 @@ def _draw_lane(ax: Any, marks: list[Mark], t0: float) -> None:
     failures = 0
     for m in marks:
         x = m.time - t0
+        vline = _VLINE.get("start" if m.category == "restart" else m.category)
+        if vline is not None:
+            ax.axvline(x, **vline)
         if m.category == "failure":
             ax.scatter([x], [top], color="tab:red", marker="X", s=70, zorder=4)
             ax.annotate(
@@ -90,18 +100,10 @@ def _draw_lane(ax: Any, marks: list[Mark], t0: float) -> None:
                 fontsize=7,
             )
             failures += 1
-        elif m.category == "detection":
-            ax.axvline(x, color="tab:orange", linestyle="--", linewidth=1)
-            if m.start is not None and m.start < m.time - 0.05:  # a hang: idle until detected
-                ax.axvspan(m.start - t0, x, color="tab:orange", alpha=0.08)
-        elif m.category in ("start", "restart"):
-            ax.axvline(x, color="tab:gray", linestyle=":", linewidth=1.2)
-        elif m.category == "resume":
-            ax.axvline(x, color="tab:green", linewidth=1.2)
-            if m.start is not None:
-                _draw_recovery(ax, m, m.start - t0, x, top)
-        elif m.category == "stop":
-            ax.axvline(x, color="black", linewidth=1.2)
+        elif m.category == "detection" and m.start is not None and m.start < m.time - 0.05:
+            ax.axvspan(m.start - t0, x, color="tab:orange", alpha=0.08)  # a hang: idle till then
+        elif m.category == "resume" and m.start is not None:
+            _draw_recovery(ax, m, m.start - t0, x, top)
     restored: set[int | None] = set()
     for m in marks:
         if m.category == "restore" and m.step not in restored:
