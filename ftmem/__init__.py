@@ -20,15 +20,8 @@ Ranks that should survive the failure of other ranks (in-process restart, under
 
     ftmem.run(train, state)
 
-Layout of the package, by layer (each imports only its own package and the layers above it
-in this list; tests/unit/test_layers.py checks it): errors.py, config.py; format/ (slot
-layouts, skeleton codec), protocol/ (messages, the SMP client), shm.py, faults.py; exchange/
-(erasure coding, peer mesh), tiers/ (disk checkpoints in DCP format); client/ (runs in the
-ranks), smp/ (the per-node snapshot management process), observe/ (event-log readers); this
-module (the public API), integrations/ (Hugging Face Trainer, Lightning); launch/
-(``ftmem-launch``), cli/ (``ftmem``); testing/. Helpers beside errors.py and config.py:
-_logging.py (loggers, the ``[node/rank step]`` prefix), _process.py (process helpers),
-events.py (JSON-lines event logs), secure_fs.py (owner and mode checks on trusted paths).
+The package's layers, which import one way only (tests/unit/test_layers.py checks it), are
+described in docs/design.md, "Layout".
 """
 
 from __future__ import annotations
@@ -136,16 +129,12 @@ def run(
 
     Under ``ftmem-launch`` only (anywhere else it raises ``FtmemError`` saying so). Creates
     the default process group from the environment if it does not exist (``backend``:
-    ``nccl`` with CUDA, else ``gloo``; ``pg_timeout``: its timeout). When a collective fails
-    because a peer died, this rank waits for its pending snapshot, tears the process group
-    down (bounded), waits for the agent's new generation (``--ftmem-rejoin-timeout``),
-    creates the group again, restores the newest step every rank holds from its SMP and
-    calls ``train`` again: the model, optimizer, compiled code and loader workers survive.
-    Any other exception, or a rejoin that fails, propagates (the process exits and is
-    started cold). Build process-group-bound objects (DDP, FSDP, ``new_group``) inside
-    ``train``. ``replicated_over``: a function returning the group a sharded snapshot is
-    saved over (called after every join), e.g. ``lambda: dist.group.WORLD``.
-    See docs/api.md, "In-process restart".
+    ``nccl`` with CUDA, else ``gloo``; ``pg_timeout``: its timeout). A failure that is not a
+    peer's, or a rejoin that fails, propagates (the process is started cold). Build
+    process-group-bound objects (DDP, FSDP, ``new_group``) inside ``train``.
+    ``replicated_over``: a function returning the group a sharded snapshot is saved over
+    (called after every join), e.g. ``lambda: dist.group.WORLD``. See docs/launcher.md,
+    "In-process restart", and :mod:`ftmem.client.in_process`.
     """
     from ftmem.client.in_process import run_in_process
 

@@ -1,34 +1,14 @@
 """CheckFree: rebuild a lost pipeline stage from its two neighbours when no snapshot is left.
 
-"All is Not Lost: LLM Recovery without Checkpoints" (CheckFree) replaces a lost intermediate
-stage of a pipeline-parallel model by a weighted average of its neighbouring stages, weighted
-by their gradient norms, and carries on training; the paper reports that at 5-10% failure rates
-this converges faster in wall-clock time than checkpointing or redundant computation. ftmem
-uses it as a *last resort*, opt-in with ``ftmem-launch --ftmem-checkfree`` (which sets
-``FTMEM_CHECKFREE=1`` in every rank): only when a stage's snapshot is gone from memory (its
-node lost, and more nodes lost than erasure coding covers, or erasure coding off) and from the
-disk tiers. Without the flag such a loss stops the job as before.
-
-How a job takes part: one stage per rank, no data-parallel replicas of a stage, and a
-:class:`CheckFreeStage` in the state it passes to ``ftmem.save``/``ftmem.load``, whose
-:meth:`~CheckFreeStage.record_gradients` it calls after each backward (the norms go into the
-snapshots). At ``ftmem.load``, when some ranks hold snapshots and others none
-(:func:`rebuild_lost_stages`, called by the loader):
-
-1. the ranks that hold snapshots restore the newest step they all hold, as usual;
-2. every rank learns every rank's stage (an all-gather of two integers); a lost stage must be
-   an intermediate one whose two neighbours were restored, else the load fails on every rank
-   with the usual error (the first and last stages would need CheckFree+'s neighbour copies of
-   the (de)embedding layers, which ftmem does not keep);
-3. each neighbour sends its stage's gradient norm and state-dict tensors (point-to-point, in
-   state-dict order; the shapes are checked first, on every rank at once) to the lost rank,
-   which sets each floating tensor to ``(g_prev * W_prev + g_next * W_next) / (g_prev +
-   g_next)`` (float64, cast back; equal weights when both norms are 0) and takes any other
-   tensor from the previous stage;
-4. the rebuilt rank's optimizer state is reset (its optimizer was built fresh and stays
-   empty) and its LR scheduler is stepped to the restored step; its RNG and data position are
-   whatever the fresh process has. All of this is logged at ERROR level, as it is not a
-   restore: the run continues with an approximation of the lost stage.
+A last resort, opt-in with ``ftmem-launch --ftmem-checkfree`` (``FTMEM_CHECKFREE=1``): only
+when a stage's snapshot is gone from memory and from the disk tiers. The job runs one stage
+per rank, with a :class:`CheckFreeStage` in its state. At ``ftmem.load``
+(:func:`rebuild_lost_stages`) the holders restore the newest step they all hold; each lost
+intermediate stage is then set to its neighbours' average weighted by their gradient norms,
+``(g_prev * W_prev + g_next * W_next) / (g_prev + g_next)`` (float64, cast back; equal weights
+when both norms are 0; non-floating tensors from the previous stage), its optimizer state is
+reset and its scheduler stepped to the restored step. A lost first or last stage, or two
+neighbouring lost stages, fail the load on every rank. See docs/api.md, "CheckFree".
 """
 
 from __future__ import annotations

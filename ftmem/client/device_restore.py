@@ -1,11 +1,9 @@
 """Restoring a verified snapshot into CUDA tensors through page-locked staging buffers.
 
-The slot's pages are not page-locked in a restarted process (locking a mapping takes about as
-long as a pageable copy), and a pageable host-to-device copy runs at a fraction of the link's
-speed (``bench/device_check.sh`` measures both).
-:func:`to_device` checks a run of pieces on a thread, copies it into a free page-locked staging
-buffer and queues that buffer's copy on a side stream, so the checks and host copies of
-several threads overlap the transfers (docs/design.md, "Restore").
+A restarted process's slot mappings are not page-locked (locking one costs as much as a
+pageable copy), and a pageable host-to-device copy is slow: :func:`to_device` checks a run of
+pieces on a thread, copies it into a free page-locked staging buffer and queues that buffer's
+copy on a side stream, so checks and host copies overlap the transfers.
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of t
 
 
 def restore_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's restore pool of ``threads`` threads, made once: starting threads costs
-    a noticeable part of a small state's whole restore. Its threads idle between restores
-    and stop at interpreter exit."""
+    """The process's restore pool of ``threads`` threads, made once (starting threads costs
+    much of a small state's restore); they idle between restores."""
     with _lock:
         pool = _pools.get(threads)
         if pool is None:
@@ -56,7 +53,7 @@ STAGING_BYTES = 16 << 20
 
 def device_threads() -> int:
     """Threads that check and stage a restore into CUDA tensors: up to 12 (the training loop
-    is not running; ``bench/gpu_phases.py --variants`` times other counts and buffer sizes)."""
+    is not running)."""
     return max(1, min(12, len(os.sched_getaffinity(0))))
 
 

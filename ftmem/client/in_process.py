@@ -1,28 +1,13 @@
 """``ftmem.run``: a training function whose process survives the failure of other ranks.
 
-:func:`run_in_process` calls ``train(start_step)`` after restoring ``state``. When a
-collective fails because another rank died (its process group reports a peer failure,
-:func:`is_peer_failure`), it does not let the process die as a plain script would:
-
-1. it waits (bounded) for this rank's pending snapshot to commit, then tears the process
-   group down (:func:`teardown_process_group`: ``destroy_process_group`` under gloo, an
-   abort under NCCL; bounded by a timeout, and a CUDA error fails the rejoin);
-2. it waits for ``ftmem-launch`` to hand it the next generation
-   (:class:`~ftmem.protocol.rejoin.RejoinOrder`: the new ``MASTER_ADDR/PORT``, world size,
-   restart count; the global rank stays the same), bounded by ``FTMEM_REJOIN_TIMEOUT``;
-3. it applies that environment, creates the default process group again, says hello to its
-   SMP again, restores the newest step every rank holds (in place, from memory), and calls
-   ``train`` again.
-
-Anything else (another exception, a failed teardown, no order in time, a changed rank)
-propagates: the process exits and ftmem-launch starts it cold, as for any rank. The agent
-keeps only ranks that run under this function and stepped in the current generation; it
-SIGKILLs one that does not rejoin in time. The model, optimizer, compiled code and data
-loader workers survive; process-group-bound objects (DDP, FSDP, sub-groups) must be built
-inside ``train``, which runs once per generation, and not be kept anywhere else: gloo
-closes a group's connections only when nothing refers to it any more, and until then a peer
-blocked on this rank does not notice the failure (it is then SIGKILLed at the agent's
-rejoin deadline and started cold).
+When a collective fails because a peer died (:func:`is_peer_failure`),
+:func:`run_in_process` waits for the pending snapshot, tears the process group down
+(:func:`teardown_process_group`, bounded), waits for ftmem-launch's next generation
+(:class:`~ftmem.protocol.rejoin.RejoinOrder`, bounded by ``FTMEM_REJOIN_TIMEOUT``), creates the
+group again, restores from memory and calls ``train`` again. Anything else propagates and the
+process is started cold. Process-group-bound objects must live only inside ``train``: gloo
+closes a group's connections only once nothing refers to it, and until then a peer blocked on
+this rank does not notice the failure. See docs/launcher.md, "In-process restart".
 """
 
 from __future__ import annotations
@@ -197,9 +182,7 @@ def teardown_process_group(backend: str, timeout_s: float = TEARDOWN_TIMEOUT_S) 
         _bounded("the NCCL abort", abort, timeout_s)
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             _bounded("a CUDA synchronize after the abort", torch.cuda.synchronize, timeout_s)
-        if dist.is_initialized():
-            _bounded("the process group teardown", dist.destroy_process_group, timeout_s)
-    else:
+    if dist.is_initialized():
         _bounded("the process group teardown", dist.destroy_process_group, timeout_s)
 
 
@@ -321,11 +304,8 @@ def _rejoin(
 ) -> None:
     checkpointer.leave_generation()
     teardown_process_group(backend)
-    # gloo closes a group's connections only when nothing refers to it any more, and a peer
-    # blocked on this rank notices the failure only then: collect what train left behind
-    # (its DDP module holds the group). One full collection, after the teardown has dropped
-    # torch's own references: each is on the path of the restart (part of the 'script' phase
-    # that bench/recovery.py measures in process).
+    # Free the old group (see the module docstring): collect what train left behind (its DDP
+    # module holds the group), once, after the teardown dropped torch's own references.
     gc.collect()
     generation = int(os.environ.get(ENV_GENERATION, "-1") or -1)
     timeout = env_seconds(ENV_REJOIN_TIMEOUT, 120.0).total_seconds()

@@ -78,17 +78,10 @@ class SnapshotLoader:
     def load(self, state: MutableMapping[str, Any], *, allow_fresh_start: bool) -> int:
         """Restore the newest step every rank can restore (in place); return it, or 0.
 
-        Memory first: each rank offers the steps its SMP holds, the ranks agree on the newest
-        common one (over the default process group), every rank checks its snapshot against
-        the state and its checksums, and all of them agree again before anything is applied;
-        a step that fails anywhere is excluded and the next older one tried. Without a common
-        step in memory, the flushed checkpoints of ``flush_dirs`` are tried the same way.
-
-        Raises:
-            InconsistentSnapshotError: some ranks hold snapshots and others none (unless
-                fresh starts are allowed), or no step is common to all ranks.
-            CorruptSnapshotError: no common step passes its checksums on every rank.
-            SnapshotMismatchError: the snapshot does not fit ``state``.
+        The ranks agree on the newest step they all hold, each checks its snapshot, and they
+        agree again before anything is applied; a step that fails anywhere is excluded and
+        the next older one tried. Without a common step in memory, the flushed checkpoints of
+        ``flush_dirs`` are tried the same way. Raises as :meth:`Checkpointer.load` does.
         """
         allow = allow_fresh_start
         request = rejoin.requested()
@@ -294,12 +287,7 @@ class SnapshotLoader:
             agreed = agreement.min_over_ranks(code)
             if agreed == _OK:
                 assert restore is not None
-                apply_restore(
-                    restore[0],
-                    restore[1],  # type: ignore[arg-type]
-                    threads=restore_threads(),
-                    group=self._group,
-                )
+                apply_restore(*restore, threads=restore_threads(), group=self._group)
                 self._client.request(m.DiscardNewer(rank=self._rank, step=step))
                 log.warning(
                     "memory could not serve every rank: restored step %d from %s", step, ck.path

@@ -1,17 +1,9 @@
 """Mistakes in a training loop that silently break an exact resume, caught at run time.
 
-Each is logged once per process as a warning that names the fix (docs/api.md, "Pitfalls"):
-
-- a DDP module built with ``find_unused_parameters=False`` on 3 or more ranks: DDP rebuilds
-  its gradient buckets after a process's first iteration, so the first step after a restart
-  sums the gradients in another order than the run without the failure did (float addition
-  is not associative: a bitwise divergence was measured);
-- a ``DataLoader`` in the state without its own ``generator``: creating its iterator draws a
-  seed from the global RNG, which ``ftmem.RNGState`` has just restored, so every later draw
-  (dropout masks, ...) shifts by one against the run without the failure;
-- a state with no optimizer: nothing fences the background copy, which may then race the
-  code that changes the parameters;
-- shared memory too small for the slots (the SMP's refusal, with how to size /dev/shm).
+Each is logged once per process as a warning that names the fix (docs/api.md, "Pitfalls
+caught at run time"): a DDP module with ``find_unused_parameters=False`` on 3 or more ranks
+(:func:`check_ddp`), a ``DataLoader`` without its own generator (:func:`check_loaders`), a
+state with no optimizer (:func:`check_optimizer`), and shared memory too small for the slots.
 """
 
 from __future__ import annotations

@@ -3,25 +3,15 @@ through.
 
 :class:`CopyPlanner` reads a state for a save and owns every cache that makes the next read
 cheap: the full walk (:func:`~ftmem.client.flatten.flatten_state`), this replica's share
-(:class:`ReplicaSharder`), the :class:`CopyPlan` and the steady-state
-check (:class:`~ftmem.client.steady.SteadyState`). The snapshotter keeps the rest of a save:
-the slot grant, the staging of the copy, the commit.
+(:class:`ReplicaSharder`), the :class:`CopyPlan` (which tensors are copied when, and their
+:class:`Placement` in a slot, reused while :func:`signature_of` is the same) and the
+steady-state check (:class:`~ftmem.client.steady.SteadyState`). Planning reads the tensors'
+storages, never copies a byte.
 
-A state's tensors fall into four groups by where they live and who changes them: CPU
-tensors the optimizers own (copied lazily by the copy thread, fenced by the optimizer
-pre-hook), other CPU tensors (copied inside ``save``), and the same two on a device (copied
-by a side stream). Planning is pure: it reads the tensors' storages, never copies a byte.
-
-**Sharding.** Under data parallelism the parameters of the modules in a state, and their
-optimizer state, are the same on every rank of the replica group: each rank saves only its
-share of those bytes (``ClientConfig.shard_replicated``) and ``load`` gathers them back over
-the same group. The group is the one given, else a DDP module's; DTensors replicated along a
-mesh dimension (HSDP's replicate dimension) use that dimension's group. The split itself:
-:func:`split_rows` (which rows each replica keeps) and :func:`shard_replicated` (a flat state
-cut down to this replica's rows).
-
-**Placement.** :func:`plan_layout` places every tensor in a slot; the placement is reused
-while the state's signature (:func:`signature_of`) stays the same.
+**Sharding.** Under data parallelism each rank of the replica group (the one given, else a
+DDP module's; for HSDP, the DTensors' replicate dimension) saves only its share of the
+replicated parameters and optimizer state (:func:`split_rows`, :func:`shard_replicated`);
+``load`` gathers them back (docs/design.md, "Sharded snapshots and DTensor").
 """
 
 from __future__ import annotations
@@ -94,10 +84,6 @@ class Placement:
     def tensors_json(self) -> str:
         """The layout's ``tensors`` array (no checksums), made once per layout."""
         return tensors_json(self.extents)
-
-    def signature(self) -> tuple[tuple[str, str, tuple[int, ...], ChunkOf | None], ...]:
-        """What must stay equal for the layout to be reused."""
-        return tuple((e.name, e.dtype, e.shape, e.chunk) for e in self.extents)
 
 
 def signature_of(

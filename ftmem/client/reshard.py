@@ -1,27 +1,19 @@
 """Restore a step saved at another world size: DCP reshards it from the SMPs' memory.
 
-When the job's size changed (a machine was lost and no spare came; one came back), the ranks
-of the new world cannot restore their own snapshots: rank ``r`` of 3 is not rank ``r`` of 4.
-:func:`load_resharded` loads the step instead the way ``dcp.load`` loads a flushed checkpoint
-at another world size, but from memory (:class:`~ftmem.tiers.memory_dcp.MemoryCheckpoint`):
+When the job's size changed, rank ``r`` of the new world is not rank ``r`` of the old one.
+:func:`load_resharded` loads the step as ``dcp.load`` loads a flushed checkpoint at another
+world size, but from memory (:class:`~ftmem.tiers.memory_dcp.MemoryCheckpoint`):
 
-1. every rank lists the snapshots its host's SMPs hold (its own SMP, and any SMP the launcher
-   names, e.g. one that rebuilt a lost machine's snapshots from parity); the ranks exchange the
-   lists (JSON) and take the newest step of which every old rank ``0..W-1`` is held somewhere;
-2. every old rank's *skeleton* (its non-tensor values, never unpickled) is read first, and each
-   top-level entry of the state is checked: an entry whose value differed between the old ranks
-   (a per-rank data position, RNG states) is resharded by the object's own
-   ``load_resharded_state(states, rank, world_size)`` (``states``: every old rank's
-   ``state_dict()``, by old rank); an object without it is refused with a clear
-   :class:`~ftmem.errors.SnapshotMismatchError` *before anything is changed*;
-3. ``dcp.load`` fills the state: the model and optimizer (its state created first, as DCP's
-   own ``get_optimizer_state_dict`` does) come out exactly as ``dcp.load`` of a flushed
-   checkpoint of the same step at this world size; entries equal on every old rank take old
-   rank 0's value;
-4. each Stateful's ``load_state_dict`` is called, and this rank's SMP drops the snapshots newer
-   than the step (as a normal load does).
+1. the ranks exchange what their host's SMPs hold and take the newest step of which every
+   old rank is held somewhere;
+2. every old rank's skeleton is read first: a top-level entry whose value differed between
+   the old ranks (a data position, RNG states) is resharded by its object's
+   ``load_resharded_state(states, rank, world_size)``; an object without it is refused
+   (:class:`~ftmem.errors.SnapshotMismatchError`) before anything is changed;
+3. ``dcp.load`` fills the rest of the state, as from the flushed checkpoint of that step;
+   entries equal on every old rank take old rank 0's value.
 
-Every rank of the job calls it together (it is collective, over a gloo group).
+A collective of every rank of the job, over a gloo group.
 """
 
 from __future__ import annotations
@@ -218,11 +210,10 @@ def _load_flushed(
 ) -> int:
     """The fallback of :func:`load_resharded`: the newest whole flushed checkpoint of the old
     size every rank finds, verified, resharded by ``dcp.load``; ``why`` if there is none."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
     from ftmem.errors import UnsafePathError
     from ftmem.tiers.checkpoints import list_checkpoints, read_manifest, verify_checkpoint
     from ftmem.tiers.dcp_meta import metadata_from_json
+    from ftmem.tiers.dcp_read import CheckedReader
     from ftmem.tiers.memory_dcp import all_gather_json
 
     found: dict[int, Any] = {}
@@ -250,12 +241,7 @@ def _load_flushed(
     meta = metadata_from_json(ck.dcp_json)  # not .metadata: nothing unpickled
     listed = read_manifest(ck.path).chunked
     chunked = frozenset(listed) if listed is not None else _chunked(meta)
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return meta
-
-    _reshard_into(state, meta, lambda: Reader(ck.path), chunked, ck.step, world_size, group)
+    _reshard_into(state, meta, lambda: CheckedReader(ck), chunked, ck.step, world_size, group)
     dist.barrier(group)
     log.info("resharded step %d from %d ranks, from %s", ck.step, world_size, ck.path)
     return int(ck.step)

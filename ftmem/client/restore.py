@@ -2,9 +2,7 @@
 
 :func:`plan_restore` matches the snapshot to the state without changing anything (its
 objects were checked first). :func:`copy_verified` then copies every tensor into its place
-in one pass, on several threads, in tasks of at least 4 MiB (a large tensor's checksummed
-pieces one by one, small tensors batched): a task hashes its pieces and, only if every one
-matches, copies them while they are still in cache. No corrupt byte is ever written into a
+in one pass, each piece only once its checksum matched: no corrupt byte is ever written into a
 live tensor. Only when every piece passed on every rank does :func:`finish_restore` gather the
 replicated rows and call ``load_state_dict`` on the Stateful objects; otherwise the caller
 restores an older step over the same tensors. If no step passes, ``load`` raises and the
@@ -15,10 +13,10 @@ step that was tried (see docs/design.md, "Restore").
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable, MutableMapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,107 +135,95 @@ def plan_restore(
     """
     faults.maybe_inject(faults.Point.IN_RESTORE, faults.process_rank(), snap.step)
     skeleton = decode_skeleton(objects)
-    plan = RestorePlan()
     stored = snap.tensors
-
-    seen: set[tuple[Any, ...]] = set()
-    like: Callable[[tuple[Any, ...]], Any] = _no_param
-
-    plan.stored = snap.tensors
+    plan = RestorePlan(stored=stored)
     if REPLICAS_KEY in skeleton:
         plan.replicas = _replica_table(skeleton[REPLICAS_KEY])
+    # Reset for each key of the state, read by place(): the key's live tensors by path, the
+    # paths met, the tensors restored (in place, newly allocated), an optimizer's parameters.
+    live: dict[tuple[Any, ...], torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    counts = [0, 0]
+    like: Callable[[tuple[Any, ...]], Any] = _no_param
 
-    def build(
-        skel: Any,
-        live: dict[tuple[Any, ...], torch.Tensor],
+    def place(
+        name: str,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
         path: tuple[Any, ...],
-        counts: list[int],
-    ) -> Any:
+        like_param: bool,
+    ) -> tuple[Any, torch.Tensor]:
+        """(what the state gets at ``path``, the tensor the stored bytes go into): the live
+        tensor if it matches, else a new one (``like_param``: a DTensor like the optimizer's
+        parameter, e.g. its state under FSDP2)."""
+        target = live.get(path)
+        local = _matching(name, dtype, shape, target)
+        seen.add(path)
+        if target is not None and local is not None:
+            counts[0] += 1
+            return target, local
+        counts[1] += 1
+        local = torch.empty(shape, dtype=dtype)
+        model = like(path) if like_param else None
+        if model is not None and tuple(_local(model).shape) == tuple(shape):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(
+                local, model.device_mesh, model.placements, run_check=False
+            ), local
+        return local, local
+
+    def build(skel: Any, path: tuple[Any, ...]) -> Any:
         if _is_mark(skel, GATHER_MARK):
             pos = skel[1]
             if plan.replicas is None or not 0 <= pos < len(plan.replicas["tensors"]):
                 raise CorruptSnapshotError(f"skeleton refers to replicated tensor {pos}")
             name, dtype, shape = plan.replicas["tensors"][pos]
-            target = live.get(path)
-            local = _matching(name, dtype, shape, target)
-            seen.add(path)
-            if target is not None and local is not None:
-                counts[0] += 1
-                plan.gathers[pos] = local
-                return target
-            counts[1] += 1
-            local = torch.empty(shape, dtype=dtype)
-            plan.gathers[pos] = local
-            model = like(path)
-            if model is not None and tuple(_local(model).shape) == shape:
-                from torch.distributed.tensor import DTensor
-
-                return DTensor.from_local(
-                    local, model.device_mesh, model.placements, run_check=False
-                )
-            return local
+            out, plan.gathers[pos] = place(name, dtype, shape, path, True)
+            return out
         if _is_mark(skel):
             idx = skel[1]
             if not 0 <= idx < len(stored):
                 raise CorruptSnapshotError(f"skeleton refers to tensor {idx} of {len(stored)}")
             st = stored[idx]
-            target = live.get(path)
-            local = _matching(st.name, torch_dtype(st.dtype), st.shape, target)
-            seen.add(path)
-            if target is not None and local is not None:
-                counts[0] += 1
-                plan.copies.append((st, local))
-                return target
-            counts[1] += 1
-            model = like(path) if st.chunk is not None else None
-            if model is not None and tuple(_local(model).shape) == st.shape:
-                # An optimizer's state of a DTensor parameter (FSDP2): a DTensor like it.
-                from torch.distributed.tensor import DTensor
-
-                local = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
-                plan.copies.append((st, local))
-                return DTensor.from_local(
-                    local, model.device_mesh, model.placements, run_check=False
-                )
-            target = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
-            plan.copies.append((st, target))
-            return target
+            dtype = torch_dtype(st.dtype)
+            out, local = place(st.name, dtype, st.shape, path, st.chunk is not None)
+            plan.copies.append((st, local))
+            return out
         if isinstance(skel, dict):
-            return {k: build(v, live, (*path, k), counts) for k, v in skel.items()}
+            return {k: build(v, (*path, k)) for k, v in skel.items()}
         if isinstance(skel, list):
-            return [build(v, live, (*path, i), counts) for i, v in enumerate(skel)]
+            return [build(v, (*path, i)) for i, v in enumerate(skel)]
         if isinstance(skel, tuple):
-            return tuple(build(v, live, (*path, i), counts) for i, v in enumerate(skel))
+            return tuple(build(v, (*path, i)) for i, v in enumerate(skel))
         return skel
 
     for key, value in state.items():
-        like = _param_of_state(value)  # read by build() for this key's tensors
         if key not in skeleton:
             raise SnapshotMismatchError(f"key {key!r} of the state is not in snapshot {snap.step}")
-        live: dict[tuple[Any, ...], torch.Tensor] = {}
-        counts = [0, 0]  # in place, newly allocated
+        like = _param_of_state(value)
+        live.clear()
+        seen.clear()
+        counts[:] = [0, 0]
+        module = isinstance(value, torch.nn.Module)
+        stateful = is_stateful(value) and not isinstance(value, torch.Tensor)
+        _live_tensors(value.state_dict() if stateful else value, (), live)
+        new = build(skeleton[key], ())
         if isinstance(value, torch.Tensor):
-            _live_tensors(value, (), live)
-            if build(skeleton[key], live, (), counts) is not value:
+            if new is not value:
                 raise SnapshotMismatchError(
                     f"{key!r} is a tensor in the state but not in the snapshot"
                 )
-        elif is_stateful(value):
-            _live_tensors(value.state_dict(), (), live)
-            seen.clear()
-            new_sd = build(skeleton[key], live, (), counts)
-            if isinstance(value, torch.nn.Module) and seen != set(live):
-                missing = sorted(".".join(map(str, p)) for p in set(live) - seen)[:5]
-                extra = sorted(".".join(map(str, p)) for p in seen - set(live))[:5]
-                raise SnapshotMismatchError(
-                    f"module {key!r} does not match snapshot {snap.step}: missing {missing}, unexpected {extra}"
-                )
-            if not (isinstance(value, torch.nn.Module) and counts[1] == 0):
-                plan.finish.append(functools.partial(value.load_state_dict, new_sd))
-        else:
-            _live_tensors(value, (), live)
-            new_value = build(skeleton[key], live, (), counts)
-            plan.finish.append(functools.partial(state.__setitem__, key, new_value))
+        elif not stateful:
+            plan.finish.append(functools.partial(state.__setitem__, key, new))
+        elif module and seen != set(live):
+            missing = sorted(".".join(map(str, p)) for p in set(live) - seen)[:5]
+            extra = sorted(".".join(map(str, p)) for p in seen - set(live))[:5]
+            raise SnapshotMismatchError(
+                f"module {key!r} does not match snapshot {snap.step}: missing {missing}, unexpected {extra}"
+            )
+        elif not (module and counts[1] == 0):
+            plan.finish.append(functools.partial(value.load_state_dict, new))
     return plan
 
 
@@ -266,17 +252,10 @@ def restore_threads() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
-def apply_restore(
-    plan: RestorePlan,
-    seg: MappedSegment,
-    threads: int = 1,
-    piece: int = 16 << 20,
-    group: Any = None,
-    peers: PeerPieces | None = None,
-) -> None:
-    """Copy every planned tensor out of the slot (in parallel pieces), gather the rows of
-    replicated tensors from every replica (a collective over ``group``, the replicas' process
-    group: every replica must call this), then run the finishing calls."""
+def apply_restore(plan: RestorePlan, seg: Any, threads: int = 1, group: Any = None) -> None:
+    """Copy every planned tensor out of ``seg`` (unchecked: a flushed checkpoint's files were
+    verified whole; in 16 MiB pieces on ``threads`` threads), then :func:`finish_restore`."""
+    piece = 16 << 20
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for st, target in plan.copies:
         if st.nbytes == 0:
@@ -287,15 +266,8 @@ def apply_restore(
             jobs += [(dst[i : i + piece], src[i : i + piece]) for i in range(0, st.nbytes, piece)]
         else:
             target.copy_(src.view(torch_dtype(st.dtype)).view(st.shape))
-    if threads > 1 and len(jobs) > 1:
-        # copy_ releases the GIL: pieces are copied on several cores at once.
-        with ThreadPoolExecutor(threads, thread_name_prefix="ftmem-restore") as pool:
-            for _ in pool.map(lambda j: j[0].copy_(j[1]), jobs):
-                pass
-    else:
-        for dst, src in jobs:
-            dst.copy_(src)
-    finish_restore(plan, seg, group, peers)
+    run_all(lambda j: j[0].copy_(j[1]), jobs, threads)  # copy_ releases the GIL
+    finish_restore(plan, seg, group)
 
 
 def finish_restore(
@@ -316,17 +288,12 @@ start, end (within the tensor), expected xxh3-64)."""
 
 def copy_verified(plan: RestorePlan, seg: MappedSegment, threads: int = 1) -> None:
     """Copy every planned tensor out of the slot, checking each piece's checksum before any of
-    its bytes are copied (one read of the slot, the piece still in cache). The pieces go out
-    in tasks of at least ``HASH_PIECE`` bytes: each piece of a tensor larger than that is a
-    task, and consecutive smaller tensors are batched into one (a task per small tensor
-    costs more than its hash and copy). A task
-    hashes all its pieces first and copies nothing unless every one matches; tasks run on up
-    to ``threads`` threads. Both the hash and the copy release the GIL; the copy is numpy's,
-    one thread per task (``Tensor.copy_`` splits itself over torch's intra-op threads: from
-    several pool threads at once, that oversubscribed the cores and took longer than one
-    thread).
-    Stored tensors without a target (this replica's rows of replicated tensors, read later
-    by :func:`gather_replicated`) are only checked; a contiguous CUDA target goes through
+    its bytes are copied (the piece still in cache). A task is one piece of a large tensor, or
+    consecutive small tensors up to ``HASH_PIECE`` bytes; it copies nothing unless all its
+    pieces match. Tasks run on ``threads`` threads; the copy is numpy's (``Tensor.copy_``
+    would spread over torch's intra-op threads and oversubscribe the cores). Stored tensors
+    without a target (this replica's rows, read by :func:`gather_replicated`) are only
+    checked; a contiguous CUDA target goes through
     :func:`ftmem.client.device_restore.to_device`; a strided one is checked whole, then copied.
 
     Raises:
@@ -419,10 +386,7 @@ def gather_replicated(
 
     def row_bytes(pos: int) -> int:
         _, dtype, shape = tensors[pos]
-        numel = 1
-        for d in shape[1:]:
-            numel *= d
-        return int(numel * dtype.itemsize)
+        return int(math.prod(shape[1:]) * dtype.itemsize)
 
     owned: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
     for pos, a, b, owner, _ in pieces:
@@ -474,11 +438,8 @@ def gather_replicated(
     for st in mine_stored:
         mine[at : at + st.nbytes].copy_(seg.tensor[st.offset : st.offset + st.nbytes])
         at += st.nbytes
-    if size > 1:
-        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
-        dist.all_gather(outs, mine, group=group)
-    else:
-        outs = [mine]
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]  # size > 1 here
+    dist.all_gather(outs, mine, group=group)
     for k in range(size):
         at = 0
         for pos, a, _, n in owned[k]:

@@ -16,8 +16,8 @@ import torch
 
 
 def _int64_tensor(values: tuple[int, ...]) -> torch.Tensor:
-    """``torch.tensor(values, dtype=torch.int64)``, through an array (several times faster
-    for the 625 words of Python's generator: every save of a state with an RNGState pays it)."""
+    """``torch.tensor(values, dtype=torch.int64)``, faster (through an array): every save of
+    Python's 625-word generator state pays it."""
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 

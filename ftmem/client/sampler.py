@@ -1,17 +1,15 @@
 """ElasticSampler: a distributed sampler whose position survives a change of world size.
 
-``torch.utils.data.DistributedSampler`` deals rank ``r`` of ``W`` the indices ``r, r+W, ...``
-of the epoch's order; a data loader that saves how many of them a rank has yielded (torchdata's
-StatefulDataLoader) saves a per-rank count that means nothing at another ``W``. This sampler
-counts the samples of the *whole job* instead: after ``k`` batches of ``B`` on ``W`` ranks its
-state is ``consumed = k * B * W`` on every rank, and at any world size ``W'`` rank ``r`` goes on
-with indices ``consumed + r, consumed + r + W', ...`` of the same order. So when ftmem reshards
-a step onto fewer (or more) ranks, no sample of the epoch is skipped or seen twice; the state
-is the same on every rank, so it needs nothing from ftmem's per-rank resharding.
+``DistributedSampler`` deals rank ``r`` of ``W`` the indices ``r, r+W, ...`` of the epoch's
+order, so a per-rank count of them means nothing at another ``W``. This sampler counts the
+samples of the *whole job*: after ``k`` batches of ``B`` on ``W`` ranks, ``consumed = k * B * W``
+on every rank, and at any world size ``W'`` rank ``r`` goes on with indices ``consumed + r,
+consumed + r + W', ...`` of the same order: no sample is skipped or seen twice when ftmem
+reshards a step, and the state is the same on every rank.
 
-The ranks must draw the same number of samples per step (data parallel training does), and the
-count is taken when the loader asks for indices: use ``num_workers=0``, or count what the loop
-consumed (:meth:`ElasticSampler.advance`) rather than what workers prefetched.
+The ranks must draw the same number of samples per step, and the count is taken when the
+loader asks for indices: use ``num_workers=0``, or count what the loop consumed
+(:meth:`ElasticSampler.advance`) rather than what workers prefetched.
 """
 
 from __future__ import annotations

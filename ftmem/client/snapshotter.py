@@ -6,18 +6,12 @@
         train_one_step()
         ckpt.save(state, step=step + 1)  # returns at once; the copy runs in the background
 
-``save`` copies module buffers and small objects eagerly, queues the rest (parameters and
-optimizer state, which only ``optimizer.step()`` changes) for the background copy, and
-registers a step pre-hook on every optimizer in the state: the fence that waits for the
-copy before the optimizer changes those tensors. The rank only moves bytes: the SMP
-checksums each committed snapshot. What a save plans (the sharding split, the layout, which
-tensors are copied lazily, the slot's views) is cached by the state's signature, so a save
-whose state did not change shape costs the state walk, one IPC round trip and the copies.
-
-The newest step passed to ``save`` is never lost silently: when it was skipped (no free
-slot, slots still being allocated, the previous copy still running), ``wait()``,
-``close()`` and interpreter exit save it again, waiting (bounded, logged) for a slot, as
-long as the optimizer has not changed the state since.
+``save`` copies buffers and small objects eagerly, queues the parameters and optimizer state
+(which only ``optimizer.step()`` changes) for the background copy, and registers a step
+pre-hook on every optimizer in the state: the fence that waits for that copy. What a save
+plans is cached (:mod:`ftmem.client.planner`). A skipped newest step is saved again by
+``wait()``, ``close()`` and interpreter exit (bounded, logged) unless the optimizer has changed
+the state since.
 """
 
 from __future__ import annotations
@@ -49,10 +43,8 @@ log = get_logger(__name__)
 
 PREMAP_WAIT_S = 0.05
 """How long a save waits for the copy thread to map a newly granted slot of at most
-``PREMAP_WAIT_MAX_BYTES`` before it skips (see ``Checkpointer._take_grant``)."""
+``PREMAP_WAIT_MAX_BYTES`` (a larger one takes longer than a save could wait) before it skips."""
 PREMAP_WAIT_MAX_BYTES = 1 << 30
-"""A larger slot is not waited for: mapping (and on CUDA page-locking) GiBs takes longer than
-any wait a save could afford."""
 
 
 @dataclass
@@ -134,7 +126,6 @@ class Checkpointer:
         self._last_fence_s = 0.0
         self._closed = False
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._group: Any = None
         self._in_process = False
         atexit.register(self.close)
 
@@ -183,7 +174,6 @@ class Checkpointer:
         self._pending = None
         self._changed = False
         self._planner.forget_group()
-        self._group = None
         self._rank = None
 
     def rejoined(self) -> None:
@@ -199,15 +189,12 @@ class Checkpointer:
 
         The snapshot is skipped (counted, reported to the SMP with its reason, never waited
         for) when the previous copy is still running, the SMP has no free slot, or the
-        rank's slots are still being allocated (the first save: they are allocated and
-        pre-faulted off the training thread). If this newest step stays skipped,
-        :meth:`wait` and :meth:`close` save it again, waiting for a slot.
+        rank's slots are still being allocated off the training thread (the first save). If
+        this newest step stays skipped, :meth:`wait` and :meth:`close` save it again.
 
-        ``replicated_over``: a process group over which the parameters of the modules in
-        ``state`` and their optimizer state are the same on every rank (data parallelism);
-        found by itself when ``state`` holds a DDP module. Each rank then saves only its
-        share of those bytes (``ClientConfig.shard_replicated``, FTMEM_SHARD=0 turns it off);
-        ``load`` gathers them back.
+        ``replicated_over``: a process group over which the modules' parameters and their
+        optimizer state are the same on every rank (found by itself for a DDP module): each
+        rank saves only its share (``ClientConfig.shard_replicated``); ``load`` gathers it.
 
         Raises:
             ValueError: bad step or a state that cannot be snapshotted.
@@ -230,8 +217,8 @@ class Checkpointer:
         replicated_over: Any,
         deadline: float | None,
     ) -> SnapshotHandle:
-        """One save; ``deadline`` (monotonic) set: the final save, which waits for the
-        previous copy, the allocation and a free slot instead of skipping."""
+        """One save; ``deadline`` (monotonic) set: the final save, which waits instead of
+        skipping."""
         t0 = time.perf_counter()
         client = self._connect()
         # The fence first, also when this save is skipped: an optimizer step after a skipped
@@ -298,13 +285,9 @@ class Checkpointer:
         """The slot the SMP granted to this save with the previous COMMIT's reply, if it
         holds ``total`` bytes and, if conditional, the SMP's grant board says it is ready
         (None: the save asks with a BEGIN, which also gives the grant back). Each grant
-        serves one save.
-
-        A new slot file is mapped (and on CUDA page-locked) by the copy thread right after
-        the COMMIT; a save that comes sooner waits for that at most ``PREMAP_WAIT_S`` (a small
-        slot is mapped by then; a slot over ``PREMAP_WAIT_MAX_BYTES`` is not waited for) and
-        is otherwise skipped, keeping the grant: mapping a slot of GiBs takes seconds, which
-        the training thread never waits for (``final``: the last save waits)."""
+        serves one save. The copy thread maps a new slot file after the COMMIT; a save that
+        comes sooner waits at most ``PREMAP_WAIT_S`` and is otherwise skipped, keeping the
+        grant (``final``: the last save waits)."""
         job = self._job
         if job is None or not job.finished.is_set() or job.grant is None:
             return None
@@ -519,7 +502,7 @@ class Checkpointer:
             SnapshotMismatchError: the snapshot does not fit ``state``.
         """
         allow = self.config.allow_fresh_start if allow_fresh_start is None else allow_fresh_start
-        self._group = gather_group(state, replicated_over)
+        group = gather_group(state, replicated_over)
         self.wait_quietly()
         self._drop_grant()
         client = self._connect()
@@ -527,7 +510,7 @@ class Checkpointer:
             rank=self.rank,
             client=client,
             segment=self._slots.segment,
-            group=self._group,
+            group=group,
             flush_dirs=self.config.flush_dirs,
             run_dir=self.config.run_dir,
         )

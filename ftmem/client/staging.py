@@ -1,19 +1,11 @@
 """The lazy asynchronous copy into a slot, and the fence.
 
-The training process only moves bytes: it computes no checksum (the SMP hashes a slot after
-its COMMIT, see :mod:`ftmem.smp.hashing`). :func:`copy_into` moves a list of tensors into
-their views of the slot with ``torch._foreach_copy_`` in batches (one call per batch, the
-GIL released inside it), not a Python loop per piece. The :class:`CopyWorker` thread does
-this for the lazily copied tensors (parameters and optimizer state: only the optimizer
-mutates them) and then commits the snapshot to the SMP over its own socket.
-The fence is :attr:`CopyJob.copied` (the snapshotter waits on it before the optimizer or
-the next save changes the tensors): it blocks only while the copy is still running.
-The same thread also runs the rank's other background requests: growing the slots ahead of
-the first save (:class:`PrepareJob`) and telling the SMP about skipped snapshots.
-
-CUDA: device tensors are copied with ``non_blocking=True`` on a side stream into the
-slot's page-locked memory (registered with cudaHostRegister once per mapping); the worker
-waits on an event and commits. The rank's CPU does no work on those bytes.
+The rank only moves bytes (the SMP hashes a slot after its COMMIT, :mod:`ftmem.smp.hashing`).
+The :class:`CopyWorker` thread copies the lazily copied tensors (parameters and optimizer
+state) with :func:`copy_into`, then commits the snapshot over its own socket; it also runs the
+rank's other background requests (:class:`PrepareJob`, :class:`SkipNotice`). The fence is
+:attr:`CopyJob.copied`. Device tensors are copied with ``non_blocking=True`` on a side stream
+into the slot's page-locked memory (:func:`start_cuda_copies`); the worker waits on an event.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ from ftmem import faults
 from ftmem._logging import get_logger
 from ftmem.client.planner import Placement
 from ftmem.errors import ErrorKind, FtmemError, SmpRequestError
+from ftmem.format.tensors import torch_dtype
 from ftmem.protocol import messages as m
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import MappedSegment
@@ -44,8 +37,6 @@ BATCH_BYTES = 64 << 20
 
 def slot_views(seg: MappedSegment, layout: Placement) -> list[torch.Tensor]:
     """Views of ``seg`` shaped like each tensor of ``layout`` (made once per slot and layout)."""
-    from ftmem.format.tensors import torch_dtype
-
     out = []
     for e in layout.extents:
         raw = seg.tensor[e.offset : e.offset + e.nbytes]
@@ -216,17 +207,14 @@ class CopyWorker:
                 faults.maybe_inject(faults.Point.IN_COPY, job.rank, job.step)
 
             copy_into(job.dsts, job.srcs, fault_point)
+            job.copy_s = time.perf_counter() - t0
         except BaseException as exc:  # report the failure to the training thread, keep serving
             log.error("copy of step %d failed: %s", job.step, exc)
             job.error = exc
-            job.copied.set()
-            self._abort(job, client)
-            job.finished.set()
-            return
-        job.copy_s = time.perf_counter() - t0
         job.copied.set()
-        if job.cancelled:
+        if job.error is None and job.cancelled:
             job.error = FtmemError(f"copy of step {job.step} was abandoned at the fence")
+        if job.error is not None:
             self._abort(job, client)
             job.finished.set()
             return
@@ -356,11 +344,6 @@ def register_pinned(seg: MappedSegment) -> None:
             )
             return
         _pinned[id(seg)] = ptr
-
-
-def is_pinned(seg: MappedSegment) -> bool:
-    """Whether ``seg`` was page-locked by :func:`register_pinned`."""
-    return id(seg) in _pinned
 
 
 def unregister_pinned(seg: MappedSegment) -> None:

@@ -1,31 +1,24 @@
 """The steady-state save: re-read a state whose structure the last full save planned.
 
-A full save (:func:`ftmem.client.flatten.flatten_state`, the sharding, the plan, the skeleton's
-encoding) walks the whole state and costs microseconds per tensor. Most saves see the same
-structure again: the same keys, the same tensors (only their values changed), and new values
-for a few small objects (the learning rate, the loader's position, the RNG state).
-:class:`SteadyState` remembers what the last full save found and, on the next save, walks the
+Most saves see the structure of the last full save again, with new values for a few small
+objects. :class:`SteadyState` remembers what that save found and walks the next save's
 ``state_dict()`` outputs once against it:
 
 - every container must have the same type, keys (in order) or length;
-- every tensor that is copied lazily or sharded over replicas (the optimizer's parameters and
-  state, replicated parameters) must be the very same memory: same data pointer, shape,
-  strides, dtype, device and type (a DTensor also the same mesh, placements and global
-  shape). The plan, the slot views and the replica slices made for it stay valid;
-- every other tensor (buffers, the RNG's fresh tensors) must have the same shape, dtype,
-  device and type; it is taken as it is now and copied eagerly, as in a full save;
+- every tensor copied lazily or sharded (the optimizer's parameters and state, replicated
+  parameters) must be the very same memory (data pointer, shape, strides, dtype, device,
+  type; a DTensor also its mesh, placements and global shape): the plan, the slot views and
+  the replica slices stay valid;
+- every other tensor must have the same shape, dtype, device and type; it is taken as it is
+  now and copied eagerly;
 - the optimizers must hold as many groups, parameters and states as before;
-- the maximal subtrees that hold no tensor ("plain" subtrees: ``param_groups``, a
-  scheduler's or loader's counters) may change freely: only they are encoded again and
-  spliced into the skeleton's encoding kept from the full save (the rest of which depends
-  only on the structure checked above).
+- the maximal subtrees without a tensor ("plain": ``param_groups``, counters) may change:
+  only they are encoded again, spliced into the skeleton's encoding kept from the full save.
 
-Anything else that differs makes :meth:`SteadyState.refresh` return None and the save walks
-the state in full. Since the check covers every key, index and tensor, a state whose structure
-changed is never snapshotted with a stale plan; the full walk every ``FULL_EVERY`` saves only
-re-derives what the check cannot see cheaply (which tensors the optimizers own, when a group
-was swapped for one of the same size): a tensor the optimizer no longer owns would be copied
-lazily although something else may change it before the fence.
+Anything else makes :meth:`SteadyState.refresh` return None and the save walks the state in
+full. A full walk every ``FULL_EVERY`` saves re-derives what the check cannot see cheaply
+(which tensors the optimizers own): a tensor the optimizer no longer owns must not be copied
+lazily, since something else may change it before the fence.
 """
 
 from __future__ import annotations

@@ -6,33 +6,14 @@ Add the callback and launch with ``ftmem-launch`` (same flags as ``torchrun``)::
     trainer = lightning.Trainer(..., callbacks=[FtmemCallback()])
     trainer.fit(model, datamodule=dm)
 
-What it does:
-
-- **every optimizer step** (``on_train_batch_end`` after a step: Lightning has stepped the
-  optimizers and the per-step LR schedulers), ``ftmem.save`` of the LightningModule, every
-  optimizer and LR scheduler, the fit loop's progress (Lightning's own loop state, with the
-  state of resumable data loaders), the other callbacks' and the datamodule's state, the
-  precision plugin's state and this process's RNG states;
-- **at** ``fit()`` (``on_fit_start``: the process group, the DDP wrapper, the optimizers and
-  schedulers exist), ``ftmem.load`` of the newest step every rank holds, in place, from the
-  node's SMP (or from the flushed disk tiers when memory has nothing). Lightning then goes on
-  as from its own mid-epoch checkpoint: the loops' progress says which epoch and batch.
-- **the data position**: a loader Lightning can resume (``state_dict``/``load_state_dict``,
-  such as torchdata's ``StatefulDataLoader``) is restored by Lightning from the loop state.
-  Any other sized loader is re-iterated as the run without the failure iterated it (for an
-  epoch after the first, from the global torch RNG state at that epoch's start, which also
-  sets the workers' seeds) and the batches already trained on are skipped; the snapshot's
-  RNG states are set after that, so dropout and augmentation draw what they drew before.
-- ``fit(ckpt_path=PATH)`` given explicitly resumes from that checkpoint Lightning's way, and
-  memory is not read.
-
-Not covered: ``ReduceLROnPlateau`` stepped per step (Lightning steps it after the batch's
-hooks, so the snapshot holds it one update behind), loaders of unknown length that are not
-resumable (a warning says the position restarts at the epoch's start), the module's
-``on_save_checkpoint``/``on_load_checkpoint`` extras, and strategies other than single
-device and DDP (FSDP and DeepSpeed are not tested). Tested with lightning 2.6 on CPU (DDP
-over gloo). Hooks into Lightning's private ``fit_loop._data_fetcher`` for the skip (one place,
-:func:`_skip_batches`).
+After every optimizer step it saves the LightningModule, the optimizers and LR schedulers,
+Lightning's own state (fit loop, callbacks, datamodule, precision plugin) and the RNG states;
+at ``fit()`` it restores the newest step every rank holds and Lightning goes on as from its own
+mid-epoch checkpoint. A loader Lightning cannot resume is re-iterated as the run without the
+failure iterated it and the batches already trained on are skipped (through Lightning's
+private ``fit_loop._data_fetcher``, in :func:`_skip_batches` only); the snapshot's RNG states
+are set after that. ``fit(ckpt_path=PATH)`` resumes Lightning's way, without memory. What is
+covered and tested: docs/integrations.md, "Lightning".
 """
 
 from __future__ import annotations
@@ -102,10 +83,6 @@ class FtmemCallback(pl.Callback):
         self._rng = DeferredRNGState()
         self._saved_step = -1
         self._resume_data = False
-
-    @property
-    def state_key(self) -> str:
-        return "FtmemCallback"
 
     def ftmem_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """What is snapshotted: the module, optimizers, LR schedulers, Lightning's own state
@@ -207,10 +184,7 @@ def _skip_batches(
         return epoch_rng
     for dl in combined.flattened:
         _set_sampler_epoch(dl, epoch)  # before iter(): workers take indices at once
-    if epoch > 0:
-        # The original iterator drew its seed from the global torch RNG: mid-epoch, at this
-        # epoch's start (epoch_rng); when the snapshot closed the previous epoch, just after
-        # the snapshot's step (the snapshot's own RNG states, set now for good).
+    if epoch > 0:  # the original iterator drew its seed from the global torch RNG
         if done > 0:
             torch.set_rng_state(epoch_rng)
         else:

@@ -10,30 +10,12 @@ torchtitan line changes) and launch with ``ftmem-launch`` (same flags as ``torch
         config.checkpoint = FtmemCheckpointManager.Config(enable=True, interval=500)
         return config
 
-What it does:
-
-- **every step** (``save``, called by the trainer after the optimizer and LR schedulers
-  stepped), ``ftmem.save`` of the state torchtitan checkpoints: ``model`` (its
-  ``ModelWrapper``), ``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state`` (the
-  trainer: step, tokens seen). Then torchtitan's own DCP save at its interval, unchanged. At
-  the last step it waits for the snapshot's commit.
-- **at** ``load`` (the trainer's start), ``ftmem.load`` of the newest step every rank holds,
-  in place (from memory, or from ftmem's flushed disk tiers when memory has nothing). The
-  trainer's ``train_state`` restores its step, so training goes on after it. The DCP load is
-  skipped, unless torchtitan's checkpoint folder holds a newer step than ftmem returned (a
-  whole-job restart whose flushed tier is older): then, and when ftmem has nothing, the
-  parent's DCP load runs as configured. ``checkpoint.load_step`` given explicitly loads that
-  DCP step, and memory is not read.
-- ``enable`` governs torchtitan's DCP checkpoints only: with ``enable=False`` the manager still
-  snapshots every step into memory (the parent builds no state then; this manager builds the
-  same dictionary). ``load_only=True`` turns the memory snapshots off too.
-
-The snapshot holds what torchtitan's checkpoints hold, nothing more: no RNG states (as with
-torchtitan's own resume). ``OptimizersContainer`` is the ``torch.optim.Optimizer`` ftmem
-fences on; the parameters are copied in the background until the next optimizer step, the
-optimizer's moments (held by the inner optimizers) before ``save`` returns. Tested with
-torchtitan 0.3.0 on CPU at the manager level (tests/integration/test_torchtitan.py); not end
-to end (torchtitan's trainer needs CUDA). docs/integrations.md, "torchtitan".
+``save`` snapshots torchtitan's checkpoint states every step, then runs torchtitan's own DCP
+save at its interval; ``load`` restores the newest step ftmem holds and skips the DCP load,
+unless ftmem holds nothing, the checkpoint folder holds a newer step, or ``load_step`` is given.
+``enable`` governs the DCP checkpoints only; ``load_only=True`` turns the snapshots off too.
+No RNG states are saved (as with torchtitan's own resume). See docs/integrations.md,
+"torchtitan".
 """
 
 from __future__ import annotations

@@ -7,26 +7,17 @@ Use :class:`FtmemTrainer` in place of ``transformers.Trainer`` and launch with `
     trainer = FtmemTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
 
-What it does:
-
-- **every optimizer step** (``on_step_end``, after the scheduler stepped and ``global_step``
-  was counted), ``ftmem.save`` of the model, the optimizer, the LR scheduler, the
-  ``TrainerState`` (as its JSON) and this process's RNG states;
-- **at** ``train()``, ``ftmem.load`` of the newest step every rank holds, in place, after the
-  Trainer created its optimizer and scheduler and before it wraps the model (DDP). The
-  Trainer then resumes exactly as from its own checkpoint: it skips the batches of the steps
-  already taken (``global_step`` x gradient accumulation) and sets the RNG states of the
-  snapshot after skipping them, as its own resume does. Nothing is read from or written to
-  disk for this (the Trainer's own ``save_steps`` checkpoints go on as configured).
-- ``train(resume_from_checkpoint=PATH)`` given explicitly resumes from that checkpoint the
-  Trainer's own way, and memory is not read.
+Every optimizer step (``on_step_end``) saves the model, optimizer, LR scheduler,
+``TrainerState`` (its JSON) and RNG states; ``train()`` restores the newest step every rank
+holds, and the Trainer resumes as from its own checkpoint (skipping the batches already taken,
+then setting the snapshot's RNG states). ``train(resume_from_checkpoint=PATH)`` resumes the
+Trainer's own way, without memory. See docs/integrations.md, "Hugging Face Trainer".
 
 How it hooks in: the Trainer resumes only through a checkpoint directory, so ``train()`` passes
-a private directory holding a fresh ``trainer_state.json`` (mode 0700, removed afterwards);
-the overridden ``_init_training_state`` creates the optimizer and scheduler early (the
-Trainer keeps them), restores the snapshot and returns where to resume; the Trainer's loaders
-of that directory's model, optimizer, scheduler and scaler do nothing, and its RNG loader
-applies the snapshot's RNG states. Tested with transformers 5.24 on CPU (DDP over gloo); older versions are refused.
+a private directory holding a fresh ``trainer_state.json`` (removed afterwards);
+``_init_training_state`` creates the optimizer and scheduler early, restores the snapshot and
+returns where to resume; the Trainer's loaders of that directory do nothing but apply the
+snapshot's RNG states.
 """
 
 from __future__ import annotations
@@ -60,12 +51,10 @@ def _state_json(state: TrainerState) -> str:
 class _TrainerStateBox:
     """The Trainer's ``TrainerState`` as a Stateful (its JSON: no pickled objects).
 
-    ``log_history`` grows by an entry per logged step, and ``dataclasses.asdict`` deep-copies
-    it: re-encoding it whole every step took 75% of ``ftmem.save`` in a 400-step run of
-    ``examples/train_hf.py`` (quadratic in the run's length). Entries already encoded are
-    kept as JSON while the list still starts with the very same entry objects (the Trainer
-    appends; an entry replaced or the list rebuilt is encoded again; an entry changed in place
-    is not seen, which only the log would show).
+    ``log_history`` grows by an entry per logged step: re-encoding it whole every save would
+    cost time quadratic in the run's length. Entries already encoded are kept as JSON while
+    the list still starts with the very same entry objects (the Trainer appends; an entry
+    changed in place is not seen, which only the log would show).
     """
 
     def __init__(self, trainer: Trainer) -> None:

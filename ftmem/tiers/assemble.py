@@ -1,23 +1,13 @@
 """Assemble the nodes' parts of a step into one global DCP checkpoint (the commit point).
 
-In a multi-node run each node's flush worker writes a *part* of step N into the shared tier
-(``step_<N>.part-r<first rank>``: a DCP directory of its own ranks, complete and fsynced,
-whose manifest also carries its DCP metadata and each rank's tensor hashes as JSON). The
-coordinator, the node that holds rank 0, waits for parts covering every rank, then:
-
-1. moves each part into ``step_<N>.tmp-<pid>/part-r<first rank>/`` (renames; no data copied);
-2. writes the global ``.metadata`` (:func:`merge_parts`): rank 0's state at the top level;
-   per-rank entries ``ftmem_per_rank.<R>.*`` for every rank; where rank R's tensor differs
-   from rank 0's (its hash does) an entry ``ftmem_per_rank.<R>.tensors.<name>`` pointing at
-   the bytes its part already holds: nothing is copied, nothing unpickled (the parts'
-   metadata is read from JSON), DCP's own reader follows ``part-r.../`` relative paths;
-3. writes the global manifest (every file of every part, as the parts' manifests list them,
-   plus the new ``.metadata``), fsyncs, and renames the directory to ``step_<N>``: the commit
-   point. A crash before that leaves a ``.tmp-<pid>`` directory that is never listed.
-
-Tensors equal on every rank (DDP's parameters and optimizer state) are *referenced* once in
-the metadata, but each part holds its own copy of them: every node writes its ranks' state in
-parallel without knowing the others' (documented in docs/design.md).
+Each node's flush worker writes a *part* (``step_<N>.part-r<first rank>``) into the shared
+tier, its manifest carrying its DCP metadata and each rank's tensor hashes as JSON. The
+coordinator (the node of rank 0), once parts cover every rank, moves them into
+``step_<N>.tmp-<pid>/part-r<first rank>/``, writes the global ``.metadata`` from the parts'
+JSON (:func:`merge_parts`: rank 0's state at the top level, per-rank entries pointing at bytes
+the parts already hold: nothing copied, nothing unpickled) and the global manifest, fsyncs and
+renames the directory to ``step_<N>``. A crash before that leaves a ``.tmp-`` directory that
+is never listed. See docs/design.md, "Multi-node: parts and one coordinator".
 """
 
 from __future__ import annotations
@@ -40,6 +30,7 @@ from ftmem.tiers.checkpoints import (
     fsync_dir,
     list_checkpoints,
     manifest_entry,
+    read_checkpoint,
     read_manifest,
     temp_name,
     write_manifest,
@@ -212,8 +203,6 @@ def assemble(
         AssembleError: parts missing at the deadline (or ``stop`` set), or inconsistent.
         OSError: writing failed (e.g. the disk is full); the parts are put back.
     """
-    from ftmem.tiers.checkpoints import read_checkpoint
-
     final = tier / checkpoint_name(step)
     if final.exists():
         return read_checkpoint(final)

@@ -1,22 +1,16 @@
 """Checkpoints on disk: names, the manifest that makes one complete, listing, checking, pruning.
 
-A tier is a directory; each checkpoint in it is a DCP directory ``step_<N>`` (zero-padded so
-names sort by step). A checkpoint is *complete* when its directory exists under its final name
-(it is renamed there only after every file is written and fsynced) and holds
-``ftmem-manifest.json``: the step, the world size, the ranks it holds and every file's size
-and xxh3-64. In a multi-node run each node writes a *part*, ``step_<N>.part-r<first rank>``,
-holding its own ranks; one coordinator assembles the parts of every node into ``step_<N>``
-(:mod:`ftmem.tiers.assemble`), whose manifest lists the parts' files as
-``part-r<first rank>/<file>``. Anything else in a tier (``*.tmp-<host>-<pid>`` left by a
-killed writer, a directory without a valid manifest) is never listed as a checkpoint.
+A tier is a directory of DCP directories ``step_<N>`` (zero-padded: names sort by step), and
+in a multi-node run of nodes' parts ``step_<N>.part-r<first rank>`` (:mod:`ftmem.tiers.assemble`).
+A checkpoint is *complete* once it is under its final name (renamed there after every file was
+fsynced) with ``ftmem-manifest.json``: step, world size, ranks held, every file's size and
+xxh3-64. Anything else in a tier is never listed as a checkpoint.
 
-Trust: a tier must be a directory of this user that others cannot write, and so must each
-checkpoint in it (``lstat``: symlinks are refused, never followed); the manifest must carry a
-valid signature made with the tier key (:mod:`ftmem.tiers.signing`). Both are checked before
-any other file of a checkpoint is opened, so a checkpoint planted by someone else is never
-read, in particular never by DCP's metadata reader (a pickle). :func:`prune` removes only what
-is provably this job's: older signed checkpoints, and partial directories written by a dead
-process of *this* host; anything it cannot read is left alone and logged.
+Trust: a tier must be this user's directory that others cannot write, and so must each
+checkpoint in it (``lstat``: symlinks are refused); the manifest must carry a valid signature
+made with the tier key (:mod:`ftmem.tiers.signing`). Both are checked before any other file of
+a checkpoint is opened, so a planted checkpoint is never read, in particular never by DCP's
+metadata reader (a pickle). :func:`prune` removes only what is provably this job's.
 """
 
 from __future__ import annotations
@@ -221,7 +215,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     check_dir(path, "checkpoint")
     m = read_manifest(path)
     files = {name: (e.bytes, e.xxh3) for name, e in m.files.items()}
-    step, world = m.step, m.world_size
+    world = m.world_size
     ranks = tuple(sorted(set(range(world) if m.ranks is None else m.ranks)))
     if not ranks or ranks[0] < 0 or ranks[-1] >= world:
         raise CorruptSnapshotError(f"{path}: the manifest names ranks outside 0..{world - 1}")
@@ -234,11 +228,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
             raise CorruptSnapshotError(f"{path}: {name} is missing") from exc
         if not stat.S_ISREG(st.st_mode):
             raise CorruptSnapshotError(f"{path}: {name} is not a regular file")
-        actual = st.st_size
-        if actual != size:
-            raise CorruptSnapshotError(f"{path}: {name} has {actual} bytes, expected {size}")
+        if st.st_size != size:
+            raise CorruptSnapshotError(f"{path}: {name} has {st.st_size} bytes, expected {size}")
     total = sum(s for s, _ in files.values())
-    return Checkpoint(path, step, world, total, files, ranks, m.dcp)
+    return Checkpoint(path, m.step, world, total, files, ranks, m.dcp)
 
 
 def verify_checkpoint(ckpt: Checkpoint) -> None:

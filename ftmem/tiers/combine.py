@@ -1,41 +1,27 @@
-"""Checkpoint arithmetic: a new DCP checkpoint from a linear combination of flushed ones.
+"""Checkpoint arithmetic: a new DCP checkpoint from a linear combination of flushed ones
+(LCSC; an EMA is one such combination). See docs/api.md, "ftmem combine".
 
-LCSC (Linear Combination of Saved Checkpoints) finds that a weighted sum of checkpoints along
-the training trajectory can beat the last one; an exponential moving average is one such sum.
-ftmem flushes checkpoints in stock DCP format, so combining them needs no training code:
+* **Inputs** are checked before any byte is used (signed manifest, owner, every file's hash);
+  their metadata comes from the manifest's JSON (:class:`~ftmem.tiers.dcp_read.CheckedReader`)
+  and non-tensor entries load with ``weights_only``.
+* Every floating-point tensor (optionally only those under ``keys``) is combined in float64
+  (or float32) and cast back; it must have the same size and dtype in every input. Everything
+  else comes from the *base* checkpoint, whose step and world size the output carries.
+* **Streaming**: stock DCP writes the output (a file per tensor) from a state dict of
+  meta-device placeholders; the planner computes each tensor when DCP asks for it
+  (``resolve_data``), so memory stays near a few times the largest tensor.
+* **Exactness**: a term of coefficient 0 is skipped and the sum starts from the first term,
+  so ``(1, 0, ...)`` reproduces an input bit for bit; each operation is separately rounded (no
+  fused multiply-add), so a float64 reference with the same formula matches exactly.
 
-* **Inputs** are complete checkpoints of a tier (or anywhere), each checked before any byte is
-  used: its signed manifest (:func:`~ftmem.tiers.checkpoints.read_checkpoint`: ours, not
-  writable by others) and every file's hash (:func:`~ftmem.tiers.checkpoints.verify_checkpoint`).
-  Their metadata comes from the signed manifest's JSON, never from a pickle
-  (:class:`~ftmem.tiers.dcp_read.CheckedReader`); non-tensor entries are loaded with
-  ``weights_only``.
-* **What is combined**: every floating-point tensor (optionally only those under ``keys``), in
-  float64 (or float32), then cast back to its dtype. Every other entry (integer and bool
-  tensors, non-tensor state such as an optimizer's ``param_groups``) is taken from the *base*
-  checkpoint (its tensors streamed like the combined ones), whose step and world size the
-  output carries. A combined tensor must have the same size and dtype in every input.
-* **Streaming**: the output is written by stock DCP (``FileSystemWriter``, a file per tensor)
-  from a state dict of meta-device placeholders; the planner computes each tensor when DCP asks
-  for it (``resolve_data``), reading it from each input in turn into one buffer, converted a
-  chunk at a time. Memory stays near a few times the largest tensor (the buffer, the float64
-  sum, the output and DCP's previous output) whatever the model's size or the inputs' count.
-  Inputs saved at any world size (DCP chunks) are read whole; the output loads at any world
-  size with ``dcp.load``.
-* **Exactness**: a term whose coefficient is 0 is skipped and the sum starts from the first
-  term, so coefficients ``(1, 0, ...)`` reproduce an input bit for bit. Each operation is a
-  separate, correctly rounded float64 operation (no fused multiply-add), so a reference
-  computed with the same formula in float64 matches exactly.
-
-The output is written as ``<out>.tmp-<host>-<pid>`` and renamed into place once DCP has written
-it and its signed manifest (which also records the inputs and coefficients) is fsynced.
+The output is written as ``<out>.tmp-<host>-<pid>`` and renamed into place once its signed
+manifest (which records the inputs and coefficients) is fsynced.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +40,7 @@ from ftmem.tiers.checkpoints import (
     write_manifest,
 )
 from ftmem.tiers.dcp_meta import metadata_to_json
-from ftmem.tiers.dcp_read import CheckedReader, load_whole
+from ftmem.tiers.dcp_read import CheckedReader, in_one_process, load_whole
 
 log = get_logger(__name__)
 
@@ -172,8 +158,7 @@ class InputSet:
         """Tensor ``fqn`` of input ``i``, read into ``into`` (of its size and dtype)."""
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with in_one_process():
             dcp_load({fqn: into}, storage_reader=self.readers[i], no_dist=True)
         return into
 
@@ -337,8 +322,7 @@ def write_combined(
     try:
         planner = _combining_planner(lambda fqn: inputs.output_tensor(fqn, how, accumulate))
         # A file per tensor: DCP's writer holds every tensor of a file until it closes the file.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with in_one_process():
             md = dcp_save(
                 inputs.skeleton(),
                 storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),

@@ -1,21 +1,13 @@
 """The coefficients of a checkpoint combination, found by evolutionary search (as in LCSC).
 
-The user supplies an evaluation, ``module:function``, called as ``function(state_dict)`` with
-the combined state (nested as it was saved: ``{"model": {...}, "optim": {...}}``) and returning
-a score, higher is better (``minimize``: lower is better). The search evaluates at most
-``budget`` candidates; each is a coefficient vector summing to 1 (negative coefficients are
-allowed, as in LCSC: they extrapolate along the trajectory):
-
-1. the first generation: the newest checkpoint alone (the baseline a combination must beat),
-   the uniform average, an EMA (decay 0.5) and random points of the simplex, ``population``
-   in all;
-2. then, until the budget is spent: a child of one of the best half so far (a blend of two of
-   them half of the time), moved by Gaussian noise whose scale shrinks from 0.3 to 0.03 over
-   the budget, and normalised to sum 1.
-
-The search is deterministic for a given ``seed`` and evaluation. Each candidate's state is
-built by :func:`~ftmem.tiers.combine.combined_state`, streaming from the checked inputs, so
-memory stays near one model plus one tensor per input.
+The user's evaluation (``module:function``) gets each candidate's combined state, nested as
+saved, and returns a score (higher is better; ``minimize``: lower). Each candidate is a
+coefficient vector summing to 1 (negative coefficients extrapolate). The first generation
+holds the newest checkpoint alone (the baseline), the uniform average, an EMA (decay 0.5) and
+random points of the simplex; then, until ``budget`` trials, children of the best half (a blend
+of two half of the time) moved by Gaussian noise shrinking from 0.3 to 0.03 and normalised.
+Deterministic for a ``seed``; each state is streamed by
+:func:`~ftmem.tiers.combine.combined_state`.
 """
 
 from __future__ import annotations

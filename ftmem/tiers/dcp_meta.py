@@ -1,15 +1,10 @@
 """DCP checkpoint metadata as JSON, and the global ``.metadata`` of a multi-node checkpoint.
 
-A node's flush worker writes its part of a checkpoint with stock DCP (``dcp.save``) and gets
-the part's :class:`~torch.distributed.checkpoint.metadata.Metadata` back in process. It stores
-that metadata a second time as JSON in the part's manifest, so the coordinator that writes the
-global ``.metadata`` never unpickles a file another process wrote: it rebuilds ``Metadata``
-objects from checked JSON (:func:`metadata_from_json`) and pickles them itself, exactly as
-DCP's ``FileSystemWriter.finish`` does (:func:`write_metadata`).
-
-Every relative path in a part's metadata is rebased onto the part's sub-directory
-(:func:`rebase`): stock ``FileSystemReader`` joins ``relative_path`` to the checkpoint
-directory, so ``part-r00002/__0_0.distcp`` is read from there.
+A part's DCP ``Metadata`` is stored a second time as JSON in its manifest, so the coordinator
+never unpickles a file another process wrote: it rebuilds ``Metadata`` from checked JSON
+(:func:`metadata_from_json`) and pickles it itself, as DCP's ``FileSystemWriter.finish`` does
+(:func:`write_metadata`). :func:`rebase` puts a part's relative paths under its sub-directory
+(stock ``FileSystemReader`` joins ``relative_path`` to the checkpoint directory).
 """
 
 from __future__ import annotations
@@ -64,9 +59,7 @@ def metadata_to_json(md: Any) -> dict[str, Any]:
 
 
 def _ints(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or len(value) > _MAX_DIMS:
-        raise CorruptSnapshotError(f"bad {what} in part metadata")
-    if not all(_count(v) for v in value):
+    if not isinstance(value, list) or len(value) > _MAX_DIMS or not all(map(_count, value)):
         raise CorruptSnapshotError(f"bad {what} in part metadata")
     return value
 

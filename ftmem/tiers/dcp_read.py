@@ -1,18 +1,18 @@
 """Read checked checkpoints with DCP without unpickling anything a checkpoint holds.
 
-DCP's stock reader unpickles ``.metadata`` and loads non-tensor entries with a full
-unpickler: either runs code from whoever wrote the files. ftmem reads
-only checkpoints that passed :func:`ftmem.tiers.checkpoints.read_checkpoint` (ours, signed),
-and even then takes the metadata from the JSON copy in the signed manifest
-(:mod:`ftmem.tiers.dcp_meta`) and loads non-tensor entries with ``weights_only=True``. A
-checkpoint written by an older ftmem has no JSON copy: its ``.metadata`` is read with DCP's
-reader, which is safe only because the checkpoint's signature and owner were checked first.
+DCP's stock reader unpickles ``.metadata`` and non-tensor entries. ftmem reads only
+checkpoints that passed :func:`ftmem.tiers.checkpoints.read_checkpoint` (ours, signed), takes
+the metadata from the JSON in the signed manifest (:mod:`ftmem.tiers.dcp_meta`) and loads
+non-tensor entries with ``weights_only=True``. A checkpoint of an older ftmem has no JSON copy:
+its ``.metadata`` is read by DCP, safe only because its signature and owner were checked.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,6 +22,14 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ftmem.tiers.checkpoints import Checkpoint
 from ftmem.tiers.dcp_meta import metadata_from_json
+
+
+@contextmanager
+def in_one_process() -> Iterator[None]:
+    """Silence DCP's warning that it saves or loads in one process (``no_dist``, as meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class CheckedReader(FileSystemReader):
@@ -61,9 +69,7 @@ def load_into(targets: dict[str, Any], ckpt: Checkpoint) -> None:
     """Load ``targets`` (fqn -> tensor, in place) from ``ckpt`` in this process."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    with warnings.catch_warnings():
-        # DCP warns that it loads in one process: each rank reads its own part, as meant.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with in_one_process():
         dcp_load(targets, storage_reader=CheckedReader(ckpt), no_dist=True)
 
 
@@ -73,8 +79,7 @@ def load_whole(ckpt: Checkpoint, keys: set[str] | None = None) -> dict[str, Any]
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with in_one_process():
         _load_state_dict(
             sd, storage_reader=CheckedReader(ckpt), planner=_WeightsOnlyPlanner(keys), no_dist=True
         )

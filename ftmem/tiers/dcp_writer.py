@@ -1,27 +1,16 @@
-"""ftmem's own storage layer for DCP: a ``FileSystemWriter`` whose ``write_data`` streams each
-tensor from its slot into ``.distcp`` files with large sequential writes, hashing as it writes.
+"""ftmem's storage layer for DCP: a ``FileSystemWriter`` whose ``write_data`` streams each
+tensor from its slot into ``.distcp`` files, checking and hashing it as it writes.
 
-``dcp.save`` still plans the checkpoint (names, flattening, the ``Metadata`` dataclasses) and
-writes ``.metadata`` in this process, exactly as for stock DCP, so stock ``dcp.load`` reads
-the result at any world size. What changes is how the bytes reach the disk:
-
-* every tensor item is a ``torch.save`` archive, as DCP's reader ``torch.load``s it; its framing
-  (the zip records around the data: pickle, version, byte order) comes from ``torch.save``
-  itself under ``torch.serialization.skip_data`` with ``compute_crc32`` off (torch.load does
-  not check a zip CRC, and torch writes archives without one under that same setting); the data
-  bytes are copied once, in pieces, from the slot's mapping into a page-aligned staging buffer;
-* each piece is hashed in that buffer against the checksum the SMP recorded for it (so what is
-  written is exactly what was verified; a rank reusing the slot meanwhile fails the check), and
-  into the file's xxh3-64 for the manifest, so no file is read back;
-* the buffer goes to the file in writes of up to :data:`STAGING_BYTES`, with ``O_DIRECT`` where
-  the file system allows it (where it refuses, e.g. tmpfs before Linux 6.6: buffered writes),
-  then ``fsync``; the items are
-  split over ``threads`` files written in parallel (xxhash, the copies and the writes release
-  the GIL).
-
-:class:`SlotWriter` replaces DCP's ``FileSystemWriter`` in ``dcp.save(...,
-storage_writer=SlotWriter(...))``; after the save, :attr:`SlotWriter.files` holds the manifest
-entries (size, xxh3-64) of the data files it wrote.
+``dcp.save`` still plans the checkpoint and writes ``.metadata``, so stock ``dcp.load`` reads
+the result. Each tensor item is a ``torch.save`` archive (DCP's reader ``torch.load``s it):
+its framing comes from ``torch.save`` itself under ``skip_data`` with ``compute_crc32`` off
+(torch.load checks no zip CRC); the data bytes are copied once, piece by piece, from the slot
+into a page-aligned staging buffer, where each piece is checked against the SMP's checksum
+(what is written is exactly what was verified) and hashed into the file's xxh3-64 for the
+manifest (no file is read back). Buffers go to the file with ``O_DIRECT`` where the file
+system allows it, then ``fsync``; items are split over ``threads`` files written in parallel.
+After ``dcp.save(..., storage_writer=SlotWriter(...))``, :attr:`SlotWriter.files` holds the
+data files' manifest entries.
 """
 
 from __future__ import annotations
@@ -180,7 +169,7 @@ class _SequentialFile:
         while i < len(src):
             n = min(len(src) - i, STAGING_BYTES - self.fill)
             if n == 0:
-                self._hand_over()
+                self.flush()
                 continue
             self._stage(src[i : i + n])
             i += n
@@ -197,7 +186,7 @@ class _SequentialFile:
             return
         for k, (a, b) in enumerate(pieces(len(src))):
             if STAGING_BYTES - self.fill < b - a:
-                self._hand_over()
+                self.flush()
             got = self._stage(src[a:b], check=want is not None)
             if want is not None and got != want[k]:
                 raise CorruptSnapshotError(f"{what}: bytes {a}-{b} fail their checksum")
@@ -212,14 +201,10 @@ class _SequentialFile:
         self.fill += n
         return got
 
-    def flush(self) -> None:
-        """Hand every whole block staged to the I/O thread (the file catches up with
-        :attr:`pos`, less an O_DIRECT block's tail)."""
-        self._hand_over()
-
-    def _hand_over(self, last: bool = False) -> None:
-        """Give the staged bytes to the I/O thread and go on in a free buffer; with O_DIRECT
-        (unless ``last``) only whole blocks, the tail moved to the next buffer."""
+    def flush(self, last: bool = False) -> None:
+        """Give the staged bytes to the I/O thread and go on in a free buffer (the file
+        catches up with :attr:`pos`); with O_DIRECT (unless ``last``) only whole blocks, the
+        tail moved to the next buffer."""
         if self._io_error is not None:
             raise self._io_error
         n = self.fill - self.fill % _ALIGN if self.direct and not last else self.fill
@@ -258,7 +243,7 @@ class _SequentialFile:
                 pad = _ALIGN - self.fill % _ALIGN  # whole blocks, then cut back to size
                 self.arr[self.fill : self.fill + pad] = 0
                 self.fill += pad
-            self._hand_over(last=True)
+            self.flush(last=True)
             self._stop_io()
             if self._io_error is not None:
                 raise self._io_error

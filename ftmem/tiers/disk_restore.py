@@ -1,12 +1,9 @@
 """Read one rank's snapshot back from a flushed DCP checkpoint, for ``ftmem.load``'s fallback.
 
-The checkpoint's files are checked against its manifest first (every byte hashed); then DCP's
-own reader loads, in place, into tensors laid out in one buffer exactly like a slot: the rank's
-tensors in the order it saved them (its ``names``), each taken from its per-rank entry if it
-has one, else from the shared top level, plus its skeleton. The result feeds the same
-plan/apply restore as a snapshot in memory. The checkpoint was checked (owner, signature) when
-it was listed; its metadata comes from the signed manifest's JSON (:mod:`ftmem.tiers.dcp_read`),
-so nothing is unpickled.
+Once the files pass their manifest's hashes, DCP's own reader loads the rank's tensors (its
+per-rank entry where it has one, else the shared top level), in place, into one buffer laid out
+like a slot, in the order the rank saved them; with its skeleton, it feeds the same
+plan/apply restore as a snapshot in memory. Nothing is unpickled (:mod:`ftmem.tiers.dcp_read`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """Export a step held in SMP memory as a stock torch.distributed.checkpoint (DCP) directory.
 
-This is the format half of the disk tiers: what ftmem writes to disk must load with
-stock ``torch.distributed.checkpoint.load`` at any world size, and convert with
-``dcp_to_torch_save``. The checkpoint is written by DCP itself (``dcp.save(..., no_dist=True)``
-with a ``FileSystemWriter``), from the ranks' committed slots, after their checksums pass:
+What ftmem writes to disk loads with stock ``dcp.load`` at any world size and converts with
+``dcp_to_torch_save``; DCP itself plans it (``dcp.save(..., no_dist=True)``) from the ranks'
+committed slots, whose checksums every byte written is checked against. The top level is rank
+0's state as passed to ``ftmem.save``; tensors equal on every rank (by checksum) are written
+once; under ``ftmem_per_rank.<R>`` each rank has its tensors that differ from rank 0's, its
+skeleton and its tensor names (uint8 tensors), so ftmem restores each rank exactly;
+``ftmem_meta`` holds the step and world size (docs/api.md, "ftmem export").
 
-* the top level is rank 0's state, rebuilt from its layout and skeleton (``model``, ``optim``,
-  ... exactly as the ranks passed it to ``ftmem.save``), so ``dcp.load({"model": m.state_dict(),
-  "optim": o.state_dict()}, ...)`` finds every key it asks for, whatever its world size;
-* a tensor that is the same on every rank (its checksum is: DDP's parameters and optimizer
-  state) is written once;
-* per-rank state is kept per rank, not deduplicated away: under ``ftmem_per_rank.<R>`` each
-  rank R > 0 has its tensors that differ from rank 0's (RNG states, ...), and every rank its
-  skeleton (``skeleton``: the torch.save bytes of its non-tensor values, e.g. its data
-  position) and the names of its tensors in order (``names``: JSON), both as uint8 tensors, so
-  ftmem can restore each rank exactly as it saved; ``ftmem_meta`` holds the step and the world
-  size. Every file is listed with its size and xxh3 in ``ftmem-manifest.json`` (checked by
-  ftmem's reader before any byte is used).
-
-Crash safety: the directory is written as ``<out>.tmp-<pid>`` and renamed into place only after
-DCP has written and fsynced every file and the source slots still pass their checksums (a rank
-may reuse a slot meanwhile), so a partial export is never taken for a complete one.
+Crash safety: the directory is written as ``<out>.tmp-<host>-<pid>`` and renamed into place
+only once every file and the signed manifest are fsynced, so a partial export is never taken
+for a complete one.
 """
 
 from __future__ import annotations
@@ -29,7 +19,6 @@ import errno
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,8 +43,15 @@ from ftmem.format.tensors import (
 from ftmem.protocol.flush_jobs import SlotSource
 from ftmem.protocol.messages import SnapshotInfo
 from ftmem.shm import MappedSegment
-from ftmem.tiers.checkpoints import fsync_dir, temp_name, write_manifest
+from ftmem.tiers.checkpoints import (
+    fsync_dir,
+    read_checkpoint,
+    temp_name,
+    verify_checkpoint,
+    write_manifest,
+)
 from ftmem.tiers.dcp_meta import metadata_to_json, write_metadata
+from ftmem.tiers.dcp_read import in_one_process, load_whole
 from ftmem.tiers.dcp_writer import SlotWriter
 
 log = get_logger(__name__)
@@ -131,7 +127,7 @@ def _tensors(snap: StoredSnapshot, seg: MappedSegment) -> list[torch.Tensor]:
 
 
 _CHUNK = object()
-"""Stands in the rebuilt tree for a tensor stored as a chunk (removed before DCP sees it)."""
+"""Stands in for a tensor stored as a chunk while a tree is rebuilt (never left in it)."""
 
 
 def _mark(skeleton: Any) -> tuple[str, int] | None:
@@ -144,30 +140,20 @@ def _mark(skeleton: Any) -> tuple[str, int] | None:
     return None
 
 
-def _fill(skeleton: Any, tensors: list[torch.Tensor], chunked: set[int] | None = None) -> Any:
+def _fill(skeleton: Any, tensors: list[torch.Tensor], chunked: set[int]) -> Any:
+    """The skeleton with its tensors put back, leaving out those stored as chunks (gathered
+    rows, or the indices ``chunked``): dropped from a dict, None in a list or tuple."""
     mark = _mark(skeleton)
     if mark is not None:
-        if mark[0] == GATHER_MARK or (chunked and mark[1] in chunked):
-            return _CHUNK
-        return tensors[mark[1]]
+        return _CHUNK if mark[0] == GATHER_MARK or mark[1] in chunked else tensors[mark[1]]
     if isinstance(skeleton, dict):
-        return {k: _fill(v, tensors, chunked) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [_fill(v, tensors, chunked) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(_fill(v, tensors, chunked) for v in skeleton)
+        kids = {k: _fill(v, tensors, chunked) for k, v in skeleton.items()}
+        return {k: v for k, v in kids.items() if v is not _CHUNK}
+    if isinstance(skeleton, list | tuple):
+        seq = [_fill(v, tensors, chunked) for v in skeleton]
+        seq = [None if v is _CHUNK else v for v in seq]
+        return seq if isinstance(skeleton, list) else tuple(seq)
     return skeleton
-
-
-def _prune(tree: Any) -> Any:
-    """Drop the chunk stand-ins (None where a list or tuple holds one)."""
-    if isinstance(tree, dict):
-        return {k: _prune(v) for k, v in tree.items() if v is not _CHUNK}
-    if isinstance(tree, list):
-        return [None if v is _CHUNK else _prune(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(None if v is _CHUNK else _prune(v) for v in tree)
-    return tree
 
 
 def _paths_of(
@@ -286,6 +272,13 @@ class StepState:
         """:func:`add_chunks` for this step: describe the chunked tensors in ``meta``."""
         return add_chunks(meta, self.ranks, self.snaps, self.paths)
 
+    def hashes(self) -> dict[str, dict[str, str]]:
+        """Each rank's tensor hashes, by name (what the assembler compares between ranks)."""
+        return {
+            str(r): {t.name: t.hash for t in sn.tensors}
+            for r, sn in zip(self.ranks, self.snaps, strict=True)
+        }
+
     def check_names(self, meta: Any) -> None:
         """Raise ExportError unless every tensor of rank 0 is a key of ``meta``."""
         missing = {t.name for t in self.snaps[0].tensors} - set(meta.state_dict_metadata)
@@ -313,17 +306,14 @@ def step_state(sources: Sequence[RankSource], world_size: int | None = None) -> 
         raise ExportError("sources are of different steps")
     step = sources[0].step
     segs: list[MappedSegment] = []
-    trees: list[Any] = []
     tensor_lists: list[list[torch.Tensor]] = []
     expected: dict[int, str] = {}
-    st: StepState | None = None
+    state: dict[str, Any] = {}
     try:
         snaps = []
         for s in sorted(sources, key=lambda s: s.rank):
-            snap = parse_layout(s.layout, s.capacity)
-            seg = MappedSegment(Path(s.path), s.capacity)
-            segs.append(seg)
-            snaps.append(snap)
+            snaps.append(parse_layout(s.layout, s.capacity))
+            segs.append(MappedSegment(Path(s.path), s.capacity))
         skeletons = []
         paths: dict[str, tuple[Any, ...]] = {}
         for snap, seg in zip(snaps, segs, strict=True):
@@ -336,10 +326,10 @@ def step_state(sources: Sequence[RankSource], world_size: int | None = None) -> 
                     expected[t.data_ptr()] = stored.hash
             skeletons.append(raw)
             tensor_lists.append(tensors)
-            chunked = {i for i, t in enumerate(snap.tensors) if t.chunk is not None}
-            trees.append(_prune(_fill(skeleton, tensors, chunked)))
+            if snap is snaps[0]:  # the top level is the lowest rank's state
+                chunked = {i for i, t in enumerate(snap.tensors) if t.chunk is not None}
+                state = dict(_fill(skeleton, tensors, chunked))
             _paths_of(skeleton, (), snap, tables, paths)
-        state = dict(trees[0])
         for reserved in (PER_RANK_KEY, META_KEY):
             if reserved in state:
                 raise ExportError(f"the state uses the reserved key {reserved!r}")
@@ -363,23 +353,10 @@ def step_state(sources: Sequence[RankSource], world_size: int | None = None) -> 
             }
         state[PER_RANK_KEY] = per_rank
         state[META_KEY] = {"step": step, "world_size": world, "format": "ftmem-export-1"}
-        st = StepState(
-            step,
-            world,
-            ranks,
-            part,
-            snaps,
-            state,
-            paths,
-            expected,
-            shared,
-            sum(len(v["tensors"]) for v in per_rank.values()),
-        )
-        yield st
+        count = sum(len(v["tensors"]) for v in per_rank.values())
+        yield StepState(step, world, ranks, part, snaps, state, paths, expected, shared, count)
     finally:
-        if st is not None:
-            st.state.clear()  # drop every view of the mappings before unmapping
-        trees.clear()
+        state.clear()  # drop every view of the mappings before unmapping
         tensor_lists.clear()
         for seg in segs:
             seg.close()
@@ -396,13 +373,10 @@ def export_dcp(
     """Write the step of ``sources`` (one per rank, ranks 0..N-1) as a DCP directory ``out``.
 
     The data files are written by :class:`ftmem.tiers.dcp_writer.SlotWriter` (``threads``
-    files in parallel, ``direct``: O_DIRECT where the file system has it), which checks every
-    byte it writes against the slot's checksums as it copies it; so the slots are read once.
-
-    With ``world_size`` larger than the ranks given, ``out`` is a node's *part* (its ranks of
-    a multi-node job; the top level is its lowest rank's state): its manifest also carries,
-    as JSON, the part's DCP metadata and each rank's tensor hashes, which is all
-    :func:`ftmem.tiers.assemble.assemble` needs to write the global metadata.
+    files in parallel, ``direct``: O_DIRECT where possible), checking every byte against the
+    slots' checksums as it copies it. With ``world_size`` larger than the ranks given, ``out``
+    is a node's *part*, whose manifest also carries each rank's tensor hashes for
+    :func:`ftmem.tiers.assemble.assemble`.
 
     Raises:
         ExportError: ranks missing or at different steps, ``out`` exists, or a slot fails its
@@ -422,9 +396,7 @@ def export_dcp(
             writer = _finishing_writer(SlotWriter)(
                 str(tmp), expected=st.expected, threads=threads, direct=direct, step=step
             )
-            with warnings.catch_warnings():
-                # DCP warns that it saves in one process: that is what no_dist asks for.
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with in_one_process():
                 try:
                     meta = dcp_save(st.state, storage_writer=writer, no_dist=True)
                 except BaseException as exc:  # DCP's CheckpointException wraps the writer's
@@ -437,17 +409,9 @@ def export_dcp(
             st.check_names(meta)
             # The metadata as JSON: readers take it from the signed manifest instead of
             # unpickling .metadata; a coordinator writes the global metadata from the parts'.
-            extra: dict[str, Any] = {
-                "dcp": metadata_to_json(meta),
-                "chunked": sorted(chunked_names),
-            }
+            extra = {"dcp": metadata_to_json(meta), "chunked": sorted(chunked_names)}
             if st.part:
-                extra |= {
-                    "hashes": {
-                        str(r): {t.name: t.hash for t in sn.tensors}
-                        for r, sn in zip(st.ranks, st.snaps, strict=True)
-                    },
-                }
+                extra["hashes"] = st.hashes()
             write_manifest(tmp, step, st.world, ranks=st.ranks, known=writer.files, extra=extra)
             fsync_dir(tmp)
             if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):
@@ -468,16 +432,10 @@ def export_dcp(
                 "O_DIRECT" if writer.used_direct else "buffered writes",
             )
             return result
-    except OSError:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except FtmemError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, ExportError):
-            raise
-        raise ExportError(f"cannot export step {step}: {exc}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, FtmemError) and not isinstance(exc, ExportError):
+            raise ExportError(f"cannot export step {step}: {exc}") from exc
         raise
 
 
@@ -489,27 +447,36 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
     )
 
 
-def to_torch_save(dcp_dir: Path, out_file: Path) -> None:
-    """Convert a checkpoint of a tier to one ``torch.save`` file (what stock
-    ``dcp_to_torch_save`` writes), after checking it (owner, signature, every file's hash);
-    nothing in it is unpickled (:func:`ftmem.tiers.dcp_read.load_whole`).
+def _load_checked(dcp_dir: Path) -> dict[str, Any]:
+    """The whole state of a checkpoint of a tier, after checking it (owner, signature, every
+    file's hash); nothing in it is unpickled (:func:`ftmem.tiers.dcp_read.load_whole`).
 
     Raises:
         CorruptSnapshotError, UnsafePathError: the checkpoint failed a check.
     """
-    from ftmem.tiers.checkpoints import read_checkpoint, verify_checkpoint
-    from ftmem.tiers.dcp_read import load_whole
-
     ckpt = read_checkpoint(dcp_dir)
     verify_checkpoint(ckpt)
+    return load_whole(ckpt)
+
+
+def _write_synced(out_file: Path, write: Any) -> None:
+    """``write(path)`` to a temporary name beside ``out_file``, fsync, rename into place."""
     tmp = out_file.with_name(temp_name(out_file.name))
     try:
-        torch.save(load_whole(ckpt), tmp)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.rename(tmp, out_file)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def to_torch_save(dcp_dir: Path, out_file: Path) -> None:
+    """Convert a checkpoint of a tier to one ``torch.save`` file (what stock
+    ``dcp_to_torch_save`` writes), once checked (:func:`_load_checked`, whose errors it raises).
+    """
+    whole = _load_checked(dcp_dir)
+    _write_synced(out_file, lambda path: torch.save(whole, path))
 
 
 def to_safetensors(dcp_dir: Path, out_file: Path) -> int:
@@ -521,6 +488,7 @@ def to_safetensors(dcp_dir: Path, out_file: Path) -> int:
 
     Raises:
         ExportError: safetensors is not installed.
+        CorruptSnapshotError, UnsafePathError: the checkpoint failed a check.
     """
     try:
         from safetensors.torch import save_file
@@ -529,22 +497,12 @@ def to_safetensors(dcp_dir: Path, out_file: Path) -> int:
             "--safetensors needs the safetensors package: pip install safetensors"
         ) from exc
 
-    tmp = out_file.with_name(temp_name(out_file.name))
-    try:
-        to_torch_save(dcp_dir, tmp)
-        whole = torch.load(tmp, weights_only=True)
-        tmp.unlink()
-        tensors: dict[str, torch.Tensor] = {}
-        objects: dict[str, Any] = {}
-        _flatten_into(whole, "", tensors, objects)
-        meta = {"ftmem.objects": json.dumps(objects, default=repr)}
-        save_file(tensors, str(tmp), metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.rename(tmp, out_file)
-        return len(tensors)
-    finally:
-        tmp.unlink(missing_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    _flatten_into(_load_checked(dcp_dir), "", tensors, objects)
+    meta = {"ftmem.objects": json.dumps(objects, default=repr)}
+    _write_synced(out_file, lambda path: save_file(tensors, str(path), metadata=meta))
+    return len(tensors)
 
 
 def _flatten_into(

@@ -1,24 +1,13 @@
-"""``python -m ftmem.tiers.flush_worker``: the SMP's flush worker process (it imports torch; the SMP
-does not).
+"""``python -m ftmem.tiers.flush_worker``: the SMP's flush worker process (it imports torch; the
+SMP does not).
 
 It reads one job per line on stdin (:class:`~ftmem.protocol.flush_jobs.FlushJob`, or
-:class:`~ftmem.protocol.flush_jobs.AssembleJob`: see :func:`assemble_pending`) and answers with
-typed lines on stdout (``WorkerReady`` once, then ``Progress`` and ``TierWritten`` on the way and
-``JobDone`` at the end of each job); protocol/flush_jobs.py has the wire format.
-
-The first tier gets the checkpoint from the slots (``export_dcp``: tmp dir, fsync, rename);
-each further tier gets a verified copy of it; each tier then keeps its newest ``keep``.
-
-Multi-node (the node's ranks are not all of ``world_size``): what each tier gets is this
-node's *part* (``step_<N>.part-r<first rank>``); when the last tier is ``shared`` (the
-persistent tier every node sees) the node holding rank 0 then waits for every node's part
-there (at most ``assemble_timeout`` s) and assembles the global checkpoint
-(:func:`ftmem.tiers.assemble.assemble`), whose path it reports; other nodes report their
-part's path. It runs
-at a lower CPU priority (nice 10), the lowest best-effort I/O priority and one torch
-thread, so training keeps the cores and the disk. A
-failure (a full disk...) leaves every tier as it was: the partial directory is removed and the
-previous checkpoints stay complete. The process ends when stdin closes.
+:class:`~ftmem.protocol.flush_jobs.AssembleJob`) and answers with typed lines on stdout
+(protocol/flush_jobs.py). The first tier gets the checkpoint from the slots (``export_dcp``);
+each further tier a verified copy; each tier keeps its newest ``keep``. Multi-node, each tier
+gets this node's *part*, and the node of rank 0 assembles the parts in the shared last tier
+(:func:`ftmem.tiers.assemble.assemble`). A failure leaves every tier as it was. It runs at a
+lower CPU and I/O priority with one torch thread, and ends when stdin closes.
 """
 
 from __future__ import annotations

@@ -1,35 +1,23 @@
 """A step held in SMP memory as a DCP checkpoint: ``dcp.load`` reshards it to any world size
-without a byte on disk, across hosts.
+without a byte on disk, across hosts (docs/api.md, "A step in memory as a DCP checkpoint").
 
-:class:`MemoryCheckpoint` maps the committed slots of the step that this host's SMPs hold
-(read-only), checks every tensor it will serve against the slot's checksums, and plans them
-exactly as a node's flush does (:func:`ftmem.tiers.export.step_state`: the same state, saved
-through DCP's own planner into a writer that keeps references instead of writing files): a
-*part*. The loading processes exchange their parts' metadata (JSON over the process group;
-nothing unpickled) and merge it as the disk tier assembles a multi-node checkpoint
-(:func:`ftmem.tiers.assemble.merge_parts`). Its :meth:`~MemoryCheckpoint.reader` then serves
-DCP's load planner: extents this host holds are copied from the mapped slots; the others are
-sent, in one ``all_to_all`` over the process group, by a process of a host that holds them. So::
-
-    with MemoryCheckpoint(local_sources, world_size=old_world, group=dist.group.WORLD) as ckpt:
-        dcp.load({"model": model.state_dict(), "optim": opt.state_dict()},
-                 storage_reader=ckpt.reader())
-
-fills the state at the loading job's world size and layout as ``dcp.load`` of the flushed
-checkpoint of the same step would, bit for bit: DCP's planners do the resharding. Every
-process of ``group`` must open a MemoryCheckpoint of the same step and load together (the
-reads are collective); a process on a host that holds nothing (a new machine) passes no
-sources. Without ``group``, the sources must be every rank of the step.
-
-The slots must not be reused meanwhile (the ranks that own them are stopped, or the step is
-pinned). Non-tensor values that come from another process are read with ``weights_only``.
+:class:`MemoryCheckpoint` maps this host's committed slots of the step read-only and plans
+them as a node's flush does (:func:`ftmem.tiers.export.step_state`, saved through DCP's own
+planner into a writer that keeps references instead of writing files): a *part*. The
+processes exchange their parts' metadata (JSON; nothing unpickled) and merge it as the disk
+tier assembles a multi-node checkpoint (:func:`ftmem.tiers.assemble.merge_parts`). Its
+:meth:`~MemoryCheckpoint.reader` serves DCP's load planner: extents this host holds are copied
+from the slots, the others come in one ``all_to_all`` over the group from a process that
+holds them. Every process of ``group`` must open one for the same step and load together.
+The slots must not be reused meanwhile; non-tensor values from another process are read with
+``weights_only``.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
-import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -53,6 +41,7 @@ from ftmem.format.layout import digest
 from ftmem.tiers.assemble import Part, merge_parts, part_prefix
 from ftmem.tiers.checkpoints import Checkpoint
 from ftmem.tiers.dcp_meta import metadata_from_json, metadata_to_json
+from ftmem.tiers.dcp_read import in_one_process
 from ftmem.tiers.export import ExportError, RankSource, StepState, step_state
 
 __all__ = ["MemoryCheckpoint", "all_gather_json"]
@@ -201,7 +190,9 @@ class _Reader(StorageReader):
             (local if path in self.ckpt.items else remote).append((req, path))
         for req, path in local:
             src = self.ckpt.items[path]
-            _deliver(planner, req, src if isinstance(src, bytes) else _extent(src, req))
+            if isinstance(src, torch.Tensor):
+                src = _narrow(src, req.storage_offsets, req.lengths)
+            _deliver(planner, req, src)
         if self.ckpt.group is not None:
             self._exchange(planner, remote)
         elif remote:
@@ -239,10 +230,7 @@ class _Reader(StorageReader):
         inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(out_splits), dtype=torch.uint8)
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=ck.group)
-        pos, start = [], 0
-        for n in out_splits:
-            pos.append(start)
-            start += n
+        pos = list(itertools.accumulate(out_splits, initial=0))
         for (req, path), nbytes in zip(remote, sizes, strict=True):
             server = ck.holder(path)
             piece = out[pos[server] : pos[server] + nbytes]
@@ -260,8 +248,7 @@ class _Reader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             return int(self.storage_data[req.storage_index].length)
         entry = self.ckpt.metadata.state_dict_metadata[req.storage_index.fqn]
-        item = torch.empty((), dtype=entry.properties.dtype).element_size()  # type: ignore[union-attr]
-        return int(torch.Size(req.lengths).numel()) * item
+        return int(torch.Size(req.lengths).numel()) * entry.properties.dtype.itemsize  # type: ignore[union-attr]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -274,10 +261,6 @@ def _narrow(src: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     for dim, (off, n) in enumerate(zip(offsets, lengths, strict=True)):
         view = view.narrow(dim, int(off), int(n))
     return view
-
-
-def _extent(src: torch.Tensor, req: ReadItem) -> torch.Tensor:
-    return _narrow(src, req.storage_offsets, req.lengths)
 
 
 def _deliver(planner: LoadPlanner, req: ReadItem, src: Kept, *, foreign: bool = False) -> None:
@@ -340,9 +323,7 @@ class MemoryCheckpoint:
 
         st = self._stack.enter_context(step_state(sources, world_size))
         capture = _Capture()
-        with warnings.catch_warnings():
-            # DCP warns that it saves in one process: that is what no_dist asks for.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with in_one_process():
             dcp_save(st.state, storage_writer=capture, no_dist=True)
         assert capture.metadata is not None
         chunked = st.add_chunks(capture.metadata)
@@ -356,10 +337,7 @@ class MemoryCheckpoint:
             "world": st.world,
             "ranks": st.ranks,
             "dcp": metadata_to_json(capture.metadata),
-            "hashes": {
-                str(r): {t.name: t.hash for t in sn.tensors}
-                for r, sn in zip(st.ranks, st.snaps, strict=True)
-            },
+            "hashes": st.hashes(),
             "chunked": sorted(chunked),
         }
 
