@@ -99,9 +99,8 @@ _NEXT: dict[ProtectionState, frozenset[ProtectionState]] = {
 def _read(cls: type[T], doc: Any, what: str, **known: Any) -> T:
     """``cls`` from the status document ``doc`` (with the fields ``known`` set), read by the
     one JSON reader. Raises ProtocolError."""
-    if type(doc) is not dict:
-        raise ProtocolError(f"{what} must be a JSON object, not {type(doc).__name__}")
-    got: T = build(cls, {**doc, **known} if known else doc, what=what, strict=False)
+    fields = {**doc, **known} if known and type(doc) is dict else doc
+    got: T = build(cls, fields, what=what, strict=False)
     return got
 
 

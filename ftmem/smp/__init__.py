@@ -6,12 +6,12 @@ sockets and the poll loop), handlers.py (request kind -> handler, deferred repli
 allocation.py (slot files and their creation off the loop), records.py (commit records),
 hashing.py (the checksum pool), node_lock.py (one SMP per run and node), spawn.py (start one
 with a readiness handshake), __main__.py (its CLI). The protection service (erasure coding
-across nodes, one thread): protection.py (the service), protection_state.py (what
-the service owns and hands its parts: the generation, the pinned steps, the status board;
-the loop's commands and their results), protection_sync.py (the generation's sync),
-protection_rounds.py (the rounds), protection_rebuild.py (a lost node's rebuild). The disk
-tiers: flush_scheduler.py (when and what to flush), flush_process.py (the flush worker
-process). Here: :func:`drain`, how the loop takes what its threads queued.
+across nodes, one thread): protection.py (the service and its rounds), protection_state.py
+(what the service owns and hands its parts: the generation, the pinned steps, the status
+board; the loop's commands and their results), protection_sync.py (the generation's sync and
+a lost node's rebuild). The disk tiers: flush_scheduler.py (when and what to flush),
+flush_process.py (the flush worker process). Here: :func:`drain`, how the loop takes what its
+threads queued.
 """
 
 from __future__ import annotations

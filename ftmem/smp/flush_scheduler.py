@@ -159,7 +159,7 @@ class FlushService:
         every rank of the node has reserved (such a step may never be complete, e.g. another
         rank committed it while a flush ran; a newer step is flushed instead). Return them to
         unpin."""
-        ranks = set(self._ranks())
+        ranks = set(self.slots.all_ranks())
         with self._res_lock:
             out = []
             for step in sorted(self._reserved):
@@ -180,7 +180,7 @@ class FlushService:
             return [p for s in newer for p in self._reserved.pop(s).values()]
 
     def _take_reserved(self) -> tuple[int, list[RankPiece]] | None:
-        ranks = set(self._ranks())
+        ranks = set(self.slots.all_ranks())
         with self._res_lock:
             ready = [s for s, d in self._reserved.items() if ranks and set(d) >= ranks]
             if not ready:
@@ -253,11 +253,11 @@ class FlushService:
 
     def _multi(self) -> bool:
         world = self.slots.world_size()
-        return world > 0 and self._ranks() != list(range(world))
+        return world > 0 and self.slots.all_ranks() != list(range(world))
 
     def _coordinates(self) -> bool:
         """Multi-node with a shared last tier, and this node holds rank 0: it assembles."""
-        return self.config.flush_shared and self._multi() and 0 in self._ranks()
+        return self.config.flush_shared and self._multi() and 0 in self.slots.all_ranks()
 
     def _discard(self) -> None:
         """Ranks restored an older step: remove this node's parts of newer steps (they belong to
@@ -265,7 +265,7 @@ class FlushService:
         from ftmem.tiers.checkpoints import list_checkpoints
 
         above, self._discard_above = self._discard_above, None
-        ranks = self._ranks()
+        ranks = self.slots.all_ranks()
         if above is None or not ranks or not self._multi():
             return
         for tier in self.config.flush_tiers:
@@ -286,16 +286,13 @@ class FlushService:
         world = self.slots.world_size()
         self._send(AssembleJob(self._ids, tier, world, self.config.flush_keep))
 
-    def _ranks(self) -> list[int]:
-        return self.slots.all_ranks()
-
     def _candidate(self, protected: bool = True) -> int | None:
         """The protected step (unless not ``protected``), else the newest step every rank of
         this node has verified (None: none)."""
         step = self.protected_step() if protected else None
         if step is not None:
             return step
-        steps = self.slots.complete_steps(self._ranks()) if self._ranks() else []
+        steps = self.slots.complete_steps(self.slots.all_ranks())
         return steps[0] if steps else None
 
     def _next(self) -> tuple[int | None, int]:
@@ -323,7 +320,7 @@ class FlushService:
         return None, 0
 
     def _begin(self, step: int, tiers: int, pinned: list[RankPiece] | None = None) -> None:
-        ranks = self._ranks()
+        ranks = self.slots.all_ranks()
         if pinned is not None:
             pieces: list[RankPiece] | None = pinned
         else:

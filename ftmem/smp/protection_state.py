@@ -1,8 +1,8 @@
 """What the SMP's protection thread holds and what it reports.
 
-The service (protection.py) owns one of each and hands them to its parts (the sync in
-protection_sync.py, the rounds in protection_rounds.py, the rebuild in protection_rebuild.py),
-which change nothing else; only the protection thread changes them:
+The service (protection.py) owns one of each and hands them to its parts (its rounds, and the
+sync and rebuild in protection_sync.py), which change nothing else; only the protection thread
+changes them:
 
 - :class:`Generation`: the generation this node is in (its index, epoch, ranks, group and the
   group's protector), fixed from one start to the next;

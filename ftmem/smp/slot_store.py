@@ -95,8 +95,6 @@ class SlotStore:
         self.files = files
         self._submit_hash = submit_hash
         self._ranks: dict[int, RankSlots] = {}
-        self._layouts: dict[int, dict[int, RegisteredLayout]] = {}
-        """rank -> layout id -> registered layout (at most MAX_LAYOUTS each)."""
         self._world_size = 0
         self._board: shm.GrantBoard | None = None
         self._cells: dict[int, int] = {}
@@ -198,10 +196,7 @@ class SlotStore:
         with self._lock:
             rs = self._rank(rank)
             held = rs.granted()
-            d = rs.begin(step, nbytes)
-            if held is not None and held.state is SlotState.FREE:
-                records.remove_record(held.path)  # a dead process's grant: maybe torn
-            return self._grant_of(rs, d)
+            return self._grant_of(rs, rs.begin(step, nbytes), held)
 
     def grant(self, rank: int, nbytes: int) -> m.BeginReply:
         """Promise a slot of ``nbytes`` to ``rank``'s next save (:meth:`RankSlots.grant`); a
@@ -210,10 +205,7 @@ class SlotStore:
         with self._lock:
             rs = self._rank(rank)
             held = rs.granted()
-            d = rs.grant(nbytes, needed=self._needed())
-            if held is not None and held.state is SlotState.FREE:
-                records.remove_record(held.path)
-            reply = self._grant_of(rs, d)
+            reply = self._grant_of(rs, rs.grant(nbytes, needed=self._needed()), held)
             if rs.grant_after is None:
                 return reply
             try:
@@ -257,7 +249,12 @@ class SlotStore:
                 self._board.close()
 
     @staticmethod
-    def _grant_of(rs: RankSlots, d: BeginDecision) -> m.BeginReply:
+    def _grant_of(rs: RankSlots, d: BeginDecision, held: Slot | None) -> m.BeginReply:
+        """The reply to ``rs``'s decision ``d``. Removes the records of the slots whose data
+        goes: the one handed out for writing, and ``held`` (the slot granted before ``d``) if
+        ``d`` freed it (a dead process's grant: maybe torn)."""
+        if held is not None and held.state is SlotState.FREE:
+            records.remove_record(held.path)
         if d.action is m.Decision.SKIP:
             return m.BeginReply(m.Decision.SKIP, reason=d.reason)
         s = rs.slot(d.slot)
@@ -279,8 +276,7 @@ class SlotStore:
         except CorruptSnapshotError as exc:
             raise ValueError(str(exc)) from exc
         with self._lock:
-            self._rank(rank)
-            held = self._layouts.setdefault(rank, {})
+            held = self._rank(rank).layouts
             held.pop(layout_id, None)
             held[layout_id] = reg
             while len(held) > MAX_LAYOUTS:
@@ -299,7 +295,7 @@ class SlotStore:
         """
         with self._lock:
             rs = self._rank(c.rank)
-            reg = self._layouts.get(c.rank, {}).get(c.layout_id)
+            reg = rs.layouts.get(c.layout_id)
             if reg is None:
                 raise UnknownLayoutError(f"unknown layout {c.layout_id} of rank {c.rank}")
             s = rs.slot(c.slot)

@@ -172,6 +172,8 @@ class RankSlots:
     """The pid of the process the GRANTED slot was promised to."""
     grant_after: int | None = None
     """Set while the grant is conditional: the step its slot holds (see the module docstring)."""
+    layouts: dict[int, RegisteredLayout] = field(default_factory=dict)
+    """Registered layouts by id (SlotStore keeps at most MAX_LAYOUTS, oldest first)."""
     _seq: int = 0
 
     def __post_init__(self) -> None:
