@@ -4,8 +4,8 @@ placement.py (pure: groups, stripe layout, parity holders, rebuild plans), codec
 ISA-L encode/rebuild of one stripe, xxh3 fragment checksums, malloc tuning), transport.py
 (PeerTransport interface), zmq_transport.py (ZeroMQ + CURVE), data_channel.py (the plain data
 channel: a length-prefixed TCP stream read into bounded buffers), data_mac.py (its keyed tags),
-keys.py (CURVE key files). The protocol of one node: protector.py (GroupProtector), steps.py
-(its per-step state and bounds), outbox.py (messages queued per peer), rebuilder.py (a lost
+keys.py (CURVE key files). The protocol of one node: protector.py (GroupProtector, with its
+messages queued per peer), steps.py (its per-step state and bounds), rebuilder.py (a lost
 node's rebuild, both ends), seals.py (what a node commits about each step), segments.py
 (buffers read as one), encode_pool.py and encode_worker.py (encoding in worker processes).
 

@@ -35,6 +35,7 @@ the step table (steps.py). Anything beyond is dropped and counted.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,6 @@ from ftmem._logging import get_logger
 from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange.codec import EncodedStripe, StripeCodec
 from ftmem.exchange.encode_pool import EncodePool, StripeEncoder
-from ftmem.exchange.outbox import Outbox
 from ftmem.exchange.placement import GroupPlan, StripePlan, chunk_bytes_for, stripe_map
 from ftmem.exchange.rebuilder import Rebuilder, manifest_of
 from ftmem.exchange.seals import Seal, digest_of, seal
@@ -119,7 +119,11 @@ class GroupProtector:
         """Largest snapshot of a node accepted from a peer (SIZE, META): by default this
         machine's memory, beyond which it could not hold the node's parity nor a rebuild."""
         self.dropped = 0
-        self._outbox = Outbox(me)
+        self.sent_bytes = 0
+        """Buffer bytes handed to the transport so far (headers not counted)."""
+        self._outbox: dict[int, deque[tuple[dict[str, Any], list[Any]]]] = {}
+        """Per-peer FIFO of (header, buffers) not sent yet (:meth:`send`)."""
+        self._outbox_bytes: dict[int, int] = {}
         self.rebuilder = Rebuilder(self)
         """Both ends of a lost node's rebuild (rebuilder.py)."""
         self._encoder = StripeEncoder(
@@ -127,13 +131,10 @@ class GroupProtector:
         )
 
     def queued_for(self, node: int) -> tuple[int, int]:
-        """(messages, bytes) queued for ``node`` and not sent yet."""
-        return self._outbox.pending(node)
-
-    @property
-    def sent_bytes(self) -> int:
-        """Buffer bytes sent to peers so far."""
-        return self._outbox.sent_bytes
+        """(messages, buffer bytes) queued for ``node`` and not sent yet: what answering a
+        peer's requests may add to is bounded by the caller on these."""
+        box = self._outbox.get(node)
+        return (len(box), self._outbox_bytes.get(node, 0)) if box else (0, 0)
 
     def tell_peers(self, body: pm.PeerBody, bufs: list[Any] | None = None) -> None:
         """:meth:`send` ``body`` to every other node of the group."""
@@ -145,16 +146,39 @@ class GroupProtector:
         """Queue a message (the protocol's, or a small one of the owner's own, ordered with
         them); :meth:`flush` (called by every wait) sends it without blocking, so a node never
         stalls on a busy peer while that peer stalls on it."""
-        self._outbox.put(node, body.to_header(self.epoch), bufs or [])
+        bufs = bufs or []
+        self._outbox.setdefault(node, deque()).append((body.to_header(self.epoch), bufs))
+        nbytes = sum(memoryview(b).nbytes for b in bufs)
+        self._outbox_bytes[node] = self._outbox_bytes.get(node, 0) + nbytes
 
     def flush(self) -> bool:
-        """Send what peers can take now; True when nothing is left queued."""
-        return self._outbox.flush(self.transport)
+        """Send, in order, what each peer can take now; True when nothing is left queued.
+        A peer the transport refuses (FtmemError) loses its queued messages (logged)."""
+        for node, box in list(self._outbox.items()):
+            while box:
+                header, bufs = box[0]
+                try:
+                    if not self.transport.try_send(str(node), header, bufs):
+                        break
+                except FtmemError as exc:
+                    log.warning(
+                        "[%d] dropping %d messages to node %d: %s", self.me, len(box), node, exc
+                    )
+                    box.clear()
+                    break
+                box.popleft()
+                n = sum(memoryview(b).nbytes for b in bufs)
+                self.sent_bytes += n
+                self._outbox_bytes[node] -= n
+            if not box:
+                del self._outbox[node]
+                self._outbox_bytes.pop(node, None)
+        return not self._outbox
 
     def drain(self) -> None:
         """Wait (bounded by ``timeout_s``, serving peers meanwhile) until every queued message
         is sent: a node that returns from :meth:`protect` may owe its peers their HELD."""
-        self.pump(self.flush, lambda: f"{self._outbox.queued()} messages unsent")
+        self.pump(self.flush, lambda: f"{sum(map(len, self._outbox.values()))} messages unsent")
 
     @property
     def encode_pool(self) -> EncodePool | None:
@@ -173,7 +197,8 @@ class GroupProtector:
         """
         self.transport = transport
         self.epoch = epoch
-        self._outbox.clear()
+        self._outbox.clear()  # stale
+        self._outbox_bytes.clear()
         self._encoder.drop_queued()  # their steps are given up below; late results are dropped
         for step in [s for s, st in self.steps.items() if not st.held_sent]:
             self.forget(step)
@@ -323,7 +348,7 @@ class GroupProtector:
             case pm.Parity() as b:
                 self._on_parity(b, bufs[0])
             case pm.Held() as b:
-                self.table.for_peer(b.step, self.forget).held.add(sender)
+                self.table.for_peer(b.step).held.add(sender)
                 self.rebuilder.rebuilt(sender, b.step)
             case pm.Abort() as b:
                 if b.step in self.steps and not self.steps[b.step].held >= set(self.plan.nodes):
@@ -343,7 +368,7 @@ class GroupProtector:
         if b.nbytes > self.max_node_bytes:
             raise ProtocolError(f"a size of {b.nbytes} bytes, over {self.max_node_bytes}")
         manifest = manifest_of(bufs)
-        st = self.table.for_peer(b.step, self.forget)
+        st = self.table.for_peer(b.step)
         if st.stripes is not None and st.sizes.get(sender) != b.nbytes:
             raise ProtocolError(f"a new size of step {b.step} after its stripe map was made")
         st.sizes[sender] = b.nbytes
@@ -355,11 +380,11 @@ class GroupProtector:
 
     def _on_data(self, b: pm.Data, piece: memoryview) -> None:
         key = (b.stripe, b.col)
-        st = self.table.for_peer(b.step, self.forget)
+        st = self.table.for_peer(b.step)
         if key in st.columns:
             raise ProtocolError(f"column {key} of step {b.step} again")
         if st.stripes is None:
-            self.table.keep_unplanned(st, piece.nbytes, self.forget)
+            self.table.keep_unplanned(st, piece.nbytes)
         elif self.table.column_len(st, *key) != piece.nbytes:
             raise ProtocolError(f"column {key} of step {b.step} is not one this node encodes")
         st.columns[key] = bytes(piece)
@@ -369,12 +394,12 @@ class GroupProtector:
             self._progress(b.step, b.stripe)
 
     def _on_parity(self, b: pm.Parity, fragment: memoryview) -> None:
-        st = self.table.for_peer(b.step, self.forget)
+        st = self.table.for_peer(b.step)
         key = (b.stripe, b.frag)
         if key in st.parity:
             raise ProtocolError(f"parity {key} of step {b.step} again")
         if st.stripes is None:
-            self.table.keep_unplanned(st, fragment.nbytes, self.forget)
+            self.table.keep_unplanned(st, fragment.nbytes)
         elif self.table.parity_len(st, *key) != fragment.nbytes or (
             st.owed_left is not None and key not in st.owed_left
         ):
@@ -535,12 +560,7 @@ class GroupProtector:
 
     def forget(self, step: int) -> None:
         """Drop everything held for ``step`` (after a newer step is protected)."""
-        st = self.steps.pop(step, None)
-        if st is None:
-            return
-        self.table.release(st)
-        if st.data is not None:
-            st.data.release()
+        self.table.forget(step)
 
 
 def _waits_for_peers(st: StepState) -> bool:

@@ -19,10 +19,9 @@ lost node's seal (seals.py) matches its size and manifest (with a key file); and
 ``accept`` hook. After the rebuild, the bytes must match the sealed digest. Replies nobody
 asked for are dropped.
 
-The rebuilder belongs to its :class:`~ftmem.exchange.protector.GroupProtector` (same thread),
-which it knows only as a :class:`RebuildHost` (so neither module imports the other's): it sends
-and waits through the protector and keeps only what is in flight (sizes asked for, fragments
-fetched, their checksums).
+The rebuilder belongs to its :class:`~ftmem.exchange.protector.GroupProtector` (same thread):
+it sends and waits through the protector and keeps only what is in flight (sizes asked for,
+fragments fetched, their checksums).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
@@ -44,38 +43,14 @@ from ftmem.exchange.placement import (
     survivors,
 )
 from ftmem.exchange.segments import SegmentedBytes
-from ftmem.exchange.steps import StepState, StepTable
+from ftmem.exchange.steps import StepState
 from ftmem.protocol import peer as pm
 from ftmem.protocol.peer import FragmentKind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ftmem.exchange.codec import StripeCodec
-    from ftmem.exchange.placement import GroupPlan
-    from ftmem.exchange.transport import PeerTransport
-
-
-class RebuildHost(Protocol):
-    """What a rebuilder needs of its :class:`~ftmem.exchange.protector.GroupProtector`."""
-
-    me: int
-    plan: GroupPlan
-    transport: PeerTransport
-    stripe_bytes: int
-    max_node_bytes: int
-    dropped: int
-    """Messages dropped (the rebuilder counts the requests it refuses here too)."""
-    codec: StripeCodec
-    table: StepTable
-    on_progress: Callable[[int, int, int], None] | None
-
-    def tell_peers(self, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
-    def queued_for(self, node: int) -> tuple[int, int]: ...
-    def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
-    def pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None: ...
-    def drain(self) -> None: ...
-    def forget(self, step: int) -> None: ...
+    from ftmem.exchange.protector import GroupProtector
 
 
 log = get_logger(__name__)
@@ -128,7 +103,7 @@ class Rebuilder:
     something this node does not hold is answered empty, which the asking node counts as lost.
     """
 
-    def __init__(self, protector: RebuildHost) -> None:
+    def __init__(self, protector: GroupProtector) -> None:
         self.p = protector
         self.refused = 0
         """Requests refused: from a node not being rebuilt, or outside a rebuild."""
@@ -145,9 +120,9 @@ class Rebuilder:
         self._answered: set[tuple[int, int, int]] = set()
         """Fragments whose reply came (a second reply to a repeated request is ignored)."""
         self._refused_lost: set[tuple[int, int, int]] = set()
-        self._meta: dict[int, tuple[pm.MetaReply, bytes]] = {}
-        self._meta_wanted: int | None = None
-        self._meta_answered: set[int] = set()
+        self._meta: dict[int, tuple[pm.MetaReply, bytes] | None] = {}
+        """Step whose sizes were asked for -> the reply (None until it comes; a second
+        reply, to a request asked again, is ignored)."""
         self._sums: dict[tuple[int, int], tuple[int, ...]] = {}
         self._held: list[tuple[int, pm.MetaRequest | pm.FetchRequest]] = []
         self._refused_from: set[int] = set()
@@ -255,14 +230,10 @@ class Rebuilder:
     # -- lost node side: replies ---------------------------------------------------------------
     def on_meta(self, b: pm.MetaReply, bufs: tuple[memoryview, ...]) -> None:
         """A survivor's sizes of a step, this node's manifest and seal (only if asked for)."""
-        if b.step != self._meta_wanted:
-            if b.step in self._meta_answered:  # the reply to a request asked again
-                return
+        if b.step not in self._meta:
             raise ProtocolError(f"sizes of step {b.step} nobody asked for")
-        self._meta_answered.add(b.step)
-        manifest = manifest_of(bufs)
-        self._meta_wanted = None
-        self._meta[b.step] = (b, manifest)
+        if self._meta[b.step] is None:
+            self._meta[b.step] = (b, manifest_of(bufs))
 
     def on_fetched(self, b: pm.FetchReply, bufs: tuple[memoryview, ...]) -> None:
         """A fetched fragment (empty: the holder no longer has it); only one asked for."""
@@ -381,14 +352,13 @@ class Rebuilder:
         """Every node's snapshot size of ``step``, this node's manifest and seal, asked of
         ``source`` and checked (module docstring) before anything is allocated."""
         p = self.p
-        self._meta_wanted = step
-        self._meta_answered.discard(step)
+        self._meta[step] = None
         p.send(source, pm.MetaRequest(step))
         asked = time.monotonic()
 
         def done() -> bool:
             nonlocal asked
-            if step in self._meta:
+            if self._meta.get(step) is not None:
                 return True
             if time.monotonic() - asked >= ASK_AGAIN_S:
                 log.warning(
@@ -399,7 +369,9 @@ class Rebuilder:
             return False
 
         p.pump(done, lambda: f"no sizes of step {step} from node {source}")
-        reply, manifest = self._meta.pop(step)
+        got = self._meta[step]
+        assert got is not None  # done() saw it
+        reply, manifest = got
         sizes = reply.sizes
         if set(sizes) != set(p.plan.nodes):
             raise UnrecoverableError(f"node {source} does not hold step {step}")

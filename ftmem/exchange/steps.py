@@ -88,10 +88,9 @@ class StepTable:
         """The state of ``step``, added (empty) if not tracked yet."""
         return self.steps.setdefault(step, StepState())
 
-    def for_peer(self, step: int, forget: Callable[[int], None]) -> StepState:
+    def for_peer(self, step: int) -> StepState:
         """The state of ``step`` for a peer's message: a step not tracked yet is added only
-        within MAX_OPEN_STEPS, evicting (``forget``) the oldest step with none of this node's
-        data.
+        within MAX_OPEN_STEPS, forgetting the oldest step with none of this node's data.
 
         Raises:
             ProtocolError: no room (the message is dropped and counted).
@@ -107,13 +106,12 @@ class StepTable:
             log.warning(
                 "[%d] dropping peers' messages of step %d for newer ones", self.me, min(idle)
             )
-            forget(min(idle))
+            self.forget(min(idle))
         return self.get(step)
 
-    def keep_unplanned(self, st: StepState, nbytes: int, forget: Callable[[int], None]) -> None:
+    def keep_unplanned(self, st: StepState, nbytes: int) -> None:
         """Account ``nbytes`` kept for ``st`` before its stripe map is known. Past the bound,
-        other steps this node holds no data of give way (``forget``, the fullest first), so
-        that what peers sent for steps nobody protects cannot keep a real step out.
+        other steps this node holds no data of are forgotten (the fullest first), so that what peers sent for steps nobody protects cannot keep a real step out.
 
         Raises:
             ProtocolError: still no room (the piece is dropped and counted).
@@ -131,7 +129,7 @@ class StepTable:
                     self.me,
                     s,
                 )
-                forget(s)
+                self.forget(s)
         if self.unplanned + nbytes > self.max_unplanned_bytes:
             raise ProtocolError(
                 f"more than {self.max_unplanned_bytes} bytes of columns and parity before "
@@ -152,6 +150,14 @@ class StepTable:
         """Give back the unplanned budget ``st`` used (its map is known, or it is forgotten)."""
         self.unplanned -= st.unplanned
         st.unplanned = 0
+
+    def forget(self, step: int) -> None:
+        """Drop everything held for ``step``: its budget, and its views of the data."""
+        st = self.steps.pop(step, None)
+        if st is not None:
+            self.release(st)
+            if st.data is not None:
+                st.data.release()
 
     def column_len(self, st: StepState, stripe: int, col: int) -> int | None:
         """The planned length of a column this node encodes (None: not one it receives)."""
