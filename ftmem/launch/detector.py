@@ -139,17 +139,9 @@ class WatchEntry:
     and the address of its detector."""
 
     generation: int
-    slot: int
-    node: str
-    addr: tuple[str, int]
-
-
-def watch_entry(key: bytes, generation: int, slot: int, node: str, addr: tuple[str, int]) -> str:
-    """Node ``slot``'s entry (JSON) for round ``generation``, authenticated with ``key``."""
-    doc = {"generation": generation, "slot": slot, "node": node, "addr": list(addr)}
-    body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    mac = hmac.new(key, b"watch-entry" + body, hashlib.sha256).hexdigest()
-    return json.dumps({"entry": body.decode(), "mac": mac})
+    slot: Annotated[int, Range(0, 1 << 20)]
+    node: PeerName
+    addr: tuple[Annotated[str, Most(256)], Annotated[int, Range(0, 65535)]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +152,15 @@ class _Signed:
     mac: Annotated[str, Most(64)]
 
 
-@dataclass(frozen=True, slots=True)
-class _WatchFields:
-    generation: int
-    slot: Annotated[int, Range(0, 1 << 20)]
-    node: PeerName
-    addr: tuple[Annotated[str, Most(256)], Annotated[int, Range(0, 65535)]]
+def _watch_mac(key: bytes, body: bytes) -> str:
+    return hmac.new(key, b"watch-entry" + body, hashlib.sha256).hexdigest()
+
+
+def watch_entry(key: bytes, generation: int, slot: int, node: str, addr: tuple[str, int]) -> str:
+    """Node ``slot``'s entry (JSON) for round ``generation``, authenticated with ``key``."""
+    doc = {"generation": generation, "slot": slot, "node": node, "addr": list(addr)}
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"entry": body, "mac": _watch_mac(key, body.encode())})
 
 
 def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> WatchEntry:
@@ -175,24 +170,16 @@ def read_watch_entry(key: bytes, raw: bytes, generation: int, slot: int) -> Watc
     Raises:
         ValueError: the entry is malformed, fails its MAC, or is of another round or slot.
     """
-    malformed = f"the store's detector entry of node {slot} is malformed"
     try:
         signed = typed_json.parse(_Signed, raw, what="detector entry")
+        if not hmac.compare_digest(signed.mac, _watch_mac(key, signed.entry.encode())):
+            raise ValueError(
+                f"the store's detector entry of node {slot} fails its authentication (not "
+                "written with this job's key)"
+            )
+        entry = typed_json.parse(WatchEntry, signed.entry.encode(), what="detector entry")
     except ProtocolError as exc:
-        raise ValueError(f"{malformed}: {exc}") from exc
-    body = signed.entry.encode()
-    if not hmac.compare_digest(
-        signed.mac, hmac.new(key, b"watch-entry" + body, hashlib.sha256).hexdigest()
-    ):
-        raise ValueError(
-            f"the store's detector entry of node {slot} fails its authentication (not written "
-            "with this job's key)"
-        )
-    try:
-        f = typed_json.parse(_WatchFields, body, what="detector entry")
-    except ProtocolError as exc:
-        raise ValueError(f"{malformed}: {exc}") from exc
-    entry = WatchEntry(f.generation, f.slot, f.node, f.addr)
+        raise ValueError(f"the store's detector entry of node {slot} is malformed: {exc}") from exc
     if entry.generation != generation or entry.slot != slot:
         raise ValueError(
             f"the store's detector entry of node {slot} is of generation {entry.generation}, "

@@ -18,13 +18,14 @@ Every rendezvous round, before its ranks start, each agent:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -114,12 +115,42 @@ def _entry_mac(job: Any, fields: dict[str, Any]) -> str:
     return hmac.new(job.derived_key("store-entry"), body, hashlib.sha256).hexdigest()
 
 
+def signed_entry(job: Any, fields: dict[str, Any]) -> str:
+    """``fields`` as JSON with ``mac``, their MAC under the job's key (``job``: its
+    :class:`~ftmem.exchange.keys.CurveKeyPair`; None: no MAC)."""
+    return json.dumps({**fields, "mac": _entry_mac(job, fields) if job is not None else None})
+
+
+def verified_entry(job: Any, raw: bytes, cls: type[T], fields: dict[str, Any]) -> T:
+    """The ``cls`` in ``raw`` (exactly its fields, ``mac`` the MAC of the others, as
+    :func:`signed_entry` writes it) if it agrees with ``fields`` and its MAC verifies (any
+    MAC passes without a job key).
+
+    Raises:
+        ProtocolError: it does not.
+    """
+    from ftmem.errors import ProtocolError
+
+    try:
+        doc = typed_json.loads(raw, "the entry")
+        got: T = typed_json.build(cls, doc)
+    except ProtocolError as exc:
+        raise ProtocolError(f"malformed: {exc}") from None
+    body = {k: v for k, v in doc.items() if k != "mac"}
+    if any(body[k] != v for k, v in fields.items()):
+        raise ProtocolError(f"of another round or node: {body!r:.200}")
+    mac = doc["mac"]
+    if job is not None and not (
+        type(mac) is str and hmac.compare_digest(mac, _entry_mac(job, body))
+    ):
+        raise ProtocolError("fails its authentication (not written with this job's key)")
+    return got
+
+
 def peer_entry(job: Any, generation: int, node: int, address: str) -> str:
-    """This node's entry in the rendezvous store: JSON of the generation, the node index and
-    its address (endpoint and public key), authenticated with the job's key (``job``: its
-    :class:`~ftmem.exchange.keys.CurveKeyPair`)."""
-    fields = {"generation": generation, "node": node, "address": address}
-    return json.dumps({**fields, "mac": _entry_mac(job, fields)})
+    """This node's entry in the rendezvous store: the generation, the node index and its
+    address (endpoint and public key), as :func:`signed_entry` writes them."""
+    return signed_entry(job, {"generation": generation, "node": node, "address": address})
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,26 +169,42 @@ planted it, or a round whose number came back still holds its first formation's 
 the node writes this generation's."""
 
 
+def read_until_valid(
+    store: Any, key: str, raw: bytes, read: Callable[[bytes], T], deadline: float, warn: bool
+) -> T:
+    """``read(raw)``, ``raw`` being the value of ``key``: a value ``read`` refuses (FtmemError,
+    ValueError) is read from the store again every 50 ms until ``deadline`` (monotonic), then
+    its error is raised. ``warn``: log the first refused value that is not blank (a blank one
+    is not written yet)."""
+    while True:
+        try:
+            return read(raw)
+        except (FtmemError, ValueError) as exc:
+            if warn and raw:
+                warn = False
+                log.warning(
+                    "rendezvous store: %r was not written by this job's agent of this round "
+                    "(%s): ignored; reading it again",
+                    key,
+                    exc,
+                )
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)
+        raw = bytes(store.get(key))
+
+
 def read_entries(
     store: Any, keys: list[str], read: Callable[[int, bytes], T], wait_s: float = ENTRY_WAIT_S
 ) -> list[T]:
-    """``read(i, value)`` of each of ``keys`` (waits until all are in). A value ``read``
-    refuses (FtmemError, ValueError) is read again every 50 ms for up to ``wait_s`` (for all
-    of them together); then its error is raised."""
+    """``read(i, value)`` of each of ``keys`` (waits until all are in), through
+    :func:`read_until_valid` for up to ``wait_s`` (for all of them together)."""
     values = store.multi_get(keys)
     deadline = time.monotonic() + wait_s
-    out: list[T] = []
-    for i, (key, raw) in enumerate(zip(keys, values, strict=True)):
-        while True:
-            try:
-                out.append(read(i, bytes(raw)))
-                break
-            except (FtmemError, ValueError):
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.05)
-                raw = store.get(key)
-    return out
+    return [
+        read_until_valid(store, key, bytes(raw), functools.partial(read, i), deadline, False)
+        for i, (key, raw) in enumerate(zip(keys, values, strict=True))
+    ]
 
 
 def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
@@ -171,22 +218,13 @@ def read_peer_entry(job: Any, raw: bytes, generation: int, node: int) -> str:
     from ftmem.protocol.peer import parse_endpoint
 
     try:
-        entry = typed_json.parse(_PeerEntry, raw, what="peer entry")
-    except ProtocolError as exc:
-        raise FtmemError(f"the store's peer entry of node {node} is malformed: {exc}") from exc
-    fields = {"generation": entry.generation, "node": entry.node, "address": entry.address}
-    if not hmac.compare_digest(entry.mac, _entry_mac(job, fields)):
-        raise FtmemError(
-            f"the store's peer entry of node {node} fails its authentication (not written "
-            "with this job's key): refusing it"
-        )
-    if fields["generation"] != generation or fields["node"] != node:
-        raise FtmemError(
-            f"the store's peer entry of node {node} is of generation {fields['generation']!r}, "
-            f"node {fields['node']!r}, not generation {generation}: refusing it"
-        )
-    try:
-        return parse_endpoint(fields["address"])
+        entry = verified_entry(job, raw, _PeerEntry, {})
+        if entry.generation != generation or entry.node != node:
+            raise ProtocolError(
+                f"it is of generation {entry.generation}, node {entry.node}, not generation "
+                f"{generation}: refusing it"
+            )
+        return parse_endpoint(entry.address)
     except ProtocolError as exc:
         raise FtmemError(f"the store's peer entry of node {node}: {exc}") from exc
 
@@ -205,20 +243,13 @@ def _start_showing_progress(
     """
     from ftmem.protocol.smp_client import SmpClient
 
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = smp.call(start, timeout=timeout)
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
-
-    t = threading.Thread(target=run, name="ftmem-peer-start", daemon=True)
-    t.start()
     shown: tuple[int, int] | None = None
-    with SmpClient(run_dir, timeout=timedelta(seconds=5)) as status:
-        t.join(1.0)
-        while t.is_alive():
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="ftmem-peer-start") as pool,
+        SmpClient(run_dir, timeout=timedelta(seconds=5)) as status,
+    ):
+        asked = pool.submit(smp.call, start, timeout=timeout)
+        while wait([asked], 1.0).not_done:
             try:  # ProtocolError (a malformed status) is an FtmemError too
                 ex = status.status().protection
             except FtmemError:
@@ -234,10 +265,7 @@ def _start_showing_progress(
                     prog.fragments,
                     prog.of,
                 )
-            t.join(1.0)
-    if "error" in box:
-        raise box["error"]
-    reply: SyncReply = box["result"]
+    reply: SyncReply = asked.result()
     return reply
 
 

@@ -17,7 +17,6 @@ stops the agent.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import secrets
@@ -33,9 +32,9 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from ftmem.errors import FtmemError, ProtocolError
 from ftmem.exchange import keys
 from ftmem.launch.job_key import job_keys
-from ftmem.launch.peers import PeerSettings, _entry_mac
+from ftmem.launch.peers import PeerSettings, read_until_valid, signed_entry, verified_entry
 from ftmem.launch.ranks import assign_slots, next_generation, slot_ranks
-from ftmem.typed_json import MAX_INT, Range, build, read
+from ftmem.typed_json import MAX_INT, Range, loads, read
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,34 +107,6 @@ VERIFY_WAIT_S = 10.0
 there before its agent wrote the real one); the assignment is waited for three times as long."""
 
 
-def _signed(job: Any, fields: dict[str, Any]) -> str:
-    """``fields`` as JSON with their MAC under the job's key (no MAC without one)."""
-    return json.dumps({**fields, "mac": _entry_mac(job, fields) if job is not None else None})
-
-
-def _verified(job: Any, raw: bytes, cls: type[T], fields: dict[str, Any]) -> T:
-    """The ``cls`` in ``raw`` (exactly its fields, ``mac`` the MAC of the others) if it
-    agrees with ``fields`` and its MAC verifies (any MAC passes without a job key).
-
-    Raises:
-        ProtocolError: it does not.
-    """
-    doc = _value("", raw)
-    try:
-        got: T = build(cls, doc)
-    except ProtocolError as exc:
-        raise ProtocolError(f"malformed: {exc}") from None
-    body = {k: v for k, v in doc.items() if k != "mac"}
-    if any(body[k] != v for k, v in fields.items()):
-        raise ProtocolError(f"of another round or node: {body!r:.200}")
-    mac = doc["mac"]
-    if job is not None and not (
-        type(mac) is str and hmac.compare_digest(mac, _entry_mac(job, body))
-    ):
-        raise ProtocolError("not written with this job's key")
-    return got
-
-
 def _before(offer: SlotOffer, generation: int | None) -> SlotOffer:
     """``offer``, whose generation must be before ``generation`` (None: any)."""
     if generation is not None and offer.generation >= generation:
@@ -145,30 +116,23 @@ def _before(offer: SlotOffer, generation: int | None) -> SlotOffer:
     return offer
 
 
-def _read_until_verified(store: Any, key: str, check: Callable[[bytes], T], wait_s: float) -> T:
-    """``check`` of the value of ``key``, read again until it passes or ``wait_s`` is over
-    (a value that fails is logged once; a blank one, taken in an earlier agreement, is not
-    logged); the last ProtocolError after that."""
-    deadline = time.monotonic() + wait_s
-    failed: ProtocolError | None = None
-    while True:
-        raw = store.get(key)
-        try:
-            if not raw:
-                raise ProtocolError("blank: not written yet in this agreement")
-            return check(raw)
-        except ProtocolError as exc:
-            if failed is None and raw:
-                log.warning(
-                    "rendezvous store: %r was not written by this job's agent of this round "
-                    "(%s): ignored; reading it again",
-                    key,
-                    exc,
-                )
-            failed = exc
-        if time.monotonic() >= deadline:
-            raise ProtocolError(f"rendezvous store: {key!r}: {failed}") from failed
-        time.sleep(0.05)
+def _read_until_verified(
+    store: Any, key: str, check: Callable[[bytes], T], deadline: float, raw: bytes | None = None
+) -> T:
+    """``check`` of the value of ``key`` (``raw``: already read), read again until it passes
+    or ``deadline`` (:func:`~ftmem.launch.peers.read_until_valid`; a blank value is not
+    written yet in this agreement); then ProtocolError naming ``key``."""
+
+    def checked(value: bytes) -> T:
+        if not value:
+            raise ProtocolError("blank: not written yet in this agreement")
+        return check(value)
+
+    try:
+        value = store.get(key) if raw is None else raw
+        return read_until_valid(store, key, bytes(value), checked, deadline, True)
+    except ProtocolError as exc:
+        raise ProtocolError(f"rendezvous store: {key!r}: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,17 +152,17 @@ def _read_offers(
     and rank, a generation before ``bound``. One that still fails after ``wait_s`` (for all
     of them) is refused."""
     keys = [f"{_SLOT_KEY}/{i}" for i in range(1, n)]
-    store.multi_get(keys)  # every agent published one
+    values = store.multi_get(keys)  # every agent published one
     deadline = time.monotonic() + wait_s
     out: list[_Read] = []
-    for i, key in enumerate(keys, start=1):
+    for i, (key, raw) in enumerate(zip(keys, values, strict=True), start=1):
         fields = {"kind": "slot-offer", "round": round_, "rank": i}
 
         def check(raw: bytes, fields: dict[str, Any] = fields) -> _OfferDoc:
-            return _verified(job, raw, _OfferDoc, fields)
+            return verified_entry(job, raw, _OfferDoc, fields)
 
         try:
-            doc = _read_until_verified(store, key, check, max(0.0, deadline - time.monotonic()))
+            doc = _read_until_verified(store, key, check, deadline, raw)
         except ProtocolError as exc:
             log.warning("%s: treated as a node that claims no slot", exc)
             out.append(_Read(None, None))
@@ -227,7 +191,7 @@ class SlotAgreement:
 def _assignment(
     raw: bytes, job: Any, round_: int | None, n: int, group_rank: int, mine: dict[str, Any]
 ) -> SlotAgreement:
-    doc = _verified(job, raw, _AssignmentDoc, {"kind": "slots", "round": round_})
+    doc = verified_entry(job, raw, _AssignmentDoc, {"kind": "slots", "round": round_})
     if doc.slots is not None and sorted(doc.slots) != list(range(n)):
         raise ProtocolError(f"not a permutation of 0..{n - 1}: {doc.slots!r:.200}")
     if len(doc.offers) != n or len(doc.nonces) != n or doc.nonces[0] is None:
@@ -267,14 +231,14 @@ def agree_slots(
     mine |= {"generation": offer.generation, "nonce": nonce}
     fields = {"kind": "slot-offer", "round": round_, "rank": group_rank, **mine}
     key = f"{_SLOT_KEY}/{group_rank}"
-    store.set(key, _signed(job, {**fields, "nodes": offer.nodes}))
+    store.set(key, signed_entry(job, {**fields, "nodes": offer.nodes}))
     if group_rank != 0:
         try:
             return _read_until_verified(
                 store,
                 _ASSIGNED_KEY,
                 lambda raw: _assignment(raw, job, round_, n, group_rank, mine),
-                3 * wait_s,
+                time.monotonic() + 3 * wait_s,
             )
         finally:
             store.set(key, b"")
@@ -290,16 +254,8 @@ def agree_slots(
     rows = [[o.slot, o.size, o.generation, o.nodes] for o in offers]
     doc: dict[str, Any] = {"kind": "slots", "round": round_, "slots": slots, "offers": rows}
     doc |= {"nonces": [r.nonce for r in read], "generation": generation}
-    store.set(_ASSIGNED_KEY, _signed(job, doc))
+    store.set(_ASSIGNED_KEY, signed_entry(job, doc))
     return SlotAgreement(slots, offers, generation, nonce)
-
-
-def _value(key: str, raw: bytes) -> Any:
-    """A JSON value of the store, or ProtocolError naming ``key``."""
-    try:
-        return json.loads(raw)
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise ProtocolError(f"rendezvous store: {key!r} is not JSON: {exc}") from exc
 
 
 class SlotClaims:
@@ -405,7 +361,7 @@ def share_master(worker_group: WorkerGroup, slot: int | None, agreement: str) ->
             spec = worker_group.spec
             addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
         store.set(key, json.dumps([addr, port]))
-    master = _value(key, store.get(key))
+    master = loads(store.get(key), f"rendezvous store: {key!r}")
     try:
         worker_group.master_addr, worker_group.master_port = read(_HostPort, master, key)
     except ProtocolError:

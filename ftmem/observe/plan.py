@@ -289,16 +289,13 @@ def draw(p: PlanInputs, overheads: Sequence[float], out: Path) -> None:
             label=f"ftmem, snapshot every step, overhead {f:.2%}",
         )
     pts = sweep(p)
-    label = "disk (dcp.save), Young/Daly interval"
-    if p.disk_interval_s is not None:
-        label = f"disk (dcp.save), every {p.disk_interval_s:g} s"
     ax.plot(
         [g for g, _, _ in pts],
         [100 * d.goodput for _, _, d in pts],
         color="tab:orange",
         marker="s",
         markersize=3,
-        label=label,
+        label="disk (dcp.save)" + disk_estimate(p).system.removeprefix("disk"),
     )
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(CLUSTER_GPUS), [str(g) for g in CLUSTER_GPUS], fontsize=8)

@@ -11,7 +11,8 @@ import pytest
 from ftmem.errors import ProtocolError
 from ftmem.exchange.keys import CurveKeyPair, KeyFileError
 from ftmem.format.record import decode_record
-from ftmem.launch.rendezvous import _value
+from ftmem.launch.peers import verified_entry
+from ftmem.launch.rendezvous import SlotOffer
 from ftmem.protocol import flush_jobs
 from ftmem.protocol.rejoin import RejoinOrder
 
@@ -21,7 +22,7 @@ READERS: list[tuple[str, Callable[[str], Any], type[Exception]]] = [
     ("rejoin order", lambda t: RejoinOrder.from_json(t.encode()), ProtocolError),
     ("flush job", flush_jobs.parse_job, ProtocolError),
     ("flush reply", flush_jobs.parse_reply, ProtocolError),
-    ("rendezvous value", lambda t: _value("k", t.encode()), ProtocolError),
+    ("rendezvous entry", lambda t: verified_entry(None, t.encode(), SlotOffer, {}), ProtocolError),
     ("key pair", CurveKeyPair.from_json, KeyFileError),
     ("commit record", decode_record, ValueError),
 ]
