@@ -27,16 +27,21 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
+def die_with_parent(parent: int | None) -> None:
+    """Set the death signal; exit at once (status 137) if ``parent`` is given and no longer
+    our parent: it died between fork and prctl, so nobody would kill us later."""
+    set_pdeathsig()
+    if parent is not None and os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
     """Set the death signal, check that the agent is still our parent, exec ``argv``."""
     if not argv:
         sys.stderr.write("usage: _exec_shim.py CMD [ARGS...]\n")
         raise SystemExit(2)
-    set_pdeathsig()
     agent = os.environ.get(ENV_AGENT_PID)
-    # The agent may have died between fork and prctl: then nobody would kill us later.
-    if agent is not None and os.getppid() != int(agent):
-        raise SystemExit(128 + signal.SIGKILL)
+    die_with_parent(int(agent) if agent is not None else None)
     cmd = argv[0]
     path = cmd if os.sep in cmd else (shutil.which(cmd) or cmd)
     os.execv(path, argv)

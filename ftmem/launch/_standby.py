@@ -40,7 +40,7 @@ from importlib.machinery import SourceFileLoader
 from typing import Any
 
 # sys.path[0] is this directory until main() sets the script's: the exec shim is a sibling.
-from _exec_shim import set_pdeathsig
+from _exec_shim import die_with_parent
 
 MAX_MESSAGE = 4 << 20
 """Largest handoff message (command line + environment) accepted."""
@@ -286,9 +286,7 @@ def _serve_forks(ctl: socket.socket, dispositions: dict[int, Any]) -> None:
                     for pidfd in children:
                         os.close(pidfd)
                     os.setsid()  # the rank leads its own session, as elastic starts it
-                    set_pdeathsig()
-                    if os.getppid() != server:
-                        os._exit(128 + signal.SIGKILL)
+                    die_with_parent(server)
                     _fresh_entropy()
                     code = _run_forked(msg, fds, dispositions)
                 finally:
@@ -340,10 +338,7 @@ def main() -> None:
     """Set the death signal, warm up, wait for a rank, become it (or, as the fork server,
     fork one per handoff)."""
     args = _parse(sys.argv[1:])
-    set_pdeathsig()
-    # The agent may have died between fork and prctl: then nobody would kill us later.
-    if os.getppid() != args.agent_pid:
-        os._exit(128 + signal.SIGKILL)
+    die_with_parent(args.agent_pid)
     dispositions = {}
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):

@@ -64,7 +64,6 @@ from ftmem.launch.rendezvous import (
 )
 from ftmem.launch.report import (
     log_joining,
-    log_last_failure,
     record_standbys,
     report_resumed,
     report_started,
@@ -496,4 +495,4 @@ class FtmemElasticAgent(ElasticAgentBase):
 
     def report_last_failure(self) -> None:
         """Log why the agent gave up: the guard's reason and the failing rank's last lines."""
-        log_last_failure(self._node, self._life.stop_reason, self._life.last_failure)
+        self._life.report_last_failure()

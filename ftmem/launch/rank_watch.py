@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ftmem.launch.monitor import EventLog, HangVerdict, RankProcess, current_progress, find_hangs
-from ftmem.launch.workers import kill_rank, proc_state
+from ftmem.launch.workers import is_gone, kill_rank, proc_state
 from ftmem.protocol.status import RankProgress
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class RankWatch:
     def kill_stopped_peers(self) -> bool:
         """Once a rank has exited, SIGKILL the node's stopped (``T``) ranks (elastic is about
         to SIGTERM them and wait); True if one exited."""
-        if any(proc_state(p.pid) in (None, "Z", "X") for p in self.procs):
+        if any(is_gone(p.pid) for p in self.procs):
             self.kill_stopped("while a peer exited")
             return True
         return False
@@ -66,7 +66,7 @@ class RankWatch:
         if self.hang_killed:
             return
         # A rank that already exited (e.g. finished while its peers still work) is not hung.
-        running = [p for p in self.procs if proc_state(p.pid) not in (None, "Z", "X")]
+        running = [p for p in self.procs if not is_gone(p.pid)]
         hangs = find_hangs(
             running,
             progress,

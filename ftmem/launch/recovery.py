@@ -34,7 +34,7 @@ import time
 from ftmem.errors import IllegalTransition
 from ftmem.events import EventLog
 from ftmem.launch.monitor import NoProgressGuard
-from ftmem.launch.report import Recovery, log_failure
+from ftmem.launch.report import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +198,11 @@ class RecoveryLifecycle:
         stopped: float | None = None,
     ) -> bool:
         """A failure of ``kind`` on this node, reported once: DETECTED (its recovery opened,
-        :meth:`detected`), counted by the no-progress guard, and the ``FAILED`` line
-        (:func:`~ftmem.launch.report.log_failure`); ``restarts`` is (left, max). True: the
-        agent must stop restarting (the guard's verdict, which the line already tells)."""
+        :meth:`detected`), counted by the no-progress guard, and the line ``[node/rank]
+        FAILED: <what> (generation g); newest committed step ...; <outcome>`` (with
+        ``smp_died`` the step is the last one seen before the SMP died: the restarted SMP
+        adopts what it finds); ``restarts`` is (left, max). True: the agent must stop
+        restarting (the guard's verdict, which the line already tells)."""
         self.detected(kind, what, committed, stopped=stopped)
         left, most = restarts
         stop = self.check_guard(committed, left)
@@ -210,7 +212,33 @@ class RecoveryLifecycle:
             outcome = "not restarting (no-progress guard)"
         else:
             outcome = f"no restarts left (max {most})"
-        log_failure(
-            self.node, rank, what, generation, committed, outcome, stopped_ranks or [], smp_died
+        log.error(
+            "[%s/%s] FAILED: %s (generation %d); newest committed step on this node: %s%s; %s%s",
+            self.node,
+            "-" if rank is None else rank,
+            what,
+            generation,
+            committed,
+            " as last seen before the SMP died (RESUMED names the step restored)"
+            if smp_died
+            else "",
+            outcome,
+            f"; ranks {stopped_ranks} stopped by the agent" if stopped_ranks else "",
         )
         return stop
+
+    def report_last_failure(self) -> None:
+        """Before torchrun's summary: why the agent gave up (the no-progress guard) and the
+        failing rank's last lines of stderr."""
+        if self.stop_reason:
+            log.error("[%s] stopped: %s", self.node, self.stop_reason)
+        if self.last_failure is not None and self.last_failure[2]:
+            rank, what, tail = self.last_failure
+            log.error(
+                "[%s/%s] last failure: %s; the rank's last %d lines of stderr:\n%s",
+                self.node,
+                "-" if rank is None else rank,
+                what,
+                len(tail),
+                "\n".join(f"    {line}" for line in tail),
+            )

@@ -79,50 +79,6 @@ def tail_lines(path: str | None, lines: int = 20) -> list[str]:
         return []
 
 
-def log_failure(
-    node: str,
-    rank: int | None,
-    what: str,
-    generation: int,
-    committed: int | None,
-    outcome: str,
-    stopped: list[int],
-    smp_died: bool = False,
-) -> None:
-    """``[node/rank] FAILED: <what> (generation g); newest committed step ...; <outcome>``.
-    With ``smp_died`` the step is the last one seen before the SMP died (the restarted SMP
-    adopts what it finds; RESUMED names the step restored)."""
-    log.error(
-        "[%s/%s] FAILED: %s (generation %d); newest committed step on this node: %s%s; %s%s",
-        node,
-        "-" if rank is None else rank,
-        what,
-        generation,
-        committed,
-        " as last seen before the SMP died (RESUMED names the step restored)" if smp_died else "",
-        outcome,
-        f"; ranks {stopped} stopped by the agent" if stopped else "",
-    )
-
-
-def log_last_failure(
-    node: str, stop_reason: str | None, last: tuple[int | None, str, list[str]] | None
-) -> None:
-    """Before torchrun's summary: why the agent stopped and the failing rank's last lines."""
-    if stop_reason:
-        log.error("[%s] stopped: %s", node, stop_reason)
-    if last is not None and last[2]:
-        rank, what, tail = last
-        log.error(
-            "[%s/%s] last failure: %s; the rank's last %d lines of stderr:\n%s",
-            node,
-            "-" if rank is None else rank,
-            what,
-            len(tail),
-            "\n".join(f"    {line}" for line in tail),
-        )
-
-
 def report_resumed(
     node: str,
     generation: int,

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 
 from ftmem import typed_json
 from ftmem.errors import ProtocolError
-from ftmem.launch.workers import SHIM_PATH, proc_state
+from ftmem.launch.workers import SHIM_PATH, is_gone
 from ftmem.typed_json import Most
 
 Text = Annotated[str, Most(4096)]
@@ -139,6 +139,8 @@ class Standby:
     ctl: socket.socket
     spawned: float
     """``time.time()`` at the spawn."""
+    log_path: Path
+    """Its stdout and stderr."""
     ready_at: float | None = None
     report: WarmUpReport | None = None
 
@@ -260,7 +262,7 @@ class ForkServer:
     def ranks_alive(self) -> bool:
         """Whether a rank it forked still runs: after the server's death, until its death
         signal ends the rank (its socket closes before the kernel sends that signal)."""
-        self.forked = {pid for pid in self.forked if proc_state(pid) not in (None, "Z", "X")}
+        self.forked = {pid for pid in self.forked if not is_gone(pid)}
         return bool(self.forked)
 
     def fork(self, message: bytes, fds: list[int], args: list[str]) -> ForkedProcess:
@@ -299,7 +301,7 @@ class ForkedProcess:
         if self.returncode is None:
             self.server.drain()
             code = self.server.exited.pop(self.pid, None)
-            if code is None and self.server.gone and proc_state(self.pid) in (None, "Z", "X"):
+            if code is None and self.server.gone and is_gone(self.pid):
                 code = -signal.SIGKILL  # its death signal followed the fork server's end
             self.returncode = code
         return self.returncode

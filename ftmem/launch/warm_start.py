@@ -215,7 +215,7 @@ class StandbyPool:
         finally:
             theirs.close()
         self._spawned += 1
-        return Standby(local_rank=local_rank, popen=popen, ctl=ours, spawned=time.time())
+        return Standby(local_rank, popen, ours, time.time(), log_path)
 
     def poll(self) -> list[Standby]:
         """Read ready reports (return the standbys that became ready now, logged); drop (and
@@ -245,7 +245,7 @@ class StandbyPool:
                         standby.pid,
                         local_rank,
                         code,
-                        self.run_dir / f"standby-{local_rank}.log",
+                        standby.log_path,
                     )
         return ready
 
@@ -263,7 +263,7 @@ class StandbyPool:
                         self.node,
                         standby.pid,
                         standby.popen.returncode,
-                        self.run_dir / "fork-server.log",
+                        standby.log_path,
                     )
                 return []
             log.info(
@@ -382,7 +382,7 @@ def spawning_from(
             else:
                 pool.handed[local_rank_id] = standby
                 return handler
-        cold: SubprocessHandler = elastic_own(
+        return elastic_own(
             entrypoint=entrypoint,
             args=args,
             env=env,
@@ -391,7 +391,6 @@ def spawning_from(
             local_rank_id=local_rank_id,
             numa_options=numa_options,
         )
-        return cold
 
     with subprocess_handler_replaced(get_handler):
         yield

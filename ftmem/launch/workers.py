@@ -113,3 +113,8 @@ def proc_state(pid: int) -> str | None:
             return f.read().rsplit(") ", 1)[1][:1]
     except (OSError, IndexError):
         return None
+
+
+def is_gone(pid: int) -> bool:
+    """The process has exited: no such pid, or a zombie (``Z``/``X``) not reaped yet."""
+    return proc_state(pid) in (None, "Z", "X")

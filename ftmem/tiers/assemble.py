@@ -62,6 +62,18 @@ class Part:
     chunked: frozenset[str] = frozenset()
     """Tensors the part holds chunks of (DTensor shards, replicas' rows): merged over parts."""
 
+    @classmethod
+    def parse(cls, ckpt: Checkpoint, dcp: Any, hashes: Any, chunked: Any) -> Part:
+        """A part from the JSON fields :meth:`ftmem.tiers.export.StepState.part_fields` made.
+
+        Raises:
+            TypeError, ValueError, AttributeError: a field is malformed.
+        """
+        by_rank = {
+            int(r): {str(k): str(v) for k, v in dict(h).items()} for r, h in dict(hashes).items()
+        }
+        return cls(ckpt, dict(dcp), by_rank, frozenset(str(n) for n in chunked or ()))
+
     @property
     def prefix(self) -> str:
         """The part's sub-directory in the assembled checkpoint."""
@@ -76,16 +88,12 @@ def read_part(ckpt: Checkpoint) -> Part:
     """
     m = read_manifest(ckpt.path)
     try:
-        dcp = dict(m.dcp)
-        hashes = {
-            int(r): {str(k): str(v) for k, v in dict(h).items()} for r, h in dict(m.hashes).items()
-        }
-        chunked = frozenset(m.chunked or ())
-    except (TypeError, ValueError) as exc:
+        part = Part.parse(ckpt, m.dcp, m.hashes, m.chunked)
+    except (TypeError, ValueError, AttributeError) as exc:
         raise CorruptSnapshotError(f"{ckpt.path}: not a part ({exc!r})") from exc
-    if sorted(hashes) != list(ckpt.ranks):
-        raise CorruptSnapshotError(f"{ckpt.path}: hashes for ranks {sorted(hashes)}")
-    return Part(ckpt, dcp, hashes, chunked)
+    if sorted(part.hashes) != list(ckpt.ranks):
+        raise CorruptSnapshotError(f"{ckpt.path}: hashes for ranks {sorted(part.hashes)}")
+    return part
 
 
 def find_parts(tier: Path, step: int, world_size: int) -> list[Part]:

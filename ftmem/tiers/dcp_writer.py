@@ -319,6 +319,22 @@ class SlotWriter(FileSystemWriter):
         self.used_direct = False
         self.step = step  # only to match fault points
 
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """DCP's ``finish``, which also completes ``metadata``, the object ``dcp.save`` returns.
+
+        torch >= 2.13's writer fills in that object's ``storage_data`` (where each entry's bytes
+        are); torch 2.11 and 2.12 fill in a copy, leaving the returned one without it.
+        """
+        super().finish(metadata, results)
+        if metadata.storage_data is None:
+            from torch.distributed.checkpoint import filesystem
+
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            metadata.storage_meta = self.storage_meta()
+            version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+            if version is not None and hasattr(metadata, "version"):
+                metadata.version = version
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write every item of ``plan`` into ``threads`` files; the future holds the results."""
         prefix = getattr(plan.storage_data, "prefix", "__0_")

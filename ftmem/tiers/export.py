@@ -180,70 +180,6 @@ def _paths_of(
             _paths_of(v, (*path, k), snap, tables, out)
 
 
-def _finishing_writer(base: type[Any]) -> type[Any]:
-    """DCP's ``FileSystemWriter`` whose ``finish`` also completes the caller's metadata.
-
-    ``dcp.save`` returns the metadata it planned; torch >= 2.13's writer fills in that object's
-    ``storage_data`` (where each entry's bytes are), torch 2.11 and 2.12 fill in a copy, which
-    leaves the returned one without it. :func:`add_chunks` needs it either way.
-    """
-
-    class FinishingWriter(base):  # type: ignore[misc]
-        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-            super().finish(metadata, results)
-            if metadata.storage_data is None:
-                from torch.distributed.checkpoint import filesystem
-
-                metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-                metadata.storage_meta = self.storage_meta()
-                version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
-                if version is not None and hasattr(metadata, "version"):
-                    metadata.version = version
-
-    return FinishingWriter
-
-
-def add_chunks(
-    meta: Any, ranks: list[int], snaps: list[StoredSnapshot], paths: dict[str, tuple[Any, ...]]
-) -> set[str]:
-    """Describe in ``meta`` every tensor the ranks stored as chunks, as DCP describes a
-    sharded tensor: its global size and each chunk's offsets, the bytes being those of the
-    chunk's per-rank entry. Returns the names of those tensors."""
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    names: set[str] = set()
-    for rank, snap in zip(ranks, snaps, strict=True):
-        for t in snap.tensors:
-            if t.chunk is None:
-                continue
-            own = f"{PER_RANK_KEY}.{rank}.tensors.{t.name}"
-            src = meta.storage_data.get(MetadataIndex(own, torch.Size([0] * len(t.shape))))
-            if src is None:
-                raise ExportError(f"DCP wrote no entry for {own}")
-            entry = meta.state_dict_metadata.get(t.name)
-            if entry is None:
-                entry = meta.state_dict_metadata[t.name] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=torch_dtype(t.dtype)),
-                    size=torch.Size(t.chunk.shape),
-                    chunks=[],
-                )
-                meta.planner_data[t.name] = paths.get(t.name, (t.name,))
-            elif not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != t.chunk.shape:
-                raise ExportError(f"{t.name}: chunks of different tensors")
-            offsets = torch.Size(t.chunk.offset)
-            if any(c.offsets == offsets for c in entry.chunks):
-                continue  # the same chunk from another replica (HSDP)
-            entry.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(t.shape)))
-            meta.storage_data[MetadataIndex(t.name, offsets, len(entry.chunks) - 1)] = src
-            names.add(t.name)
-    return names
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -268,22 +204,82 @@ class StepState:
     """Tensors equal on every rank (saved once)."""
     per_rank_tensors: int
 
-    def add_chunks(self, meta: Any) -> set[str]:
-        """:func:`add_chunks` for this step: describe the chunked tensors in ``meta``."""
-        return add_chunks(meta, self.ranks, self.snaps, self.paths)
+    def save(self, writer: Any) -> tuple[Any, set[str]]:
+        """Save :attr:`state` with DCP into ``writer`` and describe the chunked tensors in the
+        metadata DCP returns; return (metadata, names of the chunked tensors).
 
-    def hashes(self) -> dict[str, dict[str, str]]:
-        """Each rank's tensor hashes, by name (what the assembler compares between ranks)."""
-        return {
-            str(r): {t.name: t.hash for t in sn.tensors}
-            for r, sn in zip(self.ranks, self.snaps, strict=True)
-        }
+        Raises:
+            ExportError: DCP named a tensor of rank 0 differently, or wrote no chunk's entry.
+            The writer's ``error`` where it set one (DCP's CheckpointException wraps it).
+        """
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    def check_names(self, meta: Any) -> None:
-        """Raise ExportError unless every tensor of rank 0 is a key of ``meta``."""
+        with in_one_process():
+            try:
+                meta = dcp_save(self.state, storage_writer=writer, no_dist=True)
+            except BaseException as exc:
+                error = getattr(writer, "error", None)
+                if error is not None and error is not exc:
+                    raise error from exc
+                raise
+        chunked = self._add_chunks(meta)
         missing = {t.name for t in self.snaps[0].tensors} - set(meta.state_dict_metadata)
         if missing:  # ftmem's names must be DCP's keys, or ftmem could not read it back
             raise ExportError(f"DCP named some tensors differently: {sorted(missing)[:5]}")
+        return meta, chunked
+
+    def _add_chunks(self, meta: Any) -> set[str]:
+        """Describe in ``meta`` every tensor the ranks stored as chunks, as DCP describes a
+        sharded tensor: its global size and each chunk's offsets, the bytes being those of the
+        chunk's per-rank entry. Returns the names of those tensors."""
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        names: set[str] = set()
+        for rank, snap in zip(self.ranks, self.snaps, strict=True):
+            for t in snap.tensors:
+                if t.chunk is None:
+                    continue
+                own = f"{PER_RANK_KEY}.{rank}.tensors.{t.name}"
+                src = meta.storage_data.get(MetadataIndex(own, torch.Size([0] * len(t.shape))))
+                if src is None:
+                    raise ExportError(f"DCP wrote no entry for {own}")
+                entry = meta.state_dict_metadata.get(t.name)
+                if entry is None:
+                    entry = meta.state_dict_metadata[t.name] = TensorStorageMetadata(
+                        properties=TensorProperties(dtype=torch_dtype(t.dtype)),
+                        size=torch.Size(t.chunk.shape),
+                        chunks=[],
+                    )
+                    meta.planner_data[t.name] = self.paths.get(t.name, (t.name,))
+                elif (
+                    not isinstance(entry, TensorStorageMetadata)
+                    or tuple(entry.size) != t.chunk.shape
+                ):
+                    raise ExportError(f"{t.name}: chunks of different tensors")
+                offsets = torch.Size(t.chunk.offset)
+                if any(c.offsets == offsets for c in entry.chunks):
+                    continue  # the same chunk from another replica (HSDP)
+                entry.chunks.append(
+                    ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(t.shape))
+                )
+                meta.storage_data[MetadataIndex(t.name, offsets, len(entry.chunks) - 1)] = src
+                names.add(t.name)
+        return names
+
+    def part_fields(self, meta: Any, chunked: set[str]) -> dict[str, Any]:
+        """The part's fields of its manifest (or of a process's part in memory): its DCP
+        metadata as JSON, its chunked tensors and each rank's tensor hashes, by name (what
+        :func:`ftmem.tiers.assemble.merge_parts` compares between ranks)."""
+        hashes = {
+            str(r): {t.name: t.hash for t in sn.tensors}
+            for r, sn in zip(self.ranks, self.snaps, strict=True)
+        }
+        return {"dcp": metadata_to_json(meta), "chunked": sorted(chunked), "hashes": hashes}
 
 
 @contextmanager
@@ -338,7 +334,7 @@ def step_state(sources: Sequence[RankSource], world_size: int | None = None) -> 
         per_rank: dict[str, Any] = {}
         for r, rank in enumerate(ranks):
             # Chunks (a DTensor's shard, a replica's rows) are kept per rank; the whole tensor
-            # is described by the metadata (add_chunks), as DCP describes a sharded tensor.
+            # is described by the metadata (StepState.save), as DCP describes a sharded tensor.
             differ = {
                 t.name: tensor_lists[r][i]
                 for i, t in enumerate(snaps[r].tensors)
@@ -383,8 +379,6 @@ def export_dcp(
             checksums (a rank reused it while it was written; nothing is left at ``out`` then).
         OSError: writing failed (a full disk...); nothing is left at ``out`` then.
     """
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     out = Path(out)
     if out.exists():
         raise ExportError(f"{out} exists; choose a new directory")
@@ -393,25 +387,17 @@ def export_dcp(
     try:
         with step_state(sources, world_size) as st:
             tmp.mkdir(mode=0o700)  # the checkpoint holds the model: owner only
-            writer = _finishing_writer(SlotWriter)(
+            writer = SlotWriter(
                 str(tmp), expected=st.expected, threads=threads, direct=direct, step=step
             )
-            with in_one_process():
-                try:
-                    meta = dcp_save(st.state, storage_writer=writer, no_dist=True)
-                except BaseException as exc:  # DCP's CheckpointException wraps the writer's
-                    if writer.error is not None and writer.error is not exc:
-                        raise writer.error from exc
-                    raise
-            chunked_names = st.add_chunks(meta)
-            if chunked_names:
+            meta, chunked = st.save(writer)
+            if chunked:
                 write_metadata(tmp, meta)  # DCP's, plus the global tensors made of chunks
-            st.check_names(meta)
             # The metadata as JSON: readers take it from the signed manifest instead of
             # unpickling .metadata; a coordinator writes the global metadata from the parts'.
-            extra = {"dcp": metadata_to_json(meta), "chunked": sorted(chunked_names)}
-            if st.part:
-                extra["hashes"] = st.hashes()
+            extra = st.part_fields(meta, chunked)
+            if not st.part:
+                del extra["hashes"]
             write_manifest(tmp, step, st.world, ranks=st.ranks, known=writer.files, extra=extra)
             fsync_dir(tmp)
             if faults.maybe_inject(faults.Point.IN_FLUSH, 0, step):

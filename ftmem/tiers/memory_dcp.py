@@ -40,8 +40,7 @@ from ftmem.errors import CorruptSnapshotError
 from ftmem.format.layout import digest
 from ftmem.tiers.assemble import Part, merge_parts, part_prefix
 from ftmem.tiers.checkpoints import Checkpoint
-from ftmem.tiers.dcp_meta import metadata_from_json, metadata_to_json
-from ftmem.tiers.dcp_read import in_one_process
+from ftmem.tiers.dcp_meta import metadata_from_json
 from ftmem.tiers.export import ExportError, RankSource, StepState, step_state
 
 __all__ = ["MemoryCheckpoint", "all_gather_json"]
@@ -63,7 +62,6 @@ class _Capture(StorageWriter):
     def __init__(self) -> None:
         super().__init__()
         self.items: dict[str, Kept] = {}
-        self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Nothing to reset: one capture per step."""
@@ -100,9 +98,8 @@ class _Capture(StorageWriter):
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Record where each entry's data is in ``metadata``."""
+        """Record where each entry's data is in ``metadata`` (what ``dcp.save`` returns)."""
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        self.metadata = metadata
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -319,15 +316,9 @@ class MemoryCheckpoint:
 
     def _open_part(self, sources: list[RankSource], world_size: int | None) -> dict[str, Any]:
         """Map and check this host's slots; keep the captured entries; the part's JSON."""
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
         st = self._stack.enter_context(step_state(sources, world_size))
         capture = _Capture()
-        with in_one_process():
-            dcp_save(st.state, storage_writer=capture, no_dist=True)
-        assert capture.metadata is not None
-        chunked = st.add_chunks(capture.metadata)
-        st.check_names(capture.metadata)
+        meta, chunked = st.save(capture)
         _verify(st, capture.items)
         prefix = part_prefix(st.ranks[0])
         self.items = {f"{prefix}/{k}": v for k, v in capture.items.items()}
@@ -336,9 +327,7 @@ class MemoryCheckpoint:
             "step": st.step,
             "world": st.world,
             "ranks": st.ranks,
-            "dcp": metadata_to_json(capture.metadata),
-            "hashes": st.hashes(),
-            "chunked": sorted(chunked),
+            **st.part_fields(meta, chunked),
         }
 
     def _parts(self, docs: list[Any]) -> list[Part]:
@@ -364,11 +353,7 @@ class MemoryCheckpoint:
                 if prefix in parts:
                     continue
                 ckpt = Checkpoint(Path(prefix), self.step, self.world_size, 0, {}, ranks)
-                hashes = {
-                    int(r): {str(k): str(v) for k, v in dict(h).items()}
-                    for r, h in dict(d["hashes"]).items()
-                }
-                parts[prefix] = Part(ckpt, dict(d["dcp"]), hashes, frozenset(d["chunked"]))
+                parts[prefix] = Part.parse(ckpt, d["dcp"], d["hashes"], d["chunked"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptSnapshotError(f"malformed part metadata from a process: {exc!r}") from exc
         covered = sorted(r for p in parts.values() for r in p.ckpt.ranks)
