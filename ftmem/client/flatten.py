@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ftmem.format.layout import ChunkOf, StoredSnapshot, StoredTensor, TensorExtent, parse_layout
-from ftmem.format.tensors import TENSOR_MARK
+from ftmem.format.tensors import DTYPE_NAMES, TENSOR_MARK
 
 __all__ = [
     "ChunkOf",
@@ -101,7 +101,7 @@ def flatten_state(state: Mapping[str, Any], sds: list[tuple[str, Any]] | None = 
 
     Raises:
         ValueError: a value that cannot be snapshotted (e.g. an arbitrary object, a sparse
-            or meta tensor, a non-string top-level key).
+            or meta tensor, a dtype no snapshot holds, a non-string top-level key).
     """
     tensors: list[torch.Tensor] = []
     names: list[str] = []
@@ -118,6 +118,8 @@ def flatten_state(state: Mapping[str, Any], sds: list[tuple[str, Any]] | None = 
                 raise ValueError(f"{name}: {type(obj).__name__} tensors are not supported yet")
             else:
                 local, chunk, group = obj.detach(), None, None
+            if local.dtype not in DTYPE_NAMES:
+                raise ValueError(f"{name}: dtype {local.dtype} is not supported")
             tensors.append(local)
             names.append(name)
             chunks.append(chunk)

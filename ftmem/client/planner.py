@@ -35,10 +35,10 @@ from ftmem.client.flatten import (
 from ftmem.client.steady import SteadyState
 from ftmem.format.layout import ChunkOf, TensorExtent, tensors_json
 from ftmem.format.tensors import (
+    DTYPE_NAMES,
     GATHER_MARK,
     REPLICAS_KEY,
     TENSOR_MARK,
-    dtype_name,
     encode_skeleton,
 )
 from ftmem.shm import ALIGN
@@ -107,7 +107,7 @@ def plan_layout(flat: Flat) -> Placement:
         t = flat.tensors[i]
         extents.append(
             TensorExtent(
-                i, flat.names[i], dtype_name(t.dtype), tuple(t.shape), offset, t.nbytes, chunks[i]
+                i, flat.names[i], DTYPE_NAMES[t.dtype], tuple(t.shape), offset, t.nbytes, chunks[i]
             )
         )
         offset = _align(offset + t.nbytes)
@@ -313,7 +313,7 @@ def shard_replicated(flat: Flat, replicated: list[int], size: int, index: int) -
         "size": size,
         "index": index,
         "tensors": [
-            [flat.names[j], dtype_name(flat.tensors[j].dtype), list(flat.tensors[j].shape)]
+            [flat.names[j], DTYPE_NAMES[flat.tensors[j].dtype], list(flat.tensors[j].shape)]
             for j in rep
         ],
         "pieces": pieces,

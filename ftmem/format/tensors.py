@@ -23,12 +23,18 @@ REPLICAS_KEY = "__ftmem_replicas__"
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 """Every dtype a snapshot may hold, by its layout name."""
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+"""The layout name of every dtype a snapshot may hold (the inverse of DTYPES)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """Return the layout name of ``dtype`` (``"float32"``)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    """Return the layout name of ``dtype`` (``"float32"``).
+
+    Raises:
+        ValueError: a dtype no snapshot may hold.
+    """
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
         raise ValueError(f"dtype {dtype} is not supported")
     return name
 

@@ -33,6 +33,11 @@ def test_arbitrary_objects_are_refused() -> None:
         flatten_state({"x": object()})
 
 
+def test_a_dtype_no_snapshot_holds_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"m\.w: dtype torch\.float8_e4m3fnuz is not supported"):
+        flatten_state({"m": {"w": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}})
+
+
 def test_layout_is_aligned_and_largest_first() -> None:
     flat = flatten_state(
         {"a": torch.zeros(3), "b": torch.zeros(1000), "c": torch.zeros(5, dtype=torch.int8)}
