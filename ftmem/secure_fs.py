@@ -10,6 +10,7 @@ and what is wrong with it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -181,12 +182,14 @@ def create_private_file(path: Path, data: bytes) -> bool:
         os.unlink(tmp)
 
 
-def replace_private_file(path: Path, data: bytes, tmp: Path | None = None) -> None:
+def replace_private_file(path: Path | str, data: bytes, tmp: Path | str | None = None) -> None:
     """Write ``data`` to ``path`` (mode 0600) atomically: to a new temporary file (``tmp``,
     default ``.<name>.tmp-<pid>`` beside it), renamed over ``path``. The temporary file is
     created ``O_EXCL|O_NOFOLLOW``: one left by a write that died, or planted, is removed
     first, and nothing is written through a symlink. Raises OSError (no file is left)."""
-    tmp = tmp or path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if tmp is None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o600)
@@ -198,5 +201,6 @@ def replace_private_file(path: Path, data: bytes, tmp: Path | None = None) -> No
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise

@@ -337,10 +337,22 @@ def read(tp: Any, value: Any, what: str) -> Any:
 def to_fields(payload: Any) -> dict[str, Any]:
     """Return the JSON-ready fields of a dataclass: nested dataclasses as objects, enums as
     their values, tuples as lists, paths as strings (what :func:`build` reads back)."""
-    return {f.name: _json_value(getattr(payload, f.name)) for f in dataclasses.fields(payload)}
+    names = _FIELD_NAMES.get(type(payload))
+    if names is None:
+        names = _FIELD_NAMES[type(payload)] = tuple(f.name for f in dataclasses.fields(payload))
+    return {name: _json_value(getattr(payload, name)) for name in names}
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+"""Types written as they are (exact types: an enum deriving from int or str is not one)."""
 
 
 def _json_value(v: Any) -> Any:
+    if type(v) in _SCALARS:  # most fields: the hot path of every message sent
+        return v
     if isinstance(v, enum.Enum):
         return v.value
     if dataclasses.is_dataclass(v):

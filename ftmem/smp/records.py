@@ -10,6 +10,7 @@ The format is :mod:`ftmem.format.record`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,20 +27,22 @@ SUFFIX = ".commit"
 
 def record_path(slot_path: Path | str) -> Path:
     """The record file of a slot file."""
-    return Path(str(slot_path) + SUFFIX)
+    return Path(f"{slot_path}{SUFFIX}")
 
 
 def write_record(slot_path: Path | str, rec: CommitRecord) -> None:
     """Write the record of ``slot_path`` atomically, through ``<record>.tmp``
-    (:func:`ftmem.secure_fs.replace_private_file`)."""
-    final = record_path(slot_path)
-    replace_private_file(final, encode_record(rec).encode(), Path(f"{final}.tmp"))
+    (:func:`ftmem.secure_fs.replace_private_file`). Paths stay strings: this runs twice per
+    save."""
+    final = f"{slot_path}{SUFFIX}"
+    replace_private_file(final, encode_record(rec).encode(), f"{final}.tmp")
 
 
 def remove_record(slot_path: Path | str) -> None:
     """Remove the record of a slot (before its data is overwritten or dropped)."""
     if slot_path:
-        record_path(slot_path).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{slot_path}{SUFFIX}")
 
 
 def read_record(path: Path) -> CommitRecord:
