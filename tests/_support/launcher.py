@@ -546,6 +546,15 @@ class Launcher:
         )
         return self.start(args, name, **env)
 
+    def torchrun(self, script: list[str], nproc: int, name: str) -> Launch:
+        """Start ``python -m torch.distributed.run --standalone`` with ``nproc`` ranks of
+        ``script`` (no ftmem-launch), logging to ``<tmp>/<name>.log``; cleaned up as agents."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(nproc), *script]
+        launch = Launch(cmd, self.tmp / f"{name}.log", self.env(), name=name, cwd=REPO)
+        self.launches.append(launch)
+        return launch
+
     def cleanup(self) -> None:
         """Kill everything still alive; assert every process and arena is gone."""
         for launch in self.launches:
@@ -567,9 +576,9 @@ _REFERENCE: dict[tuple[str, ...], dict[int, str]] = {}
 
 
 def failure_free_digests(launcher: Launcher, script: list[str], timeout: float) -> dict[int, str]:
-    """Digests of a failure-free 2-rank run of ``script`` (a data-parallel run: checked to be
-    the same on both ranks)."""
-    ref = launcher.single_node(launcher.new_run_id(), 2, [], script, name="reference")
+    """Digests of a failure-free 2-rank run of ``script`` under plain torchrun, the run a
+    user compares with (a data-parallel run: checked to be the same on both ranks)."""
+    ref = launcher.torchrun(script, nproc=2, name="reference")
     assert ref.wait(timeout) == 0, ref.text()[-3000:]
     want = digests(ref.text())
     assert len(want) == 2 and len(set(want.values())) == 1

@@ -1,6 +1,7 @@
 """The Hugging Face Trainer under ftmem-launch (``FtmemTrainer``): 2 ranks with the Trainer's
 DDP over gloo, gradient accumulation 2, one rank SIGKILLed mid-epoch; the run resumes from
-memory at the killed step and ends bitwise equal to the plain Trainer's failure-free run."""
+memory at the killed step and ends bitwise equal to the plain Trainer's failure-free run under
+torchrun."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ gradient accumulation 2 and 2 loader workers that add random noise to every samp
 workers' seeds matter); one rank SIGKILLed at an epoch's last step and again mid-epoch in the
 next; the run resumes from memory at each killed step (the loader re-seeded as in the first
 run, the consumed batches skipped) and ends bitwise equal to the failure-free run without the
-callback."""
+callback under plain torchrun."""
 
 from __future__ import annotations
 
