@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -68,6 +70,8 @@ class SmpProcess:
         self.stop()
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals a launcher turns into a stop (elastic's agent raises on each)."""
 ABANDON_GRACE_S = 30.0
 """How long an SMP that :func:`start_smp` gives up on (stopped while it starts, or not ready
 in time) may take to stop cleanly before it is SIGKILLed: it finishes starting first."""
@@ -91,6 +95,29 @@ def _terminate(popen: subprocess.Popen[bytes], grace_s: float) -> None:
         popen.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         log.error("SMP %d still alive after SIGKILL (D state?)", popen.pid)
+
+
+@contextlib.contextmanager
+def _signals_deferred(sigs: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Inside, those of ``sigs`` that have a Python handler (one that may raise) are only
+    noted; on leaving, each noted one is raised again, and its own handler runs then. Python
+    handlers run in the main thread only: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    saved = {
+        sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+        for sig in sigs
+        if callable(signal.getsignal(sig))
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)
 
 
 SETTINGS_NAME = "smp-settings.json"
@@ -141,26 +168,24 @@ def start_smp(
             cmd += ["--parent-pid", str(parent_pid)]
     cmd += extra_args or []
     log_file = open(log_path, "ab") if log_path is not None else None
+    popen: subprocess.Popen[bytes] | None = None
     try:
-        popen = subprocess.Popen(
-            cmd,
-            pass_fds=(wfd,),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file if log_file else None,
-            stderr=log_file if log_file else None,
-        )
-    except BaseException:
-        os.close(rfd)
+        # A stop request (a signal whose handler raises, as elastic's agent does on SIGTERM)
+        # must not land inside Popen, after the fork: the child would run on, unstopped.
+        with _signals_deferred():
+            popen = subprocess.Popen(
+                cmd,
+                pass_fds=(wfd,),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file if log_file else None,
+                stderr=log_file if log_file else None,
+            )
+        # Close our copy of the write end so the child's death shows up as EOF at once.
         os.close(wfd)
-        if log_file:
-            log_file.close()
-        raise
-    # Close our copy of the write end so the child's death shows up as EOF at once.
-    os.close(wfd)
-    deadline = time.monotonic() + start_timeout.total_seconds()
-    buf = b""
-    try:
+        wfd = -1
+        deadline = time.monotonic() + start_timeout.total_seconds()
+        buf = b""
         while b"\n" not in buf:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -182,11 +207,15 @@ def start_smp(
     except BaseException:
         # Stopped, not killed: a half-started SMP may already hold its predecessor's slot
         # files (it adopts them before it serves); on SIGTERM it removes them and exits.
-        _terminate(popen, ABANDON_GRACE_S)
+        if popen is not None:
+            _terminate(popen, ABANDON_GRACE_S)
         if log_file:
             log_file.close()
         raise
     finally:
         os.close(rfd)
+        if wfd >= 0:
+            os.close(wfd)
+    assert popen is not None
     log.info("SMP %d ready at %s", popen.pid, info.endpoint)
     return SmpProcess(popen, info, log_file)

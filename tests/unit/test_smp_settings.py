@@ -90,3 +90,31 @@ def test_a_value_smpconfig_refuses_is_a_value_error(tmp_path: Path) -> None:
     path = write_settings(d, {"run_dir": str(d), "slots": 1})
     with pytest.raises(ValueError, match="slots must be >= 2"):
         _read("--settings", str(path))
+
+
+def test_a_stop_signal_during_an_smp_spawn_is_raised_after_it() -> None:
+    """A SIGTERM whose handler raises (elastic's agent) does not land inside ``Popen`` while
+    the SMP is spawned: it is held, then raised once the child can be stopped."""
+    import signal
+
+    from ftmem.smp.spawn import _signals_deferred
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped
+
+    old = signal.signal(signal.SIGTERM, stop)
+    reached = False
+    try:
+        with pytest.raises(Stopped):
+            with _signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # bytecode boundaries: a handler would run here
+                    pass
+                reached = True
+        assert reached
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, old)
