@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as bench/int
 
 from bench import _render
 from bench._stats import median, stat
+from bench.machine_loss import _load
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"
@@ -121,11 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",")]
-    one, five, _ = os.getloadavg()
-    load = f"load {one:.1f} (1 min) / {five:.1f} (5 min) at the start"
+    load = _load()
     got = run(args)
-    one, five, _ = os.getloadavg()
-    text = render(got, args, f"{load}, {one:.1f} / {five:.1f} at the end, {os.cpu_count()} vCPUs")
+    text = render(got, args, f"{load} at the start, {_load()} at the end")
     print(text)
     if not args.no_write:
         _render.write_section(DOC, SECTION, text)
