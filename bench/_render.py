@@ -112,6 +112,7 @@ TITLES = {
     "memory": "Memory per node",
     "overhead": "End-to-end training overhead: snapshot every step, every K steps, none",
     "recovery": "Recovery: failure to resumed, ftmem-launch (in process, fork server, standby ranks, cold) vs torchrun + DCP",
+    "recovery-early": "Recovery from a failure early in the run (before the first DCP checkpoint)",
     "ec-protect": "Erasure-coded peer exchange: protect and rebuild between node processes",
     "ec-overhead": "Erasure-coded protection: training-loop overhead, on vs off",
     "flush": "Flush to disk: ftmem vs dcp.save, and step time while flushing",
@@ -200,7 +201,7 @@ def _insert_at(text: str, after: str | None) -> int:
     return len(text)
 
 
-AFTER = {"memory": "snapshot"}
+AFTER = {"memory": "snapshot", "recovery-early": "recovery"}
 """Sections placed after another; the rest (the summary too) go after the last results block,
 below the hand-written first page."""
 

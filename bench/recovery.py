@@ -187,6 +187,7 @@ class Run:
     time_lost_s: float | None = field(default=None, metadata=fig("time lost", ".2f", " s"))
     """Death -> stepping + steps lost x step time."""
     warmup_extra_s: float | None = None  # Training time the standbys' warm-ups cost.
+    from_standby: list[int] = field(default_factory=list)  # Ranks the restart took warm.
     warmups: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # DCP: dcp.save per save and rank.
     load_s: list[float] = field(default_factory=list)  # DCP: the restore per rank.
@@ -209,6 +210,12 @@ class RecoveryResult(_results.PartResult):
     runs: list[Run] = field(default_factory=list)
     standby: StandbyCost | None = None
     fork_server: StandbyCost | None = None
+
+    @property
+    def early(self) -> bool:
+        """The rank dies before torchrun + DCP's first checkpoint (its restart begins at step
+        0), while standby ranks may still be warming up (section ``recovery-early``)."""
+        return self.fail_step < self.dcp_every
 
 
 # --------------------------------------------------------------------------- analysis
@@ -423,7 +430,10 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
         second = started[1] if len(started) > 1 else {}
         warm: tuple[list[int], list[int]] = ([0, 1], [])
         want = {FT_FORK: warm, FT_STANDBY: warm, FT_INPROC: ([FAIL_RANK], [0])}.get(system)
+        if system == FT_STANDBY and res.early:
+            want = None  # standby ranks start once the ranks step: early, either is right
         got = tuple(sorted(second.get(k, [])) for k in ("from_standby", "in_process"))
+        run.from_standby = got[0]
         if want is not None and got != want:
             why = f"restart from standbys / in process: ranks {got[0]} / {got[1]}, not {want}"
             run.error = (run.error + "; " + why).lstrip("; ")

@@ -87,7 +87,31 @@ def sections(r: dict[str, Any]) -> dict[str, list[str]]:
         *rows(RUNS_TABLE, r["runs"]),
         *kv(_costs(r, runs), ("cost", "figure")),
     ]
+    if r["fail_step"] < r["dcp_every"]:
+        return {"recovery-early": [*_early_lines(r, runs), *out]}
     return {"recovery": out}
+
+
+EARLY_GOAL_S = 1.0
+"""A rank killed early in the run, rank death -> all ranks stepping with the shipped
+defaults (the fork server)."""
+
+
+def _early_lines(r: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """What the early failure shows, and its goal (the goals table keeps the late failure's)."""
+    fork = median(x["death_to_resumed_s"] for x in runs.get(FT_FORK, []))
+    sb = runs.get(FT_STANDBY, [])
+    warm = sum(1 for x in sb if x.get("from_standby"))
+    verdict = {None: "not measured", True: "**met**", False: "**missed**"}[le(fork, EARLY_GOAL_S)]
+    return [
+        f"- a failure before torchrun + DCP's first checkpoint (every {r['dcp_every']} steps): "
+        "its restart begins at step 0; ftmem-launch's fork server is warm before the first "
+        "ranks start (they are forked from it), while standby ranks (standby-fork=off) start "
+        f"once the ranks step: here {warm} of {len(sb)} such restarts found them ready",
+        f"- goal: rank death -> all ranks stepping with the shipped defaults (fork server) "
+        f"<= {EARLY_GOAL_S:.1f} s; measured {fmt(fork, '.2f', ' s')}: {verdict}",
+        "",
+    ]
 
 
 GOALS = (
