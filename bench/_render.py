@@ -104,9 +104,13 @@ MODULES = {  # part: the module in bench/ that renders it, in the order of the g
     "sharding": "sharding",
     "ec": "ec",
     "reshard": "reshard",
+    "recovery-early": "recovery_tables",
 }
 """In the order of the goals table; ``python bench/run.py`` runs the first eight (their
 measuring modules: ``bench/run.py``'s ``SCRIPTS``)."""
+SECTION_GOALS = {"gpu", "recovery-early"}
+"""Sections whose module gives their goals by section name (``goals(result, name)``): a
+part's second kind of run (``--gpu``, an early failure)."""
 TITLES = {
     "snapshot": "Snapshot: ftmem vs torch.save vs DCP",
     "memory": "Memory per node",
@@ -137,7 +141,7 @@ def goals(docs: dict[str, Doc], only: str | None = None) -> list[Goal]:
         if part not in MODULES or not hasattr(mod := module(part), "goals"):
             continue
         r = docs[part]["result"] if part in docs else None
-        out += mod.goals(r, part) if part == "gpu" else mod.goals(r)
+        out += mod.goals(r, part) if part in SECTION_GOALS else mod.goals(r)
     return out
 
 

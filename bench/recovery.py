@@ -211,11 +211,15 @@ class RecoveryResult(_results.PartResult):
     standby: StandbyCost | None = None
     fork_server: StandbyCost | None = None
 
-    @property
-    def early(self) -> bool:
-        """The rank dies before torchrun + DCP's first checkpoint (its restart begins at step
-        0), while standby ranks may still be warming up (section ``recovery-early``)."""
-        return self.fail_step < self.dcp_every
+
+EARLY_PART = "recovery-early"
+"""The section (and goal) of a run whose rank dies early: see :func:`early_failure`."""
+
+
+def early_failure(fail_step: int, dcp_every: int) -> bool:
+    """The rank dies before torchrun + DCP's first checkpoint (its restart begins at step
+    0), while standby ranks may still be warming up (section ``EARLY_PART``)."""
+    return fail_step < dcp_every
 
 
 # --------------------------------------------------------------------------- analysis
@@ -430,7 +434,7 @@ def run_one(res: RecoveryResult, system: str, repeat: int, workdir: Path, timeou
         second = started[1] if len(started) > 1 else {}
         warm: tuple[list[int], list[int]] = ([0, 1], [])
         want = {FT_FORK: warm, FT_STANDBY: warm, FT_INPROC: ([FAIL_RANK], [0])}.get(system)
-        if system == FT_STANDBY and res.early:
+        if system == FT_STANDBY and early_failure(res.fail_step, res.dcp_every):
             want = None  # standby ranks start once the ranks step: early, either is right
         got = tuple(sorted(second.get(k, [])) for k in ("from_standby", "in_process"))
         run.from_standby = got[0]
