@@ -265,6 +265,6 @@ def test_a_rank_whose_sigterm_handler_hangs_does_not_hold_the_restart(
     marker.unlink()
     kids = agent.descendants()
     agent.signal(signal.SIGTERM)
-    assert agent.wait(40) == 1
+    assert agent.wait(40) == 1, agent.text()[-4000:]  # its last lines if it aborts
     assert not wait_gone(kids, 10)
     assert shm_files(rid) == []
