@@ -50,7 +50,8 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
         4,
         min_nodes=3,
         command=command,
-        rdzv_conf="last_call_timeout=2",
+        # No last_call_timeout: the first round waits for all 4 nodes (elastic's 30 s last
+        # call), the re-join after the loss goes on with the survivors after ftmem's 1 s.
         # Protection lags the ranks' commits (as on a loaded machine): the survivors hold
         # newer steps of the 4-rank job than the one the old mesh kept.
         extra=["--ftmem-tune", "ec-interval=1.5"],
@@ -160,9 +161,7 @@ def test_an_fsdp2_job_shrinks_from_3_machines_to_2_and_grows_back_from_memory(
     stock ``dcp.load`` at the new size is tests/faults/test_fsdp.py's.)"""
     fsdp = REPO / "examples" / "train_fsdp.py"
     command = [str(fsdp), "--steps", "200", "--step-delay", "0.1", *TINY]
-    with machines(
-        launcher_env, 4, 3, min_nodes=2, command=command, rdzv_conf="last_call_timeout=2"
-    ) as m:
+    with machines(launcher_env, 4, 3, min_nodes=2, command=command) as m:
         m.start(0).wait_log(r"SMP pid \d+ ready", 120)
         m.start(1)
         m.start(2)
@@ -202,7 +201,6 @@ def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoi
         4,
         min_nodes=2,
         command=command,
-        rdzv_conf="last_call_timeout=2",
         extra=[*flags, "--ftmem-flush-keep", "100"],
     ) as m:
         m.start(0).wait_log(r"SMP pid \d+ ready", 120)
