@@ -197,8 +197,12 @@ def replace_private_file(path: Path | str, data: bytes, tmp: Path | str | None =
         os.unlink(tmp)
         fd = os.open(tmp, flags, 0o600)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

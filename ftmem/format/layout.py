@@ -346,8 +346,17 @@ class RegisteredLayout:
         for part, h in zip(self.parts[1:], digests[1:], strict=True):
             filled.append(f'"hash":"{h}"')
             filled.append(part)
+        return self._document("".join(filled), snap, digests[0])
+
+    def render_unverified(self, snap: StoredSnapshot) -> str:
+        """The layout document of ``snap`` as committed: every checksum empty (the registered
+        text as it is)."""
+        return self._document(_NO_HASH.join(self.parts), snap, "")
+
+    @staticmethod
+    def _document(tensors: str, snap: StoredSnapshot, objects_hash: str) -> str:
         objects = (snap.objects_offset, snap.objects_nbytes)
-        return layout_json("".join(filled), snap.step, objects, snap.unsharded_nbytes, digests[0])
+        return layout_json(tensors, snap.step, objects, snap.unsharded_nbytes, objects_hash)
 
 
 def register_layout(text: str, max_bytes: int) -> RegisteredLayout:

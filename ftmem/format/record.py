@@ -67,8 +67,13 @@ def record_text(fields: Mapping[str, Any]) -> str:
 
 def encode_record(rec: CommitRecord) -> str:
     """The record's file text (:func:`record_text` of its fields and the version)."""
-    fields = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
-    return record_text({"version": RECORD_VERSION, **fields})
+    head = (
+        f'{{"version":{RECORD_VERSION},"rank":{int(rec.rank)},"slot":{int(rec.slot)},'
+        f'"gen":{int(rec.gen)},"capacity":{int(rec.capacity)},"step":{int(rec.step)},'
+        f'"seq":{int(rec.seq)}}}'
+    )
+    body = f"{head}\n{rec.layout}"  # as record_text writes it, without a dict and json.dumps
+    return f"{body}\n{xxhash.xxh64_hexdigest(body.encode())}"
 
 
 def decode_record(text: str) -> CommitRecord:

@@ -220,6 +220,8 @@ class SmpDaemon:
             events = dict(poller.poll(timeout))
             if self._sock in events:
                 for _ in range(256):  # bounded burst so allocations and signals get a turn
+                    if not int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                        break  # (asked first: a zmq.Again raised on every pass costs more)
                     try:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:

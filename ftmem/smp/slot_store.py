@@ -504,7 +504,7 @@ class SlotStore:
         assert sl.step is not None
         layout = sl.layout
         if not layout and sl.template is not None and sl.snap is not None:
-            layout = sl.template.render(sl.snap, [""] * (len(sl.snap.tensors) + 1))
+            layout = sl.template.render_unverified(sl.snap)
         try:
             rec = CommitRecord(rs.rank, sl.index, sl.gen, sl.capacity, sl.step, sl.seq, layout)
             records.write_record(sl.path, rec)

@@ -9,8 +9,21 @@ import math
 import pytest
 
 from ftmem.errors import CorruptSnapshotError
-from ftmem.format.layout import TensorExtent, layout_json, parse_layout, tensors_json, with_hashes
-from ftmem.format.record import CommitRecord, decode_record, encode_record
+from ftmem.format.layout import (
+    TensorExtent,
+    layout_json,
+    parse_layout,
+    register_layout,
+    tensors_json,
+    with_hashes,
+)
+from ftmem.format.record import (
+    RECORD_VERSION,
+    CommitRecord,
+    decode_record,
+    encode_record,
+    record_text,
+)
 from ftmem.format.skeleton import decode_skeleton, encode_skeleton
 
 
@@ -62,6 +75,14 @@ def test_layout_parses_verifies_and_refuses_bad_extents() -> None:
     assert not snap.verified and snap.used_bytes == 148 and snap.step == 9
     done = parse_layout(with_hashes(text, ["a" * 16, "b" * 16], "c" * 16), cap)
     assert done.verified and done.tensors[1].hash == "b" * 16
+    # The SMP's registered form renders the same documents without parsing them again.
+    one = tensors_json([TensorExtent(0, "w", "float32", (4, 4), 0, 64)])
+    reg = register_layout(one, cap)
+    snap = reg.snapshot(9, (128, 20), 0, cap)
+    assert reg.render_unverified(snap) == layout_json(one, 9, (128, 20))
+    assert reg.render_unverified(snap) == reg.render(snap, ["", ""])
+    filled = with_hashes(reg.render_unverified(snap), ["a" * 16], "c" * 16)
+    assert json.loads(reg.render(snap, ["c" * 16, "a" * 16])) == json.loads(filled)
     doc = json.loads(text)
     for field, value in (("offset", -1), ("offset", 1 << 70), ("nbytes", 65), ("dtype", "obj")):
         bad = json.loads(text)
@@ -83,6 +104,8 @@ def test_commit_record_round_trip_and_tamper() -> None:
     rec = CommitRecord(rank=1, slot=0, gen=3, capacity=4096, step=12, seq=5, layout="{}")
     text = encode_record(rec)
     assert decode_record(text) == rec
+    fields = {"version": RECORD_VERSION, "rank": 1, "slot": 0, "gen": 3, "capacity": 4096}
+    assert text == record_text({**fields, "step": 12, "seq": 5, "layout": "{}"})
     with pytest.raises(ValueError, match="checksum"):
         decode_record(text.replace('"step":12', '"step":13'))
     with pytest.raises(ValueError, match="malformed"):
