@@ -178,7 +178,8 @@ class FtmemElasticAgent(ElasticAgentBase):
         log_joining(self._node, settings)
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
-        lost = self._life.kind is FailureKind.MACHINE_LOST
+        ms = self._membership  # (a loss counts whichever failure this node noticed first)
+        lost = self._life.kind is FailureKind.MACHINE_LOST or bool(ms and ms.machine_lost())
         with (
             restart_rendezvous_quickly(
                 restart=self.generation >= 0,

@@ -198,6 +198,12 @@ class MembershipWatch(RendezvousHandler):
         with self._declared_lock:
             self._declared.append((node, why))
 
+    def machine_lost(self) -> bool:
+        """Whether a node of the round was declared lost (the declarations not yet reported
+        are logged first). A re-join asks: after a machine loss the first survivor to restart
+        breaks the others' collectives, so their own failure is a rank's, not the loss."""
+        return self._take_declared()
+
     def _take_declared(self) -> bool:
         """Log the declared losses not yet reported; True if any node of the round is lost."""
         with self._declared_lock:
