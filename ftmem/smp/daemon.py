@@ -168,14 +168,16 @@ class SmpDaemon:
         if self._closed:
             return
         self._closed = True
-        # The ranks' final commits may still be hashing: verify them (bounded) so that the
-        # final flush writes the final step.
-        if self.hasher.pending and self.hasher.wait_idle(self.config.flush_on_stop.total_seconds()):
+        # The ranks' final commits may still be hashing: verify them so that the final flush
+        # writes the final step. Both share one bound (flush_on_stop), which the launcher's
+        # grace before SIGKILL counts on.
+        deadline = time.monotonic() + self.config.flush_on_stop.total_seconds()
+        if self.hasher.pending and self.hasher.wait_idle(deadline - time.monotonic()):
             self.handlers.finish_hashes()
         self.hasher.close()
         if self.flush is not None:
             if self._stopped_by_signal:
-                self.flush.final_flush(self.config.flush_on_stop.total_seconds())
+                self.flush.final_flush(max(0.0, deadline - time.monotonic()))
             self.flush.close()
         self.handlers.close()
         self.store.close()

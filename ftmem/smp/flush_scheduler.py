@@ -60,6 +60,8 @@ class FlushRequest:
     step: int | None
     tiers: int
     """How many tiers must be written (1: local only)."""
+    assemble_s: float = ASSEMBLE_TIMEOUT_S
+    """How long the node of rank 0 waits for the other nodes' parts of this step."""
 
 
 @dataclass
@@ -352,8 +354,9 @@ class FlushService:
             direct=self.config.flush_direct,
             world_size=self.slots.world_size(),
             shared=self.config.flush_shared and tiers >= len(self.config.flush_tiers),
-            # Asked for (ftmem flush): wait for the other nodes' parts; scheduled: one look.
-            assemble_timeout=ASSEMBLE_TIMEOUT_S if waiters else 0.0,
+            # Asked for (ftmem flush, the final flush): wait for the other nodes' parts, as
+            # long as the longest asker allows; scheduled: one look.
+            assemble_timeout=max((w.assemble_s for w in waiters), default=0.0),
         )
         self._set(running=FlushRunning(step, "starting", 0))
         self._send(job)
@@ -450,7 +453,10 @@ class FlushService:
         cand = self._candidate(protected=False)
         if cand is None or (self.last_step is not None and cand <= self.last_step):
             return
-        self.request(FlushRequest(None, cand, len(self.config.flush_tiers)))
+        # The other nodes' parts are waited for within the same bound (less a margin for the
+        # worker to finish), never ftmem flush's 300 s: a dead node's part never comes.
+        wait = max(0.0, timeout_s - 5.0)
+        self.request(FlushRequest(None, cand, len(self.config.flush_tiers), assemble_s=wait))
         deadline = time.monotonic() + timeout_s
         log.info("[%s/flush] final flush of step %d (at most %.0f s)", self.node, cand, timeout_s)
         while time.monotonic() < deadline:

@@ -7,7 +7,8 @@ It prints ``SEEN <step> <index>...`` for every batch it trains on (the samples' 
 from DIR at this world size, and ``FINAL <digest>`` at the end of the epoch. ``--stop-after
 K``: exit after step K is committed (a job that stops there). ``--per-rank``: add an entry
 whose state differs between the ranks and that cannot be resharded. ``--samples N``: the
-epoch's size; ``--step-delay S``: a pause after each step.
+epoch's size; ``--step-delay S``: a pause after each step; ``--gate FILE``: the epoch's last
+batch waits until FILE exists (a test keeps the job from ending before it has failed it).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--init-method", default="env://")
     ap.add_argument("--samples", type=int, default=SAMPLES)
     ap.add_argument("--step-delay", type=float, default=0.0)
+    ap.add_argument("--gate", default="")
     args, _ = ap.parse_known_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -111,9 +113,11 @@ def main() -> None:
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     step = start
     done = bool(args.stop_after) and start >= args.stop_after
-    for idx, x, y in (
-        [] if done else DataLoader(Numbered(args.samples), batch_size=2, sampler=sampler)
-    ):
+    loader = DataLoader(Numbered(args.samples), batch_size=2, sampler=sampler)
+    batches = 0 if done else len(loader)
+    for i, (idx, x, y) in enumerate([] if done else loader):
+        while args.gate and i == batches - 1 and not os.path.exists(args.gate):
+            time.sleep(0.05)
         loss = F.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -193,7 +193,8 @@ def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoi
 
     shared = launcher_env.tmp / "shared"
     samples = ["--samples", "240"]
-    command = [str(ELASTIC), *samples, "--step-delay", "0.2"]
+    gate = launcher_env.tmp / "gate"  # the 4-rank job cannot end before the machines die
+    command = [str(ELASTIC), *samples, "--step-delay", "0.2", "--gate", str(gate)]
     flags = ["--ftmem-flush-persistent-dir", str(shared), "--ftmem-flush-every", "4"]
     with machines(
         launcher_env,
@@ -214,6 +215,7 @@ def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoi
         m.hosts.cut(3)
         m.hosts.kill(2)
         m.hosts.kill(3)
+        gate.touch()
         for i in (0, 1):
             a = m.agents[i]
             # Which two slots: the machines may join in rounds of 2 to 4 nodes (min 2), and a
