@@ -27,6 +27,8 @@ def _early(signum: int, frame: FrameType | None) -> None:
 if __name__ == "__main__":  # (not when imported for its parser)
     signal.signal(signal.SIGTERM, _early)
     signal.signal(signal.SIGINT, _early)
+    # start_smp starts us with both blocked (a stop then waits for these handlers): unblock.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 import argparse  # noqa: E402 (after the handlers, on purpose)
 import os  # noqa: E402

@@ -71,6 +71,8 @@ class SmpProcess:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SMP_DEFERRED_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+"""Blocked in a new SMP until ``python -m ftmem.smp`` has its handlers for them."""
 """Signals a launcher turns into a stop (elastic's agent raises on each)."""
 ABANDON_GRACE_S = 30.0
 """How long an SMP that :func:`start_smp` gives up on (stopped while it starts, or not ready
@@ -171,16 +173,23 @@ def start_smp(
     popen: subprocess.Popen[bytes] | None = None
     try:
         # A stop request (a signal whose handler raises, as elastic's agent does on SIGTERM)
-        # must not land inside Popen, after the fork: the child would run on, unstopped.
+        # must not land inside Popen, after the fork: the child would run on, unstopped. The
+        # child starts with SIGTERM and SIGINT blocked (a mask survives exec) and unblocks them
+        # once its handlers are in: a stop sent before then waits instead of killing it before
+        # it could adopt, and so remove, its predecessor's slot files.
         with _signals_deferred():
-            popen = subprocess.Popen(
-                cmd,
-                pass_fds=(wfd,),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file if log_file else None,
-                stderr=log_file if log_file else None,
-            )
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, SMP_DEFERRED_SIGNALS)
+            try:
+                popen = subprocess.Popen(
+                    cmd,
+                    pass_fds=(wfd,),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file if log_file else None,
+                    stderr=log_file if log_file else None,
+                )
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # Close our copy of the write end so the child's death shows up as EOF at once.
         os.close(wfd)
         wfd = -1
