@@ -7,11 +7,13 @@ Shaped like ``torch.distributed.run``: :func:`get_args_parser`, :func:`config_fr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import signal
 import sys
+import traceback
 import uuid
 from argparse import SUPPRESS, ArgumentParser, Namespace
 from collections.abc import Callable
@@ -480,6 +482,15 @@ def main(args: list[str] | None = None) -> None:
     except UsageError as exc:
         log.error("ftmem-launch: %s", exc)
         sys.exit(2)
+    except SignalException:
+        # As torchrun: the traceback and exit code 1. But not through the interpreter's
+        # shutdown: the agent's daemon threads may still be writing to stderr, and an
+        # interpreter that finalizes while one of them holds stderr's lock aborts (SIGABRT).
+        traceback.print_exc()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(1)
     finally:
         # What is left is torch's and elastic's heap: collecting it at exit is wasted CPU.
         gc.freeze()

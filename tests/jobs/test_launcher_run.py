@@ -75,7 +75,8 @@ def test_sigterm_stops_ranks_and_smp_and_frees_shared_memory(launcher_env: Launc
     assert len(smps) == 1
     assert smps[0].net_connections(kind="tcp") == []
     agent.signal(signal.SIGTERM)
-    assert agent.wait(40) == 1  # as torchrun: SignalException
+    assert agent.wait(40) == 1  # as torchrun: SignalException, its traceback printed
+    assert "SignalException: Process" in agent.text()
     assert not wait_gone(kids, 10)
     assert shm_files(rid) == []
     assert re.search(r"SMP pid \d+ exited with 0", agent.text())
