@@ -402,7 +402,7 @@ class FlushService:
         if run.assemble_only:
             if done.assembled and self.events is not None:
                 self.events.write("assembled", step=max(done.assembled))
-            if not done.ok:
+            if not done.ok and not self._stop.is_set():  # (an idle look cut short: no error)
                 log.error("[%s/flush] assembling failed: %s", self.node, done.error)
             return
         self.slots.unpin(run.pieces)
