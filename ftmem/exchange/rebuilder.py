@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ftmem._logging import get_logger
 from ftmem.errors import ProtocolError, UnrecoverableError
@@ -50,7 +50,32 @@ from ftmem.protocol.peer import FragmentKind
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ftmem.exchange.protector import GroupProtector
+    from ftmem.exchange.codec import StripeCodec
+    from ftmem.exchange.placement import GroupPlan
+    from ftmem.exchange.steps import StepTable
+    from ftmem.exchange.transport import PeerTransport
+
+
+class RebuildOwner(Protocol):
+    """What a :class:`Rebuilder` uses of the GroupProtector it belongs to (protector.py):
+    the group, the step table, sending and waiting."""
+
+    me: int
+    plan: GroupPlan
+    transport: PeerTransport
+    table: StepTable
+    codec: StripeCodec
+    stripe_bytes: int
+    max_node_bytes: int
+    dropped: int
+    on_progress: Callable[[int, int, int], None] | None
+
+    def queued_for(self, node: int) -> tuple[int, int]: ...
+    def send(self, node: int, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
+    def tell_peers(self, body: pm.PeerBody, bufs: list[Any] | None = None) -> None: ...
+    def drain(self) -> None: ...
+    def pump(self, done: Callable[[], bool], what: Callable[[], str]) -> None: ...
+    def forget(self, step: int) -> None: ...
 
 
 log = get_logger(__name__)
@@ -103,7 +128,7 @@ class Rebuilder:
     something this node does not hold is answered empty, which the asking node counts as lost.
     """
 
-    def __init__(self, protector: GroupProtector) -> None:
+    def __init__(self, protector: RebuildOwner) -> None:
         self.p = protector
         self.refused = 0
         """Requests refused: from a node not being rebuilt, or outside a rebuild."""
