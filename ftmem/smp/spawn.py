@@ -71,9 +71,9 @@ class SmpProcess:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals a launcher turns into a stop (elastic's agent raises on each)."""
 SMP_DEFERRED_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 """Blocked in a new SMP until ``python -m ftmem.smp`` has its handlers for them."""
-"""Signals a launcher turns into a stop (elastic's agent raises on each)."""
 ABANDON_GRACE_S = 30.0
 """How long an SMP that :func:`start_smp` gives up on (stopped while it starts, or not ready
 in time) may take to stop cleanly before it is SIGKILLed: it finishes starting first."""
