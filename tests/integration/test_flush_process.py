@@ -16,7 +16,7 @@ from pathlib import Path
 from ftmem.protocol.flush_jobs import AssembleJob, JobDone, WorkerReady, encode, parse_reply
 from ftmem.smp.flush_process import FlushProcess
 from ftmem.smp.spawn import start_smp
-from tests._support.launcher import pid_gone, shm_files
+from tests._support.launcher import pid_gone, remove_shm, shm_files
 
 START_S = 120.0  # the worker imports torch and DCP (slow when other processes start too)
 
@@ -110,8 +110,11 @@ def test_a_stopped_smp_waits_for_a_dead_nodes_part_only_within_its_final_flush_b
         assert rank.returncode == 0
     finally:
         code = smp.stop(timedelta(seconds=bound + 10))
-    log = (run_dir / "smp.log").read_text()
-    assert code == 0, log[-3000:]  # not SIGKILLed
-    assert "no part of ranks [1] reached" in log, log[-3000:]
-    assert (shared / "step_0000000002.part-r000000" / "ftmem-manifest.json").is_file()
-    assert shm_files(run_id) == []
+    try:
+        log = (run_dir / "smp.log").read_text()
+        assert code == 0, log[-3000:]  # not SIGKILLed
+        assert "no part of ranks [1] reached" in log, log[-3000:]
+        assert (shared / "step_0000000002.part-r000000" / "ftmem-manifest.json").is_file()
+        assert shm_files(run_id) == []
+    finally:
+        remove_shm(run_id)  # a SIGKILLed SMP leaves its slot files
