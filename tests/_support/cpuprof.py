@@ -20,12 +20,15 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 _V1 = Path("/sys/fs/cgroup/cpuacct")
 _V2 = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
-_state: dict[str, object] = {}
+_group: Path | None = None
+"""This process's control group (set at its first test)."""
+_table: IO[str] | None = None
 
 
 def _group_dir(name: str) -> Path:
@@ -65,29 +68,27 @@ def _open() -> None:
     (d / "cgroup.procs").write_text(str(os.getpid()))
     out = Path(os.environ.get("FTMEM_CPUPROF_DIR", "/tmp/ftmem-cpuprof"))
     out.mkdir(parents=True, exist_ok=True)
-    _state["dir"] = d
-    _state["out"] = open(out / f"cpu-{worker}.tsv", "a", buffering=1)
+    global _group, _table
+    _group, _table = d, open(out / f"cpu-{worker}.tsv", "a", buffering=1)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[None]:
     """Writes the test's wall, CPU and idle seconds (setup and teardown included)."""
-    if "dir" not in _state:
+    if _group is None:
         _open()
-    d = _state["dir"]
-    assert isinstance(d, Path)
-    t0, cpu0, idle0 = time.monotonic(), _usage_s(d), _idle_s()
+    assert _group is not None and _table is not None
+    t0, cpu0, idle0 = time.monotonic(), _usage_s(_group), _idle_s()
     yield
-    wall, cpu, idle = time.monotonic() - t0, _usage_s(d) - cpu0, _idle_s() - idle0
-    _state["out"].write(f"{item.nodeid}\t{wall:.1f}\t{cpu:.1f}\t{idle:.1f}\n")  # type: ignore[attr-defined]
+    wall, cpu, idle = time.monotonic() - t0, _usage_s(_group) - cpu0, _idle_s() - idle0
+    _table.write(f"{item.nodeid}\t{wall:.1f}\t{cpu:.1f}\t{idle:.1f}\n")
 
 
 def pytest_unconfigure(config: object) -> None:
     """Leaves the group (back to the root's) and removes it if nothing else is in it."""
-    d, out = _state.pop("dir", None), _state.pop("out", None)
-    if out is not None:
-        out.close()  # type: ignore[attr-defined]
-    if isinstance(d, Path):
+    if _table is not None:
+        _table.close()
+    if _group is not None:
         with contextlib.suppress(OSError):
-            (d.parents[1] / "cgroup.procs").write_text(str(os.getpid()))
-            d.rmdir()
+            (_group.parents[1] / "cgroup.procs").write_text(str(os.getpid()))
+            _group.rmdir()
