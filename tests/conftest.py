@@ -50,6 +50,14 @@ def pytest_configure(config: pytest.Config) -> None:
     system.ensure(lambda line: print(f"tests: {line}", flush=True))
 
 
+def pytest_sessionfinish() -> None:
+    """Stop this test process's zygote server (:class:`tests._support.ranks.ZygoteServer`),
+    if a test started it."""
+    from tests._support.ranks import stop_zygote_server
+
+    stop_zygote_server()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """How pytest-xdist shares the suite (``-n 2 --dist loadgroup``, the default options): the

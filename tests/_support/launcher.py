@@ -47,7 +47,7 @@ from ftmem.launch.job_key import host_key_path
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.shm import parse_slot_name
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.procs import REPO, WORKLOAD, Procs, python_stacks  # noqa: F401 (WORKLOAD: re-exported)
+from tests._support.procs import REPO, WORKLOAD, python_stacks  # noqa: F401 (WORKLOAD: re-exported)
 from tests._support.workload import TINY_ARGS, digests
 
 log = logging.getLogger(__name__)
@@ -598,20 +598,15 @@ def reference_digests(
     if key not in _REFERENCE:
         rid = launcher.new_run_id()
         run_dir = Path(tempfile.mkdtemp(prefix=f"reference{nproc}-", dir=launcher.tmp))
-        procs = Procs()
-        try:
-            with running_smp(run_dir, rid):
-                ref = run_ranks(
-                    procs,
-                    run_dir,
-                    ["--steps", str(steps), *TINY, *extra],
-                    world=nproc,
-                    env_extra={ENV_RUN_DIR: str(run_dir), ENV_RUN_ID: rid},
-                    timeout=240,
-                    tag="reference",
-                )
-        finally:
-            procs.kill_all()
+        with running_smp(run_dir, rid):
+            ref = run_ranks(
+                run_dir,
+                ["--steps", str(steps), *TINY, *extra],
+                world=nproc,
+                env_extra={ENV_RUN_DIR: str(run_dir), ENV_RUN_ID: rid},
+                timeout=240,
+                tag="reference",
+            )
         assert ref.codes == [0] * nproc, [t[-3000:] for t in ref.outputs]
         _REFERENCE[key] = digests("".join(ref.outputs))
         assert len(_REFERENCE[key]) == nproc

@@ -91,7 +91,7 @@ def test_fsdp2_kill_restart_same_digest_and_flush_reshards(
         load=f"dcp.load(sd, checkpoint_id={str(ckpts[0].path)!r}, no_dist=world == 1)",
     )
     for world in (1, 3):
-        loaders = run_ranks(procs, tmp_path, [], world=world, code=script, tag=f"load{world}")
+        loaders = run_ranks(tmp_path, [], world=world, code=script, tag=f"load{world}")
         assert loaders.codes == [0] * world, [t[-3000:] for t in loaders.outputs]
         got = {m for t in loaders.outputs for m in re.findall(r"DIGEST (\w+)", t)}
         assert got == want, (world, got)
@@ -158,7 +158,6 @@ def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
     own host's slots (the third on a host holding nothing): the digest is the run's."""
     a, b = two_hosts
     run = run_ranks(
-        procs,
         tmp_path,
         ["--steps", "6", *TINY],
         rank_env=[{"FTMEM_RUN_DIR": str(a)}, {"FTMEM_RUN_DIR": str(b)}],
@@ -175,7 +174,7 @@ def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
         )
         rank_env = [{"LOADER_HOSTS": h} for h in hosts[world]]
         loaders = run_ranks(
-            procs, tmp_path, [], world=world, code=script, tag=f"mem{world}", rank_env=rank_env
+            tmp_path, [], world=world, code=script, tag=f"mem{world}", rank_env=rank_env
         )
         assert loaders.codes == [0] * world, [t[-3000:] for t in loaders.outputs]
         got = {m for t in loaders.outputs for m in re.findall(r"DIGEST (\w+)", t)}
@@ -195,7 +194,6 @@ def test_ftmem_load_reshards_an_fsdp2_step_onto_more_ranks_from_memory(
     a, b = two_hosts
     args = ["--steps", "6", *TINY]
     run = run_ranks(
-        procs,
         tmp_path,
         args,
         rank_env=[{"FTMEM_RUN_DIR": str(a)}, {"FTMEM_RUN_DIR": str(b)}],
@@ -205,7 +203,6 @@ def test_ftmem_load_reshards_an_fsdp2_step_onto_more_ranks_from_memory(
     (want,) = run.digests()
     reshard = {"FTMEM_RESHARD": ReshardRequest(2).to_env()}
     wider = run_ranks(
-        procs,
         tmp_path,
         args,
         world=3,

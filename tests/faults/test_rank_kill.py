@@ -26,7 +26,7 @@ def baseline_run(procs: Procs, workdir: Path, extra: list[str]) -> RankRun:
     # ranks hang twice in ~40 runs; it is not what is tested, so it gets one retry.
     for attempt in range(2):
         run = run_ranks(
-            procs, workdir, [*SMALL, *extra, "--no-ftmem"], tag=f"baseline{attempt}", timeout=45.0
+            workdir, [*SMALL, *extra, "--no-ftmem"], tag=f"baseline{attempt}", timeout=45.0
         )
         if run.codes == [0, 0]:
             break
@@ -40,10 +40,10 @@ def test_kill_after_commit_resumes_from_that_step_bitwise(
 ) -> None:
     expect = baseline(procs, run_dir, [])
     args = [*SMALL, "--fail-at-step", "12", "--fail-rank", "1"]
-    first = run_ranks(procs, run_dir, args, env_extra=env, tag="first")
+    first = run_ranks(run_dir, args, env_extra=env, tag="first")
     assert first.codes[1] == -9, first.outputs
     assert first.codes[0] != 0  # its peer died under it
-    second = run_ranks(procs, run_dir, args, env_extra=env, tag="second")
+    second = run_ranks(run_dir, args, env_extra=env, tag="second")
     assert second.codes == [0, 0], second.outputs
     assert second.resumed() == [12, 12]
     assert second.digests() == {expect}
@@ -60,9 +60,9 @@ def test_kill_inside_copy_restores_previous_step_bitwise_with_batchnorm(
     # The first copy at or after step 12: a save skipped under load (both slots held by the
     # SMP's hasher) has no copy, and an exact step would then never fire.
     fault = {**env, "FTMEM_FAULT": "in_copy:rank=1:min_step=12"}
-    first = run_ranks(procs, run_dir, args, env_extra=fault, tag="first")
+    first = run_ranks(run_dir, args, env_extra=fault, tag="first")
     assert first.codes[1] == -9, first.outputs
-    second = run_ranks(procs, run_dir, args, env_extra=env, tag="second")
+    second = run_ranks(run_dir, args, env_extra=env, tag="second")
     assert second.codes == [0, 0], second.outputs
     # rank 1 died inside the copy of step 12 (or of the first step it saved after) before
     # committing it: both ranks resume from the newest step both committed (11 unless a save was

@@ -20,7 +20,7 @@ def reference(procs: Procs, workdir: Path, world: int) -> str:
     """Digest of a failure-free plain-torch run (one retry: see test_rank_kill.baseline_run)."""
     for attempt in range(2):
         run = run_ranks(
-            procs, workdir, [*SMALL, "--no-ftmem"], world=world, tag=f"ref{attempt}", timeout=90
+            workdir, [*SMALL, "--no-ftmem"], world=world, tag=f"ref{attempt}", timeout=90
         )
         if run.codes == [0] * world:
             break
@@ -51,7 +51,7 @@ def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
     expect = reference(procs, run_dir, world)
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = [*SMALL, "--fail-at-step", "12", "--fail-rank", str(world - 1)]
-    first = run_ranks(procs, run_dir, args, world=world, env_extra=env, tag="first")
+    first = run_ranks(run_dir, args, world=world, env_extra=env, tag="first")
     assert first.codes[world - 1] == -9, first.outputs
 
     held = held_bytes(run_dir, world, 12)
@@ -69,7 +69,7 @@ def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
         assert r.snapshot_bytes >= chunked + other
         assert r.unsharded_bytes >= r.snapshot_bytes + (replicated - chunked)
 
-    second = run_ranks(procs, run_dir, args, world=world, env_extra=env, tag="second")
+    second = run_ranks(run_dir, args, world=world, env_extra=env, tag="second")
     assert second.codes == [0] * world, second.outputs
     assert second.resumed() == [12] * world
     assert second.digests() == {expect}
@@ -80,11 +80,11 @@ def test_no_shard_saves_everything_on_every_rank(
 ) -> None:
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = [*SMALL, "--steps", "3"]
-    run = run_ranks(procs, run_dir, [*args, "--no-shard"], env_extra=env, tag="full")
+    run = run_ranks(run_dir, [*args, "--no-shard"], env_extra=env, tag="full")
     assert run.codes == [0, 0], run.outputs
     full = held_bytes(run_dir, 2, 3)
     assert all(chunked == 0 for chunked, _ in full), full
-    run = run_ranks(procs, run_dir, [*args, "--steps", "6"], env_extra=env, tag="sharded")
+    run = run_ranks(run_dir, [*args, "--steps", "6"], env_extra=env, tag="sharded")
     assert run.codes == [0, 0], run.outputs
     sharded = held_bytes(run_dir, 2, 6)
     # Sharding on: each rank holds about half of what it held without.

@@ -126,12 +126,12 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
 
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = ["--samples", str(SAMPLES), "--stop-after", str(kept)]
-    ref = run_ranks(procs, run_dir, args, world=4, env_extra=env, tag="ref", script=ELASTIC)
+    ref = run_ranks(run_dir, args, world=4, env_extra=env, tag="ref", script=ELASTIC)
     assert ref.codes == [0] * 4, ref.outputs
     flushed = tmp_path / f"step{kept}"
     export_dcp(find_sources([run_dir], step=kept), flushed)
     args = ["--samples", str(SAMPLES), "--stop-after", str(grown), "--compare-dcp", str(flushed)]
-    cmp = run_ranks(procs, run_dir, args, world=3, env_extra=env, tag="cmp", script=ELASTIC)
+    cmp = run_ranks(run_dir, args, world=3, env_extra=env, tag="cmp", script=ELASTIC)
     assert cmp.codes == [0] * 3, cmp.outputs
     assert set(cmp.lines(r"DCP (\w+)")) == loaded, (cmp.outputs, loaded)
     flushed = tmp_path / f"step{grown}"
@@ -144,7 +144,7 @@ def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_b
         ]
     export_dcp(sources, flushed)
     args = ["--samples", str(SAMPLES), "--stop-after", str(grown), "--compare-dcp", str(flushed)]
-    cmp = run_ranks(procs, run_dir, args, world=4, env_extra=env, tag="cmp4", script=ELASTIC)
+    cmp = run_ranks(run_dir, args, world=4, env_extra=env, tag="cmp4", script=ELASTIC)
     assert cmp.codes == [0] * 4, cmp.outputs
     assert set(cmp.lines(rf"LOADED {grown} (\w+)")) == regrown, (cmp.outputs, regrown)
     assert set(cmp.lines(r"DCP (\w+)")) == regrown, (cmp.outputs, regrown)
@@ -235,6 +235,6 @@ def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoi
     ckpt = shared / f"step_{step:010d}"
     args = [*samples, "--stop-after", "1", "--compare-dcp", str(ckpt)]
     env = {"FTMEM_RUN_DIR": str(run_dir)}
-    cmp = run_ranks(procs, run_dir, args, world=2, env_extra=env, tag="cmp", script=ELASTIC)
+    cmp = run_ranks(run_dir, args, world=2, env_extra=env, tag="cmp", script=ELASTIC)
     assert cmp.codes == [0, 0], cmp.outputs
     assert set(cmp.lines(r"DCP (\w+)")) == {loaded[0].group(2)}, cmp.outputs

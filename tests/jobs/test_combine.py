@@ -219,7 +219,7 @@ def test_checkpoints_of_a_real_run_combine_into_ones_ftmem_restores_each_rank_fr
     gives each rank; the mean loads with stock dcp.load."""
     from ftmem.tiers.export import export_dcp, find_sources
 
-    run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
+    run = run_ranks(run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
     assert run.codes == [0, 0], run.outputs
     steps = {s: tier / checkpoint_name(s) for s in (19, 20)}
     sources = {s: find_sources([run_dir], step=s) for s in steps}

@@ -32,7 +32,7 @@ def trained() -> Iterator[tuple[Path, str]]:
     procs = Procs()
     try:
         with running_smp(run_dir, "t" + uuid.uuid4().hex[:10]):
-            run = run_ranks(procs, run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
+            run = run_ranks(run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
             assert run.codes == [0, 0], run.outputs
             (digest,) = run.digests()
             yield run_dir, digest
@@ -99,7 +99,7 @@ def test_export_loads_with_stock_dcp_at_other_world_sizes(
     # Four processes with a gloo group.
     store = tmp_path / "pg.store"
     script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(out))
-    load = run_ranks(procs, tmp_path, [], world=4, code=script, tag="load")
+    load = run_ranks(tmp_path, [], world=4, code=script, tag="load")
     assert load.codes == [0] * 4, [t[-2000:] for t in load.outputs]
     got = [re.findall(r"DIGEST (\w+)", t) for t in load.outputs]
     assert got == [[digest]] * 4, [t[-2000:] for t in load.outputs]

@@ -49,7 +49,6 @@ def test_a_step_in_two_hosts_memory_reshards_across_them(
 ) -> None:
     a, b = two_hosts
     run = run_ranks(
-        procs,
         tmp_path,
         SMALL,
         rank_env=[{"FTMEM_RUN_DIR": str(a)}, {"FTMEM_RUN_DIR": str(b)}],
@@ -61,7 +60,7 @@ def test_a_step_in_two_hosts_memory_reshards_across_them(
     store = tmp_path / "pg.store"
     script = LOAD.format(repo=str(REPO), store=str(store), saved=2)
     rank_env = [{"LOADER_HOST": host} for host in hosts]
-    load = run_ranks(procs, tmp_path, [], world=3, code=script, tag="load", rank_env=rank_env)
+    load = run_ranks(tmp_path, [], world=3, code=script, tag="load", rank_env=rank_env)
     assert load.codes == [0] * 3, [t[-2000:] for t in load.outputs]
     texts = load.outputs
     assert [re.findall(r"DIGEST (\w+)", t) for t in texts] == [[digest]] * 3, texts
@@ -79,10 +78,10 @@ def test_a_smaller_job_reshards_the_step_from_memory_in_ftmem_load(
     parameters and optimizer state are the 4-rank run's (its digest: the run trains no
     further step). The per-rank RNG states reshard through ``RNGState``'s own method."""
     env = {"FTMEM_RUN_DIR": str(run_dir)}
-    first = run_ranks(procs, run_dir, SMALL, world=4, env_extra=env, tag="w4", timeout=240)
+    first = run_ranks(run_dir, SMALL, world=4, env_extra=env, tag="w4", timeout=240)
     assert first.codes == [0] * 4, first.outputs
     (digest,) = first.digests()
-    smaller = run_ranks(procs, run_dir, SMALL, world=3, env_extra=env, tag="w3", timeout=240)
+    smaller = run_ranks(run_dir, SMALL, world=3, env_extra=env, tag="w3", timeout=240)
     assert smaller.codes == [0] * 3, smaller.outputs
     steps = SMALL[SMALL.index("--steps") + 1]
     for out in smaller.outputs:
@@ -135,9 +134,7 @@ def test_an_epoch_shrinks_from_4_to_3_ranks_and_grows_back_from_memory(
             flushed = tmp_path / f"step{flushed_step}"
             export_dcp(_sources(run_dir, flushed_step, ranks=len(runs[-1].codes)), flushed)
             args += ["--compare-dcp", str(flushed)]
-        run = run_ranks(
-            procs, run_dir, args, world=world, env_extra=env, tag=f"w{world}", script=ELASTIC
-        )
+        run = run_ranks(run_dir, args, world=world, env_extra=env, tag=f"w{world}", script=ELASTIC)
         assert run.codes == [0] * world, run.outputs
         loaded = run.lines(r"LOADED (\d+ \w+)")
         assert len(set(loaded)) == 1 and loaded[0].startswith(f"{flushed_step} "), loaded
@@ -157,9 +154,9 @@ def test_a_per_rank_entry_without_a_reshard_method_is_refused_clearly(
     entry and what to do, before anything is loaded."""
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = ["--stop-after", "2", "--per-rank"]
-    first = run_ranks(procs, run_dir, args, world=4, env_extra=env, tag="w4", script=ELASTIC)
+    first = run_ranks(run_dir, args, world=4, env_extra=env, tag="w4", script=ELASTIC)
     assert first.codes == [0] * 4, first.outputs
-    second = run_ranks(procs, run_dir, args, world=3, env_extra=env, tag="w3", script=ELASTIC)
+    second = run_ranks(run_dir, args, world=3, env_extra=env, tag="w3", script=ELASTIC)
     assert all(c != 0 for c in second.codes), second.outputs
     for out in second.outputs:
         assert "state['data'] (PerRank) differs between the 4 ranks that saved step 2" in out, out
@@ -181,7 +178,7 @@ def test_when_memory_lacks_a_rank_the_flushed_checkpoint_is_resharded(
     a, b = two_hosts
     args = ["--stop-after", "3"]
     first = run_ranks(
-        procs, a, args, world=4, env_extra={"FTMEM_RUN_DIR": str(a)}, tag="w4", script=ELASTIC
+        a, args, world=4, env_extra={"FTMEM_RUN_DIR": str(a)}, tag="w4", script=ELASTIC
     )
     assert first.codes == [0] * 4, first.outputs
     tier = tmp_path / "tier"
@@ -189,13 +186,13 @@ def test_when_memory_lacks_a_rank_the_flushed_checkpoint_is_resharded(
     flushed = tier / checkpoint_name(3)
     export_dcp(find_sources([a], step=3), flushed)
     env = {"FTMEM_RUN_DIR": str(b), "FTMEM_RESHARD": ReshardRequest(4).to_env()}
-    lost = run_ranks(procs, b, args, world=3, env_extra=env, tag="none", script=ELASTIC)
+    lost = run_ranks(b, args, world=3, env_extra=env, tag="none", script=ELASTIC)
     assert all(c != 0 for c in lost.codes), lost.outputs
     for out in lost.outputs:
         assert "nor is a flushed checkpoint of the 4-rank job" in out, out[-3000:]
     env["FTMEM_FLUSH_DIRS"] = str(tier)
     args += ["--compare-dcp", str(flushed)]
-    disk = run_ranks(procs, b, args, world=3, env_extra=env, tag="disk", script=ELASTIC)
+    disk = run_ranks(b, args, world=3, env_extra=env, tag="disk", script=ELASTIC)
     assert disk.codes == [0] * 3, disk.outputs
     loaded = set(disk.lines(r"LOADED 3 (\w+)"))
     assert len(loaded) == 1 and set(disk.lines(r"DCP (\w+)")) == loaded, disk.outputs
