@@ -5,16 +5,14 @@ subprocess)."""
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from tests._support.procs import REPO, Procs
+from tests._support.procs import REPO
 
 MODEL_ARGS = dict(vocab=128, seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1)
 
@@ -60,20 +58,19 @@ os._exit(0)  # the digest is out; torch's teardown is not what is tested (test_f
 example's digest (format with repo, store, ckpt; env RANK and WORLD_SIZE)."""
 
 
-def load_digests(tmp_path: Path, procs: Procs, ckpt: Path, worlds: tuple[int, ...]) -> list:
-    """Load ``ckpt`` with stock dcp.load in one gloo group per world size (all at once); each
-    group's digests, one list per process."""
-    logs, ps = [], []
+def load_digests(tmp_path: Path, ckpt: Path, worlds: tuple[int, ...]) -> list:
+    """Load ``ckpt`` with stock dcp.load in one gloo group per world size (one after the
+    other, :func:`~tests._support.ranks.run_ranks`); each process's digests."""
+    from tests._support.ranks import run_ranks
+
+    out = []
     for world in worlds:
         store = tmp_path / f"pg{world}.store"
         script = LOAD_SCRIPT.format(repo=str(REPO), store=str(store), ckpt=str(ckpt))
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-            logs.append(tmp_path / f"load{world}-{r}.log")
-            ps.append(procs.spawn([sys.executable, "-c", script], env, logs[-1]))
-    for p in ps:
-        assert p.wait(timeout=180) == 0, [log.read_text()[-2000:] for log in logs]
-    return [re.findall(r"DIGEST (\w+)", log.read_text()) for log in logs]
+        run = run_ranks(tmp_path, [], world=world, code=script, tag=f"load{world}", timeout=180)
+        assert run.codes == [0] * world, [t[-2000:] for t in run.outputs]
+        out += [re.findall(r"DIGEST (\w+)", t) for t in run.outputs]
+    return out
 
 
 def same_as_saved(ck: object, sources: list) -> None:  # type: ignore[type-arg]

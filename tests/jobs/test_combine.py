@@ -126,7 +126,7 @@ def test_half_and_half_is_the_mean_and_loads_with_stock_dcp_at_1_and_2_processes
         {**got["optim"], "state": {int(k): v for k, v in got["optim"]["state"].items()}}
     )
     digest = ex.state_digest(model, opt)
-    assert load_digests(tmp_path, procs, out, (1, 2)) == [[digest]] * 3
+    assert load_digests(tmp_path, out, (1, 2)) == [[digest]] * 3
 
 
 def test_ema_matches_a_reference_ema_over_the_steps_in_order(tier: Path, tmp_path: Path) -> None:

@@ -265,7 +265,7 @@ def test_the_writer_checkpoint_loads_with_stock_dcp_at_two_and_three_processes(
     out = tmp_path / "ckpt"
     export_dcp(find_sources([run_dir]), out, threads=3)
     assert len(list(out.glob("*.distcp"))) == 3  # written by three threads
-    assert load_digests(tmp_path, procs, out, (2, 3)) == [[digest]] * 5
+    assert load_digests(tmp_path, out, (2, 3)) == [[digest]] * 5
 
 
 def test_a_sigkill_mid_write_or_a_changed_slot_never_leaves_a_listed_checkpoint(
