@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from ftmem.smp.spawn import SmpProcess, start_smp
-from tests._support.launcher import Launcher, pid_gone, running_smp, shm_files, short_dir
-from tests._support.procs import Procs
+from tests._support.launcher import Launcher, running_smp, shm_files, short_dir
 from tests._support.smp_mesh import Cluster
 
 FAULTS = Path(__file__).resolve().parent / "faults"
@@ -91,18 +90,6 @@ def smp(run_dir: Path, run_id: str) -> Iterator[SmpProcess]:
     """A running SMP; stopped after the test, which then checks it left nothing behind."""
     with running_smp(run_dir, run_id) as proc:
         yield proc
-
-
-@pytest.fixture
-def procs() -> Iterator[Procs]:
-    """Start processes through this; all are killed (by process group) and reaped afterwards."""
-    ps = Procs()
-    try:
-        yield ps
-    finally:
-        ps.kill_all()
-        for p in ps.procs:
-            assert pid_gone(p.pid)
 
 
 @pytest.fixture

@@ -1,10 +1,8 @@
-"""Processes a test starts itself (ranks without a launcher, CLIs): each in a session of its
-own, so that the whole group can be killed after the test (the ``procs`` fixture)."""
+"""Where the tests find the checkout and the workload, and the Python stacks of processes a
+test started (for its failure report)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -14,43 +12,6 @@ REPO = Path(__file__).resolve().parents[2]
 """The repository checkout the tests run from."""
 WORKLOAD = Path(workload.SCRIPT)
 """The script the tests train: the test workload, :mod:`tests._support.workload.train`."""
-
-
-class Procs:
-    """Processes a test started; each in its own session so the whole group can be killed."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def spawn(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
-        """Start ``args`` in a new session in the checkout, stdout and stderr to ``log``."""
-        f = open(log, "w")  # closed with the process
-        p = subprocess.Popen(
-            args,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            cwd=REPO,
-        )
-        f.close()
-        self.procs.append(p)
-        return p
-
-    def kill_all(self) -> None:
-        """SIGKILL the group of every process still running, then reap each (bounded)."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def python_stacks(pids: list[int], limit: int = 12, timeout: float = 20.0) -> str:

@@ -6,12 +6,11 @@ import re
 from pathlib import Path
 
 from ftmem.smp.spawn import SmpProcess
-from tests._support.procs import Procs
 from tests._support.ranks import SMALL, run_ranks
 
 
 def test_partial_snapshots_are_a_clear_error_unless_fresh_start_allowed(
-    procs: Procs, run_dir: Path, smp: SmpProcess
+    run_dir: Path, smp: SmpProcess
 ) -> None:
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = [*SMALL, "--steps", "4"]

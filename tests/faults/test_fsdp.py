@@ -13,7 +13,7 @@ import pytest
 
 from ftmem.tiers.checkpoints import list_checkpoints
 from tests._support.launcher import TINY, Launcher, digests
-from tests._support.procs import REPO, Procs
+from tests._support.procs import REPO
 from tests._support.ranks import run_ranks
 
 FSDP = REPO / "examples" / "train_fsdp.py"
@@ -58,7 +58,7 @@ os._exit(0)
 
 @pytest.mark.timeout(400)  # several launches of several processes each
 def test_fsdp2_kill_restart_same_digest_and_flush_reshards(
-    launcher_env: Launcher, procs: Procs, tmp_path: Path
+    launcher_env: Launcher, tmp_path: Path
 ) -> None:
     ref = launcher_env.single_node(
         launcher_env.new_run_id(), 2, [], [*SCRIPT, "--no-ftmem"], name="reference"
@@ -151,7 +151,7 @@ with MemoryCheckpoint(find_sources(hosts) if hosts else [], world_size=2, group=
 
 @pytest.mark.timeout(300)
 def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
-    two_hosts: list[Path], procs: Procs, tmp_path: Path
+    two_hosts: list[Path], tmp_path: Path
 ) -> None:
     """A 2-rank FSDP2 run, one rank per host (two SMPs), its last step loaded by DCP from
     memory into 1 process (mapping both hosts) and into 3 FSDP2 ranks, each mapping only its
@@ -183,7 +183,7 @@ def test_an_fsdp2_step_in_two_hosts_memory_reshards_through_dcp(
 
 @pytest.mark.timeout(300)
 def test_ftmem_load_reshards_an_fsdp2_step_onto_more_ranks_from_memory(
-    two_hosts: list[Path], procs: Procs, tmp_path: Path
+    two_hosts: list[Path], tmp_path: Path
 ) -> None:
     """A 2-rank FSDP2 run, one rank per host; the same script restarted with 3 ranks and
     ``$FTMEM_RESHARD`` (as ftmem-launch sets it when the job's size changed): plain

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from ftmem.smp.spawn import SmpProcess
-from tests._support.procs import Procs
 from tests._support.ranks import SMALL, RankRun, run_ranks
 
 
@@ -17,11 +16,11 @@ def env(run_dir: Path, smp: SmpProcess) -> dict[str, str]:
     return {"FTMEM_RUN_DIR": str(run_dir)}
 
 
-def baseline(procs: Procs, workdir: Path, extra: list[str]) -> str:
-    return baseline_run(procs, workdir, extra).digests().pop()
+def baseline(workdir: Path, extra: list[str]) -> str:
+    return baseline_run(workdir, extra).digests().pop()
 
 
-def baseline_run(procs: Procs, workdir: Path, extra: list[str]) -> RankRun:
+def baseline_run(workdir: Path, extra: list[str]) -> RankRun:
     # The reference is plain torch (no ftmem). Under heavy concurrent load we saw its gloo
     # ranks hang twice in ~40 runs; it is not what is tested, so it gets one retry.
     for attempt in range(2):
@@ -36,9 +35,9 @@ def baseline_run(procs: Procs, workdir: Path, extra: list[str]) -> RankRun:
 
 
 def test_kill_after_commit_resumes_from_that_step_bitwise(
-    procs: Procs, run_dir: Path, env: dict[str, str]
+    run_dir: Path, env: dict[str, str]
 ) -> None:
-    expect = baseline(procs, run_dir, [])
+    expect = baseline(run_dir, [])
     args = [*SMALL, "--fail-at-step", "12", "--fail-rank", "1"]
     first = run_ranks(run_dir, args, env_extra=env, tag="first")
     assert first.codes[1] == -9, first.outputs
@@ -50,9 +49,9 @@ def test_kill_after_commit_resumes_from_that_step_bitwise(
 
 
 def test_kill_inside_copy_restores_previous_step_bitwise_with_batchnorm(
-    procs: Procs, run_dir: Path, env: dict[str, str]
+    run_dir: Path, env: dict[str, str]
 ) -> None:
-    ref = baseline_run(procs, run_dir, ["--batchnorm"])
+    ref = baseline_run(run_dir, ["--batchnorm"])
     expect = ref.digests().pop()
     expect_buffers = sorted(ref.lines(r"(\[rank \d\] buffers sha256 [0-9a-f]+)"))
     assert len(expect_buffers) == 2

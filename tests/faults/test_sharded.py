@@ -12,11 +12,10 @@ import pytest
 
 from ftmem.protocol.smp_client import SmpClient
 from ftmem.smp.spawn import SmpProcess
-from tests._support.procs import Procs
 from tests._support.ranks import SMALL, run_ranks
 
 
-def reference(procs: Procs, workdir: Path, world: int) -> str:
+def reference(workdir: Path, world: int) -> str:
     """Digest of a failure-free plain-torch run (one retry: see test_rank_kill.baseline_run)."""
     for attempt in range(2):
         run = run_ranks(
@@ -46,9 +45,9 @@ def held_bytes(run_dir: Path, world: int, step: int) -> list[tuple[int, int]]:
 # World 4 only: every 2-rank DDP run of the launcher tests saves 1/2 already (the default).
 @pytest.mark.parametrize("world", [4])
 def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
-    procs: Procs, run_dir: Path, smp: SmpProcess, world: int
+    run_dir: Path, smp: SmpProcess, world: int
 ) -> None:
-    expect = reference(procs, run_dir, world)
+    expect = reference(run_dir, world)
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = [*SMALL, "--fail-at-step", "12", "--fail-rank", str(world - 1)]
     first = run_ranks(run_dir, args, world=world, env_extra=env, tag="first")
@@ -75,9 +74,7 @@ def test_each_rank_saves_1_over_d_and_a_restart_restores_bitwise(
     assert second.digests() == {expect}
 
 
-def test_no_shard_saves_everything_on_every_rank(
-    procs: Procs, run_dir: Path, smp: SmpProcess
-) -> None:
+def test_no_shard_saves_everything_on_every_rank(run_dir: Path, smp: SmpProcess) -> None:
     env = {"FTMEM_RUN_DIR": str(run_dir)}
     args = [*SMALL, "--steps", "3"]
     run = run_ranks(run_dir, [*args, "--no-shard"], env_extra=env, tag="full")

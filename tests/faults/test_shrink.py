@@ -23,7 +23,7 @@ import pytest
 from ftmem.smp.spawn import SmpProcess
 from tests._support.launcher import TINY, Launcher
 from tests._support.machines import events, finish, machines
-from tests._support.procs import REPO, Procs
+from tests._support.procs import REPO
 from tests._support.ranks import run_ranks
 
 ELASTIC = REPO / "tests" / "_support" / "elastic_train.py"
@@ -41,7 +41,7 @@ def _seen(text: str, after: int = 0, upto: int | None = None) -> list[int]:
 
 @pytest.mark.timeout(600)
 def test_a_lost_machine_without_a_spare_shrinks_the_job_and_a_new_one_grows_it_back(
-    launcher_env: Launcher, smp: SmpProcess, run_dir: Path, tmp_path: Path, procs: Procs
+    launcher_env: Launcher, smp: SmpProcess, run_dir: Path, tmp_path: Path
 ) -> None:
     command = [str(ELASTIC), "--samples", str(SAMPLES), "--step-delay", "0.2"]
     with machines(
@@ -182,7 +182,7 @@ def test_an_fsdp2_job_shrinks_from_3_machines_to_2_and_grows_back_from_memory(
 
 @pytest.mark.timeout(400)
 def test_more_machines_lost_than_parity_covers_shrinks_from_the_flushed_checkpoint(
-    launcher_env: Launcher, smp: SmpProcess, run_dir: Path, procs: Procs
+    launcher_env: Launcher, smp: SmpProcess, run_dir: Path
 ) -> None:
     """4 machines, erasure coding m=1, ``--nnodes 2:4``, a shared tier flushed every 4 steps:
     two machines die together. Memory cannot serve their ranks (2 > m), so the survivors

@@ -20,7 +20,6 @@ from ftmem.tiers.combine_search import load_evaluator
 from ftmem.tiers.dcp_meta import metadata_to_json
 from ftmem.tiers.dcp_read import load_whole
 from tests._support.example import example, fresh_state, load_digests, same_as_saved
-from tests._support.procs import Procs
 from tests._support.ranks import SMALL, run_ranks
 
 EVAL_MODULE = '''
@@ -106,7 +105,7 @@ def test_unit_coefficients_reproduce_each_input_bitwise(tier: Path, tmp_path: Pa
 
 
 def test_half_and_half_is_the_mean_and_loads_with_stock_dcp_at_1_and_2_processes(
-    tier: Path, tmp_path: Path, procs: Procs
+    tier: Path, tmp_path: Path
 ) -> None:
     (p1, s1), (p2, s2) = _save(tier, 1), _save(tier, 2)
     out = tmp_path / "mean"
@@ -211,7 +210,7 @@ def test_search_finds_a_combination_that_beats_the_newest_checkpoint(
 
 
 def test_checkpoints_of_a_real_run_combine_into_ones_ftmem_restores_each_rank_from(
-    tier: Path, tmp_path: Path, smp: SmpProcess, run_dir: Path, procs: Procs
+    tier: Path, tmp_path: Path, smp: SmpProcess, run_dir: Path
 ) -> None:
     """Steps 19 and 20 of a 2-rank DDP run, written from the SMP in ftmem's flush format (per-
     rank RNG, skeletons and names as uint8 tensors, the step in ``ftmem_meta``): a unit

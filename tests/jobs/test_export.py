@@ -20,7 +20,7 @@ import torch
 
 from tests._support.example import LOAD_SCRIPT, example, fresh_state, load_digests, same_as_saved
 from tests._support.launcher import running_smp
-from tests._support.procs import REPO, Procs
+from tests._support.procs import REPO
 from tests._support.ranks import SMALL, run_ranks
 
 
@@ -29,7 +29,6 @@ def trained() -> Iterator[tuple[Path, str]]:
     """A 2-rank run of the example whose last step stays committed in the SMP: one for the
     module (the tests read it; the two that alter a byte of a slot put it back)."""
     run_dir = Path(tempfile.mkdtemp(prefix="ftm-", dir="/tmp"))
-    procs = Procs()
     try:
         with running_smp(run_dir, "t" + uuid.uuid4().hex[:10]):
             run = run_ranks(run_dir, SMALL, env_extra={"FTMEM_RUN_DIR": str(run_dir)})
@@ -37,7 +36,6 @@ def trained() -> Iterator[tuple[Path, str]]:
             (digest,) = run.digests()
             yield run_dir, digest
     finally:
-        procs.kill_all()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -60,7 +58,7 @@ def _flipped(path: str | Path, offset: int, mask: int) -> Iterator[None]:
 
 
 def test_export_loads_with_stock_dcp_at_other_world_sizes(
-    trained: tuple[Path, str], tmp_path: Path, procs: Procs
+    trained: tuple[Path, str], tmp_path: Path
 ) -> None:
     run_dir, digest = trained
     out = tmp_path / "ckpt"
@@ -256,7 +254,7 @@ def test_parts_of_two_nodes_assemble_into_one_stock_dcp_checkpoint(
 
 
 def test_the_writer_checkpoint_loads_with_stock_dcp_at_two_and_three_processes(
-    trained: tuple[Path, str], tmp_path: Path, procs: Procs
+    trained: tuple[Path, str], tmp_path: Path
 ) -> None:
     # One and four processes: test_export_loads_with_stock_dcp_at_other_world_sizes.
     from ftmem.tiers.export import export_dcp, find_sources

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ftmem.smp.spawn import SmpProcess
-from tests._support.procs import REPO, Procs
+from tests._support.procs import REPO
 from tests._support.ranks import SMALL, RankRun, run_ranks
 
 LOAD = """
@@ -45,7 +45,7 @@ os._exit(0)
 
 @pytest.mark.timeout(300)
 def test_a_step_in_two_hosts_memory_reshards_across_them(
-    two_hosts: list[Path], tmp_path: Path, procs: Procs
+    two_hosts: list[Path], tmp_path: Path
 ) -> None:
     a, b = two_hosts
     run = run_ranks(
@@ -70,7 +70,7 @@ def test_a_step_in_two_hosts_memory_reshards_across_them(
 
 @pytest.mark.timeout(300)
 def test_a_smaller_job_reshards_the_step_from_memory_in_ftmem_load(
-    smp: SmpProcess, run_dir: Path, procs: Procs
+    smp: SmpProcess, run_dir: Path
 ) -> None:
     """4 ranks save (1/4 of the replicated state each); 3 ranks restarting on the same SMP
     load it with plain ``ftmem.load``: the saved sharding says the job's size changed, so
@@ -117,7 +117,7 @@ def _seen(outputs: list[str]) -> list[int]:
 
 @pytest.mark.timeout(400)
 def test_an_epoch_shrinks_from_4_to_3_ranks_and_grows_back_from_memory(
-    smp: SmpProcess, run_dir: Path, tmp_path: Path, procs: Procs
+    smp: SmpProcess, run_dir: Path, tmp_path: Path
 ) -> None:
     """An epoch of 48 numbered samples (``ftmem.ElasticSampler``): 4 ranks train 3 steps and
     stop, 3 ranks go on from memory for 2 steps and stop, 4 ranks finish the epoch from
@@ -147,7 +147,7 @@ def test_an_epoch_shrinks_from_4_to_3_ranks_and_grows_back_from_memory(
 
 @pytest.mark.timeout(300)
 def test_a_per_rank_entry_without_a_reshard_method_is_refused_clearly(
-    smp: SmpProcess, run_dir: Path, procs: Procs
+    smp: SmpProcess, run_dir: Path
 ) -> None:
     """An entry whose state differs between the ranks that saved (here each rank's number)
     and that has no ``load_resharded_state`` cannot be resharded: ``ftmem.load`` says which
@@ -165,7 +165,7 @@ def test_a_per_rank_entry_without_a_reshard_method_is_refused_clearly(
 
 @pytest.mark.timeout(300)
 def test_when_memory_lacks_a_rank_the_flushed_checkpoint_is_resharded(
-    two_hosts: list[Path], tmp_path: Path, procs: Procs
+    two_hosts: list[Path], tmp_path: Path
 ) -> None:
     """ftmem-launch asks 3 ranks to reshard a 4-rank step (``$FTMEM_RESHARD``) but their
     SMP holds none of it (more machines were lost than the erasure code covers). Without a
