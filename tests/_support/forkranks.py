@@ -9,20 +9,17 @@ non-daemon threads). The children stay in the zygote's process group: killing th
 stops every rank. The zygote waits for every child and writes ``{"codes": [...]}`` (exit
 codes as ``Popen`` gives them: negative for a signal) to the spec's ``result`` path.
 
-Two ways to run it:
-
-- ``python forkranks.py SPEC.json``: one run; this process is the zygote, then exits 0.
-- ``python forkranks.py --serve LISTEN_FD LIFELINE_FD`` (:func:`tests._support.ranks.run_ranks`
-  keeps one per test process): import once, then for each connection on the listening Unix
-  socket fork a zygote in a session of its own. The zygote reads the spec's path (a line),
-  answers its pid (a line), does the run with its stdout and stderr in the spec's ``log`` and
-  exits: the connection's end of file says the run is over (whether it ended or was killed).
-  The server exits at end of file on the lifeline pipe (its test process closed it, or died).
+``python forkranks.py --serve LISTEN_FD LIFELINE_FD`` (:func:`tests._support.ranks.run_ranks`
+keeps one per test process) imports once, then for each connection on the listening Unix
+socket forks a zygote in a session of its own. The zygote reads the spec's path (a line),
+answers its pid (a line), does the run with its stdout and stderr in the spec's ``log`` and
+exits: the connection's end of file says the run is over (whether it ended or was killed).
+The server exits at end of file on the lifeline pipe (its test process closed it, or died).
 
 ftmem is not imported before a fork: its modules must see each rank's environment when they
 load. Nothing but the imports runs in a server, so each zygote is as fresh as a cold one.
 
-SPEC.json: ``{"script": path, "args": [...], "ranks": [{"env": {...}, "log": path}],
+The spec (a JSON file): ``{"script": path, "args": [...], "ranks": [{"env": {...}, "log": path}],
 "result": path, "log": path}``, or ``"code"`` (Python source, run as ``python -c`` runs it)
 instead of ``"script"``.
 """
@@ -81,7 +78,7 @@ def _import() -> None:
     import torch.distributed.checkpoint  # noqa: F401
 
 
-def _run(spec_path: str, conn: socket.socket | None = None) -> None:
+def _run(spec_path: str, conn: socket.socket) -> None:
     """Fork the ranks of the run ``spec_path`` describes, wait for each, write the codes
     (``conn``: the zygote's connection, closed in each rank)."""
     with open(spec_path) as f:
@@ -92,8 +89,7 @@ def _run(spec_path: str, conn: socket.socket | None = None) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            if conn is not None:
-                conn.close()
+            conn.close()
             _child(spec.get("script"), spec.get("code"), spec["args"], rank["env"], rank["log"])
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
@@ -154,11 +150,9 @@ def serve(listen_fd: int, lifeline_fd: int) -> int:
 
 
 def main() -> int:
-    if sys.argv[1] == "--serve":
-        return serve(int(sys.argv[2]), int(sys.argv[3]))
-    _import()
-    _run(sys.argv[1])
-    return 0
+    if sys.argv[1:2] != ["--serve"]:
+        sys.exit("usage: forkranks.py --serve LISTEN_FD LIFELINE_FD")
+    return serve(int(sys.argv[2]), int(sys.argv[3]))
 
 
 if __name__ == "__main__":

@@ -82,9 +82,10 @@ def run_ranks(
 
     The ranks are forked from a zygote that this test process's zygote server forked
     (tests/_support/forkranks.py: it imported torch once for every run): each runs the script
-    as ``python script.py`` would, in its own environment. ``code``, instead of ``script``: Python source each rank runs as
-    ``python -c`` would. When one rank dies, the others fail in their next collective and
-    exit; if any rank still runs after ``timeout``, every rank is killed (codes then -9).
+    as ``python script.py`` would, in its own environment. ``code``, instead of ``script``:
+    Python source each rank runs as ``python -c`` would. When one rank dies, the others fail
+    in their next collective and exit; if any rank still runs after ``timeout``, every rank is
+    killed (codes then -9).
     """
     # A file store: a TCP port picked in advance can be taken by another process before
     # rank 0 binds it, and rank 1 then waits on a stranger's socket.
