@@ -58,6 +58,7 @@ from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
 from ftmem.launch.rendezvous import (
     SlotClaims,
     exchange_generation,
+    join_until_assigned,
     share_master,
     slot_workers,
     stable_ranks_apply,
@@ -180,18 +181,25 @@ class FtmemElasticAgent(ElasticAgentBase):
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
         ms = self._membership  # (a loss counts whichever failure this node noticed first)
         lost = self._life.kind is FailureKind.MACHINE_LOST or bool(ms and ms.machine_lost())
-        with (
-            restart_rendezvous_quickly(
-                restart=self.generation >= 0,
-                poll_s=poll_s,
-                between_polls=self._while_joining,
-                handler=self.rdzv_handler,
-                last_call=self._ft.restart_last_call if lost else None,
-            ),
-            leaving_round(self.rdzv_handler),
-            awaiting_group_rank_0(lambda: reread_state(self.rdzv_handler), poll_s),
-        ):
-            join()
+        rounds = 0
+
+        def one_round() -> None:
+            nonlocal rounds
+            rounds += 1
+            with (
+                restart_rendezvous_quickly(
+                    restart=self.generation >= 0 or rounds > 1,
+                    poll_s=poll_s,
+                    between_polls=self._while_joining,
+                    handler=self.rdzv_handler,
+                    last_call=self._ft.restart_last_call if lost else None,
+                ),
+                leaving_round(self.rdzv_handler),
+                awaiting_group_rank_0(lambda: reread_state(self.rdzv_handler), poll_s),
+            ):
+                join()
+
+        join_until_assigned(one_round, self._node)
         # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the
         # healthy loop reads the store about once a second (not every monitor interval).
         trust_rendezvous_state_for(self.rdzv_handler, ELASTIC_POLL_S)

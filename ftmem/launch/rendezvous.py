@@ -11,8 +11,9 @@ reaches the store's port can write it, and a malformed value must stop the agent
 message, not a ``KeyError`` mid-restart. The slot offers and the assignment, on which a node
 is fenced, are also MACed with the job's key and bound to the round and the writer's group
 rank (:class:`SlotClaims`); one that fails is read again for a while (a store writer may have
-planted it before its agent wrote), then an offer claims nothing and a missing assignment
-stops the agent.
+planted it before its agent wrote), then an offer claims nothing, and a node whose assignment
+never passes leaves the round for the next one (:func:`join_until_assigned`): a late offer
+costs a round, never the node.
 """
 
 from __future__ import annotations
@@ -101,6 +102,16 @@ class _AssignmentDoc:
     generation: int
     mac: Any
 
+
+class AssignmentRefused(ProtocolError):
+    """No slot assignment of this round with this node's offer in it passed this node's
+    checks in time (group rank 0 assigned without this node's offer, or a store writer
+    planted one): this node leaves the round for the next."""
+
+
+REFUSED_ROUNDS = 3
+"""How many rounds in a row a node leaves because it refused their assignment, before it
+stops with the error."""
 
 VERIFY_WAIT_S = 10.0
 """How long a slot offer that fails its checks is read again (a store writer may have put it
@@ -224,7 +235,7 @@ def agree_slots(
     offer, agreed or not, so that a round of the same number waits for a fresh one.
 
     Raises:
-        ProtocolError: no assignment that passes its checks appeared in time.
+        AssignmentRefused: no assignment that passes its checks appeared in time.
     """
     n, nonce = group_world_size, secrets.token_hex(16)
     mine: dict[str, Any] = {"slot": offer.slot, "size": offer.size}
@@ -240,6 +251,8 @@ def agree_slots(
                 lambda raw: _assignment(raw, job, round_, n, group_rank, mine),
                 time.monotonic() + 3 * wait_s,
             )
+        except ProtocolError as exc:
+            raise AssignmentRefused(str(exc)) from exc
         finally:
             store.set(key, b"")
     generation = next_generation(round_, offer.generation)
@@ -256,6 +269,33 @@ def agree_slots(
     doc |= {"nonces": [r.nonce for r in read], "generation": generation}
     store.set(_ASSIGNED_KEY, signed_entry(job, doc))
     return SlotAgreement(slots, offers, generation, nonce)
+
+
+def join_until_assigned(join: Callable[[], None], node: str, rounds: int = REFUSED_ROUNDS) -> int:
+    """``join()`` (one rendezvous round, slot agreement included) until it is not refused:
+    a round whose assignment this node refused (:class:`AssignmentRefused`) is left by
+    joining the next one, as a late node joins (the other nodes see it waiting and restart
+    into the next round). Return how many rounds were refused.
+
+    Raises:
+        AssignmentRefused: ``rounds`` rounds in a row were refused, and then one more.
+    """
+    refused = 0
+    while True:
+        try:
+            join()
+            return refused
+        except AssignmentRefused as exc:
+            refused += 1
+            if refused > rounds:
+                raise
+            log.warning(
+                "[%s] %s: this node leaves the round and joins the next (%d of %d)",
+                node,
+                exc,
+                refused,
+                rounds,
+            )
 
 
 class SlotClaims:

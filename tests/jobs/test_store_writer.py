@@ -115,7 +115,9 @@ def test_a_c10d_store_writer_runs_nothing_and_fences_no_node(launcher_env: Launc
     # node 0 sees the failure first (RESTART) or its rank fails in a collective (FAILED)
     a.wait_for(r"\] (RESTART|FAILED): ", 90)
     writer.set(state_key, base64.b64encode(evil[0]))  # while the nodes re-join
-    if AgentProcess.wait(a, 120) is None:  # both nodes' logs and stacks: either may hold it up
+    # 200 s: where a planted offer costs a round (below), group rank 1 refuses the assignment
+    # after 30 s and group rank 0 waits up to the round store's 60 s for its watch entry.
+    if AgentProcess.wait(a, 200) is None:  # both nodes' logs and stacks: either may hold it up
         pytest.fail(
             "".join(
                 f"\n--- {n.name} (exit {n.poll()}), log tail:\n{n.text()[-3000:]}\nstacks:\n"
@@ -143,8 +145,8 @@ def test_a_c10d_store_writer_runs_nothing_and_fences_no_node(launcher_env: Launc
     # assignment after group rank 0 wrote it); tests/unit/test_rendezvous_values.py refuses
     # each kind deterministically. A planted offer can cost a round: where group rank 1's own
     # offer comes later than group rank 0 reads again (a loaded machine), group rank 0 assigns
-    # without it, group rank 1 refuses that assignment (it lacks its nonce), and the two
-    # nodes meet in the next round: that round started the ranks of one node only.
+    # without it, group rank 1 refuses that assignment (it lacks its nonce) and joins the next
+    # round, where the two nodes meet: the refused round started the ranks of one node only.
     started: dict[int, list[int]] = {}
     for i in (0, 1):
         for line in (tmp / f"n{i}-rd" / "events.jsonl").read_text().splitlines():

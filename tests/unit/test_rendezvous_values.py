@@ -3,7 +3,8 @@ assignment MACed with the job's key and bound to the round agree the slots and t
 generation; what a store writer plants (no MAC, another round or rank, a generation beyond
 the round, an assignment that is no permutation, an earlier agreement's) is refused: an offer
 then claims nothing, a missing assignment is a ProtocolError naming the key, never a KeyError
-or TypeError. A round whose number comes back agrees afresh, on a later generation."""
+or TypeError. A round whose number comes back agrees afresh, on a later generation. A node
+that refuses a round's assignment joins the next round (a few times), it does not stop."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch.distributed import TCPStore
 from ftmem.errors import ProtocolError
 from ftmem.exchange import keys
 from ftmem.launch.peers import _entry_mac
-from ftmem.launch.rendezvous import SlotOffer, agree_slots
+from ftmem.launch.rendezvous import AssignmentRefused, SlotOffer, agree_slots, join_until_assigned
 
 JOB = keys.generate()
 WAIT = 0.3  # how long a refused value is read again (VERIFY_WAIT_S in an agent)
@@ -71,6 +72,43 @@ def test_a_round_whose_number_comes_back_agrees_afresh_on_a_later_generation(
     # Together: the same slots, a generation after the one both held (9), a new nonce.
     a, b = both(store, [SlotOffer(0, 1, 9, 2), SlotOffer(1, 1, 9, 2)], 9)
     assert a == b and a.slots == [0, 1] and a.generation == 10 and a.nonce != first.nonce
+
+
+def test_a_node_late_for_a_round_joins_the_next_one_instead_of_stopping(store: TCPStore) -> None:
+    both(store, [SlotOffer(0, 1, 4, 2), SlotOffer(1, 1, 4, 2)], 9)
+    # Round 10: group rank 1's agent is late (a loaded node): group rank 0 assigns without it.
+    alone = agree_slots(store, 0, 2, SlotOffer(0, 1, 9, 2), 10, JOB, WAIT)
+    assert alone.offers[1] == SlotOffer(None, 1, -1) and alone.slots == [0, 1]
+    late = TCPStore("127.0.0.1", store.port, is_master=False)
+    rounds, agreed = iter([10, 11]), []
+
+    def join() -> None:  # one rendezvous round of group rank 1's agent
+        round_ = next(rounds)
+        if round_ == 10:  # its offer comes after group rank 0 assigned
+            agreed.append(agree_slots(late, 1, 2, SlotOffer(1, 1, 9, 2), round_, JOB, WAIT))
+        with ThreadPoolExecutor(1) as pool:
+            # Round 11: group rank 0 saw group rank 1 waiting and joined the next round too.
+            first = SlotOffer(0, 1, alone.generation, 2)
+            zero = pool.submit(agree_slots, store, 0, 2, first, round_, JOB, WAIT)
+            agreed.append(agree_slots(late, 1, 2, SlotOffer(1, 1, 9, 2), round_, JOB, WAIT))
+            agreed.append(zero.result(timeout=30))
+
+    assert join_until_assigned(join, "n1") == 1  # round 10 refused, round 11 agreed
+    mine, zeros = agreed
+    assert mine == zeros and mine.slots == [0, 1] and mine.generation == 11
+
+
+def test_a_node_that_refuses_every_round_stops_with_the_error(store: TCPStore) -> None:
+    calls = []
+
+    def join() -> None:  # an assignment planted by a store writer, never group rank 0's
+        calls.append(len(calls))
+        store.set("ftmem/slots", b"planted")
+        agree_slots(store, 1, 2, SlotOffer(1, 1, 4, 2), 9, JOB, WAIT)
+
+    with pytest.raises(AssignmentRefused, match="'ftmem/slots'"):
+        join_until_assigned(join, "n1", rounds=1)
+    assert calls == [0, 1]
 
 
 def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
