@@ -63,12 +63,7 @@ from ftmem.launch.rendezvous import (
     slot_workers,
     stable_ranks_apply,
 )
-from ftmem.launch.report import (
-    log_joining,
-    record_standbys,
-    report_resumed,
-    report_started,
-)
+from ftmem.launch.report import log_joining, record_standbys, report_resumed, report_started
 from ftmem.launch.reshape import Reshaper
 from ftmem.launch.smp_runner import SmpRunner
 from ftmem.launch.state_guard import expire_keep_alive, leaving_round, reread_state
@@ -94,14 +89,8 @@ class FtmemElasticAgent(ElasticAgentBase):
     which elastic calls on every exit path of ``run()`` (success, failure, signal).
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        ftmem: FtmemLaunchConfig,
-        smp: SmpRunner,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, ftmem: FtmemLaunchConfig, smp: SmpRunner, **kw: Any) -> None:
+        super().__init__(*args, **kw)
         self._ft = ftmem
         self._smp = smp
         self._node = smp.node
@@ -181,14 +170,11 @@ class FtmemElasticAgent(ElasticAgentBase):
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
         ms = self._membership  # (a loss counts whichever failure this node noticed first)
         lost = self._life.kind is FailureKind.MACHINE_LOST or bool(ms and ms.machine_lost())
-        rounds = 0
 
-        def one_round() -> None:
-            nonlocal rounds
-            rounds += 1
+        def one_round(refused: int) -> None:  # (a refused round is left as at a restart)
             with (
                 restart_rendezvous_quickly(
-                    restart=self.generation >= 0 or rounds > 1,
+                    restart=self.generation >= 0 or refused > 0,
                     poll_s=poll_s,
                     between_polls=self._while_joining,
                     handler=self.rdzv_handler,

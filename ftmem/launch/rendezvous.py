@@ -271,8 +271,11 @@ def agree_slots(
     return SlotAgreement(slots, offers, generation, nonce)
 
 
-def join_until_assigned(join: Callable[[], None], node: str, rounds: int = REFUSED_ROUNDS) -> int:
-    """``join()`` (one rendezvous round, slot agreement included) until it is not refused:
+def join_until_assigned(
+    join: Callable[[int], None], node: str, rounds: int = REFUSED_ROUNDS
+) -> int:
+    """``join(refused)`` (one rendezvous round, slot agreement included; ``refused``: how
+    many rounds before it this node refused) until it is not refused:
     a round whose assignment this node refused (:class:`AssignmentRefused`) is left by
     joining the next one, as a late node joins (the other nodes see it waiting and restart
     into the next round). Return how many rounds were refused.
@@ -283,7 +286,7 @@ def join_until_assigned(join: Callable[[], None], node: str, rounds: int = REFUS
     refused = 0
     while True:
         try:
-            join()
+            join(refused)
             return refused
         except AssignmentRefused as exc:
             refused += 1

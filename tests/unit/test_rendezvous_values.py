@@ -82,7 +82,7 @@ def test_a_node_late_for_a_round_joins_the_next_one_instead_of_stopping(store: T
     late = TCPStore("127.0.0.1", store.port, is_master=False)
     rounds, agreed = iter([10, 11]), []
 
-    def join() -> None:  # one rendezvous round of group rank 1's agent
+    def join(refused: int) -> None:  # one rendezvous round of group rank 1's agent
         round_ = next(rounds)
         if round_ == 10:  # its offer comes after group rank 0 assigned
             agreed.append(agree_slots(late, 1, 2, SlotOffer(1, 1, 9, 2), round_, JOB, WAIT))
@@ -101,8 +101,8 @@ def test_a_node_late_for_a_round_joins_the_next_one_instead_of_stopping(store: T
 def test_a_node_that_refuses_every_round_stops_with_the_error(store: TCPStore) -> None:
     calls = []
 
-    def join() -> None:  # an assignment planted by a store writer, never group rank 0's
-        calls.append(len(calls))
+    def join(refused: int) -> None:  # an assignment planted by a store writer, never group
+        calls.append(refused)  # rank 0's
         store.set("ftmem/slots", b"planted")
         agree_slots(store, 1, 2, SlotOffer(1, 1, 4, 2), 9, JOB, WAIT)
 
