@@ -13,6 +13,11 @@ class ProtocolError(FtmemError):
     """A message was malformed, too large, of the wrong version or failed authentication."""
 
 
+class RoundAbandoned(FtmemError):
+    """A node left the rendezvous round (or one waits for the next) before this node's ranks
+    started: the agent joins the next round instead."""
+
+
 class SmpUnavailableError(FtmemError):
     """The node's SMP did not answer in time, or is not running."""
 

@@ -42,6 +42,7 @@ from ftmem.launch.elastic_compat import (
     rendezvous_members,
     rendezvous_poll_s,
     restart_rendezvous_quickly,
+    round_abandoned,
     trust_rendezvous_state_for,
 )
 from ftmem.launch.failures import NodeFailures, a_rank_failed
@@ -58,7 +59,7 @@ from ftmem.launch.recovery import AgentState, FailureKind, RecoveryLifecycle
 from ftmem.launch.rendezvous import (
     SlotClaims,
     exchange_generation,
-    join_until_assigned,
+    join_until_held,
     share_master,
     slot_workers,
     stable_ranks_apply,
@@ -162,8 +163,16 @@ class FtmemElasticAgent(ElasticAgentBase):
             self.events.listeners.append(counted.observe)
             self.metrics = MetricsServer(counted, ftmem.metrics_port, ftmem.metrics_addr)
 
+    def initialize_workers(self, start: Callable[[], None]) -> None:
+        """elastic's rendezvous and start of the ranks, until a round holds
+        (:func:`~ftmem.launch.rendezvous.join_until_held`)."""
+        group: WorkerGroup = self.get_worker_group()  # (this round's size, once joined)
+        self._mesh.abandoned = lambda: round_abandoned(self.rdzv_handler, group.group_world_size)
+        join_until_held(start, self._node)
+
     def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
-        self._life.to(AgentState.JOINING, generation=self.generation)
+        if self._life.state is not AgentState.JOINING:  # (joining again: a round was left)
+            self._life.to(AgentState.JOINING, generation=self.generation)
         settings = getattr(self.rdzv_handler, "settings", None)  # the c10d/etcd-v2 handler
         log_joining(self._node, settings)
         poll_s = rendezvous_poll_s(settings.max_nodes if settings is not None else 1)
@@ -171,21 +180,18 @@ class FtmemElasticAgent(ElasticAgentBase):
         ms = self._membership  # (a loss counts whichever failure this node noticed first)
         lost = self._life.kind is FailureKind.MACHINE_LOST or bool(ms and ms.machine_lost())
 
-        def one_round(refused: int) -> None:  # (a refused round is left as at a restart)
-            with (
-                restart_rendezvous_quickly(
-                    restart=self.generation >= 0 or refused > 0,
-                    poll_s=poll_s,
-                    between_polls=self._while_joining,
-                    handler=self.rdzv_handler,
-                    last_call=self._ft.restart_last_call if lost else None,
-                ),
-                leaving_round(self.rdzv_handler),
-                awaiting_group_rank_0(lambda: reread_state(self.rdzv_handler), poll_s),
-            ):
-                join()
-
-        join_until_assigned(one_round, self._node)
+        with (
+            restart_rendezvous_quickly(
+                restart=self.generation >= 0,
+                poll_s=poll_s,
+                between_polls=self._while_joining,
+                handler=self.rdzv_handler,
+                last_call=self._ft.restart_last_call if lost else None,
+            ),
+            leaving_round(self.rdzv_handler),
+            awaiting_group_rank_0(lambda: reread_state(self.rdzv_handler), poll_s),
+        ):
+            join()
         # Outside restarts elastic's own pace: a state read is trusted for 1 s again, so the
         # healthy loop reads the store about once a second (not every monitor interval).
         trust_rendezvous_state_for(self.rdzv_handler, ELASTIC_POLL_S)

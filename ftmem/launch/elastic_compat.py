@@ -193,6 +193,18 @@ def rendezvous_members(handler: Any) -> RendezvousMembers | None:
     )
 
 
+def round_abandoned(handler: Any, nodes: int | None) -> str | None:
+    """Why the round of ``nodes`` nodes is over before its ranks started (None: it is not,
+    or ``handler`` cannot say): a node waits for the next round, or one left this round (its
+    keep-alive expired). Reads the state from the store."""
+    if handler.num_nodes_waiting() > 0:
+        return "a node waits to join the next round"
+    members = rendezvous_members(handler)
+    if members is not None and nodes is not None and len(members.participants) < nodes:
+        return f"{nodes - len(members.participants)} node(s) left the round"
+    return None
+
+
 def keep_alive_bound_s(handler: Any) -> float:
     """After how long without a keep-alive elastic drops a node (interval x attempts)."""
     settings = getattr(handler, "settings", None)
@@ -392,6 +404,10 @@ class ElasticAgentBase(LocalElasticAgent):
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
+    def initialize_workers(self, start: Callable[[], None]) -> None:
+        """Rendezvous and start this node's ranks: call ``start`` (elastic's) and add to it."""
+        start()
+
     def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
         """Join the next rendezvous round: call ``join`` (elastic's join) and add to it."""
         join()
@@ -448,6 +464,9 @@ class ElasticAgentBase(LocalElasticAgent):
             LocalElasticAgent._shutdown(self, death_sig, wait)
         else:
             LocalElasticAgent._shutdown(self, death_sig)
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        self.initialize_workers(lambda: LocalElasticAgent._initialize_workers(self, worker_group))
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self.join_rendezvous(

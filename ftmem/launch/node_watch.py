@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftmem.errors import FtmemError
+from ftmem.errors import FtmemError, RoundAbandoned
 from ftmem.events import EventLog
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import is_loopback
@@ -70,7 +70,11 @@ class NodeWatch:
     ) -> None:
         """Watch this round's ring neighbours (steps 1-3 of the module docstring): this node
         holds ``slot`` of ``nodes`` and is ``me`` in the rendezvous. A failure to publish or
-        read the entries is logged: the round goes unwatched, the job goes on."""
+        read the entries is logged: the round goes unwatched, the job goes on.
+
+        Raises:
+            RoundAbandoned: a node left the round while its entry was awaited
+                (``mesh.abandoned``)."""
         self._generation = generation
         if self._off or store is None or nodes is None or nodes < 2 or me is None:
             return
@@ -90,7 +94,10 @@ class NodeWatch:
                 store,
                 [f"ftmem/watch/{i}" for i in near],
                 lambda j, raw: read_watch_entry(self._key, raw, generation, near[j]),
+                abandoned=self.mesh.abandoned,
             )
+        except RoundAbandoned:
+            raise
         except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
             log.warning(
                 "[%s] the failure detector does not watch generation %d (%s): a lost machine "

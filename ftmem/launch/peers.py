@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from ftmem import typed_json
-from ftmem.errors import ErrorKind, FtmemError, SmpRequestError, UnrecoverableError
+from ftmem.errors import ErrorKind, FtmemError, RoundAbandoned, SmpRequestError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.exchange.placement import group_nodes
 from ftmem.launch.job_key import host_key_path, job_keys
@@ -195,10 +195,31 @@ def read_until_valid(
 
 
 def read_entries(
-    store: Any, keys: list[str], read: Callable[[int, bytes], T], wait_s: float = ENTRY_WAIT_S
+    store: Any,
+    keys: list[str],
+    read: Callable[[int, bytes], T],
+    wait_s: float = ENTRY_WAIT_S,
+    abandoned: Callable[[], str | None] | None = None,
 ) -> list[T]:
-    """``read(i, value)`` of each of ``keys`` (waits until all are in), through
-    :func:`read_until_valid` for up to ``wait_s`` (for all of them together)."""
+    """``read(i, value)`` of each of ``keys`` (waits until all are in, up to the store's
+    timeout), through :func:`read_until_valid` for up to ``wait_s`` (for all of them
+    together). ``abandoned``, asked every second while a key is missing, says why the round
+    is over (a node left it): then :class:`~ftmem.errors.RoundAbandoned`, not a wait for a
+    node that will not write."""
+    if abandoned is not None:
+        from torch.distributed import DistStoreError
+
+        deadline = time.monotonic() + store.timeout.total_seconds()
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=1))
+                break
+            except DistStoreError:
+                why = abandoned()
+                if why is not None:
+                    raise RoundAbandoned(f"{why}: stopped waiting for {keys}") from None
+                if time.monotonic() >= deadline:
+                    raise
     values = store.multi_get(keys)
     deadline = time.monotonic() + wait_s
     return [
@@ -294,6 +315,9 @@ class PeerMesh:
         self.settings = settings
         self.key_warned = False
         """The warning about a key handed out through the store was logged."""
+        self.abandoned: Callable[[], str | None] | None = None
+        """Why the round is over while another node's entry is awaited (None: it is not;
+        :func:`read_entries`): set by the agent."""
 
     def job_keys(self, store: Any, group_rank: int) -> str:
         """The job's CURVE key pair as JSON (:func:`job_keys`), warning at most once."""
@@ -360,6 +384,7 @@ class PeerMesh:
                 store,
                 [f"{key}/{i}" for i in group],
                 lambda j, raw: read_peer_entry(job, raw, generation, group[j]),
+                abandoned=self.abandoned,
             )
             endpoints = {str(i): e for i, e in zip(group, read, strict=True)}
             log.info(

@@ -10,6 +10,7 @@ States and transitions (checked at run time: any other raises
     JOINING ------------> SYNCING     the round is complete, the slots agreed: the peer mesh
                                       syncs; a node that lost its memory REBUILDS it from peers
     SYNCING ------------> STARTED     the generation's ranks started (warm, kept, or cold)
+    SYNCING ------------> JOINING     a node left the round before the ranks started: the next
     STARTED ------------> RUNNING     every rank stepped (after a failure: RESUMED)
     STARTED, RUNNING ---> DETECTED    a failure of a kind in :class:`FailureKind`
     STARTED, RUNNING,
@@ -81,7 +82,7 @@ _NEXT: dict[AgentState, frozenset[AgentState]] = {
     _S.INIT: frozenset({_S.JOINING}),
     _S.JOINING: frozenset({_S.SPARE, _S.SYNCING}),
     _S.SPARE: frozenset({_S.JOINING}),
-    _S.SYNCING: frozenset({_S.STARTED}),
+    _S.SYNCING: frozenset({_S.STARTED, _S.JOINING}),
     _S.STARTED: frozenset({_S.RUNNING, _S.DETECTED}),
     _S.RUNNING: frozenset({_S.DETECTED}),
     _S.DETECTED: frozenset({_S.RESTARTING}),

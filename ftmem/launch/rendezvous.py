@@ -12,7 +12,7 @@ message, not a ``KeyError`` mid-restart. The slot offers and the assignment, on 
 is fenced, are also MACed with the job's key and bound to the round and the writer's group
 rank (:class:`SlotClaims`); one that fails is read again for a while (a store writer may have
 planted it before its agent wrote), then an offer claims nothing, and a node whose assignment
-never passes leaves the round for the next one (:func:`join_until_assigned`): a late offer
+never passes leaves the round for the next one (:func:`join_until_held`): a late offer
 costs a round, never the node.
 """
 
@@ -30,7 +30,7 @@ from typing import Annotated, Any, TypeVar
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from ftmem.errors import FtmemError, ProtocolError
+from ftmem.errors import FtmemError, ProtocolError, RoundAbandoned
 from ftmem.exchange import keys
 from ftmem.launch.job_key import job_keys
 from ftmem.launch.peers import PeerSettings, read_until_valid, signed_entry, verified_entry
@@ -109,9 +109,9 @@ class AssignmentRefused(ProtocolError):
     planted one): this node leaves the round for the next."""
 
 
-REFUSED_ROUNDS = 3
-"""How many rounds in a row a node leaves because it refused their assignment, before it
-stops with the error."""
+LEFT_ROUNDS = 3
+"""How many rounds in a row a node leaves (:func:`join_until_held`) before it stops with the
+error."""
 
 VERIFY_WAIT_S = 10.0
 """How long a slot offer that fails its checks is read again (a store writer may have put it
@@ -271,32 +271,32 @@ def agree_slots(
     return SlotAgreement(slots, offers, generation, nonce)
 
 
-def join_until_assigned(
-    join: Callable[[int], None], node: str, rounds: int = REFUSED_ROUNDS
-) -> int:
-    """``join(refused)`` (one rendezvous round, slot agreement included; ``refused``: how
-    many rounds before it this node refused) until it is not refused:
-    a round whose assignment this node refused (:class:`AssignmentRefused`) is left by
-    joining the next one, as a late node joins (the other nodes see it waiting and restart
-    into the next round). Return how many rounds were refused.
+def join_until_held(join: Callable[[], None], node: str, rounds: int = LEFT_ROUNDS) -> int:
+    """``join()`` (one rendezvous round and the start of this node's ranks) until a round
+    holds: a round this node leaves, because it refused its slot assignment
+    (:class:`AssignmentRefused`) or another node left it before the ranks started
+    (:class:`~ftmem.errors.RoundAbandoned`), is followed by the next one, which this node
+    joins as a late node does (the nodes still in the round see it waiting and restart into
+    the next round too). Return how many rounds were left.
 
     Raises:
-        AssignmentRefused: ``rounds`` rounds in a row were refused, and then one more.
+        AssignmentRefused, RoundAbandoned: ``rounds`` rounds in a row were left, and then
+            one more.
     """
-    refused = 0
+    left = 0
     while True:
         try:
-            join(refused)
-            return refused
-        except AssignmentRefused as exc:
-            refused += 1
-            if refused > rounds:
+            join()
+            return left
+        except (AssignmentRefused, RoundAbandoned) as exc:
+            left += 1
+            if left > rounds:
                 raise
             log.warning(
                 "[%s] %s: this node leaves the round and joins the next (%d of %d)",
                 node,
                 exc,
-                refused,
+                left,
                 rounds,
             )
 

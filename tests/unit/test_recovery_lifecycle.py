@@ -40,6 +40,11 @@ def test_a_spare_takes_over_after_a_rank_failure_and_resumes(tmp_path: Path) -> 
     assert states[-6:] == ["restarting", "stopped", "joining", "syncing", "started", "running"]
 
 
+def test_a_round_a_node_left_before_the_ranks_started_is_joined_again(tmp_path: Path) -> None:
+    life = _life(tmp_path)
+    _walk(life, S.JOINING, S.SYNCING, S.JOINING, S.SYNCING, S.STARTED)
+
+
 def test_a_hot_spare_waits_then_joins(tmp_path: Path) -> None:
     life = _life(tmp_path)
     _walk(life, S.JOINING, S.SPARE, S.JOINING, S.SYNCING, S.STARTED, S.RUNNING)

@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 from ftmem.errors import ProtocolError
 from ftmem.exchange import keys
 from ftmem.launch.peers import _entry_mac
-from ftmem.launch.rendezvous import AssignmentRefused, SlotOffer, agree_slots, join_until_assigned
+from ftmem.launch.rendezvous import AssignmentRefused, SlotOffer, agree_slots, join_until_held
 
 JOB = keys.generate()
 WAIT = 0.3  # how long a refused value is read again (VERIFY_WAIT_S in an agent)
@@ -82,7 +82,7 @@ def test_a_node_late_for_a_round_joins_the_next_one_instead_of_stopping(store: T
     late = TCPStore("127.0.0.1", store.port, is_master=False)
     rounds, agreed = iter([10, 11]), []
 
-    def join(refused: int) -> None:  # one rendezvous round of group rank 1's agent
+    def join() -> None:  # one rendezvous round of group rank 1's agent
         round_ = next(rounds)
         if round_ == 10:  # its offer comes after group rank 0 assigned
             agreed.append(agree_slots(late, 1, 2, SlotOffer(1, 1, 9, 2), round_, JOB, WAIT))
@@ -93,7 +93,7 @@ def test_a_node_late_for_a_round_joins_the_next_one_instead_of_stopping(store: T
             agreed.append(agree_slots(late, 1, 2, SlotOffer(1, 1, 9, 2), round_, JOB, WAIT))
             agreed.append(zero.result(timeout=30))
 
-    assert join_until_assigned(join, "n1") == 1  # round 10 refused, round 11 agreed
+    assert join_until_held(join, "n1") == 1  # round 10 refused, round 11 agreed
     mine, zeros = agreed
     assert mine == zeros and mine.slots == [0, 1] and mine.generation == 11
 
@@ -101,13 +101,13 @@ def test_a_node_late_for_a_round_joins_the_next_one_instead_of_stopping(store: T
 def test_a_node_that_refuses_every_round_stops_with_the_error(store: TCPStore) -> None:
     calls = []
 
-    def join(refused: int) -> None:  # an assignment planted by a store writer, never group
-        calls.append(refused)  # rank 0's
+    def join() -> None:  # an assignment planted by a store writer, never group rank 0's
+        calls.append(len(calls))
         store.set("ftmem/slots", b"planted")
         agree_slots(store, 1, 2, SlotOffer(1, 1, 4, 2), 9, JOB, WAIT)
 
     with pytest.raises(AssignmentRefused, match="'ftmem/slots'"):
-        join_until_assigned(join, "n1", rounds=1)
+        join_until_held(join, "n1", rounds=1)
     assert calls == [0, 1]
 
 
