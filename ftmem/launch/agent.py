@@ -126,6 +126,8 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._in_process = InProcessRestarts(smp.node, smp.run_dir)
         self._rank_store = RankStore(smp.node)
         self._mesh = PeerMesh(PeerSettings.from_launch(ftmem, smp.run_id))
+        group = self.get_worker_group()  # (its size is the current round's)
+        self._mesh.abandoned = lambda: round_abandoned(self.rdzv_handler, group.group_world_size)
         self._reshape = Reshaper(smp, self._mesh, self.events)
         self._seat = NodeSlot(
             SlotClaims(self._mesh.settings, smp.node), smp, self._poller, self.events
@@ -166,8 +168,6 @@ class FtmemElasticAgent(ElasticAgentBase):
     def initialize_workers(self, start: Callable[[], None]) -> None:
         """elastic's rendezvous and start of the ranks, until a round holds
         (:func:`~ftmem.launch.rendezvous.join_until_held`)."""
-        group: WorkerGroup = self.get_worker_group()  # (this round's size, once joined)
-        self._mesh.abandoned = lambda: round_abandoned(self.rdzv_handler, group.group_world_size)
         join_until_held(start, self._node)
 
     def join_rendezvous(self, worker_group: WorkerGroup, join: Callable[[], None]) -> None:
@@ -179,7 +179,6 @@ class FtmemElasticAgent(ElasticAgentBase):
         trust_rendezvous_state_for(self.rdzv_handler, poll_s)
         ms = self._membership  # (a loss counts whichever failure this node noticed first)
         lost = self._life.kind is FailureKind.MACHINE_LOST or bool(ms and ms.machine_lost())
-
         with (
             restart_rendezvous_quickly(
                 restart=self.generation >= 0,

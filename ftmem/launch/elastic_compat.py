@@ -263,6 +263,25 @@ def restart_rendezvous_quickly(
             timeout._last_call = before
 
 
+def wait_for_keys(
+    store: Any, keys: list[str], poll_s: float, between_polls: Callable[[], None]
+) -> None:
+    """Wait until every one of ``keys`` is set in ``store`` (the store's own wait: back as
+    soon as they are), in waits of ``poll_s``, running ``between_polls`` after each that ends
+    without them (it may raise to stop waiting); ``DistStoreError`` after the store's
+    timeout, as a blocking read."""
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=poll_s))
+            return
+        except torch.distributed.DistStoreError as exc:
+            missing = exc
+        between_polls()
+        if time.monotonic() >= deadline:
+            raise missing
+
+
 @contextlib.contextmanager
 def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> Iterator[None]:
     """While inside, a node other than group rank 0 waits for group rank 0's
@@ -280,15 +299,7 @@ def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> I
 
     def build(rank: int, store: Any, local_addr: str | None, server_port: int | None = None) -> Any:
         if rank != 0:
-            deadline = time.monotonic() + store.timeout.total_seconds()
-            while True:
-                try:  # the store's own wait: back as soon as the keys are set
-                    store.wait(keys, timedelta(seconds=poll_s))
-                    break
-                except torch.distributed.DistStoreError:
-                    if time.monotonic() >= deadline:
-                        raise
-                between_polls()
+            wait_for_keys(store, keys, poll_s, between_polls)
         return original(rank, store, local_addr, server_port)
 
     saved = RendezvousStoreInfo.__dict__["build"]  # the staticmethod itself, restored as is

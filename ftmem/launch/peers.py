@@ -35,6 +35,7 @@ from ftmem import typed_json
 from ftmem.errors import ErrorKind, FtmemError, RoundAbandoned, SmpRequestError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.exchange.placement import group_nodes
+from ftmem.launch.elastic_compat import wait_for_keys
 from ftmem.launch.job_key import host_key_path, job_keys
 from ftmem.protocol.status import ProtectionState, SyncReply
 
@@ -207,19 +208,13 @@ def read_entries(
     is over (a node left it): then :class:`~ftmem.errors.RoundAbandoned`, not a wait for a
     node that will not write."""
     if abandoned is not None:
-        from torch.distributed import DistStoreError
 
-        deadline = time.monotonic() + store.timeout.total_seconds()
-        while True:
-            try:
-                store.wait(keys, timedelta(seconds=1))
-                break
-            except DistStoreError:
-                why = abandoned()
-                if why is not None:
-                    raise RoundAbandoned(f"{why}: stopped waiting for {keys}") from None
-                if time.monotonic() >= deadline:
-                    raise
+        def ask() -> None:
+            why = abandoned()
+            if why is not None:
+                raise RoundAbandoned(f"{why}: stopped waiting for {keys}")
+
+        wait_for_keys(store, keys, 1.0, ask)
     values = store.multi_get(keys)
     deadline = time.monotonic() + wait_s
     return [
