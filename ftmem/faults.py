@@ -71,6 +71,10 @@ class Point(enum.Enum):
     IN_RESTORE = "in_restore"
     """(Rank) Inside ``ftmem.load``: a snapshot passed its checksums and is about to be
     matched to the state and copied into it (other ranks wait in the agreement)."""
+    IN_AGREEMENT = "in_agreement"
+    """(Agent) A rendezvous round is complete and this node's agent is about to publish its
+    slot offer (``rank``: its group rank; ``step``: the round): a node lost there leaves the
+    others waiting for its offer."""
     IN_REJOIN = "in_rejoin"
     """(Rank, ``ftmem.run``) A peer failed, this survivor tore down its process group and
     the agent handed it its new generation; it is about to join it (``step``: the step it
@@ -327,6 +331,14 @@ def maybe_inject(point: Point, rank: int, step: int) -> bool:
         _load()
     if _SPEC is not None and not _fired and _SPEC.matches(point, None, rank, step):
         _fired = True
+        log.warning(
+            "FAULT: %s fires: %s at %s (rank %d, step %d)",
+            ENV_FAULT,
+            _SPEC.fault.value,
+            point.value,
+            rank,
+            step,
+        )
         return _fire(_SPEC.fault)
     if _ARMED is not None:
         armed = _ARMED.check(point, rank, step)

@@ -31,6 +31,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 
 from ftmem.errors import UnrecoverableError
+from ftmem.faults import Point, maybe_inject
 from ftmem.launch.config import FtmemLaunchConfig
 from ftmem.launch.elastic_compat import (
     ELASTIC_POLL_S,
@@ -42,7 +43,6 @@ from ftmem.launch.elastic_compat import (
     rendezvous_members,
     rendezvous_poll_s,
     restart_rendezvous_quickly,
-    round_abandoned,
     trust_rendezvous_state_for,
 )
 from ftmem.launch.failures import NodeFailures, a_rank_failed
@@ -126,8 +126,6 @@ class FtmemElasticAgent(ElasticAgentBase):
         self._in_process = InProcessRestarts(smp.node, smp.run_dir)
         self._rank_store = RankStore(smp.node)
         self._mesh = PeerMesh(PeerSettings.from_launch(ftmem, smp.run_id))
-        group = self.get_worker_group()  # (its size is the current round's)
-        self._mesh.abandoned = lambda: round_abandoned(self.rdzv_handler, group.group_world_size)
         self._reshape = Reshaper(smp, self._mesh, self.events)
         self._seat = NodeSlot(
             SlotClaims(self._mesh.settings, smp.node), smp, self._poller, self.events
@@ -197,13 +195,14 @@ class FtmemElasticAgent(ElasticAgentBase):
         if self._life.state is AgentState.SPARE:
             log.warning("[%s] SPARE TAKES OVER: a node left the job; joining it", self._node)
             self._life.to(AgentState.JOINING, spare=True)
+        store = self.round_store(worker_group.store)
         agreed = self._seat.agreement()
         if agreed is not None:
-            share_master(worker_group, self._seat.slot, agreed.nonce)
+            share_master(worker_group, store, self._seat.slot, agreed.nonce)
             self.generation = agreed.generation
         else:
             self.generation = exchange_generation(
-                worker_group, self.rendezvous_round, self.generation
+                worker_group, store, self.rendezvous_round, self.generation
             )
         self._serve_rank_store(worker_group)
         ranks = [w.global_rank for w in worker_group.workers]
@@ -249,6 +248,7 @@ class FtmemElasticAgent(ElasticAgentBase):
             self._seat.unassigned()
             return elastic_default()
         size, round_ = spec.local_world_size, self.rendezvous_round()
+        maybe_inject(Point.IN_AGREEMENT, group_rank, round_ or 0)
         slot = self._seat.agree(store, group_rank, group_world_size, size, self.generation, round_)
         if slot is None:
             return elastic_default()
@@ -318,7 +318,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Have the failure detector watch this round's ring neighbours."""
         members = rendezvous_members(self.rdzv_handler)
         self._nodes.watch_round(
-            worker_group.store,
+            self.round_store(worker_group.store),
             nodes=worker_group.group_world_size,
             slot=self._seat.index(worker_group.group_rank),
             group_rank=worker_group.group_rank,
@@ -330,7 +330,7 @@ class FtmemElasticAgent(ElasticAgentBase):
         """Sync this generation's peer mesh; a node that lost its memory rebuilds it first.
         When the job's size changed, the lost machines' step is rebuilt first
         (:mod:`ftmem.launch.reshape`) and the ranks are told to reshard it."""
-        store = worker_group.store
+        store = self.round_store(worker_group.store)
         self._reshape.request = None
         if store is None:
             return

@@ -54,7 +54,7 @@ from torch.distributed.elastic.multiprocessing import tail_log as elastic_tail_l
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from ftmem.errors import FtmemError
+from ftmem.errors import FtmemError, RoundAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +282,53 @@ def wait_for_keys(
             raise missing
 
 
+class RoundStore:
+    """A rendezvous round's store whose blocking reads end when the round does.
+
+    ``get``, ``multi_get`` and ``wait`` (without a timeout) wait for their keys in 1 s slices
+    (:func:`wait_for_keys`) and ask ``abandoned`` between two: a
+    reason (a node waits for the next round, or one left this round) raises
+    :class:`~ftmem.errors.RoundAbandoned` instead of a wait, up to the store's timeout, for a
+    node that will not write. Everything else is the store's own.
+    """
+
+    def __init__(self, store: Any, abandoned: Callable[[], str | None]) -> None:
+        self.store = store
+        self.abandoned = abandoned
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def clone(self) -> RoundStore:
+        """A clone of the store (for another thread), ending with the same round."""
+        return RoundStore(self.store.clone(), self.abandoned)
+
+    def _await(self, keys: list[str]) -> None:
+        def ask() -> None:
+            why = self.abandoned()
+            if why is not None:
+                raise RoundAbandoned(f"{why}: stopped waiting for {keys}")
+
+        wait_for_keys(self.store, keys, 1.0, ask)
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, once it is set (RoundAbandoned: the round ended first)."""
+        self._await([key])
+        return bytes(self.store.get(key))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, once all are set (RoundAbandoned: the round ended first)."""
+        self._await(keys)
+        return list(self.store.multi_get(keys))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Wait until ``keys`` are set: ``timeout``, or the round's end (RoundAbandoned)."""
+        if timeout is not None:
+            self.store.wait(keys, timeout)
+        else:
+            self._await(keys)
+
+
 @contextlib.contextmanager
 def awaiting_group_rank_0(between_polls: Callable[[], None], poll_s: float) -> Iterator[None]:
     """While inside, a node other than group rank 0 waits for group rank 0's
@@ -431,13 +478,24 @@ class ElasticAgentBase(LocalElasticAgent):
         spec: WorkerSpec,
         elastic_default: Callable[[], list[Worker]],
     ) -> list[Worker]:
-        """This node's workers with their global ranks; default: elastic's numbering."""
+        """This node's workers with their global ranks; default: elastic's numbering.
+        ``store``: the round's (:meth:`round_store`)."""
         return elastic_default()
 
     def before_restart(self, worker_group: WorkerGroup) -> None:
         """Called when elastic is about to restart the ranks (any cause)."""
 
     # -- elastic internals --------------------------------------------------------------------
+
+    def round_store(self, store: Any) -> Any:
+        """``store`` (None: none) whose blocking reads end when the current round does: a
+        node waits for the next round, or one left this one (:class:`RoundStore`)."""
+        if store is None:
+            return None
+        group = self.get_worker_group()  # (its size is the current round's)
+        return RoundStore(
+            store, lambda: round_abandoned(self._rdzv_handler, group.group_world_size)
+        )
 
     @property
     def rdzv_handler(self) -> Any:
@@ -489,7 +547,7 @@ class ElasticAgentBase(LocalElasticAgent):
     ) -> list[Worker]:
         elastic = LocalElasticAgent._assign_worker_ranks
         return self.assign_worker_ranks(
-            store,
+            self.round_store(store),
             group_rank,
             group_world_size,
             spec,

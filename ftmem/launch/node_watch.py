@@ -73,8 +73,8 @@ class NodeWatch:
         read the entries is logged: the round goes unwatched, the job goes on.
 
         Raises:
-            RoundAbandoned: a node left the round while its entry was awaited
-                (``mesh.abandoned``)."""
+            RoundAbandoned: a node left the round while its entry was awaited (``store``
+                a :class:`~ftmem.launch.elastic_compat.RoundStore`)."""
         self._generation = generation
         if self._off or store is None or nodes is None or nodes < 2 or me is None:
             return
@@ -94,7 +94,6 @@ class NodeWatch:
                 store,
                 [f"ftmem/watch/{i}" for i in near],
                 lambda j, raw: read_watch_entry(self._key, raw, generation, near[j]),
-                abandoned=self.mesh.abandoned,
             )
         except RoundAbandoned:
             raise

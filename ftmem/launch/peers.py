@@ -35,7 +35,6 @@ from ftmem import typed_json
 from ftmem.errors import ErrorKind, FtmemError, RoundAbandoned, SmpRequestError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.exchange.placement import group_nodes
-from ftmem.launch.elastic_compat import wait_for_keys
 from ftmem.launch.job_key import host_key_path, job_keys
 from ftmem.protocol.status import ProtectionState, SyncReply
 
@@ -196,25 +195,12 @@ def read_until_valid(
 
 
 def read_entries(
-    store: Any,
-    keys: list[str],
-    read: Callable[[int, bytes], T],
-    wait_s: float = ENTRY_WAIT_S,
-    abandoned: Callable[[], str | None] | None = None,
+    store: Any, keys: list[str], read: Callable[[int, bytes], T], wait_s: float = ENTRY_WAIT_S
 ) -> list[T]:
-    """``read(i, value)`` of each of ``keys`` (waits until all are in, up to the store's
-    timeout), through :func:`read_until_valid` for up to ``wait_s`` (for all of them
-    together). ``abandoned``, asked every second while a key is missing, says why the round
-    is over (a node left it): then :class:`~ftmem.errors.RoundAbandoned`, not a wait for a
-    node that will not write."""
-    if abandoned is not None:
-
-        def ask() -> None:
-            why = abandoned()
-            if why is not None:
-                raise RoundAbandoned(f"{why}: stopped waiting for {keys}")
-
-        wait_for_keys(store, keys, 1.0, ask)
+    """``read(i, value)`` of each of ``keys`` (waits until all are in: up to the store's
+    timeout, or the round's end through a
+    :class:`~ftmem.launch.elastic_compat.RoundStore`), through
+    :func:`read_until_valid` for up to ``wait_s`` (for all of them together)."""
     values = store.multi_get(keys)
     deadline = time.monotonic() + wait_s
     return [
@@ -310,9 +296,6 @@ class PeerMesh:
         self.settings = settings
         self.key_warned = False
         """The warning about a key handed out through the store was logged."""
-        self.abandoned: Callable[[], str | None] | None = None
-        """Why the round is over while another node's entry is awaited (None: it is not;
-        :func:`read_entries`): set by the agent."""
 
     def job_keys(self, store: Any, group_rank: int) -> str:
         """The job's CURVE key pair as JSON (:func:`job_keys`), warning at most once."""
@@ -379,7 +362,6 @@ class PeerMesh:
                 store,
                 [f"{key}/{i}" for i in group],
                 lambda j, raw: read_peer_entry(job, raw, generation, group[j]),
-                abandoned=self.abandoned,
             )
             endpoints = {str(i): e for i, e in zip(group, read, strict=True)}
             log.info(
@@ -436,6 +418,8 @@ class PeerMesh:
         Raises:
             UnrecoverableError: more than m nodes of a group lost their snapshots and
                 ``checkfree`` is off (logged ``UNRECOVERABLE``, recorded).
+            RoundAbandoned: a node left the round (``store`` a
+                :class:`~ftmem.launch.elastic_compat.RoundStore`).
         """
         node = join["node_name"]
         try:
@@ -447,6 +431,8 @@ class PeerMesh:
                 return
             log.error("[%s] UNRECOVERABLE: %s", node, exc)
             events.write("unrecoverable", generation=generation, reason=str(exc))
+            raise
+        except RoundAbandoned:
             raise
         except (FtmemError, KeyFileError) as exc:
             log.error("[%s] the peer mesh is not protecting this generation: %s", node, exc)

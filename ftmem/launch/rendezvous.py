@@ -325,6 +325,8 @@ class SlotClaims:
                 job = keys.CurveKeyPair.from_json(
                     job_keys(ps.key_file, ps.host_key, store, group_rank, warn=False)
                 )
+            except RoundAbandoned:
+                raise
             except FtmemError as exc:
                 log.warning("[%s] no job key for the slot claims: %s", self._node, exc)
         if job is None and not self._warned:
@@ -384,14 +386,13 @@ def slot_workers(slot: int, local_world_size: int, group_world_size: int) -> lis
     ]
 
 
-def share_master(worker_group: WorkerGroup, slot: int | None, agreement: str) -> None:
+def share_master(worker_group: WorkerGroup, store: Any, slot: int | None, agreement: str) -> None:
     """Point MASTER_ADDR/PORT at the node that holds global rank 0 (``slot`` 0), through a
-    key named by the slot agreement's nonce (``agreement``).
+    key of the round's ``store`` named by the slot agreement's nonce (``agreement``).
 
     The ranks' rank 0 serves their TCPStore, so it must run where MASTER_ADDR points;
     elastic points it at group rank 0, which may now hold another slot.
     """
-    store = worker_group.store
     if slot is None or store is None:
         return
     key = f"{_MASTER_KEY}/{agreement}"
@@ -402,7 +403,7 @@ def share_master(worker_group: WorkerGroup, slot: int | None, agreement: str) ->
             addr, port = worker_group.master_addr, worker_group.master_port
         else:
             spec = worker_group.spec
-            addr, port = spec.local_addr or socket.getfqdn(), get_free_port()
+            addr, port = spec.local_addr or socket.getfqdn(), get_free_port()  # type: ignore[no-untyped-call]
         store.set(key, json.dumps([addr, port]))
     master = loads(store.get(key), f"rendezvous store: {key!r}")
     try:
@@ -414,12 +415,15 @@ def share_master(worker_group: WorkerGroup, slot: int | None, agreement: str) ->
 
 
 def exchange_generation(
-    worker_group: WorkerGroup, rendezvous_round: Callable[[], int | None], previous: int
+    worker_group: WorkerGroup,
+    store: Any,
+    rendezvous_round: Callable[[], int | None],
+    previous: int,
 ) -> int:
     """Agree on the generation where no slot agreement carries it (stable ranks do not
     apply): group rank 0 publishes :func:`~ftmem.launch.ranks.next_generation` of the
-    rendezvous round (read through ``rendezvous_round``) and ``previous``."""
-    store = worker_group.store
+    rendezvous round (read through ``rendezvous_round``) and ``previous`` in the round's
+    ``store``."""
     if store is None:
         return previous + 1
     if worker_group.group_rank == 0:

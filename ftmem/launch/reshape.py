@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ftmem.config import GUEST_DIR_PREFIX
-from ftmem.errors import FtmemError
+from ftmem.errors import FtmemError, RoundAbandoned
 from ftmem.events import EventLog
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.peers import MeshSync, PeerMesh, mesh_epoch
@@ -114,6 +114,8 @@ def survivors_barrier(store: Any, rs: Reshape, group_rank: int, generation: int)
 
     Raises:
         torch's store error: a survivor did not arrive within the store's timeout.
+        RoundAbandoned: a node left the round (``store`` a
+            :class:`~ftmem.launch.elastic_compat.RoundStore`).
     """
     key = f"ftmem/reshaped/{generation}"
     store.set(f"{key}/{group_rank}", "1")
@@ -165,7 +167,11 @@ class Reshaper:
     ) -> bool:
         """Plan this round from its ``offers`` (:func:`plan_reshape`); when the job's size
         changed, rebuild the lost slots' step (this node held old slot ``claimed``) and set
-        :attr:`request`. True: the round reshapes (its new mesh takes the second epoch)."""
+        :attr:`request`. True: the round reshapes (its new mesh takes the second epoch).
+
+        Raises:
+            RoundAbandoned: a node left the round (``store`` a
+                :class:`~ftmem.launch.elastic_compat.RoundStore`); the guest SMPs are stopped."""
         self.request = None
         rs = plan_reshape(offers)
         if rs is None:
@@ -225,6 +231,9 @@ class Reshaper:
                 dirs.append(guest.run_dir)
                 jobs[f"guest{slot}"] = join(store.clone(), rs, generation, slot, guest, -1)
             results = run_all(jobs)
+        except RoundAbandoned:
+            self.stop()
+            raise
         except (FtmemError, KeyFileError, OSError) as exc:
             log.error(
                 "[%s] rebuilding the lost slots %s failed: %s; the ranks reshard from "

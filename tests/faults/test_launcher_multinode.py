@@ -112,12 +112,17 @@ def test_replacement_node_takes_the_lost_nodes_ranks_survivors_keep_theirs(
 
     elastic would renumber (by node order: a=0, c=1, new b=2); ftmem-launch keeps a=1, c=2
     and gives rank 0 to the replacement, with MASTER_ADDR/PORT moved to it.
+
+    The first replacement is itself lost in its first round, after the round formed and before
+    it offered its slot (fault point ``in_agreement``): the survivors, waiting for its offer
+    and for the assignment, leave that round for the next instead of waiting out the store's
+    timeout, and a second replacement takes rank 0.
     """
     script = launcher_env.tmp / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     rid, port = launcher_env.new_run_id(), free_port()
 
-    def node(name: str, host: int, log: str) -> Launch:
+    def node(name: str, host: int, log: str, **env: str) -> Launch:
         args = launch_args(
             nnodes=3,
             rdzv_endpoint=f"127.0.0.1:{port}",
@@ -128,7 +133,7 @@ def test_replacement_node_takes_the_lost_nodes_ranks_survivors_keep_theirs(
             flags=["--ftmem-peer-host", "127.0.0.1"],  # the mesh stays on this host
             script=[str(script)],
         )
-        return launcher_env.start(args, log)
+        return launcher_env.start(args, log, **env)
 
     # Node order (by agent pid) b < a < c, so b gets group rank 0 and global rank 0;
     # a hosts the rendezvous store, so b can be lost without ending the job.
@@ -146,9 +151,14 @@ def test_replacement_node_takes_the_lost_nodes_ranks_survivors_keep_theirs(
     b.signal(signal.SIGKILL)
     b.popen.wait(10)
     assert not wait_gone(b_kids, 5)
-    b2 = node("b", 0, "b2")
+    b2 = node("b", 0, "b2", FTMEM_FAULT="in_agreement")
+    assert b2.popen.wait(90) == -signal.SIGKILL, b2.text()[-3000:]
+    assert "FAULT: FTMEM_FAULT fires: kill at in_agreement" in b2.text()
+    b3 = node("b", 0, "b3")
+    for launch in (a, c):  # they left round 1 (b2's offer never came) without the timeout
+        launch.wait_for(r"(left the round|next round).*: this node leaves the round", 60)
     gen1 = {}
-    for launch in (a, c, b2):
+    for launch in (a, c, b3):
         m = launch.wait_for(r"GEN ([1-9]\d*) NODE (\w+) RANK (\d+) SUM 3", 90)[0]
         gen1[m.group(2)] = int(m.group(3))
     assert gen1 == {"a": 1, "c": 2, "b": 0}

@@ -556,33 +556,40 @@ def test_an_entry_of_an_earlier_generation_is_read_again_until_this_ones_is_writ
         read_entries(store, ["peer/0", "peer/1"], read, wait_s=0.2)
 
 
-def test_a_missing_entry_of_a_round_a_node_left_is_not_waited_for() -> None:
-    """While an entry is missing, ``abandoned`` is asked each second: a reason ends the wait
-    with RoundAbandoned (the agent joins the next round); None waits on, up to the store's
-    timeout; without ``abandoned`` the store's own wait applies."""
+def test_a_round_store_stops_waiting_for_a_node_that_left_the_round() -> None:
+    """A RoundStore's blocking reads (get, multi_get, wait, and a clone's) ask ``abandoned``
+    each second while a key is missing: a reason ends the wait with RoundAbandoned (the agent
+    joins the next round); None waits on, up to the store's timeout; present keys are never
+    asked about, and the rest of the store is the store's."""
     from datetime import timedelta
 
     from torch.distributed import DistStoreError, TCPStore
 
     from ftmem.errors import RoundAbandoned
+    from ftmem.launch.elastic_compat import RoundStore
     from ftmem.launch.peers import read_entries
 
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=2))
-    store.set("peer/0", b"zero")
     asked: list[int] = []
 
     def left() -> str | None:
         asked.append(1)
-        return "a node waits to join the next round" if len(asked) == 2 else None
+        return "a node waits to join the next round" if len(asked) % 2 == 0 else None
 
+    rs = RoundStore(store, left)
+    rs.set("peer/0", b"zero")  # the store's own
     with pytest.raises(RoundAbandoned, match="next round: stopped waiting for"):
-        read_entries(store, ["peer/0", "peer/1"], lambda i, raw: raw, abandoned=left)
+        read_entries(rs, ["peer/0", "peer/1"], lambda i, raw: raw)
     assert len(asked) == 2
+    for read in (lambda: rs.get("peer/1"), lambda: rs.clone().wait(["peer/1"])):
+        with pytest.raises(RoundAbandoned):
+            read()
+    assert len(asked) == 6
     with pytest.raises(DistStoreError):  # never abandoned: the store's timeout
-        read_entries(store, ["peer/0", "peer/1"], lambda i, raw: raw, abandoned=lambda: None)
+        RoundStore(store, lambda: None).multi_get(["peer/0", "peer/1"])
     store.set("peer/1", b"one")
-    got = read_entries(store, ["peer/0", "peer/1"], lambda i, raw: raw, abandoned=left)
-    assert got == [b"zero", b"one"] and len(asked) == 2  # present: never asked
+    assert read_entries(rs, ["peer/0", "peer/1"], lambda i, raw: raw) == [b"zero", b"one"]
+    assert rs.get("peer/1") == b"one" and len(asked) == 6  # present: never asked
 
 
 def test_key_pairs_carry_the_node_pair_and_whether_they_come_from_a_file() -> None:

@@ -111,6 +111,50 @@ def test_a_node_that_refuses_every_round_stops_with_the_error(store: TCPStore) -
     assert calls == [0, 1]
 
 
+def test_a_node_lost_before_its_offer_costs_the_others_a_round_not_the_store_timeout(
+    store: TCPStore,
+) -> None:
+    """Three nodes formed round 9; node 2 was lost before it wrote its offer. Group rank 0
+    (waiting for that offer) and group rank 1 (waiting for the assignment) read through a
+    RoundStore: once the round is seen to be over they leave it (RoundAbandoned) and agree in
+    the next round, without node 2, well before the store's timeout."""
+    from ftmem.errors import RoundAbandoned
+    from ftmem.launch.elastic_compat import RoundStore
+
+    gone = threading.Event()  # the keep-alive of node 2 expired
+    now = {0: 9, 1: 9}  # each node's round
+
+    def abandoned(rank: int) -> Any:  # what elastic's state says of that node's round
+        return lambda: "1 node(s) left the round" if gone.is_set() and now[rank] == 9 else None
+
+    clients = [
+        RoundStore(TCPStore("127.0.0.1", store.port, is_master=False), abandoned(r)) for r in (0, 1)
+    ]
+    rounds = {0: iter([(9, 3), (10, 2)]), 1: iter([(9, 3), (10, 2)])}
+    left: dict[int, int] = {}
+
+    def node(rank: int) -> Any:
+        agreed = []
+
+        def join() -> None:
+            round_, n = next(rounds[rank])
+            now[rank] = round_
+            offer = SlotOffer(rank, 1, 4, 3)
+            agreed.append(agree_slots(clients[rank], rank, n, offer, round_, JOB, WAIT))
+
+        left[rank] = join_until_held(join, f"n{rank}")
+        return agreed[0]
+
+    threading.Timer(0.5, gone.set).start()
+    with ThreadPoolExecutor(2) as pool:
+        a, b = [f.result(timeout=8) for f in [pool.submit(node, r) for r in (0, 1)]]
+    assert left == {0: 1, 1: 1}  # round 9 left by both, round 10 agreed
+    assert a == b and a.slots == [0, 1] and a.generation == 10
+    now[0] = 9
+    with pytest.raises(RoundAbandoned):  # round 9 again: node 2's offer is still missing
+        agree_slots(clients[0], 0, 3, SlotOffer(0, 1, 4, 3), 9, JOB, WAIT)
+
+
 def test_a_node_back_from_a_partition_loses_its_slot_to_the_spare_that_took_it(
     store: TCPStore,
 ) -> None:
