@@ -38,6 +38,11 @@ HASH_NICE = 10
 the hash (which loads wait for) finishes later."""
 
 
+INLINE_BYTES = 256 << 10
+"""Snapshots of at most this many bytes are hashed on the SMP's loop thread
+(:meth:`HashService.submit`)."""
+
+
 def _lower_priority() -> None:
     """Lower this thread's scheduling priority (Linux niceness is per thread)."""
     try:
@@ -74,11 +79,14 @@ class HashResult:
 class HashService:
     """Checksums committed slots off the SMP's loop thread (see the module docstring)."""
 
-    def __init__(self, node: str, threads: int = 1) -> None:
+    def __init__(self, node: str, threads: int = 1, inline_bytes: int = INLINE_BYTES) -> None:
         if threads < 1:
             raise ValueError(f"hash threads must be >= 1, got {threads}")
         self.node = node
         self.threads = threads
+        self.inline_bytes = inline_bytes
+        """Jobs of at most this many bytes are hashed on the submitting thread
+        (:meth:`submit`)."""
         self._jobs: queue.Queue[HashJob | None] = queue.Queue()
         self._results: queue.Queue[HashResult] = queue.Queue()
         self._pool = (
@@ -104,11 +112,19 @@ class HashService:
         self._thread.start()
 
     def submit(self, job: HashJob) -> None:
-        """Queue ``job``; its result shows up in :meth:`results`."""
+        """Queue ``job``; its result shows up in :meth:`results`. A job of at most
+        :attr:`inline_bytes` is hashed at once on the calling (loop) thread while the
+        coordinator is idle: the thread hand-off and the loop's next wake-up would cost more
+        than the hash (the coordinator touches the mappings only while it has a job)."""
         with self._count_lock:
-            self._queued += 1
-            self._idle.clear()
-        self._jobs.put(job)
+            inline = self._queued == 0 and job.snap.used_bytes <= self.inline_bytes
+            if not inline:
+                self._queued += 1
+                self._idle.clear()
+        if inline:
+            self._results.put(self._checked(job))
+        else:
+            self._jobs.put(job)
 
     def results(self) -> list[HashResult]:
         """The results finished since the last call (loop thread)."""
@@ -199,18 +215,18 @@ class HashService:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                result = self._hash(job)
-            except Exception as exc:  # keep serving: one bad slot must not stop verification
-                log.exception(
-                    "[%s/smp] hashing rank %d step %d failed", self.node, job.rank, job.step
-                )
-                result = HashResult(job, [], 0.0, 0, f"{type(exc).__name__}: {exc}")
-            self._results.put(result)
+            self._results.put(self._checked(job))
             with self._count_lock:
                 self._queued -= 1
                 if self._queued == 0:
                     self._idle.set()
+
+    def _checked(self, job: HashJob) -> HashResult:
+        try:
+            return self._hash(job)
+        except Exception as exc:  # keep serving: one bad slot must not stop verification
+            log.exception("[%s/smp] hashing rank %d step %d failed", self.node, job.rank, job.step)
+            return HashResult(job, [], 0.0, 0, f"{type(exc).__name__}: {exc}")
 
     def _hash(self, job: HashJob) -> HashResult:
         t0 = time.perf_counter()
@@ -233,7 +249,7 @@ class HashService:
             def one(w: tuple[int, int, int]) -> str:
                 return hash_bytes(view[w[1] : w[2]])
 
-            if self._pool is not None and len(work) > 1:
+            if self._pool is not None and len(work) > 1 and used > self.inline_bytes:
                 got = list(self._pool.map(one, work))
             else:
                 got = [one(w) for w in work]

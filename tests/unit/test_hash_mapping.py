@@ -1,6 +1,8 @@
 """HashService keeps each slot file mapped (read-only) while the file exists: later jobs of a
 slot reuse the mapping, a replaced file is mapped anew, a removed file's mapping is dropped at
-the next job, and close() unmaps everything (ftmem/smp/hashing.py)."""
+the next job, and close() unmaps everything (ftmem/smp/hashing.py). Each holds for a job hashed
+by the coordinator thread (one thread, or a pool) and for a small one hashed at once on the
+submitting thread."""
 
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ SNAP: StoredSnapshot = parse_layout(
 )
 
 
-@pytest.fixture(params=[1, 2], ids=["one-thread", "pool"])
+@pytest.fixture(params=[(1, 0), (2, 0), (1, CAP)], ids=["one-thread", "pool", "inline"])
 def hasher(request: pytest.FixtureRequest) -> Iterator[HashService]:
-    h = HashService("n0", request.param)
+    threads, inline_bytes = request.param
+    h = HashService("n0", threads, inline_bytes)
     h.start()
     yield h
     h.close()
@@ -52,6 +55,8 @@ def make_slot(path: Path, fill: int, size: int = CAP) -> bytes:
 
 def hash_one(hasher: HashService, path: Path, step: int = 1) -> HashResult:
     hasher.submit(HashJob(rank=0, slot=0, gen=1, step=step, path=str(path), snap=SNAP))
+    if hasher.inline_bytes:
+        assert hasher.pending == 0  # hashed already, on this thread
     assert hasher.wait_idle(30)
     (result,) = hasher.results()
     return result
@@ -122,7 +127,7 @@ def test_a_file_shorter_than_its_layout_is_refused(hasher: HashService, tmp_path
 
 
 def test_close_unmaps_everything(tmp_path: Path) -> None:
-    hasher = HashService("n0", 2)
+    hasher = HashService("n0", 2, inline_bytes=0)
     hasher.start()
     paths = [tmp_path / f"slot{i}" for i in range(3)]
     for i, p in enumerate(paths):
