@@ -286,9 +286,9 @@ class RoundStore:
     """A rendezvous round's store whose blocking reads end when the round does.
 
     ``get``, ``multi_get`` and ``wait`` (without a timeout) wait for their keys in 1 s slices
-    (:func:`wait_for_keys`) and ask ``abandoned`` between two: a
-    reason (a node waits for the next round, or one left this round) raises
-    :class:`~ftmem.errors.RoundAbandoned` instead of a wait, up to the store's timeout, for a
+    (:func:`wait_for_keys`) and ask ``abandoned`` between two. A reason (a node waits for the
+    next round, or one left this round: :func:`round_abandoned`) raises
+    :class:`~ftmem.errors.RoundAbandoned` instead of waiting, up to the store's timeout, for a
     node that will not write. Everything else is the store's own.
     """
 
