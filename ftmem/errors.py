@@ -1,4 +1,5 @@
-"""The exceptions ftmem raises. Everything ftmem raises on purpose derives from FtmemError."""
+"""The exceptions ftmem raises. Everything ftmem raises on purpose derives from FtmemError, but
+RoundAbandoned: a signal to the launcher's rejoin loop, which no handler of failures may take."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ class ProtocolError(FtmemError):
     """A message was malformed, too large, of the wrong version or failed authentication."""
 
 
-class RoundAbandoned(FtmemError):
+class RoundAbandoned(Exception):
     """A node left the rendezvous round (or one waits for the next) before this node's ranks
-    started: the agent joins the next round instead."""
+    started: the agent joins the next round instead. Not an FtmemError: the steps that go on
+    degraded after a failure (``except FtmemError``) must let it through."""
 
 
 class SmpUnavailableError(FtmemError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ftmem.errors import FtmemError, RoundAbandoned
+from ftmem.errors import FtmemError
 from ftmem.events import EventLog
 from ftmem.exchange.keys import KeyFileError
 from ftmem.launch.config import is_loopback
@@ -95,8 +95,6 @@ class NodeWatch:
                 [f"ftmem/watch/{i}" for i in near],
                 lambda j, raw: read_watch_entry(self._key, raw, generation, near[j]),
             )
-        except RoundAbandoned:
-            raise
         except (FtmemError, KeyFileError, OSError, RuntimeError, ValueError) as exc:
             log.warning(
                 "[%s] the failure detector does not watch generation %d (%s): a lost machine "

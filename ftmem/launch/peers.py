@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from ftmem import typed_json
-from ftmem.errors import ErrorKind, FtmemError, RoundAbandoned, SmpRequestError, UnrecoverableError
+from ftmem.errors import ErrorKind, FtmemError, SmpRequestError, UnrecoverableError
 from ftmem.exchange.keys import KeyFileError
 from ftmem.exchange.placement import group_nodes
 from ftmem.launch.job_key import host_key_path, job_keys
@@ -431,8 +431,6 @@ class PeerMesh:
                 return
             log.error("[%s] UNRECOVERABLE: %s", node, exc)
             events.write("unrecoverable", generation=generation, reason=str(exc))
-            raise
-        except RoundAbandoned:
             raise
         except (FtmemError, KeyFileError) as exc:
             log.error("[%s] the peer mesh is not protecting this generation: %s", node, exc)

@@ -325,8 +325,6 @@ class SlotClaims:
                 job = keys.CurveKeyPair.from_json(
                     job_keys(ps.key_file, ps.host_key, store, group_rank, warn=False)
                 )
-            except RoundAbandoned:
-                raise
             except FtmemError as exc:
                 log.warning("[%s] no job key for the slot claims: %s", self._node, exc)
         if job is None and not self._warned:
